@@ -1,0 +1,242 @@
+"""Head-parallel attention with RoPE, GQA, optional q/k norm (Qwen3) and KV-head replication.
+
+Drop-in for HF ``LlamaAttention`` / ``Qwen2Attention`` / ``Qwen3Attention`` / ``MistralAttention``:
+same submodule names, state-dict keys and forward signature. Two ways to run it:
+
+- HF-style (no ``attn_context``): dense causal attention, optionally through an HF ``Cache``, so an
+  HF model whose attention was swapped still runs ``model(...)`` and ``model.generate(...)``.
+- Engine-style (``attn_context=AttentionContext``): the step's tokens of many requests are flattened
+  into ``(1, N, D)``; K/V go to a preallocated :class:`reshard.KVCache` slot per request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from reshard import KVCache
+
+from .linear import ParallelLinear
+from .norm import RMSNorm
+
+
+def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Raise ``ValueError`` unless ``tp`` ranks can split the heads (replicating KV heads if needed)."""
+    if num_heads % tp != 0:
+        raise ValueError(
+            f"Number of attention heads ({num_heads}) must be divisible by tensor parallel size ({tp})."
+        )
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"attention heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if num_kv_heads % tp != 0 and tp % num_kv_heads != 0:
+        raise ValueError(
+            f"KV heads ({num_kv_heads}) and tensor parallel size ({tp}) divide neither way: "
+            f"KV heads must be divisible by tp, or tp by KV heads (then KV heads are replicated)."
+        )
+
+
+def kv_replication(num_kv_heads: int, tp: int) -> int:
+    """How many ranks hold each KV head (1 when KV heads are split, tp // KV heads when replicated)."""
+    return max(tp // num_kv_heads, 1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on ``(B, T, H, hd)`` q/k with ``(B, T, hd)`` cos/sin (same arithmetic as HF)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@dataclass
+class AttentionContext:
+    """Metadata of one engine step: ``B`` sequences, ``N`` new tokens in total, flattened.
+
+    Flat tokens are ordered sequence-major. ``gather``/``valid`` map them to a padded
+    ``(B, Tq)`` grid for the attention kernel; masks are built once per step, per sliding window.
+    """
+
+    kv: KVCache
+    slots: torch.Tensor  # (B,) cache slot of each sequence
+    token_slots: torch.Tensor  # (N,)
+    positions: torch.Tensor  # (N,)
+    query_positions: torch.Tensor  # (B, Tq), padded
+    gather: torch.Tensor  # (B, Tq) index into the N flat tokens
+    valid: torch.Tensor  # (B, Tq) bool
+    kv_len: int
+    _masks: dict = field(default_factory=dict)
+
+    @staticmethod
+    def build(kv: KVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], *,
+              kv_len: int | None = None) -> "AttentionContext":
+        """Sequence ``i`` writes ``lengths[i]`` tokens at positions ``starts[i]...`` of slot ``slots[i]``."""
+        device = kv.k[0].device
+        lengths_t = torch.tensor(lengths, dtype=torch.long)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        tq = int(lengths_t.max())
+        offs = torch.arange(tq)
+        valid = offs[None, :] < lengths_t[:, None]  # (B, Tq)
+        first = torch.cumsum(lengths_t, 0) - lengths_t
+        gather = torch.where(valid, first[:, None] + offs[None, :], torch.zeros_like(valid, dtype=torch.long))
+        qpos = starts_t[:, None] + offs[None, :]  # (B, Tq)
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        need = int((starts_t + lengths_t).max())
+        return AttentionContext(
+            kv=kv, slots=slots_t.to(device),
+            token_slots=torch.repeat_interleave(slots_t, lengths_t).to(device),
+            positions=qpos[valid].to(device), query_positions=qpos.to(device),
+            gather=gather.to(device), valid=valid.to(device),
+            kv_len=max(need, kv_len or 0))
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Bool ``(B, 1, Tq, kv_len)``: key allowed for query (causal, within ``window``)."""
+        if window not in self._masks:
+            kpos = torch.arange(self.kv_len, device=self.gather.device)
+            qpos = self.query_positions[:, :, None]
+            allowed = kpos[None, None, :] <= qpos
+            if window is not None:
+                allowed &= (qpos - kpos[None, None, :]) < window
+            allowed[~self.valid] = False
+            allowed[..., 0] |= ~self.valid  # padded query rows see one key: no NaN
+            self._masks[window] = allowed.unsqueeze(1)
+        return self._masks[window]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scaling: float, window: int | None) -> torch.Tensor:
+        """Write this step's K/V, attend over the cache. ``q``/``k``/``v``: ``(1, N, H, hd)``.
+
+        Returns ``(1, N, Hq, hd)``.
+        """
+        self.kv.write(layer, self.token_slots, self.positions, k[0], v[0])
+        keys, values = self.kv.read(layer, self.slots, self.kv_len)  # (B, Hkv, L, hd)
+        qp = q[0][self.gather].transpose(1, 2)  # (B, Hq, Tq, hd)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=self.mask(window),
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)[self.valid].unsqueeze(0)  # (1, N, Hq, hd)
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head attention with heads split over a 1-D ``mesh`` (the tp axis).
+
+    q/k/v are colwise (Shard(0): each rank computes its heads), o_proj is rowwise (one all-reduce).
+    When tp exceeds the KV heads, k/v weights live on ``kv_mesh``, a 2-D view ``(kv, rep)`` of the
+    same ranks, with placements ``(Shard(0), Replicate())``: rank ``r`` holds KV head
+    ``r // (tp // num_kv_heads)``, which its query heads use. Input/output ``(B, T, D)`` replicated.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 mesh: DeviceMesh, kv_mesh: DeviceMesh | None = None, layer_idx: int = 0,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
+                 rms_norm_eps: float = 1e-6, sliding_window: int | None = None,
+                 placements: Sequence[Placement] = (Shard(0),),
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.sliding_window = layer_idx, sliding_window
+        self.scaling = head_dim ** -0.5
+        self._mesh, self._kv_mesh = mesh, kv_mesh
+        q_pl, kv_pl, o_pl, kv_m = self._placements(mesh, tuple(placements))
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj = ParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, mesh=mesh,
+                                     placements=q_pl, **kw)
+        self.k_proj = ParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, mesh=kv_m,
+                                     placements=kv_pl, **kw)
+        self.v_proj = ParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, mesh=kv_m,
+                                     placements=kv_pl, **kw)
+        self.o_proj = ParallelLinear(num_heads * head_dim, hidden_size, o_bias, mesh=mesh,
+                                     placements=o_pl, **kw)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps, mesh=mesh, **kw)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps, mesh=mesh, **kw)
+
+    def _placements(self, mesh: DeviceMesh, placements: tuple[Placement, ...]):
+        """(q, kv, o placements, kv mesh) for a module-level ``(Shard(0),)`` or ``(Replicate(),)``."""
+        if all(isinstance(p, Replicate) for p in placements):
+            return placements, placements, placements, mesh
+        if placements != (Shard(0),) or mesh.ndim != 1:
+            raise ValueError(f"ParallelAttention supports (Shard(0),) or (Replicate(),) on a 1-D "
+                             f"mesh, got {placements} on {mesh.ndim} axes")
+        tp = mesh.size()
+        check_head_split(self.num_heads, self.num_kv_heads, tp)
+        if kv_replication(self.num_kv_heads, tp) == 1:
+            return (Shard(0),), (Shard(0),), (Shard(1),), mesh
+        kv_mesh = self._kv_mesh if self._kv_mesh is not None else _kv_head_mesh(mesh, self.num_kv_heads)
+        return (Shard(0),), (Shard(0), Replicate()), (Shard(1),), kv_mesh
+
+    def forward(self, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, *,
+                attn_context: AttentionContext | None = None,
+                **kwargs) -> tuple[torch.Tensor, None]:
+        """``hidden_states`` ``(B, T, D)`` replicated -> ``((B, T, D)`` replicated, ``None)``."""
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim)  # (B, T, Hq_local, hd)
+        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim)  # (B, T, Hkv_local, hd)
+        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, *position_embeddings)
+        if attn_context is not None:
+            out = attn_context.attend(self.layer_idx, q, k, v, scaling=self.scaling,
+                                      window=self.sliding_window)
+        else:
+            out = self._dense(q, k, v, attention_mask, past_key_values)
+        return self.o_proj(out.reshape(b, t, -1)), None
+
+    def _dense(self, q, k, v, attention_mask, cache) -> torch.Tensor:
+        """Plain causal attention over ``(B, T, H, hd)`` inputs, through an HF cache if given."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        causal = attention_mask is None and q.shape[2] > 1
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal,
+                                             scale=self.scaling, enable_gqa=True)
+        return out.transpose(1, 2)  # (B, T, Hq, hd)
+
+    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]) -> "ParallelAttention":
+        """``(Shard(0),)``: heads split over ``mesh``; ``(Replicate(),)``: every rank all heads."""
+        self._mesh = mesh
+        q_pl, kv_pl, o_pl, kv_m = self._placements(mesh, tuple(placements))
+        self.q_proj.redistribute(mesh, q_pl)
+        self.k_proj.redistribute(kv_m, kv_pl)
+        self.v_proj.redistribute(kv_m, kv_pl)
+        self.o_proj.redistribute(mesh, o_pl)
+        for name in ("q_norm", "k_norm"):
+            if hasattr(self, name):
+                getattr(self, name).redistribute(mesh, [Replicate()] * mesh.ndim)
+        return self
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.k_proj.weight.to_local().shape[0] // self.head_dim
+
+
+_KV_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _kv_head_mesh(mesh: DeviceMesh, num_kv_heads: int) -> DeviceMesh:
+    """2-D ``(kv, rep)`` view of a 1-D mesh that spans the whole world (created once, cached)."""
+    import torch.distributed as dist
+
+    ranks = mesh.mesh.flatten()
+    if ranks.numel() != dist.get_world_size():
+        raise ValueError(
+            f"KV-head replication on a mesh of {ranks.numel()} of {dist.get_world_size()} ranks needs "
+            f"kv_mesh from ParallelDims.kv_head_mesh(...)")
+    key = (tuple(ranks.tolist()), num_kv_heads)
+    if key not in _KV_MESHES:
+        grid = ranks.view(num_kv_heads, -1)
+        _KV_MESHES[key] = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("tp_kv", "tp_rep"))
+    return _KV_MESHES[key]

@@ -1,0 +1,60 @@
+"""Vocab-parallel token embedding (drop-in ``nn.Embedding``)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
+
+from reshard import Layout, empty_dtensor, redistribute
+
+from ._comm import all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table ``(num_embeddings, embedding_dim)`` as a DTensor on a 1-D ``mesh``.
+
+    With ``Shard(0)`` each rank holds a vocab range (DTensor chunk rule), looks up the ids in its
+    range, zeros the others and all-reduces; with ``Replicate()`` it is a plain lookup.
+    Input ids are replicated; returns replicated ``(*ids.shape, embedding_dim)``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 mesh: DeviceMesh, placements: Sequence[Placement] = (Shard(0),),
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if mesh.ndim != 1:
+            raise ValueError(f"VocabParallelEmbedding needs a 1-D mesh, got {mesh.ndim} axes")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        self.weight = nn.Parameter(empty_dtensor((num_embeddings, embedding_dim), mesh,
+                                                 tuple(placements), dtype=dtype, device=device))
+
+    def _vocab_range(self) -> tuple[int, int]:
+        box = Layout.of_dtensor(self.weight).box(dist.get_rank())
+        return box[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to_local()
+        if not isinstance(self.weight.placements[0], Shard):
+            return F.embedding(input_ids, w)
+        lo, hi = self._vocab_range()
+        inside = (input_ids >= lo) & (input_ids < hi)
+        local_ids = torch.where(inside, input_ids - lo, torch.zeros_like(input_ids))
+        out = F.embedding(local_ids, w) * inside.unsqueeze(-1).to(w.dtype)
+        return all_reduce(out, self.weight.device_mesh)
+
+    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]
+                     ) -> "VocabParallelEmbedding":
+        """Move the table to ``placements`` (``Shard(0)`` or ``Replicate()``) on ``mesh``."""
+        self.weight = nn.Parameter(redistribute(self.weight.data, mesh, tuple(placements)))
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"placements={tuple(self.weight.placements)}")

@@ -1,0 +1,52 @@
+"""SwiGLU feed-forward block (drop-in for HF ``LlamaMLP`` / ``Qwen2MLP`` / ``MistralMLP``)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+from transformers.activations import ACT2FN
+
+from .linear import ParallelLinear
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``.
+
+    ``placements=(Shard(0),)`` is the TP layout: gate/up colwise, down rowwise (one all-reduce).
+    ``(Replicate(),)`` keeps every weight whole. Input and output are replicated on ``mesh``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, mesh: DeviceMesh,
+                 hidden_act: str = "silu", bias: bool = False,
+                 placements: Sequence[Placement] = (Shard(0),),
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        up, down = _ffn_placements(tuple(placements))
+        kw = dict(mesh=mesh, dtype=dtype, device=device)
+        self.gate_proj = ParallelLinear(hidden_size, intermediate_size, bias, placements=up, **kw)
+        self.up_proj = ParallelLinear(hidden_size, intermediate_size, bias, placements=up, **kw)
+        self.down_proj = ParallelLinear(intermediate_size, hidden_size, bias, placements=down, **kw)
+        self.act_fn = ACT2FN[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]) -> "SwiGLUMLP":
+        """``(Shard(0),)`` for TP, ``(Replicate(),)`` for whole weights, on ``mesh``."""
+        up, down = _ffn_placements(tuple(placements))
+        self.gate_proj.redistribute(mesh, up)
+        self.up_proj.redistribute(mesh, up)
+        self.down_proj.redistribute(mesh, down)
+        return self
+
+
+def _ffn_placements(placements: tuple[Placement, ...]) -> tuple[tuple, tuple]:
+    if all(isinstance(p, Replicate) for p in placements):
+        return placements, placements
+    if placements == (Shard(0),):
+        return (Shard(0),), (Shard(1),)
+    raise ValueError(f"SwiGLUMLP supports (Shard(0),) or (Replicate(),), got {placements}")

@@ -1,0 +1,40 @@
+"""RMSNorm with a replicated DTensor weight (drop-in for the HF Llama/Qwen/Mistral RMSNorm)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate
+
+from reshard import empty_dtensor, redistribute
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)`` over the last dim, computed in fp32 exactly as HF does.
+
+    The weight is Replicate() on ``mesh``; input and output have the same placements.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, mesh: DeviceMesh,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(empty_dtensor((hidden_size,), mesh, [Replicate()] * mesh.ndim,
+                                                 dtype=dtype, device=device))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight.to_local() * hidden_states.to(input_dtype)
+
+    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]) -> "RMSNorm":
+        self.weight = nn.Parameter(redistribute(self.weight.data, mesh, tuple(placements)))
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -1,0 +1,121 @@
+"""Reading HF safetensors checkpoints one box at a time (a rank never reads the full model)."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from reshard.layout import Box, box_slices
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    """A local checkpoint directory, or a hub id resolved through huggingface_hub.
+
+    Offline (``HF_HUB_OFFLINE=1`` or no network) a hub id resolves from the local cache.
+    """
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ValueError(f"checkpoint path {str(path)!r} is a file; expected a directory")
+    return _from_hub(str(path_or_id))
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except HFValidationError as e:
+        raise ValueError(f"{repo_id!r} is neither a local directory nor a valid hub id") from e
+    except Exception as online_error:  # no network: fall back to the local cache
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        except Exception:
+            raise ValueError(
+                f"checkpoint {repo_id!r} is not a local directory and could not be fetched from the "
+                f"hub or found in the local cache ({type(online_error).__name__})"
+            ) from online_error
+
+
+class CheckpointReader:
+    """Index over a checkpoint's safetensors files; :meth:`read` reads one box and counts bytes."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.weight_map = _weight_map(self.directory)
+        for filename in sorted(set(self.weight_map.values())):
+            _check_file(self.directory / filename)
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        """The ``box`` of tensor ``name`` (only those bytes are read from disk)."""
+        if name not in self.weight_map:
+            raise ValueError(f"tensor {name!r} is not in the checkpoint at {self.directory}")
+        path = self.directory / self.weight_map[name]
+        with safe_open(str(path), framework="pt") as f:
+            piece = f.get_slice(name)[box_slices(box)] if box else f.get_tensor(name)
+        self.bytes_read += piece.numel() * piece.element_size()
+        return piece
+
+    def total_bytes(self) -> int:
+        files = set(self.weight_map.values())
+        return sum(_data_bytes(self.directory / f) for f in files)
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    index = directory / INDEX_FILE
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = directory / SINGLE_FILE
+    if not single.exists():
+        raise ValueError(
+            f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}; only safetensors checkpoints load"
+        )
+    with safe_open(str(_check_file(single)), framework="pt") as f:
+        return {k: SINGLE_FILE for k in f.keys()}
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"safetensors file {path} is truncated (no header)")
+        (n,) = struct.unpack("<Q", raw)
+        body = fh.read(n)
+    if len(body) < n:
+        raise ValueError(f"safetensors file {path} is truncated (header cut short)")
+    return n, json.loads(body)
+
+
+def _check_file(path: Path) -> Path:
+    """Raise ``ValueError`` naming ``path`` if it is missing or shorter than its header says."""
+    if not path.exists():
+        raise ValueError(f"checkpoint file {path} is missing (listed in the index)")
+    n, header = _header(path)
+    need = 8 + n + _data_bytes(path, header)
+    if path.stat().st_size < need:
+        raise ValueError(f"safetensors file {path} is truncated: {path.stat().st_size} bytes, "
+                         f"header needs {need}")
+    return path
+
+
+def _data_bytes(path: Path, header: dict | None = None) -> int:
+    header = header if header is not None else _header(path)[1]
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return max(ends, default=0)

@@ -1,0 +1,140 @@
+"""``parallelize``: swap an HF model's modules for drop-in parallel layers and load each rank's slices."""
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reshard import Layout
+
+from .checkpoint import CheckpointReader, resolve_checkpoint
+from .dims import ParallelDims, device_type
+from .plans import BuildContext, ParallelStyle, tp_plan
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class LoadStats:
+    """Bytes this rank read from the checkpoint, against the checkpoint's total tensor bytes."""
+
+    bytes_read: int
+    checkpoint_bytes: int
+    path: str | None = None
+
+
+def check_architecture(config) -> None:
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        name = (config.architectures or [config.model_type])[0]
+        raise ValueError(
+            f"unsupported architecture {name!r} (model_type {config.model_type!r}); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def parallelize(model_or_path: nn.Module | str | os.PathLike, dims: ParallelDims | None = None, *,
+                plan: Mapping[str, ParallelStyle] | None = None,
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """An HF causal LM whose modules (named in ``plan``) are our parallel layers.
+
+    From a path or hub id, the model skeleton is built on the meta device and every rank reads only
+    its own slices from the safetensors files (``model.load_stats`` counts the bytes). From a model
+    object, each rank slices its parameters from the model it already holds.
+    """
+    dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
+    plan = plan if plan is not None else tp_plan()
+    if isinstance(model_or_path, nn.Module):
+        return _parallelize_module(model_or_path, dims, plan)
+    return _parallelize_path(model_or_path, dims, plan, dtype)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _parallelize_path(path, dims, plan, dtype) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = resolve_checkpoint(path)
+    config = AutoConfig.from_pretrained(directory)
+    check_architecture(config)
+    reader = CheckpointReader(directory)
+    dtype = dtype or _config_dtype(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    ctx = BuildContext(config, dims, dtype, device_type())
+    _swap_modules(model, plan, ctx)
+    _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)))
+    _rebuild_rotary(model, ctx.device)
+    model.load_stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory))
+    return model.eval()
+
+
+def _parallelize_module(model: nn.Module, dims, plan) -> nn.Module:
+    check_architecture(model.config)
+    full = {k: v.detach() for k, v in model.state_dict().items()}
+    dtype = next(iter(full.values())).dtype
+    ctx = BuildContext(model.config, dims, dtype, device_type())
+    _swap_modules(model, plan, ctx)
+    for name, param in model.named_parameters():
+        box = Layout.of_dtensor(param).box(dist.get_rank() if dist.is_initialized() else 0)
+        param.data.to_local().copy_(full[name][tuple(slice(a, b) for a, b in box)])
+    return model.eval()
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
+
+
+def _swap_modules(model: nn.Module, plan: Mapping[str, ParallelStyle], ctx: BuildContext) -> None:
+    """Replace each module whose name matches a plan key (``*`` = one name component)."""
+    for name, module in list(model.named_modules()):
+        style = _match(plan, name)
+        if style is None:
+            continue
+        ctx.layer_idx = _layer_index(name)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, style.build(module, ctx))
+
+
+def _match(plan: Mapping[str, ParallelStyle], name: str) -> ParallelStyle | None:
+    for pattern, style in plan.items():
+        if name.count(".") == pattern.count(".") and fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def _layer_index(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else 0
+
+
+def _load(model: nn.Module, reader: CheckpointReader, *, tied: bool) -> None:
+    """Copy each rank's box of every parameter from the checkpoint into its local shard."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, param in model.named_parameters():
+        key = name
+        if key not in reader and tied and name == "lm_head.weight":
+            key = "model.embed_tokens.weight"
+        if key not in reader:
+            raise ValueError(f"parameter {name!r} is not in the checkpoint at {reader.directory}")
+        box = Layout.of_dtensor(param).box(rank)
+        param.data.to_local().copy_(reader.read(key, box))
+
+
+def _rebuild_rotary(model: nn.Module, device) -> None:
+    """The rotary module's buffers were made on the meta device; build it again for real."""
+    old = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(old)(config=model.config)
+    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                 if t.is_meta]
+    assert not leftovers, f"tensors left on the meta device: {leftovers}"

@@ -1,0 +1,67 @@
+"""Token selection: greedy, or seeded sampling with temperature, top-k and top-p.
+
+Sampling draws Gumbel noise from a per-request generator seeded by ``(seed, request id)``, so a
+request's tokens do not depend on which other requests share its batch or on the world size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS ids
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, request_id: int) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    return torch.Generator().manual_seed((params.seed * 1_000_003 + request_id) % (2**63))
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU."""
+    greedy = logits.argmax(-1).cpu()
+    if all(p.greedy for p in params):
+        return greedy
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            greedy[i] = _sample_one(logits[i].cpu(), p, g)
+    return greedy
+
+
+def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    x = logits / p.temperature
+    if p.top_k:
+        kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, -1)
+        drop = torch.cumsum(probs, -1) - probs > p.top_p  # keeps at least the top token
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    u = torch.rand(x.shape, generator=gen).clamp_(1e-20, 1.0)
+    return int(torch.argmax(x - torch.log(-torch.log(u))))

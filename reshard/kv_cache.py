@@ -1,0 +1,62 @@
+"""Preallocated KV cache, heads outermost within a slot (HND), one slot per running request.
+
+Each rank stores the KV heads ``[head_start, head_start + num_heads)`` of the global
+``num_kv_heads``; with KV-head replication several ranks hold the same range. The descriptor
+(:meth:`layout_key`) travels with the cache so a reader with an incompatible layout is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    num_slots: int
+    num_heads: int  # KV heads held on this rank
+    max_seq_len: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    head_start: int = 0  # first global KV head held on this rank
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_slots", "num_heads", "max_seq_len", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def bytes(self) -> int:
+        per = self.num_slots * self.num_heads * self.max_seq_len * self.head_dim
+        return 2 * self.num_layers * per * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KVCache:
+    """K and V per layer, each ``(num_slots, num_heads, max_seq_len, head_dim)``."""
+
+    def __init__(self, spec: KVSpec, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        shape = (spec.num_slots, spec.num_heads, spec.max_seq_len, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device)
+                  for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device)
+                  for _ in range(spec.num_layers)]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[index], self.v[index]
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store per-token ``k``/``v`` ``(N, num_heads, head_dim)`` at ``(slots[i], :, positions[i])``."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def read(self, layer: int, slots: torch.Tensor, length: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns K, V ``(len(slots), num_heads, length, head_dim)`` for the given slots."""
+        return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
+
+    def layout_key(self) -> tuple:
+        s = self.spec
+        return (s.num_layers, s.head_start, s.num_heads, s.head_dim, s.dtype)
