@@ -138,6 +138,22 @@ class Engine:
                     bar.update(1)
         return [done[r.id] for r in requests]
 
+    @torch.inference_mode()
+    def prompt_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """fp32 logits ``(len(p), vocab)`` at every position of each prompt, replicated on all ranks.
+
+        Runs one prefill step through the cache (slots ``0..len(prompts)-1``); call it between
+        ``generate`` calls, not during one.
+        """
+        if not 0 < len(prompts) <= self.max_batch_size:
+            raise ValueError(f"prompt_logits takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
+        self.validate([Request(i, list(p), SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)])
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], device=self.device)
+        ctx = AttentionContext.build(self.kv, list(range(len(prompts))), [0] * len(prompts), lengths)
+        logits = self._forward(ids, ctx.positions, ctx, torch.arange(len(ids), device=self.device))
+        return list(torch.split(logits, lengths))
+
     def validate(self, requests: Sequence[Request]) -> None:
         """``ValueError`` naming the request for empty, too long or out-of-vocabulary prompts."""
         ids = [r.id for r in requests]

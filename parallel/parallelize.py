@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard import Layout
+from reshard.layout import box_slices
 
 from .checkpoint import CheckpointReader, resolve_checkpoint
 from .dims import ParallelDims, device_type
@@ -81,10 +82,16 @@ def _parallelize_module(model: nn.Module, dims, plan) -> nn.Module:
     dtype = next(iter(full.values())).dtype
     ctx = BuildContext(model.config, dims, dtype, device_type())
     _swap_modules(model, plan, ctx)
-    for name, param in model.named_parameters():
-        box = Layout.of_dtensor(param).box(dist.get_rank() if dist.is_initialized() else 0)
-        param.data.to_local().copy_(full[name][tuple(slice(a, b) for a, b in box)])
+    copy_full_state(model, full)
     return model.eval()
+
+
+def copy_full_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Fill ``module``'s DTensor parameters from full tensors every rank holds (local slicing)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, param in module.named_parameters():
+        box = Layout.of_dtensor(param).box(rank)
+        param.data.to_local().copy_(state[name][box_slices(box)])
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -1,0 +1,45 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "reshard" / "inductor"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Tiny seeded checkpoints per family, plus ``llama-multi``: the llama model in several files."""
+    from parallel.tiny_models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {f: str(make_tiny_checkpoint(f, root / f, seed=0)) for f in FAMILIES}
+    paths["llama-multi"] = str(make_tiny_checkpoint("llama", root / "llama-multi", seed=0,
+                                                    max_shard_size="100KB"))
+    return paths
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """``hf_reference(path, prompts, max_new_tokens)``: HF ``generate`` per prompt (greedy, fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache: dict = {}
+
+    def generate(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = cache[path]
+        outs = []
+        for p in prompts:
+            with torch.no_grad():
+                seq = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                                     do_sample=False, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            outs.append(seq[0, len(p):].tolist())
+        return outs
+
+    return generate

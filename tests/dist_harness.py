@@ -1,0 +1,120 @@
+"""Multi-rank test harness: pools of real gloo processes, reused across tests.
+
+``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank of a pool of ``world_size``
+spawned processes (one pool per world size, created on first use) and returns the per-rank
+results in rank order. ``fn`` must be importable (a module-level function). A failure on any rank
+raises with that rank's traceback; a job that does not finish within ``timeout`` seconds (a hung
+collective) kills the pool and raises ``TimeoutError``. After any failure the pool is rebuilt, so
+one broken test never poisons the next.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out, errors = [None] * self.world_size, {}
+        for _ in range(self.world_size):
+            rank, ok, value = self._next(timeout or JOB_TIMEOUT, fn)
+            if ok:
+                out[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            raise RuntimeError(f"{fn.__name__} failed on ranks {sorted(errors)}:\n"
+                               + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return out
+
+    def _next(self, timeout: float, fn):
+        try:
+            return self.results.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{fn.__name__} did not finish on {self.world_size} ranks "
+                               f"within {timeout:.0f} s (hung collective?)") from None
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def shutdown(self) -> None:
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def run(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns results in rank order."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        pool = _POOLS[world_size] = WorkerPool(world_size)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.shutdown()
+        raise
+
+
+@atexit.register
+def shutdown_all() -> None:
+    for pool in _POOLS.values():
+        pool.shutdown()
+    _POOLS.clear()

@@ -1,0 +1,100 @@
+"""Sharded checkpoint loading: bytes read per rank, hub-id resolution, broken files."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests import dist_harness
+
+
+def _bytes_read(path):
+    from parallel import parallelize
+
+    stats = parallelize(path).load_stats
+    return stats.bytes_read, stats.checkpoint_bytes
+
+
+def _expected_share(path: str, tp: int) -> int:
+    """Independent oracle: bytes one rank must read under the TP plan (replicated tensors in full)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    n_kv = config["num_key_value_heads"]
+    total = 0
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                numel = 1
+                for s in shape:
+                    numel *= s
+                if "norm" in name:
+                    share = 1
+                elif "k_proj" in name or "v_proj" in name:
+                    share = min(tp, n_kv)  # KV heads replicated when tp > n_kv
+                else:
+                    share = tp
+                total += numel * 4 // share
+    return total
+
+
+@pytest.mark.parametrize("world,family", [(2, "llama"), (4, "llama"), (4, "mistral"), (2, "llama-multi")])
+def test_each_rank_reads_only_its_share(checkpoints, world, family):
+    path = checkpoints[family]
+    results = dist_harness.run(world, _bytes_read, path)
+    expected = _expected_share(path, world)
+    checkpoint_bytes = results[0][1]
+    for read, _ in results:
+        assert read == expected
+        assert read < checkpoint_bytes / world * 1.35  # only norms (and replicated KV) beyond 1/world
+
+
+def test_hub_id_resolves_offline_from_cache(checkpoints, tmp_path, monkeypatch):
+    from parallel import resolve_checkpoint
+
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "abc123"
+    shutil.copytree(checkpoints["llama"], snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    assert resolve_checkpoint("tiny-org/tiny-llama").resolve() == snapshot.resolve()
+    with pytest.raises(ValueError, match="tiny-org/absent"):
+        resolve_checkpoint("tiny-org/absent")
+
+
+def test_missing_shard_file_is_named(checkpoints, tmp_path):
+    from parallel import CheckpointReader
+
+    copy = Path(shutil.copytree(checkpoints["llama-multi"], tmp_path / "ck"))
+    victim = sorted(copy.glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(ValueError, match=victim.name):
+        CheckpointReader(copy)
+
+
+def test_truncated_file_is_named(checkpoints, tmp_path):
+    from parallel import CheckpointReader
+
+    copy = Path(shutil.copytree(checkpoints["llama"], tmp_path / "ck"))
+    f = copy / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match="model.safetensors is truncated"):
+        CheckpointReader(copy)
+
+
+def test_reader_reads_only_the_box(checkpoints):
+    from parallel import CheckpointReader
+
+    reader = CheckpointReader(checkpoints["llama"])
+    piece = reader.read("model.embed_tokens.weight", ((10, 20), (0, 64)))
+    with safe_open(str(Path(checkpoints["llama"]) / "model.safetensors"), framework="pt") as f:
+        full = f.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(piece, full[10:20])
+    assert reader.bytes_read == 10 * 64 * 4
