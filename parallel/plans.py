@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from layers import ParallelAttention, ParallelLinear, RMSNorm, SwiGLUMLP, VocabParallelEmbedding
+from layers import ParallelAttention, check_head_split, ParallelLinear, RMSNorm, SwiGLUMLP, VocabParallelEmbedding
 
 from .dims import ParallelDims
 
@@ -51,6 +51,7 @@ class HeadParallel:
         cfg = ctx.config
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         tp = ctx.dims.tp
+        check_head_split(heads, kv_heads, tp)
         kv_mesh = ctx.dims.kv_head_mesh(kv_heads) if 1 < tp and kv_heads < tp else None
         return ParallelAttention(
             cfg.hidden_size, heads, kv_heads, module.head_dim, mesh=ctx.tp_mesh, kv_mesh=kv_mesh,

@@ -3,9 +3,9 @@
 ``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank of a pool of ``world_size``
 spawned processes (one pool per world size, created on first use) and returns the per-rank
 results in rank order. ``fn`` must be importable (a module-level function). A failure on any rank
-raises with that rank's traceback; a job that does not finish within ``timeout`` seconds (a hung
-collective) kills the pool and raises ``TimeoutError``. After any failure the pool is rebuilt, so
-one broken test never poisons the next.
+raises with that rank's traceback (the pool stays: every rank reported back); a job that does not
+finish within ``timeout`` seconds (a hung collective) kills the pool and raises ``TimeoutError``,
+and the next job gets a fresh pool, so one hung test never poisons the next.
 """
 from __future__ import annotations
 
@@ -107,7 +107,9 @@ def run(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> l
         pool = _POOLS[world_size] = WorkerPool(world_size)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
-    except BaseException:
+    except RuntimeError:  # every rank reported back: the pool is still in step
+        raise
+    except BaseException:  # a timeout or interrupt: some rank may be stuck in a collective
         _POOLS.pop(world_size, None)
         pool.shutdown()
         raise

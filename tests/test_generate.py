@@ -102,6 +102,7 @@ def test_continuous_batching_matches_running_alone(checkpoints):
     assert decode_steps < sum(len(t) for t in alone) / 2
 
 
+@pytest.mark.timeout(600)
 def test_compiled_decode_matches_eager(checkpoints):
     path, prompts = checkpoints["llama"], _prompts(5)
     eager, _ = dist_harness.run(2, _generate, path, prompts, MAX_NEW, max_batch=4)[0]

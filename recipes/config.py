@@ -1,0 +1,110 @@
+"""Structured configs behind conf/*.yaml; validation with errors that name the override."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    cache_dir: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class WorkloadConfig:
+    num_requests: int = 32
+    prompt_len_min: int = 16
+    prompt_len_max: int = 128
+    seed: int = 0
+    prompts_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"workload.num_requests must be >= 1, got {self.num_requests}")
+        if not 1 <= self.prompt_len_min <= self.prompt_len_max:
+            raise ValueError(
+                f"need 1 <= workload.prompt_len_min ({self.prompt_len_min}) <= "
+                f"workload.prompt_len_max ({self.prompt_len_max})")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"generation.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 8
+    max_seq_len: int = 512
+    max_prefill_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"engine.{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "tp"
+    tp: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"parallel.strategy {self.strategy!r} is not one of {sorted(STRATEGIES)}")
+        if self.tp is not None and self.tp < 1:
+            raise ValueError(f"parallel.tp must be >= 1, got {self.tp}")
+
+
+STRATEGIES = ("tp",)
+
+
+@dataclass
+class GenerateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        longest = self.workload.prompt_len_max + self.generation.max_new_tokens
+        if longest > self.engine.max_seq_len:
+            raise ValueError(
+                f"workload.prompt_len_max ({self.workload.prompt_len_max}) + "
+                f"generation.max_new_tokens ({self.generation.max_new_tokens}) = {longest} exceeds "
+                f"engine.max_seq_len ({self.engine.max_seq_len})")
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "GenerateConfig":
+        """Build from a plain dict (``OmegaConf.to_container(cfg)``); unknown keys are errors."""
+        known = {f.name: f for f in fields(GenerateConfig)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
+        sections = {"model": ModelConfig, "workload": WorkloadConfig, "generation": GenerationConfig,
+                    "engine": EngineConfig, "parallel": ParallelConfig}
+        kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in d.items()}
+        return GenerateConfig(**kwargs)
