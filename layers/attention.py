@@ -21,6 +21,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from reshard import KVCache
 
+from ._base import Redistributable, Targets, prefixed
 from .linear import ParallelLinear
 from .norm import RMSNorm
 
@@ -124,7 +125,7 @@ class AttentionContext:
         return out.transpose(1, 2)[self.valid].unsqueeze(0)  # (1, N, Hq, hd)
 
 
-class ParallelAttention(nn.Module):
+class ParallelAttention(Redistributable, nn.Module):
     """Multi-head attention with heads split over a 1-D ``mesh`` (the tp axis).
 
     q/k/v are colwise (Shard(0): each rank computes its heads), o_proj is rowwise (one all-reduce).
@@ -205,18 +206,21 @@ class ParallelAttention(nn.Module):
                                              scale=self.scaling, enable_gqa=True)
         return out.transpose(1, 2)  # (B, T, Hq, hd)
 
-    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]) -> "ParallelAttention":
+    def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """``(Shard(0),)``: heads split over ``mesh``; ``(Replicate(),)``: every rank all heads."""
-        self._mesh = mesh
-        q_pl, kv_pl, o_pl, kv_m = self._placements(mesh, tuple(placements))
-        self.q_proj.redistribute(mesh, q_pl)
-        self.k_proj.redistribute(kv_m, kv_pl)
-        self.v_proj.redistribute(kv_m, kv_pl)
-        self.o_proj.redistribute(mesh, o_pl)
+        q_pl, kv_pl, o_pl, kv_m = self._placements(mesh, placements)
+        targets = {**prefixed("q_proj", self.q_proj.redistribute_targets(mesh, q_pl)),
+                   **prefixed("k_proj", self.k_proj.redistribute_targets(kv_m, kv_pl)),
+                   **prefixed("v_proj", self.v_proj.redistribute_targets(kv_m, kv_pl)),
+                   **prefixed("o_proj", self.o_proj.redistribute_targets(mesh, o_pl))}
         for name in ("q_norm", "k_norm"):
             if hasattr(self, name):
-                getattr(self, name).redistribute(mesh, [Replicate()] * mesh.ndim)
-        return self
+                replicated = (Replicate(),) * mesh.ndim
+                targets.update(prefixed(name, getattr(self, name).redistribute_targets(mesh, replicated)))
+        return targets
+
+    def _after_redistribute(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
+        self._mesh = mesh
 
     @property
     def local_kv_heads(self) -> int:

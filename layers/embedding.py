@@ -10,12 +10,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from reshard import Layout, empty_dtensor, redistribute
+from reshard import Layout, empty_dtensor
 
+from ._base import Redistributable, Targets
 from ._comm import all_reduce
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Redistributable, nn.Module):
     """Embedding table ``(num_embeddings, embedding_dim)`` as a DTensor on a 1-D ``mesh``.
 
     With ``Shard(0)`` each rank holds a vocab range (DTensor chunk rule), looks up the ids in its
@@ -49,11 +50,9 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local_ids, w) * inside.unsqueeze(-1).to(w.dtype)
         return all_reduce(out, self.weight.device_mesh)
 
-    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]
-                     ) -> "VocabParallelEmbedding":
-        """Move the table to ``placements`` (``Shard(0)`` or ``Replicate()``) on ``mesh``."""
-        self.weight = nn.Parameter(redistribute(self.weight.data, mesh, tuple(placements)))
-        return self
+    def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
+        """The table takes ``placements`` (``Shard(0)`` or ``Replicate()``)."""
+        return {"weight": (mesh, placements)}
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "

@@ -9,8 +9,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from reshard import empty_dtensor, redistribute
+from reshard import empty_dtensor
 
+from ._base import Redistributable, Targets
 from ._comm import all_gather_last, all_reduce
 
 
@@ -19,7 +20,7 @@ def _bias_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     return tuple(p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in placements)
 
 
-class ParallelLinear(nn.Module):
+class ParallelLinear(Redistributable, nn.Module):
     """``y = x W^T + b`` with ``W`` a DTensor ``(out_features, in_features)`` on ``mesh``.
 
     The weight's placements decide the forward's communication:
@@ -71,13 +72,12 @@ class ParallelLinear(nn.Module):
             y = all_gather_last(y, self.mesh, self.out_features, _shard_axis(self.weight))
         return y
 
-    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]) -> "ParallelLinear":
-        """Move the weight (and bias) to ``placements`` on ``mesh``; the forward follows."""
-        placements = tuple(placements)
-        self.weight = nn.Parameter(redistribute(self.weight.data, mesh, placements))
+    def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
+        """The weight takes ``placements``; the bias follows the weight's output dim."""
+        targets = {"weight": (mesh, placements)}
         if self.bias is not None:
-            self.bias = nn.Parameter(redistribute(self.bias.data, mesh, _bias_placements(placements)))
-        return self
+            targets["bias"] = (mesh, _bias_placements(placements))
+        return targets
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -9,10 +9,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 from transformers.activations import ACT2FN
 
+from ._base import Redistributable, Targets, prefixed
 from .linear import ParallelLinear
 
 
-class SwiGLUMLP(nn.Module):
+class SwiGLUMLP(Redistributable, nn.Module):
     """``down(act(gate(x)) * up(x))``.
 
     ``placements=(Shard(0),)`` is the TP layout: gate/up colwise, down rowwise (one all-reduce).
@@ -35,13 +36,12 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
-    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]) -> "SwiGLUMLP":
-        """``(Shard(0),)`` for TP, ``(Replicate(),)`` for whole weights, on ``mesh``."""
-        up, down = _ffn_placements(tuple(placements))
-        self.gate_proj.redistribute(mesh, up)
-        self.up_proj.redistribute(mesh, up)
-        self.down_proj.redistribute(mesh, down)
-        return self
+    def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
+        """``(Shard(0),)``: TP (gate/up colwise, down rowwise); ``(Replicate(),)``: whole weights."""
+        up, down = _ffn_placements(placements)
+        return {**prefixed("gate_proj", self.gate_proj.redistribute_targets(mesh, up)),
+                **prefixed("up_proj", self.up_proj.redistribute_targets(mesh, up)),
+                **prefixed("down_proj", self.down_proj.redistribute_targets(mesh, down))}
 
 
 def _ffn_placements(placements: tuple[Placement, ...]) -> tuple[tuple, tuple]:

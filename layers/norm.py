@@ -8,10 +8,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
-from reshard import empty_dtensor, redistribute
+from reshard import empty_dtensor
+
+from ._base import Redistributable, Targets
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Redistributable, nn.Module):
     """``w * x / rms(x)`` over the last dim, computed in fp32 exactly as HF does.
 
     The weight is Replicate() on ``mesh``; input and output have the same placements.
@@ -32,9 +34,9 @@ class RMSNorm(nn.Module):
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight.to_local() * hidden_states.to(input_dtype)
 
-    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement]) -> "RMSNorm":
-        self.weight = nn.Parameter(redistribute(self.weight.data, mesh, tuple(placements)))
-        return self
+    def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
+        """The (small) weight takes ``placements``; the forward needs it whole (Replicate)."""
+        return {"weight": (mesh, placements)}
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -1,33 +1,113 @@
-"""Public movement API.
+"""Public movement API: DTensors and whole modules between any two layouts or meshes.
 
-Interim implementation (foundation issue): moves within one mesh use DTensor's ``redistribute``;
-moves between two meshes over the same ranks go through a replicated intermediate. The
-movement-core issue replaces both with planned, accounted transfers.
+Unlike ``DTensor.redistribute`` this works across meshes (same, permuted, overlapping or disjoint
+rank sets), moves exactly the bytes a rank lacks (no all-gather fallback on CPU), and reports what
+it moved. Every rank of the world calls it (ranks on neither mesh do nothing); a DTensor on a mesh
+that excludes this rank carries an empty local tensor, as in DTensor.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement
 
-from .dtensor import slice_to_dtensor, wrap_local
+from .dtensor import wrap_local
+from .executor import DEFAULT_BUCKET_BYTES, CommStats, execute
+from .layout import Layout
+from .plan import Plan, plan_transfer
+
+_LAST: list[CommStats] = [CommStats()]
+
+Target = tuple[DeviceMesh, Sequence[Placement]]
 
 
-def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
-    """Move ``t`` to ``placements`` on ``mesh``; returns a DTensor on ``mesh``."""
-    placements = tuple(placements)
-    if len(placements) != mesh.ndim:
-        raise ValueError(f"mesh has {mesh.ndim} axes but {len(placements)} placements were given")
-    if t.device_mesh == mesh:
-        return t.redistribute(mesh, placements)
-    src_ranks = sorted(t.device_mesh.mesh.flatten().tolist())
-    dst_ranks = sorted(mesh.mesh.flatten().tolist())
-    if src_ranks != dst_ranks:
-        raise ValueError(
-            f"moving between meshes over different ranks ({src_ranks} -> {dst_ranks}) needs the "
-            f"movement core's planner"
-        )
-    full = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
-    return slice_to_dtensor(full, mesh, placements)
+def last_stats() -> CommStats:
+    """Accounting of the most recent ``redistribute`` / ``redistribute_module`` on this rank."""
+    return _LAST[0]
+
+
+def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement], *,
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> DTensor | None:
+    """Move ``t`` to ``placements`` on ``mesh``.
+
+    Returns a DTensor on ``mesh`` (ranks outside ``mesh`` get ``None``). Collective over the world:
+    every rank calls it with the same arguments.
+    """
+    [out], stats = _move([t], [(mesh, placements)], bucket_bytes)
+    _LAST[0] = stats
+    return out if mesh.get_coordinate() is not None else None
+
+
+def redistribute_module(module: nn.Module,
+                        plan: Mapping[str, Target] | Callable[[str, DTensor], Target | None], *,
+                        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> CommStats:
+    """Move a module's DTensor parameters and buffers in place, all in one coalesced transfer.
+
+    ``plan`` maps fully qualified names to ``(mesh, placements)``, or is a callable returning that
+    (or ``None`` to leave a tensor where it is). Ranks outside a target mesh keep a DTensor with an
+    empty local tensor.
+    """
+    names, tensors, targets = _select(module, plan)
+    moved, stats = _move(tensors, targets, bucket_bytes)
+    for name, new in zip(names, moved):
+        _assign(module, name, new)
+    _LAST[0] = stats
+    return stats
+
+
+def plan_for(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> Plan:
+    """The plan ``redistribute(t, mesh, placements)`` would run (pure, cached)."""
+    return plan_transfer(Layout.of_dtensor(t), Layout.of(mesh, placements, t.shape, t.dtype))
+
+
+def _select(module: nn.Module, plan) -> tuple[list[str], list[DTensor], list[Target]]:
+    names, tensors, targets = [], [], []
+    entries = list(module.named_parameters()) + list(module.named_buffers())
+    known = {n for n, _ in entries}
+    if isinstance(plan, Mapping):
+        unknown = sorted(set(plan) - known)
+        if unknown:
+            raise ValueError(f"plan names {unknown} that are not parameters or buffers of the module")
+    for name, t in entries:
+        target = plan.get(name) if isinstance(plan, Mapping) else plan(name, t)
+        if target is None:
+            continue
+        if not isinstance(t, DTensor):
+            raise ValueError(f"{name!r} is a plain tensor; only DTensors can be redistributed")
+        names.append(name)
+        tensors.append(t.data if isinstance(t, nn.Parameter) else t)
+        targets.append(target)
+    return names, tensors, targets
+
+
+def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes
+          ) -> tuple[list[DTensor], CommStats]:
+    rank = dist.get_rank()
+    plans, srcs = [], []
+    for t, (mesh, placements) in zip(tensors, targets):
+        if len(tuple(placements)) != mesh.ndim:
+            raise ValueError(f"mesh has {mesh.ndim} axes but {len(tuple(placements))} placements "
+                             f"were given")
+        plans.append(plan_for(t, mesh, placements))
+        srcs.append(t.to_local() if plans[-1].src.box(rank) is not None else None)
+    device = targets[0][0].device_type if targets else "cpu"
+    outs, stats = execute(plans, srcs, bucket_bytes=bucket_bytes, device=device)
+    result = []
+    for t, (mesh, placements), out, plan in zip(tensors, targets, outs, plans):
+        local = out if out is not None else torch.empty(0, dtype=t.dtype, device=device)
+        result.append(wrap_local(local, mesh, tuple(plan.dst.placements), t.shape))
+    return result, stats
+
+
+def _assign(module: nn.Module, name: str, value: DTensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if leaf in owner._parameters:
+        old = owner._parameters[leaf]
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+    else:
+        owner._buffers[leaf] = value

@@ -50,8 +50,7 @@ class Layout:
            dtype: torch.dtype) -> "Layout":
         """Layout of a tensor of global ``shape`` placed on ``mesh``."""
         placements = tuple(_normalize(p, len(shape)) for p in placements)
-        return Layout(tuple(mesh.mesh.tolist()) if mesh.mesh.dim() else (int(mesh.mesh),),
-                      placements, tuple(shape), dtype)
+        return Layout(nested_tuple(mesh.mesh.tolist()), placements, tuple(shape), dtype)
 
     @staticmethod
     def of_dtensor(t: DTensor) -> "Layout":
@@ -92,6 +91,11 @@ class Layout:
     @property
     def is_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)
+
+
+def nested_tuple(x):
+    """A (nested) list of ranks as a hashable nested tuple."""
+    return tuple(nested_tuple(v) for v in x) if isinstance(x, (list, tuple)) else int(x)
 
 
 def _normalize(p: Placement, ndim: int) -> Placement:

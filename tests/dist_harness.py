@@ -3,9 +3,10 @@
 ``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank of a pool of ``world_size``
 spawned processes (one pool per world size, created on first use) and returns the per-rank
 results in rank order. ``fn`` must be importable (a module-level function). A failure on any rank
-raises with that rank's traceback (the pool stays: every rank reported back); a job that does not
-finish within ``timeout`` seconds (a hung collective) kills the pool and raises ``TimeoutError``,
-and the next job gets a fresh pool, so one hung test never poisons the next.
+raises with that rank's traceback; a job that does not finish within ``timeout`` seconds (a hung
+collective) raises ``TimeoutError``. After a timeout or any failure other than a ``ValueError`` on
+the failing ranks, the pool is killed and the next job gets a fresh one, so one broken test never
+poisons the next.
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import atexit
 import datetime
 import os
 import queue
+import sys
 import socket
 import traceback
 
 import torch.multiprocessing as mp
 
 JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _free_port() -> int:
@@ -54,6 +56,7 @@ class WorkerPool:
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
+        self.healthy = True
         port = _free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
                                   daemon=True) for r in range(world_size)]
@@ -71,6 +74,7 @@ class WorkerPool:
             else:
                 errors[rank] = value
         if errors:
+            self.healthy = all(_last_line(tb).startswith("ValueError") for tb in errors.values())
             raise RuntimeError(f"{fn.__name__} failed on ranks {sorted(errors)}:\n"
                                + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return out
@@ -83,7 +87,7 @@ class WorkerPool:
                                f"within {timeout:.0f} s (hung collective?)") from None
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        return self.healthy and all(p.is_alive() for p in self.procs)
 
     def shutdown(self) -> None:
         for q in self.tasks:
@@ -107,12 +111,16 @@ def run(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> l
         pool = _POOLS[world_size] = WorkerPool(world_size)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
-    except RuntimeError:  # every rank reported back: the pool is still in step
+    except BaseException:
+        if not pool.healthy or not isinstance(sys.exc_info()[1], RuntimeError):
+            _POOLS.pop(world_size, None)  # a rank may be stuck in, or broken by, a collective
+            pool.shutdown()
         raise
-    except BaseException:  # a timeout or interrupt: some rank may be stuck in a collective
-        _POOLS.pop(world_size, None)
-        pool.shutdown()
-        raise
+
+
+def _last_line(tb: str) -> str:
+    lines = [l for l in tb.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else ""
 
 
 @atexit.register

@@ -1,0 +1,38 @@
+"""What every drop-in layer shares: ``redistribute()`` through the movement core."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
+
+from reshard import CommStats, redistribute_module
+from reshard.executor import DEFAULT_BUCKET_BYTES
+
+Targets = dict[str, tuple[DeviceMesh, tuple[Placement, ...]]]
+
+
+def prefixed(prefix: str, targets: Targets) -> Targets:
+    return {f"{prefix}.{k}": v for k, v in targets.items()}
+
+
+class Redistributable:
+    """Mixin: a layer names a target layout per parameter; the movement core moves them at once."""
+
+    def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
+        raise NotImplementedError
+
+    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement], *,
+                     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> CommStats:
+        """Move every parameter to the layer's layout for ``placements`` on ``mesh`` (in place).
+
+        One coalesced transfer through :func:`reshard.redistribute_module`; returns its accounting.
+        The forward follows the new placements.
+        """
+        targets = self.redistribute_targets(mesh, tuple(placements))
+        stats = redistribute_module(self, targets, bucket_bytes=bucket_bytes)
+        self._after_redistribute(mesh, tuple(placements))
+        return stats
+
+    def _after_redistribute(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
+        pass

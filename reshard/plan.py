@@ -1,0 +1,166 @@
+"""Transfer plans: which pieces of which source ranks each destination rank needs.
+
+A plan is a pure function of two layouts (no processes), so it can be cached and tested alone.
+Source boxes of Shard/Replicate layouts partition the tensor (replicas hold identical boxes), so
+every destination box splits into disjoint pieces, one per distinct source box it meets. A piece
+the destination already holds is a local copy; otherwise one holder sends it, chosen to spread the
+sending load. ``Partial`` sources hold one *contribution* per partial coordinate; every
+contribution is moved and the receiver reduces them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+from torch.distributed.tensor import Partial
+
+from .layout import Box, Layout, box_numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``box`` (global coordinates) of contribution ``contribution`` moves ``src`` -> ``dst``."""
+
+    src: int
+    dst: int
+    box: Box
+    contribution: int = 0
+
+    @property
+    def local(self) -> bool:
+        return self.src == self.dst
+
+
+@dataclass(frozen=True)
+class Plan:
+    src: Layout
+    dst: Layout
+    pieces: tuple[Piece, ...]
+    reduce_op: str | None = None  # "sum" | "avg" when the source is Partial
+    num_contributions: int = 1
+    _itemsize: int = field(default=0, repr=False)
+
+    @property
+    def itemsize(self) -> int:
+        return self._itemsize
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes crossing between ranks (local copies excluded)."""
+        return sum(box_numel(p.box) for p in self.pieces if not p.local) * self.itemsize
+
+    @property
+    def bytes_by_pair(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = defaultdict(int)
+        for p in self.pieces:
+            if not p.local:
+                out[(p.src, p.dst)] += box_numel(p.box) * self.itemsize
+        return dict(out)
+
+    @property
+    def messages(self) -> int:
+        """Distinct (sender, receiver) pairs: one coalesced message each, before bucketing."""
+        return len(self.bytes_by_pair)
+
+    @property
+    def lower_bound_bytes(self) -> int:
+        """Bytes destination ranks need and do not already hold (each contribution counted)."""
+        return lower_bound_bytes(self.src, self.dst)
+
+    def bytes_received(self, rank: int) -> int:
+        return sum(b for (s, d), b in self.bytes_by_pair.items() if d == rank)
+
+    def bytes_sent(self, rank: int) -> int:
+        return sum(b for (s, d), b in self.bytes_by_pair.items() if s == rank)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) or not box else None
+
+
+def contributions(layout: Layout) -> list[tuple[Box, list[int]]]:
+    """Distinct data items of a layout: (box, holder ranks). Partial coordinates are distinct items."""
+    partial_axes = [i for i, p in enumerate(layout.placements) if isinstance(p, Partial)]
+    items: dict[tuple, tuple[Box, list[int]]] = {}
+    grid = layout.grid
+    for coord in _coords(grid.shape):
+        box = layout.box_at(coord)
+        key = (box, tuple(coord[i] for i in partial_axes))
+        items.setdefault(key, (box, []))[1].append(int(grid[coord]))
+    return list(items.values())
+
+
+def _coords(shape) -> list[tuple[int, ...]]:
+    return [tuple(c) for c in torch.cartesian_prod(*[torch.arange(n) for n in shape]).view(-1, len(shape)).tolist()]
+
+
+def _reduce_op(layout: Layout) -> str | None:
+    ops = {p.reduce_op for p in layout.placements if isinstance(p, Partial)}
+    if not ops:
+        return None
+    if len(ops) > 1 or not ops <= {"sum", "avg"}:
+        raise ValueError(f"Partial sources reduce with 'sum' or 'avg' only, got {sorted(ops)}")
+    return ops.pop()
+
+
+def check_compatible(src: Layout, dst: Layout) -> None:
+    if src.shape != dst.shape:
+        raise ValueError(f"global shape mismatch: source {src.shape} vs destination {dst.shape}")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"dtype mismatch: source {src.dtype} vs destination {dst.dtype}")
+    if dst.is_partial:
+        raise ValueError(f"destination placements must be Shard or Replicate, got {dst.placements}")
+
+
+@lru_cache(maxsize=4096)
+def plan_transfer(src: Layout, dst: Layout) -> Plan:
+    """Plan moving a tensor from ``src`` to ``dst`` (any meshes: equal, permuted, overlapping, disjoint)."""
+    check_compatible(src, dst)
+    items = contributions(src)
+    load: dict[int, int] = defaultdict(int)  # bytes each rank sends so far
+    pieces = []
+    for rank in dst.all_ranks:
+        dst_box = dst.box(rank)
+        for index, (box, holders) in enumerate(items):
+            piece = intersect(box, dst_box)
+            if piece is None:
+                continue
+            sender = rank if rank in holders else _least_loaded(holders, load, rank)
+            if sender != rank:
+                load[sender] += box_numel(piece)
+            pieces.append(Piece(sender, rank, piece, index))
+    return Plan(src, dst, tuple(pieces), _reduce_op(src), _partial_count(src), _itemsize(src.dtype))
+
+
+def _partial_count(layout: Layout) -> int:
+    n = 1
+    for axis, p in enumerate(layout.placements):
+        if isinstance(p, Partial):
+            n *= layout.grid.shape[axis]
+    return n
+
+
+def _least_loaded(holders: list[int], load: dict[int, int], rank: int) -> int:
+    """The holder with the least sending load; ties go round-robin from ``rank``."""
+    return min(holders, key=lambda h: (load[h], (h - rank) % (max(holders) + 1)))
+
+
+def lower_bound_bytes(src: Layout, dst: Layout) -> int:
+    """Sum over destination ranks of what they need and do not hold, from boxes alone.
+
+    A rank needs its destination box once per partial contribution and already holds the part of
+    it that overlaps its own source box (one contribution).
+    """
+    total = 0
+    for rank in dst.all_ranks:
+        dst_box, own = dst.box(rank), src.box(rank)
+        overlap = intersect(own, dst_box) if own is not None else None
+        total += _partial_count(src) * box_numel(dst_box) - (box_numel(overlap) if overlap else 0)
+    return total * _itemsize(src.dtype)
