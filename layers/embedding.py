@@ -17,10 +17,11 @@ from ._comm import all_reduce
 
 
 class VocabParallelEmbedding(Redistributable, nn.Module):
-    """Embedding table ``(num_embeddings, embedding_dim)`` as a DTensor on a 1-D ``mesh``.
+    """Embedding table ``(num_embeddings, embedding_dim)`` as a DTensor on ``mesh``.
 
     With ``Shard(0)`` each rank holds a vocab range (DTensor chunk rule), looks up the ids in its
-    range, zeros the others and all-reduces; with ``Replicate()`` it is a plain lookup.
+    range, zeros the others and all-reduces over the sharded axes; with ``Replicate()`` it is a plain
+    lookup.
     Input ids are replicated; returns replicated ``(*ids.shape, embedding_dim)``.
     """
 
@@ -29,26 +30,31 @@ class VocabParallelEmbedding(Redistributable, nn.Module):
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        if mesh.ndim != 1:
-            raise ValueError(f"VocabParallelEmbedding needs a 1-D mesh, got {mesh.ndim} axes")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         self.weight = nn.Parameter(empty_dtensor((num_embeddings, embedding_dim), mesh,
                                                  tuple(placements), dtype=dtype, device=device))
 
     def _vocab_range(self) -> tuple[int, int]:
-        box = Layout.of_dtensor(self.weight).box(dist.get_rank())
-        return box[0]
+        """This rank's rows, cached per weight object (the layout only changes with the weight)."""
+        key = id(self.weight)
+        if getattr(self, "_range_key", None) != key:
+            self._range = Layout.of_dtensor(self.weight).box(dist.get_rank())[0]
+            self._range_key = key
+        return self._range
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         w = self.weight.to_local()
-        if not isinstance(self.weight.placements[0], Shard):
+        axes = [i for i, p in enumerate(self.weight.placements) if isinstance(p, Shard)]
+        if not axes:
             return F.embedding(input_ids, w)
         lo, hi = self._vocab_range()
         inside = (input_ids >= lo) & (input_ids < hi)
         local_ids = torch.where(inside, input_ids - lo, torch.zeros_like(input_ids))
         out = F.embedding(local_ids, w) * inside.unsqueeze(-1).to(w.dtype)
-        return all_reduce(out, self.weight.device_mesh)
+        for axis in axes:
+            out = all_reduce(out, self.weight.device_mesh, axis)
+        return out
 
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """The table takes ``placements`` (``Shard(0)`` or ``Replicate()``)."""

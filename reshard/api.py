@@ -7,6 +7,7 @@ that excludes this rank carries an empty local tensor, as in DTensor.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -44,19 +45,70 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement], 
 
 def redistribute_module(module: nn.Module,
                         plan: Mapping[str, Target] | Callable[[str, DTensor], Target | None], *,
-                        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> CommStats:
+                        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+                        async_op: bool = False) -> CommStats | "MoveHandle":
     """Move a module's DTensor parameters and buffers in place, all in one coalesced transfer.
 
     ``plan`` maps fully qualified names to ``(mesh, placements)``, or is a callable returning that
     (or ``None`` to leave a tensor where it is). Ranks outside a target mesh keep a DTensor with an
-    empty local tensor.
+    empty local tensor. With ``async_op=True`` the transfer runs on a background thread over its
+    own process group and a :class:`MoveHandle` is returned; the module keeps its old tensors until
+    ``handle.wait()`` swaps the new ones in.
     """
     names, tensors, targets = _select(module, plan)
+    if async_op:
+        return MoveHandle(module, names, tensors, targets, bucket_bytes, _movement_group())
     moved, stats = _move(tensors, targets, bucket_bytes)
+    _install(module, names, moved, stats)
+    return stats
+
+
+def _install(module: nn.Module, names: list[str], moved: list[DTensor], stats: CommStats) -> None:
     for name, new in zip(names, moved):
         _assign(module, name, new)
     _LAST[0] = stats
-    return stats
+
+
+_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def _movement_group() -> dist.ProcessGroup:
+    """A second process group for background moves (collective on first use: every rank calls)."""
+    if "async" not in _GROUPS:
+        _GROUPS["async"] = dist.new_group(list(range(dist.get_world_size())))
+    return _GROUPS["async"]
+
+
+class MoveHandle:
+    """A module move running in the background; ``wait()`` installs the result."""
+
+    def __init__(self, module, names, tensors, targets, bucket_bytes, group) -> None:
+        self._module, self._names = module, names
+        self._result: tuple | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(tensors, targets, bucket_bytes, group),
+                                        name="reshard-move", daemon=True)
+        self._thread.start()
+
+    def _run(self, tensors, targets, bucket_bytes, group) -> None:
+        try:
+            self._result = _move(tensors, targets, bucket_bytes, group)
+        except BaseException as e:  # re-raised by wait() on the caller's thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> CommStats:
+        """Block until the move finishes (``TimeoutError`` after ``timeout`` s); install it."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"background move did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        moved, stats = self._result
+        _install(self._module, self._names, moved, stats)
+        return stats
 
 
 def plan_for(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> Plan:
@@ -84,7 +136,7 @@ def _select(module: nn.Module, plan) -> tuple[list[str], list[DTensor], list[Tar
     return names, tensors, targets
 
 
-def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes
+def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, group=None
           ) -> tuple[list[DTensor], CommStats]:
     rank = dist.get_rank()
     plans, srcs = [], []
@@ -95,7 +147,7 @@ def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes
         plans.append(plan_for(t, mesh, placements))
         srcs.append(t.to_local() if plans[-1].src.box(rank) is not None else None)
     device = targets[0][0].device_type if targets else "cpu"
-    outs, stats = execute(plans, srcs, bucket_bytes=bucket_bytes, device=device)
+    outs, stats = execute(plans, srcs, bucket_bytes=bucket_bytes, device=device, group=group)
     result = []
     for t, (mesh, placements), out, plan in zip(tensors, targets, outs, plans):
         local = out if out is not None else torch.empty(0, dtype=t.dtype, device=device)

@@ -250,3 +250,86 @@ def test_bad_inputs_raise_value_error():
     for outside, budget in dist_harness.run(WORLD, _bad_inputs):
         assert "mesh names ranks [7] outside the world of 4 ranks" in outside
         assert "bucket_bytes (3) is smaller than the minimum chunk: one element of torch.float32 (4 bytes)" in budget
+
+
+# ---- a whole Llama model through five layouts ---------------------------------------------------------
+def _model_through_layouts(path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import AutoModelForCausalLM
+
+    from parallel import parallelize
+    from parallel.layouts import fsdp_layout, replicate_over, stage_layout, tp_layout
+    from reshard import Layout, redistribute_module
+
+    rank = dist.get_rank()
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    ids = torch.tensor([[5, 9, 33, 2, 100, 7, 64]])
+    model = parallelize(path)  # TP(4); 2 KV heads -> replicated on a (2, 2) kv mesh
+    tp4 = tp_layout(model, model.model.embed_tokens.weight.device_mesh)
+    assert all(tp4[n] == (p.device_mesh, p.placements) for n, p in model.named_parameters())
+    world = DeviceMesh("cpu", torch.arange(4))
+    grid = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    stages = [DeviceMesh("cpu", torch.tensor([r])) for r in range(4)]
+    layouts = [("fsdp", fsdp_layout(model, world), False), ("stages", stage_layout(model, stages), False),
+               ("tp2xdp2", replicate_over(tp_layout(model, grid["tp"]), grid), True), ("tp4", tp4, True)]
+    with torch.no_grad():
+        logits = {"start": model(ids).logits}
+    moves = []
+    for name, targets, runnable in layouts:
+        stats = redistribute_module(model, targets)
+        for pname, p in model.named_parameters():
+            box = Layout.of_dtensor(p).box(rank)
+            expect = full[pname][box_slices(box)] if box is not None else torch.empty(0)
+            assert torch.equal(p.to_local(), expect), (name, pname, rank)
+        if runnable:
+            with torch.no_grad():
+                logits[name] = model(ids).logits
+        moves.append((name, stats.bytes_sent, stats.lower_bound_bytes))
+    return logits, moves
+
+
+def test_llama_through_tp_fsdp_stages_tpdp_and_back(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from parallel.tiny_models import make_tiny_checkpoint
+
+    path = str(make_tiny_checkpoint("llama", tmp_path / "llama4", seed=3, num_hidden_layers=4))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([[5, 9, 33, 2, 100, 7, 64]])).logits
+    results = dist_harness.run(WORLD, _model_through_layouts, path)
+    for logits, _ in results:
+        torch.testing.assert_close(logits["start"], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits["tp2xdp2"], expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(logits["tp4"], logits["start"])  # back in TP(4): bitwise the same logits
+    for move in zip(*[moves for _, moves in results]):
+        name, lower_bound = move[0][0], move[0][2]
+        assert sum(sent for _, sent, _ in move) == lower_bound > 0, name
+
+
+def _async_move():
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from reshard import MoveHandle, redistribute_module
+
+    x = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    src = DeviceMesh("cpu", torch.arange(4))
+    dst = DeviceMesh("cpu", torch.tensor([3, 2, 1, 0]))
+    m = nn.Module()
+    m.w = nn.Parameter(distribute_tensor(x, src, (Shard(0),), src_data_rank=None))
+    before = m.w
+    handle = redistribute_module(m, {"w": (dst, (Shard(1),))}, async_op=True, bucket_bytes=1024)
+    assert isinstance(handle, MoveHandle)
+    busy = sum(torch.ones(200, 200).matmul(torch.ones(200, 200)).sum().item() for _ in range(5))  # overlap
+    still_old = m.w is before
+    stats = handle.wait(timeout=60)
+    expect = distribute_tensor(x, dst, (Shard(1),), src_data_rank=None).to_local()
+    return still_old, torch.equal(m.w.to_local(), expect), stats.rounds > 1, busy > 0
+
+
+def test_async_module_move_overlaps_and_installs_on_wait():
+    for still_old, correct, bucketed, _ in dist_harness.run(WORLD, _async_move):
+        assert still_old and correct and bucketed

@@ -1,0 +1,86 @@
+"""Whole-model layouts as target dicts for :func:`reshard.redistribute_module`.
+
+Each function returns ``{parameter name: (mesh, placements)}`` for a model made of our layers.
+Moving between any two of them is one coalesced, planned transfer (Seesaw's prefill <-> decode
+re-sharding, the RL train -> rollout weight sync, ...).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from layers import RMSNorm
+from layers._base import Redistributable, Targets, prefixed
+
+
+def _top_layers(model: nn.Module) -> list[tuple[str, Redistributable]]:
+    """Our outermost layers (an attention's inner linears are covered by the attention)."""
+    out: list[tuple[str, Redistributable]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, Redistributable) and not any(name.startswith(p + ".") for p, _ in out):
+            out.append((name, module))
+    return out
+
+
+def tp_layout(model: nn.Module, mesh: DeviceMesh) -> Targets:
+    """Tensor parallel over the 1-D ``mesh``: heads / FFN columns / vocab split, norms replicated."""
+    targets: Targets = {}
+    for name, layer in _top_layers(model):
+        placements = (Replicate(),) if isinstance(layer, RMSNorm) else (Shard(0),)
+        targets.update(prefixed(name, layer.redistribute_targets(mesh, placements)))
+    return targets
+
+
+def replicate_over(targets: Targets, mesh: DeviceMesh) -> Targets:
+    """Lift 1-D targets onto a 2-D ``(dp, tp)`` ``mesh``: replicas along dp, same layout along tp.
+
+    Every 1-D target mesh must be this rank's tp row of ``mesh`` (e.g. from :func:`tp_layout` on
+    ``mesh["tp"]``); KV-head-replicated attention (2-D kv meshes) cannot be lifted.
+    """
+    lifted: Targets = {}
+    for name, (sub, placements) in targets.items():
+        if sub.ndim != 1:
+            raise ValueError(f"{name!r} is on a {sub.ndim}-D mesh; only 1-D targets can be lifted")
+        lifted[name] = (mesh, (Replicate(),) + tuple(placements))
+    return lifted
+
+
+def fsdp_layout(model: nn.Module, mesh: DeviceMesh) -> Targets:
+    """FSDP-style: every parameter Shard(0) over ``mesh`` (the training layout of FSDP2)."""
+    return {name: (mesh, (Shard(0),)) for name, _ in model.named_parameters()}
+
+
+def stage_layout(model: nn.Module, stage_meshes: Sequence[DeviceMesh]) -> Targets:
+    """Pipeline stages: decoder layers split into contiguous blocks, one block per stage mesh.
+
+    Stage ``s`` holds whole layers (replicated over its mesh); the embedding lives with the first
+    stage, the final norm and LM head with the last.
+    """
+    num_layers, num_stages = len(model.model.layers), len(stage_meshes)
+    if num_stages > num_layers:
+        raise ValueError(f"pipeline stages ({num_stages}) exceed the model's layers ({num_layers})")
+    targets: Targets = {}
+    for name, _ in model.named_parameters():
+        mesh = stage_meshes[_stage_of(name, num_layers, num_stages)]
+        targets[name] = (mesh, (Replicate(),) * mesh.ndim)
+    return targets
+
+
+def _stage_of(name: str, num_layers: int, num_stages: int) -> int:
+    parts = name.split(".")
+    if "layers" in parts:
+        return stage_of_layer(int(parts[parts.index("layers") + 1]), num_layers, num_stages)
+    return 0 if "embed_tokens" in name else num_stages - 1
+
+
+def stage_of_layer(layer: int, num_layers: int, num_stages: int) -> int:
+    """Layers split into contiguous, near-equal blocks (the first stages take the remainder)."""
+    base, extra = divmod(num_layers, num_stages)
+    bounds, start = [], 0
+    for s in range(num_stages):
+        start += base + (1 if s < extra else 0)
+        bounds.append(start)
+    return next(s for s, end in enumerate(bounds) if layer < end)
