@@ -27,7 +27,7 @@ class ParallelLinear(Redistributable, nn.Module):
 
     - ``Shard(0)`` (colwise): input replicated; returns Shard(-1) on the mesh (this rank's output
       features), or the full output with ``gather_output=True``.
-    - ``Shard(1)`` (rowwise, 1-D mesh): input Shard(-1); returns the all-reduced, replicated output.
+    - ``Shard(1)`` (rowwise): input Shard(-1); returns the output all-reduced over the sharded axes.
     - ``Replicate()``: input and output replicated; no communication.
 
     State-dict keys (``weight``, ``bias``) and shapes are those of ``nn.Linear``.
@@ -61,16 +61,21 @@ class ParallelLinear(Redistributable, nn.Module):
         return "colwise" if dims == {0} else "rowwise" if dims == {1} else "replicated"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # 2-D GEMM: CPU kernels are far slower on (1, N, D) inputs
         w = self.weight.to_local()
         b = self.bias.to_local() if self.bias is not None else None
         style = self.style
         if style == "rowwise":
-            y = all_reduce(F.linear(x, w), self.mesh, _shard_axis(self.weight))
-            return y if b is None else y + b
-        y = F.linear(x, w, b)
-        if style == "colwise" and self.gather_output:
-            y = all_gather_last(y, self.mesh, self.out_features, _shard_axis(self.weight))
-        return y
+            y = F.linear(x, w)
+            for axis in _shard_axes(self.weight):
+                y = all_reduce(y, self.mesh, axis)
+            y = y if b is None else y + b
+        else:
+            y = F.linear(x, w, b)
+            if style == "colwise" and self.gather_output:
+                y = all_gather_last(y, self.mesh, self.out_features, _shard_axis(self.weight))
+        return y.view(*lead, y.shape[-1])
 
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """The weight takes ``placements``; the bias follows the weight's output dim."""
@@ -85,7 +90,12 @@ class ParallelLinear(Redistributable, nn.Module):
                 f"placements={tuple(self.weight.placements)}")
 
 
+def _shard_axes(t: DTensor) -> list[int]:
+    return [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+
+
 def _shard_axis(t: DTensor) -> int:
-    axes = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
-    assert len(axes) == 1, f"expected one sharded mesh axis, got {t.placements}"
+    axes = _shard_axes(t)
+    if len(axes) != 1:
+        raise ValueError(f"gathering the output needs one sharded mesh axis, got {t.placements}")
     return axes[0]
