@@ -42,14 +42,16 @@ class GenerationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"generation.temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"generation.top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        try:
+            self.sampling_params()
+        except ValueError as e:  # SamplingParams names the field; add the config section
+            raise ValueError(f"generation.{e}") from None
+
+    def sampling_params(self):
+        from parallel import SamplingParams
+
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+from parallel import Engine, ParallelDims, Request, parallelize
 from parallel.tiny_models import builtin_checkpoint
 
 from .config import GenerateConfig
@@ -71,9 +71,7 @@ def _dims(cfg: GenerateConfig) -> ParallelDims:
 
 def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> list[Request]:
     """Requests from ``workload.prompts_file`` or a seeded synthetic workload."""
-    g = cfg.generation
-    params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                            top_k=g.top_k, top_p=g.top_p, seed=g.seed)
+    params = cfg.generation.sampling_params()
     if cfg.workload.prompts_file:
         prompts = read_prompts(Path(cfg.workload.prompts_file), model_path)
     else:
