@@ -151,9 +151,9 @@ class ParallelAttention(Redistributable, nn.Module):
         self.q_proj = ParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, mesh=mesh,
                                      placements=q_pl, **kw)
         self.k_proj = ParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, mesh=kv_m,
-                                     placements=kv_pl, **kw)
+                                     placements=kv_pl, input_grad=_kv_input_grad(kv_pl), **kw)
         self.v_proj = ParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, mesh=kv_m,
-                                     placements=kv_pl, **kw)
+                                     placements=kv_pl, input_grad=_kv_input_grad(kv_pl), **kw)
         self.o_proj = ParallelLinear(num_heads * head_dim, hidden_size, o_bias, mesh=mesh,
                                      placements=o_pl, **kw)
         if qk_norm:
@@ -221,10 +221,19 @@ class ParallelAttention(Redistributable, nn.Module):
 
     def _after_redistribute(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
         self._mesh = mesh
+        for proj in (self.k_proj, self.v_proj):
+            proj.input_grad = _kv_input_grad(proj.weight.placements)
 
     @property
     def local_kv_heads(self) -> int:
         return self.k_proj.weight.to_local().shape[0] // self.head_dim
+
+
+def _kv_input_grad(placements) -> str:
+    """Replicated KV heads serve different query heads on each replica: sum input grads over all."""
+    replicated_heads = any(isinstance(p, Shard) for p in placements) and any(
+        isinstance(p, Replicate) for p in placements)
+    return "all" if replicated_heads else "sharded"
 
 
 _KV_MESHES: dict[tuple, DeviceMesh] = {}

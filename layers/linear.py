@@ -9,10 +9,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from reshard import empty_dtensor
+import torch.distributed as dist
+
+from reshard import Layout, empty_dtensor, redistribute, wrap_local
 
 from ._base import Redistributable, Targets
-from ._comm import all_gather_last, all_reduce
+from ._comm import all_gather_last, reduce_output, replicated_input
 
 
 def _bias_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
@@ -31,11 +33,16 @@ class ParallelLinear(Redistributable, nn.Module):
     - ``Replicate()``: input and output replicated; no communication.
 
     State-dict keys (``weight``, ``bias``) and shapes are those of ``nn.Linear``.
+
+    Training: a colwise layer sums its input's gradient over the sharded mesh axes
+    (``input_grad="sharded"``), or over every axis (``"all"``) when replicas of its output are
+    consumed differently, e.g. a K/V projection replicated over ranks with different query heads.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  mesh: DeviceMesh, placements: Sequence[Placement] = (Replicate(),),
-                 gather_output: bool = False, dtype: torch.dtype = torch.float32,
+                 gather_output: bool = False, input_grad: str = "sharded",
+                 dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         placements = tuple(placements)
@@ -43,8 +50,11 @@ class ParallelLinear(Redistributable, nn.Module):
             raise ValueError(f"mesh has {mesh.ndim} axes but {len(placements)} placements were given")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.input_grad = _check_input_grad(input_grad)
         self.weight = nn.Parameter(empty_dtensor((out_features, in_features), mesh, placements,
                                                  dtype=dtype, device=device))
+        self.mode = "base"
+        self._layouts: dict[str, tuple[DTensor, DTensor | None]] = {}
         self.bias = None
         if bias:
             self.bias = nn.Parameter(empty_dtensor((out_features,), mesh, _bias_placements(placements),
@@ -57,25 +67,45 @@ class ParallelLinear(Redistributable, nn.Module):
     @property
     def style(self) -> str:
         """``colwise`` | ``rowwise`` | ``replicated``, read off the weight's placements."""
-        dims = {p.dim for p in self.weight.placements if isinstance(p, Shard)}
-        return "colwise" if dims == {0} else "rowwise" if dims == {1} else "replicated"
+        return _style(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # 2-D GEMM: CPU kernels are far slower on (1, N, D) inputs
-        w = self.weight.to_local()
-        b = self.bias.to_local() if self.bias is not None else None
-        style = self.style
-        if style == "rowwise":
+        weight, bias, grad_axes = self.active_weights()
+        w, b = weight.to_local(), bias.to_local() if bias is not None else None
+        axes = _shard_axes(weight)
+        if _style(weight) == "rowwise":
             y = F.linear(x, w)
-            for axis in _shard_axes(self.weight):
-                y = all_reduce(y, self.mesh, axis)
+            for axis in axes:
+                y = reduce_output(y, weight.device_mesh, axis)
             y = y if b is None else y + b
         else:
+            for axis in axes if grad_axes == "sharded" else range(weight.device_mesh.ndim):
+                x = replicated_input(x, weight.device_mesh, axis)
             y = F.linear(x, w, b)
-            if style == "colwise" and self.gather_output:
-                y = all_gather_last(y, self.mesh, self.out_features, _shard_axis(self.weight))
+            if axes and self.gather_output:
+                y = all_gather_last(y, weight.device_mesh, self.out_features, _shard_axis(weight))
         return y.view(*lead, y.shape[-1])
+
+    # ---- a second layout of the same weight (Shift parallelism's shift mode) -------------------
+    def add_layout(self, mode: str, mesh: DeviceMesh, placements: Sequence[Placement], *,
+                   copy: bool, input_grad: str = "sharded") -> int:
+        """Hold the weight also in ``placements`` on ``mesh``, used while ``self.mode == mode``.
+
+        ``copy=True`` stores separate shards (moved through the movement core); ``copy=False``
+        takes views of this rank's base shard, which must contain the new box. Returns the extra
+        bytes this rank now holds. ``input_grad``: see the constructor.
+        """
+        weights = [self.weight] + ([self.bias] if self.bias is not None else [])
+        pls = [tuple(placements), _bias_placements(placements)]
+        alt = [_alternate(t.data, mesh, pl, copy) for t, pl in zip(weights, pls)]
+        self._layouts[mode] = (alt[0], alt[1] if len(alt) > 1 else None, _check_input_grad(input_grad))
+        return sum(a.to_local().numel() * a.to_local().element_size() for a in alt) if copy else 0
+
+    def active_weights(self) -> tuple[DTensor, DTensor | None, str]:
+        """(weight, bias, input_grad) of the current ``mode`` (base parameters by default)."""
+        return self._layouts.get(self.mode, (self.weight, self.bias, self.input_grad))
 
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """The weight takes ``placements``; the bias follows the weight's output dim."""
@@ -88,6 +118,30 @@ class ParallelLinear(Redistributable, nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, style={self.style}, "
                 f"placements={tuple(self.weight.placements)}")
+
+
+def _style(weight: DTensor) -> str:
+    dims = {p.dim for p in weight.placements if isinstance(p, Shard)}
+    return "colwise" if dims == {0} else "rowwise" if dims == {1} else "replicated"
+
+
+def _alternate(t: DTensor, mesh: DeviceMesh, placements, copy: bool) -> DTensor:
+    """``t`` in another layout: moved by the movement core, or a view of this rank's shard."""
+    if copy:
+        return redistribute(t, mesh, placements)
+    rank = dist.get_rank()
+    base, box = Layout.of_dtensor(t).box(rank), Layout.of(mesh, placements, t.shape, t.dtype).box(rank)
+    if any(lo < b0 or hi > b1 for (lo, hi), (b0, b1) in zip(box, base)):
+        raise ValueError(f"slice layout needs box {box} inside this rank's base box {base}; "
+                         f"use copy=True")
+    view = t.to_local()[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(box, base))]
+    return wrap_local(view, mesh, placements, t.shape)
+
+
+def _check_input_grad(value: str) -> str:
+    if value not in ("sharded", "all"):
+        raise ValueError(f"input_grad must be 'sharded' or 'all', got {value!r}")
+    return value
 
 
 def _shard_axes(t: DTensor) -> list[int]:

@@ -75,6 +75,61 @@ class ParallelDims:
             self._meshes[key] = DeviceMesh(device_type(), grid, mesh_dim_names=names)["tp_kv", "tp_rep"]
         return self._meshes[key]
 
+    # ---- Shift parallelism: one head-block map for SP and TP ---------------------------------
+    def head_block(self, sp_rank: int, tp_rank: int) -> int:
+        """The head block rank ``(sp_rank, tp_rank)`` attends over, in both Shift modes.
+
+        The base (SP x TP) layout splits heads over tp, then the SP all-to-all splits each tp
+        shard over sp, so the block is ``tp_rank * sp + sp_rank``. The shift (full TP) layout
+        must give each rank that same block so the KV cache is shared (the paper's Figure 7).
+        """
+        return tp_rank * self.sp + sp_rank
+
+    def base_mesh(self) -> DeviceMesh:
+        """2-D ``(sp, tp)`` mesh of this rank's SP x TP group (the base layout)."""
+        return self.world_mesh()["sp", "tp"]
+
+    def shift_mesh(self) -> DeviceMesh:
+        """The same ranks as a ``(tp, sp)`` mesh: ``(Shard(d), Shard(d))`` on it nests tp then sp,
+        so rank ``(s, t)`` holds chunk :meth:`head_block` ``(s, t)`` — full TP in block order."""
+        return self._derived("shift", self._block_grid(), ("shift_tp", "shift_sp"))
+
+    def block_mesh(self, groups: int) -> DeviceMesh:
+        """Ranks in head-block order split into ``(groups, sp * tp // groups)`` — for KV heads that
+        the shift layout replicates over consecutive blocks (``groups`` = KV heads)."""
+        grid = self._block_grid().flatten(-2).unflatten(-1, (groups, -1))
+        return self._derived(("block", groups), grid, ("kv_block", "kv_rep"))
+
+    def sp_split_mesh(self, kv_groups: int) -> DeviceMesh:
+        """The sp axis split into ``(kv_groups, sp // kv_groups)`` for the paper's Algorithm 1:
+        all-to-all along ``sp_aa`` (one rank per GQA group), all-gather along ``sp_ag``."""
+        grid = torch.arange(self.world_size).view(self.shape).unflatten(2, (kv_groups, -1))
+        grid = grid.permute(0, 1, 4, 2, 3)  # (dp, pp, tp, sp_aa, sp_ag)
+        return self._derived(("sp_split", kv_groups), grid, ("sp_aa", "sp_ag"))
+
+    def shift_meshes(self, num_kv_heads: int):
+        """Every mesh :class:`layers.UlyssesAttention` needs for ``num_kv_heads`` KV heads."""
+        from layers.ulysses import ShiftMeshes, check_shift_heads
+
+        p = self.sp * self.tp
+        kv_per_tp = num_kv_heads // self.tp if num_kv_heads % self.tp == 0 else 0
+        return ShiftMeshes(
+            base=self.base_mesh(), shift=self.shift_mesh(),
+            shift_kv=self.block_mesh(num_kv_heads) if num_kv_heads < p and p % num_kv_heads == 0 else None,
+            sp_split=self.sp_split_mesh(kv_per_tp) if 0 < kv_per_tp < self.sp and self.sp % kv_per_tp == 0 else None)
+
+    def _block_grid(self) -> torch.Tensor:
+        return torch.arange(self.world_size).view(self.shape).transpose(2, 3)  # (dp, pp, tp, sp)
+
+    def _derived(self, key, grid: torch.Tensor, names: tuple[str, str]) -> DeviceMesh:
+        """A mesh over the whole world with ``grid``'s last two axes named ``names``; this rank's 2-D slice."""
+        if key not in self._meshes:
+            self._check_world()
+            lead = tuple(f"_lead{i}" for i in range(grid.dim() - 2))
+            mesh = DeviceMesh(device_type(), grid, mesh_dim_names=lead + names)
+            self._meshes[key] = mesh[names]
+        return self._meshes[key]
+
     def _check_world(self) -> None:
         actual = dist.get_world_size() if dist.is_initialized() else 1
         if actual != self.world_size:
