@@ -17,7 +17,8 @@ class SwiGLUMLP(Redistributable, nn.Module):
     """``down(act(gate(x)) * up(x))``.
 
     ``placements=(Shard(0),)`` is the TP layout: gate/up colwise, down rowwise (one all-reduce).
-    ``(Replicate(),)`` keeps every weight whole. Input and output are replicated on ``mesh``.
+    ``(Replicate(),)`` keeps every weight whole; on an n-D mesh give one of the two per axis.
+    Input and output are replicated over the sharded axes.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, mesh: DeviceMesh,
@@ -45,8 +46,17 @@ class SwiGLUMLP(Redistributable, nn.Module):
 
 
 def _ffn_placements(placements: tuple[Placement, ...]) -> tuple[tuple, tuple]:
-    if all(isinstance(p, Replicate) for p in placements):
-        return placements, placements
-    if placements == (Shard(0),):
-        return (Shard(0),), (Shard(1),)
-    raise ValueError(f"SwiGLUMLP supports (Shard(0),) or (Replicate(),), got {placements}")
+    """Per mesh axis: ``Shard(0)`` = TP (gate/up Shard(0), down Shard(1)); ``Replicate()`` = whole."""
+    bad = [p for p in placements if p != Shard(0) and not isinstance(p, Replicate)]
+    if bad:
+        raise ValueError(f"SwiGLUMLP takes Shard(0) or Replicate() per mesh axis, got {placements}")
+    down = tuple(Shard(1) if isinstance(p, Shard) else p for p in placements)
+    return placements, down
+
+
+def add_shift_layout(mlp: SwiGLUMLP, mesh: DeviceMesh, *, copy: bool) -> int:
+    """Full TP over a 2-D ``mesh`` (both axes sharded) as ``mode == "tp"`` layouts; extra bytes."""
+    up, down = _ffn_placements((Shard(0), Shard(0)))
+    return (mlp.gate_proj.add_layout("tp", mesh, up, copy=copy)
+            + mlp.up_proj.add_layout("tp", mesh, up, copy=copy)
+            + mlp.down_proj.add_layout("tp", mesh, down, copy=copy))

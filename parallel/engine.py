@@ -238,10 +238,13 @@ class Engine:
             seq.append(token)
 
     def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
-        """All ranks of the model's mesh continue with the first rank's tokens."""
+        """All ranks of the model's mesh continue with the tokens of mesh coordinate (0, ..., 0)."""
         mesh = self.model.model.embed_tokens.weight.device_mesh
-        if mesh.size() > 1:
-            dist.broadcast(tokens, src=int(mesh.mesh.flatten()[0]), group=mesh.get_group())
+        coord = list(mesh.get_coordinate())
+        for axis in reversed(range(mesh.ndim)):  # innermost axis first, then outward
+            if mesh.size(axis) > 1:
+                src = int(mesh.mesh[tuple(coord[:axis] + [0] + coord[axis + 1:])])
+                dist.broadcast(tokens, src=src, group=mesh.get_group(axis))
         return tokens
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
