@@ -69,16 +69,25 @@ class EngineConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "tp"
-    tp: int | None = None
+    tp: int | None = None  # null: the rest of the world
+    sp: int = 1  # shift: Ulysses degree of the base (SP x TP) layout
+    threshold: int = 64  # shift: steps with more tokens run SP, the others TP
+    shift_weights: str = "copy"  # shift: copy | slice
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"parallel.strategy {self.strategy!r} is not one of {sorted(STRATEGIES)}")
-        if self.tp is not None and self.tp < 1:
-            raise ValueError(f"parallel.tp must be >= 1, got {self.tp}")
+        for name in ("tp", "sp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
+        if self.threshold < 0:
+            raise ValueError(f"parallel.threshold must be >= 0, got {self.threshold}")
+        if self.shift_weights not in ("copy", "slice"):
+            raise ValueError(f"parallel.shift_weights must be copy or slice, got {self.shift_weights!r}")
 
 
-STRATEGIES = ("tp",)
+STRATEGIES = ("shift", "tp")
 
 
 @dataclass

@@ -33,12 +33,9 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     path = _model_path(cfg)
     dims = _dims(cfg)
-    model = parallelize(path, dims, dtype=getattr(torch, cfg.model.dtype))
-    engine = Engine(model, max_batch_size=cfg.engine.max_batch_size,
-                    max_seq_len=cfg.engine.max_seq_len,
-                    max_prefill_tokens=cfg.engine.max_prefill_tokens, compile=cfg.compile)
+    engine = build_engine(cfg, path, dims)
     load_seconds = time.perf_counter() - t0
-    requests = build_requests(cfg, path, model.config.vocab_size)
+    requests = build_requests(cfg, path, engine.model.config.vocab_size)
     dp_rank = dims.world_mesh().get_coordinate()[0]
     t1 = time.perf_counter()
     mine = engine.generate(requests[dp_rank::dims.dp], progress=cfg.progress and _rank() == 0)
@@ -62,11 +59,43 @@ def _model_path(cfg: GenerateConfig) -> Path:
 
 
 def _dims(cfg: GenerateConfig) -> ParallelDims:
-    world = dist.get_world_size()
-    tp = cfg.parallel.tp or world
+    """tp: tp ranks x data-parallel replicas. shift: sp x tp must cover the world."""
+    world, p = dist.get_world_size(), cfg.parallel
+    if p.strategy == "shift":
+        if p.tp is None and world % p.sp != 0:
+            raise ValueError(f"parallel.sp ({p.sp}) must divide the world size ({world})")
+        tp = p.tp or world // p.sp
+        if p.sp * tp != world:
+            raise ValueError(f"parallel.sp ({p.sp}) x parallel.tp ({tp}) must equal the world size ({world})")
+        return ParallelDims(sp=p.sp, tp=tp, world_size=world)
+    tp = p.tp or world
     if world % tp != 0:
         raise ValueError(f"parallel.tp ({tp}) must divide the world size ({world})")
     return ParallelDims(dp=world // tp, tp=tp, world_size=world)
+
+
+def build_engine(cfg: GenerateConfig, path: Path, dims: ParallelDims) -> Engine:
+    """The strategy's model layout and engine."""
+    dtype = getattr(torch, cfg.model.dtype)
+    kw = dict(max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
+              max_prefill_tokens=cfg.engine.max_prefill_tokens, compile=cfg.compile)
+    if cfg.parallel.strategy == "shift":
+        from parallel.shift import ShiftEngine, parallelize_shift
+
+        model = parallelize_shift(path, dims, shift_weights=cfg.parallel.shift_weights, dtype=dtype)
+        return ShiftEngine(model, threshold=cfg.parallel.threshold, **kw)
+    return Engine(parallelize(path, dims, dtype=dtype), **kw)
+
+
+def _strategy_summary(engine: Engine) -> dict:
+    """Keys a strategy adds to summary.json."""
+    shift = getattr(engine, "shift", None)
+    if shift is None:
+        return {}
+    return {"mode_switches": shift.mode_switches, "steps_by_mode": dict(shift.steps_by_mode),
+            "switch_bytes": shift.switch_bytes, "threshold": engine.threshold,
+            "shift_extra_bytes": engine.model.shift_extra_bytes,
+            "kv_replication": engine.model.model.layers[0].self_attn.kv_replication}
 
 
 def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> list[Request]:
@@ -141,7 +170,7 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
         "model_path": str(Path(path).resolve()),
         "world_size": dist.get_world_size(),
         "strategy": cfg.parallel.strategy,
-        "parallel": {"dp": dims.dp, "tp": dims.tp},
+        "parallel": {"dp": dims.dp, "sp": dims.sp, "tp": dims.tp},
         "requests": len(completions),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
@@ -151,6 +180,7 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
         "phase_seconds": {"load": load_s, "prefill": prefill_s, "decode": decode_s,
                           "generate_total": gen_s},
         "compile": cfg.compile,
+        **_strategy_summary(engine),
     }
 
 
@@ -173,6 +203,9 @@ def _print_summary(s: dict) -> None:
           f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
           f"mean batch {s['mean_decode_batch']:.1f})\n"
           f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s", flush=True)
+    if "mode_switches" in s:
+        print(f"  shift: steps by mode {s['steps_by_mode']}, {s['mode_switches']} switches, "
+              f"{s['switch_bytes']} bytes moved at switches", flush=True)
 
 
 # ---- process group and Hydra plumbing -------------------------------------------------------

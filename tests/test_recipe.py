@@ -35,6 +35,8 @@ def _run_recipe(overrides, run_dir):
     ("workload.prompt_len_min=50 workload.prompt_len_max=10", r"prompt_len_min \(50\)"),
     ("parallel.strategy=magic", r"'magic' is not one of"),
     ("engine.max_batch_size=0", r"engine.max_batch_size must be >= 1, got 0"),
+    ("parallel=shift parallel.shift_weights=mirror", r"parallel.shift_weights must be copy or slice, got 'mirror'"),
+    ("parallel=shift parallel.threshold=-5", r"parallel.threshold must be >= 0, got -5"),
 ])
 def test_bad_override_values_raise_value_error(override, message):
     with pytest.raises(ValueError, match=message):
@@ -51,6 +53,25 @@ def test_tp_not_dividing_world_is_rejected(tmp_path):
         dist_harness.run(2, _run_recipe, ["parallel.tp=3"], str(tmp_path))
 
 
+def test_shift_recipe_reports_switches(checkpoints, hf_reference, tmp_path):
+    path = checkpoints["llama"]
+    overrides = [f"model.path={path}", "parallel=shift", "parallel.sp=2", "parallel.threshold=4",
+                 "workload.num_requests=5", "workload.prompt_len_min=3", "workload.prompt_len_max=20",
+                 "generation.max_new_tokens=6", "engine.max_batch_size=3", "progress=false"]
+    summary = dist_harness.run(2, _run_recipe, overrides, str(tmp_path))[0]
+    assert summary["strategy"] == "shift" and summary["parallel"] == {"dp": 1, "sp": 2, "tp": 1}
+    assert summary["mode_switches"] >= 1 and summary["switch_bytes"] == 0
+    assert summary["steps_by_mode"]["sp"] > 0 and summary["steps_by_mode"]["tp"] > 0
+    lines = [json.loads(l) for l in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    prompts = [l["prompt_ids"] for l in lines]
+    assert [l["output_ids"] for l in lines] == hf_reference(path, prompts, 6)
+
+
+def test_shift_sp_must_divide_world(tmp_path):
+    with pytest.raises(RuntimeError, match=r"parallel.sp \(4\) must divide the world size \(2\)"):
+        dist_harness.run(2, _run_recipe, ["parallel=shift", "parallel.sp=4"], str(tmp_path))
+
+
 def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     path = checkpoints["qwen3"]
     prompts_file = tmp_path / "prompts.jsonl"
@@ -60,7 +81,7 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     overrides = [f"model.path={path}", f"workload.prompts_file={prompts_file}",
                  "generation.max_new_tokens=8", "progress=false", "parallel.tp=1"]
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
-    assert summaries[0]["parallel"] == {"dp": 2, "tp": 1}
+    assert summaries[0]["parallel"] == {"dp": 2, "sp": 1, "tp": 1}
     lines = [json.loads(l) for l in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
     assert [l["prompt_ids"] for l in lines] == prompts
     assert [l["output_ids"] for l in lines] == hf_reference(path, prompts, 8)
