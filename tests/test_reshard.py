@@ -333,3 +333,26 @@ def _async_move():
 def test_async_module_move_overlaps_and_installs_on_wait():
     for still_old, correct, bucketed, _ in dist_harness.run(WORLD, _async_move):
         assert still_old and correct and bucketed
+
+
+def _boxes_vs_dtensor(layout: Layout):
+    """This rank's box from ``Layout`` against DTensor's own local slicing on a real mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    x = torch.arange(box_numel(tuple((0, n) for n in layout.shape)), dtype=torch.float32).view(layout.shape)
+    mesh = DeviceMesh("cpu", layout.grid)
+    box = layout.box(dist.get_rank())
+    if box is None:
+        return True
+    local = distribute_tensor(x, mesh, layout.placements, src_data_rank=None).to_local()
+    return torch.equal(local, x[box_slices(box)])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_layouts(partial_ok=False))
+def test_layout_boxes_agree_with_dtensor_local_slicing(layout_and_shape):
+    """The property tests' reference (Layout boxes) is DTensor's own chunk rule."""
+    layout, _ = layout_and_shape
+    assert all(dist_harness.run(WORLD, _boxes_vs_dtensor, layout))
