@@ -32,7 +32,7 @@ class CommStats:
     bytes_copied_locally: int = 0
     messages: int = 0  # coalesced P2P messages this rank sent
     rounds: int = 0
-    peak_extra_bytes: int = 0  # largest round's send + receive buffers, plus one piece temp
+    peak_extra_bytes: int = 0  # largest round's send + receive buffers on this rank
     planned_bytes: int = 0  # all ranks, from the plans
     lower_bound_bytes: int = 0  # all ranks
     seconds: float = 0.0
@@ -69,7 +69,8 @@ def _items(plans: Sequence[Plan], bucket_bytes: int | None) -> list[_Item]:
                              f"element of {plan.src.dtype} ({plan.itemsize} bytes)")
         for piece in plan.pieces:
             chunks = [piece.box] if piece.local or limit is None else split_box(piece.box, limit)
-            out += [_Item(len(out), i, piece, c, box_numel(c) * plan.itemsize) for c in chunks]
+            out += [_Item(len(out) + j, i, piece, c, box_numel(c) * plan.itemsize)
+                    for j, c in enumerate(chunks)]
     return out
 
 
@@ -122,20 +123,34 @@ def execute(plans: Sequence[Plan], src_locals: Sequence[torch.Tensor | None], *,
     t0 = time.perf_counter()
     _check_world(plans)
     rank = dist.get_rank()
-    outs = [_alloc(plan, rank, device) for plan in plans]
+    views = {i for i, plan in enumerate(plans) if _held_whole(plan, rank)}
+    outs = [_src_slice(plan, src_locals[i], rank) if i in views else _alloc(plan, rank, device)
+            for i, plan in enumerate(plans)]
     stats = CommStats(planned_bytes=sum(p.bytes_moved for p in plans),
                       lower_bound_bytes=sum(p.lower_bound_bytes for p in plans))
     items = _items(plans, bucket_bytes)
     for round_items in assign_rounds(items, plans, bucket_bytes):
         mine = [it for it in round_items if rank in (it.piece.src, it.piece.dst)]
         if mine:
-            _run_round(mine, plans, src_locals, outs, rank, stats, group)
+            _run_round(mine, plans, src_locals, outs, rank, stats, group, views)
         stats.rounds += 1
     for plan, out in zip(plans, outs):
         if out is not None and plan.reduce_op == "avg":
             out.div_(plan.num_contributions)
     stats.seconds = time.perf_counter() - t0
     return outs, stats
+
+
+def _held_whole(plan: Plan, rank: int) -> bool:
+    """This rank already holds its whole destination box (one local piece, nothing to reduce)."""
+    mine = [p for p in plan.pieces if p.dst == rank]
+    return (not plan.reduce_op and len(mine) == 1 and mine[0].local
+            and mine[0].box == plan.dst.box(rank))
+
+
+def _src_slice(plan: Plan, src_local: torch.Tensor, rank: int) -> torch.Tensor:
+    """The destination shard as a view of the source shard (no copy, as DTensor does)."""
+    return src_local[_local_slices(plan.dst.box(rank), plan.src.box(rank))]
 
 
 def _alloc(plan: Plan, rank: int, device) -> torch.Tensor | None:
@@ -147,7 +162,7 @@ def _alloc(plan: Plan, rank: int, device) -> torch.Tensor | None:
 
 
 def _run_round(items: list[_Item], plans, src_locals, outs, rank: int, stats: CommStats,
-               group) -> None:
+               group, views: set[int]) -> None:
     sends, recvs = defaultdict(list), defaultdict(list)
     for it in items:
         if not it.piece.local:
@@ -158,16 +173,15 @@ def _run_round(items: list[_Item], plans, src_locals, outs, rank: int, stats: Co
     ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in send_bufs.items()]
     ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf in recv_bufs.items()]
     works = dist.batch_isend_irecv(ops) if ops else []
-    largest_piece = max((i.nbytes for i in items if not i.piece.local), default=0)
     for w in works:
         w.wait()
-    _unpack(items, plans, src_locals, outs, recv_bufs, rank, stats)
+    _unpack(items, plans, src_locals, outs, recv_bufs, rank, stats, views)
     sent = sum(b.numel() for b in send_bufs.values())
     received = sum(b.numel() for b in recv_bufs.values())
     stats.bytes_sent += sent
     stats.bytes_received += received
     stats.messages += len(send_bufs)
-    stats.peak_extra_bytes = max(stats.peak_extra_bytes, sent + received + largest_piece)
+    stats.peak_extra_bytes = max(stats.peak_extra_bytes, sent + received)
 
 
 def _device_of(outs) -> torch.device:
@@ -179,31 +193,48 @@ def _src_view(it: _Item, plans, src_locals, rank: int) -> torch.Tensor:
     return src_locals[it.plan][_local_slices(it.box, plan.src.box(rank))]
 
 
+def _offsets(items: list[_Item], plans) -> dict[int, int]:
+    """Byte offset of each chunk in one peer's buffer: largest dtypes first, so every chunk is
+    aligned for its dtype (mixed dtypes share a buffer); canonical order within a dtype size."""
+    offsets, at = {}, 0
+    for it in sorted(items, key=lambda i: (-plans[i.plan].itemsize, i.order)):
+        offsets[it.order] = at
+        at += it.nbytes
+    return offsets
+
+
+def _typed(buf: torch.Tensor, offset: int, it: _Item, plans) -> torch.Tensor:
+    """The chunk's bytes in ``buf`` as a tensor of its dtype and box shape (a view)."""
+    shape = tuple(hi - lo for lo, hi in it.box)
+    return buf[offset:offset + it.nbytes].view(plans[it.plan].dst.dtype).view(shape)
+
+
 def _pack(items: list[_Item], plans, src_locals, rank: int) -> torch.Tensor:
-    """One contiguous byte buffer of every chunk for one peer, in canonical order."""
-    flat = [_src_view(it, plans, src_locals, rank).contiguous().view(-1).view(torch.uint8)
-            for it in items]
-    return torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+    """One contiguous byte buffer of every chunk for one peer; chunks are copied straight in."""
+    offsets = _offsets(items, plans)
+    buf = torch.empty(sum(it.nbytes for it in items), dtype=torch.uint8,
+                      device=src_locals[items[0].plan].device)
+    for it in items:
+        _typed(buf, offsets[it.order], it, plans).copy_(_src_view(it, plans, src_locals, rank))
+    return buf
 
 
 def _unpack(items: list[_Item], plans, src_locals, outs, recv_bufs, rank: int,
-            stats: CommStats) -> None:
+            stats: CommStats, views: set[int]) -> None:
     """Write received chunks and local copies into destination shards, in canonical order."""
-    offsets: dict[int, int] = defaultdict(int)
-    for it in items:  # items are in canonical order; buffers were packed in the same order
+    by_peer = defaultdict(list)
+    for it in items:
+        if it.piece.dst == rank and not it.piece.local:
+            by_peer[it.piece.src].append(it)
+    offsets = {peer: _offsets(its, plans) for peer, its in by_peer.items()}
+    for it in items:  # canonical order: every replica reduces Partial contributions alike
         p, plan = it.piece, plans[it.plan]
-        if p.dst != rank:
+        if p.dst != rank or it.plan in views:
             continue
         if p.local:
             data = _src_view(it, plans, src_locals, rank)
             stats.bytes_copied_locally += it.nbytes
         else:
-            start = offsets[p.src]
-            offsets[p.src] += it.nbytes
-            shape = tuple(hi - lo for lo, hi in it.box)
-            raw = recv_bufs[p.src][start:start + it.nbytes]
-            if start % plan.itemsize:  # mixed dtypes share the buffer: realign this chunk
-                raw = raw.clone()
-            data = raw.view(plan.dst.dtype).view(shape)
+            data = _typed(recv_bufs[p.src], offsets[p.src][it.order], it, plans)
         target = outs[it.plan][_local_slices(it.box, plan.dst.box(rank))]
         target.add_(data) if plan.reduce_op else target.copy_(data)

@@ -52,9 +52,9 @@ class KVCache:
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
 
-    def read(self, layer: int, slots: torch.Tensor, length: int
+    def read(self, layer: int, slots: torch.Tensor | slice, length: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns K, V ``(len(slots), num_heads, length, head_dim)`` for the given slots."""
+        """K, V ``(len(slots), num_heads, length, head_dim)``: views for a slice, copies otherwise."""
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 
     def layout_key(self) -> tuple:

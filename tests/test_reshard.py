@@ -143,10 +143,8 @@ def test_any_layout_to_any_layout(case):
     stats = [s for s, _, _ in results]
     sent = sum(s.bytes_sent for s in stats)
     assert sent == sum(s.bytes_received for s in stats) == plan.bytes_moved == plan.lower_bound_bytes
-    if bucket is not None:
-        piece = max((box_numel(p.box) * plan.itemsize for p in plan.pieces), default=0)
-        for s in stats:
-            assert s.peak_extra_bytes <= bucket + min(piece, bucket)
+    if bucket is not None:  # send + receive buffers of any round on any rank
+        assert all(s.peak_extra_bytes <= bucket for s in stats)
 
 
 # ---- DTensor API on real meshes ----------------------------------------------------------------------
