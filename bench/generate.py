@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -124,22 +123,19 @@ def compare(label: str, ranks: int, threads: int, path: Path, prompts: Tokens,
 
 
 # ---- process groups -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_single(args: argparse.Namespace) -> dict:
-    """The 1-rank comparison inside this process on its own 1-rank gloo group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    """The 1-rank comparison on the current 1-rank process group."""
     torch.set_num_threads(args.single_threads)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    path = builtin_checkpoint()
+    prompts = make_prompts(args, _vocab_size(path))
+    return compare("1 rank", 1, torch.get_num_threads(), path, prompts, args)
+
+
+def single_main(args: argparse.Namespace) -> None:
+    """``--single``: the 1-rank part on a private 1-rank gloo group (in-memory store, no ports)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        path = builtin_checkpoint()
-        prompts = make_prompts(args, _vocab_size(path))
-        return compare("1 rank", 1, torch.get_num_threads(), path, prompts, args)
+        Path(args.json_out).write_text(json.dumps(run_single(args)))
     finally:
         dist.destroy_process_group()
 
@@ -189,15 +185,13 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 def main() -> None:
     args = parse_args()
     if args.single:
-        Path(args.json_out).write_text(json.dumps(run_single(args)))
-        return
+        return single_main(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         builtin_checkpoint()
     dist.barrier()
     if world == 1:
-        dist.destroy_process_group()
         rows = [run_single(args)]
     else:
         rows = [single_in_subprocess(args)] if rank == 0 else []
@@ -206,10 +200,10 @@ def main() -> None:
         path = builtin_checkpoint()
         prompts = make_prompts(args, _vocab_size(path))
         rows.append(compare(f"{world} rank", world, torch.get_num_threads(), path, prompts, args))
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     if rank == 0:
         print("\n" + table(rows, args))
-        print("\ncommand: " + COMMAND.format(n=world) + " " + " ".join(sys.argv[1:]))
+        print("\ncommand: " + " ".join([COMMAND.format(n=world), *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
