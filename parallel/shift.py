@@ -143,8 +143,12 @@ class ShiftEngine(Engine):
         self._switch(mode)
         return self._forward_mode(ids, positions, ctx, last)
 
+    def decode(self, seqs) -> None:
+        self._active = len(seqs)  # the static compiled step pads to every slot; decide on real tokens
+        super().decode(seqs)
+
     def _compiled_forward(self, ids, positions, ctx, last) -> torch.Tensor:
-        self._switch(self.mode_for(int(ids.numel())))
+        self._switch(self.mode_for(self._active))
         return self._compiled_mode(ids, positions, ctx, last)
 
     def _forward_mode(self, ids, positions, ctx, last) -> torch.Tensor:

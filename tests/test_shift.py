@@ -63,3 +63,27 @@ def test_kv_written_in_sp_equals_pure_tp(checkpoints):
             torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
             assert k1.abs().max() > 0.1  # the cache really holds these tokens' keys
+
+
+def _shift_compiled(path, prompts, lengths):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    from parallel import ParallelDims, Request, SamplingParams
+    from parallel.shift import ShiftEngine, parallelize_shift
+
+    out = {}
+    for compile in (False, True):
+        model = parallelize_shift(path, ParallelDims(sp=2, tp=1, world_size=2))
+        engine = ShiftEngine(model, threshold=2, max_batch_size=4, max_seq_len=64, compile=compile)
+        requests = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        out[compile] = ([c.output_ids for c in engine.generate(requests)], dict(engine.shift.steps_by_mode))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_compiled_shift_decode_matches_eager_in_both_modes(checkpoints):
+    prompts, lengths = _prompts(6), [8, 3, 8, 5, 8, 6]
+    for out in dist_harness.run(2, _shift_compiled, checkpoints["llama"], prompts, lengths, timeout=500):
+        assert out[True][0] == out[False][0]
+        assert out[True][1] == out[False][1] and min(out[True][1].values()) > 0
