@@ -67,7 +67,7 @@ class AttentionContext:
     """
 
     kv: KVCache
-    slots: torch.Tensor  # (B,) cache slot of each sequence
+    slots: torch.Tensor | slice  # (B,) cache slot of each sequence; a slice when consecutive
     token_slots: torch.Tensor  # (N,)
     positions: torch.Tensor  # (N,)
     query_positions: torch.Tensor  # (B, Tq), padded
@@ -92,7 +92,7 @@ class AttentionContext:
         slots_t = torch.tensor(slots, dtype=torch.long)
         need = int((starts_t + lengths_t).max())
         return AttentionContext(
-            kv=kv, slots=slots_t.to(device),
+            kv=kv, slots=_as_slice(slots) or slots_t.to(device),
             token_slots=torch.repeat_interleave(slots_t, lengths_t).to(device),
             positions=qpos[valid].to(device), query_positions=qpos.to(device),
             gather=gather.to(device), valid=valid.to(device),
@@ -123,6 +123,12 @@ class AttentionContext:
         out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=self.mask(window),
                                              scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)[self.valid].unsqueeze(0)  # (1, N, Hq, hd)
+
+
+def _as_slice(slots: Sequence[int]) -> slice | None:
+    """Consecutive ascending slots read the cache as a view instead of a gathered copy."""
+    first = slots[0]
+    return slice(first, first + len(slots)) if list(slots) == list(range(first, first + len(slots))) else None
 
 
 class ParallelAttention(Redistributable, nn.Module):
