@@ -1,0 +1,99 @@
+"""A CPU tier for KV caches, shared by the ranks of one machine, heads outermost (HND).
+
+The tier is one shared-memory file per store, mapped by every rank: ``(layers, 2, kv_heads,
+capacity_tokens, head_dim)``. A request's KV occupies a token range; a rank writes the KV heads
+its cache layout holds (:meth:`swap_out`) and later reads the heads of *another* layout
+(:meth:`swap_in`), so KV is re-sharded between layouts (e.g. TP4 -> TP2) in the swap itself,
+without any collective. Every rank runs the same allocation sequence, so no rank needs to tell
+another where a request lives; callers order writes before reads with a barrier.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    num_layers: int
+    num_kv_heads: int  # global KV heads
+    head_dim: int
+    capacity_tokens: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.capacity_tokens, self.head_dim)
+
+    @property
+    def bytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class CPUKVTier:
+    """Shared-memory KV store with a first-fit token allocator replicated on every rank."""
+
+    def __init__(self, spec: TierSpec, path: str | os.PathLike) -> None:
+        self.spec, self.path = spec, Path(path)
+        numel = spec.bytes // torch.empty((), dtype=spec.dtype).element_size()
+        self.pool = torch.from_file(str(self.path), shared=True, size=numel, dtype=spec.dtype).view(spec.shape)
+        self.ranges: dict[int, tuple[int, int]] = {}  # request id -> [start, stop) tokens
+
+    @property
+    def free_tokens(self) -> int:
+        return self.spec.capacity_tokens - sum(b - a for a, b in self.ranges.values())
+
+    def allocate(self, request_id: int, num_tokens: int) -> tuple[int, int]:
+        """Reserve ``num_tokens`` for ``request_id`` (first fit); ``ValueError`` if it can never fit."""
+        if num_tokens > self.spec.capacity_tokens:
+            raise ValueError(f"request {request_id} needs {num_tokens} KV tokens but the CPU tier holds "
+                             f"{self.spec.capacity_tokens}")
+        if request_id in self.ranges:
+            raise ValueError(f"request {request_id} already has KV in the CPU tier")
+        start = 0
+        for a, b in sorted(self.ranges.values()):
+            if a - start >= num_tokens:
+                break
+            start = max(start, b)
+        if start + num_tokens > self.spec.capacity_tokens:
+            raise MemoryError(f"CPU KV tier full: {self.free_tokens} free tokens, {num_tokens} needed")
+        self.ranges[request_id] = (start, start + num_tokens)
+        return self.ranges[request_id]
+
+    def free(self, request_id: int) -> None:
+        self.ranges.pop(request_id)
+
+    def swap_out(self, cache: KVCache, slot: int, request_id: int, num_tokens: int) -> None:
+        """Copy ``num_tokens`` of ``slot`` (this rank's KV heads) into the tier."""
+        a, b = self.ranges.get(request_id) or self.allocate(request_id, num_tokens)
+        h0, h1 = _heads(cache)
+        for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
+            self.pool[layer, 0, h0:h1, a:b].copy_(k[slot, :, :num_tokens])
+            self.pool[layer, 1, h0:h1, a:b].copy_(v[slot, :, :num_tokens])
+
+    def swap_in(self, cache: KVCache, slot: int, request_id: int) -> int:
+        """Copy the request's KV for this cache's head range into ``slot``; returns its tokens."""
+        a, b = self.ranges[request_id]
+        h0, h1 = _heads(cache)
+        for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
+            k[slot, :, :b - a].copy_(self.pool[layer, 0, h0:h1, a:b])
+            v[slot, :, :b - a].copy_(self.pool[layer, 1, h0:h1, a:b])
+        return b - a
+
+    def close(self, *, unlink: bool = False) -> None:
+        del self.pool
+        if unlink:
+            self.path.unlink(missing_ok=True)
+
+
+def _heads(cache: KVCache) -> tuple[int, int]:
+    s = cache.spec
+    return s.head_start, s.head_start + s.num_heads

@@ -1,0 +1,69 @@
+"""CPU KV tier: KV written under one head layout is read under another (re-sharding in the swap)."""
+import pytest
+import torch
+
+from tests import dist_harness
+
+LAYERS, HEADS, HD, TOKENS = 2, 4, 8, 13
+
+
+def _global_kv(request_id: int) -> torch.Tensor:
+    """(layers, 2, heads, tokens, hd): the KV a request would have, seeded by its id."""
+    g = torch.Generator().manual_seed(request_id)
+    return torch.randn(LAYERS, 2, HEADS, TOKENS, HD, generator=g)
+
+
+def _cache(heads_per_rank: int, rank: int):
+    from reshard.kv_cache import KVCache, KVSpec
+
+    spec = KVSpec(num_layers=LAYERS, num_slots=2, num_heads=heads_per_rank, max_seq_len=32, head_dim=HD,
+                  head_start=(rank * heads_per_rank) % HEADS)
+    return KVCache(spec)
+
+
+def _reshard_through_tier(path: str):
+    """TP4 ranks (one KV head each) swap out two requests; TP2 caches (two heads) swap them in."""
+    import torch.distributed as dist
+
+    from reshard.kv_tier import CPUKVTier, TierSpec
+
+    rank = dist.get_rank()
+    tier = CPUKVTier(TierSpec(LAYERS, HEADS, HD, capacity_tokens=40), path)
+    src = _cache(1, rank)
+    for slot, rid in enumerate((7, 9)):
+        kv = _global_kv(rid)
+        for layer in range(LAYERS):
+            src.k[layer][slot, :, :TOKENS] = kv[layer, 0, rank:rank + 1]
+            src.v[layer][slot, :, :TOKENS] = kv[layer, 1, rank:rank + 1]
+        tier.swap_out(src, slot, rid, TOKENS)
+    dist.barrier()  # every head written before anyone reads
+    dst = _cache(2, rank % 2)  # TP2 layout, replicated twice over the 4 ranks
+    ok = []
+    for slot, rid in enumerate((9, 7)):
+        n = tier.swap_in(dst, slot, rid)
+        h0 = dst.spec.head_start
+        expect = _global_kv(rid)[:, :, h0:h0 + 2]
+        ok.append(n == TOKENS and all(torch.equal(dst.k[l][slot, :, :n], expect[l, 0]) and
+                                      torch.equal(dst.v[l][slot, :, :n], expect[l, 1]) for l in range(LAYERS)))
+    dist.barrier()
+    tier.close(unlink=rank == 0)
+    return ok
+
+
+def test_kv_swapped_out_in_tp4_reads_back_in_tp2(tmp_path):
+    results = dist_harness.run(4, _reshard_through_tier, str(tmp_path / "tier.bin"))
+    assert all(all(r) for r in results)
+
+
+def test_allocator_first_fit_and_limits(tmp_path):
+    from reshard.kv_tier import CPUKVTier, TierSpec
+
+    tier = CPUKVTier(TierSpec(1, 2, 4, capacity_tokens=10), tmp_path / "t.bin")
+    assert tier.allocate(1, 4) == (0, 4) and tier.allocate(2, 3) == (4, 7)
+    tier.free(1)
+    assert tier.allocate(3, 2) == (0, 2) and tier.free_tokens == 5
+    with pytest.raises(MemoryError, match="5 free tokens, 6 needed"):
+        tier.allocate(4, 6)
+    with pytest.raises(ValueError, match=r"request 5 needs 11 KV tokens but the CPU tier holds 10"):
+        tier.allocate(5, 11)
+    tier.close(unlink=True)
