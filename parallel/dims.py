@@ -75,6 +75,25 @@ class ParallelDims:
             self._meshes[key] = DeviceMesh(device_type(), grid, mesh_dim_names=names)["tp_kv", "tp_rep"]
         return self._meshes[key]
 
+    # ---- pipeline stages -------------------------------------------------------------------------
+    def stage_meshes(self) -> list[DeviceMesh]:
+        """The 1-D tp mesh of every pipeline stage of this rank's (dp, sp) group.
+
+        Meshes of all groups are created on every rank in the same order (mesh creation is
+        collective over the world); this rank keeps its group's.
+        """
+        if "stages" not in self._meshes:
+            self._check_world()
+            grid = torch.arange(self.world_size).view(self.shape)
+            coord = self.world_mesh().get_coordinate()
+            for d in range(self.dp):
+                for s in range(self.sp):
+                    row = [DeviceMesh(device_type(), grid[d, p, s], mesh_dim_names=("tp",))
+                           for p in range(self.pp)]
+                    if (d, s) == (coord[0], coord[2]):
+                        self._meshes["stages"] = row
+        return self._meshes["stages"]
+
     # ---- Shift parallelism: one head-block map for SP and TP ---------------------------------
     def head_block(self, sp_rank: int, tp_rank: int) -> int:
         """The head block rank ``(sp_rank, tp_rank)`` attends over, in both Shift modes.

@@ -191,9 +191,7 @@ class Engine:
         t0 = time.perf_counter()
         lengths = [len(s.request.prompt_ids) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s.request.prompt_ids], device=self.device)
-        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], [0] * len(seqs), lengths)
-        last = torch.cumsum(torch.tensor(lengths, device=self.device), 0) - 1
-        logits = self._forward(ids, ctx.positions, ctx, last)
+        logits = self._logits(seqs, ids, [0] * len(seqs), lengths)
         self._append(seqs, logits, lengths)
         self.stats.prefill_tokens += sum(lengths)
         self.stats.prefill_steps += 1
@@ -206,14 +204,19 @@ class Engine:
             logits = self._static_decode_logits(seqs)
         else:
             ids = torch.tensor([s.last_token for s in seqs], device=self.device)
-            ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], [s.cached for s in seqs],
-                                         [1] * len(seqs))
-            logits = self._forward(ids, ctx.positions, ctx, torch.arange(len(seqs), device=self.device))
+            logits = self._logits(seqs, ids, [s.cached for s in seqs], [1] * len(seqs))
         self._append(seqs, logits, [1] * len(seqs))
         self.stats.decode_tokens += len(seqs)
         self.stats.decode_steps += 1
         self.stats.decode_batch_sum += len(seqs)
         self.stats.decode_seconds += time.perf_counter() - t0
+
+    def _logits(self, seqs: list[_Sequence], ids: torch.Tensor, starts: list[int],
+                lengths: list[int]) -> torch.Tensor:
+        """fp32 logits ``(len(seqs), vocab)`` at each sequence's last new token."""
+        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], starts, lengths)
+        last = torch.cumsum(torch.tensor(lengths, device=self.device), 0) - 1
+        return self._forward(ids, ctx.positions, ctx, last)
 
     def _static_decode_logits(self, seqs: list[_Sequence]) -> torch.Tensor:
         """Decode over every slot with a full-length cache, so the compiled graph never changes."""
@@ -230,12 +233,15 @@ class Engine:
     def _windows(self) -> set:
         return {layer.self_attn.sliding_window for layer in self.model.model.layers}
 
-    def _append(self, seqs: list[_Sequence], logits: torch.Tensor, lengths: list[int]) -> None:
-        tokens = self._agree(sample_tokens(logits, [s.request.sampling for s in seqs],
-                                           [s.generator for s in seqs]))
-        for seq, token, n in zip(seqs, tokens.tolist(), lengths):
+    def _append(self, seqs: list[_Sequence], logits: torch.Tensor | None, lengths: list[int]) -> None:
+        for seq, token, n in zip(seqs, self._select(seqs, logits).tolist(), lengths):
             seq.cached += n
             seq.append(token)
+
+    def _select(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each sequence, the same on every rank."""
+        return self._agree(sample_tokens(logits, [s.request.sampling for s in seqs],
+                                         [s.generator for s in seqs]))
 
     def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
         """All ranks of the model's mesh continue with the tokens of mesh coordinate (0, ..., 0)."""

@@ -64,12 +64,13 @@ def stage_layout(model: nn.Module, stage_meshes: Sequence[DeviceMesh]) -> Target
         raise ValueError(f"pipeline stages ({num_stages}) exceed the model's layers ({num_layers})")
     targets: Targets = {}
     for name, _ in model.named_parameters():
-        mesh = stage_meshes[_stage_of(name, num_layers, num_stages)]
+        mesh = stage_meshes[stage_of_module(name, num_layers, num_stages)]
         targets[name] = (mesh, (Replicate(),) * mesh.ndim)
     return targets
 
 
-def _stage_of(name: str, num_layers: int, num_stages: int) -> int:
+def stage_of_module(name: str, num_layers: int, num_stages: int) -> int:
+    """Stage of a module or parameter name: its layer's, or first (embedding) / last (norm, head)."""
     parts = name.split(".")
     if "layers" in parts:
         return stage_of_layer(int(parts[parts.index("layers") + 1]), num_layers, num_stages)

@@ -40,25 +40,27 @@ def check_architecture(config) -> None:
 
 def parallelize(model_or_path: nn.Module | str | os.PathLike, dims: ParallelDims | None = None, *,
                 plan: Mapping[str, ParallelStyle] | None = None,
-                dtype: torch.dtype | None = None) -> nn.Module:
+                dtype: torch.dtype | None = None, stage_meshes: list | None = None) -> nn.Module:
     """An HF causal LM whose modules (named in ``plan``) are our parallel layers.
 
     From a path or hub id, the model skeleton is built on the meta device and every rank reads only
     its own slices from the safetensors files (``model.load_stats`` counts the bytes). From a model
-    object, each rank slices its parameters from the model it already holds.
+    object, each rank slices its parameters from the model it already holds. With
+    ``stage_meshes`` (pipeline), each module lives on its stage's tp mesh and a rank reads only its
+    stage's slices.
     """
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
     if isinstance(model_or_path, nn.Module):
         return _parallelize_module(model_or_path, dims, plan)
-    return _parallelize_path(model_or_path, dims, plan, dtype)
+    return _parallelize_path(model_or_path, dims, plan, dtype, stage_meshes)
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _parallelize_path(path, dims, plan, dtype) -> nn.Module:
+def _parallelize_path(path, dims, plan, dtype, stage_meshes=None) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = resolve_checkpoint(path)
@@ -68,7 +70,7 @@ def _parallelize_path(path, dims, plan, dtype) -> nn.Module:
     dtype = dtype or _config_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    ctx = BuildContext(config, dims, dtype, device_type())
+    ctx = BuildContext(config, dims, dtype, device_type(), stage_meshes=stage_meshes)
     _swap_modules(model, plan, ctx)
     _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)))
     _rebuild_rotary(model, ctx.device)
@@ -107,7 +109,7 @@ def _swap_modules(model: nn.Module, plan: Mapping[str, ParallelStyle], ctx: Buil
         style = _match(plan, name)
         if style is None:
             continue
-        ctx.layer_idx = _layer_index(name)
+        ctx.layer_idx, ctx.name = _layer_index(name), name
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, style.build(module, ctx))
 
@@ -134,7 +136,8 @@ def _load(model: nn.Module, reader: CheckpointReader, *, tied: bool) -> None:
         if key not in reader:
             raise ValueError(f"parameter {name!r} is not in the checkpoint at {reader.directory}")
         box = Layout.of_dtensor(param).box(rank)
-        param.data.to_local().copy_(reader.read(key, box))
+        if box is not None:  # off the parameter's mesh (another pipeline stage): nothing to read
+            param.data.to_local().copy_(reader.read(key, box))
 
 
 def _rebuild_rotary(model: nn.Module, device) -> None:

@@ -22,10 +22,18 @@ class BuildContext:
     dtype: torch.dtype
     device: torch.device | str
     layer_idx: int = 0
+    name: str = ""  # the HF module being replaced
+    stage_meshes: list | None = None  # pipeline: the tp mesh of every stage
 
     @property
     def tp_mesh(self):
-        return self.dims.mesh("tp")
+        """The tp mesh the module lives on: this rank's, or its pipeline stage's."""
+        if self.stage_meshes is None:
+            return self.dims.mesh("tp")
+        from .layouts import stage_of_module
+
+        layers = self.config.num_hidden_layers
+        return self.stage_meshes[stage_of_module(self.name, layers, len(self.stage_meshes))]
 
     @property
     def kw(self) -> dict:
@@ -52,6 +60,9 @@ class HeadParallel:
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         tp = ctx.dims.tp
         check_head_split(heads, kv_heads, tp)
+        if ctx.stage_meshes is not None and kv_heads < tp:
+            raise ValueError(f"pipeline stages with KV-head replication (KV heads {kv_heads} < tp {tp}) "
+                             f"are not supported yet")
         kv_mesh = ctx.dims.kv_head_mesh(kv_heads) if 1 < tp and kv_heads < tp else None
         return ParallelAttention(
             cfg.hidden_size, heads, kv_heads, module.head_dim, mesh=ctx.tp_mesh, kv_mesh=kv_mesh,

@@ -28,10 +28,11 @@ def wrap_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Place
 
 def empty_dtensor(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], *,
                   dtype: torch.dtype, device: torch.device | str | None = None) -> DTensor:
-    """Uninitialized DTensor: this rank allocates only its own box of ``shape``."""
+    """Uninitialized DTensor: this rank allocates only its own box of ``shape`` (nothing off the mesh)."""
     layout = Layout.of(mesh, placements, shape, dtype)
     local_shape = layout.local_shape(dist.get_rank()) if dist.is_initialized() else tuple(shape)
-    assert local_shape is not None, "this rank is not on the mesh"
+    if local_shape is None:  # not on the mesh: an empty local tensor, as in DTensor
+        local_shape = (0,) * len(shape)
     device = device if device is not None else mesh.device_type
     return wrap_local(torch.empty(local_shape, dtype=dtype, device=device), mesh, placements, shape)
 

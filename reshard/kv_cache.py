@@ -20,6 +20,7 @@ class KVSpec:
     head_dim: int
     dtype: torch.dtype = torch.float32
     head_start: int = 0  # first global KV head held on this rank
+    first_layer: int = 0  # global index of layer 0 here (a pipeline stage holds a block of layers)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_slots", "num_heads", "max_seq_len", "head_dim"):
@@ -49,12 +50,14 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Store per-token ``k``/``v`` ``(N, num_heads, head_dim)`` at ``(slots[i], :, positions[i])``."""
+        layer -= self.spec.first_layer
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
 
     def read(self, layer: int, slots: torch.Tensor | slice, length: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``(len(slots), num_heads, length, head_dim)``: views for a slice, copies otherwise."""
+        layer -= self.spec.first_layer
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 
     def layout_key(self) -> tuple:

@@ -1,0 +1,53 @@
+"""Pipeline-parallel execution (the prefill layout of Seesaw): stages x micro-batches vs HF."""
+import pytest
+
+from tests import dist_harness
+from tests.test_generate import MAX_NEW, _prompts
+
+
+@pytest.fixture(scope="module")
+def four_layer(tmp_path_factory) -> dict[str, str]:
+    from parallel.tiny_models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("pp")
+    return {f: str(make_tiny_checkpoint(f, root / f, seed=0, num_hidden_layers=4)) for f in ("llama", "qwen3")}
+
+
+def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2):
+    import torch.distributed as dist
+
+    from parallel import ParallelDims, Request, SamplingParams
+    from parallel.pipeline import PipelineEngine, parallelize_pipeline
+
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size())
+    model = parallelize_pipeline(path, dims)
+    engine = PipelineEngine(model, dims, num_microbatches=microbatches, max_batch_size=4, max_seq_len=128)
+    requests = [Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(prompts)]
+    return [c.output_ids for c in engine.generate(requests)], model.load_stats, engine.layer_ids
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)],
+                         ids=["P2", "P4", "D2P2", "T2P2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_pipeline_tokens_match_hf(four_layer, hf_reference, family, dp, pp, tp):
+    path, prompts = four_layer[family], _prompts()
+    expected = hf_reference(path, prompts, MAX_NEW)
+    results = dist_harness.run(dp * pp * tp, _pp_generate, path, dp, pp, tp, prompts, MAX_NEW)
+    for tokens, stats, layer_ids in results:
+        assert tokens == expected
+        assert len(layer_ids) == 4 // pp
+        assert stats.bytes_read < stats.checkpoint_bytes / (pp * tp) * 1.6  # only its stage's slices
+
+
+def _too_many_stages(path):
+    import torch.distributed as dist
+
+    from parallel import ParallelDims
+    from parallel.pipeline import parallelize_pipeline
+
+    parallelize_pipeline(path, ParallelDims(pp=4, world_size=dist.get_world_size()))
+
+
+def test_more_stages_than_layers_is_rejected(checkpoints):
+    with pytest.raises(RuntimeError, match=r"pipeline stages \(4\) exceed the model's layers \(2\)"):
+        dist_harness.run(4, _too_many_stages, checkpoints["llama"])
