@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
-import math
 import statistics
 import sys
 import time
@@ -405,7 +404,7 @@ def summarize(runs: list[TraceRun]) -> dict:
 def part2_table(runs: dict[str, list[TraceRun]]) -> str:
     stats = {name: summarize(rs) for name, rs in runs.items()}
     base = stats["TP-only (T=1e9)"]
-    head = ("| engine | steps sp/tp | switches | TTFT long ms | TTFT burst ms | prefill step ms "
+    head = (f"| {'engine':18} | steps sp/tp | switches | TTFT long ms | TTFT burst ms | prefill step ms "
             "| TPOT ms | gen tok/s | combined tok/s | wall s (min-max) | wire MB/rank |")
     lines = [head, separator(head)]
     for name, s in stats.items():
@@ -416,7 +415,7 @@ def part2_table(runs: dict[str, list[TraceRun]]) -> str:
                      f"| {s['comb_s']:14.1f} | {s['wall']:.2f} ({s['spread'][0]:.2f}-{s['spread'][1]:.2f}) "
                      f"| {s['wire'] / 1e6:12.2f} |")
     lines += ["", "Ratios vs TP-only (time ratios < 1 and throughput ratios > 1 favour the engine):", ""]
-    head2 = "| engine | TTFT long | TTFT burst | prefill step | TPOT | gen tok/s | wire bytes |"
+    head2 = f"| {'engine':18} | TTFT long | TTFT burst | prefill step | TPOT | gen tok/s | wire bytes |"
     lines += [head2, separator(head2)]
     for name, s in stats.items():
         lines.append(f"| {name:18} | {s['ttft_long'] / base['ttft_long']:9.2f} "

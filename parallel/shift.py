@@ -157,6 +157,8 @@ class ShiftEngine(Engine):
         return self._forward_sp(ids, positions, ctx, last)
 
     def _switch(self, mode: str) -> None:
+        if self._mode is not None and self.model.model.layers[0].self_attn.mode != self._mode:
+            self._mode = None  # another engine on the same model changed its mode: set it again
         if mode != self._mode:
             if self._mode is not None:
                 self.shift.mode_switches += 1
