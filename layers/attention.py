@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from reshard import KVCache
+from reshard import KVCache, Layout
 
 from ._base import Redistributable, Targets, prefixed
 from .linear import ParallelLinear
@@ -231,8 +232,19 @@ class ParallelAttention(Redistributable, nn.Module):
             proj.input_grad = _kv_input_grad(proj.weight.placements)
 
     @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """Global KV heads ``[start, stop)`` this rank holds (read off the layout, not the storage,
+        so it holds for weights released between Seesaw phases); ``(0, 0)`` off the mesh."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        box = Layout.of_dtensor(self.k_proj.weight).box(rank)
+        if box is None:
+            return 0, 0
+        return box[0][0] // self.head_dim, box[0][1] // self.head_dim
+
+    @property
     def local_kv_heads(self) -> int:
-        return self.k_proj.weight.to_local().shape[0] // self.head_dim
+        start, stop = self.kv_head_range
+        return stop - start
 
 
 def _kv_input_grad(placements) -> str:

@@ -107,6 +107,14 @@ class UlyssesAttention(ParallelAttention):
         """KV heads of this rank's head block — the KV cache layout of both modes."""
         return max(self.num_kv_heads // (self.meshes.sp * self.meshes.tp), 1)
 
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """Global KV heads of this rank's head block ``tp_rank * sp + sp_rank`` (both modes)."""
+        s, t = self.meshes.base.get_coordinate()
+        block, p = t * self.meshes.sp + s, self.meshes.sp * self.meshes.tp
+        start = block * self.local_kv_heads if self.num_kv_heads >= p else block // (p // self.num_kv_heads)
+        return start, start + self.local_kv_heads
+
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -114,7 +114,7 @@ class Engine:
         dtype = self.model.model.embed_tokens.weight.dtype
         return KVSpec(num_layers=len(self.model.model.layers), num_slots=self.max_batch_size,
                       num_heads=attn.local_kv_heads, max_seq_len=self.max_seq_len,
-                      head_dim=attn.head_dim, dtype=dtype)
+                      head_dim=attn.head_dim, dtype=dtype, head_start=attn.kv_head_range[0])
 
     # ---- public API -------------------------------------------------------------------------
     @torch.inference_mode()

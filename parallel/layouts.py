@@ -8,12 +8,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import dataclasses
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from layers import RMSNorm
 from layers._base import Redistributable, Targets, prefixed
+from reshard import Layout
+from reshard.layout import nested_tuple
+
+from .dims import ParallelDims
 
 
 def _top_layers(model: nn.Module) -> list[tuple[str, Redistributable]]:
@@ -85,3 +92,20 @@ def stage_of_layer(layer: int, num_layers: int, num_stages: int) -> int:
         start += base + (1 if s < extra else 0)
         bounds.append(start)
     return next(s for s, end in enumerate(bounds) if layer < end)
+
+
+def global_layout(t: DTensor, dims: ParallelDims) -> Layout:
+    """The layout of ``t`` over the whole world: its mesh repeated on every dp replica.
+
+    A model built for ``dims`` holds each parameter on this dp replica's mesh (a stage's tp mesh,
+    a ``(kv, rep)`` mesh, ...); the replicas hold the same values, so the world-wide layout adds a
+    leading dp axis with ``Replicate()``. Every rank computes the same layout, so every rank plans
+    the same transfer. Assumes the ascending ``(dp, pp, sp, tp)`` grid of :class:`ParallelDims`.
+    """
+    local = Layout.of_dtensor(t)
+    d = dims.world_mesh().get_coordinate()[0]
+    stride = dims.world_size // dims.dp
+    ranks = torch.tensor(local.ranks)
+    grid = torch.stack([ranks + (i - d) * stride for i in range(dims.dp)])  # (dp, *mesh)
+    return dataclasses.replace(local, ranks=nested_tuple(grid.tolist()),
+                               placements=(Replicate(),) + local.placements)

@@ -40,27 +40,28 @@ def check_architecture(config) -> None:
 
 def parallelize(model_or_path: nn.Module | str | os.PathLike, dims: ParallelDims | None = None, *,
                 plan: Mapping[str, ParallelStyle] | None = None,
-                dtype: torch.dtype | None = None, stage_meshes: list | None = None) -> nn.Module:
+                dtype: torch.dtype | None = None, stage_meshes: list | None = None,
+                load_weights: bool = True) -> nn.Module:
     """An HF causal LM whose modules (named in ``plan``) are our parallel layers.
 
     From a path or hub id, the model skeleton is built on the meta device and every rank reads only
     its own slices from the safetensors files (``model.load_stats`` counts the bytes). From a model
     object, each rank slices its parameters from the model it already holds. With
     ``stage_meshes`` (pipeline), each module lives on its stage's tp mesh and a rank reads only its
-    stage's slices.
+    stage's slices. ``load_weights=False`` (from a path) leaves the parameters uninitialized.
     """
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
     if isinstance(model_or_path, nn.Module):
         return _parallelize_module(model_or_path, dims, plan)
-    return _parallelize_path(model_or_path, dims, plan, dtype, stage_meshes)
+    return _parallelize_path(model_or_path, dims, plan, dtype, stage_meshes, load_weights)
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _parallelize_path(path, dims, plan, dtype, stage_meshes=None) -> nn.Module:
+def _parallelize_path(path, dims, plan, dtype, stage_meshes=None, load_weights=True) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = resolve_checkpoint(path)
@@ -72,7 +73,8 @@ def _parallelize_path(path, dims, plan, dtype, stage_meshes=None) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     ctx = BuildContext(config, dims, dtype, device_type(), stage_meshes=stage_meshes)
     _swap_modules(model, plan, ctx)
-    _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)))
+    if load_weights:
+        _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)))
     _rebuild_rotary(model, ctx.device)
     model.load_stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory))
     return model.eval()

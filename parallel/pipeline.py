@@ -27,12 +27,13 @@ from .sampling import sample_tokens
 
 
 def parallelize_pipeline(path: str | os.PathLike, dims: ParallelDims, *,
-                         dtype: torch.dtype | None = None) -> nn.Module:
+                         dtype: torch.dtype | None = None, load_weights: bool = True) -> nn.Module:
     """Load ``path`` with decoder layers split over ``dims.pp`` stages, each TP over ``dims.tp``."""
     layers = _num_layers(path)
     if dims.pp > layers:
         raise ValueError(f"pipeline stages ({dims.pp}) exceed the model's layers ({layers})")
-    return parallelize(path, dims, plan=tp_plan(), dtype=dtype, stage_meshes=dims.stage_meshes())
+    return parallelize(path, dims, plan=tp_plan(), dtype=dtype, stage_meshes=dims.stage_meshes(),
+                       load_weights=load_weights)
 
 
 def _num_layers(path) -> int:
@@ -77,7 +78,7 @@ class PipelineEngine(Engine):
         return KVSpec(num_layers=len(self.layer_ids), num_slots=self.max_batch_size,
                       num_heads=attn.local_kv_heads, max_seq_len=self.max_seq_len,
                       head_dim=attn.head_dim, dtype=self.model.model.embed_tokens.weight.dtype,
-                      first_layer=self.layer_ids[0])
+                      head_start=attn.kv_head_range[0], first_layer=self.layer_ids[0])
 
     def _logits(self, seqs, ids, starts, lengths) -> torch.Tensor | None:
         """Micro-batched forward through the stages; logits on the last stage, ``None`` elsewhere."""

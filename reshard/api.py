@@ -65,7 +65,7 @@ def redistribute_module(module: nn.Module,
 
 def _install(module: nn.Module, names: list[str], moved: list[DTensor], stats: CommStats) -> None:
     for name, new in zip(names, moved):
-        _assign(module, name, new)
+        assign_tensor(module, name, new)
     _LAST[0] = stats
 
 
@@ -155,7 +155,8 @@ def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, g
     return result, stats
 
 
-def _assign(module: nn.Module, name: str, value: DTensor) -> None:
+def assign_tensor(module: nn.Module, name: str, value: DTensor) -> None:
+    """Replace parameter or buffer ``name`` of ``module`` by ``value`` (keeps ``requires_grad``)."""
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     if leaf in owner._parameters:

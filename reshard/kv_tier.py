@@ -35,7 +35,7 @@ class TierSpec:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * _itemsize(self.dtype)
 
 
 class CPUKVTier:
@@ -51,6 +51,18 @@ class CPUKVTier:
     def free_tokens(self) -> int:
         return self.spec.capacity_tokens - sum(b - a for a, b in self.ranges.values())
 
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether :meth:`allocate` of ``num_tokens`` would succeed now."""
+        return self._first_fit(num_tokens) + num_tokens <= self.spec.capacity_tokens
+
+    def _first_fit(self, num_tokens: int) -> int:
+        start = 0
+        for a, b in sorted(self.ranges.values()):
+            if a - start >= num_tokens:
+                break
+            start = max(start, b)
+        return start
+
     def allocate(self, request_id: int, num_tokens: int) -> tuple[int, int]:
         """Reserve ``num_tokens`` for ``request_id`` (first fit); ``ValueError`` if it can never fit."""
         if num_tokens > self.spec.capacity_tokens:
@@ -58,11 +70,7 @@ class CPUKVTier:
                              f"{self.spec.capacity_tokens}")
         if request_id in self.ranges:
             raise ValueError(f"request {request_id} already has KV in the CPU tier")
-        start = 0
-        for a, b in sorted(self.ranges.values()):
-            if a - start >= num_tokens:
-                break
-            start = max(start, b)
+        start = self._first_fit(num_tokens)
         if start + num_tokens > self.spec.capacity_tokens:
             raise MemoryError(f"CPU KV tier full: {self.free_tokens} free tokens, {num_tokens} needed")
         self.ranges[request_id] = (start, start + num_tokens)
@@ -71,27 +79,48 @@ class CPUKVTier:
     def free(self, request_id: int) -> None:
         self.ranges.pop(request_id)
 
-    def swap_out(self, cache: KVCache, slot: int, request_id: int, num_tokens: int) -> None:
-        """Copy ``num_tokens`` of ``slot`` (this rank's KV heads) into the tier."""
+    def swap_out(self, cache: KVCache, slot: int, request_id: int, num_tokens: int) -> int:
+        """Copy ``num_tokens`` of ``slot`` (this rank's layers and KV heads) into the tier.
+
+        A cache on a device is staged through a pinned buffer (shared memory cannot be pinned).
+        Returns the bytes written.
+        """
         a, b = self.ranges.get(request_id) or self.allocate(request_id, num_tokens)
         h0, h1 = _heads(cache)
+        first = cache.spec.first_layer
         for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-            self.pool[layer, 0, h0:h1, a:b].copy_(k[slot, :, :num_tokens])
-            self.pool[layer, 1, h0:h1, a:b].copy_(v[slot, :, :num_tokens])
+            self.pool[first + layer, 0, h0:h1, a:b].copy_(_to_host(k[slot, :, :num_tokens]))
+            self.pool[first + layer, 1, h0:h1, a:b].copy_(_to_host(v[slot, :, :num_tokens]))
+        return 2 * len(cache.k) * (h1 - h0) * num_tokens * cache.spec.head_dim * _itemsize(self.spec.dtype)
 
     def swap_in(self, cache: KVCache, slot: int, request_id: int) -> int:
-        """Copy the request's KV for this cache's head range into ``slot``; returns its tokens."""
+        """Copy the request's KV for this cache's layers and head range into ``slot``; returns its tokens."""
         a, b = self.ranges[request_id]
         h0, h1 = _heads(cache)
+        first = cache.spec.first_layer
         for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-            k[slot, :, :b - a].copy_(self.pool[layer, 0, h0:h1, a:b])
-            v[slot, :, :b - a].copy_(self.pool[layer, 1, h0:h1, a:b])
+            k[slot, :, :b - a].copy_(self.pool[first + layer, 0, h0:h1, a:b], non_blocking=True)
+            v[slot, :, :b - a].copy_(self.pool[first + layer, 1, h0:h1, a:b], non_blocking=True)
         return b - a
 
     def close(self, *, unlink: bool = False) -> None:
         del self.pool
         if unlink:
             self.path.unlink(missing_ok=True)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the CPU; from a device, through a pinned staging buffer."""
+    if x.device.type == "cpu":
+        return x
+    staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    staged.copy_(x, non_blocking=True)
+    torch.accelerator.current_stream(x.device).synchronize()
+    return staged
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _heads(cache: KVCache) -> tuple[int, int]:

@@ -23,6 +23,15 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def four_layer(tmp_path_factory) -> dict[str, str]:
+    """4-layer llama and qwen3 checkpoints, for pipeline stages (P4, D2P2, T2P2)."""
+    from parallel.tiny_models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("pp")
+    return {f: str(make_tiny_checkpoint(f, root / f, seed=0, num_hidden_layers=4)) for f in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """``hf_reference(path, prompts, max_new_tokens)``: HF ``generate`` per prompt (greedy, fp32)."""
     import torch

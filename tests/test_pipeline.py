@@ -5,14 +5,6 @@ from tests import dist_harness
 from tests.test_generate import MAX_NEW, _prompts
 
 
-@pytest.fixture(scope="module")
-def four_layer(tmp_path_factory) -> dict[str, str]:
-    from parallel.tiny_models import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("pp")
-    return {f: str(make_tiny_checkpoint(f, root / f, seed=0, num_hidden_layers=4)) for f in ("llama", "qwen3")}
-
-
 def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2):
     import torch.distributed as dist
 

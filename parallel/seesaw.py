@@ -1,0 +1,203 @@
+"""Seesaw: prefill in one layout (pipeline / data parallel), decode in another (tensor parallel).
+
+Two module trees of the same model live side by side, one per phase, built for that phase's
+:class:`ParallelDims`; only the active one holds weights. A transition moves every weight from one
+tree to the other through the movement core (``weights="move"``: one coalesced plan, minimal
+bytes) or re-reads each rank's new shards from a shared-memory CPU copy (``weights="reload"``, the
+paper's way). KV cache never moves rank to rank: prefill swaps it out into the CPU tier
+(:class:`reshard.kv_tier.CPUKVTier`) under the prefill layout, decode swaps in each rank's own
+head range under the decode layout, so the swap re-shards it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reshard import CommStats
+from reshard.api import assign_tensor
+from reshard.dtensor import wrap_local
+from reshard.executor import DEFAULT_BUCKET_BYTES, execute
+from reshard.plan import plan_transfer
+from reshard.weight_store import SharedWeightStore
+
+from .dims import ParallelDims, device_type
+from .engine import Engine
+from .layouts import global_layout
+from .parallelize import parallelize
+from .pipeline import PipelineEngine, parallelize_pipeline
+
+PHASES = ("prefill", "decode")
+WEIGHT_MODES = ("move", "reload")
+
+
+@dataclass(frozen=True)
+class TransitionStats:
+    """One weight transition, as seen by this rank (bytes are over all ranks)."""
+
+    to: str  # the phase switched to
+    bytes: int  # moved between ranks (move) or read from the CPU copy (reload)
+    lower_bound_bytes: int  # what any rank-to-rank move must transfer
+    seconds: float
+    peak_weight_bytes: int  # this rank's weight bytes while both layouts are alive
+
+
+def shared_path(prefix: str) -> str:
+    """A fresh file path in shared memory (``/dev/shm`` when present), the same on every rank."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    name = [os.path.join(root, f"{prefix}-{os.getpid()}-{time.time_ns()}.bin")]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def build_model(path: str | os.PathLike, dims: ParallelDims, *, dtype: torch.dtype | None = None,
+                load_weights: bool = True) -> nn.Module:
+    """The model in ``dims``' layout: pipeline stages when ``dims.pp > 1``, else TP x DP."""
+    if dims.sp != 1:
+        raise ValueError(f"Seesaw layouts take dp, pp and tp; got sp={dims.sp}")
+    if dims.pp > 1:
+        return parallelize_pipeline(path, dims, dtype=dtype, load_weights=load_weights)
+    return parallelize(path, dims, dtype=dtype, load_weights=load_weights)
+
+
+def make_engine(model: nn.Module, dims: ParallelDims, **kwargs) -> Engine:
+    """The step engine for ``dims``' layout (micro-batched stages when ``dims.pp > 1``)."""
+    if dims.pp > 1:
+        return PipelineEngine(model, dims, **kwargs)
+    return Engine(model, **kwargs)
+
+
+class LayoutSwitch:
+    """One model in a prefill layout and a decode layout; :meth:`switch` moves the weights.
+
+    The prefill tree is loaded from ``path`` and active first; the decode tree starts empty.
+    """
+
+    def __init__(self, path: str | os.PathLike, prefill: ParallelDims, decode: ParallelDims, *,
+                 weights: str = "move", dtype: torch.dtype | None = None,
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> None:
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+        if prefill.world_size != decode.world_size:
+            raise ValueError(f"prefill layout has {prefill.world_size} ranks but decode layout has "
+                             f"{decode.world_size}; both must span the same ranks")
+        self.dims = {"prefill": prefill, "decode": decode}
+        self.models = {"prefill": build_model(path, prefill, dtype=dtype),
+                       "decode": build_model(path, decode, dtype=dtype, load_weights=False)}
+        release_weights(self.models["decode"])
+        self.active, self.weights, self.bucket_bytes = "prefill", weights, bucket_bytes
+        self.history: list[TransitionStats] = []
+        self.store = self._make_store() if weights == "reload" else None
+
+    def _make_store(self) -> SharedWeightStore:
+        """Every rank writes the prefill shards it is first to hold; after the barrier the store is full."""
+        store = SharedWeightStore.for_module(self.models["prefill"], shared_path("reshard-weights"))
+        rank = dist.get_rank()
+        for name, p in self.models["prefill"].named_parameters():
+            store.write(name, p, rank)
+        dist.barrier()
+        return store
+
+    def switch(self, phase: str) -> TransitionStats:
+        """Make ``phase``'s tree hold the weights and release the other one's (collective)."""
+        if phase not in PHASES or phase == self.active:
+            raise ValueError(f"cannot switch from {self.active!r} to {phase!r}")
+        src, dst = self.models[self.active], self.models[phase]
+        t0 = time.perf_counter()
+        plans = self._plans(self.active, phase)
+        moved = self._move(src, dst, plans) if self.store is None else self._reload(phase)
+        peak = weight_bytes(src, dst)
+        release_weights(src)
+        stats = TransitionStats(phase, moved, sum(p.lower_bound_bytes for p in plans),
+                                time.perf_counter() - t0, peak)
+        self.active = phase
+        self.history.append(stats)
+        return stats
+
+    def _plans(self, src_phase: str, dst_phase: str) -> list:
+        src, dst = self.models[src_phase], self.models[dst_phase]
+        dst_params = dict(dst.named_parameters())
+        return [plan_transfer(global_layout(p, self.dims[src_phase]),
+                              global_layout(dst_params[n], self.dims[dst_phase]))
+                for n, p in src.named_parameters()]
+
+    def _move(self, src: nn.Module, dst: nn.Module, plans: list) -> int:
+        """Rank-to-rank through the movement core; returns the bytes sent by all ranks."""
+        rank = dist.get_rank()
+        params = list(src.named_parameters())
+        locals_ = [p.to_local() if plan.src.box(rank) is not None else None
+                   for (_, p), plan in zip(params, plans)]
+        outs, stats = execute(plans, locals_, bucket_bytes=self.bucket_bytes, device=_device_of(dst))
+        for (name, _), out in zip(params, outs):
+            _install(dst, name, None if out is None else _compact(out))
+        return _sum_over_ranks(stats.bytes_sent)
+
+    def _reload(self, phase: str) -> int:
+        """Each rank copies its boxes of ``phase``'s layout out of the shared CPU copy."""
+        rank, before, dst = dist.get_rank(), self.store.bytes_read, self.models[phase]
+        for name, p in dst.named_parameters():
+            box = global_layout(p, self.dims[phase]).box(rank)
+            _install(dst, name, None if box is None else self.store.read(name, box, _device_of(dst)))
+        return _sum_over_ranks(self.store.bytes_read - before)
+
+    def close(self) -> None:
+        if self.store is not None:
+            dist.barrier()
+            self.store.close(unlink=dist.get_rank() == 0)
+            self.store = None
+
+
+def release_weights(model: nn.Module) -> None:
+    """Drop every parameter's local storage, keeping its mesh, placements and global shape."""
+    for name, p in list(model.named_parameters()):
+        assign_tensor(model, name, _empty_like_layout(p))
+
+
+def weight_bytes(*models: nn.Module) -> int:
+    """Bytes of the distinct storages behind this rank's parameter shards of ``models``."""
+    seen = {}
+    for model in models:
+        for p in model.parameters():
+            storage = p.to_local().untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _empty_like_layout(p) -> torch.Tensor:
+    local = p.to_local()
+    empty = torch.empty((0,) * p.dim(), dtype=p.dtype, device=local.device)
+    return wrap_local(empty, p.device_mesh, p.placements, p.shape)
+
+
+def _install(model: nn.Module, name: str, local: torch.Tensor | None) -> None:
+    """Give ``name`` the local shard ``local`` (``None``: this rank holds none) in its layout."""
+    p = model.get_parameter(name)
+    if local is None:
+        local = torch.empty((0,) * p.dim(), dtype=p.dtype, device=p.to_local().device)
+    assign_tensor(model, name, wrap_local(local, p.device_mesh, p.placements, p.shape))
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A view into a larger (source) storage is copied out, so releasing the source frees memory."""
+    whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone(memory_format=torch.contiguous_format)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).to_local().device
+
+
+def _sum_over_ranks(n: int) -> int:
+    t = torch.tensor([n], dtype=torch.long, device=device_type())
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+__all__ = ["LayoutSwitch", "TransitionStats", "build_model", "make_engine", "release_weights",
+           "shared_path", "weight_bytes"]

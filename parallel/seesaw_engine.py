@@ -1,0 +1,277 @@
+"""The Seesaw engine: prefill in layout c_p, decode in layout c_d, KV through a shared CPU tier.
+
+Every rank runs the same scheduler on the same state, so phases, batches and tier allocations
+agree without messages. Prefill batches are split over c_p's dp replicas; each replica samples its
+requests' first tokens, which are then summed over the dp axis so every rank knows them. A
+request's KV goes out to the tier right after its prefill, on a background thread that overlaps
+the next prefill step; decode on-boards it into a free slot on a background "prefetcher" thread
+that overlaps the current decode step, and the request joins the batch at the next step.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from reshard.kv_tier import CPUKVTier, TierSpec
+
+from .dims import ParallelDims, device_type
+from .engine import Completion, Request, _Sequence
+from .schedulers import SchedState, make_scheduler
+from .seesaw import LayoutSwitch, TransitionStats, make_engine, shared_path
+
+
+@dataclass
+class SeesawStats:
+    transitions: int = 0
+    reshard_bytes: int = 0
+    reshard_lower_bound_bytes: int = 0
+    reshard_seconds: float = 0.0
+    swap_seconds: float = 0.0  # main-thread time spent swapping or waiting for a swap
+    swap_out_bytes: int = 0  # this rank
+    swap_in_tokens: int = 0  # this rank
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_batch_sum: int = 0
+    history: list[TransitionStats] = field(default_factory=list)
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.decode_batch_sum / max(self.decode_steps, 1)
+
+    def add(self, t: TransitionStats) -> None:
+        self.transitions += 1
+        self.reshard_bytes += t.bytes
+        self.reshard_lower_bound_bytes += t.lower_bound_bytes
+        self.reshard_seconds += t.seconds
+        self.history.append(t)
+
+
+@dataclass
+class _State:
+    queue: deque  # requests not yet prefilled
+    buffered: deque = field(default_factory=deque)  # prefilled sequences whose KV is in the tier
+    running: dict = field(default_factory=dict)  # decode slot -> sequence
+    loading: list = field(default_factory=list)  # (future, sequence) swap-ins in flight
+    free: list = field(default_factory=list)  # free decode slots
+    done: dict = field(default_factory=dict)
+
+
+class SeesawEngine:
+    """Generation with prefill and decode in different layouts (see the module docstring).
+
+    Args:
+        switch: the model in both layouts (:class:`parallel.seesaw.LayoutSwitch`).
+        cpu_kv_budget: capacity of the CPU KV tier in tokens; every prompt must fit.
+        scheduler: ``transition_minimizing`` | ``prefill_prioritizing`` | ``decode_prioritizing``.
+        max_batch_size: decode slots; also the prefill slots of each dp replica.
+    """
+
+    def __init__(self, switch: LayoutSwitch, *, cpu_kv_budget: int,
+                 scheduler: str = "transition_minimizing", max_batch_size: int = 8,
+                 max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
+                 num_microbatches: int = 2) -> None:
+        if cpu_kv_budget < 1:
+            raise ValueError(f"cpu_kv_budget must be >= 1 token, got {cpu_kv_budget}")
+        dims_p, dims_d = switch.dims["prefill"], switch.dims["decode"]
+        if dims_d.dp != 1:
+            raise ValueError(f"decode layouts with dp > 1 are not supported yet (decode dp={dims_d.dp})")
+        self.switch, self.scheduler = switch, make_scheduler(scheduler)
+        kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        pp_kw = lambda d: dict(num_microbatches=num_microbatches) if d.pp > 1 else {}  # noqa: E731
+        self.prefill_engine = make_engine(switch.models["prefill"], dims_p, **kw, **pp_kw(dims_p),
+                                          max_prefill_tokens=max_prefill_tokens)
+        self.decode_engine = make_engine(switch.models["decode"], dims_d, **kw, **pp_kw(dims_d))
+        self.dp_p, self.dp_rank = dims_p.dp, dims_p.world_mesh().get_coordinate()[0]
+        self.dp_group = dims_p.mesh("dp").get_group() if dims_p.dp > 1 else None
+        self.tier = CPUKVTier(self._tier_spec(cpu_kv_budget), shared_path("reshard-kv"))
+        self.stats = SeesawStats()
+        self._swapper = ThreadPoolExecutor(1, thread_name_prefix="seesaw-swap")
+        self._swap_outs: deque[tuple[Future, list[int]]] = deque()
+        self._prefill_free = list(range(max_batch_size - 1, -1, -1))
+        self.decode_slot_of: dict[int, int] = {}  # request id -> decode slot it was swapped into
+
+    def _tier_spec(self, capacity: int) -> TierSpec:
+        cfg, kv = self.decode_engine.model.config, self.decode_engine.kv.spec
+        return TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, capacity, kv.dtype)
+
+    # ---- public API ---------------------------------------------------------------------------
+    def validate(self, requests: Sequence[Request]) -> None:
+        """Engine checks in both layouts, plus: every prompt must fit the CPU KV tier."""
+        self.prefill_engine.validate(requests)
+        self.decode_engine.validate(requests)
+        budget = self.tier.spec.capacity_tokens
+        for r in requests:
+            if len(r.prompt_ids) > budget:
+                raise ValueError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
+                                 f"the CPU KV tier (cpu_kv_budget={budget} tokens)")
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[Request], *, progress: bool = False) -> list[Completion]:
+        """Run all ``requests`` to completion; returns completions in request order."""
+        self.validate(requests)
+        st = _State(queue=deque(requests), free=list(range(self.decode_engine.max_batch_size - 1, -1, -1)))
+        with tqdm(total=len(requests), disable=not progress, desc="seesaw", unit="req") as bar:
+            while st.queue or st.buffered or st.running:
+                phase = self.scheduler.next_phase(self.switch.active, self._snapshot(st))
+                if phase != self.switch.active:
+                    self._transition(phase)
+                before = len(st.done)
+                self._prefill_step(st) if phase == "prefill" else self._decode_step(st)
+                bar.update(len(st.done) - before)
+        self._collect_engine_stats()
+        return [st.done[r.id] for r in requests]
+
+    def close(self) -> None:
+        """Join the swap thread and remove the shared-memory files (collective)."""
+        self._swapper.shutdown(wait=True)
+        dist.barrier()
+        self.tier.close(unlink=dist.get_rank() == 0)
+        self.switch.close()
+
+    def __enter__(self) -> "SeesawEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def _snapshot(self, st: _State) -> SchedState:
+        fits = bool(st.queue) and self.tier.can_fit(len(st.queue[0].prompt_ids))
+        return SchedState(queued=len(st.queue), next_fits_tier=fits, buffered=len(st.buffered),
+                          running=len(st.running), free_slots=len(st.free))
+
+    def _transition(self, phase: str) -> None:
+        if phase == "decode":  # the tier must hold every rank's KV before anyone reads it
+            self._wait_swap_outs(everything=True)
+            dist.barrier()
+        self.stats.add(self.switch.switch(phase))
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill_step(self, st: _State) -> None:
+        """One prefill step of a batch split over the dp replicas; KV out to the tier behind it."""
+        batch = self._admit(st)
+        mine = [s for i, s in enumerate(batch) if i % self.dp_p == self.dp_rank]
+        self._take_prefill_slots(mine)
+        t0 = time.perf_counter()
+        if mine:
+            self.prefill_engine.prefill(mine)
+        self._share_first_tokens(batch, mine)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        for seq in batch:
+            if seq.finish_reason is not None:
+                self.tier.free(seq.request.id)
+                st.done[seq.request.id] = seq.completion()
+            else:
+                st.buffered.append(seq)
+        self._swap_out([s for s in mine if s.finish_reason is None], [s.slot for s in mine])
+
+    def _admit(self, st: _State) -> list[_Sequence]:
+        """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
+        slots = self.prefill_engine.max_batch_size * self.dp_p
+        budget = self.prefill_engine.max_prefill_tokens * self.dp_p
+        target = self.scheduler.buffer_target(self._snapshot(st)) - len(st.buffered)
+        batch: list[_Sequence] = []
+        while st.queue and len(batch) < min(slots, target):
+            n = len(st.queue[0].prompt_ids)
+            if (batch and n > budget) or not self.tier.can_fit(n):
+                break
+            request = st.queue.popleft()
+            self.tier.allocate(request.id, n)
+            budget -= n
+            batch.append(self.decode_engine.new_sequence(request, slot=-1))
+        return batch
+
+    def _take_prefill_slots(self, seqs: list[_Sequence]) -> None:
+        while len(self._prefill_free) < len(seqs):
+            self._wait_swap_outs(everything=False)
+        for seq in seqs:
+            seq.slot = self._prefill_free.pop()
+
+    def _share_first_tokens(self, batch: list[_Sequence], mine: list[_Sequence]) -> None:
+        """Each dp replica sampled its requests' first tokens; every rank learns all of them."""
+        if self.dp_p == 1:
+            return
+        ours = {id(s) for s in mine}
+        tokens = torch.tensor([s.last_token if id(s) in ours else 0 for s in batch], device=device_type())
+        dist.all_reduce(tokens, group=self.dp_group)
+        vocab = self.decode_engine.vocab_size
+        for seq, token in zip(batch, tokens.tolist()):
+            if id(seq) not in ours:
+                _skip_draw(seq, vocab)
+                seq.cached = len(seq.request.prompt_ids)
+                seq.append(token)
+
+    def _swap_out(self, seqs: list[_Sequence], slots: list[int]) -> None:
+        """Write ``seqs``' prefill KV into the tier on the swap thread; ``slots`` free after it."""
+        jobs = [(s.slot, s.request.id, len(s.request.prompt_ids)) for s in seqs]
+        future = self._swapper.submit(self._write_tier, jobs)
+        self._swap_outs.append((future, slots))
+
+    def _write_tier(self, jobs: list[tuple[int, int, int]]) -> int:
+        return sum(self.tier.swap_out(self.prefill_engine.kv, slot, rid, n) for slot, rid, n in jobs)
+
+    def _wait_swap_outs(self, *, everything: bool) -> None:
+        t0 = time.perf_counter()
+        while self._swap_outs:
+            future, slots = self._swap_outs.popleft()
+            self.stats.swap_out_bytes += future.result()
+            self._prefill_free.extend(slots)
+            if not everything:
+                break
+        self.stats.swap_seconds += time.perf_counter() - t0
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode_step(self, st: _State) -> None:
+        """On-board tier requests into free slots (background), decode the running ones."""
+        self._onboard(st)
+        if not st.running:
+            self._join_loads(st)
+        active = list(st.running.values())
+        t0 = time.perf_counter()
+        self.decode_engine.decode(active)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self.stats.decode_batch_sum += len(active)
+        self._join_loads(st)
+        for slot in [k for k, s in st.running.items() if s.finish_reason is not None]:
+            seq = st.running.pop(slot)
+            st.done[seq.request.id] = seq.completion()
+            st.free.append(slot)
+
+    def _onboard(self, st: _State) -> None:
+        while st.free and st.buffered:
+            seq = st.buffered.popleft()
+            seq.slot = st.free.pop()
+            self.decode_slot_of[seq.request.id] = seq.slot
+            future = self._swapper.submit(self.tier.swap_in, self.decode_engine.kv, seq.slot, seq.request.id)
+            st.loading.append((future, seq))
+
+    def _join_loads(self, st: _State) -> None:
+        t0 = time.perf_counter()
+        for future, seq in st.loading:
+            self.stats.swap_in_tokens += future.result()
+            self.tier.free(seq.request.id)
+            st.running[seq.slot] = seq
+        st.loading.clear()
+        self.stats.swap_seconds += time.perf_counter() - t0
+
+    def _collect_engine_stats(self) -> None:
+        """Keep the step engines' own counters (tokens, steps) in view."""
+        self.prefill_stats, self.decode_stats = self.prefill_engine.stats, self.decode_engine.stats
+
+
+def _skip_draw(seq: _Sequence, vocab_size: int) -> None:
+    """Advance a sampling generator past the draw another dp replica made for this token."""
+    if seq.generator is not None:
+        torch.rand(vocab_size, generator=seq.generator)
+
+
+__all__ = ["SeesawEngine", "SeesawStats"]
