@@ -103,6 +103,11 @@ class SeesawEngine:
         return TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, capacity, kv.dtype)
 
     # ---- public API ---------------------------------------------------------------------------
+    @property
+    def model(self):
+        """The model tree of the active phase (both trees share the HF config)."""
+        return self.switch.models[self.switch.active]
+
     def validate(self, requests: Sequence[Request]) -> None:
         """Engine checks in both layouts, plus: every prompt must fit the CPU KV tier."""
         self.prefill_engine.validate(requests)

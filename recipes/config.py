@@ -67,12 +67,48 @@ class EngineConfig:
 
 
 @dataclass
+class LayoutConfig:
+    """One Seesaw phase's layout; at most one degree may be null (= the rest of the world)."""
+
+    dp: int | None = 1
+    pp: int | None = 1
+    tp: int | None = 1
+
+    def resolve(self, world: int, where: str) -> dict[str, int]:
+        """Degrees with the null one filled in; ``ValueError`` unless they multiply to ``world``."""
+        degrees = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        for axis, value in degrees.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{where}.{axis} must be >= 1, got {value}")
+        unknown = [a for a, v in degrees.items() if v is None]
+        if len(unknown) > 1:
+            raise ValueError(f"{where}: at most one of dp, pp, tp may be null, got {unknown}")
+        known = 1
+        for value in degrees.values():
+            known *= value or 1
+        if unknown:
+            if world % known:
+                raise ValueError(f"{where}: {degrees} cannot cover the world size ({world})")
+            degrees[unknown[0]] = world // known
+        if degrees["dp"] * degrees["pp"] * degrees["tp"] != world:
+            raise ValueError(f"{where}: dp({degrees['dp']}) * pp({degrees['pp']}) * tp({degrees['tp']}) "
+                             f"!= world size ({world})")
+        return degrees
+
+
+@dataclass
 class ParallelConfig:
     strategy: str = "tp"
     tp: int | None = None  # null: the rest of the world
     sp: int = 1  # shift: Ulysses degree of the base (SP x TP) layout
     threshold: int = 64  # shift: steps with more tokens run SP, the others TP
     shift_weights: str = "copy"  # shift: copy | slice
+    prefill: LayoutConfig = field(default_factory=lambda: LayoutConfig(pp=None))  # seesaw
+    decode: LayoutConfig = field(default_factory=lambda: LayoutConfig(tp=None))  # seesaw
+    cpu_kv_budget: int = 8192  # seesaw: CPU KV tier capacity in tokens
+    weights: str = "move"  # seesaw: move | reload
+    scheduler: str = "transition_minimizing"  # seesaw
+    num_microbatches: int = 2  # seesaw: pipeline micro-batches per step
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -85,9 +121,31 @@ class ParallelConfig:
             raise ValueError(f"parallel.threshold must be >= 0, got {self.threshold}")
         if self.shift_weights not in ("copy", "slice"):
             raise ValueError(f"parallel.shift_weights must be copy or slice, got {self.shift_weights!r}")
+        self._check_seesaw()
+
+    def _check_seesaw(self) -> None:
+        from parallel.schedulers import SCHEDULERS
+
+        for name in ("prefill", "decode"):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, _layout(getattr(self, name), f"parallel.{name}"))
+        for name in ("cpu_kv_budget", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.weights not in ("move", "reload"):
+            raise ValueError(f"parallel.weights must be move or reload, got {self.weights!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"parallel.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULERS)}")
 
 
-STRATEGIES = ("shift", "tp")
+def _layout(d: dict, where: str) -> LayoutConfig:
+    unknown = sorted(set(d) - {"dp", "pp", "tp"})
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; known: dp, pp, tp")
+    return LayoutConfig(**d)
+
+
+STRATEGIES = ("seesaw", "shift", "tp")
 
 
 @dataclass

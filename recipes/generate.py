@@ -38,7 +38,11 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
     dp_rank = dims.world_mesh().get_coordinate()[0]
     t1 = time.perf_counter()
-    mine = engine.generate(requests[dp_rank::dims.dp], progress=cfg.progress and _rank() == 0)
+    try:  # a Seesaw engine splits each prefill batch over its dp replicas itself (dims.dp == 1)
+        mine = engine.generate(requests[dp_rank::dims.dp], progress=cfg.progress and _rank() == 0)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
     completions = _gather_replicas(mine, dims)
     summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
     if _rank() == 0:
@@ -59,8 +63,12 @@ def _model_path(cfg: GenerateConfig) -> Path:
 
 
 def _dims(cfg: GenerateConfig) -> ParallelDims:
-    """tp: tp ranks x data-parallel replicas. shift: sp x tp must cover the world."""
+    """tp: tp ranks x data-parallel replicas. shift: sp x tp must cover the world. seesaw: the
+    whole world as one group (its two layouts are :func:`_seesaw_dims`)."""
     world, p = dist.get_world_size(), cfg.parallel
+    if p.strategy == "seesaw":
+        _seesaw_dims(cfg)  # validate both layouts before loading anything
+        return ParallelDims(tp=world, world_size=world)
     if p.strategy == "shift":
         if p.tp is None and world % p.sp != 0:
             raise ValueError(f"parallel.sp ({p.sp}) must divide the world size ({world})")
@@ -74,9 +82,32 @@ def _dims(cfg: GenerateConfig) -> ParallelDims:
     return ParallelDims(dp=world // tp, tp=tp, world_size=world)
 
 
+def _seesaw_dims(cfg: GenerateConfig) -> tuple[ParallelDims, ParallelDims]:
+    world, p = dist.get_world_size(), cfg.parallel
+    return tuple(ParallelDims(**getattr(p, phase).resolve(world, f"parallel.{phase}"), world_size=world)
+                 for phase in ("prefill", "decode"))
+
+
+def _build_seesaw(cfg: GenerateConfig, path: Path, dtype: torch.dtype):
+    from parallel.seesaw import LayoutSwitch
+    from parallel.seesaw_engine import SeesawEngine
+
+    if cfg.compile:
+        raise ValueError("compile=true is not supported with parallel=seesaw yet")
+    prefill, decode = _seesaw_dims(cfg)
+    p = cfg.parallel
+    switch = LayoutSwitch(path, prefill, decode, weights=p.weights, dtype=dtype)
+    return SeesawEngine(switch, cpu_kv_budget=p.cpu_kv_budget, scheduler=p.scheduler,
+                        max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
+                        max_prefill_tokens=cfg.engine.max_prefill_tokens,
+                        num_microbatches=p.num_microbatches)
+
+
 def build_engine(cfg: GenerateConfig, path: Path, dims: ParallelDims) -> Engine:
     """The strategy's model layout and engine."""
     dtype = getattr(torch, cfg.model.dtype)
+    if cfg.parallel.strategy == "seesaw":
+        return _build_seesaw(cfg, path, dtype)
     kw = dict(max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
               max_prefill_tokens=cfg.engine.max_prefill_tokens, compile=cfg.compile)
     if cfg.parallel.strategy == "shift":
@@ -89,6 +120,8 @@ def build_engine(cfg: GenerateConfig, path: Path, dims: ParallelDims) -> Engine:
 
 def _strategy_summary(engine: Engine) -> dict:
     """Keys a strategy adds to summary.json."""
+    if hasattr(engine, "switch"):
+        return _seesaw_summary(engine)
     shift = getattr(engine, "shift", None)
     if shift is None:
         return {}
@@ -96,6 +129,18 @@ def _strategy_summary(engine: Engine) -> dict:
             "switch_bytes": shift.switch_bytes, "threshold": engine.threshold,
             "shift_extra_bytes": engine.model.shift_extra_bytes,
             "kv_replication": engine.model.model.layers[0].self_attn.kv_replication}
+
+
+def _seesaw_summary(engine) -> dict:
+    s, dims = engine.stats, engine.switch.dims
+    swap = torch.tensor([s.swap_seconds], dtype=torch.float64)
+    dist.all_reduce(swap, op=dist.ReduceOp.MAX)
+    return {"transitions": s.transitions, "reshard_bytes": s.reshard_bytes,
+            "reshard_lower_bound_bytes": s.reshard_lower_bound_bytes,
+            "reshard_seconds": s.reshard_seconds, "swap_seconds": swap.item(),
+            "scheduler": engine.scheduler.name, "weights": engine.switch.weights,
+            "layouts": {phase: {"dp": d.dp, "pp": d.pp, "tp": d.tp} for phase, d in dims.items()},
+            "peak_weight_bytes": max((h.peak_weight_bytes for h in s.history), default=0)}
 
 
 def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> list[Request]:
@@ -203,6 +248,10 @@ def _print_summary(s: dict) -> None:
           f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
           f"mean batch {s['mean_decode_batch']:.1f})\n"
           f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s", flush=True)
+    if "transitions" in s:
+        print(f"  seesaw {s['layouts']['prefill']} -> {s['layouts']['decode']}: {s['transitions']} "
+              f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
+              f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s", flush=True)
     if "mode_switches" in s:
         print(f"  shift: steps by mode {s['steps_by_mode']}, {s['mode_switches']} switches, "
               f"{s['switch_bytes']} bytes moved at switches", flush=True)

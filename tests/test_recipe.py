@@ -37,6 +37,10 @@ def _run_recipe(overrides, run_dir):
     ("engine.max_batch_size=0", r"engine.max_batch_size must be >= 1, got 0"),
     ("parallel=shift parallel.shift_weights=mirror", r"parallel.shift_weights must be copy or slice, got 'mirror'"),
     ("parallel=shift parallel.threshold=-5", r"parallel.threshold must be >= 0, got -5"),
+    ("parallel=seesaw parallel.weights=copy", r"parallel.weights must be move or reload, got 'copy'"),
+    ("parallel=seesaw parallel.scheduler=fifo", r"parallel.scheduler 'fifo' is not one of"),
+    ("parallel=seesaw parallel.cpu_kv_budget=0", r"parallel.cpu_kv_budget must be >= 1, got 0"),
+    ("parallel=seesaw +parallel.prefill.sp=2", r"parallel.prefill has unknown keys \['sp'\]"),
 ])
 def test_bad_override_values_raise_value_error(override, message):
     with pytest.raises(ValueError, match=message):
@@ -106,3 +110,28 @@ def test_main_job_under_torchrun(tmp_path):
     lines = (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == 6 and all(len(json.loads(l)["output_ids"]) >= 1 for l in lines)
     assert summary["generated_tokens"] == sum(len(json.loads(l)["output_ids"]) for l in lines)
+
+
+def test_seesaw_recipe_matches_hf_and_reports_transitions(four_layer, hf_reference, tmp_path):
+    path = four_layer["llama"]
+    overrides = [f"model.path={path}", "parallel=seesaw", "parallel.prefill.pp=2", "parallel.decode.tp=2",
+                 "parallel.cpu_kv_budget=40", "workload.num_requests=6", "workload.prompt_len_min=3",
+                 "workload.prompt_len_max=20", "generation.max_new_tokens=6", "engine.max_batch_size=2",
+                 "progress=false"]
+    summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path))
+    s = summaries[0]
+    assert s["layouts"] == {"prefill": {"dp": 1, "pp": 2, "tp": 1}, "decode": {"dp": 1, "pp": 1, "tp": 2}}
+    assert s["transitions"] >= 2 and s["reshard_bytes"] == s["reshard_lower_bound_bytes"] > 0
+    assert s["reshard_seconds"] > 0 and s["swap_seconds"] >= 0
+    rows = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    expected = hf_reference(path, [r["prompt_ids"] for r in rows], 6)
+    assert [r["output_ids"] for r in rows] == expected
+
+
+@pytest.mark.parametrize("override,message", [
+    ("parallel.prefill.pp=3", r"parallel.prefill: dp\(1\) \* pp\(3\) \* tp\(1\) != world size \(2\)"),
+    ("parallel.decode.dp=null", r"parallel.decode: at most one of dp, pp, tp may be null"),
+])
+def test_seesaw_bad_layouts_are_rejected(tmp_path, override, message):
+    with pytest.raises(RuntimeError, match=message):
+        dist_harness.run(2, _run_recipe, ["parallel=seesaw", override], str(tmp_path))
