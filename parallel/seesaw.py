@@ -44,7 +44,7 @@ class TransitionStats:
     bytes: int  # moved between ranks (move) or read from the CPU copy (reload)
     lower_bound_bytes: int  # what any rank-to-rank move must transfer
     seconds: float
-    peak_weight_bytes: int  # this rank's weight bytes while both layouts are alive
+    peak_weight_bytes: int  # this rank's weights of both layouts + transfer buffers, at the peak
 
 
 def shared_path(prefix: str) -> str:
@@ -111,8 +111,8 @@ class LayoutSwitch:
         src, dst = self.models[self.active], self.models[phase]
         t0 = time.perf_counter()
         plans = self._plans(self.active, phase)
-        moved = self._move(src, dst, plans) if self.store is None else self._reload(phase)
-        peak = weight_bytes(src, dst)
+        moved, buffers = self._move(src, dst, plans) if self.store is None else (self._reload(phase), 0)
+        peak = weight_bytes(src, dst) + buffers
         release_weights(src)
         stats = TransitionStats(phase, moved, sum(p.lower_bound_bytes for p in plans),
                                 time.perf_counter() - t0, peak)
@@ -127,8 +127,9 @@ class LayoutSwitch:
                               global_layout(dst_params[n], self.dims[dst_phase]))
                 for n, p in src.named_parameters()]
 
-    def _move(self, src: nn.Module, dst: nn.Module, plans: list) -> int:
-        """Rank-to-rank through the movement core; returns the bytes sent by all ranks."""
+    def _move(self, src: nn.Module, dst: nn.Module, plans: list) -> tuple[int, int]:
+        """Rank-to-rank through the movement core; returns (bytes sent by all ranks, this rank's
+        largest send + receive buffers)."""
         rank = dist.get_rank()
         params = list(src.named_parameters())
         locals_ = [p.to_local() if plan.src.box(rank) is not None else None
@@ -136,7 +137,7 @@ class LayoutSwitch:
         outs, stats = execute(plans, locals_, bucket_bytes=self.bucket_bytes, device=_device_of(dst))
         for (name, _), out in zip(params, outs):
             _install(dst, name, None if out is None else _compact(out))
-        return _sum_over_ranks(stats.bytes_sent)
+        return _sum_over_ranks(stats.bytes_sent), stats.peak_extra_bytes
 
     def _reload(self, phase: str) -> int:
         """Each rank copies its boxes of ``phase``'s layout out of the shared CPU copy."""

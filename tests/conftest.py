@@ -24,11 +24,11 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def four_layer(tmp_path_factory) -> dict[str, str]:
-    """4-layer llama and qwen3 checkpoints, for pipeline stages (P4, D2P2, T2P2)."""
+    """4-layer checkpoints of every family, for pipeline stages (P4, D2P2, T2P2)."""
     from parallel.tiny_models import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("pp")
-    return {f: str(make_tiny_checkpoint(f, root / f, seed=0, num_hidden_layers=4)) for f in ("llama", "qwen3")}
+    return {f: str(make_tiny_checkpoint(f, root / f, seed=0, num_hidden_layers=4)) for f in FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,8 @@ def _generate_and_check(path, layouts, prompts, max_new, weights):
     weights_ok = [_checkpoint_boxes_equal(switch.models[switch.active], path)]
     switch.switch("prefill" if switch.active == "decode" else "decode")
     weights_ok.append(_checkpoint_boxes_equal(switch.models[switch.active], path))
-    history = [(h.bytes, h.lower_bound_bytes) for h in switch.history]
+    full = sum(p.numel() * p.element_size() for p in switch.models["decode"].parameters())
+    history = [(h.bytes, h.lower_bound_bytes, h.peak_weight_bytes / full) for h in switch.history]
     engine.close()
     return tokens, stats.transitions, history, weights_ok
 
@@ -79,9 +80,47 @@ def test_seesaw_tokens_match_hf(four_layer, hf_reference, layout, weights):
         assert tokens == expected
         assert transitions >= 3  # the small CPU KV budget forces several round trips
         assert weights_ok == [True, True]
-        assert all(b > 0 for b, _ in history)
+        assert all(b > 0 and peak > 0 for b, _, peak in history)  # every transition accounted
         if weights == "move":
-            assert all(b == lb for b, lb in history), history
+            assert all(b == lb for b, lb, _ in history), history
+
+
+def _tokens(path, layouts, prompts, max_new):
+    engine = _seesaw(path, layouts)
+    tokens = [c.output_ids for c in engine.generate(_requests(prompts, max_new))]
+    transitions = engine.stats.transitions
+    engine.close()
+    return tokens, transitions
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_seesaw_other_families_match_hf(four_layer, hf_reference, family):
+    """Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (1 KV head: replicated 4x in T4, sliding window)."""
+    path, prompts = four_layer[family], _prompts(8)
+    full = hf_reference(path, prompts, max(MAX_NEW))
+    expected = [out[:m] for out, m in zip(full, MAX_NEW)]
+    for tokens, transitions in dist_harness.run(4, _tokens, path, LAYOUTS["P4-T4"], prompts, MAX_NEW):
+        assert tokens == expected and transitions >= 3
+
+
+def _sampled(path, prompts):
+    """Seeded sampling: Seesaw D2P2 -> T4 (first tokens drawn on one dp replica) vs a static TP4 engine."""
+    import torch.distributed as dist
+
+    from parallel import Engine, Request, SamplingParams, parallelize
+
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, seed=3)
+    requests = [Request(i, p, params) for i, p in enumerate(prompts)]
+    engine = _seesaw(path, LAYOUTS["D2P2-T4"])
+    seesaw = [c.output_ids for c in engine.generate(requests)]
+    engine.close()
+    static = Engine(parallelize(path, _dims(dist.get_world_size(), dict(tp=4))), max_batch_size=3, max_seq_len=128)
+    return seesaw, [c.output_ids for c in static.generate(requests)]
+
+
+def test_seeded_sampling_is_layout_independent(four_layer):
+    for seesaw, static in dist_harness.run(4, _sampled, four_layer["llama"], _prompts(6)):
+        assert seesaw == static
 
 
 def _swapped_in_kv(path, layouts, prompts):
