@@ -17,6 +17,22 @@ def device_type() -> str:
     return "cpu"
 
 
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def cached_mesh(grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """``DeviceMesh(grid, names)``, created once per process group.
+
+    Every DeviceMesh creates a process group per axis, and gloo keeps threads per group; engines
+    rebuilt in a loop (tests, benchmarks, an RL loop re-parallelizing a model) would otherwise
+    pile up thousands of threads. Collective on first use, like ``DeviceMesh`` itself.
+    """
+    key = (id(dist.group.WORLD), device_type(), tuple(grid.flatten().tolist()), tuple(grid.shape), names)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh(device_type(), grid, mesh_dim_names=names)
+    return _MESHES[key]
+
+
 @dataclass
 class ParallelDims:
     """Degrees of the mesh axes ``(dp, pp, sp, tp)``; their product must equal ``world_size``."""
@@ -53,7 +69,7 @@ class ParallelDims:
         if "world" not in self._meshes:
             self._check_world()
             grid = torch.arange(self.world_size).view(self.shape)
-            self._meshes["world"] = DeviceMesh(device_type(), grid, mesh_dim_names=AXES)
+            self._meshes["world"] = cached_mesh(grid, AXES)
         return self._meshes["world"]
 
     def mesh(self, axis: str) -> DeviceMesh:
@@ -72,7 +88,7 @@ class ParallelDims:
             rep = self.tp // num_kv_heads
             grid = torch.arange(self.world_size).view(*self.shape[:3], num_kv_heads, rep)
             names = AXES[:3] + ("tp_kv", "tp_rep")
-            self._meshes[key] = DeviceMesh(device_type(), grid, mesh_dim_names=names)["tp_kv", "tp_rep"]
+            self._meshes[key] = cached_mesh(grid, names)["tp_kv", "tp_rep"]
         return self._meshes[key]
 
     # ---- pipeline stages -------------------------------------------------------------------------
@@ -88,7 +104,7 @@ class ParallelDims:
             coord = self.world_mesh().get_coordinate()
             for d in range(self.dp):
                 for s in range(self.sp):
-                    row = [DeviceMesh(device_type(), grid[d, p, s], mesh_dim_names=("tp",))
+                    row = [cached_mesh(grid[d, p, s], ("tp",))
                            for p in range(self.pp)]
                     if (d, s) == (coord[0], coord[2]):
                         self._meshes["stages"] = row
@@ -145,7 +161,7 @@ class ParallelDims:
         if key not in self._meshes:
             self._check_world()
             lead = tuple(f"_lead{i}" for i in range(grid.dim() - 2))
-            mesh = DeviceMesh(device_type(), grid, mesh_dim_names=lead + names)
+            mesh = cached_mesh(grid, lead + names)
             self._meshes[key] = mesh[names]
         return self._meshes[key]
 

@@ -23,7 +23,7 @@ from .engine import Engine
 from .layouts import stage_of_layer
 from .parallelize import parallelize
 from .plans import tp_plan
-from .sampling import sample_tokens
+from .sampling import sample_tokens, skip_draws
 
 
 def parallelize_pipeline(path: str | os.PathLike, dims: ParallelDims, *,
@@ -115,10 +115,14 @@ class PipelineEngine(Engine):
         return h
 
     def _select(self, seqs, logits) -> torch.Tensor:
-        """The last stage samples; the tokens are broadcast along the pp axis."""
+        """The last stage samples; the tokens are broadcast along the pp axis. The other stages
+        advance their generators by the same draws, so every rank's generators stay in step (a
+        later layout, e.g. Seesaw's decode, may sample on any of them)."""
+        params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
         if self.is_last:
-            tokens = sample_tokens(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+            tokens = sample_tokens(logits, params, generators)
         else:
+            skip_draws(params, generators, self.vocab_size)
             tokens = torch.empty(len(seqs), dtype=torch.long)
         if self.dims.pp > 1:
             dist.broadcast(tokens, src=self.peers[-1], group=self.pp_group)

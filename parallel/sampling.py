@@ -53,6 +53,15 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     return greedy
 
 
+def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+               vocab_size: int) -> None:
+    """Advance each sampling generator past the draw :func:`sample_tokens` makes for one token
+    (for ranks that learn the token from another rank instead of sampling it)."""
+    for p, g in zip(params, generators):
+        if not p.greedy:
+            torch.rand(vocab_size, generator=g)
+
+
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     x = logits / p.temperature
     if p.top_k:

@@ -23,6 +23,7 @@ from reshard.kv_tier import CPUKVTier, TierSpec
 
 from .dims import ParallelDims, device_type
 from .engine import Completion, Request, _Sequence
+from .sampling import skip_draws
 from .schedulers import SchedState, make_scheduler
 from .seesaw import LayoutSwitch, TransitionStats, make_engine, shared_path
 
@@ -131,7 +132,6 @@ class SeesawEngine:
                 before = len(st.done)
                 self._prefill_step(st) if phase == "prefill" else self._decode_step(st)
                 bar.update(len(st.done) - before)
-        self._collect_engine_stats()
         return [st.done[r.id] for r in requests]
 
     def close(self) -> None:
@@ -207,12 +207,12 @@ class SeesawEngine:
         ours = {id(s) for s in mine}
         tokens = torch.tensor([s.last_token if id(s) in ours else 0 for s in batch], device=device_type())
         dist.all_reduce(tokens, group=self.dp_group)
-        vocab = self.decode_engine.vocab_size
-        for seq, token in zip(batch, tokens.tolist()):
-            if id(seq) not in ours:
-                _skip_draw(seq, vocab)
-                seq.cached = len(seq.request.prompt_ids)
-                seq.append(token)
+        others = [(s, t) for s, t in zip(batch, tokens.tolist()) if id(s) not in ours]
+        skip_draws([s.request.sampling for s, _ in others], [s.generator for s, _ in others],
+                   self.decode_engine.vocab_size)
+        for seq, token in others:
+            seq.cached = len(seq.request.prompt_ids)
+            seq.append(token)
 
     def _swap_out(self, seqs: list[_Sequence], slots: list[int]) -> None:
         """Write ``seqs``' prefill KV into the tier on the swap thread; ``slots`` free after it."""
@@ -267,16 +267,6 @@ class SeesawEngine:
             st.running[seq.slot] = seq
         st.loading.clear()
         self.stats.swap_seconds += time.perf_counter() - t0
-
-    def _collect_engine_stats(self) -> None:
-        """Keep the step engines' own counters (tokens, steps) in view."""
-        self.prefill_stats, self.decode_stats = self.prefill_engine.stats, self.decode_engine.stats
-
-
-def _skip_draw(seq: _Sequence, vocab_size: int) -> None:
-    """Advance a sampling generator past the draw another dp replica made for this token."""
-    if seq.generator is not None:
-        torch.rand(vocab_size, generator=seq.generator)
 
 
 __all__ = ["SeesawEngine", "SeesawStats"]
