@@ -55,13 +55,31 @@ class SeesawStats:
         self.history.append(t)
 
 
+@dataclass(frozen=True)
+class _DP:
+    """This rank's data-parallel replica in one phase's layout."""
+
+    size: int
+    rank: int
+    group: object  # the dp-axis process group (None when size == 1)
+
+    @staticmethod
+    def of(dims: ParallelDims) -> "_DP":
+        group = dims.mesh("dp").get_group() if dims.dp > 1 else None
+        return _DP(dims.dp, dims.world_mesh().get_coordinate()[0], group)
+
+    def owns(self, slot: int, slots_per_replica: int) -> bool:
+        """Whether global decode ``slot`` belongs to this rank's replica."""
+        return slot // slots_per_replica == self.rank
+
+
 @dataclass
 class _State:
     queue: deque  # requests not yet prefilled
     buffered: deque = field(default_factory=deque)  # prefilled sequences whose KV is in the tier
-    running: dict = field(default_factory=dict)  # decode slot -> sequence
-    loading: list = field(default_factory=list)  # (future, sequence) swap-ins in flight
-    free: list = field(default_factory=list)  # free decode slots
+    running: dict = field(default_factory=dict)  # global decode slot -> sequence
+    loading: list = field(default_factory=list)  # (future | None, sequence, global slot) swap-ins
+    free: list = field(default_factory=list)  # free global decode slots (replica * slots + slot)
     done: dict = field(default_factory=dict)
 
 
@@ -72,7 +90,8 @@ class SeesawEngine:
         switch: the model in both layouts (:class:`parallel.seesaw.LayoutSwitch`).
         cpu_kv_budget: capacity of the CPU KV tier in tokens; every prompt must fit.
         scheduler: ``transition_minimizing`` | ``prefill_prioritizing`` | ``decode_prioritizing``.
-        max_batch_size: decode slots; also the prefill slots of each dp replica.
+        max_batch_size: decode slots and prefill slots of each dp replica (dp splits each prefill
+            batch and, in the decode layout, the running requests).
     """
 
     def __init__(self, switch: LayoutSwitch, *, cpu_kv_budget: int,
@@ -82,16 +101,13 @@ class SeesawEngine:
         if cpu_kv_budget < 1:
             raise ValueError(f"cpu_kv_budget must be >= 1 token, got {cpu_kv_budget}")
         dims_p, dims_d = switch.dims["prefill"], switch.dims["decode"]
-        if dims_d.dp != 1:
-            raise ValueError(f"decode layouts with dp > 1 are not supported yet (decode dp={dims_d.dp})")
         self.switch, self.scheduler = switch, make_scheduler(scheduler)
         kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
         pp_kw = lambda d: dict(num_microbatches=num_microbatches) if d.pp > 1 else {}  # noqa: E731
         self.prefill_engine = make_engine(switch.models["prefill"], dims_p, **kw, **pp_kw(dims_p),
                                           max_prefill_tokens=max_prefill_tokens)
         self.decode_engine = make_engine(switch.models["decode"], dims_d, **kw, **pp_kw(dims_d))
-        self.dp_p, self.dp_rank = dims_p.dp, dims_p.world_mesh().get_coordinate()[0]
-        self.dp_group = dims_p.mesh("dp").get_group() if dims_p.dp > 1 else None
+        self.dp = {"prefill": _DP.of(dims_p), "decode": _DP.of(dims_d)}
         self.tier = CPUKVTier(self._tier_spec(cpu_kv_budget), shared_path("reshard-kv"))
         self.stats = SeesawStats()
         self._swapper = ThreadPoolExecutor(1, thread_name_prefix="seesaw-swap")
@@ -123,7 +139,7 @@ class SeesawEngine:
     def generate(self, requests: Sequence[Request], *, progress: bool = False) -> list[Completion]:
         """Run all ``requests`` to completion; returns completions in request order."""
         self.validate(requests)
-        st = _State(queue=deque(requests), free=list(range(self.decode_engine.max_batch_size - 1, -1, -1)))
+        st = _State(queue=deque(requests), free=self._decode_slots())
         with tqdm(total=len(requests), disable=not progress, desc="seesaw", unit="req") as bar:
             while st.queue or st.buffered or st.running:
                 phase = self.scheduler.next_phase(self.switch.active, self._snapshot(st))
@@ -133,6 +149,11 @@ class SeesawEngine:
                 self._prefill_step(st) if phase == "prefill" else self._decode_step(st)
                 bar.update(len(st.done) - before)
         return [st.done[r.id] for r in requests]
+
+    def _decode_slots(self) -> list[int]:
+        """Global decode slots ``group * max_batch_size + slot``, popped alternating over groups."""
+        n, groups = self.decode_engine.max_batch_size, self.dp["decode"].size
+        return [g * n + i for i in reversed(range(n)) for g in reversed(range(groups))]
 
     def close(self) -> None:
         """Join the swap thread and remove the shared-memory files (collective)."""
@@ -162,13 +183,13 @@ class SeesawEngine:
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill_step(self, st: _State) -> None:
         """One prefill step of a batch split over the dp replicas; KV out to the tier behind it."""
-        batch = self._admit(st)
-        mine = [s for i, s in enumerate(batch) if i % self.dp_p == self.dp_rank]
+        batch, dp = self._admit(st), self.dp["prefill"]
+        mine = [s for i, s in enumerate(batch) if i % dp.size == dp.rank]
         self._take_prefill_slots(mine)
         t0 = time.perf_counter()
         if mine:
             self.prefill_engine.prefill(mine)
-        self._share_first_tokens(batch, mine)
+        self._share_tokens(dp, batch, mine, [len(s.request.prompt_ids) for s in batch])
         self.stats.prefill_seconds += time.perf_counter() - t0
         for seq in batch:
             if seq.finish_reason is not None:
@@ -180,8 +201,8 @@ class SeesawEngine:
 
     def _admit(self, st: _State) -> list[_Sequence]:
         """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
-        slots = self.prefill_engine.max_batch_size * self.dp_p
-        budget = self.prefill_engine.max_prefill_tokens * self.dp_p
+        slots = self.prefill_engine.max_batch_size * self.dp["prefill"].size
+        budget = self.prefill_engine.max_prefill_tokens * self.dp["prefill"].size
         target = self.scheduler.buffer_target(self._snapshot(st)) - len(st.buffered)
         batch: list[_Sequence] = []
         while st.queue and len(batch) < min(slots, target):
@@ -200,18 +221,20 @@ class SeesawEngine:
         for seq in seqs:
             seq.slot = self._prefill_free.pop()
 
-    def _share_first_tokens(self, batch: list[_Sequence], mine: list[_Sequence]) -> None:
-        """Each dp replica sampled its requests' first tokens; every rank learns all of them."""
-        if self.dp_p == 1:
+    def _share_tokens(self, dp: "_DP", batch: list[_Sequence], mine: list[_Sequence],
+                      lengths: list[int]) -> None:
+        """Each dp replica sampled the next token of its share of ``batch`` (``lengths`` new
+        tokens each); every rank learns all of them and advances its generators alike."""
+        if dp.size == 1:
             return
         ours = {id(s) for s in mine}
         tokens = torch.tensor([s.last_token if id(s) in ours else 0 for s in batch], device=device_type())
-        dist.all_reduce(tokens, group=self.dp_group)
-        others = [(s, t) for s, t in zip(batch, tokens.tolist()) if id(s) not in ours]
-        skip_draws([s.request.sampling for s, _ in others], [s.generator for s, _ in others],
+        dist.all_reduce(tokens, group=dp.group)
+        others = [(s, t, n) for s, t, n in zip(batch, tokens.tolist(), lengths) if id(s) not in ours]
+        skip_draws([s.request.sampling for s, _, _ in others], [s.generator for s, _, _ in others],
                    self.decode_engine.vocab_size)
-        for seq, token in others:
-            seq.cached = len(seq.request.prompt_ids)
+        for seq, token, n in others:
+            seq.cached += n
             seq.append(token)
 
     def _swap_out(self, seqs: list[_Sequence], slots: list[int]) -> None:
@@ -239,9 +262,12 @@ class SeesawEngine:
         self._onboard(st)
         if not st.running:
             self._join_loads(st)
-        active = list(st.running.values())
+        active, dp = list(st.running.values()), self.dp["decode"]
+        mine = [s for slot, s in st.running.items() if dp.owns(slot, self.decode_engine.max_batch_size)]
         t0 = time.perf_counter()
-        self.decode_engine.decode(active)
+        if mine:
+            self.decode_engine.decode(mine)
+        self._share_tokens(dp, active, mine, [1] * len(active))
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         self.stats.decode_batch_sum += len(active)
@@ -252,19 +278,23 @@ class SeesawEngine:
             st.free.append(slot)
 
     def _onboard(self, st: _State) -> None:
+        """Give buffered requests free decode slots; their replica's ranks swap them in."""
+        n = self.decode_engine.max_batch_size
         while st.free and st.buffered:
-            seq = st.buffered.popleft()
-            seq.slot = st.free.pop()
-            self.decode_slot_of[seq.request.id] = seq.slot
-            future = self._swapper.submit(self.tier.swap_in, self.decode_engine.kv, seq.slot, seq.request.id)
-            st.loading.append((future, seq))
+            seq, slot = st.buffered.popleft(), st.free.pop()
+            seq.slot = slot % n  # the slot in the owning replica's cache
+            future = None
+            if self.dp["decode"].owns(slot, n):
+                self.decode_slot_of[seq.request.id] = seq.slot
+                future = self._swapper.submit(self.tier.swap_in, self.decode_engine.kv, seq.slot, seq.request.id)
+            st.loading.append((future, seq, slot))
 
     def _join_loads(self, st: _State) -> None:
         t0 = time.perf_counter()
-        for future, seq in st.loading:
-            self.stats.swap_in_tokens += future.result()
+        for future, seq, slot in st.loading:
+            self.stats.swap_in_tokens += future.result() if future is not None else 0
             self.tier.free(seq.request.id)
-            st.running[seq.slot] = seq
+            st.running[slot] = seq
         st.loading.clear()
         self.stats.swap_seconds += time.perf_counter() - t0
 

@@ -7,7 +7,8 @@ from tests.test_generate import _prompts
 
 MAX_NEW = [12, 5, 9, 12, 3, 7, 12, 6]  # per request: different output lengths
 LAYOUTS = {"P4-T4": (dict(pp=4), dict(tp=4)), "D2P2-T4": (dict(dp=2, pp=2), dict(tp=4)),
-           "P2-T2": (dict(pp=2), dict(tp=2)), "P4-T2P2": (dict(pp=4), dict(pp=2, tp=2))}
+           "P2-T2": (dict(pp=2), dict(tp=2)), "P4-T2P2": (dict(pp=4), dict(pp=2, tp=2)),
+           "D2P2-D2T2": (dict(dp=2, pp=2), dict(dp=2, tp=2))}
 BUDGET = 60  # CPU KV tokens: the longest prompt (40) fits, a few prompts at once do not
 
 
@@ -66,7 +67,8 @@ def _generate_and_check(path, layouts, prompts, max_new, weights):
 
 
 @pytest.mark.parametrize("layout,weights", [("P4-T4", "move"), ("P4-T4", "reload"), ("D2P2-T4", "move"),
-                                            ("D2P2-T4", "reload"), ("P2-T2", "move"), ("P4-T2P2", "move")])
+                                            ("D2P2-T4", "reload"), ("P2-T2", "move"), ("P4-T2P2", "move"),
+                                            ("D2P2-D2T2", "move")])
 def test_seesaw_tokens_match_hf(four_layer, hf_reference, layout, weights):
     path, prompts = four_layer["llama"], _prompts(8)
     full = hf_reference(path, prompts, max(MAX_NEW))
@@ -101,23 +103,24 @@ def test_seesaw_other_families_match_hf(four_layer, hf_reference, family):
         assert tokens == expected and transitions >= 3
 
 
-def _sampled(path, prompts):
-    """Seeded sampling: Seesaw D2P2 -> T4 (first tokens drawn on one dp replica) vs a static TP4 engine."""
+def _sampled(path, prompts, layouts):
+    """Seeded sampling: Seesaw with dp replicas (tokens drawn on one replica) vs a static TP4 engine."""
     import torch.distributed as dist
 
     from parallel import Engine, Request, SamplingParams, parallelize
 
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, seed=3)
     requests = [Request(i, p, params) for i, p in enumerate(prompts)]
-    engine = _seesaw(path, LAYOUTS["D2P2-T4"])
+    engine = _seesaw(path, layouts)
     seesaw = [c.output_ids for c in engine.generate(requests)]
     engine.close()
     static = Engine(parallelize(path, _dims(dist.get_world_size(), dict(tp=4))), max_batch_size=3, max_seq_len=128)
     return seesaw, [c.output_ids for c in static.generate(requests)]
 
 
-def test_seeded_sampling_is_layout_independent(four_layer):
-    for seesaw, static in dist_harness.run(4, _sampled, four_layer["llama"], _prompts(6)):
+@pytest.mark.parametrize("layout", ["D2P2-T4", "D2P2-D2T2"])
+def test_seeded_sampling_is_layout_independent(four_layer, layout):
+    for seesaw, static in dist_harness.run(4, _sampled, four_layer["llama"], _prompts(6), LAYOUTS[layout]):
         assert seesaw == static
 
 
