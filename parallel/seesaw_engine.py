@@ -37,6 +37,7 @@ class SeesawStats:
     swap_seconds: float = 0.0  # main-thread time spent swapping or waiting for a swap
     swap_out_bytes: int = 0  # this rank
     swap_in_tokens: int = 0  # this rank
+    kv_bytes_released: int = 0  # this rank: KV cache memory a phase gave up at its transitions
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
@@ -107,6 +108,7 @@ class SeesawEngine:
         self.prefill_engine = make_engine(switch.models["prefill"], dims_p, **kw, **pp_kw(dims_p),
                                           max_prefill_tokens=max_prefill_tokens)
         self.decode_engine = make_engine(switch.models["decode"], dims_d, **kw, **pp_kw(dims_d))
+        self.decode_engine.kv.release()  # allocated at the first transition to decode
         self.dp = {"prefill": _DP.of(dims_p), "decode": _DP.of(dims_d)}
         self.tier = CPUKVTier(self._tier_spec(cpu_kv_budget), shared_path("reshard-kv"))
         self.stats = SeesawStats()
@@ -144,7 +146,7 @@ class SeesawEngine:
             while st.queue or st.buffered or st.running:
                 phase = self.scheduler.next_phase(self.switch.active, self._snapshot(st))
                 if phase != self.switch.active:
-                    self._transition(phase)
+                    self._transition(phase, st)
                 before = len(st.done)
                 self._prefill_step(st) if phase == "prefill" else self._decode_step(st)
                 bar.update(len(st.done) - before)
@@ -174,10 +176,17 @@ class SeesawEngine:
         return SchedState(queued=len(st.queue), next_fits_tier=fits, buffered=len(st.buffered),
                           running=len(st.running), free_slots=len(st.free))
 
-    def _transition(self, phase: str) -> None:
+    def _transition(self, phase: str, st: _State) -> None:
+        """Move the weights; the phase left behind gives up its KV cache memory where it can."""
         if phase == "decode":  # the tier must hold every rank's KV before anyone reads it
             self._wait_swap_outs(everything=True)
             dist.barrier()
+            self.stats.kv_bytes_released += self.prefill_engine.kv.release()
+            self.decode_engine.kv.restore()
+        else:
+            if not st.running:  # nothing decoding keeps KV in the decode cache
+                self.stats.kv_bytes_released += self.decode_engine.kv.release()
+            self.prefill_engine.kv.restore()
         self.stats.add(self.switch.switch(phase))
 
     # ---- prefill ------------------------------------------------------------------------------

@@ -37,12 +37,31 @@ class KVCache:
     """K and V per layer, each ``(num_slots, num_heads, max_seq_len, head_dim)``."""
 
     def __init__(self, spec: KVSpec, device: torch.device | str = "cpu") -> None:
-        self.spec = spec
-        shape = (spec.num_slots, spec.num_heads, spec.max_seq_len, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device)
-                  for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device)
-                  for _ in range(spec.num_layers)]
+        self.spec, self.device = spec, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.restore()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
+
+    def release(self) -> int:
+        """Free the cache's memory (its contents are lost); returns the bytes freed."""
+        freed = self.spec.bytes if self.allocated else 0
+        self.k, self.v = [], []
+        return freed
+
+    def restore(self) -> None:
+        """(Re)allocate a zeroed cache after :meth:`release` (no-op when allocated)."""
+        if self.allocated:
+            return
+        s = self.spec
+        shape = (s.num_slots, s.num_heads, s.max_seq_len, s.head_dim)
+        with torch.inference_mode(False):  # plain tensors even when restored inside generate():
+            # background swap threads (outside inference mode) write into them
+            self.k = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+            self.v = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[index], self.v[index]

@@ -217,3 +217,20 @@ def test_scheduler_policies_unit():
     assert make_scheduler("prefill_prioritizing").next_phase("decode", idle) == "prefill"
     with pytest.raises(ValueError, match=r"scheduler 'fifo' is not one of"):
         make_scheduler("fifo")
+
+
+def _kv_memory(path):
+    """Which KV caches hold memory in each phase."""
+    engine = _seesaw(path, LAYOUTS["P2-T2"], scheduler="decode_prioritizing")
+    before = (engine.prefill_engine.kv.allocated, engine.decode_engine.kv.allocated)
+    engine.generate(_requests(_prompts(4), [4] * 4))
+    after = (engine.prefill_engine.kv.allocated, engine.decode_engine.kv.allocated)
+    released, transitions = engine.stats.kv_bytes_released, engine.stats.transitions
+    engine.close()
+    return before, after, released, transitions, engine.prefill_engine.kv.spec.bytes
+
+
+def test_each_phase_gives_up_its_kv_cache(four_layer):
+    for before, after, released, transitions, prefill_bytes in dist_harness.run(2, _kv_memory, four_layer["llama"]):
+        assert before == (True, False) and after == (False, True)  # ends in decode
+        assert transitions >= 3 and released >= 2 * prefill_bytes
