@@ -56,6 +56,20 @@ def shared_path(prefix: str) -> str:
     return name[0]
 
 
+def map_shared(prefix: str, factory):
+    """``factory(path)`` on every rank over one fresh shared-memory file, which is then unlinked.
+
+    The mappings stay valid after the unlink, and the memory goes back to the system when the
+    last rank exits, so a crashed run leaves nothing behind in ``/dev/shm`` (collective).
+    """
+    path = shared_path(prefix)
+    obj = factory(path)
+    dist.barrier()  # every rank has mapped it
+    if dist.get_rank() == 0:
+        os.unlink(path)
+    return obj
+
+
 def build_model(path: str | os.PathLike, dims: ParallelDims, *, dtype: torch.dtype | None = None,
                 load_weights: bool = True) -> nn.Module:
     """The model in ``dims``' layout: pipeline stages when ``dims.pp > 1``, else TP x DP."""
@@ -97,7 +111,7 @@ class LayoutSwitch:
 
     def _make_store(self) -> SharedWeightStore:
         """Every rank writes the prefill shards it is first to hold; after the barrier the store is full."""
-        store = SharedWeightStore.for_module(self.models["prefill"], shared_path("reshard-weights"))
+        store = map_shared("reshard-weights", lambda p: SharedWeightStore.for_module(self.models["prefill"], p))
         rank = dist.get_rank()
         for name, p in self.models["prefill"].named_parameters():
             store.write(name, p, rank)
@@ -148,9 +162,9 @@ class LayoutSwitch:
         return _sum_over_ranks(self.store.bytes_read - before)
 
     def close(self) -> None:
+        """Drop the CPU weight copy's mapping (not collective: its file is already unlinked)."""
         if self.store is not None:
-            dist.barrier()
-            self.store.close(unlink=dist.get_rank() == 0)
+            self.store.close()
             self.store = None
 
 
@@ -201,4 +215,4 @@ def _sum_over_ranks(n: int) -> int:
 
 
 __all__ = ["LayoutSwitch", "TransitionStats", "build_model", "make_engine", "release_weights",
-           "shared_path", "weight_bytes"]
+           "map_shared", "shared_path", "weight_bytes"]

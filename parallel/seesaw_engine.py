@@ -25,7 +25,7 @@ from .dims import ParallelDims, device_type
 from .engine import Completion, Request, _Sequence
 from .sampling import skip_draws
 from .schedulers import SchedState, make_scheduler
-from .seesaw import LayoutSwitch, TransitionStats, make_engine, shared_path
+from .seesaw import LayoutSwitch, TransitionStats, make_engine, map_shared
 
 
 @dataclass
@@ -110,7 +110,8 @@ class SeesawEngine:
         self.decode_engine = make_engine(switch.models["decode"], dims_d, **kw, **pp_kw(dims_d))
         self.decode_engine.kv.release()  # allocated at the first transition to decode
         self.dp = {"prefill": _DP.of(dims_p), "decode": _DP.of(dims_d)}
-        self.tier = CPUKVTier(self._tier_spec(cpu_kv_budget), shared_path("reshard-kv"))
+        spec = self._tier_spec(cpu_kv_budget)
+        self.tier = map_shared("reshard-kv", lambda path: CPUKVTier(spec, path))
         self.stats = SeesawStats()
         self._swapper = ThreadPoolExecutor(1, thread_name_prefix="seesaw-swap")
         self._swap_outs: deque[tuple[Future, list[int]]] = deque()
@@ -158,10 +159,10 @@ class SeesawEngine:
         return [g * n + i for i in reversed(range(n)) for g in reversed(range(groups))]
 
     def close(self) -> None:
-        """Join the swap thread and remove the shared-memory files (collective)."""
+        """Join the swap thread and drop the shared-memory mappings (not collective: the files
+        were unlinked once mapped, so this is safe on an error path too)."""
         self._swapper.shutdown(wait=True)
-        dist.barrier()
-        self.tier.close(unlink=dist.get_rank() == 0)
+        self.tier.close()
         self.switch.close()
 
     def __enter__(self) -> "SeesawEngine":

@@ -234,3 +234,20 @@ def test_each_phase_gives_up_its_kv_cache(four_layer):
     for before, after, released, transitions, prefill_bytes in dist_harness.run(2, _kv_memory, four_layer["llama"]):
         assert before == (True, False) and after == (False, True)  # ends in decode
         assert transitions >= 3 and released >= 2 * prefill_bytes
+
+
+def _shm_files_while_running(path):
+    import os
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    engine = _seesaw(path, LAYOUTS["P2-T2"], weights="reload")
+    engine.generate(_requests(_prompts(2), [3, 3]))
+    leftover = [f for f in os.listdir(root) if f.startswith("reshard-")] if root else []
+    engine.close()
+    return leftover
+
+
+def test_shared_memory_files_are_unlinked_once_mapped(four_layer):
+    """A crash cannot leave the CPU tier or the weight copy behind in /dev/shm."""
+    for leftover in dist_harness.run(2, _shm_files_while_running, four_layer["llama"]):
+        assert leftover == []
