@@ -17,7 +17,7 @@ def device_type() -> str:
     return "cpu"
 
 
-_MESHES: dict[tuple, DeviceMesh] = {}
+_MESHES: dict = {}  # "world": the default process group they belong to; key -> DeviceMesh
 
 
 def cached_mesh(grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
@@ -27,7 +27,11 @@ def cached_mesh(grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
     rebuilt in a loop (tests, benchmarks, an RL loop re-parallelizing a model) would otherwise
     pile up thousands of threads. Collective on first use, like ``DeviceMesh`` itself.
     """
-    key = (id(dist.group.WORLD), device_type(), tuple(grid.flatten().tolist()), tuple(grid.shape), names)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if _MESHES.get("world") is not world:  # a new default process group: old meshes are dead
+        _MESHES.clear()
+        _MESHES["world"] = world
+    key = (device_type(), tuple(grid.flatten().tolist()), tuple(grid.shape), names)
     if key not in _MESHES:
         _MESHES[key] = DeviceMesh(device_type(), grid, mesh_dim_names=names)
     return _MESHES[key]
