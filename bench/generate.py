@@ -1,53 +1,90 @@
-"""Generation benchmark: our engine against HF ``generate`` on the built-in tiny Llama.
+"""Generation benchmark: our engine against HF ``generate`` (uniform batch, realistic offline workload).
 
 Run from the repo root:
 
     torchrun --standalone --nproc-per-node 2 bench/generate.py
     torchrun --standalone --nproc-per-node 1 bench/generate.py   # single-rank comparison only
+    torchrun --standalone --nproc-per-node 2 bench/generate.py --workload realistic
 
-One batch of ``--batch`` random prompts (seeded, all ``--prompt-len`` tokens, so no padding),
-``--new-tokens`` greedy tokens each. Both sides always generate exactly that many tokens: ours
-with no stop tokens, HF with ``min_new_tokens == max_new_tokens`` (which masks EOS in HF).
+``--workload uniform`` (default), on the built-in tiny Llama: one batch of ``--batch`` random
+prompts (seeded, all ``--prompt-len`` tokens, so no padding), ``--new-tokens`` greedy tokens each.
+Both sides always generate exactly that many tokens: ours with no stop tokens, HF with
+``min_new_tokens == max_new_tokens`` (which masks EOS in HF).
 
-* 1 rank: our ``Engine`` on a 1-rank gloo group vs ``AutoModelForCausalLM.generate``. In a
-  2-rank job rank 0 runs this part in a subprocess (``--single``, its own 1-rank group) while
-  rank 1 waits at a barrier.
-* 2 ranks: our ``Engine`` with TP=2 vs HF ``from_pretrained(path, tp_plan="auto")``.
+``--workload realistic``, on a seeded ~100M-parameter Llama (hidden 768, 8 layers, 12 query / 4
+KV heads, MLP 2048, vocab 32000, fp32; built once into the cache dir): ``--requests`` seeded
+requests, prompt lengths uniform over ``--prompt-lens`` (16..384), output budgets uniform over
+``--budgets`` (8..128), greedy, EOS ignored on both sides. For each ``B`` in ``--batches``:
 
-Each timed run is preceded by one warm-up run; tokens/s = generated tokens / wall seconds
-(median over ``--repeats``). Prints a table, whether our greedy tokens equal HF's, and the command.
+* HF as an offline user runs it: requests in order, batches of ``B``, left padding (pad id from
+  the config, attention mask built here), ``max_new_tokens`` = the batch's longest budget,
+  ``eos_token_id=None`` (never stops early, EOS not masked), outputs cut to each budget.
+* Ours: all requests submitted at once to ``Engine(max_batch_size=B, max_seq_len=longest prompt
+  + largest budget)``; continuous batching does the rest.
+* Metric: useful tokens/s = sum of budgets / wall seconds. "equal" counts requests whose tokens
+  are identical (left padding may shift HF's numerics slightly; reported, not asserted).
+* GEMM share: the model's matrix multiplies alone (every 2-D weight of the decoder layers, this
+  rank's local shard, ``F.linear`` on an ``(M, in_features)`` input with ``M = B``: the engine
+  computes every KV-cache slot row; plus the LM head with ``M`` = mean decode batch, the active
+  rows), median of ``--gemm-repeats``, divided by our mean decode step time (``decode_seconds /
+  decode_steps`` over the timed runs).
+
+Both workloads: 1 rank = our ``Engine`` on a 1-rank gloo group vs ``AutoModelForCausalLM``. In a
+2-rank job rank 0 runs this part in a subprocess (``--single``, its own 1-rank group) while rank 1
+waits at a barrier; then ours with TP=2 vs HF ``from_pretrained(path, tp_plan="auto")``. Each timed
+side runs once as warm-up, then ``--repeats`` timed runs; medians. ``--profile`` adds one
+``torch.profiler`` run of our ``generate`` on the realistic workload at the largest ``B``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from parallel import Engine, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.tiny_models import builtin_checkpoint  # noqa: E402
+from parallel.tiny_models import builtin_checkpoint, default_cache_dir, make_tiny_checkpoint  # noqa: E402
 
 Tokens = list[list[int]]
 COMMAND = "torchrun --standalone --nproc-per-node {n} bench/generate.py"
+LLAMA_100M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
+                  initializer_range=0.02)
+LLAMA_100M_NAME = "bench-llama-100m-seed0-v1"
+LLAMA_100M_DESC = "Llama hidden 768, 8 layers, 12/4 heads, MLP 2048, vocab 32000, fp32, seed 0"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--workload", choices=("uniform", "realistic"), default="uniform")
+    p.add_argument("--batch", type=int, default=8, help="uniform: prompts in the one batch")
+    p.add_argument("--prompt-len", type=int, default=128, help="uniform: tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=32, help="uniform: generated tokens per prompt")
+    p.add_argument("--requests", type=int, default=32, help="realistic: number of requests")
+    p.add_argument("--prompt-lens", type=_int_range, default=(16, 384),
+                   help="realistic: prompt lengths LO,HI (uniform, inclusive)")
+    p.add_argument("--budgets", type=_int_range, default=(8, 128),
+                   help="realistic: output budgets LO,HI (uniform, inclusive)")
+    p.add_argument("--batches", type=_int_list, default=[8, 16],
+                   help="realistic: batch sizes B (HF batch, our max_batch_size)")
+    p.add_argument("--gemm-repeats", type=int, default=30, help="realistic: timed GEMM passes")
+    p.add_argument("--profile", action="store_true",
+                   help="realistic: print a torch.profiler table of one of our generate calls")
     p.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank with 2+ ranks")
@@ -58,16 +95,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# ---- workload -------------------------------------------------------------------------------
-def make_prompts(args: argparse.Namespace, vocab_size: int) -> Tokens:
-    """``batch`` prompts of ``prompt_len`` ids in ``[3, vocab)`` (skips pad/bos/eos)."""
-    g = torch.Generator().manual_seed(args.seed)
-    return torch.randint(3, vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
-def time_runs(run: Callable[[], Tokens], repeats: int, sync: bool) -> tuple[Tokens, float]:
+def _int_range(text: str) -> tuple[int, int]:
+    lo, hi = _int_list(text)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+# ---- shared timing ----------------------------------------------------------------------------
+def time_runs(run: Callable[[], Tokens], repeats: int, sync: bool,
+              after_warmup: Callable[[], None] | None = None) -> tuple[Tokens, float]:
     """One warm-up call, then ``repeats`` timed calls; returns the tokens and the median seconds."""
     tokens = run()
+    if after_warmup is not None:
+        after_warmup()
     seconds = []
     for _ in range(repeats):
         if sync:
@@ -78,6 +123,13 @@ def time_runs(run: Callable[[], Tokens], repeats: int, sync: bool) -> tuple[Toke
             dist.barrier()
         seconds.append(time.perf_counter() - t0)
     return tokens, statistics.median(seconds)
+
+
+# ---- uniform workload (built-in tiny Llama, one batch, no padding) ---------------------------
+def make_prompts(args: argparse.Namespace, vocab_size: int) -> Tokens:
+    """``batch`` prompts of ``prompt_len`` ids in ``[3, vocab)`` (skips pad/bos/eos)."""
+    g = torch.Generator().manual_seed(args.seed)
+    return torch.randint(3, vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
 
 
 def bench_ours(path: Path, prompts: Tokens, args: argparse.Namespace) -> tuple[Tokens, float]:
@@ -94,10 +146,7 @@ def bench_ours(path: Path, prompts: Tokens, args: argparse.Namespace) -> tuple[T
 
 
 def bench_hf(path: Path, prompts: Tokens, args: argparse.Namespace, tp: bool) -> tuple[Tokens, float]:
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"tp_plan": "auto"} if tp else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    model = load_hf(path, tp)
     ids = torch.tensor(prompts)
     n = args.new_tokens
 
@@ -108,6 +157,14 @@ def bench_hf(path: Path, prompts: Tokens, args: argparse.Namespace, tp: bool) ->
         return out[:, ids.shape[1]:].tolist()
 
     return time_runs(run, args.repeats, sync=tp)
+
+
+def load_hf(path: Path, tp: bool):
+    """HF ``from_pretrained`` in fp32, eval mode; ``tp_plan="auto"`` over the world with ``tp``."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"tp_plan": "auto"} if tp else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
 def compare(label: str, ranks: int, threads: int, path: Path, prompts: Tokens,
@@ -122,13 +179,258 @@ def compare(label: str, ranks: int, threads: int, path: Path, prompts: Tokens,
                 counts_ok=all(len(t) == args.new_tokens for t in ours + hf))
 
 
+# ---- realistic workload (~100M Llama, mixed lengths) -----------------------------------------
+@dataclass
+class Workload:
+    prompts: Tokens
+    budgets: list[int]
+
+    @property
+    def useful(self) -> int:
+        return sum(self.budgets)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(len(p) for p in self.prompts) + max(self.budgets)
+
+
+def llama_100m_checkpoint() -> Path:
+    """The ~100M Llama in the cache dir, built once (temp dir + rename, like the built-in one)."""
+    target = default_cache_dir() / LLAMA_100M_NAME
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        make_tiny_checkpoint("llama", tmp, seed=0, **LLAMA_100M)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def checkpoint_params(path: Path) -> int:
+    """Number of parameters stored in the checkpoint's safetensors files."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                total += _numel(f.get_slice(name).get_shape())
+    return total
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    """Seeded prompts (lengths uniform over ``--prompt-lens``) and budgets (over ``--budgets``)."""
+    g = torch.Generator().manual_seed(args.seed)
+    n = args.requests
+    lengths = torch.randint(args.prompt_lens[0], args.prompt_lens[1] + 1, (n,), generator=g).tolist()
+    budgets = torch.randint(args.budgets[0], args.budgets[1] + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab_size, (m,), generator=g).tolist() for m in lengths]
+    return Workload(prompts, budgets)
+
+
+def hf_batches(work: Workload, batch: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """Requests in order, ``batch`` at a time: left-padded ``(ids, attention_mask, budgets)``."""
+    out = []
+    for i in range(0, len(work.prompts), batch):
+        prompts, budgets = work.prompts[i:i + batch], work.budgets[i:i + batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        out.append((ids, mask, budgets))
+    return out
+
+
+def hf_padding(work: Workload, batch: int) -> tuple[int, int]:
+    """(prompt positions HF prefills incl. padding, decode positions incl. tokens past budgets)."""
+    prefill = decode = 0
+    for i in range(0, len(work.prompts), batch):
+        prompts, budgets = work.prompts[i:i + batch], work.budgets[i:i + batch]
+        prefill += len(prompts) * max(len(p) for p in prompts)
+        decode += len(prompts) * max(budgets)
+    return prefill, decode
+
+
+def bench_hf_realistic(model, work: Workload, batch: int, pad_id: int, args: argparse.Namespace,
+                       tp: bool) -> tuple[Tokens, float]:
+    """HF ``generate`` over the requests in order, ``batch`` at a time, left padded, greedy."""
+    batches = hf_batches(work, batch, pad_id)
+
+    def run() -> Tokens:
+        outputs = []
+        for ids, mask, budgets in batches:
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, do_sample=False,
+                                     max_new_tokens=max(budgets), eos_token_id=None,
+                                     pad_token_id=pad_id)
+            outputs += [row[:b] for row, b in zip(out[:, ids.shape[1]:].tolist(), budgets)]
+        return outputs
+
+    return time_runs(run, args.repeats, sync=tp)
+
+
+STAT_FIELDS = ("decode_seconds", "decode_steps", "decode_batch_sum", "prefill_seconds")
+
+
+def _stats(engine: Engine) -> dict[str, float]:
+    return {k: getattr(engine.stats, k) for k in STAT_FIELDS}
+
+
+def bench_ours_realistic(model, work: Workload, batch: int,
+                         args: argparse.Namespace) -> tuple[Tokens, float, Engine, dict[str, float]]:
+    """All requests at once into one engine of ``batch`` slots; returns the stats of the timed runs."""
+    engine = Engine(model, max_batch_size=batch, max_seq_len=work.max_seq_len, compile=False)
+    requests = [Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
+                for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
+    start: dict[str, float] = {}
+
+    def run() -> Tokens:
+        return [c.output_ids for c in engine.generate(requests)]
+
+    tokens, seconds = time_runs(run, args.repeats, sync=dist.get_world_size() > 1,
+                                after_warmup=lambda: start.update(_stats(engine)))
+    timed = {k: v - start[k] for k, v in _stats(engine).items()}
+    return tokens, seconds, engine, timed
+
+
+def gemm_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """This rank's local 2-D weights of every decoder layer (q, k, v, o, gate, up, down), LM head."""
+    layers = [_local(p) for p in model.model.layers.parameters() if p.ndim == 2]
+    return layers, _local(model.lm_head.weight)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach()
+
+
+@torch.inference_mode()
+def time_gemms(weights: list[tuple[torch.Tensor, int]], repeats: int, sync: bool) -> float:
+    """Median seconds of one pass of ``F.linear(x, w)`` for each ``(w, M)``, ``x`` random ``(M, in)``."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(m, w.shape[1], generator=g, dtype=w.dtype), w) for w, m in weights]
+
+    def one_pass() -> float:
+        if sync:
+            dist.barrier()
+        t0 = time.perf_counter()
+        for x, w in inputs:
+            F.linear(x, w)
+        return time.perf_counter() - t0
+
+    one_pass()
+    return statistics.median(one_pass() for _ in range(repeats))
+
+
+def gemm_share(model, engine: Engine, timed: dict[str, float], args: argparse.Namespace,
+               sync: bool) -> dict:
+    """GEMM seconds (layers at M = max_batch_size, LM head at M = mean decode batch) per decode step."""
+    steps = max(timed["decode_steps"], 1)
+    step_s = timed["decode_seconds"] / steps
+    mean_batch = timed["decode_batch_sum"] / steps
+    layer_ws, head_w = gemm_weights(model)
+    m_layers, m_head = engine.max_batch_size, max(1, round(mean_batch))
+    gemm_s = time_gemms([(w, m_layers) for w in layer_ws] + [(head_w, m_head)], args.gemm_repeats, sync)
+    return dict(step_s=step_s, mean_batch=mean_batch, gemm_s=gemm_s, m_layers=m_layers, m_head=m_head,
+                prefill_s=timed["prefill_seconds"] / args.repeats,
+                decode_s=timed["decode_seconds"] / args.repeats)
+
+
+def profile_generate(engine: Engine, work: Workload) -> None:
+    """One ``generate`` of the workload under ``torch.profiler`` (CPU); rank 0 prints the top ops."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    requests = [Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
+                for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
+    steps = {name: getattr(engine, name) for name in ("prefill", "decode") if hasattr(engine, name)}
+    for name, fn in steps.items():
+        setattr(engine, name, _labelled(fn, f"engine.{name}", record_function))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.generate(requests)
+    finally:
+        for name in steps:
+            delattr(engine, name)  # back to the class methods
+    if dist.get_rank() == 0:
+        print(f"\nprofile: our generate, realistic workload, max_batch_size={engine.max_batch_size}, "
+              f"world {dist.get_world_size()}, {torch.get_num_threads()} threads (self CPU time)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def _labelled(fn: Callable, label: str, record_function) -> Callable:
+    def wrapped(*a, **kw):
+        with record_function(label):
+            return fn(*a, **kw)
+    return wrapped
+
+
+def compare_realistic(label: str, ranks: int, threads: int, path: Path,
+                      args: argparse.Namespace) -> list[dict]:
+    """Ours vs HF on the realistic workload for every ``B`` in ``--batches``."""
+    config = json.loads((path / "config.json").read_text())
+    work = make_workload(args, config["vocab_size"])
+    pad_id = config.get("pad_token_id") or 0
+    tp = ranks > 1
+    ours_model, hf_model = parallelize(path), load_hf(path, tp)
+    rows = []
+    for batch in args.batches:
+        ours, ours_s, engine, timed = bench_ours_realistic(ours_model, work, batch, args)
+        share = gemm_share(ours_model, engine, timed, args, sync=tp)
+        if args.profile and batch == max(args.batches):
+            profile_generate(engine, work)
+        hf, hf_s = bench_hf_realistic(hf_model, work, batch, pad_id, args, tp)
+        rows.append(dict(label=label, ranks=ranks, threads=threads, batch=batch, useful=work.useful,
+                         ours_s=ours_s, hf_s=hf_s, equal=sum(a == b for a, b in zip(ours, hf)),
+                         prefix=sum(_common_prefix(a, b) for a, b in zip(ours, hf)),
+                         counts_ok=[len(t) for t in ours] == work.budgets == [len(t) for t in hf],
+                         **share))
+    return rows
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 # ---- process groups -------------------------------------------------------------------------
-def run_single(args: argparse.Namespace) -> dict:
+def run_single(args: argparse.Namespace) -> list[dict]:
     """The 1-rank comparison on the current 1-rank process group."""
     torch.set_num_threads(args.single_threads)
+    threads = torch.get_num_threads()
+    if args.workload == "realistic":
+        return compare_realistic("1 rank", 1, threads, llama_100m_checkpoint(), args)
     path = builtin_checkpoint()
     prompts = make_prompts(args, _vocab_size(path))
-    return compare("1 rank", 1, torch.get_num_threads(), path, prompts, args)
+    return [compare("1 rank", 1, threads, path, prompts, args)]
+
+
+def run_multi(args: argparse.Namespace, world: int) -> list[dict]:
+    """The TP comparison over all ranks of the default group."""
+    torch.set_num_threads(args.threads)
+    threads, label = torch.get_num_threads(), f"{world} rank"
+    if args.workload == "realistic":
+        return compare_realistic(label, world, threads, llama_100m_checkpoint(), args)
+    path = builtin_checkpoint()
+    prompts = make_prompts(args, _vocab_size(path))
+    return [compare(label, world, threads, path, prompts, args)]
 
 
 def single_main(args: argparse.Namespace) -> None:
@@ -140,7 +442,7 @@ def single_main(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def single_in_subprocess(args: argparse.Namespace) -> dict:
+def single_in_subprocess(args: argparse.Namespace) -> list[dict]:
     """Rank 0 of a multi-rank job: run ``--single`` in a fresh process without torchrun's env."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE"))
@@ -155,9 +457,14 @@ def single_in_subprocess(args: argparse.Namespace) -> dict:
 
 
 def _size_flags(args: argparse.Namespace) -> list[str]:
-    return ["--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
-            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-            "--seed", str(args.seed)]
+    """The workload flags, for the ``--single`` subprocess."""
+    flags = ["--workload", args.workload, "--batch", str(args.batch),
+             "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+             "--requests", str(args.requests), "--prompt-lens", "%d,%d" % args.prompt_lens,
+             "--budgets", "%d,%d" % args.budgets, "--batches", ",".join(map(str, args.batches)),
+             "--gemm-repeats", str(args.gemm_repeats), "--repeats", str(args.repeats),
+             "--seed", str(args.seed)]
+    return flags + (["--profile"] if args.profile else [])
 
 
 def _vocab_size(path: Path) -> int:
@@ -182,6 +489,41 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def realistic_table(rows: list[dict], args: argparse.Namespace) -> str:
+    path = default_cache_dir() / LLAMA_100M_NAME
+    work = make_workload(args, _vocab_size(path))
+    prompt_tokens = sum(len(p) for p in work.prompts)
+    pads = ", ".join(f"B={b}: prefill {p} / decode {d} positions"
+                     for b in args.batches for p, d in [hf_padding(work, b)])
+    lines = [
+        f"model: {LLAMA_100M_DESC}, {checkpoint_params(path) / 1e6:.1f}M parameters",
+        f"workload: {args.requests} requests (seed {args.seed}), prompt lengths uniform "
+        f"{args.prompt_lens[0]}..{args.prompt_lens[1]} (sum {prompt_tokens}), budgets uniform "
+        f"{args.budgets[0]}..{args.budgets[1]} (sum {work.useful} = useful tokens), greedy, EOS ignored",
+        f"HF padded work: {pads} (real: {prompt_tokens} / {work.useful})",
+        f"warm-up 1 + median of {args.repeats}, torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo",
+        "GEMM share = GEMMs alone (layers M = B, LM head M = mean decode batch; rank 0) / our mean "
+        "decode step; prefill s / decode s: ours, per timed run",
+        "",
+        "| setup  | B  | thr/rank | ours tok/s | HF tok/s | ours/HF | ours s  | HF s    | equal requests "
+        "| equal tokens | prefill s | decode s | steps/run | mean batch | step ms | GEMM ms | GEMM share |",
+        "|--------|----|----------|------------|----------|---------|---------|---------|----------------"
+        "|--------------|-----------|----------|-----------|------------|---------|---------|------------|",
+    ]
+    for r in rows:
+        ours, hf = r["useful"] / r["ours_s"], r["useful"] / r["hf_s"]
+        equal = f"{r['equal']}/{args.requests}" + ("" if r["counts_ok"] else " BAD COUNT")
+        steps = r["decode_s"] / r["step_s"] if r["step_s"] else 0.0
+        lines.append(
+            f"| {r['label']:<6} | {r['batch']:>2} | {r['threads']:>8} | {ours:>10.1f} | {hf:>8.1f} | "
+            f"{ours / hf:>7.2f} | {r['ours_s']:>7.2f} | {r['hf_s']:>7.2f} | {equal:>14} | "
+            f"{100 * r['prefix'] / r['useful']:>11.1f}% | {r['prefill_s']:>9.2f} | {r['decode_s']:>8.2f} | "
+            f"{steps:>9.0f} | {r['mean_batch']:>10.2f} | {1e3 * r['step_s']:>7.1f} | "
+            f"{1e3 * r['gemm_s']:>7.1f} | {100 * r['gemm_s'] / r['step_s']:>9.1f}% |")
+    lines.append("\nequal tokens = tokens before each request's first difference / useful tokens")
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
     if args.single:
@@ -189,20 +531,18 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        builtin_checkpoint()
+        llama_100m_checkpoint() if args.workload == "realistic" else builtin_checkpoint()
     dist.barrier()
     if world == 1:
-        rows = [run_single(args)]
+        rows = run_single(args)
     else:
-        rows = [single_in_subprocess(args)] if rank == 0 else []
+        rows = single_in_subprocess(args) if rank == 0 else []
         dist.barrier()  # other ranks wait while rank 0's subprocess runs the 1-rank part
-        torch.set_num_threads(args.threads)
-        path = builtin_checkpoint()
-        prompts = make_prompts(args, _vocab_size(path))
-        rows.append(compare(f"{world} rank", world, torch.get_num_threads(), path, prompts, args))
+        rows += run_multi(args, world)
     dist.destroy_process_group()
     if rank == 0:
-        print("\n" + table(rows, args))
+        render = realistic_table if args.workload == "realistic" else table
+        print("\n" + render(rows, args))
         print("\ncommand: " + " ".join([COMMAND.format(n=world), *sys.argv[1:]]))
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import reshard  # noqa: E402

@@ -8,9 +8,9 @@ Model: the built-in tiny Llama (``builtin_checkpoint()``: 4 layers, hidden 256, 
 fp32). Engines, all on the same 4 ranks, each with ``--slots`` KV slots per model replica:
 
 - static TP4: ``Engine`` on ``parallelize(tp=4)``.
-- static PP4 and D2P2: ``PipelineEngine`` (2 micro-batches); with dp=2 each replica runs every
-  other request and the wall time is the slowest replica's.
-- Seesaw P4->T4 and D2P2->T4: ``SeesawEngine`` (transition-minimizing scheduler, ``weights=move``)
+- static PP4 and D2P2: the engine over pipeline stages (2 micro-batches); with dp=2 the loop
+  alternates the requests over the two replicas.
+- Seesaw P4->T4 and D2P2->T4: ``seesaw_engine`` (transition-minimizing scheduler, ``weights=move``)
   with a CPU KV tier of ``--tier-share`` x the workload's prompt tokens, so it must go back and
   forth several times.
 
@@ -38,9 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.pipeline import PipelineEngine, parallelize_pipeline  # noqa: E402
-from parallel.seesaw import LayoutSwitch  # noqa: E402
-from parallel.seesaw_engine import SeesawEngine  # noqa: E402
+from parallel.pipeline import parallelize_pipeline  # noqa: E402
+from parallel.seesaw import LayoutSwitch, seesaw_engine  # noqa: E402
 from parallel.tiny_models import builtin_checkpoint  # noqa: E402
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/seesaw.py"
@@ -64,19 +63,18 @@ def requests(n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[Reque
 
 
 class Static:
-    """A static layout: one engine, requests split over its dp replicas."""
+    """A static layout: one engine; its loop splits the requests over the dp replicas."""
 
-    def __init__(self, engine: Engine, dims: ParallelDims) -> None:
-        self.engine, self.dp = engine, dims.dp
-        self.dp_rank = dims.world_mesh().get_coordinate()[0]
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def run(self, reqs: list[Request]) -> dict:
-        self.engine.generate(reqs[self.dp_rank::self.dp])
+        self.engine.generate(reqs)
         return {}
 
 
 class Seesaw:
-    def __init__(self, engine: SeesawEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def run(self, reqs: list[Request]) -> dict:
@@ -95,13 +93,13 @@ def build(path: Path, world: int, slots: int, tier_tokens: int) -> dict:
     kw = dict(max_batch_size=slots, max_seq_len=512)
     tp4, pp4, d2p2 = dims(tp=4), dims(pp=4), dims(dp=2, pp=2)
     engines = {
-        "static TP4": Static(Engine(parallelize(path, tp4), **kw), tp4),
-        "static PP4": Static(PipelineEngine(parallelize_pipeline(path, pp4), pp4, **kw), pp4),
-        "static D2P2": Static(PipelineEngine(parallelize_pipeline(path, d2p2), d2p2, **kw), d2p2),
+        "static TP4": Static(Engine(parallelize(path, tp4), **kw)),
+        "static PP4": Static(Engine(parallelize_pipeline(path, pp4), num_microbatches=2, **kw)),
+        "static D2P2": Static(Engine(parallelize_pipeline(path, d2p2), num_microbatches=2, **kw)),
     }
     for name, pre in (("seesaw P4->T4", pp4), ("seesaw D2P2->T4", d2p2)):
         switch = LayoutSwitch(path, pre, tp4, weights="move")
-        engines[name] = Seesaw(SeesawEngine(switch, cpu_kv_budget=tier_tokens, **kw))
+        engines[name] = Seesaw(seesaw_engine(switch, cpu_kv_budget=tier_tokens, **kw))
     return engines
 
 

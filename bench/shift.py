@@ -17,17 +17,17 @@ Bytes are counted by wrapping the collectives of ``layers/_comm.py`` in this pro
 "payload" is the size of the tensor a rank hands to the collective; "wire" is what a rank sends
 with the usual algorithms: ring all-reduce 2(p-1)/p x payload, all-to-all (p-1)/p x payload
 (its own chunk stays), ring all-gather (p-1) x payload. Token broadcasts (``dist.broadcast`` in
-``Engine._agree``) are not counted.
+``agree_tokens``) are not counted.
 
 Part 2: the built-in tiny Llama, ``parallelize_shift(sp=--sp, tp=world/sp)``, one seeded bursty
 trace of phases ``[long, burst] x --cycles``: a long phase is one request with a ``--long-len``
 prompt, a burst is ``--burst-size`` requests with ``--burst-len`` prompts, all generating
 ``--new-tokens`` greedy tokens (no stop tokens). Each phase is one ``generate`` call (its requests
-arrive together when the previous phase is done). Engines: ``ShiftEngine`` with threshold 10**9
+arrive together when the previous phase is done). Engines: ``shift_engine`` with threshold 10**9
 (TP-only), 0 (SP-only) and ``--threshold`` (Shift) on the same model, plus the plain TP
 ``Engine`` as a reference. TTFT: per request, from the start of its phase's ``generate`` to the
 end of the prefill step that sampled its first token (timed on rank 0 by wrapping
-``engine.prefill``). TPOT: decode seconds / decode steps. Throughput: generated tokens / wall
+a ``step_end`` runner hook). TPOT: decode seconds / decode steps. Throughput: generated tokens / wall
 seconds of all phases (combined: prompt + generated tokens). One warm-up trace per engine (with
 byte counting on), then ``--repeats`` timed traces, engines round-robin; medians are reported.
 """
@@ -55,13 +55,15 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 import layers._comm as comm  # noqa: E402
 from layers.attention import AttentionContext  # noqa: E402
-from layers.mlp import SwiGLUMLP, add_shift_layout  # noqa: E402
-from layers.ulysses import UlyssesAttention  # noqa: E402
+from layers.mlp import SwiGLUMLP  # noqa: E402
+from layers.weights import use_weights  # noqa: E402
+from layers.ulysses import SHIFT_WEIGHTS, UlyssesAttention  # noqa: E402
 from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.shift import ShiftEngine, parallelize_shift  # noqa: E402
+from parallel.shift import (ShiftStats, base_mesh, parallelize_shift, shift_engine, shift_mesh,  # noqa: E402
+                            shift_meshes)
 from parallel.tiny_models import builtin_checkpoint  # noqa: E402
 from reshard import KVCache  # noqa: E402
-from reshard.kv_cache import KVSpec  # noqa: E402
+from reshard.kv import KVSpec  # noqa: E402
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/shift.py"
 TP_ONLY = 10 ** 9
@@ -167,22 +169,16 @@ def build_layer(cfg, dims: ParallelDims, seed: int) -> tuple[UlyssesAttention, S
     """One decoder layer's attention and MLP, SP-d base layout plus the full-TP shift layout."""
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    attn = UlyssesAttention(cfg.hidden_size, heads, kv, head_dim, meshes=dims.shift_meshes(kv),
+    attn = UlyssesAttention(cfg.hidden_size, heads, kv, head_dim, meshes=shift_meshes(dims, kv),
                             rms_norm_eps=cfg.rms_norm_eps)
-    mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, mesh=dims.base_mesh(),
+    mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, mesh=base_mesh(dims),
                     hidden_act=cfg.hidden_act, placements=(Replicate(), Shard(0)))
     gen = torch.Generator().manual_seed(seed)
     fill_replicated(attn, gen)
     fill_replicated(mlp, gen)
     attn.add_shift_layouts(copy=True)
-    add_shift_layout(mlp, dims.shift_mesh(), copy=True)
+    mlp.add_source(SHIFT_WEIGHTS, shift_mesh(dims), (Shard(0), Shard(0)), copy=True)
     return attn, mlp
-
-
-def set_layer_mode(attn: UlyssesAttention, mlp: SwiGLUMLP, mode: str) -> None:
-    attn.set_mode(mode)
-    for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        proj.mode = "tp" if mode == "tp" else "base"
 
 
 def layer_forward(attn: UlyssesAttention, mlp: SwiGLUMLP, x: torch.Tensor, mode: str,
@@ -196,9 +192,8 @@ def layer_forward(attn: UlyssesAttention, mlp: SwiGLUMLP, x: torch.Tensor, mode:
     if mode == "sp":
         s, local = attn.meshes.base.get_coordinate()[0], n // d
         x, pos = x[s * local:(s + 1) * local], pos[s * local:(s + 1) * local]
-    set_layer_mode(attn, mlp, mode)
-    with torch.inference_mode(), counting() as count:
-        h, _ = attn(x[None], rope(pos, attn.head_dim, theta), attn_context=ctx)
+    with torch.inference_mode(), counting() as count, use_weights(SHIFT_WEIGHTS if mode == "tp" else None):
+        h, _ = attn(x[None], rope(pos, attn.head_dim, theta), attn_context=ctx, sequence_parallel=mode == "sp")
         out = mlp(h)[0]
     return out, count
 
@@ -325,15 +320,15 @@ class TraceRun:
 def run_trace(engine: Engine, trace: list[list[Request]], long_len: int) -> TraceRun:
     """All phases on one fresh engine; per-request TTFT from the end of its prefill step."""
     first: dict[int, float] = {}
-    prefill = engine.prefill
 
-    def timed_prefill(seqs) -> None:
-        prefill(seqs)
-        now = time.perf_counter()
-        for s in seqs:
-            first[s.request.id] = now
+    def prefill_done(phase: str, seqs) -> None:
+        if phase == "prefill":
+            now = time.perf_counter()
+            for s in seqs:
+                first[s.request.id] = now
 
-    engine.prefill = timed_prefill
+    for runner in engine.runners.values():
+        runner.hooks.add("step_end", prefill_done)
     run = TraceRun()
     for phase in trace:
         dist.barrier()
@@ -348,9 +343,8 @@ def run_trace(engine: Engine, trace: list[list[Request]], long_len: int) -> Trac
     st = engine.stats
     run.prefill_steps, run.prefill_seconds = st.prefill_steps, st.prefill_seconds
     run.decode_steps, run.decode_seconds = st.decode_steps, st.decode_seconds
-    shift = getattr(engine, "shift", None)
-    if shift is not None:
-        run.switches, run.steps_by_mode = shift.mode_switches, dict(shift.steps_by_mode)
+    if isinstance(st, ShiftStats):
+        run.switches, run.steps_by_mode = st.mode_switches, dict(st.steps_by_mode)
     return run
 
 
@@ -363,9 +357,9 @@ def part2(path: Path, args: argparse.Namespace, trace: list[list[Request]]) -> d
               max_seq_len=max(args.long_len, args.burst_len) + args.new_tokens,
               max_prefill_tokens=max(args.long_len, args.burst_size * args.burst_len))
     makers: dict[str, Callable[[], Engine]] = {
-        "TP-only (T=1e9)": lambda: ShiftEngine(model, threshold=TP_ONLY, **kw),
-        "SP-only (T=0)": lambda: ShiftEngine(model, threshold=0, **kw),
-        f"Shift (T={args.threshold})": lambda: ShiftEngine(model, threshold=args.threshold, **kw),
+        "TP-only (T=1e9)": lambda: shift_engine(model, threshold=TP_ONLY, **kw),
+        "SP-only (T=0)": lambda: shift_engine(model, threshold=0, **kw),
+        f"Shift (T={args.threshold})": lambda: shift_engine(model, threshold=args.threshold, **kw),
     }
     if not args.no_plain_tp:
         tp_model = parallelize(path, ParallelDims(tp=world, world_size=world))

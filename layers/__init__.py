@@ -1,5 +1,7 @@
 """Drop-in parallel layers; every parameter is a DTensor and every layer has ``redistribute()``."""
-from .attention import AttentionContext, ParallelAttention, check_head_split, kv_replication
+from reshard.kv import AttentionContext
+
+from .attention import ParallelAttention, check_head_split, kv_replication
 from .embedding import VocabParallelEmbedding
 from .linear import ParallelLinear
 from .mlp import SwiGLUMLP

@@ -5,12 +5,12 @@ same submodule names, state-dict keys and forward signature. Two ways to run it:
 
 - HF-style (no ``attn_context``): dense causal attention, optionally through an HF ``Cache``, so an
   HF model whose attention was swapped still runs ``model(...)`` and ``model.generate(...)``.
-- Engine-style (``attn_context=AttentionContext``): the step's tokens of many requests are flattened
-  into ``(1, N, D)``; K/V go to a preallocated :class:`reshard.KVCache` slot per request.
+- Engine-style (``attn_context=AttentionContext``, the per-step KV view owned by
+  :mod:`reshard.kv`): the step's tokens of many requests are flattened into ``(1, N, D)``; K/V go
+  to a preallocated :class:`reshard.KVCache` slot per request.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -20,7 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from reshard import KVCache, Layout
+from reshard import Layout
+from reshard.kv import AttentionContext, KVLayout
+from reshard.mesh import cached_mesh
 
 from ._base import Redistributable, Targets, prefixed
 from .linear import ParallelLinear
@@ -57,79 +59,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """RoPE on ``(B, T, H, hd)`` q/k with ``(B, T, hd)`` cos/sin (same arithmetic as HF)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-@dataclass
-class AttentionContext:
-    """Metadata of one engine step: ``B`` sequences, ``N`` new tokens in total, flattened.
-
-    Flat tokens are ordered sequence-major. ``gather``/``valid`` map them to a padded
-    ``(B, Tq)`` grid for the attention kernel; masks are built once per step, per sliding window.
-    """
-
-    kv: KVCache
-    slots: torch.Tensor | slice  # (B,) cache slot of each sequence; a slice when consecutive
-    token_slots: torch.Tensor  # (N,)
-    positions: torch.Tensor  # (N,)
-    query_positions: torch.Tensor  # (B, Tq), padded
-    gather: torch.Tensor  # (B, Tq) index into the N flat tokens
-    valid: torch.Tensor  # (B, Tq) bool
-    kv_len: int
-    _masks: dict = field(default_factory=dict)
-
-    @staticmethod
-    def build(kv: KVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], *,
-              kv_len: int | None = None) -> "AttentionContext":
-        """Sequence ``i`` writes ``lengths[i]`` tokens at positions ``starts[i]...`` of slot ``slots[i]``."""
-        device = kv.k[0].device
-        lengths_t = torch.tensor(lengths, dtype=torch.long)
-        starts_t = torch.tensor(starts, dtype=torch.long)
-        tq = int(lengths_t.max())
-        offs = torch.arange(tq)
-        valid = offs[None, :] < lengths_t[:, None]  # (B, Tq)
-        first = torch.cumsum(lengths_t, 0) - lengths_t
-        gather = torch.where(valid, first[:, None] + offs[None, :], torch.zeros_like(valid, dtype=torch.long))
-        qpos = starts_t[:, None] + offs[None, :]  # (B, Tq)
-        slots_t = torch.tensor(slots, dtype=torch.long)
-        need = int((starts_t + lengths_t).max())
-        return AttentionContext(
-            kv=kv, slots=_as_slice(slots) or slots_t.to(device),
-            token_slots=torch.repeat_interleave(slots_t, lengths_t).to(device),
-            positions=qpos[valid].to(device), query_positions=qpos.to(device),
-            gather=gather.to(device), valid=valid.to(device),
-            kv_len=max(need, kv_len or 0))
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """Bool ``(B, 1, Tq, kv_len)``: key allowed for query (causal, within ``window``)."""
-        if window not in self._masks:
-            kpos = torch.arange(self.kv_len, device=self.gather.device)
-            qpos = self.query_positions[:, :, None]
-            allowed = kpos[None, None, :] <= qpos
-            if window is not None:
-                allowed &= (qpos - kpos[None, None, :]) < window
-            allowed[~self.valid] = False
-            allowed[..., 0] |= ~self.valid  # padded query rows see one key: no NaN
-            self._masks[window] = allowed.unsqueeze(1)
-        return self._masks[window]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scaling: float, window: int | None) -> torch.Tensor:
-        """Write this step's K/V, attend over the cache. ``q``/``k``/``v``: ``(1, N, H, hd)``.
-
-        Returns ``(1, N, Hq, hd)``.
-        """
-        self.kv.write(layer, self.token_slots, self.positions, k[0], v[0])
-        keys, values = self.kv.read(layer, self.slots, self.kv_len)  # (B, Hkv, L, hd)
-        qp = q[0][self.gather].transpose(1, 2)  # (B, Hq, Tq, hd)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=self.mask(window),
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2)[self.valid].unsqueeze(0)  # (1, N, Hq, hd)
-
-
-def _as_slice(slots: Sequence[int]) -> slice | None:
-    """Consecutive ascending slots read the cache as a view instead of a gathered copy."""
-    first = slots[0]
-    return slice(first, first + len(slots)) if list(slots) == list(range(first, first + len(slots))) else None
 
 
 class ParallelAttention(Redistributable, nn.Module):
@@ -246,6 +175,12 @@ class ParallelAttention(Redistributable, nn.Module):
         start, stop = self.kv_head_range
         return stop - start
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV this layer writes and reads on this rank: its layer, its KV-head range."""
+        start, stop = self.kv_head_range
+        return KVLayout(self.layer_idx, 1, start, stop - start, self.head_dim, self.q_proj.weight.dtype)
+
 
 def _kv_input_grad(placements) -> str:
     """Replicated KV heads serve different query heads on each replica: sum input grads over all."""
@@ -254,20 +189,15 @@ def _kv_input_grad(placements) -> str:
     return "all" if replicated_heads else "sharded"
 
 
-_KV_MESHES: dict[tuple, DeviceMesh] = {}
-
-
 def _kv_head_mesh(mesh: DeviceMesh, num_kv_heads: int) -> DeviceMesh:
-    """2-D ``(kv, rep)`` view of a 1-D mesh that spans the whole world (created once, cached)."""
-    import torch.distributed as dist
+    """2-D ``(tp_kv, tp_rep)`` view of a 1-D mesh that spans the whole world (cached per process group).
 
+    A mesh over part of the world needs the views of every group built on every rank in the same
+    order: pass ``kv_mesh`` from ``parallel.plans.kv_head_mesh(...)``.
+    """
     ranks = mesh.mesh.flatten()
     if ranks.numel() != dist.get_world_size():
         raise ValueError(
             f"KV-head replication on a mesh of {ranks.numel()} of {dist.get_world_size()} ranks needs "
-            f"kv_mesh from ParallelDims.kv_head_mesh(...)")
-    key = (tuple(ranks.tolist()), num_kv_heads)
-    if key not in _KV_MESHES:
-        grid = ranks.view(num_kv_heads, -1)
-        _KV_MESHES[key] = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("tp_kv", "tp_rep"))
-    return _KV_MESHES[key]
+            f"kv_mesh from parallel.plans.kv_head_mesh(...)")
+    return cached_mesh(ranks.view(num_kv_heads, -1), ("tp_kv", "tp_rep"))  # (kv, rep)

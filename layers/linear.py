@@ -15,6 +15,7 @@ from reshard import Layout, empty_dtensor, redistribute, wrap_local
 
 from ._base import Redistributable, Targets
 from ._comm import all_gather_last, reduce_output, replicated_input
+from .weights import LinearWeights, StaticWeights, WeightSource, active_source
 
 
 def _bias_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
@@ -37,6 +38,9 @@ class ParallelLinear(Redistributable, nn.Module):
     Training: a colwise layer sums its input's gradient over the sharded mesh axes
     (``input_grad="sharded"``), or over every axis (``"all"``) when replicas of its output are
     consumed differently, e.g. a K/V projection replicated over ranks with different query heads.
+
+    ``sources`` holds alternative weights by source name (:mod:`layers.weights`); while a runner
+    selects one of them with ``use_weights(name)``, the forward computes with it instead.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -53,8 +57,7 @@ class ParallelLinear(Redistributable, nn.Module):
         self.input_grad = _check_input_grad(input_grad)
         self.weight = nn.Parameter(empty_dtensor((out_features, in_features), mesh, placements,
                                                  dtype=dtype, device=device))
-        self.mode = "base"
-        self._layouts: dict[str, tuple[DTensor, DTensor | None]] = {}
+        self.sources: dict[str, WeightSource] = {}
         self.bias = None
         if bias:
             self.bias = nn.Parameter(empty_dtensor((out_features,), mesh, _bias_placements(placements),
@@ -88,10 +91,10 @@ class ParallelLinear(Redistributable, nn.Module):
                 y = all_gather_last(y, weight.device_mesh, self.out_features, _shard_axis(weight))
         return y.view(*lead, y.shape[-1])
 
-    # ---- a second layout of the same weight (Shift parallelism's shift mode) -------------------
-    def add_layout(self, mode: str, mesh: DeviceMesh, placements: Sequence[Placement], *,
+    # ---- alternative weights (Shift parallelism's full-TP layout, ...) ------------------------
+    def add_source(self, name: str, mesh: DeviceMesh, placements: Sequence[Placement], *,
                    copy: bool, input_grad: str = "sharded") -> int:
-        """Hold the weight also in ``placements`` on ``mesh``, used while ``self.mode == mode``.
+        """Hold the weight also in ``placements`` on ``mesh``, used while source ``name`` is selected.
 
         ``copy=True`` stores separate shards (moved through the movement core); ``copy=False``
         takes views of this rank's base shard, which must contain the new box. Returns the extra
@@ -100,12 +103,18 @@ class ParallelLinear(Redistributable, nn.Module):
         weights = [self.weight] + ([self.bias] if self.bias is not None else [])
         pls = [tuple(placements), _bias_placements(placements)]
         alt = [_alternate(t.data, mesh, pl, copy) for t, pl in zip(weights, pls)]
-        self._layouts[mode] = (alt[0], alt[1] if len(alt) > 1 else None, _check_input_grad(input_grad))
-        return sum(a.to_local().numel() * a.to_local().element_size() for a in alt) if copy else 0
+        extra = sum(a.to_local().numel() * a.to_local().element_size() for a in alt) if copy else 0
+        chosen = LinearWeights(alt[0], alt[1] if len(alt) > 1 else None, _check_input_grad(input_grad))
+        self.sources[name] = StaticWeights(chosen, extra)
+        return extra
 
     def active_weights(self) -> tuple[DTensor, DTensor | None, str]:
-        """(weight, bias, input_grad) of the current ``mode`` (base parameters by default)."""
-        return self._layouts.get(self.mode, (self.weight, self.bias, self.input_grad))
+        """(weight, bias, input_grad) of the selected source (this layer's parameters by default)."""
+        source = self.sources.get(active_source()) if self.sources else None
+        if source is None:
+            return self.weight, self.bias, self.input_grad
+        w = source.get()
+        return w.weight, w.bias, w.input_grad
 
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """The weight takes ``placements``; the bias follows the weight's output dim."""

@@ -37,6 +37,15 @@ class SwiGLUMLP(Redistributable, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
+    def add_source(self, name: str, mesh: DeviceMesh, placements: Sequence[Placement], *,
+                   copy: bool) -> int:
+        """The FFN's weights also in the layout of ``placements`` on ``mesh``, used while source
+        ``name`` is selected (:mod:`layers.weights`); returns the extra bytes on this rank."""
+        up, down = _ffn_placements(tuple(placements))
+        return (self.gate_proj.add_source(name, mesh, up, copy=copy)
+                + self.up_proj.add_source(name, mesh, up, copy=copy)
+                + self.down_proj.add_source(name, mesh, down, copy=copy))
+
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """``(Shard(0),)``: TP (gate/up colwise, down rowwise); ``(Replicate(),)``: whole weights."""
         up, down = _ffn_placements(placements)
@@ -52,11 +61,3 @@ def _ffn_placements(placements: tuple[Placement, ...]) -> tuple[tuple, tuple]:
         raise ValueError(f"SwiGLUMLP takes Shard(0) or Replicate() per mesh axis, got {placements}")
     down = tuple(Shard(1) if isinstance(p, Shard) else p for p in placements)
     return placements, down
-
-
-def add_shift_layout(mlp: SwiGLUMLP, mesh: DeviceMesh, *, copy: bool) -> int:
-    """Full TP over a 2-D ``mesh`` (both axes sharded) as ``mode == "tp"`` layouts; extra bytes."""
-    up, down = _ffn_placements((Shard(0), Shard(0)))
-    return (mlp.gate_proj.add_layout("tp", mesh, up, copy=copy)
-            + mlp.up_proj.add_layout("tp", mesh, up, copy=copy)
-            + mlp.down_proj.add_layout("tp", mesh, down, copy=copy))

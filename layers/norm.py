@@ -1,7 +1,6 @@
 """RMSNorm with a replicated DTensor weight (drop-in for the HF Llama/Qwen/Mistral RMSNorm)."""
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 from torch import nn

@@ -4,7 +4,11 @@ Shift Parallelism (``../shared/seeds/001``): the base mode ``"sp"`` splits the s
 ``sp`` axis and heads over ``tp``; one fused QKV all-to-all turns token-parallel into head-parallel
 before attention and one all-to-all turns it back. The shift mode ``"tp"`` runs full TP over all
 ``sp x tp`` ranks. Both give rank ``(s, t)`` the same head block ``t * sp + s`` (see
-``ParallelDims.head_block``), so the KV cache written in one mode is read unchanged in the other.
+``parallel.shift.head_block``), so the KV cache written in one mode is read unchanged in the other.
+
+The caller chooses the mode per forward: ``sequence_parallel=True`` with this rank's share of the
+tokens, or ``False`` with every token under the weight source :data:`SHIFT_WEIGHTS` (see
+:mod:`layers.weights`). The layer itself keeps no mode.
 """
 from __future__ import annotations
 
@@ -20,12 +24,12 @@ from .attention import AttentionContext, ParallelAttention, apply_rope
 from .linear import ParallelLinear
 from .norm import RMSNorm
 
-MODES = ("sp", "tp")
+SHIFT_WEIGHTS = "shift"  # the weight source name of the full-TP (shift) layout
 
 
 @dataclass(frozen=True)
 class ShiftMeshes:
-    """Meshes of one SP x TP group (built by ``ParallelDims.shift_meshes``)."""
+    """Meshes of one SP x TP group (built by ``parallel.shift.shift_meshes``)."""
 
     base: DeviceMesh  # (sp, tp)
     shift: DeviceMesh  # (tp, sp): the same ranks in head-block order
@@ -56,14 +60,17 @@ def check_shift_heads(num_heads: int, num_kv_heads: int, sp: int, tp: int) -> No
 
 
 class UlyssesAttention(ParallelAttention):
-    """Attention with a per-forward ``mode``: ``"sp"`` (Ulysses SP x TP) or ``"tp"`` (full TP).
+    """Attention run per forward as Ulysses SP x TP (``sequence_parallel=True``) or full TP.
 
     Base weights (the parameters, HF state-dict keys) are ``(Replicate(), Shard)`` on the
-    ``(sp, tp)`` mesh. :meth:`add_shift_layouts` adds the full-TP layout in head-block order, as a
-    separate copy (``copy=True``, 1/sp extra memory) or as views of the base shards.
+    ``(sp, tp)`` mesh. :meth:`add_shift_layouts` adds the full-TP layout in head-block order as
+    weight source :data:`SHIFT_WEIGHTS`: a separate copy (``copy=True``, 1/sp extra memory) or
+    views of the base shards.
 
-    In ``"sp"`` mode the input is this rank's tokens ``(1, N / sp, D)`` (the caller pads ``N``);
-    in ``"tp"`` mode all ``(1, N, D)`` tokens. Output has the same shape as the input.
+    Sequence parallel: the input is this rank's tokens ``(1, N / sp, D)`` (the caller pads ``N``),
+    with the base weights. Full TP: all ``(1, N, D)`` tokens, with the shift weights selected
+    (under the base weights it is plain TP over ``tp``, replicated over ``sp``: correct without a
+    KV cache, but the cache layout is the shift layout's). Output has the input's shape.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -75,7 +82,7 @@ class UlyssesAttention(ParallelAttention):
         torch.nn.Module.__init__(self)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx, self.sliding_window, self.scaling = layer_idx, sliding_window, head_dim ** -0.5
-        self.meshes, self.mode = meshes, "sp"
+        self.meshes = meshes
         kw = dict(mesh=meshes.base, dtype=dtype, device=device)
         col, row = (Replicate(), Shard(0)), (Replicate(), Shard(1))
         self.q_proj = ParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, placements=col, **kw)
@@ -88,14 +95,15 @@ class UlyssesAttention(ParallelAttention):
 
     # ---- layouts ---------------------------------------------------------------------------------
     def add_shift_layouts(self, *, copy: bool) -> int:
-        """Add the full-TP (head-block order) layout; returns the extra bytes on this rank."""
-        m = self.meshes
+        """Add the full-TP (head-block order) layout as source :data:`SHIFT_WEIGHTS`; returns the
+        extra bytes on this rank."""
+        m, name = self.meshes, SHIFT_WEIGHTS
         kv_mesh, kv_pl = (m.shift, (Shard(0), Shard(0))) if m.shift_kv is None else (
             m.shift_kv, (Shard(0), Replicate()))
-        extra = self.q_proj.add_layout("tp", m.shift, (Shard(0), Shard(0)), copy=copy)
+        extra = self.q_proj.add_source(name, m.shift, (Shard(0), Shard(0)), copy=copy)
         for proj in (self.k_proj, self.v_proj):  # replicas serve different query heads
-            extra += proj.add_layout("tp", kv_mesh, kv_pl, copy=copy, input_grad="all")
-        return extra + self.o_proj.add_layout("tp", m.shift, (Shard(1), Shard(1)), copy=copy)
+            extra += proj.add_source(name, kv_mesh, kv_pl, copy=copy, input_grad="all")
+        return extra + self.o_proj.add_source(name, m.shift, (Shard(1), Shard(1)), copy=copy)
 
     @property
     def kv_replication(self) -> int:
@@ -115,19 +123,13 @@ class UlyssesAttention(ParallelAttention):
         start = block * self.local_kv_heads if self.num_kv_heads >= p else block // (p // self.num_kv_heads)
         return start, start + self.local_kv_heads
 
-    def set_mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.mode = mode
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            proj.mode = "tp" if mode == "tp" else "base"
-
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values=None, *,
-                attn_context: AttentionContext | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-        if self.mode == "tp":
+                attn_context: AttentionContext | None = None, sequence_parallel: bool = False,
+                **kwargs) -> tuple[torch.Tensor, None]:
+        if not sequence_parallel:
             return super().forward(hidden_states, position_embeddings, attention_mask,
                                    past_key_values, attn_context=attn_context)
         return self._forward_sp(hidden_states, position_embeddings, attn_context), None

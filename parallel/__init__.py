@@ -1,11 +1,11 @@
-"""Meshes, parallelization plans, checkpoint loading and the generation engine."""
+"""Meshes, parallelization plans, checkpoint loading, the engine core and the strategies."""
 from .checkpoint import CheckpointReader, resolve_checkpoint
 from .dims import ParallelDims, device_type
-from .engine import Completion, Engine, EngineStats, Request
+from .engine import Completion, Engine, EngineStats, ModelRunner, Request, register_strategy
 from .parallelize import SUPPORTED_ARCHITECTURES, LoadStats, parallelize
 from .plans import tp_plan
 from .sampling import SamplingParams
 
-__all__ = ["CheckpointReader", "Completion", "Engine", "EngineStats", "LoadStats", "ParallelDims",
+__all__ = ["CheckpointReader", "Completion", "Engine", "EngineStats", "LoadStats", "ModelRunner", "ParallelDims",
            "Request", "SUPPORTED_ARCHITECTURES", "SamplingParams", "device_type", "parallelize",
-           "resolve_checkpoint", "tp_plan"]
+           "register_strategy", "resolve_checkpoint", "tp_plan"]

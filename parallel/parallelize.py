@@ -15,7 +15,7 @@ from reshard.layout import box_slices
 
 from .checkpoint import CheckpointReader, resolve_checkpoint
 from .dims import ParallelDims, device_type
-from .plans import BuildContext, ParallelStyle, tp_plan
+from .plans import BuildContext, MeshOf, ParallelStyle, tp_plan
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -40,28 +40,29 @@ def check_architecture(config) -> None:
 
 def parallelize(model_or_path: nn.Module | str | os.PathLike, dims: ParallelDims | None = None, *,
                 plan: Mapping[str, ParallelStyle] | None = None,
-                dtype: torch.dtype | None = None, stage_meshes: list | None = None,
+                dtype: torch.dtype | None = None, mesh_of: MeshOf | None = None,
                 load_weights: bool = True) -> nn.Module:
     """An HF causal LM whose modules (named in ``plan``) are our parallel layers.
 
     From a path or hub id, the model skeleton is built on the meta device and every rank reads only
     its own slices from the safetensors files (``model.load_stats`` counts the bytes). From a model
-    object, each rank slices its parameters from the model it already holds. With
-    ``stage_meshes`` (pipeline), each module lives on its stage's tp mesh and a rank reads only its
-    stage's slices. ``load_weights=False`` (from a path) leaves the parameters uninitialized.
+    object, each rank slices its parameters from the model it already holds. ``mesh_of(name)`` is
+    the mesh each module lives on (default: this rank's tp mesh; a pipeline stage's tp mesh, where a
+    rank reads only its stage's slices; Shift's ``(sp, tp)`` base mesh). ``load_weights=False``
+    (from a path) leaves the parameters uninitialized.
     """
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
     if isinstance(model_or_path, nn.Module):
-        return _parallelize_module(model_or_path, dims, plan)
-    return _parallelize_path(model_or_path, dims, plan, dtype, stage_meshes, load_weights)
+        return _parallelize_module(model_or_path, dims, plan, mesh_of)
+    return _parallelize_path(model_or_path, dims, plan, dtype, mesh_of, load_weights)
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _parallelize_path(path, dims, plan, dtype, stage_meshes=None, load_weights=True) -> nn.Module:
+def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = resolve_checkpoint(path)
@@ -71,22 +72,24 @@ def _parallelize_path(path, dims, plan, dtype, stage_meshes=None, load_weights=T
     dtype = dtype or _config_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    ctx = BuildContext(config, dims, dtype, device_type(), stage_meshes=stage_meshes)
+    ctx = BuildContext(config, dims, dtype, device_type(), mesh_of=mesh_of)
     _swap_modules(model, plan, ctx)
     if load_weights:
         _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)))
     _rebuild_rotary(model, ctx.device)
     model.load_stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory))
+    model.parallel_dims = dims  # the layout the engine's runners read
     return model.eval()
 
 
-def _parallelize_module(model: nn.Module, dims, plan) -> nn.Module:
+def _parallelize_module(model: nn.Module, dims, plan, mesh_of=None) -> nn.Module:
     check_architecture(model.config)
     full = {k: v.detach() for k, v in model.state_dict().items()}
     dtype = next(iter(full.values())).dtype
-    ctx = BuildContext(model.config, dims, dtype, device_type())
+    ctx = BuildContext(model.config, dims, dtype, device_type(), mesh_of=mesh_of)
     _swap_modules(model, plan, ctx)
     copy_full_state(model, full)
+    model.parallel_dims = dims
     return model.eval()
 
 
@@ -95,7 +98,8 @@ def copy_full_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Non
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, param in module.named_parameters():
         box = Layout.of_dtensor(param).box(rank)
-        param.data.to_local().copy_(state[name][box_slices(box)])
+        if box is not None:  # off the parameter's mesh (another pipeline stage): nothing to copy
+            param.data.to_local().copy_(state[name][box_slices(box)])
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
 
 from layers import ParallelAttention, check_head_split, ParallelLinear, RMSNorm, SwiGLUMLP, VocabParallelEmbedding
+from reshard.mesh import cached_mesh
 
-from .dims import ParallelDims
+from .dims import ParallelDims, rank_grid
+
+TP = (Shard(0),)  # split over the 1-D tp mesh
+MeshOf = Callable[[str], DeviceMesh]  # HF module name -> the mesh that module lives on
 
 
 @dataclass
@@ -23,17 +28,13 @@ class BuildContext:
     device: torch.device | str
     layer_idx: int = 0
     name: str = ""  # the HF module being replaced
-    stage_meshes: list | None = None  # pipeline: the tp mesh of every stage
+    mesh_of: MeshOf | None = None  # None: every module on this rank's tp mesh
 
     @property
-    def tp_mesh(self):
-        """The tp mesh the module lives on: this rank's, or its pipeline stage's."""
-        if self.stage_meshes is None:
-            return self.dims.mesh("tp")
-        from .layouts import stage_of_module
-
-        layers = self.config.num_hidden_layers
-        return self.stage_meshes[stage_of_module(self.name, layers, len(self.stage_meshes))]
+    def mesh(self) -> DeviceMesh:
+        """The mesh the module lives on: ``mesh_of(name)`` (a pipeline stage's tp mesh, Shift's
+        ``(sp, tp)`` base mesh, ...), else this rank's tp mesh."""
+        return self.mesh_of(self.name) if self.mesh_of is not None else self.dims.mesh("tp")
 
     @property
     def kw(self) -> dict:
@@ -44,56 +45,87 @@ class ParallelStyle(Protocol):
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module: ...
 
 
+@dataclass(frozen=True)
 class VocabParallel:
-    """Embedding rows split over tp (Shard(0)), all-reduced lookups."""
+    """Embedding rows (vocab) with ``placements`` on the module's mesh (default Shard(0) over tp),
+    lookups all-reduced over the sharded axes; output replicated."""
+
+    placements: tuple[Placement, ...] = TP
 
     def build(self, module: nn.Embedding, ctx: BuildContext) -> nn.Module:
-        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim,
-                                      module.padding_idx, mesh=ctx.tp_mesh, **ctx.kw)
+        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
+                                      mesh=ctx.mesh, placements=self.placements, **ctx.kw)
 
 
+@dataclass(frozen=True)
 class HeadParallel:
-    """Attention heads split over tp; KV heads replicated when tp exceeds them."""
+    """Attention heads Shard(0) over the module's 1-D tp mesh (o_proj Shard(1)); when tp exceeds the
+    KV heads, k/v are ``(Shard(0), Replicate())`` on that mesh's ``(tp_kv, tp_rep)`` view."""
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        cfg = ctx.config
+        cfg, mesh = ctx.config, ctx.mesh
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        tp = ctx.dims.tp
-        check_head_split(heads, kv_heads, tp)
-        if ctx.stage_meshes is not None and kv_heads < tp:
-            raise ValueError(f"pipeline stages with KV-head replication (KV heads {kv_heads} < tp {tp}) "
-                             f"are not supported yet")
-        kv_mesh = ctx.dims.kv_head_mesh(kv_heads) if 1 < tp and kv_heads < tp else None
+        check_head_split(heads, kv_heads, mesh.size())
+        kv_mesh = kv_head_mesh(ctx.dims, kv_heads, mesh) if kv_heads < mesh.size() else None
         return ParallelAttention(
-            cfg.hidden_size, heads, kv_heads, module.head_dim, mesh=ctx.tp_mesh, kv_mesh=kv_mesh,
+            cfg.hidden_size, heads, kv_heads, module.head_dim, mesh=mesh, kv_mesh=kv_mesh,
             layer_idx=ctx.layer_idx, qkv_bias=module.q_proj.bias is not None,
             o_bias=module.o_proj.bias is not None, qk_norm=hasattr(module, "q_norm"),
             rms_norm_eps=cfg.rms_norm_eps, sliding_window=_sliding_window(module, cfg), **ctx.kw)
 
 
+def kv_head_mesh(dims: ParallelDims, num_kv_heads: int, tp_mesh: DeviceMesh | None = None) -> DeviceMesh:
+    """The 2-D ``(tp_kv, tp_rep)`` view of ``tp_mesh`` (default: this rank's tp mesh) for KV-head
+    replication: tp rank ``r`` holds KV head ``r // (tp // num_kv_heads)``.
+
+    ``tp_mesh`` may be any tp group of the world, e.g. a pipeline stage this rank is not in. The
+    views of every tp group (each ``(dp, pp, sp)`` coordinate, ranks ascending) are created on
+    every rank in the same order, since mesh creation is collective over the world.
+    """
+    tp_mesh = tp_mesh if tp_mesh is not None else dims.mesh("tp")
+    if dims.tp % num_kv_heads != 0:
+        raise ValueError(f"tensor parallel size ({dims.tp}) must be divisible by KV heads ({num_kv_heads}) "
+                         f"to replicate them")
+    groups = rank_grid(dims).view(-1, num_kv_heads, dims.tp // num_kv_heads)  # (dp*pp*sp, kv, rep)
+    views = [cached_mesh(g, ("tp_kv", "tp_rep")) for g in groups]
+    ranks = tp_mesh.mesh.flatten().tolist()
+    for view in views:
+        if view.mesh.flatten().tolist() == ranks:
+            return view
+    raise ValueError(f"mesh over ranks {ranks} is not a tp group of {dims}")
+
+
+@dataclass(frozen=True)
 class FFNParallel:
-    """gate/up colwise, down rowwise over tp."""
+    """gate/up colwise, down rowwise: ``placements`` per axis of the module's mesh (default Shard(0)
+    over tp; ``Replicate()`` on an axis keeps the weights whole along it)."""
+
+    placements: tuple[Placement, ...] = TP
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         return SwiGLUMLP(module.gate_proj.in_features, module.gate_proj.out_features,
-                         mesh=ctx.tp_mesh, hidden_act=ctx.config.hidden_act,
-                         bias=module.gate_proj.bias is not None, **ctx.kw)
+                         mesh=ctx.mesh, hidden_act=ctx.config.hidden_act,
+                         bias=module.gate_proj.bias is not None, placements=self.placements, **ctx.kw)
 
 
+@dataclass(frozen=True)
 class ReplicatedNorm:
-    """RMSNorm with its weight replicated over tp."""
+    """RMSNorm with its weight Replicate() on every axis of the module's mesh."""
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        return RMSNorm(module.weight.shape[0], module.variance_epsilon, mesh=ctx.tp_mesh, **ctx.kw)
+        return RMSNorm(module.weight.shape[0], module.variance_epsilon, mesh=ctx.mesh, **ctx.kw)
 
 
+@dataclass(frozen=True)
 class ColwiseGather:
-    """LM head rows (vocab) split over tp, logits all-gathered so every rank samples the same."""
+    """LM head rows (vocab) with ``placements`` on the module's mesh (default Shard(0) over tp),
+    logits all-gathered so every rank samples the same."""
+
+    placements: tuple[Placement, ...] = TP
 
     def build(self, module: nn.Linear, ctx: BuildContext) -> nn.Module:
         return ParallelLinear(module.in_features, module.out_features, module.bias is not None,
-                              mesh=ctx.tp_mesh, placements=(Shard(0),), gather_output=True,
-                              **ctx.kw)
+                              mesh=ctx.mesh, placements=self.placements, gather_output=True, **ctx.kw)
 
 
 def _sliding_window(module: nn.Module, cfg) -> int | None:
@@ -115,5 +147,5 @@ def tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
-__all__ = ["BuildContext", "ColwiseGather", "FFNParallel", "HeadParallel", "ParallelStyle",
-           "ReplicatedNorm", "VocabParallel", "tp_plan"]
+__all__ = ["BuildContext", "ColwiseGather", "FFNParallel", "HeadParallel", "MeshOf", "ParallelStyle",
+           "ReplicatedNorm", "VocabParallel", "kv_head_mesh", "tp_plan"]

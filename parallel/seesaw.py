@@ -5,32 +5,39 @@ Two module trees of the same model live side by side, one per phase, built for t
 tree to the other through the movement core (``weights="move"``: one coalesced plan, minimal
 bytes) or re-reads each rank's new shards from a shared-memory CPU copy (``weights="reload"``, the
 paper's way). KV cache never moves rank to rank: prefill swaps it out into the CPU tier
-(:class:`reshard.kv_tier.CPUKVTier`) under the prefill layout, decode swaps in each rank's own
+(:class:`reshard.kv.CPUKVTier`) under the prefill layout, decode swaps in each rank's own
 head range under the decode layout, so the swap re-shards it.
+
+The engine is the one loop (:mod:`parallel.engine`) with a runner per phase and
+:class:`SeesawPolicy`, which wraps the schedulers of :mod:`parallel.schedulers`.
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from reshard import CommStats
 from reshard.api import assign_tensor
 from reshard.dtensor import wrap_local
 from reshard.executor import DEFAULT_BUCKET_BYTES, execute
+from reshard.kv import CPUKVTier, KVSwapper, TierSpec
 from reshard.plan import plan_transfer
 from reshard.weight_store import SharedWeightStore
 
 from .dims import ParallelDims, device_type
-from .engine import Engine
+from .engine import (Engine, EngineArgs, EngineStats, ModelRunner, Policy, Sequence, SlotPool, Step, Strategy,
+                     register_strategy)
 from .layouts import global_layout
 from .parallelize import parallelize
-from .pipeline import PipelineEngine, parallelize_pipeline
+from .pipeline import parallelize_pipeline
+from .schedulers import SchedState, make_scheduler
 
 PHASES = ("prefill", "decode")
 WEIGHT_MODES = ("move", "reload")
@@ -78,13 +85,6 @@ def build_model(path: str | os.PathLike, dims: ParallelDims, *, dtype: torch.dty
     if dims.pp > 1:
         return parallelize_pipeline(path, dims, dtype=dtype, load_weights=load_weights)
     return parallelize(path, dims, dtype=dtype, load_weights=load_weights)
-
-
-def make_engine(model: nn.Module, dims: ParallelDims, **kwargs) -> Engine:
-    """The step engine for ``dims``' layout (micro-batched stages when ``dims.pp > 1``)."""
-    if dims.pp > 1:
-        return PipelineEngine(model, dims, **kwargs)
-    return Engine(model, **kwargs)
 
 
 class LayoutSwitch:
@@ -214,5 +214,301 @@ def _sum_over_ranks(n: int) -> int:
     return int(t.item())
 
 
-__all__ = ["LayoutSwitch", "TransitionStats", "build_model", "make_engine", "release_weights",
-           "map_shared", "shared_path", "weight_bytes"]
+# ---- the engine: a policy on the one loop ---------------------------------------------------------
+@dataclass
+class SeesawStats(EngineStats):
+    transitions: int = 0
+    reshard_bytes: int = 0
+    reshard_lower_bound_bytes: int = 0
+    reshard_seconds: float = 0.0
+    swap_seconds: float = 0.0  # main-thread time spent swapping or waiting for a swap (this rank)
+    swap_out_bytes: int = 0  # this rank
+    swap_in_tokens: int = 0  # this rank
+    kv_bytes_released: int = 0  # this rank: KV cache memory a phase gave up at its transitions
+    history: list[TransitionStats] = field(default_factory=list)
+
+    def add(self, t: TransitionStats) -> None:
+        self.transitions += 1
+        self.reshard_bytes += t.bytes
+        self.reshard_lower_bound_bytes += t.lower_bound_bytes
+        self.reshard_seconds += t.seconds
+        self.history.append(t)
+
+
+class SeesawPolicy(Policy):
+    """Prefill in layout ``"prefill"``, decode in ``"decode"``, KV through a shared CPU tier.
+
+    Every rank runs the same scheduler on the same state, so phases, batches and tier allocations
+    agree without messages. A prefill batch alternates over the prefill layout's dp replicas; a
+    request's KV goes out to the tier right after its prefill, on a background thread that
+    overlaps the next prefill step; decode on-boards it into a free slot (of the decode layout's
+    replicas) on that thread while the current decode step runs, and the request joins the batch
+    at the next step. At each transition the weights move (:class:`LayoutSwitch`) and the phase
+    left behind releases its KV cache where it can.
+    """
+
+    stats_cls = SeesawStats
+
+    def __init__(self, switch: LayoutSwitch, tier: CPUKVTier, *, scheduler: str = "transition_minimizing",
+                 max_prefill_tokens: int = 4096) -> None:
+        self.switch, self.tier, self.scheduler = switch, tier, make_scheduler(scheduler)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.swapper = KVSwapper(tier)
+        self.decode_slot_of: dict[int, int] = {}  # request id -> decode slot it was swapped into
+        self._swap_outs: deque = deque()  # (future, prefill slots it frees)
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        self.prefill, self.decode = engine.runners["prefill"], engine.runners["decode"]
+        self.decode.kv.release()  # allocated at the first transition to decode
+        self._prefill_free = list(range(self.prefill.max_batch_size - 1, -1, -1))
+
+    @property
+    def initial_layout(self) -> str:
+        return self.switch.active
+
+    def validate(self, requests) -> None:
+        """Every prompt must fit the CPU KV tier."""
+        budget = self.tier.spec.capacity_tokens
+        for r in requests:
+            if len(r.prompt_ids) > budget:
+                raise ValueError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
+                                 f"the CPU KV tier (cpu_kv_budget={budget} tokens)")
+
+    def start(self) -> None:
+        self.buffered: deque = deque()  # prefilled sequences whose KV is in the tier
+        self.loading: list = []  # (future | None, sequence) swap-ins
+        self.running: dict[int, Sequence] = {}  # request id -> decoding sequence
+        self.decode_slots = SlotPool(self.decode.max_batch_size, self.decode.replica.size)
+
+    def next_step(self, queue: deque) -> Step:
+        phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
+        self.engine.enter(phase)  # transition first: the step's KV moves into that layout's cache
+        return self._prefill_step(queue) if phase == "prefill" else self._decode_step()
+
+    def _snapshot(self, queue: deque) -> SchedState:
+        fits = bool(queue) and self.tier.can_fit(len(queue[0].prompt_ids))
+        return SchedState(queued=len(queue), next_fits_tier=fits, buffered=len(self.buffered),
+                          running=len(self.running), free_slots=len(self.decode_slots))
+
+    def on_switch(self, old: str | None, new: str) -> None:
+        """Move the weights; the phase left behind gives up its KV cache memory where it can."""
+        if new == self.switch.active:
+            return
+        stats = self.engine.stats
+        if new == "decode":  # the tier must hold every rank's KV before anyone reads it
+            self._wait_swap_outs(everything=True)
+            dist.barrier()
+            stats.kv_bytes_released += self.prefill.kv.release()
+            self.decode.kv.restore()
+        else:
+            if not self.running:  # nothing decoding keeps KV in the decode cache
+                stats.kv_bytes_released += self.decode.kv.release()
+            self.prefill.kv.restore()
+        stats.add(self.switch.switch(new))
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill_step(self, queue: deque) -> Step:
+        batch, dp = self._admit(queue), self.prefill.replica
+        for i, seq in enumerate(batch):
+            seq.replica = i % dp.size
+        self._take_prefill_slots([s for s in batch if s.replica == dp.rank])
+        return Step("prefill", batch, "prefill")
+
+    def _admit(self, queue: deque) -> list[Sequence]:
+        """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
+        dp = self.prefill.replica.size
+        slots, budget = self.prefill.max_batch_size * dp, self.max_prefill_tokens * dp
+        target = self.scheduler.buffer_target(self._snapshot(queue)) - len(self.buffered)
+        batch: list[Sequence] = []
+        while queue and len(batch) < min(slots, target):
+            n = len(queue[0].prompt_ids)
+            if (batch and n > budget) or not self.tier.can_fit(n):
+                break
+            request = queue.popleft()
+            self.tier.allocate(request.id, n)
+            budget -= n
+            batch.append(self.engine.new_sequence(request))
+        return batch
+
+    def _take_prefill_slots(self, seqs: list[Sequence]) -> None:
+        while len(self._prefill_free) < len(seqs):
+            self._wait_swap_outs(everything=False)
+        for seq in seqs:
+            seq.slot = self._prefill_free.pop()
+
+    def after_step(self, step: Step) -> None:
+        if step.phase == "decode":
+            self._join_loads()
+            return
+        mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
+        self.buffered.extend(s for s in step.seqs if s.finish_reason is None)
+        jobs = [(s.slot, s.request.id, s.prompt_len) for s in mine if s.finish_reason is None]
+        self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
+
+    def _wait_swap_outs(self, *, everything: bool) -> None:
+        t0 = time.perf_counter()
+        while self._swap_outs:
+            future, slots = self._swap_outs.popleft()
+            self.engine.stats.swap_out_bytes += future.result()
+            self._prefill_free.extend(slots)
+            if not everything:
+                break
+        self.engine.stats.swap_seconds += time.perf_counter() - t0
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode_step(self) -> Step:
+        """On-board tier requests into free slots (background); decode the running ones."""
+        self._onboard()
+        if not self.running:
+            self._join_loads()
+        return Step("decode", list(self.running.values()), "decode")
+
+    def _onboard(self) -> None:
+        """Give buffered requests free decode slots; their replica's ranks swap them in."""
+        while len(self.decode_slots) and self.buffered:
+            seq = self.buffered.popleft()
+            self.decode_slots.take(seq)
+            future = None
+            if seq.replica == self.decode.replica.rank:
+                self.decode_slot_of[seq.request.id] = seq.slot
+                future = self.swapper.swap_in(self.decode.kv, seq.slot, seq.request.id)
+            self.loading.append((future, seq))
+
+    def _join_loads(self) -> None:
+        t0 = time.perf_counter()
+        for future, seq in self.loading:
+            self.engine.stats.swap_in_tokens += future.result() if future is not None else 0
+            self.tier.free(seq.request.id)
+            self.running[seq.request.id] = seq
+        self.loading.clear()
+        self.engine.stats.swap_seconds += time.perf_counter() - t0
+
+    def retire(self, seq: Sequence) -> None:
+        if self.running.pop(seq.request.id, None) is None:  # finished at its prefill
+            self.tier.free(seq.request.id)
+        else:
+            self.decode_slots.give(seq)
+
+    def close(self) -> None:
+        """Join the swap thread and drop the shared-memory mappings (not collective: the files
+        were unlinked once mapped, so this is safe on an error path too)."""
+        self.swapper.close()
+        self.tier.close()
+        self.switch.close()
+
+
+def seesaw_engine(switch: LayoutSwitch, *, cpu_kv_budget: int, scheduler: str = "transition_minimizing",
+                  max_batch_size: int = 8, max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
+                  num_microbatches: int = 2, compile: bool = False) -> Engine:
+    """The Seesaw engine over ``switch``'s two trees (collective: maps the shared CPU tier).
+
+    ``max_batch_size``: KV slots of each dp replica in both layouts; ``cpu_kv_budget``: the
+    tier's capacity in tokens (every prompt must fit); ``compile``: the decode step.
+    """
+    if cpu_kv_budget < 1:
+        raise ValueError(f"cpu_kv_budget must be >= 1 token, got {cpu_kv_budget}")
+    kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    runners = {phase: ModelRunner(switch.models[phase], dims=switch.dims[phase], **kw,
+                                  num_microbatches=num_microbatches if switch.dims[phase].pp > 1 else 1,
+                                  compile=compile and phase == "decode")
+               for phase in PHASES}
+    cfg, kv = switch.models["decode"].config, runners["decode"].kv.spec
+    spec = TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, cpu_kv_budget, kv.dtype)
+    tier = map_shared("reshard-kv", lambda path: CPUKVTier(spec, path))
+    policy = SeesawPolicy(switch, tier, scheduler=scheduler, max_prefill_tokens=max_prefill_tokens)
+    return Engine(runners=runners, policy=policy)
+
+
+# ---- the strategy -------------------------------------------------------------------------------
+@dataclass
+class LayoutConfig:
+    """One Seesaw phase's layout; at most one degree may be null (= the rest of the world)."""
+
+    dp: int | None = 1
+    pp: int | None = 1
+    tp: int | None = 1
+
+    def resolve(self, world: int, where: str) -> ParallelDims:
+        """Dims with the null degree filled in; ``ValueError`` unless they multiply to ``world``."""
+        degrees = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        for axis, value in degrees.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{where}.{axis} must be >= 1, got {value}")
+        unknown = [a for a, v in degrees.items() if v is None]
+        if len(unknown) > 1:
+            raise ValueError(f"{where}: at most one of dp, pp, tp may be null, got {unknown}")
+        known = math.prod(v for v in degrees.values() if v is not None)
+        if unknown:
+            if world % known:
+                raise ValueError(f"{where}: {degrees} cannot cover the world size ({world})")
+            degrees[unknown[0]] = world // known
+        if math.prod(degrees.values()) != world:
+            raise ValueError(f"{where}: dp({degrees['dp']}) * pp({degrees['pp']}) * tp({degrees['tp']}) "
+                             f"!= world size ({world})")
+        return ParallelDims(**degrees, world_size=world)
+
+
+def _layout(value, where: str) -> LayoutConfig:
+    if isinstance(value, LayoutConfig):
+        return value
+    unknown = sorted(set(value) - {"dp", "pp", "tp"})
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; known: dp, pp, tp")
+    return LayoutConfig(**value)
+
+
+@register_strategy("seesaw")
+@dataclass
+class SeesawStrategy(Strategy):
+    """Prefill in one layout (pipeline / data parallel), decode in another (tensor parallel)."""
+
+    prefill: LayoutConfig = field(default_factory=lambda: LayoutConfig(pp=None))
+    decode: LayoutConfig = field(default_factory=lambda: LayoutConfig(tp=None))
+    cpu_kv_budget: int = 8192  # CPU KV tier capacity in tokens
+    weights: str = "move"  # move | reload
+    scheduler: str = "transition_minimizing"
+    num_microbatches: int = 2  # pipeline micro-batches per step
+
+    def __post_init__(self) -> None:
+        from .schedulers import SCHEDULERS
+
+        self.prefill, self.decode = _layout(self.prefill, "parallel.prefill"), _layout(self.decode, "parallel.decode")
+        for name in ("cpu_kv_budget", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"parallel.weights must be move or reload, got {self.weights!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"parallel.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULERS)}")
+
+    def layouts(self, world: int) -> tuple[ParallelDims, ParallelDims]:
+        return self.prefill.resolve(world, "parallel.prefill"), self.decode.resolve(world, "parallel.decode")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        self.layouts(world_size)  # validate both layouts before loading anything
+        return ParallelDims(tp=world_size, world_size=world_size)
+
+    def build(self, path, args: EngineArgs) -> Engine:
+        prefill, decode = self.layouts(dist.get_world_size())
+        switch = LayoutSwitch(path, prefill, decode, weights=self.weights, dtype=args.dtype)
+        return seesaw_engine(switch, cpu_kv_budget=self.cpu_kv_budget, scheduler=self.scheduler,
+                             max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                             max_prefill_tokens=args.max_prefill_tokens,
+                             num_microbatches=self.num_microbatches, compile=args.compile)
+
+    def summary(self, engine: Engine) -> dict:
+        s, switch = engine.stats, engine.policy.switch
+        swap = torch.tensor([s.swap_seconds], dtype=torch.float64)
+        dist.all_reduce(swap, op=dist.ReduceOp.MAX)
+        return {"transitions": s.transitions, "reshard_bytes": s.reshard_bytes,
+                "reshard_lower_bound_bytes": s.reshard_lower_bound_bytes,
+                "reshard_seconds": s.reshard_seconds, "swap_seconds": swap.item(),
+                "scheduler": self.scheduler, "weights": switch.weights,
+                "layouts": {p: {"dp": d.dp, "pp": d.pp, "tp": d.tp} for p, d in switch.dims.items()},
+                "peak_weight_bytes": max((h.peak_weight_bytes for h in s.history), default=0)}
+
+    def report(self, s: dict) -> list[str]:
+        return [f"seesaw {s['layouts']['prefill']} -> {s['layouts']['decode']}: {s['transitions']} "
+                f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
+                f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s"]

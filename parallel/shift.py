@@ -1,10 +1,12 @@
 """Shift Parallelism: Ulysses SP x TP for large steps, full TP for small ones, one KV cache.
 
 ``parallelize_shift`` loads an HF checkpoint in the base (SP x TP) layout and adds the full-TP
-layout of attention and MLP weights (a copy, or views of the base shards). :class:`ShiftEngine`
-picks the mode per forward from the step's token count: ``tokens > threshold`` runs SP (tokens
-split over ``sp``), otherwise TP. Both modes give each rank the same head block
-(``ParallelDims.head_block``), so nothing moves at a switch.
+layout of attention and MLP weights (a copy, or views of the base shards) as the weight source
+``SHIFT_WEIGHTS``. :func:`shift_engine` runs it on the engine loop with two runners over one KV
+cache, ``"sp"`` (tokens split over ``sp``, base weights) and ``"tp"`` (shift weights), and
+:class:`ShiftPolicy` picks one per step from the step's token count: ``tokens > threshold`` runs
+SP, otherwise TP. Both modes give each rank the same head block
+(:func:`head_block`), so nothing moves at a switch.
 """
 from __future__ import annotations
 
@@ -13,71 +15,115 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from layers import ParallelLinear, RMSNorm, SwiGLUMLP, VocabParallelEmbedding
-from layers._comm import all_gather
-from layers.attention import AttentionContext
-from layers.mlp import add_shift_layout
-from layers.ulysses import UlyssesAttention
+from layers.ulysses import SHIFT_WEIGHTS, ShiftMeshes, UlyssesAttention
+from reshard.mesh import cached_mesh
 
-from .dims import ParallelDims
-from .engine import Engine
+from .dims import ParallelDims, rank_grid
+from .engine import (ContinuousBatching, Engine, EngineArgs, EngineStats, ModelRunner, Strategy, TokenSplit,
+                     register_strategy)
 from .parallelize import parallelize
-from .plans import BuildContext, _sliding_window
+from .plans import (BuildContext, ColwiseGather, FFNParallel, MeshOf, ParallelStyle, ReplicatedNorm,
+                    VocabParallel, _sliding_window)
 
 log = logging.getLogger(__name__)
 BASE = (Replicate(), Shard(0))  # replicated over sp, split over tp
 
 
 class ShiftAttentionStyle:
+    """:class:`UlyssesAttention` on :func:`shift_meshes`: base weights ``(Replicate(), Shard)`` on
+    the ``(sp, tp)`` base mesh (the full-TP layouts are added after loading)."""
+
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         cfg = ctx.config
         return UlyssesAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim,
-            meshes=ctx.dims.shift_meshes(cfg.num_key_value_heads), layer_idx=ctx.layer_idx,
+            meshes=shift_meshes(ctx.dims, cfg.num_key_value_heads), layer_idx=ctx.layer_idx,
             qkv_bias=module.q_proj.bias is not None, o_bias=module.o_proj.bias is not None,
             qk_norm=hasattr(module, "q_norm"), rms_norm_eps=cfg.rms_norm_eps,
             sliding_window=_sliding_window(module, cfg), **ctx.kw)
 
 
-class ShiftFFNStyle:
-    def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        return SwiGLUMLP(module.gate_proj.in_features, module.gate_proj.out_features,
-                         mesh=ctx.dims.base_mesh(), hidden_act=ctx.config.hidden_act,
-                         bias=module.gate_proj.bias is not None, placements=BASE, **ctx.kw)
-
-
-class BaseEmbeddingStyle:
-    def build(self, module: nn.Embedding, ctx: BuildContext) -> nn.Module:
-        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
-                                      mesh=ctx.dims.base_mesh(), placements=BASE, **ctx.kw)
-
-
-class BaseNormStyle:
-    def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        return RMSNorm(module.weight.shape[0], module.variance_epsilon, mesh=ctx.dims.base_mesh(), **ctx.kw)
-
-
-class BaseLMHeadStyle:
-    def build(self, module: nn.Linear, ctx: BuildContext) -> nn.Module:
-        return ParallelLinear(module.in_features, module.out_features, module.bias is not None,
-                              mesh=ctx.dims.base_mesh(), placements=BASE, gather_output=True, **ctx.kw)
-
-
-def shift_plan() -> dict:
-    """Base layout for every module; attention and MLP also get the full-TP layout after loading."""
+def shift_plan() -> dict[str, ParallelStyle]:
+    """The TP plan's styles in the base layout ``BASE = (Replicate(), Shard(0))``, for modules on
+    the ``(sp, tp)`` base mesh (build with ``mesh_of=`` :func:`base_mesh_of`); attention and MLP
+    also get the full-TP layout after loading (:func:`parallelize_shift`)."""
     return {
-        "model.embed_tokens": BaseEmbeddingStyle(),
+        "model.embed_tokens": VocabParallel(BASE),
         "model.layers.*.self_attn": ShiftAttentionStyle(),
-        "model.layers.*.mlp": ShiftFFNStyle(),
-        "model.layers.*.input_layernorm": BaseNormStyle(),
-        "model.layers.*.post_attention_layernorm": BaseNormStyle(),
-        "model.norm": BaseNormStyle(),
-        "lm_head": BaseLMHeadStyle(),
+        "model.layers.*.mlp": FFNParallel(BASE),
+        "model.layers.*.input_layernorm": ReplicatedNorm(),
+        "model.layers.*.post_attention_layernorm": ReplicatedNorm(),
+        "model.norm": ReplicatedNorm(),
+        "lm_head": ColwiseGather(BASE),
     }
+
+
+# ---- Shift parallelism: one head-block map for SP and TP -------------------------------------------
+def head_block(dims: ParallelDims, sp_rank: int, tp_rank: int) -> int:
+    """The head block rank ``(sp_rank, tp_rank)`` attends over, in both Shift modes.
+
+    The base (SP x TP) layout splits heads over tp, then the SP all-to-all splits each tp
+    shard over sp, so the block is ``tp_rank * sp + sp_rank``. The shift (full TP) layout
+    must give each rank that same block so the KV cache is shared (the paper's Figure 7).
+    """
+    return tp_rank * dims.sp + sp_rank
+
+
+def base_mesh(dims: ParallelDims) -> DeviceMesh:
+    """2-D ``(sp, tp)`` mesh of this rank's SP x TP group (the base layout)."""
+    return dims.world_mesh()["sp", "tp"]
+
+
+def base_mesh_of(dims: ParallelDims) -> MeshOf:
+    """Every module on :func:`base_mesh` (the ``mesh_of`` of :func:`shift_plan`)."""
+    mesh = base_mesh(dims)
+    return lambda name: mesh
+
+
+def shift_mesh(dims: ParallelDims) -> DeviceMesh:
+    """The same ranks as a ``(tp, sp)`` mesh: ``(Shard(d), Shard(d))`` on it nests tp then sp,
+    so rank ``(s, t)`` holds chunk :func:`head_block` ``(s, t)`` — full TP in block order."""
+    return _derived(_block_grid(dims), ("shift_tp", "shift_sp"))
+
+
+def block_mesh(dims: ParallelDims, groups: int) -> DeviceMesh:
+    """Ranks in head-block order split into ``(groups, sp * tp // groups)`` — for KV heads that
+    the shift layout replicates over consecutive blocks (``groups`` = KV heads)."""
+    grid = _block_grid(dims).flatten(-2).unflatten(-1, (groups, -1))
+    return _derived(grid, ("kv_block", "kv_rep"))
+
+
+def sp_split_mesh(dims: ParallelDims, kv_groups: int) -> DeviceMesh:
+    """The sp axis split into ``(kv_groups, sp // kv_groups)`` for the paper's Algorithm 1:
+    all-to-all along ``sp_aa`` (one rank per GQA group), all-gather along ``sp_ag``."""
+    grid = rank_grid(dims).unflatten(2, (kv_groups, -1))
+    grid = grid.permute(0, 1, 4, 2, 3)  # (dp, pp, tp, sp_aa, sp_ag)
+    return _derived(grid, ("sp_aa", "sp_ag"))
+
+
+def shift_meshes(dims: ParallelDims, num_kv_heads: int) -> ShiftMeshes:
+    """Every mesh :class:`layers.ulysses.UlyssesAttention` needs for ``num_kv_heads`` KV heads."""
+    p = dims.sp * dims.tp
+    kv_per_tp = num_kv_heads // dims.tp if num_kv_heads % dims.tp == 0 else 0
+    replicate_shift = num_kv_heads < p and p % num_kv_heads == 0
+    replicate_sp = 0 < kv_per_tp < dims.sp and dims.sp % kv_per_tp == 0
+    return ShiftMeshes(base=base_mesh(dims), shift=shift_mesh(dims),
+                       shift_kv=block_mesh(dims, num_kv_heads) if replicate_shift else None,
+                       sp_split=sp_split_mesh(dims, kv_per_tp) if replicate_sp else None)
+
+
+def _block_grid(dims: ParallelDims) -> torch.Tensor:
+    return rank_grid(dims).transpose(2, 3)  # (dp, pp, tp, sp)
+
+
+def _derived(grid: torch.Tensor, names: tuple[str, str]) -> DeviceMesh:
+    """A mesh over the whole world with ``grid``'s last two axes named ``names``; this rank's 2-D slice."""
+    lead = tuple(f"_lead{i}" for i in range(grid.dim() - 2))
+    return cached_mesh(grid, lead + names)[names]
 
 
 def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weights: str = "copy",
@@ -92,11 +138,11 @@ def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weig
         raise ValueError(f"shift_weights must be 'copy' or 'slice', got {shift_weights!r}")
     if dims.dp != 1 or dims.pp != 1:
         raise ValueError(f"Shift parallelism runs on sp x tp ranks; got dp({dims.dp}), pp({dims.pp})")
-    model = parallelize(path, dims, plan=shift_plan(), dtype=dtype)
+    model = parallelize(path, dims, plan=shift_plan(), dtype=dtype, mesh_of=base_mesh_of(dims))
     copy, extra = shift_weights == "copy", 0
     for layer in model.model.layers:
         extra += layer.self_attn.add_shift_layouts(copy=copy)
-        extra += add_shift_layout(layer.mlp, dims.shift_mesh(), copy=copy)
+        extra += layer.mlp.add_source(SHIFT_WEIGHTS, shift_mesh(dims), (Shard(0), Shard(0)), copy=copy)
     model.shift_extra_bytes = extra
     attn = model.model.layers[0].self_attn
     log.info("shift parallelism: sp=%d tp=%d, KV-head replication x%d, shift weights %s (+%d bytes)",
@@ -104,80 +150,103 @@ def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weig
     return model
 
 
-def set_mode(model: nn.Module, mode: str) -> None:
-    """Run the next forwards in ``mode`` (``"sp"`` or ``"tp"``): attention and MLP pick layouts."""
-    for layer in model.model.layers:
-        layer.self_attn.set_mode(mode)
-        for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            proj.mode = "tp" if mode == "tp" else "base"
-
-
+# ---- the engine: two runners over one KV cache, a threshold policy ----------------------------
 @dataclass
-class ShiftStats:
+class ShiftStats(EngineStats):
     steps_by_mode: dict = field(default_factory=lambda: {"sp": 0, "tp": 0})
     mode_switches: int = 0
     switch_bytes: int = 0  # bytes moved at switches: nothing moves, the KV cache is shared
     kv_storage: list = field(default_factory=list)  # KV data pointers seen at each switch
 
+    def summary(self) -> dict:
+        return {"mode_switches": self.mode_switches, "steps_by_mode": dict(self.steps_by_mode),
+                "switch_bytes": self.switch_bytes}
 
-class ShiftEngine(Engine):
-    """The generation engine with a per-forward SP/TP choice by token count (Algorithm 3)."""
 
-    def __init__(self, model: nn.Module, *, threshold: int, **kwargs) -> None:
+class ShiftPolicy(ContinuousBatching):
+    """Continuous batching; a step with more than ``threshold`` tokens runs SP, the others TP
+    (the paper's Algorithm 3), decided on the step's real tokens."""
+
+    stats_cls = ShiftStats
+
+    def __init__(self, threshold: int, *, max_prefill_tokens: int = 4096) -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
-        super().__init__(model, **kwargs)
-        if self.compiled:  # one graph per mode: dynamo guards on self._mode
-            self._compiled_mode = torch.compile(self._forward_mode)
-            self._decode_forward = self._compiled_forward
+        super().__init__("sp", max_prefill_tokens=max_prefill_tokens)
         self.threshold = threshold
-        self.mesh = model.model.embed_tokens.weight.device_mesh  # (sp, tp)
-        self.shift = ShiftStats()
-        self._mode: str | None = None
 
-    def mode_for(self, num_tokens: int) -> str:
-        return "sp" if num_tokens > self.threshold else "tp"
+    @property
+    def initial_layout(self) -> None:
+        return None
 
-    def _forward(self, ids, positions, ctx: AttentionContext, last) -> torch.Tensor:
-        mode = self.mode_for(int(ids.numel()))
-        self._switch(mode)
-        return self._forward_mode(ids, positions, ctx, last)
+    def layout_for(self, phase: str, seqs: list) -> str:
+        tokens = sum(s.prompt_len for s in seqs) if phase == "prefill" else len(seqs)
+        mode = "sp" if tokens > self.threshold else "tp"
+        self.engine.stats.steps_by_mode[mode] += 1
+        return mode
 
-    def decode(self, seqs) -> None:
-        self._active = len(seqs)  # the static compiled step pads to every slot; decide on real tokens
-        super().decode(seqs)
+    def on_switch(self, old: str | None, new: str) -> None:
+        """Nothing moves: both modes read and write the same KV cache (recorded to show it)."""
+        if old is not None:
+            self.engine.stats.mode_switches += 1
+            self.engine.stats.kv_storage.append([k.data_ptr() for k in self.engine.kv.k])
 
-    def _compiled_forward(self, ids, positions, ctx, last) -> torch.Tensor:
-        self._switch(self.mode_for(self._active))
-        return self._compiled_mode(ids, positions, ctx, last)
 
-    def _forward_mode(self, ids, positions, ctx, last) -> torch.Tensor:
-        if self._mode == "tp":
-            return super()._forward(ids, positions, ctx, last)
-        return self._forward_sp(ids, positions, ctx, last)
+def shift_engine(model: nn.Module, *, threshold: int, max_batch_size: int = 8,
+                 max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
+                 compile: bool = False) -> Engine:
+    """The loop over ``model`` (from :func:`parallelize_shift`) with runners ``"sp"`` (tokens
+    split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache."""
+    dims = model.parallel_dims
+    kw = dict(dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile)
+    sp = ModelRunner(model, split=TokenSplit(base_mesh(dims), 0), **kw)
+    tp = ModelRunner(model, kv=sp.kv, weights=SHIFT_WEIGHTS, **kw)
+    policy = ShiftPolicy(threshold, max_prefill_tokens=max_prefill_tokens)
+    return Engine(runners={"sp": sp, "tp": tp}, policy=policy)
 
-    def _switch(self, mode: str) -> None:
-        if self._mode is not None and self.model.model.layers[0].self_attn.mode != self._mode:
-            self._mode = None  # another engine on the same model changed its mode: set it again
-        if mode != self._mode:
-            if self._mode is not None:
-                self.shift.mode_switches += 1
-                self.shift.kv_storage.append([k.data_ptr() for k in self.kv.k])
-            set_mode(self.model, mode)
-            self._mode = mode
-        self.shift.steps_by_mode[mode] += 1
 
-    def _forward_sp(self, ids, positions, ctx, last) -> torch.Tensor:
-        """Tokens split over sp (padded to a multiple of it); hidden states gathered at the end."""
-        sp, s = self.mesh.size(0), self.mesh.get_coordinate()[0]
-        n = ids.numel()
-        local = -(-n // sp)
-        ids = F.pad(ids, (0, local * sp - n))[s * local:(s + 1) * local]
-        pos = F.pad(positions, (0, local * sp - n))[s * local:(s + 1) * local][None]
-        m = self.model.model
-        h = m.embed_tokens(ids[None])  # (1, N / sp, D)
-        emb = m.rotary_emb(h, pos)
-        for layer in m.layers:
-            h = layer(h, position_embeddings=emb, position_ids=pos, attn_context=ctx)
-        h = all_gather(h[0], self.mesh, 0)[:n]  # (N, D): every rank's tokens
-        return self.model.lm_head(m.norm(h[last])[None])[0].float()
+@register_strategy("shift")
+@dataclass
+class ShiftStrategy(Strategy):
+    """Shift parallelism: Ulysses SP x TP for big steps, full TP over the same ranks for small ones."""
+
+    sp: int = 2  # Ulysses degree of the base layout
+    tp: int | None = None  # null: world size / sp
+    threshold: int = 64  # steps with more tokens than this run SP, the others TP
+    shift_weights: str = "copy"  # copy | slice
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "sp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
+        if self.threshold < 0:
+            raise ValueError(f"parallel.threshold must be >= 0, got {self.threshold}")
+        if self.shift_weights not in ("copy", "slice"):
+            raise ValueError(f"parallel.shift_weights must be copy or slice, got {self.shift_weights!r}")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        if self.tp is None and world_size % self.sp != 0:
+            raise ValueError(f"parallel.sp ({self.sp}) must divide the world size ({world_size})")
+        tp = self.tp or world_size // self.sp
+        if self.sp * tp != world_size:
+            raise ValueError(f"parallel.sp ({self.sp}) x parallel.tp ({tp}) must equal the world size ({world_size})")
+        return ParallelDims(sp=self.sp, tp=tp, world_size=world_size)
+
+    def build(self, path, args: EngineArgs) -> Engine:
+        import torch.distributed as dist
+
+        model = parallelize_shift(path, self.dims(dist.get_world_size()), shift_weights=self.shift_weights,
+                                  dtype=args.dtype)
+        return shift_engine(model, threshold=self.threshold, max_batch_size=args.max_batch_size,
+                            max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
+                            compile=args.compile)
+
+    def summary(self, engine: Engine) -> dict:
+        return {**engine.stats.summary(), "threshold": self.threshold,
+                "shift_extra_bytes": engine.model.shift_extra_bytes,
+                "kv_replication": engine.model.model.layers[0].self_attn.kv_replication}
+
+    def report(self, s: dict) -> list[str]:
+        return [f"shift: steps by mode {s['steps_by_mode']}, {s['mode_switches']} switches, "
+                f"{s['switch_bytes']} bytes moved at switches"]

@@ -65,87 +65,15 @@ class EngineConfig:
             if getattr(self, f.name) < 1:
                 raise ValueError(f"engine.{f.name} must be >= 1, got {getattr(self, f.name)}")
 
+    def args(self, *, compile: bool, dtype: str):
+        """The engine arguments every strategy takes."""
+        import torch
 
-@dataclass
-class LayoutConfig:
-    """One Seesaw phase's layout; at most one degree may be null (= the rest of the world)."""
+        from parallel.engine import EngineArgs
 
-    dp: int | None = 1
-    pp: int | None = 1
-    tp: int | None = 1
-
-    def resolve(self, world: int, where: str) -> dict[str, int]:
-        """Degrees with the null one filled in; ``ValueError`` unless they multiply to ``world``."""
-        degrees = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
-        for axis, value in degrees.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{where}.{axis} must be >= 1, got {value}")
-        unknown = [a for a, v in degrees.items() if v is None]
-        if len(unknown) > 1:
-            raise ValueError(f"{where}: at most one of dp, pp, tp may be null, got {unknown}")
-        known = 1
-        for value in degrees.values():
-            known *= value or 1
-        if unknown:
-            if world % known:
-                raise ValueError(f"{where}: {degrees} cannot cover the world size ({world})")
-            degrees[unknown[0]] = world // known
-        if degrees["dp"] * degrees["pp"] * degrees["tp"] != world:
-            raise ValueError(f"{where}: dp({degrees['dp']}) * pp({degrees['pp']}) * tp({degrees['tp']}) "
-                             f"!= world size ({world})")
-        return degrees
-
-
-@dataclass
-class ParallelConfig:
-    strategy: str = "tp"
-    tp: int | None = None  # null: the rest of the world
-    sp: int = 1  # shift: Ulysses degree of the base (SP x TP) layout
-    threshold: int = 64  # shift: steps with more tokens run SP, the others TP
-    shift_weights: str = "copy"  # shift: copy | slice
-    prefill: LayoutConfig = field(default_factory=lambda: LayoutConfig(pp=None))  # seesaw
-    decode: LayoutConfig = field(default_factory=lambda: LayoutConfig(tp=None))  # seesaw
-    cpu_kv_budget: int = 8192  # seesaw: CPU KV tier capacity in tokens
-    weights: str = "move"  # seesaw: move | reload
-    scheduler: str = "transition_minimizing"  # seesaw
-    num_microbatches: int = 2  # seesaw: pipeline micro-batches per step
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"parallel.strategy {self.strategy!r} is not one of {sorted(STRATEGIES)}")
-        for name in ("tp", "sp"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
-        if self.threshold < 0:
-            raise ValueError(f"parallel.threshold must be >= 0, got {self.threshold}")
-        if self.shift_weights not in ("copy", "slice"):
-            raise ValueError(f"parallel.shift_weights must be copy or slice, got {self.shift_weights!r}")
-        self._check_seesaw()
-
-    def _check_seesaw(self) -> None:
-        from parallel.schedulers import SCHEDULERS
-
-        for name in ("prefill", "decode"):
-            if isinstance(getattr(self, name), dict):
-                setattr(self, name, _layout(getattr(self, name), f"parallel.{name}"))
-        for name in ("cpu_kv_budget", "num_microbatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.weights not in ("move", "reload"):
-            raise ValueError(f"parallel.weights must be move or reload, got {self.weights!r}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"parallel.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULERS)}")
-
-
-def _layout(d: dict, where: str) -> LayoutConfig:
-    unknown = sorted(set(d) - {"dp", "pp", "tp"})
-    if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; known: dp, pp, tp")
-    return LayoutConfig(**d)
-
-
-STRATEGIES = ("seesaw", "shift", "tp")
+        return EngineArgs(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
+                          max_prefill_tokens=self.max_prefill_tokens, compile=compile,
+                          dtype=getattr(torch, dtype))
 
 
 @dataclass
@@ -154,11 +82,15 @@ class GenerateConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: Any = None  # the registered strategy's config (parallel.engine.Strategy); None: tp
     compile: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
+        from parallel.engine import make_strategy
+
+        if not hasattr(self.parallel, "build"):  # a dict of YAML keys, or None for the default
+            self.parallel = make_strategy(self.parallel or {})
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ValueError(
@@ -174,6 +106,6 @@ class GenerateConfig:
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
         sections = {"model": ModelConfig, "workload": WorkloadConfig, "generation": GenerationConfig,
-                    "engine": EngineConfig, "parallel": ParallelConfig}
+                    "engine": EngineConfig}
         kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in d.items()}
         return GenerateConfig(**kwargs)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel import Engine, ParallelDims, Request, parallelize
+from parallel import Engine, ParallelDims, Request
 from parallel.tiny_models import builtin_checkpoint
 
 from .config import GenerateConfig
@@ -29,24 +29,24 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 # ---- the job ---------------------------------------------------------------------------------
 def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
-    """Load, generate, write outputs (rank 0). Returns the summary dict on every rank."""
+    """Load, generate, write outputs (rank 0). Returns the summary dict on every rank.
+
+    The strategy (``cfg.parallel``, looked up by name in :mod:`parallel.engine`'s registry)
+    builds the engine; the engine's loop splits the requests over data-parallel replicas itself
+    and returns every completion on every rank.
+    """
     t0 = time.perf_counter()
     path = _model_path(cfg)
-    dims = _dims(cfg)
-    engine = build_engine(cfg, path, dims)
+    dims = cfg.parallel.dims(dist.get_world_size())  # validates the layout before loading
+    engine = cfg.parallel.build(path, cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype))
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
-    dp_rank = dims.world_mesh().get_coordinate()[0]
     t1 = time.perf_counter()
-    try:  # a Seesaw engine splits each prefill batch over its dp replicas itself (dims.dp == 1)
-        mine = engine.generate(requests[dp_rank::dims.dp], progress=cfg.progress and _rank() == 0)
-    finally:
-        if hasattr(engine, "close"):
-            engine.close()
-    completions = _gather_replicas(mine, dims)
+    with engine:
+        completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
     summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
     if _rank() == 0:
-        _write_outputs(run_dir, completions, summary)
+        _write_outputs(run_dir, completions, summary, cfg.parallel)
     return summary
 
 
@@ -60,87 +60,6 @@ def _model_path(cfg: GenerateConfig) -> Path:
         builtin_checkpoint(cfg.model.cache_dir)
     dist.barrier()
     return builtin_checkpoint(cfg.model.cache_dir)
-
-
-def _dims(cfg: GenerateConfig) -> ParallelDims:
-    """tp: tp ranks x data-parallel replicas. shift: sp x tp must cover the world. seesaw: the
-    whole world as one group (its two layouts are :func:`_seesaw_dims`)."""
-    world, p = dist.get_world_size(), cfg.parallel
-    if p.strategy == "seesaw":
-        _seesaw_dims(cfg)  # validate both layouts before loading anything
-        return ParallelDims(tp=world, world_size=world)
-    if p.strategy == "shift":
-        if p.tp is None and world % p.sp != 0:
-            raise ValueError(f"parallel.sp ({p.sp}) must divide the world size ({world})")
-        tp = p.tp or world // p.sp
-        if p.sp * tp != world:
-            raise ValueError(f"parallel.sp ({p.sp}) x parallel.tp ({tp}) must equal the world size ({world})")
-        return ParallelDims(sp=p.sp, tp=tp, world_size=world)
-    tp = p.tp or world
-    if world % tp != 0:
-        raise ValueError(f"parallel.tp ({tp}) must divide the world size ({world})")
-    return ParallelDims(dp=world // tp, tp=tp, world_size=world)
-
-
-def _seesaw_dims(cfg: GenerateConfig) -> tuple[ParallelDims, ParallelDims]:
-    world, p = dist.get_world_size(), cfg.parallel
-    return tuple(ParallelDims(**getattr(p, phase).resolve(world, f"parallel.{phase}"), world_size=world)
-                 for phase in ("prefill", "decode"))
-
-
-def _build_seesaw(cfg: GenerateConfig, path: Path, dtype: torch.dtype):
-    from parallel.seesaw import LayoutSwitch
-    from parallel.seesaw_engine import SeesawEngine
-
-    if cfg.compile:
-        raise ValueError("compile=true is not supported with parallel=seesaw yet")
-    prefill, decode = _seesaw_dims(cfg)
-    p = cfg.parallel
-    switch = LayoutSwitch(path, prefill, decode, weights=p.weights, dtype=dtype)
-    return SeesawEngine(switch, cpu_kv_budget=p.cpu_kv_budget, scheduler=p.scheduler,
-                        max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
-                        max_prefill_tokens=cfg.engine.max_prefill_tokens,
-                        num_microbatches=p.num_microbatches)
-
-
-def build_engine(cfg: GenerateConfig, path: Path, dims: ParallelDims) -> Engine:
-    """The strategy's model layout and engine."""
-    dtype = getattr(torch, cfg.model.dtype)
-    if cfg.parallel.strategy == "seesaw":
-        return _build_seesaw(cfg, path, dtype)
-    kw = dict(max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
-              max_prefill_tokens=cfg.engine.max_prefill_tokens, compile=cfg.compile)
-    if cfg.parallel.strategy == "shift":
-        from parallel.shift import ShiftEngine, parallelize_shift
-
-        model = parallelize_shift(path, dims, shift_weights=cfg.parallel.shift_weights, dtype=dtype)
-        return ShiftEngine(model, threshold=cfg.parallel.threshold, **kw)
-    return Engine(parallelize(path, dims, dtype=dtype), **kw)
-
-
-def _strategy_summary(engine: Engine) -> dict:
-    """Keys a strategy adds to summary.json."""
-    if hasattr(engine, "switch"):
-        return _seesaw_summary(engine)
-    shift = getattr(engine, "shift", None)
-    if shift is None:
-        return {}
-    return {"mode_switches": shift.mode_switches, "steps_by_mode": dict(shift.steps_by_mode),
-            "switch_bytes": shift.switch_bytes, "threshold": engine.threshold,
-            "shift_extra_bytes": engine.model.shift_extra_bytes,
-            "kv_replication": engine.model.model.layers[0].self_attn.kv_replication}
-
-
-def _seesaw_summary(engine) -> dict:
-    s, dims = engine.stats, engine.switch.dims
-    swap = torch.tensor([s.swap_seconds], dtype=torch.float64)
-    dist.all_reduce(swap, op=dist.ReduceOp.MAX)
-    return {"transitions": s.transitions, "reshard_bytes": s.reshard_bytes,
-            "reshard_lower_bound_bytes": s.reshard_lower_bound_bytes,
-            "reshard_seconds": s.reshard_seconds, "swap_seconds": swap.item(),
-            "scheduler": engine.scheduler.name, "weights": engine.switch.weights,
-            "layouts": {phase: {"dp": d.dp, "pp": d.pp, "tp": d.tp} for phase, d in dims.items()},
-            "peak_weight_bytes": max((h.peak_weight_bytes for h in s.history), default=0)}
 
 
 def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> list[Request]:
@@ -192,16 +111,6 @@ def _tokenizer(model_path: Path, prompts_path: Path):
                          f"usable tokenizer ({type(e).__name__}); give token-id lists") from e
 
 
-def _gather_replicas(mine: list, dims: ParallelDims) -> list:
-    """Every data-parallel replica's completions, in request order, on every rank."""
-    if dims.dp == 1:
-        return mine
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    by_id = {c.id: c for part in everyone for c in part}
-    return [by_id[i] for i in sorted(by_id)]
-
-
 def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s: float,
              gen_s: float) -> dict:
     """Token counts over all requests; phase times of the slowest replica."""
@@ -225,22 +134,22 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
         "phase_seconds": {"load": load_s, "prefill": prefill_s, "decode": decode_s,
                           "generate_total": gen_s},
         "compile": cfg.compile,
-        **_strategy_summary(engine),
+        **cfg.parallel.summary(engine),
     }
 
 
-def _write_outputs(run_dir: Path, completions, summary: dict) -> None:
+def _write_outputs(run_dir: Path, completions, summary: dict, strategy) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "outputs.jsonl", "w") as f:
         for c in completions:
             f.write(json.dumps({"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids,
                                 "finish_reason": c.finish_reason}) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _print_summary(summary)
+    _print_summary(summary, strategy)
     print(f"outputs written to {run_dir.resolve()}", flush=True)
 
 
-def _print_summary(s: dict) -> None:
+def _print_summary(s: dict, strategy) -> None:
     ph = s["phase_seconds"]
     print(f"\n{s['strategy']} on {s['world_size']} rank(s): {s['requests']} requests, "
           f"{s['prompt_tokens']} prompt / {s['generated_tokens']} generated tokens\n"
@@ -248,13 +157,8 @@ def _print_summary(s: dict) -> None:
           f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
           f"mean batch {s['mean_decode_batch']:.1f})\n"
           f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s", flush=True)
-    if "transitions" in s:
-        print(f"  seesaw {s['layouts']['prefill']} -> {s['layouts']['decode']}: {s['transitions']} "
-              f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
-              f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s", flush=True)
-    if "mode_switches" in s:
-        print(f"  shift: steps by mode {s['steps_by_mode']}, {s['mode_switches']} switches, "
-              f"{s['switch_bytes']} bytes moved at switches", flush=True)
+    for line in strategy.report(s):
+        print("  " + line, flush=True)
 
 
 # ---- process group and Hydra plumbing -------------------------------------------------------

@@ -2,10 +2,10 @@
 from .api import MoveHandle, last_stats, plan_for, redistribute, redistribute_module
 from .dtensor import empty_dtensor, slice_to_dtensor, wrap_local
 from .executor import CommStats, execute
-from .kv_cache import KVCache
+from .kv import AttentionContext, KVCache, KVLayout, KVSpec
 from .layout import Layout, chunk_range
 from .plan import Plan, plan_transfer
 
-__all__ = ["CommStats", "MoveHandle", "KVCache", "Layout", "Plan", "chunk_range", "empty_dtensor", "execute",
+__all__ = ["AttentionContext", "CommStats", "MoveHandle", "KVCache", "KVLayout", "KVSpec", "Layout", "Plan", "chunk_range", "empty_dtensor", "execute",
            "last_stats", "plan_for", "plan_transfer", "redistribute", "redistribute_module",
            "slice_to_dtensor", "wrap_local"]

@@ -14,7 +14,7 @@ def _global_kv(request_id: int) -> torch.Tensor:
 
 
 def _cache(heads_per_rank: int, rank: int):
-    from reshard.kv_cache import KVCache, KVSpec
+    from reshard.kv import KVCache, KVSpec
 
     spec = KVSpec(num_layers=LAYERS, num_slots=2, num_heads=heads_per_rank, max_seq_len=32, head_dim=HD,
                   head_start=(rank * heads_per_rank) % HEADS)
@@ -25,7 +25,7 @@ def _reshard_through_tier(path: str):
     """TP4 ranks (one KV head each) swap out two requests; TP2 caches (two heads) swap them in."""
     import torch.distributed as dist
 
-    from reshard.kv_tier import CPUKVTier, TierSpec
+    from reshard.kv import CPUKVTier, TierSpec
 
     rank = dist.get_rank()
     tier = CPUKVTier(TierSpec(LAYERS, HEADS, HD, capacity_tokens=40), path)
@@ -56,7 +56,7 @@ def test_kv_swapped_out_in_tp4_reads_back_in_tp2(tmp_path):
 
 
 def test_allocator_first_fit_and_limits(tmp_path):
-    from reshard.kv_tier import CPUKVTier, TierSpec
+    from reshard.kv import CPUKVTier, TierSpec
 
     tier = CPUKVTier(TierSpec(1, 2, 4, capacity_tokens=10), tmp_path / "t.bin")
     assert tier.allocate(1, 4) == (0, 4) and tier.allocate(2, 3) == (4, 7)
@@ -66,4 +66,24 @@ def test_allocator_first_fit_and_limits(tmp_path):
         tier.allocate(4, 6)
     with pytest.raises(ValueError, match=r"request 5 needs 11 KV tokens but the CPU tier holds 10"):
         tier.allocate(5, 11)
+    tier.close(unlink=True)
+
+
+def test_readers_with_another_layout_are_refused(tmp_path):
+    """The layout descriptor is checked when a reader attaches: a layer or tier expecting other
+    heads, layers, head dim or dtype gets a ValueError naming both layouts."""
+    from reshard.kv import CPUKVTier, KVCache, KVLayout, KVSpec, TierSpec
+
+    cache = KVCache(KVSpec(num_layers=2, num_slots=1, num_heads=2, max_seq_len=8, head_dim=HD,
+                           head_start=2, first_layer=4))
+    cache.attach(KVLayout(5, 1, 2, 2, HD, torch.float32), "layer 5")  # inside: accepted
+    for reader in (KVLayout(6, 1, 2, 2, HD, torch.float32),  # a layer of another stage
+                   KVLayout(4, 1, 0, 2, HD, torch.float32),  # other KV heads
+                   KVLayout(4, 1, 2, 2, HD, torch.bfloat16)):  # other dtype
+        with pytest.raises(ValueError, match=r"expects KV layout KVLayout\(.*but the cache holds KVLayout\(first_layer=4"):
+            cache.attach(reader, "a reader")
+    tier = CPUKVTier(TierSpec(num_layers=6, num_kv_heads=3, head_dim=HD, capacity_tokens=8), tmp_path / "t.bin")
+    tier.allocate(1, 4)
+    with pytest.raises(ValueError, match=r"cannot swap with a CPU tier of 6 layers x 3 KV heads"):
+        tier.swap_out(cache, 0, 1, 4)  # heads 2..4 exceed the tier's 3
     tier.close(unlink=True)

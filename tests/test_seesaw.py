@@ -19,16 +19,15 @@ def _dims(world, degrees):
 
 
 def _seesaw(path, layouts, *, budget=BUDGET, scheduler="transition_minimizing", weights="move",
-            max_batch_size=3):
+            max_batch_size=3, compile=False):
     import torch.distributed as dist
 
-    from parallel.seesaw import LayoutSwitch
-    from parallel.seesaw_engine import SeesawEngine
+    from parallel.seesaw import LayoutSwitch, seesaw_engine
 
     world = dist.get_world_size()
     switch = LayoutSwitch(path, _dims(world, layouts[0]), _dims(world, layouts[1]), weights=weights)
-    return SeesawEngine(switch, cpu_kv_budget=budget, scheduler=scheduler,
-                        max_batch_size=max_batch_size, max_seq_len=128)
+    return seesaw_engine(switch, cpu_kv_budget=budget, scheduler=scheduler,
+                         max_batch_size=max_batch_size, max_seq_len=128, compile=compile)
 
 
 def _requests(prompts, max_new):
@@ -56,7 +55,7 @@ def _generate_and_check(path, layouts, prompts, max_new, weights):
     """Tokens, transition accounting, and the weights of both trees after all the transitions."""
     engine = _seesaw(path, layouts, weights=weights)
     tokens = [c.output_ids for c in engine.generate(_requests(prompts, max_new))]
-    switch, stats = engine.switch, engine.stats
+    switch, stats = engine.policy.switch, engine.stats
     weights_ok = [_checkpoint_boxes_equal(switch.models[switch.active], path)]
     switch.switch("prefill" if switch.active == "decode" else "decode")
     weights_ok.append(_checkpoint_boxes_equal(switch.models[switch.active], path))
@@ -85,8 +84,8 @@ def test_seesaw_tokens_match_hf(four_layer, hf_reference, layout, weights):
             assert all(b == lb for b, lb, _ in history), history
 
 
-def _tokens(path, layouts, prompts, max_new):
-    engine = _seesaw(path, layouts)
+def _tokens(path, layouts, prompts, max_new, compile=False):
+    engine = _seesaw(path, layouts, compile=compile)
     tokens = [c.output_ids for c in engine.generate(_requests(prompts, max_new))]
     transitions = engine.stats.transitions
     engine.close()
@@ -100,6 +99,25 @@ def test_seesaw_other_families_match_hf(four_layer, hf_reference, family):
     full = hf_reference(path, prompts, max(MAX_NEW))
     expected = [out[:m] for out, m in zip(full, MAX_NEW)]
     for tokens, transitions in dist_harness.run(4, _tokens, path, LAYOUTS["P4-T4"], prompts, MAX_NEW):
+        assert tokens == expected and transitions >= 3
+
+
+def test_seesaw_pipeline_stages_replicate_one_kv_head(four_layer, hf_reference):
+    """P2T2 -> T4 on Mistral (1 KV head): each prefill stage replicates it over its 2 tp ranks,
+    the decode layout over all 4; the KV is re-sharded through the tier."""
+    path, prompts = four_layer["mistral"], _prompts(8)
+    expected = [out[:m] for out, m in zip(hf_reference(path, prompts, max(MAX_NEW)), MAX_NEW)]
+    layouts = (dict(pp=2, tp=2), dict(tp=4))
+    for tokens, transitions in dist_harness.run(4, _tokens, path, layouts, prompts, MAX_NEW):
+        assert tokens == expected and transitions >= 3
+
+
+@pytest.mark.timeout(600)
+def test_seesaw_compiled_decode_matches_hf(four_layer, hf_reference):
+    path, prompts = four_layer["llama"], _prompts(8)
+    expected = [out[:m] for out, m in zip(hf_reference(path, prompts, max(MAX_NEW)), MAX_NEW)]
+    results = dist_harness.run(2, _tokens, path, LAYOUTS["P2-T2"], prompts, MAX_NEW, True, timeout=500)
+    for tokens, transitions in results:
         assert tokens == expected and transitions >= 3
 
 
@@ -133,8 +151,8 @@ def _swapped_in_kv(path, layouts, prompts):
 
     engine = _seesaw(path, layouts, budget=200, max_batch_size=len(prompts))
     engine.generate(_requests(prompts, [2] * len(prompts)))  # prefill, swap out, swap in, 1 decode step
-    seesaw_kv = engine.decode_engine.kv
-    slots = dict(engine.decode_slot_of)
+    seesaw_kv = engine.runners["decode"].kv
+    slots = dict(engine.policy.decode_slot_of)
     engine.close()
     pure = Engine(parallelize(path, _dims(dist.get_world_size(), layouts[1])), max_batch_size=len(prompts),
                   max_seq_len=128)
@@ -222,12 +240,13 @@ def test_scheduler_policies_unit():
 def _kv_memory(path):
     """Which KV caches hold memory in each phase."""
     engine = _seesaw(path, LAYOUTS["P2-T2"], scheduler="decode_prioritizing")
-    before = (engine.prefill_engine.kv.allocated, engine.decode_engine.kv.allocated)
+    kv = {phase: engine.runners[phase].kv for phase in ("prefill", "decode")}
+    before = (kv["prefill"].allocated, kv["decode"].allocated)
     engine.generate(_requests(_prompts(4), [4] * 4))
-    after = (engine.prefill_engine.kv.allocated, engine.decode_engine.kv.allocated)
+    after = (kv["prefill"].allocated, kv["decode"].allocated)
     released, transitions = engine.stats.kv_bytes_released, engine.stats.transitions
     engine.close()
-    return before, after, released, transitions, engine.prefill_engine.kv.spec.bytes
+    return before, after, released, transitions, kv["prefill"].spec.bytes
 
 
 def test_each_phase_gives_up_its_kv_cache(four_layer):

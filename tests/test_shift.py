@@ -10,17 +10,18 @@ def _shift_generate(path, sp, tp, threshold, prompts, max_new, *, copy=True, sna
     import torch.distributed as dist
 
     from parallel import ParallelDims, Request, SamplingParams
-    from parallel.shift import ShiftEngine, parallelize_shift
+    from parallel.shift import parallelize_shift, shift_engine
 
     dims = ParallelDims(sp=sp, tp=tp, world_size=dist.get_world_size())
     model = parallelize_shift(path, dims, shift_weights="copy" if copy else "slice")
-    engine = ShiftEngine(model, threshold=threshold, max_batch_size=4, max_seq_len=128)
+    engine = shift_engine(model, threshold=threshold, max_batch_size=4, max_seq_len=128)
+    assert engine.runners["sp"].kv is engine.runners["tp"].kv  # one cache for both modes
     lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     requests = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     tokens = [c.output_ids for c in engine.generate(requests)]
     pointers = [k.data_ptr() for k in engine.kv.k] + [v.data_ptr() for v in engine.kv.v]
     kv = [(k.clone(), v.clone()) for k, v in zip(engine.kv.k, engine.kv.v)] if snapshot_kv else None
-    return tokens, engine.shift, pointers, kv
+    return tokens, engine.stats, pointers, kv
 
 
 @pytest.mark.parametrize("sp,tp", [(2, 2), (4, 1)])
@@ -70,14 +71,14 @@ def _shift_compiled(path, prompts, lengths):
 
     torch._dynamo.reset()
     from parallel import ParallelDims, Request, SamplingParams
-    from parallel.shift import ShiftEngine, parallelize_shift
+    from parallel.shift import parallelize_shift, shift_engine
 
     out = {}
     for compile in (False, True):
         model = parallelize_shift(path, ParallelDims(sp=2, tp=1, world_size=2))
-        engine = ShiftEngine(model, threshold=2, max_batch_size=4, max_seq_len=64, compile=compile)
+        engine = shift_engine(model, threshold=2, max_batch_size=4, max_seq_len=64, compile=compile)
         requests = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
-        out[compile] = ([c.output_ids for c in engine.generate(requests)], dict(engine.shift.steps_by_mode))
+        out[compile] = ([c.output_ids for c in engine.generate(requests)], dict(engine.stats.steps_by_mode))
     return out
 
 

@@ -27,21 +27,22 @@ def _reference(heads, kv, head_dim, qk_norm, seed=0):
 def _run(sp, tp, heads, kv, head_dim, qk_norm, mode, copy):
     import torch.distributed as dist
 
-    from layers.ulysses import UlyssesAttention
+    from layers.ulysses import SHIFT_WEIGHTS, UlyssesAttention
+    from layers.weights import use_weights
     from parallel import ParallelDims
     from parallel.parallelize import copy_full_state
+    from parallel.shift import base_mesh, shift_meshes
 
     config, ref, rope = _reference(heads, kv, head_dim, qk_norm)
     dims = ParallelDims(sp=sp, tp=tp, world_size=dist.get_world_size())
-    attn = UlyssesAttention(config.hidden_size, heads, kv, head_dim, meshes=dims.shift_meshes(kv),
+    attn = UlyssesAttention(config.hidden_size, heads, kv, head_dim, meshes=shift_meshes(dims, kv),
                             qk_norm=qk_norm, rms_norm_eps=config.rms_norm_eps)
     copy_full_state(attn, {k: v.detach() for k, v in ref.state_dict().items()})
     extra = attn.add_shift_layouts(copy=copy)
-    attn.set_mode(mode)
     x = torch.randn(1, N_TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(1))
     grad_out = torch.randn(1, N_TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(2))
     pos = torch.arange(N_TOKENS)[None]
-    coord = dims.base_mesh().get_coordinate()  # (s, t)
+    coord = base_mesh(dims).get_coordinate()  # (s, t)
     if mode == "sp":
         nl = -(-N_TOKENS // sp)
         x_in = torch.nn.functional.pad(x, (0, 0, 0, nl * sp - N_TOKENS))[:, coord[0] * nl:(coord[0] + 1) * nl]
@@ -50,16 +51,17 @@ def _run(sp, tp, heads, kv, head_dim, qk_norm, mode, copy):
     else:
         x_in, pos_in, g_in = x, pos, grad_out
     x_in = x_in.clone().requires_grad_(True)
-    out = attn(x_in, rope(x_in, pos_in))[0]
+    with use_weights(SHIFT_WEIGHTS if mode == "tp" else None):  # the mode is chosen per forward
+        out = attn(x_in, rope(x_in, pos_in), sequence_parallel=mode == "sp")[0]
     (out * g_in).sum().backward()
     # weight grads are partial over the sp axis in SP mode (each rank saw its tokens): sum them
     grads = {}
     for name, p in attn.named_parameters():
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         if mode == "sp":
-            dist.all_reduce(g, group=dims.base_mesh().get_group(0))
+            dist.all_reduce(g, group=base_mesh(dims).get_group(0))
             if "norm" in name:  # a replicated weight applied to this rank's heads only
-                dist.all_reduce(g, group=dims.base_mesh().get_group(1))
+                dist.all_reduce(g, group=base_mesh(dims).get_group(1))
         grads[name] = g
     return out.detach(), x_in.grad, grads, coord, extra
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .kv_cache import KVCache
+from .cache import KVCache, KVLayout
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class CPUKVTier:
         Returns the bytes written.
         """
         a, b = self.ranges.get(request_id) or self.allocate(request_id, num_tokens)
-        h0, h1 = _heads(cache)
+        h0, h1 = _heads(cache, self.spec)
         first = cache.spec.first_layer
         for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
             self.pool[first + layer, 0, h0:h1, a:b].copy_(_to_host(k[slot, :, :num_tokens]))
@@ -96,7 +96,7 @@ class CPUKVTier:
     def swap_in(self, cache: KVCache, slot: int, request_id: int) -> int:
         """Copy the request's KV for this cache's layers and head range into ``slot``; returns its tokens."""
         a, b = self.ranges[request_id]
-        h0, h1 = _heads(cache)
+        h0, h1 = _heads(cache, self.spec)
         first = cache.spec.first_layer
         for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
             k[slot, :, :b - a].copy_(self.pool[first + layer, 0, h0:h1, a:b], non_blocking=True)
@@ -123,6 +123,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _heads(cache: KVCache) -> tuple[int, int]:
+def _heads(cache: KVCache, tier: TierSpec) -> tuple[int, int]:
+    """The cache's KV-head range; ``ValueError`` unless the tier holds that part of the model."""
     s = cache.spec
+    whole = KVLayout(0, tier.num_layers, s.head_start, s.num_heads, tier.head_dim, tier.dtype)
+    if s.head_start + s.num_heads > tier.num_kv_heads or not whole.covers(s.layout):
+        raise ValueError(f"a cache with KV layout {s.layout} cannot swap with a CPU tier of "
+                         f"{tier.num_layers} layers x {tier.num_kv_heads} KV heads x head dim "
+                         f"{tier.head_dim} ({tier.dtype})")
     return s.head_start, s.head_start + s.num_heads

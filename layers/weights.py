@@ -1,0 +1,62 @@
+"""Weight sources: where a layer's weights come from for the forward that is running.
+
+A layer holds its own parameters (the HF state-dict keys) and, optionally, alternatives keyed by a
+source name: Shift parallelism's full-TP copy or slice of a weight, later a cache slot that a
+remote weight is fetched into. The runner selects one source name for a whole forward
+(:func:`use_weights`); a layer without that source uses its own parameters. Layers keep no mode
+of their own, so no engine can leave a shared model in another engine's mode.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+from torch.distributed.tensor import DTensor
+
+_ACTIVE: str | None = None  # the source selected for the running forward (None: own parameters)
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """The weight and bias a linear layer computes with, and how its input gradient is reduced."""
+
+    weight: DTensor
+    bias: DTensor | None
+    input_grad: str  # "sharded" | "all" (see ParallelLinear)
+
+
+class WeightSource(Protocol):
+    """Supplies a layer's weights when its name is selected; may wait for them (a prefetch)."""
+
+    def get(self) -> LinearWeights: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class StaticWeights:
+    """Weights held in memory for the layer's whole life (a copy, or views of its own shards)."""
+
+    weights: LinearWeights
+    nbytes: int = 0  # extra bytes this rank holds for them (0 for views)
+
+    def get(self) -> LinearWeights:
+        return self.weights
+
+
+def active_source() -> str | None:
+    """The source name selected for the running forward."""
+    return _ACTIVE
+
+
+@contextmanager
+def use_weights(source: str | None) -> Iterator[None]:
+    """Run the enclosed forward with every layer's ``source`` weights (``None``: own parameters)."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, source
+    try:
+        yield
+    finally:
+        _ACTIVE = previous

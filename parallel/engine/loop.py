@@ -1,0 +1,162 @@
+"""The one request loop: admit -> policy -> step -> sample -> agree on tokens -> retire.
+
+Every strategy runs on this loop: it supplies runners (:class:`ModelRunner`, one per layout) and a
+:class:`Policy`. Every rank runs the loop on the whole request list; the policy splits each step's
+sequences over the data-parallel replicas of the step's layout, each replica computes its share,
+and :func:`sample_step` makes every rank continue with the same tokens.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Mapping, Sequence as Seq
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .agree import sample_step
+from .policy import ContinuousBatching, Policy, Step
+from .request import Completion, Request, Sequence
+from .runner import ModelRunner
+
+
+class Engine:
+    """Generation over one or more layouts of a model.
+
+    ``Engine(model, ...)``: one runner in the model's own layout, continuous batching (a
+    tensor-parallel model, with data-parallel replicas when its dims have ``dp > 1``).
+    ``Engine(runners={...}, policy=...)``: a strategy's layouts and policy.
+
+    Args:
+        max_batch_size: KV-cache slots per replica; ``max_seq_len``: prompt + generation per slot
+            (default: the model's ``max_position_embeddings``, capped at 4096).
+        max_prefill_tokens: prompt tokens admitted into one prefill step per replica.
+        num_microbatches: pipeline micro-batches per step (a model with ``pp > 1``).
+        compile: ``torch.compile`` the decode step (one static graph).
+    """
+
+    def __init__(self, model: nn.Module | None = None, *, runners: Mapping[str, ModelRunner] | None = None,
+                 policy: Policy | None = None, max_batch_size: int = 8, max_seq_len: int | None = None,
+                 max_prefill_tokens: int = 4096, num_microbatches: int = 1, compile: bool = False) -> None:
+        if (model is None) == (runners is None):
+            raise ValueError("give either a model or runners")
+        if runners is None:
+            runners = {"main": ModelRunner(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                           num_microbatches=num_microbatches, compile=compile)}
+        self.runners = dict(runners)
+        self.policy = policy or ContinuousBatching(next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens)
+        cfg = next(iter(self.runners.values())).model.config
+        self.vocab_size, self.eos_ids = cfg.vocab_size, _as_ids(cfg.eos_token_id)
+        self.stats = self.policy.stats_cls()
+        self.policy.bind(self)
+        self.active: str | None = self.policy.initial_layout
+
+    # ---- what the active layout holds ------------------------------------------------------------
+    @property
+    def runner(self) -> ModelRunner:
+        return self.runners[self.active or next(iter(self.runners))]
+
+    @property
+    def model(self) -> nn.Module:
+        return self.runner.model
+
+    @property
+    def kv(self):
+        return self.runner.kv
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.runner.max_batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(r.max_seq_len for r in self.runners.values())
+
+    # ---- the loop -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, requests: Seq[Request], *, progress: bool = False) -> list[Completion]:
+        """Run all ``requests`` to completion on every rank; returns completions in request order."""
+        self.validate(requests)
+        queue, done = deque(requests), {}
+        self.policy.start()
+        with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
+            while len(done) < len(requests):
+                step = self.policy.next_step(queue)
+                assert step.seqs, f"policy {type(self.policy).__name__} returned an empty step"
+                self._run(step)
+                self.policy.after_step(step)
+                for seq in step.seqs:
+                    if seq.finish_reason is not None:
+                        done[seq.request.id] = seq.completion()
+                        self.policy.retire(seq)
+                        bar.update(1)
+        return [done[r.id] for r in requests]
+
+    def _run(self, step: Step) -> None:
+        runner = self.enter(step.layout)
+        t0 = time.perf_counter()
+        mine = [s for s in step.seqs if s.replica == runner.replica.rank]
+        logits = runner.run(step.phase, mine) if mine else None
+        tokens = sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size)
+        for seq, token in zip(step.seqs, tokens):
+            seq.cached += seq.prompt_len if step.phase == "prefill" else 1
+            seq.append(token)
+        self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
+
+    def enter(self, layout: str) -> ModelRunner:
+        """Make ``layout`` active (``policy.on_switch`` moves what must move). The loop enters each
+        step's layout; a policy that prepares KV in the new layout enters it early."""
+        if layout not in self.runners:
+            raise ValueError(f"policy chose layout {layout!r}; the engine has {sorted(self.runners)}")
+        if layout != self.active:
+            self.policy.on_switch(self.active, layout)
+            self.active = layout
+        return self.runners[layout]
+
+    def new_sequence(self, request: Request) -> Sequence:
+        return Sequence.of(request, self.eos_ids)
+
+    # ---- checks and helpers ---------------------------------------------------------------------
+    def validate(self, requests: Seq[Request]) -> None:
+        """``ValueError`` naming the request for empty, too long or out-of-vocabulary prompts."""
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        for r in requests:
+            n, m = len(r.prompt_ids), r.sampling.max_new_tokens
+            if n == 0:
+                raise ValueError(f"request {r.id}: empty prompt")
+            if n + m > self.max_seq_len:
+                raise ValueError(f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = "
+                                 f"{n + m} exceeds max_seq_len ({self.max_seq_len})")
+            bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {r.id}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
+        self.policy.validate(requests)
+
+    def prompt_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
+        """fp32 logits ``(len(p), vocab)`` at every position of each prompt, through the active
+        runner's cache (slots ``0..len(prompts)-1``); call it between ``generate`` calls."""
+        if not 0 < len(prompts) <= self.max_batch_size:
+            raise ValueError(f"prompt_logits takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
+        from ..sampling import SamplingParams
+
+        self.validate([Request(i, list(p), SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)])
+        return self.runner.prompt_logits(prompts)
+
+    def close(self) -> None:
+        """Release the policy's threads and shared memory (not collective; safe on error paths)."""
+        self.policy.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _as_ids(eos) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,0 +1,100 @@
+"""Strategies register themselves: name -> config dataclass that builds the engine and its summary.
+
+A strategy is one module ``parallel/<name>.py`` defining a dataclass (its config; the YAML
+``conf/parallel/<name>.yaml`` mirrors its fields) decorated with ``@register_strategy("<name>")``
+and subclassing :class:`Strategy`. The recipes look strategies up by name and never branch on
+them; a name not yet registered is imported as ``parallel.<name>``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from ..dims import ParallelDims
+from .loop import Engine
+
+BUILTIN = ("tp", "shift", "seesaw")
+_REGISTRY: dict[str, type] = {}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What every strategy's engine takes from the job config besides the strategy's own keys."""
+
+    max_batch_size: int = 8
+    max_seq_len: int | None = None
+    max_prefill_tokens: int = 4096
+    compile: bool = False
+    dtype: torch.dtype | None = None
+
+
+class Strategy:
+    """Base of a strategy's config dataclass (validate fields in ``__post_init__``)."""
+
+    name: ClassVar[str] = ""
+
+    @property
+    def strategy(self) -> str:
+        return self.name
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The layout the job reports (``ValueError`` naming the keys if it cannot cover the world)."""
+        raise NotImplementedError
+
+    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
+        """Load the model in this strategy's layout(s) and return its engine (collective)."""
+        raise NotImplementedError
+
+    def summary(self, engine: Engine) -> dict:
+        """Keys this strategy adds to ``summary.json`` (collective: may reduce over ranks)."""
+        return engine.stats.summary()
+
+    def report(self, summary: dict) -> list[str]:
+        """Lines the job prints about this strategy's keys of ``summary``."""
+        return []
+
+
+def register_strategy(name: str):
+    """Class decorator: register a :class:`Strategy` dataclass under ``name``."""
+    def register(cls: type) -> type:
+        if not issubclass(cls, Strategy):
+            raise TypeError(f"strategy {name!r}: {cls.__name__} must subclass Strategy")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return register
+
+
+def strategy_class(name: str) -> type:
+    """The registered strategy ``name`` (importing ``parallel.<name>`` on first use)."""
+    if name not in _REGISTRY:
+        for module in BUILTIN:
+            importlib.import_module(f"parallel.{module}")
+    if name not in _REGISTRY and isinstance(name, str) and name.isidentifier():
+        try:
+            importlib.import_module(f"parallel.{name}")
+        except ModuleNotFoundError:
+            pass
+    if name not in _REGISTRY:
+        raise ValueError(f"parallel.strategy {name!r} is not one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def make_strategy(values: dict[str, Any]) -> Strategy:
+    """The config of ``values["strategy"]`` from the other keys; ``ValueError`` for unknown keys."""
+    values = dict(values)
+    cls = strategy_class(values.pop("strategy", "tp"))
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"parallel (strategy {cls.name}) has unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+
+def registered() -> list[str]:
+    strategy_class(BUILTIN[0])
+    return sorted(_REGISTRY)

@@ -1,0 +1,94 @@
+"""Requests, the sequences the engine loop runs for them, completions and step statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams, make_generator
+
+
+@dataclass
+class Request:
+    id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class Sequence:
+    """A request in flight: its tokens so far, where its KV lives and which replica runs it."""
+
+    request: Request
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    slot: int = -1  # KV-cache slot in its replica's cache of the layout that runs it
+    replica: int = 0  # data-parallel replica (of that layout) that computes it
+    output: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+
+    @staticmethod
+    def of(request: Request, eos_ids: tuple[int, ...]) -> "Sequence":
+        stop = request.sampling.stop_token_ids
+        return Sequence(request, make_generator(request.sampling, request.id),
+                        frozenset(eos_ids if stop is None else stop))
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.request.sampling.max_new_tokens:
+            self.finish_reason = "length"
+
+    def completion(self) -> Completion:
+        r = self.request
+        return Completion(r.id, list(r.prompt_ids), list(self.output), self.finish_reason)
+
+
+@dataclass
+class EngineStats:
+    """Counters of the loop over all replicas (identical on every rank); strategies extend it."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    decode_batch_sum: int = 0
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.decode_batch_sum / max(self.decode_steps, 1)
+
+    def add_step(self, phase: str, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        if phase == "prefill":
+            self.prefill_tokens += num_tokens
+            self.prefill_steps += 1
+            self.prefill_seconds += seconds
+        else:
+            self.decode_tokens += num_tokens
+            self.decode_steps += 1
+            self.decode_batch_sum += num_seqs
+            self.decode_seconds += seconds
+
+    def summary(self) -> dict:
+        """Keys a strategy adds to ``summary.json`` (none for the base counters)."""
+        return {}

@@ -1,0 +1,319 @@
+"""The one model runner: embed -> layers[i:j] -> norm -> head, with hooks at layer and step edges.
+
+A runner runs one layout of a model: the layer range of this rank's pipeline stage (activations
+to and from the neighbouring stages by P2P, micro-batched), how a step's tokens are split (Ulysses
+sequence parallelism), and which weight source the layers use. It owns the KV cache of its layer
+range (runners may share one, e.g. Shift's two modes). Outside the runner nothing reaches into
+``model.model.*``.
+
+Decode runs every slot of the cache (idle slots write the cache's scratch column), so the cache
+is read as a view, the step's inputs live in persistent buffers updated in place, and the shapes
+never change (a compiled decode step is one graph). Host and device synchronize only when the
+sampled tokens are read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence as Seq
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from layers._comm import all_gather
+from layers.weights import use_weights
+from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
+
+from ..dims import ParallelDims
+from ..layouts import stage_of_layer
+from .request import Sequence
+
+LayerHook = Callable[[int, torch.Tensor, AttentionContext], "torch.Tensor | None"]
+StepHook = Callable[[str, list], None]
+HOOK_KINDS = ("before_layer", "after_layer", "step_begin", "step_end")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This rank's data-parallel replica in a runner's layout."""
+
+    size: int = 1
+    rank: int = 0
+
+
+class StageLink:
+    """Pipeline P2P: stage ``s`` receives ``(1, N, D)`` hidden states from stage ``s - 1`` and sends
+    its output to stage ``s + 1`` without waiting (peers: this rank's group, one rank per stage)."""
+
+    def __init__(self, stage: int, peers: list[int], hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.stage, self.peers = stage, peers
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == len(self.peers) - 1
+
+    def recv(self, num_tokens: int) -> torch.Tensor:
+        h = torch.empty(1, num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        dist.recv(h, self.peers[self.stage - 1])
+        return h
+
+    def send(self, h: torch.Tensor) -> dist.Work:
+        return dist.isend(h.contiguous(), self.peers[self.stage + 1])
+
+
+class TokenSplit:
+    """Ulysses sequence parallelism: a step's ``N`` tokens split over ``axis`` of ``mesh``
+    (padded to a multiple of its size); hidden states gathered back before the head."""
+
+    def __init__(self, mesh: DeviceMesh, axis: int = 0) -> None:
+        self.mesh, self.axis = mesh, axis
+        self.size, self.rank = mesh.size(axis), mesh.get_coordinate()[axis]
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the ``(N, ...)`` tokens: ``(ceil(N / size), ...)``."""
+        n = x.shape[0]
+        per = -(-n // self.size)
+        x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, per * self.size - n))
+        return x[self.rank * per:(self.rank + 1) * per]
+
+    def gather(self, h: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``(1, N / size, D)`` shares -> ``(1, N, D)``: every rank's tokens."""
+        return all_gather(h[0], self.mesh, self.axis)[:num_tokens][None]
+
+
+class RunnerHooks:
+    """Callbacks at layer edges (``hook(layer_index, hidden, ctx)``; a returned tensor replaces the
+    hidden states) and step edges (``hook(phase, sequences)``)."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, list] = {kind: [] for kind in HOOK_KINDS}
+
+    def add(self, kind: str, fn: Callable) -> Callable[[], None]:
+        """Register ``fn``; returns a function that removes it."""
+        if kind not in self.hooks:
+            raise ValueError(f"hook kind {kind!r} is not one of {HOOK_KINDS}")
+        self.hooks[kind].append(fn)
+        return lambda: self.hooks[kind].remove(fn)
+
+    @property
+    def on_layers(self) -> bool:
+        return bool(self.hooks["before_layer"] or self.hooks["after_layer"])
+
+    def layer(self, kind: str, index: int, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        for fn in self.hooks[kind]:
+            out = fn(index, h, ctx)
+            h = h if out is None else out
+        return h
+
+    def step(self, kind: str, phase: str, seqs: list) -> None:
+        for fn in self.hooks[kind]:
+            fn(phase, seqs)
+
+
+class ModelRunner:
+    """Runs steps of ``model`` (an HF causal LM of our layers) in the layout of ``dims``.
+
+    Args:
+        dims: the model's layout (default ``model.parallel_dims``, set by ``parallelize``): dp
+            replicas split the sequences, ``pp > 1`` makes this a pipeline stage.
+        kv: a cache to share with another runner of the same model (default: a new one).
+        split: Ulysses token split (Shift's SP mode); layers get ``sequence_parallel=True``.
+        weights: the weight source selected for every forward (``None``: own parameters).
+        num_microbatches: pipeline micro-batches per step.
+        compile: ``torch.compile`` the decode step's body (one static graph).
+    """
+
+    def __init__(self, model: nn.Module, *, dims: ParallelDims | None = None, max_batch_size: int = 8,
+                 max_seq_len: int | None = None, kv: KVCache | None = None,
+                 split: TokenSplit | None = None, weights: str | None = None,
+                 num_microbatches: int = 1, compile: bool = False) -> None:
+        self.model, self.dims = model, dims if dims is not None else model.parallel_dims
+        cfg = model.config
+        self.max_batch_size = _positive("max_batch_size", max_batch_size)
+        self.max_seq_len = _positive("max_seq_len", max_seq_len or min(cfg.max_position_embeddings, 4096))
+        self.num_microbatches = _positive("num_microbatches", num_microbatches)
+        coord = self.dims.world_mesh().get_coordinate()  # (dp, pp, sp, tp)
+        self.replica = Replica(self.dims.dp, coord[0])
+        self.layer_ids = self._stage_layers(coord[1])
+        self.layers = [model.model.layers[i] for i in self.layer_ids]
+        self.device = next(self.layers[0].parameters()).to_local().device
+        self.link = self._stage_link(coord) if self.dims.pp > 1 else None
+        if split is not None and self.link is not None:
+            raise ValueError("a token split (sequence parallelism) cannot be combined with pipeline stages")
+        self.split, self.weights, self.compiled = split, weights, compile
+        self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
+        self.kv = kv if kv is not None else KVCache(self._kv_spec(), device=self.device)
+        self._attach_layers()
+        self.decode_inputs = DecodeInputs(self.kv, self.device)
+        self.hooks = RunnerHooks()
+        self._decode_body = torch.compile(self._body) if compile else self._body
+
+    # ---- layout ---------------------------------------------------------------------------------
+    def _stage_layers(self, stage: int) -> list[int]:
+        n = len(self.model.model.layers)
+        return [i for i in range(n) if stage_of_layer(i, n, self.dims.pp) == stage]
+
+    def _stage_link(self, coord: list[int]) -> StageLink:
+        grid = torch.arange(self.dims.world_size).view(self.dims.shape)
+        peers = [int(grid[coord[0], p, coord[2], coord[3]]) for p in range(self.dims.pp)]
+        dtype = self.model.model.embed_tokens.weight.dtype
+        return StageLink(coord[1], peers, self.model.config.hidden_size, dtype, self.device)
+
+    def _kv_spec(self) -> KVSpec:
+        attn = self.layers[0].self_attn
+        return KVSpec(num_layers=len(self.layer_ids), num_slots=self.max_batch_size,
+                      num_heads=attn.local_kv_heads, max_seq_len=self.max_seq_len,
+                      head_dim=attn.head_dim, dtype=self.model.model.embed_tokens.weight.dtype,
+                      head_start=attn.kv_head_range[0], first_layer=self.layer_ids[0])
+
+    def _attach_layers(self) -> None:
+        """Every attention layer of the range checks the cache holds the KV it reads and writes."""
+        for i, layer in zip(self.layer_ids, self.layers):
+            self.kv.attach(layer.self_attn.kv_layout, f"model.layers.{i}.self_attn")
+
+    @property
+    def has_logits(self) -> bool:
+        """Whether this rank computes logits (the last pipeline stage)."""
+        return self.link is None or self.link.is_last
+
+    # ---- steps ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, phase: str, seqs: list[Sequence]) -> torch.Tensor | None:
+        """One step of ``seqs`` (this replica's): whole prompts (prefill) or one token each.
+
+        Returns fp32 logits ``(len(seqs), vocab)`` in ``seqs``' order on the last stage, else None.
+        """
+        self.hooks.step("step_begin", phase, seqs)
+        with use_weights(self.weights):
+            out = self._prefill(seqs) if phase == "prefill" else self._decode(seqs)
+        self.hooks.step("step_end", phase, seqs)
+        return out
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        lengths = [s.prompt_len for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.request.prompt_ids], device=self.device)
+        offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
+        batches = []
+        for a, b in split_ranges(len(seqs), self.num_microbatches):
+            ctx = AttentionContext.build(self.kv, [s.slot for s in seqs[a:b]], [0] * (b - a), lengths[a:b])
+            rows = torch.tensor(offsets[a + 1:b + 1], device=self.device) - offsets[a] - 1
+            batches.append((ids[offsets[a]:offsets[b]], ctx, rows))
+        return self._stages(batches, self._body)
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Every slot of the cache in ``num_microbatches`` slot ranges; logits of ``seqs``' slots."""
+        by_slot = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        slots = [seqs[i].slot for i in by_slot]
+        self.decode_inputs.update(slots, [seqs[i].last_token for i in by_slot], [seqs[i].cached for i in by_slot])
+        kv_len = self.kv.spec.max_seq_len + 1 if self.compiled else max(s.cached for s in seqs) + 1
+        batches = []
+        for a, b in split_ranges(self.max_batch_size, self.num_microbatches):
+            active = [s - a for s in slots if a <= s < b]
+            if active:  # a slot range with no running sequence is skipped on every stage
+                batches.append(self._decode_batch(a, b, kv_len, active))
+        out = self._stages(batches, self._decode_body)
+        if out is None:
+            return None
+        if self.compiled:  # the static graph computed every slot of the ranges it ran
+            out = out[_rows_in_ranges(slots, self.max_batch_size, self.num_microbatches).to(out.device)]
+        return out[torch.tensor(by_slot).argsort().to(out.device)]
+
+    def _decode_batch(self, a: int, b: int, kv_len: int, active: list[int]):
+        ctx = self.decode_inputs.context(a, b, kv_len)
+        if self.compiled:  # masks are built outside the graph
+            for window in {layer.self_attn.sliding_window for layer in self.layers}:
+                ctx.mask(window)
+            return self.decode_inputs.ids[a:b], ctx, None
+        return self.decode_inputs.ids[a:b], ctx, torch.tensor(active, device=self.device)
+
+    def _stages(self, batches: list, body: Callable) -> torch.Tensor | None:
+        """Micro-batches through this stage: receive, run, send on (or collect logits)."""
+        outs, sends = [], []
+        for ids, ctx, rows in batches:
+            x = ids if self.link is None or self.link.is_first else self.link.recv(ids.numel())
+            out = body(x, ctx, rows)
+            if self.has_logits:
+                outs.append(out)
+            else:
+                sends.append(self.link.send(out))
+        for work in sends:
+            work.wait()
+        return torch.cat(outs) if outs else None
+
+    def _body(self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None) -> torch.Tensor:
+        """Token ids ``(N,)`` (first stage) or hidden ``(1, N, D)`` -> logits of ``rows`` (last
+        stage; all rows when None) or hidden ``(1, N, D)`` for the next stage."""
+        m, positions = self.model.model, ctx.positions
+        if self.link is None or self.link.is_first:
+            h = m.embed_tokens((self.split.local(x) if self.split is not None else x)[None])  # (1, N, D)
+        else:
+            h = x
+        pos = (self.split.local(positions) if self.split is not None else positions)[None]
+        h = self._layers(h, m.rotary_emb(h, pos), pos, ctx)
+        if not self.has_logits:
+            return h
+        if self.split is not None:
+            h = self.split.gather(h, positions.numel())
+        h = h if rows is None else h[:, rows]
+        return self.model.lm_head(m.norm(h))[0].float()
+
+    def _layers(self, h: torch.Tensor, emb, pos: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        kw = dict(position_embeddings=emb, position_ids=pos, attn_context=ctx)
+        if self.split is not None:
+            kw["sequence_parallel"] = True
+        if not self.hooks.on_layers:
+            for layer in self.layers:
+                h = layer(h, **kw)
+            return h
+        for i, layer in zip(self.layer_ids, self.layers):
+            h = self.hooks.layer("before_layer", i, h, ctx)
+            h = layer(h, **kw)
+            h = self.hooks.layer("after_layer", i, h, ctx)
+        return h
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor] | None:
+        """fp32 logits ``(len(p), vocab)`` at every position of each prompt (slots ``0..``); None
+        off the last stage. Overwrites those slots: call it between generations."""
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], device=self.device)
+        ctx = AttentionContext.build(self.kv, list(range(len(prompts))), [0] * len(prompts), lengths)
+        with use_weights(self.weights):
+            out = self._stages([(ids, ctx, torch.arange(len(ids), device=self.device))], self._body)
+        return None if out is None else list(torch.split(out, lengths))
+
+
+def split_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """``n`` items into at most ``parts`` contiguous, near-equal, non-empty ranges."""
+    parts = max(min(parts, n), 1)
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _rows_in_ranges(slots: list[int], num_slots: int, parts: int) -> torch.Tensor:
+    """Rows of ``slots`` (ascending) in the concatenated slot ranges that hold any of them."""
+    offset, rows = 0, []
+    for a, b in split_ranges(num_slots, parts):
+        mine = [offset + s - a for s in slots if a <= s < b]
+        rows += mine
+        offset += (b - a) if mine else 0
+    return torch.tensor(rows)
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value

@@ -1,0 +1,130 @@
+"""The per-step view of the KV cache that attention layers consume.
+
+An engine step flattens the new tokens of ``B`` sequences into ``N`` tokens (sequence-major).
+:class:`AttentionContext` says where each token's K/V goes in the cache and which cached keys each
+query may see. Prefill builds one from the step's lengths; decode reuses :class:`DecodeInputs`,
+persistent per-slot buffers updated in place, and runs every slot of the cache so that the cache
+is read as a view (no gathered copy) and the step's shapes never change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+
+
+@dataclass
+class AttentionContext:
+    """Metadata of one engine step: ``B`` sequences, ``N`` new tokens in total, flattened.
+
+    ``gather``/``valid`` map the flat tokens to a padded ``(B, Tq)`` grid for the attention
+    kernel (``single_token``: one token per sequence, the grid is the flat order itself). Masks
+    are built once per step, per sliding window.
+    """
+
+    kv: KVCache
+    slots: torch.Tensor | slice  # (B,) cache slot of each sequence; a slice when consecutive
+    token_slots: torch.Tensor  # (N,)
+    positions: torch.Tensor  # (N,) where each token's K/V is written
+    query_positions: torch.Tensor  # (B, Tq), padded
+    gather: torch.Tensor | None  # (B, Tq) index into the N flat tokens; None if single_token
+    valid: torch.Tensor | None  # (B, Tq) bool; None if single_token
+    kv_len: int
+    single_token: bool = False
+    _masks: dict = field(default_factory=dict)
+
+    @staticmethod
+    def build(kv: KVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], *,
+              kv_len: int | None = None) -> "AttentionContext":
+        """Sequence ``i`` writes ``lengths[i]`` tokens at positions ``starts[i]...`` of slot ``slots[i]``."""
+        device = kv.k[0].device
+        lengths_t = torch.tensor(lengths, dtype=torch.long)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        offs = torch.arange(int(lengths_t.max()))
+        valid = offs[None, :] < lengths_t[:, None]  # (B, Tq)
+        first = torch.cumsum(lengths_t, 0) - lengths_t
+        gather = torch.where(valid, first[:, None] + offs[None, :], torch.zeros_like(valid, dtype=torch.long))
+        qpos = starts_t[:, None] + offs[None, :]  # (B, Tq)
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        return AttentionContext(
+            kv=kv, slots=_as_slice(slots) or slots_t.to(device),
+            token_slots=torch.repeat_interleave(slots_t, lengths_t).to(device),
+            positions=qpos[valid].to(device), query_positions=qpos.to(device),
+            gather=gather.to(device), valid=valid.to(device),
+            kv_len=max(int((starts_t + lengths_t).max()), kv_len or 0))
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Bool ``(B, 1, Tq, kv_len)``: key allowed for query (causal, within ``window``)."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(window)
+        return self._masks[window]
+
+    def _build_mask(self, window: int | None) -> torch.Tensor:
+        kpos = torch.arange(self.kv_len, device=self.query_positions.device)
+        qpos = self.query_positions[:, :, None]
+        allowed = kpos[None, None, :] <= qpos
+        if window is not None:
+            allowed &= (qpos - kpos[None, None, :]) < window
+        if self.valid is not None:
+            allowed[~self.valid] = False
+            allowed[..., 0] |= ~self.valid  # padded query rows see one key: no NaN
+        return allowed.unsqueeze(1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scaling: float, window: int | None) -> torch.Tensor:
+        """Write this step's K/V, attend over the cache. ``q``/``k``/``v``: ``(1, N, H, hd)``.
+
+        Returns ``(1, N, Hq, hd)``.
+        """
+        self.kv.write(layer, self.token_slots, self.positions, k[0], v[0])
+        keys, values = self.kv.read(layer, self.slots, self.kv_len)  # (B, Hkv, L, hd)
+        if self.single_token:
+            qp = q[0].unsqueeze(2)  # (B, Hq, 1, hd)
+        else:
+            qp = q[0][self.gather].transpose(1, 2)  # (B, Hq, Tq, hd)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=self.mask(window),
+                                             scale=scaling, enable_gqa=True)
+        if self.single_token:
+            return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1, q.shape[-1])
+        return out.transpose(1, 2)[self.valid].unsqueeze(0)  # (1, N, Hq, hd)
+
+
+def _as_slice(slots: Sequence[int]) -> slice | None:
+    """Consecutive ascending slots read the cache as a view instead of a gathered copy."""
+    first = slots[0]
+    return slice(first, first + len(slots)) if list(slots) == list(range(first, first + len(slots))) else None
+
+
+class DecodeInputs:
+    """Persistent per-slot inputs of a decode step over every slot of ``kv`` (updated in place).
+
+    Slot ``i`` reads token ``ids[i]`` at position ``positions[i]``; an idle slot is pointed at the
+    cache's scratch column, so its (wasted) write touches nothing any sequence reads.
+    """
+
+    def __init__(self, kv: KVCache, device: torch.device | str) -> None:
+        n = kv.spec.num_slots
+        self.kv, self.device = kv, device
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.full((n,), kv.spec.scratch, dtype=torch.long, device=device)
+        self.slot_ids = torch.arange(n, device=device)
+
+    def update(self, slots: Sequence[int], ids: Sequence[int], positions: Sequence[int]) -> None:
+        """The step's running sequences: ``ids[j]`` at ``positions[j]`` in slot ``slots[j]``."""
+        values = torch.tensor([list(slots), list(ids), list(positions)], dtype=torch.long)
+        values = values.to(self.device, non_blocking=True)
+        self.positions.fill_(self.kv.spec.scratch)
+        self.ids[values[0]] = values[1]
+        self.positions[values[0]] = values[2]
+
+    def context(self, start: int, stop: int, kv_len: int) -> AttentionContext:
+        """The view of slots ``[start, stop)`` attending over ``kv_len`` cached positions."""
+        positions = self.positions[start:stop]
+        return AttentionContext(
+            kv=self.kv, slots=slice(start, stop), token_slots=self.slot_ids[start:stop],
+            positions=positions, query_positions=positions[:, None], gather=None, valid=None,
+            kv_len=kv_len, single_token=True)

@@ -1,0 +1,117 @@
+"""The engine core's plug-in interface: a strategy written only against it, runner hooks."""
+from dataclasses import dataclass
+
+import pytest
+
+from tests import dist_harness
+from tests.test_generate import MAX_NEW, _prompts
+
+from parallel import ParallelDims
+from parallel.engine import (ContinuousBatching, Engine, EngineArgs, ModelRunner,
+                             Strategy, TokenSplit, register_strategy)
+
+
+# ---- a toy strategy, written against the public plug-in interface only -------------------------
+class Alternating(ContinuousBatching):
+    """Switch between two layouts every ``every`` steps, whatever the batch."""
+
+    def __init__(self, layouts: tuple[str, str], every: int) -> None:
+        super().__init__(layouts[0])
+        self.layouts, self.every, self.steps, self.switches = layouts, every, 0, 0
+
+    def layout_for(self, phase, seqs) -> str:
+        self.steps += 1
+        return self.layouts[(self.steps - 1) // self.every % 2]
+
+    def on_switch(self, old, new) -> None:
+        self.switches += old is not None
+
+
+@register_strategy("toy_alternating")
+@dataclass
+class AlternatingStrategy(Strategy):
+    """Ulysses SP and full TP over all ranks (one KV cache), alternating every ``every`` steps."""
+
+    every: int = 2
+
+    def dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(sp=world_size, world_size=world_size)
+
+    def build(self, path, args: EngineArgs) -> Engine:
+        import torch.distributed as dist
+
+        from layers.ulysses import SHIFT_WEIGHTS
+        from parallel.shift import parallelize_shift
+
+        dims = self.dims(dist.get_world_size())
+        model = parallelize_shift(path, dims)
+        kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+        sp = ModelRunner(model, split=TokenSplit(model.model.embed_tokens.weight.device_mesh, 0), **kw)
+        tp = ModelRunner(model, kv=sp.kv, weights=SHIFT_WEIGHTS, **kw)
+        return Engine(runners={"sp": sp, "tp": tp}, policy=Alternating(("sp", "tp"), self.every))
+
+    def summary(self, engine: Engine) -> dict:
+        return {"switches": engine.policy.switches, "steps": engine.policy.steps}
+
+
+def _toy_job(path, prompts, max_new):
+    from parallel.engine import make_strategy
+    from parallel import Request, SamplingParams
+
+    strategy = make_strategy({"strategy": "toy_alternating", "every": 3})
+    engine = strategy.build(path, EngineArgs(max_batch_size=4, max_seq_len=128))
+    requests = [Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(prompts)]
+    tokens = [c.output_ids for c in engine.generate(requests)]
+    return tokens, strategy.summary(engine)
+
+
+def test_toy_strategy_on_the_plugin_interface_matches_hf(checkpoints, hf_reference):
+    path, prompts = checkpoints["llama"], _prompts()
+    expected = hf_reference(path, prompts, MAX_NEW)
+    for tokens, summary in dist_harness.run(2, _toy_job, path, prompts, MAX_NEW):
+        assert tokens == expected
+        assert summary["switches"] >= summary["steps"] // 3 - 1 >= 3
+
+
+def test_unknown_strategy_and_keys_are_named():
+    from parallel.engine import make_strategy
+
+    with pytest.raises(ValueError, match=r"parallel.strategy 'nope' is not one of \[.*'seesaw', 'shift'"):
+        make_strategy({"strategy": "nope"})
+    with pytest.raises(ValueError, match=r"parallel \(strategy toy_alternating\) has unknown keys \['tp'\]"):
+        make_strategy({"strategy": "toy_alternating", "tp": 2})
+
+
+# ---- hooks at layer and step edges -------------------------------------------------------------
+def _hooked(path, prompts, zero_last_layer):
+    import torch.distributed as dist
+
+    from parallel import Request, SamplingParams, parallelize
+
+    model = parallelize(path, ParallelDims.from_world(tp=dist.get_world_size()))
+    engine = Engine(model, max_batch_size=4, max_seq_len=128)
+    events = []
+    runner = engine.runner
+    runner.hooks.add("step_begin", lambda phase, seqs: events.append(("begin", phase, len(seqs))))
+    runner.hooks.add("step_end", lambda phase, seqs: events.append(("end", phase, len(seqs))))
+    runner.hooks.add("before_layer", lambda i, h, ctx: events.append(("before", i)))
+    last = runner.layer_ids[-1]
+    runner.hooks.add("after_layer", lambda i, h, ctx: h * 0 if zero_last_layer and i == last else
+                     events.append(("after", i)))
+    requests = [Request(i, p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts)]
+    tokens = [c.output_ids for c in engine.generate(requests)]
+    return tokens, events, engine.stats.prefill_steps + engine.stats.decode_steps, runner.layer_ids
+
+
+def test_layer_and_step_hooks_run_in_order_and_can_replace_hidden_states(checkpoints, hf_reference):
+    path, prompts = checkpoints["qwen3"], _prompts(3)
+    tokens, events, steps, layers = dist_harness.run(2, _hooked, path, prompts, False)[0]
+    assert tokens == hf_reference(path, prompts, 4)  # hooks that return nothing change nothing
+    per_step = [("before", i) if k == 0 else ("after", i) for i in layers for k in (0, 1)]
+    begins = [n for n, e in enumerate(events) if e[0] == "begin"]
+    assert len(begins) == steps
+    for n in begins:
+        assert events[n + 1:n + 1 + len(per_step)] == per_step
+        assert events[n + 1 + len(per_step)][0] == "end"
+    zeroed, *_ = dist_harness.run(2, _hooked, path, prompts, True)[0]
+    assert all(len(set(t)) == 1 for t in zeroed) and zeroed != tokens  # every hidden state zeroed
