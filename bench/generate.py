@@ -85,14 +85,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gemm-repeats", type=int, default=30, help="realistic: timed GEMM passes")
     p.add_argument("--profile", action="store_true",
                    help="realistic: print a torch.profiler table of one of our generate calls")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs after one warm-up (default: 5 uniform, 3 realistic)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank with 2+ ranks")
     p.add_argument("--single-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the 1-rank part")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)  # internal: 1-rank part
     p.add_argument("--json-out", help=argparse.SUPPRESS)  # internal: where --single writes results
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 3 if args.workload == "realistic" else 5
+    return args
 
 
 def _int_list(text: str) -> list[int]:
@@ -351,31 +355,79 @@ def gemm_share(model, engine: Engine, timed: dict[str, float], args: argparse.Na
 
 
 def profile_generate(engine: Engine, work: Workload) -> None:
-    """One ``generate`` of the workload under ``torch.profiler`` (CPU); rank 0 prints the top ops."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    """One ``generate`` of the workload under ``torch.profiler`` (CPU); rank 0 prints the top ops,
+    then the ops inside the prefill and the decode steps."""
+    from torch.profiler import ProfilerActivity, profile
 
     requests = [Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
                 for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
-    steps = {name: getattr(engine, name) for name in ("prefill", "decode") if hasattr(engine, name)}
-    for name, fn in steps.items():
-        setattr(engine, name, _labelled(fn, f"engine.{name}", record_function))
+    undo = _label_steps(engine)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.generate(requests)
     finally:
-        for name in steps:
-            delattr(engine, name)  # back to the class methods
+        undo()
     if dist.get_rank() == 0:
         print(f"\nprofile: our generate, realistic workload, max_batch_size={engine.max_batch_size}, "
               f"world {dist.get_world_size()}, {torch.get_num_threads()} threads (self CPU time)")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        events = prof.events()
+        print("\n".join(region_table(events, f"engine.{phase}") for phase in ("prefill", "decode")))
 
 
-def _labelled(fn: Callable, label: str, record_function) -> Callable:
-    def wrapped(*a, **kw):
-        with record_function(label):
-            return fn(*a, **kw)
-    return wrapped
+def _label_steps(engine: Engine) -> Callable[[], None]:
+    """Wrap each engine step in ``record_function("engine.<phase>")``; returns the undo.
+
+    The engine core times a step in ``_run(step)`` (``step.phase``); the engine before it had
+    ``prefill(seqs)`` / ``decode(seqs)`` methods. Neither found: no labels (the op table remains).
+    """
+    from torch.profiler import record_function
+
+    def labelled(fn: Callable, label: Callable[..., str]) -> Callable:
+        def wrapped(*a, **kw):
+            with record_function(label(*a)):
+                return fn(*a, **kw)
+        return wrapped
+
+    names = [n for n in ("prefill", "decode") if callable(getattr(engine, n, None))]
+    for n in names:
+        setattr(engine, n, labelled(getattr(engine, n), lambda *a, n=n: f"engine.{n}"))
+    if not names and callable(getattr(engine, "_run", None)):
+        names = ["_run"]
+        engine._run = labelled(engine._run, lambda step, *a: f"engine.{step.phase}")
+    return lambda: [delattr(engine, n) for n in names]  # back to the class methods
+
+
+def region_table(events, region: str, rows: int = 20) -> str:
+    """Self CPU time by op name of the events inside ``region`` (a ``record_function`` label)."""
+    total, count, per_op = 0.0, 0, {}
+    for e in events:
+        if e.name == region:
+            total, count = total + e.cpu_time_total, count + 1
+        elif _inside(e, region):
+            n, t = per_op.get(e.name, (0, 0.0))
+            per_op[e.name] = (n + 1, t + e.self_cpu_time_total)
+    if not count:
+        return f"\n{region}: no labelled steps in the profile"
+    lines = [f"\n{region}: {count} calls, {total / 1e3:.0f} ms CPU total, "
+             f"{total / 1e3 / max(count, 1):.1f} ms per call; self CPU time by op inside it:",
+             "| op | calls | self ms | ms per call of region | share |", "|---|---|---|---|---|"]
+    inner = sum(t for _, t in per_op.values())
+    for name, (n, t) in sorted(per_op.items(), key=lambda kv: -kv[1][1])[:rows]:
+        lines.append(f"| {name} | {n} | {t / 1e3:.0f} | {t / 1e3 / max(count, 1):.2f} | "
+                     f"{100 * t / max(total, 1e-9):.1f}% |")
+    lines.append(f"| (region's own Python, outside ops) | | {(total - inner) / 1e3:.0f} | "
+                 f"{(total - inner) / 1e3 / max(count, 1):.2f} | {100 * (total - inner) / max(total, 1e-9):.1f}% |")
+    return "\n".join(lines)
+
+
+def _inside(event, region: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == region:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def compare_realistic(label: str, ranks: int, threads: int, path: Path,

@@ -132,7 +132,8 @@ def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weig
 
     ``shift_weights``: ``"copy"`` keeps separate full-TP shards beside the base weights (the
     paper's "separate models"; extra memory ~1/sp of the base), ``"slice"`` takes views of the base
-    shards. ``model.shift_extra_bytes`` reports this rank's extra bytes.
+    shards. ``model.shift_extra_bytes`` reports this rank's extra bytes, ``model.kv_replication``
+    how many ranks hold each KV head.
     """
     if shift_weights not in ("copy", "slice"):
         raise ValueError(f"shift_weights must be 'copy' or 'slice', got {shift_weights!r}")
@@ -144,9 +145,9 @@ def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weig
         extra += layer.self_attn.add_shift_layouts(copy=copy)
         extra += layer.mlp.add_source(SHIFT_WEIGHTS, shift_mesh(dims), (Shard(0), Shard(0)), copy=copy)
     model.shift_extra_bytes = extra
-    attn = model.model.layers[0].self_attn
+    model.kv_replication = model.model.layers[0].self_attn.kv_replication
     log.info("shift parallelism: sp=%d tp=%d, KV-head replication x%d, shift weights %s (+%d bytes)",
-             dims.sp, dims.tp, attn.kv_replication, shift_weights, extra)
+             dims.sp, dims.tp, model.kv_replication, shift_weights, extra)
     return model
 
 
@@ -245,7 +246,7 @@ class ShiftStrategy(Strategy):
     def summary(self, engine: Engine) -> dict:
         return {**engine.stats.summary(), "threshold": self.threshold,
                 "shift_extra_bytes": engine.model.shift_extra_bytes,
-                "kv_replication": engine.model.model.layers[0].self_attn.kv_replication}
+                "kv_replication": engine.model.kv_replication}
 
     def report(self, s: dict) -> list[str]:
         return [f"shift: steps by mode {s['steps_by_mode']}, {s['mode_switches']} switches, "

@@ -87,9 +87,9 @@ class GenerateConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from parallel.engine import make_strategy
+        from parallel.engine import Strategy, make_strategy
 
-        if not hasattr(self.parallel, "build"):  # a dict of YAML keys, or None for the default
+        if not isinstance(self.parallel, Strategy):  # a dict of YAML keys, or None for the default
             self.parallel = make_strategy(self.parallel or {})
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens
         if longest > self.engine.max_seq_len:

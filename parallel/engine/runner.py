@@ -154,7 +154,12 @@ class ModelRunner:
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.kv, self.device)
         self.hooks = RunnerHooks()
-        self._decode_body = torch.compile(self._body) if compile else self._body
+        self._decode_body = self._compiled_body() if compile else self._body
+
+    def _compiled_body(self) -> Callable:
+        """The decode body compiled once; CUDA graphs on a GPU (static shapes and buffers)."""
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        return torch.compile(self._body, mode=mode)
 
     # ---- layout ---------------------------------------------------------------------------------
     def _stage_layers(self, stage: int) -> list[int]:
