@@ -20,13 +20,15 @@ requests, prompt lengths uniform over ``--prompt-lens`` (16..384), output budget
   the config, attention mask built here), ``max_new_tokens`` = the batch's longest budget,
   ``eos_token_id=None`` (never stops early, EOS not masked), outputs cut to each budget.
 * Ours: all requests submitted at once to ``Engine(max_batch_size=B, max_seq_len=longest prompt
-  + largest budget)``; continuous batching does the rest.
+  + largest budget)``; continuous batching does the rest. ``--ours`` lists the variants, each an
+  admission order (``fifo``: request order, the default; ``longest_first``: largest budget first)
+  optionally ``:compiled`` (``torch.compile`` of the decode step; its warm-up run compiles).
 * Metric: useful tokens/s = sum of budgets / wall seconds. "equal" counts requests whose tokens
   are identical (left padding may shift HF's numerics slightly; reported, not asserted).
 * GEMM share: the model's matrix multiplies alone (every 2-D weight of the decoder layers, this
   rank's local shard, ``F.linear`` on an ``(M, in_features)`` input with ``M = B``: the engine
-  computes every KV-cache slot row; plus the LM head with ``M`` = mean decode batch, the active
-  rows), median of ``--gemm-repeats``, divided by our mean decode step time (``decode_seconds /
+  computes every KV-cache slot row; plus the LM head with ``M`` = the mean decode batch rounded
+  to the engine's power-of-two row bucket), median of ``--gemm-repeats``, divided by our mean decode step time (``decode_seconds /
   decode_steps`` over the timed runs).
 
 Both workloads: 1 rank = our ``Engine`` on a 1-rank gloo group vs ``AutoModelForCausalLM``. In a
@@ -83,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=_int_list, default=[8, 16],
                    help="realistic: batch sizes B (HF batch, our max_batch_size)")
     p.add_argument("--gemm-repeats", type=int, default=30, help="realistic: timed GEMM passes")
+    p.add_argument("--ours", type=_variant_list, default=["fifo", "longest_first"],
+                   help="realistic: our variants, admission[:compiled], e.g. fifo,longest_first:compiled")
     p.add_argument("--profile", action="store_true",
                    help="realistic: print a torch.profiler table of one of our generate calls")
     p.add_argument("--repeats", type=int, default=None,
@@ -101,6 +105,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _variant_list(text: str) -> list[str]:
+    """``fifo,longest_first:compiled`` -> variants; each an admission order, optionally compiled."""
+    variants = [v for v in text.split(",") if v]
+    for v in variants:
+        admission, _, mode = v.partition(":")
+        if admission not in ("fifo", "longest_first") or mode not in ("", "compiled"):
+            raise argparse.ArgumentTypeError(f"variant {v!r}: want fifo|longest_first[:compiled]")
+    return variants
 
 
 def _int_range(text: str) -> tuple[int, int]:
@@ -295,10 +309,13 @@ def _stats(engine: Engine) -> dict[str, float]:
     return {k: getattr(engine.stats, k) for k in STAT_FIELDS}
 
 
-def bench_ours_realistic(model, work: Workload, batch: int,
+def bench_ours_realistic(model, work: Workload, batch: int, variant: str,
                          args: argparse.Namespace) -> tuple[Tokens, float, Engine, dict[str, float]]:
-    """All requests at once into one engine of ``batch`` slots; returns the stats of the timed runs."""
-    engine = Engine(model, max_batch_size=batch, max_seq_len=work.max_seq_len, compile=False)
+    """All requests at once into one engine of ``batch`` slots (``variant``: admission order
+    [``:compiled``]); returns the stats of the timed runs."""
+    admission, _, mode = variant.partition(":")
+    engine = Engine(model, max_batch_size=batch, max_seq_len=work.max_seq_len, compile=mode == "compiled",
+                    admission=admission)
     requests = [Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
                 for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
     start: dict[str, float] = {}
@@ -342,12 +359,15 @@ def time_gemms(weights: list[tuple[torch.Tensor, int]], repeats: int, sync: bool
 
 def gemm_share(model, engine: Engine, timed: dict[str, float], args: argparse.Namespace,
                sync: bool) -> dict:
-    """GEMM seconds (layers at M = max_batch_size, LM head at M = mean decode batch) per decode step."""
+    """GEMM seconds (layers at M = max_batch_size, LM head at the bucket of the mean decode batch)
+    per decode step."""
     steps = max(timed["decode_steps"], 1)
     step_s = timed["decode_seconds"] / steps
     mean_batch = timed["decode_batch_sum"] / steps
     layer_ws, head_w = gemm_weights(model)
-    m_layers, m_head = engine.max_batch_size, max(1, round(mean_batch))
+    m_layers = engine.max_batch_size  # decode computes every KV slot's row in the layers
+    # the LM head: the active rows, padded to the engine's power-of-two bucket
+    m_head = min(1 << (max(1, round(mean_batch)) - 1).bit_length(), m_layers)
     gemm_s = time_gemms([(w, m_layers) for w in layer_ws] + [(head_w, m_head)], args.gemm_repeats, sync)
     return dict(step_s=step_s, mean_batch=mean_batch, gemm_s=gemm_s, m_layers=m_layers, m_head=m_head,
                 prefill_s=timed["prefill_seconds"] / args.repeats,
@@ -376,26 +396,18 @@ def profile_generate(engine: Engine, work: Workload) -> None:
 
 
 def _label_steps(engine: Engine) -> Callable[[], None]:
-    """Wrap each engine step in ``record_function("engine.<phase>")``; returns the undo.
-
-    The engine core times a step in ``_run(step)`` (``step.phase``); the engine before it had
-    ``prefill(seqs)`` / ``decode(seqs)`` methods. Neither found: no labels (the op table remains).
-    """
+    """Wrap each engine step (``Engine._run(step)``) in ``record_function("engine.<phase>")``;
+    returns the undo."""
     from torch.profiler import record_function
 
-    def labelled(fn: Callable, label: Callable[..., str]) -> Callable:
-        def wrapped(*a, **kw):
-            with record_function(label(*a)):
-                return fn(*a, **kw)
-        return wrapped
+    run = engine._run
 
-    names = [n for n in ("prefill", "decode") if callable(getattr(engine, n, None))]
-    for n in names:
-        setattr(engine, n, labelled(getattr(engine, n), lambda *a, n=n: f"engine.{n}"))
-    if not names and callable(getattr(engine, "_run", None)):
-        names = ["_run"]
-        engine._run = labelled(engine._run, lambda step, *a: f"engine.{step.phase}")
-    return lambda: [delattr(engine, n) for n in names]  # back to the class methods
+    def labelled(step, *a, **kw):
+        with record_function(f"engine.{step.phase}"):
+            return run(step, *a, **kw)
+
+    engine._run = labelled
+    return lambda: delattr(engine, "_run")  # back to the class method
 
 
 def region_table(events, region: str, rows: int = 20) -> str:
@@ -416,8 +428,9 @@ def region_table(events, region: str, rows: int = 20) -> str:
     for name, (n, t) in sorted(per_op.items(), key=lambda kv: -kv[1][1])[:rows]:
         lines.append(f"| {name} | {n} | {t / 1e3:.0f} | {t / 1e3 / max(count, 1):.2f} | "
                      f"{100 * t / max(total, 1e-9):.1f}% |")
-    lines.append(f"| (region's own Python, outside ops) | | {(total - inner) / 1e3:.0f} | "
-                 f"{(total - inner) / 1e3 / max(count, 1):.2f} | {100 * (total - inner) / max(total, 1e-9):.1f}% |")
+    own = total - inner
+    lines.append(f"| (region's own Python, outside ops) | | {own / 1e3:.0f} | "
+                 f"{own / 1e3 / count:.2f} | {100 * own / max(total, 1e-9):.1f}% |")
     return "\n".join(lines)
 
 
@@ -440,16 +453,18 @@ def compare_realistic(label: str, ranks: int, threads: int, path: Path,
     ours_model, hf_model = parallelize(path), load_hf(path, tp)
     rows = []
     for batch in args.batches:
-        ours, ours_s, engine, timed = bench_ours_realistic(ours_model, work, batch, args)
-        share = gemm_share(ours_model, engine, timed, args, sync=tp)
-        if args.profile and batch == max(args.batches):
-            profile_generate(engine, work)
         hf, hf_s = bench_hf_realistic(hf_model, work, batch, pad_id, args, tp)
-        rows.append(dict(label=label, ranks=ranks, threads=threads, batch=batch, useful=work.useful,
-                         ours_s=ours_s, hf_s=hf_s, equal=sum(a == b for a, b in zip(ours, hf)),
-                         prefix=sum(_common_prefix(a, b) for a, b in zip(ours, hf)),
-                         counts_ok=[len(t) for t in ours] == work.budgets == [len(t) for t in hf],
-                         **share))
+        for variant in args.ours:
+            ours, ours_s, engine, timed = bench_ours_realistic(ours_model, work, batch, variant, args)
+            share = gemm_share(ours_model, engine, timed, args, sync=tp)
+            if args.profile and batch == max(args.batches) and variant == args.ours[0]:
+                profile_generate(engine, work)
+            rows.append(dict(label=label, ranks=ranks, threads=threads, batch=batch, variant=variant,
+                             useful=work.useful, ours_s=ours_s, hf_s=hf_s,
+                             equal=sum(a == b for a, b in zip(ours, hf)),
+                             prefix=sum(_common_prefix(a, b) for a, b in zip(ours, hf)),
+                             counts_ok=[len(t) for t in ours] == work.budgets == [len(t) for t in hf],
+                             **share))
     return rows
 
 
@@ -515,6 +530,7 @@ def _size_flags(args: argparse.Namespace) -> list[str]:
              "--requests", str(args.requests), "--prompt-lens", "%d,%d" % args.prompt_lens,
              "--budgets", "%d,%d" % args.budgets, "--batches", ",".join(map(str, args.batches)),
              "--gemm-repeats", str(args.gemm_repeats), "--repeats", str(args.repeats),
+             "--ours", ",".join(args.ours),
              "--seed", str(args.seed)]
     return flags + (["--profile"] if args.profile else [])
 
@@ -554,24 +570,28 @@ def realistic_table(rows: list[dict], args: argparse.Namespace) -> str:
         f"{args.budgets[0]}..{args.budgets[1]} (sum {work.useful} = useful tokens), greedy, EOS ignored",
         f"HF padded work: {pads} (real: {prompt_tokens} / {work.useful})",
         f"warm-up 1 + median of {args.repeats}, torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo",
-        "GEMM share = GEMMs alone (layers M = B, LM head M = mean decode batch; rank 0) / our mean "
-        "decode step; prefill s / decode s: ours, per timed run",
+        "GEMM share = GEMMs alone (GEMM M = rows of the layers / of the LM head: B / mean decode "
+        "batch; rank 0) / our mean decode step; prefill s, decode s: ours, per timed run",
         "",
-        "| setup  | B  | thr/rank | ours tok/s | HF tok/s | ours/HF | ours s  | HF s    | equal requests "
-        "| equal tokens | prefill s | decode s | steps/run | mean batch | step ms | GEMM ms | GEMM share |",
-        "|--------|----|----------|------------|----------|---------|---------|---------|----------------"
-        "|--------------|-----------|----------|-----------|------------|---------|---------|------------|",
+        "| setup  | B  | ours (admission) | thr/rank | ours tok/s | HF tok/s | ours/HF | ours s  | HF s    "
+        "| equal requests | equal tokens | prefill s | decode s | steps/run | mean batch | step ms | GEMM M "
+        "| GEMM ms | GEMM share |",
+        "|--------|----|------------------|----------|------------|----------|---------|---------|---------"
+        "|----------------|--------------|-----------|----------|-----------|------------|---------|--------"
+        "|---------|------------|",
     ]
     for r in rows:
         ours, hf = r["useful"] / r["ours_s"], r["useful"] / r["hf_s"]
         equal = f"{r['equal']}/{args.requests}" + ("" if r["counts_ok"] else " BAD COUNT")
         steps = r["decode_s"] / r["step_s"] if r["step_s"] else 0.0
         lines.append(
-            f"| {r['label']:<6} | {r['batch']:>2} | {r['threads']:>8} | {ours:>10.1f} | {hf:>8.1f} | "
+            f"| {r['label']:<6} | {r['batch']:>2} | {r['variant']:<16} | {r['threads']:>8} | {ours:>10.1f} | "
+            f"{hf:>8.1f} | "
             f"{ours / hf:>7.2f} | {r['ours_s']:>7.2f} | {r['hf_s']:>7.2f} | {equal:>14} | "
             f"{100 * r['prefix'] / r['useful']:>11.1f}% | {r['prefill_s']:>9.2f} | {r['decode_s']:>8.2f} | "
             f"{steps:>9.0f} | {r['mean_batch']:>10.2f} | {1e3 * r['step_s']:>7.1f} | "
-            f"{1e3 * r['gemm_s']:>7.1f} | {100 * r['gemm_s'] / r['step_s']:>9.1f}% |")
+            f"{r['m_layers']:>2}/{r['m_head']:<3} | {1e3 * r['gemm_s']:>7.1f} | "
+            f"{100 * r['gemm_s'] / r['step_s']:>9.1f}% |")
     lines.append("\nequal tokens = tokens before each request's first difference / useful tokens")
     return "\n".join(lines)
 

@@ -275,7 +275,7 @@ class SeesawPolicy(Policy):
                 raise ValueError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
                                  f"the CPU KV tier (cpu_kv_budget={budget} tokens)")
 
-    def start(self) -> None:
+    def start(self, queue: deque) -> None:
         self.buffered: deque = deque()  # prefilled sequences whose KV is in the tier
         self.loading: list = []  # (future | None, sequence) swap-ins
         self.running: dict[int, Sequence] = {}  # request id -> decoding sequence

@@ -170,10 +170,10 @@ class ShiftPolicy(ContinuousBatching):
 
     stats_cls = ShiftStats
 
-    def __init__(self, threshold: int, *, max_prefill_tokens: int = 4096) -> None:
+    def __init__(self, threshold: int, *, max_prefill_tokens: int = 4096, admission: str = "fifo") -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
-        super().__init__("sp", max_prefill_tokens=max_prefill_tokens)
+        super().__init__("sp", max_prefill_tokens=max_prefill_tokens, admission=admission)
         self.threshold = threshold
 
     @property
@@ -195,14 +195,14 @@ class ShiftPolicy(ContinuousBatching):
 
 def shift_engine(model: nn.Module, *, threshold: int, max_batch_size: int = 8,
                  max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
-                 compile: bool = False) -> Engine:
+                 compile: bool = False, admission: str = "fifo") -> Engine:
     """The loop over ``model`` (from :func:`parallelize_shift`) with runners ``"sp"`` (tokens
     split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache."""
     dims = model.parallel_dims
     kw = dict(dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile)
     sp = ModelRunner(model, split=TokenSplit(base_mesh(dims), 0), **kw)
     tp = ModelRunner(model, kv=sp.kv, weights=SHIFT_WEIGHTS, **kw)
-    policy = ShiftPolicy(threshold, max_prefill_tokens=max_prefill_tokens)
+    policy = ShiftPolicy(threshold, max_prefill_tokens=max_prefill_tokens, admission=admission)
     return Engine(runners={"sp": sp, "tp": tp}, policy=policy)
 
 
@@ -241,7 +241,7 @@ class ShiftStrategy(Strategy):
                                   dtype=args.dtype)
         return shift_engine(model, threshold=self.threshold, max_batch_size=args.max_batch_size,
                             max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
-                            compile=args.compile)
+                            compile=args.compile, admission=args.admission)
 
     def summary(self, engine: Engine) -> dict:
         return {**engine.stats.summary(), "threshold": self.threshold,

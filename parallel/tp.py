@@ -31,7 +31,8 @@ class TPStrategy(Strategy):
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
         model = parallelize(path, self.dims(_world()), dtype=args.dtype)
         return Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                      max_prefill_tokens=args.max_prefill_tokens, compile=args.compile)
+                      max_prefill_tokens=args.max_prefill_tokens, compile=args.compile,
+                      admission=args.admission)
 
 
 def _world() -> int:

@@ -60,10 +60,16 @@ class EngineConfig:
     max_seq_len: int = 512
     max_prefill_tokens: int = 4096
 
+    admission: str = "fifo"  # fifo | longest_first (largest max_new_tokens first)
+
     def __post_init__(self) -> None:
+        from parallel.engine.policy import ADMISSION
+
         for f in fields(self):
-            if getattr(self, f.name) < 1:
+            if f.name != "admission" and getattr(self, f.name) < 1:
                 raise ValueError(f"engine.{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.admission not in ADMISSION:
+            raise ValueError(f"engine.admission must be one of {list(ADMISSION)}, got {self.admission!r}")
 
     def args(self, *, compile: bool, dtype: str):
         """The engine arguments every strategy takes."""
@@ -73,7 +79,7 @@ class EngineConfig:
 
         return EngineArgs(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                           max_prefill_tokens=self.max_prefill_tokens, compile=compile,
-                          dtype=getattr(torch, dtype))
+                          dtype=getattr(torch, dtype), admission=self.admission)
 
 
 @dataclass

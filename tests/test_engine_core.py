@@ -115,3 +115,25 @@ def test_layer_and_step_hooks_run_in_order_and_can_replace_hidden_states(checkpo
         assert events[n + 1 + len(per_step)][0] == "end"
     zeroed, *_ = dist_harness.run(2, _hooked, path, prompts, True)[0]
     assert all(len(set(t)) == 1 for t in zeroed) and zeroed != tokens  # every hidden state zeroed
+
+
+# ---- admission order -----------------------------------------------------------------------------
+def _admission(path, prompts, budgets, admission):
+    from parallel import Request, SamplingParams, parallelize
+
+    engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=128, admission=admission)
+    requests = [Request(i, p, SamplingParams(max_new_tokens=n, stop_token_ids=()))
+                for i, (p, n) in enumerate(zip(prompts, budgets))]
+    return [c.output_ids for c in engine.generate(requests)], engine.stats.decode_steps
+
+
+def test_longest_first_admission_same_tokens_fewer_steps(checkpoints):
+    """Budgets 10, 10, 20 on 2 slots: FIFO decodes 0 and 1, then 2 alone (28 steps);
+    longest-first starts 2 at once and overlaps the others with it (19 steps)."""
+    path, prompts, budgets = checkpoints["llama"], _prompts(3), [10, 10, 20]
+    fifo, fifo_steps = dist_harness.run(1, _admission, path, prompts, budgets, "fifo")[0]
+    lpt, lpt_steps = dist_harness.run(1, _admission, path, prompts, budgets, "longest_first")[0]
+    assert fifo == lpt and [len(t) for t in fifo] == budgets
+    assert lpt_steps < fifo_steps, (lpt_steps, fifo_steps)
+    with pytest.raises(ValueError, match=r"admission must be one of \('fifo', 'longest_first'\), got 'lifo'"):
+        ContinuousBatching("main", admission="lifo")

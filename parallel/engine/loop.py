@@ -33,19 +33,23 @@ class Engine:
             (default: the model's ``max_position_embeddings``, capped at 4096).
         max_prefill_tokens: prompt tokens admitted into one prefill step per replica.
         num_microbatches: pipeline micro-batches per step (a model with ``pp > 1``).
-        compile: ``torch.compile`` the decode step (one static graph).
+        compile: ``torch.compile`` the decode step (static shapes, a few graphs).
+        admission: the default policy's order, ``"fifo"`` or ``"longest_first"`` (see
+            :class:`ContinuousBatching`).
     """
 
     def __init__(self, model: nn.Module | None = None, *, runners: Mapping[str, ModelRunner] | None = None,
                  policy: Policy | None = None, max_batch_size: int = 8, max_seq_len: int | None = None,
-                 max_prefill_tokens: int = 4096, num_microbatches: int = 1, compile: bool = False) -> None:
+                 max_prefill_tokens: int = 4096, num_microbatches: int = 1, compile: bool = False,
+                 admission: str = "fifo") -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
         if runners is None:
             runners = {"main": ModelRunner(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                            num_microbatches=num_microbatches, compile=compile)}
         self.runners = dict(runners)
-        self.policy = policy or ContinuousBatching(next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens)
+        self.policy = policy or ContinuousBatching(next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens,
+                                                   admission=admission)
         cfg = next(iter(self.runners.values())).model.config
         self.vocab_size, self.eos_ids = cfg.vocab_size, _as_ids(cfg.eos_token_id)
         self.stats = self.policy.stats_cls()
@@ -79,7 +83,7 @@ class Engine:
         """Run all ``requests`` to completion on every rank; returns completions in request order."""
         self.validate(requests)
         queue, done = deque(requests), {}
-        self.policy.start()
+        self.policy.start(queue)
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
             while len(done) < len(requests):
                 step = self.policy.next_step(queue)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .loop import Engine
 
 PHASES = ("prefill", "decode")
+ADMISSION = ("fifo", "longest_first")
 
 
 @dataclass
@@ -71,8 +72,8 @@ class Policy:
     def validate(self, requests: Seq[Request]) -> None:
         """``ValueError`` for requests this policy can never run."""
 
-    def start(self) -> None:
-        """A new ``generate`` call begins."""
+    def start(self, queue: deque) -> None:
+        """A new ``generate`` call begins with ``queue`` (may reorder it)."""
 
     def next_step(self, queue: deque) -> Step:
         raise NotImplementedError
@@ -96,19 +97,27 @@ class ContinuousBatching(Policy):
     slots (and so sequences) alternate over the replicas.
 
     ``layout``: the runner whose cache holds the slots; :meth:`layout_for` may pick another
-    runner sharing that cache per step (Shift).
+    runner sharing that cache per step (Shift). ``admission``: ``"fifo"`` (request order) or
+    ``"longest_first"`` (largest ``max_new_tokens`` first: for offline batches, fewer decode steps
+    at a small batch at the end; results per request are the same in any order).
     """
 
-    def __init__(self, layout: str, *, max_prefill_tokens: int = 4096) -> None:
+    def __init__(self, layout: str, *, max_prefill_tokens: int = 4096, admission: str = "fifo") -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        self.layout, self.max_prefill_tokens = layout, max_prefill_tokens
+        if admission not in ADMISSION:
+            raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
+        self.layout, self.max_prefill_tokens, self.admission = layout, max_prefill_tokens, admission
 
     @property
     def initial_layout(self) -> str | None:
         return self.layout
 
-    def start(self) -> None:
+    def start(self, queue: deque) -> None:
+        if self.admission == "longest_first":  # stable: ties keep request order
+            ordered = sorted(queue, key=lambda r: -r.sampling.max_new_tokens)
+            queue.clear()
+            queue.extend(ordered)
         runner = self.engine.runners[self.layout]
         self.slots = SlotPool(runner.max_batch_size, runner.replica.size)
         self.running: dict[int, Sequence] = {}

@@ -30,6 +30,7 @@ class EngineArgs:
     max_prefill_tokens: int = 4096
     compile: bool = False
     dtype: torch.dtype | None = None
+    admission: str = "fifo"  # the continuous-batching order (strategies with their own scheduler ignore it)
 
 
 class Strategy:
