@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from parallel import Engine, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.tiny_models import builtin_checkpoint, default_cache_dir, make_tiny_checkpoint  # noqa: E402
+from parallel.tiny_models import builtin_checkpoint, cached_checkpoint, default_cache_dir  # noqa: E402
 
 Tokens = list[list[int]]
 COMMAND = "torchrun --standalone --nproc-per-node {n} bench/generate.py"
@@ -213,21 +212,8 @@ class Workload:
 
 
 def llama_100m_checkpoint() -> Path:
-    """The ~100M Llama in the cache dir, built once (temp dir + rename, like the built-in one)."""
-    target = default_cache_dir() / LLAMA_100M_NAME
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
-        make_tiny_checkpoint("llama", tmp, seed=0, **LLAMA_100M)
-        os.replace(tmp, target)
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The ~100M Llama in the cache dir, built once (like the built-in one)."""
+    return cached_checkpoint(LLAMA_100M_NAME, LLAMA_100M)
 
 
 def checkpoint_params(path: Path) -> int:

@@ -56,18 +56,23 @@ def default_cache_dir() -> Path:
 
 
 def builtin_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The built-in tiny Llama checkpoint, created on first use and reused afterwards.
+    """The built-in tiny Llama checkpoint, created on first use and reused afterwards."""
+    return cached_checkpoint(BUILTIN_NAME, BUILTIN, cache_dir)
+
+
+def cached_checkpoint(name: str, overrides: dict, cache_dir: str | os.PathLike | None = None) -> Path:
+    """A seeded Llama (``overrides`` of the tiny config) under ``cache_dir/name``, built once.
 
     Written to a temporary directory and renamed into place, so an interrupted run leaves no
     half-written checkpoint behind.
     """
-    target = Path(cache_dir or default_cache_dir()) / BUILTIN_NAME
+    target = Path(cache_dir or default_cache_dir()) / name
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        make_tiny_checkpoint("llama", tmp, seed=0, **BUILTIN)
+        make_tiny_checkpoint("llama", tmp, seed=0, **overrides)
         os.replace(tmp, target)
     except OSError:
         if not (target / "config.json").exists():
