@@ -13,6 +13,9 @@ from reshard.layout import Box, box_slices
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
@@ -59,6 +62,27 @@ class CheckpointReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
+
+    def file_of(self, name: str) -> Path:
+        return self.directory / self.weight_map[name]
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype | str]:
+        """Shape and dtype of tensor ``name`` from its file's header (no data read)."""
+        entry = _header(self.file_of(name))[1].get(name)
+        if entry is None:
+            raise ValueError(f"tensor {name!r} is listed for {self.file_of(name)} but that file does not "
+                             f"contain it (index {self.directory / INDEX_FILE})")
+        return tuple(entry["shape"]), DTYPES.get(entry["dtype"], entry["dtype"])
+
+    def check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, target: str) -> None:
+        """``ValueError`` naming both unless tensor ``name`` can fill ``target`` of ``shape`` (a
+        floating tensor may be cast to another floating dtype, as HF does)."""
+        have, kind = self.spec(name)
+        castable = isinstance(kind, torch.dtype) and kind.is_floating_point == dtype.is_floating_point
+        if have != tuple(shape) or not castable:
+            raise ValueError(f"checkpoint tensor {name!r} in {self.file_of(name)} is {list(have)} {kind} but "
+                             f"parameter {target!r} is {list(shape)} {dtype} (does config.json match "
+                             f"the weights?)")
 
     def keys(self) -> list[str]:
         return list(self.weight_map)

@@ -41,7 +41,7 @@ def check_architecture(config) -> None:
 def parallelize(model_or_path: nn.Module | str | os.PathLike, dims: ParallelDims | None = None, *,
                 plan: Mapping[str, ParallelStyle] | None = None,
                 dtype: torch.dtype | None = None, mesh_of: MeshOf | None = None,
-                load_weights: bool = True) -> nn.Module:
+                load_weights: bool = True, allow_unused: bool = False) -> nn.Module:
     """An HF causal LM whose modules (named in ``plan``) are our parallel layers.
 
     From a path or hub id, the model skeleton is built on the meta device and every rank reads only
@@ -49,20 +49,22 @@ def parallelize(model_or_path: nn.Module | str | os.PathLike, dims: ParallelDims
     object, each rank slices its parameters from the model it already holds. ``mesh_of(name)`` is
     the mesh each module lives on (default: this rank's tp mesh; a pipeline stage's tp mesh, where a
     rank reads only its stage's slices; Shift's ``(sp, tp)`` base mesh). ``load_weights=False``
-    (from a path) leaves the parameters uninitialized.
+    (from a path) leaves the parameters uninitialized. Every checkpoint tensor's shape and dtype is
+    checked against the parameter it fills before anything is read; checkpoint tensors the model
+    does not use are an error unless ``allow_unused``.
     """
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
     if isinstance(model_or_path, nn.Module):
         return _parallelize_module(model_or_path, dims, plan, mesh_of)
-    return _parallelize_path(model_or_path, dims, plan, dtype, mesh_of, load_weights)
+    return _parallelize_path(model_or_path, dims, plan, dtype, mesh_of, load_weights, allow_unused)
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True) -> nn.Module:
+def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True, allow_unused=False) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = resolve_checkpoint(path)
@@ -75,7 +77,7 @@ def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True) 
     ctx = BuildContext(config, dims, dtype, device_type(), mesh_of=mesh_of)
     _swap_modules(model, plan, ctx)
     if load_weights:
-        _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)))
+        _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)), allow_unused=allow_unused)
     _rebuild_rotary(model, ctx.device)
     model.load_stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory))
     model.parallel_dims = dims  # the layout the engine's runners read
@@ -132,18 +134,36 @@ def _layer_index(name: str) -> int:
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else 0
 
 
-def _load(model: nn.Module, reader: CheckpointReader, *, tied: bool) -> None:
-    """Copy each rank's box of every parameter from the checkpoint into its local shard."""
+def _load(model: nn.Module, reader: CheckpointReader, *, tied: bool, allow_unused: bool) -> None:
+    """Copy each rank's box of every parameter from the checkpoint into its local shard, after
+    checking every tensor's shape and dtype and that the checkpoint holds nothing unused."""
+    keys = {name: _checkpoint_key(name, reader, tied) for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        reader.check(keys[name], tuple(param.shape), param.dtype, name)
+    _check_unused(reader, set(keys.values()), allow_unused)
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, param in model.named_parameters():
-        key = name
-        if key not in reader and tied and name == "lm_head.weight":
-            key = "model.embed_tokens.weight"
-        if key not in reader:
-            raise ValueError(f"parameter {name!r} is not in the checkpoint at {reader.directory}")
         box = Layout.of_dtensor(param).box(rank)
         if box is not None:  # off the parameter's mesh (another pipeline stage): nothing to read
-            param.data.to_local().copy_(reader.read(key, box))
+            param.data.to_local().copy_(reader.read(keys[name], box))
+
+
+def _checkpoint_key(name: str, reader: CheckpointReader, tied: bool) -> str:
+    if name not in reader and tied and name == "lm_head.weight":
+        return "model.embed_tokens.weight"
+    if name not in reader:
+        raise ValueError(f"parameter {name!r} is not in the checkpoint at {reader.directory}")
+    return name
+
+
+def _check_unused(reader: CheckpointReader, used: set[str], allow_unused: bool) -> None:
+    """HF reports checkpoint tensors the model does not use; a mismatched config.json (fewer
+    layers) must not load silently."""
+    unused = sorted(k for k in reader.keys() if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused and not allow_unused:
+        raise ValueError(f"{len(unused)} tensors in the checkpoint at {reader.directory} are not used by "
+                         f"the model built from its config.json: {unused[:6]}{' ...' if len(unused) > 6 else ''}"
+                         f" (pass allow_unused=True to load anyway)")
 
 
 def _rebuild_rotary(model: nn.Module, device) -> None:

@@ -113,5 +113,23 @@ class GenerateConfig:
             raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
         sections = {"model": ModelConfig, "workload": WorkloadConfig, "generation": GenerationConfig,
                     "engine": EngineConfig}
+        from parallel.engine.config_types import check_values
+
+        check_values(GenerateConfig, d, "")
+        for name, cls in sections.items():
+            if name in d:
+                _check_section(cls, d[name], name)
         kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in d.items()}
         return GenerateConfig(**kwargs)
+
+
+def _check_section(cls: type, values: Any, where: str) -> None:
+    """``ValueError`` naming the key for unknown keys or values of the wrong type."""
+    from parallel.engine.config_types import check_values
+
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a mapping of keys, got {values!r}")
+    unknown = sorted(set(values) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; known: {sorted(f.name for f in fields(cls))}")
+    check_values(cls, values, where)

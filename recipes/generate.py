@@ -87,13 +87,16 @@ def read_prompts(path: Path, model_path: Path) -> list[list[int]]:
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
         if isinstance(item, dict):
             item = item.get("prompt_ids", item.get("text"))
         if isinstance(item, str):
             tokenizer = tokenizer or _tokenizer(model_path, path)
             item = tokenizer(item)["input_ids"]
-        if not (isinstance(item, list) and item and all(isinstance(t, int) for t in item)):
+        if not (isinstance(item, list) and item and all(type(t) is int for t in item)):  # no bools
             raise ValueError(f"{path}:{lineno}: expected a non-empty token-id list or a text")
         prompts.append(item)
     if not prompts:

@@ -68,3 +68,36 @@ def test_not_a_checkpoint(tmp_path):
 
     with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
         CheckpointReader(tmp_path)
+
+
+def _bad_requests(path, case):
+    from parallel import Engine, Request, SamplingParams, parallelize
+
+    engine = Engine(parallelize(path), max_seq_len=64)
+    p = SamplingParams(max_new_tokens=2)
+    requests = {"duplicate": [Request(3, [5, 6], p), Request(4, [7], p), Request(3, [8], p)],
+                "bool": [Request(0, [5, True, 6], p)], "float": [Request(1, [5, 6.0], p)]}[case]
+    engine.generate(requests)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("duplicate", r"request id 3 appears more than once"),
+    ("bool", r"request 0: token ids must be ints, got \[True\]"),
+    ("float", r"request 1: token ids must be ints, got \[6.0\]"),
+])
+def test_bad_requests_name_the_request(checkpoints, case, match):
+    with pytest.raises(RuntimeError, match=match):
+        dist_harness.run(1, _bad_requests, checkpoints["llama"], case)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[1, 2]\n{"prompt_ids": [3, 4\n', r"prompts.jsonl:2: invalid JSON \(Expecting"),
+    ("[1, true, 2]\n", r"prompts.jsonl:1: expected a non-empty token-id list or a text"),
+])
+def test_prompts_file_errors_name_file_and_line(tmp_path, text, match):
+    from recipes.generate import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_prompts(path, tmp_path)

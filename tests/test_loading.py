@@ -98,3 +98,52 @@ def test_reader_reads_only_the_box(checkpoints):
         full = f.get_tensor("model.embed_tokens.weight")
     assert torch.equal(piece, full[10:20])
     assert reader.bytes_read == 10 * 64 * 4
+
+
+def _load(path, allow_unused=False):
+    from parallel import parallelize
+
+    parallelize(path, allow_unused=allow_unused)
+    return "loaded"
+
+
+def _edit_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_config_disagreeing_with_the_weights_is_refused(checkpoints, tmp_path):
+    """Half the hidden size in config.json: HF says "size mismatch"; so do we, before any read."""
+    path = _edit_config(Path(checkpoints["llama"]), tmp_path / "half", hidden_size=32)
+    with pytest.raises(RuntimeError, match=r"checkpoint tensor 'model.embed_tokens.weight' in .*model.safetensors "
+                                           r"is \[256, 64\] torch.float32 but parameter 'model.embed_tokens.weight' "
+                                           r"is \[256, 32\] torch.float32"):
+        dist_harness.run(1, _load, path)
+
+
+def test_unused_checkpoint_tensors_are_an_error_unless_allowed(checkpoints, tmp_path):
+    path = _edit_config(Path(checkpoints["llama"]), tmp_path / "one-layer", num_hidden_layers=1)
+    with pytest.raises(RuntimeError, match=r"9 tensors in the checkpoint at .* are not used by the model built "
+                                           r"from its config.json: \['model.layers.1.input_layernorm.weight'"):
+        dist_harness.run(1, _load, path)
+    assert dist_harness.run(1, _load, path, True) == ["loaded"]
+
+
+def test_index_pointing_to_the_wrong_file_names_file_and_index(checkpoints, tmp_path):
+    import shutil
+
+    src = Path(checkpoints["llama-multi"])
+    shutil.copytree(src, tmp_path / "m")
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    wrong = next(f for f in files if f != index["weight_map"]["lm_head.weight"])
+    index["weight_map"]["lm_head.weight"] = wrong
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(RuntimeError, match=rf"tensor 'lm_head.weight' is listed for .*{wrong} but that file "
+                                           r"does not contain it \(index .*model.safetensors.index.json\)"):
+        dist_harness.run(1, _load, str(tmp_path / "m"))

@@ -41,6 +41,19 @@ def _run_recipe(overrides, run_dir):
     ("parallel=seesaw parallel.scheduler=fifo", r"parallel.scheduler 'fifo' is not one of"),
     ("parallel=seesaw parallel.cpu_kv_budget=0", r"parallel.cpu_kv_budget must be >= 1, got 0"),
     ("parallel=seesaw +parallel.prefill.sp=2", r"parallel.prefill has unknown keys \['sp'\]"),
+    # types: every value is checked against its config field, the key named (issue 10)
+    ("compile=maybe", r"^compile must be bool, got 'maybe'"),
+    ("progress=maybe", r"^progress must be bool, got 'maybe'"),
+    ("workload.num_requests=abc", r"workload.num_requests must be int, got 'abc'"),
+    ("generation.temperature=hot", r"generation.temperature must be float, got 'hot'"),
+    ("generation.seed=abc", r"generation.seed must be int, got 'abc'"),
+    ("engine.max_batch_size=true", r"engine.max_batch_size must be int, got True"),
+    ("parallel.tp=two", r"parallel.tp must be int \| None, got 'two'"),
+    ("parallel=shift parallel.threshold=1.5", r"parallel.threshold must be int, got 1.5"),
+    ("parallel=seesaw parallel.cpu_kv_budget=lots", r"parallel.cpu_kv_budget must be int, got 'lots'"),
+    ("+engine.slots=4", r"engine has unknown keys \['slots'\]"),
+    ("+parallel.sp=2", r"parallel \(strategy tp\) has unknown keys \['sp'\]"),
+    ("engine.admission=lifo", r"engine.admission must be one of \['fifo', 'longest_first'\], got 'lifo'"),
 ])
 def test_bad_override_values_raise_value_error(override, message):
     with pytest.raises(ValueError, match=message):

@@ -123,21 +123,29 @@ class Engine:
 
     # ---- checks and helpers ---------------------------------------------------------------------
     def validate(self, requests: Seq[Request]) -> None:
-        """``ValueError`` naming the request for empty, too long or out-of-vocabulary prompts."""
-        ids = [r.id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique")
+        """``ValueError`` naming the request for repeated ids, empty, too long or
+        out-of-vocabulary prompts and token ids that are not ints; then the policy's checks."""
+        seen: set = set()
         for r in requests:
-            n, m = len(r.prompt_ids), r.sampling.max_new_tokens
-            if n == 0:
-                raise ValueError(f"request {r.id}: empty prompt")
-            if n + m > self.max_seq_len:
-                raise ValueError(f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = "
-                                 f"{n + m} exceeds max_seq_len ({self.max_seq_len})")
-            bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"request {r.id}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
+            if r.id in seen:
+                raise ValueError(f"request id {r.id!r} appears more than once; ids must be unique")
+            seen.add(r.id)
+            self._check_request(r)
         self.policy.validate(requests)
+
+    def _check_request(self, r: Request) -> None:
+        n, m = len(r.prompt_ids), r.sampling.max_new_tokens
+        if n == 0:
+            raise ValueError(f"request {r.id}: empty prompt")
+        not_int = [t for t in r.prompt_ids if type(t) is not int]  # bools and floats are not token ids
+        if not_int:
+            raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
+        if n + m > self.max_seq_len:
+            raise ValueError(f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = "
+                             f"{n + m} exceeds max_seq_len ({self.max_seq_len})")
+        bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {r.id}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
 
     def prompt_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
         """fp32 logits ``(len(p), vocab)`` at every position of each prompt, through the active

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..dims import ParallelDims
+from .config_types import check_values
 from .loop import Engine
 
 BUILTIN = ("tp", "shift", "seesaw")
@@ -93,6 +94,7 @@ def make_strategy(values: dict[str, Any]) -> Strategy:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"parallel (strategy {cls.name}) has unknown keys {unknown}; known: {sorted(known)}")
+    check_values(cls, values, "parallel")
     return cls(**values)
 
 
