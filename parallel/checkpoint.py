@@ -124,7 +124,13 @@ def _header(path: Path) -> tuple[int, dict]:
         body = fh.read(n)
     if len(body) < n:
         raise ValueError(f"safetensors file {path} is truncated (header cut short)")
-    return n, json.loads(body)
+    try:
+        header = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (its header is not a JSON object)")
+    return n, header
 
 
 def _check_file(path: Path) -> Path:

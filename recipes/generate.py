@@ -24,7 +24,7 @@ from parallel.tiny_models import builtin_checkpoint
 
 from .config import GenerateConfig
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
 
 
 # ---- the job ---------------------------------------------------------------------------------
@@ -169,6 +169,19 @@ def _rank() -> int:
     return dist.get_rank()
 
 
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective may wait before the job fails (``$RESHARD_COLLECTIVE_TIMEOUT`` s,
+    default 600) instead of gloo's 30 minutes; set before the process group exists."""
+    raw = os.environ.get(TIMEOUT_ENV, "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
 def init_distributed() -> None:
     """Join torchrun's process group (NCCL with CUDA, else gloo); alone, a 1-rank group."""
     if dist.is_initialized():
@@ -181,7 +194,7 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, timeout=collective_timeout())
     if dist.get_world_size() > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
 

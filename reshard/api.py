@@ -7,6 +7,7 @@ that excludes this rank carries an empty local tensor, as in DTensor.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Callable, Mapping, Sequence
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor, Placement
 from .dtensor import wrap_local
 from .executor import DEFAULT_BUCKET_BYTES, CommStats, execute
 from .layout import Layout
+from .mesh import device_type
 from .plan import Plan, plan_transfer
 
 _LAST: list[CommStats] = [CommStats()]
@@ -32,13 +34,17 @@ def last_stats() -> CommStats:
 
 
 def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement], *,
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> DTensor | None:
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, check: bool = True) -> DTensor | None:
     """Move ``t`` to ``placements`` on ``mesh``.
 
     Returns a DTensor on ``mesh`` (ranks outside ``mesh`` get ``None``). Collective over the world:
-    every rank calls it with the same arguments.
+    every rank calls it with the same arguments; ``check`` (default) compares a hash of the plan
+    on every rank first and raises ``ValueError`` naming the differing layouts instead of hanging.
     """
-    [out], stats = _move([t], [(mesh, placements)], bucket_bytes)
+    if not isinstance(t, DTensor):
+        raise ValueError(f"redistribute moves DTensors; got a {type(t).__name__} (wrap a local shard "
+                         f"with reshard.wrap_local or distribute it first)")
+    [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=check)
     _LAST[0] = stats
     return out if mesh.get_coordinate() is not None else None
 
@@ -46,19 +52,19 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement], 
 def redistribute_module(module: nn.Module,
                         plan: Mapping[str, Target] | Callable[[str, DTensor], Target | None], *,
                         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-                        async_op: bool = False) -> CommStats | "MoveHandle":
+                        async_op: bool = False, check: bool = True) -> CommStats | "MoveHandle":
     """Move a module's DTensor parameters and buffers in place, all in one coalesced transfer.
 
     ``plan`` maps fully qualified names to ``(mesh, placements)``, or is a callable returning that
     (or ``None`` to leave a tensor where it is). Ranks outside a target mesh keep a DTensor with an
     empty local tensor. With ``async_op=True`` the transfer runs on a background thread over its
     own process group and a :class:`MoveHandle` is returned; the module keeps its old tensors until
-    ``handle.wait()`` swaps the new ones in.
+    ``handle.wait()`` swaps the new ones in. ``check``: see :func:`redistribute`.
     """
     names, tensors, targets = _select(module, plan)
     if async_op:
         return MoveHandle(module, names, tensors, targets, bucket_bytes, _movement_group())
-    moved, stats = _move(tensors, targets, bucket_bytes)
+    moved, stats = _move(tensors, targets, bucket_bytes, check=check)
     _install(module, names, moved, stats)
     return stats
 
@@ -136,23 +142,59 @@ def _select(module: nn.Module, plan) -> tuple[list[str], list[DTensor], list[Tar
     return names, tensors, targets
 
 
-def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, group=None
-          ) -> tuple[list[DTensor], CommStats]:
+def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, group=None, *,
+          check: bool = True) -> tuple[list[DTensor], CommStats]:
     rank = dist.get_rank()
     plans, srcs = [], []
-    for t, (mesh, placements) in zip(tensors, targets):
-        if len(tuple(placements)) != mesh.ndim:
-            raise ValueError(f"mesh has {mesh.ndim} axes but {len(tuple(placements))} placements "
-                             f"were given")
+    for t, target in zip(tensors, targets):
+        mesh, placements = _target(target)
         plans.append(plan_for(t, mesh, placements))
         srcs.append(t.to_local() if plans[-1].src.box(rank) is not None else None)
+    if check:
+        check_agreement(plans, group)
     device = targets[0][0].device_type if targets else "cpu"
     outs, stats = execute(plans, srcs, bucket_bytes=bucket_bytes, device=device, group=group)
     result = []
-    for t, (mesh, placements), out, plan in zip(tensors, targets, outs, plans):
+    for t, target, out, plan in zip(tensors, targets, outs, plans):
         local = out if out is not None else torch.empty(0, dtype=t.dtype, device=device)
-        result.append(wrap_local(local, mesh, tuple(plan.dst.placements), t.shape))
+        result.append(wrap_local(local, target[0], tuple(plan.dst.placements), t.shape))
     return result, stats
+
+
+def _target(target) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """``(mesh, placements)``, with a ``ValueError`` naming what was given instead."""
+    if not (isinstance(target, (tuple, list)) and len(target) == 2 and isinstance(target[0], DeviceMesh)):
+        raise ValueError(f"a move target is (mesh, placements); got {target!r}")
+    mesh, placements = target[0], tuple(target[1])
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"mesh has {mesh.ndim} axes but {len(placements)} placements were given")
+    return mesh, placements
+
+
+def check_agreement(plans: Sequence[Plan], group=None) -> None:
+    """``ValueError`` on every rank unless all ranks of ``group`` run the same ``plans``.
+
+    One all-gather of an 8-byte hash; only on a mismatch are the layouts exchanged to name them.
+    Ranks that disagree would otherwise wait for each other forever in the transfer.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    described = [(repr(p.src), repr(p.dst)) for p in plans]
+    digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.long, device=device_type())
+    hashes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(hashes, mine, group=group)
+    if all(torch.equal(h, hashes[0]) for h in hashes):
+        return
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, described, group=group)
+    other = next(r for r in range(world) if everyone[r] != everyone[0])
+    first = next((i for i, (a, b) in enumerate(zip(everyone[0], everyone[other])) if a != b), None)
+    detail = (f"{len(everyone[0])} vs {len(everyone[other])} tensors" if first is None else
+              f"tensor {first}: {everyone[0][first]} vs {everyone[other][first]}")
+    raise ValueError(f"ranks called the move with different arguments (rank 0 vs rank {other}, {detail}); "
+                     f"every rank must pass the same tensors, meshes and placements")
 
 
 def assign_tensor(module: nn.Module, name: str, value: DTensor) -> None:

@@ -147,3 +147,13 @@ def test_index_pointing_to_the_wrong_file_names_file_and_index(checkpoints, tmp_
     with pytest.raises(RuntimeError, match=rf"tensor 'lm_head.weight' is listed for .*{wrong} but that file "
                                            r"does not contain it \(index .*model.safetensors.index.json\)"):
         dist_harness.run(1, _load, str(tmp_path / "m"))
+
+
+def test_a_file_that_is_not_safetensors_is_named(tmp_path):
+    import struct
+
+    from parallel import CheckpointReader
+
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 12) + bytes(range(200, 212)) + b"\x00" * 64)
+    with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file \(its header is not a JSON object\)"):
+        CheckpointReader(tmp_path)

@@ -148,3 +148,16 @@ def test_seesaw_recipe_matches_hf_and_reports_transitions(four_layer, hf_referen
 def test_seesaw_bad_layouts_are_rejected(tmp_path, override, message):
     with pytest.raises(RuntimeError, match=message):
         dist_harness.run(2, _run_recipe, ["parallel=seesaw", override], str(tmp_path))
+
+
+def test_collective_timeout_is_configurable(monkeypatch):
+    import datetime
+
+    from recipes.generate import collective_timeout
+
+    assert collective_timeout() == datetime.timedelta(minutes=10)
+    monkeypatch.setenv("RESHARD_COLLECTIVE_TIMEOUT", "42")
+    assert collective_timeout() == datetime.timedelta(seconds=42)
+    monkeypatch.setenv("RESHARD_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"RESHARD_COLLECTIVE_TIMEOUT must be a positive number of seconds, got 'soon'"):
+        collective_timeout()

@@ -354,3 +354,48 @@ def test_layout_boxes_agree_with_dtensor_local_slicing(layout_and_shape):
     """The property tests' reference (Layout boxes) is DTensor's own chunk rule."""
     layout, _ = layout_and_shape
     assert all(dist_harness.run(WORLD, _boxes_vs_dtensor, layout))
+
+
+# ---- misuse: a clear error on every rank, never a hang (issue 10) ----------------------------------
+def _disagreeing_ranks():
+    import torch.distributed as dist
+
+    from reshard import redistribute, slice_to_dtensor
+    from reshard.mesh import cached_mesh
+
+    mesh = cached_mesh(torch.arange(dist.get_world_size()), ("x",))
+    t = slice_to_dtensor(torch.arange(16.0).view(4, 4), mesh, (Shard(0),))
+    target = (Shard(1),) if dist.get_rank() == 1 else (Replicate(),)  # rank 1 asks for another layout
+    redistribute(t, mesh, target)
+
+
+def test_ranks_with_different_arguments_get_a_value_error_not_a_hang():
+    with pytest.raises(RuntimeError) as info:
+        dist_harness.run(2, _disagreeing_ranks, timeout=60)
+    text = str(info.value)
+    assert "failed on ranks [0, 1]" in text  # every rank raises, none is left waiting
+    assert "ranks called the move with different arguments (rank 0 vs rank 1, tensor 0:" in text
+    assert "Replicate()" in text and "Shard(dim=1)" in text  # both layouts named
+
+
+def _bad_move_arguments(case):
+    import torch.distributed as dist
+
+    from reshard import redistribute, redistribute_module, slice_to_dtensor
+    from reshard.mesh import cached_mesh
+
+    mesh = cached_mesh(torch.arange(dist.get_world_size()), ("x",))
+    if case == "plain":
+        redistribute(torch.zeros(4), mesh, (Shard(0),))
+    module = torch.nn.Linear(4, 4)
+    module.weight = torch.nn.Parameter(slice_to_dtensor(torch.zeros(4, 4), mesh, (Shard(0),)))
+    redistribute_module(module, {"weight": (Shard(1),)})
+
+
+@pytest.mark.parametrize("case,match", [
+    ("plain", r"redistribute moves DTensors; got a Tensor"),
+    ("no-mesh", r"a move target is \(mesh, placements\); got \(Shard\(dim=1\),\)"),
+])
+def test_bad_move_arguments_are_named(case, match):
+    with pytest.raises(RuntimeError, match=match):
+        dist_harness.run(1, _bad_move_arguments, case)
