@@ -270,3 +270,31 @@ def test_shared_memory_files_are_unlinked_once_mapped(four_layer):
     """A crash cannot leave the CPU tier or the weight copy behind in /dev/shm."""
     for leftover in dist_harness.run(2, _shm_files_while_running, four_layer["llama"]):
         assert leftover == []
+
+
+def _die_while_mapping():
+    import os
+
+    import torch.distributed as dist
+
+    from parallel.seesaw import map_shared
+    from reshard.kv import CPUKVTier, TierSpec
+
+    def factory(path):
+        tier = CPUKVTier(TierSpec(1, 2, 4, capacity_tokens=8), path)
+        if dist.get_rank() == 1:
+            os._exit(1)  # injected fault: a rank dies after mapping, before the others are done
+        return tier
+
+    map_shared("reshard-faulttest", factory)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_rank_dying_while_mapping_leaves_no_shared_memory_file():
+    import os
+
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises((RuntimeError, TimeoutError)):
+        dist_harness.run(2, _die_while_mapping, timeout=30)
+    left = {f for f in os.listdir("/dev/shm") if f.startswith("reshard-")} - before
+    assert left == set()
