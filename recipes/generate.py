@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -219,10 +220,26 @@ def _hydra_entry() -> None:
 
     @hydra.main(version_base=None, config_path="../conf", config_name="generate")
     def _main(cfg: DictConfig) -> None:
-        config = GenerateConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
-        run_generate(config, Path(HydraConfig.get().runtime.output_dir))
+        try:
+            config = GenerateConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+            run_generate(config, Path(HydraConfig.get().runtime.output_dir))
+        except ValueError as e:  # a user error: one line, not a traceback per rank
+            report_once(f"error: {e}")
+            raise SystemExit(2) from None
 
     _main()
+
+
+def report_once(message: str) -> None:
+    """Print ``message`` on stderr from the first rank of this job (on this machine) that gets
+    here; the other ranks, which usually found the same error, stay quiet."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
+    marker = Path(tempfile.gettempdir()) / f"reshard-error-{run}-{os.getppid()}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    print(message, file=sys.stderr, flush=True)
 
 
 def main() -> None:

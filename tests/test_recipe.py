@@ -161,3 +161,14 @@ def test_collective_timeout_is_configurable(monkeypatch):
     monkeypatch.setenv("RESHARD_COLLECTIVE_TIMEOUT", "soon")
     with pytest.raises(ValueError, match=r"RESHARD_COLLECTIVE_TIMEOUT must be a positive number of seconds, got 'soon'"):
         collective_timeout()
+
+
+def test_user_error_under_torchrun_is_one_line(tmp_path):
+    """A config error is printed once, as one line, with no Python traceback from any rank."""
+    env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "recipes.generate", "generation.temperature=hot", "hydra.run.dir=" + str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: generation.temperature must be float, got 'hot'") == 1, proc.stderr[-2000:]
+    assert "recipes/generate.py" not in proc.stderr  # no rank printed a traceback of ours
