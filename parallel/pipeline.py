@@ -22,7 +22,8 @@ from .plans import MeshOf, tp_plan
 
 
 def parallelize_pipeline(path: str | os.PathLike, dims: ParallelDims, *,
-                         dtype: torch.dtype | None = None, load_weights: bool = True) -> nn.Module:
+                         dtype: torch.dtype | None = None, load_weights: bool = True,
+                         allow_unused: bool = False) -> nn.Module:
     """Load ``path`` with decoder layers split over ``dims.pp`` stages, each TP over ``dims.tp``.
 
     Every module lives on its stage's tp mesh (:func:`stage_mesh_of`); KV heads fewer than tp are
@@ -32,7 +33,7 @@ def parallelize_pipeline(path: str | os.PathLike, dims: ParallelDims, *,
     if dims.pp > layers:
         raise ValueError(f"pipeline stages ({dims.pp}) exceed the model's layers ({layers})")
     return parallelize(path, dims, plan=tp_plan(), dtype=dtype, mesh_of=stage_mesh_of(dims, layers),
-                       load_weights=load_weights)
+                       load_weights=load_weights, allow_unused=allow_unused)
 
 
 def stage_meshes(dims: ParallelDims) -> list[DeviceMesh]:

@@ -102,13 +102,14 @@ def _map_named(prefix: str, factory):
 
 
 def build_model(path: str | os.PathLike, dims: ParallelDims, *, dtype: torch.dtype | None = None,
-                load_weights: bool = True) -> nn.Module:
+                load_weights: bool = True, allow_unused: bool = False) -> nn.Module:
     """The model in ``dims``' layout: pipeline stages when ``dims.pp > 1``, else TP x DP."""
     if dims.sp != 1:
         raise ValueError(f"Seesaw layouts take dp, pp and tp; got sp={dims.sp}")
     if dims.pp > 1:
-        return parallelize_pipeline(path, dims, dtype=dtype, load_weights=load_weights)
-    return parallelize(path, dims, dtype=dtype, load_weights=load_weights)
+        return parallelize_pipeline(path, dims, dtype=dtype, load_weights=load_weights,
+                                    allow_unused=allow_unused)
+    return parallelize(path, dims, dtype=dtype, load_weights=load_weights, allow_unused=allow_unused)
 
 
 class LayoutSwitch:
@@ -119,14 +120,14 @@ class LayoutSwitch:
 
     def __init__(self, path: str | os.PathLike, prefill: ParallelDims, decode: ParallelDims, *,
                  weights: str = "move", dtype: torch.dtype | None = None,
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, allow_unused: bool = False) -> None:
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
         if prefill.world_size != decode.world_size:
             raise ValueError(f"prefill layout has {prefill.world_size} ranks but decode layout has "
                              f"{decode.world_size}; both must span the same ranks")
         self.dims = {"prefill": prefill, "decode": decode}
-        self.models = {"prefill": build_model(path, prefill, dtype=dtype),
+        self.models = {"prefill": build_model(path, prefill, dtype=dtype, allow_unused=allow_unused),
                        "decode": build_model(path, decode, dtype=dtype, load_weights=False)}
         release_weights(self.models["decode"])
         self.active, self.weights, self.bucket_bytes = "prefill", weights, bucket_bytes
@@ -515,7 +516,8 @@ class SeesawStrategy(Strategy):
 
     def build(self, path, args: EngineArgs) -> Engine:
         prefill, decode = self.layouts(dist.get_world_size())
-        switch = LayoutSwitch(path, prefill, decode, weights=self.weights, dtype=args.dtype)
+        switch = LayoutSwitch(path, prefill, decode, weights=self.weights, dtype=args.dtype,
+                              allow_unused=args.allow_unused)
         return seesaw_engine(switch, cpu_kv_budget=self.cpu_kv_budget, scheduler=self.scheduler,
                              max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                              max_prefill_tokens=args.max_prefill_tokens,

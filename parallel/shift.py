@@ -127,7 +127,7 @@ def _derived(grid: torch.Tensor, names: tuple[str, str]) -> DeviceMesh:
 
 
 def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weights: str = "copy",
-                      dtype: torch.dtype | None = None) -> nn.Module:
+                      dtype: torch.dtype | None = None, allow_unused: bool = False) -> nn.Module:
     """Load ``path`` for Shift parallelism on ``dims`` (``sp * tp`` ranks).
 
     ``shift_weights``: ``"copy"`` keeps separate full-TP shards beside the base weights (the
@@ -139,7 +139,8 @@ def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weig
         raise ValueError(f"shift_weights must be 'copy' or 'slice', got {shift_weights!r}")
     if dims.dp != 1 or dims.pp != 1:
         raise ValueError(f"Shift parallelism runs on sp x tp ranks; got dp({dims.dp}), pp({dims.pp})")
-    model = parallelize(path, dims, plan=shift_plan(), dtype=dtype, mesh_of=base_mesh_of(dims))
+    model = parallelize(path, dims, plan=shift_plan(), dtype=dtype, mesh_of=base_mesh_of(dims),
+                        allow_unused=allow_unused)
     copy, extra = shift_weights == "copy", 0
     for layer in model.model.layers:
         extra += layer.self_attn.add_shift_layouts(copy=copy)
@@ -238,7 +239,7 @@ class ShiftStrategy(Strategy):
         import torch.distributed as dist
 
         model = parallelize_shift(path, self.dims(dist.get_world_size()), shift_weights=self.shift_weights,
-                                  dtype=args.dtype)
+                                  dtype=args.dtype, allow_unused=args.allow_unused)
         return shift_engine(model, threshold=self.threshold, max_batch_size=args.max_batch_size,
                             max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
                             compile=args.compile, admission=args.admission)

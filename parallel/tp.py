@@ -29,7 +29,7 @@ class TPStrategy(Strategy):
         return ParallelDims(dp=world_size // tp, tp=tp, world_size=world_size)
 
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
-        model = parallelize(path, self.dims(_world()), dtype=args.dtype)
+        model = parallelize(path, self.dims(_world()), dtype=args.dtype, allow_unused=args.allow_unused)
         return Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                       max_prefill_tokens=args.max_prefill_tokens, compile=args.compile,
                       admission=args.admission)

@@ -10,6 +10,7 @@ class ModelConfig:
     path: str | None = None
     cache_dir: str | None = None
     dtype: str = "float32"
+    allow_unused_weights: bool = False  # load a checkpoint with tensors its config.json does not use
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -71,7 +72,7 @@ class EngineConfig:
         if self.admission not in ADMISSION:
             raise ValueError(f"engine.admission must be one of {list(ADMISSION)}, got {self.admission!r}")
 
-    def args(self, *, compile: bool, dtype: str):
+    def args(self, *, compile: bool, dtype: str, allow_unused: bool = False):
         """The engine arguments every strategy takes."""
         import torch
 
@@ -79,7 +80,7 @@ class EngineConfig:
 
         return EngineArgs(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                           max_prefill_tokens=self.max_prefill_tokens, compile=compile,
-                          dtype=getattr(torch, dtype), admission=self.admission)
+                          dtype=getattr(torch, dtype), admission=self.admission, allow_unused=allow_unused)
 
 
 @dataclass

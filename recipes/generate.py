@@ -39,7 +39,8 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     path = _model_path(cfg)
     dims = cfg.parallel.dims(dist.get_world_size())  # validates the layout before loading
-    engine = cfg.parallel.build(path, cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype))
+    args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
+    engine = cfg.parallel.build(path, args)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
     t1 = time.perf_counter()

@@ -172,3 +172,19 @@ def test_user_error_under_torchrun_is_one_line(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.count("error: generation.temperature must be float, got 'hot'") == 1, proc.stderr[-2000:]
     assert "recipes/generate.py" not in proc.stderr  # no rank printed a traceback of ours
+
+
+def test_checkpoint_with_unused_tensors_needs_the_opt_in(checkpoints, tmp_path):
+    import shutil
+
+    shutil.copytree(checkpoints["llama"], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    overrides = [f"model.path={tmp_path / 'm'}", "workload.num_requests=2", "generation.max_new_tokens=2",
+                 "progress=false"]
+    with pytest.raises(RuntimeError, match=r"9 tensors in the checkpoint at .* are not used"):
+        dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))
+    summary = dist_harness.run(2, _run_recipe, overrides + ["model.allow_unused_weights=true"],
+                               str(tmp_path / "run"))[0]
+    assert summary["requests"] == 2

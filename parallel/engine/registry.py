@@ -32,6 +32,7 @@ class EngineArgs:
     compile: bool = False
     dtype: torch.dtype | None = None
     admission: str = "fifo"  # the continuous-batching order (strategies with their own scheduler ignore it)
+    allow_unused: bool = False  # load a checkpoint that holds tensors the model does not use
 
 
 class Strategy:
