@@ -43,13 +43,13 @@ class Layout:
             )
         for p in self.placements:
             if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
-                raise ValueError(f"{p} is out of range for a tensor of shape {self.shape}")
+                raise ValueError(f"{p!r} is out of range for a tensor of shape {self.shape}")
 
     @staticmethod
     def of(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
            dtype: torch.dtype) -> "Layout":
         """Layout of a tensor of global ``shape`` placed on ``mesh``."""
-        placements = tuple(_normalize(p, len(shape)) for p in placements)
+        placements = tuple(_normalize(p, tuple(shape)) for p in placements)
         return Layout(nested_tuple(mesh.mesh.tolist()), placements, tuple(shape), dtype)
 
     @staticmethod
@@ -98,9 +98,12 @@ def nested_tuple(x):
     return tuple(nested_tuple(v) for v in x) if isinstance(x, (list, tuple)) else int(x)
 
 
-def _normalize(p: Placement, ndim: int) -> Placement:
+def _normalize(p: Placement, shape: tuple[int, ...]) -> Placement:
+    """A negative ``Shard`` dim counted from the end; ``ValueError`` naming the placement as given."""
     if isinstance(p, Shard) and p.dim < 0:
-        return Shard(p.dim + ndim)
+        if p.dim + len(shape) < 0:
+            raise ValueError(f"{p!r} is out of range for a tensor of shape {shape}")
+        return Shard(p.dim + len(shape))
     return p
 
 

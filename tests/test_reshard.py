@@ -399,3 +399,16 @@ def _bad_move_arguments(case):
 def test_bad_move_arguments_are_named(case, match):
     with pytest.raises(RuntimeError, match=match):
         dist_harness.run(1, _bad_move_arguments, case)
+
+
+def _layout_of(placement):
+    import torch.distributed as dist
+
+    from reshard.mesh import cached_mesh
+
+    Layout.of(cached_mesh(torch.arange(dist.get_world_size()), ("x",)), (placement,), (4, 4), torch.float32)
+
+
+def test_out_of_range_shard_dim_is_named_as_given():
+    with pytest.raises(RuntimeError, match=r"Shard\(dim=-3\) is out of range for a tensor of shape \(4, 4\)"):
+        dist_harness.run(1, _layout_of, Shard(-3))
