@@ -60,3 +60,17 @@ def use_weights(source: str | None) -> Iterator[None]:
         yield
     finally:
         _ACTIVE = previous
+
+
+def weight_copies(model) -> dict[str, DTensor]:
+    """Every separate copy a layer holds of its weights, keyed ``"<parameter name>@<source>"``
+    (views of the layer's own shards are left out: writing the parameter updates them)."""
+    out: dict[str, DTensor] = {}
+    for prefix, module in model.named_modules():
+        for source, held in getattr(module, "sources", {}).items():
+            if not isinstance(held, StaticWeights) or held.nbytes == 0:
+                continue
+            out[f"{prefix}.weight@{source}"] = held.weights.weight
+            if held.weights.bias is not None:
+                out[f"{prefix}.bias@{source}"] = held.weights.bias
+    return out

@@ -12,26 +12,35 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from reshard.mesh import cached_mesh, device_type
+from reshard.mesh import cached_group, cached_mesh, device_type
 
 AXES = ("dp", "pp", "sp", "tp")
 
 
 def rank_grid(dims: "ParallelDims") -> torch.Tensor:
-    """Ranks ``0..world_size-1`` as the ascending ``(dp, pp, sp, tp)`` grid (checks the job's size)."""
+    """The layout's ranks (``0..world_size-1``, or from ``first_rank``) as the ascending
+    ``(dp, pp, sp, tp)`` grid (checks the job's size)."""
     dims._check_world()
-    return torch.arange(dims.world_size).view(dims.shape)
+    first = dims.first_rank or 0
+    return torch.arange(first, first + dims.world_size).view(dims.shape)
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of the mesh axes ``(dp, pp, sp, tp)``; their product must equal ``world_size``."""
+    """Degrees of the mesh axes ``(dp, pp, sp, tp)``; their product must equal ``world_size``.
+
+    ``first_rank``: ``None`` (default) spans the whole job; an int places the layout on ranks
+    ``first_rank..first_rank + world_size - 1`` of a larger job (e.g. rollout ranks beside
+    training ranks). Meshes are built on every rank of the job (collective), so ranks outside
+    the layout build the same model with empty shards.
+    """
 
     dp: int = 1
     pp: int = 1
     sp: int = 1
     tp: int = 1
     world_size: int = 1
+    first_rank: int | None = None
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # "world" only
 
     def __post_init__(self) -> None:
@@ -55,10 +64,21 @@ class ParallelDims:
         return tuple(getattr(self, a) for a in AXES)
 
     def world_mesh(self) -> DeviceMesh:
-        """4-D mesh ``(dp, pp, sp, tp)`` over ranks ``0..world_size-1`` in ascending order."""
+        """4-D mesh ``(dp, pp, sp, tp)`` over the layout's ranks in ascending order."""
         if "world" not in self._meshes:
             self._meshes["world"] = cached_mesh(rank_grid(self), AXES)
+            self._meshes["group"] = None if self.first_rank is None else cached_group(rank_grid(self))
         return self._meshes["world"]
+
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of the layout's ranks (``None``: the default group, the whole job)."""
+        self.world_mesh()
+        return self._meshes["group"]
+
+    @property
+    def ranks(self) -> list[int]:
+        first = self.first_rank or 0
+        return list(range(first, first + self.world_size))
 
     def mesh(self, axis: str) -> DeviceMesh:
         """1-D mesh of this rank's group along ``axis``."""
@@ -68,7 +88,11 @@ class ParallelDims:
 
     def _check_world(self) -> None:
         actual = dist.get_world_size() if dist.is_initialized() else 1
-        if actual != self.world_size:
+        if self.first_rank is not None:
+            if not 0 <= self.first_rank <= actual - self.world_size:
+                raise ValueError(f"ranks {self.first_rank}..{self.first_rank + self.world_size - 1} of the "
+                                 f"layout are not all in the job's {actual} ranks")
+        elif actual != self.world_size:
             raise ValueError(
                 f"ParallelDims expects world_size({self.world_size}) but the job has "
                 f"{actual} ranks"

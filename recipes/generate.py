@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -232,14 +231,13 @@ def _hydra_entry() -> None:
 
 
 def report_once(message: str) -> None:
-    """Print ``message`` on stderr from the first rank of this job (on this machine) that gets
-    here; the other ranks, which usually found the same error, stay quiet."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
-    marker = Path(tempfile.gettempdir()) / f"reshard-error-{run}-{os.getppid()}"
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return
+    """Print ``message`` on stderr from the first rank of the job that gets here; the other ranks,
+    which usually found the same error, stay quiet. Counted in the process group's store, so
+    nothing is left on disk."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
+        if store.add("reshard/user-error", 1) > 1:
+            return
     print(message, file=sys.stderr, flush=True)
 
 

@@ -116,29 +116,66 @@ def _check_world(plans: Sequence[Plan]) -> None:
                                  f"(mesh {list(layout.ranks)})")
 
 
-def execute(plans: Sequence[Plan], src_locals: Sequence[torch.Tensor | None], *,
+@dataclass(frozen=True)
+class Schedule:
+    """The rounds of a set of plans under a bucket budget: a pure function of both, so a caller
+    that runs the same plans again (a weight sync every RL iteration) computes it once."""
+
+    plans: tuple[Plan, ...]
+    bucket_bytes: int | None
+    rounds: tuple[tuple[_Item, ...], ...]
+
+    @staticmethod
+    def of(plans: Sequence[Plan], bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> "Schedule":
+        rounds = assign_rounds(_items(plans, bucket_bytes), plans, bucket_bytes)
+        return Schedule(tuple(plans), bucket_bytes, tuple(tuple(r) for r in rounds))
+
+
+def execute(plans: Sequence[Plan] | Schedule, src_locals: Sequence[torch.Tensor | None], *,
             bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu",
-            group: dist.ProcessGroup | None = None) -> tuple[list[torch.Tensor | None], CommStats]:
-    """Run ``plans`` together; returns this rank's destination shards (``None`` off the mesh)."""
+            group: dist.ProcessGroup | None = None,
+            out: Sequence[torch.Tensor | None] | None = None) -> tuple[list[torch.Tensor | None], CommStats]:
+    """Run ``plans`` together; returns this rank's destination shards (``None`` off the mesh).
+
+    ``out``: this rank's destination shards to write in place (``None`` off the mesh), e.g. a
+    model's parameters; otherwise new tensors are allocated (or views of the source returned
+    where a rank already holds its whole destination box).
+    """
     t0 = time.perf_counter()
+    schedule = plans if isinstance(plans, Schedule) else Schedule.of(plans, bucket_bytes)
+    plans = schedule.plans
     _check_world(plans)
     rank = dist.get_rank()
-    views = {i for i, plan in enumerate(plans) if _held_whole(plan, rank)}
-    outs = [_src_slice(plan, src_locals[i], rank) if i in views else _alloc(plan, rank, device)
-            for i, plan in enumerate(plans)]
+    if out is not None:
+        views, outs = set(), _check_out(plans, out, rank)
+    else:
+        views = {i for i, plan in enumerate(plans) if _held_whole(plan, rank)}
+        outs = [_src_slice(plan, src_locals[i], rank) if i in views else _alloc(plan, rank, device)
+                for i, plan in enumerate(plans)]
     stats = CommStats(planned_bytes=sum(p.bytes_moved for p in plans),
                       lower_bound_bytes=sum(p.lower_bound_bytes for p in plans))
-    items = _items(plans, bucket_bytes)
-    for round_items in assign_rounds(items, plans, bucket_bytes):
+    for round_items in schedule.rounds:
         mine = [it for it in round_items if rank in (it.piece.src, it.piece.dst)]
         if mine:
             _run_round(mine, plans, src_locals, outs, rank, stats, group, views)
         stats.rounds += 1
-    for plan, out in zip(plans, outs):
-        if out is not None and plan.reduce_op == "avg":
-            out.div_(plan.num_contributions)
+    for plan, o in zip(plans, outs):
+        if o is not None and plan.reduce_op == "avg":
+            o.div_(plan.num_contributions)
     stats.seconds = time.perf_counter() - t0
     return outs, stats
+
+
+def _check_out(plans: Sequence[Plan], out: Sequence[torch.Tensor | None], rank: int) -> list:
+    """Destination shards given by the caller: one per plan, of this rank's local shape."""
+    assert len(out) == len(plans), f"{len(out)} destination tensors for {len(plans)} plans"
+    for plan, o in zip(plans, out):
+        shape = plan.dst.local_shape(rank)
+        assert (o is None) == (shape is None) and (o is None or tuple(o.shape) == shape), \
+            f"destination shard {None if o is None else tuple(o.shape)} != planned {shape}"
+        if o is not None and plan.reduce_op:
+            o.zero_()
+    return list(out)
 
 
 def _held_whole(plan: Plan, rank: int) -> bool:

@@ -34,4 +34,17 @@ def cached_mesh(grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
     return _MESHES[key]
 
 
-__all__ = ["cached_mesh", "device_type"]
+def cached_group(ranks: torch.Tensor) -> dist.ProcessGroup:
+    """A process group over ``ranks``, created once per default group (collective: every rank
+    of the job asks for the same groups in the same order)."""
+    world = dist.group.WORLD
+    if _MESHES.get("world") is not world:
+        _MESHES.clear()
+        _MESHES["world"] = world
+    key = ("group", tuple(sorted(ranks.flatten().tolist())))
+    if key not in _MESHES:
+        _MESHES[key] = dist.new_group(list(key[1]))
+    return _MESHES[key]
+
+
+__all__ = ["cached_group", "cached_mesh", "device_type"]

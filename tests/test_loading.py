@@ -126,6 +126,15 @@ def test_config_disagreeing_with_the_weights_is_refused(checkpoints, tmp_path):
         dist_harness.run(1, _load, path)
 
 
+def test_vocab_larger_than_the_weights_is_refused(checkpoints, tmp_path):
+    """vocab_size above the embedding's rows: named with both shapes (was a RuntimeError about size 0)."""
+    path = _edit_config(Path(checkpoints["llama"]), tmp_path / "vocab", vocab_size=512)
+    with pytest.raises(RuntimeError, match=r"checkpoint tensor 'model.embed_tokens.weight' in .*model.safetensors "
+                                           r"is \[256, 64\] torch.float32 but parameter 'model.embed_tokens.weight' "
+                                           r"is \[512, 64\] torch.float32"):
+        dist_harness.run(1, _load, path)
+
+
 def test_unused_checkpoint_tensors_are_an_error_unless_allowed(checkpoints, tmp_path):
     path = _edit_config(Path(checkpoints["llama"]), tmp_path / "one-layer", num_hidden_layers=1)
     with pytest.raises(RuntimeError, match=r"9 tensors in the checkpoint at .* are not used by the model built "

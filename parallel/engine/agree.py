@@ -9,23 +9,25 @@ from ..sampling import sample_tokens, skip_draws
 from .request import Sequence
 
 
-def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor) -> torch.Tensor:
+def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor,
+                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank continues with, for each sequence, the token its one source rank sampled.
 
     ``tokens`` ``(B,)`` are this rank's candidates, ``is_source`` ``(B,)`` marks the sequences
     this rank is the source of; exactly one rank of the job is the source of each sequence (the
     first rank of the last pipeline stage of the data-parallel replica that ran it). One sum
-    all-reduce over the default group; returns the agreed ``(B,)`` tokens on the CPU.
+    all-reduce over ``group`` (the layout's ranks; default: the job); returns the agreed ``(B,)``
+    tokens on the CPU.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return tokens
     chosen = torch.where(is_source, tokens, torch.zeros_like(tokens)).to(device_type())
-    dist.all_reduce(chosen)
+    dist.all_reduce(chosen, group=group)
     return chosen.cpu()
 
 
 def sample_step(seqs: list[Sequence], mine: list[Sequence], logits: torch.Tensor | None,
-                is_source: bool, vocab_size: int) -> list[int]:
+                is_source: bool, vocab_size: int, group: dist.ProcessGroup | None = None) -> list[int]:
     """The next token of every sequence of a step, the same on every rank.
 
     ``mine`` (a sub-list of ``seqs``) ran on this rank, which holds their ``logits`` on the last
@@ -43,4 +45,4 @@ def sample_step(seqs: list[Sequence], mine: list[Sequence], logits: torch.Tensor
         sampled = {id(s) for s in mine}
     others = [s for s in seqs if id(s) not in sampled]
     skip_draws([s.request.sampling for s in others], [s.generator for s in others], vocab_size)
-    return agree_tokens(tokens, source).tolist()
+    return agree_tokens(tokens, source, group).tolist()

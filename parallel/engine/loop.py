@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from reshard.sync import weight_version
+
 from .agree import sample_step
 from .policy import ContinuousBatching, Policy, Step
 from .request import Completion, Request, Sequence
@@ -55,6 +57,7 @@ class Engine:
         self.stats = self.policy.stats_cls()
         self.policy.bind(self)
         self.active: str | None = self.policy.initial_layout
+        self._released: list = []  # caches freed by release_memory(), restored by generate()
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property
@@ -82,6 +85,10 @@ class Engine:
     def generate(self, requests: Seq[Request], *, progress: bool = False) -> list[Completion]:
         """Run all ``requests`` to completion on every rank; returns completions in request order."""
         self.validate(requests)
+        for runner in self.runners.values():
+            weight_version(runner.model).check_ready()
+        while self._released:  # re-acquire what release_memory() freed
+            self._released.pop().restore()
         queue, done = deque(requests), {}
         self.policy.start(queue)
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
@@ -102,7 +109,7 @@ class Engine:
         t0 = time.perf_counter()
         mine = [s for s in step.seqs if s.replica == runner.replica.rank]
         logits = runner.run(step.phase, mine) if mine else None
-        tokens = sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size)
+        tokens = sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, runner.group)
         for seq, token in zip(step.seqs, tokens):
             seq.cached += seq.prompt_len if step.phase == "prefill" else 1
             seq.append(token)
@@ -156,6 +163,13 @@ class Engine:
 
         self.validate([Request(i, list(p), SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)])
         return self.runner.prompt_logits(prompts)
+
+    def release_memory(self) -> int:
+        """Free every runner's KV cache (e.g. while the same ranks train); returns bytes freed.
+        The next :meth:`generate` re-acquires it."""
+        caches = [kv for kv in {id(r.kv): r.kv for r in self.runners.values()}.values() if kv.allocated]
+        self._released += caches
+        return sum(kv.release() for kv in caches)
 
     def close(self) -> None:
         """Release the policy's threads and shared memory (not collective; safe on error paths)."""

@@ -26,7 +26,7 @@ from layers._comm import all_gather
 from layers.weights import use_weights
 from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 
-from ..dims import ParallelDims
+from ..dims import ParallelDims, rank_grid
 from ..layouts import stage_of_layer
 from .request import Sequence
 
@@ -142,6 +142,10 @@ class ModelRunner:
         self.max_seq_len = _positive("max_seq_len", max_seq_len or min(cfg.max_position_embeddings, 4096))
         self.num_microbatches = _positive("num_microbatches", num_microbatches)
         coord = self.dims.world_mesh().get_coordinate()  # (dp, pp, sp, tp)
+        if coord is None:
+            raise ValueError(f"rank {dist.get_rank()} is not one of the layout's ranks {self.dims.ranks}; "
+                             f"only those ranks run its engine")
+        self.group = self.dims.group()  # the layout's ranks agree on each step's tokens
         self.replica = Replica(self.dims.dp, coord[0])
         self.layer_ids = self._stage_layers(coord[1])
         self.layers = [model.model.layers[i] for i in self.layer_ids]
@@ -168,7 +172,7 @@ class ModelRunner:
         return [i for i in range(n) if stage_of_layer(i, n, self.dims.pp) == stage]
 
     def _stage_link(self, coord: list[int]) -> StageLink:
-        grid = torch.arange(self.dims.world_size).view(self.dims.shape)
+        grid = rank_grid(self.dims)
         peers = [int(grid[coord[0], p, coord[2], coord[3]]) for p in range(self.dims.pp)]
         dtype = self.model.model.embed_tokens.weight.dtype
         return StageLink(coord[1], peers, self.model.config.hidden_size, dtype, self.device)

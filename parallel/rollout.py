@@ -1,0 +1,135 @@
+"""RL rollout in training code: a policy trained with FSDP2, rolled out in an inference layout.
+
+The training model is the HF model itself, ``fully_shard``-ed over the training ranks (parameters
+``Shard(0)``). The rollout model is built by :func:`parallelize` in the TP or Shift layout over the
+rollout ranks, the same ranks (colocated) or others (split). Weights move between them with
+:func:`parallel.weight_sync.model_sync`, in place, every iteration. The policy-gradient pieces
+(group-normalized advantages, the GRPO loss) are plain functions of tensors.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from reshard.mesh import cached_mesh
+
+from .dims import ParallelDims
+from .parallelize import parallelize
+from .shift import parallelize_shift
+
+ROLLOUT_LAYOUTS = ("tp", "shift")
+
+
+@dataclass(frozen=True)
+class RankSplit:
+    """Which ranks train and which roll out: all ranks both (colocated), or two disjoint halves."""
+
+    train: tuple[int, ...]
+    rollout: tuple[int, ...]
+
+    @staticmethod
+    def of(world_size: int, colocated: bool, train_ranks: int | None = None) -> "RankSplit":
+        """Colocated: every rank does both. Split: the first ``train_ranks`` (default half) train,
+        the others roll out."""
+        if colocated:
+            ranks = tuple(range(world_size))
+            return RankSplit(ranks, ranks)
+        n = train_ranks if train_ranks is not None else world_size // 2
+        if not 0 < n < world_size:
+            raise ValueError(f"split placement needs 1..{world_size - 1} training ranks of the job's "
+                             f"{world_size}, got {n}")
+        return RankSplit(tuple(range(n)), tuple(range(n, world_size)))
+
+    @property
+    def colocated(self) -> bool:
+        return self.train == self.rollout
+
+
+def train_model(path: str | os.PathLike, ranks: Sequence[int]) -> nn.Module | None:
+    """The HF model of ``path``, FSDP2-sharded over ``ranks`` (``Shard(0)`` parameters), in fp32
+    train mode; ``None`` on other ranks. Collective: every rank of the job calls it."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    mesh = cached_mesh(torch.tensor(list(ranks)), ("fsdp",))  # built on every rank (collective)
+    if dist.get_rank() not in ranks:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model.train()
+
+
+def rollout_model(path: str | os.PathLike, layout: str, ranks: Sequence[int], *, tp: int | None = None,
+                  sp: int = 2) -> nn.Module:
+    """The rollout model over ``ranks`` (consecutive): ``"tp"`` (TP of ``tp`` ranks, default all,
+    the rest data-parallel replicas) or ``"shift"`` (Shift parallelism, ``sp`` x rest). Built on
+    every rank of the job (collective); ranks outside ``ranks`` hold empty shards."""
+    dims = rollout_dims(layout, ranks, tp=tp, sp=sp)
+    if layout == "tp":
+        return parallelize(path, dims)
+    return parallelize_shift(path, dims)
+
+
+def rollout_dims(layout: str, ranks: Sequence[int], *, tp: int | None = None, sp: int = 2) -> ParallelDims:
+    if layout not in ROLLOUT_LAYOUTS:
+        raise ValueError(f"rollout layout must be one of {ROLLOUT_LAYOUTS}, got {layout!r}")
+    n, first = len(ranks), ranks[0]
+    if list(ranks) != list(range(first, first + n)):
+        raise ValueError(f"rollout ranks must be consecutive, got {list(ranks)}")
+    if layout == "shift":
+        if n % sp:
+            raise ValueError(f"rollout.sp ({sp}) must divide the {n} rollout ranks")
+        return ParallelDims(sp=sp, tp=n // sp, world_size=n, first_rank=first)
+    tp = tp or n
+    if n % tp:
+        raise ValueError(f"rollout.tp ({tp}) must divide the {n} rollout ranks")
+    return ParallelDims(dp=n // tp, tp=tp, world_size=n, first_rank=first)
+
+
+# ---- GRPO ----------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """``(P * G,)`` rewards (G completions per prompt, prompt-major) -> advantages normalized
+    within each group: ``(r - mean) / (std + eps)``; a group whose rewards are all equal gets 0."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.view(-1, group_size)  # (P, G)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)).flatten()
+
+
+def completion_logprobs(model: nn.Module, prompts: Sequence[Sequence[int]],
+                        completions: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities of each completion given its prompt (teacher forcing).
+
+    Returns ``(logp, mask)``, both ``(B, Tc)`` (right-padded to the longest completion).
+    """
+    device = next(model.parameters()).device
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+    width, tc = max(map(len, seqs)), max(map(len, completions))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], attn[i, :len(s)] = torch.tensor(s), 1
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()  # (B, W, V)
+    logp_all = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, W-1)
+    logp = torch.zeros(len(seqs), tc, device=device)
+    mask = torch.zeros(len(seqs), tc, device=device)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        logp[i, :len(c)] = logp_all[i, len(p) - 1:len(p) - 1 + len(c)]
+        mask[i, :len(c)] = 1
+    return logp, mask
+
+
+def grpo_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """On-policy GRPO (one update per batch, so the ratio is 1 and the clip inactive): the
+    negative advantage-weighted log-likelihood, averaged over each completion's tokens and then
+    over completions."""
+    per_seq = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return -(advantages.to(per_seq.device) * per_seq).mean()

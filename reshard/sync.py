@@ -1,0 +1,329 @@
+"""Weight sync: tensors of one model written in place into another's, in any two layouts.
+
+The RL rollout case: a policy trained in its training layout (FSDP2's ``Shard(0)``) and a rollout
+copy in an inference layout (TP, Shift), on the same ranks or on other ranks. One
+:class:`WeightSync` is built once (a collective: every rank of the world, whether it holds the
+source, the destination, both or neither). It exchanges the two sides' layouts, matches tensors by
+name and checks global shape and dtype, plans every transfer with the movement core and keeps the
+plans and their bucketed rounds. Each :meth:`WeightSync.sync` then moves exactly the bytes the
+destination ranks lack (the lower bound), senders spread over source replicas, in rounds whose
+buffers stay within ``bucket_bytes``, and writes the destination's storages in place, so compiled
+graphs and CUDA graphs that captured them stay valid.
+
+``method`` selects the common baselines instead, in the same code for comparison:
+``"full_tensor"`` (every parameter gathered whole by ``DTensor.full_tensor()``, broadcast to
+destination ranks outside the source mesh, then sliced) and ``"broadcast"`` (each parameter
+gathered to one source rank and broadcast to every destination rank, as OpenRLHF does).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from .executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
+from .layout import Layout, box_slices, nested_tuple
+from .plan import Plan, plan_transfer
+
+SYNC_METHODS = ("planned", "full_tensor", "broadcast")
+
+
+@dataclass
+class WeightVersion:
+    """Which training step a model's weights come from; ``pending`` while a sync writes them."""
+
+    step: int | None = None
+    pending: int | None = None
+
+    def check_ready(self) -> None:
+        """``RuntimeError`` while a sync is being applied (or one failed half-way)."""
+        if self.pending is not None:
+            raise RuntimeError(f"the weights are half-synced: step {self.pending} is being written over "
+                               f"step {self.step}; wait for the sync (or re-run a failed one) before generating")
+
+
+def weight_version(model: torch.nn.Module) -> WeightVersion:
+    """The :class:`WeightVersion` attached to ``model`` (attached on first use)."""
+    if not isinstance(getattr(model, "weight_version", None), WeightVersion):
+        model.weight_version = WeightVersion()
+    return model.weight_version
+
+
+@dataclass(frozen=True)
+class SyncEntry:
+    """One destination tensor: its key, the source tensor it copies, and both global layouts."""
+
+    key: str
+    source: str
+    src: Layout
+    dst: Layout
+
+
+class WeightSync:
+    """Copies ``src`` tensors into ``dst`` tensors in place, planned once.
+
+    Args:
+        src: ``{name: tensor}`` this rank holds of the source model (``None``: none). DTensors
+            carry their layout; a plain tensor is a whole copy on this rank.
+        dst: ``{key: tensor}`` this rank holds of the destination (``None``: none). A key copies
+            the source tensor of the same name; ``"name@alt"`` copies ``name`` too (an extra copy
+            of a weight in another layout, e.g. Shift's full-TP shards).
+        version: the destination model's :class:`WeightVersion` (ranks holding ``dst``).
+        bucket_bytes: the staging budget: a round's send + receive buffers on any rank.
+        method: ``"planned"`` (ours) or a baseline, ``"full_tensor"`` | ``"broadcast"``.
+        allow_unused: source tensors no destination copies are an error unless set.
+
+    Collective: every rank of the world constructs it and calls :meth:`sync` / :meth:`start`.
+    A name, shape or dtype mismatch is a ``ValueError`` on every rank, before anything moves.
+    """
+
+    def __init__(self, src: Mapping[str, torch.Tensor] | None, dst: Mapping[str, torch.Tensor] | None, *,
+                 version: WeightVersion | None = None, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+                 method: str = "planned", allow_unused: bool = False) -> None:
+        if method not in SYNC_METHODS:
+            raise ValueError(f"weight sync method must be one of {SYNC_METHODS}, got {method!r}")
+        self.src, self.dst = dict(src or {}), dict(dst or {})
+        self.version, self.method, self.bucket_bytes = version, method, bucket_bytes
+        srcs, dsts = _exchange(_layouts(self.src), _layouts(self.dst))
+        self.entries = match_layouts(srcs, dsts, allow_unused)
+        self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst) for e in self.entries)
+        self.schedule = Schedule.of(self.plans, bucket_bytes)
+        self._baseline = _Baseline(self.entries, method) if method != "planned" else None
+        self._background = _background_group()
+
+    @property
+    def lower_bound_bytes(self) -> int:
+        return sum(p.lower_bound_bytes for p in self.plans)
+
+    def sync(self, step: int) -> CommStats:
+        """Write the source's current values into the destination (in place); mark them ``step``."""
+        self._check_step(step, None)
+        return self._apply(step, None)
+
+    def start(self, step: int) -> "SyncHandle":
+        """:meth:`sync` on a background thread over its own process group. The source tensors
+        must not change until :meth:`SyncHandle.wait` returns (a forward and backward may run,
+        an optimizer step may not); the destination refuses to generate until then."""
+        if self._baseline is not None:
+            raise ValueError(f"the {self.method!r} baseline runs synchronously only; use sync()")
+        self._check_step(step, self._background)
+        return SyncHandle(self, step)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _apply(self, step: int, group) -> CommStats:
+        if self.version is not None:
+            self.version.pending = step
+        srcs = [_local(self.src.get(e.source), e.src) for e in self.entries]
+        outs = [_local(self.dst.get(e.key), e.dst) for e in self.entries]
+        if self._baseline is not None:
+            stats = self._baseline.run(self.src, outs)
+        else:
+            _, stats = execute(self.schedule, srcs, out=outs, group=group)
+        if self.version is not None:
+            self.version.step, self.version.pending = step, None
+        return stats
+
+    def _check_step(self, step: int, group) -> None:
+        """Every rank must sync the same step (one 8-byte all-gather): a ``ValueError`` naming both."""
+        if type(step) is not int:
+            raise ValueError(f"step must be an int, got {step!r}")
+        world = dist.get_world_size(group)
+        mine = torch.tensor([step], dtype=torch.long)
+        steps = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(steps, mine, group=group)
+        values = [int(s) for s in steps]
+        if len(set(values)) > 1:
+            other = next(r for r, v in enumerate(values) if v != values[0])
+            raise ValueError(f"ranks sync different steps: rank 0 step {values[0]} vs rank {other} step {values[other]}")
+
+
+class SyncHandle:
+    """A sync running in the background; :meth:`wait` returns its stats or raises its error."""
+
+    def __init__(self, sync: WeightSync, step: int) -> None:
+        self.step = step
+        if sync.version is not None:
+            sync.version.pending = step  # refuse to generate from the moment the sync is started
+        self._stats: CommStats | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(sync,), name="reshard-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self, sync: WeightSync) -> None:
+        try:
+            self._stats = sync._apply(self.step, sync._background)
+        except BaseException as e:  # re-raised by wait() on the caller's thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> CommStats:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"weight sync of step {self.step} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._stats
+
+
+# ---- layouts: exchanged once, matched by name, checked by shape and dtype -----------------------
+def _layouts(tensors: Mapping[str, torch.Tensor]) -> dict[str, Layout]:
+    """Each tensor's layout; a plain tensor is a whole copy on this rank."""
+    rank = dist.get_rank()
+    return {name: Layout.of_dtensor(t) if isinstance(t, DTensor)
+            else Layout((rank,), (Replicate(),), tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def _exchange(src: dict[str, Layout], dst: dict[str, Layout]) -> tuple[dict[str, Layout], dict[str, Layout]]:
+    """Every rank's layouts, merged: the same on every rank afterwards."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), src, dst))
+    return (merge_layouts([(r, s) for r, s, _ in everyone]),
+            merge_layouts([(r, d) for r, _, d in everyone]))
+
+
+def merge_layouts(reports: list[tuple[int, dict[str, Layout]]]) -> dict[str, Layout]:
+    """One world-wide layout per name from every rank's report.
+
+    Ranks on one mesh report the same layout; different meshes holding the same layout (data-
+    parallel replicas, plain tensors on several ranks) become replicas along a new leading axis.
+    """
+    by_name: dict[str, list[Layout]] = {}
+    for _, layouts in sorted(reports, key=lambda r: r[0]):
+        for name, layout in layouts.items():
+            seen = by_name.setdefault(name, [])
+            if layout not in seen:
+                seen.append(layout)
+    return {name: _stack_replicas(name, layouts) for name, layouts in by_name.items()}
+
+
+def _stack_replicas(name: str, layouts: list[Layout]) -> Layout:
+    if len(layouts) == 1:
+        return layouts[0]
+    first = layouts[0]
+    for other in layouts[1:]:
+        if (other.shape, other.dtype) != (first.shape, first.dtype):
+            raise ValueError(f"{name!r} is {list(first.shape)} {first.dtype} on ranks {first.all_ranks} but "
+                             f"{list(other.shape)} {other.dtype} on ranks {other.all_ranks}")
+        if (other.placements, other.grid.shape) != (first.placements, first.grid.shape):
+            raise ValueError(f"{name!r} has placements {first.placements} on ranks {first.all_ranks} but "
+                             f"{other.placements} on ranks {other.all_ranks}; replicas must share a layout")
+    grid = torch.stack([layout.grid for layout in layouts])
+    if len(set(grid.flatten().tolist())) != grid.numel():
+        raise ValueError(f"{name!r} is held in overlapping layouts {[l.all_ranks for l in layouts]}")
+    return Layout(nested_tuple(grid.tolist()), (Replicate(),) + first.placements, first.shape, first.dtype)
+
+
+def match_layouts(src: dict[str, Layout], dst: dict[str, Layout], allow_unused: bool = False) -> list[SyncEntry]:
+    """One :class:`SyncEntry` per destination key, in sorted key order (the same on every rank)."""
+    entries, missing, used = [], [], set()
+    for key in sorted(dst):
+        name = key.split("@", 1)[0]
+        if name not in src:
+            missing.append(key)
+            continue
+        s, d = src[name], dst[key]
+        if (s.shape, s.dtype) != (d.shape, d.dtype):
+            raise ValueError(f"parameter {key!r}: the source holds {list(s.shape)} {s.dtype} but the "
+                             f"destination {list(d.shape)} {d.dtype}")
+        used.add(name)
+        entries.append(SyncEntry(key, name, s, d))
+    if missing:
+        raise ValueError(f"{len(missing)} destination tensors have no source tensor of the same name: "
+                         f"{missing[:6]}{' ...' if len(missing) > 6 else ''}")
+    unused = sorted(set(src) - used)
+    if unused and not allow_unused:
+        raise ValueError(f"{len(unused)} source tensors are not copied to the destination: {unused[:6]}"
+                         f"{' ...' if len(unused) > 6 else ''} (pass allow_unused=True to sync anyway)")
+    return entries
+
+
+def _local(t: torch.Tensor | None, layout: Layout) -> torch.Tensor | None:
+    """This rank's shard of ``t`` (``None`` when this rank holds none of it)."""
+    if t is None or layout.box(dist.get_rank()) is None:
+        return None
+    t = t.data if isinstance(t, torch.nn.Parameter) else t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Baseline:
+    """The common ways, for comparison: each parameter gathered whole (``full_tensor()``) on the
+    source ranks, broadcast from the first source rank to destination ranks that lack it
+    (``full_tensor``: ranks outside the source; ``broadcast``: every destination rank), sliced."""
+
+    def __init__(self, entries: list[SyncEntry], method: str) -> None:
+        self.entries, self.method = entries, method
+        self.needy = [self._needy(e) for e in entries]
+        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(set(self.needy)) if len(ranks) > 1}
+
+    def _needy(self, e: SyncEntry) -> tuple[int, ...]:
+        """Root first, then the ranks the root broadcasts to."""
+        root = e.src.all_ranks[0]
+        holders = set(e.src.all_ranks) if self.method == "full_tensor" else {root}
+        return (root,) + tuple(sorted(set(e.dst.all_ranks) - holders))
+
+    def run(self, src: Mapping[str, torch.Tensor], outs: list[torch.Tensor | None]) -> CommStats:
+        t0, rank = time.perf_counter(), dist.get_rank()
+        stats = CommStats()
+        for e, needy, out in zip(self.entries, self.needy, outs):
+            full = self._gather(src.get(e.source), e, stats)
+            if rank in needy and len(needy) > 1:
+                if full is None:
+                    full = torch.empty(e.src.shape, dtype=e.src.dtype, device=out.device)
+                if rank != needy[0]:
+                    stats.bytes_received += _nbytes(e.src)
+                dist.broadcast(full, src=needy[0], group=self.groups[needy])
+            if out is not None:
+                out.copy_(full[box_slices(e.dst.box(rank))])
+            if full is not None:
+                stats.peak_extra_bytes = max(stats.peak_extra_bytes, full.numel() * full.element_size())
+            stats.planned_bytes += _gathered_bytes(e.src) + (len(needy) - 1) * _nbytes(e.src)
+        stats.rounds, stats.seconds = len(self.entries), time.perf_counter() - t0
+        return stats
+
+    def _gather(self, t: torch.Tensor | None, e: SyncEntry, stats: CommStats) -> torch.Tensor | None:
+        rank = dist.get_rank()
+        if t is None or e.src.box(rank) is None:
+            return None
+        t = t.data if isinstance(t, torch.nn.Parameter) else t
+        if not isinstance(t, DTensor):
+            return t
+        own = e.src.box(rank)
+        full = t.full_tensor()
+        stats.bytes_received += _nbytes(e.src) - _box_bytes(own, e.src)
+        return full
+
+
+def _nbytes(layout: Layout) -> int:
+    return _box_bytes(tuple((0, n) for n in layout.shape), layout)
+
+
+def _box_bytes(box, layout: Layout) -> int:
+    n = torch.empty((), dtype=layout.dtype).element_size()
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def _gathered_bytes(layout: Layout) -> int:
+    """Bytes an all-gather of the whole tensor delivers to every holder of a shard of it."""
+    return sum(_nbytes(layout) - _box_bytes(layout.box(r), layout) for r in layout.all_ranks)
+
+
+_GROUPS: dict = {}
+
+
+def _background_group() -> dist.ProcessGroup:
+    """The process group of background syncs, created once (collective)."""
+    world = dist.group.WORLD
+    if _GROUPS.get("world") is not world:
+        _GROUPS.clear()
+        _GROUPS["world"] = world
+        _GROUPS["bg"] = dist.new_group(list(range(dist.get_world_size())))
+    return _GROUPS["bg"]
