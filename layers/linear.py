@@ -136,8 +136,11 @@ def _style(weight: DTensor) -> str:
 
 def _alternate(t: DTensor, mesh: DeviceMesh, placements, copy: bool) -> DTensor:
     """``t`` in another layout: moved by the movement core, or a view of this rank's shard."""
+    moved = redistribute(t, mesh, placements) if copy else None  # collective: every rank calls it
+    if mesh.get_coordinate() is None:  # a rank outside the layout (e.g. a trainer beside rollout ranks)
+        return wrap_local(t.to_local().new_empty(0), mesh, placements, t.shape)
     if copy:
-        return redistribute(t, mesh, placements)
+        return moved
     rank = dist.get_rank()
     base, box = Layout.of_dtensor(t).box(rank), Layout.of(mesh, placements, t.shape, t.dtype).box(rank)
     if any(lo < b0 or hi > b1 for (lo, hi), (b0, b1) in zip(box, base)):

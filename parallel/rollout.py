@@ -21,7 +21,8 @@ from reshard.mesh import cached_mesh
 
 from .dims import ParallelDims
 from .parallelize import parallelize
-from .shift import parallelize_shift
+from .engine import Engine
+from .shift import parallelize_shift, shift_engine
 
 ROLLOUT_LAYOUTS = ("tp", "shift")
 
@@ -76,6 +77,15 @@ def rollout_model(path: str | os.PathLike, layout: str, ranks: Sequence[int], *,
     if layout == "tp":
         return parallelize(path, dims)
     return parallelize_shift(path, dims)
+
+
+def rollout_engine(model: nn.Module, layout: str, *, max_batch_size: int, max_seq_len: int,
+                   threshold: int = 64) -> Engine:
+    """The engine of a :func:`rollout_model`: continuous batching in its TP layout, or Shift's
+    two modes over one KV cache (steps of more than ``threshold`` tokens run SP)."""
+    if layout == "shift":
+        return shift_engine(model, threshold=threshold, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
 
 
 def rollout_dims(layout: str, ranks: Sequence[int], *, tp: int | None = None, sp: int = 2) -> ParallelDims:

@@ -8,11 +8,7 @@ directory and prints its path; other ranks write nothing.
 """
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import socket
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +19,11 @@ from parallel import Engine, ParallelDims, Request
 from parallel.tiny_models import builtin_checkpoint
 
 from .config import GenerateConfig
+from .launch import collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
 
-TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
+
+def _rank() -> int:
+    return dist.get_rank()
 
 
 # ---- the job ---------------------------------------------------------------------------------
@@ -165,89 +164,12 @@ def _print_summary(s: dict, strategy) -> None:
         print("  " + line, flush=True)
 
 
-# ---- process group and Hydra plumbing -------------------------------------------------------
-def _rank() -> int:
-    return dist.get_rank()
-
-
-def collective_timeout() -> datetime.timedelta:
-    """How long a collective may wait before the job fails (``$RESHARD_COLLECTIVE_TIMEOUT`` s,
-    default 600) instead of gloo's 30 minutes; set before the process group exists."""
-    raw = os.environ.get(TIMEOUT_ENV, "600")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
-    return datetime.timedelta(seconds=seconds)
-
-
-def init_distributed() -> None:
-    """Join torchrun's process group (NCCL with CUDA, else gloo); alone, a 1-rank group."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=collective_timeout())
-    if dist.get_world_size() > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-
-
-def hydra_rank_overrides(argv: list[str]) -> list[str]:
-    """All ranks share rank 0's run dir; only rank 0 lets Hydra write files or logs."""
-    extra = []
-    if not any(a.startswith("hydra.run.dir=") for a in argv):
-        stamp = [datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")]
-        dist.broadcast_object_list(stamp, src=0)
-        extra.append(f"hydra.run.dir={stamp[0]}")
-    if _rank() != 0:
-        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled",
-                  "hydra/hydra_logging=disabled"]
-    return extra
-
-
-def _hydra_entry() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig, OmegaConf
-
-    @hydra.main(version_base=None, config_path="../conf", config_name="generate")
-    def _main(cfg: DictConfig) -> None:
-        try:
-            config = GenerateConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
-            run_generate(config, Path(HydraConfig.get().runtime.output_dir))
-        except ValueError as e:  # a user error: one line, not a traceback per rank
-            report_once(f"error: {e}")
-            raise SystemExit(2) from None
-
-    _main()
-
-
-def report_once(message: str) -> None:
-    """Print ``message`` on stderr from the first rank of the job that gets here; the other ranks,
-    which usually found the same error, stay quiet. Counted in the process group's store, so
-    nothing is left on disk."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
-        if store.add("reshard/user-error", 1) > 1:
-            return
-    print(message, file=sys.stderr, flush=True)
+def _hydra_run(cfg: dict, run_dir: Path) -> None:
+    run_generate(GenerateConfig.from_dict(cfg), run_dir)
 
 
 def main() -> None:
-    init_distributed()
-    sys.argv += hydra_rank_overrides(sys.argv[1:])
-    try:
-        _hydra_entry()
-    finally:
-        dist.destroy_process_group()
+    hydra_main("generate", _hydra_run)
 
 
 if __name__ == "__main__":

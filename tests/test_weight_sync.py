@@ -112,7 +112,7 @@ def test_colocated_fsdp_to_tp_is_exact_in_place_at_the_lower_bound(checkpoints, 
 def _split_job(path, layout, train_ranks, rollout_ranks):
     import torch.distributed as dist
 
-    from parallel.rollout import rollout_model
+    from parallel.rollout import rollout_engine, rollout_model
     from parallel.weight_sync import model_sync
 
     train, _ = _trained(path, train_ranks)
@@ -126,11 +126,12 @@ def _split_job(path, layout, train_ranks, rollout_ranks):
     full = next(f for f in everyone if f is not None)
     out = dict(received=stats.bytes_received, lower=sync.lower_bound_bytes)
     if holds_rollout:
-        from parallel import Engine, Request, SamplingParams
+        from parallel import Request, SamplingParams
 
-        reqs = [Request(i, [5 + i, 9], SamplingParams(max_new_tokens=5)) for i in range(2)]
+        reqs = [Request(i, [5 + i, 9, 11, 2], SamplingParams(max_new_tokens=5)) for i in range(2)]
+        engine = rollout_engine(rollout, layout, max_batch_size=2, max_seq_len=32, threshold=4)  # Shift: SP prefill
         out.update(bad=_sliced_equal(rollout, full), version=rollout.weight_version.step,
-                   tokens=[c.output_ids for c in Engine(rollout, max_batch_size=2, max_seq_len=32).generate(reqs)])
+                   tokens=[c.output_ids for c in engine.generate(reqs)])
         if dist.get_rank() == rollout_ranks[0]:
             out["reference"] = _hf_tokens_prompts(path, full, [r.prompt_ids for r in reqs], 5)
     return out
@@ -149,6 +150,7 @@ def _hf_tokens_prompts(path, full, prompts, n):
     ("tp", [0, 1], [2, 3]),  # split: disjoint halves
     ("tp", [0, 1, 2, 3], [2, 3]),  # overlapping
     ("shift", [0, 1, 2, 3], [0, 1, 2, 3]),  # colocated, Shift's full-TP weight copies synced too
+    ("shift", [0, 1], [2, 3]),  # split, Shift on the rollout ranks (its copies live there only)
 ])
 def test_split_and_overlapping_ranks(checkpoints, layout, train_ranks, rollout_ranks):
     results = dist_harness.run(4, _split_job, checkpoints["llama"], layout, train_ranks, rollout_ranks)

@@ -1,0 +1,92 @@
+"""What every recipe shares: the process group (torchrun or alone), a deadline on collectives,
+Hydra under torchrun (one run dir, written by rank 0) and user errors reported as one line."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective may wait before the job fails (``$RESHARD_COLLECTIVE_TIMEOUT`` s,
+    default 600) instead of gloo's 30 minutes; set before the process group exists."""
+    raw = os.environ.get(TIMEOUT_ENV, "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_distributed() -> None:
+    """Join torchrun's process group (NCCL with CUDA, else gloo); alone, a 1-rank group."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=collective_timeout())
+    if dist.get_world_size() > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+
+
+def hydra_rank_overrides(argv: list[str]) -> list[str]:
+    """All ranks share rank 0's run dir; only rank 0 lets Hydra write files or logs."""
+    extra = []
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        stamp = [datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")]
+        dist.broadcast_object_list(stamp, src=0)
+        extra.append(f"hydra.run.dir={stamp[0]}")
+    if dist.get_rank() != 0:
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled",
+                  "hydra/hydra_logging=disabled"]
+    return extra
+
+
+def report_once(message: str) -> None:
+    """Print ``message`` on stderr from the first rank of the job that gets here; the other ranks,
+    which usually found the same error, stay quiet. Counted in the process group's store, so
+    nothing is left on disk."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
+        if store.add("reshard/user-error", 1) > 1:
+            return
+    print(message, file=sys.stderr, flush=True)
+
+
+def hydra_main(config_name: str, run: Callable[[dict, Path], None]) -> None:
+    """Run ``run(config dict, run dir)`` under ``@hydra.main`` on every rank of the job; a
+    ``ValueError`` (a user error) is one line on stderr and exit status 2."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    @hydra.main(version_base=None, config_path="../conf", config_name=config_name)
+    def _main(cfg: DictConfig) -> None:
+        try:
+            run(OmegaConf.to_container(cfg, resolve=True), Path(HydraConfig.get().runtime.output_dir))
+        except ValueError as e:  # a user error: one line, not a traceback per rank
+            report_once(f"error: {e}")
+            raise SystemExit(2) from None
+
+    init_distributed()
+    sys.argv += hydra_rank_overrides(sys.argv[1:])
+    try:
+        _main()
+    finally:
+        dist.destroy_process_group()

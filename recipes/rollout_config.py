@@ -1,0 +1,100 @@
+"""Structured config behind conf/rollout.yaml (the RL rollout loop); errors name the key."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from parallel.engine.config_types import check_values
+
+POLICY_NAME = "tiny-policy-seed0-v1"
+POLICY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+
+
+@dataclass
+class PolicyConfig:
+    path: str | None = None  # null: the built-in tiny policy (seeded, created on first use)
+    cache_dir: str | None = None
+
+
+@dataclass
+class RolloutLayoutConfig:
+    layout: str = "tp"  # tp | shift
+    tp: int | None = None  # tp layout: TP degree (null: all rollout ranks; the rest are replicas)
+    sp: int = 2  # shift layout: Ulysses degree (x the rest as TP)
+    threshold: int = 64  # shift layout: steps of more tokens than this run SP, the others TP
+    colocated: bool = True  # true: every rank trains and rolls out; false: split ranks
+    train_ranks: int | None = None  # split: how many (the first) ranks train; null: half
+    max_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        from parallel.rollout import ROLLOUT_LAYOUTS
+
+        if self.layout not in ROLLOUT_LAYOUTS:
+            raise ValueError(f"rollout.layout must be one of {list(ROLLOUT_LAYOUTS)}, got {self.layout!r}")
+        for key in ("tp", "sp", "threshold", "max_batch_size", "train_ranks"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"rollout.{key} must be >= 1, got {value}")
+
+
+@dataclass
+class SyncConfig:
+    method: str = "planned"  # planned (ours) | full_tensor | broadcast (baselines)
+    bucket_mb: float = 64.0  # staging budget: a round's send + receive buffers per rank
+
+    def __post_init__(self) -> None:
+        from reshard.sync import SYNC_METHODS
+
+        if self.method not in SYNC_METHODS:
+            raise ValueError(f"sync.method must be one of {list(SYNC_METHODS)}, got {self.method!r}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"sync.bucket_mb must be > 0, got {self.bucket_mb}")
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = 30
+    prompts: int = 8  # prompts per iteration
+    group_size: int = 8  # sampled completions per prompt (GRPO's group)
+    prompt_len: int = 6
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "seed" and not getattr(self, f.name) > 0:
+                raise ValueError(f"train.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.group_size < 2:
+            raise ValueError(f"train.group_size must be >= 2 (advantages are relative to the group), "
+                             f"got {self.group_size}")
+
+
+@dataclass
+class RolloutJobConfig:
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    progress: bool = True
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RolloutJobConfig":
+        """Build from a plain dict; unknown keys and values of the wrong type name the key."""
+        sections = {"model": PolicyConfig, "rollout": RolloutLayoutConfig, "sync": SyncConfig,
+                    "train": TrainConfig}
+        unknown = sorted(set(d) - {f.name for f in fields(RolloutJobConfig)})
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known: {sorted(f.name for f in fields(RolloutJobConfig))}")
+        check_values(RolloutJobConfig, d, "")
+        for name, cls in sections.items():
+            values = d.get(name, {})
+            if not isinstance(values, dict):
+                raise ValueError(f"{name} must be a mapping of keys, got {values!r}")
+            bad = sorted(set(values) - {f.name for f in fields(cls)})
+            if bad:
+                raise ValueError(f"{name} has unknown keys {bad}; known: {sorted(f.name for f in fields(cls))}")
+            check_values(cls, values, name)
+        return RolloutJobConfig(**{k: (sections[k](**v) if k in sections else v) for k, v in d.items()})
