@@ -250,3 +250,36 @@ def _release_job(path):
 def test_kv_cache_is_released_between_rollouts_and_reacquired(checkpoints):
     for freed, released, reacquired, same in dist_harness.run(2, _release_job, checkpoints["llama"]):
         assert freed > 0 and released and reacquired and same
+
+
+def _compiled_job(path):
+    """A compiled decode step keeps its graph across a sync (storages written in place) and
+    decodes with the new weights."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from parallel import Engine, Request, SamplingParams
+    from parallel.rollout import rollout_model
+    from parallel.weight_sync import model_sync
+
+    train, opt = _trained(path, [0])
+    rollout = rollout_model(path, "tp", [0])
+    engine = Engine(rollout, max_batch_size=2, max_seq_len=32, compile=True)
+    reqs = [Request(i, [5 + i, 9, 11], SamplingParams(max_new_tokens=5)) for i in range(2)]
+    model_sync(train, rollout).sync(1)
+    first = [c.output_ids for c in engine.generate(reqs)]
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    ids = torch.arange(24).view(2, 12) % train.config.vocab_size
+    train(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    model_sync(train, rollout).sync(2)
+    second = [c.output_ids for c in engine.generate(reqs)]
+    full = _full(train)
+    return dict(first=first, second=second, graphs=graphs, recompiled=dynamo_utils.counters["stats"]["unique_graphs"] - graphs,
+                reference=_hf_tokens_prompts(path, full, [r.prompt_ids for r in reqs], 5))
+
+
+def test_compiled_decode_survives_a_sync(checkpoints):
+    [r] = dist_harness.run(1, _compiled_job, checkpoints["llama"], timeout=300)
+    assert r["graphs"] > 0 and r["recompiled"] == 0  # compiled once, not again after the sync
+    assert r["second"] == r["reference"]
+    assert r["first"] != r["second"]  # the new weights are the ones decoding
