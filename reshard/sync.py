@@ -11,9 +11,10 @@ buffers stay within ``bucket_bytes``, and writes the destination's storages in p
 graphs and CUDA graphs that captured them stay valid.
 
 ``method`` selects the common baselines instead, in the same code for comparison:
-``"full_tensor"`` (every parameter gathered whole by ``DTensor.full_tensor()``, broadcast to
-destination ranks outside the source mesh, then sliced) and ``"broadcast"`` (each parameter
-gathered to one source rank and broadcast to every destination rank, as OpenRLHF does).
+``"full_tensor"`` (every parameter gathered whole by ``DTensor.full_tensor()`` on the source
+ranks, broadcast to destination ranks outside the source mesh, then sliced) and ``"broadcast"``
+(every parameter gathered whole on the source ranks, as ZeRO-3's ``GatheredParameters`` does,
+then broadcast from the first source rank to every destination rank, as OpenRLHF does).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
 from .layout import Layout, box_slices, nested_tuple
+from .mesh import cached_group
 from .plan import Plan, plan_transfer
 
 SYNC_METHODS = ("planned", "full_tensor", "broadcast")
@@ -92,8 +94,8 @@ class WeightSync:
         srcs, dsts = _exchange(_layouts(self.src), _layouts(self.dst))
         self.entries = match_layouts(srcs, dsts, allow_unused)
         self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst) for e in self.entries)
-        self.schedule = Schedule.of(self.plans, bucket_bytes)
         self._baseline = _Baseline(self.entries, method) if method != "planned" else None
+        self.schedule = Schedule.of(self.plans, bucket_bytes) if self._baseline is None else None
         self._background = _background_group()
 
     @property
@@ -122,6 +124,7 @@ class WeightSync:
         outs = [_local(self.dst.get(e.key), e.dst) for e in self.entries]
         if self._baseline is not None:
             stats = self._baseline.run(self.src, outs)
+            stats.lower_bound_bytes = self.lower_bound_bytes
         else:
             _, stats = execute(self.schedule, srcs, out=outs, group=group)
         if self.version is not None:
@@ -260,7 +263,7 @@ class _Baseline:
     def __init__(self, entries: list[SyncEntry], method: str) -> None:
         self.entries, self.method = entries, method
         self.needy = [self._needy(e) for e in entries]
-        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(set(self.needy)) if len(ranks) > 1}
+        self.groups = {ranks: cached_group(torch.tensor(ranks)) for ranks in sorted(set(self.needy)) if len(ranks) > 1}
 
     def _needy(self, e: SyncEntry) -> tuple[int, ...]:
         """Root first, then the ranks the root broadcasts to."""
@@ -272,32 +275,35 @@ class _Baseline:
         t0, rank = time.perf_counter(), dist.get_rank()
         stats = CommStats()
         for e, needy, out in zip(self.entries, self.needy, outs):
-            full = self._gather(src.get(e.source), e, stats)
+            full, allocated = self._gather(src.get(e.source), e, stats)
             if rank in needy and len(needy) > 1:
                 if full is None:
-                    full = torch.empty(e.src.shape, dtype=e.src.dtype, device=out.device)
+                    full, allocated = torch.empty(e.src.shape, dtype=e.src.dtype, device=out.device), True
                 if rank != needy[0]:
                     stats.bytes_received += _nbytes(e.src)
                 dist.broadcast(full, src=needy[0], group=self.groups[needy])
             if out is not None:
                 out.copy_(full[box_slices(e.dst.box(rank))])
-            if full is not None:
+            if allocated:  # a whole-tensor buffer this rank did not hold before
                 stats.peak_extra_bytes = max(stats.peak_extra_bytes, full.numel() * full.element_size())
             stats.planned_bytes += _gathered_bytes(e.src) + (len(needy) - 1) * _nbytes(e.src)
         stats.rounds, stats.seconds = len(self.entries), time.perf_counter() - t0
         return stats
 
-    def _gather(self, t: torch.Tensor | None, e: SyncEntry, stats: CommStats) -> torch.Tensor | None:
+    def _gather(self, t: torch.Tensor | None, e: SyncEntry, stats: CommStats) -> tuple[torch.Tensor | None, bool]:
+        """The whole tensor on a source rank (``full_tensor()``), and whether it is a new buffer."""
         rank = dist.get_rank()
         if t is None or e.src.box(rank) is None:
-            return None
-        t = t.data if isinstance(t, torch.nn.Parameter) else t
+            return None, False
+        t = _plain(t)
         if not isinstance(t, DTensor):
-            return t
-        own = e.src.box(rank)
-        full = t.full_tensor()
-        stats.bytes_received += _nbytes(e.src) - _box_bytes(own, e.src)
-        return full
+            return t, False
+        stats.bytes_received += _nbytes(e.src) - _box_bytes(e.src.box(rank), e.src)
+        return t.full_tensor(), True
+
+
+def _plain(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.data if isinstance(t, torch.nn.Parameter) else t
 
 
 def _nbytes(layout: Layout) -> int:

@@ -1,0 +1,308 @@
+"""RL weight-sync benchmark: FSDP2 training model -> TP rollout model, ``WeightSync`` against baselines.
+
+Run from the repo root:
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/rollout_sync.py
+    (options: --hidden 1024 --intermediate 2816 --layers 8 --heads 16 --kv-heads 8 --vocab 32000
+     --bucket-mb 64 --repeats 3; --small for a quick check on a 4-layer, hidden-256 model)
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 6 bench/rollout_sync.py --world6
+
+Model: a seeded Llama checkpoint built once with ``parallel.tiny_models.cached_checkpoint`` (fp32,
+untied embeddings; defaults: hidden 1024, MLP 2816, 8 layers, 16 query / 8 KV heads, vocab 32000).
+The training model is ``parallel.rollout.train_model`` (the HF model, FSDP2 ``fully_shard``-ed, so
+every parameter is ``Shard(0)``) after one Adam step on a seeded batch, so its weights differ from
+the checkpoint and optimizer state exists. The rollout model is ``rollout_model(path, "tp", ...)``.
+
+Scenarios (world 4):
+
+1. colocated: FSDP2 over ranks [0, 1, 2, 3] -> TP4 over [0, 1, 2, 3];
+2. split: FSDP2 over [0, 1] -> TP2 over [2, 3] (ranks 0, 1 pass ``None`` as the rollout side).
+
+With ``--world6`` (6 processes): colocated FSDP2 [0..3] -> TP4 [0..3] (ranks 4, 5 idle but in
+every collective) and split FSDP2 [0..3] -> TP2 [4, 5] (the issue's "FSDP2 on 4 ranks -> TP2 on 2
+other ranks").
+
+Methods (``reshard.sync.WeightSync``, via ``parallel.weight_sync.model_sync``): ``planned`` (ours),
+``full_tensor`` and ``broadcast`` (baselines). Per scenario: every method's sync is built once
+(build seconds: barrier, max over ranks), then each method runs one warm-up sync into zeroed rollout
+weights and its result is compared bitwise with the planned sync's; then ``--repeats`` timed syncs
+per method, round-robin over the methods (so drift on a shared machine hits all alike); medians.
+
+Measured: wall seconds of ``sync(step)`` (barrier before, max over ranks), MiB moved (sum over ranks
+of ``CommStats.bytes_received``), the lower bound (``WeightSync.lower_bound_bytes``), peak extra MiB
+(max over ranks of ``CommStats.peak_extra_bytes``; ours is bounded by ``--bucket-mb``; the baselines
+report their largest gathered tensor), and per-phase memory accounting: the bytes of this rank's
+training parameter shards + Adam state, of the rollout shards, max over ranks (tensor bytes, not
+allocator measurements), plus each process's resident set size (VmRSS) after each phase.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]  # not this file
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from parallel.rollout import rollout_model, train_model  # noqa: E402
+from parallel.tiny_models import cached_checkpoint  # noqa: E402
+from parallel.weight_sync import model_sync, rollout_tensors  # noqa: E402
+from reshard.sync import SYNC_METHODS  # noqa: E402
+
+COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/rollout_sync.py"
+MIB = 2**20
+DEFAULTS = {"hidden": 1024, "intermediate": 2816, "layers": 8, "heads": 16, "kv_heads": 8, "vocab": 32000}
+SMALL = {"hidden": 256, "intermediate": 688, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--intermediate", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--small", action="store_true", help=f"a quick check: {SMALL}")
+    p.add_argument("--bucket-mb", type=int, default=64, help="the staging budget (WeightSync bucket_bytes)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--world6", action="store_true", help="6 processes: FSDP2 on 4 ranks -> TP2 on 2 others")
+    args = p.parse_args()
+    base = SMALL if args.small else DEFAULTS
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def checkpoint(args: argparse.Namespace) -> Path:
+    """The seeded Llama checkpoint of these sizes, built by rank 0 once (cached across runs)."""
+    overrides = {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+                 "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+                 "num_key_value_heads": args.kv_heads, "max_position_embeddings": 2048, "initializer_range": 0.02}
+    name = (f"bench-sync-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
+            f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1")
+    if dist.get_rank() == 0:
+        cached_checkpoint(name, overrides)
+    dist.barrier()
+    return cached_checkpoint(name, overrides)
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+def reduce_scalar(x: float, op: dist.ReduceOp) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    return reduce_scalar(float(ok), dist.ReduceOp.MIN) == 1.0
+
+
+def timed(fn):
+    """Wall seconds of ``fn`` (barrier before, max over ranks) and its result."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = fn()
+    return reduce_scalar(time.perf_counter() - t0, dist.ReduceOp.MAX), result
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (local shards of DTensors)."""
+    seen, total = set(), 0
+    for t in tensors:
+        t = t.data if isinstance(t, torch.nn.Parameter) else t
+        t = t.to_local() if isinstance(t, DTensor) else t
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen and s.nbytes():
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def local_shards(rollout) -> dict[str, torch.Tensor]:
+    return {k: t.to_local() for k, t in rollout_tensors(rollout).items()}
+
+
+# ---- one scenario ----------------------------------------------------------------------------------
+def trained(path: Path, ranks: list[int]):
+    """The FSDP2 model after one Adam step on a seeded batch (``None, None`` off its ranks)."""
+    model = train_model(path, ranks)
+    if model is None:
+        return None, None
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def run_scenario(path: Path, train_ranks: list[int], rollout_ranks: list[int], tp: int,
+                 args: argparse.Namespace) -> dict:
+    rank = dist.get_rank()
+    out: dict = {"phases": {}}
+    train, opt = trained(path, train_ranks)
+    train_bytes = storage_bytes(train.parameters()) if train is not None else 0
+    opt_bytes = storage_bytes(v for s in opt.state.values() for v in s.values()
+                              if torch.is_tensor(v)) if opt is not None else 0
+    out["phases"]["train params"] = reduce_scalar(train_bytes, dist.ReduceOp.MAX)
+    out["phases"]["Adam state"] = reduce_scalar(opt_bytes, dist.ReduceOp.MAX)
+    out["phases"]["RSS after train"] = reduce_scalar(rss_bytes(), dist.ReduceOp.MAX)
+    rollout = rollout_model(path, "tp", rollout_ranks, tp=tp)
+    mine = rollout if rank in rollout_ranks else None
+    roll_bytes = storage_bytes(rollout_tensors(mine).values()) if mine is not None else 0
+    out["phases"]["rollout params"] = reduce_scalar(roll_bytes, dist.ReduceOp.MAX)
+    out["phases"]["RSS after rollout"] = reduce_scalar(rss_bytes(), dist.ReduceOp.MAX)
+
+    bucket = args.bucket_mb * MIB
+    syncs, rows = {}, {}
+    for method in SYNC_METHODS:  # build every sync once
+        seconds, syncs[method] = timed(lambda m=method: model_sync(train, mine, bucket_bytes=bucket, method=m))
+        rows[method] = {"build_s": seconds, "lb": syncs[method].lower_bound_bytes, "times": []}
+
+    step, reference = 0, None
+    for method in SYNC_METHODS:  # warm-up: from zeroed rollout weights, compared with planned's
+        if mine is not None:
+            with torch.no_grad():
+                for t in local_shards(mine).values():
+                    t.zero_()
+        step += 1
+        _, stats = timed(lambda m=method, s=step: syncs[m].sync(s))
+        shards = local_shards(mine) if mine is not None else {}
+        if reference is None:
+            reference = {k: t.clone() for k, t in shards.items()}
+        same = all(torch.equal(t, reference[k]) for k, t in shards.items()) and shards.keys() == reference.keys()
+        rows[method]["equal"] = all_ranks_ok(same)
+        rows[method]["bytes"] = reduce_scalar(stats.bytes_received, dist.ReduceOp.SUM)
+        rows[method]["peak"] = reduce_scalar(stats.peak_extra_bytes, dist.ReduceOp.MAX)
+    out["phases"]["RSS after warm-up syncs"] = reduce_scalar(rss_bytes(), dist.ReduceOp.MAX)
+
+    for _ in range(args.repeats):  # timed, round-robin over the methods
+        for method in SYNC_METHODS:
+            step += 1
+            seconds, stats = timed(lambda m=method, s=step: syncs[m].sync(s))
+            rows[method]["times"].append(seconds)
+            rows[method]["peak"] = max(rows[method]["peak"], reduce_scalar(stats.peak_extra_bytes, dist.ReduceOp.MAX))
+            assert reduce_scalar(stats.bytes_received, dist.ReduceOp.SUM) == rows[method]["bytes"]
+    shards = local_shards(mine) if mine is not None else {}
+    final_ok = all_ranks_ok(all(torch.equal(t, reference[k]) for k, t in shards.items()))
+    for method in SYNC_METHODS:
+        rows[method]["seconds"] = statistics.median(rows[method]["times"])
+        rows[method]["equal"] = rows[method]["equal"] and final_ok
+    out["rows"] = rows
+    out["version"] = mine.weight_version.step if mine is not None else None
+    dist.barrier()
+    return out  # the models and syncs are freed with this frame
+
+
+# ---- report ----------------------------------------------------------------------------------------
+HEADER = ("| scenario | method | build s | sync s | base/ours time | MiB moved | lower bound MiB | bytes/LB "
+          "| peak extra MiB | budget MiB | peak <= budget | equal to planned |")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else ("1.00" if a == 0 else "inf")
+
+
+def format_rows(label: str, rows: dict, budget_mb: int) -> list[str]:
+    ours = rows["planned"]["seconds"]
+    lines = []
+    for method, r in rows.items():
+        lines.append(
+            f"| {label} | {method}{' (ours)' if method == 'planned' else ''} | {r['build_s']:.3f} "
+            f"| {r['seconds']:.3f} | {'-' if method == 'planned' else ratio(r['seconds'], ours)} "
+            f"| {r['bytes'] / MIB:.1f} | {r['lb'] / MIB:.1f} | {ratio(r['bytes'], r['lb'])} "
+            f"| {r['peak'] / MIB:.1f} | {budget_mb} | {'yes' if r['peak'] <= budget_mb * MIB else 'NO'} "
+            f"| {'yes' if r['equal'] else 'NO'} |")
+    return lines
+
+
+def command(args: argparse.Namespace, world: int) -> str:
+    extra = []
+    if args.small:
+        extra.append("--small")
+    base = SMALL if args.small else DEFAULTS
+    for k, v in vars(args).items():
+        if k in base and v != base[k]:
+            extra.append(f"--{k.replace('_', '-')} {v}")
+    if args.bucket_mb != 64:
+        extra.append(f"--bucket-mb {args.bucket_mb}")
+    if args.repeats != 3:
+        extra.append(f"--repeats {args.repeats}")
+    if args.world6:
+        extra.append("--world6")
+    return " ".join([COMMAND.format(n=world)] + extra)
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=20))
+    world = dist.get_world_size()
+    expect = 6 if args.world6 else 4
+    assert world == expect, f"run with --nproc-per-node {expect}"
+    torch.set_num_threads(1)
+    rank, t_start = dist.get_rank(), time.perf_counter()
+    path = checkpoint(args)
+    if world == 4:
+        scenarios = [("colocated FSDP2[0-3]->TP4[0-3]", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+                     ("split FSDP2[0,1]->TP2[2,3]", [0, 1], [2, 3], 2)]
+    else:
+        scenarios = [("colocated FSDP2[0-3]->TP4[0-3] (4,5 idle)", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+                     ("split FSDP2[0-3]->TP2[4,5]", [0, 1, 2, 3], [4, 5], 2)]
+    results = []
+    for label, train_ranks, rollout_ranks, tp in scenarios:
+        results.append((label, run_scenario(path, train_ranks, rollout_ranks, tp, args)))
+        if rank == 0:
+            print(f"[{time.perf_counter() - t_start:.0f}s] {label} done", flush=True)
+    if rank == 0:
+        numel = sum(math.prod(shape) for shape in _param_shapes(path))
+        print(f"\nLlama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} layers, "
+              f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}: {numel / 1e6:.1f}M fp32 parameters "
+              f"({numel * 4 / MIB:.0f} MiB); bucket {args.bucket_mb} MiB; warm-up 1 + median of "
+              f"{args.repeats} (round-robin over methods); torch {torch.__version__}, {world} gloo ranks\n")
+        print(f"{HEADER}\n|{'---|' * 12}")
+        for label, r in results:
+            for line in format_rows(label, r["rows"], args.bucket_mb):
+                print(line)
+        print("\nMemory accounting per phase (max over ranks; tensor bytes except RSS):\n")
+        phases = list(results[0][1]["phases"])
+        print("| scenario | " + " | ".join(f"{p} MiB" for p in phases) + " | sync peak extra MiB (planned) |")
+        print(f"|{'---|' * (len(phases) + 2)}")
+        for label, r in results:
+            print(f"| {label} | " + " | ".join(f"{r['phases'][p] / MIB:.1f}" for p in phases)
+                  + f" | {r['rows']['planned']['peak'] / MIB:.1f} |")
+        print(f"\ncommand: {command(args, world)}")
+        print(f"total {time.perf_counter() - t_start:.0f}s")
+    dist.destroy_process_group()
+
+
+def _param_shapes(path: Path):
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield h.get_slice(k).get_shape()
+
+
+if __name__ == "__main__":
+    main()
