@@ -515,6 +515,9 @@ class SeesawStrategy(Strategy):
         return ParallelDims(tp=world_size, world_size=world_size)
 
     def build(self, path, args: EngineArgs) -> Engine:
+        if args.kv_block_size is not None:
+            raise ValueError("parallel=seesaw keeps contiguous KV slots (its CPU tier swaps whole slots); "
+                             f"unset engine.kv_block_size (got {args.kv_block_size})")
         prefill, decode = self.layouts(dist.get_world_size())
         switch = LayoutSwitch(path, prefill, decode, weights=self.weights, dtype=args.dtype,
                               allow_unused=args.allow_unused)

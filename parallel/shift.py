@@ -196,12 +196,14 @@ class ShiftPolicy(ContinuousBatching):
 
 def shift_engine(model: nn.Module, *, threshold: int, max_batch_size: int = 8,
                  max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
-                 compile: bool = False, admission: str = "fifo") -> Engine:
+                 compile: bool = False, admission: str = "fifo", kv_block_size: int | None = None,
+                 kv_tokens: int | None = None) -> Engine:
     """The loop over ``model`` (from :func:`parallelize_shift`) with runners ``"sp"`` (tokens
     split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache."""
     dims = model.parallel_dims
     kw = dict(dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile)
-    sp = ModelRunner(model, split=TokenSplit(base_mesh(dims), 0), **kw)
+    sp = ModelRunner(model, split=TokenSplit(base_mesh(dims), 0), kv_block_size=kv_block_size,
+                     kv_tokens=kv_tokens, **kw)
     tp = ModelRunner(model, kv=sp.kv, weights=SHIFT_WEIGHTS, **kw)
     policy = ShiftPolicy(threshold, max_prefill_tokens=max_prefill_tokens, admission=admission)
     return Engine(runners={"sp": sp, "tp": tp}, policy=policy)
@@ -242,7 +244,7 @@ class ShiftStrategy(Strategy):
                                   dtype=args.dtype, allow_unused=args.allow_unused)
         return shift_engine(model, threshold=self.threshold, max_batch_size=args.max_batch_size,
                             max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
-                            compile=args.compile, admission=args.admission)
+                            compile=args.compile, admission=args.admission, **args.kv)
 
     def summary(self, engine: Engine) -> dict:
         return {**engine.stats.summary(), "threshold": self.threshold,

@@ -32,7 +32,7 @@ class TPStrategy(Strategy):
         model = parallelize(path, self.dims(_world()), dtype=args.dtype, allow_unused=args.allow_unused)
         return Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                       max_prefill_tokens=args.max_prefill_tokens, compile=args.compile,
-                      admission=args.admission)
+                      admission=args.admission, **args.kv)
 
 
 def _world() -> int:

@@ -62,12 +62,17 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
 
     admission: str = "fifo"  # fifo | longest_first (largest max_new_tokens first)
+    kv_block_size: int | None = None  # paged KV cache: positions per block (null: contiguous slots)
+    kv_tokens: int | None = None  # paged KV cache: tokens per replica (null: contiguous slots)
 
     def __post_init__(self) -> None:
         from parallel.engine.policy import ADMISSION
 
+        if (self.kv_block_size is None) != (self.kv_tokens is None):
+            raise ValueError(f"engine.kv_block_size and engine.kv_tokens go together, got "
+                             f"{self.kv_block_size} and {self.kv_tokens}")
         for f in fields(self):
-            if f.name != "admission" and getattr(self, f.name) < 1:
+            if f.name != "admission" and getattr(self, f.name) is not None and getattr(self, f.name) < 1:
                 raise ValueError(f"engine.{f.name} must be >= 1, got {getattr(self, f.name)}")
         if self.admission not in ADMISSION:
             raise ValueError(f"engine.admission must be one of {list(ADMISSION)}, got {self.admission!r}")
@@ -80,7 +85,8 @@ class EngineConfig:
 
         return EngineArgs(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                           max_prefill_tokens=self.max_prefill_tokens, compile=compile,
-                          dtype=getattr(torch, dtype), admission=self.admission, allow_unused=allow_unused)
+                          dtype=getattr(torch, dtype), admission=self.admission, allow_unused=allow_unused,
+                          kv_block_size=self.kv_block_size, kv_tokens=self.kv_tokens)
 
 
 @dataclass

@@ -137,8 +137,19 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
         "phase_seconds": {"load": load_s, "prefill": prefill_s, "decode": decode_s,
                           "generate_total": gen_s},
         "compile": cfg.compile,
+        "kv": _kv_summary(engine),
         **cfg.parallel.summary(engine),
     }
+
+
+def _kv_summary(engine: Engine) -> dict:
+    """The KV cache's capacity (tokens per replica) and, paged, its block counts."""
+    spec, s = engine.kv.spec, engine.stats
+    out = {"paged": spec.paged, "capacity_tokens": spec.capacity_tokens}
+    if spec.paged:
+        out.update(block_size=spec.block_size, num_blocks=spec.num_blocks, blocks_allocated=s.kv_blocks_allocated,
+                   blocks_freed=s.kv_blocks_freed, blocks_peak=s.kv_blocks_peak)
+    return out
 
 
 def _write_outputs(run_dir: Path, completions, summary: dict, strategy) -> None:

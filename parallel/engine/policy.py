@@ -34,24 +34,52 @@ class Step:
 
 
 class SlotPool:
-    """Free KV slots of every data-parallel replica of one layout (the same on every rank).
+    """Free KV slots (and, paged, free blocks) of every data-parallel replica of one layout (the
+    same on every rank, so every rank admits alike).
 
-    Slots are handed out alternating over the replicas, so replicas stay balanced.
+    Slots are handed out alternating over the replicas, so replicas stay balanced. With a paged
+    cache a sequence also takes the blocks for all its tokens (prompt + ``max_new_tokens``) at
+    admission, so it never runs out mid-generation, and gives them back when it finishes.
     """
 
-    def __init__(self, slots_per_replica: int, replicas: int) -> None:
-        self.per = slots_per_replica
+    def __init__(self, slots_per_replica: int, replicas: int, *, num_blocks: int | None = None,
+                 block_size: int | None = None, stats: EngineStats | None = None) -> None:
+        self.per, self.block_size, self.stats = slots_per_replica, block_size, stats
         self.free = [g * slots_per_replica + i for i in reversed(range(slots_per_replica))
                      for g in reversed(range(replicas))]
+        self.num_blocks = num_blocks
+        self.free_blocks = [list(reversed(range(num_blocks))) for _ in range(replicas)] if num_blocks else None
 
     def __len__(self) -> int:
         return len(self.free)
 
+    def blocks_needed(self, request: Request) -> int:
+        tokens = len(request.prompt_ids) + request.sampling.max_new_tokens
+        return -(-tokens // self.block_size) if self.block_size else 0
+
+    def can_take(self, request: Request) -> bool:
+        """A free slot, and on its replica enough free blocks for the whole sequence."""
+        if not self.free:
+            return False
+        return (self.free_blocks is None
+                or len(self.free_blocks[self.free[-1] // self.per]) >= self.blocks_needed(request))
+
     def take(self, seq: Sequence) -> None:
         seq.replica, seq.slot = divmod(self.free.pop(), self.per)
+        if self.free_blocks is not None:
+            pool = self.free_blocks[seq.replica]
+            seq.blocks = [pool.pop() for _ in range(self.blocks_needed(seq.request))]
+            if self.stats is not None:
+                self.stats.kv_blocks_allocated += len(seq.blocks)
+                self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.num_blocks - len(pool))
 
     def give(self, seq: Sequence) -> None:
         self.free.append(seq.replica * self.per + seq.slot)
+        if self.free_blocks is not None:
+            self.free_blocks[seq.replica].extend(reversed(seq.blocks))
+            if self.stats is not None:
+                self.stats.kv_blocks_freed += len(seq.blocks)
+            seq.blocks = []
 
 
 class Policy:
@@ -119,12 +147,25 @@ class ContinuousBatching(Policy):
             queue.clear()
             queue.extend(ordered)
         runner = self.engine.runners[self.layout]
-        self.slots = SlotPool(runner.max_batch_size, runner.replica.size)
+        spec = runner.kv.spec
+        self.slots = SlotPool(runner.max_batch_size, runner.replica.size, num_blocks=spec.num_blocks,
+                              block_size=spec.block_size, stats=self.engine.stats)
         self.running: dict[int, Sequence] = {}
         self._last = None
 
+    def validate(self, requests: Seq[Request]) -> None:
+        """``ValueError`` for a request whose KV could never fit in one replica's paged cache."""
+        spec = self.engine.runners[self.layout].kv.spec
+        for r in requests if spec.paged else ():
+            tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
+            if spec.blocks_for(tokens) > spec.num_blocks:
+                raise ValueError(f"request {r.id}: prompt length ({len(r.prompt_ids)}) + max_new_tokens "
+                                 f"({r.sampling.max_new_tokens}) = {tokens} KV tokens needs "
+                                 f"{spec.blocks_for(tokens)} blocks of {spec.block_size} but the paged cache "
+                                 f"holds {spec.num_blocks} ({spec.capacity_tokens} tokens)")
+
     def next_step(self, queue: deque) -> Step:
-        if queue and len(self.slots) and not (self._last == "prefill" and self.running):
+        if queue and self._fits(queue[0]) and not (self._last == "prefill" and self.running):
             seqs, self._last = self._admit(queue), "prefill"
         else:
             seqs, self._last = list(self.running.values()), "decode"
@@ -137,13 +178,16 @@ class ContinuousBatching(Policy):
     def _admit(self, queue: deque) -> list[Sequence]:
         budget = self.max_prefill_tokens * self.engine.runners[self.layout].replica.size
         admitted: list[Sequence] = []
-        while queue and len(self.slots) and (not admitted or len(queue[0].prompt_ids) <= budget):
+        while queue and self._fits(queue[0]) and (not admitted or len(queue[0].prompt_ids) <= budget):
             seq = self.engine.new_sequence(queue.popleft())
             budget -= seq.prompt_len
             self.slots.take(seq)
             self.running[seq.request.id] = seq
             admitted.append(seq)
         return admitted
+
+    def _fits(self, request: Request) -> bool:
+        return self.slots.can_take(request)
 
     def retire(self, seq: Sequence) -> None:
         self.running.pop(seq.request.id)

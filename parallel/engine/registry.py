@@ -33,6 +33,13 @@ class EngineArgs:
     dtype: torch.dtype | None = None
     admission: str = "fifo"  # the continuous-batching order (strategies with their own scheduler ignore it)
     allow_unused: bool = False  # load a checkpoint that holds tensors the model does not use
+    kv_block_size: int | None = None  # paged KV cache: positions per block (None: contiguous slots)
+    kv_tokens: int | None = None  # paged KV cache: tokens per replica
+
+    @property
+    def kv(self) -> dict:
+        """The KV-cache keywords of :class:`ModelRunner` / :class:`Engine`."""
+        return {"kv_block_size": self.kv_block_size, "kv_tokens": self.kv_tokens}
 
 
 class Strategy:

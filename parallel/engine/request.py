@@ -32,6 +32,7 @@ class Sequence:
     stop_ids: frozenset[int]
     slot: int = -1  # KV-cache slot in its replica's cache of the layout that runs it
     replica: int = 0  # data-parallel replica (of that layout) that computes it
+    blocks: list[int] = field(default_factory=list)  # paged KV: its blocks in its replica's pool
     output: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
@@ -73,6 +74,9 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     decode_batch_sum: int = 0
+    kv_blocks_allocated: int = 0  # paged KV: blocks handed to sequences (all replicas)
+    kv_blocks_freed: int = 0  # ... and returned when they finished
+    kv_blocks_peak: int = 0  # most blocks in use at once in one replica
 
     @property
     def mean_decode_batch(self) -> float:

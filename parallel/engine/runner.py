@@ -130,12 +130,16 @@ class ModelRunner:
         weights: the weight source selected for every forward (``None``: own parameters).
         num_microbatches: pipeline micro-batches per step.
         compile: ``torch.compile`` the decode step's body (one static graph).
+        kv_block_size, kv_tokens: a paged KV cache of ``kv_tokens`` tokens (per replica) in
+            blocks of ``kv_block_size`` positions, shared by the slots; default: contiguous
+            slots of ``max_seq_len`` positions each.
     """
 
     def __init__(self, model: nn.Module, *, dims: ParallelDims | None = None, max_batch_size: int = 8,
                  max_seq_len: int | None = None, kv: KVCache | None = None,
                  split: TokenSplit | None = None, weights: str | None = None,
-                 num_microbatches: int = 1, compile: bool = False) -> None:
+                 num_microbatches: int = 1, compile: bool = False, kv_block_size: int | None = None,
+                 kv_tokens: int | None = None) -> None:
         self.model, self.dims = model, dims if dims is not None else model.parallel_dims
         cfg = model.config
         self.max_batch_size = _positive("max_batch_size", max_batch_size)
@@ -155,7 +159,7 @@ class ModelRunner:
             raise ValueError("a token split (sequence parallelism) cannot be combined with pipeline stages")
         self.split, self.weights, self.compiled = split, weights, compile
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
-        self.kv = kv if kv is not None else KVCache(self._kv_spec(), device=self.device)
+        self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.kv, self.device)
         self.hooks = RunnerHooks()
@@ -177,12 +181,17 @@ class ModelRunner:
         dtype = self.model.model.embed_tokens.weight.dtype
         return StageLink(coord[1], peers, self.model.config.hidden_size, dtype, self.device)
 
-    def _kv_spec(self) -> KVSpec:
+    def _kv_spec(self, block_size: int | None, tokens: int | None) -> KVSpec:
+        if (block_size is None) != (tokens is None):
+            raise ValueError(f"a paged KV cache needs kv_block_size and kv_tokens, got {block_size} and {tokens}")
+        if block_size is not None and not 0 < block_size <= tokens:
+            raise ValueError(f"kv_block_size ({block_size}) must be in 1..kv_tokens ({tokens})")
         attn = self.layers[0].self_attn
         return KVSpec(num_layers=len(self.layer_ids), num_slots=self.max_batch_size,
                       num_heads=attn.local_kv_heads, max_seq_len=self.max_seq_len,
                       head_dim=attn.head_dim, dtype=self.model.model.embed_tokens.weight.dtype,
-                      head_start=attn.kv_head_range[0], first_layer=self.layer_ids[0])
+                      head_start=attn.kv_head_range[0], first_layer=self.layer_ids[0],
+                      block_size=block_size, num_blocks=None if tokens is None else tokens // block_size)
 
     def _attach_layers(self) -> None:
         """Every attention layer of the range checks the cache holds the KV it reads and writes."""
@@ -208,6 +217,10 @@ class ModelRunner:
         return out
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        if self.kv.spec.paged:  # the blocks the policy gave each sequence
+            for s in seqs:
+                assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
+                self.kv.assign(s.slot, s.blocks)
         lengths = [s.prompt_len for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s.request.prompt_ids], device=self.device)
         offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
@@ -300,6 +313,13 @@ class ModelRunner:
         """fp32 logits ``(len(p), vocab)`` at every position of each prompt (slots ``0..``); None
         off the last stage. Overwrites those slots: call it between generations."""
         lengths = [len(p) for p in prompts]
+        if self.kv.spec.paged:  # between generations every block is free: consecutive ones
+            starts = [0] + torch.cumsum(torch.tensor([self.kv.spec.blocks_for(n) for n in lengths]), 0).tolist()
+            if starts[-1] > self.kv.spec.num_blocks:
+                raise ValueError(f"prompts of {sum(lengths)} tokens do not fit the paged cache's "
+                                 f"{self.kv.spec.capacity_tokens}")
+            for slot, (a, b) in enumerate(zip(starts, starts[1:])):
+                self.kv.assign(slot, list(range(a, b)))
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         ctx = AttentionContext.build(self.kv, list(range(len(prompts))), [0] * len(prompts), lengths)
         with use_weights(self.weights):

@@ -1,4 +1,11 @@
-"""Preallocated KV cache, heads outermost within a slot (HND), one slot per running sequence.
+"""Preallocated KV cache, heads outermost (HND): contiguous slots or a paged block pool.
+
+Contiguous (default): one slot of ``max_seq_len + 1`` positions per running sequence. Paged
+(``block_size`` set): a pool of ``num_blocks`` blocks of ``block_size`` positions shared by all
+slots, and a block table per slot, so capacity is counted in tokens; a sequence holds only the
+blocks it needs, handed out by the policy and returned when it finishes. Both are addressed the
+same way: a token's K/V lives at ``(row, :, col)`` of a layer's storage, ``row`` = the slot (or
+the block from the slot's table) and ``col`` = the position (or the offset in the block).
 
 Each rank stores the KV heads ``[head_start, head_start + num_heads)`` of the global
 ``num_kv_heads`` for layers ``[first_layer, first_layer + num_layers)``; with KV-head replication
@@ -8,6 +15,8 @@ reader (an attention layer, a tier, a peer) whose layout differs is refused when
 Every slot has ``max_seq_len + 1`` positions: the last one is a scratch column that decode steps
 over all slots write for slots with no running sequence, so such a write never lands on a slot
 another thread is filling (a swap-in) and is never read (no query attends past its position).
+Paged, the pool's last block is the scratch block: idle slots write there, and table entries a
+sequence does not own point there.
 """
 from __future__ import annotations
 
@@ -50,11 +59,39 @@ class KVSpec:
     dtype: torch.dtype = torch.float32
     head_start: int = 0  # first global KV head held on this rank
     first_layer: int = 0  # global index of layer 0 here (a pipeline stage holds a block of layers)
+    block_size: int | None = None  # paged: positions per block (None: contiguous slots)
+    num_blocks: int | None = None  # paged: blocks in the pool (the scratch block not counted)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_slots", "num_heads", "max_seq_len", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
+        if (self.block_size is None) != (self.num_blocks is None):
+            raise ValueError(f"a paged cache needs block_size and num_blocks, got block_size={self.block_size}, "
+                             f"num_blocks={self.num_blocks}")
+        if self.paged and (self.block_size < 1 or self.num_blocks < 1):
+            raise ValueError(f"KVSpec.block_size and num_blocks must be >= 1, got {self.block_size}, {self.num_blocks}")
+
+    @property
+    def paged(self) -> bool:
+        return self.block_size is not None
+
+    @property
+    def max_blocks(self) -> int:
+        """Block-table columns per slot: blocks covering positions ``0..max_seq_len``."""
+        return -(-(self.max_seq_len + 1) // self.block_size)
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV tokens the cache holds for running sequences."""
+        return self.num_blocks * self.block_size if self.paged else self.num_slots * self.max_seq_len
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
     @property
     def scratch(self) -> int:
@@ -63,7 +100,10 @@ class KVSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """``(num_slots, num_heads, max_seq_len + 1, head_dim)`` per layer, for K and for V."""
+        """Storage per layer, for K and for V: ``(num_slots, num_heads, max_seq_len + 1, head_dim)``,
+        paged ``(num_blocks + 1, num_heads, block_size, head_dim)`` (the last block is scratch)."""
+        if self.paged:
+            return (self.num_blocks + 1, self.num_heads, self.block_size, self.head_dim)
         return (self.num_slots, self.num_heads, self.max_seq_len + 1, self.head_dim)
 
     @property
@@ -85,6 +125,7 @@ class KVCache:
     def __init__(self, spec: KVSpec, device: torch.device | str = "cpu") -> None:
         self.spec, self.device = spec, device
         self.k: list[torch.Tensor] = []
+        self.table: torch.Tensor | None = None  # paged: (num_slots, max_blocks) block ids
         self.v: list[torch.Tensor] = []
         self.restore()
 
@@ -103,7 +144,7 @@ class KVCache:
     def release(self) -> int:
         """Free the cache's memory (its contents are lost); returns the bytes freed."""
         freed = self.spec.bytes if self.allocated else 0
-        self.k, self.v = [], []
+        self.k, self.v, self.table = [], [], None
         return freed
 
     def restore(self) -> None:
@@ -115,21 +156,70 @@ class KVCache:
             # background swap threads (outside inference mode) write into them
             self.k = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
             self.v = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+            self.table = (torch.full((s.num_slots, s.max_blocks), s.scratch_block, dtype=torch.long,
+                                     device=self.device) if s.paged else None)
 
+    # ---- paged addressing -----------------------------------------------------------------------
+    def assign(self, slot: int, blocks: list[int]) -> None:
+        """Slot ``slot`` now holds a sequence whose positions live in ``blocks`` (in order)."""
+        assert self.spec.paged and len(blocks) <= self.spec.max_blocks, (len(blocks), self.spec.max_blocks)
+        row = torch.full((self.spec.max_blocks,), self.spec.scratch_block, dtype=torch.long)
+        row[:len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.table[slot].copy_(row)
+
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, cols)`` of the storage where position ``positions[i]`` of slot ``slots[i]``
+        lives. The scratch position (idle decode slots) maps to the scratch block, paged."""
+        if not self.spec.paged:
+            return slots, positions
+        bs, scratch = self.spec.block_size, positions == self.spec.scratch
+        rows = self.table[slots, torch.where(scratch, 0, positions) // bs]
+        return torch.where(scratch, self.spec.scratch_block, rows), torch.where(scratch, 0, positions % bs)
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of global layer ``index``."""
         index -= self.spec.first_layer
         return self.k[index], self.v[index]
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+    def write(self, layer: int, rows: torch.Tensor, cols: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store per-token ``k``/``v`` ``(N, num_heads, head_dim)`` at ``(slots[i], :, positions[i])``."""
+        """Store per-token ``k``/``v`` ``(N, num_heads, head_dim)`` at ``(rows[i], :, cols[i])``
+        (from :meth:`locate`)."""
         kc, vc = self.layer(layer)
-        kc[slots, :, positions] = k
-        vc[slots, :, positions] = v
+        kc[rows, :, cols] = k
+        vc[rows, :, cols] = v
 
     def read(self, layer: int, slots: torch.Tensor | slice, length: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V ``(len(slots), num_heads, length, head_dim)``: views for a slice, copies otherwise."""
+        """K, V ``(len(slots), num_heads, length, head_dim)``: views for a slice of contiguous
+        slots, copies otherwise (paged: the slots' blocks gathered in table order)."""
         kc, vc = self.layer(layer)
-        return kc[slots, :, :length], vc[slots, :, :length]
+        if not self.spec.paged:
+            return kc[slots, :, :length], vc[slots, :, :length]
+        index = self.table[slots, :self.spec.blocks_for(length)]  # (B, nb)
+        return _gather_blocks(kc, index, length), _gather_blocks(vc, index, length)
+
+    def read_slot(self, layer: int, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``(num_heads, num_tokens, head_dim)`` of one slot's first positions."""
+        k, v = self.read(layer, torch.tensor([slot], device=self.table.device) if self.spec.paged
+                         else slice(slot, slot + 1), num_tokens)
+        return k[0], v[0]
+
+    def write_slot(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``(num_heads, T, head_dim)`` K, V at positions ``0..T-1`` of ``slot``."""
+        n = k.shape[1]
+        if not self.spec.paged:
+            kc, vc = self.layer(layer)
+            kc[slot, :, :n].copy_(k, non_blocking=True)
+            vc[slot, :, :n].copy_(v, non_blocking=True)
+            return
+        positions = torch.arange(n, device=self.table.device)
+        rows, cols = self.locate(torch.full_like(positions, slot), positions)
+        self.write(layer, rows, cols, k.transpose(0, 1).to(self.device), v.transpose(0, 1).to(self.device))
+
+
+def _gather_blocks(storage: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    """``storage[index]`` ``(B, nb, H, bs, hd)`` as ``(B, H, length, hd)``: the blocks in order."""
+    b, nb = index.shape
+    blocks = storage[index.flatten()]  # (B * nb, H, bs, hd)
+    _, h, bs, hd = blocks.shape
+    return blocks.view(b, nb, h, bs, hd).transpose(1, 2).reshape(b, h, nb * bs, hd)[:, :, :length]

@@ -29,7 +29,9 @@ class AttentionContext:
     kv: KVCache
     slots: torch.Tensor | slice  # (B,) cache slot of each sequence; a slice when consecutive
     token_slots: torch.Tensor  # (N,)
-    positions: torch.Tensor  # (N,) where each token's K/V is written
+    positions: torch.Tensor  # (N,) each token's position in its sequence
+    rows: torch.Tensor  # (N,) where each token's K/V is written: storage row (slot or block) ...
+    cols: torch.Tensor  # (N,) ... and column (position or offset in the block), from KVCache.locate
     query_positions: torch.Tensor  # (B, Tq), padded
     gather: torch.Tensor | None  # (B, Tq) index into the N flat tokens; None if single_token
     valid: torch.Tensor | None  # (B, Tq) bool; None if single_token
@@ -50,10 +52,11 @@ class AttentionContext:
         gather = torch.where(valid, first[:, None] + offs[None, :], torch.zeros_like(valid, dtype=torch.long))
         qpos = starts_t[:, None] + offs[None, :]  # (B, Tq)
         slots_t = torch.tensor(slots, dtype=torch.long)
+        token_slots, positions = torch.repeat_interleave(slots_t, lengths_t).to(device), qpos[valid].to(device)
+        rows, cols = kv.locate(token_slots, positions)
         return AttentionContext(
-            kv=kv, slots=_as_slice(slots) or slots_t.to(device),
-            token_slots=torch.repeat_interleave(slots_t, lengths_t).to(device),
-            positions=qpos[valid].to(device), query_positions=qpos.to(device),
+            kv=kv, slots=_as_slice(slots) or slots_t.to(device), token_slots=token_slots,
+            positions=positions, rows=rows, cols=cols, query_positions=qpos.to(device),
             gather=gather.to(device), valid=valid.to(device),
             kv_len=max(int((starts_t + lengths_t).max()), kv_len or 0))
 
@@ -80,7 +83,7 @@ class AttentionContext:
 
         Returns ``(1, N, Hq, hd)``.
         """
-        self.kv.write(layer, self.token_slots, self.positions, k[0], v[0])
+        self.kv.write(layer, self.rows, self.cols, k[0], v[0])
         keys, values = self.kv.read(layer, self.slots, self.kv_len)  # (B, Hkv, L, hd)
         if self.single_token:
             qp = q[0].unsqueeze(2)  # (B, Hq, 1, hd)
@@ -112,6 +115,7 @@ class DecodeInputs:
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.full((n,), kv.spec.scratch, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(n, device=device)
+        self.rows, self.cols = self.slot_ids.clone(), self.positions.clone()
 
     def update(self, slots: Sequence[int], ids: Sequence[int], positions: Sequence[int]) -> None:
         """The step's running sequences: ``ids[j]`` at ``positions[j]`` in slot ``slots[j]``."""
@@ -120,11 +124,15 @@ class DecodeInputs:
         self.positions.fill_(self.kv.spec.scratch)
         self.ids[values[0]] = values[1]
         self.positions[values[0]] = values[2]
+        rows, cols = self.kv.locate(self.slot_ids, self.positions)
+        self.rows.copy_(rows)
+        self.cols.copy_(cols)
 
     def context(self, start: int, stop: int, kv_len: int) -> AttentionContext:
         """The view of slots ``[start, stop)`` attending over ``kv_len`` cached positions."""
         positions = self.positions[start:stop]
         return AttentionContext(
             kv=self.kv, slots=slice(start, stop), token_slots=self.slot_ids[start:stop],
-            positions=positions, query_positions=positions[:, None], gather=None, valid=None,
+            positions=positions, rows=self.rows[start:stop], cols=self.cols[start:stop],
+            query_positions=positions[:, None], gather=None, valid=None,
             kv_len=kv_len, single_token=True)

@@ -88,19 +88,20 @@ class CPUKVTier:
         a, b = self.ranges.get(request_id) or self.allocate(request_id, num_tokens)
         h0, h1 = _heads(cache, self.spec)
         first = cache.spec.first_layer
-        for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-            self.pool[first + layer, 0, h0:h1, a:b].copy_(_to_host(k[slot, :, :num_tokens]))
-            self.pool[first + layer, 1, h0:h1, a:b].copy_(_to_host(v[slot, :, :num_tokens]))
-        return 2 * len(cache.k) * (h1 - h0) * num_tokens * cache.spec.head_dim * _itemsize(self.spec.dtype)
+        for layer in range(cache.spec.num_layers):
+            k, v = cache.read_slot(first + layer, slot, num_tokens)  # (H, T, hd), paged or not
+            self.pool[first + layer, 0, h0:h1, a:b].copy_(_to_host(k))
+            self.pool[first + layer, 1, h0:h1, a:b].copy_(_to_host(v))
+        return 2 * cache.spec.num_layers * (h1 - h0) * num_tokens * cache.spec.head_dim * _itemsize(self.spec.dtype)
 
     def swap_in(self, cache: KVCache, slot: int, request_id: int) -> int:
         """Copy the request's KV for this cache's layers and head range into ``slot``; returns its tokens."""
         a, b = self.ranges[request_id]
         h0, h1 = _heads(cache, self.spec)
         first = cache.spec.first_layer
-        for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-            k[slot, :, :b - a].copy_(self.pool[first + layer, 0, h0:h1, a:b], non_blocking=True)
-            v[slot, :, :b - a].copy_(self.pool[first + layer, 1, h0:h1, a:b], non_blocking=True)
+        for layer in range(cache.spec.num_layers):
+            cache.write_slot(first + layer, slot, self.pool[first + layer, 0, h0:h1, a:b],
+                             self.pool[first + layer, 1, h0:h1, a:b])
         return b - a
 
     def close(self, *, unlink: bool = False) -> None:

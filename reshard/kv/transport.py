@@ -1,0 +1,585 @@
+"""Flush and fetch: move one contiguous chunk of KV between media in the background (DéjàVuLib's
+lowest level).
+
+A chunk is a contiguous tensor moved as its bytes. The sending side *flushes* it under a key; the
+receiving side *fetches* the key into a tensor of the same byte size. The transport depends on the
+two media (:func:`choose_transport`):
+
+- ``local``: same process, a device/host ``copy_``;
+- ``shm``: CPU shared memory between processes of one machine, one region per key in ``/dev/shm``;
+- ``p2p``: ``torch.distributed`` isend/irecv on a dedicated background process group;
+- ``file``: one safetensors file per key, written atomically.
+
+Every transport runs its jobs on one background thread of its own, first in first out, so per
+peer the order of flushes and fetches is kept. A :class:`Job` reports completion; ``wait`` raises
+``TimeoutError`` naming the job, or re-raises on the caller's thread an error from the background.
+Each transport counts the bytes and calls it moved (:class:`TransportStats`).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import queue
+import re
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Protocol, Union
+
+import torch
+import torch.distributed as dist
+
+Key = Union[str, tuple[Union[int, str], ...]]  # e.g. (request_id, layer, step) or a string
+MediumKind = Literal["device", "cpu", "disk"]
+TransportKind = Literal["local", "shm", "p2p", "file"]
+Poll = Callable[[], bool]
+
+_IDS = itertools.count(1)
+_ABANDONED: list = []  # buffers of P2P ops given up on at close: the backend may still use them
+_GROUPS: dict = {}
+_HEADER_TAG, _DATA_TAG = 0x4B5601, 0x4B5602
+
+
+# ---- media and the choice of transport --------------------------------------------------------
+@dataclass(frozen=True)
+class Medium:
+    """Where a chunk lives: a rank's device or CPU memory, or a disk; ``node`` is the machine."""
+
+    kind: MediumKind
+    rank: int
+    node: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("device", "cpu", "disk") or self.rank < 0 or self.node < 0:
+            raise ValueError(f"a medium is kind 'device', 'cpu' or 'disk' with rank >= 0 and node >= 0; "
+                             f"got kind={self.kind!r}, rank={self.rank}, node={self.node}")
+
+
+def choose_transport(src: Medium, dst: Medium) -> TransportKind:
+    """The transport from ``src`` to ``dst``.
+
+    A disk on either side -> ``file`` (the directory must be visible to both ranks); the same rank
+    -> ``local``; CPU to CPU on one machine -> ``shm`` (one copy into and one out of a shared
+    region, no socket and no matching of sends with receives, so the receiver may fetch whenever
+    it likes); any other pair -> ``p2p``.
+    """
+    if "disk" in (src.kind, dst.kind):
+        return "file"
+    if src.rank == dst.rank:
+        return "local"
+    if src.kind == dst.kind == "cpu" and src.node == dst.node:
+        return "shm"
+    return "p2p"
+
+
+def open_transport(src: Medium, dst: Medium, *, run_id: str | None = None,
+                   directory: str | os.PathLike | None = None,
+                   group: dist.ProcessGroup | None = None) -> "Transport":
+    """The transport :func:`choose_transport` picks, opened on this rank (one of the two sides).
+
+    ``shm`` needs ``run_id`` (the same on both sides); ``file`` needs ``directory``; ``p2p`` uses
+    ``group`` or :func:`background_group`.
+    """
+    kind = choose_transport(src, dst)
+    if kind == "local":
+        return LocalTransport()
+    if kind == "file":
+        if directory is None:
+            raise ValueError(f"a transport from {src} to {dst} writes files: pass directory=")
+        return FileTransport(directory)
+    me = dist.get_rank()
+    if me not in (src.rank, dst.rank):
+        raise ValueError(f"rank {me} is neither side of a transport from {src} to {dst}")
+    if kind == "shm":
+        if run_id is None:
+            raise ValueError(f"a transport from {src} to {dst} uses shared memory: pass run_id=")
+        return SharedMemoryTransport(run_id)
+    return P2PTransport(dst.rank if me == src.rank else src.rank, group)
+
+
+# ---- jobs and their queue ---------------------------------------------------------------------
+class Job:
+    """One flush or fetch run by a transport's background thread."""
+
+    def __init__(self, op: str, key: Key, transport: str, nbytes: int) -> None:
+        self.id = next(_IDS)
+        self.op, self.key, self.transport, self.nbytes = op, key, transport, nbytes
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"job {self.id} ({self.transport} {self.op} of key {self.key!r}, {self.nbytes} bytes)"
+
+    def done(self) -> bool:
+        """Whether the job has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the job finishes; re-raise its error here; ``TimeoutError`` after ``timeout`` s."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def _finish(self, error: BaseException | None) -> None:
+        if error is not None:
+            error.add_note(f"raised in the background by {self!r}")
+        self._error = error
+        self._event.set()
+
+
+@dataclass
+class TransportStats:
+    """What one transport moved: calls and bytes of successful flushes and fetches."""
+
+    flush_calls: int = 0
+    flush_bytes: int = 0
+    fetch_calls: int = 0
+    fetch_bytes: int = 0
+
+    @property
+    def calls(self) -> int:
+        return self.flush_calls + self.fetch_calls
+
+    @property
+    def bytes(self) -> int:
+        return self.flush_bytes + self.fetch_bytes
+
+    def add(self, job: Job) -> None:
+        if job.op == "flush":
+            self.flush_calls, self.flush_bytes = self.flush_calls + 1, self.flush_bytes + job.nbytes
+        else:
+            self.fetch_calls, self.fetch_bytes = self.fetch_calls + 1, self.fetch_bytes + job.nbytes
+
+
+class JobQueue:
+    """One background thread running a transport's jobs in submission order.
+
+    A job's function either finishes the work or starts it and returns a poll (``() -> bool``,
+    true once done, raising on failure): the next job then starts while that one is in flight.
+    Functions that must wait (for a region to appear, a message to arrive) call
+    :meth:`poll_until`, which keeps completing in-flight jobs and gives up when the queue closes.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name, self.stats = name, TransportStats()
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: list[tuple[Job, Poll]] = []
+        self._stop, self._closed = threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name=f"kv-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, op: str, key: Key, nbytes: int, fn: Callable[[], Poll | None]) -> Job:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} transport is closed; cannot {op} key {key!r}")
+        job = Job(op, key, self.name, nbytes)
+        self._todo.put((job, fn))
+        return job
+
+    def poll_until(self, ready: Poll) -> None:
+        """On the queue's thread: wait until ``ready()``, completing in-flight jobs meanwhile."""
+        delay = 1e-5
+        while not ready():
+            if self._stop.is_set():
+                raise RuntimeError(f"the {self.name} transport was closed while this job waited")
+            self._reap()
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Run what was submitted (up to ``timeout`` s), then fail what is left and join the thread."""
+        if not self._closed:
+            self._closed = True
+            self._todo.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._todo.get(timeout=1e-3 if self._inflight else 0.1)
+            except queue.Empty:
+                self._reap()
+                continue
+            if item is None:
+                try:
+                    self.poll_until(lambda: not self._reap())  # let in-flight jobs finish
+                except RuntimeError:
+                    break
+                return
+            job, fn = item
+            try:
+                poll = fn()
+            except BaseException as error:  # noqa: BLE001 - reaches the caller at wait()
+                job._finish(error)
+            else:
+                if poll is None:
+                    self._succeed(job)
+                else:
+                    self._inflight.append((job, poll))
+            self._reap()
+        self._abandon()
+
+    def _reap(self) -> bool:
+        """Finish in-flight jobs that are done; whether any are still in flight."""
+        still = []
+        for job, poll in self._inflight:
+            try:
+                if not poll():
+                    still.append((job, poll))
+                    continue
+            except BaseException as error:  # noqa: BLE001
+                job._finish(error)
+                continue
+            self._succeed(job)
+        self._inflight = still
+        return bool(still)
+
+    def _succeed(self, job: Job) -> None:
+        self.stats.add(job)
+        job._finish(None)
+
+    def _abandon(self) -> None:
+        _ABANDONED.extend(poll for _, poll in self._inflight)  # keep their buffers alive
+        left = [job for job, _ in self._inflight]
+        while True:
+            try:
+                item = self._todo.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                left.append(item[0])
+        for job in left:
+            job._finish(RuntimeError(f"the {self.name} transport was closed before {job!r} finished"))
+        self._inflight = []
+
+
+# ---- transports -------------------------------------------------------------------------------
+class Transport(Protocol):
+    """Flush (send/write) and fetch (receive/read) of contiguous chunks, keyed."""
+
+    kind: TransportKind
+    stats: TransportStats
+
+    def flush(self, chunk: torch.Tensor, key: Key) -> Job: ...
+
+    def fetch(self, key: Key, out: torch.Tensor) -> Job: ...
+
+    def close(self, timeout: float = 10.0) -> None: ...
+
+
+class _Queued:
+    """A transport with its own :class:`JobQueue`."""
+
+    kind: TransportKind
+
+    def __init__(self) -> None:
+        self._queue = JobQueue(self.kind)
+        self.stats = self._queue.stats
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish submitted jobs (up to ``timeout`` s; the rest fail), join the thread, clean up."""
+        self._queue.close(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalTransport(_Queued):
+    """Same process: ``flush`` registers the chunk (no copy; leave it unchanged until fetched),
+    ``fetch`` copies it into ``out`` in the background (``non_blocking`` on a device)."""
+
+    kind = "local"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._chunks: dict[Key, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def flush(self, chunk: torch.Tensor, key: Key) -> Job:
+        data = _bytes(chunk, "chunk", key)
+        with self._lock:
+            if key in self._chunks:
+                raise ValueError(f"key {key!r} was flushed already and not fetched yet")
+            self._chunks[key] = data
+        return self._queue.submit("flush", key, data.numel(), lambda: None)
+
+    def fetch(self, key: Key, out: torch.Tensor) -> Job:
+        dst = _bytes(out, "out", key)
+        return self._queue.submit("fetch", key, dst.numel(), lambda: self._copy(key, dst))
+
+    def _copy(self, key: Key, dst: torch.Tensor) -> Poll | None:
+        with self._lock:
+            if key not in self._chunks:
+                raise KeyError(f"no chunk was flushed under key {key!r} before this fetch")
+            src = self._chunks[key]
+            _check_size(key, src.numel(), dst)
+            del self._chunks[key]
+        dst.copy_(src, non_blocking=True)
+        device = dst.device if dst.device.type != "cpu" else src.device
+        if device.type == "cpu":
+            return None
+        event = torch.Event(device)
+        event.record()
+        return lambda: event.query() and src is not None  # keeps src alive until the copy is done
+
+
+class SharedMemoryTransport(_Queued):
+    """CPU shared memory between the processes of one machine: one region per key.
+
+    A flush writes the chunk into an unnamed file (``O_TMPFILE``) in ``/dev/shm`` and then gives it
+    the key's name (``reshard-kv-<run_id>-<key>``), so a fetch never sees a partial region and a
+    failed flush leaves nothing. A fetch waits for the name, copies the region out and removes
+    it. :meth:`close` removes the regions this transport flushed that nobody fetched, so close the
+    flushing side after the fetching side has fetched (e.g. after a barrier). Both sides use the
+    same ``run_id``; a process killed between a flush and its fetch leaves that region behind.
+    """
+
+    kind = "shm"
+
+    def __init__(self, run_id: str, root: str | os.PathLike | None = None) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
+            raise ValueError(f"run_id must be letters, digits, '_', '.' or '-'; got {run_id!r}")
+        self.root = Path(root) if root is not None else Path(_shm_root())
+        if not self.root.is_dir():
+            raise ValueError(f"shared-memory directory {str(self.root)!r} does not exist")
+        self.prefix = f"reshard-kv-{run_id}-"
+        self._published: set[Path] = set()
+        super().__init__()
+
+    def region(self, key: Key) -> Path:
+        """The path of ``key``'s region (what a fetch waits for)."""
+        return self.root / (self.prefix + _key_name(key))
+
+    def flush(self, chunk: torch.Tensor, key: Key) -> Job:
+        data = _bytes(chunk, "chunk", key)
+        return self._queue.submit("flush", key, data.numel(), lambda: self._write(self.region(key), data))
+
+    def fetch(self, key: Key, out: torch.Tensor) -> Job:
+        dst = _bytes(out, "out", key)
+        return self._queue.submit("fetch", key, dst.numel(), lambda: self._read(key, self.region(key), dst))
+
+    def close(self, timeout: float = 10.0) -> None:
+        super().close(timeout)
+        for path in self._published:
+            path.unlink(missing_ok=True)
+        self._published.clear()
+
+    def _write(self, path: Path, data: torch.Tensor) -> None:
+        if not hasattr(os, "O_TMPFILE"):
+            return self._write_named(path, data)
+        fd = os.open(self.root, os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            _fill(f"/proc/self/fd/{fd}", data)
+            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:  # linkat(AT_SYMLINK_FOLLOW) through dst_dir_fd: names the unnamed file
+                os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        finally:
+            os.close(fd)
+        self._publish(path)
+
+    def _write_named(self, path: Path, data: torch.Tensor) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
+        try:
+            _fill(str(tmp), data)
+            os.link(tmp, path)  # unlike os.replace, refuses to overwrite an unfetched region
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._publish(path)
+
+    def _publish(self, path: Path) -> None:
+        self._published.add(path)
+        if len(self._published) % 1024 == 0:  # forget regions that were fetched
+            self._published = {p for p in self._published if p.exists()}
+
+    def _read(self, key: Key, path: Path, dst: torch.Tensor) -> None:
+        self._queue.poll_until(path.exists)
+        _check_size(key, path.stat().st_size, dst)
+        if dst.numel():
+            dst.copy_(torch.from_file(str(path), shared=False, size=dst.numel(), dtype=torch.uint8))
+        path.unlink()
+
+
+class P2PTransport(_Queued):
+    """``torch.distributed`` isend/irecv with one ``peer`` on a background process group.
+
+    Both ranks must issue the flushes and fetches between them in the same order. Each chunk is
+    preceded by a 16-byte header (size, key hash), so a fetch of the wrong key or size raises
+    ``ValueError`` (after draining the chunk, so the stream stays usable) instead of aborting the
+    process in the backend. Sends do not wait for their receive before the next job starts, so two
+    ranks may flush to each other before fetching. On gloo, device tensors go through the CPU.
+    Use one transport per (group, peer), and give concurrent transports separate groups: a group
+    is used by one thread (see :func:`background_group`).
+    """
+
+    kind = "p2p"
+
+    def __init__(self, peer: int, group: dist.ProcessGroup | None = None) -> None:
+        group = group if group is not None else background_group()
+        ranks = dist.get_process_group_ranks(group)
+        if peer == dist.get_rank() or peer not in ranks:
+            raise ValueError(f"peer {peer} must be another rank of the group (ranks {ranks}, "
+                             f"this is rank {dist.get_rank()})")
+        self.peer, self.group = peer, group
+        self._via_cpu = dist.get_backend(group) == "gloo"
+        super().__init__()
+
+    def flush(self, chunk: torch.Tensor, key: Key) -> Job:
+        data = _bytes(chunk, "chunk", key)
+        return self._queue.submit("flush", key, data.numel(), lambda: self._send(key, data))
+
+    def fetch(self, key: Key, out: torch.Tensor) -> Job:
+        dst = _bytes(out, "out", key)
+        return self._queue.submit("fetch", key, dst.numel(), lambda: self._recv(key, dst))
+
+    def _send(self, key: Key, data: torch.Tensor) -> Poll:
+        device = "cpu" if self._via_cpu else data.device
+        header = torch.tensor([data.numel(), _key_hash(key)], dtype=torch.int64, device=device)
+        staged = data.to(device)
+        works = [dist.isend(header, self.peer, group=self.group, tag=_HEADER_TAG)]
+        if data.numel():
+            works.append(dist.isend(staged, self.peer, group=self.group, tag=_DATA_TAG))
+        return lambda: _completed(works) and (header, staged) is not None  # buffers live until done
+
+    def _recv(self, key: Key, dst: torch.Tensor) -> None:
+        device = "cpu" if self._via_cpu else dst.device
+        header = torch.empty(2, dtype=torch.int64, device=device)
+        self._wait(dist.irecv(header, self.peer, group=self.group, tag=_HEADER_TAG))
+        nbytes, key_hash = header.tolist()
+        buf = dst if dst.device == torch.device(device) and nbytes == dst.numel() else \
+            torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if nbytes:
+            self._wait(dist.irecv(buf, self.peer, group=self.group, tag=_DATA_TAG))
+        if key_hash != _key_hash(key):
+            raise ValueError(f"fetched key {key!r} from rank {self.peer}, which flushed a different key "
+                             f"next ({nbytes} bytes); flushes and fetches must be issued in the same order")
+        _check_size(key, nbytes, dst)
+        if buf is not dst:
+            dst.copy_(buf)
+
+    def _wait(self, work) -> None:
+        self._queue.poll_until(lambda: _completed([work]))
+
+
+class FileTransport(_Queued):
+    """One safetensors file per key in ``directory`` (kept: disk is storage, not a channel).
+
+    A flush writes a temporary file and renames it into place, so a fetch (which waits for the
+    file) never reads a partial one; a failed flush removes its temporary file.
+    """
+
+    kind = "file"
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ValueError(f"file transport directory {str(self.directory)!r} does not exist")
+        super().__init__()
+
+    def path(self, key: Key) -> Path:
+        """The file that holds ``key``'s chunk."""
+        return self.directory / f"{_key_name(key)}.safetensors"
+
+    def flush(self, chunk: torch.Tensor, key: Key) -> Job:
+        data = _bytes(chunk, "chunk", key)
+        return self._queue.submit("flush", key, data.numel(), lambda: self._write(self.path(key), data))
+
+    def fetch(self, key: Key, out: torch.Tensor) -> Job:
+        dst = _bytes(out, "out", key)
+        return self._queue.submit("fetch", key, dst.numel(), lambda: self._read(key, self.path(key), dst))
+
+    def _write(self, path: Path, data: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
+        try:
+            save_file({"chunk": data.cpu()}, str(tmp))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _read(self, key: Key, path: Path, dst: torch.Tensor) -> None:
+        from safetensors import safe_open
+
+        self._queue.poll_until(path.exists)
+        with safe_open(str(path), framework="pt") as f:
+            data = f.get_tensor("chunk")
+        _check_size(key, data.numel(), dst)
+        dst.copy_(data)
+
+
+def background_group(name: str = "kv") -> dist.ProcessGroup:
+    """A process group of all ranks for background P2P, one per ``name`` (collective on first use).
+
+    Distinct from the default group and from ``reshard.sync``'s, so a transport's thread never
+    shares a group with another thread.
+    """
+    world = dist.group.WORLD
+    if _GROUPS.get("world") is not world:
+        _GROUPS.clear()
+        _GROUPS["world"] = world
+    if name not in _GROUPS:
+        _GROUPS[name] = dist.new_group(list(range(dist.get_world_size())))
+    return _GROUPS[name]
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _bytes(t: torch.Tensor, what: str, key: Key) -> torch.Tensor:
+    """``t`` as a flat uint8 view; ``ValueError`` unless contiguous."""
+    _check_key(key)
+    if not t.is_contiguous():
+        raise ValueError(f"{what} for key {key!r} must be contiguous; got shape {tuple(t.shape)} with "
+                         f"strides {t.stride()}")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _check_key(key: Key) -> None:
+    parts = key if isinstance(key, tuple) else (key,)
+    if not parts or not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in parts):
+        raise ValueError(f"a key is a string or a non-empty tuple of ints and strings; got {key!r}")
+
+
+def _check_size(key: Key, nbytes: int, dst: torch.Tensor) -> None:
+    if nbytes != dst.numel():
+        raise ValueError(f"chunk for key {key!r} has {nbytes} bytes but the fetch buffer has {dst.numel()}")
+
+
+def _key_name(key: Key) -> str:
+    """A file name for ``key``: readable, with a digest so distinct keys never share one."""
+    text = key if isinstance(key, str) else "-".join(map(str, key))
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=6).hexdigest()
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', text)[:64]}.{digest}"
+
+
+def _key_hash(key: Key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def _completed(works: list) -> bool:
+    """Whether all ``works`` are done (their errors raised)."""
+    if not all(w.is_completed() for w in works):
+        return False
+    for w in works:
+        w.wait()
+    return True
+
+
+def _fill(path: str, data: torch.Tensor) -> None:
+    """Size the file at ``path`` to ``data`` and write it through a shared mapping."""
+    if data.numel():
+        torch.from_file(path, shared=True, size=data.numel(), dtype=torch.uint8).copy_(data)
+
+
+def _shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
