@@ -123,11 +123,17 @@ def check_compatible(src: Layout, dst: Layout) -> None:
 def plan_transfer(src: Layout, dst: Layout) -> Plan:
     """Plan moving a tensor from ``src`` to ``dst`` (any meshes: equal, permuted, overlapping, disjoint)."""
     check_compatible(src, dst)
-    items = contributions(src)
-    load: dict[int, int] = defaultdict(int)  # bytes each rank sends so far
+    pieces = assign_senders(contributions(src), [(rank, dst.box(rank)) for rank in dst.all_ranks])
+    return Plan(src, dst, tuple(pieces), _reduce_op(src), _partial_count(src), _itemsize(src.dtype))
+
+
+def assign_senders(items: list[tuple[Box, list[int]]], wanted: list[tuple[int, Box]]) -> list[Piece]:
+    """The pieces that deliver every wanted ``(rank, box)`` from source ``items`` ``(box,
+    holders)``: one piece per overlapping item, a local copy where the rank holds it, else sent
+    by the holder with the least sending load so far (ties round-robin from the receiver)."""
+    load: dict[int, int] = defaultdict(int)  # elements each rank sends so far
     pieces = []
-    for rank in dst.all_ranks:
-        dst_box = dst.box(rank)
+    for rank, dst_box in wanted:
         for index, (box, holders) in enumerate(items):
             piece = intersect(box, dst_box)
             if piece is None:
@@ -136,7 +142,7 @@ def plan_transfer(src: Layout, dst: Layout) -> Plan:
             if sender != rank:
                 load[sender] += box_numel(piece)
             pieces.append(Piece(sender, rank, piece, index))
-    return Plan(src, dst, tuple(pieces), _reduce_op(src), _partial_count(src), _itemsize(src.dtype))
+    return pieces
 
 
 def _partial_count(layout: Layout) -> int:

@@ -121,6 +121,9 @@ def test_background_errors_reach_the_caller(tmp_path):
         with pytest.raises(KeyError, match="no chunk was flushed under key 'other'"):
             local.fetch("other", torch.empty(10)).wait(WAIT)
         local.fetch("k", torch.empty(10)).wait(WAIT)  # the chunk is still there for the right buffer
+        local.flush(torch.ones(2), "twice")
+        with pytest.raises(ValueError, match="key 'twice' was flushed already"):
+            local.flush(torch.ones(2), "twice").wait(WAIT)
 
 
 def test_shm_leaves_nothing_after_failures_or_close():
@@ -165,28 +168,37 @@ def test_choose_transport():
 def _p2p_beside_collectives(run_id: str):
     import torch.distributed as dist
 
-    from reshard.kv.transport import P2PTransport, SharedMemoryTransport, background_group
+    from reshard.kv.transport import open_transport
 
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
-    t = P2PTransport(peer, background_group())
-    chunks = {(i, dtype): _chunk(dtype, 50_000, seed=i) for i in range(4) for dtype in DTYPES}
-    jobs, outs = [], {}
-    # both ranks flush to each other first, then fetch: sends must not block the queue
+    t = open_transport(Medium("device", rank), Medium("device", peer))  # -> p2p, background group
+    chunks = {(i, str(dtype)): _chunk(dtype, 50_000, seed=i) for i in range(4) for dtype in DTYPES}
     mine = {k: v for k, v in chunks.items() if k[0] % 2 == rank}
     theirs = {k: v for k, v in chunks.items() if k[0] % 2 == peer}
-    jobs += [t.flush(_as_bytes(v), (k[0], str(k[1]))) for k, v in mine.items()]
-    for k, v in theirs.items():
-        outs[k] = torch.empty_like(v)
-        jobs.append(t.fetch((k[0], str(k[1])), outs[k]))
-    total = torch.zeros(())  # main thread: collectives on the default group meanwhile
-    for i in range(20):
+    outs = {k: torch.empty_like(v) for k, v in theirs.items()}
+    # 1. rank 1's fetches wait in the background while both main threads run collectives on the
+    #    default group; rank 0 flushes only after round 4's all_reduce, so they cannot finish sooner
+    early = [t.fetch(k, outs[k]) for k in theirs] if rank == 1 else []
+    total, pending_at_round_3 = 0.0, None
+    for i in range(10):
+        if i == 3 and rank == 1:
+            pending_at_round_3 = not any(job.done() for job in early)
+        if i == 5 and rank == 0:
+            early = [t.flush(_as_bytes(v), k) for k, v in mine.items()]
         x = torch.full((1000,), float(i + rank))
         dist.all_reduce(x)
-        total += x[0]
-    for job in jobs:
+        total += float(x[0])
+    # 2. both ranks flush to each other before fetching: sends must not hold up receives
+    jobs = [t.flush(_as_bytes(v), k) for k, v in mine.items() if rank == 1]
+    jobs += [t.fetch(k, outs[k]) for k in theirs if rank == 0]
+    jobs += [t.flush(_as_bytes(v), ("again",) + k) for k, v in mine.items()]
+    again = {k: torch.empty_like(v) for k, v in theirs.items()}
+    jobs += [t.fetch(("again",) + k, again[k]) for k in theirs]
+    for job in early + jobs:
         job.wait(WAIT)
-    ok = all(torch.equal(_as_bytes(outs[k]), _as_bytes(v)) for k, v in theirs.items())
-    # a fetch of the wrong size fails on the receiver (no abort) and the stream stays usable
+    ok = all(torch.equal(_as_bytes(outs[k]), _as_bytes(v)) and torch.equal(_as_bytes(again[k]), _as_bytes(v))
+             for k, v in theirs.items())
+    # 3. a fetch of the wrong size fails on the receiver (no abort) and the stream stays usable
     mismatch = ""
     if rank == 0:
         t.flush(torch.arange(10, dtype=torch.float32), "m").wait(WAIT)
@@ -201,8 +213,8 @@ def _p2p_beside_collectives(run_id: str):
         ok = ok and torch.equal(after, torch.arange(3, dtype=torch.float32))
     stats = (t.stats.flush_calls, t.stats.fetch_calls, t.stats.flush_bytes, t.stats.fetch_bytes)
     t.close()
-    # shm between the two processes
-    s = SharedMemoryTransport(run_id)
+    # 4. shared memory between the two processes
+    s = open_transport(Medium("cpu", 0), Medium("cpu", 1), run_id=run_id)
     src = _chunk(torch.bfloat16, 4096, seed=9)
     if rank == 0:
         s.flush(src, "kv").wait(WAIT)
@@ -213,22 +225,35 @@ def _p2p_beside_collectives(run_id: str):
         ok = ok and torch.equal(_as_bytes(out), _as_bytes(src))
     dist.barrier()
     s.close()
-    return ok, float(total), mismatch, stats
+    return ok, total, pending_at_round_3, mismatch, stats, type(t).__name__, type(s).__name__
 
 
 def test_p2p_round_trip_beside_default_group_collectives():
     run_id = _run_id()
     results = dist_harness.run(2, _p2p_beside_collectives, run_id, timeout=60)
     chunk_bytes = 50_000 * (4 + 2) * 2  # two indices per rank, fp32 + bf16 each
-    for rank, (ok, total, mismatch, stats) in enumerate(results):
-        assert ok
-        assert total == sum(2 * i + 1 for i in range(20))  # collectives were right
+    for rank, (ok, total, pending, mismatch, stats, p2p, shm) in enumerate(results):
+        assert ok and (p2p, shm) == ("P2PTransport", "SharedMemoryTransport")
+        assert total == sum(2 * i + 1 for i in range(10))  # the collectives were right
         if rank == 0:
-            assert stats == (4 + 2, 4, chunk_bytes + 52, chunk_bytes)
+            assert stats == (2 * 4 + 2, 2 * 4, 2 * chunk_bytes + 52, 2 * chunk_bytes)
         else:
+            assert pending is True  # its fetches were still waiting during the collectives
             assert "key 'm' has 40 bytes but the fetch buffer has 20" in mismatch
-            assert stats == (4, 4 + 1, chunk_bytes, chunk_bytes + 12)
+            assert stats == (2 * 4, 2 * 4 + 1, 2 * chunk_bytes, 2 * chunk_bytes + 12)
     assert _regions(run_id) == []
+
+
+def test_open_transport_without_ranks(tmp_path):
+    from reshard.kv.transport import open_transport
+
+    assert isinstance(open_transport(Medium("device", 0), Medium("cpu", 0)), LocalTransport)
+    t = open_transport(Medium("cpu", 0), Medium("disk", 0), directory=tmp_path)
+    assert isinstance(t, FileTransport)
+    for transport in (t, open_transport(Medium("device", 0), Medium("cpu", 0))):
+        transport.close()
+    with pytest.raises(ValueError, match="pass directory="):
+        open_transport(Medium("cpu", 0), Medium("disk", 0))
 
 
 def test_job_wait_without_timeout_returns_when_done():

@@ -10,8 +10,8 @@ two media (:func:`choose_transport`):
 - ``p2p``: ``torch.distributed`` isend/irecv on a dedicated background process group;
 - ``file``: one safetensors file per key, written atomically.
 
-Every transport runs its jobs on one background thread of its own, first in first out, so per
-peer the order of flushes and fetches is kept. A :class:`Job` reports completion; ``wait`` raises
+Every transport runs its jobs on a background thread of its own (P2P: one per direction), first
+in first out, so per peer the order of flushes and fetches is kept. A :class:`Job` reports completion; ``wait`` raises
 ``TimeoutError`` naming the job, or re-raises on the caller's thread an error from the background.
 Each transport counts the bytes and calls it moved (:class:`TransportStats`).
 """
@@ -36,10 +36,8 @@ import torch.distributed as dist
 Key = Union[str, tuple[Union[int, str], ...]]  # e.g. (request_id, layer, step) or a string
 MediumKind = Literal["device", "cpu", "disk"]
 TransportKind = Literal["local", "shm", "p2p", "file"]
-Poll = Callable[[], bool]
 
 _IDS = itertools.count(1)
-_ABANDONED: list = []  # buffers of P2P ops given up on at close: the backend may still use them
 _GROUPS: dict = {}
 _HEADER_TAG, _DATA_TAG = 0x4B5601, 0x4B5602
 
@@ -141,6 +139,9 @@ class TransportStats:
     fetch_calls: int = 0
     fetch_bytes: int = 0
 
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
     @property
     def calls(self) -> int:
         return self.flush_calls + self.fetch_calls
@@ -150,114 +151,84 @@ class TransportStats:
         return self.flush_bytes + self.fetch_bytes
 
     def add(self, job: Job) -> None:
-        if job.op == "flush":
-            self.flush_calls, self.flush_bytes = self.flush_calls + 1, self.flush_bytes + job.nbytes
-        else:
-            self.fetch_calls, self.fetch_bytes = self.fetch_calls + 1, self.fetch_bytes + job.nbytes
+        with self._lock:
+            if job.op == "flush":
+                self.flush_calls, self.flush_bytes = self.flush_calls + 1, self.flush_bytes + job.nbytes
+            else:
+                self.fetch_calls, self.fetch_bytes = self.fetch_calls + 1, self.fetch_bytes + job.nbytes
 
 
 class JobQueue:
-    """One background thread running a transport's jobs in submission order.
+    """One background thread running jobs in submission order; successes are counted in ``stats``.
 
-    A job's function either finishes the work or starts it and returns a poll (``() -> bool``,
-    true once done, raising on failure): the next job then starts while that one is in flight.
-    Functions that must wait (for a region to appear, a message to arrive) call
-    :meth:`poll_until`, which keeps completing in-flight jobs and gives up when the queue closes.
+    A job that waits for something outside the process (a region, a file) calls
+    :meth:`poll_until`, which gives up when the queue is being closed.
     """
 
-    def __init__(self, name: str) -> None:
-        self.name, self.stats = name, TransportStats()
+    def __init__(self, name: str, stats: TransportStats | None = None) -> None:
+        self.name, self.stats = name, stats if stats is not None else TransportStats()
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        self._inflight: list[tuple[Job, Poll]] = []
         self._stop, self._closed = threading.Event(), False
         self._thread = threading.Thread(target=self._run, name=f"kv-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, op: str, key: Key, nbytes: int, fn: Callable[[], Poll | None]) -> Job:
+    def submit(self, op: str, key: Key, nbytes: int, fn: Callable[[], None]) -> Job:
         if self._closed:
             raise RuntimeError(f"the {self.name} transport is closed; cannot {op} key {key!r}")
         job = Job(op, key, self.name, nbytes)
         self._todo.put((job, fn))
         return job
 
-    def poll_until(self, ready: Poll) -> None:
-        """On the queue's thread: wait until ``ready()``, completing in-flight jobs meanwhile."""
+    def poll_until(self, ready: Callable[[], bool]) -> None:
+        """On the queue's thread: wait until ``ready()``; ``RuntimeError`` once the queue closes."""
         delay = 1e-5
         while not ready():
             if self._stop.is_set():
                 raise RuntimeError(f"the {self.name} transport was closed while this job waited")
-            self._reap()
             time.sleep(delay)
             delay = min(2 * delay, 2e-3)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Run what was submitted (up to ``timeout`` s), then fail what is left and join the thread."""
+        """Run what was submitted (up to ``timeout`` s), then fail what is left and join the thread.
+
+        ``RuntimeError`` if a job is stuck in a call that cannot be interrupted (a receive that
+        never matches); its thread is left behind.
+        """
         if not self._closed:
             self._closed = True
             self._todo.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._stop.set()
-            self._thread.join()
+            self._thread.join(min(timeout, 1.0))
+        if self._thread.is_alive():
+            self._fail_queued()
+            raise RuntimeError(f"the {self.name} transport's thread is stuck in a job that cannot be "
+                               f"interrupted; it is left behind (do not reuse its process group)")
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                item = self._todo.get(timeout=1e-3 if self._inflight else 0.1)
-            except queue.Empty:
-                self._reap()
-                continue
+            item = self._todo.get()
             if item is None:
-                try:
-                    self.poll_until(lambda: not self._reap())  # let in-flight jobs finish
-                except RuntimeError:
-                    break
                 return
             job, fn = item
             try:
-                poll = fn()
+                fn()
             except BaseException as error:  # noqa: BLE001 - reaches the caller at wait()
                 job._finish(error)
             else:
-                if poll is None:
-                    self._succeed(job)
-                else:
-                    self._inflight.append((job, poll))
-            self._reap()
-        self._abandon()
+                self.stats.add(job)
+                job._finish(None)
+        self._fail_queued()
 
-    def _reap(self) -> bool:
-        """Finish in-flight jobs that are done; whether any are still in flight."""
-        still = []
-        for job, poll in self._inflight:
-            try:
-                if not poll():
-                    still.append((job, poll))
-                    continue
-            except BaseException as error:  # noqa: BLE001
-                job._finish(error)
-                continue
-            self._succeed(job)
-        self._inflight = still
-        return bool(still)
-
-    def _succeed(self, job: Job) -> None:
-        self.stats.add(job)
-        job._finish(None)
-
-    def _abandon(self) -> None:
-        _ABANDONED.extend(poll for _, poll in self._inflight)  # keep their buffers alive
-        left = [job for job, _ in self._inflight]
+    def _fail_queued(self) -> None:
         while True:
             try:
                 item = self._todo.get_nowait()
             except queue.Empty:
-                break
+                return
             if item is not None:
-                left.append(item[0])
-        for job in left:
-            job._finish(RuntimeError(f"the {self.name} transport was closed before {job!r} finished"))
-        self._inflight = []
+                item[0]._finish(RuntimeError(f"the {self.name} transport was closed before {item[0]!r} ran"))
 
 
 # ---- transports -------------------------------------------------------------------------------
@@ -296,7 +267,8 @@ class _Queued:
 
 class LocalTransport(_Queued):
     """Same process: ``flush`` registers the chunk (no copy; leave it unchanged until fetched),
-    ``fetch`` copies it into ``out`` in the background (``non_blocking`` on a device)."""
+    ``fetch`` copies it into ``out`` (``non_blocking`` on a device, then waits for the copy).
+    A fetch submitted before the flush of its key fails with ``KeyError``."""
 
     kind = "local"
 
@@ -307,17 +279,20 @@ class LocalTransport(_Queued):
 
     def flush(self, chunk: torch.Tensor, key: Key) -> Job:
         data = _bytes(chunk, "chunk", key)
+        return self._queue.submit("flush", key, data.numel(), lambda: self._register(key, data))
+
+    def _register(self, key: Key, data: torch.Tensor) -> None:
+        """In queue order, so a fetch submitted after this flush always finds the chunk."""
         with self._lock:
             if key in self._chunks:
                 raise ValueError(f"key {key!r} was flushed already and not fetched yet")
             self._chunks[key] = data
-        return self._queue.submit("flush", key, data.numel(), lambda: None)
 
     def fetch(self, key: Key, out: torch.Tensor) -> Job:
         dst = _bytes(out, "out", key)
         return self._queue.submit("fetch", key, dst.numel(), lambda: self._copy(key, dst))
 
-    def _copy(self, key: Key, dst: torch.Tensor) -> Poll | None:
+    def _copy(self, key: Key, dst: torch.Tensor) -> None:
         with self._lock:
             if key not in self._chunks:
                 raise KeyError(f"no chunk was flushed under key {key!r} before this fetch")
@@ -326,11 +301,8 @@ class LocalTransport(_Queued):
             del self._chunks[key]
         dst.copy_(src, non_blocking=True)
         device = dst.device if dst.device.type != "cpu" else src.device
-        if device.type == "cpu":
-            return None
-        event = torch.Event(device)
-        event.record()
-        return lambda: event.query() and src is not None  # keeps src alive until the copy is done
+        if device.type != "cpu":  # the copy ran on this thread's current stream of that device
+            torch.accelerator.current_stream(device).synchronize()
 
 
 class SharedMemoryTransport(_Queued):
@@ -414,13 +386,13 @@ class SharedMemoryTransport(_Queued):
 class P2PTransport(_Queued):
     """``torch.distributed`` isend/irecv with one ``peer`` on a background process group.
 
-    Both ranks must issue the flushes and fetches between them in the same order. Each chunk is
-    preceded by a 16-byte header (size, key hash), so a fetch of the wrong key or size raises
-    ``ValueError`` (after draining the chunk, so the stream stays usable) instead of aborting the
-    process in the backend. Sends do not wait for their receive before the next job starts, so two
-    ranks may flush to each other before fetching. On gloo, device tensors go through the CPU.
-    Use one transport per (group, peer), and give concurrent transports separate groups: a group
-    is used by one thread (see :func:`background_group`).
+    Flushes run on one thread and fetches on another, each in submission order, so two ranks may
+    flush to each other before fetching; both ranks must issue the chunks of one direction in the
+    same order. Each chunk is preceded by a 16-byte header (size, key hash), so a fetch of the
+    wrong key or size raises ``ValueError`` (after draining the chunk, so the stream stays usable)
+    instead of aborting the process in the backend. On gloo, device tensors go through the CPU.
+    A receive cannot be interrupted: closing with a fetch its peer never flushes raises (see
+    :meth:`JobQueue.close`). Use one transport per (group, peer).
     """
 
     kind = "p2p"
@@ -432,44 +404,48 @@ class P2PTransport(_Queued):
             raise ValueError(f"peer {peer} must be another rank of the group (ranks {ranks}, "
                              f"this is rank {dist.get_rank()})")
         self.peer, self.group = peer, group
-        self._via_cpu = dist.get_backend(group) == "gloo"
-        super().__init__()
+        self._device = "cpu" if dist.get_backend(group) == "gloo" else None
+        super().__init__()  # the fetch thread
+        self._sends = JobQueue(self.kind, self.stats)
 
     def flush(self, chunk: torch.Tensor, key: Key) -> Job:
         data = _bytes(chunk, "chunk", key)
-        return self._queue.submit("flush", key, data.numel(), lambda: self._send(key, data))
+        return self._sends.submit("flush", key, data.numel(), lambda: self._send(key, data))
 
     def fetch(self, key: Key, out: torch.Tensor) -> Job:
         dst = _bytes(out, "out", key)
         return self._queue.submit("fetch", key, dst.numel(), lambda: self._recv(key, dst))
 
-    def _send(self, key: Key, data: torch.Tensor) -> Poll:
-        device = "cpu" if self._via_cpu else data.device
+    def close(self, timeout: float = 10.0) -> None:
+        try:
+            self._sends.close(timeout)
+        finally:
+            super().close(timeout)
+
+    def _send(self, key: Key, data: torch.Tensor) -> None:
+        device = self._device or data.device
         header = torch.tensor([data.numel(), _key_hash(key)], dtype=torch.int64, device=device)
-        staged = data.to(device)
         works = [dist.isend(header, self.peer, group=self.group, tag=_HEADER_TAG)]
         if data.numel():
-            works.append(dist.isend(staged, self.peer, group=self.group, tag=_DATA_TAG))
-        return lambda: _completed(works) and (header, staged) is not None  # buffers live until done
+            works.append(dist.isend(data.to(device), self.peer, group=self.group, tag=_DATA_TAG))
+        for work in works:
+            work.wait()
 
     def _recv(self, key: Key, dst: torch.Tensor) -> None:
-        device = "cpu" if self._via_cpu else dst.device
+        device = torch.device(self._device or dst.device)
         header = torch.empty(2, dtype=torch.int64, device=device)
-        self._wait(dist.irecv(header, self.peer, group=self.group, tag=_HEADER_TAG))
+        dist.irecv(header, self.peer, group=self.group, tag=_HEADER_TAG).wait()
         nbytes, key_hash = header.tolist()
-        buf = dst if dst.device == torch.device(device) and nbytes == dst.numel() else \
-            torch.empty(nbytes, dtype=torch.uint8, device=device)
+        direct = dst.device == device and nbytes == dst.numel()
+        buf = dst if direct else torch.empty(nbytes, dtype=torch.uint8, device=device)
         if nbytes:
-            self._wait(dist.irecv(buf, self.peer, group=self.group, tag=_DATA_TAG))
+            dist.irecv(buf, self.peer, group=self.group, tag=_DATA_TAG).wait()
         if key_hash != _key_hash(key):
             raise ValueError(f"fetched key {key!r} from rank {self.peer}, which flushed a different key "
                              f"next ({nbytes} bytes); flushes and fetches must be issued in the same order")
         _check_size(key, nbytes, dst)
-        if buf is not dst:
+        if not direct:
             dst.copy_(buf)
-
-    def _wait(self, work) -> None:
-        self._queue.poll_until(lambda: _completed([work]))
 
 
 class FileTransport(_Queued):
@@ -564,15 +540,6 @@ def _key_name(key: Key) -> str:
 
 def _key_hash(key: Key) -> int:
     return zlib.crc32(repr(key).encode())
-
-
-def _completed(works: list) -> bool:
-    """Whether all ``works`` are done (their errors raised)."""
-    if not all(w.is_completed() for w in works):
-        return False
-    for w in works:
-        w.wait()
-    return True
 
 
 def _fill(path: str, data: torch.Tensor) -> None:
