@@ -150,3 +150,52 @@ def test_coalesced_and_per_chunk_copies_move_the_same_bytes():
     assert coalesced.stats.calls == 1 and naive.stats.calls == 2 * 2 * 2  # (2 layers x 2 spans x K, V)
     assert torch.equal(buf, torch.cat([c.flatten().view(torch.uint8) for c in chunks(cache, pieces, spans)]))
     coalesced.close(), naive.close()
+
+
+def _token_stream_job(path, where, tmp):
+    """TP2 decode; every step's new KV entries stream to a mirror (the other rank's heads, a CPU
+    copy on this rank, or files) while the next step runs; the mirror ends up equal to the cache."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.kv import KVCache
+    from reshard.kv.stream import KVStreamer, TokenStream, plan_stream, world_layouts
+    from reshard.kv.transport import FileTransport, LocalTransport
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = Engine(parallelize(path), max_batch_size=3, max_seq_len=48)
+    src = world_layouts(engine.kv)
+    if where == "peer":  # rank r mirrors rank r - 1's heads (the ring of DejaVu's replication)
+        dst = {r: src[(r - 1) % world] for r in range(world)}
+        transport = None
+    else:
+        dst = dict(src)
+        transport = lambda peer: LocalTransport()  # noqa: E731
+    mirror = KVCache(dataclasses.replace(engine.kv.spec, head_start=dst[rank].head_start))
+    streamer = KVStreamer(plan_stream(src, dst), transport=transport)
+    if where == "file":  # one directory per rank: the keys name the step, not the rank
+        import os
+
+        os.makedirs(f"{tmp}/rank{rank}", exist_ok=True)
+        streamer.transports[rank] = FileTransport(f"{tmp}/rank{rank}")
+    stream = TokenStream(streamer, engine.kv, mirror)
+    engine.runner.hooks.add("step_end", stream.step_end)
+    reqs = [Request(i, list(range(3 + i, 12 + 2 * i)), SamplingParams(max_new_tokens=6 + i)) for i in range(5)]
+    engine.generate(reqs)
+    stream.drain()
+    streamer.close()
+    written = slice(0, engine.kv.spec.max_seq_len)  # the scratch column is never streamed
+    mine = [torch.cat([k[:, :, written] for k in engine.kv.k + engine.kv.v])]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine[0])
+    expected = everyone[(rank - 1) % world] if where == "peer" else mine[0]
+    got = torch.cat([k[:, :, written] for k in mirror.k + mirror.v])
+    return torch.equal(got, expected), stream.steps, stream.bytes_out
+
+
+@pytest.mark.parametrize("where", ["peer", "cpu", "file"])
+def test_token_streaming_mirrors_every_step(checkpoints, tmp_path, where):
+    for same, steps, nbytes in dist_harness.run(2, _token_stream_job, checkpoints["llama"], where, str(tmp_path)):
+        assert same and steps > 5 and nbytes > 0

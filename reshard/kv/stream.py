@@ -197,12 +197,14 @@ class KVStreamer:
         self.transports = {peer: open_(peer) for peer in sorted(peers)}
         self.transports[self.rank] = self._local
 
+    @torch.inference_mode(False)  # background threads write the buffers: no inference tensors
     def stream_out(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
                    tag: object = 0) -> list[Job]:
         """Flush this rank's share of ``spans`` (``layers``: only those) to every destination."""
         return [self.transports[peer].flush(scatter(cache, pieces, spans, layers), self._key(tag, self.rank, peer, layers))
                 for peer, pieces in self.out_pieces.items()]
 
+    @torch.inference_mode(False)
     def stream_in(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
                   tag: object = 0) -> "StreamIn":
         """Fetch this rank's share of ``spans`` from every source; ``wait()`` unpacks it."""
@@ -238,3 +240,50 @@ class StreamIn:
             job.wait(self.timeout if timeout is None else timeout)
             gather(self.cache, pieces, self.spans, buf, self.layers)
         return sum(buf.numel() for _, _, buf in self.fetches)
+
+
+class TokenStream:
+    """Token streaming: the KV entries each engine step writes leave for another store while the
+    next step runs (DejaVu section 4.2.1), as a runner's ``step_end`` hook.
+
+    ``streamer`` maps the runner's KV layout to the destination's (a CPU or file mirror on the
+    same ranks, or other ranks). ``send_cache`` / ``recv_cache``: this rank's source cache and
+    destination cache (``None`` where it holds none). A prefill step streams each prompt, a
+    decode step each sequence's one new position. Step ``n``'s jobs are waited for at step
+    ``n + 1`` (or :meth:`drain`), so streaming overlaps one step of compute. A paged destination
+    takes the source's block ids (a mirror of the same shape).
+    """
+
+    def __init__(self, streamer: KVStreamer, send_cache: KVCache | None, recv_cache: KVCache | None, *,
+                 timeout: float = 60.0) -> None:
+        self.streamer, self.send_cache, self.recv_cache, self.timeout = streamer, send_cache, recv_cache, timeout
+        self.steps, self.bytes_out = 0, 0
+        self._pending: list = []
+
+    def step_end(self, phase: str, seqs: Sequence) -> None:
+        """Stream the step's new entries of ``seqs`` (the sequences this rank's layout ran)."""
+        spans = [Span(s.request.id, s.slot, *_new_positions(phase, s)) for s in seqs]
+        if self.recv_cache is not None and self.recv_cache.spec.paged and phase == "prefill":
+            for s in seqs:
+                self.recv_cache.assign(s.slot, s.blocks)
+        jobs = self.streamer.stream_out(self.send_cache, spans, tag=self.steps) if self.send_cache else []
+        incoming = self.streamer.stream_in(self.recv_cache, spans, tag=self.steps) if self.recv_cache else None
+        self.drain()
+        self.bytes_out += sum(j.nbytes for j in jobs)
+        self._pending, self.steps = [jobs, incoming], self.steps + 1
+
+    def drain(self) -> None:
+        """Wait for every job in flight (errors and timeouts reach the caller here)."""
+        if not self._pending:
+            return
+        jobs, incoming = self._pending
+        for job in jobs:
+            job.wait(self.timeout)
+        if incoming is not None:
+            incoming.wait(self.timeout)
+        self._pending = []
+
+
+def _new_positions(phase: str, seq) -> tuple[int, int]:
+    """Positions a step wrote for ``seq``: its prompt (prefill) or its last token (decode)."""
+    return (0, seq.prompt_len) if phase == "prefill" else (seq.cached, seq.cached + 1)
