@@ -45,7 +45,10 @@ def stage_meshes(dims: ParallelDims) -> list[DeviceMesh]:
     grid = rank_grid(dims)  # (dp, pp, sp, tp)
     rows = [[cached_mesh(grid[d, p, s], ("tp",)) for p in range(dims.pp)]
             for d in range(dims.dp) for s in range(dims.sp)]
-    d, _, s, _ = dims.world_mesh().get_coordinate()
+    coord = dims.world_mesh().get_coordinate()
+    if coord is None:  # a rank outside the layout: any group's meshes (it holds no shard of them)
+        return rows[0]
+    d, _, s, _ = coord
     return rows[d * dims.sp + s]
 
 

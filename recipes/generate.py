@@ -144,7 +144,10 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
 
 def _kv_summary(engine: Engine) -> dict:
     """The KV cache's capacity (tokens per replica) and, paged, its block counts."""
-    spec, s = engine.kv.spec, engine.stats
+    kv = next((r.kv for r in engine.runners.values() if r.kv is not None), None)
+    if kv is None:
+        return {}
+    spec, s = kv.spec, engine.stats
     out = {"paged": spec.paged, "capacity_tokens": spec.capacity_tokens}
     if spec.paged:
         out.update(block_size=spec.block_size, num_blocks=spec.num_blocks, blocks_allocated=s.kv_blocks_allocated,

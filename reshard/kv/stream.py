@@ -202,14 +202,14 @@ class KVStreamer:
                    tag: object = 0) -> list[Job]:
         """Flush this rank's share of ``spans`` (``layers``: only those) to every destination."""
         return [self.transports[peer].flush(scatter(cache, pieces, spans, layers), self._key(tag, self.rank, peer, layers))
-                for peer, pieces in self.out_pieces.items()]
+                for peer, pieces in _covering(self.out_pieces, layers).items()]
 
     @torch.inference_mode(False)
     def stream_in(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
                   tag: object = 0) -> "StreamIn":
         """Fetch this rank's share of ``spans`` from every source; ``wait()`` unpacks it."""
         fetches = []
-        for peer, pieces in self.in_pieces.items():
+        for peer, pieces in _covering(self.in_pieces, layers).items():
             buf = torch.empty(sum(chunk_bytes(cache, pieces, spans, layers)), dtype=torch.uint8,
                               device=cache.k[0].device)
             job = self.transports[peer].fetch(self._key(tag, peer, self.rank, layers), buf)
@@ -223,6 +223,15 @@ class KVStreamer:
     def close(self) -> None:
         for t in self.transports.values():
             t.close()
+
+
+def _covering(by_peer: dict[int, list[Piece]], layers: Sequence[int] | None) -> dict[int, list[Piece]]:
+    """The peers (and their pieces) holding any of ``layers``: both sides skip the others."""
+    if layers is None:
+        return by_peer
+    out = {peer: [p for p in pieces if any(p.box[0][0] <= i < p.box[0][1] for i in layers)]
+           for peer, pieces in by_peer.items()}
+    return {peer: pieces for peer, pieces in out.items() if pieces}
 
 
 class StreamIn:

@@ -1,0 +1,255 @@
+"""DejaVu prompt/token disaggregation: prompts on some ranks, tokens on the others.
+
+The prompt ranks and the token ranks are two meshes with their own layouts (TP degree and
+pipeline depth may differ, e.g. prompt TP2 -> token PP2). A prefill step runs on the prompt
+ranks; its runner's ``after_layer`` hook streams layer ``i``'s KV to the token ranks while layer
+``i + 1`` computes (DejaVu's layer-by-layer prompt streaming), re-sharded on the way by the
+stream plan (:mod:`reshard.kv.stream`). The token ranks post the matching fetches when the step
+ends and unpack them into their own cache before the first decode step that needs them. Both
+layouts run on the one engine loop: ranks outside a step's layout only join the token
+agreement, which spans the whole job.
+
+The appendix-D planner (:mod:`parallel.dejavu_planner`) turns the measured prompt and token step
+times into the machine split ``D_p`` / ``D_t`` it would choose, reported in ``summary.json``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reshard.kv.stream import KVStreamer, Span, plan_stream, world_layouts
+
+from .dejavu_planner import plan_disaggregation
+from .dims import ParallelDims
+from .engine import Engine, EngineArgs, EngineStats, ModelRunner, Policy, SlotPool, Step, Strategy, register_strategy
+from .engine.runner import Replica, split_ranges
+from .seesaw import build_model
+
+
+class AbsentRunner:
+    """A layout this rank is not part of: it runs none of the layout's sequences and only joins
+    the token agreement (over the whole job)."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int) -> None:
+        self.model, self.dims = model, dims
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.replica, self.is_source, self.group, self.kv = Replica(dims.dp, -1), False, None, None
+
+
+@dataclass
+class DejaVuStats(EngineStats):
+    streamed_bytes: int = 0  # prompt KV received by the token ranks (all ranks, summed at the end)
+    stream_wait_seconds: float = 0.0  # token ranks waiting for prompt KV before decoding
+
+    def summary(self) -> dict:
+        return {"streamed_bytes": self.streamed_bytes, "stream_wait_seconds": self.stream_wait_seconds}
+
+
+class DejaVuPolicy(Policy):
+    """Prefill admitted prompts on the prompt layout (streaming their KV out layer by layer),
+    then decode on the token layout; a request keeps a token slot from admission to the end."""
+
+    stats_cls = DejaVuStats
+
+    def __init__(self, streamer: KVStreamer, *, max_prefill_tokens: int = 4096) -> None:
+        self.streamer, self.max_prefill_tokens = streamer, max_prefill_tokens
+        self.incoming: list = []  # stream_in handles not yet unpacked
+        self.outgoing: list = []  # flush jobs of the prompt side
+
+    @property
+    def initial_layout(self) -> str:
+        return "prompt"
+
+    def start(self, queue) -> None:
+        prompt, token = self.engine.runners["prompt"], self.engine.runners["token"]
+        self.prompt_slots = SlotPool(prompt.max_batch_size, prompt.replica.size)
+        self.token_slots = SlotPool(token.max_batch_size, token.replica.size)
+        self.running: dict[int, Any] = {}
+        self.token_slot: dict[int, tuple[int, int]] = {}
+        self._last, self._prefilling = None, []
+
+    def next_step(self, queue) -> Step:
+        if queue and len(self.token_slots) and (not self.running or self._last == "decode"):
+            seqs, self._last = self._admit(queue), "prefill"
+            return Step("prefill", seqs, "prompt")
+        self._receive()
+        self._last = "decode"
+        return Step("decode", list(self.running.values()), "token")
+
+    def _admit(self, queue) -> list:
+        budget, admitted = self.max_prefill_tokens * self.engine.runners["prompt"].replica.size, []
+        while queue and len(self.token_slots) and len(self.prompt_slots) and (
+                not admitted or len(queue[0].prompt_ids) <= budget):
+            seq = self.engine.new_sequence(queue.popleft())
+            budget -= seq.prompt_len
+            self.token_slots.take(seq)
+            self.token_slot[seq.request.id] = (seq.replica, seq.slot)
+            self.prompt_slots.take(seq)  # the prefill runs in this slot of the prompt layout
+            admitted.append(seq)
+        self._prefilling, self._passes = admitted, {}
+        return admitted
+
+    def stream_layer(self, layer: int, h: torch.Tensor, ctx) -> None:
+        """The prompt runner's ``after_layer`` hook: once every micro-batch of the step has
+        passed layer ``layer``, its KV leaves (while the next layer computes)."""
+        mine = self._mine(self._prefilling, "prompt")
+        self._passes[layer] = self._passes.get(layer, 0) + 1
+        if self._passes[layer] < len(split_ranges(len(mine), self.engine.runners["prompt"].num_microbatches)):
+            return
+        spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in mine]
+        self.outgoing += self.streamer.stream_out(self.engine.runners["prompt"].kv, spans, layers=[layer],
+                                                  tag=self._tag())
+
+    def after_step(self, step: Step) -> None:
+        if step.phase != "prefill":
+            return
+        for seq in step.seqs:  # from now on the sequence lives in its token slot
+            self.prompt_slots.give(seq)
+            seq.replica, seq.slot = self.token_slot[seq.request.id]
+            self.running[seq.request.id] = seq
+        token = self.engine.runners["token"]
+        if token.kv is not None:
+            spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in self._mine(step.seqs, "token")]
+            for layer in range(token.model.config.num_hidden_layers):  # the order the prompt side sent
+                self.incoming.append(self.streamer.stream_in(token.kv, spans, layers=[layer], tag=self._tag()))
+        self.steps = getattr(self, "steps", 0) + 1
+
+    def _tag(self) -> int:
+        return getattr(self, "steps", 0)
+
+    def _mine(self, seqs: list, layout: str) -> list:
+        rank = self.engine.runners[layout].replica.rank
+        return [s for s in seqs if s.replica == rank]
+
+    def _receive(self) -> None:
+        """Before decoding: every streamed prompt is in the token cache, every flush is done."""
+        import time
+
+        t0 = time.perf_counter()
+        for handle in self.incoming:
+            self.engine.stats.streamed_bytes += handle.wait()
+        for job in self.outgoing:
+            job.wait(self.streamer.timeout)
+        self.incoming, self.outgoing = [], []
+        self.engine.stats.stream_wait_seconds += time.perf_counter() - t0
+
+    def retire(self, seq) -> None:
+        self.running.pop(seq.request.id)
+        self.token_slots.give(seq)
+
+    def close(self) -> None:
+        self.streamer.close()
+
+
+def dejavu_engine(prompt: nn.Module, token: nn.Module, prompt_dims: ParallelDims, token_dims: ParallelDims, *,
+                  max_batch_size: int = 8, max_seq_len: int | None = None, max_prefill_tokens: int = 4096) -> Engine:
+    """The disaggregated engine (collective over the job: every rank calls it)."""
+    max_seq_len = max_seq_len or min(prompt.config.max_position_embeddings, 4096)
+    runners = {name: _runner(model, dims, max_batch_size, max_seq_len)
+               for name, model, dims in (("prompt", prompt, prompt_dims), ("token", token, token_dims))}
+    plan = plan_stream(world_layouts(runners["prompt"].kv), world_layouts(runners["token"].kv))
+    policy = DejaVuPolicy(KVStreamer(plan), max_prefill_tokens=max_prefill_tokens)
+    engine = Engine(runners=runners, policy=policy)
+    if runners["prompt"].kv is not None:
+        runners["prompt"].hooks.add("after_layer", policy.stream_layer)
+    return engine
+
+
+def _runner(model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int):
+    if dist.get_rank() not in dims.ranks:
+        return AbsentRunner(model, dims, max_batch_size, max_seq_len)
+    runner = ModelRunner(model, dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                         num_microbatches=dims.pp)
+    runner.group = None  # tokens are agreed over the whole job: both layouts take part in every step
+    return runner
+
+
+# ---- the strategy -------------------------------------------------------------------------------
+@dataclass
+class SideConfig:
+    """One side's layout: TP degree and pipeline depth (their product is the side's ranks)."""
+
+    tp: int | None = None  # null: the side's ranks / pp
+    pp: int = 1
+
+    def dims(self, ranks: range, where: str) -> ParallelDims:
+        for axis in ("tp", "pp"):
+            if getattr(self, axis) is not None and getattr(self, axis) < 1:
+                raise ValueError(f"{where}.{axis} must be >= 1, got {getattr(self, axis)}")
+        n = len(ranks)
+        tp = self.tp if self.tp is not None else max(n // self.pp, 1)
+        if n != tp * self.pp:  # one replica per side: the stream plan pairs ranks by layout alone
+            raise ValueError(f"{where}: tp ({tp}) x pp ({self.pp}) must equal its {n} ranks")
+        return ParallelDims(pp=self.pp, tp=tp, world_size=n, first_rank=ranks[0])
+
+
+@register_strategy("dejavu")
+@dataclass
+class DejaVuStrategy(Strategy):
+    """Prompt processing on the first ``prompt_ranks`` ranks, token generation on the rest."""
+
+    prompt: SideConfig = field(default_factory=SideConfig)
+    token: SideConfig = field(default_factory=SideConfig)
+    prompt_ranks: int | None = None  # null: half the job
+    overhead: float = 1.0  # the planner's m: prompt time with streaming / without
+
+    def __post_init__(self) -> None:
+        self.prompt, self.token = _side(self.prompt, "parallel.prompt"), _side(self.token, "parallel.token")
+        if self.overhead < 1:
+            raise ValueError(f"parallel.overhead must be >= 1, got {self.overhead}")
+
+    def sides(self, world: int) -> tuple[ParallelDims, ParallelDims]:
+        n = self.prompt_ranks if self.prompt_ranks is not None else world // 2
+        if not 0 < n < world:
+            raise ValueError(f"parallel.prompt_ranks must be in 1..{world - 1} (the job has {world} ranks), got {n}")
+        return self.prompt.dims(range(0, n), "parallel.prompt"), self.token.dims(range(n, world), "parallel.token")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        self.sides(world_size)
+        return ParallelDims(tp=world_size, world_size=world_size)
+
+    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
+        if args.kv_block_size is not None or args.compile:
+            raise ValueError("parallel=dejavu runs contiguous, eager KV caches; unset engine.kv_block_size and compile")
+        prompt_dims, token_dims = self.sides(dist.get_world_size())
+        kw = dict(dtype=args.dtype, allow_unused=args.allow_unused)
+        prompt, token = build_model(path, prompt_dims, **kw), build_model(path, token_dims, **kw)
+        return dejavu_engine(prompt, token, prompt_dims, token_dims, max_batch_size=args.max_batch_size,
+                             max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens)
+
+    def summary(self, engine: Engine) -> dict:
+        s = engine.stats
+        times = torch.tensor([s.prefill_seconds / max(s.prefill_steps, 1), s.decode_seconds / max(s.decode_steps, 1),
+                              s.streamed_bytes], dtype=torch.float64)
+        dist.all_reduce(times[2:])
+        dist.all_reduce(times[:2], op=dist.ReduceOp.MAX)
+        new_tokens = s.decode_tokens / max(s.prefill_tokens and s.prefill_steps, 1)
+        plan = plan_disaggregation(dist.get_world_size(), max(times[0].item(), 1e-9), max(times[1].item(), 1e-9),
+                                   max(new_tokens, 1.0), self.overhead)
+        p, t = engine.runners["prompt"].dims, engine.runners["token"].dims
+        return {"streamed_bytes": int(times[2]), "stream_wait_seconds": s.stream_wait_seconds,
+                "layouts": {"prompt": {"ranks": p.ranks, "tp": p.tp, "pp": p.pp},
+                            "token": {"ranks": t.ranks, "tp": t.tp, "pp": t.pp}},
+                "dejavu_plan": plan.as_dict()}
+
+    def report(self, s: dict) -> list[str]:
+        plan = s["dejavu_plan"]
+        return [f"dejavu prompt {s['layouts']['prompt']} -> token {s['layouts']['token']}: streamed "
+                f"{s['streamed_bytes']} bytes of prompt KV; appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
+                f"(disaggregation pays: {plan['pays']})"]
+
+
+def _side(value: Any, where: str) -> SideConfig:
+    if isinstance(value, SideConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping with tp and pp, got {value!r}")
+    unknown = sorted(set(value) - {"tp", "pp"})
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; known: ['pp', 'tp']")
+    return SideConfig(**value)
