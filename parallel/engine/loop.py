@@ -40,18 +40,20 @@ class Engine:
             :class:`ContinuousBatching`).
         kv_block_size, kv_tokens: a paged KV cache (see :class:`ModelRunner`); admission then
             also waits for free blocks.
+        kv_swap: micro-batch swapping of the KV between host and device (see :class:`ModelRunner`).
     """
 
     def __init__(self, model: nn.Module | None = None, *, runners: Mapping[str, ModelRunner] | None = None,
                  policy: Policy | None = None, max_batch_size: int = 8, max_seq_len: int | None = None,
                  max_prefill_tokens: int = 4096, num_microbatches: int = 1, compile: bool = False,
-                 admission: str = "fifo", kv_block_size: int | None = None, kv_tokens: int | None = None) -> None:
+                 admission: str = "fifo", kv_block_size: int | None = None, kv_tokens: int | None = None,
+                 kv_swap: bool = False) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
         if runners is None:
             runners = {"main": ModelRunner(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                            num_microbatches=num_microbatches, compile=compile,
-                                           kv_block_size=kv_block_size, kv_tokens=kv_tokens)}
+                                           kv_block_size=kv_block_size, kv_tokens=kv_tokens, kv_swap=kv_swap)}
         self.runners = dict(runners)
         self.policy = policy or ContinuousBatching(next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens,
                                                    admission=admission)

@@ -13,6 +13,7 @@ sampled tokens are read.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from layers._comm import all_gather
 from layers.weights import use_weights
 from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
+from reshard.kv.swap import MicrobatchSwap, PrefillSwap
 
 from ..dims import ParallelDims, rank_grid
 from ..layouts import stage_of_layer
@@ -133,13 +135,16 @@ class ModelRunner:
         kv_block_size, kv_tokens: a paged KV cache of ``kv_tokens`` tokens (per replica) in
             blocks of ``kv_block_size`` positions, shared by the slots; default: contiguous
             slots of ``max_seq_len`` positions each.
+        kv_swap: DejaVu's micro-batch swapping: every slot's KV lives in host memory and the
+            device holds two micro-batches' worth; micro-batch ``i + 1`` is swapped in (and
+            ``i - 1``'s new entries out) while ``i`` computes. Needs ``num_microbatches >= 2``.
     """
 
     def __init__(self, model: nn.Module, *, dims: ParallelDims | None = None, max_batch_size: int = 8,
                  max_seq_len: int | None = None, kv: KVCache | None = None,
                  split: TokenSplit | None = None, weights: str | None = None,
                  num_microbatches: int = 1, compile: bool = False, kv_block_size: int | None = None,
-                 kv_tokens: int | None = None) -> None:
+                 kv_tokens: int | None = None, kv_swap: bool = False) -> None:
         self.model, self.dims = model, dims if dims is not None else model.parallel_dims
         cfg = model.config
         self.max_batch_size = _positive("max_batch_size", max_batch_size)
@@ -160,10 +165,21 @@ class ModelRunner:
         self.split, self.weights, self.compiled = split, weights, compile
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
         self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
+        self.swap = self._micro_batch_swap(kv_block_size) if kv_swap else None
         self._attach_layers()
-        self.decode_inputs = DecodeInputs(self.kv, self.device)
+        self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
         self.hooks = RunnerHooks()
         self._decode_body = self._compiled_body() if compile else self._body
+
+    def _micro_batch_swap(self, block_size: int | None) -> MicrobatchSwap:
+        """Host KV for every slot; the device cache shrinks to two micro-batches of slots."""
+        if self.num_microbatches < 2 or block_size is not None or self.compiled:
+            raise ValueError(f"kv_swap needs num_microbatches >= 2 (got {self.num_microbatches}), a contiguous "
+                             f"cache (kv_block_size {block_size}) and eager decode (compile {self.compiled})")
+        per = -(-self.max_batch_size // self.num_microbatches)
+        host = self.kv.spec
+        self.kv = KVCache(dataclasses.replace(host, num_slots=2 * per), device=self.device)
+        return MicrobatchSwap(KVCache(host, device="cpu"), self.kv, per)
 
     def _compiled_body(self) -> Callable:
         """The decode body compiled once; CUDA graphs on a GPU (static shapes and buffers)."""
@@ -224,12 +240,20 @@ class ModelRunner:
         lengths = [s.prompt_len for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s.request.prompt_ids], device=self.device)
         offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
-        batches = []
-        for a, b in split_ranges(len(seqs), self.num_microbatches):
-            ctx = AttentionContext.build(self.kv, [s.slot for s in seqs[a:b]], [0] * (b - a), lengths[a:b])
+        batches, ranges = [], self._prefill_ranges(len(seqs))
+        for i, (a, b) in enumerate(ranges):
+            slots = [s.slot for s in seqs[a:b]] if self.swap is None else list(range(self.swap.base(i), self.swap.base(i) + b - a))
+            ctx = AttentionContext.build(self.kv, slots, [0] * (b - a), lengths[a:b])
             rows = torch.tensor(offsets[a + 1:b + 1], device=self.device) - offsets[a] - 1
             batches.append((ids[offsets[a]:offsets[b]], ctx, rows))
-        return self._stages(batches, self._body)
+        edges = None if self.swap is None else PrefillSwap(self.swap, [
+            ([s.slot for s in seqs[a:b]], lengths[a:b]) for a, b in ranges])
+        return self._stages(batches, self._body, edges)
+
+    def _prefill_ranges(self, n: int) -> list[tuple[int, int]]:
+        """Prefill micro-batches; with swapping, none larger than a device region."""
+        parts = self.num_microbatches if self.swap is None else max(self.num_microbatches, -(-n // self.swap.per))
+        return split_ranges(n, parts)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """Every slot of the cache in ``num_microbatches`` slot ranges; logits of ``seqs``' slots."""
@@ -239,23 +263,29 @@ class ModelRunner:
         kv_len = max(s.cached for s in seqs) + 1
         if self.compiled:  # a few shapes (graphs), not one per step
             kv_len = min(-(-kv_len // KV_LEN_BUCKET) * KV_LEN_BUCKET, self.kv.spec.max_seq_len + 1)
-        batches, keep = [], []  # keep: the rows of the concatenated logits that are seqs' (by slot)
+        batches, keep, ranges = [], [], []  # keep: the rows of the concatenated logits that are seqs' (by slot)
         for a, b in split_ranges(self.max_batch_size, self.num_microbatches):
             active = [s - a for s in slots if a <= s < b]
             if active:  # a slot range with no running sequence is skipped on every stage
                 offset = sum(len(rows) for _, _, rows in batches)
-                batches.append(self._decode_batch(a, b, kv_len, active))
+                batches.append(self._decode_batch(a, b, kv_len, active, len(ranges)))
                 keep += [offset + i for i in (active if self.compiled else range(len(active)))]
+                ranges.append((a, b))
+        edges = None if self.swap is None else self.swap.decode(ranges, self.decode_inputs.positions, kv_len)
         out = self._stages([(x, ctx, None if self.compiled else rows) for x, ctx, rows in batches],
-                           self._decode_body)
+                           self._decode_body, edges)
         if out is None:
             return None
         return out[torch.tensor(keep)[torch.tensor(by_slot).argsort()].to(out.device)]
 
-    def _decode_batch(self, a: int, b: int, kv_len: int, active: list[int]):
+    def _decode_batch(self, a: int, b: int, kv_len: int, active: list[int], index: int = 0):
         """(ids, context, rows) of slots ``[a, b)``: every row when compiled (masks built outside
-        the graph), else the active rows, padded to a GEMM-friendly count for the LM head."""
+        the graph), else the active rows, padded to a GEMM-friendly count for the LM head. With
+        swapping, the slots are read and written in the device region of micro-batch ``index``."""
         ctx = self.decode_inputs.context(a, b, kv_len)
+        if self.swap is not None:
+            base = self.swap.base(index)
+            ctx.kv, ctx.slots, ctx.rows = self.kv, slice(base, base + b - a), ctx.rows - a + base
         if self.compiled:
             for window in {layer.self_attn.sliding_window for layer in self.layers}:
                 ctx.mask(window)
@@ -263,16 +293,21 @@ class ModelRunner:
         rows = active + active[-1:] * (_row_bucket(len(active), b - a) - len(active))
         return self.decode_inputs.ids[a:b], ctx, torch.tensor(rows, device=self.device)
 
-    def _stages(self, batches: list, body: Callable) -> torch.Tensor | None:
-        """Micro-batches through this stage: receive, run, send on (or collect logits)."""
+    def _stages(self, batches: list, body: Callable, edges=None) -> torch.Tensor | None:
+        """Micro-batches through this stage: receive, run, send on (or collect logits).
+        ``edges`` (micro-batch swapping) is told before each micro-batch and after the last."""
         outs, sends = [], []
-        for ids, ctx, rows in batches:
+        for i, (ids, ctx, rows) in enumerate(batches):
             x = ids if self.link is None or self.link.is_first else self.link.recv(ids.numel())
+            if edges is not None:
+                edges.before(i)
             out = body(x, ctx, rows)
             if self.has_logits:
                 outs.append(out)
             else:
                 sends.append(self.link.send(out))
+        if edges is not None:
+            edges.finish()
         for work in sends:
             work.wait()
         return torch.cat(outs) if outs else None

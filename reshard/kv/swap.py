@@ -10,6 +10,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
+import torch
+
 from .cache import KVCache
 from .tier import CPUKVTier
 
@@ -32,3 +34,122 @@ class KVSwapper:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class MicrobatchSwap:
+    """DejaVu's microbatch swapping (section 4.2.2, appendix G) for pipeline decode.
+
+    ``host`` holds every slot's KV (all D micro-batches); ``device`` has room for two
+    micro-batches of ``per`` slots each (regions 0 and 1). Micro-batch ``i`` of a step computes in
+    region ``i % 2`` while one background thread first copies micro-batch ``i - 1``'s new entries
+    back to the host and then brings micro-batch ``i + 1``'s KV into the other region. The host
+    is the truth between steps; the device regions are staging.
+    """
+
+    def __init__(self, host: KVCache, device: KVCache, per: int) -> None:
+        assert device.spec.num_slots >= 2 * per, (device.spec.num_slots, per)
+        self.host, self.device, self.per = host, device, per
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-mb-swap")
+        self.bytes_in = self.bytes_out = 0
+
+    def base(self, i: int) -> int:
+        """First device row of the region micro-batch ``i`` of a step computes in."""
+        return (i % 2) * self.per
+
+    def decode(self, ranges: Sequence[tuple[int, int]], positions, kv_len: int) -> "DecodeSwap":
+        """The swap schedule of one decode step over host slot ``ranges`` (its micro-batches)."""
+        return DecodeSwap(self, list(ranges), positions, kv_len)
+
+    def swap_in(self, i: int, a: int, b: int, length: int) -> None:
+        """Host slots ``[a, b)``, positions ``[0, length)`` -> region of micro-batch ``i``."""
+        r = self.base(i)
+        for (hk, hv), (dk, dv) in zip(self._layers(self.host), self._layers(self.device)):
+            dk[r:r + b - a, :, :length].copy_(hk[a:b, :, :length], non_blocking=True)
+            dv[r:r + b - a, :, :length].copy_(hv[a:b, :, :length], non_blocking=True)
+        self.bytes_in += 2 * len(self.host.k) * (b - a) * self._row_bytes(length)
+
+    def swap_out(self, i: int, a: int, b: int, positions) -> None:
+        """The entries micro-batch ``i`` wrote at ``positions`` (one per slot of ``[a, b)``) -> host."""
+        r = self.base(i)
+        rows, pos = torch.arange(a, b), positions[a:b].cpu()
+        dev_rows = torch.arange(r, r + b - a)
+        for (hk, hv), (dk, dv) in zip(self._layers(self.host), self._layers(self.device)):
+            hk[rows, :, pos] = dk[dev_rows.to(dk.device), :, pos.to(dk.device)].to(hk.device)
+            hv[rows, :, pos] = dv[dev_rows.to(dv.device), :, pos.to(dv.device)].to(hv.device)
+        self.bytes_out += 2 * len(self.host.k) * (b - a) * self._row_bytes(1)
+
+    def store_prompts(self, i: int, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Prompts a prefill micro-batch wrote at rows ``base(i)..`` -> their host ``slots``."""
+        r = self.base(i)
+        for (hk, hv), (dk, dv) in zip(self._layers(self.host), self._layers(self.device)):
+            for j, (slot, n) in enumerate(zip(slots, lengths)):
+                hk[slot, :, :n].copy_(dk[r + j, :, :n])
+                hv[slot, :, :n].copy_(dv[r + j, :, :n])
+        self.bytes_out += 2 * len(self.host.k) * sum(self._row_bytes(n) for n in lengths)
+
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(_in_inference_mode, fn, *args)
+
+    def _layers(self, cache: KVCache):
+        return list(zip(cache.k, cache.v))
+
+    def _row_bytes(self, length: int) -> int:
+        s = self.host.spec
+        return s.num_heads * length * s.head_dim * torch.empty((), dtype=s.dtype).element_size()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class DecodeSwap:
+    """One decode step's swaps, driven by the runner around each micro-batch it computes."""
+
+    def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]], positions, kv_len: int) -> None:
+        self.swap, self.ranges, self.positions, self.kv_len = swap, ranges, positions, kv_len
+        self._next: Future | None = None
+
+    def before(self, i: int) -> None:
+        """Micro-batch ``i`` is about to compute: its KV is in place; start the next swaps."""
+        if i == 0:
+            self.swap.swap_in(0, *self.ranges[0], self.kv_len)
+        else:
+            self._next.result()
+        self._next = self.swap.submit(self._around, i)
+
+    def _around(self, i: int) -> None:
+        if i > 0:
+            self.swap.swap_out(i - 1, *self.ranges[i - 1], self.positions)
+        if i + 1 < len(self.ranges):
+            self.swap.swap_in(i + 1, *self.ranges[i + 1], self.kv_len)
+
+    def finish(self) -> None:
+        """After the last micro-batch: its new entries go home too."""
+        if self._next is not None:
+            self._next.result()
+        last = len(self.ranges) - 1
+        self.swap.swap_out(last, *self.ranges[last], self.positions)
+
+
+class PrefillSwap:
+    """One prefill step's swaps: micro-batch ``i`` wrote its prompts into region ``i % 2``; they
+    go to their host slots before the region is used again (micro-batch ``i + 2``)."""
+
+    def __init__(self, swap: MicrobatchSwap, groups: list[tuple[list[int], list[int]]]) -> None:
+        self.swap, self.groups, self._pending = swap, groups, None
+
+    def before(self, i: int) -> None:
+        if i > 0:  # the previous micro-batch computed: store it while this one computes
+            if self._pending is not None:
+                self._pending.result()
+            self._pending = self.swap.submit(self.swap.store_prompts, i - 1, *self.groups[i - 1])
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        last = len(self.groups) - 1
+        self.swap.store_prompts(last, *self.groups[last])
+
+
+def _in_inference_mode(fn, *args):
+    with torch.inference_mode():
+        return fn(*args)
