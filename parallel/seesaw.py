@@ -293,18 +293,24 @@ class SeesawPolicy(Policy):
         return self.switch.active
 
     def validate(self, requests) -> None:
-        """Every prompt must fit the CPU KV tier."""
-        budget = self.tier.spec.capacity_tokens
+        """Every prompt must fit the CPU KV tier, every whole request a paged decode cache."""
+        budget, spec = self.tier.spec.capacity_tokens, self.decode.kv.spec
         for r in requests:
             if len(r.prompt_ids) > budget:
                 raise ValueError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
                                  f"the CPU KV tier (cpu_kv_budget={budget} tokens)")
+            tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
+            if spec.paged and spec.blocks_for(tokens) > spec.num_blocks:
+                raise ValueError(f"request {r.id}: {tokens} KV tokens do not fit the paged decode cache "
+                                 f"({spec.capacity_tokens} tokens)")
 
     def start(self, queue: deque) -> None:
         self.buffered: deque = deque()  # prefilled sequences whose KV is in the tier
         self.loading: list = []  # (future | None, sequence) swap-ins
         self.running: dict[int, Sequence] = {}  # request id -> decoding sequence
-        self.decode_slots = SlotPool(self.decode.max_batch_size, self.decode.replica.size)
+        spec = self.decode.kv.spec
+        self.decode_slots = SlotPool(self.decode.max_batch_size, self.decode.replica.size, num_blocks=spec.num_blocks,
+                                     block_size=spec.block_size, stats=self.engine.stats)
 
     def next_step(self, queue: deque) -> Step:
         phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
@@ -313,8 +319,9 @@ class SeesawPolicy(Policy):
 
     def _snapshot(self, queue: deque) -> SchedState:
         fits = bool(queue) and self.tier.can_fit(len(queue[0].prompt_ids))
+        free = len(self.decode_slots) if not self.buffered or self.decode_slots.can_take(self.buffered[0].request) else 0
         return SchedState(queued=len(queue), next_fits_tier=fits, buffered=len(self.buffered),
-                          running=len(self.running), free_slots=len(self.decode_slots))
+                          running=len(self.running), free_slots=free)
 
     def on_switch(self, old: str | None, new: str) -> None:
         """Move the weights; the phase left behind gives up its KV cache memory where it can."""
@@ -391,12 +398,14 @@ class SeesawPolicy(Policy):
 
     def _onboard(self) -> None:
         """Give buffered requests free decode slots; their replica's ranks swap them in."""
-        while len(self.decode_slots) and self.buffered:
+        while self.buffered and self.decode_slots.can_take(self.buffered[0].request):
             seq = self.buffered.popleft()
             self.decode_slots.take(seq)
             future = None
             if seq.replica == self.decode.replica.rank:
                 self.decode_slot_of[seq.request.id] = seq.slot
+                if seq.blocks:  # a paged decode cache: the slot's blocks before the swap-in writes them
+                    self.decode.kv.assign(seq.slot, seq.blocks)
                 future = self.swapper.swap_in(self.decode.kv, seq.slot, seq.request.id)
             self.loading.append((future, seq))
 
@@ -425,18 +434,22 @@ class SeesawPolicy(Policy):
 
 def seesaw_engine(switch: LayoutSwitch, *, cpu_kv_budget: int, scheduler: str = "transition_minimizing",
                   max_batch_size: int = 8, max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
-                  num_microbatches: int = 2, compile: bool = False) -> Engine:
+                  num_microbatches: int = 2, compile: bool = False, kv_block_size: int | None = None,
+                  kv_tokens: int | None = None) -> Engine:
     """The Seesaw engine over ``switch``'s two trees (collective: maps the shared CPU tier).
 
     ``max_batch_size``: KV slots of each dp replica in both layouts; ``cpu_kv_budget``: the
-    tier's capacity in tokens (every prompt must fit); ``compile``: the decode step.
+    tier's capacity in tokens (every prompt must fit); ``compile``: the decode step;
+    ``kv_block_size`` / ``kv_tokens``: a paged decode cache (requests are swapped in from the
+    tier once their replica has blocks for them).
     """
     if cpu_kv_budget < 1:
         raise ValueError(f"cpu_kv_budget must be >= 1 token, got {cpu_kv_budget}")
     kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    paged = {"kv_block_size": kv_block_size, "kv_tokens": kv_tokens}
     runners = {phase: ModelRunner(switch.models[phase], dims=switch.dims[phase], **kw,
                                   num_microbatches=num_microbatches if switch.dims[phase].pp > 1 else 1,
-                                  compile=compile and phase == "decode")
+                                  compile=compile and phase == "decode", **(paged if phase == "decode" else {}))
                for phase in PHASES}
     cfg, kv = switch.models["decode"].config, runners["decode"].kv.spec
     spec = TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, cpu_kv_budget, kv.dtype)
@@ -515,13 +528,10 @@ class SeesawStrategy(Strategy):
         return ParallelDims(tp=world_size, world_size=world_size)
 
     def build(self, path, args: EngineArgs) -> Engine:
-        if args.kv_block_size is not None:
-            raise ValueError("parallel=seesaw keeps contiguous KV slots (its CPU tier swaps whole slots); "
-                             f"unset engine.kv_block_size (got {args.kv_block_size})")
         prefill, decode = self.layouts(dist.get_world_size())
         switch = LayoutSwitch(path, prefill, decode, weights=self.weights, dtype=args.dtype,
                               allow_unused=args.allow_unused)
-        return seesaw_engine(switch, cpu_kv_budget=self.cpu_kv_budget, scheduler=self.scheduler,
+        return seesaw_engine(switch, cpu_kv_budget=self.cpu_kv_budget, scheduler=self.scheduler, **args.kv,
                              max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                              max_prefill_tokens=args.max_prefill_tokens,
                              num_microbatches=self.num_microbatches, compile=args.compile)

@@ -199,3 +199,25 @@ def _token_stream_job(path, where, tmp):
 def test_token_streaming_mirrors_every_step(checkpoints, tmp_path, where):
     for same, steps, nbytes in dist_harness.run(2, _token_stream_job, checkpoints["llama"], where, str(tmp_path)):
         assert same and steps > 5 and nbytes > 0
+
+
+def test_disk_tier_reshards_between_layouts(tmp_path):
+    """Written by a TP2 x PP2 layout (four caches), read back by TP1 and TP4 caches (paged and not)."""
+    from reshard.kv.disk import DiskKVTier
+
+    tier = DiskKVTier(tmp_path)
+    writers = [_cache(_layout(r, 2, 2), r % 2 == 0, r) for r in range(4)]
+    for cache in writers:
+        _fill(cache, [0, 2])
+        for (key, n), slot in zip(SPANS, [0, 2]):
+            tier.swap_out(cache, slot, key, n)
+    for tp, paged in ((1, True), (4, False)):
+        for r in range(tp):
+            reader = _cache(_layout(r, tp, 1), paged, 9)
+            for (key, n), slot in zip(SPANS, [1, 0]):
+                assert tier.swap_in(reader, slot, key) == n
+            assert _wrong(reader, [1, 0]) == []
+    tier.free(10)
+    assert not list(tmp_path.glob("req10-*")) and list(tmp_path.glob("req11-*"))
+    with pytest.raises(ValueError, match=r"request 10: the disk tier at .* holds no KV for layer 0 heads \[0, 4\)"):
+        tier.swap_in(_cache(_layout(0, 1, 1), False, 0), 0, 10)

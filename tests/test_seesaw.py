@@ -19,7 +19,7 @@ def _dims(world, degrees):
 
 
 def _seesaw(path, layouts, *, budget=BUDGET, scheduler="transition_minimizing", weights="move",
-            max_batch_size=3, compile=False):
+            max_batch_size=3, compile=False, **paged):
     import torch.distributed as dist
 
     from parallel.seesaw import LayoutSwitch, seesaw_engine
@@ -27,7 +27,7 @@ def _seesaw(path, layouts, *, budget=BUDGET, scheduler="transition_minimizing", 
     world = dist.get_world_size()
     switch = LayoutSwitch(path, _dims(world, layouts[0]), _dims(world, layouts[1]), weights=weights)
     return seesaw_engine(switch, cpu_kv_budget=budget, scheduler=scheduler,
-                         max_batch_size=max_batch_size, max_seq_len=128, compile=compile)
+                         max_batch_size=max_batch_size, max_seq_len=128, compile=compile, **paged)
 
 
 def _requests(prompts, max_new):
@@ -298,3 +298,20 @@ def test_a_rank_dying_while_mapping_leaves_no_shared_memory_file():
         dist_harness.run(2, _die_while_mapping, timeout=30)
     left = {f for f in os.listdir("/dev/shm") if f.startswith("reshard-")} - before
     assert left == set()
+
+
+def _paged_tokens(path, layouts, prompts, max_new):
+    engine = _seesaw(path, layouts, kv_block_size=8, kv_tokens=96)
+    tokens = [c.output_ids for c in engine.generate(_requests(prompts, max_new))]
+    s = engine.stats
+    out = tokens, s.kv_blocks_allocated, s.kv_blocks_freed, engine.runners["decode"].kv.spec.capacity_tokens
+    engine.close()
+    return out
+
+
+def test_seesaw_with_a_paged_decode_cache_matches_hf(four_layer, hf_reference):
+    """The CPU tier swaps requests into a paged decode cache (96 tokens < 3 slots x 128)."""
+    path, prompts = four_layer["llama"], _prompts(8)
+    expected = [out[:m] for out, m in zip(hf_reference(path, prompts, max(MAX_NEW)), MAX_NEW)]
+    for tokens, allocated, freed, capacity in dist_harness.run(2, _paged_tokens, path, LAYOUTS["P2-T2"], prompts, MAX_NEW):
+        assert tokens == expected and allocated == freed > 0 and capacity == 96
