@@ -40,6 +40,9 @@ class AbsentRunner:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.replica, self.is_source, self.group, self.kv = Replica(dims.dp, -1), False, None, None
 
+    def idle(self, phase: str) -> None:
+        return None
+
 
 @dataclass
 class DejaVuStats(EngineStats):

@@ -113,7 +113,7 @@ class Engine:
         runner = self.enter(step.layout)
         t0 = time.perf_counter()
         mine = [s for s in step.seqs if s.replica == runner.replica.rank]
-        logits = runner.run(step.phase, mine) if mine else None
+        logits = runner.run(step.phase, mine) if mine else runner.idle(step.phase)
         tokens = sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, runner.group)
         for seq, token in zip(step.seqs, tokens):
             seq.cached += seq.prompt_len if step.phase == "prefill" else 1

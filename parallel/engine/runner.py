@@ -34,7 +34,7 @@ from .request import Sequence
 
 LayerHook = Callable[[int, torch.Tensor, AttentionContext], "torch.Tensor | None"]
 StepHook = Callable[[str, list], None]
-HOOK_KINDS = ("before_layer", "after_layer", "step_begin", "step_end")
+HOOK_KINDS = ("before_layer", "after_layer", "step_begin", "step_end", "idle_step")
 KV_LEN_BUCKET = 128  # a compiled decode step attends over a multiple of this many positions
 
 
@@ -94,7 +94,8 @@ class TokenSplit:
 
 class RunnerHooks:
     """Callbacks at layer edges (``hook(layer_index, hidden, ctx)``; a returned tensor replaces the
-    hidden states) and step edges (``hook(phase, sequences)``)."""
+    hidden states) and step edges (``hook(phase, sequences)``); ``idle_step`` runs instead of a
+    step on a replica with no sequence in it (e.g. to serve other replicas)."""
 
     def __init__(self) -> None:
         self.hooks: dict[str, list] = {kind: [] for kind in HOOK_KINDS}
@@ -231,6 +232,11 @@ class ModelRunner:
             out = self._prefill(seqs) if phase == "prefill" else self._decode(seqs)
         self.hooks.step("step_end", phase, seqs)
         return out
+
+    @torch.inference_mode()
+    def idle(self, phase: str) -> None:
+        """This replica has no sequence in the step: only the ``idle_step`` hooks run."""
+        self.hooks.step("idle_step", phase, [])
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
         if self.kv.spec.paged:  # the blocks the policy gave each sequence

@@ -1,0 +1,213 @@
+"""SiDP: data parallelism whose FFN weights live in an owner pool (:mod:`layers.owner_pool`).
+
+Each rank is a data-parallel replica with its own sequences; attention, norms and embeddings
+are replicated, each decoder layer's FFN is owned by one rank. Two runners share one KV cache:
+``"was"`` (non-owned FFNs fetched into cache slots ahead of use) and ``"cas"`` (activations
+shipped to the owner). The orchestrator (:func:`choose_mode`) picks the mode from the group's
+effective batch size against a threshold ``b*`` with hysteresis, at coarse boundaries (every
+``interval`` steps), and the group agrees on it with one collective. A replica with no sequence
+in a step runs a dummy step: it computes nothing of its own, and in CaS still serves the layers
+it owns.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from layers.owner_pool import CAS, WAS, FFNPool, PooledMLP
+
+from .dims import ParallelDims
+from .engine import ContinuousBatching, Engine, EngineArgs, EngineStats, ModelRunner, Strategy, register_strategy
+from .parallelize import parallelize
+
+MODES = ("auto", "was", "cas")
+
+
+def choose_mode(batch: float, current: str | None, threshold: float, hysteresis: float) -> str:
+    """WaS above ``threshold`` (fetched weights amortized over many rows), CaS below (shipping a
+    few rows is cheaper than a layer's weights). Inside the band ``threshold * (1 -+ hysteresis)``
+    the current mode stays, so a batch size hovering near ``b*`` never flaps."""
+    if current is None:
+        return WAS if batch >= threshold else CAS
+    if batch > threshold * (1 + hysteresis):
+        return WAS
+    if batch < threshold * (1 - hysteresis):
+        return CAS
+    return current
+
+
+@dataclass
+class SiDPStats(EngineStats):
+    mode_steps: dict = field(default_factory=lambda: {"was": 0, "cas": 0})
+    mode_switches: int = 0
+    dummy_steps: int = 0  # (replica, step) pairs where a replica had no sequence
+    modes: list = field(default_factory=list)  # the mode of every step, in order
+
+    def summary(self) -> dict:
+        return {"mode_steps": dict(self.mode_steps), "mode_switches": self.mode_switches,
+                "dummy_steps": self.dummy_steps}
+
+
+class SiDPPolicy(ContinuousBatching):
+    """Continuous batching over the replicas; each step's mode from the orchestrator, decided
+    every ``interval`` steps and agreed by the group."""
+
+    stats_cls = SiDPStats
+
+    def __init__(self, pool: FFNPool, *, mode: str, threshold: float, hysteresis: float, interval: int,
+                 max_prefill_tokens: int = 4096, admission: str = "fifo") -> None:
+        super().__init__("was", max_prefill_tokens=max_prefill_tokens, admission=admission)
+        self.pool, self.fixed = pool, None if mode == "auto" else (WAS if mode == "was" else CAS)
+        self.threshold, self.hysteresis, self.interval = threshold, hysteresis, interval
+        self.current: str | None = None
+        self._steps = 0
+
+    @property
+    def initial_layout(self) -> None:
+        return None
+
+    def layout_for(self, phase: str, seqs: list) -> str:
+        tokens = [0] * self.pool.G
+        for s in seqs:
+            tokens[s.replica] += s.prompt_len if phase == "prefill" else 1
+        mode = self._mode(sum(tokens) / self.pool.G)
+        stats = self.engine.stats
+        stats.mode_steps["was" if mode == WAS else "cas"] += 1
+        stats.dummy_steps += sum(1 for t in tokens if t == 0)
+        stats.modes.append(mode)
+        self.pool.begin_step(self._rows(phase, tokens), mode)
+        return "was" if mode == WAS else "cas"
+
+    def _rows(self, phase: str, tokens: list[int]) -> list[int]:
+        """FFN input rows of each replica: its prompt tokens, or every decode slot of its cache
+        (decode runs all slots) -- 0 for a replica without sequences (a dummy step)."""
+        if phase == "prefill":
+            return tokens
+        slots = self.engine.runners["was"].max_batch_size
+        return [slots if t else 0 for t in tokens]
+
+    def _mode(self, batch: float) -> str:
+        if self.fixed is not None:
+            return self.fixed
+        if self.current is None or self._steps % self.interval == 0:
+            proposal = choose_mode(batch, self.current, self.threshold, self.hysteresis)
+            agreed = _agree(proposal)
+            if self.current is not None and agreed != self.current:
+                self.engine.stats.mode_switches += 1
+            self.current = agreed
+        self._steps += 1
+        return self.current
+
+    def after_step(self, step) -> None:
+        self.pool.end_step()
+
+
+def _agree(mode: str) -> str:
+    """One collective: the group takes CaS if any rank proposes it (all ranks propose the same
+    from the same state; this guards against divergence instead of hanging on it)."""
+    flag = torch.tensor([1 if mode == CAS else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return CAS if flag.item() else WAS
+
+
+def pool_model(model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int,
+               peak_shifting: bool) -> FFNPool:
+    """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool and
+    swap each layer's MLP for a :class:`PooledMLP` (collective)."""
+    layers = model.model.layers
+    pool = FFNPool([layer.mlp for layer in layers], ranks, slots=slots, prefetch_depth=prefetch_depth,
+                   peak_shifting=peak_shifting)
+    for j, layer in enumerate(layers):
+        layer.mlp = PooledMLP(pool, j)
+    return pool
+
+
+def sidp_engine(model: nn.Module, pool: FFNPool, *, mode: str = "auto", threshold: float = 8.0,
+                hysteresis: float = 0.25, interval: int = 4, max_batch_size: int = 8,
+                max_seq_len: int | None = None, max_prefill_tokens: int = 4096, admission: str = "fifo",
+                kv_block_size: int | None = None, kv_tokens: int | None = None) -> Engine:
+    kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    was = ModelRunner(model, weights=WAS, kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw)
+    cas = ModelRunner(model, kv=was.kv, weights=CAS, **kw)
+    cas.hooks.add("idle_step", lambda phase, seqs: pool.serve_idle())  # an idle owner still serves
+    policy = SiDPPolicy(pool, mode=mode, threshold=threshold, hysteresis=hysteresis, interval=interval,
+                        max_prefill_tokens=max_prefill_tokens, admission=admission)
+    return Engine(runners={"was": was, "cas": cas}, policy=policy)
+
+
+# ---- the strategy -------------------------------------------------------------------------------
+@register_strategy("sidp")
+@dataclass
+class SiDPStrategy(Strategy):
+    """Data parallel over every rank with SiDP's FFN owner pool."""
+
+    dp: int | None = None  # null: the whole job
+    prefetch_depth: int = 2  # layers a rank fetches ahead (WaS)
+    slots: int | None = None  # cache slots for fetched layers; null: max(prefetch_depth, dp - 1)
+    peak_shifting: bool = True
+    threshold: float = 8.0  # b*: rows per replica above which WaS beats CaS
+    hysteresis: float = 0.25
+    interval: int = 4  # steps between orchestrator decisions
+    mode: str = "auto"  # auto | was | cas
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"parallel.mode must be one of {list(MODES)}, got {self.mode!r}")
+        for name in ("dp", "prefetch_depth", "slots", "interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
+        if not self.threshold > 0 or not 0 <= self.hysteresis < 1:
+            raise ValueError(f"need parallel.threshold > 0 and 0 <= parallel.hysteresis < 1, got "
+                             f"{self.threshold} and {self.hysteresis}")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        dp = self.dp or world_size
+        if dp != world_size:
+            raise ValueError(f"parallel.dp ({dp}) must equal the world size ({world_size}): one replica per rank")
+        return ParallelDims(dp=dp, world_size=world_size)
+
+    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
+        dims = self.dims(dist.get_world_size())
+        model = parallelize(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
+        full_ffn = _ffn_bytes(model)
+        slots = self.slots or max(self.prefetch_depth, dims.dp - 1)
+        pool = pool_model(model, list(range(dims.dp)), slots=slots, prefetch_depth=self.prefetch_depth,
+                          peak_shifting=self.peak_shifting)
+        model.sidp_full_ffn_bytes = full_ffn
+        return sidp_engine(model, pool, mode=self.mode, threshold=self.threshold, hysteresis=self.hysteresis,
+                           interval=self.interval, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                           max_prefill_tokens=args.max_prefill_tokens, admission=args.admission, **args.kv)
+
+    def summary(self, engine: Engine) -> dict:
+        pool = engine.policy.pool
+        c = pool.counters
+        fetched = torch.tensor([c.fetch_bytes], dtype=torch.float64)
+        dist.all_reduce(fetched)
+        freed = engine.model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
+        return {**engine.stats.summary(), "ffn_bytes_per_rank": pool.ffn_bytes(), "slot_bytes": pool.slot_bytes(),
+                "ffn_bytes_replicated": engine.model.sidp_full_ffn_bytes,
+                "kv_capacity_tokens": engine.kv.spec.capacity_tokens,
+                "kv_tokens_gained": max(freed, 0) // kv_bytes_per_token(engine.kv.spec),
+                "fetch_bytes": int(fetched.item()), "max_concurrent_readers": c.max_concurrent_readers,
+                "mode": self.mode, "threshold": self.threshold}
+
+    def report(self, s: dict) -> list[str]:
+        return [f"sidp {s['mode']}: steps {s['mode_steps']}, {s['mode_switches']} switches, {s['dummy_steps']} "
+                f"dummy; FFN {s['ffn_bytes_per_rank']} bytes/rank (replicated {s['ffn_bytes_replicated']}), "
+                f"+{s['kv_tokens_gained']} KV tokens at equal memory; fetched {s['fetch_bytes']} bytes, "
+                f"max {s['max_concurrent_readers']} readers per owner"]
+
+
+def _ffn_bytes(model: nn.Module) -> int:
+    return sum(p.to_local().numel() * p.to_local().element_size()
+               for layer in model.model.layers for p in layer.mlp.parameters())
+
+
+def kv_bytes_per_token(spec) -> int:
+    """KV bytes one token takes in a cache of ``spec`` (K and V, every layer and head held)."""
+    return 2 * spec.num_layers * spec.num_heads * spec.head_dim * torch.empty((), dtype=spec.dtype).element_size()
