@@ -178,6 +178,13 @@ class FFNPool:
             self._events[mine] = (event, slot)
             event.set()
 
+    def fetch_round_once(self) -> None:
+        """One fetch round of a step in which every rank reads (profiling); the slot is freed."""
+        self._events = {j: (threading.Event(), -1) for j in range(len(self.owner))}
+        with torch.inference_mode():
+            self._fetch_round(self.schedule([True] * self.G)[0])
+        self._events, self._free_slots = {}, list(range(self.slots))
+
     def _take_slot(self) -> int:
         with self._cv:
             while not self._free_slots:

@@ -114,6 +114,43 @@ def _agree(mode: str) -> str:
     return CAS if flag.item() else WAS
 
 
+def profile_threshold(pool: FFNPool, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3) -> float:
+    """b* on this hardware (a small built-in sweep; collective over the group): per layer, WaS
+    costs ``max(fetch, ffn(b))`` (the fetch hides behind compute), CaS costs one activation round
+    trip plus the owner's fused GEMM over every rank's rows. Returns the smallest swept ``b``
+    where CaS is the slower on some rank (the same on every rank), else the largest."""
+    from layers.weights import use_weights
+
+    hidden = pool.weights_dim()
+    owned = next(j for j, o in enumerate(pool.owner) if o == pool.rank)
+    fetch = _timed(pool.fetch_round_once, repeats)
+    for b in sizes:
+        x = torch.randn(b, hidden, dtype=pool.slot_tensors[0][0].dtype)
+        ffn = _timed(lambda: pool._ffn(pool.weights[owned], x), repeats)
+        pool.tokens = [b] * pool.G
+        with use_weights(CAS):
+            cas = _timed(lambda: pool.forward(0, x), repeats)
+        slower = torch.tensor([int(cas > max(fetch, ffn))])
+        dist.all_reduce(slower, op=dist.ReduceOp.MAX)  # every rank stops at the same size
+        if slower.item():
+            return float(b)
+    return float(sizes[-1])
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, every rank starting together."""
+    import time
+
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def pool_model(model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int,
                peak_shifting: bool) -> FFNPool:
     """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool and
@@ -149,7 +186,7 @@ class SiDPStrategy(Strategy):
     prefetch_depth: int = 2  # layers a rank fetches ahead (WaS)
     slots: int | None = None  # cache slots for fetched layers; null: max(prefetch_depth, dp - 1)
     peak_shifting: bool = True
-    threshold: float = 8.0  # b*: rows per replica above which WaS beats CaS
+    threshold: float | None = 8.0  # b*: rows per replica above which WaS beats CaS; null: profiled here
     hysteresis: float = 0.25
     interval: int = 4  # steps between orchestrator decisions
     mode: str = "auto"  # auto | was | cas
@@ -161,7 +198,7 @@ class SiDPStrategy(Strategy):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {value}")
-        if not self.threshold > 0 or not 0 <= self.hysteresis < 1:
+        if (self.threshold is not None and not self.threshold > 0) or not 0 <= self.hysteresis < 1:
             raise ValueError(f"need parallel.threshold > 0 and 0 <= parallel.hysteresis < 1, got "
                              f"{self.threshold} and {self.hysteresis}")
 
@@ -179,6 +216,9 @@ class SiDPStrategy(Strategy):
         pool = pool_model(model, list(range(dims.dp)), slots=slots, prefetch_depth=self.prefetch_depth,
                           peak_shifting=self.peak_shifting)
         model.sidp_full_ffn_bytes = full_ffn
+        self.profiled = self.threshold is None
+        if self.threshold is None:
+            self.threshold = profile_threshold(pool)
         return sidp_engine(model, pool, mode=self.mode, threshold=self.threshold, hysteresis=self.hysteresis,
                            interval=self.interval, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                            max_prefill_tokens=args.max_prefill_tokens, admission=args.admission, **args.kv)
@@ -194,7 +234,7 @@ class SiDPStrategy(Strategy):
                 "kv_capacity_tokens": engine.kv.spec.capacity_tokens,
                 "kv_tokens_gained": max(freed, 0) // kv_bytes_per_token(engine.kv.spec),
                 "fetch_bytes": int(fetched.item()), "max_concurrent_readers": c.max_concurrent_readers,
-                "mode": self.mode, "threshold": self.threshold}
+                "mode": self.mode, "threshold": self.threshold, "threshold_profiled": getattr(self, "profiled", False)}
 
     def report(self, s: dict) -> list[str]:
         return [f"sidp {s['mode']}: steps {s['mode_steps']}, {s['mode_switches']} switches, {s['dummy_steps']} "

@@ -115,3 +115,17 @@ def test_was_hides_fetches_behind_compute(four_layer):
     resident = max(dist_harness.run(2, _overlap_job, four_layer["llama"], False))
     was = max(dist_harness.run(2, _overlap_job, four_layer["llama"], True))
     assert was < 1.3 * resident, (was, resident)  # loose: the bench has the precise figure
+
+
+def _profiled_job(path):
+    from parallel.engine import EngineArgs, make_strategy
+
+    strategy = make_strategy({"strategy": "sidp", "threshold": None})
+    engine = strategy.build(path, EngineArgs(max_batch_size=2, max_seq_len=32))
+    return strategy.summary(engine)
+
+
+def test_threshold_profiled_by_a_sweep_is_the_same_on_every_rank(four_layer):
+    summaries = dist_harness.run(2, _profiled_job, four_layer["llama"])
+    assert summaries[0]["threshold_profiled"] and summaries[0]["threshold"] in (1, 2, 4, 8, 16, 32, 64)
+    assert len({s["threshold"] for s in summaries}) == 1
