@@ -49,6 +49,8 @@ class PoolCounters:
     owner_gemms: int = 0  # fused GEMMs this rank ran as an owner for other ranks
     dummy_skips: int = 0  # (layer, rank) CaS exchanges skipped because the rank had no tokens
     wait_seconds: float = 0.0  # compute thread waiting for slots
+    active_steps: dict = field(default_factory=lambda: {"sidp:was": 0, "sidp:cas": 0})  # steps with rows here
+    dummy_steps: int = 0  # steps with no rows on this rank
     readers: dict = field(default_factory=dict)  # owner -> most readers in one round
 
 
@@ -102,6 +104,10 @@ class FFNPool:
         assert len(tokens) == self.G and mode in (WAS, CAS), (tokens, mode)
         self.end_step()
         self.tokens = list(tokens)
+        if tokens[self.ranks.index(self.rank)]:
+            self.counters.active_steps[mode] += 1
+        else:
+            self.counters.dummy_steps += 1
         if mode == WAS:
             rounds = self.schedule([t > 0 for t in tokens])
             self._count_readers(rounds)

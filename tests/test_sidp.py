@@ -23,7 +23,8 @@ def _job(path, mode, shift=True, threshold=6.0):
     layer = sum(w.numel() * w.element_size() for w in pool.slot_tensors[0])
     owned = sum(1 for o in pool.owner if o == pool.rank)
     return dict(tokens=tokens, summary=strategy.summary(engine), expected_ffn=owned * layer,
-                counters=vars(pool.counters).copy(), modes=list(engine.stats.modes))
+                counters=vars(pool.counters).copy(), modes=list(engine.stats.modes),
+                non_owned=len(pool.owner) - owned)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -40,6 +41,11 @@ def test_tokens_equal_hf_in_every_mode(four_layer, hf_reference, world, mode):
         assert r["modes"] == results[0]["modes"]  # the group agrees on every step's mode
     if mode == "auto":
         assert results[0]["summary"]["mode_switches"] >= 1 and set(results[0]["modes"]) == {"sidp:was", "sidp:cas"}
+    for r in results:  # a dummy step fetches and ships nothing: only steps with rows count
+        c = r["counters"]
+        assert c["fetches"] == c["active_steps"]["sidp:was"] * r["non_owned"]
+        assert c["cas_layers"] == c["active_steps"]["sidp:cas"] * r["non_owned"]
+    assert sum(r["counters"]["dummy_steps"] for r in results) == results[0]["summary"]["dummy_steps"] > 0
     if mode == "cas":  # idle replicas shipped nothing; their owners skipped them
         assert sum(r["counters"]["dummy_skips"] for r in results) > 0
         assert all(r["counters"]["fetch_bytes"] == 0 for r in results)
