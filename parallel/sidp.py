@@ -221,7 +221,21 @@ class SiDPStrategy(Strategy):
             self.threshold = profile_threshold(pool)
         return sidp_engine(model, pool, mode=self.mode, threshold=self.threshold, hysteresis=self.hysteresis,
                            interval=self.interval, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                           max_prefill_tokens=args.max_prefill_tokens, admission=args.admission, **args.kv)
+                           max_prefill_tokens=args.max_prefill_tokens, admission=args.admission,
+                           **self._kv(args, model, pool))
+
+    def _kv(self, args: EngineArgs, model: nn.Module, pool: FFNPool) -> dict:
+        """A paged cache grows by the tokens the freed FFN bytes hold (the memory a replicated DP
+        replica spends on FFN weights goes to KV instead); contiguous slots stay as asked."""
+        if args.kv_block_size is None:
+            return args.kv
+        freed = model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * pool.slot_tensors[0][0].element_size()
+        extra = max(freed, 0) // per_token // args.kv_block_size * args.kv_block_size
+        model.sidp_kv_tokens = (args.kv_tokens, extra)
+        return {"kv_block_size": args.kv_block_size, "kv_tokens": args.kv_tokens + extra}
 
     def summary(self, engine: Engine) -> dict:
         pool = engine.policy.pool
@@ -232,6 +246,7 @@ class SiDPStrategy(Strategy):
         return {**engine.stats.summary(), "ffn_bytes_per_rank": pool.ffn_bytes(), "slot_bytes": pool.slot_bytes(),
                 "ffn_bytes_replicated": engine.model.sidp_full_ffn_bytes,
                 "kv_capacity_tokens": engine.kv.spec.capacity_tokens,
+                "kv_tokens_asked": getattr(engine.model, "sidp_kv_tokens", (engine.kv.spec.capacity_tokens, 0))[0],
                 "kv_tokens_gained": max(freed, 0) // kv_bytes_per_token(engine.kv.spec),
                 "fetch_bytes": int(fetched.item()), "max_concurrent_readers": c.max_concurrent_readers,
                 "mode": self.mode, "threshold": self.threshold, "threshold_profiled": getattr(self, "profiled", False)}

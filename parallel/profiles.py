@@ -1,0 +1,266 @@
+"""Hardware, model and workload profiles for the cost model (:mod:`parallel.cost`), as data.
+
+Every number carries its source in a comment on its line: a vendor datasheet, a Hugging Face
+``config.json``, a paper, or the word "assumed". Units: bytes, bytes/s, FLOP/s, seconds.
+``this_machine`` is not here: :func:`parallel.calibrate.this_machine` measures it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GB = 10**9  # vendors quote memory bandwidth and link bandwidth in decimal GB/s
+GiB = 2**30
+TFLOPS = 10**12  # vendors quote tensor throughput in decimal TFLOPS
+US = 1e-6  # one microsecond
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links to its peers.
+
+    ``memory`` bytes per device, ``mem_bw`` bytes/s (HBM/GDDR), ``flops`` dense fp16/bf16 FLOP/s,
+    ``link_bw`` bytes/s per direction per device, ``link_latency`` seconds per message (per ring
+    hop). ``collectives`` optionally overrides ``(latency s, bandwidth B/s)`` per collective kind
+    (``all_reduce``, ``all_to_all``, ``send``), as a calibration measures them.
+    """
+
+    name: str
+    memory: float
+    mem_bw: float
+    flops: float
+    link: str  # "pcie" | "nvlink" | "gloo"
+    link_bw: float
+    link_latency: float
+    collectives: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def comm(self, kind: str) -> tuple[float, float]:
+        """``(latency s, bandwidth B/s)`` of collective ``kind``; the link's own without a fit."""
+        return tuple(self.collectives.get(kind, (self.link_latency, self.link_bw)))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape (HF ``config.json`` names in comments); ``dtype_bytes``
+    per weight / KV element."""
+
+    name: str
+    layers: int  # num_hidden_layers
+    hidden: int  # hidden_size
+    heads: int  # num_attention_heads
+    kv_heads: int  # num_key_value_heads
+    head_dim: int  # head_dim (default hidden_size // num_attention_heads)
+    intermediate: int  # intermediate_size
+    vocab: int  # vocab_size
+    dtype_bytes: int = 2
+    tied_embeddings: bool = False  # tie_word_embeddings
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Mean ``input_len`` / ``output_len`` tokens per request, ``requests`` in the job."""
+
+    name: str
+    input_len: float
+    output_len: float
+    requests: int
+
+
+# ---- hardware (vendor datasheets; links per direction) -----------------------------------------
+PCIE4_X16 = 32 * GB  # PCIe Gen4 x16: 64 GB/s bidirectional = 32 GB/s per direction (PCI-SIG spec)
+PCIE_LATENCY = 10 * US  # assumed: per message / ring hop over PCIe through the host bridge
+NVLINK_LATENCY = 5 * US  # assumed: per message / ring hop over NVLink + NVSwitch
+
+HARDWARE: dict[str, Hardware] = {
+    "a10": Hardware(
+        name="a10",
+        memory=24 * GB,  # NVIDIA A10 datasheet: 24 GB GDDR6
+        mem_bw=600 * GB,  # NVIDIA A10 datasheet: 600 GB/s
+        flops=125 * TFLOPS,  # NVIDIA A10 datasheet: BF16/FP16 tensor 125 TF dense (250 sparse)
+        link="pcie",
+        link_bw=PCIE4_X16,  # NVIDIA A10 datasheet: PCIe Gen4 64 GB/s (no NVLink)
+        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+    ),
+    "l4": Hardware(
+        name="l4",
+        memory=24 * GB,  # NVIDIA L4 datasheet: 24 GB GDDR6
+        mem_bw=300 * GB,  # NVIDIA L4 datasheet: 300 GB/s
+        flops=121 * TFLOPS,  # NVIDIA L4 datasheet: BF16/FP16 tensor 242 TF with sparsity = 121 dense
+        link="pcie",
+        link_bw=PCIE4_X16,  # NVIDIA L4 datasheet: PCIe Gen4 x16 64 GB/s (no NVLink)
+        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+    ),
+    "a100-40g": Hardware(
+        name="a100-40g",
+        memory=40 * GB,  # NVIDIA A100 datasheet (SXM): 40 GB HBM2
+        mem_bw=1555 * GB,  # NVIDIA A100 datasheet (SXM 40GB): 1,555 GB/s
+        flops=312 * TFLOPS,  # NVIDIA A100 datasheet: BF16/FP16 tensor 312 TF dense
+        link="nvlink",
+        link_bw=300 * GB,  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional = 300 per direction
+        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+    ),
+    "a100-80g": Hardware(
+        name="a100-80g",
+        memory=80 * GB,  # NVIDIA A100 datasheet (SXM): 80 GB HBM2e
+        mem_bw=2039 * GB,  # NVIDIA A100 datasheet (SXM 80GB): 2,039 GB/s
+        flops=312 * TFLOPS,  # NVIDIA A100 datasheet: BF16/FP16 tensor 312 TF dense
+        link="nvlink",
+        link_bw=300 * GB,  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional = 300 per direction
+        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+    ),
+    "h100": Hardware(
+        name="h100",
+        memory=80 * GB,  # NVIDIA H100 datasheet (SXM): 80 GB HBM3
+        mem_bw=3350 * GB,  # NVIDIA H100 datasheet (SXM): 3.35 TB/s
+        flops=989 * TFLOPS,  # NVIDIA H100 datasheet (SXM): BF16 tensor 1,979 TF with sparsity = 989 dense
+        link="nvlink",
+        link_bw=450 * GB,  # NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
+        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+    ),
+    "h200": Hardware(
+        name="h200",
+        memory=141 * GB,  # NVIDIA H200 datasheet (SXM): 141 GB HBM3e
+        mem_bw=4800 * GB,  # NVIDIA H200 datasheet (SXM): 4.8 TB/s
+        flops=989 * TFLOPS,  # NVIDIA H200 datasheet (SXM): BF16 tensor 1,979 TF with sparsity = 989 dense
+        link="nvlink",
+        link_bw=450 * GB,  # NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
+        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+    ),
+}
+
+# ---- models (public HF config.json values; fp16/bf16 weights as the papers run them) ------------
+MODELS: dict[str, ModelShape] = {
+    # Seesaw's "15B variety of LLaMA3" is elinas/Llama-3-15B-Instruct-zeroed; the paper gives no
+    # shape. Assumed: Llama-3-8B's config.json with its 32 layers doubled to 64 by the passthrough
+    # merge (64 x 218M layer params + 1.05B embeddings = 15.0B, matching the name).
+    "llama3-15b": ModelShape(
+        name="llama3-15b",
+        layers=64,  # assumed: 2 x Llama-3-8B's num_hidden_layers (32), see above
+        hidden=4096,  # meta-llama/Meta-Llama-3-8B config.json hidden_size
+        heads=32,  # meta-llama/Meta-Llama-3-8B config.json num_attention_heads
+        kv_heads=8,  # meta-llama/Meta-Llama-3-8B config.json num_key_value_heads
+        head_dim=128,  # meta-llama/Meta-Llama-3-8B config.json: hidden_size / num_attention_heads
+        intermediate=14336,  # meta-llama/Meta-Llama-3-8B config.json intermediate_size
+        vocab=128256,  # meta-llama/Meta-Llama-3-8B config.json vocab_size
+        dtype_bytes=2,  # Seesaw section 6: "We use float16"
+    ),
+    "codellama-34b": ModelShape(
+        name="codellama-34b",
+        layers=48,  # codellama/CodeLlama-34b-hf config.json num_hidden_layers
+        hidden=8192,  # codellama/CodeLlama-34b-hf config.json hidden_size
+        heads=64,  # codellama/CodeLlama-34b-hf config.json num_attention_heads
+        kv_heads=8,  # codellama/CodeLlama-34b-hf config.json num_key_value_heads
+        head_dim=128,  # codellama/CodeLlama-34b-hf config.json: hidden_size / num_attention_heads
+        intermediate=22016,  # codellama/CodeLlama-34b-hf config.json intermediate_size
+        vocab=32000,  # codellama/CodeLlama-34b-hf config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16; Seesaw runs float16
+    ),
+    "llama2-70b": ModelShape(
+        name="llama2-70b",
+        layers=80,  # meta-llama/Llama-2-70b-hf config.json num_hidden_layers
+        hidden=8192,  # meta-llama/Llama-2-70b-hf config.json hidden_size
+        heads=64,  # meta-llama/Llama-2-70b-hf config.json num_attention_heads
+        kv_heads=8,  # meta-llama/Llama-2-70b-hf config.json num_key_value_heads
+        head_dim=128,  # meta-llama/Llama-2-70b-hf config.json: hidden_size / num_attention_heads
+        intermediate=28672,  # meta-llama/Llama-2-70b-hf config.json intermediate_size
+        vocab=32000,  # meta-llama/Llama-2-70b-hf config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype float16
+    ),
+    "llama3-70b": ModelShape(
+        name="llama3-70b",
+        layers=80,  # meta-llama/Meta-Llama-3-70B config.json num_hidden_layers
+        hidden=8192,  # meta-llama/Meta-Llama-3-70B config.json hidden_size
+        heads=64,  # meta-llama/Meta-Llama-3-70B config.json num_attention_heads
+        kv_heads=8,  # meta-llama/Meta-Llama-3-70B config.json num_key_value_heads
+        head_dim=128,  # meta-llama/Meta-Llama-3-70B config.json: hidden_size / num_attention_heads
+        intermediate=28672,  # meta-llama/Meta-Llama-3-70B config.json intermediate_size
+        vocab=128256,  # meta-llama/Meta-Llama-3-70B config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16
+    ),
+    "qwen3-32b": ModelShape(
+        name="qwen3-32b",
+        layers=64,  # Qwen/Qwen3-32B config.json num_hidden_layers
+        hidden=5120,  # Qwen/Qwen3-32B config.json hidden_size
+        heads=64,  # Qwen/Qwen3-32B config.json num_attention_heads
+        kv_heads=8,  # Qwen/Qwen3-32B config.json num_key_value_heads
+        head_dim=128,  # Qwen/Qwen3-32B config.json head_dim
+        intermediate=25600,  # Qwen/Qwen3-32B config.json intermediate_size
+        vocab=151936,  # Qwen/Qwen3-32B config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16
+    ),
+}
+
+# ---- workloads (Seesaw section 6; means of the length distributions of its Figure 9) -----------
+WORKLOADS: dict[str, Workload] = {
+    "arxiv": Workload(
+        name="arxiv",
+        # Seesaw Fig. 9(a) spreads inputs over 0-4000 tokens (articles of ~6k words, Cohan et al.
+        # 2018, cut to the context), inputs "much longer than outputs"; the figure gives no mean
+        input_len=3000,  # assumed mean, read off Seesaw Fig. 9(a)
+        output_len=250,  # assumed mean: Fig. 9(a) outputs peak at a few hundred (abstracts ~220 words)
+        requests=500,  # Seesaw section 6: "500 requests from arxiv-summarization"
+    ),
+    "sharegpt": Workload(
+        name="sharegpt",
+        # Seesaw Fig. 9(b): "input and output have comparable lengths", mass under ~1000 tokens;
+        # means of the same ShareGPT set as reported by the vLLM paper (Kwon et al. 2023, Fig. 11)
+        input_len=161,  # vLLM paper (Kwon et al. 2023) Fig. 11: ShareGPT mean input 161.31
+        output_len=338,  # vLLM paper (Kwon et al. 2023) Fig. 11: ShareGPT mean output 337.99
+        requests=2000,  # Seesaw section 6: "We sample 2000 requests from the sharegpt dataset"
+    ),
+}
+
+
+def workload(name: str, *, input_len: float = 512, output_len: float = 512, requests: int = 1000) -> Workload:
+    """A named workload, or ``constant`` with the given lengths (Seesaw section 6.5's shape)."""
+    if name == "constant":
+        for key, v in (("input_len", input_len), ("output_len", output_len), ("requests", requests)):
+            if not v >= 1:
+                raise ValueError(f"workload {key} must be >= 1, got {v!r}")
+        return Workload("constant", float(input_len), float(output_len), int(requests))
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {sorted(WORKLOADS) + ['constant']}")
+    return WORKLOADS[name]
+
+
+def hardware(name: str) -> Hardware:
+    """A datasheet profile by name, or ``this_machine`` (calibrated, cached; see :mod:`parallel.calibrate`)."""
+    if name == "this_machine":
+        from .calibrate import this_machine
+
+        return this_machine()
+    if name not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE) + ['this_machine']}")
+    return HARDWARE[name]
+
+
+def model(name: str) -> ModelShape:
+    """A named model shape, or the shape read from an HF ``config.json`` (a file or a checkpoint directory)."""
+    if name in MODELS:
+        return MODELS[name]
+    path = Path(name) / "config.json" if os.path.isdir(name) else Path(name)
+    if path.name.endswith(".json") and path.is_file():
+        return model_from_config(json.loads(path.read_text()), name=str(name))
+    raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)} or a path to an HF config.json")
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}  # bytes per element (IEEE 754 / OCP FP8)
+
+
+def model_from_config(cfg: dict, *, name: str) -> ModelShape:
+    """The shape of an HF ``config.json`` dict (``text_config`` of multimodal configs is read)."""
+    cfg = cfg.get("text_config", cfg)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json of {name!r} lacks {missing}")
+    heads = cfg["num_attention_heads"]
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return ModelShape(name=name, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=heads,
+                      kv_heads=cfg.get("num_key_value_heads") or heads,
+                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                      intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                      dtype_bytes=_DTYPE_BYTES.get(dtype, 2),  # unknown torch_dtype: assumed 2 bytes (fp16/bf16)
+                      tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
