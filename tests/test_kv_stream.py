@@ -131,7 +131,7 @@ def test_an_incompatible_reader_is_refused_with_both_layouts_named():
 
 
 def test_coalesced_and_per_chunk_copies_move_the_same_bytes():
-    from reshard.kv.stream import Span, chunks, plan_stream, scatter
+    from reshard.kv.stream import Span, chunks, gather, plan_stream, scatter
     from reshard.kv.transport import LocalTransport
 
     src = {0: _layout(0, 1, 1)}
@@ -148,8 +148,10 @@ def test_coalesced_and_per_chunk_copies_move_the_same_bytes():
         naive.flush(c, i).wait(10)
     assert coalesced.stats.bytes == naive.stats.bytes == buf.numel()
     assert coalesced.stats.calls == 1 and naive.stats.calls == 2 * 2 * 2  # (2 layers x 2 spans x K, V)
-    assert torch.equal(buf, torch.cat([c.flatten().view(torch.uint8) for c in chunks(cache, pieces, spans)]))
     coalesced.close(), naive.close()
+    target = _cache(dst[0], False, 5)  # the coalesced buffer unpacks into another layout bitwise
+    gather(target, plan.receives(0)[0], [Span(k, s, 0, n) for (k, n), s in zip(SPANS, [1, 0])], buf)
+    assert _wrong(target, [1, 0]) == []
 
 
 def _token_stream_job(path, where, tmp):
@@ -172,14 +174,15 @@ def _token_stream_job(path, where, tmp):
         transport = None
     else:
         dst = dict(src)
-        transport = lambda peer: LocalTransport()  # noqa: E731
+        if where == "cpu":
+            transport = lambda peer: LocalTransport()  # noqa: E731
+        else:  # one directory per rank: the keys name the step, not the rank
+            import os
+
+            os.makedirs(f"{tmp}/rank{rank}", exist_ok=True)
+            transport = lambda peer: FileTransport(f"{tmp}/rank{rank}")  # noqa: E731
     mirror = KVCache(dataclasses.replace(engine.kv.spec, head_start=dst[rank].head_start))
     streamer = KVStreamer(plan_stream(src, dst), transport=transport)
-    if where == "file":  # one directory per rank: the keys name the step, not the rank
-        import os
-
-        os.makedirs(f"{tmp}/rank{rank}", exist_ok=True)
-        streamer.transports[rank] = FileTransport(f"{tmp}/rank{rank}")
     stream = TokenStream(streamer, engine.kv, mirror)
     engine.runner.hooks.add("step_end", stream.step_end)
     reqs = [Request(i, list(range(3 + i, 12 + 2 * i)), SamplingParams(max_new_tokens=6 + i)) for i in range(5)]

@@ -218,8 +218,10 @@ class KVCache:
 
 
 def _gather_blocks(storage: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
-    """``storage[index]`` ``(B, nb, H, bs, hd)`` as ``(B, H, length, hd)``: the blocks in order."""
+    """The blocks ``index`` ``(B, nb)`` of ``storage`` as ``(B, H, length, hd)``, in table order:
+    one indexed copy straight into the head-major order (no second copy for a transpose)."""
     b, nb = index.shape
-    blocks = storage[index.flatten()]  # (B * nb, H, bs, hd)
-    _, h, bs, hd = blocks.shape
-    return blocks.view(b, nb, h, bs, hd).transpose(1, 2).reshape(b, h, nb * bs, hd)[:, :, :length]
+    _, h, bs, hd = storage.shape
+    heads = torch.arange(h, device=index.device)
+    blocks = storage[index[:, None, :], heads[None, :, None]]  # (B, H, nb, bs, hd)
+    return blocks.view(b, h, nb * bs, hd)[:, :, :length]

@@ -9,7 +9,8 @@
 2. ``scatter / gather`` (:func:`scatter`, :func:`gather`): the non-contiguous region of a peer
    (a head range x a token range, across blocks and layers, for several sequences) packed into
    one contiguous buffer per peer and unpacked at the other end (the paper's buffered copies),
-   through :func:`reshard.kv.pack.pack_kv` (Triton on a GPU, plain torch otherwise).
+   with one indexed copy per layer and K/V for all the sequences at once (measured: per-chunk
+   packing of many small chunks, e.g. one decode step's entries, costs far more than the bytes).
 3. ``flush / fetch`` (:mod:`reshard.kv.transport`): one buffer per peer over the transport the
    two media call for, as background jobs with ids, completion checks and timeouts.
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from ..plan import Piece, assign_senders
 from .cache import KVCache, KVLayout
-from .pack import pack_kv, unpack_kv
+from .pack import pack_kv
 from .transport import Job, LocalTransport, P2PTransport, Transport
 
 Box = tuple[tuple[int, int], tuple[int, int]]  # (layers [l0, l1), KV heads [h0, h1))
@@ -116,21 +117,58 @@ def world_layouts(cache: KVCache | None, group: dist.ProcessGroup | None = None)
 
 
 # ---- level 2: scatter / gather ----------------------------------------------------------------
-def _regions(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], layers: Sequence[int] | None):
-    """``(storage, blocks, heads, tokens)`` of every chunk, in the canonical order both sides use:
-    piece, layer, span, K then V; heads are local to ``cache``."""
+def _regions(cache: KVCache, pieces: Sequence[Piece], layers: Sequence[int] | None):
+    """``(storage, (h0, h1))`` of every chunk, in the canonical order both sides use: piece,
+    layer, K then V; heads local to ``cache``. A chunk holds every span's tokens."""
     s = cache.spec
     for piece in pieces:
         (l0, l1), (h0, h1) = piece.box
         for layer in range(l0, l1):
             if layers is not None and layer not in layers:
                 continue
-            k, v = cache.layer(layer)
-            for span in spans:
-                blocks = _blocks(cache, span.slot)
-                heads = (h0 - s.head_start, h1 - s.head_start)
-                yield k, blocks, heads, (span.start, span.stop)
-                yield v, blocks, heads, (span.start, span.stop)
+            for storage in cache.layer(layer):
+                yield storage, (h0 - s.head_start, h1 - s.head_start)
+
+
+def _locations(cache: KVCache, spans: Sequence[Span]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Storage ``(rows, cols)`` of every token of ``spans``, span after span (paged or not)."""
+    device = cache.k[0].device
+    slots = torch.cat([torch.full((sp.stop - sp.start,), sp.slot, dtype=torch.long) for sp in spans])
+    positions = torch.cat([torch.arange(sp.start, sp.stop) for sp in spans])
+    return cache.locate(slots.to(device), positions.to(device))
+
+
+def chunk_bytes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
+    tokens = sum(sp.stop - sp.start for sp in spans)
+    item = torch.empty((), dtype=cache.spec.dtype).element_size()
+    return [(h1 - h0) * tokens * cache.spec.head_dim * item for _, (h0, h1) in _regions(cache, pieces, layers)]
+
+
+def scatter(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span],
+            layers: Sequence[int] | None = None) -> torch.Tensor:
+    """One contiguous byte buffer of every chunk for one peer (``layers``: only those). Each chunk
+    is one indexed copy of all spans' tokens ``(N, heads, head_dim)``, however scattered their
+    blocks: one copy per layer and K/V, not one per sequence."""
+    sizes = chunk_bytes(cache, pieces, spans, layers)
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=cache.k[0].device)
+    if not spans:
+        return buf
+    rows, cols = _locations(cache, spans)
+    at = 0
+    for (storage, (h0, h1)), n in zip(_regions(cache, pieces, layers), sizes):
+        buf[at:at + n].view(cache.spec.dtype).view(len(rows), h1 - h0, -1).copy_(storage[rows, h0:h1, cols])
+        at += n
+    return buf
+
+
+def chunks(cache: KVCache, pieces, spans, layers=None) -> list[torch.Tensor]:
+    """The same bytes one chunk per (layer, K/V, sequence), each packed by
+    :func:`reshard.kv.pack.pack_kv` (the naive per-chunk way, for comparison)."""
+    out = []
+    for storage, heads in _regions(cache, pieces, layers):
+        for span in spans:
+            out.append(pack_kv(storage, _blocks(cache, span.slot), heads, (span.start, span.stop)))
+    return out
 
 
 def _blocks(cache: KVCache, slot: int) -> torch.Tensor:
@@ -140,40 +178,17 @@ def _blocks(cache: KVCache, slot: int) -> torch.Tensor:
     return torch.tensor([slot], device=cache.k[0].device)
 
 
-def chunk_bytes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
-    item = torch.empty((), dtype=cache.spec.dtype).element_size()
-    return [(h1 - h0) * (t1 - t0) * cache.spec.head_dim * item for _, _, (h0, h1), (t0, t1)
-            in _regions(cache, pieces, spans, layers)]
-
-
-def scatter(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span],
-            layers: Sequence[int] | None = None) -> torch.Tensor:
-    """One contiguous byte buffer of every chunk for one peer (``layers``: only those)."""
-    sizes = chunk_bytes(cache, pieces, spans, layers)
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=cache.k[0].device)
-    at = 0
-    for (storage, blocks, heads, tokens), n in zip(_regions(cache, pieces, spans, layers), sizes):
-        out = buf[at:at + n].view(cache.spec.dtype).view(heads[1] - heads[0], tokens[1] - tokens[0], -1)
-        pack_kv(storage, blocks, heads, tokens, out=out)
-        at += n
-    return buf
-
-
-def chunks(cache: KVCache, pieces, spans, layers=None) -> list[torch.Tensor]:
-    """The same chunks one tensor each (the naive per-chunk way, for comparison)."""
-    return [pack_kv(storage, blocks, heads, tokens) for storage, blocks, heads, tokens
-            in _regions(cache, pieces, spans, layers)]
-
-
 def gather(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], buf: torch.Tensor,
            layers: Sequence[int] | None = None) -> None:
     """Unpack a peer's buffer (from :func:`scatter` on the other side) into ``cache``."""
     sizes = chunk_bytes(cache, pieces, spans, layers)
     assert buf.numel() == sum(sizes), f"buffer of {buf.numel()} bytes for chunks of {sum(sizes)}"
+    if not spans:
+        return
+    rows, cols = _locations(cache, spans)
     at = 0
-    for (storage, blocks, heads, tokens), n in zip(_regions(cache, pieces, spans, layers), sizes):
-        src = buf[at:at + n].view(cache.spec.dtype).view(heads[1] - heads[0], tokens[1] - tokens[0], -1)
-        unpack_kv(src, storage, blocks, heads, tokens)
+    for (storage, (h0, h1)), n in zip(_regions(cache, pieces, layers), sizes):
+        storage[rows, h0:h1, cols] = buf[at:at + n].view(cache.spec.dtype).view(len(rows), h1 - h0, -1)
         at += n
 
 
@@ -181,8 +196,9 @@ def gather(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], buf: 
 class KVStreamer:
     """Streams KV from the source layout to the destination layout of ``plan``.
 
-    ``transport(peer)`` opens the transport to or from ``peer`` (default: P2P on the background
-    process group, a local copy for this rank itself); one per peer, kept open. ``stream_out``
+    ``transport(peer)`` opens the transport to or from ``peer`` (this rank itself included;
+    default: P2P on the background process group, a local copy for this rank); one per peer,
+    kept open. ``stream_out``
     and ``stream_in`` must be called with the same spans (by key), layers and ``tag`` on both
     sides, in the same order.
     """
@@ -191,11 +207,10 @@ class KVStreamer:
                  timeout: float = 60.0) -> None:
         self.plan, self.rank, self.timeout = plan, dist.get_rank(), timeout
         self.out_pieces, self.in_pieces = plan.sends(self.rank), plan.receives(self.rank)
-        self._local = LocalTransport()
-        open_ = transport or (lambda peer: P2PTransport(peer))
-        peers = (set(self.out_pieces) | set(self.in_pieces)) - {self.rank}
+        default = lambda peer: LocalTransport() if peer == self.rank else P2PTransport(peer)  # noqa: E731
+        open_ = transport or default
+        peers = set(self.out_pieces) | set(self.in_pieces) | {self.rank}
         self.transports = {peer: open_(peer) for peer in sorted(peers)}
-        self.transports[self.rank] = self._local
 
     @torch.inference_mode(False)  # background threads write the buffers: no inference tensors
     def stream_out(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
