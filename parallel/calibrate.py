@@ -17,13 +17,22 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from .profiles import Hardware
+if TYPE_CHECKING:
+    from .profiles import Hardware
+
+# The 2 gloo processes load this file alone (no package import: ~1.5 s instead of ~4 s, and no
+# unguarded __main__ re-run as with multiprocessing's spawn), so module level imports only torch.
+_CHILD = ("import importlib.util as u, sys; s = u.spec_from_file_location('reshard_calibrate', sys.argv[1]); "
+          "m = u.module_from_spec(s); s.loader.exec_module(m); m._collective_main(*map(int, sys.argv[2:]))")
 
 SMALL, LARGE = 8, 4 << 20  # bytes of the two message sizes each collective is timed at
 CACHE_NAME = "this_machine.json"
@@ -59,17 +68,17 @@ def _fit(t_small: float, t_large: float, data_large: float, hops: int) -> tuple[
     return max(t_small, 1e-9) / hops, bw
 
 
-def _collective_worker(rank: int, port: int, repeats: int, queue) -> None:
+def _collective_main(rank: int, port: int, repeats: int) -> None:
+    """One of the 2 calibration processes; rank 0 prints the timings as JSON."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    out = {}
-    for kind in ("all_reduce", "all_to_all", "send"):
-        out[kind] = [_time_collective(kind, nbytes, rank, repeats) for nbytes in (SMALL, LARGE)]
+    out = {kind: [_time_collective(kind, n, rank, repeats) for n in (SMALL, LARGE)]
+           for kind in ("all_reduce", "all_to_all", "send")}
     dist.destroy_process_group()
     if rank == 0:
-        queue.put(out)
+        print(json.dumps(out), flush=True)
 
 
 def _time_collective(kind: str, nbytes: int, rank: int, repeats: int) -> float:
@@ -106,19 +115,21 @@ def measure_collectives(repeats: int = 7, timeout: float = 60.0) -> dict[str, tu
     """``{kind: (latency s, bandwidth B/s)}`` for gloo between 2 spawned processes on this host,
     fitted to :mod:`parallel.cost`'s formulas at ``n = 2``: all-reduce ``bytes/bw + 2 lat``,
     all-to-all ``bytes/2/bw + lat``, send ``bytes/bw + lat``."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_collective_worker, args=(r, port, repeats, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, __file__, str(r), str(port), str(repeats)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
     try:
-        raw = queue.get(timeout=timeout)
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
-            p.join(timeout=10)
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"calibration processes failed: {[o[1][-500:] for o in outs]}")
+    raw = json.loads(outs[0][0].strip().splitlines()[-1])
     data = {"all_reduce": (LARGE, 2), "all_to_all": (LARGE / 2, 1), "send": (LARGE, 1)}
     return {k: _fit(raw[k][0], raw[k][1], data[k][0], data[k][1]) for k in data}
 
@@ -132,6 +143,8 @@ def calibrate(*, repeats: int = 7) -> Hardware:
     finally:
         torch.set_num_threads(threads)
     comm = measure_collectives(repeats)
+    from .profiles import Hardware
+
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lat, bw = comm["send"]
     return Hardware(name="this_machine", memory=float(ram), mem_bw=mem_bw, flops=flops, link="gloo",
@@ -168,6 +181,8 @@ def to_json(hw: Hardware) -> dict:
 
 
 def from_json(d: dict) -> Hardware:
+    from .profiles import Hardware
+
     values = [d[k] for k in ("memory", "mem_bw", "flops", "link_bw", "link_latency")]
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
         raise ValueError(f"calibration file holds non-positive or non-finite numbers: {d}")
@@ -179,6 +194,8 @@ def from_json(d: dict) -> Hardware:
 def oversubscribed(hw: Hardware, *, ranks: int, cores: int) -> Hardware:
     """``hw`` as each of ``ranks`` single-threaded processes sees it on ``cores`` cores: compute and
     memory bandwidth shared (``cores / ranks`` each when ranks exceed cores); links unchanged."""
+    from .profiles import Hardware
+
     share = min(1.0, cores / ranks)
     return Hardware(name=f"{hw.name}/{ranks}on{cores}", memory=hw.memory / ranks, mem_bw=hw.mem_bw * share,
                     flops=hw.flops * share, link=hw.link, link_bw=hw.link_bw, link_latency=hw.link_latency,

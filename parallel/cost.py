@@ -214,9 +214,10 @@ def _stage(m: ModelShape, hw: Hardware, cfg: ParallelConfig, layer: float, token
 
 # ---- phases of one replica -------------------------------------------------------------------------
 def prefill_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seqs: float, seq_len: float) -> float:
-    """Seconds for one replica to prefill ``seqs`` prompts: micro-batches of ``PREFILL_TOKENS``
-    through ``pp`` stages, plus the ``pp - 1`` fill/drain bubble."""
-    per_mb = max(1.0, min(seqs, math.floor(PREFILL_TOKENS / seq_len)))
+    """Seconds for one replica to prefill ``seqs`` prompts: micro-batches of at most
+    ``PREFILL_TOKENS`` (and at least ``pp`` of them when there are enough prompts) through ``pp``
+    stages, plus the ``pp - 1`` fill/drain bubble."""
+    per_mb = max(1.0, min(math.ceil(seqs / cfg.pp), math.floor(PREFILL_TOKENS / seq_len)))
     steps = math.ceil(seqs / per_mb)
     return (steps + cfg.pp - 1) * prefill_stage_time(m, hw, cfg, per_mb, seq_len)
 

@@ -1,0 +1,40 @@
+"""Structured config behind conf/plan.yaml (the cost-model planner); errors name the key."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from parallel.engine.config_types import check_values
+
+
+@dataclass
+class PlanConfig:
+    model: str = "llama3-15b"  # a name in parallel.profiles.MODELS or a path to an HF config.json
+    hardware: str = "a10"  # a name in parallel.profiles.HARDWARE or this_machine (calibrated)
+    num_gpus: int = 4  # a power of two
+    workload: str = "arxiv"  # arxiv | sharegpt | constant
+    input_len: float = 512.0  # constant workload: prompt tokens per request
+    output_len: float = 512.0  # constant workload: generated tokens per request
+    requests: int = 1000  # constant workload: requests in the job
+    max_batch: int | None = None  # cap on sequences per replica (null: KV capacity decides)
+    top: int = 20  # rows of the ranked table printed (plan.json holds all)
+
+    def __post_init__(self) -> None:
+        from parallel.cost import check_gpus
+
+        check_gpus(self.num_gpus)
+        for key in ("input_len", "output_len", "requests", "top"):
+            if not getattr(self, key) >= 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)!r}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 or null, got {self.max_batch!r}")
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "PlanConfig":
+        """Build from a plain dict; unknown keys and values of the wrong type name the key."""
+        known = sorted(f.name for f in fields(PlanConfig))
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known: {known}")
+        check_values(PlanConfig, d, "")
+        return PlanConfig(**d)
