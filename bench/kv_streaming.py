@@ -76,6 +76,7 @@ from reshard.kv.stream import (
     Span,
     TokenStream,
     chunk_bytes,
+    chunk_sizes,
     chunks,
     gather,
     plan_stream,
@@ -389,7 +390,7 @@ def section_copies(path: Path | None, args) -> dict:
             jobs = [send_tr.flush(c, key("n", i, rank)) for i, c in enumerate(cs)]
             src_rank = rank if tname == "local" else (rank - 1) % world
             jobs += [recv_tr.fetch(key("n", i, src_rank), torch.empty(nb, dtype=torch.uint8))
-                     for i, nb in enumerate(chunk_bytes(cache, pieces_in, spans))]
+                     for i, nb in enumerate(chunk_sizes(cache, pieces_in, spans))]
             for j in jobs:
                 j.wait(120)
 
@@ -427,7 +428,7 @@ def section_copies(path: Path | None, args) -> dict:
         pieces = plan_stream(src, dict(src)).sends(rank)[rank]
         for wname, spans in workloads.items():
             buf = scatter(cache, pieces, spans)
-            nchunks = len(chunk_bytes(cache, pieces, spans))
+            nchunks = len(chunk_sizes(cache, pieces, spans))
             times = {"scatter": [], "gather": []}
             for _ in range(args.repeats + 1):
                 t0 = time.perf_counter()

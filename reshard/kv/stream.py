@@ -171,6 +171,13 @@ def chunks(cache: KVCache, pieces, spans, layers=None) -> list[torch.Tensor]:
     return out
 
 
+def chunk_sizes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
+    """Bytes of each chunk :func:`chunks` makes (what a per-chunk receiver allocates)."""
+    item = torch.empty((), dtype=cache.spec.dtype).element_size()
+    return [(h1 - h0) * (sp.stop - sp.start) * cache.spec.head_dim * item
+            for _, (h0, h1) in _regions(cache, pieces, layers) for sp in spans]
+
+
 def _blocks(cache: KVCache, slot: int) -> torch.Tensor:
     """The slot's block table; a contiguous cache is one block of ``max_seq_len + 1`` per slot."""
     if cache.spec.paged:
