@@ -76,10 +76,13 @@ class FFNPool:
         self.slots, self.depth, self.shift, self.timeout = slots, prefetch_depth, peak_shifting, timeout
         self.act = mlps[0].act_fn
         self.owner = [self.ranks[j % self.G] for j in range(len(mlps))]
-        self.weights = {j: _take(m) if self.owner[j] == self.rank else _free(m) for j, m in enumerate(mlps)}
-        shapes = [tuple(w.shape) for w in _weights(mlps[0])]
+        self.shapes = [tuple(w.shape) for w in _weights(mlps[0])]
         dtype = _weights(mlps[0])[0].dtype
-        self.slot_tensors = [[torch.empty(s, dtype=dtype) for s in shapes] for _ in range(slots)]
+        # one flat buffer per owned layer and per slot (gate | up | down): a fetch is one message
+        self.flat = {j: _take(m) if self.owner[j] == self.rank else _free(m) for j, m in enumerate(mlps)}
+        self.weights = {j: _split(f, self.shapes) for j, f in self.flat.items() if f is not None}
+        self.slot_flat = [torch.empty(sum(_numel(sh) for sh in self.shapes), dtype=dtype) for _ in range(slots)]
+        self.slot_tensors = [_split(f, self.shapes) for f in self.slot_flat]
         self.counters = PoolCounters()
         self._group = _background_group(self.ranks)
         self._events: dict[int, tuple[threading.Event, int]] = {}
@@ -92,10 +95,10 @@ class FFNPool:
     # ---- accounting -----------------------------------------------------------------------------
     def ffn_bytes(self) -> int:
         """FFN weight bytes this rank holds for the layers it owns (slots not counted)."""
-        return sum(_nbytes(w) for ws in self.weights.values() if ws is not None for w in ws)
+        return sum(_nbytes(f) for f in self.flat.values() if f is not None)
 
     def slot_bytes(self) -> int:
-        return sum(_nbytes(t) for slot in self.slot_tensors for t in slot)
+        return sum(_nbytes(f) for f in self.slot_flat)
 
     # ---- one step ---------------------------------------------------------------------------------
     def begin_step(self, tokens: list[int], mode: str) -> None:
@@ -169,13 +172,13 @@ class FFNPool:
         mine = next((j for r, j in rnd if r == self.rank), None)
         slot = self._take_slot() if mine is not None else None
         plans, srcs, outs = [], [], []
-        for reader, j in rnd:  # each weight: whole on its owner -> whole in the reader's slot
-            for w, like in enumerate(self.slot_tensors[0]):
-                shape = tuple(like.shape)
-                plans.append(plan_transfer(Layout((self.owner[j],), (Replicate(),), shape, like.dtype),
-                                           Layout((reader,), (Replicate(),), shape, like.dtype)))
-                srcs.append(self.weights[j][w] if self.owner[j] == self.rank else None)
-                outs.append(self.slot_tensors[slot][w] if reader == self.rank else None)
+        like = self.slot_flat[0]
+        for reader, j in rnd:  # the layer's flat FFN: whole on its owner -> whole in the reader's slot
+            shape = tuple(like.shape)
+            plans.append(plan_transfer(Layout((self.owner[j],), (Replicate(),), shape, like.dtype),
+                                       Layout((reader,), (Replicate(),), shape, like.dtype)))
+            srcs.append(self.flat[j] if self.owner[j] == self.rank else None)
+            outs.append(self.slot_flat[slot] if reader == self.rank else None)
         _, stats = execute(plans, srcs, out=outs, group=self._group)
         if mine is not None:
             self.counters.fetches += 1
@@ -289,10 +292,29 @@ def _weights(mlp: nn.Module) -> list[torch.Tensor]:
     return [w.to_local() if hasattr(w, "to_local") else w.data for w in ws]
 
 
-def _take(mlp: nn.Module) -> list[torch.Tensor]:
+def _take(mlp: nn.Module) -> torch.Tensor:
+    """An owned FFN as one flat buffer (gate | up | down); the module's own copies are freed."""
     if any(getattr(p, "bias", None) is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         raise ValueError("SiDP's FFN pool takes bias-free SwiGLU MLPs (Llama, Qwen, Mistral)")
-    return [w.detach() for w in _weights(mlp)]
+    flat = torch.cat([w.detach().reshape(-1) for w in _weights(mlp)])
+    _free(mlp)
+    return flat
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of ``flat`` with ``shapes``, in order."""
+    out, at = [], 0
+    for shape in shapes:
+        out.append(flat[at:at + _numel(shape)].view(shape))
+        at += _numel(shape)
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _free(mlp: nn.Module) -> None:

@@ -204,21 +204,51 @@ def _run_round(items: list[_Item], plans, src_locals, outs, rank: int, stats: Co
     for it in items:
         if not it.piece.local:
             (sends[it.piece.dst] if it.piece.src == rank else recvs[it.piece.src]).append(it)
-    send_bufs = {peer: _pack(its, plans, src_locals, rank) for peer, its in sends.items()}
-    recv_bufs = {peer: torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8,
-                                   device=_device_of(outs)) for peer, its in recvs.items()}
+    send_bufs = {peer: _send_buffer(its, plans, src_locals, rank) for peer, its in sends.items()}
+    direct = {peer: _direct_target(its, plans, outs, rank, views) for peer, its in recvs.items()}
+    direct = {peer: t for peer, t in direct.items() if t is not None}
+    recv_bufs = {peer: direct.get(peer) if peer in direct else
+                 torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8, device=_device_of(outs))
+                 for peer, its in recvs.items()}
     ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in send_bufs.items()]
     ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf in recv_bufs.items()]
     works = dist.batch_isend_irecv(ops) if ops else []
     for w in works:
         w.wait()
-    _unpack(items, plans, src_locals, outs, recv_bufs, rank, stats, views)
-    sent = sum(b.numel() for b in send_bufs.values())
-    received = sum(b.numel() for b in recv_bufs.values())
-    stats.bytes_sent += sent
-    stats.bytes_received += received
+    done = {recvs[peer][0].order for peer in direct}
+    _unpack([it for it in items if it.order not in done], plans, src_locals, outs, recv_bufs, rank, stats, views)
+    stats.bytes_sent += sum(b.numel() for b in send_bufs.values())
+    stats.bytes_received += sum(b.numel() for b in recv_bufs.values())
     stats.messages += len(send_bufs)
-    stats.peak_extra_bytes = max(stats.peak_extra_bytes, sent + received)
+    staged = [b for p, b in send_bufs.items() if not _is_view(b, sends[p], plans, src_locals, rank)]
+    staged += [b for p, b in recv_bufs.items() if p not in direct]
+    stats.peak_extra_bytes = max(stats.peak_extra_bytes, sum(b.numel() for b in staged))
+
+
+def _send_buffer(items: list[_Item], plans, src_locals, rank: int) -> torch.Tensor:
+    """A peer's bytes: the source slice itself when it is one contiguous chunk (no copy), else
+    every chunk packed into one buffer."""
+    if len(items) == 1:
+        view = _src_view(items[0], plans, src_locals, rank)
+        if view.is_contiguous():
+            return view.reshape(-1).view(torch.uint8)
+    return _pack(items, plans, src_locals, rank)
+
+
+def _is_view(buf: torch.Tensor, items: list[_Item], plans, src_locals, rank: int) -> bool:
+    return len(items) == 1 and buf.data_ptr() == _src_view(items[0], plans, src_locals, rank).data_ptr()
+
+
+def _direct_target(items: list[_Item], plans, outs, rank: int, views: set[int]) -> torch.Tensor | None:
+    """Where one chunk from a peer can be received in place: its contiguous destination slice
+    (``None`` when it must be staged: several chunks, a reduction, or a strided slice)."""
+    if len(items) != 1:
+        return None
+    it, plan = items[0], plans[items[0].plan]
+    if plan.reduce_op or it.plan in views or outs[it.plan] is None:
+        return None
+    target = outs[it.plan][_local_slices(it.box, plan.dst.box(rank))]
+    return target.reshape(-1).view(torch.uint8) if target.is_contiguous() else None
 
 
 def _device_of(outs) -> torch.device:
