@@ -28,8 +28,8 @@ MODES = ("auto", "was", "cas")
 
 
 def choose_mode(batch: float, current: str | None, threshold: float, hysteresis: float) -> str:
-    """WaS above ``threshold`` (fetched weights amortized over many rows), CaS below (shipping a
-    few rows is cheaper than a layer's weights). Inside the band ``threshold * (1 -+ hysteresis)``
+    """WaS above ``threshold`` live sequences per replica (fetched weights amortized over many
+    rows), CaS below (shipping a few rows is cheaper than a layer's weights). Inside the band ``threshold * (1 -+ hysteresis)``
     the current mode stays, so a batch size hovering near ``b*`` never flaps."""
     if current is None:
         return WAS if batch >= threshold else CAS
@@ -74,7 +74,7 @@ class SiDPPolicy(ContinuousBatching):
         tokens = [0] * self.pool.G
         for s in seqs:
             tokens[s.replica] += s.prompt_len if phase == "prefill" else 1
-        mode = self._mode(sum(tokens) / self.pool.G)
+        mode = self._mode(len(self.running) / self.pool.G)  # live sequences per replica, either phase
         stats = self.engine.stats
         stats.mode_steps["was" if mode == WAS else "cas"] += 1
         stats.dummy_steps += sum(1 for t in tokens if t == 0)
@@ -233,7 +233,9 @@ class SiDPStrategy(Strategy):
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * pool.slot_tensors[0][0].element_size()
-        extra = max(freed, 0) // per_token // args.kv_block_size * args.kv_block_size
+        extra = torch.tensor([max(freed, 0) // per_token // args.kv_block_size * args.kv_block_size])
+        dist.all_reduce(extra, op=dist.ReduceOp.MIN)  # every replica admits by the same pool size
+        extra = int(extra.item())
         model.sidp_kv_tokens = (args.kv_tokens, extra)
         return {"kv_block_size": args.kv_block_size, "kv_tokens": args.kv_tokens + extra}
 

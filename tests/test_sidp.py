@@ -10,7 +10,7 @@ PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 10
 MAX_NEW = [3, 5, 4, 6, 18]  # the last request runs on alone: the other replicas run dummy steps
 
 
-def _job(path, mode, shift=True, threshold=6.0):
+def _job(path, mode, shift=True, threshold=1.0):
     from parallel import Request, SamplingParams
     from parallel.engine import EngineArgs, make_strategy
 
