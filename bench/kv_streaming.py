@@ -53,11 +53,8 @@ import dataclasses
 import datetime
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -69,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import Engine, Request, SamplingParams, parallelize
+from bench._common import LoadSampler, med  # noqa: E402
 from parallel.tiny_models import cached_checkpoint
 from reshard.kv import KVCache, KVSpec
 from reshard.kv.stream import (
@@ -156,43 +154,6 @@ def reduce_scalar(x: float, op=dist.ReduceOp.MAX) -> float:
 
 def all_ranks_ok(ok: bool) -> bool:
     return reduce_scalar(float(ok), dist.ReduceOp.MIN) == 1.0
-
-
-def med(xs) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-class LoadSampler:
-    """Rank 0: every 2 s, Python processes outside this job and the 1-min load average."""
-
-    def __init__(self, own_pids: set[int]) -> None:
-        self.own, self.others, self.load = own_pids, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(["ps", "-eo", "pid,pcpu,args"], capture_output=True, text=True).stdout
-                n = 0
-                for line in out.splitlines()[1:]:
-                    pid, pcpu, cmd = line.split(None, 2)
-                    if int(pid) not in self.own and "python" in cmd and float(pcpu) > 5:
-                        n += 1
-                self.others.append(n)
-                self.load.append(os.getloadavg()[0])
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-            self._stop.wait(2.0)
-
-    def summary(self) -> str:
-        self._stop.set()
-        if not self.others:
-            return "no samples"
-        return (f"other python processes above 5% CPU: min {min(self.others)}, median {med(self.others):.0f}, "
-                f"max {max(self.others)} ({len(self.others)} samples every 2 s); 1-min load average "
-                f"{min(self.load):.1f}-{max(self.load):.1f} on {os.cpu_count()} cores")
 
 
 def requests(args, prompt_len: int, new_tokens: int) -> list[Request]:

@@ -59,10 +59,7 @@ import dataclasses
 import datetime
 import os
 import random
-import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -76,6 +73,7 @@ import torch.distributed as dist  # noqa: E402
 from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize  # noqa: E402
 from parallel.engine import EngineArgs, make_strategy  # noqa: E402
 from parallel.sidp import kv_bytes_per_token, profile_threshold, sidp_engine  # noqa: E402
+from bench._common import LoadSampler, med  # noqa: E402
 from parallel.tiny_models import cached_checkpoint  # noqa: E402
 from reshard.kv import KVCache  # noqa: E402
 from reshard.kv.cache import KVSpec  # noqa: E402
@@ -162,43 +160,6 @@ def reduce_scalar(x: float, op=dist.ReduceOp.MAX) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=op)
     return t.item()
-
-
-def med(xs) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-class LoadSampler:
-    """Rank 0: every 2 s, Python processes outside this job and the 1-min load average."""
-
-    def __init__(self, own_pids: set[int]) -> None:
-        self.own, self.others, self.load = own_pids, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(["ps", "-eo", "pid,pcpu,args"], capture_output=True, text=True).stdout
-                n = 0
-                for line in out.splitlines()[1:]:
-                    pid, pcpu, cmd = line.split(None, 2)
-                    if int(pid) not in self.own and "python" in cmd and float(pcpu) > 5:
-                        n += 1
-                self.others.append(n)
-                self.load.append(os.getloadavg()[0])
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-            self._stop.wait(2.0)
-
-    def summary(self) -> str:
-        self._stop.set()
-        if not self.others:
-            return "no samples"
-        return (f"other python processes above 5% CPU: min {min(self.others)}, median {med(self.others):.0f}, "
-                f"max {max(self.others)} ({len(self.others)} samples every 2 s); 1-min load average "
-                f"{min(self.load):.1f}-{max(self.load):.1f} on {os.cpu_count()} cores")
 
 
 def gen(engine: Engine, reqs) -> dict:

@@ -8,7 +8,6 @@ that excludes this rank carries an empty local tensor, as in DTensor.
 from __future__ import annotations
 
 import hashlib
-import threading
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from .background import Background
 from .dtensor import wrap_local
 from .executor import DEFAULT_BUCKET_BYTES, CommStats, execute
 from .layout import Layout
@@ -90,29 +90,15 @@ class MoveHandle:
 
     def __init__(self, module, names, tensors, targets, bucket_bytes, group) -> None:
         self._module, self._names = module, names
-        self._result: tuple | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(tensors, targets, bucket_bytes, group),
-                                        name="reshard-move", daemon=True)
-        self._thread.start()
-
-    def _run(self, tensors, targets, bucket_bytes, group) -> None:
-        try:
-            self._result = _move(tensors, targets, bucket_bytes, group)
-        except BaseException as e:  # re-raised by wait() on the caller's thread
-            self._error = e
+        self._job = Background(lambda: _move(tensors, targets, bucket_bytes, group), "reshard-move",
+                               "background move")
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._job.done()
 
     def wait(self, timeout: float | None = None) -> CommStats:
         """Block until the move finishes (``TimeoutError`` after ``timeout`` s); install it."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"background move did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        moved, stats = self._result
+        moved, stats = self._job.result(timeout)
         _install(self._module, self._names, moved, stats)
         return stats
 

@@ -18,7 +18,6 @@ then broadcast from the first source rank to every destination rank, as OpenRLHF
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .background import Background
 from .executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
 from .layout import Layout, box_slices, nested_tuple
 from .mesh import cached_group
@@ -152,27 +152,14 @@ class SyncHandle:
         self.step = step
         if sync.version is not None:
             sync.version.pending = step  # refuse to generate from the moment the sync is started
-        self._stats: CommStats | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(sync,), name="reshard-sync", daemon=True)
-        self._thread.start()
-
-    def _run(self, sync: WeightSync) -> None:
-        try:
-            self._stats = sync._apply(self.step, sync._background)
-        except BaseException as e:  # re-raised by wait() on the caller's thread
-            self._error = e
+        self._job = Background(lambda: sync._apply(step, sync._background), "reshard-sync",
+                               f"weight sync of step {step}")
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._job.done()
 
     def wait(self, timeout: float | None = None) -> CommStats:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"weight sync of step {self.step} did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._stats
+        return self._job.result(timeout)
 
 
 # ---- layouts: exchanged once, matched by name, checked by shape and dtype -----------------------

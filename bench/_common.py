@@ -1,0 +1,44 @@
+"""What the benchmarks share: medians and a sampler of how busy the machine is."""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import threading
+
+
+def med(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+class LoadSampler:
+    """Rank 0: every 2 s, Python processes outside this job and the 1-min load average."""
+
+    def __init__(self, own_pids: set[int]) -> None:
+        self.own, self.others, self.load = own_pids, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["ps", "-eo", "pid,pcpu,args"], capture_output=True, text=True).stdout
+                n = 0
+                for line in out.splitlines()[1:]:
+                    pid, pcpu, cmd = line.split(None, 2)
+                    if int(pid) not in self.own and "python" in cmd and float(pcpu) > 5:
+                        n += 1
+                self.others.append(n)
+                self.load.append(os.getloadavg()[0])
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            self._stop.wait(2.0)
+
+    def summary(self) -> str:
+        self._stop.set()
+        if not self.others:
+            return "no samples"
+        return (f"other python processes above 5% CPU: min {min(self.others)}, median {med(self.others):.0f}, "
+                f"max {max(self.others)} ({len(self.others)} samples every 2 s); 1-min load average "
+                f"{min(self.load):.1f}-{max(self.load):.1f} on {os.cpu_count()} cores")
