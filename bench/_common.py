@@ -42,3 +42,30 @@ class LoadSampler:
         return (f"other python processes above 5% CPU: min {min(self.others)}, median {med(self.others):.0f}, "
                 f"max {max(self.others)} ({len(self.others)} samples every 2 s); 1-min load average "
                 f"{min(self.load):.1f}-{max(self.load):.1f} on {os.cpu_count()} cores")
+
+
+def bench_checkpoint(args, prefix: str):
+    """A seeded Llama of the sizes in ``args`` (built once by rank 0, cached by name)."""
+    import torch.distributed as dist
+
+    from parallel.tiny_models import cached_checkpoint
+
+    overrides = {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+                 "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+                 "num_key_value_heads": args.kv_heads, "max_position_embeddings": 2048, "initializer_range": 0.02}
+    name = (f"{prefix}-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
+            f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1")
+    if dist.get_rank() == 0:
+        cached_checkpoint(name, overrides)
+    dist.barrier()
+    return cached_checkpoint(name, overrides)
+
+
+def reduce_scalar(x: float, op=None) -> float:
+    """``x`` reduced over every rank (max by default)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.MAX)
+    return t.item()

@@ -66,8 +66,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import Engine, Request, SamplingParams, parallelize
-from bench._common import LoadSampler, med  # noqa: E402
-from parallel.tiny_models import cached_checkpoint
+from bench._common import LoadSampler, bench_checkpoint, med, reduce_scalar  # noqa: E402
 from reshard.kv import KVCache, KVSpec
 from reshard.kv.stream import (
     KVStreamer,
@@ -134,24 +133,10 @@ def command(args: argparse.Namespace, world: int) -> str:
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
-    overrides = {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-                 "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-                 "num_key_value_heads": args.kv_heads, "max_position_embeddings": 2048, "initializer_range": 0.02}
-    name = (f"bench-kv-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
-            f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1")
-    if dist.get_rank() == 0:
-        cached_checkpoint(name, overrides)
-    dist.barrier()
-    return cached_checkpoint(name, overrides)
+    return bench_checkpoint(args, "bench-kv")
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def reduce_scalar(x: float, op=dist.ReduceOp.MAX) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.item()
-
-
 def all_ranks_ok(ok: bool) -> bool:
     return reduce_scalar(float(ok), dist.ReduceOp.MIN) == 1.0
 

@@ -73,8 +73,7 @@ import torch.distributed as dist  # noqa: E402
 from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize  # noqa: E402
 from parallel.engine import EngineArgs, make_strategy  # noqa: E402
 from parallel.sidp import kv_bytes_per_token, profile_threshold, sidp_engine  # noqa: E402
-from bench._common import LoadSampler, med  # noqa: E402
-from parallel.tiny_models import cached_checkpoint  # noqa: E402
+from bench._common import LoadSampler, bench_checkpoint, med, reduce_scalar  # noqa: E402
 from reshard.kv import KVCache  # noqa: E402
 from reshard.kv.cache import KVSpec  # noqa: E402
 
@@ -144,24 +143,10 @@ def command(args: argparse.Namespace, world: int) -> str:
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
-    overrides = {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-                 "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-                 "num_key_value_heads": args.kv_heads, "max_position_embeddings": 2048, "initializer_range": 0.02}
-    name = (f"bench-sidp-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
-            f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1")
-    if dist.get_rank() == 0:
-        cached_checkpoint(name, overrides)
-    dist.barrier()
-    return cached_checkpoint(name, overrides)
+    return bench_checkpoint(args, "bench-sidp")
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def reduce_scalar(x: float, op=dist.ReduceOp.MAX) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.item()
-
-
 def gen(engine: Engine, reqs) -> dict:
     """One ``generate``: decode s/step (max over ranks), wall s (max over ranks), outputs."""
     s = engine.stats
