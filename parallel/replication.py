@@ -10,23 +10,26 @@ Recovery after a failure (restoring a restarted rank from its neighbour's mirror
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch.distributed as dist
 
-from reshard.kv import KVCache, KVLayout
+from reshard.kv import KVCache, KVLayout, KVSpec
 from reshard.kv.stream import KVStreamer, TokenStream, plan_stream, world_layouts
 
 from .engine import ModelRunner
 
 
 class RingReplication:
-    """Mirror of rank ``x - 1``'s KV on every rank ``x`` of ``runner``'s layout (collective).
+    """Mirror of rank ``x - 1``'s KV on every rank ``x`` of ``runner``'s layout (collective);
+    ``mirror_at(spec, source)`` makes the mirror cache (default: in memory).
 
     One data-parallel replica: every rank of the layout runs every step's sequences, so both
     ends of each ring edge stream the same spans.
     """
 
-    def __init__(self, runner: ModelRunner, *, timeout: float = 60.0) -> None:
+    def __init__(self, runner: ModelRunner, *, timeout: float = 60.0,
+                 mirror_at: Callable[[KVSpec, int], KVCache] | None = None) -> None:
         if runner.replica.size != 1:
             raise ValueError(f"ring replication runs on one replica (its ranks run the same sequences); "
                              f"the layout has dp={runner.replica.size}")
@@ -35,7 +38,8 @@ class RingReplication:
         self.rank, self.ranks = dist.get_rank(), ranks
         self.source = ranks[(ranks.index(self.rank) - 1) % len(ranks)]  # whose KV this rank mirrors
         dst = {r: layouts[ranks[(i - 1) % len(ranks)]] for i, r in enumerate(ranks)}
-        self.mirror = KVCache(_spec_for(runner.kv, dst[self.rank]), device=runner.kv.device)
+        spec = _spec_for(runner.kv, dst[self.rank])
+        self.mirror = mirror_at(spec, self.source) if mirror_at else KVCache(spec, device=runner.kv.device)
         self.stream = TokenStream(KVStreamer(plan_stream(layouts, dst), timeout=timeout), runner.kv, self.mirror,
                                   timeout=timeout)
         self.acked: dict[int, int] = {}  # request id -> last step of the source's KV that is in

@@ -90,11 +90,24 @@ class EngineConfig:
 
 
 @dataclass
+class FaultConfig:
+    replicate: bool = False  # mirror every rank's KV on its ring successor; recover after a restart
+    kill_at: Any = None  # [rank, step]: SIGKILL that rank before that engine step (first attempt only)
+
+    def __post_init__(self) -> None:
+        k = self.kill_at
+        if k is not None and not (isinstance(k, (list, tuple)) and len(k) == 2
+                                  and all(type(v) is int and v >= 0 for v in k)):
+            raise ValueError(f"fault.kill_at must be [rank, step] (two ints >= 0) or null, got {k!r}")
+
+
+@dataclass
 class GenerateConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     parallel: Any = None  # the registered strategy's config (parallel.engine.Strategy); None: tp
     compile: bool = False
     progress: bool = True
@@ -119,7 +132,7 @@ class GenerateConfig:
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
         sections = {"model": ModelConfig, "workload": WorkloadConfig, "generation": GenerationConfig,
-                    "engine": EngineConfig}
+                    "engine": EngineConfig, "fault": FaultConfig}
         from parallel.engine.config_types import check_values
 
         check_values(GenerateConfig, d, "")

@@ -9,6 +9,7 @@ directory and prints its path; other ranks write nothing.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -39,15 +40,47 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     dims = cfg.parallel.dims(dist.get_world_size())  # validates the layout before loading
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
     engine = cfg.parallel.build(path, args)
+    fault = _fault_tolerance(cfg, engine)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
     t1 = time.perf_counter()
     with engine:
         completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
     summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
+    summary["failures"] = _restarts()
+    if fault is not None:
+        summary.update(fault.pop("summary")(), recovery_seconds=fault["recovery_seconds"])
+        fault["ft"].close()
     if _rank() == 0:
         _write_outputs(run_dir, completions, summary, cfg.parallel)
     return summary
+
+
+def _restarts() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _fault_tolerance(cfg: GenerateConfig, engine: Engine) -> dict | None:
+    """Ring replication and a journal when ``fault.replicate``; on a restarted attempt, recover
+    first (restore KV from the successors' mirrors, replay the journal)."""
+    from parallel.fault import FaultTolerance, inject_kill, restart_count
+
+    if not cfg.fault.replicate:  # the baseline: a kill restarts every request from scratch
+        if cfg.fault.kill_at and restart_count() == 0:
+            engine.pre_step_hooks.append(inject_kill(tuple(cfg.fault.kill_at)))
+        return None
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    ft = FaultTolerance(engine, run_id, kill_at=tuple(cfg.fault.kill_at) if cfg.fault.kill_at else None,
+                        attempt=restart_count())
+    t0, killed = time.time(), ft.killed_at()
+    if restart_count() > 0:
+        ft.recover()
+
+    def summary() -> dict:
+        return {"failures": restart_count(), "restart_after_s": None if killed is None else t0 - killed,
+                "recovered_from_step": ft.recovered_from, "recomputed_steps": ft.recomputed_steps}
+    return {"ft": ft, "summary": summary, "recovery_seconds": time.time() - t0}
 
 
 def _model_path(cfg: GenerateConfig) -> Path:

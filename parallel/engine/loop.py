@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from reshard.sync import weight_version
 
+from ..sampling import skip_draws
 from .agree import sample_step
 from .policy import ContinuousBatching, Policy, Step
 from .request import Completion, Request, Sequence
@@ -63,6 +64,10 @@ class Engine:
         self.policy.bind(self)
         self.active: str | None = self.policy.initial_layout
         self._released: list = []  # caches freed by release_memory(), restored by generate()
+        self.replay: deque = deque()  # recovery: known tokens of the first steps (their KV restored)
+        self.pre_step_hooks: list = []  # fn(index, step) before each step runs (fault injection)
+        self.post_step_hooks: list = []  # fn(index, step, tokens) once a step's tokens are agreed (a journal)
+        self.steps_done = 0
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property
@@ -110,15 +115,31 @@ class Engine:
         return [done[r.id] for r in requests]
 
     def _run(self, step: Step) -> None:
+        for fn in self.pre_step_hooks:
+            fn(self.steps_done, step)
         runner = self.enter(step.layout)
         t0 = time.perf_counter()
-        mine = [s for s in step.seqs if s.replica == runner.replica.rank]
-        logits = runner.run(step.phase, mine) if mine else runner.idle(step.phase)
-        tokens = sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, runner.group)
+        tokens = self._replayed(step) if self.replay else self._computed(step, runner)
         for seq, token in zip(step.seqs, tokens):
             seq.cached += seq.prompt_len if step.phase == "prefill" else 1
             seq.append(token)
         self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
+        for fn in self.post_step_hooks:
+            fn(self.steps_done, step, tokens)
+        self.steps_done += 1
+
+    def _computed(self, step: Step, runner: ModelRunner) -> list[int]:
+        mine = [s for s in step.seqs if s.replica == runner.replica.rank]
+        logits = runner.run(step.phase, mine) if mine else runner.idle(step.phase)
+        return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, runner.group)
+
+    def _replayed(self, step: Step) -> list[int]:
+        """A step recovered from the journal: its tokens are known and its KV was restored, so
+        nothing runs; sampling generators skip the step's draw to stay in step."""
+        tokens = self.replay.popleft()
+        assert len(tokens) == len(step.seqs), (len(tokens), len(step.seqs))
+        skip_draws([s.request.sampling for s in step.seqs], [s.generator for s in step.seqs], self.vocab_size)
+        return tokens
 
     def enter(self, layout: str) -> ModelRunner:
         """Make ``layout`` active (``policy.on_switch`` moves what must move). The loop enters each
