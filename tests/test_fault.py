@@ -11,10 +11,10 @@ import pytest
 COMMON = ["progress=false", "workload.num_requests=6", "workload.prompt_len_max=40", "generation.max_new_tokens=12"]
 
 
-def _run(tmp_path, name, overrides, restarts=0):
+def _run(tmp_path, name, overrides, restarts=0, world=2):
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the restarted group needs a fresh store (NOTES)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "--max-restarts", str(restarts), "-m", "recipes.generate", f"hydra.run.dir={tmp_path / name}",
            *COMMON, *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
@@ -23,11 +23,12 @@ def _run(tmp_path, name, overrides, restarts=0):
     return outputs, json.loads((tmp_path / name / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("rank,step,sampling", [(1, 5, []), (0, 7, ["generation.temperature=0.8", "generation.seed=3"])])
-def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, rank, step, sampling):
-    expected, _ = _run(tmp_path, "ref", sampling)
+@pytest.mark.parametrize("world,rank,step,sampling", [
+    (2, 1, 5, []), (2, 0, 7, ["generation.temperature=0.8", "generation.seed=3"]), (4, 2, 6, [])])
+def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, world, rank, step, sampling):
+    expected, _ = _run(tmp_path, "ref", sampling, world=world)
     tokens, summary = _run(tmp_path, "ft", [*sampling, "fault.replicate=true", f"fault.kill_at=[{rank},{step}]"],
-                           restarts=1)
+                           restarts=1, world=world)
     assert tokens == expected
     assert summary["failures"] == 1
     assert 0 < summary["recovered_from_step"] <= step and summary["recomputed_steps"] <= 1
