@@ -12,9 +12,11 @@ whole-job restart keeps them; across machines they would live in the successor's
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +49,7 @@ class FaultTolerance:
     """
 
     def __init__(self, engine: Engine, run_id: str, *, kill_at: tuple[int, int] | None = None,
-                 attempt: int = 0) -> None:
+                 attempt: int = 0, heartbeat_s: float = 1.0) -> None:
         runner = engine.runner
         if runner.kv.spec.paged or len(engine.runners) != 1:
             raise ValueError("fault tolerance runs one layout with contiguous KV slots (parallel=tp, no kv_block_size)")
@@ -60,6 +62,8 @@ class FaultTolerance:
         self.recovered_from, self.recomputed_steps, self._streamed = 0, 0, []
         engine.pre_step_hooks.append(self._maybe_die)
         engine.post_step_hooks.append(self._record)
+        self.heartbeat = Heartbeat(job_store(attempt), self.rank, dist.get_world_size(), period=heartbeat_s,
+                                   on_dead=self._declare_dead)
 
     def _mirror(self, source: int) -> Path:
         return self.shm / f"mirror-of-{source}"
@@ -105,7 +109,26 @@ class FaultTolerance:
         return resume
 
     def killed_at(self) -> float | None:
-        path = self.shm / "killed-at"
+        return self._time("killed-at")
+
+    def detected_after(self) -> float | None:
+        """Seconds from the injected kill to the first survivor noticing (heartbeat or a failed
+        collective), from the previous attempt's records."""
+        killed, detected = self._time("killed-at"), self._time("detected-at")
+        return None if killed is None or detected is None else detected - killed
+
+    def note_failure(self) -> None:
+        """This rank saw the job fail (a collective broke): record when, once per job."""
+        path = self.shm / "detected-at"
+        if not path.exists():
+            path.write_text(repr(time.time()))
+
+    def _declare_dead(self, rank: int, silent: float) -> None:
+        self.note_failure()
+        _leave(rank, silent)
+
+    def _time(self, name: str) -> float | None:
+        path = self.shm / name
         return float(path.read_text()) if path.exists() else None
 
     def _journal(self) -> list[list[int]]:
@@ -120,6 +143,7 @@ class FaultTolerance:
 
     def close(self) -> None:
         """After a successful run: remove the shared-memory files."""
+        self.heartbeat.stop()
         self.ring.close()
         dist.barrier()
         if self.rank == 0:
@@ -143,3 +167,73 @@ def _die() -> None:
 def restart_count() -> int:
     """Which attempt of the job this is (torchrun counts restarts)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class Heartbeat:
+    """Liveness of every rank through the job's store (a side thread per rank).
+
+    Each rank bumps its counter every ``period`` seconds; the same thread reads every other
+    rank's counter, and a rank whose counter has not moved for ``misses`` periods is declared
+    dead: ``on_dead(rank, silent_seconds)`` runs (default: record it and leave the job, so no
+    survivor waits in a collective for a rank that hangs). ``detected`` lists what was declared.
+    """
+
+    def __init__(self, store, rank: int, world: int, *, period: float = 0.5, misses: int = 3,
+                 prefix: str = "hb", on_dead=None) -> None:
+        import threading
+
+        self.store, self.rank, self.world, self.period, self.misses = store, rank, world, period, misses
+        self.prefix, self.on_dead = prefix, on_dead or _leave
+        self.detected: list[tuple[int, float]] = []
+        self.error: Exception | None = None
+        self._beats, self._paused = 0, False
+        self._beat()  # before anyone can watch: a rank is live from its first beat
+        self._seen = {r: (-1, time.monotonic()) for r in range(world) if r != rank}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reshard-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.period):
+                if not self._paused:
+                    self._beat()
+                self._check()
+        except Exception as e:  # the store went away (the job is ending): stop watching
+            self.error = e
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(f"{self.prefix}/{self.rank}", str(self._beats))
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        for r, (count, since) in list(self._seen.items()):
+            current = int(self.store.get(f"{self.prefix}/{r}")) if self.store.check([f"{self.prefix}/{r}"]) else -1
+            grace = self.misses if count >= 0 else 4 * self.misses  # a rank not yet seen: starting up
+            if current != count:
+                self._seen[r] = (current, now)
+            elif now - since > grace * self.period:
+                del self._seen[r]
+                self.detected.append((r, now - since))
+                self.on_dead(r, now - since)
+
+    def pause(self) -> None:
+        """Stop beating (a hung rank, for tests); the monitor keeps watching the others."""
+        self._paused = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _leave(rank: int, silent: float) -> None:
+    print(f"rank {rank} silent for {silent:.1f} s: declared dead, leaving the job", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def job_store(attempt: int):
+    """A client of the job's TCP store (``MASTER_ADDR``/``MASTER_PORT``), keys of this attempt."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    return dist.PrefixStore(f"attempt{attempt}", store)

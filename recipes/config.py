@@ -93,8 +93,11 @@ class EngineConfig:
 class FaultConfig:
     replicate: bool = False  # mirror every rank's KV on its ring successor; recover after a restart
     kill_at: Any = None  # [rank, step]: SIGKILL that rank before that engine step (first attempt only)
+    heartbeat_s: float = 1.0  # liveness period; a rank silent for 3 periods is declared dead
 
     def __post_init__(self) -> None:
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"fault.heartbeat_s must be > 0, got {self.heartbeat_s}")
         k = self.kill_at
         if k is not None and not (isinstance(k, (list, tuple)) and len(k) == 2
                                   and all(type(v) is int and v >= 0 for v in k)):

@@ -45,7 +45,12 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
     t1 = time.perf_counter()
     with engine:
-        completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
+        try:
+            completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
+        except RuntimeError:  # a peer died mid-collective: record when this rank noticed
+            if fault is not None:
+                fault["ft"].note_failure()
+            raise
     summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
     summary["failures"] = _restarts()
     if fault is not None:
@@ -72,14 +77,15 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine) -> dict | None:
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     ft = FaultTolerance(engine, run_id, kill_at=tuple(cfg.fault.kill_at) if cfg.fault.kill_at else None,
-                        attempt=restart_count())
+                        attempt=restart_count(), heartbeat_s=cfg.fault.heartbeat_s)
     t0, killed = time.time(), ft.killed_at()
     if restart_count() > 0:
         ft.recover()
 
     def summary() -> dict:
         return {"failures": restart_count(), "restart_after_s": None if killed is None else t0 - killed,
-                "recovered_from_step": ft.recovered_from, "recomputed_steps": ft.recomputed_steps}
+                "detected_after_s": ft.detected_after(), "recovered_from_step": ft.recovered_from,
+                "recomputed_steps": ft.recomputed_steps}
     return {"ft": ft, "summary": summary, "recovery_seconds": time.time() - t0}
 
 

@@ -32,6 +32,7 @@ def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, world, rank, ste
     assert tokens == expected
     assert summary["failures"] == 1
     assert 0 < summary["recovered_from_step"] <= step and summary["recomputed_steps"] <= 1
+    assert 0 <= summary["detected_after_s"] < 3.0  # within 3 heartbeats (1 s each), mostly at once
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("reshard-ft-")]  # cleaned up
 
 
@@ -46,3 +47,39 @@ def test_kill_at_is_validated():
 
     with pytest.raises(ValueError, match=r"fault.kill_at must be \[rank, step\] \(two ints >= 0\) or null, got \[1\]"):
         FaultConfig(kill_at=[1])
+
+
+def _heartbeat_job(period):
+    import time
+
+    import torch.distributed as dist
+
+    from parallel.fault import Heartbeat, job_store
+
+    rank = dist.get_rank()
+    tag = [time.time_ns()]  # a fresh key space per call (the worker pool outlives one test)
+    dist.broadcast_object_list(tag, src=0)
+    store = job_store(tag[0])
+    found = []
+    beat = Heartbeat(store, rank, dist.get_world_size(), period=period, misses=3,
+                     on_dead=lambda r, silent: found.append((r, silent, time.monotonic())))
+    time.sleep(4 * period)  # everyone beating: nobody declared
+    before = list(found)
+    if rank == 1:
+        beat.pause()  # rank 1 hangs (stops beating)
+    t0 = time.monotonic()
+    time.sleep(8 * period)
+    beat.stop()
+    assert beat.error is None, repr(beat.error)
+    return before, [(r, silent, at - t0) for r, silent, at in found]
+
+
+def test_a_silent_rank_is_declared_dead_within_three_heartbeats():
+    from tests import dist_harness
+
+    period = 0.25
+    results = dist_harness.run(2, _heartbeat_job, period)
+    assert results[0][0] == [] and results[1][0] == []  # no false alarm while both beat
+    (rank, silent, after), = results[0][1]
+    assert rank == 1 and 3 * period < silent <= 4 * period + 0.2 and after <= 4 * period + 0.3
+    assert results[1][1] == []  # rank 1 still hears rank 0
