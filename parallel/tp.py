@@ -1,4 +1,5 @@
-"""Tensor parallelism over ``tp`` ranks, the rest of the world as data-parallel replicas.
+"""Tensor parallelism over ``tp`` ranks (in ``pp`` pipeline stages), the rest of the world as
+data-parallel replicas.
 
 The default strategy: one layout (:func:`parallelize` with the TP plan), continuous batching; the
 loop alternates the running sequences over the replicas.
@@ -16,23 +17,31 @@ from .parallelize import parallelize
 @register_strategy("tp")
 @dataclass
 class TPStrategy(Strategy):
-    tp: int | None = None  # null: the whole world
+    tp: int | None = None  # null: the whole world / pp
+    pp: int = 1  # pipeline stages (micro-batched, one micro-batch per stage)
 
     def __post_init__(self) -> None:
-        if self.tp is not None and self.tp < 1:
-            raise ValueError(f"parallel.tp must be >= 1, got {self.tp}")
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
 
     def dims(self, world_size: int) -> ParallelDims:
-        tp = self.tp or world_size
-        if world_size % tp != 0:
-            raise ValueError(f"parallel.tp ({tp}) must divide the world size ({world_size})")
-        return ParallelDims(dp=world_size // tp, tp=tp, world_size=world_size)
+        tp = self.tp or max(world_size // self.pp, 1)
+        if world_size % (tp * self.pp) != 0:
+            what = f"parallel.tp ({tp})" + (f" x parallel.pp ({self.pp})" if self.pp > 1 else "")
+            raise ValueError(f"{what} must divide the world size ({world_size})")
+        return ParallelDims(dp=world_size // (tp * self.pp), pp=self.pp, tp=tp, world_size=world_size)
 
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
-        model = parallelize(path, self.dims(_world()), dtype=args.dtype, allow_unused=args.allow_unused)
+        from .pipeline import parallelize_pipeline
+
+        dims = self.dims(_world())
+        load = parallelize_pipeline if self.pp > 1 else parallelize
+        model = load(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
         return Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                       max_prefill_tokens=args.max_prefill_tokens, compile=args.compile,
-                      admission=args.admission, **args.kv)
+                      admission=args.admission, num_microbatches=self.pp, **args.kv)
 
 
 def _world() -> int:
