@@ -41,7 +41,8 @@ def shared_cache(spec, path: Path) -> KVCache:
 
 
 class FaultTolerance:
-    """Ring replication, journal and recovery for ``engine`` (one TP replica, contiguous KV).
+    """Ring replication, journal and recovery for ``engine`` (one replica; its runners share one
+    contiguous KV cache: TP, pipeline stages, Shift's two modes).
 
     ``run_id``: names the shared-memory directory of the job's mirrors, acknowledgements and
     journal (the same in every attempt); ``kill_at``: ``(rank, step)`` SIGKILLs that rank before
@@ -50,14 +51,18 @@ class FaultTolerance:
 
     def __init__(self, engine: Engine, run_id: str, *, kill_at: tuple[int, int] | None = None,
                  attempt: int = 0, heartbeat_s: float = 1.0) -> None:
-        runner = engine.runner
-        if runner.kv.spec.paged or len(engine.runners) != 1:
-            raise ValueError("fault tolerance runs one layout with contiguous KV slots (parallel=tp, no kv_block_size)")
+        runners = list(engine.runners.values())
+        runner = runners[0]
+        if runner.kv.spec.paged or any(r.kv is not runner.kv for r in runners):
+            raise ValueError("fault tolerance needs one contiguous KV cache shared by the engine's runners "
+                             "(parallel=tp with tp/pp, or parallel=shift; no kv_block_size)")
         self.engine, self.rank, self.attempt = engine, dist.get_rank(), attempt
         self.shm = Path("/dev/shm") / f"reshard-ft-{run_id}"
         self.shm.mkdir(exist_ok=True)
         self.journal = self.shm / "journal.jsonl"
         self.ring = RingReplication(runner, mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source)))
+        for other in runners[1:]:  # Shift's other mode writes the same cache
+            self.ring.attach(other)
         self.kill_at = kill_at if attempt == 0 else None
         self.recovered_from, self.recomputed_steps, self._streamed = 0, 0, []
         engine.pre_step_hooks.append(self._maybe_die)

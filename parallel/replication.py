@@ -46,6 +46,12 @@ class RingReplication:
         self._in_flight: list[tuple[int, int]] = []
         runner.hooks.add("step_end", self.step_end)
 
+    def attach(self, runner: ModelRunner) -> None:
+        """Also replicate the steps ``runner`` runs; it must share the cache (Shift's two modes)."""
+        if runner.kv is not self.stream.send_cache:
+            raise ValueError("a runner joins ring replication only if it shares the replicated KV cache")
+        runner.hooks.add("step_end", self.step_end)
+
     def step_end(self, phase: str, seqs: list) -> None:
         """Stream the step's entries; the previous step's, now in, are acknowledged."""
         step = self.stream.steps

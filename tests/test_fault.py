@@ -26,6 +26,7 @@ def _run(tmp_path, name, overrides, restarts=0, world=2):
 @pytest.mark.parametrize("world,rank,step,sampling", [
     (2, 1, 5, []), (2, 0, 7, ["generation.temperature=0.8", "generation.seed=3"]), (4, 2, 6, []),
     (2, 0, 6, ["parallel.pp=2"]),  # pipeline stages: each stage's KV mirrored on the other
+    (2, 1, 4, ["parallel=shift", "parallel.threshold=8"]),  # Shift: SP prefill, TP decode, one cache
 ])
 def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, world, rank, step, sampling):
     expected, _ = _run(tmp_path, "ref", sampling, world=world)
