@@ -54,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from parallel.rollout import rollout_model, train_model  # noqa: E402
-from parallel.tiny_models import cached_checkpoint  # noqa: E402
+from bench._common import bench_checkpoint  # noqa: E402
 from parallel.weight_sync import model_sync, rollout_tensors  # noqa: E402
 from reshard.sync import SYNC_METHODS  # noqa: E402
 
@@ -86,15 +86,7 @@ def parse_args() -> argparse.Namespace:
 
 def checkpoint(args: argparse.Namespace) -> Path:
     """The seeded Llama checkpoint of these sizes, built by rank 0 once (cached across runs)."""
-    overrides = {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-                 "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-                 "num_key_value_heads": args.kv_heads, "max_position_embeddings": 2048, "initializer_range": 0.02}
-    name = (f"bench-sync-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
-            f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1")
-    if dist.get_rank() == 0:
-        cached_checkpoint(name, overrides)
-    dist.barrier()
-    return cached_checkpoint(name, overrides)
+    return bench_checkpoint(args, "bench-sync")
 
 
 # ---- measuring -----------------------------------------------------------------------------------

@@ -141,12 +141,12 @@ class GenerateConfig:
         check_values(GenerateConfig, d, "")
         for name, cls in sections.items():
             if name in d:
-                _check_section(cls, d[name], name)
+                check_section(cls, d[name], name)
         kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in d.items()}
         return GenerateConfig(**kwargs)
 
 
-def _check_section(cls: type, values: Any, where: str) -> None:
+def check_section(cls: type, values: Any, where: str) -> None:
     """``ValueError`` naming the key for unknown keys or values of the wrong type."""
     from parallel.engine.config_types import check_values
 

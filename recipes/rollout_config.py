@@ -6,6 +6,8 @@ from typing import Any
 
 from parallel.engine.config_types import check_values
 
+from .config import check_section
+
 POLICY_NAME = "tiny-policy-seed0-v1"
 POLICY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
@@ -90,11 +92,5 @@ class RolloutJobConfig:
             raise ValueError(f"unknown config keys {unknown}; known: {sorted(f.name for f in fields(RolloutJobConfig))}")
         check_values(RolloutJobConfig, d, "")
         for name, cls in sections.items():
-            values = d.get(name, {})
-            if not isinstance(values, dict):
-                raise ValueError(f"{name} must be a mapping of keys, got {values!r}")
-            bad = sorted(set(values) - {f.name for f in fields(cls)})
-            if bad:
-                raise ValueError(f"{name} has unknown keys {bad}; known: {sorted(f.name for f in fields(cls))}")
-            check_values(cls, values, name)
+            check_section(cls, d.get(name, {}), name)
         return RolloutJobConfig(**{k: (sections[k](**v) if k in sections else v) for k, v in d.items()})
