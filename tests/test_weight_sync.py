@@ -283,3 +283,28 @@ def test_compiled_decode_survives_a_sync(checkpoints):
     assert r["graphs"] > 0 and r["recompiled"] == 0  # compiled once, not again after the sync
     assert r["second"] == r["reference"]
     assert r["first"] != r["second"]  # the new weights are the ones decoding
+
+
+def _permuted_job():
+    """Source Shard(0) on [0, 1], destination Shard(1) on the non-ascending mesh [1, 0]: every
+    destination shard is the full tensor sliced by its box (local slicing as the oracle)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from reshard import empty_dtensor
+    from reshard.sync import WeightSync
+
+    full = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
+    src = distribute_tensor(full, DeviceMesh("cpu", torch.tensor([0, 1])), (Shard(0),), src_data_rank=None)
+    dst = empty_dtensor((6, 10), DeviceMesh("cpu", torch.tensor([1, 0])), (Shard(1),), dtype=torch.float32)
+    ptr = dst.to_local().data_ptr()
+    stats = WeightSync({"w": src}, {"w": dst}).sync(1)
+    cols = slice(0, 5) if dist.get_rank() == 1 else slice(5, 10)  # rank 1 is coordinate 0 of [1, 0]
+    return torch.equal(dst.to_local(), full[:, cols]), dst.to_local().data_ptr() == ptr, stats.bytes_received
+
+
+def test_sync_into_a_mesh_of_non_ascending_ranks():
+    results = dist_harness.run(2, _permuted_job)
+    assert all(same and in_place for same, in_place, _ in results)
+    assert sum(r[2] for r in results) == 2 * 3 * 5 * 4  # each rank lacks half of its 6 x 5 box (fp32)
