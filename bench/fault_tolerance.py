@@ -2,11 +2,12 @@
 ring successor's mirror, replay the journal) vs without (restart every request from scratch), vs
 no failure; and replication's cost on a failure-free decode step.
 
-    python bench/fault_tolerance.py [--world 2] [--requests 32] [--new-tokens 64] [--repeats 2]
+    python bench/fault_tolerance.py [--world 2] [--requests 32] [--new-tokens 64] [--batch 8] [--repeats 2]
 
 Every variant is a real ``torchrun --max-restarts 1 -m recipes.generate`` job on the built-in
 model (greedy); end-to-end seconds are the whole job's wall time (process start, load, both
-attempts), as a user sees it. The kill lands at the middle decode step.
+attempts), as a user sees it. The kill lands at the middle engine step of the run (requests run
+``--batch`` at a time, so the run has about ``ceil(requests / batch) * new_tokens`` steps).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def run(world: int, args, overrides: list[str], restarts: int, work: Path, name:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "--max-restarts", str(restarts), "-m", "recipes.generate", f"hydra.run.dir={work / name}",
            "progress=false", f"workload.num_requests={args.requests}", "workload.prompt_len_max=64",
+           f"engine.max_batch_size={args.batch}",
            f"generation.max_new_tokens={args.new_tokens}", *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
@@ -44,9 +46,11 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
-    kill = f"fault.kill_at=[{args.world - 1},{args.new_tokens // 2}]"
+    steps = -(-args.requests // args.batch) * args.new_tokens
+    kill = f"fault.kill_at=[{args.world - 1},{steps // 2}]"
     variants = {
         "no failure": ([], 0),
         "no failure, replication on": (["fault.replicate=true"], 0),
@@ -67,7 +71,7 @@ def report(args, rows: dict, kill: str) -> None:
     base_step = statistics.median(_step(s) for _, s, _ in rows["no failure"])
     reference = rows["no failure"][0][2]
     print(f"\nbuilt-in tiny Llama, {args.world} ranks (TP), {args.requests} requests x {args.new_tokens} new tokens, "
-          f"greedy; {kill}; median of {args.repeats}, variants round-robin\n")
+          f"batch {args.batch}, greedy; {kill}; median of {args.repeats}, variants round-robin\n")
     print("| variant | end-to-end s | vs no failure | decode ms/step | vs no failure | recovered from step | "
           "recomputed steps | restart after kill s | recovery s | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -80,7 +84,7 @@ def report(args, rows: dict, kill: str) -> None:
               f"{s.get('recovered_from_step', '-')} | {s.get('recomputed_steps', '-')} | "
               f"{_fmt(s.get('restart_after_s'))} | {_fmt(s.get('recovery_seconds'))} | {'yes' if same else 'NO'} |")
     print(f"\ncommand: python bench/fault_tolerance.py --world {args.world} --requests {args.requests} "
-          f"--new-tokens {args.new_tokens} --repeats {args.repeats}")
+          f"--new-tokens {args.new_tokens} --batch {args.batch} --repeats {args.repeats}")
 
 
 def _step(summary: dict) -> float:

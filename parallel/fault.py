@@ -11,10 +11,12 @@ whole-job restart keeps them; across machines they would live in the successor's
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -41,29 +43,42 @@ def shared_cache(spec, path: Path) -> KVCache:
 
 
 class FaultTolerance:
-    """Ring replication, journal and recovery for ``engine`` (one replica; its runners share one
-    contiguous KV cache: TP, pipeline stages, Shift's two modes).
+    """Ring replication, journal and recovery for ``engine`` (one replica in the decode layout).
+
+    The replicated cache is the decode runner's (the only runner's for TP and pipelines); runners
+    sharing it (Shift's two modes) stream into the same mirror. A runner with a cache of its own
+    is covered only when the policy keeps that KV on the host through :meth:`Policy.persist`
+    (Seesaw's prefill: prompts go to the CPU tier, then are swapped into the decode cache, where
+    the ring streams them whole).
 
     ``run_id``: names the shared-memory directory of the job's mirrors, acknowledgements and
     journal (the same in every attempt); ``kill_at``: ``(rank, step)`` SIGKILLs that rank before
-    that step on the first attempt (fault injection). Collective: every rank builds it.
+    that step of this attempt (fault injection; a step the recovery replays is a failure during
+    recovery); ``attempt`` / ``max_restarts``: torchrun's counts (after the last attempt a failure
+    ends the job: the files go and :meth:`on_failure` says so, adding ``on_last_failure``).
+    Collective: every rank builds it.
     """
 
     def __init__(self, engine: Engine, run_id: str, *, kill_at: tuple[int, int] | None = None,
-                 attempt: int = 0, heartbeat_s: float = 1.0) -> None:
-        runners = list(engine.runners.values())
-        runner = runners[0]
-        if runner.kv.spec.paged or any(r.kv is not runner.kv for r in runners):
-            raise ValueError("fault tolerance needs one contiguous KV cache shared by the engine's runners "
-                             "(parallel=tp with tp/pp, or parallel=shift; no kv_block_size)")
+                 attempt: int = 0, max_restarts: int = 0, heartbeat_s: float = 1.0,
+                 on_last_failure: str = "") -> None:
         self.engine, self.rank, self.attempt = engine, dist.get_rank(), attempt
         self.shm = Path("/dev/shm") / f"reshard-ft-{run_id}"
+        created = not self.shm.exists()
         self.shm.mkdir(exist_ok=True)
         self.journal = self.shm / "journal.jsonl"
+        try:
+            runner = _replicated_runner(engine, engine.policy.persist(self.shm))
+        except ValueError:
+            if created:
+                shutil.rmtree(self.shm, ignore_errors=True)
+            raise
+        self.cache = runner.kv
         self.ring = RingReplication(runner, mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source)))
-        for other in runners[1:]:  # Shift's other mode writes the same cache
-            self.ring.attach(other)
-        self.kill_at = kill_at if attempt == 0 else None
+        for other in engine.runners.values():
+            if other is not runner and other.kv is runner.kv:  # Shift's other mode writes the same cache
+                self.ring.attach(other)
+        self.kill_at, self.last_attempt, self.on_last_failure = kill_at, attempt >= max_restarts, on_last_failure
         self.recovered_from, self.recomputed_steps, self._streamed = 0, 0, []
         engine.pre_step_hooks.append(self._maybe_die)
         engine.post_step_hooks.append(self._record)
@@ -79,12 +94,14 @@ class FaultTolerance:
     # ---- while generating ---------------------------------------------------------------------
     def _maybe_die(self, index: int, step) -> None:
         if self.kill_at is not None and self.kill_at == (self.rank, index):
-            (self.shm / "killed-at").write_text(repr(time.time()))
+            (self.shm / f"killed-at-{self.attempt}").write_text(repr(time.time()))
             _die()
 
     def _record(self, index: int, step, tokens: list[int]) -> None:
         """Journal the step's tokens (rank 0) and the mirror's acknowledged step (every rank)."""
         if index < self.recovered_from:  # replayed: journalled and mirrored already
+            if index == self.recovered_from - 1:
+                self._restore()
             return
         if self.rank == 0:
             with open(self.journal, "a") as f:
@@ -95,16 +112,13 @@ class FaultTolerance:
 
     # ---- after a restart ------------------------------------------------------------------------
     def recover(self) -> int:
-        """Restore this rank's KV from its successor's mirror and queue the journal's tokens up
-        to the lowest step every mirror acknowledged; returns that step (0: nothing to recover)."""
+        """Queue the journal's tokens up to the lowest step every mirror acknowledged and, once
+        those steps are replayed, restore this rank's KV from its successor's mirror; returns
+        that step (0: nothing to recover)."""
         steps = self._journal()
         acked = torch.tensor([self._acked(self.rank)], dtype=torch.long)
         dist.all_reduce(acked, op=dist.ReduceOp.MIN)
         resume = max(min(len(steps), int(acked.item()) + 1), 0)
-        if resume:
-            mine = shared_cache(self.engine.kv.spec, self._mirror(self.rank))
-            for dst, src in zip(self.engine.kv.k + self.engine.kv.v, mine.k + mine.v):
-                dst.copy_(src)
         dist.barrier()  # every rank has read the journal before rank 0 trims it
         if self.rank == 0:
             self.journal.write_text("".join(json.dumps({"step": i, "tokens": t}) + "\n"
@@ -113,24 +127,53 @@ class FaultTolerance:
         self.recovered_from, self.recomputed_steps = resume, len(steps) - resume
         return resume
 
+    def _restore(self) -> None:
+        """The cache as the mirror holds it (after the last replayed step: a policy's replayed
+        swaps and transitions leave the cache as they find it, so nothing overwrites this)."""
+        if not self.cache.allocated:  # released (Seesaw between phases): no sequence holds KV in it
+            return
+        mine = shared_cache(self.cache.spec, self._mirror(self.rank))
+        for dst, src in zip(self.cache.k + self.cache.v, mine.k + mine.v):
+            dst.copy_(src)
+
     def killed_at(self) -> float | None:
-        return self._time("killed-at")
+        """When the previous attempt's injected kill fired."""
+        return self._time(f"killed-at-{self.attempt - 1}")
 
     def detected_after(self) -> float | None:
         """Seconds from the injected kill to the first survivor noticing (heartbeat or a failed
         collective), from the previous attempt's records."""
-        killed, detected = self._time("killed-at"), self._time("detected-at")
+        killed, detected = self.killed_at(), self._time(f"detected-at-{self.attempt - 1}")
         return None if killed is None or detected is None else detected - killed
 
-    def note_failure(self) -> None:
-        """This rank saw the job fail (a collective broke): record when, once per job."""
-        path = self.shm / "detected-at"
+    def on_failure(self, cause: str) -> None:
+        """This rank saw a peer fail (``cause``: how): record when (once per job) and say, once
+        per attempt, what comes next. After the last attempt the job's files are removed: no later
+        attempt would read them."""
+        path = self.shm / f"detected-at-{self.attempt}"
         if not path.exists():
-            path.write_text(repr(time.time()))
+            with contextlib.suppress(OSError):  # another survivor of the last attempt removed the files
+                path.write_text(repr(time.time()))
+        first = self._claim(f"reported-{self.attempt}")
+        if self.last_attempt:
+            shutil.rmtree(self.shm, ignore_errors=True)
+            next_ = f"it was the last attempt torchrun allows, the job ends. {self.on_last_failure}"
+        else:
+            next_ = "torchrun restarts the job and recovery resumes from the ring's KV mirrors"
+        if first:
+            print(f"reshard: {cause} in attempt {self.attempt}: {next_}".rstrip(), file=sys.stderr, flush=True)
+
+    def _claim(self, name: str) -> bool:
+        """True for the first rank of the node to claim ``name`` (the store may have died with a rank)."""
+        try:
+            os.close(os.open(self.shm / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except OSError:  # claimed, or the files are gone: another survivor reported
+            return False
 
     def _declare_dead(self, rank: int, silent: float) -> None:
-        self.note_failure()
-        _leave(rank, silent)
+        self.on_failure(f"rank {rank} silent for {silent:.1f} s, declared dead")
+        os._exit(3)  # leave the job: no survivor waits in a collective for a rank that hangs
 
     def _time(self, name: str) -> float | None:
         path = self.shm / name
@@ -155,6 +198,22 @@ class FaultTolerance:
             for path in self.shm.iterdir():
                 path.unlink(missing_ok=True)
             self.shm.rmdir()
+
+
+def _replicated_runner(engine: Engine, persisted: set[str]):
+    """The decode runner (the only one for TP and pipelines); ``ValueError`` for a paged cache or
+    a runner with KV of its own that nothing covers."""
+    runners = engine.runners
+    name = "decode" if "decode" in runners else next(iter(runners))
+    runner = runners[name]
+    if runner.kv.spec.paged:
+        raise ValueError(f"fault tolerance needs a contiguous KV cache; the {name!r} runner's is paged "
+                         f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size")
+    uncovered = sorted(n for n, r in runners.items() if r.kv is not runner.kv and n not in persisted)
+    if uncovered:
+        raise ValueError(f"fault tolerance replicates the {name!r} runner's KV cache; runners {uncovered} "
+                         f"keep KV of their own that nothing replicates")
+    return runner
 
 
 def inject_kill(kill_at: tuple[int, int]):

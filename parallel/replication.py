@@ -44,6 +44,7 @@ class RingReplication:
                                   timeout=timeout)
         self.acked: dict[int, int] = {}  # request id -> last step of the source's KV that is in
         self._in_flight: list[tuple[int, int]] = []
+        self._streaming: set[int] = set()  # request ids whose entries so far are streamed
         runner.hooks.add("step_end", self.step_end)
 
     def attach(self, runner: ModelRunner) -> None:
@@ -53,9 +54,14 @@ class RingReplication:
         runner.hooks.add("step_end", self.step_end)
 
     def step_end(self, phase: str, seqs: list) -> None:
-        """Stream the step's entries; the previous step's, now in, are acknowledged."""
-        step = self.stream.steps
-        self.stream.step_end(phase, seqs)  # waits for the previous step's jobs
+        """Stream the step's entries; the previous step's, now in, are acknowledged. A sequence
+        decoding here for the first time (its prompt KV was swapped in, as Seesaw's decode
+        does) streams everything it holds."""
+        step, ids = self.stream.steps, {s.request.id for s in seqs}
+        whole = ids - self._streaming if phase == "decode" else set()
+        # a decode step runs every live sequence of the cache: the ones missing have finished
+        self._streaming = self._streaming | ids if phase == "prefill" else ids
+        self.stream.step_end(phase, seqs, whole=whole)  # waits for the previous step's jobs
         self._acknowledge()
         self._in_flight = [(s.request.id, step) for s in seqs]
 

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -376,6 +377,8 @@ class SeesawPolicy(Policy):
         mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
         self.buffered.extend(s for s in step.seqs if s.finish_reason is None)
         jobs = [(s.slot, s.request.id, s.prompt_len) for s in mine if s.finish_reason is None]
+        if step.replayed:  # nothing was computed; the persisted tier holds these prompts already
+            jobs = []
         self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
 
     def _wait_swap_outs(self, *, everything: bool) -> None:
@@ -406,7 +409,8 @@ class SeesawPolicy(Policy):
                 self.decode_slot_of[seq.request.id] = seq.slot
                 if seq.blocks:  # a paged decode cache: the slot's blocks before the swap-in writes them
                     self.decode.kv.assign(seq.slot, seq.blocks)
-                future = self.swapper.swap_in(self.decode.kv, seq.slot, seq.request.id)
+                if not self.engine.replaying:  # replayed: recovery restores the decode cache
+                    future = self.swapper.swap_in(self.decode.kv, seq.slot, seq.request.id)
             self.loading.append((future, seq))
 
     def _join_loads(self) -> None:
@@ -423,6 +427,13 @@ class SeesawPolicy(Policy):
             self.tier.free(seq.request.id)
         else:
             self.decode_slots.give(seq)
+
+    def persist(self, directory: Path) -> set[str]:
+        """The CPU tier moves into ``directory``'s file (every rank of the node maps it): a
+        restarted job finds the prompts it held. Prefill KV reaches the decode cache only
+        through the tier."""
+        self.tier.remap(directory / "cpu-kv-tier")
+        return {"prefill"}
 
     def close(self) -> None:
         """Join the swap thread and drop the shared-memory mappings (not collective: the files

@@ -92,16 +92,30 @@ class EngineConfig:
 @dataclass
 class FaultConfig:
     replicate: bool = False  # mirror every rank's KV on its ring successor; recover after a restart
-    kill_at: Any = None  # [rank, step]: SIGKILL that rank before that engine step (first attempt only)
+    # [rank, step]: SIGKILL that rank before that engine step of the first attempt; a list of such
+    # pairs kills once per attempt ([[1, 16], [0, 5]]: the second during the recovery's replay)
+    kill_at: Any = None
     heartbeat_s: float = 1.0  # liveness period; a rank silent for 3 periods is declared dead
 
     def __post_init__(self) -> None:
         if not self.heartbeat_s > 0:
             raise ValueError(f"fault.heartbeat_s must be > 0, got {self.heartbeat_s}")
+        self.kills()  # validates
+
+    def kills(self) -> list[tuple[int, int]]:
+        """``(rank, step)`` to kill in attempt 0, 1, ... of the job."""
         k = self.kill_at
-        if k is not None and not (isinstance(k, (list, tuple)) and len(k) == 2
-                                  and all(type(v) is int and v >= 0 for v in k)):
-            raise ValueError(f"fault.kill_at must be [rank, step] (two ints >= 0) or null, got {k!r}")
+        if k is None:
+            return []
+        pairs = [k] if isinstance(k, (list, tuple)) and k and not isinstance(k[0], (list, tuple)) else k
+        if not (isinstance(pairs, (list, tuple)) and pairs and all(_is_kill(p) for p in pairs)):
+            raise ValueError(f"fault.kill_at must be [rank, step] (two ints >= 0), a list of them (one per "
+                             f"attempt) or null, got {k!r}")
+        return [tuple(p) for p in pairs]
+
+
+def _is_kill(pair) -> bool:
+    return isinstance(pair, (list, tuple)) and len(pair) == 2 and all(type(v) is int and v >= 0 for v in pair)
 
 
 @dataclass

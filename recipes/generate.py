@@ -40,16 +40,17 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     dims = cfg.parallel.dims(dist.get_world_size())  # validates the layout before loading
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
     engine = cfg.parallel.build(path, args)
-    fault = _fault_tolerance(cfg, engine)
+    keep = _keep_finished(engine, run_dir)
+    fault = _fault_tolerance(cfg, engine, keep)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
     t1 = time.perf_counter()
     with engine:
         try:
             completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
-        except RuntimeError:  # a peer died mid-collective: record when this rank noticed
+        except RuntimeError:  # a peer died mid-collective (the error itself follows in the traceback)
             if fault is not None:
-                fault["ft"].note_failure()
+                fault["ft"].on_failure(f"a collective failed on rank {_rank()}")
             raise
     summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
     summary["failures"] = _restarts()
@@ -58,32 +59,54 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         fault["ft"].close()
     if _rank() == 0:
         _write_outputs(run_dir, completions, summary, cfg.parallel)
+        keep.unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
+
+
+def _keep_finished(engine: Engine, run_dir: Path) -> Path:
+    """Rank 0 appends each request to ``run_dir/finished.jsonl`` the step it finishes, so a job
+    that dies keeps what it completed (a restarted attempt rewrites the file as it replays)."""
+    path = run_dir / "finished.jsonl"
+    if _rank() != 0:
+        return path
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+
+    def hook(index: int, step, tokens) -> None:
+        done = [s.completion() for s in step.seqs if s.finish_reason is not None]
+        if done:
+            with open(path, "a") as f:
+                f.writelines(_output_line(c) for c in done)
+    engine.post_step_hooks.append(hook)
+    return path
 
 
 def _restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _fault_tolerance(cfg: GenerateConfig, engine: Engine) -> dict | None:
+def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dict | None:
     """Ring replication and a journal when ``fault.replicate``; on a restarted attempt, recover
     first (restore KV from the successors' mirrors, replay the journal)."""
     from parallel.fault import FaultTolerance, inject_kill, restart_count
 
+    kills, attempt = cfg.fault.kills(), restart_count()
+    kill = kills[attempt] if attempt < len(kills) else None
     if not cfg.fault.replicate:  # the baseline: a kill restarts every request from scratch
-        if cfg.fault.kill_at and restart_count() == 0:
-            engine.pre_step_hooks.append(inject_kill(tuple(cfg.fault.kill_at)))
+        if kill is not None:
+            engine.pre_step_hooks.append(inject_kill(kill))
         return None
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    ft = FaultTolerance(engine, run_id, kill_at=tuple(cfg.fault.kill_at) if cfg.fault.kill_at else None,
-                        attempt=restart_count(), heartbeat_s=cfg.fault.heartbeat_s)
+    ft = FaultTolerance(engine, run_id, kill_at=kill, attempt=attempt, heartbeat_s=cfg.fault.heartbeat_s,
+                        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+                        on_last_failure=f"Requests that finished are in {finished.resolve()}")
     t0, killed = time.time(), ft.killed_at()
-    if restart_count() > 0:
+    if attempt > 0:
         ft.recover()
 
     def summary() -> dict:
-        return {"failures": restart_count(), "restart_after_s": None if killed is None else t0 - killed,
+        return {"failures": attempt, "restart_after_s": None if killed is None else t0 - killed,
                 "detected_after_s": ft.detected_after(), "recovered_from_step": ft.recovered_from,
                 "recomputed_steps": ft.recomputed_steps}
     return {"ft": ft, "summary": summary, "recovery_seconds": time.time() - t0}
@@ -197,12 +220,15 @@ def _kv_summary(engine: Engine) -> dict:
 def _write_outputs(run_dir: Path, completions, summary: dict, strategy) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "outputs.jsonl", "w") as f:
-        for c in completions:
-            f.write(json.dumps({"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids,
-                                "finish_reason": c.finish_reason}) + "\n")
+        f.writelines(_output_line(c) for c in completions)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(summary, strategy)
     print(f"outputs written to {run_dir.resolve()}", flush=True)
+
+
+def _output_line(c) -> str:
+    return json.dumps({"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids,
+                       "finish_reason": c.finish_reason}) + "\n"
 
 
 def _print_summary(s: dict, strategy) -> None:

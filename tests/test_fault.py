@@ -11,13 +11,20 @@ import pytest
 COMMON = ["progress=false", "workload.num_requests=6", "workload.prompt_len_max=40", "generation.max_new_tokens=12"]
 
 
-def _run(tmp_path, name, overrides, restarts=0, world=2):
+SEESAW = ["parallel=seesaw", "engine.max_batch_size=2"]  # PP2 prefill, TP2 decode, 2 decode slots
+
+
+def _launch(tmp_path, name, overrides, restarts=0, world=2):
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the restarted group needs a fresh store (NOTES)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "--max-restarts", str(restarts), "-m", "recipes.generate", f"hydra.run.dir={tmp_path / name}",
            *COMMON, *overrides]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+
+
+def _run(tmp_path, name, overrides, restarts=0, world=2):
+    proc = _launch(tmp_path, name, overrides, restarts, world)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outputs = [json.loads(line)["output_ids"] for line in (tmp_path / name / "outputs.jsonl").read_text().splitlines()]
     return outputs, json.loads((tmp_path / name / "summary.json").read_text())
@@ -27,6 +34,9 @@ def _run(tmp_path, name, overrides, restarts=0, world=2):
     (2, 1, 5, []), (2, 0, 7, ["generation.temperature=0.8", "generation.seed=3"]), (4, 2, 6, []),
     (2, 0, 6, ["parallel.pp=2"]),  # pipeline stages: each stage's KV mirrored on the other
     (2, 1, 4, ["parallel=shift", "parallel.threshold=8"]),  # Shift: SP prefill, TP decode, one cache
+    # Seesaw: at step 16 the second pair decodes (its prompts came from the CPU tier, streamed
+    # whole to the mirror) and the third waits in the tier
+    (2, 1, 16, SEESAW),
 ])
 def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, world, rank, step, sampling):
     expected, _ = _run(tmp_path, "ref", sampling, world=world)
@@ -45,11 +55,56 @@ def test_without_replication_the_job_restarts_from_scratch(tmp_path):
     assert tokens == expected and summary["failures"] == 1 and "recovered_from_step" not in summary
 
 
+def test_a_second_failure_during_recovery_recovers_again(tmp_path):
+    expected, _ = _run(tmp_path, "ref", [])
+    # attempt 0 loses rank 1 at step 8; attempt 1 loses rank 0 at step 4 of its replay
+    tokens, summary = _run(tmp_path, "ft", ["fault.replicate=true", "fault.kill_at=[[1,8],[0,4]]"], restarts=2)
+    assert tokens == expected and summary["failures"] == 2
+    assert summary["recovered_from_step"] == 7 and summary["recomputed_steps"] == 0  # attempt 1 kept the journal
+
+
+def test_a_failure_after_the_last_restart_ends_the_job_and_keeps_what_finished(tmp_path):
+    expected, _ = _run(tmp_path, "ref", SEESAW)
+    # attempt 1 (the last that --max-restarts 1 allows) loses rank 0 at step 14 of its replay; the
+    # first pair of requests finished at step 13
+    proc = _launch(tmp_path, "ft", [*SEESAW, "fault.replicate=true", "fault.kill_at=[[1,16],[0,14]]"], restarts=1)
+    assert proc.returncode != 0
+    finished = tmp_path / "ft" / "finished.jsonl"
+    assert (f"in attempt 1: it was the last attempt torchrun allows, the job ends. Requests that finished "
+            f"are in {finished}") in proc.stderr
+    kept = [json.loads(line) for line in finished.read_text().splitlines()]
+    assert len(kept) == 2 and all(k["output_ids"] == expected[k["id"]] for k in kept)
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("reshard-ft-")]
+
+
+def _refused_job(path, run_id):
+    from parallel import Engine, parallelize
+    from parallel.fault import FaultTolerance
+
+    engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=64, kv_block_size=16, kv_tokens=128)
+    with pytest.raises(ValueError) as err:
+        FaultTolerance(engine, run_id)
+    return str(err.value), os.path.exists(f"/dev/shm/reshard-ft-{run_id}")
+
+
+def test_a_cache_it_cannot_replicate_is_refused(checkpoints):
+    from tests import dist_harness
+
+    for message, left in dist_harness.run(2, _refused_job, checkpoints["llama"], f"refused-{os.getpid()}"):
+        assert message == ("fault tolerance needs a contiguous KV cache; the 'main' runner's is paged "
+                           "(kv_block_size=16): drop engine.kv_block_size")
+        assert not left
+
+
 def test_kill_at_is_validated():
     from recipes.config import FaultConfig
 
-    with pytest.raises(ValueError, match=r"fault.kill_at must be \[rank, step\] \(two ints >= 0\) or null, got \[1\]"):
-        FaultConfig(kill_at=[1])
+    for bad in ([1], [[1, 2], [3]], [1, -2], []):
+        with pytest.raises(ValueError, match=r"fault.kill_at must be \[rank, step\] \(two ints >= 0\), a list "
+                                             r"of them \(one per attempt\) or null, got "):
+            FaultConfig(kill_at=bad)
+    assert FaultConfig(kill_at=[[1, 16], [0, 14]]).kills() == [(1, 16), (0, 14)]
+    assert FaultConfig(kill_at=[2, 5]).kills() == [(2, 5)]
 
 
 def _heartbeat_job(period):

@@ -136,10 +136,16 @@ class Engine:
     def _replayed(self, step: Step) -> list[int]:
         """A step recovered from the journal: its tokens are known and its KV was restored, so
         nothing runs; sampling generators skip the step's draw to stay in step."""
-        tokens = self.replay.popleft()
+        tokens, step.replayed = self.replay.popleft(), True
         assert len(tokens) == len(step.seqs), (len(tokens), len(step.seqs))
         skip_draws([s.request.sampling for s in step.seqs], [s.generator for s in step.seqs], self.vocab_size)
         return tokens
+
+    @property
+    def replaying(self) -> bool:
+        """The next step is replayed from the journal (a policy skips the KV moves it would make:
+        recovery restores the KV as of the last replayed step)."""
+        return bool(self.replay)
 
     def enter(self, layout: str) -> ModelRunner:
         """Make ``layout`` active (``policy.on_switch`` moves what must move). The loop enters each

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence as Seq
 
 from .request import EngineStats, Request, Sequence
@@ -27,6 +28,7 @@ class Step:
     phase: str  # "prefill": whole prompts | "decode": one token each
     seqs: list[Sequence]
     layout: str  # the runner that runs it
+    replayed: bool = False  # recovered from a journal: tokens known, KV restored, nothing ran
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +119,12 @@ class Policy:
 
     def close(self) -> None:
         """Release threads and shared memory (not collective)."""
+
+    def persist(self, directory: Path) -> set[str]:
+        """Fault tolerance: keep the KV this policy holds outside the runners' caches (a host
+        tier) in files under ``directory``, the same in every attempt of the job. Returns the
+        layouts whose KV reaches the replicated cache through it (none by default)."""
+        return set()
 
 
 class ContinuousBatching(Policy):

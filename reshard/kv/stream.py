@@ -22,7 +22,7 @@ passes its own slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -291,12 +291,15 @@ class TokenStream:
         self.steps, self.bytes_out = 0, 0
         self._pending: list = []
 
-    def step_end(self, phase: str, seqs: Sequence) -> None:
-        """Stream the step's new entries of ``seqs`` (the sequences this rank's layout ran)."""
-        spans = [Span(s.request.id, s.slot, *_new_positions(phase, s)) for s in seqs]
-        if self.recv_cache is not None and self.recv_cache.spec.paged and phase == "prefill":
+    def step_end(self, phase: str, seqs: Sequence, *, whole: Collection[int] = ()) -> None:
+        """Stream the step's new entries of ``seqs`` (the sequences this rank's layout ran);
+        ``whole``: request ids whose every entry so far is streamed (KV that reached the cache
+        outside a step, e.g. a swap-in)."""
+        spans = [Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in seqs]
+        if self.recv_cache is not None and self.recv_cache.spec.paged:
             for s in seqs:
-                self.recv_cache.assign(s.slot, s.blocks)
+                if phase == "prefill" or s.request.id in whole:
+                    self.recv_cache.assign(s.slot, s.blocks)
         jobs = self.streamer.stream_out(self.send_cache, spans, tag=self.steps) if self.send_cache else []
         incoming = self.streamer.stream_in(self.recv_cache, spans, tag=self.steps) if self.recv_cache else None
         self.drain()
@@ -315,6 +318,9 @@ class TokenStream:
         self._pending = []
 
 
-def _new_positions(phase: str, seq) -> tuple[int, int]:
-    """Positions a step wrote for ``seq``: its prompt (prefill) or its last token (decode)."""
-    return (0, seq.prompt_len) if phase == "prefill" else (seq.cached, seq.cached + 1)
+def _new_positions(phase: str, seq, whole: bool = False) -> tuple[int, int]:
+    """Positions a step wrote for ``seq``: its prompt (prefill) or its last token (decode);
+    ``whole``: every position up to the step's."""
+    if phase == "prefill":
+        return 0, seq.prompt_len
+    return (0 if whole else seq.cached), seq.cached + 1

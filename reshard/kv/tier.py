@@ -42,10 +42,16 @@ class CPUKVTier:
     """Shared-memory KV store with a first-fit token allocator replicated on every rank."""
 
     def __init__(self, spec: TierSpec, path: str | os.PathLike) -> None:
-        self.spec, self.path = spec, Path(path)
-        numel = spec.bytes // torch.empty((), dtype=spec.dtype).element_size()
-        self.pool = torch.from_file(str(self.path), shared=True, size=numel, dtype=spec.dtype).view(spec.shape)
+        self.spec = spec
+        self.remap(path)
         self.ranges: dict[int, tuple[int, int]] = {}  # request id -> [start, stop) tokens
+
+    def remap(self, path: str | os.PathLike) -> None:
+        """Hold the KV in the shared-memory file ``path`` from now on (created if missing; an
+        existing file's contents are kept: a restarted job finds what the tier held)."""
+        self.path = Path(path)
+        numel = self.spec.bytes // torch.empty((), dtype=self.spec.dtype).element_size()
+        self.pool = torch.from_file(str(self.path), shared=True, size=numel, dtype=self.spec.dtype).view(self.spec.shape)
 
     @property
     def free_tokens(self) -> int:
