@@ -40,8 +40,8 @@ class RingReplication:
         dst = {r: layouts[ranks[(i - 1) % len(ranks)]] for i, r in enumerate(ranks)}
         spec = _spec_for(runner.kv, dst[self.rank])
         self.mirror = mirror_at(spec, self.source) if mirror_at else KVCache(spec, device=runner.kv.device)
-        self.stream = TokenStream(KVStreamer(plan_stream(layouts, dst), timeout=timeout), runner.kv, self.mirror,
-                                  timeout=timeout)
+        streamer = KVStreamer(plan_stream(layouts, dst), timeout=timeout, background=True)
+        self.stream = TokenStream(streamer, runner.kv, self.mirror, timeout=timeout)
         self.acked: dict[int, int] = {}  # request id -> last step of the source's KV that is in
         self._in_flight: list[tuple[int, int]] = []
         self._streaming: set[int] = set()  # request ids whose entries so far are streamed

@@ -106,8 +106,10 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dic
         ft.recover()
 
     def summary() -> dict:
+        detected = ft.detected_after()
         return {"failures": attempt, "restart_after_s": None if killed is None else t0 - killed,
-                "detected_after_s": ft.detected_after(), "recovered_from_step": ft.recovered_from,
+                "detected_after_s": detected, "recovered_from_step": ft.recovered_from,
+                "detected_after_heartbeats": None if detected is None else detected / cfg.fault.heartbeat_s,
                 "recomputed_steps": ft.recomputed_steps}
     return {"ft": ft, "summary": summary, "recovery_seconds": time.time() - t0}
 

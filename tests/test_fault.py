@@ -30,41 +30,57 @@ def _run(tmp_path, name, overrides, restarts=0, world=2):
     return outputs, json.loads((tmp_path / name / "summary.json").read_text())
 
 
+SAMPLED = ["generation.temperature=0.8", "generation.seed=3"]
+_REFERENCES: dict = {}
+
+
+@pytest.fixture
+def reference(tmp_path_factory):
+    """The failure-free run's tokens for (world, overrides), run once per session."""
+    def get(overrides, world=2):
+        key = (world, tuple(overrides))
+        if key not in _REFERENCES:
+            _REFERENCES[key] = _run(tmp_path_factory.mktemp("ref"), "ref", overrides, world=world)[0]
+        return _REFERENCES[key]
+    return get
+
+
 @pytest.mark.parametrize("world,rank,step,sampling", [
-    (2, 1, 5, []), (2, 0, 7, ["generation.temperature=0.8", "generation.seed=3"]), (4, 2, 6, []),
+    (2, 0, 5, []), (2, 1, 5, []), (2, 0, 7, SAMPLED), (2, 1, 3, SAMPLED),
+    (4, 0, 5, []), (4, 1, 7, SAMPLED), (4, 2, 6, []), (4, 3, 4, []),
     (2, 0, 6, ["parallel.pp=2"]),  # pipeline stages: each stage's KV mirrored on the other
     (2, 1, 4, ["parallel=shift", "parallel.threshold=8"]),  # Shift: SP prefill, TP decode, one cache
     # Seesaw: at step 16 the second pair decodes (its prompts came from the CPU tier, streamed
     # whole to the mirror) and the third waits in the tier
     (2, 1, 16, SEESAW),
 ])
-def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, world, rank, step, sampling):
-    expected, _ = _run(tmp_path, "ref", sampling, world=world)
+def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, reference, world, rank, step, sampling):
+    expected = reference(sampling, world)
     tokens, summary = _run(tmp_path, "ft", [*sampling, "fault.replicate=true", f"fault.kill_at=[{rank},{step}]"],
                            restarts=1, world=world)
     assert tokens == expected
     assert summary["failures"] == 1
     assert 0 < summary["recovered_from_step"] <= step and summary["recomputed_steps"] <= 1
-    assert 0 <= summary["detected_after_s"] < 3.0  # within 3 heartbeats (1 s each), mostly at once
+    assert 0 <= summary["detected_after_heartbeats"] <= 3  # a broken collective: mostly at once
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("reshard-ft-")]  # cleaned up
 
 
-def test_without_replication_the_job_restarts_from_scratch(tmp_path):
-    expected, _ = _run(tmp_path, "ref", [])
+def test_without_replication_the_job_restarts_from_scratch(tmp_path, reference):
+    expected = reference([])
     tokens, summary = _run(tmp_path, "scratch", ["fault.kill_at=[1,5]"], restarts=1)
     assert tokens == expected and summary["failures"] == 1 and "recovered_from_step" not in summary
 
 
-def test_a_second_failure_during_recovery_recovers_again(tmp_path):
-    expected, _ = _run(tmp_path, "ref", [])
+def test_a_second_failure_during_recovery_recovers_again(tmp_path, reference):
+    expected = reference([])
     # attempt 0 loses rank 1 at step 8; attempt 1 loses rank 0 at step 4 of its replay
     tokens, summary = _run(tmp_path, "ft", ["fault.replicate=true", "fault.kill_at=[[1,8],[0,4]]"], restarts=2)
     assert tokens == expected and summary["failures"] == 2
     assert summary["recovered_from_step"] == 7 and summary["recomputed_steps"] == 0  # attempt 1 kept the journal
 
 
-def test_a_failure_after_the_last_restart_ends_the_job_and_keeps_what_finished(tmp_path):
-    expected, _ = _run(tmp_path, "ref", SEESAW)
+def test_a_failure_after_the_last_restart_ends_the_job_and_keeps_what_finished(tmp_path, reference):
+    expected = reference(SEESAW)
     # attempt 1 (the last that --max-restarts 1 allows) loses rank 0 at step 14 of its replay; the
     # first pair of requests finished at step 13
     proc = _launch(tmp_path, "ft", [*SEESAW, "fault.replicate=true", "fault.kill_at=[[1,16],[0,14]]"], restarts=1)

@@ -21,6 +21,7 @@ passes its own slots.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Sequence
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from ..plan import Piece, assign_senders
 from .cache import KVCache, KVLayout
 from .pack import pack_kv
-from .transport import Job, LocalTransport, P2PTransport, Transport
+from .transport import Job, JobQueue, LocalTransport, P2PTransport, Transport
 
 Box = tuple[tuple[int, int], tuple[int, int]]  # (layers [l0, l1), KV heads [h0, h1))
 
@@ -133,9 +134,10 @@ def _regions(cache: KVCache, pieces: Sequence[Piece], layers: Sequence[int] | No
 def _locations(cache: KVCache, spans: Sequence[Span]) -> tuple[torch.Tensor, torch.Tensor]:
     """Storage ``(rows, cols)`` of every token of ``spans``, span after span (paged or not)."""
     device = cache.k[0].device
-    slots = torch.cat([torch.full((sp.stop - sp.start,), sp.slot, dtype=torch.long) for sp in spans])
-    positions = torch.cat([torch.arange(sp.start, sp.stop) for sp in spans])
-    return cache.locate(slots.to(device), positions.to(device))
+    slots = [sp.slot for sp in spans for _ in range(sp.stop - sp.start)]
+    positions = [p for sp in spans for p in range(sp.start, sp.stop)]
+    return cache.locate(torch.tensor(slots, dtype=torch.long, device=device),
+                        torch.tensor(positions, dtype=torch.long, device=device))
 
 
 def chunk_bytes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
@@ -144,21 +146,57 @@ def chunk_bytes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
     return [(h1 - h0) * tokens * cache.spec.head_dim * item for _, (h0, h1) in _regions(cache, pieces, layers)]
 
 
+@dataclass
+class Packing:
+    """Where one peer's chunks live in ``cache``: each chunk's storage and local head range, the
+    ``(rows, cols)`` of every span token, and each chunk's bytes. Made on the step's thread, so a
+    background copy neither looks up a cache that was since released nor a block table since
+    changed."""
+
+    regions: list
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    sizes: list[int]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span],
+           layers: Sequence[int] | None = None) -> "Packing":
+        rows, cols = _locations(cache, spans) if spans else (None, None)
+        return cls(list(_regions(cache, pieces, layers)), rows, cols, chunk_bytes(cache, pieces, spans, layers),
+                   cache.spec.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def pack(self, device: torch.device | str) -> torch.Tensor:
+        """One contiguous byte buffer of every chunk: one indexed copy per chunk."""
+        buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for (storage, (h0, h1)), view in zip(self.regions, self._views(buf)):
+            view.copy_(storage[self.rows, h0:h1, self.cols])
+        return buf
+
+    def unpack(self, buf: torch.Tensor) -> None:
+        assert buf.numel() == self.nbytes, f"buffer of {buf.numel()} bytes for chunks of {self.nbytes}"
+        for (storage, (h0, h1)), view in zip(self.regions, self._views(buf)):
+            storage[self.rows, h0:h1, self.cols] = view
+
+    def _views(self, buf: torch.Tensor):
+        if self.rows is None:
+            return
+        at = 0
+        for (_, (h0, h1)), n in zip(self.regions, self.sizes):
+            yield buf[at:at + n].view(self.dtype).view(len(self.rows), h1 - h0, -1)  # (N, heads, head_dim)
+            at += n
+
+
 def scatter(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span],
             layers: Sequence[int] | None = None) -> torch.Tensor:
     """One contiguous byte buffer of every chunk for one peer (``layers``: only those). Each chunk
     is one indexed copy of all spans' tokens ``(N, heads, head_dim)``, however scattered their
     blocks: one copy per layer and K/V, not one per sequence."""
-    sizes = chunk_bytes(cache, pieces, spans, layers)
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=cache.k[0].device)
-    if not spans:
-        return buf
-    rows, cols = _locations(cache, spans)
-    at = 0
-    for (storage, (h0, h1)), n in zip(_regions(cache, pieces, layers), sizes):
-        buf[at:at + n].view(cache.spec.dtype).view(len(rows), h1 - h0, -1).copy_(storage[rows, h0:h1, cols])
-        at += n
-    return buf
+    return Packing.of(cache, pieces, spans, layers).pack(cache.k[0].device)
 
 
 def chunks(cache: KVCache, pieces, spans, layers=None) -> list[torch.Tensor]:
@@ -188,15 +226,7 @@ def _blocks(cache: KVCache, slot: int) -> torch.Tensor:
 def gather(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], buf: torch.Tensor,
            layers: Sequence[int] | None = None) -> None:
     """Unpack a peer's buffer (from :func:`scatter` on the other side) into ``cache``."""
-    sizes = chunk_bytes(cache, pieces, spans, layers)
-    assert buf.numel() == sum(sizes), f"buffer of {buf.numel()} bytes for chunks of {sum(sizes)}"
-    if not spans:
-        return
-    rows, cols = _locations(cache, spans)
-    at = 0
-    for (storage, (h0, h1)), n in zip(_regions(cache, pieces, layers), sizes):
-        storage[rows, h0:h1, cols] = buf[at:at + n].view(cache.spec.dtype).view(len(rows), h1 - h0, -1)
-        at += n
+    Packing.of(cache, pieces, spans, layers).unpack(buf)
 
 
 # ---- level 3 on top: a streamer for one pair of layouts ----------------------------------------
@@ -211,8 +241,11 @@ class KVStreamer:
     """
 
     def __init__(self, plan: StreamPlan, *, transport: Callable[[int], Transport] | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, background: bool = False) -> None:
         self.plan, self.rank, self.timeout = plan, dist.get_rank(), timeout
+        # background: pack and unpack on a thread of the streamer's too (token streaming, where the
+        # caller leaves the streamed entries alone until it waits; a prompt's slot may be refilled)
+        self._worker = JobQueue("stream") if background else None
         self.out_pieces, self.in_pieces = plan.sends(self.rank), plan.receives(self.rank)
         default = lambda peer: LocalTransport() if peer == self.rank else P2PTransport(peer)  # noqa: E731
         open_ = transport or default
@@ -223,26 +256,43 @@ class KVStreamer:
     def stream_out(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
                    tag: object = 0) -> list[Job]:
         """Flush this rank's share of ``spans`` (``layers``: only those) to every destination."""
-        return [self.transports[peer].flush(scatter(cache, pieces, spans, layers), self._key(tag, self.rank, peer, layers))
-                for peer, pieces in _covering(self.out_pieces, layers).items()]
+        jobs = []
+        for peer, pieces in _covering(self.out_pieces, layers).items():
+            packing, key = Packing.of(cache, pieces, spans, layers), self._key(tag, self.rank, peer, layers)
+            if self._worker is None:
+                jobs.append(self.transports[peer].flush(packing.pack(cache.k[0].device), key))
+            else:
+                flush = functools.partial(self._pack_flush, peer, packing, cache.k[0].device, key)
+                jobs.append(self._worker.submit("flush", key, packing.nbytes, flush))
+        return jobs
+
+    def _pack_flush(self, peer: int, packing: Packing, device, key) -> None:
+        self.transports[peer].flush(packing.pack(device), key).wait(self.timeout)
 
     @torch.inference_mode(False)
     def stream_in(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
                   tag: object = 0) -> "StreamIn":
-        """Fetch this rank's share of ``spans`` from every source; ``wait()`` unpacks it."""
+        """Fetch this rank's share of ``spans`` from every source; ``wait()`` unpacks it (in the
+        background mode, the streamer's thread unpacks it as it arrives)."""
         fetches = []
         for peer, pieces in _covering(self.in_pieces, layers).items():
-            buf = torch.empty(sum(chunk_bytes(cache, pieces, spans, layers)), dtype=torch.uint8,
-                              device=cache.k[0].device)
+            packing = Packing.of(cache, pieces, spans, layers)
+            buf = torch.empty(packing.nbytes, dtype=torch.uint8, device=cache.k[0].device)
             job = self.transports[peer].fetch(self._key(tag, peer, self.rank, layers), buf)
-            fetches.append((job, pieces, buf))
-        return StreamIn(cache, spans, layers, fetches, self.timeout)
+            fetches.append((job, packing, buf))
+        incoming = StreamIn(fetches, self.timeout)
+        if self._worker is not None and fetches:
+            incoming.unpacked = self._worker.submit("fetch", ("kv", str(tag), "unpack"), incoming.nbytes,
+                                                    incoming.unpack)
+        return incoming
 
     @staticmethod
     def _key(tag, src: int, dst: int, layers) -> tuple:
         return ("kv", str(tag), src, dst, "all" if layers is None else ",".join(map(str, layers)))
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close(self.timeout)
         for t in self.transports.values():
             t.close()
 
@@ -257,20 +307,33 @@ def _covering(by_peer: dict[int, list[Piece]], layers: Sequence[int] | None) -> 
 
 
 class StreamIn:
-    """Fetches in flight for one ``stream_in``; :meth:`wait` unpacks them into the cache."""
+    """Fetches in flight for one ``stream_in``; :meth:`wait` unpacks them into the cache (or waits
+    for the streamer's thread to have done so: ``unpacked``)."""
 
-    def __init__(self, cache, spans, layers, fetches, timeout: float) -> None:
-        self.cache, self.spans, self.layers, self.fetches, self.timeout = cache, spans, layers, fetches, timeout
+    def __init__(self, fetches, timeout: float) -> None:
+        self.fetches, self.timeout, self.unpacked = fetches, timeout, None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.numel() for _, _, buf in self.fetches)
 
     def done(self) -> bool:
+        if self.unpacked is not None:
+            return self.unpacked.done()
         return all(job.done() for job, _, _ in self.fetches)
+
+    def unpack(self, timeout: float | None = None) -> None:
+        for job, packing, buf in self.fetches:
+            job.wait(self.timeout if timeout is None else timeout)
+            packing.unpack(buf)
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until every fetch arrived (``TimeoutError`` naming the job), unpack; returns bytes."""
-        for job, pieces, buf in self.fetches:
-            job.wait(self.timeout if timeout is None else timeout)
-            gather(self.cache, pieces, self.spans, buf, self.layers)
-        return sum(buf.numel() for _, _, buf in self.fetches)
+        if self.unpacked is not None:
+            self.unpacked.wait(self.timeout if timeout is None else timeout)
+        else:
+            self.unpack(timeout)
+        return self.nbytes
 
 
 class TokenStream:
