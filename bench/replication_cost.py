@@ -1,0 +1,102 @@
+"""Ring replication's cost on failure-free decode, in one process group: the same requests
+decoded without replication, with it packing on the step's thread, and with it packing on the
+streamer's thread (the default), variants round-robin.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/replication_cost.py [--repeats 3]
+
+Per variant: wall ms per decode step, time inside the ``step_end`` hook per step, CPU seconds of
+the process (all threads) and context switches per step, medians over the repeats (rank 0's).
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]  # not bench/reshard.py
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from parallel import Engine, Request, SamplingParams, parallelize  # noqa: E402
+from parallel.replication import RingReplication  # noqa: E402
+from parallel.tiny_models import builtin_checkpoint  # noqa: E402
+
+VARIANTS = ("no replication", "replication, packing on the step's thread", "replication, packing on the streamer's thread")
+
+
+def measure(path, variant: str, requests: list[Request]) -> dict:
+    engine = Engine(parallelize(path), max_batch_size=len(requests), max_seq_len=512)
+    ring = RingReplication(engine.runner) if variant != VARIANTS[0] else None
+    hook = [0.0]
+    if ring is not None:
+        if variant == VARIANTS[1]:
+            ring.stream.streamer._worker = None  # the step's thread packs (the streamer's idles)
+        _time_hook(engine, ring, hook)
+    engine.generate(requests[:2])  # warm-up
+    hook[0], warm_steps = 0.0, engine.stats.decode_steps
+    before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    engine.generate(requests)
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    if ring is not None:
+        ring.close()
+    steps = engine.stats.decode_steps - warm_steps
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    switches = after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw
+    return {"ms_per_step": 1e3 * wall / steps, "hook_ms": 1e3 * hook[0] / steps, "cpu_s": cpu,
+            "switches_per_step": switches / steps}
+
+
+def _time_hook(engine, ring, total: list) -> None:
+    hooks = engine.runner.hooks.hooks["step_end"]
+    inner = hooks[hooks.index(ring.step_end)]
+
+    def timed(phase, seqs):
+        t0 = time.perf_counter()
+        inner(phase, seqs)
+        total[0] += time.perf_counter() - t0
+    hooks[hooks.index(inner)] = timed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    path = builtin_checkpoint()
+    g = torch.Generator().manual_seed(0)
+    requests = [Request(i, torch.randint(3, 4000, (32,), generator=g).tolist(),
+                        SamplingParams(max_new_tokens=args.new_tokens)) for i in range(args.requests)]
+    rows = {v: [] for v in VARIANTS}
+    for _ in range(args.repeats):
+        for v in VARIANTS:
+            rows[v].append(measure(path, v, requests))
+    if dist.get_rank() == 0:
+        report(args, rows)
+    dist.destroy_process_group()
+
+
+def report(args, rows: dict) -> None:
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
+    base = med[VARIANTS[0]]
+    print(f"\nbuilt-in tiny Llama, TP{dist.get_world_size()}, {args.requests} requests x {args.new_tokens} new "
+          f"tokens, greedy; median of {args.repeats}, variants round-robin\n")
+    print("| variant | ms/step | vs none | hook ms/step | CPU s | vs none | context switches/step |")
+    print("|---|---|---|---|---|---|---|")
+    for v, m in med.items():
+        print(f"| {v} | {m['ms_per_step']:.2f} | {m['ms_per_step'] / base['ms_per_step']:.3f} | {m['hook_ms']:.2f} | "
+              f"{m['cpu_s']:.2f} | {m['cpu_s'] / base['cpu_s']:.2f} | {m['switches_per_step']:.0f} |")
+    print(f"\ncommand: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {dist.get_world_size()} "
+          f"bench/replication_cost.py --requests {args.requests} --new-tokens {args.new_tokens} --repeats {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()
