@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,13 +55,13 @@ class FaultTolerance:
     ``run_id``: names the shared-memory directory of the job's mirrors, acknowledgements and
     journal (the same in every attempt); ``kill_at``: ``(rank, step)`` SIGKILLs that rank before
     that step of this attempt (fault injection; a step the recovery replays is a failure during
-    recovery); ``attempt`` / ``max_restarts``: torchrun's counts (after the last attempt a failure
+    recovery), or with ``hang`` stops it there for good, heartbeats included; ``attempt`` / ``max_restarts``: torchrun's counts (after the last attempt a failure
     ends the job: the files go and :meth:`on_failure` says so, adding ``on_last_failure``).
     Collective: every rank builds it.
     """
 
     def __init__(self, engine: Engine, run_id: str, *, kill_at: tuple[int, int] | None = None,
-                 attempt: int = 0, max_restarts: int = 0, heartbeat_s: float = 1.0,
+                 hang: bool = False, attempt: int = 0, max_restarts: int = 0, heartbeat_s: float = 1.0,
                  on_last_failure: str = "") -> None:
         self.engine, self.rank, self.attempt = engine, dist.get_rank(), attempt
         self.shm = Path("/dev/shm") / f"reshard-ft-{run_id}"
@@ -78,7 +79,8 @@ class FaultTolerance:
         for other in engine.runners.values():
             if other is not runner and other.kv is runner.kv:  # Shift's other mode writes the same cache
                 self.ring.attach(other)
-        self.kill_at, self.last_attempt, self.on_last_failure = kill_at, attempt >= max_restarts, on_last_failure
+        self.kill_at, self.hang = kill_at, hang
+        self.last_attempt, self.on_last_failure = attempt >= max_restarts, on_last_failure
         self.recovered_from, self.recomputed_steps, self._streamed = 0, 0, []
         engine.pre_step_hooks.append(self._maybe_die)
         engine.post_step_hooks.append(self._record)
@@ -95,6 +97,9 @@ class FaultTolerance:
     def _maybe_die(self, index: int, step) -> None:
         if self.kill_at is not None and self.kill_at == (self.rank, index):
             (self.shm / f"killed-at-{self.attempt}").write_text(repr(time.time()))
+            if self.hang:
+                self.heartbeat.stop()  # silent from here on, like a process stuck in a kernel
+                threading.Event().wait()  # until torchrun terminates it
             _die()
 
     def _record(self, index: int, step, tokens: list[int]) -> None:

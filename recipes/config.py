@@ -96,11 +96,18 @@ class FaultConfig:
     # pairs kills once per attempt ([[1, 16], [0, 5]]: the second during the recovery's replay)
     kill_at: Any = None
     heartbeat_s: float = 1.0  # liveness period; a rank silent for 3 periods is declared dead
+    inject: str = "kill"  # what kill_at does: kill (SIGKILL) | hang (stop for good, heartbeats too)
 
     def __post_init__(self) -> None:
         if not self.heartbeat_s > 0:
             raise ValueError(f"fault.heartbeat_s must be > 0, got {self.heartbeat_s}")
         self.kills()  # validates
+        if self.inject not in ("kill", "hang"):
+            raise ValueError(f"fault.inject must be kill or hang, got {self.inject!r}")
+        if self.inject == "hang" and self.kill_at is not None and not self.replicate:
+            raise ValueError("fault.inject=hang needs fault.replicate=true: the heartbeat that declares a silent "
+                             "rank dead comes with it (without it the others would wait in a collective), "
+                             "got fault.replicate=false")
 
     def kills(self) -> list[tuple[int, int]]:
         """``(rank, step)`` to kill in attempt 0, 1, ... of the job."""

@@ -98,7 +98,8 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dic
         return None
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    ft = FaultTolerance(engine, run_id, kill_at=kill, attempt=attempt, heartbeat_s=cfg.fault.heartbeat_s,
+    ft = FaultTolerance(engine, run_id, kill_at=kill, hang=cfg.fault.inject == "hang", attempt=attempt,
+                        heartbeat_s=cfg.fault.heartbeat_s,
                         max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
                         on_last_failure=f"Requests that finished are in {finished.resolve()}")
     t0, killed = time.time(), ft.killed_at()

@@ -71,6 +71,17 @@ def test_without_replication_the_job_restarts_from_scratch(tmp_path, reference):
     assert tokens == expected and summary["failures"] == 1 and "recovered_from_step" not in summary
 
 
+def test_a_hung_rank_is_declared_dead_by_heartbeats_and_recovered(tmp_path, reference):
+    expected = reference([])
+    # rank 1 stops at step 5, heartbeats too: rank 0 waits in an all-reduce until its heartbeat
+    # thread declares rank 1 dead (3 silent periods of 0.5 s) and leaves; torchrun restarts both
+    tokens, summary = _run(tmp_path, "ft", ["fault.replicate=true", "fault.kill_at=[1,5]", "fault.inject=hang",
+                                            "fault.heartbeat_s=0.5"], restarts=1)
+    assert tokens == expected and summary["failures"] == 1 and summary["recomputed_steps"] <= 1
+    # declared after 3 silent periods, checked once a period; the last beat was up to a period before the hang
+    assert 2 <= summary["detected_after_heartbeats"] <= 4.5
+
+
 def test_a_second_failure_during_recovery_recovers_again(tmp_path, reference):
     expected = reference([])
     # attempt 0 loses rank 1 at step 8; attempt 1 loses rank 0 at step 4 of its replay
@@ -121,6 +132,10 @@ def test_kill_at_is_validated():
             FaultConfig(kill_at=bad)
     assert FaultConfig(kill_at=[[1, 16], [0, 14]]).kills() == [(1, 16), (0, 14)]
     assert FaultConfig(kill_at=[2, 5]).kills() == [(2, 5)]
+    with pytest.raises(ValueError, match="fault.inject must be kill or hang, got 'freeze'"):
+        FaultConfig(inject="freeze")
+    with pytest.raises(ValueError, match="fault.inject=hang needs fault.replicate=true"):
+        FaultConfig(kill_at=[1, 5], inject="hang")
 
 
 def _heartbeat_job(period):
