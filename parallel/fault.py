@@ -64,18 +64,18 @@ class FaultTolerance:
                  hang: bool = False, attempt: int = 0, max_restarts: int = 0, heartbeat_s: float = 1.0,
                  on_last_failure: str = "") -> None:
         self.engine, self.rank, self.attempt = engine, dist.get_rank(), attempt
+        runner = _replicated_runner(engine, engine.policy.host_layouts)
         self.shm = Path("/dev/shm") / f"reshard-ft-{run_id}"
-        created = not self.shm.exists()
+        if self.rank == 0 and attempt == 0:
+            remove_orphans()
+        dist.barrier()
         self.shm.mkdir(exist_ok=True)
+        (self.shm / "owner").write_text(str(os.getppid()))  # torchrun's agent: the job lives while it does
         self.journal = self.shm / "journal.jsonl"
-        try:
-            runner = _replicated_runner(engine, engine.policy.persist(self.shm))
-        except ValueError:
-            if created:
-                shutil.rmtree(self.shm, ignore_errors=True)
-            raise
+        engine.policy.persist(self.shm)
         self.cache = runner.kv
-        self.ring = RingReplication(runner, mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source)))
+        self.ring = RingReplication(runner, engine=engine,
+                                    mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source)))
         for other in engine.runners.values():
             if other is not runner and other.kv is runner.kv:  # Shift's other mode writes the same cache
                 self.ring.attach(other)
@@ -205,19 +205,35 @@ class FaultTolerance:
             self.shm.rmdir()
 
 
-def _replicated_runner(engine: Engine, persisted: set[str]):
+def remove_orphans(root: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove the directories of jobs whose torchrun agent is gone (a job killed from outside
+    never reaches its own clean-up); returns them."""
+    gone = []
+    for path in root.glob("reshard-ft-*"):
+        owner = path / "owner"
+        try:
+            os.kill(int(owner.read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+        except (OSError, ValueError):  # no owner yet (being created) or not ours to signal: leave it
+            continue
+    return gone
+
+
+def _replicated_runner(engine: Engine, persisted: frozenset[str]):
     """The decode runner (the only one for TP and pipelines); ``ValueError`` for a paged cache or
     a runner with KV of its own that nothing covers."""
     runners = engine.runners
     name = "decode" if "decode" in runners else next(iter(runners))
     runner = runners[name]
-    if runner.kv.spec.paged:
-        raise ValueError(f"fault tolerance needs a contiguous KV cache; the {name!r} runner's is paged "
-                         f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size")
     uncovered = sorted(n for n, r in runners.items() if r.kv is not runner.kv and n not in persisted)
     if uncovered:
         raise ValueError(f"fault tolerance replicates the {name!r} runner's KV cache; runners {uncovered} "
                          f"keep KV of their own that nothing replicates")
+    if runner.kv.spec.paged:
+        raise ValueError(f"fault tolerance needs a contiguous KV cache; the {name!r} runner's is paged "
+                         f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size")
     return runner
 
 

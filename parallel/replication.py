@@ -15,55 +15,74 @@ from typing import Callable
 import torch.distributed as dist
 
 from reshard.kv import KVCache, KVLayout, KVSpec
-from reshard.kv.stream import KVStreamer, TokenStream, plan_stream, world_layouts
+from reshard.kv.stream import KVStreamer, StreamPlan, TokenStream, kv_box, world_layouts
+from reshard.plan import Piece
 
-from .engine import ModelRunner
+from .engine import Engine, ModelRunner
 
 
 class RingReplication:
     """Mirror of rank ``x - 1``'s KV on every rank ``x`` of ``runner``'s layout (collective);
     ``mirror_at(spec, source)`` makes the mirror cache (default: in memory).
 
-    One data-parallel replica: every rank of the layout runs every step's sequences, so both
-    ends of each ring edge stream the same spans.
+    With data-parallel replicas the two ends of a ring edge may run different sequences: the
+    receiver takes the sender's from the engine's step (``engine``: needed when dp > 1), and a
+    replica with nothing to run still takes part through the ``idle_step`` hook.
     """
 
-    def __init__(self, runner: ModelRunner, *, timeout: float = 60.0,
+    def __init__(self, runner: ModelRunner, *, engine: Engine | None = None, timeout: float = 60.0,
                  mirror_at: Callable[[KVSpec, int], KVCache] | None = None) -> None:
-        if runner.replica.size != 1:
-            raise ValueError(f"ring replication runs on one replica (its ranks run the same sequences); "
-                             f"the layout has dp={runner.replica.size}")
-        layouts = world_layouts(runner.kv, runner.group)
+        if runner.replica.size > 1 and engine is None:
+            raise ValueError(f"ring replication over dp={runner.replica.size} replicas needs the engine "
+                             f"(a rank mirrors another replica's sequences)")
+        layouts, replicas = world_layouts(runner.kv, runner.group), _world_replicas(runner)
         ranks = sorted(layouts)
         self.rank, self.ranks = dist.get_rank(), ranks
         self.source = ranks[(ranks.index(self.rank) - 1) % len(ranks)]  # whose KV this rank mirrors
-        dst = {r: layouts[ranks[(i - 1) % len(ranks)]] for i, r in enumerate(ranks)}
-        spec = _spec_for(runner.kv, dst[self.rank])
+        self.replica, self.source_replica = replicas[self.rank], replicas[self.source]
+        spec = _spec_for(runner.kv, layouts[self.source])
         self.mirror = mirror_at(spec, self.source) if mirror_at else KVCache(spec, device=runner.kv.device)
-        streamer = KVStreamer(plan_stream(layouts, dst), timeout=timeout, background=True)
+        streamer = KVStreamer(_ring_plan(layouts), timeout=timeout, background=True)
         self.stream = TokenStream(streamer, runner.kv, self.mirror, timeout=timeout)
         self.acked: dict[int, int] = {}  # request id -> last step of the source's KV that is in
         self._in_flight: list[tuple[int, int]] = []
-        self._streaming: set[int] = set()  # request ids whose entries so far are streamed
-        runner.hooks.add("step_end", self.step_end)
+        self._streaming: dict[int, set[int]] = {}  # replica -> request ids whose entries so far are streamed
+        self._step = None  # the engine's current step (every replica's sequences)
+        if engine is not None:
+            engine.pre_step_hooks.append(self._capture)
+        self.attach(runner)
 
     def attach(self, runner: ModelRunner) -> None:
-        """Also replicate the steps ``runner`` runs; it must share the cache (Shift's two modes)."""
+        """Replicate the steps ``runner`` runs; it must share the cache (Shift's two modes)."""
         if runner.kv is not self.stream.send_cache:
             raise ValueError("a runner joins ring replication only if it shares the replicated KV cache")
         runner.hooks.add("step_end", self.step_end)
+        runner.hooks.add("idle_step", self.step_end)
+
+    def _capture(self, index: int, step) -> None:
+        self._step = step
 
     def step_end(self, phase: str, seqs: list) -> None:
-        """Stream the step's entries; the previous step's, now in, are acknowledged. A sequence
-        decoding here for the first time (its prompt KV was swapped in, as Seesaw's decode
-        does) streams everything it holds."""
-        step, ids = self.stream.steps, {s.request.id for s in seqs}
-        whole = ids - self._streaming if phase == "decode" else set()
-        # a decode step runs every live sequence of the cache: the ones missing have finished
-        self._streaming = self._streaming | ids if phase == "prefill" else ids
-        self.stream.step_end(phase, seqs, whole=whole)  # waits for the previous step's jobs
+        """Stream this replica's entries of the step and take the source's; the previous step's,
+        now in, are acknowledged. A sequence decoding here for the first time (its prompt KV was
+        swapped in, as Seesaw's decode does) streams everything it holds."""
+        step = self.stream.steps
+        incoming = seqs
+        if self._step is not None and self.source_replica != self.replica:
+            incoming = [s for s in self._step.seqs if s.replica == self.source_replica]
+        whole = self._whole(self.replica, phase, seqs)
+        if incoming is not seqs:
+            whole |= self._whole(self.source_replica, phase, incoming)
+        self.stream.step_end(phase, seqs, whole=whole, incoming=incoming)  # waits for the previous step's jobs
         self._acknowledge()
-        self._in_flight = [(s.request.id, step) for s in seqs]
+        self._in_flight = [(s.request.id, step) for s in incoming]
+
+    def _whole(self, replica: int, phase: str, seqs: list) -> set[int]:
+        """Sequences of ``replica`` decoding for the first time since they were streamed."""
+        ids, live = {s.request.id for s in seqs}, self._streaming.get(replica, set())
+        # a decode step runs every live sequence of a replica: the ones missing have finished
+        self._streaming[replica] = live | ids if phase == "prefill" else ids
+        return ids - live if phase == "decode" else set()
 
     def _acknowledge(self) -> None:
         for request_id, step in self._in_flight:
@@ -78,6 +97,22 @@ class RingReplication:
     def close(self) -> None:
         self.drain()
         self.stream.streamer.close()
+
+
+def _world_replicas(runner: ModelRunner) -> dict[int, int]:
+    """Every rank's data-parallel replica in ``runner``'s layout."""
+    everyone: list = [None] * dist.get_world_size(runner.group)
+    dist.all_gather_object(everyone, (dist.get_rank(), runner.replica.rank), group=runner.group)
+    return dict(everyone)
+
+
+def _ring_plan(layouts: dict[int, KVLayout]) -> StreamPlan:
+    """Rank ``x - 1``'s whole KV to rank ``x``, around the sorted ranks (each edge its own piece:
+    another rank holding the same layout, a data-parallel twin, runs other sequences)."""
+    ranks = sorted(layouts)
+    dst = {r: layouts[ranks[i - 1]] for i, r in enumerate(ranks)}
+    pieces = tuple(Piece(ranks[i - 1], r, kv_box(dst[r])) for i, r in enumerate(ranks))
+    return StreamPlan(tuple(sorted(layouts.items())), tuple(sorted(dst.items())), pieces)
 
 
 def _spec_for(cache: KVCache, layout: KVLayout):

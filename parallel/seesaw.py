@@ -274,6 +274,7 @@ class SeesawPolicy(Policy):
     """
 
     stats_cls = SeesawStats
+    host_layouts = frozenset({"prefill"})  # prefill KV reaches the decode cache only through the tier
 
     def __init__(self, switch: LayoutSwitch, tier: CPUKVTier, *, scheduler: str = "transition_minimizing",
                  max_prefill_tokens: int = 4096) -> None:
@@ -428,12 +429,10 @@ class SeesawPolicy(Policy):
         else:
             self.decode_slots.give(seq)
 
-    def persist(self, directory: Path) -> set[str]:
+    def persist(self, directory: Path) -> None:
         """The CPU tier moves into ``directory``'s file (every rank of the node maps it): a
-        restarted job finds the prompts it held. Prefill KV reaches the decode cache only
-        through the tier."""
+        restarted job finds the prompts it held."""
         self.tier.remap(directory / "cpu-kv-tier")
-        return {"prefill"}
 
     def close(self) -> None:
         """Join the swap thread and drop the shared-memory mappings (not collective: the files

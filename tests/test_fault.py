@@ -53,6 +53,10 @@ def reference(tmp_path_factory):
     # Seesaw: at step 16 the second pair decodes (its prompts came from the CPU tier, streamed
     # whole to the mirror) and the third waits in the tier
     (2, 1, 16, SEESAW),
+    # data-parallel replicas: a rank mirrors another replica's sequences
+    (2, 1, 5, ["parallel.tp=1"]), (4, 2, 6, ["parallel.tp=2"]),
+    (2, 1, 10, [*SEESAW, "parallel.decode.dp=2", "parallel.decode.tp=1"]),
+    (2, 1, 5, ["parallel=sidp"]),  # SiDP: every rank a replica, FFNs in the owner pool
 ])
 def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, reference, world, rank, step, sampling):
     expected = reference(sampling, world)
@@ -104,6 +108,13 @@ def test_a_failure_after_the_last_restart_ends_the_job_and_keeps_what_finished(t
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("reshard-ft-")]
 
 
+def test_disaggregated_kv_is_refused(tmp_path):
+    proc = _launch(tmp_path, "dejavu", ["parallel=dejavu", "fault.replicate=true"])
+    assert proc.returncode != 0
+    assert ("fault tolerance replicates the 'prompt' runner's KV cache; runners ['token'] keep KV of their "
+            "own that nothing replicates") in proc.stderr
+
+
 def _refused_job(path, run_id):
     from parallel import Engine, parallelize
     from parallel.fault import FaultTolerance
@@ -121,6 +132,18 @@ def test_a_cache_it_cannot_replicate_is_refused(checkpoints):
         assert message == ("fault tolerance needs a contiguous KV cache; the 'main' runner's is paged "
                            "(kv_block_size=16): drop engine.kv_block_size")
         assert not left
+
+
+def test_directories_of_jobs_whose_agent_is_gone_are_removed(tmp_path):
+    from parallel.fault import remove_orphans
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for name, owner in [("dead", ended.stdout.strip()), ("alive", str(os.getpid())), ("starting", None)]:
+        (tmp_path / f"reshard-ft-{name}").mkdir()
+        if owner is not None:
+            (tmp_path / f"reshard-ft-{name}" / "owner").write_text(owner)
+    assert remove_orphans(tmp_path) == [tmp_path / "reshard-ft-dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reshard-ft-alive", "reshard-ft-starting"]
 
 
 def test_kill_at_is_validated():

@@ -120,11 +120,11 @@ class Policy:
     def close(self) -> None:
         """Release threads and shared memory (not collective)."""
 
-    def persist(self, directory: Path) -> set[str]:
+    host_layouts: frozenset[str] = frozenset()  # layouts whose KV reaches the decode cache through the host
+
+    def persist(self, directory: Path) -> None:
         """Fault tolerance: keep the KV this policy holds outside the runners' caches (a host
-        tier) in files under ``directory``, the same in every attempt of the job. Returns the
-        layouts whose KV reaches the replicated cache through it (none by default)."""
-        return set()
+        tier, fed by ``host_layouts``) in files under ``directory``, the same in every attempt."""
 
 
 class ContinuousBatching(Policy):

@@ -354,17 +354,22 @@ class TokenStream:
         self.steps, self.bytes_out = 0, 0
         self._pending: list = []
 
-    def step_end(self, phase: str, seqs: Sequence, *, whole: Collection[int] = ()) -> None:
+    def step_end(self, phase: str, seqs: Sequence, *, whole: Collection[int] = (),
+                 incoming: Sequence | None = None) -> None:
         """Stream the step's new entries of ``seqs`` (the sequences this rank's layout ran);
         ``whole``: request ids whose every entry so far is streamed (KV that reached the cache
-        outside a step, e.g. a swap-in)."""
+        outside a step, e.g. a swap-in); ``incoming``: the sequences whose entries arrive here,
+        where they are not ``seqs`` (another data-parallel replica's)."""
         spans = [Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in seqs]
+        incoming = seqs if incoming is None else incoming
+        into = spans if incoming is seqs else [
+            Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in incoming]
         if self.recv_cache is not None and self.recv_cache.spec.paged:
-            for s in seqs:
+            for s in incoming:
                 if phase == "prefill" or s.request.id in whole:
                     self.recv_cache.assign(s.slot, s.blocks)
         jobs = self.streamer.stream_out(self.send_cache, spans, tag=self.steps) if self.send_cache else []
-        incoming = self.streamer.stream_in(self.recv_cache, spans, tag=self.steps) if self.recv_cache else None
+        incoming = self.streamer.stream_in(self.recv_cache, into, tag=self.steps) if self.recv_cache else None
         self.drain()
         self.bytes_out += sum(j.nbytes for j in jobs)
         self._pending, self.steps = [jobs, incoming], self.steps + 1
