@@ -2,11 +2,11 @@
 
 While generating, every rank's KV is mirrored on its ring successor (:class:`RingReplication`)
 into a shared-memory file, whose acknowledged step is kept beside it, and rank 0 appends every
-step's agreed tokens to a journal in the run directory. When a rank is killed, torchrun tears the
-job down and starts every rank again (``--max-restarts``); the new ranks reload the weights,
-restore each rank's KV from the mirror its successor kept, and resume from the lowest step every
-mirror acknowledged: the steps before it are replayed from the journal without compute (their KV
-is back), at most one step is recomputed. On one machine the mirrors live in shared memory so a
+step's agreed tokens to a journal in the same directory. When a rank is killed (or hangs and the
+heartbeats declare it dead), torchrun tears the job down and starts every rank again
+(``--max-restarts``); the new ranks reload the weights, replay the journal up to the lowest step
+every mirror acknowledged without compute, restore each rank's KV from the mirror its successor
+kept, and recompute at most one step. On one machine the mirrors live in shared memory so a
 whole-job restart keeps them; across machines they would live in the successor's memory.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def shared_cache(spec, path: Path) -> KVCache:
 
 
 class FaultTolerance:
-    """Ring replication, journal and recovery for ``engine`` (one replica in the decode layout).
+    """Ring replication, journal and recovery for ``engine``.
 
     The replicated cache is the decode runner's (the only runner's for TP and pipelines); runners
     sharing it (Shift's two modes) stream into the same mirror. A runner with a cache of its own
@@ -55,9 +55,10 @@ class FaultTolerance:
     ``run_id``: names the shared-memory directory of the job's mirrors, acknowledgements and
     journal (the same in every attempt); ``kill_at``: ``(rank, step)`` SIGKILLs that rank before
     that step of this attempt (fault injection; a step the recovery replays is a failure during
-    recovery), or with ``hang`` stops it there for good, heartbeats included; ``attempt`` / ``max_restarts``: torchrun's counts (after the last attempt a failure
-    ends the job: the files go and :meth:`on_failure` says so, adding ``on_last_failure``).
-    Collective: every rank builds it.
+    recovery), or with ``hang`` stops it there for good, heartbeats included; ``attempt`` /
+    ``max_restarts``: torchrun's counts (after the last attempt a failure ends the job: the files
+    go and :meth:`on_failure` says so, adding ``on_last_failure``). Collective: every rank
+    builds it.
     """
 
     def __init__(self, engine: Engine, run_id: str, *, kill_at: tuple[int, int] | None = None,
@@ -86,6 +87,9 @@ class FaultTolerance:
         engine.post_step_hooks.append(self._record)
         self.heartbeat = Heartbeat(job_store(attempt), self.rank, dist.get_world_size(), period=heartbeat_s,
                                    on_dead=self._declare_dead)
+        # torchrun stops the survivors of a failed rank with SIGTERM, maybe before they reach a
+        # collective that fails: that is when they learn of it
+        signal.signal(signal.SIGTERM, self._terminated)
 
     def _mirror(self, source: int) -> Path:
         return self.shm / f"mirror-of-{source}"
@@ -176,6 +180,10 @@ class FaultTolerance:
         except OSError:  # claimed, or the files are gone: another survivor reported
             return False
 
+    def _terminated(self, signum: int, frame) -> None:
+        self.on_failure(f"torchrun stopped rank {self.rank} (another rank failed)")
+        os._exit(128 + signum)
+
     def _declare_dead(self, rank: int, silent: float) -> None:
         self.on_failure(f"rank {rank} silent for {silent:.1f} s, declared dead")
         os._exit(3)  # leave the job: no survivor waits in a collective for a rank that hangs
@@ -199,10 +207,9 @@ class FaultTolerance:
         self.heartbeat.stop()
         self.ring.close()
         dist.barrier()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if self.rank == 0:
-            for path in self.shm.iterdir():
-                path.unlink(missing_ok=True)
-            self.shm.rmdir()
+            shutil.rmtree(self.shm, ignore_errors=True)
 
 
 def remove_orphans(root: Path = Path("/dev/shm")) -> list[Path]:

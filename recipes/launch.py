@@ -40,9 +40,20 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=collective_timeout())
+    kw = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
+        kw = dict(store=_attempt_store(), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, timeout=collective_timeout(), **kw)
     if dist.get_world_size() > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+
+
+def _attempt_store() -> dist.Store:
+    """The agent's store, keys of this attempt only: a group restarted by ``--max-restarts`` would
+    otherwise read the previous attempt's addresses and fail to connect (``../shared/NOTES.md``)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=collective_timeout())
+    return dist.PrefixStore(f"reshard/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def hydra_rank_overrides(argv: list[str]) -> list[str]:

@@ -15,8 +15,7 @@ SEESAW = ["parallel=seesaw", "engine.max_batch_size=2"]  # PP2 prefill, TP2 deco
 
 
 def _launch(tmp_path, name, overrides, restarts=0, world=2):
-    env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the restarted group needs a fresh store (NOTES)
+    env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "--max-restarts", str(restarts), "-m", "recipes.generate", f"hydra.run.dir={tmp_path / name}",
            *COMMON, *overrides]
