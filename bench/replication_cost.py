@@ -32,11 +32,9 @@ VARIANTS = ("no replication", "replication, packing on the step's thread", "repl
 
 def measure(path, variant: str, requests: list[Request]) -> dict:
     engine = Engine(parallelize(path), max_batch_size=len(requests), max_seq_len=512)
-    ring = RingReplication(engine.runner) if variant != VARIANTS[0] else None
+    ring = RingReplication(engine.runner, background=variant == VARIANTS[2]) if variant != VARIANTS[0] else None
     hook = [0.0]
     if ring is not None:
-        if variant == VARIANTS[1]:
-            ring.stream.streamer._worker = None  # the step's thread packs (the streamer's idles)
         _time_hook(engine, ring, hook)
     engine.generate(requests[:2])  # warm-up
     hook[0], warm_steps = 0.0, engine.stats.decode_steps

@@ -31,7 +31,7 @@ class RingReplication:
     """
 
     def __init__(self, runner: ModelRunner, *, engine: Engine | None = None, timeout: float = 60.0,
-                 mirror_at: Callable[[KVSpec, int], KVCache] | None = None) -> None:
+                 mirror_at: Callable[[KVSpec, int], KVCache] | None = None, background: bool = True) -> None:
         if runner.replica.size > 1 and engine is None:
             raise ValueError(f"ring replication over dp={runner.replica.size} replicas needs the engine "
                              f"(a rank mirrors another replica's sequences)")
@@ -42,7 +42,8 @@ class RingReplication:
         self.replica, self.source_replica = replicas[self.rank], replicas[self.source]
         spec = _spec_for(runner.kv, layouts[self.source])
         self.mirror = mirror_at(spec, self.source) if mirror_at else KVCache(spec, device=runner.kv.device)
-        streamer = KVStreamer(_ring_plan(layouts), timeout=timeout, background=True)
+        # background: pack and unpack on the streamer's thread, not the step's
+        streamer = KVStreamer(_ring_plan(layouts), timeout=timeout, background=background)
         self.stream = TokenStream(streamer, runner.kv, self.mirror, timeout=timeout)
         self.acked: dict[int, int] = {}  # request id -> last step of the source's KV that is in
         self._in_flight: list[tuple[int, int]] = []

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import Engine, ParallelDims, Request
+from parallel.fault import restart_count
 from parallel.tiny_models import builtin_checkpoint
 
 from .config import GenerateConfig
@@ -53,7 +54,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
                 fault["ft"].on_failure(f"a collective failed on rank {_rank()}")
             raise
     summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
-    summary["failures"] = _restarts()
+    summary["failures"] = restart_count()
     if fault is not None:
         summary.update(fault.pop("summary")(), recovery_seconds=fault["recovery_seconds"])
         fault["ft"].close()
@@ -81,14 +82,10 @@ def _keep_finished(engine: Engine, run_dir: Path) -> Path:
     return path
 
 
-def _restarts() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dict | None:
     """Ring replication and a journal when ``fault.replicate``; on a restarted attempt, recover
     first (restore KV from the successors' mirrors, replay the journal)."""
-    from parallel.fault import FaultTolerance, inject_kill, restart_count
+    from parallel.fault import FaultTolerance, inject_kill
 
     kills, attempt = cfg.fault.kills(), restart_count()
     kill = kills[attempt] if attempt < len(kills) else None
