@@ -48,7 +48,7 @@ def bench_checkpoint(args, prefix: str):
     """A seeded Llama of the sizes in ``args`` (built once by rank 0, cached by name)."""
     import torch.distributed as dist
 
-    from parallel.tiny_models import cached_checkpoint
+    from reshard.parallel.model.tiny_models import cached_checkpoint
 
     overrides = {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
                  "num_hidden_layers": args.layers, "num_attention_heads": args.heads,

@@ -4,7 +4,7 @@ no failure; and replication's cost on a failure-free decode step.
 
     python bench/fault_tolerance.py [--world 2] [--requests 32] [--new-tokens 64] [--batch 8] [--repeats 2]
 
-Every variant is a real ``torchrun --max-restarts 1 -m recipes.generate`` job on the built-in
+Every variant is a real ``torchrun --max-restarts 1 -m reshard.recipes.generate`` job on the built-in
 model (greedy); end-to-end seconds are the whole job's wall time (process start, load, both
 attempts), as a user sees it. The kill lands at the middle engine step of the run (requests run
 ``--batch`` at a time, so the run has about ``ceil(requests / batch) * new_tokens`` steps).
@@ -24,10 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+
 def run(world: int, args, overrides: list[str], restarts: int, work: Path, name: str) -> tuple[float, dict, list]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "--max-restarts", str(restarts), "-m", "recipes.generate", f"hydra.run.dir={work / name}",
+           "--max-restarts", str(restarts), "-m", "reshard.recipes.generate", f"hydra.run.dir={work / name}",
            "progress=false", f"workload.num_requests={args.requests}", "workload.prompt_len_max=64",
            f"engine.max_batch_size={args.batch}", *args.override,
            f"generation.max_new_tokens={args.new_tokens}", *overrides]

@@ -55,11 +55,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from reshard.parallel import Engine, Request, SamplingParams, parallelize
+from reshard.parallel.model.tiny_models import builtin_checkpoint, cached_checkpoint, default_cache_dir
 
-from parallel import Engine, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.tiny_models import builtin_checkpoint, cached_checkpoint, default_cache_dir  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 Tokens = list[list[int]]
 COMMAND = "torchrun --standalone --nproc-per-node {n} bench/generate.py"

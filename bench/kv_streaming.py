@@ -53,20 +53,14 @@ import dataclasses
 import datetime
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]  # not this file
-sys.path.insert(0, str(REPO))
-
 import torch
 import torch.distributed as dist
+from _common import LoadSampler, bench_checkpoint, med, reduce_scalar
 
-from parallel import Engine, Request, SamplingParams, parallelize
-from bench._common import LoadSampler, bench_checkpoint, med, reduce_scalar  # noqa: E402
 from reshard.kv import KVCache, KVSpec
 from reshard.kv.stream import (
     KVStreamer,
@@ -86,6 +80,9 @@ from reshard.kv.transport import (
     P2PTransport,
     SharedMemoryTransport,
 )
+from reshard.parallel import Engine, Request, SamplingParams, parallelize
+
+REPO = Path(__file__).resolve().parent.parent
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/kv_streaming.py"
 MIB = 2**20

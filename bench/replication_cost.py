@@ -12,20 +12,17 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from reshard.parallel import Engine, Request, SamplingParams, parallelize
+from reshard.parallel.fault.ring import RingReplication
+from reshard.parallel.model.tiny_models import builtin_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]  # not bench/reshard.py
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from parallel import Engine, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.replication import RingReplication  # noqa: E402
-from parallel.tiny_models import builtin_checkpoint  # noqa: E402
 
 VARIANTS = ("no replication", "replication, packing on the step's thread", "replication, packing on the streamer's thread")
 

@@ -41,22 +41,19 @@ import argparse
 import datetime
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from _common import bench_checkpoint
+from torch.distributed.tensor import DTensor
+
+from reshard.parallel.model.weight_sync import model_sync, rollout_tensors
+from reshard.parallel.strategies.rollout import rollout_model, train_model
+from reshard.sync import SYNC_METHODS
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]  # not this file
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-from parallel.rollout import rollout_model, train_model  # noqa: E402
-from bench._common import bench_checkpoint  # noqa: E402
-from parallel.weight_sync import model_sync, rollout_tensors  # noqa: E402
-from reshard.sync import SYNC_METHODS  # noqa: E402
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/rollout_sync.py"
 MIB = 2**20

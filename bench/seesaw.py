@@ -27,20 +27,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+from reshard.parallel.model.pipeline import parallelize_pipeline
+from reshard.parallel.model.tiny_models import builtin_checkpoint
+from reshard.parallel.strategies.seesaw import LayoutSwitch, seesaw_engine
 
-from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.pipeline import parallelize_pipeline  # noqa: E402
-from parallel.seesaw import LayoutSwitch, seesaw_engine  # noqa: E402
-from parallel.tiny_models import builtin_checkpoint  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/seesaw.py"
 WORKLOADS = {"long-in": (320, 16), "balanced": (96, 96)}  # (prompt tokens, new tokens)

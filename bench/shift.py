@@ -47,23 +47,27 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+import reshard.layers._comm as comm
+from reshard import KVCache
+from reshard.kv import KVSpec
+from reshard.layers.attention import AttentionContext
+from reshard.layers.mlp import SwiGLUMLP
+from reshard.layers.ulysses import SHIFT_WEIGHTS, UlyssesAttention
+from reshard.layers.weights import use_weights
+from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+from reshard.parallel.model.tiny_models import builtin_checkpoint
+from reshard.parallel.strategies.shift import (
+    ShiftStats,
+    base_mesh,
+    parallelize_shift,
+    shift_engine,
+    shift_mesh,
+    shift_meshes,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from torch.distributed.tensor import Replicate, Shard  # noqa: E402
-
-import layers._comm as comm  # noqa: E402
-from layers.attention import AttentionContext  # noqa: E402
-from layers.mlp import SwiGLUMLP  # noqa: E402
-from layers.weights import use_weights  # noqa: E402
-from layers.ulysses import SHIFT_WEIGHTS, UlyssesAttention  # noqa: E402
-from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.shift import (ShiftStats, base_mesh, parallelize_shift, shift_engine, shift_mesh,  # noqa: E402
-                            shift_meshes)
-from parallel.tiny_models import builtin_checkpoint  # noqa: E402
-from reshard import KVCache  # noqa: E402
-from reshard.kv import KVSpec  # noqa: E402
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/shift.py"
 TP_ONLY = 10 ** 9

@@ -59,23 +59,20 @@ import dataclasses
 import datetime
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from _common import LoadSampler, bench_checkpoint, med, reduce_scalar
+
+from reshard.kv import KVCache
+from reshard.kv.cache import KVSpec
+from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+from reshard.parallel.engine import EngineArgs, make_strategy
+from reshard.parallel.strategies.sidp import kv_bytes_per_token, profile_threshold, sidp_engine
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]  # not this file
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize  # noqa: E402
-from parallel.engine import EngineArgs, make_strategy  # noqa: E402
-from parallel.sidp import kv_bytes_per_token, profile_threshold, sidp_engine  # noqa: E402
-from bench._common import LoadSampler, bench_checkpoint, med, reduce_scalar  # noqa: E402
-from reshard.kv import KVCache  # noqa: E402
-from reshard.kv.cache import KVSpec  # noqa: E402
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/sidp.py"
 MIB, GIB = 2**20, 2**30

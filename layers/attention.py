@@ -22,11 +22,10 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from reshard import Layout
 from reshard.kv import AttentionContext, KVLayout
+from reshard.layers._base import Redistributable, Targets, prefixed
+from reshard.layers.linear import ParallelLinear
+from reshard.layers.norm import RMSNorm
 from reshard.mesh import cached_mesh
-
-from ._base import Redistributable, Targets, prefixed
-from .linear import ParallelLinear
-from .norm import RMSNorm
 
 
 def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:

@@ -11,9 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
 from reshard import Layout, empty_dtensor
-
-from ._base import Redistributable, Targets
-from ._comm import all_reduce
+from reshard.layers._base import Redistributable, Targets
+from reshard.layers._comm import all_reduce
 
 
 class VocabParallelEmbedding(Redistributable, nn.Module):

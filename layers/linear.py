@@ -4,18 +4,16 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-import torch.distributed as dist
-
 from reshard import Layout, empty_dtensor, redistribute, wrap_local
-
-from ._base import Redistributable, Targets
-from ._comm import all_gather_last, reduce_output, replicated_input
-from .weights import LinearWeights, StaticWeights, WeightSource, active_source
+from reshard.layers._base import Redistributable, Targets
+from reshard.layers._comm import all_gather_last, reduce_output, replicated_input
+from reshard.layers.weights import LinearWeights, StaticWeights, WeightSource, active_source
 
 
 def _bias_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:

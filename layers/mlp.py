@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 from transformers.activations import ACT2FN
 
-from ._base import Redistributable, Targets, prefixed
-from .linear import ParallelLinear
+from reshard.layers._base import Redistributable, Targets, prefixed
+from reshard.layers.linear import ParallelLinear
 
 
 class SwiGLUMLP(Redistributable, nn.Module):

@@ -1,15 +1,13 @@
 """RMSNorm with a replicated DTensor weight (drop-in for the HF Llama/Qwen/Mistral RMSNorm)."""
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from reshard import empty_dtensor
-
-from ._base import Redistributable, Targets
+from reshard.layers._base import Redistributable, Targets
 
 
 class RMSNorm(Redistributable, nn.Module):

@@ -26,13 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from reshard import Layout
 from reshard.executor import execute
+from reshard.layers.weights import active_source
 from reshard.plan import plan_transfer
-from torch.distributed.tensor import Replicate
-
-from .weights import active_source
 
 WAS, CAS = "sidp:was", "sidp:cas"  # the weight-source names the runners select
 

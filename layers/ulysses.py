@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from ._comm import all_gather, all_to_all
-from .attention import AttentionContext, ParallelAttention, apply_rope
-from .linear import ParallelLinear
-from .norm import RMSNorm
+from reshard.layers._comm import all_gather, all_to_all
+from reshard.layers.attention import AttentionContext, ParallelAttention, apply_rope
+from reshard.layers.linear import ParallelLinear
+from reshard.layers.norm import RMSNorm
 
 SHIFT_WEIGHTS = "shift"  # the weight source name of the full-TP (shift) layout
 

@@ -1,10 +1,10 @@
 """Meshes, parallelization plans, checkpoint loading, the engine core and the strategies."""
-from .checkpoint import CheckpointReader, resolve_checkpoint
-from .dims import ParallelDims, device_type
-from .engine import Completion, Engine, EngineStats, ModelRunner, Request, register_strategy
-from .parallelize import SUPPORTED_ARCHITECTURES, LoadStats, parallelize
-from .plans import tp_plan
-from .sampling import SamplingParams
+from reshard.parallel.engine import Completion, Engine, EngineStats, ModelRunner, Request, register_strategy
+from reshard.parallel.engine.sampling import SamplingParams
+from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoint
+from reshard.parallel.model.dims import ParallelDims, device_type
+from reshard.parallel.model.parallelize import SUPPORTED_ARCHITECTURES, LoadStats, parallelize
+from reshard.parallel.model.plans import tp_plan
 
 __all__ = ["CheckpointReader", "Completion", "Engine", "EngineStats", "LoadStats", "ModelRunner", "ParallelDims",
            "Request", "SUPPORTED_ARCHITECTURES", "SamplingParams", "device_type", "parallelize",

@@ -49,7 +49,7 @@ class GenerationConfig:
             raise ValueError(f"generation.{e}") from None
 
     def sampling_params(self):
-        from parallel import SamplingParams
+        from reshard.parallel import SamplingParams
 
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed)
@@ -66,7 +66,7 @@ class EngineConfig:
     kv_tokens: int | None = None  # paged KV cache: tokens per replica (null: contiguous slots)
 
     def __post_init__(self) -> None:
-        from parallel.engine.policy import ADMISSION
+        from reshard.parallel.engine.policy import ADMISSION
 
         if (self.kv_block_size is None) != (self.kv_tokens is None):
             raise ValueError(f"engine.kv_block_size and engine.kv_tokens go together, got "
@@ -81,7 +81,7 @@ class EngineConfig:
         """The engine arguments every strategy takes."""
         import torch
 
-        from parallel.engine import EngineArgs
+        from reshard.parallel.engine import EngineArgs
 
         return EngineArgs(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                           max_prefill_tokens=self.max_prefill_tokens, compile=compile,
@@ -137,7 +137,7 @@ class GenerateConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from parallel.engine import Strategy, make_strategy
+        from reshard.parallel.engine import Strategy, make_strategy
 
         if not isinstance(self.parallel, Strategy):  # a dict of YAML keys, or None for the default
             self.parallel = make_strategy(self.parallel or {})
@@ -157,7 +157,7 @@ class GenerateConfig:
             raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
         sections = {"model": ModelConfig, "workload": WorkloadConfig, "generation": GenerationConfig,
                     "engine": EngineConfig, "fault": FaultConfig}
-        from parallel.engine.config_types import check_values
+        from reshard.parallel.engine.config_types import check_values
 
         check_values(GenerateConfig, d, "")
         for name, cls in sections.items():
@@ -169,7 +169,7 @@ class GenerateConfig:
 
 def check_section(cls: type, values: Any, where: str) -> None:
     """``ValueError`` naming the key for unknown keys or values of the wrong type."""
-    from parallel.engine.config_types import check_values
+    from reshard.parallel.engine.config_types import check_values
 
     if not isinstance(values, dict):
         raise ValueError(f"{where} must be a mapping of keys, got {values!r}")

@@ -1,6 +1,6 @@
 """Offline batch generation — the main job.
 
-    torchrun --standalone --nproc-per-node 2 -m recipes.generate [hydra overrides]
+    torchrun --standalone --nproc-per-node 2 -m reshard.recipes.generate [hydra overrides]
 
 With no overrides: the built-in tiny Llama checkpoint (created on first use), a seeded synthetic
 workload, greedy decoding. Rank 0 writes ``outputs.jsonl`` and ``summary.json`` into Hydra's run
@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel import Engine, ParallelDims, Request
-from parallel.fault import restart_count
-from parallel.tiny_models import builtin_checkpoint
-
-from .config import GenerateConfig
-from .launch import collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
+from reshard.parallel import Engine, ParallelDims, Request
+from reshard.parallel.fault import restart_count
+from reshard.parallel.model.tiny_models import builtin_checkpoint
+from reshard.recipes.config import GenerateConfig
+from reshard.recipes.launch import collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
 
 
 def _rank() -> int:
@@ -85,7 +84,7 @@ def _keep_finished(engine: Engine, run_dir: Path) -> Path:
 def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dict | None:
     """Ring replication and a journal when ``fault.replicate``; on a restarted attempt, recover
     first (restore KV from the successors' mirrors, replay the journal)."""
-    from parallel.fault import FaultTolerance, inject_kill
+    from reshard.parallel.fault import FaultTolerance, inject_kill
 
     kills, attempt = cfg.fault.kills(), restart_count()
     kill = kills[attempt] if attempt < len(kills) else None
@@ -115,7 +114,7 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dic
 def _model_path(cfg: GenerateConfig) -> Path:
     """The configured checkpoint; the built-in one is created by rank 0 while the others wait."""
     if cfg.model.path is not None:
-        from parallel import resolve_checkpoint
+        from reshard.parallel import resolve_checkpoint
 
         return resolve_checkpoint(cfg.model.path)
     if _rank() == 0:

@@ -1,6 +1,6 @@
 """Plan a deployment we cannot test here, from the cost model (:mod:`parallel.cost`).
 
-    python -m recipes.plan model=llama3-15b hardware=a10 num_gpus=4 workload=arxiv
+    python -m reshard.recipes.plan model=llama3-15b hardware=a10 num_gpus=4 workload=arxiv
 
 Single process (no torchrun); ``hardware=this_machine`` first calibrates this machine (2 gloo
 processes, cached). Prints the ranked table of every feasible static layout and Seesaw pair and
@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parallel import cost
-from parallel.profiles import hardware, model, workload
-
-from .launch import hydra_main
-from .plan_config import PlanConfig
+from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost.profiles import hardware, model, workload
+from reshard.recipes.launch import hydra_main
+from reshard.recipes.plan_config import PlanConfig
 
 
 def make_plan(cfg: PlanConfig) -> dict:

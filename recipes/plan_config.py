@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from parallel.engine.config_types import check_values
+from reshard.parallel.engine.config_types import check_values
 
 
 @dataclass
@@ -20,7 +20,7 @@ class PlanConfig:
     top: int = 20  # rows of the ranked table printed (plan.json holds all)
 
     def __post_init__(self) -> None:
-        from parallel.cost import check_gpus
+        from reshard.parallel.cost.roofline import check_gpus
 
         check_gpus(self.num_gpus)
         for key in ("input_len", "output_len", "requests", "top"):

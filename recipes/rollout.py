@@ -1,6 +1,6 @@
 """An RL loop in training code: train with FSDP2, sync weights in place, roll out, repeat.
 
-    torchrun --standalone --nproc-per-node 4 -m recipes.rollout [hydra overrides]
+    torchrun --standalone --nproc-per-node 4 -m reshard.recipes.rollout [hydra overrides]
 
 With no overrides: the built-in tiny policy (seeded, vocab 64) learns a verifiable toy task with
 GRPO on 4 ranks, training and rolling out on every rank (TP4). Each iteration syncs the training
@@ -27,14 +27,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from parallel import Request, SamplingParams
-from parallel.rollout import (RankSplit, completion_logprobs, group_advantages, grpo_loss, rollout_engine,
-                              rollout_model, train_model)
-from parallel.tiny_models import cached_checkpoint
-from parallel.weight_sync import model_sync, rollout_tensors
-
-from .launch import hydra_main
-from .rollout_config import POLICY, POLICY_NAME, RolloutJobConfig, TrainConfig
+from reshard.parallel import Request, SamplingParams
+from reshard.parallel.model.tiny_models import cached_checkpoint
+from reshard.parallel.model.weight_sync import model_sync, rollout_tensors
+from reshard.parallel.strategies.rollout import (
+    RankSplit,
+    completion_logprobs,
+    group_advantages,
+    grpo_loss,
+    rollout_engine,
+    rollout_model,
+    train_model,
+)
+from reshard.recipes.launch import hydra_main
+from reshard.recipes.rollout_config import POLICY, POLICY_NAME, RolloutJobConfig, TrainConfig
 
 SPECIAL_TOKENS = 3  # ids 0..2: pad, bos, eos
 
@@ -238,7 +244,7 @@ def plot(history: list[dict], path: Path) -> None:
 def _policy_path(cfg: RolloutJobConfig) -> Path:
     """The configured checkpoint, or the built-in policy (rank 0 creates it, the others wait)."""
     if cfg.model.path is not None:
-        from parallel import resolve_checkpoint
+        from reshard.parallel import resolve_checkpoint
 
         return resolve_checkpoint(cfg.model.path)
     if dist.get_rank() == 0:

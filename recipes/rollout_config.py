@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from parallel.engine.config_types import check_values
-
-from .config import check_section
+from reshard.parallel.engine.config_types import check_values
+from reshard.recipes.config import check_section
 
 POLICY_NAME = "tiny-policy-seed0-v1"
 POLICY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -30,10 +29,10 @@ class RolloutLayoutConfig:
     max_batch_size: int = 64
 
     def __post_init__(self) -> None:
-        from parallel.rollout import ROLLOUT_LAYOUTS
+        from reshard.parallel.strategies.rollout import rollout_layouts
 
-        if self.layout not in ROLLOUT_LAYOUTS:
-            raise ValueError(f"rollout.layout must be one of {list(ROLLOUT_LAYOUTS)}, got {self.layout!r}")
+        if self.layout not in rollout_layouts():
+            raise ValueError(f"rollout.layout must be one of {rollout_layouts()}, got {self.layout!r}")
         for key in ("tp", "sp", "threshold", "max_batch_size", "train_ranks"):
             value = getattr(self, key)
             if value is not None and value < 1:

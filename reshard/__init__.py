@@ -1,10 +1,10 @@
 """reshard: layouts and planned, accounted movement of tensors between them."""
-from .api import MoveHandle, last_stats, plan_for, redistribute, redistribute_module
-from .dtensor import empty_dtensor, slice_to_dtensor, wrap_local
-from .executor import CommStats, execute
-from .kv import AttentionContext, KVCache, KVLayout, KVSpec
-from .layout import Layout, chunk_range
-from .plan import Plan, plan_transfer
+from reshard.api import MoveHandle, last_stats, plan_for, redistribute, redistribute_module
+from reshard.dtensor import empty_dtensor, slice_to_dtensor, wrap_local
+from reshard.executor import CommStats, execute
+from reshard.kv import AttentionContext, KVCache, KVLayout, KVSpec
+from reshard.layout import Layout, chunk_range
+from reshard.plan import Plan, plan_transfer
 
 __all__ = ["AttentionContext", "CommStats", "MoveHandle", "KVCache", "KVLayout", "KVSpec", "Layout", "Plan", "chunk_range", "empty_dtensor", "execute",
            "last_stats", "plan_for", "plan_transfer", "redistribute", "redistribute_module",

@@ -16,12 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from .background import Background
-from .dtensor import wrap_local
-from .executor import DEFAULT_BUCKET_BYTES, CommStats, execute
-from .layout import Layout
-from .mesh import device_type
-from .plan import Plan, plan_transfer
+from reshard.background import Background
+from reshard.dtensor import wrap_local
+from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, execute
+from reshard.layout import Layout
+from reshard.mesh import device_type
+from reshard.plan import Plan, plan_transfer
 
 _LAST: list[CommStats] = [CommStats()]
 

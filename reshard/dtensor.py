@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from .layout import Layout, box_slices
+from reshard.layout import Layout, box_slices
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .layout import Box, box_numel
-from .plan import Piece, Plan
+from reshard.layout import Box, box_numel
+from reshard.plan import Piece, Plan
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 from torch.distributed.tensor import Partial
 
-from .layout import Box, Layout, box_numel
+from reshard.layout import Box, Layout, box_numel
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from .background import Background
-from .executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
-from .layout import Layout, box_slices, nested_tuple
-from .mesh import cached_group
-from .plan import Plan, plan_transfer
+from reshard.background import Background
+from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
+from reshard.layout import Layout, box_slices, nested_tuple
+from reshard.mesh import cached_group
+from reshard.plan import Plan, plan_transfer
 
 SYNC_METHODS = ("planned", "full_tensor", "broadcast")
 

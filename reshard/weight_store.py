@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from .layout import Box, Layout, box_slices
+from reshard.layout import Box, Layout, box_slices
 
 _ALIGN = 64
 

@@ -13,7 +13,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """Tiny seeded checkpoints per family, plus ``llama-multi``: the llama model in several files."""
-    from parallel.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {f: str(make_tiny_checkpoint(f, root / f, seed=0)) for f in FAMILIES}
@@ -25,7 +25,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def four_layer(tmp_path_factory) -> dict[str, str]:
     """4-layer checkpoints of every family, for pipeline stages (P4, D2P2, T2P2)."""
-    from parallel.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("pp")
     return {f: str(make_tiny_checkpoint(f, root / f, seed=0, num_hidden_layers=4)) for f in FAMILIES}

@@ -14,8 +14,8 @@ import atexit
 import datetime
 import os
 import queue
-import sys
 import socket
+import sys
 import traceback
 
 import torch.multiprocessing as mp

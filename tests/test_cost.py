@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from parallel import cost
-from parallel.cost import ParallelConfig, parse_notation
-from parallel.profiles import MODELS, ModelShape, hardware, model, workload
+from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost.profiles import MODELS, ModelShape, hardware, model, workload
+from reshard.parallel.cost.roofline import ParallelConfig, parse_notation
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -23,7 +23,7 @@ def _compose(overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from recipes.plan_config import PlanConfig
+    from reshard.recipes.plan_config import PlanConfig
 
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("plan", overrides=overrides)
@@ -33,8 +33,10 @@ def _compose(overrides):
 # ---- profiles --------------------------------------------------------------------------------------
 def test_every_profile_number_cites_a_source():
     """Each numeric entry of a Hardware/ModelShape/Workload and each numeric module constant in
-    parallel/profiles.py has a comment on its line."""
-    path = ROOT / "parallel" / "profiles.py"
+    parallel/cost/profiles.py has a comment on its line."""
+    from reshard.parallel.cost import profiles
+
+    path = Path(profiles.__file__)
     src = path.read_text().splitlines()
     tree = ast.parse(path.read_text())
     lines = set()
@@ -82,7 +84,7 @@ def test_infeasible_layouts_are_excluded():
     assert "weights" in cost.infeasible_reason(m, a10, ParallelConfig(), 3250)
     names = {e.name for e in cost.rank_layouts(m, a10, 8, w)}
     assert names and not any("D" in n for n in names)  # 140 GB of weights: no room for replicas
-    from recipes.plan import make_plan
+    from reshard.recipes.plan import make_plan
     with pytest.raises(ValueError, match=r"no layout of 1 x a10 fits model 'llama2-70b'"):
         make_plan(_compose(["model=llama2-70b", "num_gpus=1"]))
 
@@ -163,8 +165,8 @@ def test_sidp_b_star_separates_cas_from_was():
     assert cas >= was
     was, cas = cost.sidp_times(m, hw, 8, b - 1)
     assert cas < was
-    from layers.owner_pool import CAS, WAS
-    from parallel.sidp import choose_mode
+    from reshard.layers.owner_pool import CAS, WAS
+    from reshard.parallel.strategies.sidp import choose_mode
     assert choose_mode(b * 2, None, b, 0.1) == WAS and choose_mode(b / 2, None, b, 0.1) == CAS
     assert cost.sidp_threshold(m, hardware("a10"), 8) > b  # a slower link needs bigger batches
 
@@ -192,7 +194,7 @@ def test_dejavu_disaggregation_pays_only_when_inequality_5_holds(model_name, hw_
 
 # ---- the recipe --------------------------------------------------------------------------------------
 def test_plan_recipe_end_to_end(tmp_path, capsys):
-    from recipes.plan import run_plan
+    from reshard.recipes.plan import run_plan
 
     plan = run_plan(_compose(["model=llama3-15b", "hardware=a10", "num_gpus=4", "workload=arxiv"]), tmp_path)
     saved = json.loads((tmp_path / "plan.json").read_text())
@@ -211,7 +213,7 @@ def test_plan_recipe_end_to_end(tmp_path, capsys):
 
 # ---- calibration -------------------------------------------------------------------------------------
 def test_calibration_sweep_gives_positive_finite_numbers(tmp_path):
-    from parallel.calibrate import cache_path, this_machine
+    from reshard.parallel.cost.calibrate import cache_path, this_machine
 
     hw = this_machine(cache_dir=tmp_path)
     numbers = [hw.memory, hw.mem_bw, hw.flops, hw.link_bw, hw.link_latency]

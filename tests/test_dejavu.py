@@ -8,8 +8,8 @@ PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 10
 
 
 def _job(path, prompt, token, prompt_ranks, max_new):
-    from parallel import Request, SamplingParams
-    from parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine import EngineArgs, make_strategy
 
     strategy = make_strategy({"strategy": "dejavu", "prompt": prompt, "token": token, "prompt_ranks": prompt_ranks})
     engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64))
@@ -36,7 +36,7 @@ def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, pro
 
 
 def test_bad_sides_are_named():
-    from parallel.engine import make_strategy
+    from reshard.parallel.engine import make_strategy
 
     with pytest.raises(ValueError, match=r"parallel.token: tp \(2\) x pp \(2\) must equal its 2 ranks"):
         make_strategy({"strategy": "dejavu", "token": {"tp": 2, "pp": 2}}).sides(4)

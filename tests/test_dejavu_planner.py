@@ -4,9 +4,17 @@ import math
 
 import pytest
 
-from parallel.dejavu_planner import (DejaVuPlan, baseline_inverse_throughput, disaggregation_pays,
-                                     min_prompt_machines, min_token_machines, plan_disaggregation,
-                                     prompt_inverse_throughput, split_machines, token_inverse_throughput)
+from reshard.parallel.cost.dejavu_planner import (
+    DejaVuPlan,
+    baseline_inverse_throughput,
+    disaggregation_pays,
+    min_prompt_machines,
+    min_token_machines,
+    plan_disaggregation,
+    prompt_inverse_throughput,
+    split_machines,
+    token_inverse_throughput,
+)
 
 
 def test_split_machines_formula_1():

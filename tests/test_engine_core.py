@@ -3,12 +3,18 @@ from dataclasses import dataclass
 
 import pytest
 
+from reshard.parallel import ParallelDims
+from reshard.parallel.engine import (
+    ContinuousBatching,
+    Engine,
+    EngineArgs,
+    ModelRunner,
+    Strategy,
+    TokenSplit,
+    register_strategy,
+)
 from tests import dist_harness
 from tests.test_generate import MAX_NEW, _prompts
-
-from parallel import ParallelDims
-from parallel.engine import (ContinuousBatching, Engine, EngineArgs, ModelRunner,
-                             Strategy, TokenSplit, register_strategy)
 
 
 # ---- a toy strategy, written against the public plug-in interface only -------------------------
@@ -40,8 +46,8 @@ class AlternatingStrategy(Strategy):
     def build(self, path, args: EngineArgs) -> Engine:
         import torch.distributed as dist
 
-        from layers.ulysses import SHIFT_WEIGHTS
-        from parallel.shift import parallelize_shift
+        from reshard.layers.ulysses import SHIFT_WEIGHTS
+        from reshard.parallel.strategies.shift import parallelize_shift
 
         dims = self.dims(dist.get_world_size())
         model = parallelize_shift(path, dims)
@@ -55,8 +61,8 @@ class AlternatingStrategy(Strategy):
 
 
 def _toy_job(path, prompts, max_new):
-    from parallel.engine import make_strategy
-    from parallel import Request, SamplingParams
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine import make_strategy
 
     strategy = make_strategy({"strategy": "toy_alternating", "every": 3})
     engine = strategy.build(path, EngineArgs(max_batch_size=4, max_seq_len=128))
@@ -74,7 +80,7 @@ def test_toy_strategy_on_the_plugin_interface_matches_hf(checkpoints, hf_referen
 
 
 def test_unknown_strategy_and_keys_are_named():
-    from parallel.engine import make_strategy
+    from reshard.parallel.engine import make_strategy
 
     with pytest.raises(ValueError, match=r"parallel.strategy 'nope' is not one of \[.*'seesaw', 'shift'"):
         make_strategy({"strategy": "nope"})
@@ -86,7 +92,7 @@ def test_unknown_strategy_and_keys_are_named():
 def _hooked(path, prompts, zero_last_layer):
     import torch.distributed as dist
 
-    from parallel import Request, SamplingParams, parallelize
+    from reshard.parallel import Request, SamplingParams, parallelize
 
     model = parallelize(path, ParallelDims.from_world(tp=dist.get_world_size()))
     engine = Engine(model, max_batch_size=4, max_seq_len=128)
@@ -119,7 +125,7 @@ def test_layer_and_step_hooks_run_in_order_and_can_replace_hidden_states(checkpo
 
 # ---- admission order -----------------------------------------------------------------------------
 def _admission(path, prompts, budgets, admission):
-    from parallel import Request, SamplingParams, parallelize
+    from reshard.parallel import Request, SamplingParams, parallelize
 
     engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=128, admission=admission)
     requests = [Request(i, p, SamplingParams(max_new_tokens=n, stop_token_ids=()))

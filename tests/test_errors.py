@@ -5,14 +5,14 @@ from tests import dist_harness
 
 
 def _parallelize(path, **dims):
-    from parallel import ParallelDims, parallelize
+    from reshard.parallel import ParallelDims, parallelize
 
     dims = ParallelDims.from_world(**dims) if dims else None
     parallelize(path, dims)
 
 
 def _long_prompt(path):
-    from parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, Request, SamplingParams, parallelize
 
     engine = Engine(parallelize(path), max_seq_len=32)
     engine.generate([Request(7, list(range(3, 30)), SamplingParams(max_new_tokens=10))])
@@ -23,7 +23,7 @@ def _long_prompt(path):
     (4, 3, r"attention heads \(4\) must be a multiple of KV heads \(3\)"),
 ])
 def test_heads_not_divisible(tmp_path, heads, kv, match):
-    from parallel.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint("llama", tmp_path / "m", num_attention_heads=heads,
                                 num_key_value_heads=kv, hidden_size=96)
@@ -32,7 +32,7 @@ def test_heads_not_divisible(tmp_path, heads, kv, match):
 
 
 def test_kv_heads_and_tp_divide_neither_way():
-    from layers import check_head_split
+    from reshard.layers import check_head_split
 
     with pytest.raises(ValueError, match=r"KV heads \(3\) and tensor parallel size \(2\) divide neither way"):
         check_head_split(6, 3, 2)
@@ -40,7 +40,7 @@ def test_kv_heads_and_tp_divide_neither_way():
 
 
 def test_world_size_not_matching_mesh(checkpoints):
-    from parallel import ParallelDims
+    from reshard.parallel import ParallelDims
 
     with pytest.raises(ValueError, match=r"dp\(1\) \* pp\(1\) \* sp\(1\) \* tp\(4\) = 4 != world_size\(2\)"):
         ParallelDims(tp=4, world_size=2)
@@ -51,7 +51,7 @@ def test_world_size_not_matching_mesh(checkpoints):
 def test_unsupported_architecture(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from parallel import ParallelDims, parallelize
+    from reshard.parallel import ParallelDims, parallelize
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*supported: llama, mistral, qwen2, qwen3"):
@@ -64,14 +64,14 @@ def test_prompt_longer_than_max(checkpoints):
 
 
 def test_not_a_checkpoint(tmp_path):
-    from parallel import CheckpointReader
+    from reshard.parallel import CheckpointReader
 
     with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
         CheckpointReader(tmp_path)
 
 
 def _bad_requests(path, case):
-    from parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, Request, SamplingParams, parallelize
 
     engine = Engine(parallelize(path), max_seq_len=64)
     p = SamplingParams(max_new_tokens=2)
@@ -95,7 +95,7 @@ def test_bad_requests_name_the_request(checkpoints, case, match):
     ("[1, true, 2]\n", r"prompts.jsonl:1: expected a non-empty token-id list or a text"),
 ])
 def test_prompts_file_errors_name_file_and_line(tmp_path, text, match):
-    from recipes.generate import read_prompts
+    from reshard.recipes.generate import read_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text(text)

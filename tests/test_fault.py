@@ -17,7 +17,7 @@ SEESAW = ["parallel=seesaw", "engine.max_batch_size=2"]  # PP2 prefill, TP2 deco
 def _launch(tmp_path, name, overrides, restarts=0, world=2):
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "--max-restarts", str(restarts), "-m", "recipes.generate", f"hydra.run.dir={tmp_path / name}",
+           "--max-restarts", str(restarts), "-m", "reshard.recipes.generate", f"hydra.run.dir={tmp_path / name}",
            *COMMON, *overrides]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
 
@@ -115,8 +115,8 @@ def test_disaggregated_kv_is_refused(tmp_path):
 
 
 def _refused_job(path, run_id):
-    from parallel import Engine, parallelize
-    from parallel.fault import FaultTolerance
+    from reshard.parallel import Engine, parallelize
+    from reshard.parallel.fault import FaultTolerance
 
     engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=64, kv_block_size=16, kv_tokens=128)
     with pytest.raises(ValueError) as err:
@@ -134,7 +134,7 @@ def test_a_cache_it_cannot_replicate_is_refused(checkpoints):
 
 
 def test_directories_of_jobs_whose_agent_is_gone_are_removed(tmp_path):
-    from parallel.fault import remove_orphans
+    from reshard.parallel.fault import remove_orphans
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     for name, owner in [("dead", ended.stdout.strip()), ("alive", str(os.getpid())), ("starting", None)]:
@@ -146,7 +146,7 @@ def test_directories_of_jobs_whose_agent_is_gone_are_removed(tmp_path):
 
 
 def test_kill_at_is_validated():
-    from recipes.config import FaultConfig
+    from reshard.recipes.config import FaultConfig
 
     for bad in ([1], [[1, 2], [3]], [1, -2], []):
         with pytest.raises(ValueError, match=r"fault.kill_at must be \[rank, step\] \(two ints >= 0\), a list "
@@ -165,7 +165,7 @@ def _heartbeat_job(period):
 
     import torch.distributed as dist
 
-    from parallel.fault import Heartbeat, job_store
+    from reshard.parallel.fault import Heartbeat, job_store
 
     rank = dist.get_rank()
     tag = [time.time_ns()]  # a fresh key space per call (the worker pool outlives one test)

@@ -15,13 +15,13 @@ def _prompts(n: int = 6, seed: int = 1, vocab: int = 256) -> list[list[int]]:
 
 
 def _engine(path, max_batch=4, compile=False):
-    from parallel import Engine, parallelize
+    from reshard.parallel import Engine, parallelize
 
     return Engine(parallelize(path), max_batch_size=max_batch, max_seq_len=128, compile=compile)
 
 
 def _generate(path, prompts, max_new, *, max_batch=4, compile=False, temperature=0.0, alone=False):
-    from parallel import Request, SamplingParams
+    from reshard.parallel import Request, SamplingParams
 
     engine = _engine(path, max_batch, compile)
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=40, top_p=0.9, seed=7)

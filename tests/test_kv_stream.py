@@ -161,10 +161,10 @@ def _token_stream_job(path, where, tmp):
 
     import torch.distributed as dist
 
-    from parallel import Engine, Request, SamplingParams, parallelize
     from reshard.kv import KVCache
     from reshard.kv.stream import KVStreamer, TokenStream, plan_stream, world_layouts
     from reshard.kv.transport import FileTransport, LocalTransport
+    from reshard.parallel import Engine, Request, SamplingParams, parallelize
 
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = Engine(parallelize(path), max_batch_size=3, max_seq_len=48)

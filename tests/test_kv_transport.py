@@ -7,8 +7,7 @@ import uuid
 import pytest
 import torch
 
-from reshard.kv.transport import (FileTransport, Job, LocalTransport, Medium, SharedMemoryTransport,
-                                  choose_transport)
+from reshard.kv.transport import FileTransport, Job, LocalTransport, Medium, SharedMemoryTransport, choose_transport
 from tests import dist_harness
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -15,9 +15,10 @@ def _mesh():
 
 
 def _hf_attention(family, **overrides):
-    from parallel.tiny_models import tiny_config
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    from reshard.parallel.model.tiny_models import tiny_config
 
     config = tiny_config(family, **overrides)
     config._attn_implementation = "sdpa"
@@ -31,7 +32,7 @@ def _hf_attention(family, **overrides):
 
 def _build(kind, mesh):
     """(our layer, reference module, input) for ``kind``; same weights on every rank."""
-    from layers import ParallelAttention, ParallelLinear, SwiGLUMLP, VocabParallelEmbedding
+    from reshard.layers import ParallelAttention, ParallelLinear, SwiGLUMLP, VocabParallelEmbedding
 
     torch.manual_seed(0)
     if kind in ("colwise", "rowwise"):
@@ -43,7 +44,8 @@ def _build(kind, mesh):
         return VocabParallelEmbedding(50, 16, mesh=mesh), ref, torch.randint(0, 50, (3, 7))
     if kind == "mlp":
         from transformers.models.llama.modeling_llama import LlamaMLP
-        from parallel.tiny_models import tiny_config
+
+        from reshard.parallel.model.tiny_models import tiny_config
 
         ref = LlamaMLP(tiny_config("llama"))
         return SwiGLUMLP(64, 128, mesh=mesh), ref, torch.randn(2, 6, 64)
@@ -65,7 +67,7 @@ def _run(layer, ref, x, kind):
 
 
 def _roundtrip(kind):
-    from parallel.parallelize import copy_full_state
+    from reshard.parallel.model.parallelize import copy_full_state
 
     mesh = _mesh()
     layer, ref, x = _build(kind, mesh)

@@ -11,7 +11,7 @@ from tests import dist_harness
 
 
 def _bytes_read(path):
-    from parallel import parallelize
+    from reshard.parallel import parallelize
 
     stats = parallelize(path).load_stats
     return stats.bytes_read, stats.checkpoint_bytes
@@ -51,7 +51,7 @@ def test_each_rank_reads_only_its_share(checkpoints, world, family):
 
 
 def test_hub_id_resolves_offline_from_cache(checkpoints, tmp_path, monkeypatch):
-    from parallel import resolve_checkpoint
+    from reshard.parallel import resolve_checkpoint
 
     snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "abc123"
     shutil.copytree(checkpoints["llama"], snapshot)
@@ -69,7 +69,7 @@ def test_hub_id_resolves_offline_from_cache(checkpoints, tmp_path, monkeypatch):
 
 
 def test_missing_shard_file_is_named(checkpoints, tmp_path):
-    from parallel import CheckpointReader
+    from reshard.parallel import CheckpointReader
 
     copy = Path(shutil.copytree(checkpoints["llama-multi"], tmp_path / "ck"))
     victim = sorted(copy.glob("*.safetensors"))[1]
@@ -79,7 +79,7 @@ def test_missing_shard_file_is_named(checkpoints, tmp_path):
 
 
 def test_truncated_file_is_named(checkpoints, tmp_path):
-    from parallel import CheckpointReader
+    from reshard.parallel import CheckpointReader
 
     copy = Path(shutil.copytree(checkpoints["llama"], tmp_path / "ck"))
     f = copy / "model.safetensors"
@@ -90,7 +90,7 @@ def test_truncated_file_is_named(checkpoints, tmp_path):
 
 
 def test_reader_reads_only_the_box(checkpoints):
-    from parallel import CheckpointReader
+    from reshard.parallel import CheckpointReader
 
     reader = CheckpointReader(checkpoints["llama"])
     piece = reader.read("model.embed_tokens.weight", ((10, 20), (0, 64)))
@@ -101,7 +101,7 @@ def test_reader_reads_only_the_box(checkpoints):
 
 
 def _load(path, allow_unused=False):
-    from parallel import parallelize
+    from reshard.parallel import parallelize
 
     parallelize(path, allow_unused=allow_unused)
     return "loaded"
@@ -161,7 +161,7 @@ def test_index_pointing_to_the_wrong_file_names_file_and_index(checkpoints, tmp_
 def test_a_file_that_is_not_safetensors_is_named(tmp_path):
     import struct
 
-    from parallel import CheckpointReader
+    from reshard.parallel import CheckpointReader
 
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 12) + bytes(range(200, 212)) + b"\x00" * 64)
     with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file \(its header is not a JSON object\)"):

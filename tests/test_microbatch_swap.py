@@ -11,8 +11,8 @@ PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 10
 def _job(path, pp, swap):
     import torch.distributed as dist
 
-    from parallel import Engine, ParallelDims, Request, SamplingParams
-    from parallel.pipeline import parallelize_pipeline
+    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel.model.pipeline import parallelize_pipeline
 
     world = dist.get_world_size()
     model = parallelize_pipeline(path, ParallelDims(pp=pp, tp=world // pp, world_size=world))
@@ -37,7 +37,7 @@ def test_swapping_two_of_four_microbatches_gives_the_same_tokens(four_layer, hf_
 
 
 def _bad_job(path):
-    from parallel import Engine, parallelize
+    from reshard.parallel import Engine, parallelize
 
     Engine(parallelize(path), max_batch_size=4, num_microbatches=1, kv_swap=True)
 

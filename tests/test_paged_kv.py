@@ -35,7 +35,7 @@ def test_paged_write_read_matches_contiguous():
 
 
 def _requests(n, seed=0, sampled=False):
-    from parallel import Request, SamplingParams
+    from reshard.parallel import Request, SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -50,7 +50,7 @@ def _requests(n, seed=0, sampled=False):
 def _paged_job(path, tp, compile):
     import torch.distributed as dist
 
-    from parallel import Engine, ParallelDims, parallelize
+    from reshard.parallel import Engine, ParallelDims, parallelize
 
     world = dist.get_world_size()
     model = parallelize(path, ParallelDims(dp=world // tp, tp=tp, world_size=world))
@@ -79,7 +79,7 @@ def test_mixed_lengths_in_a_small_paged_cache_equal_each_request_alone(checkpoin
 
 
 def _too_big_job(path):
-    from parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, Request, SamplingParams, parallelize
 
     engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=32)
     engine.generate([Request(7, list(range(3, 33)), SamplingParams(max_new_tokens=10))])

@@ -8,8 +8,8 @@ from tests.test_generate import MAX_NEW, _prompts
 def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2):
     import torch.distributed as dist
 
-    from parallel import Engine, ParallelDims, Request, SamplingParams
-    from parallel.pipeline import parallelize_pipeline
+    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel.model.pipeline import parallelize_pipeline
 
     dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size())
     model = parallelize_pipeline(path, dims)
@@ -44,8 +44,8 @@ def test_pipeline_stages_replicate_kv_heads_match_hf(four_layer, hf_reference):
 def _too_many_stages(path):
     import torch.distributed as dist
 
-    from parallel import ParallelDims
-    from parallel.pipeline import parallelize_pipeline
+    from reshard.parallel import ParallelDims
+    from reshard.parallel.model.pipeline import parallelize_pipeline
 
     parallelize_pipeline(path, ParallelDims(pp=4, world_size=dist.get_world_size()))
 

@@ -15,7 +15,8 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from recipes.config import GenerateConfig
+
+    from reshard.recipes.config import GenerateConfig
 
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("generate", overrides=overrides)
@@ -23,7 +24,7 @@ def _compose(overrides):
 
 
 def _run_recipe(overrides, run_dir):
-    from recipes.generate import run_generate
+    from reshard.recipes.generate import run_generate
 
     return run_generate(_compose(overrides), Path(run_dir))
 
@@ -104,13 +105,54 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     assert [l["output_ids"] for l in lines] == hf_reference(path, prompts, 8)
 
 
-def test_main_job_under_torchrun(tmp_path):
-    """The README's main command, shrunk: built-in model, 2 ranks, files written by rank 0 only."""
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with the package installed from a wheel (``pip install``, not editable); the
+    venv sees the system site-packages for torch and the other dependencies only."""
+    root = tmp_path_factory.mktemp("install")
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root / "venv")], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(root / "wheel"), str(repo)], check=True, cwd=root, capture_output=True)
+    wheel = next((root / "wheel").glob("reshard-*.whl"))
+    python = root / "venv" / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True)
+    return python
+
+
+def _shadowing_user_repo(path: Path) -> Path:
+    """A training repository's own ``layers.py``, ``parallel.py``, ``recipes/`` and ``conf/``: any
+    import of them fails loudly, any read of the YAML fails to parse."""
+    for name in ("layers.py", "parallel.py", "recipes/__init__.py", "recipes/generate.py"):
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(f"raise ImportError('the user repository\\'s {name} was imported')\n")
+    (path / "conf").mkdir()
+    (path / "conf" / "generate.yaml").write_text("model: [unbalanced\n")
+    return path
+
+
+def test_installed_package_has_one_import_root(installed, tmp_path):
+    """Installed from a wheel: ``reshard.*`` imports from the venv, ``layers`` does not exist."""
+    probe = "import reshard, reshard.layers, reshard.parallel, reshard.recipes.generate; print(reshard.__file__)"
+    out = subprocess.run([str(installed), "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().startswith(str(installed.parents[1])), out.stdout  # the wheel, not the repo
+    for name in ("layers", "parallel", "recipes", "conf"):
+        out = subprocess.run([str(installed), "-c", f"import {name}"], cwd=tmp_path, capture_output=True, text=True)
+        assert out.returncode != 0 and f"No module named '{name}'" in out.stderr, (name, out.stderr[-500:])
+
+
+def test_main_job_under_torchrun(installed, hf_reference, tmp_path):
+    """The README's main command, shrunk: built-in model, 2 ranks, files written by rank 0 only;
+    run from the installed wheel in a directory whose own ``layers.py``, ``parallel.py``,
+    ``recipes/`` and ``conf/`` would break it if anything imported them; tokens equal HF."""
+    work = _shadowing_user_repo(tmp_path / "user-repo")
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "recipes.generate", "workload.num_requests=6", "generation.max_new_tokens=4",
+    cmd = [str(installed), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "reshard.recipes.generate", "workload.num_requests=6", "generation.max_new_tokens=4",
            "hydra.run.dir=" + str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"outputs written to {tmp_path / 'run'}" in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -120,9 +162,11 @@ def test_main_job_under_torchrun(tmp_path):
     assert summary["world_size"] == 2 and summary["requests"] == 6
     assert Path(summary["model_path"]).is_absolute()
     assert summary["model_path"].startswith(str(tmp_path / "cache"))
-    lines = (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()
-    assert len(lines) == 6 and all(len(json.loads(l)["output_ids"]) >= 1 for l in lines)
-    assert summary["generated_tokens"] == sum(len(json.loads(l)["output_ids"]) for l in lines)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and all(len(line["output_ids"]) >= 1 for line in lines)
+    assert summary["generated_tokens"] == sum(len(line["output_ids"]) for line in lines)
+    reference = hf_reference(summary["model_path"], [line["prompt_ids"] for line in lines], 4)
+    assert [line["output_ids"] for line in lines] == reference
 
 
 def test_seesaw_recipe_matches_hf_and_reports_transitions(four_layer, hf_reference, tmp_path):
@@ -153,7 +197,7 @@ def test_seesaw_bad_layouts_are_rejected(tmp_path, override, message):
 def test_collective_timeout_is_configurable(monkeypatch):
     import datetime
 
-    from recipes.generate import collective_timeout
+    from reshard.recipes.generate import collective_timeout
 
     assert collective_timeout() == datetime.timedelta(minutes=10)
     monkeypatch.setenv("RESHARD_COLLECTIVE_TIMEOUT", "42")
@@ -167,7 +211,7 @@ def test_user_error_under_torchrun_is_one_line(tmp_path):
     """A config error is printed once, as one line, with no Python traceback from any rank."""
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "recipes.generate", "generation.temperature=hot", "hydra.run.dir=" + str(tmp_path / "run")]
+           "-m", "reshard.recipes.generate", "generation.temperature=hot", "hydra.run.dir=" + str(tmp_path / "run")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode != 0
     assert proc.stderr.count("error: generation.temperature must be float, got 'hot'") == 1, proc.stderr[-2000:]

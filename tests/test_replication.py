@@ -9,9 +9,9 @@ from tests import dist_harness
 def _job(path, pp, paged, dp=1):
     import torch.distributed as dist
 
-    from parallel import Engine, ParallelDims, Request, SamplingParams
-    from parallel.pipeline import parallelize_pipeline
-    from parallel.replication import RingReplication
+    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel.fault.ring import RingReplication
+    from reshard.parallel.model.pipeline import parallelize_pipeline
 
     world = dist.get_world_size()
     model = parallelize_pipeline(path, ParallelDims(dp=dp, pp=pp, tp=world // (pp * dp), world_size=world))

@@ -256,9 +256,9 @@ def _model_through_layouts(path):
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import AutoModelForCausalLM
 
-    from parallel import parallelize
-    from parallel.layouts import fsdp_layout, replicate_over, stage_layout, tp_layout
     from reshard import Layout, redistribute_module
+    from reshard.parallel import parallelize
+    from reshard.parallel.model.layouts import fsdp_layout, replicate_over, stage_layout, tp_layout
 
     rank = dist.get_rank()
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
@@ -290,7 +290,7 @@ def _model_through_layouts(path):
 def test_llama_through_tp_fsdp_stages_tpdp_and_back(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from parallel.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     path = str(make_tiny_checkpoint("llama", tmp_path / "llama4", seed=3, num_hidden_layers=4))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -17,7 +17,7 @@ def _compose(overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from recipes.rollout_config import RolloutJobConfig
+    from reshard.recipes.rollout_config import RolloutJobConfig
 
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("rollout", overrides=overrides)
@@ -28,7 +28,7 @@ def test_default_run_learns_and_syncs_at_the_lower_bound(tmp_path):
     """The no-argument job on 4 ranks: reward of the last 5 iterations >= first 5 + 0.3."""
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "recipes.rollout", "hydra.run.dir=" + str(tmp_path / "run")]
+           "-m", "reshard.recipes.rollout", "hydra.run.dir=" + str(tmp_path / "run")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -43,7 +43,7 @@ def test_default_run_learns_and_syncs_at_the_lower_bound(tmp_path):
 def _run(overrides, run_dir):
     import torch.distributed as dist
 
-    from recipes.rollout import run_rollout
+    from reshard.recipes.rollout import run_rollout
 
     run_rollout(_compose(overrides), Path(run_dir))
     if dist.get_rank() == 0:
@@ -69,7 +69,7 @@ def test_baselines_give_bitwise_identical_weights_and_tokens(tmp_path, placement
 
 
 @pytest.mark.parametrize("override,message", [
-    ("rollout.layout=pp", r"rollout.layout must be one of \['tp', 'shift'\], got 'pp'"),
+    ("rollout.layout=pp", r"rollout.layout must be one of \['shift', 'tp'\], got 'pp'"),
     ("rollout.colocated=maybe", r"rollout.colocated must be bool, got 'maybe'"),
     ("sync.method=nccl", r"sync.method must be one of \['planned', 'full_tensor', 'broadcast'\], got 'nccl'"),
     ("sync.bucket_mb=0", r"sync.bucket_mb must be > 0, got 0"),

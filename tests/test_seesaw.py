@@ -13,7 +13,7 @@ BUDGET = 60  # CPU KV tokens: the longest prompt (40) fits, a few prompts at onc
 
 
 def _dims(world, degrees):
-    from parallel import ParallelDims
+    from reshard.parallel import ParallelDims
 
     return ParallelDims(**degrees, world_size=world)
 
@@ -22,7 +22,7 @@ def _seesaw(path, layouts, *, budget=BUDGET, scheduler="transition_minimizing", 
             max_batch_size=3, compile=False, **paged):
     import torch.distributed as dist
 
-    from parallel.seesaw import LayoutSwitch, seesaw_engine
+    from reshard.parallel.strategies.seesaw import LayoutSwitch, seesaw_engine
 
     world = dist.get_world_size()
     switch = LayoutSwitch(path, _dims(world, layouts[0]), _dims(world, layouts[1]), weights=weights)
@@ -31,7 +31,7 @@ def _seesaw(path, layouts, *, budget=BUDGET, scheduler="transition_minimizing", 
 
 
 def _requests(prompts, max_new):
-    from parallel import Request, SamplingParams
+    from reshard.parallel import Request, SamplingParams
 
     return [Request(i, p, SamplingParams(max_new_tokens=m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
 
@@ -40,8 +40,8 @@ def _checkpoint_boxes_equal(model, path) -> bool:
     """Every parameter shard this rank holds is bitwise the checkpoint's slice."""
     import torch.distributed as dist
 
-    from parallel.checkpoint import CheckpointReader
     from reshard import Layout
+    from reshard.parallel.model.checkpoint import CheckpointReader
 
     reader, rank = CheckpointReader(path), dist.get_rank()
     for name, p in model.named_parameters():
@@ -125,7 +125,7 @@ def _sampled(path, prompts, layouts):
     """Seeded sampling: Seesaw with dp replicas (tokens drawn on one replica) vs a static TP4 engine."""
     import torch.distributed as dist
 
-    from parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, Request, SamplingParams, parallelize
 
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, seed=3)
     requests = [Request(i, p, params) for i, p in enumerate(prompts)]
@@ -147,7 +147,7 @@ def _swapped_in_kv(path, layouts, prompts):
     and the same from a pure decode-layout prefill."""
     import torch.distributed as dist
 
-    from parallel import Engine, parallelize
+    from reshard.parallel import Engine, parallelize
 
     engine = _seesaw(path, layouts, budget=200, max_batch_size=len(prompts))
     engine.generate(_requests(prompts, [2] * len(prompts)))  # prefill, swap out, swap in, 1 decode step
@@ -210,7 +210,7 @@ def _build_error(path, prefill, decode, budget):
     (dict(dp=2, tp=2), dict(tp=4), r"prompt of 8 tokens does not fit the CPU KV tier \(cpu_kv_budget=4"),
 ])
 def test_clear_errors(checkpoints, tmp_path, prefill, decode, message):
-    from parallel.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     path = checkpoints["llama"]
     if "heads" in message:
@@ -222,7 +222,7 @@ def test_clear_errors(checkpoints, tmp_path, prefill, decode, message):
 
 
 def test_scheduler_policies_unit():
-    from parallel.schedulers import SchedState, make_scheduler
+    from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_scheduler
 
     s = SchedState(queued=5, next_fits_tier=True, buffered=2, running=3, free_slots=1)
     assert make_scheduler("transition_minimizing").next_phase("prefill", s) == "prefill"
@@ -277,8 +277,8 @@ def _die_while_mapping():
 
     import torch.distributed as dist
 
-    from parallel.seesaw import map_shared
     from reshard.kv import CPUKVTier, TierSpec
+    from reshard.shm import map_shared
 
     def factory(path):
         tier = CPUKVTier(TierSpec(1, 2, 4, capacity_tokens=8), path)

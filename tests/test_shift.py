@@ -9,8 +9,8 @@ from tests.test_generate import MAX_NEW, _prompts
 def _shift_generate(path, sp, tp, threshold, prompts, max_new, *, copy=True, snapshot_kv=False):
     import torch.distributed as dist
 
-    from parallel import ParallelDims, Request, SamplingParams
-    from parallel.shift import parallelize_shift, shift_engine
+    from reshard.parallel import ParallelDims, Request, SamplingParams
+    from reshard.parallel.strategies.shift import parallelize_shift, shift_engine
 
     dims = ParallelDims(sp=sp, tp=tp, world_size=dist.get_world_size())
     model = parallelize_shift(path, dims, shift_weights="copy" if copy else "slice")
@@ -70,8 +70,8 @@ def _shift_compiled(path, prompts, lengths):
     import torch._dynamo
 
     torch._dynamo.reset()
-    from parallel import ParallelDims, Request, SamplingParams
-    from parallel.shift import parallelize_shift, shift_engine
+    from reshard.parallel import ParallelDims, Request, SamplingParams
+    from reshard.parallel.strategies.shift import parallelize_shift, shift_engine
 
     out = {}
     for compile in (False, True):

@@ -11,8 +11,8 @@ MAX_NEW = [3, 5, 4, 6, 18]  # the last request runs on alone: the other replicas
 
 
 def _job(path, mode, shift=True, threshold=1.0):
-    from parallel import Request, SamplingParams
-    from parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine import EngineArgs, make_strategy
 
     strategy = make_strategy({"strategy": "sidp", "mode": mode, "threshold": threshold, "peak_shifting": shift,
                               "slots": 3, "interval": 2})
@@ -58,8 +58,8 @@ def test_peak_shifting_gives_each_owner_one_reader(four_layer, shift, readers):
 
 
 def test_orchestrator_hysteresis_never_flaps():
-    from layers.owner_pool import CAS, WAS
-    from parallel.sidp import choose_mode
+    from reshard.layers.owner_pool import CAS, WAS
+    from reshard.parallel.strategies.sidp import choose_mode
 
     mode, modes = None, []
     for batch in [2, 9, 9.9, 7, 6.5, 10.1, 9, 7.4, 5.9, 6.2, 7.5]:  # b* = 8, band [6, 10]
@@ -69,8 +69,8 @@ def test_orchestrator_hysteresis_never_flaps():
 
 
 def _gain_job(path):
-    from parallel.engine import EngineArgs, make_strategy
-    from parallel.sidp import kv_bytes_per_token
+    from reshard.parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel.strategies.sidp import kv_bytes_per_token
 
     strategy = make_strategy({"strategy": "sidp", "slots": 2, "prefetch_depth": 2})
     engine = strategy.build(path, EngineArgs(max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=64))
@@ -85,7 +85,7 @@ def _gain_job(path):
 def test_freed_ffn_memory_becomes_kv_capacity(tmp_path):
     """8 layers over 2 ranks with 2 slots: each rank frees 2 layers' FFN, and the paged store is
     allocated that much bigger (a real allocation, within one block of the freed bytes)."""
-    from parallel.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     path = str(make_tiny_checkpoint("llama", tmp_path / "deep", num_hidden_layers=8))
     for grown, freed, capacity, gained, per_token in dist_harness.run(2, _gain_job, path):
@@ -95,10 +95,10 @@ def test_freed_ffn_memory_becomes_kv_capacity(tmp_path):
 
 def _overlap_job(path, pooled):
     """Every layer computes 40 ms longer (a stand-in for a bigger model); WaS fetches hide behind it."""
-    from parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
-    from parallel.engine import EngineArgs, make_strategy
-
     import torch.distributed as dist
+
+    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+    from reshard.parallel.engine import EngineArgs, make_strategy
 
     world = dist.get_world_size()
     if pooled:
@@ -122,7 +122,7 @@ def test_was_hides_fetches_behind_compute(four_layer):
 
 
 def _profiled_job(path):
-    from parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel.engine import EngineArgs, make_strategy
 
     strategy = make_strategy({"strategy": "sidp", "threshold": None})
     engine = strategy.build(path, EngineArgs(max_batch_size=2, max_seq_len=32))

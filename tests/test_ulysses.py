@@ -11,7 +11,7 @@ def _reference(heads, kv, head_dim, qk_norm, seed=0):
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-    from parallel.tiny_models import tiny_config
+    from reshard.parallel.model.tiny_models import tiny_config
 
     family = "qwen3" if qk_norm else "llama"
     config = tiny_config(family, hidden_size=heads * head_dim, num_attention_heads=heads,
@@ -27,11 +27,11 @@ def _reference(heads, kv, head_dim, qk_norm, seed=0):
 def _run(sp, tp, heads, kv, head_dim, qk_norm, mode, copy):
     import torch.distributed as dist
 
-    from layers.ulysses import SHIFT_WEIGHTS, UlyssesAttention
-    from layers.weights import use_weights
-    from parallel import ParallelDims
-    from parallel.parallelize import copy_full_state
-    from parallel.shift import base_mesh, shift_meshes
+    from reshard.layers.ulysses import SHIFT_WEIGHTS, UlyssesAttention
+    from reshard.layers.weights import use_weights
+    from reshard.parallel import ParallelDims
+    from reshard.parallel.model.parallelize import copy_full_state
+    from reshard.parallel.strategies.shift import base_mesh, shift_meshes
 
     config, ref, rope = _reference(heads, kv, head_dim, qk_norm)
     dims = ParallelDims(sp=sp, tp=tp, world_size=dist.get_world_size())
@@ -115,7 +115,7 @@ def test_slice_and_copy_layouts_agree_and_cost_what_they_say():
 
 
 def test_head_errors_name_the_values():
-    from layers.ulysses import check_shift_heads
+    from reshard.layers.ulysses import check_shift_heads
 
     with pytest.raises(ValueError, match=r"query heads \(6\) must be divisible by SP x TP \(2 x 2 = 4\)"):
         check_shift_heads(6, 2, 2, 2)

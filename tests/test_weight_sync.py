@@ -11,7 +11,7 @@ from tests import dist_harness
 
 def _trained(path, ranks, seed=0):
     """The FSDP2 model after one Adam step on a seeded batch (so its weights differ from the file)."""
-    from parallel.rollout import train_model
+    from reshard.parallel.strategies.rollout import train_model
 
     model = train_model(path, ranks)
     if model is None:
@@ -34,9 +34,9 @@ def _sliced_equal(rollout, full: dict) -> list[str]:
     """Names of rollout tensors (parameters and weight copies) that differ from the sliced oracle."""
     import torch.distributed as dist
 
-    from parallel.weight_sync import rollout_tensors
     from reshard import Layout
     from reshard.layout import box_slices
+    from reshard.parallel.model.weight_sync import rollout_tensors
 
     bad = []
     for key, t in rollout_tensors(rollout).items():
@@ -47,7 +47,7 @@ def _sliced_equal(rollout, full: dict) -> list[str]:
 
 
 def _ptrs(model):
-    from parallel.weight_sync import rollout_tensors
+    from reshard.parallel.model.weight_sync import rollout_tensors
 
     return {k: t.to_local().data_ptr() for k, t in rollout_tensors(model).items()}
 
@@ -55,8 +55,8 @@ def _ptrs(model):
 def _colocated_job(path, layout, method, bucket):
     import torch.distributed as dist
 
-    from parallel.rollout import rollout_model
-    from parallel.weight_sync import model_sync
+    from reshard.parallel.model.weight_sync import model_sync
+    from reshard.parallel.strategies.rollout import rollout_model
 
     world = list(range(dist.get_world_size()))
     train, opt = _trained(path, world)
@@ -74,7 +74,7 @@ def _colocated_job(path, layout, method, bucket):
 
 
 def _greedy_tokens(model):
-    from parallel import Engine, Request, SamplingParams
+    from reshard.parallel import Engine, Request, SamplingParams
 
     engine = Engine(model, max_batch_size=4, max_seq_len=64)
     reqs = [Request(i, [3 + i, 17, 40 + i], SamplingParams(max_new_tokens=6)) for i in range(3)]
@@ -112,8 +112,8 @@ def test_colocated_fsdp_to_tp_is_exact_in_place_at_the_lower_bound(checkpoints, 
 def _split_job(path, layout, train_ranks, rollout_ranks):
     import torch.distributed as dist
 
-    from parallel.rollout import rollout_engine, rollout_model
-    from parallel.weight_sync import model_sync
+    from reshard.parallel.model.weight_sync import model_sync
+    from reshard.parallel.strategies.rollout import rollout_engine, rollout_model
 
     train, _ = _trained(path, train_ranks)
     rollout = rollout_model(path, layout, rollout_ranks)
@@ -126,7 +126,7 @@ def _split_job(path, layout, train_ranks, rollout_ranks):
     full = next(f for f in everyone if f is not None)
     out = dict(received=stats.bytes_received, lower=sync.lower_bound_bytes)
     if holds_rollout:
-        from parallel import Request, SamplingParams
+        from reshard.parallel import Request, SamplingParams
 
         reqs = [Request(i, [5 + i, 9, 11, 2], SamplingParams(max_new_tokens=5)) for i in range(2)]
         engine = rollout_engine(rollout, layout, max_batch_size=2, max_seq_len=32, threshold=4)  # Shift: SP prefill
@@ -163,8 +163,8 @@ def test_split_and_overlapping_ranks(checkpoints, layout, train_ranks, rollout_r
 def _mismatch_job(train_path, rollout_path, what):
     import torch.distributed as dist
 
-    from parallel.rollout import rollout_model
-    from parallel.weight_sync import model_sync
+    from reshard.parallel.model.weight_sync import model_sync
+    from reshard.parallel.strategies.rollout import rollout_model
 
     world = list(range(dist.get_world_size()))
     train, _ = _trained(train_path, world)
@@ -173,7 +173,7 @@ def _mismatch_job(train_path, rollout_path, what):
 
 
 def test_a_shape_or_name_mismatch_is_an_error_on_every_rank(checkpoints, tmp_path):
-    from parallel.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     wide = make_tiny_checkpoint("llama", tmp_path / "wide", intermediate_size=192)
     with pytest.raises(RuntimeError, match=r"failed on ranks \[0, 1\][\s\S]*ValueError: parameter "
@@ -191,9 +191,9 @@ def _async_job(path):
     rollout side refuses to generate until the sync is applied."""
     import torch.distributed as dist
 
-    from parallel import Engine, Request, SamplingParams
-    from parallel.rollout import rollout_model
-    from parallel.weight_sync import model_sync
+    from reshard.parallel import Engine, Request, SamplingParams
+    from reshard.parallel.model.weight_sync import model_sync
+    from reshard.parallel.strategies.rollout import rollout_model
 
     train, opt = _trained(path, [0, 1])
     rollout = rollout_model(path, "tp", [2, 3])
@@ -234,8 +234,8 @@ def test_async_sync_overlaps_training_compute_and_versions_the_weights(checkpoin
 def _release_job(path):
     import torch.distributed as dist
 
-    from parallel import Engine, Request, SamplingParams
-    from parallel.rollout import rollout_model
+    from reshard.parallel import Engine, Request, SamplingParams
+    from reshard.parallel.strategies.rollout import rollout_model
 
     model = rollout_model(path, "tp", list(range(dist.get_world_size())))
     engine = Engine(model, max_batch_size=2, max_seq_len=32)
@@ -257,9 +257,9 @@ def _compiled_job(path):
     decodes with the new weights."""
     import torch._dynamo.utils as dynamo_utils
 
-    from parallel import Engine, Request, SamplingParams
-    from parallel.rollout import rollout_model
-    from parallel.weight_sync import model_sync
+    from reshard.parallel import Engine, Request, SamplingParams
+    from reshard.parallel.model.weight_sync import model_sync
+    from reshard.parallel.strategies.rollout import rollout_model
 
     train, opt = _trained(path, [0])
     rollout = rollout_model(path, "tp", [0])

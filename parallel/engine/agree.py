@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..dims import device_type
-from ..sampling import sample_tokens, skip_draws
-from .request import Sequence
+from reshard.parallel.engine.request import Sequence
+from reshard.parallel.engine.sampling import sample_tokens, skip_draws
+from reshard.parallel.model.dims import device_type
 
 
 def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor,

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Mapping, Sequence as Seq
+from typing import Mapping
+from typing import Sequence as Seq
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from reshard.parallel.engine.agree import sample_step
+from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step
+from reshard.parallel.engine.request import Completion, Request, Sequence
+from reshard.parallel.engine.runner import ModelRunner
+from reshard.parallel.engine.sampling import skip_draws
 from reshard.sync import weight_version
-
-from ..sampling import skip_draws
-from .agree import sample_step
-from .policy import ContinuousBatching, Policy, Step
-from .request import Completion, Request, Sequence
-from .runner import ModelRunner
 
 
 class Engine:
@@ -191,7 +191,7 @@ class Engine:
         runner's cache (slots ``0..len(prompts)-1``); call it between ``generate`` calls."""
         if not 0 < len(prompts) <= self.max_batch_size:
             raise ValueError(f"prompt_logits takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
-        from ..sampling import SamplingParams
+        from reshard.parallel.engine.sampling import SamplingParams
 
         self.validate([Request(i, list(p), SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)])
         return self.runner.prompt_logits(prompts)

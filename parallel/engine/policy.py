@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence as Seq
+from typing import TYPE_CHECKING
+from typing import Sequence as Seq
 
-from .request import EngineStats, Request, Sequence
+from reshard.parallel.engine.request import EngineStats, Request, Sequence
 
 if TYPE_CHECKING:
-    from .loop import Engine
+    from reshard.parallel.engine.loop import Engine
 
 PHASES = ("prefill", "decode")
 ADMISSION = ("fifo", "longest_first")

@@ -1,24 +1,28 @@
 """Strategies register themselves: name -> config dataclass that builds the engine and its summary.
 
-A strategy is one module ``parallel/<name>.py`` defining a dataclass (its config; the YAML
-``conf/parallel/<name>.yaml`` mirrors its fields) decorated with ``@register_strategy("<name>")``
-and subclassing :class:`Strategy`. The recipes look strategies up by name and never branch on
-them; a name not yet registered is imported as ``parallel.<name>``.
+A strategy is one module (or package) of :mod:`reshard.parallel.strategies` defining a dataclass
+(its config; the YAML ``conf/parallel/<name>.yaml`` mirrors its fields) decorated with
+``@register_strategy("<name>")`` and subclassing :class:`Strategy`. The registry discovers the
+built-in ones by importing every module of that package (no list of names); a strategy that lives
+elsewhere registers when its module is imported, or is named by its dotted module path. The
+recipes look strategies up by name and never branch on them.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
-from ..dims import ParallelDims
-from .config_types import check_values
-from .loop import Engine
+from reshard.parallel.engine.config_types import check_values
+from reshard.parallel.engine.loop import Engine
+from reshard.parallel.model.dims import ParallelDims
 
-BUILTIN = ("tp", "shift", "seesaw")
+STRATEGIES_PACKAGE = "reshard.parallel.strategies"
 _REGISTRY: dict[str, type] = {}
 
 
@@ -56,8 +60,31 @@ class Strategy:
         raise NotImplementedError
 
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
-        """Load the model in this strategy's layout(s) and return its engine (collective)."""
-        raise NotImplementedError
+        """Load the model in this strategy's layout(s) and return its engine (collective).
+
+        The default builds :meth:`build_model` over the whole world, then :meth:`build_engine`.
+        """
+        import torch.distributed as dist
+
+        model = self.build_model(path, self.dims(dist.get_world_size()), args)
+        return self.build_engine(model, args)
+
+    def build_model(self, path: str | os.PathLike, dims: ParallelDims, args: EngineArgs) -> nn.Module:
+        """The model in this strategy's one layout over ``dims``' ranks (collective over the job).
+
+        Strategies whose engine holds several module trees (Seesaw, DejaVu) do not define it, and so
+        cannot be built on a subset of ranks (an RL rollout's).
+        """
+        raise NotImplementedError(f"strategy {self.name!r} has no single-layout model")
+
+    def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
+        """The engine over a :meth:`build_model` model (collective over its ranks)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no single-layout model")
+
+    @classmethod
+    def single_model(cls) -> bool:
+        """Whether the strategy builds one model in one layout (:meth:`build_model`)."""
+        return cls.build_model is not Strategy.build_model
 
     def summary(self, engine: Engine) -> dict:
         """Keys this strategy adds to ``summary.json`` (collective: may reduce over ranks)."""
@@ -79,14 +106,20 @@ def register_strategy(name: str):
     return register
 
 
+def discover() -> None:
+    """Import every module of :data:`STRATEGIES_PACKAGE` so that its strategies register."""
+    package = importlib.import_module(STRATEGIES_PACKAGE)
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{STRATEGIES_PACKAGE}.{module.name}")
+
+
 def strategy_class(name: str) -> type:
-    """The registered strategy ``name`` (importing ``parallel.<name>`` on first use)."""
+    """The registered strategy ``name``: a built-in, or one in the module ``name`` (dotted path)."""
     if name not in _REGISTRY:
-        for module in BUILTIN:
-            importlib.import_module(f"parallel.{module}")
-    if name not in _REGISTRY and isinstance(name, str) and name.isidentifier():
+        discover()
+    if name not in _REGISTRY and isinstance(name, str) and "." in name:
         try:
-            importlib.import_module(f"parallel.{name}")
+            importlib.import_module(name)
         except ModuleNotFoundError:
             pass
     if name not in _REGISTRY:
@@ -107,5 +140,6 @@ def make_strategy(values: dict[str, Any]) -> Strategy:
 
 
 def registered() -> list[str]:
-    strategy_class(BUILTIN[0])
+    """Every strategy name: the built-ins and any registered since."""
+    discover()
     return sorted(_REGISTRY)

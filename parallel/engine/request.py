@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams, make_generator
+from reshard.parallel.engine.sampling import SamplingParams, make_generator
 
 
 @dataclass

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Callable
+from typing import Sequence as Seq
 
 import torch
 import torch.distributed as dist
@@ -23,14 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from layers._comm import all_gather
-from layers.weights import use_weights
 from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 from reshard.kv.swap import MicrobatchSwap, PrefillSwap
-
-from ..dims import ParallelDims, rank_grid
-from ..layouts import stage_of_layer
-from .request import Sequence
+from reshard.layers._comm import all_gather
+from reshard.layers.weights import use_weights
+from reshard.parallel.engine.request import Sequence
+from reshard.parallel.model.dims import ParallelDims, rank_grid
+from reshard.parallel.model.layouts import stage_of_layer
 
 LayerHook = Callable[[int, torch.Tensor, AttentionContext], "torch.Tensor | None"]
 StepHook = Callable[[str, list], None]

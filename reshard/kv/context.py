@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .cache import KVCache
+from reshard.kv.cache import KVCache
 
 
 @dataclass

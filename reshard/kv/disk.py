@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .cache import KVCache
+from reshard.kv.cache import KVCache
 
 _NAME = re.compile(r"req(?P<req>-?\d+)-L(?P<l0>\d+)-(?P<l1>\d+)-H(?P<h0>\d+)-(?P<h1>\d+)\.safetensors$")
 

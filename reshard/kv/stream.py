@@ -28,10 +28,10 @@ from typing import Callable, Collection, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..plan import Piece, assign_senders
-from .cache import KVCache, KVLayout
-from .pack import pack_kv
-from .transport import Job, JobQueue, LocalTransport, P2PTransport, Transport
+from reshard.kv.cache import KVCache, KVLayout
+from reshard.kv.pack import pack_kv
+from reshard.kv.transport import Job, JobQueue, LocalTransport, P2PTransport, Transport
+from reshard.plan import Piece, assign_senders
 
 Box = tuple[tuple[int, int], tuple[int, int]]  # (layers [l0, l1), KV heads [h0, h1))
 

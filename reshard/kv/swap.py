@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from .cache import KVCache
-from .tier import CPUKVTier
+from reshard.kv.cache import KVCache
+from reshard.kv.tier import CPUKVTier
 
 
 class KVSwapper:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import KVCache, KVLayout
+from reshard.kv.cache import KVCache, KVLayout
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .profiles import Hardware
+    from reshard.parallel.cost.profiles import Hardware
 
 # The 2 gloo processes load this file alone (no package import: ~1.5 s instead of ~4 s, and no
 # unguarded __main__ re-run as with multiprocessing's spawn), so module level imports only torch.
@@ -143,7 +143,7 @@ def calibrate(*, repeats: int = 7) -> Hardware:
     finally:
         torch.set_num_threads(threads)
     comm = measure_collectives(repeats)
-    from .profiles import Hardware
+    from reshard.parallel.cost.profiles import Hardware
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lat, bw = comm["send"]
@@ -152,7 +152,7 @@ def calibrate(*, repeats: int = 7) -> Hardware:
 
 
 def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    from .tiny_models import default_cache_dir
+    from reshard.parallel.model.tiny_models import default_cache_dir
 
     return Path(cache_dir or default_cache_dir()) / "calibration" / CACHE_NAME
 
@@ -181,7 +181,7 @@ def to_json(hw: Hardware) -> dict:
 
 
 def from_json(d: dict) -> Hardware:
-    from .profiles import Hardware
+    from reshard.parallel.cost.profiles import Hardware
 
     values = [d[k] for k in ("memory", "mem_bw", "flops", "link_bw", "link_latency")]
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
@@ -194,7 +194,7 @@ def from_json(d: dict) -> Hardware:
 def oversubscribed(hw: Hardware, *, ranks: int, cores: int) -> Hardware:
     """``hw`` as each of ``ranks`` single-threaded processes sees it on ``cores`` cores: compute and
     memory bandwidth shared (``cores / ranks`` each when ranks exceed cores); links unchanged."""
-    from .profiles import Hardware
+    from reshard.parallel.cost.profiles import Hardware
 
     share = min(1.0, cores / ranks)
     return Hardware(name=f"{hw.name}/{ranks}on{cores}", memory=hw.memory / ranks, mem_bw=hw.mem_bw * share,

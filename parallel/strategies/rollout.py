@@ -8,6 +8,7 @@ rollout ranks, the same ranks (colocated) or others (split). Weights move betwee
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -18,13 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from reshard.mesh import cached_mesh
-
-from .dims import ParallelDims
-from .parallelize import parallelize
-from .engine import Engine
-from .shift import parallelize_shift, shift_engine
-
-ROLLOUT_LAYOUTS = ("tp", "shift")
+from reshard.parallel.engine import Engine, EngineArgs, Strategy, registered, strategy_class
+from reshard.parallel.model.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -68,40 +64,50 @@ def train_model(path: str | os.PathLike, ranks: Sequence[int]) -> nn.Module | No
     return model.train()
 
 
+def rollout_layouts() -> list[str]:
+    """The strategies a rollout can run in: those that build one model in one layout."""
+    return [name for name in registered() if strategy_class(name).single_model()]
+
+
+def rollout_strategy(layout: str, **keys) -> Strategy:
+    """The registered strategy ``layout`` configured from those of ``keys`` it has (others ignored:
+    ``tp`` for TP, ``sp``/``threshold`` for Shift; ``None`` keeps the strategy's default)."""
+    if layout not in rollout_layouts():
+        raise ValueError(f"rollout layout must be one of {rollout_layouts()}, got {layout!r}")
+    cls = strategy_class(layout)
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in keys.items() if k in known and v is not None})
+
+
 def rollout_model(path: str | os.PathLike, layout: str, ranks: Sequence[int], *, tp: int | None = None,
                   sp: int = 2) -> nn.Module:
-    """The rollout model over ``ranks`` (consecutive): ``"tp"`` (TP of ``tp`` ranks, default all,
-    the rest data-parallel replicas) or ``"shift"`` (Shift parallelism, ``sp`` x rest). Built on
-    every rank of the job (collective); ranks outside ``ranks`` hold empty shards."""
-    dims = rollout_dims(layout, ranks, tp=tp, sp=sp)
-    if layout == "tp":
-        return parallelize(path, dims)
-    return parallelize_shift(path, dims)
+    """The rollout model over ``ranks`` (consecutive) in the strategy ``layout``'s layout: ``"tp"``
+    (TP of ``tp`` ranks, default all, the rest data-parallel replicas) or ``"shift"`` (Shift
+    parallelism, ``sp`` x rest). Built on every rank of the job (collective); ranks outside
+    ``ranks`` hold empty shards."""
+    strategy = rollout_strategy(layout, tp=tp, sp=sp)
+    return strategy.build_model(path, rollout_dims(strategy, ranks), EngineArgs())
 
 
 def rollout_engine(model: nn.Module, layout: str, *, max_batch_size: int, max_seq_len: int,
                    threshold: int = 64) -> Engine:
-    """The engine of a :func:`rollout_model`: continuous batching in its TP layout, or Shift's
-    two modes over one KV cache (steps of more than ``threshold`` tokens run SP)."""
-    if layout == "shift":
-        return shift_engine(model, threshold=threshold, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-    return Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    """The engine of a :func:`rollout_model` by its strategy: continuous batching in the TP layout,
+    or Shift's two modes over one KV cache (steps of more than ``threshold`` tokens run SP)."""
+    strategy = rollout_strategy(layout, threshold=threshold, sp=model.parallel_dims.sp)
+    return strategy.build_engine(model, EngineArgs(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
 
 
-def rollout_dims(layout: str, ranks: Sequence[int], *, tp: int | None = None, sp: int = 2) -> ParallelDims:
-    if layout not in ROLLOUT_LAYOUTS:
-        raise ValueError(f"rollout layout must be one of {ROLLOUT_LAYOUTS}, got {layout!r}")
+def rollout_dims(strategy: Strategy, ranks: Sequence[int]) -> ParallelDims:
+    """``strategy``'s layout over the consecutive ``ranks``: its dims for ``len(ranks)`` ranks,
+    starting at ``ranks[0]``."""
     n, first = len(ranks), ranks[0]
     if list(ranks) != list(range(first, first + n)):
         raise ValueError(f"rollout ranks must be consecutive, got {list(ranks)}")
-    if layout == "shift":
-        if n % sp:
-            raise ValueError(f"rollout.sp ({sp}) must divide the {n} rollout ranks")
-        return ParallelDims(sp=sp, tp=n // sp, world_size=n, first_rank=first)
-    tp = tp or n
-    if n % tp:
-        raise ValueError(f"rollout.tp ({tp}) must divide the {n} rollout ranks")
-    return ParallelDims(dp=n // tp, tp=tp, world_size=n, first_rank=first)
+    try:
+        dims = strategy.dims(n)
+    except ValueError as e:
+        raise ValueError(f"rollout on {n} ranks: {e}") from None
+    return dataclasses.replace(dims, first_rank=first)
 
 
 # ---- GRPO ----------------------------------------------------------------------------------------

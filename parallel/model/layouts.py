@@ -6,21 +6,19 @@ re-sharding, the RL train -> rollout weight sync, ...).
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import dataclasses
+from typing import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from layers import RMSNorm
-from layers._base import Redistributable, Targets, prefixed
 from reshard import Layout
+from reshard.layers import RMSNorm
+from reshard.layers._base import Redistributable, Targets, prefixed
 from reshard.layout import nested_tuple
-
-from .dims import ParallelDims
+from reshard.parallel.model.dims import ParallelDims
 
 
 def _top_layers(model: nn.Module) -> list[tuple[str, Redistributable]]:

@@ -14,11 +14,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from reshard.mesh import cached_mesh
-
-from .dims import ParallelDims, rank_grid
-from .layouts import stage_of_module
-from .parallelize import parallelize
-from .plans import MeshOf, tp_plan
+from reshard.parallel.model.dims import ParallelDims, rank_grid
+from reshard.parallel.model.layouts import stage_of_module
+from reshard.parallel.model.parallelize import parallelize
+from reshard.parallel.model.plans import MeshOf, tp_plan
 
 
 def parallelize_pipeline(path: str | os.PathLike, dims: ParallelDims, *,
@@ -61,6 +60,17 @@ def stage_mesh_of(dims: ParallelDims, num_layers: int) -> MeshOf:
 def _num_layers(path) -> int:
     from transformers import AutoConfig
 
-    from .checkpoint import resolve_checkpoint
+    from reshard.parallel.model.checkpoint import resolve_checkpoint
 
     return AutoConfig.from_pretrained(resolve_checkpoint(path)).num_hidden_layers
+
+
+def build_model(path: str | os.PathLike, dims: ParallelDims, *, dtype: torch.dtype | None = None,
+                load_weights: bool = True, allow_unused: bool = False) -> nn.Module:
+    """The model in ``dims``' layout: pipeline stages when ``dims.pp > 1``, else TP x DP."""
+    if dims.sp != 1:
+        raise ValueError(f"build_model takes dp, pp and tp layouts, got sp={dims.sp}")
+    if dims.pp > 1:
+        return parallelize_pipeline(path, dims, dtype=dtype, load_weights=load_weights,
+                                    allow_unused=allow_unused)
+    return parallelize(path, dims, dtype=dtype, load_weights=load_weights, allow_unused=allow_unused)

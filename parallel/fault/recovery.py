@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import shutil
@@ -27,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 from reshard.kv import KVCache
-
-from .engine import Engine
-from .replication import RingReplication
+from reshard.parallel.engine import Engine
+from reshard.parallel.fault.heartbeat import Heartbeat
+from reshard.parallel.fault.inject import die
+from reshard.parallel.fault.restart import job_store
+from reshard.parallel.fault.ring import RingReplication
 
 
 def shared_cache(spec, path: Path) -> KVCache:
@@ -104,7 +105,7 @@ class FaultTolerance:
             if self.hang:
                 self.heartbeat.stop()  # silent from here on, like a process stuck in a kernel
                 threading.Event().wait()  # until torchrun terminates it
-            _die()
+            die()
 
     def _record(self, index: int, step, tokens: list[int]) -> None:
         """Journal the step's tokens (rank 0) and the mirror's acknowledged step (every rank)."""
@@ -242,90 +243,3 @@ def _replicated_runner(engine: Engine, persisted: frozenset[str]):
         raise ValueError(f"fault tolerance needs a contiguous KV cache; the {name!r} runner's is paged "
                          f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size")
     return runner
-
-
-def inject_kill(kill_at: tuple[int, int]):
-    """A pre-step hook that SIGKILLs rank ``kill_at[0]`` before step ``kill_at[1]``."""
-    def hook(index: int, step) -> None:
-        if (dist.get_rank(), index) == tuple(kill_at):
-            _die()
-    return hook
-
-
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)  # fault injection: no cleanup, as a crash
-
-
-def restart_count() -> int:
-    """Which attempt of the job this is (torchrun counts restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-class Heartbeat:
-    """Liveness of every rank through the job's store (a side thread per rank).
-
-    Each rank bumps its counter every ``period`` seconds; the same thread reads every other
-    rank's counter, and a rank whose counter has not moved for ``misses`` periods is declared
-    dead: ``on_dead(rank, silent_seconds)`` runs (default: record it and leave the job, so no
-    survivor waits in a collective for a rank that hangs). ``detected`` lists what was declared.
-    """
-
-    def __init__(self, store, rank: int, world: int, *, period: float = 0.5, misses: int = 3,
-                 prefix: str = "hb", on_dead=None) -> None:
-        import threading
-
-        self.store, self.rank, self.world, self.period, self.misses = store, rank, world, period, misses
-        self.prefix, self.on_dead = prefix, on_dead or _leave
-        self.detected: list[tuple[int, float]] = []
-        self.error: Exception | None = None
-        self._beats, self._paused = 0, False
-        self._beat()  # before anyone can watch: a rank is live from its first beat
-        self._seen = {r: (-1, time.monotonic()) for r in range(world) if r != rank}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reshard-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(self.period):
-                if not self._paused:
-                    self._beat()
-                self._check()
-        except Exception as e:  # the store went away (the job is ending): stop watching
-            self.error = e
-
-    def _beat(self) -> None:
-        self._beats += 1
-        self.store.set(f"{self.prefix}/{self.rank}", str(self._beats))
-
-    def _check(self) -> None:
-        now = time.monotonic()
-        for r, (count, since) in list(self._seen.items()):
-            current = int(self.store.get(f"{self.prefix}/{r}")) if self.store.check([f"{self.prefix}/{r}"]) else -1
-            grace = self.misses if count >= 0 else 4 * self.misses  # a rank not yet seen: starting up
-            if current != count:
-                self._seen[r] = (current, now)
-            elif now - since > grace * self.period:
-                del self._seen[r]
-                self.detected.append((r, now - since))
-                self.on_dead(r, now - since)
-
-    def pause(self) -> None:
-        """Stop beating (a hung rank, for tests); the monitor keeps watching the others."""
-        self._paused = True
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _leave(rank: int, silent: float) -> None:
-    print(f"rank {rank} silent for {silent:.1f} s: declared dead, leaving the job", file=sys.stderr, flush=True)
-    os._exit(3)
-
-
-def job_store(attempt: int):
-    """A client of the job's TCP store (``MASTER_ADDR``/``MASTER_PORT``), keys of this attempt."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=30))
-    return dist.PrefixStore(f"attempt{attempt}", store)

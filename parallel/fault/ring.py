@@ -16,9 +16,8 @@ import torch.distributed as dist
 
 from reshard.kv import KVCache, KVLayout, KVSpec
 from reshard.kv.stream import KVStreamer, StreamPlan, TokenStream, kv_box, world_layouts
+from reshard.parallel.engine import Engine, ModelRunner
 from reshard.plan import Piece
-
-from .engine import Engine, ModelRunner
 
 
 class RingReplication:

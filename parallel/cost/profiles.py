@@ -228,7 +228,7 @@ def workload(name: str, *, input_len: float = 512, output_len: float = 512, requ
 def hardware(name: str) -> Hardware:
     """A datasheet profile by name, or ``this_machine`` (calibrated, cached; see :mod:`parallel.calibrate`)."""
     if name == "this_machine":
-        from .calibrate import this_machine
+        from reshard.parallel.cost.calibrate import this_machine
 
         return this_machine()
     if name not in HARDWARE:

@@ -2,7 +2,7 @@
 
 Run from the repo root:
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/reshard.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/movement.py
     (options: --hidden 1024 --layers 8 --bucket-mb 64 --repeats 3)
 
 Tensors: ``--layers`` layers, each with q, k, v, o (hidden x hidden) and gate, up (ffn x hidden),
@@ -33,27 +33,24 @@ import argparse
 import datetime
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import reshard
+from reshard.layout import Layout, box_slices
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]  # not this file
-sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed._functional_collectives as funcol  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-import reshard  # noqa: E402
-from reshard.layout import Layout, box_slices  # noqa: E402
-
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/reshard.py"
+COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/movement.py"
 WORLD = 4
 MIB = 2**20
 COLWISE = ("q", "k", "v", "gate", "up")

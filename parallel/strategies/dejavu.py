@@ -23,12 +23,21 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.kv.stream import KVStreamer, Span, plan_stream, world_layouts
-
-from .dejavu_planner import plan_disaggregation
-from .dims import ParallelDims
-from .engine import Engine, EngineArgs, EngineStats, ModelRunner, Policy, SlotPool, Step, Strategy, register_strategy
-from .engine.runner import Replica, split_ranges
-from .seesaw import build_model
+from reshard.parallel.cost.dejavu_planner import plan_disaggregation
+from reshard.parallel.engine import (
+    Engine,
+    EngineArgs,
+    EngineStats,
+    ModelRunner,
+    Policy,
+    SlotPool,
+    Step,
+    Strategy,
+    register_strategy,
+)
+from reshard.parallel.engine.runner import Replica, split_ranges
+from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.model.pipeline import build_model
 
 
 class AbsentRunner:

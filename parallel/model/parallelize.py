@@ -12,10 +12,9 @@ from torch import nn
 
 from reshard import Layout
 from reshard.layout import box_slices
-
-from .checkpoint import CheckpointReader, resolve_checkpoint
-from .dims import ParallelDims, device_type
-from .plans import BuildContext, MeshOf, ParallelStyle, tp_plan
+from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoint
+from reshard.parallel.model.dims import ParallelDims, device_type
+from reshard.parallel.model.plans import BuildContext, MeshOf, ParallelStyle, tp_plan
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 

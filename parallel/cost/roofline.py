@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from .profiles import Hardware, ModelShape, Workload
+from reshard.parallel.cost.profiles import Hardware, ModelShape, Workload
 
 MEMORY_RESERVE = 0.10  # fraction of device memory kept free for activations, workspace, fragmentation
 PREFILL_TOKENS = 4096  # assumed tokens per prefill step (vLLM-style chunk), >= one whole prompt
@@ -328,7 +328,7 @@ def _lower_bound(a: ParallelConfig, sa: int, b: ParallelConfig, sb: int, shape: 
 def transition_bytes(m: ModelShape, a: ParallelConfig, b: ParallelConfig) -> int:
     """Bytes the movement core must move to re-shard the weights from ``a`` to ``b`` (its lower
     bound, summed over receiving GPUs); layers grouped by their (stage in a, stage in b)."""
-    from .layouts import stage_of_layer
+    from reshard.parallel.model.layouts import stage_of_layer
 
     if a.gpus != b.gpus or a.sp > 1 or b.sp > 1:
         raise ValueError(f"Seesaw transitions need two D/T/P layouts of the same GPUs, got {a.notation} -> {b.notation}")
@@ -427,7 +427,7 @@ def dejavu_plan(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, over
     """DejaVu's split of ``num_gpus`` pipeline stages into prompt and token machines, with ``Y`` and
     ``t`` (ms) of one micro-batch on the ``P{num_gpus}`` pipeline from this model, and the memory
     limits (2), (3) from its shapes (dropped, and said so, when they cannot be met)."""
-    from .dejavu_planner import plan_disaggregation
+    from reshard.parallel.cost.dejavu_planner import plan_disaggregation
 
     pipe = ParallelConfig(pp=num_gpus)
     if num_gpus < 2 or infeasible_reason(m, hw, pipe, w.input_len + w.output_len):

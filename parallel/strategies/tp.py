@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .engine import Engine, EngineArgs, Strategy, register_strategy
-from .dims import ParallelDims
-from .parallelize import parallelize
+from torch import nn
+
+from reshard.parallel.engine import Engine, EngineArgs, Strategy, register_strategy
+from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.model.pipeline import build_model
 
 
 @register_strategy("tp")
@@ -33,18 +35,11 @@ class TPStrategy(Strategy):
             raise ValueError(f"{what} must divide the world size ({world_size})")
         return ParallelDims(dp=world_size // (tp * self.pp), pp=self.pp, tp=tp, world_size=world_size)
 
-    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
-        from .pipeline import parallelize_pipeline
+    def build_model(self, path: str | os.PathLike, dims: ParallelDims, args: EngineArgs) -> nn.Module:
+        """TP x DP by the TP plan, or pipeline stages of TP when ``pp > 1``."""
+        return build_model(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
 
-        dims = self.dims(_world())
-        load = parallelize_pipeline if self.pp > 1 else parallelize
-        model = load(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
+    def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
         return Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                       max_prefill_tokens=args.max_prefill_tokens, compile=args.compile,
-                      admission=args.admission, num_microbatches=self.pp, **args.kv)
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()
+                      admission=args.admission, num_microbatches=model.parallel_dims.pp, **args.kv)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layers.weights import weight_copies
 from reshard.executor import DEFAULT_BUCKET_BYTES
+from reshard.layers.weights import weight_copies
 from reshard.sync import WeightSync, weight_version
 
 

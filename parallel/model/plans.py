@@ -9,10 +9,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from layers import ParallelAttention, check_head_split, ParallelLinear, RMSNorm, SwiGLUMLP, VocabParallelEmbedding
+from reshard.layers import (
+    ParallelAttention,
+    ParallelLinear,
+    RMSNorm,
+    SwiGLUMLP,
+    VocabParallelEmbedding,
+    check_head_split,
+)
 from reshard.mesh import cached_mesh
-
-from .dims import ParallelDims, rank_grid
+from reshard.parallel.model.dims import ParallelDims, rank_grid
 
 TP = (Shard(0),)  # split over the 1-D tp mesh
 MeshOf = Callable[[str], DeviceMesh]  # HF module name -> the mesh that module lives on

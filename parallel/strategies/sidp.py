@@ -18,11 +18,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.owner_pool import CAS, WAS, FFNPool, PooledMLP
-
-from .dims import ParallelDims
-from .engine import ContinuousBatching, Engine, EngineArgs, EngineStats, ModelRunner, Strategy, register_strategy
-from .parallelize import parallelize
+from reshard.layers.owner_pool import CAS, WAS, FFNPool, PooledMLP
+from reshard.parallel.engine import (
+    ContinuousBatching,
+    Engine,
+    EngineArgs,
+    EngineStats,
+    ModelRunner,
+    Strategy,
+    register_strategy,
+)
+from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.model.parallelize import parallelize
 
 MODES = ("auto", "was", "cas")
 
@@ -119,7 +126,7 @@ def profile_threshold(pool: FFNPool, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 3
     costs ``max(fetch, ffn(b))`` (the fetch hides behind compute), CaS costs one activation round
     trip plus the owner's fused GEMM over every rank's rows. Returns the smallest swept ``b``
     where CaS is the slower on some rank (the same on every rank), else the largest."""
-    from layers.weights import use_weights
+    from reshard.layers.weights import use_weights
 
     hidden = pool.weights_dim()
     owned = next(j for j, o in enumerate(pool.owner) if o == pool.rank)

@@ -19,15 +19,30 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from layers.ulysses import SHIFT_WEIGHTS, ShiftMeshes, UlyssesAttention
+from reshard.layers.ulysses import SHIFT_WEIGHTS, ShiftMeshes, UlyssesAttention
 from reshard.mesh import cached_mesh
-
-from .dims import ParallelDims, rank_grid
-from .engine import (ContinuousBatching, Engine, EngineArgs, EngineStats, ModelRunner, Strategy, TokenSplit,
-                     register_strategy)
-from .parallelize import parallelize
-from .plans import (BuildContext, ColwiseGather, FFNParallel, MeshOf, ParallelStyle, ReplicatedNorm,
-                    VocabParallel, _sliding_window)
+from reshard.parallel.engine import (
+    ContinuousBatching,
+    Engine,
+    EngineArgs,
+    EngineStats,
+    ModelRunner,
+    Strategy,
+    TokenSplit,
+    register_strategy,
+)
+from reshard.parallel.model.dims import ParallelDims, rank_grid
+from reshard.parallel.model.parallelize import parallelize
+from reshard.parallel.model.plans import (
+    BuildContext,
+    ColwiseGather,
+    FFNParallel,
+    MeshOf,
+    ParallelStyle,
+    ReplicatedNorm,
+    VocabParallel,
+    _sliding_window,
+)
 
 log = logging.getLogger(__name__)
 BASE = (Replicate(), Shard(0))  # replicated over sp, split over tp
@@ -237,11 +252,11 @@ class ShiftStrategy(Strategy):
             raise ValueError(f"parallel.sp ({self.sp}) x parallel.tp ({tp}) must equal the world size ({world_size})")
         return ParallelDims(sp=self.sp, tp=tp, world_size=world_size)
 
-    def build(self, path, args: EngineArgs) -> Engine:
-        import torch.distributed as dist
+    def build_model(self, path, dims: ParallelDims, args: EngineArgs) -> nn.Module:
+        return parallelize_shift(path, dims, shift_weights=self.shift_weights, dtype=args.dtype,
+                                 allow_unused=args.allow_unused)
 
-        model = parallelize_shift(path, self.dims(dist.get_world_size()), shift_weights=self.shift_weights,
-                                  dtype=args.dtype, allow_unused=args.allow_unused)
+    def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
         return shift_engine(model, threshold=self.threshold, max_batch_size=args.max_batch_size,
                             max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
                             compile=args.compile, admission=args.admission, **args.kv)

@@ -1,0 +1,256 @@
+"""Seesaw's policy: which phase runs next (its schedulers), the CPU KV tier swaps, and the layout switch.
+
+KV cache never moves rank to rank: prefill swaps it out into the CPU tier
+(:class:`reshard.kv.CPUKVTier`) under the prefill layout, decode swaps in each rank's own
+head range under the decode layout, so the swap re-shards it.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from reshard.kv import CPUKVTier, KVSwapper, TierSpec
+from reshard.parallel.engine import (
+    Engine,
+    EngineStats,
+    ModelRunner,
+    Policy,
+    Sequence,
+    SlotPool,
+    Step,
+)
+from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_scheduler
+from reshard.parallel.strategies.seesaw.switch import PHASES, LayoutSwitch, TransitionStats
+from reshard.shm import map_shared
+
+
+# ---- the engine: a policy on the one loop ---------------------------------------------------------
+@dataclass
+class SeesawStats(EngineStats):
+    transitions: int = 0
+    reshard_bytes: int = 0
+    reshard_lower_bound_bytes: int = 0
+    reshard_seconds: float = 0.0
+    swap_seconds: float = 0.0  # main-thread time spent swapping or waiting for a swap (this rank)
+    swap_out_bytes: int = 0  # this rank
+    swap_in_tokens: int = 0  # this rank
+    kv_bytes_released: int = 0  # this rank: KV cache memory a phase gave up at its transitions
+    history: list[TransitionStats] = field(default_factory=list)
+
+    def add(self, t: TransitionStats) -> None:
+        self.transitions += 1
+        self.reshard_bytes += t.bytes
+        self.reshard_lower_bound_bytes += t.lower_bound_bytes
+        self.reshard_seconds += t.seconds
+        self.history.append(t)
+
+
+class SeesawPolicy(Policy):
+    """Prefill in layout ``"prefill"``, decode in ``"decode"``, KV through a shared CPU tier.
+
+    Every rank runs the same scheduler on the same state, so phases, batches and tier allocations
+    agree without messages. A prefill batch alternates over the prefill layout's dp replicas; a
+    request's KV goes out to the tier right after its prefill, on a background thread that
+    overlaps the next prefill step; decode on-boards it into a free slot (of the decode layout's
+    replicas) on that thread while the current decode step runs, and the request joins the batch
+    at the next step. At each transition the weights move (:class:`LayoutSwitch`) and the phase
+    left behind releases its KV cache where it can.
+    """
+
+    stats_cls = SeesawStats
+    host_layouts = frozenset({"prefill"})  # prefill KV reaches the decode cache only through the tier
+
+    def __init__(self, switch: LayoutSwitch, tier: CPUKVTier, *, scheduler: str = "transition_minimizing",
+                 max_prefill_tokens: int = 4096) -> None:
+        self.switch, self.tier, self.scheduler = switch, tier, make_scheduler(scheduler)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.swapper = KVSwapper(tier)
+        self.decode_slot_of: dict[int, int] = {}  # request id -> decode slot it was swapped into
+        self._swap_outs: deque = deque()  # (future, prefill slots it frees)
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        self.prefill, self.decode = engine.runners["prefill"], engine.runners["decode"]
+        self.decode.kv.release()  # allocated at the first transition to decode
+        self._prefill_free = list(range(self.prefill.max_batch_size - 1, -1, -1))
+
+    @property
+    def initial_layout(self) -> str:
+        return self.switch.active
+
+    def validate(self, requests) -> None:
+        """Every prompt must fit the CPU KV tier, every whole request a paged decode cache."""
+        budget, spec = self.tier.spec.capacity_tokens, self.decode.kv.spec
+        for r in requests:
+            if len(r.prompt_ids) > budget:
+                raise ValueError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
+                                 f"the CPU KV tier (cpu_kv_budget={budget} tokens)")
+            tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
+            if spec.paged and spec.blocks_for(tokens) > spec.num_blocks:
+                raise ValueError(f"request {r.id}: {tokens} KV tokens do not fit the paged decode cache "
+                                 f"({spec.capacity_tokens} tokens)")
+
+    def start(self, queue: deque) -> None:
+        self.buffered: deque = deque()  # prefilled sequences whose KV is in the tier
+        self.loading: list = []  # (future | None, sequence) swap-ins
+        self.running: dict[int, Sequence] = {}  # request id -> decoding sequence
+        spec = self.decode.kv.spec
+        self.decode_slots = SlotPool(self.decode.max_batch_size, self.decode.replica.size, num_blocks=spec.num_blocks,
+                                     block_size=spec.block_size, stats=self.engine.stats)
+
+    def next_step(self, queue: deque) -> Step:
+        phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
+        self.engine.enter(phase)  # transition first: the step's KV moves into that layout's cache
+        return self._prefill_step(queue) if phase == "prefill" else self._decode_step()
+
+    def _snapshot(self, queue: deque) -> SchedState:
+        fits = bool(queue) and self.tier.can_fit(len(queue[0].prompt_ids))
+        free = len(self.decode_slots) if not self.buffered or self.decode_slots.can_take(self.buffered[0].request) else 0
+        return SchedState(queued=len(queue), next_fits_tier=fits, buffered=len(self.buffered),
+                          running=len(self.running), free_slots=free)
+
+    def on_switch(self, old: str | None, new: str) -> None:
+        """Move the weights; the phase left behind gives up its KV cache memory where it can."""
+        if new == self.switch.active:
+            return
+        stats = self.engine.stats
+        if new == "decode":  # the tier must hold every rank's KV before anyone reads it
+            self._wait_swap_outs(everything=True)
+            dist.barrier()
+            stats.kv_bytes_released += self.prefill.kv.release()
+            self.decode.kv.restore()
+        else:
+            if not self.running:  # nothing decoding keeps KV in the decode cache
+                stats.kv_bytes_released += self.decode.kv.release()
+            self.prefill.kv.restore()
+        stats.add(self.switch.switch(new))
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill_step(self, queue: deque) -> Step:
+        batch, dp = self._admit(queue), self.prefill.replica
+        for i, seq in enumerate(batch):
+            seq.replica = i % dp.size
+        self._take_prefill_slots([s for s in batch if s.replica == dp.rank])
+        return Step("prefill", batch, "prefill")
+
+    def _admit(self, queue: deque) -> list[Sequence]:
+        """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
+        dp = self.prefill.replica.size
+        slots, budget = self.prefill.max_batch_size * dp, self.max_prefill_tokens * dp
+        target = self.scheduler.buffer_target(self._snapshot(queue)) - len(self.buffered)
+        batch: list[Sequence] = []
+        while queue and len(batch) < min(slots, target):
+            n = len(queue[0].prompt_ids)
+            if (batch and n > budget) or not self.tier.can_fit(n):
+                break
+            request = queue.popleft()
+            self.tier.allocate(request.id, n)
+            budget -= n
+            batch.append(self.engine.new_sequence(request))
+        return batch
+
+    def _take_prefill_slots(self, seqs: list[Sequence]) -> None:
+        while len(self._prefill_free) < len(seqs):
+            self._wait_swap_outs(everything=False)
+        for seq in seqs:
+            seq.slot = self._prefill_free.pop()
+
+    def after_step(self, step: Step) -> None:
+        if step.phase == "decode":
+            self._join_loads()
+            return
+        mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
+        self.buffered.extend(s for s in step.seqs if s.finish_reason is None)
+        jobs = [(s.slot, s.request.id, s.prompt_len) for s in mine if s.finish_reason is None]
+        if step.replayed:  # nothing was computed; the persisted tier holds these prompts already
+            jobs = []
+        self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
+
+    def _wait_swap_outs(self, *, everything: bool) -> None:
+        t0 = time.perf_counter()
+        while self._swap_outs:
+            future, slots = self._swap_outs.popleft()
+            self.engine.stats.swap_out_bytes += future.result()
+            self._prefill_free.extend(slots)
+            if not everything:
+                break
+        self.engine.stats.swap_seconds += time.perf_counter() - t0
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode_step(self) -> Step:
+        """On-board tier requests into free slots (background); decode the running ones."""
+        self._onboard()
+        if not self.running:
+            self._join_loads()
+        return Step("decode", list(self.running.values()), "decode")
+
+    def _onboard(self) -> None:
+        """Give buffered requests free decode slots; their replica's ranks swap them in."""
+        while self.buffered and self.decode_slots.can_take(self.buffered[0].request):
+            seq = self.buffered.popleft()
+            self.decode_slots.take(seq)
+            future = None
+            if seq.replica == self.decode.replica.rank:
+                self.decode_slot_of[seq.request.id] = seq.slot
+                if seq.blocks:  # a paged decode cache: the slot's blocks before the swap-in writes them
+                    self.decode.kv.assign(seq.slot, seq.blocks)
+                if not self.engine.replaying:  # replayed: recovery restores the decode cache
+                    future = self.swapper.swap_in(self.decode.kv, seq.slot, seq.request.id)
+            self.loading.append((future, seq))
+
+    def _join_loads(self) -> None:
+        t0 = time.perf_counter()
+        for future, seq in self.loading:
+            self.engine.stats.swap_in_tokens += future.result() if future is not None else 0
+            self.tier.free(seq.request.id)
+            self.running[seq.request.id] = seq
+        self.loading.clear()
+        self.engine.stats.swap_seconds += time.perf_counter() - t0
+
+    def retire(self, seq: Sequence) -> None:
+        if self.running.pop(seq.request.id, None) is None:  # finished at its prefill
+            self.tier.free(seq.request.id)
+        else:
+            self.decode_slots.give(seq)
+
+    def persist(self, directory: Path) -> None:
+        """The CPU tier moves into ``directory``'s file (every rank of the node maps it): a
+        restarted job finds the prompts it held."""
+        self.tier.remap(directory / "cpu-kv-tier")
+
+    def close(self) -> None:
+        """Join the swap thread and drop the shared-memory mappings (not collective: the files
+        were unlinked once mapped, so this is safe on an error path too)."""
+        self.swapper.close()
+        self.tier.close()
+        self.switch.close()
+
+
+def seesaw_engine(switch: LayoutSwitch, *, cpu_kv_budget: int, scheduler: str = "transition_minimizing",
+                  max_batch_size: int = 8, max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
+                  num_microbatches: int = 2, compile: bool = False, kv_block_size: int | None = None,
+                  kv_tokens: int | None = None) -> Engine:
+    """The Seesaw engine over ``switch``'s two trees (collective: maps the shared CPU tier).
+
+    ``max_batch_size``: KV slots of each dp replica in both layouts; ``cpu_kv_budget``: the
+    tier's capacity in tokens (every prompt must fit); ``compile``: the decode step;
+    ``kv_block_size`` / ``kv_tokens``: a paged decode cache (requests are swapped in from the
+    tier once their replica has blocks for them).
+    """
+    if cpu_kv_budget < 1:
+        raise ValueError(f"cpu_kv_budget must be >= 1 token, got {cpu_kv_budget}")
+    kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    paged = {"kv_block_size": kv_block_size, "kv_tokens": kv_tokens}
+    runners = {phase: ModelRunner(switch.models[phase], dims=switch.dims[phase], **kw,
+                                  num_microbatches=num_microbatches if switch.dims[phase].pp > 1 else 1,
+                                  compile=compile and phase == "decode", **(paged if phase == "decode" else {}))
+               for phase in PHASES}
+    cfg, kv = switch.models["decode"].config, runners["decode"].kv.spec
+    spec = TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, cpu_kv_budget, kv.dtype)
+    tier = map_shared("reshard-kv", lambda path: CPUKVTier(spec, path))
+    policy = SeesawPolicy(switch, tier, scheduler=scheduler, max_prefill_tokens=max_prefill_tokens)
+    return Engine(runners=runners, policy=policy)

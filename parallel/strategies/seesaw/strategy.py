@@ -1,0 +1,113 @@
+"""The ``seesaw`` strategy: its config (one layout per phase) and how it builds its engine."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from reshard.parallel.engine import (
+    Engine,
+    EngineArgs,
+    Strategy,
+    register_strategy,
+)
+from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.strategies.seesaw.policy import seesaw_engine
+from reshard.parallel.strategies.seesaw.switch import WEIGHT_MODES, LayoutSwitch
+
+
+# ---- the strategy -------------------------------------------------------------------------------
+@dataclass
+class LayoutConfig:
+    """One Seesaw phase's layout; at most one degree may be null (= the rest of the world)."""
+
+    dp: int | None = 1
+    pp: int | None = 1
+    tp: int | None = 1
+
+    def resolve(self, world: int, where: str) -> ParallelDims:
+        """Dims with the null degree filled in; ``ValueError`` unless they multiply to ``world``."""
+        degrees = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        for axis, value in degrees.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{where}.{axis} must be >= 1, got {value}")
+        unknown = [a for a, v in degrees.items() if v is None]
+        if len(unknown) > 1:
+            raise ValueError(f"{where}: at most one of dp, pp, tp may be null, got {unknown}")
+        known = math.prod(v for v in degrees.values() if v is not None)
+        if unknown:
+            if world % known:
+                raise ValueError(f"{where}: {degrees} cannot cover the world size ({world})")
+            degrees[unknown[0]] = world // known
+        if math.prod(degrees.values()) != world:
+            raise ValueError(f"{where}: dp({degrees['dp']}) * pp({degrees['pp']}) * tp({degrees['tp']}) "
+                             f"!= world size ({world})")
+        return ParallelDims(**degrees, world_size=world)
+
+
+def _layout(value, where: str) -> LayoutConfig:
+    if isinstance(value, LayoutConfig):
+        return value
+    unknown = sorted(set(value) - {"dp", "pp", "tp"})
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; known: dp, pp, tp")
+    return LayoutConfig(**value)
+
+
+@register_strategy("seesaw")
+@dataclass
+class SeesawStrategy(Strategy):
+    """Prefill in one layout (pipeline / data parallel), decode in another (tensor parallel)."""
+
+    prefill: LayoutConfig = field(default_factory=lambda: LayoutConfig(pp=None))
+    decode: LayoutConfig = field(default_factory=lambda: LayoutConfig(tp=None))
+    cpu_kv_budget: int = 8192  # CPU KV tier capacity in tokens
+    weights: str = "move"  # move | reload
+    scheduler: str = "transition_minimizing"
+    num_microbatches: int = 2  # pipeline micro-batches per step
+
+    def __post_init__(self) -> None:
+        from reshard.parallel.strategies.seesaw.schedulers import SCHEDULERS
+
+        self.prefill, self.decode = _layout(self.prefill, "parallel.prefill"), _layout(self.decode, "parallel.decode")
+        for name in ("cpu_kv_budget", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"parallel.weights must be move or reload, got {self.weights!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"parallel.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULERS)}")
+
+    def layouts(self, world: int) -> tuple[ParallelDims, ParallelDims]:
+        return self.prefill.resolve(world, "parallel.prefill"), self.decode.resolve(world, "parallel.decode")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        self.layouts(world_size)  # validate both layouts before loading anything
+        return ParallelDims(tp=world_size, world_size=world_size)
+
+    def build(self, path, args: EngineArgs) -> Engine:
+        prefill, decode = self.layouts(dist.get_world_size())
+        switch = LayoutSwitch(path, prefill, decode, weights=self.weights, dtype=args.dtype,
+                              allow_unused=args.allow_unused)
+        return seesaw_engine(switch, cpu_kv_budget=self.cpu_kv_budget, scheduler=self.scheduler, **args.kv,
+                             max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                             max_prefill_tokens=args.max_prefill_tokens,
+                             num_microbatches=self.num_microbatches, compile=args.compile)
+
+    def summary(self, engine: Engine) -> dict:
+        s, switch = engine.stats, engine.policy.switch
+        swap = torch.tensor([s.swap_seconds], dtype=torch.float64)
+        dist.all_reduce(swap, op=dist.ReduceOp.MAX)
+        return {"transitions": s.transitions, "reshard_bytes": s.reshard_bytes,
+                "reshard_lower_bound_bytes": s.reshard_lower_bound_bytes,
+                "reshard_seconds": s.reshard_seconds, "swap_seconds": swap.item(),
+                "scheduler": self.scheduler, "weights": switch.weights,
+                "layouts": {p: {"dp": d.dp, "pp": d.pp, "tp": d.tp} for p, d in switch.dims.items()},
+                "peak_weight_bytes": max((h.peak_weight_bytes for h in s.history), default=0)}
+
+    def report(self, s: dict) -> list[str]:
+        return [f"seesaw {s['layouts']['prefill']} -> {s['layouts']['decode']}: {s['transitions']} "
+                f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
+                f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s"]
