@@ -1,4 +1,5 @@
 """What the benchmarks share: medians and a sampler of how busy the machine is."""
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,7 @@ class LoadSampler:
                         n += 1
                 self.others.append(n)
                 self.load.append(os.getloadavg()[0])
-            except Exception:  # noqa: BLE001 - best effort
+            except Exception:
                 pass
             self._stop.wait(2.0)
 
@@ -39,9 +40,11 @@ class LoadSampler:
         self._stop.set()
         if not self.others:
             return "no samples"
-        return (f"other python processes above 5% CPU: min {min(self.others)}, median {med(self.others):.0f}, "
-                f"max {max(self.others)} ({len(self.others)} samples every 2 s); 1-min load average "
-                f"{min(self.load):.1f}-{max(self.load):.1f} on {os.cpu_count()} cores")
+        return (
+            f"other python processes above 5% CPU: min {min(self.others)}, median {med(self.others):.0f}, "
+            f"max {max(self.others)} ({len(self.others)} samples every 2 s); 1-min load average "
+            f"{min(self.load):.1f}-{max(self.load):.1f} on {os.cpu_count()} cores"
+        )
 
 
 def bench_checkpoint(args, prefix: str):
@@ -50,11 +53,20 @@ def bench_checkpoint(args, prefix: str):
 
     from reshard.parallel.model.tiny_models import cached_checkpoint
 
-    overrides = {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-                 "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-                 "num_key_value_heads": args.kv_heads, "max_position_embeddings": 2048, "initializer_range": 0.02}
-    name = (f"{prefix}-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
-            f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1")
+    overrides = {
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.02,
+    }
+    name = (
+        f"{prefix}-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
+        f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1"
+    )
     if dist.get_rank() == 0:
         cached_checkpoint(name, overrides)
     dist.barrier()

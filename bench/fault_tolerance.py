@@ -9,6 +9,7 @@ model (greedy); end-to-end seconds are the whole job's wall time (process start,
 attempts), as a user sees it. The kill lands at the middle engine step of the run (requests run
 ``--batch`` at a time, so the run has about ``ceil(requests / batch) * new_tokens`` steps).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,14 +25,28 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-
 def run(world: int, args, overrides: list[str], restarts: int, work: Path, name: str) -> tuple[float, dict, list]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "--max-restarts", str(restarts), "-m", "reshard.recipes.generate", f"hydra.run.dir={work / name}",
-           "progress=false", f"workload.num_requests={args.requests}", "workload.prompt_len_max=64",
-           f"engine.max_batch_size={args.batch}", *args.override,
-           f"generation.max_new_tokens={args.new_tokens}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "--max-restarts",
+        str(restarts),
+        "-m",
+        "reshard.recipes.generate",
+        f"hydra.run.dir={work / name}",
+        "progress=false",
+        f"workload.num_requests={args.requests}",
+        "workload.prompt_len_max=64",
+        f"engine.max_batch_size={args.batch}",
+        *args.override,
+        f"generation.max_new_tokens={args.new_tokens}",
+        *overrides,
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -49,8 +64,12 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--override", action="append", default=[], help="a Hydra override for every variant "
-                   "(e.g. parallel=seesaw); repeatable")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a Hydra override for every variant (e.g. parallel=seesaw); repeatable",
+    )
     args = p.parse_args()
     steps = -(-args.requests // args.batch) * args.new_tokens
     kill = f"fault.kill_at=[{args.world - 1},{steps // 2}]"
@@ -74,26 +93,37 @@ def report(args, rows: dict, kill: str) -> None:
     base_step = statistics.median(_step(s) for _, s, _ in rows["no failure"])
     reference = rows["no failure"][0][2]
     layout = " ".join(args.override) or "TP"
-    print(f"\nbuilt-in tiny Llama, {args.world} ranks ({layout}), {args.requests} requests x {args.new_tokens} new tokens, "
-          f"batch {args.batch}, greedy; {kill}; median of {args.repeats}, variants round-robin\n")
-    print("| variant | end-to-end s | vs no failure | decode ms/step | vs no failure | recovered from step | "
-          "recomputed steps | restart after kill s | recovery s | same tokens |")
+    print(
+        f"\nbuilt-in tiny Llama, {args.world} ranks ({layout}), "
+        f"{args.requests} requests x {args.new_tokens} new tokens, "
+        f"batch {args.batch}, greedy; {kill}; median of {args.repeats}, variants round-robin\n"
+    )
+    print(
+        "| variant | end-to-end s | vs no failure | decode ms/step | vs no failure | recovered from step | "
+        "recomputed steps | restart after kill s | recovery s | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for v, results in rows.items():
         wall = statistics.median(w for w, _, _ in results)
         step = statistics.median(_step(s) for _, s, _ in results)
         s = results[-1][1]
         same = all(out == reference for _, _, out in results)
-        print(f"| {v} | {wall:.2f} | {wall / base_wall:.2f} | {step * 1e3:.2f} | {step / base_step:.3f} | "
-              f"{s.get('recovered_from_step', '-')} | {s.get('recomputed_steps', '-')} | "
-              f"{_fmt(s.get('restart_after_s'))} | {_fmt(s.get('recovery_seconds'))} | {'yes' if same else 'NO'} |")
+        print(
+            f"| {v} | {wall:.2f} | {wall / base_wall:.2f} | {step * 1e3:.2f} | {step / base_step:.3f} | "
+            f"{s.get('recovered_from_step', '-')} | {s.get('recomputed_steps', '-')} | "
+            f"{_fmt(s.get('restart_after_s'))} | {_fmt(s.get('recovery_seconds'))} | {'yes' if same else 'NO'} |"
+        )
     walls = {v: statistics.median(w for w, _, _ in results) for v, results in rows.items()}
     recover, scratch = walls["1 failure, replication (recover)"], walls["1 failure, no replication (from scratch)"]
-    print(f"\nwith one failure: recovery {recover / base_wall:.2f}x the failure-free job, restart from scratch "
-          f"{scratch / base_wall:.2f}x (DejaVu's paper: 1.24x vs 1.91x); recovery / scratch = {recover / scratch:.2f}")
+    print(
+        f"\nwith one failure: recovery {recover / base_wall:.2f}x the failure-free job, restart from scratch "
+        f"{scratch / base_wall:.2f}x (DejaVu's paper: 1.24x vs 1.91x); recovery / scratch = {recover / scratch:.2f}"
+    )
     extra = "".join(f" --override {o}" for o in args.override)
-    print(f"\ncommand: python bench/fault_tolerance.py --world {args.world} --requests {args.requests} "
-          f"--new-tokens {args.new_tokens} --batch {args.batch} --repeats {args.repeats}{extra}")
+    print(
+        f"\ncommand: python bench/fault_tolerance.py --world {args.world} --requests {args.requests} "
+        f"--new-tokens {args.new_tokens} --batch {args.batch} --repeats {args.repeats}{extra}"
+    )
 
 
 def _step(summary: dict) -> float:

@@ -28,7 +28,8 @@ requests, prompt lengths uniform over ``--prompt-lens`` (16..384), output budget
 * GEMM share: the model's matrix multiplies alone (every 2-D weight of the decoder layers, this
   rank's local shard, ``F.linear`` on an ``(M, in_features)`` input with ``M = B``: the engine
   computes every KV-cache slot row; plus the LM head with ``M`` = the mean decode batch rounded
-  to the engine's power-of-two row bucket), median of ``--gemm-repeats``, divided by our mean decode step time (``decode_seconds /
+  to the engine's power-of-two row bucket), median of ``--gemm-repeats``, divided by our mean decode
+  step time (``decode_seconds /
   decode_steps`` over the timed runs).
 
 Both workloads: 1 rank = our ``Engine`` on a 1-rank gloo group vs ``AutoModelForCausalLM``. In a
@@ -37,6 +38,7 @@ waits at a barrier; then ours with TP=2 vs HF ``from_pretrained(path, tp_plan="a
 side runs once as warm-up, then ``--repeats`` timed runs; medians. ``--profile`` adds one
 ``torch.profiler`` run of our ``generate`` on the realistic workload at the largest ``B``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +49,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,9 +64,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 Tokens = list[list[int]]
 COMMAND = "torchrun --standalone --nproc-per-node {n} bench/generate.py"
-LLAMA_100M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
-                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-                  initializer_range=0.02)
+LLAMA_100M = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    initializer_range=0.02,
+)
 LLAMA_100M_NAME = "bench-llama-100m-seed0-v1"
 LLAMA_100M_DESC = "Llama hidden 768, 8 layers, 12/4 heads, MLP 2048, vocab 32000, fp32, seed 0"
 
@@ -76,23 +85,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="uniform: tokens per prompt")
     p.add_argument("--new-tokens", type=int, default=32, help="uniform: generated tokens per prompt")
     p.add_argument("--requests", type=int, default=32, help="realistic: number of requests")
-    p.add_argument("--prompt-lens", type=_int_range, default=(16, 384),
-                   help="realistic: prompt lengths LO,HI (uniform, inclusive)")
-    p.add_argument("--budgets", type=_int_range, default=(8, 128),
-                   help="realistic: output budgets LO,HI (uniform, inclusive)")
-    p.add_argument("--batches", type=_int_list, default=[8, 16],
-                   help="realistic: batch sizes B (HF batch, our max_batch_size)")
+    p.add_argument(
+        "--prompt-lens", type=_int_range, default=(16, 384), help="realistic: prompt lengths LO,HI (uniform, inclusive)"
+    )
+    p.add_argument(
+        "--budgets", type=_int_range, default=(8, 128), help="realistic: output budgets LO,HI (uniform, inclusive)"
+    )
+    p.add_argument(
+        "--batches", type=_int_list, default=[8, 16], help="realistic: batch sizes B (HF batch, our max_batch_size)"
+    )
     p.add_argument("--gemm-repeats", type=int, default=30, help="realistic: timed GEMM passes")
-    p.add_argument("--ours", type=_variant_list, default=["fifo", "longest_first"],
-                   help="realistic: our variants, admission[:compiled], e.g. fifo,longest_first:compiled")
-    p.add_argument("--profile", action="store_true",
-                   help="realistic: print a torch.profiler table of one of our generate calls")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed runs after one warm-up (default: 5 uniform, 3 realistic)")
+    p.add_argument(
+        "--ours",
+        type=_variant_list,
+        default=["fifo", "longest_first"],
+        help="realistic: our variants, admission[:compiled], e.g. fifo,longest_first:compiled",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="realistic: print a torch.profiler table of one of our generate calls"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed runs after one warm-up (default: 5 uniform, 3 realistic)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank with 2+ ranks")
-    p.add_argument("--single-threads", type=int, default=os.cpu_count() or 1,
-                   help="torch threads of the 1-rank part")
+    p.add_argument("--single-threads", type=int, default=os.cpu_count() or 1, help="torch threads of the 1-rank part")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)  # internal: 1-rank part
     p.add_argument("--json-out", help=argparse.SUPPRESS)  # internal: where --single writes results
     args = p.parse_args(argv)
@@ -123,8 +140,9 @@ def _int_range(text: str) -> tuple[int, int]:
 
 
 # ---- shared timing ----------------------------------------------------------------------------
-def time_runs(run: Callable[[], Tokens], repeats: int, sync: bool,
-              after_warmup: Callable[[], None] | None = None) -> tuple[Tokens, float]:
+def time_runs(
+    run: Callable[[], Tokens], repeats: int, sync: bool, after_warmup: Callable[[], None] | None = None
+) -> tuple[Tokens, float]:
     """One warm-up call, then ``repeats`` timed calls; returns the tokens and the median seconds."""
     tokens = run()
     if after_warmup is not None:
@@ -150,8 +168,7 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> Tokens:
 
 def bench_ours(path: Path, prompts: Tokens, args: argparse.Namespace) -> tuple[Tokens, float]:
     model = parallelize(path)
-    engine = Engine(model, max_batch_size=len(prompts),
-                    max_seq_len=args.prompt_len + args.new_tokens, compile=False)
+    engine = Engine(model, max_batch_size=len(prompts), max_seq_len=args.prompt_len + args.new_tokens, compile=False)
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=())
 
     def run() -> Tokens:
@@ -168,9 +185,10 @@ def bench_hf(path: Path, prompts: Tokens, args: argparse.Namespace, tp: bool) ->
 
     def run() -> Tokens:
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=n, min_new_tokens=n)
-        return out[:, ids.shape[1]:].tolist()
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n
+            )
+        return out[:, ids.shape[1] :].tolist()
 
     return time_runs(run, args.repeats, sync=tp)
 
@@ -183,16 +201,22 @@ def load_hf(path: Path, tp: bool):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
-def compare(label: str, ranks: int, threads: int, path: Path, prompts: Tokens,
-            args: argparse.Namespace) -> dict:
+def compare(label: str, ranks: int, threads: int, path: Path, prompts: Tokens, args: argparse.Namespace) -> dict:
     """Ours vs HF on the current process group (1 rank, or TP over all ranks)."""
     ours, ours_s = bench_ours(path, prompts, args)
     hf, hf_s = bench_hf(path, prompts, args, tp=ranks > 1)
     generated = len(prompts) * args.new_tokens
-    return dict(label=label, ranks=ranks, threads=threads, generated=generated,
-                ours_s=ours_s, hf_s=hf_s, match=ours == hf,
-                same_prompts=sum(a == b for a, b in zip(ours, hf)),
-                counts_ok=all(len(t) == args.new_tokens for t in ours + hf))
+    return dict(
+        label=label,
+        ranks=ranks,
+        threads=threads,
+        generated=generated,
+        ours_s=ours_s,
+        hf_s=hf_s,
+        match=ours == hf,
+        same_prompts=sum(a == b for a, b in zip(ours, hf)),
+        counts_ok=all(len(t) == args.new_tokens for t in ours + hf),
+    )
 
 
 # ---- realistic workload (~100M Llama, mixed lengths) -----------------------------------------
@@ -222,7 +246,7 @@ def checkpoint_params(path: Path) -> int:
     total = 0
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f:
                 total += _numel(f.get_slice(name).get_shape())
     return total
 
@@ -248,13 +272,13 @@ def hf_batches(work: Workload, batch: int, pad_id: int) -> list[tuple[torch.Tens
     """Requests in order, ``batch`` at a time: left-padded ``(ids, attention_mask, budgets)``."""
     out = []
     for i in range(0, len(work.prompts), batch):
-        prompts, budgets = work.prompts[i:i + batch], work.budgets[i:i + batch]
+        prompts, budgets = work.prompts[i : i + batch], work.budgets[i : i + batch]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         out.append((ids, mask, budgets))
     return out
 
@@ -263,14 +287,15 @@ def hf_padding(work: Workload, batch: int) -> tuple[int, int]:
     """(prompt positions HF prefills incl. padding, decode positions incl. tokens past budgets)."""
     prefill = decode = 0
     for i in range(0, len(work.prompts), batch):
-        prompts, budgets = work.prompts[i:i + batch], work.budgets[i:i + batch]
+        prompts, budgets = work.prompts[i : i + batch], work.budgets[i : i + batch]
         prefill += len(prompts) * max(len(p) for p in prompts)
         decode += len(prompts) * max(budgets)
     return prefill, decode
 
 
-def bench_hf_realistic(model, work: Workload, batch: int, pad_id: int, args: argparse.Namespace,
-                       tp: bool) -> tuple[Tokens, float]:
+def bench_hf_realistic(
+    model, work: Workload, batch: int, pad_id: int, args: argparse.Namespace, tp: bool
+) -> tuple[Tokens, float]:
     """HF ``generate`` over the requests in order, ``batch`` at a time, left padded, greedy."""
     batches = hf_batches(work, batch, pad_id)
 
@@ -278,10 +303,15 @@ def bench_hf_realistic(model, work: Workload, batch: int, pad_id: int, args: arg
         outputs = []
         for ids, mask, budgets in batches:
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=mask, do_sample=False,
-                                     max_new_tokens=max(budgets), eos_token_id=None,
-                                     pad_token_id=pad_id)
-            outputs += [row[:b] for row, b in zip(out[:, ids.shape[1]:].tolist(), budgets)]
+                out = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=max(budgets),
+                    eos_token_id=None,
+                    pad_token_id=pad_id,
+                )
+            outputs += [row[:b] for row, b in zip(out[:, ids.shape[1] :].tolist(), budgets)]
         return outputs
 
     return time_runs(run, args.repeats, sync=tp)
@@ -294,22 +324,27 @@ def _stats(engine: Engine) -> dict[str, float]:
     return {k: getattr(engine.stats, k) for k in STAT_FIELDS}
 
 
-def bench_ours_realistic(model, work: Workload, batch: int, variant: str,
-                         args: argparse.Namespace) -> tuple[Tokens, float, Engine, dict[str, float]]:
+def bench_ours_realistic(
+    model, work: Workload, batch: int, variant: str, args: argparse.Namespace
+) -> tuple[Tokens, float, Engine, dict[str, float]]:
     """All requests at once into one engine of ``batch`` slots (``variant``: admission order
     [``:compiled``]); returns the stats of the timed runs."""
     admission, _, mode = variant.partition(":")
-    engine = Engine(model, max_batch_size=batch, max_seq_len=work.max_seq_len, compile=mode == "compiled",
-                    admission=admission)
-    requests = [Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
-                for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
+    engine = Engine(
+        model, max_batch_size=batch, max_seq_len=work.max_seq_len, compile=mode == "compiled", admission=admission
+    )
+    requests = [
+        Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
+        for i, (p, b) in enumerate(zip(work.prompts, work.budgets))
+    ]
     start: dict[str, float] = {}
 
     def run() -> Tokens:
         return [c.output_ids for c in engine.generate(requests)]
 
-    tokens, seconds = time_runs(run, args.repeats, sync=dist.get_world_size() > 1,
-                                after_warmup=lambda: start.update(_stats(engine)))
+    tokens, seconds = time_runs(
+        run, args.repeats, sync=dist.get_world_size() > 1, after_warmup=lambda: start.update(_stats(engine))
+    )
     timed = {k: v - start[k] for k, v in _stats(engine).items()}
     return tokens, seconds, engine, timed
 
@@ -342,8 +377,7 @@ def time_gemms(weights: list[tuple[torch.Tensor, int]], repeats: int, sync: bool
     return statistics.median(one_pass() for _ in range(repeats))
 
 
-def gemm_share(model, engine: Engine, timed: dict[str, float], args: argparse.Namespace,
-               sync: bool) -> dict:
+def gemm_share(model, engine: Engine, timed: dict[str, float], args: argparse.Namespace, sync: bool) -> dict:
     """GEMM seconds (layers at M = max_batch_size, LM head at the bucket of the mean decode batch)
     per decode step."""
     steps = max(timed["decode_steps"], 1)
@@ -354,9 +388,15 @@ def gemm_share(model, engine: Engine, timed: dict[str, float], args: argparse.Na
     # the LM head: the active rows, padded to the engine's power-of-two bucket
     m_head = min(1 << (max(1, round(mean_batch)) - 1).bit_length(), m_layers)
     gemm_s = time_gemms([(w, m_layers) for w in layer_ws] + [(head_w, m_head)], args.gemm_repeats, sync)
-    return dict(step_s=step_s, mean_batch=mean_batch, gemm_s=gemm_s, m_layers=m_layers, m_head=m_head,
-                prefill_s=timed["prefill_seconds"] / args.repeats,
-                decode_s=timed["decode_seconds"] / args.repeats)
+    return dict(
+        step_s=step_s,
+        mean_batch=mean_batch,
+        gemm_s=gemm_s,
+        m_layers=m_layers,
+        m_head=m_head,
+        prefill_s=timed["prefill_seconds"] / args.repeats,
+        decode_s=timed["decode_seconds"] / args.repeats,
+    )
 
 
 def profile_generate(engine: Engine, work: Workload) -> None:
@@ -364,8 +404,10 @@ def profile_generate(engine: Engine, work: Workload) -> None:
     then the ops inside the prefill and the decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    requests = [Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
-                for i, (p, b) in enumerate(zip(work.prompts, work.budgets))]
+    requests = [
+        Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
+        for i, (p, b) in enumerate(zip(work.prompts, work.budgets))
+    ]
     undo = _label_steps(engine)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -373,8 +415,10 @@ def profile_generate(engine: Engine, work: Workload) -> None:
     finally:
         undo()
     if dist.get_rank() == 0:
-        print(f"\nprofile: our generate, realistic workload, max_batch_size={engine.max_batch_size}, "
-              f"world {dist.get_world_size()}, {torch.get_num_threads()} threads (self CPU time)")
+        print(
+            f"\nprofile: our generate, realistic workload, max_batch_size={engine.max_batch_size}, "
+            f"world {dist.get_world_size()}, {torch.get_num_threads()} threads (self CPU time)"
+        )
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         events = prof.events()
         print("\n".join(region_table(events, f"engine.{phase}") for phase in ("prefill", "decode")))
@@ -406,16 +450,22 @@ def region_table(events, region: str, rows: int = 20) -> str:
             per_op[e.name] = (n + 1, t + e.self_cpu_time_total)
     if not count:
         return f"\n{region}: no labelled steps in the profile"
-    lines = [f"\n{region}: {count} calls, {total / 1e3:.0f} ms CPU total, "
-             f"{total / 1e3 / max(count, 1):.1f} ms per call; self CPU time by op inside it:",
-             "| op | calls | self ms | ms per call of region | share |", "|---|---|---|---|---|"]
+    lines = [
+        f"\n{region}: {count} calls, {total / 1e3:.0f} ms CPU total, "
+        f"{total / 1e3 / max(count, 1):.1f} ms per call; self CPU time by op inside it:",
+        "| op | calls | self ms | ms per call of region | share |",
+        "|---|---|---|---|---|",
+    ]
     inner = sum(t for _, t in per_op.values())
     for name, (n, t) in sorted(per_op.items(), key=lambda kv: -kv[1][1])[:rows]:
-        lines.append(f"| {name} | {n} | {t / 1e3:.0f} | {t / 1e3 / max(count, 1):.2f} | "
-                     f"{100 * t / max(total, 1e-9):.1f}% |")
+        lines.append(
+            f"| {name} | {n} | {t / 1e3:.0f} | {t / 1e3 / max(count, 1):.2f} | {100 * t / max(total, 1e-9):.1f}% |"
+        )
     own = total - inner
-    lines.append(f"| (region's own Python, outside ops) | | {own / 1e3:.0f} | "
-                 f"{own / 1e3 / count:.2f} | {100 * own / max(total, 1e-9):.1f}% |")
+    lines.append(
+        f"| (region's own Python, outside ops) | | {own / 1e3:.0f} | "
+        f"{own / 1e3 / count:.2f} | {100 * own / max(total, 1e-9):.1f}% |"
+    )
     return "\n".join(lines)
 
 
@@ -428,8 +478,7 @@ def _inside(event, region: str) -> bool:
     return False
 
 
-def compare_realistic(label: str, ranks: int, threads: int, path: Path,
-                      args: argparse.Namespace) -> list[dict]:
+def compare_realistic(label: str, ranks: int, threads: int, path: Path, args: argparse.Namespace) -> list[dict]:
     """Ours vs HF on the realistic workload for every ``B`` in ``--batches``."""
     config = json.loads((path / "config.json").read_text())
     work = make_workload(args, config["vocab_size"])
@@ -444,12 +493,22 @@ def compare_realistic(label: str, ranks: int, threads: int, path: Path,
             share = gemm_share(ours_model, engine, timed, args, sync=tp)
             if args.profile and batch == max(args.batches) and variant == args.ours[0]:
                 profile_generate(engine, work)
-            rows.append(dict(label=label, ranks=ranks, threads=threads, batch=batch, variant=variant,
-                             useful=work.useful, ours_s=ours_s, hf_s=hf_s,
-                             equal=sum(a == b for a, b in zip(ours, hf)),
-                             prefix=sum(_common_prefix(a, b) for a, b in zip(ours, hf)),
-                             counts_ok=[len(t) for t in ours] == work.budgets == [len(t) for t in hf],
-                             **share))
+            rows.append(
+                dict(
+                    label=label,
+                    ranks=ranks,
+                    threads=threads,
+                    batch=batch,
+                    variant=variant,
+                    useful=work.useful,
+                    ours_s=ours_s,
+                    hf_s=hf_s,
+                    equal=sum(a == b for a, b in zip(ours, hf)),
+                    prefix=sum(_common_prefix(a, b) for a, b in zip(ours, hf)),
+                    counts_ok=[len(t) for t in ours] == work.budgets == [len(t) for t in hf],
+                    **share,
+                )
+            )
     return rows
 
 
@@ -496,27 +555,56 @@ def single_main(args: argparse.Namespace) -> None:
 
 def single_in_subprocess(args: argparse.Namespace) -> list[dict]:
     """Rank 0 of a multi-rank job: run ``--single`` in a fresh process without torchrun's env."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                         "OMP_NUM_THREADS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "single.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *_size_flags(args),
-               "--single-threads", str(args.single_threads), "--single", "--json-out", str(out)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *_size_flags(args),
+            "--single-threads",
+            str(args.single_threads),
+            "--single",
+            "--json-out",
+            str(out),
+        ]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(out.read_text())
 
 
 def _size_flags(args: argparse.Namespace) -> list[str]:
     """The workload flags, for the ``--single`` subprocess."""
-    flags = ["--workload", args.workload, "--batch", str(args.batch),
-             "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-             "--requests", str(args.requests), "--prompt-lens", "%d,%d" % args.prompt_lens,
-             "--budgets", "%d,%d" % args.budgets, "--batches", ",".join(map(str, args.batches)),
-             "--gemm-repeats", str(args.gemm_repeats), "--repeats", str(args.repeats),
-             "--ours", ",".join(args.ours),
-             "--seed", str(args.seed)]
+    flags = [
+        "--workload",
+        args.workload,
+        "--batch",
+        str(args.batch),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--requests",
+        str(args.requests),
+        "--prompt-lens",
+        "{},{}".format(*args.prompt_lens),
+        "--budgets",
+        "{},{}".format(*args.budgets),
+        "--batches",
+        ",".join(map(str, args.batches)),
+        "--gemm-repeats",
+        str(args.gemm_repeats),
+        "--repeats",
+        str(args.repeats),
+        "--ours",
+        ",".join(args.ours),
+        "--seed",
+        str(args.seed),
+    ]
     return flags + (["--profile"] if args.profile else [])
 
 
@@ -526,19 +614,26 @@ def _vocab_size(path: Path) -> int:
 
 # ---- report ---------------------------------------------------------------------------------
 def table(rows: list[dict], args: argparse.Namespace) -> str:
-    head = (f"batch={args.batch} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
-            f"greedy, warm-up 1 + median of {args.repeats}, torch {torch.__version__}, "
-            f"{os.cpu_count()} CPU cores, gloo")
-    lines = [head, "",
-             "| setup  | threads/rank | ours tok/s | HF tok/s | ours/HF | ours s | HF s   | tokens equal |",
-             "|--------|--------------|------------|----------|---------|--------|--------|--------------|"]
+    head = (
+        f"batch={args.batch} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
+        f"greedy, warm-up 1 + median of {args.repeats}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores, gloo"
+    )
+    lines = [
+        head,
+        "",
+        "| setup  | threads/rank | ours tok/s | HF tok/s | ours/HF | ours s | HF s   | tokens equal |",
+        "|--------|--------------|------------|----------|---------|--------|--------|--------------|",
+    ]
     for r in rows:
         ours, hf = r["generated"] / r["ours_s"], r["generated"] / r["hf_s"]
         equal = "yes" if r["match"] else f"no ({r['same_prompts']}/{args.batch} prompts)"
         if not r["counts_ok"]:
             equal += ", wrong token count"
-        lines.append(f"| {r['label']:<6} | {r['threads']:>12} | {ours:>10.1f} | {hf:>8.1f} | "
-                     f"{ours / hf:>7.2f} | {r['ours_s']:>6.3f} | {r['hf_s']:>6.3f} | {equal:<12} |")
+        lines.append(
+            f"| {r['label']:<6} | {r['threads']:>12} | {ours:>10.1f} | {hf:>8.1f} | "
+            f"{ours / hf:>7.2f} | {r['ours_s']:>6.3f} | {r['hf_s']:>6.3f} | {equal:<12} |"
+        )
     return "\n".join(lines)
 
 
@@ -546,8 +641,9 @@ def realistic_table(rows: list[dict], args: argparse.Namespace) -> str:
     path = default_cache_dir() / LLAMA_100M_NAME
     work = make_workload(args, _vocab_size(path))
     prompt_tokens = sum(len(p) for p in work.prompts)
-    pads = ", ".join(f"B={b}: prefill {p} / decode {d} positions"
-                     for b in args.batches for p, d in [hf_padding(work, b)])
+    pads = ", ".join(
+        f"B={b}: prefill {p} / decode {d} positions" for b in args.batches for p, d in [hf_padding(work, b)]
+    )
     lines = [
         f"model: {LLAMA_100M_DESC}, {checkpoint_params(path) / 1e6:.1f}M parameters",
         f"workload: {args.requests} requests (seed {args.seed}), prompt lengths uniform "
@@ -576,7 +672,8 @@ def realistic_table(rows: list[dict], args: argparse.Namespace) -> str:
             f"{100 * r['prefix'] / r['useful']:>11.1f}% | {r['prefill_s']:>9.2f} | {r['decode_s']:>8.2f} | "
             f"{steps:>9.0f} | {r['mean_batch']:>10.2f} | {1e3 * r['step_s']:>7.1f} | "
             f"{r['m_layers']:>2}/{r['m_head']:<3} | {1e3 * r['gemm_s']:>7.1f} | "
-            f"{100 * r['gemm_s'] / r['step_s']:>9.1f}% |")
+            f"{100 * r['gemm_s'] / r['step_s']:>9.1f}% |"
+        )
     lines.append("\nequal tokens = tokens before each request's first difference / useful tokens")
     return "\n".join(lines)
 

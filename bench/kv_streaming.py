@@ -46,6 +46,7 @@ Sections:
 
 Not measured: microbatch swapping (not built yet), GPU (this machine has none).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,12 +88,40 @@ REPO = Path(__file__).resolve().parent.parent
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/kv_streaming.py"
 MIB = 2**20
 SECTIONS = ("stream", "copies", "paged", "prefill")
-DEFAULTS = dict(hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=8, vocab=16000, batch=16,
-                prompt_len=192, new_tokens=64, prefill_len=256, copy_seqs=16, copy_tokens=512, copy_block=16,
-                block_sizes=[16, 32, 64, 128], repeats=5)
-SMALL = dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, vocab=4096, batch=4, prompt_len=32,
-             new_tokens=16, prefill_len=64, copy_seqs=4, copy_tokens=64, copy_block=16, block_sizes=[16, 32],
-             repeats=2)
+DEFAULTS = dict(
+    hidden=512,
+    intermediate=1408,
+    layers=8,
+    heads=8,
+    kv_heads=8,
+    vocab=16000,
+    batch=16,
+    prompt_len=192,
+    new_tokens=64,
+    prefill_len=256,
+    copy_seqs=16,
+    copy_tokens=512,
+    copy_block=16,
+    block_sizes=[16, 32, 64, 128],
+    repeats=5,
+)
+SMALL = dict(
+    hidden=256,
+    intermediate=688,
+    layers=4,
+    heads=8,
+    kv_heads=4,
+    vocab=4096,
+    batch=4,
+    prompt_len=32,
+    new_tokens=16,
+    prefill_len=64,
+    copy_seqs=4,
+    copy_tokens=64,
+    copy_block=16,
+    block_sizes=[16, 32],
+    repeats=2,
+)
 
 
 def _ints(text: str) -> list[int]:
@@ -140,9 +169,14 @@ def all_ranks_ok(ok: bool) -> bool:
 
 def requests(args, prompt_len: int, new_tokens: int) -> list[Request]:
     g = torch.Generator().manual_seed(0)
-    return [Request(i, torch.randint(0, args.vocab, (prompt_len,), generator=g).tolist(),
-                    SamplingParams(max_new_tokens=new_tokens, stop_token_ids=()))
-            for i in range(args.batch)]
+    return [
+        Request(
+            i,
+            torch.randint(0, args.vocab, (prompt_len,), generator=g).tolist(),
+            SamplingParams(max_new_tokens=new_tokens, stop_token_ids=()),
+        )
+        for i in range(args.batch)
+    ]
 
 
 def gen(engine: Engine, reqs) -> dict:
@@ -154,9 +188,13 @@ def gen(engine: Engine, reqs) -> dict:
     out = engine.generate(reqs)
     wall = time.perf_counter() - t0
     steps = s.decode_steps - n0
-    return {"step": reduce_scalar((s.decode_seconds - d0) / max(steps, 1)), "steps": steps,
-            "prefill": reduce_scalar(s.prefill_seconds - p0), "wall": reduce_scalar(wall),
-            "outputs": [c.output_ids for c in out]}
+    return {
+        "step": reduce_scalar((s.decode_seconds - d0) / max(steps, 1)),
+        "steps": steps,
+        "prefill": reduce_scalar(s.prefill_seconds - p0),
+        "wall": reduce_scalar(wall),
+        "outputs": [c.output_ids for c in out],
+    }
 
 
 def mirror_of(cache: KVCache, head_start: int) -> KVCache:
@@ -248,12 +286,18 @@ def section_stream(path: Path, args) -> dict:
 def format_stream(res: dict, args) -> list[str]:
     rows, base = res["rows"], res["rows"]["none"]
     b = med(base["step"])
-    lines = ["| streaming to | decode ms/step (median) | min-max ms | overhead vs none (medians) "
-             "| overhead, median of paired rounds | prefill ms (incl. prompt streaming) | MiB streamed per run "
-             "| steps streamed | mirror bitwise equal | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    names = {"none": "none (baseline)", "cpu": "(a) CPU copy, same rank (local)",
-             "peer": "(b) other rank (P2P)", "file": "(c) files (FileTransport)"}
+    lines = [
+        "| streaming to | decode ms/step (median) | min-max ms | overhead vs none (medians) "
+        "| overhead, median of paired rounds | prefill ms (incl. prompt streaming) | MiB streamed per run "
+        "| steps streamed | mirror bitwise equal | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    names = {
+        "none": "none (baseline)",
+        "cpu": "(a) CPU copy, same rank (local)",
+        "peer": "(b) other rank (P2P)",
+        "file": "(c) files (FileTransport)",
+    }
     for v, r in rows.items():
         s = med(r["step"])
         none = v == "none"
@@ -261,25 +305,34 @@ def format_stream(res: dict, args) -> list[str]:
         paired = "-" if none else f"{100 * med(r['paired']):+.1f}%"
         mib = "-" if none else f"{r['bytes'] / MIB:.1f}"
         equal = "-" if none else ("yes" if r["equal"] else "NO")
-        lines.append(f"| {names[v]} | {1e3 * s:.2f} | {1e3 * min(r['step']):.2f}-{1e3 * max(r['step']):.2f} "
-                     f"| {over} | {paired} | {1e3 * med(r['prefill']):.1f} | {mib} "
-                     f"| {'-' if none else r['steps']} | {equal} | {'yes' if r['same_tokens'] else 'NO'} |")
+        lines.append(
+            f"| {names[v]} | {1e3 * s:.2f} | {1e3 * min(r['step']):.2f}-{1e3 * max(r['step']):.2f} "
+            f"| {over} | {paired} | {1e3 * med(r['prefill']):.1f} | {mib} "
+            f"| {'-' if none else r['steps']} | {equal} | {'yes' if r['same_tokens'] else 'NO'} |"
+        )
     return lines
 
 
 # ---- 2. coalesced vs per-chunk copies ----------------------------------------------------------------
 def copy_cache(args, rank: int, num_heads: int, head_dim: int, layers: int) -> KVCache:
     per_seq = -(-args.copy_tokens // args.copy_block)
-    spec = KVSpec(num_layers=layers, num_slots=args.copy_seqs, num_heads=num_heads, max_seq_len=args.copy_tokens,
-                  head_dim=head_dim, head_start=rank * num_heads, block_size=args.copy_block,
-                  num_blocks=args.copy_seqs * per_seq)
+    spec = KVSpec(
+        num_layers=layers,
+        num_slots=args.copy_seqs,
+        num_heads=num_heads,
+        max_seq_len=args.copy_tokens,
+        head_dim=head_dim,
+        head_start=rank * num_heads,
+        block_size=args.copy_block,
+        num_blocks=args.copy_seqs * per_seq,
+    )
     cache = KVCache(spec)
     g = torch.Generator().manual_seed(rank)
     for t in cache.k + cache.v:
         t.copy_(torch.randn(t.shape, generator=g))
     order = torch.randperm(spec.num_blocks, generator=g).tolist()  # scattered blocks
     for slot in range(args.copy_seqs):
-        cache.assign(slot, order[slot * per_seq:(slot + 1) * per_seq])
+        cache.assign(slot, order[slot * per_seq : (slot + 1) * per_seq])
     return cache
 
 
@@ -290,9 +343,10 @@ def section_copies(path: Path | None, args) -> dict:
     cache = copy_cache(args, rank, kv_heads, head_dim, args.layers)
     src = world_layouts(cache)
     n = args.copy_tokens
-    workloads = {f"prompt ({args.copy_seqs} seqs x {n} tokens)": [Span(i, i, 0, n) for i in range(args.copy_seqs)],
-                 f"decode step ({args.copy_seqs} seqs x 1 token)": [Span(i, i, n - 1, n)
-                                                                    for i in range(args.copy_seqs)]}
+    workloads = {
+        f"prompt ({args.copy_seqs} seqs x {n} tokens)": [Span(i, i, 0, n) for i in range(args.copy_seqs)],
+        f"decode step ({args.copy_seqs} seqs x 1 token)": [Span(i, i, n - 1, n) for i in range(args.copy_seqs)],
+    }
     results = []
     transports = ["local"] + (["p2p", "shm"] if world == 2 else [])
     step = [0]
@@ -332,8 +386,10 @@ def section_copies(path: Path | None, args) -> dict:
             cs = chunks(cache, pieces_out, spans)
             jobs = [send_tr.flush(c, key("n", i, rank)) for i, c in enumerate(cs)]
             src_rank = rank if tname == "local" else (rank - 1) % world
-            jobs += [recv_tr.fetch(key("n", i, src_rank), torch.empty(nb, dtype=torch.uint8))
-                     for i, nb in enumerate(chunk_sizes(cache, pieces_in, spans))]
+            jobs += [
+                recv_tr.fetch(key("n", i, src_rank), torch.empty(nb, dtype=torch.uint8))
+                for i, nb in enumerate(chunk_sizes(cache, pieces_in, spans))
+            ]
             for j in jobs:
                 j.wait(120)
 
@@ -360,8 +416,14 @@ def section_copies(path: Path | None, args) -> dict:
                         row[m]["times"].append(dt)
             names = list(methods)
             assert row[names[0]]["bytes"] == row[names[1]]["bytes"], row  # the same bytes either way
-            results.append({"transport": tname, "workload": wname, "row": row,
-                            "ranks": "rank 0 alone" if tname == "local" else "2 ranks, both directions"})
+            results.append(
+                {
+                    "transport": tname,
+                    "workload": wname,
+                    "row": row,
+                    "ranks": "rank 0 alone" if tname == "local" else "2 ranks, both directions",
+                }
+            )
         if active:
             send_tr.close()
         dist.barrier()
@@ -382,22 +444,36 @@ def section_copies(path: Path | None, args) -> dict:
                 times["gather"].append(time.perf_counter() - t1)
             breakdown.append((wname, nchunks, buf.numel(), med(times["scatter"][1:]), med(times["gather"][1:])))
     dist.barrier()
-    return {"breakdown": breakdown, "results": results, "block": args.copy_block, "heads": kv_heads, "head_dim": head_dim,
-            "cache_mib": cache.spec.bytes / MIB}
+    return {
+        "breakdown": breakdown,
+        "results": results,
+        "block": args.copy_block,
+        "heads": kv_heads,
+        "head_dim": head_dim,
+        "cache_mib": cache.spec.bytes / MIB,
+    }
 
 
 def format_copies(res: dict) -> list[str]:
-    lines = ["| transport | ranks | workload | MiB moved (all ranks) | coalesced flushes | per-chunk flushes "
-             "| coalesced ms | per-chunk ms | per-chunk / coalesced time |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| transport | ranks | workload | MiB moved (all ranks) | coalesced flushes | per-chunk flushes "
+        "| coalesced ms | per-chunk ms | per-chunk / coalesced time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["results"]:
         c, n = r["row"].values()
         tc, tn = med(c["times"]), med(n["times"])
-        lines.append(f"| {r['transport']} | {r['ranks']} | {r['workload']} | {c['bytes'] / MIB:.2f} "
-                     f"| {c['calls']:.0f} | {n['calls']:.0f} | {1e3 * tc:.2f} | {1e3 * tn:.2f} | {tn / tc:.2f}x |")
-    lines += ["", "Packing and unpacking alone (rank 0, no transport):", "",
-              "| workload | chunks | bytes | scatter ms | gather (unpack) ms | us per chunk (scatter) |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['transport']} | {r['ranks']} | {r['workload']} | {c['bytes'] / MIB:.2f} "
+            f"| {c['calls']:.0f} | {n['calls']:.0f} | {1e3 * tc:.2f} | {1e3 * tn:.2f} | {tn / tc:.2f}x |"
+        )
+    lines += [
+        "",
+        "Packing and unpacking alone (rank 0, no transport):",
+        "",
+        "| workload | chunks | bytes | scatter ms | gather (unpack) ms | us per chunk (scatter) |",
+        "|---|---|---|---|---|---|",
+    ]
     for wname, nchunks, nbytes, ts, tg in res["breakdown"]:
         lines.append(f"| {wname} | {nchunks} | {nbytes} | {1e3 * ts:.2f} | {1e3 * tg:.2f} | {1e6 * ts / nchunks:.1f} |")
     return lines
@@ -410,8 +486,9 @@ def section_paged(path: Path, args) -> dict:
     capacity = args.batch * seq_len
     engines = {"contiguous": Engine(model, max_batch_size=args.batch, max_seq_len=seq_len)}
     for bs in args.block_sizes:
-        engines[f"paged, block {bs}"] = Engine(model, max_batch_size=args.batch, max_seq_len=seq_len,
-                                               kv_block_size=bs, kv_tokens=capacity)
+        engines[f"paged, block {bs}"] = Engine(
+            model, max_batch_size=args.batch, max_seq_len=seq_len, kv_block_size=bs, kv_tokens=capacity
+        )
     reqs = requests(args, args.prompt_len, args.new_tokens)
     rows = {k: {"step": [], "prefill": []} for k in engines}
     for k, e in engines.items():  # warm-up
@@ -424,9 +501,14 @@ def section_paged(path: Path, args) -> dict:
             rows[k]["prefill"].append(r["prefill"])
     for k, e in engines.items():
         spec = e.kv.spec
-        rows[k].update(bytes=spec.bytes, capacity=spec.capacity_tokens, peak=e.stats.kv_blocks_peak,
-                       block=spec.block_size, same=rows[k]["outputs"] == rows["contiguous"]["outputs"],
-                       batch=e.stats.mean_decode_batch)
+        rows[k].update(
+            bytes=spec.bytes,
+            capacity=spec.capacity_tokens,
+            peak=e.stats.kv_blocks_peak,
+            block=spec.block_size,
+            same=rows[k]["outputs"] == rows["contiguous"]["outputs"],
+            batch=e.stats.mean_decode_batch,
+        )
     dist.barrier()
     return {"rows": rows, "capacity": capacity}
 
@@ -434,16 +516,20 @@ def section_paged(path: Path, args) -> dict:
 def format_paged(res: dict) -> list[str]:
     rows = res["rows"]
     c = med(rows["contiguous"]["step"])
-    lines = ["| cache | decode ms/step | min-max ms | paged / contiguous step | prefill ms | decode steps "
-             "| mean batch | token capacity | cache MiB (per rank, scratch incl.) | peak tokens held "
-             "| same tokens as contiguous |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cache | decode ms/step | min-max ms | paged / contiguous step | prefill ms | decode steps "
+        "| mean batch | token capacity | cache MiB (per rank, scratch incl.) | peak tokens held "
+        "| same tokens as contiguous |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for k, r in rows.items():
         s = med(r["step"])
         held = "-" if r["block"] is None else f"{r['peak'] * r['block']}"
-        lines.append(f"| {k} | {1e3 * s:.2f} | {1e3 * min(r['step']):.2f}-{1e3 * max(r['step']):.2f} "
-                     f"| {s / c:.2f} | {1e3 * med(r['prefill']):.1f} | {r['steps']} | {r['batch']:.1f} "
-                     f"| {r['capacity']} | {r['bytes'] / MIB:.1f} | {held} | {'yes' if r['same'] else 'NO'} |")
+        lines.append(
+            f"| {k} | {1e3 * s:.2f} | {1e3 * min(r['step']):.2f}-{1e3 * max(r['step']):.2f} "
+            f"| {s / c:.2f} | {1e3 * med(r['prefill']):.1f} | {r['steps']} | {r['batch']:.1f} "
+            f"| {r['capacity']} | {r['bytes'] / MIB:.1f} | {held} | {'yes' if r['same'] else 'NO'} |"
+        )
     return lines
 
 
@@ -482,8 +568,12 @@ class PromptStream:
 def section_prefill(path: Path, args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, "section prefill runs on 2 ranks (TP2)"
-    engine = Engine(parallelize(path), max_batch_size=args.batch, max_seq_len=args.prefill_len + 1,
-                    max_prefill_tokens=args.batch * args.prefill_len)
+    engine = Engine(
+        parallelize(path),
+        max_batch_size=args.batch,
+        max_seq_len=args.prefill_len + 1,
+        max_prefill_tokens=args.batch * args.prefill_len,
+    )
     reqs = requests(args, args.prefill_len, 1)
     src = world_layouts(engine.kv)
     ring = {r: src[(r - 1) % world] for r in range(world)}
@@ -498,9 +588,11 @@ def section_prefill(path: Path, args) -> dict:
         if v != "none":
             tag[0] += 1
             ps = PromptStream(streamer, engine.kv, mirror, v, tag[0])
-            removers = [engine.runner.hooks.add("step_begin", ps.step_begin),
-                        engine.runner.hooks.add("after_layer", ps.after_layer),
-                        engine.runner.hooks.add("step_end", ps.step_end)]
+            removers = [
+                engine.runner.hooks.add("step_begin", ps.step_begin),
+                engine.runner.hooks.add("after_layer", ps.after_layer),
+                engine.runner.hooks.add("step_end", ps.step_end),
+            ]
         r = gen(engine, reqs)
         for rm in removers:
             rm()
@@ -522,8 +614,9 @@ def section_prefill(path: Path, args) -> dict:
         for v in variants:
             run(v, warm=False)
     streamer.close()
-    kv_bytes = 2 * args.layers * (args.kv_heads // world) * args.batch * args.prefill_len * \
-        (args.hidden // args.heads) * 4
+    kv_bytes = (
+        2 * args.layers * (args.kv_heads // world) * args.batch * args.prefill_len * (args.hidden // args.heads) * 4
+    )
     for v in variants:
         rows[v]["paired"] = [a / b - 1 for a, b in zip(rows[v]["prefill"], rows["none"]["prefill"])]
     dist.barrier()
@@ -533,18 +626,25 @@ def section_prefill(path: Path, args) -> dict:
 def format_prefill(res: dict) -> list[str]:
     rows = res["rows"]
     b = med(rows["none"]["prefill"])
-    names = {"none": "prefill, no streaming", "layer": "per-layer stream_out in after_layer (overlapped)",
-             "end": "prefill, then stream everything at step_end"}
-    lines = ["| variant | prefill s (median) | min-max s | vs no streaming (medians) | median of paired rounds "
-             "| mirror bitwise equal |", "|---|---|---|---|---|---|"]
+    names = {
+        "none": "prefill, no streaming",
+        "layer": "per-layer stream_out in after_layer (overlapped)",
+        "end": "prefill, then stream everything at step_end",
+    }
+    lines = [
+        "| variant | prefill s (median) | min-max s | vs no streaming (medians) | median of paired rounds "
+        "| mirror bitwise equal |",
+        "|---|---|---|---|---|---|",
+    ]
     for v, r in rows.items():
         s = med(r["prefill"])
         none = v == "none"
         over = "-" if none else f"{100 * (s / b - 1):+.1f}%"
         paired = "-" if none else f"{100 * med(r['paired']):+.1f}%"
         equal = "-" if none else ("yes" if r["equal"] else "NO")
-        lines.append(f"| {names[v]} | {s:.3f} | {min(r['prefill']):.3f}-{max(r['prefill']):.3f} "
-                     f"| {over} | {paired} | {equal} |")
+        lines.append(
+            f"| {names[v]} | {s:.3f} | {min(r['prefill']):.3f}-{max(r['prefill']):.3f} | {over} | {paired} | {equal} |"
+        )
     return lines
 
 
@@ -565,38 +665,49 @@ def main() -> None:
             if rank == 0:
                 print(f"[skip] section {section} needs 2 ranks", flush=True)
             continue
-        fn = {"stream": section_stream, "copies": section_copies, "paged": section_paged,
-              "prefill": section_prefill}[section]
+        fn = {"stream": section_stream, "copies": section_copies, "paged": section_paged, "prefill": section_prefill}[
+            section
+        ]
         out[section] = fn(path, args)
         if rank == 0:
             print(f"[{time.perf_counter() - t_start:.0f}s] {section} done", flush=True)
     if rank == 0:
         numel = _numel(path)
         hd = args.hidden // args.heads
-        print(f"\n{started:%Y-%m-%d %H:%M} UTC; Llama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} "
-              f"layers, {args.heads}/{args.kv_heads} heads x {hd}, vocab {args.vocab}: {numel / 1e6:.1f}M fp32 "
-              f"parameters; TP{world} ({args.kv_heads // world} KV heads per rank); torch {torch.__version__}, "
-              f"{world} gloo ranks, 1 thread each; warm-up 1 + median of {args.repeats}, variants round-robin")
+        print(
+            f"\n{started:%Y-%m-%d %H:%M} UTC; Llama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} "
+            f"layers, {args.heads}/{args.kv_heads} heads x {hd}, vocab {args.vocab}: {numel / 1e6:.1f}M fp32 "
+            f"parameters; TP{world} ({args.kv_heads // world} KV heads per rank); torch {torch.__version__}, "
+            f"{world} gloo ranks, 1 thread each; warm-up 1 + median of {args.repeats}, variants round-robin"
+        )
         if "stream" in out:
-            print(f"\n1. Token streaming: {args.batch} seqs x {args.prompt_len} prompt tokens, {args.new_tokens} "
-                  f"greedy tokens ({args.new_tokens - 1} decode steps), max_seq_len "
-                  f"{args.prompt_len + args.new_tokens}, contiguous cache "
-                  f"{out['stream']['cache_mib']:.1f} MiB/rank\n")
+            print(
+                f"\n1. Token streaming: {args.batch} seqs x {args.prompt_len} prompt tokens, {args.new_tokens} "
+                f"greedy tokens ({args.new_tokens - 1} decode steps), max_seq_len "
+                f"{args.prompt_len + args.new_tokens}, contiguous cache "
+                f"{out['stream']['cache_mib']:.1f} MiB/rank\n"
+            )
             print("\n".join(format_stream(out["stream"], args)))
         if "copies" in out:
             r = out["copies"]
-            print(f"\n2. Coalesced vs per-chunk copies: paged cache, block {r['block']}, shuffled block ids, "
-                  f"{args.layers} layers x {r['heads']} KV heads x {r['head_dim']} per rank, fp32 "
-                  f"({r['cache_mib']:.0f} MiB/rank); time = pack + flush + fetch, max over ranks\n")
+            print(
+                f"\n2. Coalesced vs per-chunk copies: paged cache, block {r['block']}, shuffled block ids, "
+                f"{args.layers} layers x {r['heads']} KV heads x {r['head_dim']} per rank, fp32 "
+                f"({r['cache_mib']:.0f} MiB/rank); time = pack + flush + fetch, max over ranks\n"
+            )
             print("\n".join(format_copies(r)))
         if "paged" in out:
-            print(f"\n3. Paged vs contiguous: {args.batch} seqs x {args.prompt_len} prompt, {args.new_tokens} new "
-                  f"tokens; same token capacity {out['paged']['capacity']} (contiguous: {args.batch} slots x "
-                  f"{args.prompt_len + args.new_tokens})\n")
+            print(
+                f"\n3. Paged vs contiguous: {args.batch} seqs x {args.prompt_len} prompt, {args.new_tokens} new "
+                f"tokens; same token capacity {out['paged']['capacity']} (contiguous: {args.batch} slots x "
+                f"{args.prompt_len + args.new_tokens})\n"
+            )
             print("\n".join(format_paged(out["paged"])))
         if "prefill" in out:
-            print(f"\n4. Prompt streaming: prefill of {args.batch} x {args.prefill_len} tokens (one step), "
-                  f"{out['prefill']['mib_per_rank']:.1f} MiB of KV per rank to the other rank (P2P)\n")
+            print(
+                f"\n4. Prompt streaming: prefill of {args.batch} x {args.prefill_len} tokens (one step), "
+                f"{out['prefill']['mib_per_rank']:.1f} MiB of KV per rank to the other rank (P2P)\n"
+            )
             print("\n".join(format_prefill(out["prefill"])))
         print(f"\nmachine: {sampler.summary()}")
         print(f"command: {command(args, world)}")

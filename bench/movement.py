@@ -27,6 +27,7 @@ the plans' lower bound, peak extra memory (ours: max over ranks of CommStats.pea
 baseline: largest collective output buffer a rank holds at once, i.e. one full tensor for an
 all-gather), and whether both results equal the reference (local slicing of the global tensor).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ import datetime
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,8 +78,15 @@ def ffn_width(hidden: int) -> int:
 
 def shapes(hidden: int, layers: int) -> dict[str, tuple[int, int]]:
     f = ffn_width(hidden)
-    one = {"q": (hidden, hidden), "k": (hidden, hidden), "v": (hidden, hidden), "o": (hidden, hidden),
-           "gate": (f, hidden), "up": (f, hidden), "down": (hidden, f)}
+    one = {
+        "q": (hidden, hidden),
+        "k": (hidden, hidden),
+        "v": (hidden, hidden),
+        "o": (hidden, hidden),
+        "gate": (f, hidden),
+        "up": (f, hidden),
+        "down": (hidden, f),
+    }
     return {f"layers.{i}.{n}": s for i in range(layers) for n, s in one.items()}
 
 
@@ -106,8 +114,7 @@ def build_stack(full: dict[str, torch.Tensor], src: Targets) -> nn.Module:
     for name, t in full.items():
         mesh, placements = src[name]
         dt = distribute_tensor(t, mesh, placements, src_data_rank=None)
-        root.layers[layer_of(name)].register_parameter(name.rsplit(".", 1)[1],
-                                                       nn.Parameter(dt, requires_grad=False))
+        root.layers[layer_of(name)].register_parameter(name.rsplit(".", 1)[1], nn.Parameter(dt, requires_grad=False))
     return root
 
 
@@ -169,8 +176,8 @@ class CountCollectives(TorchDispatchMode):
             self.peak = max(self.peak, group_size * nbytes)
             self.calls += 1
         elif func.namespace in ("_c10d_functional", "c10d") and any(
-                k in func.__name__ for k in ("reduce", "gather", "scatter", "all_to_all", "broadcast",
-                                             "send", "recv")):
+            k in func.__name__ for k in ("reduce", "gather", "scatter", "all_to_all", "broadcast", "send", "recv")
+        ):
             raise NotImplementedError(f"no byte count for {func}")
         return func(*args, **(kwargs or {}))
 
@@ -238,16 +245,17 @@ def scenarios(names: list[str], layers: int) -> list[tuple[str, Targets, Targets
         return {n: (mesh, pick(n)) for n in names}
 
     out = []
-    for label, a, b in [("S(0)->R", Shard(0), Replicate()), ("S(0)->S(1)", Shard(0), Shard(1)),
-                        ("R->S(0)", Replicate(), Shard(0)), ("S(1)->S(0)", Shard(1), Shard(0))]:
-        out.append((label, on(world, lambda n, a=a: (a,)), on(world, lambda n, b=b: (b,)),
-                    dtensor_redistribute))
+    for label, a, b in [
+        ("S(0)->R", Shard(0), Replicate()),
+        ("S(0)->S(1)", Shard(0), Shard(1)),
+        ("R->S(0)", Replicate(), Shard(0)),
+        ("S(1)->S(0)", Shard(1), Shard(0)),
+    ]:
+        out.append((label, on(world, lambda n, a=a: (a,)), on(world, lambda n, b=b: (b,)), dtensor_redistribute))
     stage_targets = {n: (stages[layer_of(n) * WORLD // layers], (Replicate(),)) for n in names}
     out.append(("tp4->stages", on(world, tp_placement), stage_targets, full_tensor_then_slice))
-    out.append(("fsdp4->tp4", on(world, lambda n: (Shard(0),)), on(world, tp_placement),
-                full_tensor_then_slice))
-    out.append(("tp2{0,1}->tp2{2,3}", on(first, tp_placement), on(second, tp_placement),
-                world_gather_then_slice))
+    out.append(("fsdp4->tp4", on(world, lambda n: (Shard(0),)), on(world, tp_placement), full_tensor_then_slice))
+    out.append(("tp2{0,1}->tp2{2,3}", on(first, tp_placement), on(second, tp_placement), world_gather_then_slice))
     return out
 
 
@@ -255,8 +263,9 @@ def lower_bound(module: nn.Module, dst: Targets) -> int:
     return sum(reshard.plan_for(p, *dst[n]).lower_bound_bytes for n, p in module.named_parameters())
 
 
-def run_scenario(full: dict[str, torch.Tensor], src: Targets, dst: Targets, baseline: Callable,
-                 repeats: int, bucket_bytes: int) -> dict[str, float]:
+def run_scenario(
+    full: dict[str, torch.Tensor], src: Targets, dst: Targets, baseline: Callable, repeats: int, bucket_bytes: int
+) -> dict[str, float]:
     row: dict[str, float] = {}
     # ours: one warm-up, then timed repeats on a freshly built source stack each time
     ok, times = True, []
@@ -264,7 +273,7 @@ def run_scenario(full: dict[str, torch.Tensor], src: Targets, dst: Targets, base
         module = build_stack(full, src)
         if i == 0:
             row["lb"] = lower_bound(module, dst)
-        seconds, got = timed(lambda: ours(module, dst, bucket_bytes))
+        seconds, got = timed(lambda module=module: ours(module, dst, bucket_bytes))
         stats = reshard.last_stats()
         assert stats.lower_bound_bytes == row["lb"], (stats.lower_bound_bytes, row["lb"])
         ok &= matches(full, dst, got)
@@ -295,8 +304,10 @@ def run_scenario(full: dict[str, torch.Tensor], src: Targets, dst: Targets, base
 
 
 # ---- report --------------------------------------------------------------------------------------
-HEADER = ("| scenario | ours s | base s | ours/base time | ours MiB sent | base MiB sent | lower bound MiB "
-          "| ours/LB bytes | base/LB bytes | ours peak extra MiB | base peak MiB | equal to reference |")
+HEADER = (
+    "| scenario | ours s | base s | ours/base time | ours MiB sent | base MiB sent | lower bound MiB "
+    "| ours/LB bytes | base/LB bytes | ours peak extra MiB | base peak MiB | equal to reference |"
+)
 
 
 def ratio(a: float, b: float) -> str:
@@ -304,17 +315,25 @@ def ratio(a: float, b: float) -> str:
 
 
 def format_row(label: str, r: dict[str, float]) -> str:
-    ok = "ours yes, base yes" if r["ours_ok"] and r["base_ok"] else \
-        f"ours {'yes' if r['ours_ok'] else 'NO'}, base {'yes' if r['base_ok'] else 'NO'}"
-    return (f"| {label} | {r['ours_s']:.3f} | {r['base_s']:.3f} | {ratio(r['ours_s'], r['base_s'])} "
-            f"| {r['ours_bytes'] / MIB:.1f} | {r['base_bytes'] / MIB:.1f} | {r['lb'] / MIB:.1f} "
-            f"| {ratio(r['ours_bytes'], r['lb'])} | {ratio(r['base_bytes'], r['lb'])} "
-            f"| {r['ours_peak'] / MIB:.1f} | {r['base_peak'] / MIB:.1f} | {ok} |")
+    ok = (
+        "ours yes, base yes"
+        if r["ours_ok"] and r["base_ok"]
+        else f"ours {'yes' if r['ours_ok'] else 'NO'}, base {'yes' if r['base_ok'] else 'NO'}"
+    )
+    return (
+        f"| {label} | {r['ours_s']:.3f} | {r['base_s']:.3f} | {ratio(r['ours_s'], r['base_s'])} "
+        f"| {r['ours_bytes'] / MIB:.1f} | {r['base_bytes'] / MIB:.1f} | {r['lb'] / MIB:.1f} "
+        f"| {ratio(r['ours_bytes'], r['lb'])} | {ratio(r['base_bytes'], r['lb'])} "
+        f"| {r['ours_peak'] / MIB:.1f} | {r['base_peak'] / MIB:.1f} | {ok} |"
+    )
 
 
 def command(args: argparse.Namespace) -> str:
-    extra = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-             if v != {"hidden": 1024, "layers": 8, "bucket_mb": 64, "repeats": 3}[k]]
+    extra = [
+        f"--{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items()
+        if v != {"hidden": 1024, "layers": 8, "bucket_mb": 64, "repeats": 3}[k]
+    ]
     return " ".join([COMMAND] + extra)
 
 
@@ -334,12 +353,16 @@ def main() -> None:
         if rank == 0:
             print(f"[{time.perf_counter() - t_start:.0f}s] {label} done", flush=True)
     if rank == 0:
-        print(f"\n{args.layers} layers, hidden {args.hidden}, ffn {ffn_width(args.hidden)}: "
-              f"{numel / 1e6:.1f}M fp32 parameters ({numel * 4 / MIB:.0f} MiB), {len(spec)} tensors; "
-              f"bucket {args.bucket_mb} MiB; median of {args.repeats} after 1 warm-up; "
-              f"torch {torch.__version__}, {WORLD} gloo ranks\n")
-        for title, part in [("Same mesh (ascending 1-D mesh of 4; baseline DTensor.redistribute)", rows[:4]),
-                            ("Layout changes (baseline full_tensor()/world all-gather, then slice)", rows[4:])]:
+        print(
+            f"\n{args.layers} layers, hidden {args.hidden}, ffn {ffn_width(args.hidden)}: "
+            f"{numel / 1e6:.1f}M fp32 parameters ({numel * 4 / MIB:.0f} MiB), {len(spec)} tensors; "
+            f"bucket {args.bucket_mb} MiB; median of {args.repeats} after 1 warm-up; "
+            f"torch {torch.__version__}, {WORLD} gloo ranks\n"
+        )
+        for title, part in [
+            ("Same mesh (ascending 1-D mesh of 4; baseline DTensor.redistribute)", rows[:4]),
+            ("Layout changes (baseline full_tensor()/world all-gather, then slice)", rows[4:]),
+        ]:
             print(f"{title}\n\n{HEADER}\n|{'---|' * 12}")
             for label, r in part:
                 print(format_row(label, r))

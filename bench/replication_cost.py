@@ -7,6 +7,7 @@ streamer's thread (the default), variants round-robin.
 Per variant: wall ms per decode step, time inside the ``step_end`` hook per step, CPU seconds of
 the process (all threads) and context switches per step, medians over the repeats (rank 0's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,11 @@ from reshard.parallel.model.tiny_models import builtin_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("no replication", "replication, packing on the step's thread", "replication, packing on the streamer's thread")
+VARIANTS = (
+    "no replication",
+    "replication, packing on the step's thread",
+    "replication, packing on the streamer's thread",
+)
 
 
 def measure(path, variant: str, requests: list[Request]) -> dict:
@@ -43,8 +48,12 @@ def measure(path, variant: str, requests: list[Request]) -> dict:
     steps = engine.stats.decode_steps - warm_steps
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     switches = after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw
-    return {"ms_per_step": 1e3 * wall / steps, "hook_ms": 1e3 * hook[0] / steps, "cpu_s": cpu,
-            "switches_per_step": switches / steps}
+    return {
+        "ms_per_step": 1e3 * wall / steps,
+        "hook_ms": 1e3 * hook[0] / steps,
+        "cpu_s": cpu,
+        "switches_per_step": switches / steps,
+    }
 
 
 def _time_hook(engine, ring, total: list) -> None:
@@ -55,6 +64,7 @@ def _time_hook(engine, ring, total: list) -> None:
         t0 = time.perf_counter()
         inner(phase, seqs)
         total[0] += time.perf_counter() - t0
+
     hooks[hooks.index(inner)] = timed
 
 
@@ -68,8 +78,10 @@ def main() -> None:
     torch.set_num_threads(1)
     path = builtin_checkpoint()
     g = torch.Generator().manual_seed(0)
-    requests = [Request(i, torch.randint(3, 4000, (32,), generator=g).tolist(),
-                        SamplingParams(max_new_tokens=args.new_tokens)) for i in range(args.requests)]
+    requests = [
+        Request(i, torch.randint(3, 4000, (32,), generator=g).tolist(), SamplingParams(max_new_tokens=args.new_tokens))
+        for i in range(args.requests)
+    ]
     rows = {v: [] for v in VARIANTS}
     for _ in range(args.repeats):
         for v in VARIANTS:
@@ -82,15 +94,21 @@ def main() -> None:
 def report(args, rows: dict) -> None:
     med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
     base = med[VARIANTS[0]]
-    print(f"\nbuilt-in tiny Llama, TP{dist.get_world_size()}, {args.requests} requests x {args.new_tokens} new "
-          f"tokens, greedy; median of {args.repeats}, variants round-robin\n")
+    print(
+        f"\nbuilt-in tiny Llama, TP{dist.get_world_size()}, {args.requests} requests x {args.new_tokens} new "
+        f"tokens, greedy; median of {args.repeats}, variants round-robin\n"
+    )
     print("| variant | ms/step | vs none | hook ms/step | CPU s | vs none | context switches/step |")
     print("|---|---|---|---|---|---|---|")
     for v, m in med.items():
-        print(f"| {v} | {m['ms_per_step']:.2f} | {m['ms_per_step'] / base['ms_per_step']:.3f} | {m['hook_ms']:.2f} | "
-              f"{m['cpu_s']:.2f} | {m['cpu_s'] / base['cpu_s']:.2f} | {m['switches_per_step']:.0f} |")
-    print(f"\ncommand: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {dist.get_world_size()} "
-          f"bench/replication_cost.py --requests {args.requests} --new-tokens {args.new_tokens} --repeats {args.repeats}")
+        print(
+            f"| {v} | {m['ms_per_step']:.2f} | {m['ms_per_step'] / base['ms_per_step']:.3f} | {m['hook_ms']:.2f} | "
+            f"{m['cpu_s']:.2f} | {m['cpu_s'] / base['cpu_s']:.2f} | {m['switches_per_step']:.0f} |"
+        )
+    print(
+        f"\ncommand: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {dist.get_world_size()} "
+        f"bench/replication_cost.py --requests {args.requests} --new-tokens {args.new_tokens} --repeats {args.repeats}"
+    )
 
 
 if __name__ == "__main__":

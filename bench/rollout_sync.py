@@ -35,6 +35,7 @@ report their largest gathered tensor), and per-phase memory accounting: the byte
 training parameter shards + Adam state, of the rollout shards, max over ranks (tensor bytes, not
 allocator measurements), plus each process's resident set size (VmRSS) after each phase.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -145,14 +146,16 @@ def trained(path: Path, ranks: list[int]):
     return model, opt
 
 
-def run_scenario(path: Path, train_ranks: list[int], rollout_ranks: list[int], tp: int,
-                 args: argparse.Namespace) -> dict:
+def run_scenario(
+    path: Path, train_ranks: list[int], rollout_ranks: list[int], tp: int, args: argparse.Namespace
+) -> dict:
     rank = dist.get_rank()
     out: dict = {"phases": {}}
     train, opt = trained(path, train_ranks)
     train_bytes = storage_bytes(train.parameters()) if train is not None else 0
-    opt_bytes = storage_bytes(v for s in opt.state.values() for v in s.values()
-                              if torch.is_tensor(v)) if opt is not None else 0
+    opt_bytes = (
+        storage_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)) if opt is not None else 0
+    )
     out["phases"]["train params"] = reduce_scalar(train_bytes, dist.ReduceOp.MAX)
     out["phases"]["Adam state"] = reduce_scalar(opt_bytes, dist.ReduceOp.MAX)
     out["phases"]["RSS after train"] = reduce_scalar(rss_bytes(), dist.ReduceOp.MAX)
@@ -204,8 +207,10 @@ def run_scenario(path: Path, train_ranks: list[int], rollout_ranks: list[int], t
 
 
 # ---- report ----------------------------------------------------------------------------------------
-HEADER = ("| scenario | method | build s | sync s | base/ours time | MiB moved | lower bound MiB | bytes/LB "
-          "| peak extra MiB | budget MiB | peak <= budget | equal to planned |")
+HEADER = (
+    "| scenario | method | build s | sync s | base/ours time | MiB moved | lower bound MiB | bytes/LB "
+    "| peak extra MiB | budget MiB | peak <= budget | equal to planned |"
+)
 
 
 def ratio(a: float, b: float) -> str:
@@ -221,7 +226,8 @@ def format_rows(label: str, rows: dict, budget_mb: int) -> list[str]:
             f"| {r['seconds']:.3f} | {'-' if method == 'planned' else ratio(r['seconds'], ours)} "
             f"| {r['bytes'] / MIB:.1f} | {r['lb'] / MIB:.1f} | {ratio(r['bytes'], r['lb'])} "
             f"| {r['peak'] / MIB:.1f} | {budget_mb} | {'yes' if r['peak'] <= budget_mb * MIB else 'NO'} "
-            f"| {'yes' if r['equal'] else 'NO'} |")
+            f"| {'yes' if r['equal'] else 'NO'} |"
+        )
     return lines
 
 
@@ -252,11 +258,15 @@ def main() -> None:
     rank, t_start = dist.get_rank(), time.perf_counter()
     path = checkpoint(args)
     if world == 4:
-        scenarios = [("colocated FSDP2[0-3]->TP4[0-3]", [0, 1, 2, 3], [0, 1, 2, 3], 4),
-                     ("split FSDP2[0,1]->TP2[2,3]", [0, 1], [2, 3], 2)]
+        scenarios = [
+            ("colocated FSDP2[0-3]->TP4[0-3]", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+            ("split FSDP2[0,1]->TP2[2,3]", [0, 1], [2, 3], 2),
+        ]
     else:
-        scenarios = [("colocated FSDP2[0-3]->TP4[0-3] (4,5 idle)", [0, 1, 2, 3], [0, 1, 2, 3], 4),
-                     ("split FSDP2[0-3]->TP2[4,5]", [0, 1, 2, 3], [4, 5], 2)]
+        scenarios = [
+            ("colocated FSDP2[0-3]->TP4[0-3] (4,5 idle)", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+            ("split FSDP2[0-3]->TP2[4,5]", [0, 1, 2, 3], [4, 5], 2),
+        ]
     results = []
     for label, train_ranks, rollout_ranks, tp in scenarios:
         results.append((label, run_scenario(path, train_ranks, rollout_ranks, tp, args)))
@@ -264,10 +274,12 @@ def main() -> None:
             print(f"[{time.perf_counter() - t_start:.0f}s] {label} done", flush=True)
     if rank == 0:
         numel = sum(math.prod(shape) for shape in _param_shapes(path))
-        print(f"\nLlama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} layers, "
-              f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}: {numel / 1e6:.1f}M fp32 parameters "
-              f"({numel * 4 / MIB:.0f} MiB); bucket {args.bucket_mb} MiB; warm-up 1 + median of "
-              f"{args.repeats} (round-robin over methods); torch {torch.__version__}, {world} gloo ranks\n")
+        print(
+            f"\nLlama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} layers, "
+            f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}: {numel / 1e6:.1f}M fp32 parameters "
+            f"({numel * 4 / MIB:.0f} MiB); bucket {args.bucket_mb} MiB; warm-up 1 + median of "
+            f"{args.repeats} (round-robin over methods); torch {torch.__version__}, {world} gloo ranks\n"
+        )
         print(f"{HEADER}\n|{'---|' * 12}")
         for label, r in results:
             for line in format_rows(label, r["rows"], args.bucket_mb):
@@ -277,8 +289,11 @@ def main() -> None:
         print("| scenario | " + " | ".join(f"{p} MiB" for p in phases) + " | sync peak extra MiB (planned) |")
         print(f"|{'---|' * (len(phases) + 2)}")
         for label, r in results:
-            print(f"| {label} | " + " | ".join(f"{r['phases'][p] / MIB:.1f}" for p in phases)
-                  + f" | {r['rows']['planned']['peak'] / MIB:.1f} |")
+            print(
+                f"| {label} | "
+                + " | ".join(f"{r['phases'][p] / MIB:.1f}" for p in phases)
+                + f" | {r['rows']['planned']['peak'] / MIB:.1f} |"
+            )
         print(f"\ncommand: {command(args, world)}")
         print(f"total {time.perf_counter() - t_start:.0f}s")
     dist.destroy_process_group()

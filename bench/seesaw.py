@@ -23,6 +23,7 @@ of wall time spent in weight re-sharding and in swap waits on the main thread is
 CPU timings are not GPU timings: on CPU, compute dominates and collectives are cheap relative to
 GPU ratios, so the ranking of layouts can differ from the paper's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--slots", type=int, default=8, help="KV slots (max batch) per model replica")
-    p.add_argument("--tier-share", type=float, default=0.35,
-                   help="CPU KV tier capacity as a share of the workload's prompt tokens")
+    p.add_argument(
+        "--tier-share", type=float, default=0.35, help="CPU KV tier capacity as a share of the workload's prompt tokens"
+    )
     p.add_argument("--repeats", type=int, default=2)
     return p.parse_args()
 
@@ -134,18 +136,24 @@ def bench_workload(name: str, args, path: Path, vocab: int, world: int) -> list[
 
 
 def report(rows: list[dict], args, tier_share: float) -> None:
-    print(f"\n{COMMAND}\nrequests={args.requests}, slots={args.slots}, tier={tier_share} x prompt tokens, "
-          f"repeats={args.repeats} (medians)\n")
-    print(f"{'workload':9} {'engine':17} {'wall s':>7} {'tok/s':>8} {'/best static':>12} "
-          f"{'trans':>5} {'reshard%':>8} {'swap%':>6}")
+    print(
+        f"\n{COMMAND}\nrequests={args.requests}, slots={args.slots}, tier={tier_share} x prompt tokens, "
+        f"repeats={args.repeats} (medians)\n"
+    )
+    print(
+        f"{'workload':9} {'engine':17} {'wall s':>7} {'tok/s':>8} {'/best static':>12} "
+        f"{'trans':>5} {'reshard%':>8} {'swap%':>6}"
+    )
     for wl in WORKLOADS:
         mine = [r for r in rows if r["workload"] == wl]
         best = max(r["tok_s"] for r in mine if r["engine"].startswith("static"))
         for r in mine:
             extra = ""
             if "transitions" in r:
-                extra = (f" {r['transitions']:5.0f} {100 * r['reshard_s'] / r['wall_s']:7.1f}% "
-                         f"{100 * r['swap_s'] / r['wall_s']:5.1f}%")
+                extra = (
+                    f" {r['transitions']:5.0f} {100 * r['reshard_s'] / r['wall_s']:7.1f}% "
+                    f"{100 * r['swap_s'] / r['wall_s']:5.1f}%"
+                )
             print(f"{wl:9} {r['engine']:17} {r['wall_s']:7.2f} {r['tok_s']:8.1f} {r['tok_s'] / best:12.2f}{extra}")
 
 

@@ -31,6 +31,7 @@ a ``step_end`` runner hook). TPOT: decode seconds / decode steps. Throughput: ge
 seconds of all phases (combined: prompt + generated tokens). One warm-up trace per engine (with
 byte counting on), then ``--repeats`` timed traces, engines round-robin; medians are reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,10 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ from reshard.parallel.strategies.shift import (
 REPO = Path(__file__).resolve().parent.parent
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/shift.py"
-TP_ONLY = 10 ** 9
+TP_ONLY = 10**9
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -173,10 +174,16 @@ def build_layer(cfg, dims: ParallelDims, seed: int) -> tuple[UlyssesAttention, S
     """One decoder layer's attention and MLP, SP-d base layout plus the full-TP shift layout."""
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    attn = UlyssesAttention(cfg.hidden_size, heads, kv, head_dim, meshes=shift_meshes(dims, kv),
-                            rms_norm_eps=cfg.rms_norm_eps)
-    mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, mesh=base_mesh(dims),
-                    hidden_act=cfg.hidden_act, placements=(Replicate(), Shard(0)))
+    attn = UlyssesAttention(
+        cfg.hidden_size, heads, kv, head_dim, meshes=shift_meshes(dims, kv), rms_norm_eps=cfg.rms_norm_eps
+    )
+    mlp = SwiGLUMLP(
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        mesh=base_mesh(dims),
+        hidden_act=cfg.hidden_act,
+        placements=(Replicate(), Shard(0)),
+    )
     gen = torch.Generator().manual_seed(seed)
     fill_replicated(attn, gen)
     fill_replicated(mlp, gen)
@@ -185,17 +192,19 @@ def build_layer(cfg, dims: ParallelDims, seed: int) -> tuple[UlyssesAttention, S
     return attn, mlp
 
 
-def layer_forward(attn: UlyssesAttention, mlp: SwiGLUMLP, x: torch.Tensor, mode: str,
-                  theta: float) -> tuple[torch.Tensor, CommCount]:
+def layer_forward(
+    attn: UlyssesAttention, mlp: SwiGLUMLP, x: torch.Tensor, mode: str, theta: float
+) -> tuple[torch.Tensor, CommCount]:
     """Attention + MLP over ``x`` (N, D) as one prefill; SP mode feeds this rank's N/d tokens."""
     n, d = x.shape[0], attn.meshes.sp
-    kv = KVCache(KVSpec(num_layers=1, num_slots=1, num_heads=attn.local_kv_heads, max_seq_len=n,
-                        head_dim=attn.head_dim))
+    kv = KVCache(
+        KVSpec(num_layers=1, num_slots=1, num_heads=attn.local_kv_heads, max_seq_len=n, head_dim=attn.head_dim)
+    )
     ctx = AttentionContext.build(kv, [0], [0], [n])
     pos = torch.arange(n)
     if mode == "sp":
         s, local = attn.meshes.base.get_coordinate()[0], n // d
-        x, pos = x[s * local:(s + 1) * local], pos[s * local:(s + 1) * local]
+        x, pos = x[s * local : (s + 1) * local], pos[s * local : (s + 1) * local]
     with torch.inference_mode(), counting() as count, use_weights(SHIFT_WEIGHTS if mode == "tp" else None):
         h, _ = attn(x[None], rope(pos, attn.head_dim, theta), attn_context=ctx, sequence_parallel=mode == "sp")
         out = mlp(h)[0]
@@ -215,10 +224,20 @@ def measure_degree(cfg, d: int, tokens: list[int], seed: int) -> list[dict]:
         out_tp, tp = layer_forward(attn, mlp, x, "tp", theta)
         out_sp, sp = layer_forward(attn, mlp, x, "sp", theta)
         s, local = attn.meshes.base.get_coordinate()[0], n // d
-        match = torch.allclose(out_tp[s * local:(s + 1) * local], out_sp, atol=1e-4, rtol=1e-4)
-        rows.append(dict(tokens=n, degree=d, tp_calls=dict(tp.calls), sp_calls=dict(sp.calls),
-                         tp_payload=tp.payload, tp_wire=tp.wire, sp_payload=sp.payload,
-                         sp_wire=sp.wire, match=bool(match)))
+        match = torch.allclose(out_tp[s * local : (s + 1) * local], out_sp, atol=1e-4, rtol=1e-4)
+        rows.append(
+            dict(
+                tokens=n,
+                degree=d,
+                tp_calls=dict(tp.calls),
+                sp_calls=dict(sp.calls),
+                tp_payload=tp.payload,
+                tp_wire=tp.wire,
+                sp_payload=sp.payload,
+                sp_wire=sp.wire,
+                match=bool(match),
+            )
+        )
     return rows
 
 
@@ -254,14 +273,18 @@ def calls_str(calls: dict) -> str:
 
 
 def part1_table(rows: list[dict]) -> str:
-    head = ("| tokens N | degree | TP collectives | TP payload B/rank | TP wire B/rank "
-            "| SP collectives | SP payload B/rank | SP wire B/rank | SP/TP wire | SP out == TP out |")
+    head = (
+        "| tokens N | degree | TP collectives | TP payload B/rank | TP wire B/rank "
+        "| SP collectives | SP payload B/rank | SP wire B/rank | SP/TP wire | SP out == TP out |"
+    )
     lines = [head, separator(head)]
     for r in rows:
-        lines.append(f"| {r['tokens']:8d} | {r['degree']:6d} | {calls_str(r['tp_calls']):>14} "
-                     f"| {r['tp_payload']:17,d} | {r['tp_wire']:14,.0f} | {calls_str(r['sp_calls']):>15} "
-                     f"| {r['sp_payload']:17,d} | {r['sp_wire']:14,.0f} "
-                     f"| {r['sp_wire'] / r['tp_wire']:10.3f} | {'yes' if r['match'] else 'NO':16} |")
+        lines.append(
+            f"| {r['tokens']:8d} | {r['degree']:6d} | {calls_str(r['tp_calls']):>14} "
+            f"| {r['tp_payload']:17,d} | {r['tp_wire']:14,.0f} | {calls_str(r['sp_calls']):>15} "
+            f"| {r['sp_payload']:17,d} | {r['sp_wire']:14,.0f} "
+            f"| {r['sp_wire'] / r['tp_wire']:10.3f} | {'yes' if r['match'] else 'NO':16} |"
+        )
     return "\n".join(lines)
 
 
@@ -272,9 +295,11 @@ def scaling_table(rows: list[dict]) -> str:
     communication-to-compute ratio of the paper's Table 2.
     """
     by = {(r["tokens"], r["degree"]): r for r in rows}
-    head = ("| tokens N | TP wire/rank d4÷d2 | SP wire/rank d4÷d2 | TP payload per local token d2 -> d4 "
-            "| SP payload per local token d2 -> d4 | TP wire per local token d2 -> d4 "
-            "| SP wire per local token d2 -> d4 |")
+    head = (
+        "| tokens N | TP wire/rank d4÷d2 | SP wire/rank d4÷d2 | TP payload per local token d2 -> d4 "
+        "| SP payload per local token d2 -> d4 | TP wire per local token d2 -> d4 "
+        "| SP wire per local token d2 -> d4 |"
+    )
     lines = [head, separator(head)]
     for n in sorted({r["tokens"] for r in rows}):
         if (n, 2) not in by or (n, 4) not in by:
@@ -357,9 +382,11 @@ def part2(path: Path, args: argparse.Namespace, trace: list[list[Request]]) -> d
     world = dist.get_world_size()
     sp = args.sp or world
     model = parallelize_shift(path, ParallelDims(sp=sp, tp=world // sp, world_size=world), shift_weights="copy")
-    kw = dict(max_batch_size=args.burst_size,
-              max_seq_len=max(args.long_len, args.burst_len) + args.new_tokens,
-              max_prefill_tokens=max(args.long_len, args.burst_size * args.burst_len))
+    kw = dict(
+        max_batch_size=args.burst_size,
+        max_seq_len=max(args.long_len, args.burst_len) + args.new_tokens,
+        max_prefill_tokens=max(args.long_len, args.burst_size * args.burst_len),
+    )
     makers: dict[str, Callable[[], Engine]] = {
         "TP-only (T=1e9)": lambda: shift_engine(model, threshold=TP_ONLY, **kw),
         "SP-only (T=0)": lambda: shift_engine(model, threshold=0, **kw),
@@ -395,31 +422,40 @@ def summarize(runs: list[TraceRun]) -> dict:
         tok_s=med([r.generated / r.wall for r in runs]),
         comb_s=med([(r.generated + r.prompt_tokens) / r.wall for r in runs]),
         wall=med([r.wall for r in runs]),
-        switches=runs[0].switches, modes=runs[0].steps_by_mode, wire=runs[0].wire,
-        spread=(min(r.wall for r in runs), max(r.wall for r in runs)))
+        switches=runs[0].switches,
+        modes=runs[0].steps_by_mode,
+        wire=runs[0].wire,
+        spread=(min(r.wall for r in runs), max(r.wall for r in runs)),
+    )
 
 
 def part2_table(runs: dict[str, list[TraceRun]]) -> str:
     stats = {name: summarize(rs) for name, rs in runs.items()}
     base = stats["TP-only (T=1e9)"]
-    head = (f"| {'engine':18} | steps sp/tp | switches | TTFT long ms | TTFT burst ms | prefill step ms "
-            "| TPOT ms | gen tok/s | combined tok/s | wall s (min-max) | wire MB/rank |")
+    head = (
+        f"| {'engine':18} | steps sp/tp | switches | TTFT long ms | TTFT burst ms | prefill step ms "
+        "| TPOT ms | gen tok/s | combined tok/s | wall s (min-max) | wire MB/rank |"
+    )
     lines = [head, separator(head)]
     for name, s in stats.items():
         modes = f"{s['modes'].get('sp', 0)}/{s['modes'].get('tp', 0)}" if s["modes"] else "-/all"
         switches = str(s["switches"]) if s["modes"] else "-"
-        lines.append(f"| {name:18} | {modes:11} | {switches:8} | {s['ttft_long']:12.1f} | {s['ttft_burst']:13.1f} "
-                     f"| {s['prefill']:15.1f} | {s['tpot']:7.1f} | {s['tok_s']:9.1f} "
-                     f"| {s['comb_s']:14.1f} | {s['wall']:.2f} ({s['spread'][0]:.2f}-{s['spread'][1]:.2f}) "
-                     f"| {s['wire'] / 1e6:12.2f} |")
+        lines.append(
+            f"| {name:18} | {modes:11} | {switches:8} | {s['ttft_long']:12.1f} | {s['ttft_burst']:13.1f} "
+            f"| {s['prefill']:15.1f} | {s['tpot']:7.1f} | {s['tok_s']:9.1f} "
+            f"| {s['comb_s']:14.1f} | {s['wall']:.2f} ({s['spread'][0]:.2f}-{s['spread'][1]:.2f}) "
+            f"| {s['wire'] / 1e6:12.2f} |"
+        )
     lines += ["", "Ratios vs TP-only (time ratios < 1 and throughput ratios > 1 favour the engine):", ""]
     head2 = f"| {'engine':18} | TTFT long | TTFT burst | prefill step | TPOT | gen tok/s | wire bytes |"
     lines += [head2, separator(head2)]
     for name, s in stats.items():
-        lines.append(f"| {name:18} | {s['ttft_long'] / base['ttft_long']:9.2f} "
-                     f"| {s['ttft_burst'] / base['ttft_burst']:10.2f} | {s['prefill'] / base['prefill']:12.2f} "
-                     f"| {s['tpot'] / base['tpot']:4.2f} | {s['tok_s'] / base['tok_s']:9.2f} "
-                     f"| {s['wire'] / base['wire']:10.2f} |")
+        lines.append(
+            f"| {name:18} | {s['ttft_long'] / base['ttft_long']:9.2f} "
+            f"| {s['ttft_burst'] / base['ttft_burst']:10.2f} | {s['prefill'] / base['prefill']:12.2f} "
+            f"| {s['tpot'] / base['tpot']:4.2f} | {s['tok_s'] / base['tok_s']:9.2f} "
+            f"| {s['wire'] / base['wire']:10.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -464,17 +500,28 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def print_report(args: argparse.Namespace, world: int, cfg, rows: list[dict], same: bool,
-                 runs: dict[str, list[TraceRun]], seconds: float) -> None:
+def print_report(
+    args: argparse.Namespace,
+    world: int,
+    cfg,
+    rows: list[dict],
+    same: bool,
+    runs: dict[str, list[TraceRun]],
+    seconds: float,
+) -> None:
     sp = args.sp or world
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     print(f"command: {COMMAND.format(n=world)}")
-    print(f"torch {torch.__version__}, gloo, {world} ranks, torch threads/rank {torch.get_num_threads()}, "
-          f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(
+        f"torch {torch.__version__}, gloo, {world} ranks, torch threads/rank {torch.get_num_threads()}, "
+        f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    )
     print()
-    print(f"Part 1: one layer (attention + MLP) forward, prefill of N tokens, fp32; hidden {cfg.hidden_size}, "
-          f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads x {head_dim}, "
-          f"MLP {cfg.intermediate_size}. Bytes per rank (same on all ranks: {'yes' if same else 'NO'}).")
+    print(
+        f"Part 1: one layer (attention + MLP) forward, prefill of N tokens, fp32; hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads x {head_dim}, "
+        f"MLP {cfg.intermediate_size}. Bytes per rank (same on all ranks: {'yes' if same else 'NO'})."
+    )
     print("wire = ring all-reduce 2(p-1)/p, all-to-all (p-1)/p, all-gather (p-1) x payload")
     print()
     print(part1_table(rows))
@@ -486,12 +533,16 @@ def print_report(args: argparse.Namespace, world: int, cfg, rows: list[dict], sa
         print(scaling)
     print()
     n_req = sum(len(p) for p in make_trace(args, cfg.vocab_size))
-    print(f"Part 2: bursty trace, sp={sp} tp={world // sp}, phases [1 x {args.long_len}-token prompt, "
-          f"{args.burst_size} x {args.burst_len}-token prompts] x {args.cycles} ({n_req} requests), "
-          f"{args.new_tokens} greedy new tokens each; Shift threshold {args.threshold}; "
-          f"1 warm-up + median of {args.repeats} traces (rank 0 clock)")
-    print("TTFT = phase start -> end of the request's prefill step; TPOT = decode s / decode steps; "
-          "wire MB/rank = whole trace, counted in the warm-up")
+    print(
+        f"Part 2: bursty trace, sp={sp} tp={world // sp}, phases [1 x {args.long_len}-token prompt, "
+        f"{args.burst_size} x {args.burst_len}-token prompts] x {args.cycles} ({n_req} requests), "
+        f"{args.new_tokens} greedy new tokens each; Shift threshold {args.threshold}; "
+        f"1 warm-up + median of {args.repeats} traces (rank 0 clock)"
+    )
+    print(
+        "TTFT = phase start -> end of the request's prefill step; TPOT = decode s / decode steps; "
+        "wire MB/rank = whole trace, counted in the warm-up"
+    )
     print()
     print(part2_table(runs))
     print()

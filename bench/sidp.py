@@ -52,6 +52,7 @@ Sections:
 Rank 0 samples the machine every 2 s: Python processes outside the job above 5% CPU, and the 1-min
 load average. The machine is a shared 2-core VM.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,9 +98,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per (variant, b) in the sweep")
     p.add_argument("--slots", type=int, default=None, help="SiDP cache slots (default max(2, G-1))")
     p.add_argument("--prefetch-depth", type=int, default=2)
-    p.add_argument("--threshold", type=float, default=None,
-                   help="b* for auto in e2e (default: the sweep's crossover, else profile_threshold's; "
-                        "without the sweep section: 8, the strategy's default)")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="b* for auto in e2e (default: the sweep's crossover, else profile_threshold's; "
+        "without the sweep section: 8, the strategy's default)",
+    )
     p.add_argument("--e2e-requests", type=int, default=40)
     p.add_argument("--e2e-batch", type=int, default=8, help="max_batch_size per replica in e2e")
     p.add_argument("--e2e-repeats", type=int, default=1)
@@ -128,8 +133,16 @@ def command(args: argparse.Namespace, world: int) -> str:
     default_sizes = [1, 4] if args.small else [1, 2, 4, 8, 16, 32]
     if args.sizes != default_sizes:
         extra.append(f"--sizes {','.join(map(str, args.sizes))}")
-    for k, d in (("prompt_len", 16), ("new_tokens", 12), ("repeats", 2), ("slots", None), ("prefetch_depth", 2),
-                 ("threshold", None), ("e2e_batch", 8), ("e2e_repeats", 1)):
+    for k, d in (
+        ("prompt_len", 16),
+        ("new_tokens", 12),
+        ("repeats", 2),
+        ("slots", None),
+        ("prefetch_depth", 2),
+        ("threshold", None),
+        ("e2e_batch", 8),
+        ("e2e_repeats", 1),
+    ):
         if getattr(args, k) != d:
             extra.append(f"--{k.replace('_', '-')} {getattr(args, k)}")
     if args.e2e_requests != (12 if args.small else 40):
@@ -153,9 +166,13 @@ def gen(engine: Engine, reqs) -> dict:
     out = engine.generate(reqs)
     wall = time.perf_counter() - t0
     steps = s.decode_steps - n0
-    return {"step": reduce_scalar((s.decode_seconds - d0) / max(steps, 1)), "steps": steps,
-            "wall": reduce_scalar(wall), "outputs": [c.output_ids for c in out],
-            "tokens": sum(len(c.output_ids) for c in out)}
+    return {
+        "step": reduce_scalar((s.decode_seconds - d0) / max(steps, 1)),
+        "steps": steps,
+        "wall": reduce_scalar(wall),
+        "outputs": [c.output_ids for c in out],
+        "tokens": sum(len(c.output_ids) for c in out),
+    }
 
 
 def storage_bytes(tensors) -> int:
@@ -188,8 +205,11 @@ class AllGatherFFN:
         self.full, self.shards, self.nbytes = {}, {}, {}
         self.gathered_bytes = 0
         for i, layer in enumerate(model.model.layers):
-            ws = [_local(layer.mlp.gate_proj.weight), _local(layer.mlp.up_proj.weight),
-                  _local(layer.mlp.down_proj.weight)]
+            ws = [
+                _local(layer.mlp.gate_proj.weight),
+                _local(layer.mlp.up_proj.weight),
+                _local(layer.mlp.down_proj.weight),
+            ]
             for w in ws:
                 assert w.shape[0] % self.G == 0 and w.is_contiguous(), w.shape
                 assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), "a weight shares storage"
@@ -222,9 +242,14 @@ class AllGatherFFN:
 # ---- section 1: decode step time vs batch size ----------------------------------------------------
 def sweep_requests(args, world: int, b: int) -> list[Request]:
     g = torch.Generator().manual_seed(b)
-    return [Request(i, torch.randint(0, args.vocab, (args.prompt_len,), generator=g).tolist(),
-                    SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=()))
-            for i in range(world * b)]
+    return [
+        Request(
+            i,
+            torch.randint(0, args.vocab, (args.prompt_len,), generator=g).tolist(),
+            SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=()),
+        )
+        for i in range(world * b)
+    ]
 
 
 def section_sweep(path: Path, args, models: dict, log) -> dict:
@@ -238,10 +263,12 @@ def section_sweep(path: Path, args, models: dict, log) -> dict:
     rows = {}
     for b in args.sizes:
         kw = dict(max_batch_size=b, max_seq_len=seq_len)
-        engines = {"dp": Engine(models["dp"], **kw),
-                   "was": sidp_engine(models["sidp"], pool, mode="was", **kw),
-                   "cas": sidp_engine(models["sidp"], pool, mode="cas", **kw),
-                   "allgather": Engine(models["ag"], **kw)}
+        engines = {
+            "dp": Engine(models["dp"], **kw),
+            "was": sidp_engine(models["sidp"], pool, mode="was", **kw),
+            "cas": sidp_engine(models["sidp"], pool, mode="cas", **kw),
+            "allgather": Engine(models["ag"], **kw),
+        }
         models["ag_ffn"].attach(engines["allgather"].runner)
         reqs = sweep_requests(args, world, b)
         r = {v: {"step": [], "fetch": 0, "wait": 0.0, "steps": 0} for v in engines}
@@ -270,19 +297,23 @@ def section_sweep(path: Path, args, models: dict, log) -> dict:
 
 
 def format_sweep(res: dict, args) -> list[str]:
-    lines = ["| b per replica | DP ms/step | WaS ms/step | CaS ms/step | all-gather ms/step | WaS/DP | CaS/DP "
-             "| all-gather/DP | WaS/CaS | all-gather/WaS | WaS fetch MiB/step/rank | WaS slot wait ms/step "
-             "| all-gather MiB/step/rank | same tokens as DP (WaS, CaS, all-gather) |",
-             "|" + "---|" * 14]
+    lines = [
+        "| b per replica | DP ms/step | WaS ms/step | CaS ms/step | all-gather ms/step | WaS/DP | CaS/DP "
+        "| all-gather/DP | WaS/CaS | all-gather/WaS | WaS fetch MiB/step/rank | WaS slot wait ms/step "
+        "| all-gather MiB/step/rank | same tokens as DP (WaS, CaS, all-gather) |",
+        "|" + "---|" * 14,
+    ]
     for b, r in res["rows"].items():
         dp, was, cas, ag = (r[v]["median"] for v in SWEEP_VARIANTS)
         steps_was = max(r["was"]["steps"], 1)
         # per decode step: the fetches of prefill steps are included (1 per generate), small next to decode
         same = ", ".join("yes" if r[v]["same"] else "NO" for v in ("was", "cas", "allgather"))
-        lines.append(f"| {b} | {1e3 * dp:.1f} | {1e3 * was:.1f} | {1e3 * cas:.1f} | {1e3 * ag:.1f} "
-                     f"| {was / dp:.2f} | {cas / dp:.2f} | {ag / dp:.2f} | {was / cas:.2f} | {ag / was:.2f} "
-                     f"| {r['was']['fetch'] / steps_was / MIB:.1f} | {1e3 * r['was']['wait'] / steps_was:.1f} "
-                     f"| {r['allgather']['fetch'] / max(r['allgather']['steps'], 1) / MIB:.1f} | {same} |")
+        lines.append(
+            f"| {b} | {1e3 * dp:.1f} | {1e3 * was:.1f} | {1e3 * cas:.1f} | {1e3 * ag:.1f} "
+            f"| {was / dp:.2f} | {cas / dp:.2f} | {ag / dp:.2f} | {was / cas:.2f} | {ag / was:.2f} "
+            f"| {r['was']['fetch'] / steps_was / MIB:.1f} | {1e3 * r['was']['wait'] / steps_was:.1f} "
+            f"| {r['allgather']['fetch'] / max(r['allgather']['steps'], 1) / MIB:.1f} | {same} |"
+        )
     return lines
 
 
@@ -309,11 +340,22 @@ def section_kv(path: Path, args, models: dict, log) -> dict:
     grown = bigger.spec.bytes - spec.bytes
     del bigger
     measured_sidp_kv = budget - sidp_weights - slots
-    out = {"G": world, "per_token": per_token, "dp_weights": dp_weights, "sidp_weights": sidp_weights,
-           "slots": slots, "budget": budget, "dp_kv": dp_engine.kv.spec.bytes, "dp_tokens": spec.capacity_tokens,
-           "sidp_tokens_measured": int(measured_sidp_kv // per_token), "summary": s, "grown": grown,
-           "ffn_repl": s["ffn_bytes_replicated"], "ffn_rank": s["ffn_bytes_per_rank"],
-           "ag_ffn": reduce_scalar(models["ag_ffn"].ffn_bytes())}
+    out = {
+        "G": world,
+        "per_token": per_token,
+        "dp_weights": dp_weights,
+        "sidp_weights": sidp_weights,
+        "slots": slots,
+        "budget": budget,
+        "dp_kv": dp_engine.kv.spec.bytes,
+        "dp_tokens": spec.capacity_tokens,
+        "sidp_tokens_measured": int(measured_sidp_kv // per_token),
+        "summary": s,
+        "grown": grown,
+        "ffn_repl": s["ffn_bytes_replicated"],
+        "ffn_rank": s["ffn_bytes_per_rank"],
+        "ag_ffn": reduce_scalar(models["ag_ffn"].ffn_bytes()),
+    }
     log(f"kv: gained {gained} tokens (summary); measured {out['sidp_tokens_measured'] - out['dp_tokens']}")
     return out
 
@@ -329,8 +371,9 @@ def llama3_8b_rows(prefetch_depth: int, mem_gib=(24, 40, 80), groups=(2, 4, 8)) 
     ffn_layer = 3 * d * i * e
     attn_layer = (d * c["heads"] * c["head_dim"] * 2 + d * c["kv_heads"] * c["head_dim"] * 2) * e + 2 * d * e
     weights = L * (ffn_layer + attn_layer) + 2 * c["vocab"] * d * e + d * e
-    spec = KVSpec(num_layers=L, num_slots=1, num_heads=c["kv_heads"], max_seq_len=1, head_dim=c["head_dim"],
-                  dtype=torch.bfloat16)
+    spec = KVSpec(
+        num_layers=L, num_slots=1, num_heads=c["kv_heads"], max_seq_len=1, head_dim=c["head_dim"], dtype=torch.bfloat16
+    )
     per_token = kv_bytes_per_token(spec)
     rows = []
     for G in groups:
@@ -340,49 +383,70 @@ def llama3_8b_rows(prefetch_depth: int, mem_gib=(24, 40, 80), groups=(2, 4, 8)) 
         for m in mem_gib:
             budget = m * GIB - weights
             dp_tokens = budget // per_token
-            rows.append({"G": G, "mem": m, "weights": weights, "ffn": L * ffn_layer, "owned": owned, "slots": slots,
-                         "sidp_weights": weights - L * ffn_layer + owned * ffn_layer + slots * ffn_layer,
-                         "per_token": per_token, "dp_tokens": dp_tokens, "gained": max(freed, 0) // per_token,
-                         "freed": freed})
+            rows.append(
+                {
+                    "G": G,
+                    "mem": m,
+                    "weights": weights,
+                    "ffn": L * ffn_layer,
+                    "owned": owned,
+                    "slots": slots,
+                    "sidp_weights": weights - L * ffn_layer + owned * ffn_layer + slots * ffn_layer,
+                    "per_token": per_token,
+                    "dp_tokens": dp_tokens,
+                    "gained": max(freed, 0) // per_token,
+                    "freed": freed,
+                }
+            )
     return rows
 
 
 def format_kv(res: dict, args, prefetch_depth: int) -> list[str]:
     s = res["summary"]
-    lines = [f"Bench model, G={res['G']}, measured on rank allocations (max over ranks), fp32, "
-             f"{res['per_token']} KV bytes/token (`kv_bytes_per_token`). Budget M = DP weights + DP KV store "
-             f"= {res['budget'] / MIB:.1f} MiB per rank.", "",
-             "| | DP (replicated) | SiDP | SiDP - DP |", "|---|---|---|---|",
-             f"| FFN bytes per rank (MiB) | {res['ffn_repl'] / MIB:.1f} | {res['ffn_rank'] / MIB:.1f} "
-             f"(`ffn_bytes_per_rank`) | {(res['ffn_rank'] - res['ffn_repl']) / MIB:+.1f} |",
-             f"| FFN cache slots (MiB) | 0 | {res['slots'] / MIB:.1f} (`slot_bytes`) | {res['slots'] / MIB:+.1f} |",
-             f"| all weights per rank, storage bytes (MiB) | {res['dp_weights'] / MIB:.1f} | "
-             f"{res['sidp_weights'] / MIB:.1f} + slots {res['slots'] / MIB:.1f} | "
-             f"{(res['sidp_weights'] + res['slots'] - res['dp_weights']) / MIB:+.1f} |",
-             f"| KV store at equal memory (MiB) | {res['dp_kv'] / MIB:.1f} | "
-             f"{(res['budget'] - res['sidp_weights'] - res['slots']) / MIB:.1f} | "
-             f"{(res['dp_weights'] - res['sidp_weights'] - res['slots']) / MIB:+.1f} |",
-             f"| KV tokens at equal memory (measured) | {res['dp_tokens']} | {res['sidp_tokens_measured']} | "
-             f"{res['sidp_tokens_measured'] - res['dp_tokens']:+d} "
-             f"({(res['sidp_tokens_measured'] / res['dp_tokens'] - 1) * 100:+.0f}%) |",
-             f"| `kv_tokens_gained` (summary) | - | - | +{s['kv_tokens_gained']} |",
-             "", f"A paged store grown by `kv_tokens_gained` (rounded down to whole blocks) allocates "
-             f"{res['grown'] / MIB:.2f} MiB more; the freed FFN bytes are "
-             f"{(res['ffn_repl'] - res['ffn_rank'] - res['slots']) / MIB:.2f} MiB. The all-gather baseline "
-             f"holds {res['ag_ffn'] / MIB:.1f} MiB of FFN per rank (1/G, no slots).", "",
-             f"Llama-3-8B shapes (hidden 4096, MLP 14336, 32 layers, 32/8 heads x 128, vocab 128256, untied, "
-             f"bf16), analytic: weights {llama3_8b_rows(prefetch_depth)[0]['weights'] / GIB:.2f} GiB, of which "
-             f"FFN {llama3_8b_rows(prefetch_depth)[0]['ffn'] / GIB:.2f} GiB; "
-             f"{llama3_8b_rows(prefetch_depth)[0]['per_token']} KV bytes/token; slots = max(prefetch_depth "
-             f"{prefetch_depth}, G-1); rank 0 owns ceil(32/G) layers. Activations and the allocator's overhead "
-             f"not counted.", "",
-             "| G | memory per rank GiB | DP weights GiB | SiDP weights + slots GiB | owned layers | slots "
-             "| DP KV tokens | SiDP KV tokens | gained | gain |", "|" + "---|" * 10]
+    lines = [
+        f"Bench model, G={res['G']}, measured on rank allocations (max over ranks), fp32, "
+        f"{res['per_token']} KV bytes/token (`kv_bytes_per_token`). Budget M = DP weights + DP KV store "
+        f"= {res['budget'] / MIB:.1f} MiB per rank.",
+        "",
+        "| | DP (replicated) | SiDP | SiDP - DP |",
+        "|---|---|---|---|",
+        f"| FFN bytes per rank (MiB) | {res['ffn_repl'] / MIB:.1f} | {res['ffn_rank'] / MIB:.1f} "
+        f"(`ffn_bytes_per_rank`) | {(res['ffn_rank'] - res['ffn_repl']) / MIB:+.1f} |",
+        f"| FFN cache slots (MiB) | 0 | {res['slots'] / MIB:.1f} (`slot_bytes`) | {res['slots'] / MIB:+.1f} |",
+        f"| all weights per rank, storage bytes (MiB) | {res['dp_weights'] / MIB:.1f} | "
+        f"{res['sidp_weights'] / MIB:.1f} + slots {res['slots'] / MIB:.1f} | "
+        f"{(res['sidp_weights'] + res['slots'] - res['dp_weights']) / MIB:+.1f} |",
+        f"| KV store at equal memory (MiB) | {res['dp_kv'] / MIB:.1f} | "
+        f"{(res['budget'] - res['sidp_weights'] - res['slots']) / MIB:.1f} | "
+        f"{(res['dp_weights'] - res['sidp_weights'] - res['slots']) / MIB:+.1f} |",
+        f"| KV tokens at equal memory (measured) | {res['dp_tokens']} | {res['sidp_tokens_measured']} | "
+        f"{res['sidp_tokens_measured'] - res['dp_tokens']:+d} "
+        f"({(res['sidp_tokens_measured'] / res['dp_tokens'] - 1) * 100:+.0f}%) |",
+        f"| `kv_tokens_gained` (summary) | - | - | +{s['kv_tokens_gained']} |",
+        "",
+        f"A paged store grown by `kv_tokens_gained` (rounded down to whole blocks) allocates "
+        f"{res['grown'] / MIB:.2f} MiB more; the freed FFN bytes are "
+        f"{(res['ffn_repl'] - res['ffn_rank'] - res['slots']) / MIB:.2f} MiB. The all-gather baseline "
+        f"holds {res['ag_ffn'] / MIB:.1f} MiB of FFN per rank (1/G, no slots).",
+        "",
+        f"Llama-3-8B shapes (hidden 4096, MLP 14336, 32 layers, 32/8 heads x 128, vocab 128256, untied, "
+        f"bf16), analytic: weights {llama3_8b_rows(prefetch_depth)[0]['weights'] / GIB:.2f} GiB, of which "
+        f"FFN {llama3_8b_rows(prefetch_depth)[0]['ffn'] / GIB:.2f} GiB; "
+        f"{llama3_8b_rows(prefetch_depth)[0]['per_token']} KV bytes/token; slots = max(prefetch_depth "
+        f"{prefetch_depth}, G-1); rank 0 owns ceil(32/G) layers. Activations and the allocator's overhead "
+        f"not counted.",
+        "",
+        "| G | memory per rank GiB | DP weights GiB | SiDP weights + slots GiB | owned layers | slots "
+        "| DP KV tokens | SiDP KV tokens | gained | gain |",
+        "|" + "---|" * 10,
+    ]
     for r in llama3_8b_rows(prefetch_depth):
         sidp = r["dp_tokens"] + r["gained"]
-        lines.append(f"| {r['G']} | {r['mem']} | {r['weights'] / GIB:.2f} | {r['sidp_weights'] / GIB:.2f} "
-                     f"| {r['owned']} | {r['slots']} | {r['dp_tokens']:,} | {sidp:,} | +{r['gained']:,} "
-                     f"| {(sidp / r['dp_tokens'] - 1) * 100:+.1f}% |")
+        lines.append(
+            f"| {r['G']} | {r['mem']} | {r['weights'] / GIB:.2f} | {r['sidp_weights'] / GIB:.2f} "
+            f"| {r['owned']} | {r['slots']} | {r['dp_tokens']:,} | {sidp:,} | +{r['gained']:,} "
+            f"| {(sidp / r['dp_tokens'] - 1) * 100:+.1f}% |"
+        )
     return lines
 
 
@@ -406,8 +470,9 @@ def section_e2e(path: Path, args, threshold: float, log) -> dict:
     world = dist.get_world_size()
     reqs = tail_requests(args)
     seq_len = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in reqs)
-    eargs = EngineArgs(max_batch_size=args.e2e_batch, max_seq_len=seq_len, kv_block_size=16,
-                       kv_tokens=args.e2e_batch * seq_len)
+    eargs = EngineArgs(
+        max_batch_size=args.e2e_batch, max_seq_len=seq_len, kv_block_size=16, kv_tokens=args.e2e_batch * seq_len
+    )
     strategies, engines = {}, {}
     common = {"strategy": "sidp", "prefetch_depth": args.prefetch_depth, "threshold": threshold}
     if args.slots:
@@ -415,8 +480,12 @@ def section_e2e(path: Path, args, threshold: float, log) -> dict:
     for v in ("auto", "was", "cas"):
         strategies[v] = make_strategy({**common, "mode": v})
         engines[v] = strategies[v].build(path, eargs)
-    engines["dp"] = Engine(parallelize(path, ParallelDims(dp=world, world_size=world)), **eargs.kv,
-                           max_batch_size=eargs.max_batch_size, max_seq_len=seq_len)
+    engines["dp"] = Engine(
+        parallelize(path, ParallelDims(dp=world, world_size=world)),
+        **eargs.kv,
+        max_batch_size=eargs.max_batch_size,
+        max_seq_len=seq_len,
+    )
     order = ("dp", "was", "cas", "auto")
     rows = {v: {"wall": [], "step": []} for v in order}
     for v in order:  # warm-up
@@ -438,13 +507,23 @@ def section_e2e(path: Path, args, threshold: float, log) -> dict:
             n = args.e2e_repeats + 1
             rows[v]["summary"] = {  # per generate (the engine's counters span warm-up + repeats)
                 "mode_steps": {k: x // n for k, x in s["mode_steps"].items()},
-                "mode_switches": s["mode_switches"] / n, "dummy_steps": s["dummy_steps"] / n,
-                "max_concurrent_readers": s["max_concurrent_readers"], "fetch_mib": s["fetch_bytes"] / n / MIB,
-                "threshold": s["threshold"], "modes_first": base}
+                "mode_switches": s["mode_switches"] / n,
+                "dummy_steps": s["dummy_steps"] / n,
+                "max_concurrent_readers": s["max_concurrent_readers"],
+                "fetch_mib": s["fetch_bytes"] / n / MIB,
+                "threshold": s["threshold"],
+                "modes_first": base,
+            }
     short = sum(1 for r in reqs if r.sampling.max_new_tokens <= 24)
-    return {"rows": rows, "requests": len(reqs), "short": short, "threshold": threshold, "seq_len": seq_len,
-            "new_tokens": sum(r.sampling.max_new_tokens for r in reqs),
-            "longs": sorted(r.sampling.max_new_tokens for r in reqs if r.sampling.max_new_tokens > 24)}
+    return {
+        "rows": rows,
+        "requests": len(reqs),
+        "short": short,
+        "threshold": threshold,
+        "seq_len": seq_len,
+        "new_tokens": sum(r.sampling.max_new_tokens for r in reqs),
+        "longs": sorted(r.sampling.max_new_tokens for r in reqs if r.sampling.max_new_tokens > 24),
+    }
 
 
 def _snapshot(engine) -> str:
@@ -465,20 +544,25 @@ def _snapshot(engine) -> str:
 
 def format_e2e(res: dict) -> list[str]:
     rows = res["rows"]
-    lines = ["| variant | tok/s | wall s | vs DP | vs WaS-only | decode ms/step | decode steps | mean decode batch "
-             "| mode_steps (was/cas) | mode_switches | dummy_steps | max_concurrent_readers | fetched MiB (all ranks) "
-             "| same tokens as DP |", "|" + "---|" * 14]
+    lines = [
+        "| variant | tok/s | wall s | vs DP | vs WaS-only | decode ms/step | decode steps | mean decode batch "
+        "| mode_steps (was/cas) | mode_switches | dummy_steps | max_concurrent_readers | fetched MiB (all ranks) "
+        "| same tokens as DP |",
+        "|" + "---|" * 14,
+    ]
     tps = {v: res["new_tokens"] / med(r["wall"]) for v, r in rows.items()}
     for v in ("dp", "was", "cas", "auto"):
         r = rows[v]
         s = r.get("summary")
         label = {"dp": "replicated DP", "was": "SiDP WaS-only", "cas": "SiDP CaS-only", "auto": "SiDP auto"}[v]
         ms = f"{s['mode_steps']['was']}/{s['mode_steps']['cas']}" if s else "-"
-        lines.append(f"| {label} | {tps[v]:.1f} | {med(r['wall']):.2f} | {tps[v] / tps['dp']:.2f} "
-                     f"| {tps[v] / tps['was']:.2f} | {1e3 * med(r['step']):.1f} | {r['steps']} | {r['mean_batch']:.2f} "
-                     f"| {ms} | {s['mode_switches'] if s else '-'} | {s['dummy_steps'] if s else '-'} "
-                     f"| {s['max_concurrent_readers'] if s else '-'} | {format(s['fetch_mib'], '.0f') if s else '-'} "
-                     f"| {'yes' if r['same'] else 'NO'} |")
+        lines.append(
+            f"| {label} | {tps[v]:.1f} | {med(r['wall']):.2f} | {tps[v] / tps['dp']:.2f} "
+            f"| {tps[v] / tps['was']:.2f} | {1e3 * med(r['step']):.1f} | {r['steps']} | {r['mean_batch']:.2f} "
+            f"| {ms} | {s['mode_switches'] if s else '-'} | {s['dummy_steps'] if s else '-'} "
+            f"| {s['max_concurrent_readers'] if s else '-'} | {format(s['fetch_mib'], '.0f') if s else '-'} "
+            f"| {'yes' if r['same'] else 'NO'} |"
+        )
     auto = rows["auto"].get("summary")
     if auto:
         lines += ["", f"auto's modes in the warm-up run (run-length): {auto['modes_first']}"]
@@ -496,8 +580,14 @@ def build_models(path: Path, args) -> dict:
     pool = seed_engine.policy.pool
     dims = ParallelDims(dp=world, world_size=world)
     ag_model = parallelize(path, dims)
-    return {"strategy": strategy, "sidp": seed_engine.model, "pool": pool, "dp": parallelize(path, dims),
-            "ag": ag_model, "ag_ffn": AllGatherFFN(ag_model)}
+    return {
+        "strategy": strategy,
+        "sidp": seed_engine.model,
+        "pool": pool,
+        "dp": parallelize(path, dims),
+        "ag": ag_model,
+        "ag_ffn": AllGatherFFN(ag_model),
+    }
 
 
 def main() -> None:
@@ -532,28 +622,36 @@ def main() -> None:
     if rank == 0:
         pool_slots = args.slots or max(args.prefetch_depth, world - 1)
         ffn_layer = 3 * args.hidden * args.intermediate * 4
-        print(f"\n{started:%Y-%m-%d %H:%M} UTC; Llama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} "
-              f"layers, {args.heads}/{args.kv_heads} heads, vocab {args.vocab}, fp32; FFN {ffn_layer / MIB:.1f} MiB "
-              f"per layer; G={world} replicas (1 per rank), SiDP slots {pool_slots}, prefetch_depth "
-              f"{args.prefetch_depth}, peak shifting on; torch {torch.__version__}, {world} gloo ranks, 1 thread each")
+        print(
+            f"\n{started:%Y-%m-%d %H:%M} UTC; Llama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} "
+            f"layers, {args.heads}/{args.kv_heads} heads, vocab {args.vocab}, fp32; FFN {ffn_layer / MIB:.1f} MiB "
+            f"per layer; G={world} replicas (1 per rank), SiDP slots {pool_slots}, prefetch_depth "
+            f"{args.prefetch_depth}, peak shifting on; torch {torch.__version__}, {world} gloo ranks, 1 thread each"
+        )
         if "sweep" in out:
             r = out["sweep"]
-            print(f"\n1. Decode step time vs batch size per replica: {args.prompt_len}-token prompts, "
-                  f"{args.new_tokens} greedy tokens ({args.new_tokens - 1} full-batch decode steps per run); warm-up "
-                  f"1 + median of {args.repeats}, variants round-robin; max over ranks\n")
+            print(
+                f"\n1. Decode step time vs batch size per replica: {args.prompt_len}-token prompts, "
+                f"{args.new_tokens} greedy tokens ({args.new_tokens - 1} full-batch decode steps per run); warm-up "
+                f"1 + median of {args.repeats}, variants round-robin; max over ranks\n"
+            )
             print("\n".join(format_sweep(r, args)))
-            print(f"\ncrossover b* (smallest swept b with WaS < CaS): {r['crossover'] or 'none in ' + str(args.sizes)}; "
-                  f"profile_threshold(pool) returned {r['profiled']:g} ({r['profile_s']:.1f} s)")
+            print(
+                f"\ncrossover b* (smallest swept b with WaS < CaS): {r['crossover'] or 'none in ' + str(args.sizes)}; "
+                f"profile_threshold(pool) returned {r['profiled']:g} ({r['profile_s']:.1f} s)"
+            )
         if "kv" in out:
             print("\n2. KV capacity at equal memory per rank\n")
             print("\n".join(format_kv(out["kv"], args, args.prefetch_depth)))
         if "e2e" in out:
             r = out["e2e"]
-            print(f"\n3. Offline workload with a long tail: {r['requests']} requests, prompts 16..64 tokens, "
-                  f"{r['short']} with 4..24 new tokens and {len(r['longs'])} long ones ({r['longs']}); "
-                  f"{r['new_tokens']} generated tokens; max_batch_size {args.e2e_batch} per replica, paged KV "
-                  f"(block 16); auto's threshold b* = {r['threshold']:g} (hysteresis 0.25, interval 4); "
-                  f"warm-up 1 + median of {args.e2e_repeats}, round-robin; counters per generate\n")
+            print(
+                f"\n3. Offline workload with a long tail: {r['requests']} requests, prompts 16..64 tokens, "
+                f"{r['short']} with 4..24 new tokens and {len(r['longs'])} long ones ({r['longs']}); "
+                f"{r['new_tokens']} generated tokens; max_batch_size {args.e2e_batch} per replica, paged KV "
+                f"(block 16); auto's threshold b* = {r['threshold']:g} (hysteresis 0.25, interval 4); "
+                f"warm-up 1 + median of {args.e2e_repeats}, round-robin; counters per generate\n"
+            )
             print("\n".join(format_e2e(r)))
         print(f"\nmachine: {sampler.summary()}")
         print(f"command: {command(args, world)}")

@@ -1,4 +1,5 @@
 """Drop-in parallel layers; every parameter is a DTensor and every layer has ``redistribute()``."""
+
 from reshard.kv import AttentionContext
 from reshard.layers.attention import ParallelAttention, check_head_split, kv_replication
 from reshard.layers.embedding import VocabParallelEmbedding
@@ -6,5 +7,13 @@ from reshard.layers.linear import ParallelLinear
 from reshard.layers.mlp import SwiGLUMLP
 from reshard.layers.norm import RMSNorm
 
-__all__ = ["AttentionContext", "ParallelAttention", "ParallelLinear", "RMSNorm", "SwiGLUMLP",
-           "VocabParallelEmbedding", "check_head_split", "kv_replication"]
+__all__ = [
+    "AttentionContext",
+    "ParallelAttention",
+    "ParallelLinear",
+    "RMSNorm",
+    "SwiGLUMLP",
+    "VocabParallelEmbedding",
+    "check_head_split",
+    "kv_replication",
+]

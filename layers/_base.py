@@ -1,7 +1,8 @@
 """What every drop-in layer shares: ``redistribute()`` through the movement core."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
@@ -22,8 +23,9 @@ class Redistributable:
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         raise NotImplementedError
 
-    def redistribute(self, mesh: DeviceMesh, placements: Sequence[Placement], *,
-                     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> CommStats:
+    def redistribute(
+        self, mesh: DeviceMesh, placements: Sequence[Placement], *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    ) -> CommStats:
         """Move every parameter to the layer's layout for ``placements`` on ``mesh`` (in place).
 
         One coalesced transfer through :func:`reshard.redistribute_module`; returns its accounting.

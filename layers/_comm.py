@@ -1,4 +1,5 @@
 """Collectives used inside layer forwards (functional, so they trace under torch.compile)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,10 @@ def all_gather_last(x: torch.Tensor, mesh: DeviceMesh, full: int, axis: int = 0)
     lead = x.shape[:-1]
     flat = x.reshape(-1, chunk).t().contiguous()  # (chunk, M)
     gathered = funcol.wait_tensor(funcol.all_gather_single(flat, 0, (mesh, axis)))  # (n*chunk, M)
-    pieces = [gathered[i * chunk: i * chunk + (hi - lo)]
-              for i, (lo, hi) in enumerate(chunk_range(full, n, i) for i in range(n))]
+    pieces = [
+        gathered[i * chunk : i * chunk + (hi - lo)]
+        for i, (lo, hi) in enumerate(chunk_range(full, n, i) for i in range(n))
+    ]
     return torch.cat(pieces, 0).t().reshape(*lead, full)
 
 

@@ -9,9 +9,10 @@ same submodule names, state-dict keys and forward signature. Two ways to run it:
   :mod:`reshard.kv`): the step's tokens of many requests are flattened into ``(1, N, D)``; K/V go
   to a preallocated :class:`reshard.KVCache` slot per request.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,7 @@ from reshard.mesh import cached_mesh
 def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
     """Raise ``ValueError`` unless ``tp`` ranks can split the heads (replicating KV heads if needed)."""
     if num_heads % tp != 0:
-        raise ValueError(
-            f"Number of attention heads ({num_heads}) must be divisible by tensor parallel size ({tp})."
-        )
+        raise ValueError(f"Number of attention heads ({num_heads}) must be divisible by tensor parallel size ({tp}).")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"attention heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if num_kv_heads % tp != 0 and tp % num_kv_heads != 0:
@@ -53,8 +52,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``(B, T, H, hd)`` q/k with ``(B, T, hd)`` cos/sin (same arithmetic as HF)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -69,28 +69,52 @@ class ParallelAttention(Redistributable, nn.Module):
     ``r // (tp // num_kv_heads)``, which its query heads use. Input/output ``(B, T, D)`` replicated.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 mesh: DeviceMesh, kv_mesh: DeviceMesh | None = None, layer_idx: int = 0,
-                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
-                 rms_norm_eps: float = 1e-6, sliding_window: int | None = None,
-                 placements: Sequence[Placement] = (Shard(0),),
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        mesh: DeviceMesh,
+        kv_mesh: DeviceMesh | None = None,
+        layer_idx: int = 0,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+        sliding_window: int | None = None,
+        placements: Sequence[Placement] = (Shard(0),),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx, self.sliding_window = layer_idx, sliding_window
-        self.scaling = head_dim ** -0.5
+        self.scaling = head_dim**-0.5
         self._mesh, self._kv_mesh = mesh, kv_mesh
         q_pl, kv_pl, o_pl, kv_m = self._placements(mesh, tuple(placements))
         kw = dict(dtype=dtype, device=device)
-        self.q_proj = ParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, mesh=mesh,
-                                     placements=q_pl, **kw)
-        self.k_proj = ParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, mesh=kv_m,
-                                     placements=kv_pl, input_grad=_kv_input_grad(kv_pl), **kw)
-        self.v_proj = ParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, mesh=kv_m,
-                                     placements=kv_pl, input_grad=_kv_input_grad(kv_pl), **kw)
-        self.o_proj = ParallelLinear(num_heads * head_dim, hidden_size, o_bias, mesh=mesh,
-                                     placements=o_pl, **kw)
+        self.q_proj = ParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, mesh=mesh, placements=q_pl, **kw)
+        self.k_proj = ParallelLinear(
+            hidden_size,
+            num_kv_heads * head_dim,
+            qkv_bias,
+            mesh=kv_m,
+            placements=kv_pl,
+            input_grad=_kv_input_grad(kv_pl),
+            **kw,
+        )
+        self.v_proj = ParallelLinear(
+            hidden_size,
+            num_kv_heads * head_dim,
+            qkv_bias,
+            mesh=kv_m,
+            placements=kv_pl,
+            input_grad=_kv_input_grad(kv_pl),
+            **kw,
+        )
+        self.o_proj = ParallelLinear(num_heads * head_dim, hidden_size, o_bias, mesh=mesh, placements=o_pl, **kw)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, rms_norm_eps, mesh=mesh, **kw)
             self.k_norm = RMSNorm(head_dim, rms_norm_eps, mesh=mesh, **kw)
@@ -100,8 +124,10 @@ class ParallelAttention(Redistributable, nn.Module):
         if all(isinstance(p, Replicate) for p in placements):
             return placements, placements, placements, mesh
         if placements != (Shard(0),) or mesh.ndim != 1:
-            raise ValueError(f"ParallelAttention supports (Shard(0),) or (Replicate(),) on a 1-D "
-                             f"mesh, got {placements} on {mesh.ndim} axes")
+            raise ValueError(
+                f"ParallelAttention supports (Shard(0),) or (Replicate(),) on a 1-D "
+                f"mesh, got {placements} on {mesh.ndim} axes"
+            )
         tp = mesh.size()
         check_head_split(self.num_heads, self.num_kv_heads, tp)
         if kv_replication(self.num_kv_heads, tp) == 1:
@@ -109,11 +135,16 @@ class ParallelAttention(Redistributable, nn.Module):
         kv_mesh = self._kv_mesh if self._kv_mesh is not None else _kv_head_mesh(mesh, self.num_kv_heads)
         return (Shard(0),), (Shard(0), Replicate()), (Shard(1),), kv_mesh
 
-    def forward(self, hidden_states: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values=None, *,
-                attn_context: AttentionContext | None = None,
-                **kwargs) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        *,
+        attn_context: AttentionContext | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
         """``hidden_states`` ``(B, T, D)`` replicated -> ``((B, T, D)`` replicated, ``None)``."""
         b, t, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim)  # (B, T, Hq_local, hd)
@@ -123,8 +154,7 @@ class ParallelAttention(Redistributable, nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *position_embeddings)
         if attn_context is not None:
-            out = attn_context.attend(self.layer_idx, q, k, v, scaling=self.scaling,
-                                      window=self.sliding_window)
+            out = attn_context.attend(self.layer_idx, q, k, v, scaling=self.scaling, window=self.sliding_window)
         else:
             out = self._dense(q, k, v, attention_mask, past_key_values)
         return self.o_proj(out.reshape(b, t, -1)), None
@@ -137,17 +167,20 @@ class ParallelAttention(Redistributable, nn.Module):
         causal = attention_mask is None and q.shape[2] > 1
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=causal,
-                                             scale=self.scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, is_causal=causal, scale=self.scaling, enable_gqa=True
+        )
         return out.transpose(1, 2)  # (B, T, Hq, hd)
 
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """``(Shard(0),)``: heads split over ``mesh``; ``(Replicate(),)``: every rank all heads."""
         q_pl, kv_pl, o_pl, kv_m = self._placements(mesh, placements)
-        targets = {**prefixed("q_proj", self.q_proj.redistribute_targets(mesh, q_pl)),
-                   **prefixed("k_proj", self.k_proj.redistribute_targets(kv_m, kv_pl)),
-                   **prefixed("v_proj", self.v_proj.redistribute_targets(kv_m, kv_pl)),
-                   **prefixed("o_proj", self.o_proj.redistribute_targets(mesh, o_pl))}
+        targets = {
+            **prefixed("q_proj", self.q_proj.redistribute_targets(mesh, q_pl)),
+            **prefixed("k_proj", self.k_proj.redistribute_targets(kv_m, kv_pl)),
+            **prefixed("v_proj", self.v_proj.redistribute_targets(kv_m, kv_pl)),
+            **prefixed("o_proj", self.o_proj.redistribute_targets(mesh, o_pl)),
+        }
         for name in ("q_norm", "k_norm"):
             if hasattr(self, name):
                 replicated = (Replicate(),) * mesh.ndim
@@ -184,7 +217,8 @@ class ParallelAttention(Redistributable, nn.Module):
 def _kv_input_grad(placements) -> str:
     """Replicated KV heads serve different query heads on each replica: sum input grads over all."""
     replicated_heads = any(isinstance(p, Shard) for p in placements) and any(
-        isinstance(p, Replicate) for p in placements)
+        isinstance(p, Replicate) for p in placements
+    )
     return "all" if replicated_heads else "sharded"
 
 
@@ -198,5 +232,6 @@ def _kv_head_mesh(mesh: DeviceMesh, num_kv_heads: int) -> DeviceMesh:
     if ranks.numel() != dist.get_world_size():
         raise ValueError(
             f"KV-head replication on a mesh of {ranks.numel()} of {dist.get_world_size()} ranks needs "
-            f"kv_mesh from parallel.plans.kv_head_mesh(...)")
+            f"kv_mesh from parallel.plans.kv_head_mesh(...)"
+        )
     return cached_mesh(ranks.view(num_kv_heads, -1), ("tp_kv", "tp_rep"))  # (kv, rep)

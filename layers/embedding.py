@@ -1,7 +1,8 @@
 """Vocab-parallel token embedding (drop-in ``nn.Embedding``)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,15 +25,23 @@ class VocabParallelEmbedding(Redistributable, nn.Module):
     Input ids are replicated; returns replicated ``(*ids.shape, embedding_dim)``.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
-                 mesh: DeviceMesh, placements: Sequence[Placement] = (Shard(0),),
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement] = (Shard(0),),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.weight = nn.Parameter(empty_dtensor((num_embeddings, embedding_dim), mesh,
-                                                 tuple(placements), dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            empty_dtensor((num_embeddings, embedding_dim), mesh, tuple(placements), dtype=dtype, device=device)
+        )
 
     def _vocab_range(self) -> tuple[int, int]:
         """This rank's rows, cached per weight object (the layout only changes with the weight)."""
@@ -60,5 +69,4 @@ class VocabParallelEmbedding(Redistributable, nn.Module):
         return {"weight": (mesh, placements)}
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, "
-                f"placements={tuple(self.weight.placements)}")
+        return f"{self.num_embeddings}, {self.embedding_dim}, placements={tuple(self.weight.placements)}"

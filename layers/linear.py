@@ -1,7 +1,8 @@
 """Parallel linear layers: a drop-in ``nn.Linear`` whose weight is a DTensor."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,11 +42,19 @@ class ParallelLinear(Redistributable, nn.Module):
     selects one of them with ``use_weights(name)``, the forward computes with it instead.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 mesh: DeviceMesh, placements: Sequence[Placement] = (Replicate(),),
-                 gather_output: bool = False, input_grad: str = "sharded",
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement] = (Replicate(),),
+        gather_output: bool = False,
+        input_grad: str = "sharded",
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         placements = tuple(placements)
         if len(placements) != mesh.ndim:
@@ -53,13 +62,15 @@ class ParallelLinear(Redistributable, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.input_grad = _check_input_grad(input_grad)
-        self.weight = nn.Parameter(empty_dtensor((out_features, in_features), mesh, placements,
-                                                 dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            empty_dtensor((out_features, in_features), mesh, placements, dtype=dtype, device=device)
+        )
         self.sources: dict[str, WeightSource] = {}
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(empty_dtensor((out_features,), mesh, _bias_placements(placements),
-                                                   dtype=dtype, device=device))
+            self.bias = nn.Parameter(
+                empty_dtensor((out_features,), mesh, _bias_placements(placements), dtype=dtype, device=device)
+            )
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -90,8 +101,9 @@ class ParallelLinear(Redistributable, nn.Module):
         return y.view(*lead, y.shape[-1])
 
     # ---- alternative weights (Shift parallelism's full-TP layout, ...) ------------------------
-    def add_source(self, name: str, mesh: DeviceMesh, placements: Sequence[Placement], *,
-                   copy: bool, input_grad: str = "sharded") -> int:
+    def add_source(
+        self, name: str, mesh: DeviceMesh, placements: Sequence[Placement], *, copy: bool, input_grad: str = "sharded"
+    ) -> int:
         """Hold the weight also in ``placements`` on ``mesh``, used while source ``name`` is selected.
 
         ``copy=True`` stores separate shards (moved through the movement core); ``copy=False``
@@ -122,9 +134,11 @@ class ParallelLinear(Redistributable, nn.Module):
         return targets
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, style={self.style}, "
-                f"placements={tuple(self.weight.placements)}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, style={self.style}, "
+            f"placements={tuple(self.weight.placements)}"
+        )
 
 
 def _style(weight: DTensor) -> str:
@@ -142,8 +156,7 @@ def _alternate(t: DTensor, mesh: DeviceMesh, placements, copy: bool) -> DTensor:
     rank = dist.get_rank()
     base, box = Layout.of_dtensor(t).box(rank), Layout.of(mesh, placements, t.shape, t.dtype).box(rank)
     if any(lo < b0 or hi > b1 for (lo, hi), (b0, b1) in zip(box, base)):
-        raise ValueError(f"slice layout needs box {box} inside this rank's base box {base}; "
-                         f"use copy=True")
+        raise ValueError(f"slice layout needs box {box} inside this rank's base box {base}; use copy=True")
     view = t.to_local()[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(box, base))]
     return wrap_local(view, mesh, placements, t.shape)
 

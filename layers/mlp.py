@@ -1,7 +1,8 @@
 """SwiGLU feed-forward block (drop-in for HF ``LlamaMLP`` / ``Qwen2MLP`` / ``MistralMLP``)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -21,11 +22,18 @@ class SwiGLUMLP(Redistributable, nn.Module):
     Input and output are replicated over the sharded axes.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, mesh: DeviceMesh,
-                 hidden_act: str = "silu", bias: bool = False,
-                 placements: Sequence[Placement] = (Shard(0),),
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        mesh: DeviceMesh,
+        hidden_act: str = "silu",
+        bias: bool = False,
+        placements: Sequence[Placement] = (Shard(0),),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         up, down = _ffn_placements(tuple(placements))
         kw = dict(mesh=mesh, dtype=dtype, device=device)
@@ -37,21 +45,24 @@ class SwiGLUMLP(Redistributable, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
-    def add_source(self, name: str, mesh: DeviceMesh, placements: Sequence[Placement], *,
-                   copy: bool) -> int:
+    def add_source(self, name: str, mesh: DeviceMesh, placements: Sequence[Placement], *, copy: bool) -> int:
         """The FFN's weights also in the layout of ``placements`` on ``mesh``, used while source
         ``name`` is selected (:mod:`layers.weights`); returns the extra bytes on this rank."""
         up, down = _ffn_placements(tuple(placements))
-        return (self.gate_proj.add_source(name, mesh, up, copy=copy)
-                + self.up_proj.add_source(name, mesh, up, copy=copy)
-                + self.down_proj.add_source(name, mesh, down, copy=copy))
+        return (
+            self.gate_proj.add_source(name, mesh, up, copy=copy)
+            + self.up_proj.add_source(name, mesh, up, copy=copy)
+            + self.down_proj.add_source(name, mesh, down, copy=copy)
+        )
 
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """``(Shard(0),)``: TP (gate/up colwise, down rowwise); ``(Replicate(),)``: whole weights."""
         up, down = _ffn_placements(placements)
-        return {**prefixed("gate_proj", self.gate_proj.redistribute_targets(mesh, up)),
-                **prefixed("up_proj", self.up_proj.redistribute_targets(mesh, up)),
-                **prefixed("down_proj", self.down_proj.redistribute_targets(mesh, down))}
+        return {
+            **prefixed("gate_proj", self.gate_proj.redistribute_targets(mesh, up)),
+            **prefixed("up_proj", self.up_proj.redistribute_targets(mesh, up)),
+            **prefixed("down_proj", self.down_proj.redistribute_targets(mesh, down)),
+        }
 
 
 def _ffn_placements(placements: tuple[Placement, ...]) -> tuple[tuple, tuple]:

@@ -1,4 +1,5 @@
 """RMSNorm with a replicated DTensor weight (drop-in for the HF Llama/Qwen/Mistral RMSNorm)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,13 +17,20 @@ class RMSNorm(Redistributable, nn.Module):
     The weight is Replicate() on ``mesh``; input and output have the same placements.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, mesh: DeviceMesh,
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        mesh: DeviceMesh,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.variance_epsilon = eps
-        self.weight = nn.Parameter(empty_dtensor((hidden_size,), mesh, [Replicate()] * mesh.ndim,
-                                                 dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            empty_dtensor((hidden_size,), mesh, [Replicate()] * mesh.ndim, dtype=dtype, device=device)
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

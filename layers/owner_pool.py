@@ -16,6 +16,7 @@ their activations to the owner (CaS).
 The pool is collective per step: every rank of the group calls :meth:`FFNPool.begin_step` with
 the same arguments (each rank's token count and the mode) and runs its layers in order.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,14 +65,23 @@ class FFNPool:
             its own offset (needs ``slots >= G - 1``).
     """
 
-    def __init__(self, mlps: list[nn.Module], ranks: list[int], *, slots: int = 2, prefetch_depth: int = 2,
-                 peak_shifting: bool = True, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        mlps: list[nn.Module],
+        ranks: list[int],
+        *,
+        slots: int = 2,
+        prefetch_depth: int = 2,
+        peak_shifting: bool = True,
+        timeout: float = 60.0,
+    ) -> None:
         self.ranks, self.rank, self.G = list(ranks), dist.get_rank(), len(ranks)
         if not 1 <= prefetch_depth <= slots:
             raise ValueError(f"need 1 <= prefetch_depth ({prefetch_depth}) <= slots ({slots})")
         if peak_shifting and slots < self.G - 1:
-            raise ValueError(f"peak shifting walks a cycle of {self.G} layers: it needs slots >= {self.G - 1}, "
-                             f"got {slots}")
+            raise ValueError(
+                f"peak shifting walks a cycle of {self.G} layers: it needs slots >= {self.G - 1}, got {slots}"
+            )
         self.slots, self.depth, self.shift, self.timeout = slots, prefetch_depth, peak_shifting, timeout
         self.act = mlps[0].act_fn
         self.owner = [self.ranks[j % self.G] for j in range(len(mlps))]
@@ -114,7 +124,9 @@ class FFNPool:
             rounds = self.schedule([t > 0 for t in tokens])
             self._count_readers(rounds)
             self._events = {j: (threading.Event(), -1) for j, o in enumerate(self.owner) if o != self.rank}
-            self._thread = threading.Thread(target=self._housekeep, args=(rounds,), name="sidp-housekeeper", daemon=True)
+            self._thread = threading.Thread(
+                target=self._housekeep, args=(rounds,), name="sidp-housekeeper", daemon=True
+            )
             self._thread.start()
 
     def end_step(self) -> None:
@@ -122,7 +134,9 @@ class FFNPool:
         if self._thread is not None:
             self._thread.join(self.timeout)
             if self._thread.is_alive():
-                raise TimeoutError(f"SiDP housekeeper of rank {self.rank} did not finish its fetches in {self.timeout} s")
+                raise TimeoutError(
+                    f"SiDP housekeeper of rank {self.rank} did not finish its fetches in {self.timeout} s"
+                )
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -174,8 +188,12 @@ class FFNPool:
         like = self.slot_flat[0]
         for reader, j in rnd:  # the layer's flat FFN: whole on its owner -> whole in the reader's slot
             shape = tuple(like.shape)
-            plans.append(plan_transfer(Layout((self.owner[j],), (Replicate(),), shape, like.dtype),
-                                       Layout((reader,), (Replicate(),), shape, like.dtype)))
+            plans.append(
+                plan_transfer(
+                    Layout((self.owner[j],), (Replicate(),), shape, like.dtype),
+                    Layout((reader,), (Replicate(),), shape, like.dtype),
+                )
+            )
             srcs.append(self.flat[j] if self.owner[j] == self.rank else None)
             outs.append(self.slot_flat[slot] if reader == self.rank else None)
         _, stats = execute(plans, srcs, out=outs, group=self._group)
@@ -221,8 +239,10 @@ class FFNPool:
         t0 = time.perf_counter()
         event, _ = self._events[j]
         if not event.wait(self.timeout):
-            raise TimeoutError(f"rank {self.rank}: FFN weights of layer {j} did not arrive from rank "
-                               f"{self.owner[j]} within {self.timeout} s")
+            raise TimeoutError(
+                f"rank {self.rank}: FFN weights of layer {j} did not arrive from rank "
+                f"{self.owner[j]} within {self.timeout} s"
+            )
         if self._error is not None:
             raise self._error
         slot = self._events[j][1]
@@ -304,7 +324,7 @@ def _split(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tens
     """Views of ``flat`` with ``shapes``, in order."""
     out, at = [], 0
     for shape in shapes:
-        out.append(flat[at:at + _numel(shape)].view(shape))
+        out.append(flat[at : at + _numel(shape)].view(shape))
         at += _numel(shape)
     return out
 

@@ -10,6 +10,7 @@ The caller chooses the mode per forward: ``sequence_parallel=True`` with this ra
 tokens, or ``False`` with every token under the weight source :data:`SHIFT_WEIGHTS` (see
 :mod:`layers.weights`). The layer itself keeps no mode.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,15 +74,27 @@ class UlyssesAttention(ParallelAttention):
     KV cache, but the cache layout is the shift layout's). Output has the input's shape.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 meshes: ShiftMeshes, layer_idx: int = 0, qkv_bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = False, rms_norm_eps: float = 1e-6,
-                 sliding_window: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        meshes: ShiftMeshes,
+        layer_idx: int = 0,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+        sliding_window: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         check_shift_heads(num_heads, num_kv_heads, meshes.sp, meshes.tp)
         torch.nn.Module.__init__(self)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.sliding_window, self.scaling = layer_idx, sliding_window, head_dim ** -0.5
+        self.layer_idx, self.sliding_window, self.scaling = layer_idx, sliding_window, head_dim**-0.5
         self.meshes = meshes
         kw = dict(mesh=meshes.base, dtype=dtype, device=device)
         col, row = (Replicate(), Shard(0)), (Replicate(), Shard(1))
@@ -98,8 +111,9 @@ class UlyssesAttention(ParallelAttention):
         """Add the full-TP (head-block order) layout as source :data:`SHIFT_WEIGHTS`; returns the
         extra bytes on this rank."""
         m, name = self.meshes, SHIFT_WEIGHTS
-        kv_mesh, kv_pl = (m.shift, (Shard(0), Shard(0))) if m.shift_kv is None else (
-            m.shift_kv, (Shard(0), Replicate()))
+        kv_mesh, kv_pl = (
+            (m.shift, (Shard(0), Shard(0))) if m.shift_kv is None else (m.shift_kv, (Shard(0), Replicate()))
+        )
         extra = self.q_proj.add_source(name, m.shift, (Shard(0), Shard(0)), copy=copy)
         for proj in (self.k_proj, self.v_proj):  # replicas serve different query heads
             extra += proj.add_source(name, kv_mesh, kv_pl, copy=copy, input_grad="all")
@@ -124,18 +138,24 @@ class UlyssesAttention(ParallelAttention):
         return start, start + self.local_kv_heads
 
     # ---- forward ---------------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values=None, *,
-                attn_context: AttentionContext | None = None, sequence_parallel: bool = False,
-                **kwargs) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        *,
+        attn_context: AttentionContext | None = None,
+        sequence_parallel: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
         if not sequence_parallel:
-            return super().forward(hidden_states, position_embeddings, attention_mask,
-                                   past_key_values, attn_context=attn_context)
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask, past_key_values, attn_context=attn_context
+            )
         return self._forward_sp(hidden_states, position_embeddings, attn_context), None
 
-    def _forward_sp(self, x: torch.Tensor, position_embeddings, ctx: AttentionContext | None
-                    ) -> torch.Tensor:
+    def _forward_sp(self, x: torch.Tensor, position_embeddings, ctx: AttentionContext | None) -> torch.Tensor:
         b, t, _ = x.shape  # (1, N / sp, D): this rank's tokens
         assert b == 1, "SP mode runs on the flattened token batch (1, N, D)"
         q = self.q_proj(x).view(b, t, -1, self.head_dim)  # (1, Nl, Hq / tp, hd)
@@ -147,8 +167,9 @@ class UlyssesAttention(ParallelAttention):
         q, k, v = self._to_head_parallel(q[0], k[0], v[0])  # (N_pad, heads of my block, hd)
         n = int(ctx.positions.numel()) if ctx is not None else q.shape[0]
         if ctx is not None:
-            out = ctx.attend(self.layer_idx, q[None, :n], k[None, :n], v[None, :n],
-                             scaling=self.scaling, window=self.sliding_window)[0]
+            out = ctx.attend(
+                self.layer_idx, q[None, :n], k[None, :n], v[None, :n], scaling=self.scaling, window=self.sliding_window
+            )[0]
         else:
             out = self._dense(q[None], k[None], v[None], None, None)[0]
         out = F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - out.shape[0]))  # padding rows back

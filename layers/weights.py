@@ -6,11 +6,13 @@ remote weight is fetched into. The runner selects one source name for a whole fo
 (:func:`use_weights`); a layer without that source uses its own parameters. Layers keep no mode
 of their own, so no engine can leave a shared model in another engine's mode.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from torch.distributed.tensor import DTensor
 

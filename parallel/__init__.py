@@ -1,4 +1,5 @@
 """Meshes, parallelization plans, checkpoint loading, the engine core and the strategies."""
+
 from reshard.parallel.engine import Completion, Engine, EngineStats, ModelRunner, Request, register_strategy
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoint
@@ -6,6 +7,20 @@ from reshard.parallel.model.dims import ParallelDims, device_type
 from reshard.parallel.model.parallelize import SUPPORTED_ARCHITECTURES, LoadStats, parallelize
 from reshard.parallel.model.plans import tp_plan
 
-__all__ = ["CheckpointReader", "Completion", "Engine", "EngineStats", "LoadStats", "ModelRunner", "ParallelDims",
-           "Request", "SUPPORTED_ARCHITECTURES", "SamplingParams", "device_type", "parallelize",
-           "register_strategy", "resolve_checkpoint", "tp_plan"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointReader",
+    "Completion",
+    "Engine",
+    "EngineStats",
+    "LoadStats",
+    "ModelRunner",
+    "ParallelDims",
+    "Request",
+    "SamplingParams",
+    "device_type",
+    "parallelize",
+    "register_strategy",
+    "resolve_checkpoint",
+    "tp_plan",
+]

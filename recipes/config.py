@@ -1,4 +1,5 @@
 """Structured configs behind conf/*.yaml; validation with errors that name the override."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -31,7 +32,8 @@ class WorkloadConfig:
         if not 1 <= self.prompt_len_min <= self.prompt_len_max:
             raise ValueError(
                 f"need 1 <= workload.prompt_len_min ({self.prompt_len_min}) <= "
-                f"workload.prompt_len_max ({self.prompt_len_max})")
+                f"workload.prompt_len_max ({self.prompt_len_max})"
+            )
 
 
 @dataclass
@@ -51,8 +53,13 @@ class GenerationConfig:
     def sampling_params(self):
         from reshard.parallel import SamplingParams
 
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+        )
 
 
 @dataclass
@@ -69,8 +76,9 @@ class EngineConfig:
         from reshard.parallel.engine.policy import ADMISSION
 
         if (self.kv_block_size is None) != (self.kv_tokens is None):
-            raise ValueError(f"engine.kv_block_size and engine.kv_tokens go together, got "
-                             f"{self.kv_block_size} and {self.kv_tokens}")
+            raise ValueError(
+                f"engine.kv_block_size and engine.kv_tokens go together, got {self.kv_block_size} and {self.kv_tokens}"
+            )
         for f in fields(self):
             if f.name != "admission" and getattr(self, f.name) is not None and getattr(self, f.name) < 1:
                 raise ValueError(f"engine.{f.name} must be >= 1, got {getattr(self, f.name)}")
@@ -83,10 +91,17 @@ class EngineConfig:
 
         from reshard.parallel.engine import EngineArgs
 
-        return EngineArgs(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
-                          max_prefill_tokens=self.max_prefill_tokens, compile=compile,
-                          dtype=getattr(torch, dtype), admission=self.admission, allow_unused=allow_unused,
-                          kv_block_size=self.kv_block_size, kv_tokens=self.kv_tokens)
+        return EngineArgs(
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            max_prefill_tokens=self.max_prefill_tokens,
+            compile=compile,
+            dtype=getattr(torch, dtype),
+            admission=self.admission,
+            allow_unused=allow_unused,
+            kv_block_size=self.kv_block_size,
+            kv_tokens=self.kv_tokens,
+        )
 
 
 @dataclass
@@ -105,9 +120,11 @@ class FaultConfig:
         if self.inject not in ("kill", "hang"):
             raise ValueError(f"fault.inject must be kill or hang, got {self.inject!r}")
         if self.inject == "hang" and self.kill_at is not None and not self.replicate:
-            raise ValueError("fault.inject=hang needs fault.replicate=true: the heartbeat that declares a silent "
-                             "rank dead comes with it (without it the others would wait in a collective), "
-                             "got fault.replicate=false")
+            raise ValueError(
+                "fault.inject=hang needs fault.replicate=true: the heartbeat that declares a silent "
+                "rank dead comes with it (without it the others would wait in a collective), "
+                "got fault.replicate=false"
+            )
 
     def kills(self) -> list[tuple[int, int]]:
         """``(rank, step)`` to kill in attempt 0, 1, ... of the job."""
@@ -116,8 +133,10 @@ class FaultConfig:
             return []
         pairs = [k] if isinstance(k, (list, tuple)) and k and not isinstance(k[0], (list, tuple)) else k
         if not (isinstance(pairs, (list, tuple)) and pairs and all(_is_kill(p) for p in pairs)):
-            raise ValueError(f"fault.kill_at must be [rank, step] (two ints >= 0), a list of them (one per "
-                             f"attempt) or null, got {k!r}")
+            raise ValueError(
+                f"fault.kill_at must be [rank, step] (two ints >= 0), a list of them (one per "
+                f"attempt) or null, got {k!r}"
+            )
         return [tuple(p) for p in pairs]
 
 
@@ -146,17 +165,23 @@ class GenerateConfig:
             raise ValueError(
                 f"workload.prompt_len_max ({self.workload.prompt_len_max}) + "
                 f"generation.max_new_tokens ({self.generation.max_new_tokens}) = {longest} exceeds "
-                f"engine.max_seq_len ({self.engine.max_seq_len})")
+                f"engine.max_seq_len ({self.engine.max_seq_len})"
+            )
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "GenerateConfig":
+    def from_dict(d: dict[str, Any]) -> GenerateConfig:
         """Build from a plain dict (``OmegaConf.to_container(cfg)``); unknown keys are errors."""
         known = {f.name: f for f in fields(GenerateConfig)}
         unknown = sorted(set(d) - set(known))
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
-        sections = {"model": ModelConfig, "workload": WorkloadConfig, "generation": GenerationConfig,
-                    "engine": EngineConfig, "fault": FaultConfig}
+        sections = {
+            "model": ModelConfig,
+            "workload": WorkloadConfig,
+            "generation": GenerationConfig,
+            "engine": EngineConfig,
+            "fault": FaultConfig,
+        }
         from reshard.parallel.engine.config_types import check_values
 
         check_values(GenerateConfig, d, "")

@@ -6,6 +6,7 @@ With no overrides: the built-in tiny Llama checkpoint (created on first use), a 
 workload, greedy decoding. Rank 0 writes ``outputs.jsonl`` and ``summary.json`` into Hydra's run
 directory and prints its path; other ranks write nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,6 +78,7 @@ def _keep_finished(engine: Engine, run_dir: Path) -> Path:
         if done:
             with open(path, "a") as f:
                 f.writelines(_output_line(c) for c in done)
+
     engine.post_step_hooks.append(hook)
     return path
 
@@ -94,20 +96,31 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dic
         return None
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    ft = FaultTolerance(engine, run_id, kill_at=kill, hang=cfg.fault.inject == "hang", attempt=attempt,
-                        heartbeat_s=cfg.fault.heartbeat_s,
-                        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
-                        on_last_failure=f"Requests that finished are in {finished.resolve()}")
+    ft = FaultTolerance(
+        engine,
+        run_id,
+        kill_at=kill,
+        hang=cfg.fault.inject == "hang",
+        attempt=attempt,
+        heartbeat_s=cfg.fault.heartbeat_s,
+        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+        on_last_failure=f"Requests that finished are in {finished.resolve()}",
+    )
     t0, killed = time.time(), ft.killed_at()
     if attempt > 0:
         ft.recover()
 
     def summary() -> dict:
         detected = ft.detected_after()
-        return {"failures": attempt, "restart_after_s": None if killed is None else t0 - killed,
-                "detected_after_s": detected, "recovered_from_step": ft.recovered_from,
-                "detected_after_heartbeats": None if detected is None else detected / cfg.fault.heartbeat_s,
-                "recomputed_steps": ft.recomputed_steps}
+        return {
+            "failures": attempt,
+            "restart_after_s": None if killed is None else t0 - killed,
+            "detected_after_s": detected,
+            "recovered_from_step": ft.recovered_from,
+            "detected_after_heartbeats": None if detected is None else detected / cfg.fault.heartbeat_s,
+            "recomputed_steps": ft.recomputed_steps,
+        }
+
     return {"ft": ft, "summary": summary, "recovery_seconds": time.time() - t0}
 
 
@@ -171,12 +184,13 @@ def _tokenizer(model_path: Path, prompts_path: Path):
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except Exception as e:  # no tokenizer files in the checkpoint
-        raise ValueError(f"{prompts_path} has text prompts but the checkpoint at {model_path} has no "
-                         f"usable tokenizer ({type(e).__name__}); give token-id lists") from e
+        raise ValueError(
+            f"{prompts_path} has text prompts but the checkpoint at {model_path} has no "
+            f"usable tokenizer ({type(e).__name__}); give token-id lists"
+        ) from e
 
 
-def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s: float,
-             gen_s: float) -> dict:
+def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s: float, gen_s: float) -> dict:
     """Token counts over all requests; phase times of the slowest replica."""
     s = engine.stats
     phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64)
@@ -195,8 +209,7 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
         "prefill_tokens_per_s": prompt_tokens / max(prefill_s, 1e-9),
         "decode_tokens_per_s": (generated - len(completions)) / max(decode_s, 1e-9),
         "mean_decode_batch": s.mean_decode_batch,
-        "phase_seconds": {"load": load_s, "prefill": prefill_s, "decode": decode_s,
-                          "generate_total": gen_s},
+        "phase_seconds": {"load": load_s, "prefill": prefill_s, "decode": decode_s, "generate_total": gen_s},
         "compile": cfg.compile,
         "kv": _kv_summary(engine),
         **cfg.parallel.summary(engine),
@@ -211,8 +224,13 @@ def _kv_summary(engine: Engine) -> dict:
     spec, s = kv.spec, engine.stats
     out = {"paged": spec.paged, "capacity_tokens": spec.capacity_tokens}
     if spec.paged:
-        out.update(block_size=spec.block_size, num_blocks=spec.num_blocks, blocks_allocated=s.kv_blocks_allocated,
-                   blocks_freed=s.kv_blocks_freed, blocks_peak=s.kv_blocks_peak)
+        out.update(
+            block_size=spec.block_size,
+            num_blocks=spec.num_blocks,
+            blocks_allocated=s.kv_blocks_allocated,
+            blocks_freed=s.kv_blocks_freed,
+            blocks_peak=s.kv_blocks_peak,
+        )
     return out
 
 
@@ -226,18 +244,25 @@ def _write_outputs(run_dir: Path, completions, summary: dict, strategy) -> None:
 
 
 def _output_line(c) -> str:
-    return json.dumps({"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids,
-                       "finish_reason": c.finish_reason}) + "\n"
+    return (
+        json.dumps(
+            {"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "finish_reason": c.finish_reason}
+        )
+        + "\n"
+    )
 
 
 def _print_summary(s: dict, strategy) -> None:
     ph = s["phase_seconds"]
-    print(f"\n{s['strategy']} on {s['world_size']} rank(s): {s['requests']} requests, "
-          f"{s['prompt_tokens']} prompt / {s['generated_tokens']} generated tokens\n"
-          f"  prefill {s['prefill_tokens_per_s']:10.1f} tok/s  ({ph['prefill']:.3f} s)\n"
-          f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
-          f"mean batch {s['mean_decode_batch']:.1f})\n"
-          f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s", flush=True)
+    print(
+        f"\n{s['strategy']} on {s['world_size']} rank(s): {s['requests']} requests, "
+        f"{s['prompt_tokens']} prompt / {s['generated_tokens']} generated tokens\n"
+        f"  prefill {s['prefill_tokens_per_s']:10.1f} tok/s  ({ph['prefill']:.3f} s)\n"
+        f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
+        f"mean batch {s['mean_decode_batch']:.1f})\n"
+        f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s",
+        flush=True,
+    )
     for line in strategy.report(s):
         print("  " + line, flush=True)
 

@@ -1,13 +1,14 @@
 """What every recipe shares: the process group (torchrun or alone), a deadline on collectives,
 Hydra under torchrun (one run dir, written by rank 0) and user errors reported as one line."""
+
 from __future__ import annotations
 
 import datetime
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,9 @@ def init_distributed() -> None:
 def _attempt_store() -> dist.Store:
     """The agent's store, keys of this attempt only: a group restarted by ``--max-restarts`` would
     otherwise read the previous attempt's addresses and fail to connect (``../shared/NOTES.md``)."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=collective_timeout())
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=collective_timeout()
+    )
     return dist.PrefixStore(f"reshard/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -64,8 +66,7 @@ def hydra_rank_overrides(argv: list[str]) -> list[str]:
         dist.broadcast_object_list(stamp, src=0)
         extra.append(f"hydra.run.dir={stamp[0]}")
     if dist.get_rank() != 0:
-        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled",
-                  "hydra/hydra_logging=disabled"]
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     return extra
 
 

@@ -8,6 +8,7 @@ writes ``plan.json`` and ``plan.png`` into Hydra's run directory. Layouts are in
 (``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of 1 omitted, one GPU = ``T1``; ``S``
 Ulysses SP; ``A->B`` = prefill in A, decode in B).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,17 @@ def make_plan(cfg: PlanConfig) -> dict:
     m, hw = model(cfg.model), hardware(cfg.hardware)
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
     ranked = cost.rank_layouts(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
-    infeasible = {c.notation: cost.infeasible_reason(m, hw, c, w.input_len + w.output_len)
-                  for c in cost.configs(cfg.num_gpus)}
+    infeasible = {
+        c.notation: cost.infeasible_reason(m, hw, c, w.input_len + w.output_len) for c in cost.configs(cfg.num_gpus)
+    }
     if not ranked:
         raise ValueError(f"no layout of {cfg.num_gpus} x {cfg.hardware} fits model {cfg.model!r}: {infeasible}")
     static = [e for e in ranked if e.prefill == e.decode]
     seesaw = [e for e in ranked if e.prefill != e.decode]
     return {
-        "model": cfg.model, "hardware": hw.name, "num_gpus": cfg.num_gpus,
+        "model": cfg.model,
+        "hardware": hw.name,
+        "num_gpus": cfg.num_gpus,
         "workload": {"name": w.name, "input_len": w.input_len, "output_len": w.output_len, "requests": w.requests},
         "best_static": static[0].name if static else None,
         "best_seesaw": seesaw[0].name if seesaw else None,
@@ -42,8 +46,11 @@ def make_plan(cfg: PlanConfig) -> dict:
         "shift_threshold": cost.shift_threshold(m, hw, cfg.num_gpus),
         "sidp_threshold": cost.sidp_threshold(m, hw, cfg.num_gpus),
         "dejavu": cost.dejavu_plan(m, hw, cfg.num_gpus, w),
-        "assumptions": {"memory_reserve": cost.MEMORY_RESERVE, "prefill_tokens": cost.PREFILL_TOKENS,
-                        "dejavu_m": cost.DEJAVU_M},
+        "assumptions": {
+            "memory_reserve": cost.MEMORY_RESERVE,
+            "prefill_tokens": cost.PREFILL_TOKENS,
+            "dejavu_m": cost.DEJAVU_M,
+        },
     }
 
 
@@ -59,20 +66,26 @@ def _phases(m, hw, num_gpus: int, w) -> dict:
 
 def table(plan: dict, top: int) -> str:
     """The ranked layouts as a fixed-width table (the first ``top`` rows)."""
-    rows = [f"{'rank':>4}  {'layout':<16}{'kind':<8}{'tokens/s':>10}{'batch':>7}{'prefill s':>11}"
-            f"{'decode s':>10}{'trans s':>9}"]
+    rows = [
+        f"{'rank':>4}  {'layout':<16}{'kind':<8}{'tokens/s':>10}{'batch':>7}{'prefill s':>11}"
+        f"{'decode s':>10}{'trans s':>9}"
+    ]
     for i, e in enumerate(plan["ranked"][:top], 1):
-        rows.append(f"{i:>4}  {e['layout']:<16}{e['kind']:<8}{e['tokens_per_s']:>10.1f}{e['batch']:>7}"
-                    f"{e['prefill_s']:>11.2f}{e['decode_s']:>10.2f}{e['transition_s']:>9.3f}")
+        rows.append(
+            f"{i:>4}  {e['layout']:<16}{e['kind']:<8}{e['tokens_per_s']:>10.1f}{e['batch']:>7}"
+            f"{e['prefill_s']:>11.2f}{e['decode_s']:>10.2f}{e['transition_s']:>9.3f}"
+        )
     return "\n".join(rows)
 
 
 def summary_lines(plan: dict) -> str:
     s, d = plan["shift_threshold"], plan["dejavu"]
-    return (f"best static {plan['best_static']}, best Seesaw {plan['best_seesaw']} "
-            f"(x{plan['seesaw_speedup'] or float('nan'):.2f}); Shift threshold {s['threshold']} tokens "
-            f"({s['base']} vs {s['shift']}); SiDP b* {plan['sidp_threshold']}; "
-            f"DejaVu D_p={d.get('D_p')} D_t={d.get('D_t')} (pays: {d.get('pays')})")
+    return (
+        f"best static {plan['best_static']}, best Seesaw {plan['best_seesaw']} "
+        f"(x{plan['seesaw_speedup'] or float('nan'):.2f}); Shift threshold {s['threshold']} tokens "
+        f"({s['base']} vs {s['shift']}); SiDP b* {plan['sidp_threshold']}; "
+        f"DejaVu D_p={d.get('D_p')} D_t={d.get('D_t')} (pays: {d.get('pays')})"
+    )
 
 
 def plot(plan: dict, path: Path, top: int) -> None:
@@ -86,8 +99,11 @@ def plot(plan: dict, path: Path, top: int) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.5))
     colors = ["tab:blue" if r["kind"] == "static" else "tab:orange" for r in rows]
     ax.barh([r["layout"] for r in rows], [r["tokens_per_s"] for r in rows], color=colors)
-    ax.set(xlabel="predicted generated tokens/s", title=f"{plan['model']} on {plan['num_gpus']} x "
-           f"{plan['hardware']}, {plan['workload']['name']} (blue static, orange Seesaw)")
+    ax.set(
+        xlabel="predicted generated tokens/s",
+        title=f"{plan['model']} on {plan['num_gpus']} x "
+        f"{plan['hardware']}, {plan['workload']['name']} (blue static, orange Seesaw)",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,4 +1,5 @@
 """Structured config behind conf/plan.yaml (the cost-model planner); errors name the key."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -30,7 +31,7 @@ class PlanConfig:
             raise ValueError(f"max_batch must be >= 1 or null, got {self.max_batch!r}")
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "PlanConfig":
+    def from_dict(d: dict[str, Any]) -> PlanConfig:
         """Build from a plain dict; unknown keys and values of the wrong type name the key."""
         known = sorted(f.name for f in fields(PlanConfig))
         unknown = sorted(set(d) - set(known))

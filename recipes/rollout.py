@@ -15,6 +15,7 @@ bytes against the lower bound, sync seconds, peak memory per phase, digests of t
 weights and tokens), ``summary.json`` and ``rollout.png`` (reward and sync time) into Hydra's
 run directory.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,14 +73,20 @@ class RolloutJob:
         self.rollout = rollout if self.rank in self.split.rollout else None
         self.vocab_size = rollout.config.vocab_size
         self.engine = self._engine() if self.rollout is not None else None
-        self.sync = model_sync(self.train, self.rollout, bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
-                               method=cfg.sync.method)
+        self.sync = model_sync(
+            self.train, self.rollout, bucket_bytes=int(cfg.sync.bucket_mb * 2**20), method=cfg.sync.method
+        )
 
     def _engine(self):
         t = self.cfg.train
         slots = min(self.cfg.rollout.max_batch_size, t.prompts * t.group_size)
-        return rollout_engine(self.rollout, self.cfg.rollout.layout, max_batch_size=slots,
-                              max_seq_len=t.prompt_len + t.max_new_tokens, threshold=self.cfg.rollout.threshold)
+        return rollout_engine(
+            self.rollout,
+            self.cfg.rollout.layout,
+            max_batch_size=slots,
+            max_seq_len=t.prompt_len + t.max_new_tokens,
+            threshold=self.cfg.rollout.threshold,
+        )
 
     def iteration(self, it: int) -> dict:
         """Sync the weights of training step ``it``, roll out, score, take one GRPO step."""
@@ -97,8 +104,9 @@ class RolloutJob:
 
     def _roll_out(self, prompts: list[list[int]], it: int) -> tuple[list[list[int]], int]:
         t = self.cfg.train
-        params = SamplingParams(temperature=t.temperature, max_new_tokens=t.max_new_tokens,
-                                seed=t.seed * 7919 + it, stop_token_ids=())
+        params = SamplingParams(
+            temperature=t.temperature, max_new_tokens=t.max_new_tokens, seed=t.seed * 7919 + it, stop_token_ids=()
+        )
         outs, peak = None, 0
         if self.engine is not None:
             outs = [c.output_ids for c in self.engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])]
@@ -117,8 +125,8 @@ class RolloutJob:
         if self.train is not None:
             n = len(prompts) // len(self.split.train)
             a = self.split.train.index(self.rank) * n
-            logp, mask = completion_logprobs(self.train, prompts[a:a + n], completions[a:a + n])
-            loss = grpo_loss(logp, mask, advantages[a:a + n])
+            logp, mask = completion_logprobs(self.train, prompts[a : a + n], completions[a : a + n])
+            loss = grpo_loss(logp, mask, advantages[a : a + n])
             loss.backward()  # FSDP2 averages the gradients over the training ranks
             peak = self._resident()
             self.opt.step()
@@ -142,25 +150,40 @@ class RolloutJob:
         return storage_bytes(tensors)
 
     def _metrics(self, it, rewards, loss, stats, sync_s, memory, completions) -> dict:
-        agg = torch.tensor([stats.bytes_received, sync_s, memory["sync"], memory["rollout"], memory["train"]],
-                           dtype=torch.float64)
+        agg = torch.tensor(
+            [stats.bytes_received, sync_s, memory["sync"], memory["rollout"], memory["train"]], dtype=torch.float64
+        )
         summed, peak = agg.clone(), agg.clone()
         dist.all_reduce(summed)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return {"iteration": it, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-                "loss": loss, "sync_bytes": int(summed[0]), "lower_bound_bytes": self.sync.lower_bound_bytes,
-                "sync_seconds": float(peak[1]),
-                "peak_mib": {"sync": peak[2].item() / 2**20, "rollout": peak[3].item() / 2**20,
-                             "train": peak[4].item() / 2**20},
-                "weights_version": it, "weights_digest": self._weights_digest(),
-                "tokens_digest": _digest(json.dumps(completions).encode())}
+        return {
+            "iteration": it,
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "loss": loss,
+            "sync_bytes": int(summed[0]),
+            "lower_bound_bytes": self.sync.lower_bound_bytes,
+            "sync_seconds": float(peak[1]),
+            "peak_mib": {
+                "sync": peak[2].item() / 2**20,
+                "rollout": peak[3].item() / 2**20,
+                "train": peak[4].item() / 2**20,
+            },
+            "weights_version": it,
+            "weights_digest": self._weights_digest(),
+            "tokens_digest": _digest(json.dumps(completions).encode()),
+        }
 
     def _weights_digest(self) -> str:
         """One digest of every rollout rank's shards (the same on every rank)."""
         mine = ""
         if self.rollout is not None:
-            mine = _digest(b"".join(t.to_local().detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                                    for _, t in sorted(rollout_tensors(self.rollout).items())))
+            mine = _digest(
+                b"".join(
+                    t.to_local().detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                    for _, t in sorted(rollout_tensors(self.rollout).items())
+                )
+            )
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return _digest("".join(everyone).encode())
@@ -182,8 +205,10 @@ def _digest(data: bytes) -> str:
 def _check_batch(cfg: TrainConfig, split: RankSplit) -> None:
     n = cfg.prompts * cfg.group_size
     if n % len(split.train):
-        raise ValueError(f"train.prompts ({cfg.prompts}) x train.group_size ({cfg.group_size}) = {n} "
-                         f"sequences do not split evenly over the {len(split.train)} training ranks")
+        raise ValueError(
+            f"train.prompts ({cfg.prompts}) x train.group_size ({cfg.group_size}) = {n} "
+            f"sequences do not split evenly over the {len(split.train)} training ranks"
+        )
 
 
 # ---- outputs ------------------------------------------------------------------------------------
@@ -205,22 +230,32 @@ def run_rollout(cfg: RolloutJobConfig, run_dir: Path) -> dict:
     if rank0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot(history, run_dir / "rollout.png")
-        print(f"reward {summary['reward_first5']:.3f} (first 5 iterations) -> {summary['reward_last5']:.3f} "
-              f"(last 5); sync {summary['sync_bytes']} bytes/iteration, lower bound "
-              f"{summary['lower_bound_bytes']}\noutputs written to {run_dir.resolve()}", flush=True)
+        print(
+            f"reward {summary['reward_first5']:.3f} (first 5 iterations) -> {summary['reward_last5']:.3f} "
+            f"(last 5); sync {summary['sync_bytes']} bytes/iteration, lower bound "
+            f"{summary['lower_bound_bytes']}\noutputs written to {run_dir.resolve()}",
+            flush=True,
+        )
     return summary
 
 
 def _summary(cfg: RolloutJobConfig, job: RolloutJob, history: list[dict]) -> dict:
     rewards = [h["reward"] for h in history]
     k = min(5, len(rewards))
-    return {"iterations": len(history), "layout": cfg.rollout.layout, "colocated": job.split.colocated,
-            "train_ranks": list(job.split.train), "rollout_ranks": list(job.split.rollout),
-            "sync_method": cfg.sync.method, "reward_first5": sum(rewards[:k]) / k,
-            "reward_last5": sum(rewards[-k:]) / k, "sync_bytes": history[-1]["sync_bytes"],
-            "lower_bound_bytes": history[-1]["lower_bound_bytes"],
-            "median_sync_seconds": sorted(h["sync_seconds"] for h in history)[len(history) // 2],
-            "final_weights_digest": history[-1]["weights_digest"]}
+    return {
+        "iterations": len(history),
+        "layout": cfg.rollout.layout,
+        "colocated": job.split.colocated,
+        "train_ranks": list(job.split.train),
+        "rollout_ranks": list(job.split.rollout),
+        "sync_method": cfg.sync.method,
+        "reward_first5": sum(rewards[:k]) / k,
+        "reward_last5": sum(rewards[-k:]) / k,
+        "sync_bytes": history[-1]["sync_bytes"],
+        "lower_bound_bytes": history[-1]["lower_bound_bytes"],
+        "median_sync_seconds": sorted(h["sync_seconds"] for h in history)[len(history) // 2],
+        "final_weights_digest": history[-1]["weights_digest"],
+    }
 
 
 def plot(history: list[dict], path: Path) -> None:

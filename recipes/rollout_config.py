@@ -1,4 +1,5 @@
 """Structured config behind conf/rollout.yaml (the RL rollout loop); errors name the key."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -8,8 +9,15 @@ from reshard.parallel.engine.config_types import check_values
 from reshard.recipes.config import check_section
 
 POLICY_NAME = "tiny-policy-seed0-v1"
-POLICY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+POLICY = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.02,
+)
 
 
 @dataclass
@@ -69,8 +77,9 @@ class TrainConfig:
             if f.name != "seed" and not getattr(self, f.name) > 0:
                 raise ValueError(f"train.{f.name} must be > 0, got {getattr(self, f.name)}")
         if self.group_size < 2:
-            raise ValueError(f"train.group_size must be >= 2 (advantages are relative to the group), "
-                             f"got {self.group_size}")
+            raise ValueError(
+                f"train.group_size must be >= 2 (advantages are relative to the group), got {self.group_size}"
+            )
 
 
 @dataclass
@@ -82,13 +91,14 @@ class RolloutJobConfig:
     progress: bool = True
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "RolloutJobConfig":
+    def from_dict(d: dict[str, Any]) -> RolloutJobConfig:
         """Build from a plain dict; unknown keys and values of the wrong type name the key."""
-        sections = {"model": PolicyConfig, "rollout": RolloutLayoutConfig, "sync": SyncConfig,
-                    "train": TrainConfig}
+        sections = {"model": PolicyConfig, "rollout": RolloutLayoutConfig, "sync": SyncConfig, "train": TrainConfig}
         unknown = sorted(set(d) - {f.name for f in fields(RolloutJobConfig)})
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known: {sorted(f.name for f in fields(RolloutJobConfig))}")
+            raise ValueError(
+                f"unknown config keys {unknown}; known: {sorted(f.name for f in fields(RolloutJobConfig))}"
+            )
         check_values(RolloutJobConfig, d, "")
         for name, cls in sections.items():
             check_section(cls, d.get(name, {}), name)

@@ -1,4 +1,5 @@
 """reshard: layouts and planned, accounted movement of tensors between them."""
+
 from reshard.api import MoveHandle, last_stats, plan_for, redistribute, redistribute_module
 from reshard.dtensor import empty_dtensor, slice_to_dtensor, wrap_local
 from reshard.executor import CommStats, execute
@@ -6,6 +7,23 @@ from reshard.kv import AttentionContext, KVCache, KVLayout, KVSpec
 from reshard.layout import Layout, chunk_range
 from reshard.plan import Plan, plan_transfer
 
-__all__ = ["AttentionContext", "CommStats", "MoveHandle", "KVCache", "KVLayout", "KVSpec", "Layout", "Plan", "chunk_range", "empty_dtensor", "execute",
-           "last_stats", "plan_for", "plan_transfer", "redistribute", "redistribute_module",
-           "slice_to_dtensor", "wrap_local"]
+__all__ = [
+    "AttentionContext",
+    "CommStats",
+    "KVCache",
+    "KVLayout",
+    "KVSpec",
+    "Layout",
+    "MoveHandle",
+    "Plan",
+    "chunk_range",
+    "empty_dtensor",
+    "execute",
+    "last_stats",
+    "plan_for",
+    "plan_transfer",
+    "redistribute",
+    "redistribute_module",
+    "slice_to_dtensor",
+    "wrap_local",
+]

@@ -5,10 +5,11 @@ rank sets), moves exactly the bytes a rank lacks (no all-gather fallback on CPU)
 it moved. Every rank of the world calls it (ranks on neither mesh do nothing); a DTensor on a mesh
 that excludes this rank carries an empty local tensor, as in DTensor.
 """
+
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,14 @@ def last_stats() -> CommStats:
     return _LAST[0]
 
 
-def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement], *,
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, check: bool = True) -> DTensor | None:
+def redistribute(
+    t: DTensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    check: bool = True,
+) -> DTensor | None:
     """Move ``t`` to ``placements`` on ``mesh``.
 
     Returns a DTensor on ``mesh`` (ranks outside ``mesh`` get ``None``). Collective over the world:
@@ -42,17 +49,23 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement], 
     on every rank first and raises ``ValueError`` naming the differing layouts instead of hanging.
     """
     if not isinstance(t, DTensor):
-        raise ValueError(f"redistribute moves DTensors; got a {type(t).__name__} (wrap a local shard "
-                         f"with reshard.wrap_local or distribute it first)")
+        raise ValueError(
+            f"redistribute moves DTensors; got a {type(t).__name__} (wrap a local shard "
+            f"with reshard.wrap_local or distribute it first)"
+        )
     [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=check)
     _LAST[0] = stats
     return out if mesh.get_coordinate() is not None else None
 
 
-def redistribute_module(module: nn.Module,
-                        plan: Mapping[str, Target] | Callable[[str, DTensor], Target | None], *,
-                        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-                        async_op: bool = False, check: bool = True) -> CommStats | "MoveHandle":
+def redistribute_module(
+    module: nn.Module,
+    plan: Mapping[str, Target] | Callable[[str, DTensor], Target | None],
+    *,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    async_op: bool = False,
+    check: bool = True,
+) -> CommStats | MoveHandle:
     """Move a module's DTensor parameters and buffers in place, all in one coalesced transfer.
 
     ``plan`` maps fully qualified names to ``(mesh, placements)``, or is a callable returning that
@@ -90,8 +103,7 @@ class MoveHandle:
 
     def __init__(self, module, names, tensors, targets, bucket_bytes, group) -> None:
         self._module, self._names = module, names
-        self._job = Background(lambda: _move(tensors, targets, bucket_bytes, group), "reshard-move",
-                               "background move")
+        self._job = Background(lambda: _move(tensors, targets, bucket_bytes, group), "reshard-move", "background move")
 
     def done(self) -> bool:
         return self._job.done()
@@ -128,8 +140,9 @@ def _select(module: nn.Module, plan) -> tuple[list[str], list[DTensor], list[Tar
     return names, tensors, targets
 
 
-def _move(tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, group=None, *,
-          check: bool = True) -> tuple[list[DTensor], CommStats]:
+def _move(
+    tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, group=None, *, check: bool = True
+) -> tuple[list[DTensor], CommStats]:
     rank = dist.get_rank()
     plans, srcs = [], []
     for t, target in zip(tensors, targets):
@@ -177,10 +190,15 @@ def check_agreement(plans: Sequence[Plan], group=None) -> None:
     dist.all_gather_object(everyone, described, group=group)
     other = next(r for r in range(world) if everyone[r] != everyone[0])
     first = next((i for i, (a, b) in enumerate(zip(everyone[0], everyone[other])) if a != b), None)
-    detail = (f"{len(everyone[0])} vs {len(everyone[other])} tensors" if first is None else
-              f"tensor {first}: {everyone[0][first]} vs {everyone[other][first]}")
-    raise ValueError(f"ranks called the move with different arguments (rank 0 vs rank {other}, {detail}); "
-                     f"every rank must pass the same tensors, meshes and placements")
+    detail = (
+        f"{len(everyone[0])} vs {len(everyone[other])} tensors"
+        if first is None
+        else f"tensor {first}: {everyone[0][first]} vs {everyone[other][first]}"
+    )
+    raise ValueError(
+        f"ranks called the move with different arguments (rank 0 vs rank {other}, {detail}); "
+        f"every rank must pass the same tensors, meshes and placements"
+    )
 
 
 def assign_tensor(module: nn.Module, name: str, value: DTensor) -> None:

@@ -1,8 +1,10 @@
 """One call on a background thread, its result or error handed to the caller's thread."""
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Background:

@@ -7,12 +7,13 @@ receives of the round as one batch of P2P ops, then unpacks. Only ranks that hol
 part. A round's buffers on any rank (sent + received bytes) stay within ``bucket_bytes``; a piece
 larger than that is cut into chunks.
 """
+
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,17 +66,17 @@ def _items(plans: Sequence[Plan], bucket_bytes: int | None) -> list[_Item]:
     for i, plan in enumerate(plans):
         limit = None if bucket_bytes is None else bucket_bytes // plan.itemsize
         if limit is not None and limit < 1:
-            raise ValueError(f"bucket_bytes ({bucket_bytes}) is smaller than the minimum chunk: one "
-                             f"element of {plan.src.dtype} ({plan.itemsize} bytes)")
+            raise ValueError(
+                f"bucket_bytes ({bucket_bytes}) is smaller than the minimum chunk: one "
+                f"element of {plan.src.dtype} ({plan.itemsize} bytes)"
+            )
         for piece in plan.pieces:
             chunks = [piece.box] if piece.local or limit is None else split_box(piece.box, limit)
-            out += [_Item(len(out) + j, i, piece, c, box_numel(c) * plan.itemsize)
-                    for j, c in enumerate(chunks)]
+            out += [_Item(len(out) + j, i, piece, c, box_numel(c) * plan.itemsize) for j, c in enumerate(chunks)]
     return out
 
 
-def assign_rounds(items: list[_Item], plans: Sequence[Plan], bucket_bytes: int | None
-                  ) -> list[list[_Item]]:
+def assign_rounds(items: list[_Item], plans: Sequence[Plan], bucket_bytes: int | None) -> list[list[_Item]]:
     """First-fit rounds: per round, each rank's sent + received bytes <= ``bucket_bytes``.
 
     Items of a Partial plan never go to an earlier round than the previous item for the same
@@ -89,8 +90,12 @@ def assign_rounds(items: list[_Item], plans: Sequence[Plan], bucket_bytes: int |
         cost = 0 if p.local else item.nbytes
         start = floor[(item.plan, p.dst)] if plans[item.plan].reduce_op else 0
         k = start
-        while k < len(rounds) and bucket_bytes is not None and cost and (
-                usage[k].get(p.src, 0) + cost > bucket_bytes or usage[k].get(p.dst, 0) + cost > bucket_bytes):
+        while (
+            k < len(rounds)
+            and bucket_bytes is not None
+            and cost
+            and (usage[k].get(p.src, 0) + cost > bucket_bytes or usage[k].get(p.dst, 0) + cost > bucket_bytes)
+        ):
             k += 1
         if k == len(rounds):
             rounds.append([])
@@ -112,8 +117,9 @@ def _check_world(plans: Sequence[Plan]) -> None:
         for layout in (plan.src, plan.dst):
             bad = [r for r in layout.all_ranks if not 0 <= r < world]
             if bad:
-                raise ValueError(f"mesh names ranks {bad} outside the world of {world} ranks "
-                                 f"(mesh {list(layout.ranks)})")
+                raise ValueError(
+                    f"mesh names ranks {bad} outside the world of {world} ranks (mesh {list(layout.ranks)})"
+                )
 
 
 @dataclass(frozen=True)
@@ -126,15 +132,20 @@ class Schedule:
     rounds: tuple[tuple[_Item, ...], ...]
 
     @staticmethod
-    def of(plans: Sequence[Plan], bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> "Schedule":
+    def of(plans: Sequence[Plan], bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> Schedule:
         rounds = assign_rounds(_items(plans, bucket_bytes), plans, bucket_bytes)
         return Schedule(tuple(plans), bucket_bytes, tuple(tuple(r) for r in rounds))
 
 
-def execute(plans: Sequence[Plan] | Schedule, src_locals: Sequence[torch.Tensor | None], *,
-            bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu",
-            group: dist.ProcessGroup | None = None,
-            out: Sequence[torch.Tensor | None] | None = None) -> tuple[list[torch.Tensor | None], CommStats]:
+def execute(
+    plans: Sequence[Plan] | Schedule,
+    src_locals: Sequence[torch.Tensor | None],
+    *,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    device: torch.device | str = "cpu",
+    group: dist.ProcessGroup | None = None,
+    out: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[list[torch.Tensor | None], CommStats]:
     """Run ``plans`` together; returns this rank's destination shards (``None`` off the mesh).
 
     ``out``: this rank's destination shards to write in place (``None`` off the mesh), e.g. a
@@ -150,10 +161,13 @@ def execute(plans: Sequence[Plan] | Schedule, src_locals: Sequence[torch.Tensor 
         views, outs = set(), _check_out(plans, out, rank)
     else:
         views = {i for i, plan in enumerate(plans) if _held_whole(plan, rank)}
-        outs = [_src_slice(plan, src_locals[i], rank) if i in views else _alloc(plan, rank, device)
-                for i, plan in enumerate(plans)]
-    stats = CommStats(planned_bytes=sum(p.bytes_moved for p in plans),
-                      lower_bound_bytes=sum(p.lower_bound_bytes for p in plans))
+        outs = [
+            _src_slice(plan, src_locals[i], rank) if i in views else _alloc(plan, rank, device)
+            for i, plan in enumerate(plans)
+        ]
+    stats = CommStats(
+        planned_bytes=sum(p.bytes_moved for p in plans), lower_bound_bytes=sum(p.lower_bound_bytes for p in plans)
+    )
     for round_items in schedule.rounds:
         mine = [it for it in round_items if rank in (it.piece.src, it.piece.dst)]
         if mine:
@@ -171,8 +185,9 @@ def _check_out(plans: Sequence[Plan], out: Sequence[torch.Tensor | None], rank: 
     assert len(out) == len(plans), f"{len(out)} destination tensors for {len(plans)} plans"
     for plan, o in zip(plans, out):
         shape = plan.dst.local_shape(rank)
-        assert (o is None) == (shape is None) and (o is None or tuple(o.shape) == shape), \
+        assert (o is None) == (shape is None) and (o is None or tuple(o.shape) == shape), (
             f"destination shard {None if o is None else tuple(o.shape)} != planned {shape}"
+        )
         if o is not None and plan.reduce_op:
             o.zero_()
     return list(out)
@@ -181,8 +196,7 @@ def _check_out(plans: Sequence[Plan], out: Sequence[torch.Tensor | None], rank: 
 def _held_whole(plan: Plan, rank: int) -> bool:
     """This rank already holds its whole destination box (one local piece, nothing to reduce)."""
     mine = [p for p in plan.pieces if p.dst == rank]
-    return (not plan.reduce_op and len(mine) == 1 and mine[0].local
-            and mine[0].box == plan.dst.box(rank))
+    return not plan.reduce_op and len(mine) == 1 and mine[0].local and mine[0].box == plan.dst.box(rank)
 
 
 def _src_slice(plan: Plan, src_local: torch.Tensor, rank: int) -> torch.Tensor:
@@ -198,8 +212,9 @@ def _alloc(plan: Plan, rank: int, device) -> torch.Tensor | None:
     return make(shape, dtype=plan.dst.dtype, device=device)
 
 
-def _run_round(items: list[_Item], plans, src_locals, outs, rank: int, stats: CommStats,
-               group, views: set[int]) -> None:
+def _run_round(
+    items: list[_Item], plans, src_locals, outs, rank: int, stats: CommStats, group, views: set[int]
+) -> None:
     sends, recvs = defaultdict(list), defaultdict(list)
     for it in items:
         if not it.piece.local:
@@ -207,9 +222,12 @@ def _run_round(items: list[_Item], plans, src_locals, outs, rank: int, stats: Co
     send_bufs = {peer: _send_buffer(its, plans, src_locals, rank) for peer, its in sends.items()}
     direct = {peer: _direct_target(its, plans, outs, rank, views) for peer, its in recvs.items()}
     direct = {peer: t for peer, t in direct.items() if t is not None}
-    recv_bufs = {peer: direct.get(peer) if peer in direct else
-                 torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8, device=_device_of(outs))
-                 for peer, its in recvs.items()}
+    recv_bufs = {
+        peer: direct.get(peer)
+        if peer in direct
+        else torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8, device=_device_of(outs))
+        for peer, its in recvs.items()
+    }
     ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in send_bufs.items()]
     ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf in recv_bufs.items()]
     works = dist.batch_isend_irecv(ops) if ops else []
@@ -273,21 +291,21 @@ def _offsets(items: list[_Item], plans) -> dict[int, int]:
 def _typed(buf: torch.Tensor, offset: int, it: _Item, plans) -> torch.Tensor:
     """The chunk's bytes in ``buf`` as a tensor of its dtype and box shape (a view)."""
     shape = tuple(hi - lo for lo, hi in it.box)
-    return buf[offset:offset + it.nbytes].view(plans[it.plan].dst.dtype).view(shape)
+    return buf[offset : offset + it.nbytes].view(plans[it.plan].dst.dtype).view(shape)
 
 
 def _pack(items: list[_Item], plans, src_locals, rank: int) -> torch.Tensor:
     """One contiguous byte buffer of every chunk for one peer; chunks are copied straight in."""
     offsets = _offsets(items, plans)
-    buf = torch.empty(sum(it.nbytes for it in items), dtype=torch.uint8,
-                      device=src_locals[items[0].plan].device)
+    buf = torch.empty(sum(it.nbytes for it in items), dtype=torch.uint8, device=src_locals[items[0].plan].device)
     for it in items:
         _typed(buf, offsets[it.order], it, plans).copy_(_src_view(it, plans, src_locals, rank))
     return buf
 
 
-def _unpack(items: list[_Item], plans, src_locals, outs, recv_bufs, rank: int,
-            stats: CommStats, views: set[int]) -> None:
+def _unpack(
+    items: list[_Item], plans, src_locals, outs, recv_bufs, rank: int, stats: CommStats, views: set[int]
+) -> None:
     """Write received chunks and local copies into destination shards, in canonical order."""
     by_peer = defaultdict(list)
     for it in items:

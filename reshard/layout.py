@@ -3,10 +3,11 @@
 A :class:`Layout` is a pure description (rank grid + placements + global shape + dtype); it needs no
 process group, so transfer plans computed from layouts can be tested without processes.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,22 +39,19 @@ class Layout:
     def __post_init__(self) -> None:
         grid = torch.tensor(self.ranks)
         if grid.dim() != len(self.placements):
-            raise ValueError(
-                f"mesh has {grid.dim()} axes but {len(self.placements)} placements were given"
-            )
+            raise ValueError(f"mesh has {grid.dim()} axes but {len(self.placements)} placements were given")
         for p in self.placements:
             if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
                 raise ValueError(f"{p!r} is out of range for a tensor of shape {self.shape}")
 
     @staticmethod
-    def of(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
-           dtype: torch.dtype) -> "Layout":
+    def of(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int], dtype: torch.dtype) -> Layout:
         """Layout of a tensor of global ``shape`` placed on ``mesh``."""
         placements = tuple(_normalize(p, tuple(shape)) for p in placements)
         return Layout(nested_tuple(mesh.mesh.tolist()), placements, tuple(shape), dtype)
 
     @staticmethod
-    def of_dtensor(t: DTensor) -> "Layout":
+    def of_dtensor(t: DTensor) -> Layout:
         return Layout.of(t.device_mesh, t.placements, t.shape, t.dtype)
 
     @property

@@ -1,4 +1,5 @@
 """Device meshes, created once per process group: the one mesh cache of the project."""
+
 from __future__ import annotations
 
 import torch

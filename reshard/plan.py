@@ -7,6 +7,7 @@ the destination already holds is a local copy; otherwise one holder sends it, ch
 sending load. ``Partial`` sources hold one *contribution* per partial coordinate; every
 contribution is moved and the receiver reduces them.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict

@@ -1,4 +1,5 @@
 """Shared-memory files: created without a name, mapped by every rank, gone when the last mapping goes."""
+
 from __future__ import annotations
 
 import os

@@ -16,11 +16,12 @@ ranks, broadcast to destination ranks outside the source mesh, then sliced) and 
 (every parameter gathered whole on the source ranks, as ZeRO-3's ``GatheredParameters`` does,
 then broadcast from the first source rank to every destination rank, as OpenRLHF does).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,10 @@ class WeightVersion:
     def check_ready(self) -> None:
         """``RuntimeError`` while a sync is being applied (or one failed half-way)."""
         if self.pending is not None:
-            raise RuntimeError(f"the weights are half-synced: step {self.pending} is being written over "
-                               f"step {self.step}; wait for the sync (or re-run a failed one) before generating")
+            raise RuntimeError(
+                f"the weights are half-synced: step {self.pending} is being written over "
+                f"step {self.step}; wait for the sync (or re-run a failed one) before generating"
+            )
 
 
 def weight_version(model: torch.nn.Module) -> WeightVersion:
@@ -84,9 +87,16 @@ class WeightSync:
     A name, shape or dtype mismatch is a ``ValueError`` on every rank, before anything moves.
     """
 
-    def __init__(self, src: Mapping[str, torch.Tensor] | None, dst: Mapping[str, torch.Tensor] | None, *,
-                 version: WeightVersion | None = None, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-                 method: str = "planned", allow_unused: bool = False) -> None:
+    def __init__(
+        self,
+        src: Mapping[str, torch.Tensor] | None,
+        dst: Mapping[str, torch.Tensor] | None,
+        *,
+        version: WeightVersion | None = None,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+        method: str = "planned",
+        allow_unused: bool = False,
+    ) -> None:
         if method not in SYNC_METHODS:
             raise ValueError(f"weight sync method must be one of {SYNC_METHODS}, got {method!r}")
         self.src, self.dst = dict(src or {}), dict(dst or {})
@@ -107,7 +117,7 @@ class WeightSync:
         self._check_step(step, None)
         return self._apply(step, None)
 
-    def start(self, step: int) -> "SyncHandle":
+    def start(self, step: int) -> SyncHandle:
         """:meth:`sync` on a background thread over its own process group. The source tensors
         must not change until :meth:`SyncHandle.wait` returns (a forward and backward may run,
         an optimizer step may not); the destination refuses to generate until then."""
@@ -142,7 +152,9 @@ class WeightSync:
         values = [int(s) for s in steps]
         if len(set(values)) > 1:
             other = next(r for r, v in enumerate(values) if v != values[0])
-            raise ValueError(f"ranks sync different steps: rank 0 step {values[0]} vs rank {other} step {values[other]}")
+            raise ValueError(
+                f"ranks sync different steps: rank 0 step {values[0]} vs rank {other} step {values[other]}"
+            )
 
 
 class SyncHandle:
@@ -152,8 +164,9 @@ class SyncHandle:
         self.step = step
         if sync.version is not None:
             sync.version.pending = step  # refuse to generate from the moment the sync is started
-        self._job = Background(lambda: sync._apply(step, sync._background), "reshard-sync",
-                               f"weight sync of step {step}")
+        self._job = Background(
+            lambda: sync._apply(step, sync._background), "reshard-sync", f"weight sync of step {step}"
+        )
 
     def done(self) -> bool:
         return self._job.done()
@@ -166,16 +179,19 @@ class SyncHandle:
 def _layouts(tensors: Mapping[str, torch.Tensor]) -> dict[str, Layout]:
     """Each tensor's layout; a plain tensor is a whole copy on this rank."""
     rank = dist.get_rank()
-    return {name: Layout.of_dtensor(t) if isinstance(t, DTensor)
-            else Layout((rank,), (Replicate(),), tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    return {
+        name: Layout.of_dtensor(t)
+        if isinstance(t, DTensor)
+        else Layout((rank,), (Replicate(),), tuple(t.shape), t.dtype)
+        for name, t in tensors.items()
+    }
 
 
 def _exchange(src: dict[str, Layout], dst: dict[str, Layout]) -> tuple[dict[str, Layout], dict[str, Layout]]:
     """Every rank's layouts, merged: the same on every rank afterwards."""
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (dist.get_rank(), src, dst))
-    return (merge_layouts([(r, s) for r, s, _ in everyone]),
-            merge_layouts([(r, d) for r, _, d in everyone]))
+    return (merge_layouts([(r, s) for r, s, _ in everyone]), merge_layouts([(r, d) for r, _, d in everyone]))
 
 
 def merge_layouts(reports: list[tuple[int, dict[str, Layout]]]) -> dict[str, Layout]:
@@ -199,14 +215,18 @@ def _stack_replicas(name: str, layouts: list[Layout]) -> Layout:
     first = layouts[0]
     for other in layouts[1:]:
         if (other.shape, other.dtype) != (first.shape, first.dtype):
-            raise ValueError(f"{name!r} is {list(first.shape)} {first.dtype} on ranks {first.all_ranks} but "
-                             f"{list(other.shape)} {other.dtype} on ranks {other.all_ranks}")
+            raise ValueError(
+                f"{name!r} is {list(first.shape)} {first.dtype} on ranks {first.all_ranks} but "
+                f"{list(other.shape)} {other.dtype} on ranks {other.all_ranks}"
+            )
         if (other.placements, other.grid.shape) != (first.placements, first.grid.shape):
-            raise ValueError(f"{name!r} has placements {first.placements} on ranks {first.all_ranks} but "
-                             f"{other.placements} on ranks {other.all_ranks}; replicas must share a layout")
+            raise ValueError(
+                f"{name!r} has placements {first.placements} on ranks {first.all_ranks} but "
+                f"{other.placements} on ranks {other.all_ranks}; replicas must share a layout"
+            )
     grid = torch.stack([layout.grid for layout in layouts])
     if len(set(grid.flatten().tolist())) != grid.numel():
-        raise ValueError(f"{name!r} is held in overlapping layouts {[l.all_ranks for l in layouts]}")
+        raise ValueError(f"{name!r} is held in overlapping layouts {[lay.all_ranks for lay in layouts]}")
     return Layout(nested_tuple(grid.tolist()), (Replicate(),) + first.placements, first.shape, first.dtype)
 
 
@@ -220,17 +240,23 @@ def match_layouts(src: dict[str, Layout], dst: dict[str, Layout], allow_unused: 
             continue
         s, d = src[name], dst[key]
         if (s.shape, s.dtype) != (d.shape, d.dtype):
-            raise ValueError(f"parameter {key!r}: the source holds {list(s.shape)} {s.dtype} but the "
-                             f"destination {list(d.shape)} {d.dtype}")
+            raise ValueError(
+                f"parameter {key!r}: the source holds {list(s.shape)} {s.dtype} but the "
+                f"destination {list(d.shape)} {d.dtype}"
+            )
         used.add(name)
         entries.append(SyncEntry(key, name, s, d))
     if missing:
-        raise ValueError(f"{len(missing)} destination tensors have no source tensor of the same name: "
-                         f"{missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        raise ValueError(
+            f"{len(missing)} destination tensors have no source tensor of the same name: "
+            f"{missing[:6]}{' ...' if len(missing) > 6 else ''}"
+        )
     unused = sorted(set(src) - used)
     if unused and not allow_unused:
-        raise ValueError(f"{len(unused)} source tensors are not copied to the destination: {unused[:6]}"
-                         f"{' ...' if len(unused) > 6 else ''} (pass allow_unused=True to sync anyway)")
+        raise ValueError(
+            f"{len(unused)} source tensors are not copied to the destination: {unused[:6]}"
+            f"{' ...' if len(unused) > 6 else ''} (pass allow_unused=True to sync anyway)"
+        )
     return entries
 
 

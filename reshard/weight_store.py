@@ -5,11 +5,12 @@ it needs for the new layout out of one machine-wide copy of the full tensors. Th
 shared-memory file mapped by every rank; each full tensor is filled collectively, every box by
 exactly one of the ranks that hold it (:meth:`SharedWeightStore.write`).
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,8 +23,7 @@ _ALIGN = 64
 class SharedWeightStore:
     """Full tensors ``{name: (shape, dtype)}`` at aligned offsets of one shared-memory file."""
 
-    def __init__(self, entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 path: str | os.PathLike) -> None:
+    def __init__(self, entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike) -> None:
         self.path, self.entries = Path(path), dict(entries)
         self.offsets, total = {}, 0
         for name, (shape, dtype) in self.entries.items():
@@ -34,7 +34,7 @@ class SharedWeightStore:
         self.bytes_read = 0
 
     @staticmethod
-    def for_module(module: torch.nn.Module, path: str | os.PathLike) -> "SharedWeightStore":
+    def for_module(module: torch.nn.Module, path: str | os.PathLike) -> SharedWeightStore:
         entries = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
         return SharedWeightStore(entries, path)
 
@@ -42,7 +42,7 @@ class SharedWeightStore:
         """The stored full tensor (a view into shared memory)."""
         shape, dtype = self.entries[name]
         start = self.offsets[name]
-        return self._pool[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
+        return self._pool[start : start + _nbytes(shape, dtype)].view(dtype).view(shape)
 
     def write(self, name: str, t: DTensor, rank: int) -> int:
         """Store this rank's box of ``t`` if this rank is the lowest holder of it; returns bytes written."""

@@ -17,8 +17,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {f: str(make_tiny_checkpoint(f, root / f, seed=0)) for f in FAMILIES}
-    paths["llama-multi"] = str(make_tiny_checkpoint("llama", root / "llama-multi", seed=0,
-                                                    max_shard_size="100KB"))
+    paths["llama-multi"] = str(make_tiny_checkpoint("llama", root / "llama-multi", seed=0, max_shard_size="100KB"))
     return paths
 
 
@@ -46,9 +45,13 @@ def hf_reference():
         outs = []
         for p in prompts:
             with torch.no_grad():
-                seq = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
-                                     do_sample=False, attention_mask=torch.ones(1, len(p), dtype=torch.long))
-            outs.append(seq[0, len(p):].tolist())
+                seq = model.generate(
+                    torch.tensor([p]),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                )
+            outs.append(seq[0, len(p) :].tolist())
         return outs
 
     return generate

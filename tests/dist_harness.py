@@ -8,9 +8,11 @@ collective) raises ``TimeoutError``. After a timeout or any failure other than a
 the failing ranks, the pool is killed and the next job gets a fresh one, so one broken test never
 poisons the next.
 """
+
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import queue
@@ -34,8 +36,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     while True:
@@ -45,7 +48,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         fn, args, kwargs = job
         try:
             results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - report everything to the parent
+        except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 
@@ -58,8 +61,10 @@ class WorkerPool:
         self.results = ctx.Queue()
         self.healthy = True
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -75,26 +80,27 @@ class WorkerPool:
                 errors[rank] = value
         if errors:
             self.healthy = all(_last_line(tb).startswith("ValueError") for tb in errors.values())
-            raise RuntimeError(f"{fn.__name__} failed on ranks {sorted(errors)}:\n"
-                               + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+            raise RuntimeError(
+                f"{fn.__name__} failed on ranks {sorted(errors)}:\n"
+                + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            )
         return out
 
     def _next(self, timeout: float, fn):
         try:
             return self.results.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"{fn.__name__} did not finish on {self.world_size} ranks "
-                               f"within {timeout:.0f} s (hung collective?)") from None
+            raise TimeoutError(
+                f"{fn.__name__} did not finish on {self.world_size} ranks within {timeout:.0f} s (hung collective?)"
+            ) from None
 
     def alive(self) -> bool:
         return self.healthy and all(p.is_alive() for p in self.procs)
 
     def shutdown(self) -> None:
         for q in self.tasks:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 q.put(None)
-            except (OSError, ValueError):
-                pass
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -119,7 +125,7 @@ def run(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> l
 
 
 def _last_line(tb: str) -> str:
-    lines = [l for l in tb.strip().splitlines() if l.strip()]
+    lines = [line for line in tb.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
 

@@ -1,5 +1,6 @@
 """The cost model and planner (issue 15): profiles cite sources, the papers' qualitative results
 come out, the recipe writes its outputs, bad inputs are named, calibration gives sane numbers."""
+
 from __future__ import annotations
 
 import ast
@@ -52,17 +53,34 @@ def test_every_profile_number_cites_a_source():
 
 
 def _numeric(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)
-               for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)
+        for n in ast.walk(node)
+    )
 
 
 def test_hf_config_path_loads(tmp_path):
-    cfg = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
-           "intermediate_size": 688, "vocab_size": 4096, "torch_dtype": "float32", "tie_word_embeddings": True}
+    cfg = {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 688,
+        "vocab_size": 4096,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": True,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for name in (str(tmp_path), str(tmp_path / "config.json")):
         m = model(name)
-        assert (m.layers, m.hidden, m.kv_heads, m.head_dim, m.dtype_bytes, m.tied_embeddings) == (4, 256, 4, 32, 4, True)
+        assert (m.layers, m.hidden, m.kv_heads, m.head_dim, m.dtype_bytes, m.tied_embeddings) == (
+            4,
+            256,
+            4,
+            32,
+            4,
+            True,
+        )
     assert cost.model_bytes(MODELS["llama2-70b"]) / 1e9 == pytest.approx(138, rel=0.02)  # 69B params in fp16
 
 
@@ -85,30 +103,37 @@ def test_infeasible_layouts_are_excluded():
     names = {e.name for e in cost.rank_layouts(m, a10, 8, w)}
     assert names and not any("D" in n for n in names)  # 140 GB of weights: no room for replicas
     from reshard.recipes.plan import make_plan
+
     with pytest.raises(ValueError, match=r"no layout of 1 x a10 fits model 'llama2-70b'"):
         make_plan(_compose(["model=llama2-70b", "num_gpus=1"]))
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: hardware("tpu"), "unknown hardware 'tpu'"),
-    (lambda: model("gpt-5"), "unknown model 'gpt-5'"),
-    (lambda: workload("alpaca"), "unknown workload 'alpaca'"),
-    (lambda: workload("constant", input_len=0), "input_len must be >= 1, got 0"),
-    (lambda: cost.check_gpus(3), "num_gpus must be a power of two >= 1, got 3"),
-    (lambda: cost.check_gpus(0), "num_gpus must be a power of two >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: hardware("tpu"), "unknown hardware 'tpu'"),
+        (lambda: model("gpt-5"), "unknown model 'gpt-5'"),
+        (lambda: workload("alpaca"), "unknown workload 'alpaca'"),
+        (lambda: workload("constant", input_len=0), "input_len must be >= 1, got 0"),
+        (lambda: cost.check_gpus(3), "num_gpus must be a power of two >= 1, got 3"),
+        (lambda: cost.check_gpus(0), "num_gpus must be a power of two >= 1, got 0"),
+    ],
+)
 def test_bad_inputs_name_the_value(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
 
 
-@pytest.mark.parametrize("override, message", [
-    ("num_gpus=6", "num_gpus must be a power of two >= 1, got 6"),
-    ("num_gpus=-2", "num_gpus must be a power of two >= 1, got -2"),
-    ("num_gpus=four", "num_gpus must be int, got 'four'"),
-    ("+gpus=4", "unknown config keys ['gpus']"),
-    ("max_batch=0", "max_batch must be >= 1 or null, got 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("num_gpus=6", "num_gpus must be a power of two >= 1, got 6"),
+        ("num_gpus=-2", "num_gpus must be a power of two >= 1, got -2"),
+        ("num_gpus=four", "num_gpus must be int, got 'four'"),
+        ("+gpus=4", "unknown config keys ['gpus']"),
+        ("max_batch=0", "max_batch must be >= 1 or null, got 0"),
+    ],
+)
 def test_bad_plan_config_names_the_key(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _compose([override])
@@ -132,8 +157,9 @@ def test_seesaw_decode_prefers_tp_prefill_prefers_pp_dp_on_pcie(hw_name, model_n
 
 
 def test_seesaw_transition_bytes_are_the_movement_cores_lower_bound():
-    m = ModelShape("toy", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
-                   dtype_bytes=2)
+    m = ModelShape(
+        "toy", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256, dtype_bytes=2
+    )
     p2, t2 = ParallelConfig(pp=2), ParallelConfig(tp=2)
     assert cost.transition_bytes(m, t2, t2) == 0
     # P2 -> T2: each rank lacks half of the sharded weights of the other stage's layers, all of its
@@ -167,16 +193,20 @@ def test_sidp_b_star_separates_cas_from_was():
     assert cas < was
     from reshard.layers.owner_pool import CAS, WAS
     from reshard.parallel.strategies.sidp import choose_mode
+
     assert choose_mode(b * 2, None, b, 0.1) == WAS and choose_mode(b / 2, None, b, 0.1) == CAS
     assert cost.sidp_threshold(m, hardware("a10"), 8) > b  # a slower link needs bigger batches
 
 
-@pytest.mark.parametrize("model_name, hw_name, gpus, w", [
-    ("llama3-15b", "a10", 4, workload("arxiv")),
-    ("llama2-70b", "a100-80g", 8, workload("sharegpt")),
-    ("codellama-34b", "l4", 8, workload("constant", input_len=1, output_len=512)),
-    ("llama3-15b", "h100", 4, workload("constant", input_len=1, output_len=256)),
-])
+@pytest.mark.parametrize(
+    "model_name, hw_name, gpus, w",
+    [
+        ("llama3-15b", "a10", 4, workload("arxiv")),
+        ("llama2-70b", "a100-80g", 8, workload("sharegpt")),
+        ("codellama-34b", "l4", 8, workload("constant", input_len=1, output_len=512)),
+        ("llama3-15b", "h100", 4, workload("constant", input_len=1, output_len=256)),
+    ],
+)
 def test_dejavu_disaggregation_pays_only_when_inequality_5_holds(model_name, hw_name, gpus, w):
     d = cost.dejavu_plan(model(model_name), hardware(hw_name), gpus, w)
     D, Y, t, m = gpus, d["Y_ms"], d["t_ms"], d["m"]
@@ -221,6 +251,5 @@ def test_calibration_sweep_gives_positive_finite_numbers(tmp_path):
     assert all(math.isfinite(x) and x > 0 for x in numbers), hw
     assert cache_path(tmp_path).is_file()
     assert this_machine(cache_dir=tmp_path) == hw  # read back from the cache
-    est = cost.rank_layouts(model("llama3-15b"), hw, 2, workload("constant", input_len=64, output_len=16,
-                                                                      requests=8))
+    est = cost.rank_layouts(model("llama3-15b"), hw, 2, workload("constant", input_len=64, output_len=16, requests=8))
     assert est and all(math.isfinite(e.tokens_per_s) for e in est)

@@ -1,5 +1,6 @@
 """DejaVu disaggregation on the engine core: prompt ranks stream KV layer by layer to token
 ranks (re-sharded on the way); tokens equal single-process HF generate."""
+
 import pytest
 
 from tests import dist_harness
@@ -18,12 +19,15 @@ def _job(path, prompt, token, prompt_ranks, max_new):
     return [c.output_ids for c in out], strategy.summary(engine)
 
 
-@pytest.mark.parametrize("world,prompt,token,prompt_ranks", [
-    (2, {"tp": 1}, {"tp": 1}, 1),  # one prompt rank, one token rank
-    (4, {"tp": 2}, {"tp": 2}, 2),  # prompt on 2 ranks, tokens on 2 ranks (TP2 each)
-    (4, {"tp": 2}, {"pp": 2}, 2),  # prompt TP2 -> token pipeline 2: KV re-sharded by heads and layers
-    (4, {"pp": 2}, {"tp": 2}, 2),  # prompt pipeline 2 -> token TP2
-])
+@pytest.mark.parametrize(
+    "world,prompt,token,prompt_ranks",
+    [
+        (2, {"tp": 1}, {"tp": 1}, 1),  # one prompt rank, one token rank
+        (4, {"tp": 2}, {"tp": 2}, 2),  # prompt on 2 ranks, tokens on 2 ranks (TP2 each)
+        (4, {"tp": 2}, {"pp": 2}, 2),  # prompt TP2 -> token pipeline 2: KV re-sharded by heads and layers
+        (4, {"pp": 2}, {"tp": 2}, 2),  # prompt pipeline 2 -> token TP2
+    ],
+)
 def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, prompt, token, prompt_ranks):
     path = four_layer["llama"]
     results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, timeout=240)

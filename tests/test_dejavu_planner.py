@@ -1,4 +1,5 @@
 """DejaVu's Appendix D planner: formula (1), limits (2)/(3), inverse throughputs (4), inequality (5)."""
+
 import json
 import math
 
@@ -80,8 +81,9 @@ def test_rounding_tie_goes_to_token_side():
     assert (plan.D_p, plan.D_t) == (1, 2)
 
 
-@pytest.mark.parametrize("D,Y,t,N,m", [(2, 1, 100, 50, 1), (2, 100, 1, 1, 1.9), (64, 1, 1, 1000, 1.0),
-                                       (64, 1000, 1, 1, 1.0)])
+@pytest.mark.parametrize(
+    "D,Y,t,N,m", [(2, 1, 100, 50, 1), (2, 100, 1, 1, 1.9), (64, 1, 1, 1000, 1.0), (64, 1000, 1, 1, 1.0)]
+)
 def test_extremes_keep_one_machine_each(D, Y, t, N, m):
     plan = plan_disaggregation(D, Y, t, N, m)
     assert plan.D_p >= 1 and plan.D_t >= 1 and plan.D_p + plan.D_t == D
@@ -131,17 +133,20 @@ def test_memory_arguments_all_or_none():
         plan_disaggregation(8, 10, 1, 10, 1, L=40, M=80, W0=3)
 
 
-@pytest.mark.parametrize("D,Y,t,m,pays", [
-    (4, 10, 1, 1.0, True),    # threshold (D-1)/(D*(2-m)-1) = 3/3 = 1 < 10
-    (4, 1, 1, 1.0, False),    # Y/t = 1 is not > 1
-    (4, 4, 1, 1.5, True),     # threshold 3/(4*0.5-1) = 3 < 4: I_dis = 6+N < I_c = 9/4+4+N = 6.25+N
-    (4, 3, 1, 1.5, False),    # Y/t = 3 == threshold: I_dis = 4.5+N == I_c = 6/4+3+N
-    (10, 9.5, 1, 1.8, True),  # threshold 9/(10*0.2-1) = 9 < 9.5
-    (10, 8.5, 1, 1.8, False),
-    (4, 1000, 1, 1.9, False),  # D*(2-m)-1 = -0.6 <= 0: never pays
-    (2, 1000, 1, 1.6, False),  # m < 2 is not enough: D*(2-m)-1 = -0.2 (needs m < 2 - 1/D)
-    (8, 1000, 1, 2.0, False),  # m >= 2: never pays
-])
+@pytest.mark.parametrize(
+    "D,Y,t,m,pays",
+    [
+        (4, 10, 1, 1.0, True),  # threshold (D-1)/(D*(2-m)-1) = 3/3 = 1 < 10
+        (4, 1, 1, 1.0, False),  # Y/t = 1 is not > 1
+        (4, 4, 1, 1.5, True),  # threshold 3/(4*0.5-1) = 3 < 4: I_dis = 6+N < I_c = 9/4+4+N = 6.25+N
+        (4, 3, 1, 1.5, False),  # Y/t = 3 == threshold: I_dis = 4.5+N == I_c = 6/4+3+N
+        (10, 9.5, 1, 1.8, True),  # threshold 9/(10*0.2-1) = 9 < 9.5
+        (10, 8.5, 1, 1.8, False),
+        (4, 1000, 1, 1.9, False),  # D*(2-m)-1 = -0.6 <= 0: never pays
+        (2, 1000, 1, 1.6, False),  # m < 2 is not enough: D*(2-m)-1 = -0.2 (needs m < 2 - 1/D)
+        (8, 1000, 1, 2.0, False),  # m >= 2: never pays
+    ],
+)
 def test_pays_inequality_5(D, Y, t, m, pays):
     assert disaggregation_pays(D, Y, t, m) is pays
     assert plan_disaggregation(D, Y, t, 7, m).pays is pays
@@ -164,28 +169,34 @@ def test_as_dict_is_json():
     assert d["D_p"] == 2 and d["pays"] is True and set(d) == set(DejaVuPlan.__dataclass_fields__)
 
 
-@pytest.mark.parametrize("args,match", [
-    ((1, 10, 1, 10, 1), r"D \(machines\) must be an integer >= 2 to split, got 1"),
-    ((4.0, 10, 1, 10, 1), r"got 4\.0"),
-    ((True, 10, 1, 10, 1), r"got True"),
-    ((4, 0, 1, 10, 1), r"Y must be a positive finite number, got 0"),
-    ((4, 10, -1, 10, 1), r"t must be .* got -1"),
-    ((4, 10, 1, 0, 1), r"N must be .* got 0"),
-    ((4, 10, 1, math.inf, 1), r"N must be .* got inf"),
-    ((4, 10, 1, 10, 0.5), r"m \(prompt streaming overhead\) must be a finite number >= 1, got 0\.5"),
-    ((4, 10, 1, 10, math.nan), r"got nan"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((1, 10, 1, 10, 1), r"D \(machines\) must be an integer >= 2 to split, got 1"),
+        ((4.0, 10, 1, 10, 1), r"got 4\.0"),
+        ((True, 10, 1, 10, 1), r"got True"),
+        ((4, 0, 1, 10, 1), r"Y must be a positive finite number, got 0"),
+        ((4, 10, -1, 10, 1), r"t must be .* got -1"),
+        ((4, 10, 1, 0, 1), r"N must be .* got 0"),
+        ((4, 10, 1, math.inf, 1), r"N must be .* got inf"),
+        ((4, 10, 1, 10, 0.5), r"m \(prompt streaming overhead\) must be a finite number >= 1, got 0\.5"),
+        ((4, 10, 1, 10, math.nan), r"got nan"),
+    ],
+)
 def test_bad_workload(args, match):
     with pytest.raises(ValueError, match=match):
         plan_disaggregation(*args)
 
 
-@pytest.mark.parametrize("mem,match", [
-    (dict(L=0, M=80, W0=1, C0=1, K0=1), r"L \(layers\) must be a positive integer, got 0"),
-    (dict(L=4, M=0, W0=1, C0=1, K0=1), r"M \(GB per machine\) .* got 0"),
-    (dict(L=4, M=80, W0=-1, C0=1, K0=1), r"W0 \(GB per layer\) must be a finite number >= 0, got -1"),
-    (dict(L=4, M=80, W0=1, C0=1, K0=math.nan), r"K0 .* got nan"),
-])
+@pytest.mark.parametrize(
+    "mem,match",
+    [
+        (dict(L=0, M=80, W0=1, C0=1, K0=1), r"L \(layers\) must be a positive integer, got 0"),
+        (dict(L=4, M=0, W0=1, C0=1, K0=1), r"M \(GB per machine\) .* got 0"),
+        (dict(L=4, M=80, W0=-1, C0=1, K0=1), r"W0 \(GB per layer\) must be a finite number >= 0, got -1"),
+        (dict(L=4, M=80, W0=1, C0=1, K0=math.nan), r"K0 .* got nan"),
+    ],
+)
 def test_bad_memory(mem, match):
     with pytest.raises(ValueError, match=match):
         plan_disaggregation(8, 10, 1, 10, 1, **mem)

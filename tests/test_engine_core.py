@@ -1,4 +1,5 @@
 """The engine core's plug-in interface: a strategy written only against it, runner hooks."""
+
 from dataclasses import dataclass
 
 import pytest
@@ -102,8 +103,9 @@ def _hooked(path, prompts, zero_last_layer):
     runner.hooks.add("step_end", lambda phase, seqs: events.append(("end", phase, len(seqs))))
     runner.hooks.add("before_layer", lambda i, h, ctx: events.append(("before", i)))
     last = runner.layer_ids[-1]
-    runner.hooks.add("after_layer", lambda i, h, ctx: h * 0 if zero_last_layer and i == last else
-                     events.append(("after", i)))
+    runner.hooks.add(
+        "after_layer", lambda i, h, ctx: h * 0 if zero_last_layer and i == last else events.append(("after", i))
+    )
     requests = [Request(i, p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts)]
     tokens = [c.output_ids for c in engine.generate(requests)]
     return tokens, events, engine.stats.prefill_steps + engine.stats.decode_steps, runner.layer_ids
@@ -117,7 +119,7 @@ def test_layer_and_step_hooks_run_in_order_and_can_replace_hidden_states(checkpo
     begins = [n for n, e in enumerate(events) if e[0] == "begin"]
     assert len(begins) == steps
     for n in begins:
-        assert events[n + 1:n + 1 + len(per_step)] == per_step
+        assert events[n + 1 : n + 1 + len(per_step)] == per_step
         assert events[n + 1 + len(per_step)][0] == "end"
     zeroed, *_ = dist_harness.run(2, _hooked, path, prompts, True)[0]
     assert all(len(set(t)) == 1 for t in zeroed) and zeroed != tokens  # every hidden state zeroed
@@ -128,8 +130,10 @@ def _admission(path, prompts, budgets, admission):
     from reshard.parallel import Request, SamplingParams, parallelize
 
     engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=128, admission=admission)
-    requests = [Request(i, p, SamplingParams(max_new_tokens=n, stop_token_ids=()))
-                for i, (p, n) in enumerate(zip(prompts, budgets))]
+    requests = [
+        Request(i, p, SamplingParams(max_new_tokens=n, stop_token_ids=()))
+        for i, (p, n) in enumerate(zip(prompts, budgets))
+    ]
     return [c.output_ids for c in engine.generate(requests)], engine.stats.decode_steps
 
 

@@ -1,4 +1,7 @@
 """Whole-model parity: our engine on 1/2/4 gloo ranks against single-process HF ``generate``."""
+
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,10 +77,9 @@ def test_prefill_logits_close_to_hf(checkpoints, family, world):
 
 def test_multi_file_checkpoint_matches(checkpoints, hf_reference):
     import json
-    import os
 
     path = checkpoints["llama-multi"]
-    files = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"].values()
+    files = json.loads(Path(path, "model.safetensors.index.json").read_text())["weight_map"].values()
     assert len(set(files)) > 1
     prompts = _prompts(3)
     tokens, _ = dist_harness.run(2, _generate, path, prompts, MAX_NEW)[0]
@@ -107,5 +109,6 @@ def test_compiled_decode_matches_eager(checkpoints):
     path, prompts = checkpoints["llama"], _prompts(5)
     eager, _ = dist_harness.run(2, _generate, path, prompts, MAX_NEW, max_batch=4)[0]
     compiled, _ = _all_ranks_equal(
-        dist_harness.run(2, _generate, path, prompts, MAX_NEW, max_batch=4, compile=True, timeout=400))
+        dist_harness.run(2, _generate, path, prompts, MAX_NEW, max_batch=4, compile=True, timeout=400)
+    )
     assert compiled == eager

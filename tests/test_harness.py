@@ -1,4 +1,5 @@
 """The test harness itself: a hung collective fails fast and the next job gets a working pool."""
+
 import pytest
 
 from tests import dist_harness
@@ -26,6 +27,6 @@ def test_hung_collective_times_out_and_pool_recovers():
 
 
 def test_pools_are_reused():
-    first = dist_harness._POOLS.get(2) or dist_harness.run(2, _ranks) and dist_harness._POOLS[2]
+    first = dist_harness._POOLS.get(2) or (dist_harness.run(2, _ranks) and dist_harness._POOLS[2])
     dist_harness.run(2, _ranks)
     assert dist_harness._POOLS[2] is first

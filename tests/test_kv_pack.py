@@ -1,4 +1,5 @@
 """pack_kv / unpack_kv: torch path against a per-token reference, Triton (interpreter) against torch."""
+
 import os
 import subprocess
 import sys
@@ -12,11 +13,11 @@ from reshard.kv.pack import pack_kv, unpack_kv
 
 # (num_blocks, num_heads, block_size, head_dim, heads, tokens)
 CASES = [
-    (6, 2, 4, 8, (0, 2), (0, 24)),    # every token of every block
-    (9, 4, 4, 8, (1, 3), (3, 17)),    # starts and ends mid-block, head sub-range
-    (9, 4, 4, 8, (2, 3), (5, 7)),     # inside one block
-    (9, 3, 8, 16, (0, 3), (8, 16)),   # exactly one whole block, not the first
-    (12, 5, 1, 4, (4, 5), (2, 11)),   # block_size 1
+    (6, 2, 4, 8, (0, 2), (0, 24)),  # every token of every block
+    (9, 4, 4, 8, (1, 3), (3, 17)),  # starts and ends mid-block, head sub-range
+    (9, 4, 4, 8, (2, 3), (5, 7)),  # inside one block
+    (9, 3, 8, 16, (0, 3), (8, 16)),  # exactly one whole block, not the first
+    (12, 5, 1, 4, (4, 5), (2, 11)),  # block_size 1
     (5, 2, 16, 2, (0, 1), (15, 33)),  # one token of the first block, one of the last
 ]
 
@@ -24,8 +25,9 @@ CASES = [
 def reference_pack(cache: torch.Tensor, blocks: torch.Tensor, heads, tokens) -> torch.Tensor:
     """(nh, nt, head_dim), one token at a time."""
     bs = cache.shape[2]
-    return torch.stack([torch.stack([cache[blocks[t // bs], h, t % bs] for t in range(*tokens)])
-                        for h in range(*heads)])
+    return torch.stack(
+        [torch.stack([cache[blocks[t // bs], h, t % bs] for t in range(*tokens)]) for h in range(*heads)]
+    )
 
 
 def make(num_blocks, num_heads, block_size, head_dim, tokens, dtype, seed=0):
@@ -59,8 +61,10 @@ def test_round_trip_bitwise(nb, nh, bs, hd, heads, tokens, dtype):
     for i, h in enumerate(range(*heads)):
         for j, t in enumerate(range(*tokens)):
             expected[blocks[t // bs], h, t % bs] = packed[i, j]
-    assert torch.equal(fresh.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(
+        fresh.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
 
 
 def test_out_buffer_is_filled_and_returned():
@@ -91,21 +95,28 @@ def test_int32_block_table_and_empty_regions():
     assert torch.equal(cache, before)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(heads=(1, 5)), r"heads \(1, 5\) must satisfy 0 <= h0 <= h1 <= num_heads \(4\)"),
-    (dict(heads=(3, 2)), r"heads \(3, 2\)"),
-    (dict(tokens=(5, 3)), r"tokens \(5, 3\) must satisfy 0 <= t0 <= t1"),
-    (dict(tokens=(3, 21)), r"tokens \(3, 21\) span 6 blocks of 4 but the block table has 5"),
-    (dict(blocks=torch.tensor([0, 1, 9, 2, 3])), r"block ids \[0, 1, 9, 2, 3\] .* must lie in \[0, 9\)"),
-    (dict(blocks=torch.tensor([0., 1., 2., 3., 4.])),
-     r"1-D int64/int32 block table, got shape \(5,\) dtype torch.float32"),
-    (dict(cache=torch.zeros(9, 4, 32)),
-     r"cache must be \(num_blocks, num_heads, block_size, head_dim\), got shape \(9, 4, 32\)"),
-    (dict(out=torch.zeros(2, 14, 7)), r"out must be \(2, 14, 8\) torch.float32 on cpu, got \(2, 14, 7\)"),
-    (dict(out=torch.zeros(2, 14, 8, dtype=torch.bfloat16)), r"got \(2, 14, 8\) torch.bfloat16"),
-    (dict(out=torch.zeros(14, 2, 8).transpose(0, 1)), r"out must be contiguous"),
-    (dict(backend="cuda"), r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(heads=(1, 5)), r"heads \(1, 5\) must satisfy 0 <= h0 <= h1 <= num_heads \(4\)"),
+        (dict(heads=(3, 2)), r"heads \(3, 2\)"),
+        (dict(tokens=(5, 3)), r"tokens \(5, 3\) must satisfy 0 <= t0 <= t1"),
+        (dict(tokens=(3, 21)), r"tokens \(3, 21\) span 6 blocks of 4 but the block table has 5"),
+        (dict(blocks=torch.tensor([0, 1, 9, 2, 3])), r"block ids \[0, 1, 9, 2, 3\] .* must lie in \[0, 9\)"),
+        (
+            dict(blocks=torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])),
+            r"1-D int64/int32 block table, got shape \(5,\) dtype torch.float32",
+        ),
+        (
+            dict(cache=torch.zeros(9, 4, 32)),
+            r"cache must be \(num_blocks, num_heads, block_size, head_dim\), got shape \(9, 4, 32\)",
+        ),
+        (dict(out=torch.zeros(2, 14, 7)), r"out must be \(2, 14, 8\) torch.float32 on cpu, got \(2, 14, 7\)"),
+        (dict(out=torch.zeros(2, 14, 8, dtype=torch.bfloat16)), r"got \(2, 14, 8\) torch.bfloat16"),
+        (dict(out=torch.zeros(14, 2, 8).transpose(0, 1)), r"out must be contiguous"),
+        (dict(backend="cuda"), r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
+    ],
+)
 def test_bad_input(kwargs, match):
     cache, blocks = make(9, 4, 4, 8, (3, 17), torch.float32)
     args = dict(cache=cache, blocks=blocks, heads=(1, 3), tokens=(3, 17)) | kwargs
@@ -189,6 +200,7 @@ def test_triton_interpreter_matches_torch():
     # the interpreter must be on before triton is imported: run in a fresh process
     env = {**os.environ, "TRITON_INTERPRET": "1", "RESHARD_KV_PACK": "triton"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "TRITON-OK" in proc.stdout, proc.stdout + proc.stderr

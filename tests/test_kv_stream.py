@@ -4,6 +4,7 @@ on 4 ranks, bitwise; coalesced vs per-chunk copies; incompatible readers refused
 Oracle: a global KV tensor per request, computed identically on every rank from a seed; each
 rank's cache holds (and must end up holding) the slice its layout names.
 """
+
 import itertools
 
 import pytest
@@ -30,13 +31,22 @@ def _cache(layout, paged, seed):
     from reshard.kv import KVCache, KVSpec
 
     kw = dict(block_size=4, num_blocks=12) if paged else {}
-    cache = KVCache(KVSpec(num_layers=layout.num_layers, num_slots=3, num_heads=layout.num_heads,
-                           max_seq_len=MAXLEN, head_dim=HD, head_start=layout.head_start,
-                           first_layer=layout.first_layer, **kw))
+    cache = KVCache(
+        KVSpec(
+            num_layers=layout.num_layers,
+            num_slots=3,
+            num_heads=layout.num_heads,
+            max_seq_len=MAXLEN,
+            head_dim=HD,
+            head_start=layout.head_start,
+            first_layer=layout.first_layer,
+            **kw,
+        )
+    )
     if paged:  # scattered blocks, different on every rank
         order = torch.randperm(12, generator=torch.Generator().manual_seed(seed)).tolist()
         for slot in range(3):
-            cache.assign(slot, order[4 * slot:4 * slot + 4])
+            cache.assign(slot, order[4 * slot : 4 * slot + 4])
     return cache
 
 
@@ -120,10 +130,13 @@ def test_an_incompatible_reader_is_refused_with_both_layouts_named():
 
     src = {r: _layout(r, 2, 1) for r in range(2)}
     wide = {0: KVLayout(0, 4, 0, 2, 16, torch.float32)}
-    with pytest.raises(ValueError, match=r"rank 0 reads KV layout KVLayout\(first_layer=0, num_layers=4, head_start=0, "
-                                         r"num_heads=2, head_dim=16, .*which the source layouts do not hold "
-                                         r"\(\{0: KVLayout\(first_layer=0, num_layers=4, head_start=0, num_heads=2, "
-                                         r"head_dim=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0 reads KV layout KVLayout\(first_layer=0, num_layers=4, head_start=0, "
+        r"num_heads=2, head_dim=16, .*which the source layouts do not hold "
+        r"\(\{0: KVLayout\(first_layer=0, num_layers=4, head_start=0, num_heads=2, "
+        r"head_dim=8",
+    ):
         plan_stream(src, wide)
     deep = {1: KVLayout(2, 4, 0, 2, HD, torch.float32)}  # layers 2..5 of a 4-layer source
     with pytest.raises(ValueError, match=r"rank 1 reads KV layout KVLayout\(first_layer=2, num_layers=4"):

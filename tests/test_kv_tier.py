@@ -1,4 +1,5 @@
 """CPU KV tier: KV written under one head layout is read under another (re-sharding in the swap)."""
+
 import pytest
 import torch
 
@@ -16,8 +17,14 @@ def _global_kv(request_id: int) -> torch.Tensor:
 def _cache(heads_per_rank: int, rank: int):
     from reshard.kv import KVCache, KVSpec
 
-    spec = KVSpec(num_layers=LAYERS, num_slots=2, num_heads=heads_per_rank, max_seq_len=32, head_dim=HD,
-                  head_start=(rank * heads_per_rank) % HEADS)
+    spec = KVSpec(
+        num_layers=LAYERS,
+        num_slots=2,
+        num_heads=heads_per_rank,
+        max_seq_len=32,
+        head_dim=HD,
+        head_start=(rank * heads_per_rank) % HEADS,
+    )
     return KVCache(spec)
 
 
@@ -33,8 +40,8 @@ def _reshard_through_tier(path: str):
     for slot, rid in enumerate((7, 9)):
         kv = _global_kv(rid)
         for layer in range(LAYERS):
-            src.k[layer][slot, :, :TOKENS] = kv[layer, 0, rank:rank + 1]
-            src.v[layer][slot, :, :TOKENS] = kv[layer, 1, rank:rank + 1]
+            src.k[layer][slot, :, :TOKENS] = kv[layer, 0, rank : rank + 1]
+            src.v[layer][slot, :, :TOKENS] = kv[layer, 1, rank : rank + 1]
         tier.swap_out(src, slot, rid, TOKENS)
     dist.barrier()  # every head written before anyone reads
     dst = _cache(2, rank % 2)  # TP2 layout, replicated twice over the 4 ranks
@@ -42,9 +49,14 @@ def _reshard_through_tier(path: str):
     for slot, rid in enumerate((9, 7)):
         n = tier.swap_in(dst, slot, rid)
         h0 = dst.spec.head_start
-        expect = _global_kv(rid)[:, :, h0:h0 + 2]
-        ok.append(n == TOKENS and all(torch.equal(dst.k[l][slot, :, :n], expect[l, 0]) and
-                                      torch.equal(dst.v[l][slot, :, :n], expect[l, 1]) for l in range(LAYERS)))
+        expect = _global_kv(rid)[:, :, h0 : h0 + 2]
+        ok.append(
+            n == TOKENS
+            and all(
+                torch.equal(dst.k[i][slot, :, :n], expect[i, 0]) and torch.equal(dst.v[i][slot, :, :n], expect[i, 1])
+                for i in range(LAYERS)
+            )
+        )
     dist.barrier()
     tier.close(unlink=rank == 0)
     return ok
@@ -74,13 +86,18 @@ def test_readers_with_another_layout_are_refused(tmp_path):
     heads, layers, head dim or dtype gets a ValueError naming both layouts."""
     from reshard.kv import CPUKVTier, KVCache, KVLayout, KVSpec, TierSpec
 
-    cache = KVCache(KVSpec(num_layers=2, num_slots=1, num_heads=2, max_seq_len=8, head_dim=HD,
-                           head_start=2, first_layer=4))
+    cache = KVCache(
+        KVSpec(num_layers=2, num_slots=1, num_heads=2, max_seq_len=8, head_dim=HD, head_start=2, first_layer=4)
+    )
     cache.attach(KVLayout(5, 1, 2, 2, HD, torch.float32), "layer 5")  # inside: accepted
-    for reader in (KVLayout(6, 1, 2, 2, HD, torch.float32),  # a layer of another stage
-                   KVLayout(4, 1, 0, 2, HD, torch.float32),  # other KV heads
-                   KVLayout(4, 1, 2, 2, HD, torch.bfloat16)):  # other dtype
-        with pytest.raises(ValueError, match=r"expects KV layout KVLayout\(.*but the cache holds KVLayout\(first_layer=4"):
+    for reader in (
+        KVLayout(6, 1, 2, 2, HD, torch.float32),  # a layer of another stage
+        KVLayout(4, 1, 0, 2, HD, torch.float32),  # other KV heads
+        KVLayout(4, 1, 2, 2, HD, torch.bfloat16),
+    ):  # other dtype
+        with pytest.raises(
+            ValueError, match=r"expects KV layout KVLayout\(.*but the cache holds KVLayout\(first_layer=4"
+        ):
             cache.attach(reader, "a reader")
     tier = CPUKVTier(TierSpec(num_layers=6, num_kv_heads=3, head_dim=HD, capacity_tokens=8), tmp_path / "t.bin")
     tier.allocate(1, 4)

@@ -1,4 +1,5 @@
 """Flush/fetch transports: bitwise round trips, P2P beside collectives, timeouts, errors, cleanup."""
+
 from __future__ import annotations
 
 import os
@@ -195,8 +196,10 @@ def _p2p_beside_collectives(run_id: str):
     jobs += [t.fetch(("again",) + k, again[k]) for k in theirs]
     for job in early + jobs:
         job.wait(WAIT)
-    ok = all(torch.equal(_as_bytes(outs[k]), _as_bytes(v)) and torch.equal(_as_bytes(again[k]), _as_bytes(v))
-             for k, v in theirs.items())
+    ok = all(
+        torch.equal(_as_bytes(outs[k]), _as_bytes(v)) and torch.equal(_as_bytes(again[k]), _as_bytes(v))
+        for k, v in theirs.items()
+    )
     # 3. a fetch of the wrong size fails on the receiver (no abort) and the stream stays usable
     mismatch = ""
     if rank == 0:

@@ -1,4 +1,5 @@
 """Drop-in layers against plain PyTorch / HF modules, and redistribute() round trips."""
+
 import pytest
 import torch
 from torch import nn
@@ -49,11 +50,11 @@ def _build(kind, mesh):
 
         ref = LlamaMLP(tiny_config("llama"))
         return SwiGLUMLP(64, 128, mesh=mesh), ref, torch.randn(2, 6, 64)
-    family, kv = {"attention": ("llama", 4), "attention-gqa": ("llama", 2),
-                  "attention-qk-norm": ("qwen3", 1)}[kind]
+    family, kv = {"attention": ("llama", 4), "attention-gqa": ("llama", 2), "attention-qk-norm": ("qwen3", 1)}[kind]
     config, ref, rope = _hf_attention(family, num_key_value_heads=kv)
-    ours = ParallelAttention(64, 4, kv, ref.head_dim, mesh=mesh, qk_norm=family == "qwen3",
-                             rms_norm_eps=config.rms_norm_eps)
+    ours = ParallelAttention(
+        64, 4, kv, ref.head_dim, mesh=mesh, qk_norm=family == "qwen3", rms_norm_eps=config.rms_norm_eps
+    )
     return ours, (ref, rope), torch.randn(2, 9, 64)
 
 
@@ -76,6 +77,7 @@ def _roundtrip(kind):
     copy_full_state(layer, full)
     if kind == "rowwise":  # rowwise input is this rank's Shard(-1) of x
         import torch.distributed as dist
+
         xs = x.chunk(dist.get_world_size(), -1)[dist.get_rank()]
     with torch.no_grad():
         if kind == "rowwise":

@@ -1,11 +1,22 @@
 """DejaVu micro-batch swapping: device KV for 2 of D = 4 micro-batches, host KV for all; the same
 tokens as everything resident (and as HF generate), with the device KV memory measured."""
+
 import pytest
 
 from tests import dist_harness
 
-PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 102], [60, 61, 62, 63],
-           [7, 7, 1], list(range(40, 52)), [90, 3], [11, 12, 13, 14, 15, 16]]
+PROMPTS = [
+    [5, 9, 11, 2, 7],
+    [3, 4],
+    list(range(20, 37)),
+    [8] * 9,
+    [100, 101, 102],
+    [60, 61, 62, 63],
+    [7, 7, 1],
+    list(range(40, 52)),
+    [90, 3],
+    [11, 12, 13, 14, 15, 16],
+]
 
 
 def _job(path, pp, swap):

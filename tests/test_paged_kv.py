@@ -2,6 +2,7 @@
 
 Oracle: each request generated alone in a contiguous cache (and HF generate for whole runs).
 """
+
 import pytest
 import torch
 
@@ -41,8 +42,9 @@ def _requests(n, seed=0, sampled=False):
     out = []
     for i in range(n):
         prompt = torch.randint(3, 256, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
-        params = SamplingParams(max_new_tokens=int(torch.randint(1, 24, (1,), generator=g)),
-                                temperature=0.8 if sampled else 0.0, seed=3)
+        params = SamplingParams(
+            max_new_tokens=int(torch.randint(1, 24, (1,), generator=g)), temperature=0.8 if sampled else 0.0, seed=3
+        )
         out.append(Request(i, prompt, params))
     return out
 
@@ -61,9 +63,15 @@ def _paged_job(path, tp, compile):
         paged = [c.output_ids for c in engine.generate(reqs)]
         alone = [Engine(model, max_batch_size=1, max_seq_len=64).generate([r])[0].output_ids for r in reqs]
         s = engine.stats
-        out[sampled] = dict(same=paged == alone, allocated=s.kv_blocks_allocated, freed=s.kv_blocks_freed,
-                            peak=s.kv_blocks_peak, capacity=engine.kv.spec.capacity_tokens,
-                            contiguous=4 * 64, blocks=engine.kv.spec.num_blocks)
+        out[sampled] = dict(
+            same=paged == alone,
+            allocated=s.kv_blocks_allocated,
+            freed=s.kv_blocks_freed,
+            peak=s.kv_blocks_peak,
+            capacity=engine.kv.spec.capacity_tokens,
+            contiguous=4 * 64,
+            blocks=engine.kv.spec.num_blocks,
+        )
     return out
 
 
@@ -86,6 +94,9 @@ def _too_big_job(path):
 
 
 def test_a_request_larger_than_the_paged_cache_is_refused(checkpoints):
-    with pytest.raises(RuntimeError, match=r"request 7: prompt length \(30\) \+ max_new_tokens \(10\) = 40 KV "
-                                           r"tokens needs 5 blocks of 8 but the paged cache holds 4 \(32 tokens\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"request 7: prompt length \(30\) \+ max_new_tokens \(10\) = 40 KV "
+        r"tokens needs 5 blocks of 8 but the paged cache holds 4 \(32 tokens\)",
+    ):
         dist_harness.run(1, _too_big_job, checkpoints["llama"])

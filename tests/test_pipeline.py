@@ -1,4 +1,5 @@
 """Pipeline-parallel execution (the prefill layout of Seesaw): stages x micro-batches vs HF."""
+
 import pytest
 
 from tests import dist_harness
@@ -18,8 +19,7 @@ def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2):
     return [c.output_ids for c in engine.generate(requests)], model.load_stats, engine.runner.layer_ids
 
 
-@pytest.mark.parametrize("dp,pp,tp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)],
-                         ids=["P2", "P4", "D2P2", "T2P2"])
+@pytest.mark.parametrize("dp,pp,tp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)], ids=["P2", "P4", "D2P2", "T2P2"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_pipeline_tokens_match_hf(four_layer, hf_reference, family, dp, pp, tp):
     path, prompts = four_layer[family], _prompts()

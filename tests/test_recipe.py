@@ -1,4 +1,5 @@
 """The main job: Hydra config, validation of overrides, outputs, and a real torchrun launch."""
+
 import json
 import os
 import subprocess
@@ -29,33 +30,40 @@ def _run_recipe(overrides, run_dir):
     return run_generate(_compose(overrides), Path(run_dir))
 
 
-@pytest.mark.parametrize("override,message", [
-    ("generation.temperature=-1", r"generation.temperature must be >= 0, got -1"),
-    ("generation.top_p=1.5", r"generation.top_p must be in \(0, 1\], got 1.5"),
-    ("workload.prompt_len_max=600", r"workload.prompt_len_max \(600\) \+ generation.max_new_tokens \(32\) = 632 exceeds engine.max_seq_len \(512\)"),
-    ("workload.prompt_len_min=50 workload.prompt_len_max=10", r"prompt_len_min \(50\)"),
-    ("parallel.strategy=magic", r"'magic' is not one of"),
-    ("engine.max_batch_size=0", r"engine.max_batch_size must be >= 1, got 0"),
-    ("parallel=shift parallel.shift_weights=mirror", r"parallel.shift_weights must be copy or slice, got 'mirror'"),
-    ("parallel=shift parallel.threshold=-5", r"parallel.threshold must be >= 0, got -5"),
-    ("parallel=seesaw parallel.weights=copy", r"parallel.weights must be move or reload, got 'copy'"),
-    ("parallel=seesaw parallel.scheduler=fifo", r"parallel.scheduler 'fifo' is not one of"),
-    ("parallel=seesaw parallel.cpu_kv_budget=0", r"parallel.cpu_kv_budget must be >= 1, got 0"),
-    ("parallel=seesaw +parallel.prefill.sp=2", r"parallel.prefill has unknown keys \['sp'\]"),
-    # types: every value is checked against its config field, the key named (issue 10)
-    ("compile=maybe", r"^compile must be bool, got 'maybe'"),
-    ("progress=maybe", r"^progress must be bool, got 'maybe'"),
-    ("workload.num_requests=abc", r"workload.num_requests must be int, got 'abc'"),
-    ("generation.temperature=hot", r"generation.temperature must be float, got 'hot'"),
-    ("generation.seed=abc", r"generation.seed must be int, got 'abc'"),
-    ("engine.max_batch_size=true", r"engine.max_batch_size must be int, got True"),
-    ("parallel.tp=two", r"parallel.tp must be int \| None, got 'two'"),
-    ("parallel=shift parallel.threshold=1.5", r"parallel.threshold must be int, got 1.5"),
-    ("parallel=seesaw parallel.cpu_kv_budget=lots", r"parallel.cpu_kv_budget must be int, got 'lots'"),
-    ("+engine.slots=4", r"engine has unknown keys \['slots'\]"),
-    ("+parallel.sp=2", r"parallel \(strategy tp\) has unknown keys \['sp'\]"),
-    ("engine.admission=lifo", r"engine.admission must be one of \['fifo', 'longest_first'\], got 'lifo'"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("generation.temperature=-1", r"generation.temperature must be >= 0, got -1"),
+        ("generation.top_p=1.5", r"generation.top_p must be in \(0, 1\], got 1.5"),
+        (
+            "workload.prompt_len_max=600",
+            r"workload.prompt_len_max \(600\) \+ generation.max_new_tokens \(32\) = 632 exceeds "
+            r"engine.max_seq_len \(512\)",
+        ),
+        ("workload.prompt_len_min=50 workload.prompt_len_max=10", r"prompt_len_min \(50\)"),
+        ("parallel.strategy=magic", r"'magic' is not one of"),
+        ("engine.max_batch_size=0", r"engine.max_batch_size must be >= 1, got 0"),
+        ("parallel=shift parallel.shift_weights=mirror", r"parallel.shift_weights must be copy or slice, got 'mirror'"),
+        ("parallel=shift parallel.threshold=-5", r"parallel.threshold must be >= 0, got -5"),
+        ("parallel=seesaw parallel.weights=copy", r"parallel.weights must be move or reload, got 'copy'"),
+        ("parallel=seesaw parallel.scheduler=fifo", r"parallel.scheduler 'fifo' is not one of"),
+        ("parallel=seesaw parallel.cpu_kv_budget=0", r"parallel.cpu_kv_budget must be >= 1, got 0"),
+        ("parallel=seesaw +parallel.prefill.sp=2", r"parallel.prefill has unknown keys \['sp'\]"),
+        # types: every value is checked against its config field, the key named (issue 10)
+        ("compile=maybe", r"^compile must be bool, got 'maybe'"),
+        ("progress=maybe", r"^progress must be bool, got 'maybe'"),
+        ("workload.num_requests=abc", r"workload.num_requests must be int, got 'abc'"),
+        ("generation.temperature=hot", r"generation.temperature must be float, got 'hot'"),
+        ("generation.seed=abc", r"generation.seed must be int, got 'abc'"),
+        ("engine.max_batch_size=true", r"engine.max_batch_size must be int, got True"),
+        ("parallel.tp=two", r"parallel.tp must be int \| None, got 'two'"),
+        ("parallel=shift parallel.threshold=1.5", r"parallel.threshold must be int, got 1.5"),
+        ("parallel=seesaw parallel.cpu_kv_budget=lots", r"parallel.cpu_kv_budget must be int, got 'lots'"),
+        ("+engine.slots=4", r"engine has unknown keys \['slots'\]"),
+        ("+parallel.sp=2", r"parallel \(strategy tp\) has unknown keys \['sp'\]"),
+        ("engine.admission=lifo", r"engine.admission must be one of \['fifo', 'longest_first'\], got 'lifo'"),
+    ],
+)
 def test_bad_override_values_raise_value_error(override, message):
     with pytest.raises(ValueError, match=message):
         _compose(override.split())
@@ -73,16 +81,25 @@ def test_tp_not_dividing_world_is_rejected(tmp_path):
 
 def test_shift_recipe_reports_switches(checkpoints, hf_reference, tmp_path):
     path = checkpoints["llama"]
-    overrides = [f"model.path={path}", "parallel=shift", "parallel.sp=2", "parallel.threshold=4",
-                 "workload.num_requests=5", "workload.prompt_len_min=3", "workload.prompt_len_max=20",
-                 "generation.max_new_tokens=6", "engine.max_batch_size=3", "progress=false"]
+    overrides = [
+        f"model.path={path}",
+        "parallel=shift",
+        "parallel.sp=2",
+        "parallel.threshold=4",
+        "workload.num_requests=5",
+        "workload.prompt_len_min=3",
+        "workload.prompt_len_max=20",
+        "generation.max_new_tokens=6",
+        "engine.max_batch_size=3",
+        "progress=false",
+    ]
     summary = dist_harness.run(2, _run_recipe, overrides, str(tmp_path))[0]
     assert summary["strategy"] == "shift" and summary["parallel"] == {"dp": 1, "sp": 2, "tp": 1}
     assert summary["mode_switches"] >= 1 and summary["switch_bytes"] == 0
     assert summary["steps_by_mode"]["sp"] > 0 and summary["steps_by_mode"]["tp"] > 0
-    lines = [json.loads(l) for l in (tmp_path / "outputs.jsonl").read_text().splitlines()]
-    prompts = [l["prompt_ids"] for l in lines]
-    assert [l["output_ids"] for l in lines] == hf_reference(path, prompts, 6)
+    lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    prompts = [line["prompt_ids"] for line in lines]
+    assert [line["output_ids"] for line in lines] == hf_reference(path, prompts, 6)
 
 
 def test_shift_sp_must_divide_world(tmp_path):
@@ -94,15 +111,21 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     path = checkpoints["qwen3"]
     prompts_file = tmp_path / "prompts.jsonl"
     prompts = [[5, 6, 7, 8], [9, 10, 11], [100, 3, 4, 77, 23, 1]]
-    prompts_file.write_text("\n".join(json.dumps(p) for p in prompts[:2]) + "\n"
-                            + json.dumps({"prompt_ids": prompts[2]}) + "\n")
-    overrides = [f"model.path={path}", f"workload.prompts_file={prompts_file}",
-                 "generation.max_new_tokens=8", "progress=false", "parallel.tp=1"]
+    prompts_file.write_text(
+        "\n".join(json.dumps(p) for p in prompts[:2]) + "\n" + json.dumps({"prompt_ids": prompts[2]}) + "\n"
+    )
+    overrides = [
+        f"model.path={path}",
+        f"workload.prompts_file={prompts_file}",
+        "generation.max_new_tokens=8",
+        "progress=false",
+        "parallel.tp=1",
+    ]
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
     assert summaries[0]["parallel"] == {"dp": 2, "sp": 1, "tp": 1}
-    lines = [json.loads(l) for l in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
-    assert [l["prompt_ids"] for l in lines] == prompts
-    assert [l["output_ids"] for l in lines] == hf_reference(path, prompts, 8)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    assert [line["prompt_ids"] for line in lines] == prompts
+    assert [line["output_ids"] for line in lines] == hf_reference(path, prompts, 8)
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +135,30 @@ def installed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("install")
     repo = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root / "venv")], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(root / "wheel"), str(repo)], check=True, cwd=root, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(root / "wheel"),
+            str(repo),
+        ],
+        check=True,
+        cwd=root,
+        capture_output=True,
+    )
     wheel = next((root / "wheel").glob("reshard-*.whl"))
     python = root / "venv" / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     return python
 
 
@@ -149,15 +190,34 @@ def test_main_job_under_torchrun(installed, hf_reference, tmp_path):
     ``recipes/`` and ``conf/`` would break it if anything imported them; tokens equal HF."""
     work = _shadowing_user_repo(tmp_path / "user-repo")
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    cmd = [str(installed), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "reshard.recipes.generate", "workload.num_requests=6", "generation.max_new_tokens=4",
-           "hydra.run.dir=" + str(tmp_path / "run")]
+    cmd = [
+        str(installed),
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "reshard.recipes.generate",
+        "workload.num_requests=6",
+        "generation.max_new_tokens=4",
+        "hydra.run.dir=" + str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"outputs written to {tmp_path / 'run'}" in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for key in ("model_path", "world_size", "strategy", "requests", "prompt_tokens", "generated_tokens",
-                "prefill_tokens_per_s", "decode_tokens_per_s", "phase_seconds"):
+    for key in (
+        "model_path",
+        "world_size",
+        "strategy",
+        "requests",
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "phase_seconds",
+    ):
         assert key in summary
     assert summary["world_size"] == 2 and summary["requests"] == 6
     assert Path(summary["model_path"]).is_absolute()
@@ -171,10 +231,19 @@ def test_main_job_under_torchrun(installed, hf_reference, tmp_path):
 
 def test_seesaw_recipe_matches_hf_and_reports_transitions(four_layer, hf_reference, tmp_path):
     path = four_layer["llama"]
-    overrides = [f"model.path={path}", "parallel=seesaw", "parallel.prefill.pp=2", "parallel.decode.tp=2",
-                 "parallel.cpu_kv_budget=40", "workload.num_requests=6", "workload.prompt_len_min=3",
-                 "workload.prompt_len_max=20", "generation.max_new_tokens=6", "engine.max_batch_size=2",
-                 "progress=false"]
+    overrides = [
+        f"model.path={path}",
+        "parallel=seesaw",
+        "parallel.prefill.pp=2",
+        "parallel.decode.tp=2",
+        "parallel.cpu_kv_budget=40",
+        "workload.num_requests=6",
+        "workload.prompt_len_min=3",
+        "workload.prompt_len_max=20",
+        "generation.max_new_tokens=6",
+        "engine.max_batch_size=2",
+        "progress=false",
+    ]
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path))
     s = summaries[0]
     assert s["layouts"] == {"prefill": {"dp": 1, "pp": 2, "tp": 1}, "decode": {"dp": 1, "pp": 1, "tp": 2}}
@@ -185,10 +254,13 @@ def test_seesaw_recipe_matches_hf_and_reports_transitions(four_layer, hf_referen
     assert [r["output_ids"] for r in rows] == expected
 
 
-@pytest.mark.parametrize("override,message", [
-    ("parallel.prefill.pp=3", r"parallel.prefill: dp\(1\) \* pp\(3\) \* tp\(1\) != world size \(2\)"),
-    ("parallel.decode.dp=null", r"parallel.decode: at most one of dp, pp, tp may be null"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("parallel.prefill.pp=3", r"parallel.prefill: dp\(1\) \* pp\(3\) \* tp\(1\) != world size \(2\)"),
+        ("parallel.decode.dp=null", r"parallel.decode: at most one of dp, pp, tp may be null"),
+    ],
+)
 def test_seesaw_bad_layouts_are_rejected(tmp_path, override, message):
     with pytest.raises(RuntimeError, match=message):
         dist_harness.run(2, _run_recipe, ["parallel=seesaw", override], str(tmp_path))
@@ -203,15 +275,27 @@ def test_collective_timeout_is_configurable(monkeypatch):
     monkeypatch.setenv("RESHARD_COLLECTIVE_TIMEOUT", "42")
     assert collective_timeout() == datetime.timedelta(seconds=42)
     monkeypatch.setenv("RESHARD_COLLECTIVE_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match=r"RESHARD_COLLECTIVE_TIMEOUT must be a positive number of seconds, got 'soon'"):
+    with pytest.raises(
+        ValueError, match=r"RESHARD_COLLECTIVE_TIMEOUT must be a positive number of seconds, got 'soon'"
+    ):
         collective_timeout()
 
 
 def test_user_error_under_torchrun_is_one_line(tmp_path):
     """A config error is printed once, as one line, with no Python traceback from any rank."""
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "reshard.recipes.generate", "generation.temperature=hot", "hydra.run.dir=" + str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "reshard.recipes.generate",
+        "generation.temperature=hot",
+        "hydra.run.dir=" + str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode != 0
     assert proc.stderr.count("error: generation.temperature must be float, got 'hot'") == 1, proc.stderr[-2000:]
@@ -225,10 +309,15 @@ def test_checkpoint_with_unused_tensors_needs_the_opt_in(checkpoints, tmp_path):
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     config["num_hidden_layers"] = 1
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    overrides = [f"model.path={tmp_path / 'm'}", "workload.num_requests=2", "generation.max_new_tokens=2",
-                 "progress=false"]
+    overrides = [
+        f"model.path={tmp_path / 'm'}",
+        "workload.num_requests=2",
+        "generation.max_new_tokens=2",
+        "progress=false",
+    ]
     with pytest.raises(RuntimeError, match=r"9 tensors in the checkpoint at .* are not used"):
         dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))
-    summary = dist_harness.run(2, _run_recipe, overrides + ["model.allow_unused_weights=true"],
-                               str(tmp_path / "run"))[0]
+    summary = dist_harness.run(2, _run_recipe, overrides + ["model.allow_unused_weights=true"], str(tmp_path / "run"))[
+        0
+    ]
     assert summary["requests"] == 2

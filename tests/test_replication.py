@@ -1,5 +1,6 @@
 """Ring replication of KV (DejaVu 4.2.3): rank x's KV mirrored on rank x + 1 every step,
 acknowledged per request and step; TP and pipeline layouts."""
+
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ def _written(kv):
     """Every position sequences wrote (the scratch column / block excluded)."""
     if kv.spec.paged:
         return torch.cat([k[:-1] for k in kv.k + kv.v])
-    return torch.cat([k[:, :, :kv.spec.max_seq_len] for k in kv.k + kv.v])
+    return torch.cat([k[:, :, : kv.spec.max_seq_len] for k in kv.k + kv.v])
 
 
 @pytest.mark.parametrize("pp,paged", [(1, False), (2, False), (1, True)])
@@ -49,7 +50,7 @@ def test_data_parallel_replicas_mirror_each_other(four_layer, paged):
     """dp=2: each rank runs other sequences than the rank it mirrors (and idles once its own
     finish); the mirror still equals the predecessor's cache, and acknowledges its requests."""
     results = dist_harness.run(2, _job, four_layer["llama"], 1, paged, 2)
-    for same, acked, steps in results:
+    for same, acked, _steps in results:
         assert same and acked
     assert sorted(set(results[0][1]) | set(results[1][1])) == [0, 1, 2, 3, 4]
     assert not set(results[0][1]) & set(results[1][1])  # each mirrors the other replica's requests

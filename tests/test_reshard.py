@@ -3,6 +3,9 @@
 References are built by slicing the global tensor locally, never with DTensor collectives (which
 misplace shards on meshes whose ranks are not ascending).
 """
+
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -44,7 +47,8 @@ def test_plan_rejects_mismatches():
     a = Layout((0, 1), (Shard(0),), (4, 6), torch.float32)
     with pytest.raises(ValueError, match=r"global shape mismatch: source \(4, 6\) vs destination \(4, 7\)"):
         plan_transfer(a, Layout((0, 1), (Shard(0),), (4, 7), torch.float32))
-    with pytest.raises(ValueError, match="dtype mismatch: source torch.float32 vs destination torch.bfloat16"):
+    dtype_mismatch = "dtype mismatch: source torch.float32 vs destination torch.bfloat16"
+    with pytest.raises(ValueError, match=re.escape(dtype_mismatch)):
         plan_transfer(a, Layout((0, 1), (Shard(0),), (4, 6), torch.bfloat16))
     with pytest.raises(ValueError, match="destination placements must be Shard or Replicate"):
         plan_transfer(a, Layout((0, 1), (Partial(),), (4, 6), torch.float32))
@@ -109,12 +113,20 @@ def _layouts(draw, partial_ok: bool):
     shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
     size = draw(st.sampled_from([1, 2, 3, 4]))
     ranks = draw(st.permutations(range(WORLD)))[:size]
-    grid_shape = draw(st.sampled_from([s for s in [(size,), (2, size // 2), (size // 2, 2)]
-                                       if all(n > 0 for n in s) and s[0] * (s[1] if len(s) > 1 else 1) == size]))
+    grid_shape = draw(
+        st.sampled_from(
+            [
+                s
+                for s in [(size,), (2, size // 2), (size // 2, 2)]
+                if all(n > 0 for n in s) and s[0] * (s[1] if len(s) > 1 else 1) == size
+            ]
+        )
+    )
     grid = torch.tensor(ranks).view(grid_shape).tolist()
     kinds = [Replicate()] + [Shard(d) for d in range(ndim)] + ([Partial()] if partial_ok else [])
     placements = tuple(draw(st.sampled_from(kinds)) for _ in grid_shape)
     from reshard.layout import nested_tuple
+
     return Layout(nested_tuple(grid), placements, shape, torch.float32), shape
 
 
@@ -124,8 +136,12 @@ def _cases(draw):
     dst, _ = draw(_layouts(partial_ok=False))
     dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.int32, torch.bfloat16]))
     src = Layout(src.ranks, src.placements, shape, dtype)
-    dst = Layout(dst.ranks, tuple(p if not isinstance(p, Shard) or p.dim < len(shape) else Replicate()
-                                  for p in dst.placements), shape, dtype)
+    dst = Layout(
+        dst.ranks,
+        tuple(p if not isinstance(p, Shard) or p.dim < len(shape) else Replicate() for p in dst.placements),
+        shape,
+        dtype,
+    )
     bucket = draw(st.sampled_from([None, 8, 24, 64, 256, 10_000]))
     return src, dst, bucket
 
@@ -158,12 +174,24 @@ def _dtensor_moves():
 
     rank = dist.get_rank()
     x = torch.arange(7 * 5, dtype=torch.float32).view(7, 5)
-    meshes = {name: DeviceMesh("cpu", torch.tensor(r)) for name, r in
-              [("tp01", [0, 1]), ("tp23", [2, 3]), ("r3", [3]), ("perm", [0, 3, 2]), ("all", [3, 1, 0, 2]),
-               ("grid", [[2, 0], [3, 1]])]}
-    cases = [("tp01", (Shard(0),), "tp23", (Shard(0),)), ("tp01", (Shard(1),), "r3", (Replicate(),)),
-             ("perm", (Shard(0),), "all", (Shard(1),)), ("all", (Replicate(),), "grid", (Shard(0), Shard(1))),
-             ("grid", (Shard(1), Replicate()), "perm", (Replicate(),))]
+    meshes = {
+        name: DeviceMesh("cpu", torch.tensor(r))
+        for name, r in [
+            ("tp01", [0, 1]),
+            ("tp23", [2, 3]),
+            ("r3", [3]),
+            ("perm", [0, 3, 2]),
+            ("all", [3, 1, 0, 2]),
+            ("grid", [[2, 0], [3, 1]]),
+        ]
+    }
+    cases = [
+        ("tp01", (Shard(0),), "tp23", (Shard(0),)),
+        ("tp01", (Shard(1),), "r3", (Replicate(),)),
+        ("perm", (Shard(0),), "all", (Shard(1),)),
+        ("all", (Replicate(),), "grid", (Shard(0), Shard(1))),
+        ("grid", (Shard(1), Replicate()), "perm", (Replicate(),)),
+    ]
     results = []
     for a, pa, b, pb in cases:
         t = distribute_tensor(x, meshes[a], pa, src_data_rank=None)
@@ -201,15 +229,19 @@ def _partial_and_mixed_module():
     expect = distribute_tensor(base * 10, mesh, (Shard(0),), src_data_rank=None).to_local()
     assert torch.equal(reduced.to_local(), expect)
     # a module with parameters and buffers of three dtypes moves in one coalesced transfer
-    full = {"a": torch.randn(6, 4, generator=torch.Generator().manual_seed(0)),
-            "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)}
+    full = {
+        "a": torch.randn(6, 4, generator=torch.Generator().manual_seed(0)),
+        "b": torch.arange(10, dtype=torch.int64),
+        "c": torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),
+    }
     m = nn.Module()
     m.a = nn.Parameter(distribute_tensor(full["a"], mesh, (Shard(0),), src_data_rank=None))
     m.register_buffer("b", distribute_tensor(full["b"], mesh, (Replicate(),), src_data_rank=None))
     m.register_buffer("c", distribute_tensor(full["c"], mesh, (Shard(1),), src_data_rank=None))
     dst = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]]))
-    stats = redistribute_module(m, {"a": (dst, (Replicate(), Shard(1))), "b": (dst, (Shard(0), Replicate())),
-                                    "c": (dst, (Shard(0), Shard(1)))})
+    stats = redistribute_module(
+        m, {"a": (dst, (Replicate(), Shard(1))), "b": (dst, (Shard(0), Replicate())), "c": (dst, (Shard(0), Shard(1)))}
+    )
     for name, pl in [("a", (Replicate(), Shard(1))), ("b", (Shard(0), Replicate())), ("c", (Shard(0), Shard(1)))]:
         got = getattr(m, name)
         assert got.dtype == full[name].dtype
@@ -233,9 +265,14 @@ def _bad_inputs():
     errors = []
     outside = Layout((0, 7), (Shard(0),), (4,), torch.float32)
     inside = Layout((0, 1), (Shard(0),), (4,), torch.float32)
-    for call in (lambda: execute([plan_transfer(inside, outside)], [torch.zeros(2)]),
-                 lambda: execute([plan_transfer(inside, Layout((2, 3), (Shard(0),), (4,), torch.float32))],
-                                 [torch.zeros(2) if dist.get_rank() < 2 else None], bucket_bytes=3)):
+    for call in (
+        lambda: execute([plan_transfer(inside, outside)], [torch.zeros(2)]),
+        lambda: execute(
+            [plan_transfer(inside, Layout((2, 3), (Shard(0),), (4,), torch.float32))],
+            [torch.zeros(2) if dist.get_rank() < 2 else None],
+            bucket_bytes=3,
+        ),
+    ):
         try:
             call()
             errors.append(None)
@@ -269,8 +306,12 @@ def _model_through_layouts(path):
     world = DeviceMesh("cpu", torch.arange(4))
     grid = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
     stages = [DeviceMesh("cpu", torch.tensor([r])) for r in range(4)]
-    layouts = [("fsdp", fsdp_layout(model, world), False), ("stages", stage_layout(model, stages), False),
-               ("tp2xdp2", replicate_over(tp_layout(model, grid["tp"]), grid), True), ("tp4", tp4, True)]
+    layouts = [
+        ("fsdp", fsdp_layout(model, world), False),
+        ("stages", stage_layout(model, stages), False),
+        ("tp2xdp2", replicate_over(tp_layout(model, grid["tp"]), grid), True),
+        ("tp4", tp4, True),
+    ]
     with torch.no_grad():
         logits = {"start": model(ids).logits}
     moves = []
@@ -392,10 +433,13 @@ def _bad_move_arguments(case):
     redistribute_module(module, {"weight": (Shard(1),)})
 
 
-@pytest.mark.parametrize("case,match", [
-    ("plain", r"redistribute moves DTensors; got a Tensor"),
-    ("no-mesh", r"a move target is \(mesh, placements\); got \(Shard\(dim=1\),\)"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("plain", r"redistribute moves DTensors; got a Tensor"),
+        ("no-mesh", r"a move target is \(mesh, placements\); got \(Shard\(dim=1\),\)"),
+    ],
+)
 def test_bad_move_arguments_are_named(case, match):
     with pytest.raises(RuntimeError, match=match):
         dist_harness.run(1, _bad_move_arguments, case)

@@ -1,5 +1,6 @@
 """recipes.rollout: the GRPO loop learns, syncs at the lower bound, and the baselines give the
 same weights and tokens bit for bit; its config rejects bad values by name."""
+
 import json
 import os
 import subprocess
@@ -27,8 +28,17 @@ def _compose(overrides):
 def test_default_run_learns_and_syncs_at_the_lower_bound(tmp_path):
     """The no-argument job on 4 ranks: reward of the last 5 iterations >= first 5 + 0.3."""
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "reshard.recipes.rollout", "hydra.run.dir=" + str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "reshard.recipes.rollout",
+        "hydra.run.dir=" + str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -50,8 +60,7 @@ def _run(overrides, run_dir):
         return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("placement", [["rollout.colocated=false", "rollout.layout=shift"],
-                                       ["rollout.tp=2"]])
+@pytest.mark.parametrize("placement", [["rollout.colocated=false", "rollout.layout=shift"], ["rollout.tp=2"]])
 def test_baselines_give_bitwise_identical_weights_and_tokens(tmp_path, placement):
     """Split ranks (train on 2, Shift on the other 2) and colocated TP2 x DP2: ours vs the
     full-tensor and gather+broadcast baselines, iteration by iteration."""
@@ -68,22 +77,28 @@ def test_baselines_give_bitwise_identical_weights_and_tokens(tmp_path, placement
         assert m["sync_bytes"] > m["lower_bound_bytes"]
 
 
-@pytest.mark.parametrize("override,message", [
-    ("rollout.layout=pp", r"rollout.layout must be one of \['shift', 'tp'\], got 'pp'"),
-    ("rollout.colocated=maybe", r"rollout.colocated must be bool, got 'maybe'"),
-    ("sync.method=nccl", r"sync.method must be one of \['planned', 'full_tensor', 'broadcast'\], got 'nccl'"),
-    ("sync.bucket_mb=0", r"sync.bucket_mb must be > 0, got 0"),
-    ("train.group_size=1", r"train.group_size must be >= 2"),
-    ("train.learning_rate=fast", r"train.learning_rate must be float, got 'fast'"),
-    ("train.iterations=0", r"train.iterations must be > 0, got 0"),
-    ("+train.epochs=3", r"train has unknown keys \['epochs'\]"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("rollout.layout=pp", r"rollout.layout must be one of \['shift', 'tp'\], got 'pp'"),
+        ("rollout.colocated=maybe", r"rollout.colocated must be bool, got 'maybe'"),
+        ("sync.method=nccl", r"sync.method must be one of \['planned', 'full_tensor', 'broadcast'\], got 'nccl'"),
+        ("sync.bucket_mb=0", r"sync.bucket_mb must be > 0, got 0"),
+        ("train.group_size=1", r"train.group_size must be >= 2"),
+        ("train.learning_rate=fast", r"train.learning_rate must be float, got 'fast'"),
+        ("train.iterations=0", r"train.iterations must be > 0, got 0"),
+        ("+train.epochs=3", r"train has unknown keys \['epochs'\]"),
+    ],
+)
 def test_bad_rollout_config_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         _compose([override])
 
 
 def test_uneven_training_batch_is_named(tmp_path):
-    with pytest.raises(RuntimeError, match=r"train.prompts \(3\) x train.group_size \(3\) = 9 sequences do not "
-                                           r"split evenly over the 2 training ranks"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"train.prompts \(3\) x train.group_size \(3\) = 9 sequences do not "
+        r"split evenly over the 2 training ranks",
+    ):
         dist_harness.run(2, _run, ["train.prompts=3", "train.group_size=3", "progress=false"], str(tmp_path))

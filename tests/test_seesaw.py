@@ -1,4 +1,5 @@
 """Seesaw: prefill layout -> decode layout transitions, CPU KV tier, schedulers, against HF."""
+
 import pytest
 import torch
 
@@ -6,9 +7,13 @@ from tests import dist_harness
 from tests.test_generate import _prompts
 
 MAX_NEW = [12, 5, 9, 12, 3, 7, 12, 6]  # per request: different output lengths
-LAYOUTS = {"P4-T4": (dict(pp=4), dict(tp=4)), "D2P2-T4": (dict(dp=2, pp=2), dict(tp=4)),
-           "P2-T2": (dict(pp=2), dict(tp=2)), "P4-T2P2": (dict(pp=4), dict(pp=2, tp=2)),
-           "D2P2-D2T2": (dict(dp=2, pp=2), dict(dp=2, tp=2))}
+LAYOUTS = {
+    "P4-T4": (dict(pp=4), dict(tp=4)),
+    "D2P2-T4": (dict(dp=2, pp=2), dict(tp=4)),
+    "P2-T2": (dict(pp=2), dict(tp=2)),
+    "P4-T2P2": (dict(pp=4), dict(pp=2, tp=2)),
+    "D2P2-D2T2": (dict(dp=2, pp=2), dict(dp=2, tp=2)),
+}
 BUDGET = 60  # CPU KV tokens: the longest prompt (40) fits, a few prompts at once do not
 
 
@@ -18,16 +23,32 @@ def _dims(world, degrees):
     return ParallelDims(**degrees, world_size=world)
 
 
-def _seesaw(path, layouts, *, budget=BUDGET, scheduler="transition_minimizing", weights="move",
-            max_batch_size=3, compile=False, **paged):
+def _seesaw(
+    path,
+    layouts,
+    *,
+    budget=BUDGET,
+    scheduler="transition_minimizing",
+    weights="move",
+    max_batch_size=3,
+    compile=False,
+    **paged,
+):
     import torch.distributed as dist
 
     from reshard.parallel.strategies.seesaw import LayoutSwitch, seesaw_engine
 
     world = dist.get_world_size()
     switch = LayoutSwitch(path, _dims(world, layouts[0]), _dims(world, layouts[1]), weights=weights)
-    return seesaw_engine(switch, cpu_kv_budget=budget, scheduler=scheduler,
-                         max_batch_size=max_batch_size, max_seq_len=128, compile=compile, **paged)
+    return seesaw_engine(
+        switch,
+        cpu_kv_budget=budget,
+        scheduler=scheduler,
+        max_batch_size=max_batch_size,
+        max_seq_len=128,
+        compile=compile,
+        **paged,
+    )
 
 
 def _requests(prompts, max_new):
@@ -65,9 +86,18 @@ def _generate_and_check(path, layouts, prompts, max_new, weights):
     return tokens, stats.transitions, history, weights_ok
 
 
-@pytest.mark.parametrize("layout,weights", [("P4-T4", "move"), ("P4-T4", "reload"), ("D2P2-T4", "move"),
-                                            ("D2P2-T4", "reload"), ("P2-T2", "move"), ("P4-T2P2", "move"),
-                                            ("D2P2-D2T2", "move")])
+@pytest.mark.parametrize(
+    "layout,weights",
+    [
+        ("P4-T4", "move"),
+        ("P4-T4", "reload"),
+        ("D2P2-T4", "move"),
+        ("D2P2-T4", "reload"),
+        ("P2-T2", "move"),
+        ("P4-T2P2", "move"),
+        ("D2P2-D2T2", "move"),
+    ],
+)
 def test_seesaw_tokens_match_hf(four_layer, hf_reference, layout, weights):
     path, prompts = four_layer["llama"], _prompts(8)
     full = hf_reference(path, prompts, max(MAX_NEW))
@@ -154,15 +184,16 @@ def _swapped_in_kv(path, layouts, prompts):
     seesaw_kv = engine.runners["decode"].kv
     slots = dict(engine.policy.decode_slot_of)
     engine.close()
-    pure = Engine(parallelize(path, _dims(dist.get_world_size(), layouts[1])), max_batch_size=len(prompts),
-                  max_seq_len=128)
+    pure = Engine(
+        parallelize(path, _dims(dist.get_world_size(), layouts[1])), max_batch_size=len(prompts), max_seq_len=128
+    )
     pure.prompt_logits(prompts)  # request i's KV in slot i
     assert pure.kv.spec.head_start == seesaw_kv.spec.head_start
     worst = 0.0
     for i, p in enumerate(prompts):
         for layer in range(len(seesaw_kv.k)):
             for a, b in ((seesaw_kv.k, pure.kv.k), (seesaw_kv.v, pure.kv.v)):
-                diff = (a[layer][slots[i], :, :len(p)] - b[layer][i, :, :len(p)]).abs().max().item()
+                diff = (a[layer][slots[i], :, : len(p)] - b[layer][i, :, : len(p)]).abs().max().item()
                 worst = max(worst, diff)
     return worst, seesaw_kv.spec.num_heads
 
@@ -203,19 +234,25 @@ def _build_error(path, prefill, decode, budget):
         engine.close()
 
 
-@pytest.mark.parametrize("prefill,decode,message", [
-    (dict(pp=4), dict(tp=2), r"dp\(1\) \* pp\(1\) \* sp\(1\) \* tp\(2\) = 2 != world_size\(4\)"),
-    (dict(pp=4), dict(tp=4), r"pipeline stages \(4\) exceed the model's layers \(2\)"),
-    (dict(dp=4), dict(tp=4), r"attention heads \(6\) must be divisible by tensor parallel size \(4\)"),
-    (dict(dp=2, tp=2), dict(tp=4), r"prompt of 8 tokens does not fit the CPU KV tier \(cpu_kv_budget=4"),
-])
+@pytest.mark.parametrize(
+    "prefill,decode,message",
+    [
+        (dict(pp=4), dict(tp=2), r"dp\(1\) \* pp\(1\) \* sp\(1\) \* tp\(2\) = 2 != world_size\(4\)"),
+        (dict(pp=4), dict(tp=4), r"pipeline stages \(4\) exceed the model's layers \(2\)"),
+        (dict(dp=4), dict(tp=4), r"attention heads \(6\) must be divisible by tensor parallel size \(4\)"),
+        (dict(dp=2, tp=2), dict(tp=4), r"prompt of 8 tokens does not fit the CPU KV tier \(cpu_kv_budget=4"),
+    ],
+)
 def test_clear_errors(checkpoints, tmp_path, prefill, decode, message):
     from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     path = checkpoints["llama"]
     if "heads" in message:
-        path = str(make_tiny_checkpoint("llama", tmp_path / "h6", seed=0, num_attention_heads=6,
-                                        num_key_value_heads=2, hidden_size=96))
+        path = str(
+            make_tiny_checkpoint(
+                "llama", tmp_path / "h6", seed=0, num_attention_heads=6, num_key_value_heads=2, hidden_size=96
+            )
+        )
     budget = 4 if "KV tier" in message else BUDGET
     with pytest.raises(RuntimeError, match=message):
         dist_harness.run(4, _build_error, path, prefill, decode, budget)
@@ -313,5 +350,7 @@ def test_seesaw_with_a_paged_decode_cache_matches_hf(four_layer, hf_reference):
     """The CPU tier swaps requests into a paged decode cache (96 tokens < 3 slots x 128)."""
     path, prompts = four_layer["llama"], _prompts(8)
     expected = [out[:m] for out, m in zip(hf_reference(path, prompts, max(MAX_NEW)), MAX_NEW)]
-    for tokens, allocated, freed, capacity in dist_harness.run(2, _paged_tokens, path, LAYOUTS["P2-T2"], prompts, MAX_NEW):
+    for tokens, allocated, freed, capacity in dist_harness.run(
+        2, _paged_tokens, path, LAYOUTS["P2-T2"], prompts, MAX_NEW
+    ):
         assert tokens == expected and allocated == freed > 0 and capacity == 96

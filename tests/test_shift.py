@@ -1,4 +1,5 @@
 """Shift parallelism end to end: HF parity with per-step SP/TP switches over one KV cache."""
+
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ def test_shift_tokens_match_hf_with_switches(checkpoints, hf_reference, family, 
         assert tokens == expected
         assert stats.steps_by_mode["sp"] > 0 and stats.steps_by_mode["tp"] > 0
         assert stats.mode_switches >= 2
-        assert all(seen == pointers[:len(seen)] for seen in stats.kv_storage)  # same cache tensors
+        assert all(seen == pointers[: len(seen)] for seen in stats.kv_storage)  # same cache tensors
         assert stats.switch_bytes == 0
 
 

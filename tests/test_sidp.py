@@ -1,5 +1,6 @@
 """SiDP: FFN owner pool with WaS (prefetch into slots, peak shifting) and CaS (activations to the
 owner, fused GEMM, dummy skipping); tokens equal HF generate in every mode."""
+
 import time
 
 import pytest
@@ -14,17 +15,23 @@ def _job(path, mode, shift=True, threshold=1.0):
     from reshard.parallel import Request, SamplingParams
     from reshard.parallel.engine import EngineArgs, make_strategy
 
-    strategy = make_strategy({"strategy": "sidp", "mode": mode, "threshold": threshold, "peak_shifting": shift,
-                              "slots": 3, "interval": 2})
+    strategy = make_strategy(
+        {"strategy": "sidp", "mode": mode, "threshold": threshold, "peak_shifting": shift, "slots": 3, "interval": 2}
+    )
     engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64))
     reqs = [Request(i, p, SamplingParams(max_new_tokens=m)) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
     tokens = [c.output_ids for c in engine.generate(reqs)]
     pool = engine.policy.pool
     layer = sum(w.numel() * w.element_size() for w in pool.slot_tensors[0])
     owned = sum(1 for o in pool.owner if o == pool.rank)
-    return dict(tokens=tokens, summary=strategy.summary(engine), expected_ffn=owned * layer,
-                counters=vars(pool.counters).copy(), modes=list(engine.stats.modes),
-                non_owned=len(pool.owner) - owned)
+    return dict(
+        tokens=tokens,
+        summary=strategy.summary(engine),
+        expected_ffn=owned * layer,
+        counters=vars(pool.counters).copy(),
+        modes=list(engine.stats.modes),
+        non_owned=len(pool.owner) - owned,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -103,7 +110,8 @@ def _overlap_job(path, pooled):
     world = dist.get_world_size()
     if pooled:
         engine = make_strategy({"strategy": "sidp", "mode": "was", "slots": 2}).build(
-            path, EngineArgs(max_batch_size=2, max_seq_len=64))
+            path, EngineArgs(max_batch_size=2, max_seq_len=64)
+        )
         runners = [engine.runners["was"]]
     else:
         engine = Engine(parallelize(path, ParallelDims(dp=world, world_size=world)), max_batch_size=2, max_seq_len=64)

@@ -3,6 +3,7 @@
 Oracle: the training parameters gathered whole (``full_tensor()`` on ascending meshes) and sliced
 to each rollout shard's box by plain indexing; tokens against HF ``generate`` on those weights.
 """
+
 import pytest
 import torch
 
@@ -67,10 +68,18 @@ def _colocated_job(path, layout, method, bucket):
     stats = sync.sync(1)
     full = _full(train)
     unchanged = all(torch.equal(v, opt.state[k][n]) for k, s in opt_state.items() for n, v in s.items())
-    return dict(bad=_sliced_equal(rollout, full), same_ptrs=_ptrs(rollout) == before,
-                received=stats.bytes_received, planned=stats.planned_bytes, lower=sync.lower_bound_bytes,
-                peak=stats.peak_extra_bytes, version=rollout.weight_version.step, opt_unchanged=unchanged,
-                tokens=_greedy_tokens(rollout), reference=_hf_tokens(path, full))
+    return dict(
+        bad=_sliced_equal(rollout, full),
+        same_ptrs=_ptrs(rollout) == before,
+        received=stats.bytes_received,
+        planned=stats.planned_bytes,
+        lower=sync.lower_bound_bytes,
+        peak=stats.peak_extra_bytes,
+        version=rollout.weight_version.step,
+        opt_unchanged=unchanged,
+        tokens=_greedy_tokens(rollout),
+        reference=_hf_tokens(path, full),
+    )
 
 
 def _greedy_tokens(model):
@@ -130,8 +139,11 @@ def _split_job(path, layout, train_ranks, rollout_ranks):
 
         reqs = [Request(i, [5 + i, 9, 11, 2], SamplingParams(max_new_tokens=5)) for i in range(2)]
         engine = rollout_engine(rollout, layout, max_batch_size=2, max_seq_len=32, threshold=4)  # Shift: SP prefill
-        out.update(bad=_sliced_equal(rollout, full), version=rollout.weight_version.step,
-                   tokens=[c.output_ids for c in engine.generate(reqs)])
+        out.update(
+            bad=_sliced_equal(rollout, full),
+            version=rollout.weight_version.step,
+            tokens=[c.output_ids for c in engine.generate(reqs)],
+        )
         if dist.get_rank() == rollout_ranks[0]:
             out["reference"] = _hf_tokens_prompts(path, full, [r.prompt_ids for r in reqs], 5)
     return out
@@ -142,16 +154,23 @@ def _hf_tokens_prompts(path, full, prompts, n):
 
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref.load_state_dict(full)
-    return [ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return [
+        ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in prompts
+    ]
 
 
-@pytest.mark.parametrize("layout,train_ranks,rollout_ranks", [
-    ("tp", [0, 1], [2, 3]),  # split: disjoint halves
-    ("tp", [0, 1, 2, 3], [2, 3]),  # overlapping
-    ("shift", [0, 1, 2, 3], [0, 1, 2, 3]),  # colocated, Shift's full-TP weight copies synced too
-    ("shift", [0, 1], [2, 3]),  # split, Shift on the rollout ranks (its copies live there only)
-])
+@pytest.mark.parametrize(
+    "layout,train_ranks,rollout_ranks",
+    [
+        ("tp", [0, 1], [2, 3]),  # split: disjoint halves
+        ("tp", [0, 1, 2, 3], [2, 3]),  # overlapping
+        ("shift", [0, 1, 2, 3], [0, 1, 2, 3]),  # colocated, Shift's full-TP weight copies synced too
+        ("shift", [0, 1], [2, 3]),  # split, Shift on the rollout ranks (its copies live there only)
+    ],
+)
 def test_split_and_overlapping_ranks(checkpoints, layout, train_ranks, rollout_ranks):
     results = dist_harness.run(4, _split_job, checkpoints["llama"], layout, train_ranks, rollout_ranks)
     assert sum(r["received"] for r in results) == results[0]["lower"] > 0
@@ -176,13 +195,19 @@ def test_a_shape_or_name_mismatch_is_an_error_on_every_rank(checkpoints, tmp_pat
     from reshard.parallel.model.tiny_models import make_tiny_checkpoint
 
     wide = make_tiny_checkpoint("llama", tmp_path / "wide", intermediate_size=192)
-    with pytest.raises(RuntimeError, match=r"failed on ranks \[0, 1\][\s\S]*ValueError: parameter "
-                                           r"'model.layers.0.mlp.down_proj.weight': the source holds "
-                                           r"\[64, 128\] torch.float32 but the destination \[64, 192\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"failed on ranks \[0, 1\][\s\S]*ValueError: parameter "
+        r"'model.layers.0.mlp.down_proj.weight': the source holds "
+        r"\[64, 128\] torch.float32 but the destination \[64, 192\]",
+    ):
         dist_harness.run(2, _mismatch_job, checkpoints["llama"], str(wide), "shape")
     deep = make_tiny_checkpoint("llama", tmp_path / "deep", num_hidden_layers=3)
-    with pytest.raises(RuntimeError, match=r"failed on ranks \[0, 1\][\s\S]*ValueError: 9 source tensors "
-                                           r"are not copied to the destination: \['model.layers.2"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"failed on ranks \[0, 1\][\s\S]*ValueError: 9 source tensors "
+        r"are not copied to the destination: \['model.layers.2",
+    ):
         dist_harness.run(2, _mismatch_job, str(deep), checkpoints["llama"], "names")
 
 
@@ -195,7 +220,7 @@ def _async_job(path):
     from reshard.parallel.model.weight_sync import model_sync
     from reshard.parallel.strategies.rollout import rollout_model
 
-    train, opt = _trained(path, [0, 1])
+    train, _opt = _trained(path, [0, 1])
     rollout = rollout_model(path, "tp", [2, 3])
     mine = rollout if dist.get_rank() >= 2 else None
     sync = model_sync(train, mine, bucket_bytes=1 << 14)
@@ -216,10 +241,14 @@ def _async_job(path):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, expected)
     if mine is not None:
-        out.update(bad=_sliced_equal(mine, everyone[0]), version=mine.weight_version.step,
-                   pending=mine.weight_version.pending)
-        out["generated"] = len(Engine(mine, max_batch_size=2, max_seq_len=32).generate(
-            [Request(0, [5, 6], SamplingParams(max_new_tokens=2))]))
+        out.update(
+            bad=_sliced_equal(mine, everyone[0]), version=mine.weight_version.step, pending=mine.weight_version.pending
+        )
+        out["generated"] = len(
+            Engine(mine, max_batch_size=2, max_seq_len=32).generate(
+                [Request(0, [5, 6], SamplingParams(max_new_tokens=2))]
+            )
+        )
     out["received"] = stats.bytes_received
     return out
 
@@ -274,8 +303,13 @@ def _compiled_job(path):
     model_sync(train, rollout).sync(2)
     second = [c.output_ids for c in engine.generate(reqs)]
     full = _full(train)
-    return dict(first=first, second=second, graphs=graphs, recompiled=dynamo_utils.counters["stats"]["unique_graphs"] - graphs,
-                reference=_hf_tokens_prompts(path, full, [r.prompt_ids for r in reqs], 5))
+    return dict(
+        first=first,
+        second=second,
+        graphs=graphs,
+        recompiled=dynamo_utils.counters["stats"]["unique_graphs"] - graphs,
+        reference=_hf_tokens_prompts(path, full, [r.prompt_ids for r in reqs], 5),
+    )
 
 
 def test_compiled_decode_survives_a_sync(checkpoints):

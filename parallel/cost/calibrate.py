@@ -11,6 +11,7 @@ A short sweep (~5-10 s): one torch thread per process, as the benches run each r
 The result is cached as JSON in ``<reshard cache>/calibration/this_machine.json`` (keyed by the
 torch version and CPU count); ``this_machine(refresh=True)`` measures again.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
 
 # The 2 gloo processes load this file alone (no package import: ~1.5 s instead of ~4 s, and no
 # unguarded __main__ re-run as with multiprocessing's spawn), so module level imports only torch.
-_CHILD = ("import importlib.util as u, sys; s = u.spec_from_file_location('reshard_calibrate', sys.argv[1]); "
-          "m = u.module_from_spec(s); s.loader.exec_module(m); m._collective_main(*map(int, sys.argv[2:]))")
+_CHILD = (
+    "import importlib.util as u, sys; s = u.spec_from_file_location('reshard_calibrate', sys.argv[1]); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m._collective_main(*map(int, sys.argv[2:]))"
+)
 
 SMALL, LARGE = 8, 4 << 20  # bytes of the two message sizes each collective is timed at
 CACHE_NAME = "this_machine.json"
@@ -74,8 +77,10 @@ def _collective_main(rank: int, port: int, repeats: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    out = {kind: [_time_collective(kind, n, rank, repeats) for n in (SMALL, LARGE)]
-           for kind in ("all_reduce", "all_to_all", "send")}
+    out = {
+        kind: [_time_collective(kind, n, rank, repeats) for n in (SMALL, LARGE)]
+        for kind in ("all_reduce", "all_to_all", "send")
+    }
     dist.destroy_process_group()
     if rank == 0:
         print(json.dumps(out), flush=True)
@@ -119,8 +124,16 @@ def measure_collectives(repeats: int = 7, timeout: float = 60.0) -> dict[str, tu
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, __file__, str(r), str(port), str(repeats)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, __file__, str(r), str(port), str(repeats)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -147,8 +160,16 @@ def calibrate(*, repeats: int = 7) -> Hardware:
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lat, bw = comm["send"]
-    return Hardware(name="this_machine", memory=float(ram), mem_bw=mem_bw, flops=flops, link="gloo",
-                    link_bw=bw, link_latency=lat, collectives=comm)
+    return Hardware(
+        name="this_machine",
+        memory=float(ram),
+        mem_bw=mem_bw,
+        flops=flops,
+        link="gloo",
+        link_bw=bw,
+        link_latency=lat,
+        collectives=comm,
+    )
 
 
 def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -175,9 +196,16 @@ def this_machine(*, refresh: bool = False, cache_dir: str | os.PathLike | None =
 
 
 def to_json(hw: Hardware) -> dict:
-    return {"name": hw.name, "memory": hw.memory, "mem_bw": hw.mem_bw, "flops": hw.flops, "link": hw.link,
-            "link_bw": hw.link_bw, "link_latency": hw.link_latency,
-            "collectives": {k: list(v) for k, v in hw.collectives.items()}}
+    return {
+        "name": hw.name,
+        "memory": hw.memory,
+        "mem_bw": hw.mem_bw,
+        "flops": hw.flops,
+        "link": hw.link,
+        "link_bw": hw.link_bw,
+        "link_latency": hw.link_latency,
+        "collectives": {k: list(v) for k, v in hw.collectives.items()},
+    }
 
 
 def from_json(d: dict) -> Hardware:
@@ -186,9 +214,16 @@ def from_json(d: dict) -> Hardware:
     values = [d[k] for k in ("memory", "mem_bw", "flops", "link_bw", "link_latency")]
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
         raise ValueError(f"calibration file holds non-positive or non-finite numbers: {d}")
-    return Hardware(name=d["name"], memory=d["memory"], mem_bw=d["mem_bw"], flops=d["flops"], link=d["link"],
-                    link_bw=d["link_bw"], link_latency=d["link_latency"],
-                    collectives={k: tuple(v) for k, v in d.get("collectives", {}).items()})
+    return Hardware(
+        name=d["name"],
+        memory=d["memory"],
+        mem_bw=d["mem_bw"],
+        flops=d["flops"],
+        link=d["link"],
+        link_bw=d["link_bw"],
+        link_latency=d["link_latency"],
+        collectives={k: tuple(v) for k, v in d.get("collectives", {}).items()},
+    )
 
 
 def oversubscribed(hw: Hardware, *, ranks: int, cores: int) -> Hardware:
@@ -197,6 +232,13 @@ def oversubscribed(hw: Hardware, *, ranks: int, cores: int) -> Hardware:
     from reshard.parallel.cost.profiles import Hardware
 
     share = min(1.0, cores / ranks)
-    return Hardware(name=f"{hw.name}/{ranks}on{cores}", memory=hw.memory / ranks, mem_bw=hw.mem_bw * share,
-                    flops=hw.flops * share, link=hw.link, link_bw=hw.link_bw, link_latency=hw.link_latency,
-                    collectives=hw.collectives)
+    return Hardware(
+        name=f"{hw.name}/{ranks}on{cores}",
+        memory=hw.memory / ranks,
+        mem_bw=hw.mem_bw * share,
+        flops=hw.flops * share,
+        link=hw.link,
+        link_bw=hw.link_bw,
+        link_latency=hw.link_latency,
+        collectives=hw.collectives,
+    )

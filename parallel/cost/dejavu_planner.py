@@ -18,6 +18,7 @@ Inverse throughputs (ms per microbatch; lower is better):
 that is below ``I_c`` iff ``(m-1)*D*Y < (D-1)*(Y-t)``, i.e. inequality (5)
 ``Y/t > (D-1) / (D*(2-m) - 1)`` when ``D*(2-m) - 1 > 0``, and never otherwise (``N`` cancels).
 """
+
 from __future__ import annotations
 
 import math
@@ -99,14 +100,26 @@ def min_token_machines(L: int, M: float, W0: float, C0: float, K0: float) -> int
     _check_memory(L, M, W0, C0, K0)
     free = M - L * (C0 + K0)  # per machine, after the KV cache of D_t in-flight microbatches
     if free <= 0:
-        raise ValueError(f"token generation cannot fit: the KV cache L*(C0+K0) = {L}*({C0}+{K0}) = "
-                         f"{L * (C0 + K0)} GB fills M ({M}) GB, leaving no room for weights (3)")
+        raise ValueError(
+            f"token generation cannot fit: the KV cache L*(C0+K0) = {L}*({C0}+{K0}) = "
+            f"{L * (C0 + K0)} GB fills M ({M}) GB, leaving no room for weights (3)"
+        )
     return max(1, _ceil(L * W0 / free))
 
 
-def plan_disaggregation(D: int, Y: float, t: float, N: float, m: float, *, L: int | None = None,
-                        M: float | None = None, W0: float | None = None, C0: float | None = None,
-                        K0: float | None = None) -> DejaVuPlan:
+def plan_disaggregation(
+    D: int,
+    Y: float,
+    t: float,
+    N: float,
+    m: float,
+    *,
+    L: int | None = None,
+    M: float | None = None,
+    W0: float | None = None,
+    C0: float | None = None,
+    K0: float | None = None,
+) -> DejaVuPlan:
     """Integer ``D_p + D_t == D`` minimizing ``I_dis = max(I_t, I_p)`` within limits (2) and (3).
 
     Rounding rule: ``D_t`` is ``floor`` or ``ceil`` of formula (1)'s ``D_t`` (the optimum of a max
@@ -117,19 +130,35 @@ def plan_disaggregation(D: int, Y: float, t: float, N: float, m: float, *, L: in
     D_p_real, D_t_real = split_machines(D, Y, t, N, m)
     min_p, min_t = _memory_limits(L=L, M=M, W0=W0, C0=C0, K0=K0)
     if min_p + min_t > D:
-        raise ValueError(f"{D} machines cannot hold both pipelines: prompt needs D_p >= {min_p} (2) "
-                         f"and tokens D_t >= {min_t} (3), {min_p + min_t} in all")
+        raise ValueError(
+            f"{D} machines cannot hold both pipelines: prompt needs D_p >= {min_p} (2) "
+            f"and tokens D_t >= {min_t} (3), {min_p + min_t} in all"
+        )
     lo, hi = min_t, D - min_p
     D_t = _round_split(D, Y, t, N, m, [min(max(c, lo), hi) for c in _floor_ceil(D_t_real)])
     I_p, I_t = prompt_inverse_throughput(D, Y, m, D - D_t), token_inverse_throughput(D, t, N, D_t)
     I_c = baseline_inverse_throughput(D, Y, t, N)
-    return DejaVuPlan(D=D, D_p=D - D_t, D_t=D_t, D_p_real=D_p_real, D_t_real=D_t_real, min_D_p=min_p,
-                      min_D_t=min_t, I_p=I_p, I_t=I_t, I_dis=max(I_p, I_t), I_ideal=m * Y + N * t,
-                      I_c=I_c, pays=disaggregation_pays(D, Y, t, m), plan_pays=max(I_p, I_t) < I_c)
+    return DejaVuPlan(
+        D=D,
+        D_p=D - D_t,
+        D_t=D_t,
+        D_p_real=D_p_real,
+        D_t_real=D_t_real,
+        min_D_p=min_p,
+        min_D_t=min_t,
+        I_p=I_p,
+        I_t=I_t,
+        I_dis=max(I_p, I_t),
+        I_ideal=m * Y + N * t,
+        I_c=I_c,
+        pays=disaggregation_pays(D, Y, t, m),
+        plan_pays=max(I_p, I_t) < I_c,
+    )
 
 
 def _round_split(D: int, Y: float, t: float, N: float, m: float, candidates: list[int]) -> int:
     """The candidate ``D_t`` with the lowest ``max(I_t, I_p)``; ties to the larger ``D_t``."""
+
     def cost(D_t: int) -> float:
         return max(token_inverse_throughput(D, t, N, D_t), prompt_inverse_throughput(D, Y, m, D - D_t))
 
@@ -146,10 +175,14 @@ def _memory_limits(**mem: float | None) -> tuple[int, int]:
     if len(missing) == len(mem):
         return 1, 1
     if missing:
-        raise ValueError(f"memory limits need all of L, M, W0, C0, K0; missing {missing} "
-                         f"(given {[k for k, v in mem.items() if v is not None]})")
-    return (min_prompt_machines(mem["L"], mem["M"], mem["W0"], mem["C0"]),
-            min_token_machines(mem["L"], mem["M"], mem["W0"], mem["C0"], mem["K0"]))
+        raise ValueError(
+            f"memory limits need all of L, M, W0, C0, K0; missing {missing} "
+            f"(given {[k for k, v in mem.items() if v is not None]})"
+        )
+    return (
+        min_prompt_machines(mem["L"], mem["M"], mem["W0"], mem["C0"]),
+        min_token_machines(mem["L"], mem["M"], mem["W0"], mem["C0"], mem["K0"]),
+    )
 
 
 def _floor_ceil(x: float) -> list[int]:

@@ -4,6 +4,7 @@ Every number carries its source in a comment on its line: a vendor datasheet, a 
 ``config.json``, a paper, or the word "assumed". Units: bytes, bytes/s, FLOP/s, seconds.
 ``this_machine`` is not here: :func:`parallel.calibrate.this_machine` measures it.
 """
+
 from __future__ import annotations
 
 import json
@@ -252,15 +253,24 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}  
 def model_from_config(cfg: dict, *, name: str) -> ModelShape:
     """The shape of an HF ``config.json`` dict (``text_config`` of multimodal configs is read)."""
     cfg = cfg.get("text_config", cfg)
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if k not in cfg]
+    missing = [
+        k
+        for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+        if k not in cfg
+    ]
     if missing:
         raise ValueError(f"config.json of {name!r} lacks {missing}")
     heads = cfg["num_attention_heads"]
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return ModelShape(name=name, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=heads,
-                      kv_heads=cfg.get("num_key_value_heads") or heads,
-                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                      intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                      dtype_bytes=_DTYPE_BYTES.get(dtype, 2),  # unknown torch_dtype: assumed 2 bytes (fp16/bf16)
-                      tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    return ModelShape(
+        name=name,
+        layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate=cfg["intermediate_size"],
+        vocab=cfg["vocab_size"],
+        dtype_bytes=_DTYPE_BYTES.get(dtype, 2),  # unknown torch_dtype: assumed 2 bytes (fp16/bf16)
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )

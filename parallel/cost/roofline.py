@@ -26,12 +26,13 @@ charged). Units: seconds, bytes, tokens.
 Notation (Seesaw's): ``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of 1 omitted, a
 single GPU is ``T1``; ``S`` is Ulysses SP (Shift), ``A->B`` a Seesaw pair (prefill -> decode).
 """
+
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -71,8 +72,9 @@ def parse_notation(text: str) -> ParallelConfig:
     degrees = {k: int(v) for k, v in re.findall(r"([DSTP])(\d+)", text)}
     if len(degrees) != len(re.findall(r"[DSTP]", text)) or min(degrees.values()) < 1:
         raise ValueError(f"layout {text!r} repeats an axis or has a zero degree")
-    return ParallelConfig(dp=degrees.get("D", 1), tp=degrees.get("T", 1), pp=degrees.get("P", 1),
-                          sp=degrees.get("S", 1))
+    return ParallelConfig(
+        dp=degrees.get("D", 1), tp=degrees.get("T", 1), pp=degrees.get("P", 1), sp=degrees.get("S", 1)
+    )
 
 
 def check_gpus(num_gpus: object) -> int:
@@ -168,8 +170,9 @@ def _roofline(hw: Hardware, flops: float, nbytes: float) -> float:
     return max(flops / hw.flops, nbytes / hw.mem_bw)
 
 
-def layer_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, *, tokens: float, attn_flops: float,
-               attn_bytes: float) -> float:
+def layer_time(
+    m: ModelShape, hw: Hardware, cfg: ParallelConfig, *, tokens: float, attn_flops: float, attn_bytes: float
+) -> float:
     """Seconds of one decoder layer on one GPU for ``tokens`` tokens of a replica's micro-batch;
     ``attn_flops`` / ``attn_bytes`` are the whole attention's (split here over ``tp * sp``)."""
     shards, e = cfg.tp * cfg.sp, m.dtype_bytes
@@ -178,7 +181,9 @@ def layer_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, *, tokens: floa
     attn = _roofline(hw, attn_flops / shards, attn_bytes / shards)
     comm = 2 * all_reduce_time(hw, tokens / cfg.sp * m.hidden * e, cfg.tp)
     qkv = tokens / cfg.sp * m.head_dim * (m.heads + 2 * m.kv_heads) / cfg.tp * e
-    comm += all_to_all_time(hw, qkv, cfg.sp) + all_to_all_time(hw, tokens / cfg.sp * m.head_dim * m.heads / cfg.tp * e, cfg.sp)
+    comm += all_to_all_time(hw, qkv, cfg.sp) + all_to_all_time(
+        hw, tokens / cfg.sp * m.head_dim * m.heads / cfg.tp * e, cfg.sp
+    )
     return linear + attn + comm
 
 
@@ -240,8 +245,9 @@ def tpot(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seqs: float, context:
 
 
 # ---- workload throughput -----------------------------------------------------------------------------
-def batch_per_replica(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload,
-                      max_batch: int | None = None) -> int:
+def batch_per_replica(
+    m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload, max_batch: int | None = None
+) -> int:
     """Sequences of ``input_len + output_len`` tokens one decode replica holds (KV-bound, or
     ``max_batch``), at most its share of the requests."""
     fits = math.floor(kv_capacity_tokens(m, hw, cfg) / (w.input_len + w.output_len))
@@ -267,13 +273,26 @@ class Estimate:
         return a if a == b else f"{a}->{b}"
 
     def as_dict(self) -> dict:
-        return {"layout": self.name, "kind": "static" if self.prefill == self.decode else "seesaw",
-                "tokens_per_s": self.tokens_per_s, "batch": self.batch, "prefill_s": self.prefill_s,
-                "decode_s": self.decode_s, "transition_s": self.transition_s}
+        return {
+            "layout": self.name,
+            "kind": "static" if self.prefill == self.decode else "seesaw",
+            "tokens_per_s": self.tokens_per_s,
+            "batch": self.batch,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "transition_s": self.transition_s,
+        }
 
 
-def estimate(m: ModelShape, hw: Hardware, prefill: ParallelConfig, decode: ParallelConfig, w: Workload, *,
-             max_batch: int | None = None) -> Estimate | None:
+def estimate(
+    m: ModelShape,
+    hw: Hardware,
+    prefill: ParallelConfig,
+    decode: ParallelConfig,
+    w: Workload,
+    *,
+    max_batch: int | None = None,
+) -> Estimate | None:
     """Throughput of prefilling in ``prefill`` and decoding in ``decode``; ``None`` if either does
     not fit (the prefill layout needs room for one prompt: Seesaw keeps the rest in its CPU tier)."""
     if infeasible_reason(m, hw, decode, w.input_len + w.output_len) or infeasible_reason(m, hw, prefill, w.input_len):
@@ -282,7 +301,9 @@ def estimate(m: ModelShape, hw: Hardware, prefill: ParallelConfig, decode: Paral
     total = b * decode.dp
     pre = prefill_time(m, hw, prefill, total / prefill.dp, w.input_len)
     dec = w.output_len * decode_step_time(m, hw, decode, b, w.input_len + w.output_len / 2)
-    trans = 0.0 if prefill == decode else transition_time(m, hw, prefill, decode) + transition_time(m, hw, decode, prefill)
+    trans = (
+        0.0 if prefill == decode else transition_time(m, hw, prefill, decode) + transition_time(m, hw, decode, prefill)
+    )
     return Estimate(prefill, decode, total, pre, dec, trans, total * w.output_len / (pre + dec + trans))
 
 
@@ -302,8 +323,14 @@ def decode_throughput(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workl
 def _param_kinds(m: ModelShape) -> list[tuple[tuple[int, ...], int | None, int]]:
     """(shape, TP shard dim or None, count) of each decoder-layer parameter kind (TP as layers/ shards it)."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    return [((q, m.hidden), 0, 1), ((kv, m.hidden), 0, 2), ((m.hidden, q), 1, 1),
-            ((m.intermediate, m.hidden), 0, 2), ((m.hidden, m.intermediate), 1, 1), ((m.hidden,), None, 2)]
+    return [
+        ((q, m.hidden), 0, 1),
+        ((kv, m.hidden), 0, 2),
+        ((m.hidden, q), 1, 1),
+        ((m.intermediate, m.hidden), 0, 2),
+        ((m.hidden, m.intermediate), 1, 1),
+        ((m.hidden,), None, 2),
+    ]
 
 
 def _layout(cfg: ParallelConfig, stage: int, shape: tuple[int, ...], dim: int | None, dtype: torch.dtype):
@@ -316,29 +343,35 @@ def _layout(cfg: ParallelConfig, stage: int, shape: tuple[int, ...], dim: int | 
     return Layout(tuple(tuple(r) for r in grid.tolist()), placements, shape, dtype)
 
 
-@lru_cache(maxsize=None)
-def _lower_bound(a: ParallelConfig, sa: int, b: ParallelConfig, sb: int, shape: tuple[int, ...],
-                 dim: int | None, dtype: torch.dtype) -> int:
+@cache
+def _lower_bound(
+    a: ParallelConfig, sa: int, b: ParallelConfig, sb: int, shape: tuple[int, ...], dim: int | None, dtype: torch.dtype
+) -> int:
     from reshard.plan import lower_bound_bytes
 
     return lower_bound_bytes(_layout(a, sa, shape, dim, dtype), _layout(b, sb, shape, dim, dtype))
 
 
-@lru_cache(maxsize=None)
+@cache
 def transition_bytes(m: ModelShape, a: ParallelConfig, b: ParallelConfig) -> int:
     """Bytes the movement core must move to re-shard the weights from ``a`` to ``b`` (its lower
     bound, summed over receiving GPUs); layers grouped by their (stage in a, stage in b)."""
     from reshard.parallel.model.layouts import stage_of_layer
 
     if a.gpus != b.gpus or a.sp > 1 or b.sp > 1:
-        raise ValueError(f"Seesaw transitions need two D/T/P layouts of the same GPUs, got {a.notation} -> {b.notation}")
+        raise ValueError(
+            f"Seesaw transitions need two D/T/P layouts of the same GPUs, got {a.notation} -> {b.notation}"
+        )
     dtype = _DTYPES[m.dtype_bytes]
     groups: dict[tuple[int, int], int] = {}
     for layer in range(m.layers):
         key = (stage_of_layer(layer, m.layers, a.pp), stage_of_layer(layer, m.layers, b.pp))
         groups[key] = groups.get(key, 0) + 1
-    total = sum(n * count * _lower_bound(a, sa, b, sb, shape, dim, dtype)
-                for (sa, sb), n in groups.items() for shape, dim, count in _param_kinds(m))
+    total = sum(
+        n * count * _lower_bound(a, sa, b, sb, shape, dim, dtype)
+        for (sa, sb), n in groups.items()
+        for shape, dim, count in _param_kinds(m)
+    )
     ends = [(0, 0), (a.pp - 1, b.pp - 1)]  # embedding with the first stage, LM head with the last
     return total + sum(_lower_bound(a, sa, b, sb, (m.vocab, m.hidden), 0, dtype) for sa, sb in ends)
 
@@ -349,8 +382,9 @@ def transition_time(m: ModelShape, hw: Hardware, a: ParallelConfig, b: ParallelC
     return 0.0 if nbytes == 0 else send_time(hw, nbytes / a.gpus)
 
 
-def rank_layouts(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *,
-                 max_batch: int | None = None) -> list[Estimate]:
+def rank_layouts(
+    m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, max_batch: int | None = None
+) -> list[Estimate]:
     """Every feasible static layout and Seesaw pair of ``num_gpus`` GPUs, best first."""
     cands = configs(num_gpus)
     out = [estimate(m, hw, a, b, w, max_batch=max_batch) for a in cands for b in cands]
@@ -384,8 +418,12 @@ def shift_threshold(m: ModelShape, hw: Hardware, num_gpus: int, *, limit: int = 
 
     hi = next((n for n in (2**i for i in range(limit.bit_length())) if sp_wins(n)), None)
     if hi is None:
-        return {"threshold": None, "base": base.notation, "shift": full.notation,
-                "reason": f"TP wins up to {limit} tokens"}
+        return {
+            "threshold": None,
+            "base": base.notation,
+            "shift": full.notation,
+            "reason": f"TP wins up to {limit} tokens",
+        }
     lo = hi // 2  # sp_wins(lo) is False (or lo == 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -408,6 +446,7 @@ def sidp_times(m: ModelShape, hw: Hardware, replicas: int, batch: float) -> tupl
 
 def sidp_threshold(m: ModelShape, hw: Hardware, replicas: int, *, limit: int = 1 << 20) -> float | None:
     """``b*``: the smallest batch per replica where CaS stops beating WaS (``None`` below ``limit``)."""
+
     def cas_slower(b: int) -> bool:
         was, cas = sidp_times(m, hw, replicas, b)
         return cas >= was
@@ -436,8 +475,13 @@ def dejavu_plan(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, over
     Y = num_gpus * prefill_stage_time(m, hw, pipe, micro, w.input_len) * 1e3
     t = num_gpus * decode_stage_time(m, hw, pipe, micro, w.input_len + w.output_len / 2) * 1e3
     kv_layer = 2 * m.kv_heads * m.head_dim * m.dtype_bytes * micro / 1e9  # GB per token per layer
-    mem = dict(L=m.layers, M=hw.memory * (1 - MEMORY_RESERVE) / 1e9, W0=layer_params(m) * m.dtype_bytes / 1e9,
-               C0=kv_layer * w.input_len, K0=kv_layer * w.output_len)
+    mem = dict(
+        L=m.layers,
+        M=hw.memory * (1 - MEMORY_RESERVE) / 1e9,
+        W0=layer_params(m) * m.dtype_bytes / 1e9,
+        C0=kv_layer * w.input_len,
+        K0=kv_layer * w.output_len,
+    )
     try:
         plan, note = plan_disaggregation(num_gpus, Y, t, w.output_len, overhead, **mem), None
     except ValueError as e:

@@ -1,4 +1,5 @@
 """Sampling a step's next tokens and the one agreement on them over the whole job."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,7 @@ from reshard.parallel.engine.sampling import sample_tokens, skip_draws
 from reshard.parallel.model.dims import device_type
 
 
-def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor,
-                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank continues with, for each sequence, the token its one source rank sampled.
 
     ``tokens`` ``(B,)`` are this rank's candidates, ``is_source`` ``(B,)`` marks the sequences
@@ -26,8 +26,14 @@ def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor,
     return chosen.cpu()
 
 
-def sample_step(seqs: list[Sequence], mine: list[Sequence], logits: torch.Tensor | None,
-                is_source: bool, vocab_size: int, group: dist.ProcessGroup | None = None) -> list[int]:
+def sample_step(
+    seqs: list[Sequence],
+    mine: list[Sequence],
+    logits: torch.Tensor | None,
+    is_source: bool,
+    vocab_size: int,
+    group: dist.ProcessGroup | None = None,
+) -> list[int]:
     """The next token of every sequence of a step, the same on every rank.
 
     ``mine`` (a sub-list of ``seqs``) ran on this rank, which holds their ``logits`` on the last

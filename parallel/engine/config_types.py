@@ -1,4 +1,5 @@
 """Type checks of config values against a config dataclass's field annotations."""
+
 from __future__ import annotations
 
 from dataclasses import fields

@@ -5,12 +5,13 @@ Every strategy runs on this loop: it supplies runners (:class:`ModelRunner`, one
 sequences over the data-parallel replicas of the step's layout, each replica computes its share,
 and :func:`sample_step` makes every rank continue with the same tokens.
 """
+
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Mapping
-from typing import Sequence as Seq
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 
 import torch
 from torch import nn
@@ -44,20 +45,41 @@ class Engine:
         kv_swap: micro-batch swapping of the KV between host and device (see :class:`ModelRunner`).
     """
 
-    def __init__(self, model: nn.Module | None = None, *, runners: Mapping[str, ModelRunner] | None = None,
-                 policy: Policy | None = None, max_batch_size: int = 8, max_seq_len: int | None = None,
-                 max_prefill_tokens: int = 4096, num_microbatches: int = 1, compile: bool = False,
-                 admission: str = "fifo", kv_block_size: int | None = None, kv_tokens: int | None = None,
-                 kv_swap: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        runners: Mapping[str, ModelRunner] | None = None,
+        policy: Policy | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        max_prefill_tokens: int = 4096,
+        num_microbatches: int = 1,
+        compile: bool = False,
+        admission: str = "fifo",
+        kv_block_size: int | None = None,
+        kv_tokens: int | None = None,
+        kv_swap: bool = False,
+    ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
         if runners is None:
-            runners = {"main": ModelRunner(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                           num_microbatches=num_microbatches, compile=compile,
-                                           kv_block_size=kv_block_size, kv_tokens=kv_tokens, kv_swap=kv_swap)}
+            runners = {
+                "main": ModelRunner(
+                    model,
+                    max_batch_size=max_batch_size,
+                    max_seq_len=max_seq_len,
+                    num_microbatches=num_microbatches,
+                    compile=compile,
+                    kv_block_size=kv_block_size,
+                    kv_tokens=kv_tokens,
+                    kv_swap=kv_swap,
+                )
+            }
         self.runners = dict(runners)
-        self.policy = policy or ContinuousBatching(next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens,
-                                                   admission=admission)
+        self.policy = policy or ContinuousBatching(
+            next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens, admission=admission
+        )
         cfg = next(iter(self.runners.values())).model.config
         self.vocab_size, self.eos_ids = cfg.vocab_size, _as_ids(cfg.eos_token_id)
         self.stats = self.policy.stats_cls()
@@ -180,8 +202,10 @@ class Engine:
         if not_int:
             raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
         if n + m > self.max_seq_len:
-            raise ValueError(f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = "
-                             f"{n + m} exceeds max_seq_len ({self.max_seq_len})")
+            raise ValueError(
+                f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = "
+                f"{n + m} exceeds max_seq_len ({self.max_seq_len})"
+            )
         bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {r.id}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
@@ -207,7 +231,7 @@ class Engine:
         """Release the policy's threads and shared memory (not collective; safe on error paths)."""
         self.policy.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -5,13 +5,14 @@ queue, gives them KV slots (and data-parallel replicas), and names the layout (r
 the step; the loop switches layouts, runs the step, samples and retires. Continuous batching is
 the default; Shift's token threshold and Seesaw's schedulers are policies too.
 """
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from typing import Sequence as Seq
 
 from reshard.parallel.engine.request import EngineStats, Request, Sequence
 
@@ -45,11 +46,19 @@ class SlotPool:
     admission, so it never runs out mid-generation, and gives them back when it finishes.
     """
 
-    def __init__(self, slots_per_replica: int, replicas: int, *, num_blocks: int | None = None,
-                 block_size: int | None = None, stats: EngineStats | None = None) -> None:
+    def __init__(
+        self,
+        slots_per_replica: int,
+        replicas: int,
+        *,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        stats: EngineStats | None = None,
+    ) -> None:
         self.per, self.block_size, self.stats = slots_per_replica, block_size, stats
-        self.free = [g * slots_per_replica + i for i in reversed(range(slots_per_replica))
-                     for g in reversed(range(replicas))]
+        self.free = [
+            g * slots_per_replica + i for i in reversed(range(slots_per_replica)) for g in reversed(range(replicas))
+        ]
         self.num_blocks = num_blocks
         self.free_blocks = [list(reversed(range(num_blocks))) for _ in range(replicas)] if num_blocks else None
 
@@ -64,8 +73,9 @@ class SlotPool:
         """A free slot, and on its replica enough free blocks for the whole sequence."""
         if not self.free:
             return False
-        return (self.free_blocks is None
-                or len(self.free_blocks[self.free[-1] // self.per]) >= self.blocks_needed(request))
+        return self.free_blocks is None or len(self.free_blocks[self.free[-1] // self.per]) >= self.blocks_needed(
+            request
+        )
 
     def take(self, seq: Sequence) -> None:
         seq.replica, seq.slot = divmod(self.free.pop(), self.per)
@@ -91,7 +101,7 @@ class Policy:
 
     stats_cls: type = EngineStats
 
-    def bind(self, engine: "Engine") -> None:
+    def bind(self, engine: Engine) -> None:
         """Called once by the engine that runs this policy."""
         self.engine = engine
 
@@ -157,8 +167,13 @@ class ContinuousBatching(Policy):
             queue.extend(ordered)
         runner = self.engine.runners[self.layout]
         spec = runner.kv.spec
-        self.slots = SlotPool(runner.max_batch_size, runner.replica.size, num_blocks=spec.num_blocks,
-                              block_size=spec.block_size, stats=self.engine.stats)
+        self.slots = SlotPool(
+            runner.max_batch_size,
+            runner.replica.size,
+            num_blocks=spec.num_blocks,
+            block_size=spec.block_size,
+            stats=self.engine.stats,
+        )
         self.running: dict[int, Sequence] = {}
         self._last = None
 
@@ -168,10 +183,12 @@ class ContinuousBatching(Policy):
         for r in requests if spec.paged else ():
             tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
             if spec.blocks_for(tokens) > spec.num_blocks:
-                raise ValueError(f"request {r.id}: prompt length ({len(r.prompt_ids)}) + max_new_tokens "
-                                 f"({r.sampling.max_new_tokens}) = {tokens} KV tokens needs "
-                                 f"{spec.blocks_for(tokens)} blocks of {spec.block_size} but the paged cache "
-                                 f"holds {spec.num_blocks} ({spec.capacity_tokens} tokens)")
+                raise ValueError(
+                    f"request {r.id}: prompt length ({len(r.prompt_ids)}) + max_new_tokens "
+                    f"({r.sampling.max_new_tokens}) = {tokens} KV tokens needs "
+                    f"{spec.blocks_for(tokens)} blocks of {spec.block_size} but the paged cache "
+                    f"holds {spec.num_blocks} ({spec.capacity_tokens} tokens)"
+                )
 
     def next_step(self, queue: deque) -> Step:
         if queue and self._fits(queue[0]) and not (self._last == "prefill" and self.running):

@@ -7,8 +7,10 @@ built-in ones by importing every module of that package (no list of names); a st
 elsewhere registers when its module is imported, or is named by its dotted module path. The
 recipes look strategies up by name and never branch on them.
 """
+
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pkgutil
@@ -97,12 +99,14 @@ class Strategy:
 
 def register_strategy(name: str):
     """Class decorator: register a :class:`Strategy` dataclass under ``name``."""
+
     def register(cls: type) -> type:
         if not issubclass(cls, Strategy):
             raise TypeError(f"strategy {name!r}: {cls.__name__} must subclass Strategy")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
+
     return register
 
 
@@ -118,10 +122,8 @@ def strategy_class(name: str) -> type:
     if name not in _REGISTRY:
         discover()
     if name not in _REGISTRY and isinstance(name, str) and "." in name:
-        try:
+        with contextlib.suppress(ModuleNotFoundError):
             importlib.import_module(name)
-        except ModuleNotFoundError:
-            pass
     if name not in _REGISTRY:
         raise ValueError(f"parallel.strategy {name!r} is not one of {sorted(_REGISTRY)}")
     return _REGISTRY[name]

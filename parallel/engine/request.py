@@ -1,4 +1,5 @@
 """Requests, the sequences the engine loop runs for them, completions and step statistics."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,10 +39,11 @@ class Sequence:
     finish_reason: str | None = None
 
     @staticmethod
-    def of(request: Request, eos_ids: tuple[int, ...]) -> "Sequence":
+    def of(request: Request, eos_ids: tuple[int, ...]) -> Sequence:
         stop = request.sampling.stop_token_ids
-        return Sequence(request, make_generator(request.sampling, request.id),
-                        frozenset(eos_ids if stop is None else stop))
+        return Sequence(
+            request, make_generator(request.sampling, request.id), frozenset(eos_ids if stop is None else stop)
+        )
 
     @property
     def last_token(self) -> int:

@@ -11,12 +11,14 @@ is read as a view, the step's inputs live in persistent buffers updated in place
 never change (a compiled decode step is one graph). Host and device synchronize only when the
 sampled tokens are read.
 """
+
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Callable
-from typing import Sequence as Seq
 
 import torch
 import torch.distributed as dist
@@ -50,8 +52,9 @@ class StageLink:
     """Pipeline P2P: stage ``s`` receives ``(1, N, D)`` hidden states from stage ``s - 1`` and sends
     its output to stage ``s + 1`` without waiting (peers: this rank's group, one rank per stage)."""
 
-    def __init__(self, stage: int, peers: list[int], hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, stage: int, peers: list[int], hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.stage, self.peers = stage, peers
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
 
@@ -85,7 +88,7 @@ class TokenSplit:
         n = x.shape[0]
         per = -(-n // self.size)
         x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, per * self.size - n))
-        return x[self.rank * per:(self.rank + 1) * per]
+        return x[self.rank * per : (self.rank + 1) * per]
 
     def gather(self, h: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``(1, N / size, D)`` shares -> ``(1, N, D)``: every rank's tokens."""
@@ -141,11 +144,22 @@ class ModelRunner:
             ``i - 1``'s new entries out) while ``i`` computes. Needs ``num_microbatches >= 2``.
     """
 
-    def __init__(self, model: nn.Module, *, dims: ParallelDims | None = None, max_batch_size: int = 8,
-                 max_seq_len: int | None = None, kv: KVCache | None = None,
-                 split: TokenSplit | None = None, weights: str | None = None,
-                 num_microbatches: int = 1, compile: bool = False, kv_block_size: int | None = None,
-                 kv_tokens: int | None = None, kv_swap: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dims: ParallelDims | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        kv: KVCache | None = None,
+        split: TokenSplit | None = None,
+        weights: str | None = None,
+        num_microbatches: int = 1,
+        compile: bool = False,
+        kv_block_size: int | None = None,
+        kv_tokens: int | None = None,
+        kv_swap: bool = False,
+    ) -> None:
         self.model, self.dims = model, dims if dims is not None else model.parallel_dims
         cfg = model.config
         self.max_batch_size = _positive("max_batch_size", max_batch_size)
@@ -153,8 +167,10 @@ class ModelRunner:
         self.num_microbatches = _positive("num_microbatches", num_microbatches)
         coord = self.dims.world_mesh().get_coordinate()  # (dp, pp, sp, tp)
         if coord is None:
-            raise ValueError(f"rank {dist.get_rank()} is not one of the layout's ranks {self.dims.ranks}; "
-                             f"only those ranks run its engine")
+            raise ValueError(
+                f"rank {dist.get_rank()} is not one of the layout's ranks {self.dims.ranks}; "
+                f"only those ranks run its engine"
+            )
         self.group = self.dims.group()  # the layout's ranks agree on each step's tokens
         self.replica = Replica(self.dims.dp, coord[0])
         self.layer_ids = self._stage_layers(coord[1])
@@ -175,8 +191,10 @@ class ModelRunner:
     def _micro_batch_swap(self, block_size: int | None) -> MicrobatchSwap:
         """Host KV for every slot; the device cache shrinks to two micro-batches of slots."""
         if self.num_microbatches < 2 or block_size is not None or self.compiled:
-            raise ValueError(f"kv_swap needs num_microbatches >= 2 (got {self.num_microbatches}), a contiguous "
-                             f"cache (kv_block_size {block_size}) and eager decode (compile {self.compiled})")
+            raise ValueError(
+                f"kv_swap needs num_microbatches >= 2 (got {self.num_microbatches}), a contiguous "
+                f"cache (kv_block_size {block_size}) and eager decode (compile {self.compiled})"
+            )
         per = -(-self.max_batch_size // self.num_microbatches)
         host = self.kv.spec
         self.kv = KVCache(dataclasses.replace(host, num_slots=2 * per), device=self.device)
@@ -204,11 +222,18 @@ class ModelRunner:
         if block_size is not None and not 0 < block_size <= tokens:
             raise ValueError(f"kv_block_size ({block_size}) must be in 1..kv_tokens ({tokens})")
         attn = self.layers[0].self_attn
-        return KVSpec(num_layers=len(self.layer_ids), num_slots=self.max_batch_size,
-                      num_heads=attn.local_kv_heads, max_seq_len=self.max_seq_len,
-                      head_dim=attn.head_dim, dtype=self.model.model.embed_tokens.weight.dtype,
-                      head_start=attn.kv_head_range[0], first_layer=self.layer_ids[0],
-                      block_size=block_size, num_blocks=None if tokens is None else tokens // block_size)
+        return KVSpec(
+            num_layers=len(self.layer_ids),
+            num_slots=self.max_batch_size,
+            num_heads=attn.local_kv_heads,
+            max_seq_len=self.max_seq_len,
+            head_dim=attn.head_dim,
+            dtype=self.model.model.embed_tokens.weight.dtype,
+            head_start=attn.kv_head_range[0],
+            first_layer=self.layer_ids[0],
+            block_size=block_size,
+            num_blocks=None if tokens is None else tokens // block_size,
+        )
 
     def _attach_layers(self) -> None:
         """Every attention layer of the range checks the cache holds the KV it reads and writes."""
@@ -248,12 +273,19 @@ class ModelRunner:
         offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
         batches, ranges = [], self._prefill_ranges(len(seqs))
         for i, (a, b) in enumerate(ranges):
-            slots = [s.slot for s in seqs[a:b]] if self.swap is None else list(range(self.swap.base(i), self.swap.base(i) + b - a))
+            slots = (
+                [s.slot for s in seqs[a:b]]
+                if self.swap is None
+                else list(range(self.swap.base(i), self.swap.base(i) + b - a))
+            )
             ctx = AttentionContext.build(self.kv, slots, [0] * (b - a), lengths[a:b])
-            rows = torch.tensor(offsets[a + 1:b + 1], device=self.device) - offsets[a] - 1
-            batches.append((ids[offsets[a]:offsets[b]], ctx, rows))
-        edges = None if self.swap is None else PrefillSwap(self.swap, [
-            ([s.slot for s in seqs[a:b]], lengths[a:b]) for a, b in ranges])
+            rows = torch.tensor(offsets[a + 1 : b + 1], device=self.device) - offsets[a] - 1
+            batches.append((ids[offsets[a] : offsets[b]], ctx, rows))
+        edges = (
+            None
+            if self.swap is None
+            else PrefillSwap(self.swap, [([s.slot for s in seqs[a:b]], lengths[a:b]) for a, b in ranges])
+        )
         return self._stages(batches, self._body, edges)
 
     def _prefill_ranges(self, n: int) -> list[tuple[int, int]]:
@@ -278,8 +310,9 @@ class ModelRunner:
                 keep += [offset + i for i in (active if self.compiled else range(len(active)))]
                 ranges.append((a, b))
         edges = None if self.swap is None else self.swap.decode(ranges, self.decode_inputs.positions, kv_len)
-        out = self._stages([(x, ctx, None if self.compiled else rows) for x, ctx, rows in batches],
-                           self._decode_body, edges)
+        out = self._stages(
+            [(x, ctx, None if self.compiled else rows) for x, ctx, rows in batches], self._decode_body, edges
+        )
         if out is None:
             return None
         return out[torch.tensor(keep)[torch.tensor(by_slot).argsort()].to(out.device)]
@@ -357,9 +390,10 @@ class ModelRunner:
         if self.kv.spec.paged:  # between generations every block is free: consecutive ones
             starts = [0] + torch.cumsum(torch.tensor([self.kv.spec.blocks_for(n) for n in lengths]), 0).tolist()
             if starts[-1] > self.kv.spec.num_blocks:
-                raise ValueError(f"prompts of {sum(lengths)} tokens do not fit the paged cache's "
-                                 f"{self.kv.spec.capacity_tokens}")
-            for slot, (a, b) in enumerate(zip(starts, starts[1:])):
+                raise ValueError(
+                    f"prompts of {sum(lengths)} tokens do not fit the paged cache's {self.kv.spec.capacity_tokens}"
+                )
+            for slot, (a, b) in enumerate(itertools.pairwise(starts)):
                 self.kv.assign(slot, list(range(a, b)))
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         ctx = AttentionContext.build(self.kv, list(range(len(prompts))), [0] * len(prompts), lengths)

@@ -3,10 +3,11 @@
 Sampling draws Gumbel noise from a per-request generator seeded by ``(seed, request id)``, so a
 request's tokens do not depend on which other requests share its batch or on the world size.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -41,8 +42,9 @@ def make_generator(params: SamplingParams, request_id: int) -> torch.Generator |
     return torch.Generator().manual_seed((params.seed * 1_000_003 + request_id) % (2**63))
 
 
-def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
     """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU."""
     greedy = logits.argmax(-1).cpu()
     if all(p.greedy for p in params):
@@ -53,8 +55,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     return greedy
 
 
-def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-               vocab_size: int) -> None:
+def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab_size: int) -> None:
     """Advance each sampling generator past the draw :func:`sample_tokens` makes for one token
     (for ranks that learn the token from another rank instead of sampling it)."""
     for p, g in zip(params, generators):

@@ -13,5 +13,12 @@ from reshard.parallel.fault.recovery import FaultTolerance, remove_orphans
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.ring import RingReplication
 
-__all__ = ["FaultTolerance", "Heartbeat", "RingReplication", "inject_kill", "job_store", "remove_orphans",
-           "restart_count"]
+__all__ = [
+    "FaultTolerance",
+    "Heartbeat",
+    "RingReplication",
+    "inject_kill",
+    "job_store",
+    "remove_orphans",
+    "restart_count",
+]

@@ -1,4 +1,5 @@
 """Heartbeats through the job's store: a rank silent for 3 periods is declared dead and the survivors leave."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,9 @@ class Heartbeat:
     survivor waits in a collective for a rank that hangs). ``detected`` lists what was declared.
     """
 
-    def __init__(self, store, rank: int, world: int, *, period: float = 0.5, misses: int = 3,
-                 prefix: str = "hb", on_dead=None) -> None:
+    def __init__(
+        self, store, rank: int, world: int, *, period: float = 0.5, misses: int = 3, prefix: str = "hb", on_dead=None
+    ) -> None:
 
         self.store, self.rank, self.world, self.period, self.misses = store, rank, world, period, misses
         self.prefix, self.on_dead = prefix, on_dead or _leave

@@ -1,4 +1,5 @@
 """Failure injection for tests and benches: a rank killed (SIGKILL) or hung at a given step."""
+
 from __future__ import annotations
 
 import os
@@ -9,9 +10,11 @@ import torch.distributed as dist
 
 def inject_kill(kill_at: tuple[int, int]):
     """A pre-step hook that SIGKILLs rank ``kill_at[0]`` before step ``kill_at[1]``."""
+
     def hook(index: int, step) -> None:
         if (dist.get_rank(), index) == tuple(kill_at):
             die()
+
     return hook
 
 

@@ -9,6 +9,7 @@ every mirror acknowledged without compute, restore each rank's KV from the mirro
 kept, and recompute at most one step. On one machine the mirrors live in shared memory so a
 whole-job restart keeps them; across machines they would live in the successor's memory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,8 @@ def shared_cache(spec, path: Path) -> KVCache:
     cache = KVCache(dataclasses.replace(spec), device="cpu")
     per = spec.bytes // (2 * spec.num_layers)  # one layer's K (or V) in bytes
     pool = torch.from_file(str(path), shared=True, size=spec.bytes, dtype=torch.uint8)
-    views = [pool[i * per:(i + 1) * per].view(spec.dtype).view(spec.shape) for i in range(2 * spec.num_layers)]
-    cache.k, cache.v = views[:spec.num_layers], views[spec.num_layers:]
+    views = [pool[i * per : (i + 1) * per].view(spec.dtype).view(spec.shape) for i in range(2 * spec.num_layers)]
+    cache.k, cache.v = views[: spec.num_layers], views[spec.num_layers :]
     return cache
 
 
@@ -62,9 +63,18 @@ class FaultTolerance:
     builds it.
     """
 
-    def __init__(self, engine: Engine, run_id: str, *, kill_at: tuple[int, int] | None = None,
-                 hang: bool = False, attempt: int = 0, max_restarts: int = 0, heartbeat_s: float = 1.0,
-                 on_last_failure: str = "") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        run_id: str,
+        *,
+        kill_at: tuple[int, int] | None = None,
+        hang: bool = False,
+        attempt: int = 0,
+        max_restarts: int = 0,
+        heartbeat_s: float = 1.0,
+        on_last_failure: str = "",
+    ) -> None:
         self.engine, self.rank, self.attempt = engine, dist.get_rank(), attempt
         runner = _replicated_runner(engine, engine.policy.host_layouts)
         self.shm = Path("/dev/shm") / f"reshard-ft-{run_id}"
@@ -76,8 +86,9 @@ class FaultTolerance:
         self.journal = self.shm / "journal.jsonl"
         engine.policy.persist(self.shm)
         self.cache = runner.kv
-        self.ring = RingReplication(runner, engine=engine,
-                                    mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source)))
+        self.ring = RingReplication(
+            runner, engine=engine, mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source))
+        )
         for other in engine.runners.values():
             if other is not runner and other.kv is runner.kv:  # Shift's other mode writes the same cache
                 self.ring.attach(other)
@@ -86,8 +97,9 @@ class FaultTolerance:
         self.recovered_from, self.recomputed_steps, self._streamed = 0, 0, []
         engine.pre_step_hooks.append(self._maybe_die)
         engine.post_step_hooks.append(self._record)
-        self.heartbeat = Heartbeat(job_store(attempt), self.rank, dist.get_world_size(), period=heartbeat_s,
-                                   on_dead=self._declare_dead)
+        self.heartbeat = Heartbeat(
+            job_store(attempt), self.rank, dist.get_world_size(), period=heartbeat_s, on_dead=self._declare_dead
+        )
         # torchrun stops the survivors of a failed rank with SIGTERM, maybe before they reach a
         # collective that fails: that is when they learn of it
         signal.signal(signal.SIGTERM, self._terminated)
@@ -131,8 +143,9 @@ class FaultTolerance:
         resume = max(min(len(steps), int(acked.item()) + 1), 0)
         dist.barrier()  # every rank has read the journal before rank 0 trims it
         if self.rank == 0:
-            self.journal.write_text("".join(json.dumps({"step": i, "tokens": t}) + "\n"
-                                            for i, t in enumerate(steps[:resume])))
+            self.journal.write_text(
+                "".join(json.dumps({"step": i, "tokens": t}) + "\n" for i, t in enumerate(steps[:resume]))
+            )
         self.engine.replay.extend(steps[:resume])
         self.recovered_from, self.recomputed_steps = resume, len(steps) - resume
         return resume
@@ -237,9 +250,13 @@ def _replicated_runner(engine: Engine, persisted: frozenset[str]):
     runner = runners[name]
     uncovered = sorted(n for n, r in runners.items() if r.kv is not runner.kv and n not in persisted)
     if uncovered:
-        raise ValueError(f"fault tolerance replicates the {name!r} runner's KV cache; runners {uncovered} "
-                         f"keep KV of their own that nothing replicates")
+        raise ValueError(
+            f"fault tolerance replicates the {name!r} runner's KV cache; runners {uncovered} "
+            f"keep KV of their own that nothing replicates"
+        )
     if runner.kv.spec.paged:
-        raise ValueError(f"fault tolerance needs a contiguous KV cache; the {name!r} runner's is paged "
-                         f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size")
+        raise ValueError(
+            f"fault tolerance needs a contiguous KV cache; the {name!r} runner's is paged "
+            f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size"
+        )
     return runner

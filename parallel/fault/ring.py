@@ -7,10 +7,11 @@ acknowledges ``(worker, request, step)`` once they are in. Streaming overlaps th
 so it composes with any layout whose KV lives in the store (TP, pipeline stages, Shift).
 Recovery after a failure (restoring a restarted rank from its neighbour's mirror) builds on it.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -29,11 +30,20 @@ class RingReplication:
     replica with nothing to run still takes part through the ``idle_step`` hook.
     """
 
-    def __init__(self, runner: ModelRunner, *, engine: Engine | None = None, timeout: float = 60.0,
-                 mirror_at: Callable[[KVSpec, int], KVCache] | None = None, background: bool = True) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        engine: Engine | None = None,
+        timeout: float = 60.0,
+        mirror_at: Callable[[KVSpec, int], KVCache] | None = None,
+        background: bool = True,
+    ) -> None:
         if runner.replica.size > 1 and engine is None:
-            raise ValueError(f"ring replication over dp={runner.replica.size} replicas needs the engine "
-                             f"(a rank mirrors another replica's sequences)")
+            raise ValueError(
+                f"ring replication over dp={runner.replica.size} replicas needs the engine "
+                f"(a rank mirrors another replica's sequences)"
+            )
         layouts, replicas = world_layouts(runner.kv, runner.group), _world_replicas(runner)
         ranks = sorted(layouts)
         self.rank, self.ranks = dist.get_rank(), ranks
@@ -117,5 +127,10 @@ def _ring_plan(layouts: dict[int, KVLayout]) -> StreamPlan:
 
 def _spec_for(cache: KVCache, layout: KVLayout):
     """A cache spec like ``cache``'s (slots, length, paging) holding ``layout``'s layers and heads."""
-    return dataclasses.replace(cache.spec, first_layer=layout.first_layer, num_layers=layout.num_layers,
-                               head_start=layout.head_start, num_heads=layout.num_heads)
+    return dataclasses.replace(
+        cache.spec,
+        first_layer=layout.first_layer,
+        num_layers=layout.num_layers,
+        head_start=layout.head_start,
+        num_heads=layout.num_heads,
+    )

@@ -1,4 +1,5 @@
 """Reading HF safetensors checkpoints one box at a time (a rank never reads the full model)."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,18 @@ from reshard.layout import Box, box_slices
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
@@ -70,8 +80,10 @@ class CheckpointReader:
         """Shape and dtype of tensor ``name`` from its file's header (no data read)."""
         entry = _header(self.file_of(name))[1].get(name)
         if entry is None:
-            raise ValueError(f"tensor {name!r} is listed for {self.file_of(name)} but that file does not "
-                             f"contain it (index {self.directory / INDEX_FILE})")
+            raise ValueError(
+                f"tensor {name!r} is listed for {self.file_of(name)} but that file does not "
+                f"contain it (index {self.directory / INDEX_FILE})"
+            )
         return tuple(entry["shape"]), DTYPES.get(entry["dtype"], entry["dtype"])
 
     def check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, target: str) -> None:
@@ -80,9 +92,11 @@ class CheckpointReader:
         have, kind = self.spec(name)
         castable = isinstance(kind, torch.dtype) and kind.is_floating_point == dtype.is_floating_point
         if have != tuple(shape) or not castable:
-            raise ValueError(f"checkpoint tensor {name!r} in {self.file_of(name)} is {list(have)} {kind} but "
-                             f"parameter {target!r} is {list(shape)} {dtype} (does config.json match "
-                             f"the weights?)")
+            raise ValueError(
+                f"checkpoint tensor {name!r} in {self.file_of(name)} is {list(have)} {kind} but "
+                f"parameter {target!r} is {list(shape)} {dtype} (does config.json match "
+                f"the weights?)"
+            )
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -108,11 +122,9 @@ def _weight_map(directory: Path) -> dict[str, str]:
         return dict(json.loads(index.read_text())["weight_map"])
     single = directory / SINGLE_FILE
     if not single.exists():
-        raise ValueError(
-            f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}; only safetensors checkpoints load"
-        )
+        raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}; only safetensors checkpoints load")
     with safe_open(str(_check_file(single)), framework="pt") as f:
-        return {k: SINGLE_FILE for k in f.keys()}
+        return {k: SINGLE_FILE for k in f}
 
 
 def _header(path: Path) -> tuple[int, dict]:
@@ -140,8 +152,7 @@ def _check_file(path: Path) -> Path:
     n, header = _header(path)
     need = 8 + n + _data_bytes(path, header)
     if path.stat().st_size < need:
-        raise ValueError(f"safetensors file {path} is truncated: {path.stat().st_size} bytes, "
-                         f"header needs {need}")
+        raise ValueError(f"safetensors file {path} is truncated: {path.stat().st_size} bytes, header needs {need}")
     return path
 
 

@@ -4,6 +4,7 @@ Meshes derived from the axes for one parallelism live with its plan: KV-head rep
 :mod:`parallel.plans`, pipeline stages in :mod:`parallel.pipeline`, Shift's head-block meshes in
 :mod:`parallel.shift`; all of them come from :func:`reshard.mesh.cached_mesh`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from reshard.mesh import cached_group, cached_mesh, device_type
 AXES = ("dp", "pp", "sp", "tp")
 
 
-def rank_grid(dims: "ParallelDims") -> torch.Tensor:
+def rank_grid(dims: ParallelDims) -> torch.Tensor:
     """The layout's ranks (``0..world_size-1``, or from ``first_rank``) as the ascending
     ``(dp, pp, sp, tp)`` grid (checks the job's size)."""
     dims._check_world()
@@ -55,7 +56,7 @@ class ParallelDims:
             )
 
     @staticmethod
-    def from_world(**degrees: int) -> "ParallelDims":
+    def from_world(**degrees: int) -> ParallelDims:
         """Dims for the running job; ``world_size`` is read from the default process group."""
         return ParallelDims(**degrees, world_size=dist.get_world_size())
 
@@ -90,13 +91,12 @@ class ParallelDims:
         actual = dist.get_world_size() if dist.is_initialized() else 1
         if self.first_rank is not None:
             if not 0 <= self.first_rank <= actual - self.world_size:
-                raise ValueError(f"ranks {self.first_rank}..{self.first_rank + self.world_size - 1} of the "
-                                 f"layout are not all in the job's {actual} ranks")
+                raise ValueError(
+                    f"ranks {self.first_rank}..{self.first_rank + self.world_size - 1} of the "
+                    f"layout are not all in the job's {actual} ranks"
+                )
         elif actual != self.world_size:
-            raise ValueError(
-                f"ParallelDims expects world_size({self.world_size}) but the job has "
-                f"{actual} ranks"
-            )
+            raise ValueError(f"ParallelDims expects world_size({self.world_size}) but the job has {actual} ranks")
 
 
 __all__ = ["AXES", "ParallelDims", "cached_mesh", "device_type", "rank_grid"]

@@ -4,10 +4,11 @@ Each function returns ``{parameter name: (mesh, placements)}`` for a model made 
 Moving between any two of them is one coalesced, planned transfer (Seesaw's prefill <-> decode
 re-sharding, the RL train -> rollout weight sync, ...).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -105,5 +106,4 @@ def global_layout(t: DTensor, dims: ParallelDims) -> Layout:
     stride = dims.world_size // dims.dp
     ranks = torch.tensor(local.ranks)
     grid = torch.stack([ranks + (i - d) * stride for i in range(dims.dp)])  # (dp, *mesh)
-    return dataclasses.replace(local, ranks=nested_tuple(grid.tolist()),
-                               placements=(Replicate(),) + local.placements)
+    return dataclasses.replace(local, ranks=nested_tuple(grid.tolist()), placements=(Replicate(),) + local.placements)

@@ -1,10 +1,11 @@
 """``parallelize``: swap an HF model's modules for drop-in parallel layers and load each rank's slices."""
+
 from __future__ import annotations
 
 import fnmatch
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,16 @@ def check_architecture(config) -> None:
         )
 
 
-def parallelize(model_or_path: nn.Module | str | os.PathLike, dims: ParallelDims | None = None, *,
-                plan: Mapping[str, ParallelStyle] | None = None,
-                dtype: torch.dtype | None = None, mesh_of: MeshOf | None = None,
-                load_weights: bool = True, allow_unused: bool = False) -> nn.Module:
+def parallelize(
+    model_or_path: nn.Module | str | os.PathLike,
+    dims: ParallelDims | None = None,
+    *,
+    plan: Mapping[str, ParallelStyle] | None = None,
+    dtype: torch.dtype | None = None,
+    mesh_of: MeshOf | None = None,
+    load_weights: bool = True,
+    allow_unused: bool = False,
+) -> nn.Module:
     """An HF causal LM whose modules (named in ``plan``) are our parallel layers.
 
     From a path or hub id, the model skeleton is built on the meta device and every rank reads only
@@ -158,11 +165,13 @@ def _checkpoint_key(name: str, reader: CheckpointReader, tied: bool) -> str:
 def _check_unused(reader: CheckpointReader, used: set[str], allow_unused: bool) -> None:
     """HF reports checkpoint tensors the model does not use; a mismatched config.json (fewer
     layers) must not load silently."""
-    unused = sorted(k for k in reader.keys() if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    unused = sorted(k for k in reader if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if unused and not allow_unused:
-        raise ValueError(f"{len(unused)} tensors in the checkpoint at {reader.directory} are not used by "
-                         f"the model built from its config.json: {unused[:6]}{' ...' if len(unused) > 6 else ''}"
-                         f" (pass allow_unused=True to load anyway)")
+        raise ValueError(
+            f"{len(unused)} tensors in the checkpoint at {reader.directory} are not used by "
+            f"the model built from its config.json: {unused[:6]}{' ...' if len(unused) > 6 else ''}"
+            f" (pass allow_unused=True to load anyway)"
+        )
 
 
 def _rebuild_rotary(model: nn.Module, device) -> None:
@@ -170,6 +179,5 @@ def _rebuild_rotary(model: nn.Module, device) -> None:
     old = model.model.rotary_emb
     with torch.device(device):
         model.model.rotary_emb = type(old)(config=model.config)
-    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-                 if t.is_meta]
+    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not leftovers, f"tensors left on the meta device: {leftovers}"

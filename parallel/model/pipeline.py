@@ -5,6 +5,7 @@ tensors on this rank). Execution is a runner variant of the engine core
 (:class:`parallel.engine.ModelRunner` with ``dims.pp > 1``): a KV cache for the stage's layers,
 micro-batches whose hidden states flow between stages by P2P, logits on the last stage.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,14 @@ from reshard.parallel.model.parallelize import parallelize
 from reshard.parallel.model.plans import MeshOf, tp_plan
 
 
-def parallelize_pipeline(path: str | os.PathLike, dims: ParallelDims, *,
-                         dtype: torch.dtype | None = None, load_weights: bool = True,
-                         allow_unused: bool = False) -> nn.Module:
+def parallelize_pipeline(
+    path: str | os.PathLike,
+    dims: ParallelDims,
+    *,
+    dtype: torch.dtype | None = None,
+    load_weights: bool = True,
+    allow_unused: bool = False,
+) -> nn.Module:
     """Load ``path`` with decoder layers split over ``dims.pp`` stages, each TP over ``dims.tp``.
 
     Every module lives on its stage's tp mesh (:func:`stage_mesh_of`); KV heads fewer than tp are
@@ -31,8 +37,15 @@ def parallelize_pipeline(path: str | os.PathLike, dims: ParallelDims, *,
     layers = _num_layers(path)
     if dims.pp > layers:
         raise ValueError(f"pipeline stages ({dims.pp}) exceed the model's layers ({layers})")
-    return parallelize(path, dims, plan=tp_plan(), dtype=dtype, mesh_of=stage_mesh_of(dims, layers),
-                       load_weights=load_weights, allow_unused=allow_unused)
+    return parallelize(
+        path,
+        dims,
+        plan=tp_plan(),
+        dtype=dtype,
+        mesh_of=stage_mesh_of(dims, layers),
+        load_weights=load_weights,
+        allow_unused=allow_unused,
+    )
 
 
 def stage_meshes(dims: ParallelDims) -> list[DeviceMesh]:
@@ -42,8 +55,9 @@ def stage_meshes(dims: ParallelDims) -> list[DeviceMesh]:
     creation is collective over the world); this rank keeps its group's.
     """
     grid = rank_grid(dims)  # (dp, pp, sp, tp)
-    rows = [[cached_mesh(grid[d, p, s], ("tp",)) for p in range(dims.pp)]
-            for d in range(dims.dp) for s in range(dims.sp)]
+    rows = [
+        [cached_mesh(grid[d, p, s], ("tp",)) for p in range(dims.pp)] for d in range(dims.dp) for s in range(dims.sp)
+    ]
     coord = dims.world_mesh().get_coordinate()
     if coord is None:  # a rank outside the layout: any group's meshes (it holds no shard of them)
         return rows[0]
@@ -65,12 +79,17 @@ def _num_layers(path) -> int:
     return AutoConfig.from_pretrained(resolve_checkpoint(path)).num_hidden_layers
 
 
-def build_model(path: str | os.PathLike, dims: ParallelDims, *, dtype: torch.dtype | None = None,
-                load_weights: bool = True, allow_unused: bool = False) -> nn.Module:
+def build_model(
+    path: str | os.PathLike,
+    dims: ParallelDims,
+    *,
+    dtype: torch.dtype | None = None,
+    load_weights: bool = True,
+    allow_unused: bool = False,
+) -> nn.Module:
     """The model in ``dims``' layout: pipeline stages when ``dims.pp > 1``, else TP x DP."""
     if dims.sp != 1:
         raise ValueError(f"build_model takes dp, pp and tp layouts, got sp={dims.sp}")
     if dims.pp > 1:
-        return parallelize_pipeline(path, dims, dtype=dtype, load_weights=load_weights,
-                                    allow_unused=allow_unused)
+        return parallelize_pipeline(path, dims, dtype=dtype, load_weights=load_weights, allow_unused=allow_unused)
     return parallelize(path, dims, dtype=dtype, load_weights=load_weights, allow_unused=allow_unused)

@@ -1,8 +1,10 @@
 """Parallelization plans: HF module names -> the drop-in layer (and layout) that replaces them."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -59,8 +61,14 @@ class VocabParallel:
     placements: tuple[Placement, ...] = TP
 
     def build(self, module: nn.Embedding, ctx: BuildContext) -> nn.Module:
-        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
-                                      mesh=ctx.mesh, placements=self.placements, **ctx.kw)
+        return VocabParallelEmbedding(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            mesh=ctx.mesh,
+            placements=self.placements,
+            **ctx.kw,
+        )
 
 
 @dataclass(frozen=True)
@@ -74,10 +82,20 @@ class HeadParallel:
         check_head_split(heads, kv_heads, mesh.size())
         kv_mesh = kv_head_mesh(ctx.dims, kv_heads, mesh) if kv_heads < mesh.size() else None
         return ParallelAttention(
-            cfg.hidden_size, heads, kv_heads, module.head_dim, mesh=mesh, kv_mesh=kv_mesh,
-            layer_idx=ctx.layer_idx, qkv_bias=module.q_proj.bias is not None,
-            o_bias=module.o_proj.bias is not None, qk_norm=hasattr(module, "q_norm"),
-            rms_norm_eps=cfg.rms_norm_eps, sliding_window=_sliding_window(module, cfg), **ctx.kw)
+            cfg.hidden_size,
+            heads,
+            kv_heads,
+            module.head_dim,
+            mesh=mesh,
+            kv_mesh=kv_mesh,
+            layer_idx=ctx.layer_idx,
+            qkv_bias=module.q_proj.bias is not None,
+            o_bias=module.o_proj.bias is not None,
+            qk_norm=hasattr(module, "q_norm"),
+            rms_norm_eps=cfg.rms_norm_eps,
+            sliding_window=_sliding_window(module, cfg),
+            **ctx.kw,
+        )
 
 
 def kv_head_mesh(dims: ParallelDims, num_kv_heads: int, tp_mesh: DeviceMesh | None = None) -> DeviceMesh:
@@ -90,8 +108,9 @@ def kv_head_mesh(dims: ParallelDims, num_kv_heads: int, tp_mesh: DeviceMesh | No
     """
     tp_mesh = tp_mesh if tp_mesh is not None else dims.mesh("tp")
     if dims.tp % num_kv_heads != 0:
-        raise ValueError(f"tensor parallel size ({dims.tp}) must be divisible by KV heads ({num_kv_heads}) "
-                         f"to replicate them")
+        raise ValueError(
+            f"tensor parallel size ({dims.tp}) must be divisible by KV heads ({num_kv_heads}) to replicate them"
+        )
     groups = rank_grid(dims).view(-1, num_kv_heads, dims.tp // num_kv_heads)  # (dp*pp*sp, kv, rep)
     views = [cached_mesh(g, ("tp_kv", "tp_rep")) for g in groups]
     ranks = tp_mesh.mesh.flatten().tolist()
@@ -109,9 +128,15 @@ class FFNParallel:
     placements: tuple[Placement, ...] = TP
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        return SwiGLUMLP(module.gate_proj.in_features, module.gate_proj.out_features,
-                         mesh=ctx.mesh, hidden_act=ctx.config.hidden_act,
-                         bias=module.gate_proj.bias is not None, placements=self.placements, **ctx.kw)
+        return SwiGLUMLP(
+            module.gate_proj.in_features,
+            module.gate_proj.out_features,
+            mesh=ctx.mesh,
+            hidden_act=ctx.config.hidden_act,
+            bias=module.gate_proj.bias is not None,
+            placements=self.placements,
+            **ctx.kw,
+        )
 
 
 @dataclass(frozen=True)
@@ -130,8 +155,15 @@ class ColwiseGather:
     placements: tuple[Placement, ...] = TP
 
     def build(self, module: nn.Linear, ctx: BuildContext) -> nn.Module:
-        return ParallelLinear(module.in_features, module.out_features, module.bias is not None,
-                              mesh=ctx.mesh, placements=self.placements, gather_output=True, **ctx.kw)
+        return ParallelLinear(
+            module.in_features,
+            module.out_features,
+            module.bias is not None,
+            mesh=ctx.mesh,
+            placements=self.placements,
+            gather_output=True,
+            **ctx.kw,
+        )
 
 
 def _sliding_window(module: nn.Module, cfg) -> int | None:
@@ -153,5 +185,15 @@ def tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
-__all__ = ["BuildContext", "ColwiseGather", "FFNParallel", "HeadParallel", "MeshOf", "ParallelStyle",
-           "ReplicatedNorm", "VocabParallel", "kv_head_mesh", "tp_plan"]
+__all__ = [
+    "BuildContext",
+    "ColwiseGather",
+    "FFNParallel",
+    "HeadParallel",
+    "MeshOf",
+    "ParallelStyle",
+    "ReplicatedNorm",
+    "VocabParallel",
+    "kv_head_mesh",
+    "tp_plan",
+]

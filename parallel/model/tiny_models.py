@@ -3,6 +3,7 @@
 These are randomly initialized models, saved with ``save_pretrained`` as safetensors and loaded
 back through the real loading path; they are not trained models.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,11 +19,28 @@ FAMILY_DEFAULTS = {
     "qwen3": dict(num_key_value_heads=2, head_dim=32),
     "mistral": dict(num_key_value_heads=1, sliding_window=24),
 }
-_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2,
-               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-BUILTIN = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-               num_attention_heads=8, num_key_value_heads=4, initializer_range=0.05)
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+BUILTIN = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    initializer_range=0.05,
+)
 BUILTIN_NAME = "tiny-llama-seed0-v1"
 
 
@@ -36,8 +54,9 @@ def tiny_config(family: str, **overrides):
     return AutoConfig.for_model(family, **kwargs)
 
 
-def make_tiny_checkpoint(family: str, path: str | os.PathLike, *, seed: int = 0,
-                         max_shard_size: str | None = None, **overrides) -> Path:
+def make_tiny_checkpoint(
+    family: str, path: str | os.PathLike, *, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
     """Build a seeded tiny model and ``save_pretrained`` it (safetensors) into ``path``."""
     from transformers import AutoModelForCausalLM
 
@@ -51,7 +70,8 @@ def make_tiny_checkpoint(family: str, path: str | os.PathLike, *, seed: int = 0,
 
 def default_cache_dir() -> Path:
     root = os.environ.get("RESHARD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "reshard")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "reshard"
+    )
     return Path(root)
 
 

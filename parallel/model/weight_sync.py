@@ -4,6 +4,7 @@ The movement itself is :class:`reshard.sync.WeightSync`; this module only says w
 model take part: every parameter under its state-dict name (tied names included) and, on the
 rollout side, every separate copy a layer holds of a weight (Shift's full-TP shards).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,12 +25,21 @@ def rollout_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters(remove_duplicate=False)), **weight_copies(model)}
 
 
-def model_sync(train: nn.Module | None, rollout: nn.Module | None, *,
-               bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, method: str = "planned",
-               allow_unused: bool = False) -> WeightSync:
+def model_sync(
+    train: nn.Module | None,
+    rollout: nn.Module | None,
+    *,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    method: str = "planned",
+    allow_unused: bool = False,
+) -> WeightSync:
     """A :class:`WeightSync` from ``train`` to ``rollout`` (``None`` where this rank holds no such
     model). Collective over the world; the rollout model's ``weight_version`` tracks the step."""
-    return WeightSync(train_tensors(train) if train is not None else None,
-                      rollout_tensors(rollout) if rollout is not None else None,
-                      version=weight_version(rollout) if rollout is not None else None,
-                      bucket_bytes=bucket_bytes, method=method, allow_unused=allow_unused)
+    return WeightSync(
+        train_tensors(train) if train is not None else None,
+        rollout_tensors(rollout) if rollout is not None else None,
+        version=weight_version(rollout) if rollout is not None else None,
+        bucket_bytes=bucket_bytes,
+        method=method,
+        allow_unused=allow_unused,
+    )

@@ -12,6 +12,7 @@ agreement, which spans the whole job.
 The appendix-D planner (:mod:`parallel.dejavu_planner`) turns the measured prompt and token step
 times into the machine split ``D_p`` / ``D_t`` it would choose, reported in ``summary.json``.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,8 +96,12 @@ class DejaVuPolicy(Policy):
 
     def _admit(self, queue) -> list:
         budget, admitted = self.max_prefill_tokens * self.engine.runners["prompt"].replica.size, []
-        while queue and len(self.token_slots) and len(self.prompt_slots) and (
-                not admitted or len(queue[0].prompt_ids) <= budget):
+        while (
+            queue
+            and len(self.token_slots)
+            and len(self.prompt_slots)
+            and (not admitted or len(queue[0].prompt_ids) <= budget)
+        ):
             seq = self.engine.new_sequence(queue.popleft())
             budget -= seq.prompt_len
             self.token_slots.take(seq)
@@ -114,8 +119,9 @@ class DejaVuPolicy(Policy):
         if self._passes[layer] < len(split_ranges(len(mine), self.engine.runners["prompt"].num_microbatches)):
             return
         spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in mine]
-        self.outgoing += self.streamer.stream_out(self.engine.runners["prompt"].kv, spans, layers=[layer],
-                                                  tag=self._tag())
+        self.outgoing += self.streamer.stream_out(
+            self.engine.runners["prompt"].kv, spans, layers=[layer], tag=self._tag()
+        )
 
     def after_step(self, step: Step) -> None:
         if step.phase != "prefill":
@@ -158,12 +164,22 @@ class DejaVuPolicy(Policy):
         self.streamer.close()
 
 
-def dejavu_engine(prompt: nn.Module, token: nn.Module, prompt_dims: ParallelDims, token_dims: ParallelDims, *,
-                  max_batch_size: int = 8, max_seq_len: int | None = None, max_prefill_tokens: int = 4096) -> Engine:
+def dejavu_engine(
+    prompt: nn.Module,
+    token: nn.Module,
+    prompt_dims: ParallelDims,
+    token_dims: ParallelDims,
+    *,
+    max_batch_size: int = 8,
+    max_seq_len: int | None = None,
+    max_prefill_tokens: int = 4096,
+) -> Engine:
     """The disaggregated engine (collective over the job: every rank calls it)."""
     max_seq_len = max_seq_len or min(prompt.config.max_position_embeddings, 4096)
-    runners = {name: _runner(model, dims, max_batch_size, max_seq_len)
-               for name, model, dims in (("prompt", prompt, prompt_dims), ("token", token, token_dims))}
+    runners = {
+        name: _runner(model, dims, max_batch_size, max_seq_len)
+        for name, model, dims in (("prompt", prompt, prompt_dims), ("token", token, token_dims))
+    }
     plan = plan_stream(world_layouts(runners["prompt"].kv), world_layouts(runners["token"].kv))
     policy = DejaVuPolicy(KVStreamer(plan), max_prefill_tokens=max_prefill_tokens)
     engine = Engine(runners=runners, policy=policy)
@@ -175,8 +191,9 @@ def dejavu_engine(prompt: nn.Module, token: nn.Module, prompt_dims: ParallelDims
 def _runner(model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int):
     if dist.get_rank() not in dims.ranks:
         return AbsentRunner(model, dims, max_batch_size, max_seq_len)
-    runner = ModelRunner(model, dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         num_microbatches=dims.pp)
+    runner = ModelRunner(
+        model, dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_microbatches=dims.pp
+    )
     runner.group = None  # tokens are agreed over the whole job: both layouts take part in every step
     return runner
 
@@ -231,29 +248,50 @@ class DejaVuStrategy(Strategy):
         prompt_dims, token_dims = self.sides(dist.get_world_size())
         kw = dict(dtype=args.dtype, allow_unused=args.allow_unused)
         prompt, token = build_model(path, prompt_dims, **kw), build_model(path, token_dims, **kw)
-        return dejavu_engine(prompt, token, prompt_dims, token_dims, max_batch_size=args.max_batch_size,
-                             max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens)
+        return dejavu_engine(
+            prompt,
+            token,
+            prompt_dims,
+            token_dims,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            max_prefill_tokens=args.max_prefill_tokens,
+        )
 
     def summary(self, engine: Engine) -> dict:
         s = engine.stats
-        times = torch.tensor([s.prefill_seconds / max(s.prefill_steps, 1), s.decode_seconds / max(s.decode_steps, 1),
-                              s.streamed_bytes], dtype=torch.float64)
+        times = torch.tensor(
+            [s.prefill_seconds / max(s.prefill_steps, 1), s.decode_seconds / max(s.decode_steps, 1), s.streamed_bytes],
+            dtype=torch.float64,
+        )
         dist.all_reduce(times[2:])
         dist.all_reduce(times[:2], op=dist.ReduceOp.MAX)
         new_tokens = s.decode_tokens / max(s.prefill_tokens and s.prefill_steps, 1)
-        plan = plan_disaggregation(dist.get_world_size(), max(times[0].item(), 1e-9), max(times[1].item(), 1e-9),
-                                   max(new_tokens, 1.0), self.overhead)
+        plan = plan_disaggregation(
+            dist.get_world_size(),
+            max(times[0].item(), 1e-9),
+            max(times[1].item(), 1e-9),
+            max(new_tokens, 1.0),
+            self.overhead,
+        )
         p, t = engine.runners["prompt"].dims, engine.runners["token"].dims
-        return {"streamed_bytes": int(times[2]), "stream_wait_seconds": s.stream_wait_seconds,
-                "layouts": {"prompt": {"ranks": p.ranks, "tp": p.tp, "pp": p.pp},
-                            "token": {"ranks": t.ranks, "tp": t.tp, "pp": t.pp}},
-                "dejavu_plan": plan.as_dict()}
+        return {
+            "streamed_bytes": int(times[2]),
+            "stream_wait_seconds": s.stream_wait_seconds,
+            "layouts": {
+                "prompt": {"ranks": p.ranks, "tp": p.tp, "pp": p.pp},
+                "token": {"ranks": t.ranks, "tp": t.tp, "pp": t.pp},
+            },
+            "dejavu_plan": plan.as_dict(),
+        }
 
     def report(self, s: dict) -> list[str]:
         plan = s["dejavu_plan"]
-        return [f"dejavu prompt {s['layouts']['prompt']} -> token {s['layouts']['token']}: streamed "
-                f"{s['streamed_bytes']} bytes of prompt KV; appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
-                f"(disaggregation pays: {plan['pays']})"]
+        return [
+            f"dejavu prompt {s['layouts']['prompt']} -> token {s['layouts']['token']}: streamed "
+            f"{s['streamed_bytes']} bytes of prompt KV; appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
+            f"(disaggregation pays: {plan['pays']})"
+        ]
 
 
 def _side(value: Any, where: str) -> SideConfig:

@@ -6,12 +6,13 @@ rollout ranks, the same ranks (colocated) or others (split). Weights move betwee
 :func:`parallel.weight_sync.model_sync`, in place, every iteration. The policy-gradient pieces
 (group-normalized advantages, the GRPO loss) are plain functions of tensors.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ class RankSplit:
     rollout: tuple[int, ...]
 
     @staticmethod
-    def of(world_size: int, colocated: bool, train_ranks: int | None = None) -> "RankSplit":
+    def of(world_size: int, colocated: bool, train_ranks: int | None = None) -> RankSplit:
         """Colocated: every rank does both. Split: the first ``train_ranks`` (default half) train,
         the others roll out."""
         if colocated:
@@ -39,8 +40,9 @@ class RankSplit:
             return RankSplit(ranks, ranks)
         n = train_ranks if train_ranks is not None else world_size // 2
         if not 0 < n < world_size:
-            raise ValueError(f"split placement needs 1..{world_size - 1} training ranks of the job's "
-                             f"{world_size}, got {n}")
+            raise ValueError(
+                f"split placement needs 1..{world_size - 1} training ranks of the job's {world_size}, got {n}"
+            )
         return RankSplit(tuple(range(n)), tuple(range(n, world_size)))
 
     @property
@@ -79,8 +81,9 @@ def rollout_strategy(layout: str, **keys) -> Strategy:
     return cls(**{k: v for k, v in keys.items() if k in known and v is not None})
 
 
-def rollout_model(path: str | os.PathLike, layout: str, ranks: Sequence[int], *, tp: int | None = None,
-                  sp: int = 2) -> nn.Module:
+def rollout_model(
+    path: str | os.PathLike, layout: str, ranks: Sequence[int], *, tp: int | None = None, sp: int = 2
+) -> nn.Module:
     """The rollout model over ``ranks`` (consecutive) in the strategy ``layout``'s layout: ``"tp"``
     (TP of ``tp`` ranks, default all, the rest data-parallel replicas) or ``"shift"`` (Shift
     parallelism, ``sp`` x rest). Built on every rank of the job (collective); ranks outside
@@ -89,8 +92,9 @@ def rollout_model(path: str | os.PathLike, layout: str, ranks: Sequence[int], *,
     return strategy.build_model(path, rollout_dims(strategy, ranks), EngineArgs())
 
 
-def rollout_engine(model: nn.Module, layout: str, *, max_batch_size: int, max_seq_len: int,
-                   threshold: int = 64) -> Engine:
+def rollout_engine(
+    model: nn.Module, layout: str, *, max_batch_size: int, max_seq_len: int, threshold: int = 64
+) -> Engine:
     """The engine of a :func:`rollout_model` by its strategy: continuous batching in the TP layout,
     or Shift's two modes over one KV cache (steps of more than ``threshold`` tokens run SP)."""
     strategy = rollout_strategy(layout, threshold=threshold, sp=model.parallel_dims.sp)
@@ -120,8 +124,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)).flatten()
 
 
-def completion_logprobs(model: nn.Module, prompts: Sequence[Sequence[int]],
-                        completions: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(
+    model: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities of each completion given its prompt (teacher forcing).
 
     Returns ``(logp, mask)``, both ``(B, Tc)`` (right-padded to the longest completion).
@@ -132,14 +137,14 @@ def completion_logprobs(model: nn.Module, prompts: Sequence[Sequence[int]],
     ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
     attn = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)], attn[i, :len(s)] = torch.tensor(s), 1
+        ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
     logits = model(input_ids=ids, attention_mask=attn).logits.float()  # (B, W, V)
     logp_all = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, W-1)
     logp = torch.zeros(len(seqs), tc, device=device)
     mask = torch.zeros(len(seqs), tc, device=device)
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        logp[i, :len(c)] = logp_all[i, len(p) - 1:len(p) - 1 + len(c)]
-        mask[i, :len(c)] = 1
+        logp[i, : len(c)] = logp_all[i, len(p) - 1 : len(p) - 1 + len(c)]
+        mask[i, : len(c)] = 1
     return logp, mask
 
 

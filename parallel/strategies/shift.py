@@ -8,6 +8,7 @@ cache, ``"sp"`` (tokens split over ``sp``, base weights) and ``"tp"`` (shift wei
 SP, otherwise TP. Both modes give each rank the same head block
 (:func:`head_block`), so nothing moves at a switch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,11 +56,19 @@ class ShiftAttentionStyle:
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         cfg = ctx.config
         return UlyssesAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim,
-            meshes=shift_meshes(ctx.dims, cfg.num_key_value_heads), layer_idx=ctx.layer_idx,
-            qkv_bias=module.q_proj.bias is not None, o_bias=module.o_proj.bias is not None,
-            qk_norm=hasattr(module, "q_norm"), rms_norm_eps=cfg.rms_norm_eps,
-            sliding_window=_sliding_window(module, cfg), **ctx.kw)
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            module.head_dim,
+            meshes=shift_meshes(ctx.dims, cfg.num_key_value_heads),
+            layer_idx=ctx.layer_idx,
+            qkv_bias=module.q_proj.bias is not None,
+            o_bias=module.o_proj.bias is not None,
+            qk_norm=hasattr(module, "q_norm"),
+            rms_norm_eps=cfg.rms_norm_eps,
+            sliding_window=_sliding_window(module, cfg),
+            **ctx.kw,
+        )
 
 
 def shift_plan() -> dict[str, ParallelStyle]:
@@ -126,9 +135,12 @@ def shift_meshes(dims: ParallelDims, num_kv_heads: int) -> ShiftMeshes:
     kv_per_tp = num_kv_heads // dims.tp if num_kv_heads % dims.tp == 0 else 0
     replicate_shift = num_kv_heads < p and p % num_kv_heads == 0
     replicate_sp = 0 < kv_per_tp < dims.sp and dims.sp % kv_per_tp == 0
-    return ShiftMeshes(base=base_mesh(dims), shift=shift_mesh(dims),
-                       shift_kv=block_mesh(dims, num_kv_heads) if replicate_shift else None,
-                       sp_split=sp_split_mesh(dims, kv_per_tp) if replicate_sp else None)
+    return ShiftMeshes(
+        base=base_mesh(dims),
+        shift=shift_mesh(dims),
+        shift_kv=block_mesh(dims, num_kv_heads) if replicate_shift else None,
+        sp_split=sp_split_mesh(dims, kv_per_tp) if replicate_sp else None,
+    )
 
 
 def _block_grid(dims: ParallelDims) -> torch.Tensor:
@@ -141,8 +153,14 @@ def _derived(grid: torch.Tensor, names: tuple[str, str]) -> DeviceMesh:
     return cached_mesh(grid, lead + names)[names]
 
 
-def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weights: str = "copy",
-                      dtype: torch.dtype | None = None, allow_unused: bool = False) -> nn.Module:
+def parallelize_shift(
+    path: str | os.PathLike,
+    dims: ParallelDims,
+    *,
+    shift_weights: str = "copy",
+    dtype: torch.dtype | None = None,
+    allow_unused: bool = False,
+) -> nn.Module:
     """Load ``path`` for Shift parallelism on ``dims`` (``sp * tp`` ranks).
 
     ``shift_weights``: ``"copy"`` keeps separate full-TP shards beside the base weights (the
@@ -154,16 +172,23 @@ def parallelize_shift(path: str | os.PathLike, dims: ParallelDims, *, shift_weig
         raise ValueError(f"shift_weights must be 'copy' or 'slice', got {shift_weights!r}")
     if dims.dp != 1 or dims.pp != 1:
         raise ValueError(f"Shift parallelism runs on sp x tp ranks; got dp({dims.dp}), pp({dims.pp})")
-    model = parallelize(path, dims, plan=shift_plan(), dtype=dtype, mesh_of=base_mesh_of(dims),
-                        allow_unused=allow_unused)
+    model = parallelize(
+        path, dims, plan=shift_plan(), dtype=dtype, mesh_of=base_mesh_of(dims), allow_unused=allow_unused
+    )
     copy, extra = shift_weights == "copy", 0
     for layer in model.model.layers:
         extra += layer.self_attn.add_shift_layouts(copy=copy)
         extra += layer.mlp.add_source(SHIFT_WEIGHTS, shift_mesh(dims), (Shard(0), Shard(0)), copy=copy)
     model.shift_extra_bytes = extra
     model.kv_replication = model.model.layers[0].self_attn.kv_replication
-    log.info("shift parallelism: sp=%d tp=%d, KV-head replication x%d, shift weights %s (+%d bytes)",
-             dims.sp, dims.tp, model.kv_replication, shift_weights, extra)
+    log.info(
+        "shift parallelism: sp=%d tp=%d, KV-head replication x%d, shift weights %s (+%d bytes)",
+        dims.sp,
+        dims.tp,
+        model.kv_replication,
+        shift_weights,
+        extra,
+    )
     return model
 
 
@@ -176,8 +201,11 @@ class ShiftStats(EngineStats):
     kv_storage: list = field(default_factory=list)  # KV data pointers seen at each switch
 
     def summary(self) -> dict:
-        return {"mode_switches": self.mode_switches, "steps_by_mode": dict(self.steps_by_mode),
-                "switch_bytes": self.switch_bytes}
+        return {
+            "mode_switches": self.mode_switches,
+            "steps_by_mode": dict(self.steps_by_mode),
+            "switch_bytes": self.switch_bytes,
+        }
 
 
 class ShiftPolicy(ContinuousBatching):
@@ -209,16 +237,25 @@ class ShiftPolicy(ContinuousBatching):
             self.engine.stats.kv_storage.append([k.data_ptr() for k in self.engine.kv.k])
 
 
-def shift_engine(model: nn.Module, *, threshold: int, max_batch_size: int = 8,
-                 max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
-                 compile: bool = False, admission: str = "fifo", kv_block_size: int | None = None,
-                 kv_tokens: int | None = None) -> Engine:
+def shift_engine(
+    model: nn.Module,
+    *,
+    threshold: int,
+    max_batch_size: int = 8,
+    max_seq_len: int | None = None,
+    max_prefill_tokens: int = 4096,
+    compile: bool = False,
+    admission: str = "fifo",
+    kv_block_size: int | None = None,
+    kv_tokens: int | None = None,
+) -> Engine:
     """The loop over ``model`` (from :func:`parallelize_shift`) with runners ``"sp"`` (tokens
     split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache."""
     dims = model.parallel_dims
     kw = dict(dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile)
-    sp = ModelRunner(model, split=TokenSplit(base_mesh(dims), 0), kv_block_size=kv_block_size,
-                     kv_tokens=kv_tokens, **kw)
+    sp = ModelRunner(
+        model, split=TokenSplit(base_mesh(dims), 0), kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw
+    )
     tp = ModelRunner(model, kv=sp.kv, weights=SHIFT_WEIGHTS, **kw)
     policy = ShiftPolicy(threshold, max_prefill_tokens=max_prefill_tokens, admission=admission)
     return Engine(runners={"sp": sp, "tp": tp}, policy=policy)
@@ -253,19 +290,32 @@ class ShiftStrategy(Strategy):
         return ParallelDims(sp=self.sp, tp=tp, world_size=world_size)
 
     def build_model(self, path, dims: ParallelDims, args: EngineArgs) -> nn.Module:
-        return parallelize_shift(path, dims, shift_weights=self.shift_weights, dtype=args.dtype,
-                                 allow_unused=args.allow_unused)
+        return parallelize_shift(
+            path, dims, shift_weights=self.shift_weights, dtype=args.dtype, allow_unused=args.allow_unused
+        )
 
     def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
-        return shift_engine(model, threshold=self.threshold, max_batch_size=args.max_batch_size,
-                            max_seq_len=args.max_seq_len, max_prefill_tokens=args.max_prefill_tokens,
-                            compile=args.compile, admission=args.admission, **args.kv)
+        return shift_engine(
+            model,
+            threshold=self.threshold,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            max_prefill_tokens=args.max_prefill_tokens,
+            compile=args.compile,
+            admission=args.admission,
+            **args.kv,
+        )
 
     def summary(self, engine: Engine) -> dict:
-        return {**engine.stats.summary(), "threshold": self.threshold,
-                "shift_extra_bytes": engine.model.shift_extra_bytes,
-                "kv_replication": engine.model.kv_replication}
+        return {
+            **engine.stats.summary(),
+            "threshold": self.threshold,
+            "shift_extra_bytes": engine.model.shift_extra_bytes,
+            "kv_replication": engine.model.kv_replication,
+        }
 
     def report(self, s: dict) -> list[str]:
-        return [f"shift: steps by mode {s['steps_by_mode']}, {s['mode_switches']} switches, "
-                f"{s['switch_bytes']} bytes moved at switches"]
+        return [
+            f"shift: steps by mode {s['steps_by_mode']}, {s['mode_switches']} switches, "
+            f"{s['switch_bytes']} bytes moved at switches"
+        ]

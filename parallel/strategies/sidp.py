@@ -9,6 +9,7 @@ effective batch size against a threshold ``b*`` with hysteresis, at coarse bound
 in a step runs a dummy step: it computes nothing of its own, and in CaS still serves the layers
 it owns.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,8 @@ MODES = ("auto", "was", "cas")
 
 def choose_mode(batch: float, current: str | None, threshold: float, hysteresis: float) -> str:
     """WaS above ``threshold`` live sequences per replica (fetched weights amortized over many
-    rows), CaS below (shipping a few rows is cheaper than a layer's weights). Inside the band ``threshold * (1 -+ hysteresis)``
+    rows), CaS below (shipping a few rows is cheaper than a layer's weights).
+    Inside the band ``threshold * (1 -+ hysteresis)``
     the current mode stays, so a batch size hovering near ``b*`` never flaps."""
     if current is None:
         return WAS if batch >= threshold else CAS
@@ -55,8 +57,11 @@ class SiDPStats(EngineStats):
     modes: list = field(default_factory=list)  # the mode of every step, in order
 
     def summary(self) -> dict:
-        return {"mode_steps": dict(self.mode_steps), "mode_switches": self.mode_switches,
-                "dummy_steps": self.dummy_steps}
+        return {
+            "mode_steps": dict(self.mode_steps),
+            "mode_switches": self.mode_switches,
+            "dummy_steps": self.dummy_steps,
+        }
 
 
 class SiDPPolicy(ContinuousBatching):
@@ -65,8 +70,17 @@ class SiDPPolicy(ContinuousBatching):
 
     stats_cls = SiDPStats
 
-    def __init__(self, pool: FFNPool, *, mode: str, threshold: float, hysteresis: float, interval: int,
-                 max_prefill_tokens: int = 4096, admission: str = "fifo") -> None:
+    def __init__(
+        self,
+        pool: FFNPool,
+        *,
+        mode: str,
+        threshold: float,
+        hysteresis: float,
+        interval: int,
+        max_prefill_tokens: int = 4096,
+        admission: str = "fifo",
+    ) -> None:
         super().__init__("was", max_prefill_tokens=max_prefill_tokens, admission=admission)
         self.pool, self.fixed = pool, None if mode == "auto" else (WAS if mode == "was" else CAS)
         self.threshold, self.hysteresis, self.interval = threshold, hysteresis, interval
@@ -133,10 +147,10 @@ def profile_threshold(pool: FFNPool, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 3
     fetch = _timed(pool.fetch_round_once, repeats)
     for b in sizes:
         x = torch.randn(b, hidden, dtype=pool.slot_tensors[0][0].dtype)
-        ffn = _timed(lambda: pool._ffn(pool.weights[owned], x), repeats)
+        ffn = _timed(lambda x=x: pool._ffn(pool.weights[owned], x), repeats)
         pool.tokens = [b] * pool.G
         with use_weights(CAS):
-            cas = _timed(lambda: pool.forward(0, x), repeats)
+            cas = _timed(lambda x=x: pool.forward(0, x), repeats)
         slower = torch.tensor([int(cas > max(fetch, ffn))])
         dist.all_reduce(slower, op=dist.ReduceOp.MAX)  # every rank stops at the same size
         if slower.item():
@@ -158,28 +172,46 @@ def _timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def pool_model(model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int,
-               peak_shifting: bool) -> FFNPool:
+def pool_model(model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int, peak_shifting: bool) -> FFNPool:
     """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool and
     swap each layer's MLP for a :class:`PooledMLP` (collective)."""
     layers = model.model.layers
-    pool = FFNPool([layer.mlp for layer in layers], ranks, slots=slots, prefetch_depth=prefetch_depth,
-                   peak_shifting=peak_shifting)
+    pool = FFNPool(
+        [layer.mlp for layer in layers], ranks, slots=slots, prefetch_depth=prefetch_depth, peak_shifting=peak_shifting
+    )
     for j, layer in enumerate(layers):
         layer.mlp = PooledMLP(pool, j)
     return pool
 
 
-def sidp_engine(model: nn.Module, pool: FFNPool, *, mode: str = "auto", threshold: float = 8.0,
-                hysteresis: float = 0.25, interval: int = 4, max_batch_size: int = 8,
-                max_seq_len: int | None = None, max_prefill_tokens: int = 4096, admission: str = "fifo",
-                kv_block_size: int | None = None, kv_tokens: int | None = None) -> Engine:
+def sidp_engine(
+    model: nn.Module,
+    pool: FFNPool,
+    *,
+    mode: str = "auto",
+    threshold: float = 8.0,
+    hysteresis: float = 0.25,
+    interval: int = 4,
+    max_batch_size: int = 8,
+    max_seq_len: int | None = None,
+    max_prefill_tokens: int = 4096,
+    admission: str = "fifo",
+    kv_block_size: int | None = None,
+    kv_tokens: int | None = None,
+) -> Engine:
     kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     was = ModelRunner(model, weights=WAS, kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw)
     cas = ModelRunner(model, kv=was.kv, weights=CAS, **kw)
     cas.hooks.add("idle_step", lambda phase, seqs: pool.serve_idle())  # an idle owner still serves
-    policy = SiDPPolicy(pool, mode=mode, threshold=threshold, hysteresis=hysteresis, interval=interval,
-                        max_prefill_tokens=max_prefill_tokens, admission=admission)
+    policy = SiDPPolicy(
+        pool,
+        mode=mode,
+        threshold=threshold,
+        hysteresis=hysteresis,
+        interval=interval,
+        max_prefill_tokens=max_prefill_tokens,
+        admission=admission,
+    )
     return Engine(runners={"was": was, "cas": cas}, policy=policy)
 
 
@@ -206,8 +238,10 @@ class SiDPStrategy(Strategy):
             if value is not None and value < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {value}")
         if (self.threshold is not None and not self.threshold > 0) or not 0 <= self.hysteresis < 1:
-            raise ValueError(f"need parallel.threshold > 0 and 0 <= parallel.hysteresis < 1, got "
-                             f"{self.threshold} and {self.hysteresis}")
+            raise ValueError(
+                f"need parallel.threshold > 0 and 0 <= parallel.hysteresis < 1, got "
+                f"{self.threshold} and {self.hysteresis}"
+            )
 
     def dims(self, world_size: int) -> ParallelDims:
         dp = self.dp or world_size
@@ -220,16 +254,30 @@ class SiDPStrategy(Strategy):
         model = parallelize(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
         full_ffn = _ffn_bytes(model)
         slots = self.slots or max(self.prefetch_depth, dims.dp - 1)
-        pool = pool_model(model, list(range(dims.dp)), slots=slots, prefetch_depth=self.prefetch_depth,
-                          peak_shifting=self.peak_shifting)
+        pool = pool_model(
+            model,
+            list(range(dims.dp)),
+            slots=slots,
+            prefetch_depth=self.prefetch_depth,
+            peak_shifting=self.peak_shifting,
+        )
         model.sidp_full_ffn_bytes = full_ffn
         self.profiled = self.threshold is None
         if self.threshold is None:
             self.threshold = profile_threshold(pool)
-        return sidp_engine(model, pool, mode=self.mode, threshold=self.threshold, hysteresis=self.hysteresis,
-                           interval=self.interval, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                           max_prefill_tokens=args.max_prefill_tokens, admission=args.admission,
-                           **self._kv(args, model, pool))
+        return sidp_engine(
+            model,
+            pool,
+            mode=self.mode,
+            threshold=self.threshold,
+            hysteresis=self.hysteresis,
+            interval=self.interval,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            max_prefill_tokens=args.max_prefill_tokens,
+            admission=args.admission,
+            **self._kv(args, model, pool),
+        )
 
     def _kv(self, args: EngineArgs, model: nn.Module, pool: FFNPool) -> dict:
         """A paged cache grows by the tokens the freed FFN bytes hold (the memory a replicated DP
@@ -239,7 +287,9 @@ class SiDPStrategy(Strategy):
         freed = model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * pool.slot_tensors[0][0].element_size()
+        per_token = (
+            2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * pool.slot_tensors[0][0].element_size()
+        )
         extra = torch.tensor([max(freed, 0) // per_token // args.kv_block_size * args.kv_block_size])
         dist.all_reduce(extra, op=dist.ReduceOp.MIN)  # every replica admits by the same pool size
         extra = int(extra.item())
@@ -252,24 +302,36 @@ class SiDPStrategy(Strategy):
         fetched = torch.tensor([c.fetch_bytes], dtype=torch.float64)
         dist.all_reduce(fetched)
         freed = engine.model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
-        return {**engine.stats.summary(), "ffn_bytes_per_rank": pool.ffn_bytes(), "slot_bytes": pool.slot_bytes(),
-                "ffn_bytes_replicated": engine.model.sidp_full_ffn_bytes,
-                "kv_capacity_tokens": engine.kv.spec.capacity_tokens,
-                "kv_tokens_asked": getattr(engine.model, "sidp_kv_tokens", (engine.kv.spec.capacity_tokens, 0))[0],
-                "kv_tokens_gained": max(freed, 0) // kv_bytes_per_token(engine.kv.spec),
-                "fetch_bytes": int(fetched.item()), "max_concurrent_readers": c.max_concurrent_readers,
-                "mode": self.mode, "threshold": self.threshold, "threshold_profiled": getattr(self, "profiled", False)}
+        return {
+            **engine.stats.summary(),
+            "ffn_bytes_per_rank": pool.ffn_bytes(),
+            "slot_bytes": pool.slot_bytes(),
+            "ffn_bytes_replicated": engine.model.sidp_full_ffn_bytes,
+            "kv_capacity_tokens": engine.kv.spec.capacity_tokens,
+            "kv_tokens_asked": getattr(engine.model, "sidp_kv_tokens", (engine.kv.spec.capacity_tokens, 0))[0],
+            "kv_tokens_gained": max(freed, 0) // kv_bytes_per_token(engine.kv.spec),
+            "fetch_bytes": int(fetched.item()),
+            "max_concurrent_readers": c.max_concurrent_readers,
+            "mode": self.mode,
+            "threshold": self.threshold,
+            "threshold_profiled": getattr(self, "profiled", False),
+        }
 
     def report(self, s: dict) -> list[str]:
-        return [f"sidp {s['mode']}: steps {s['mode_steps']}, {s['mode_switches']} switches, {s['dummy_steps']} "
-                f"dummy; FFN {s['ffn_bytes_per_rank']} bytes/rank (replicated {s['ffn_bytes_replicated']}), "
-                f"+{s['kv_tokens_gained']} KV tokens at equal memory; fetched {s['fetch_bytes']} bytes, "
-                f"max {s['max_concurrent_readers']} readers per owner"]
+        return [
+            f"sidp {s['mode']}: steps {s['mode_steps']}, {s['mode_switches']} switches, {s['dummy_steps']} "
+            f"dummy; FFN {s['ffn_bytes_per_rank']} bytes/rank (replicated {s['ffn_bytes_replicated']}), "
+            f"+{s['kv_tokens_gained']} KV tokens at equal memory; fetched {s['fetch_bytes']} bytes, "
+            f"max {s['max_concurrent_readers']} readers per owner"
+        ]
 
 
 def _ffn_bytes(model: nn.Module) -> int:
-    return sum(p.to_local().numel() * p.to_local().element_size()
-               for layer in model.model.layers for p in layer.mlp.parameters())
+    return sum(
+        p.to_local().numel() * p.to_local().element_size()
+        for layer in model.model.layers
+        for p in layer.mlp.parameters()
+    )
 
 
 def kv_bytes_per_token(spec) -> int:

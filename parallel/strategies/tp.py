@@ -4,6 +4,7 @@ data-parallel replicas.
 The default strategy: one layout (:func:`parallelize` with the TP plan), continuous batching; the
 loop alternates the running sequences over the replicas.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,6 +41,13 @@ class TPStrategy(Strategy):
         return build_model(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
 
     def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
-        return Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                      max_prefill_tokens=args.max_prefill_tokens, compile=args.compile,
-                      admission=args.admission, num_microbatches=model.parallel_dims.pp, **args.kv)
+        return Engine(
+            model,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            max_prefill_tokens=args.max_prefill_tokens,
+            compile=args.compile,
+            admission=args.admission,
+            num_microbatches=model.parallel_dims.pp,
+            **args.kv,
+        )

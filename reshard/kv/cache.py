@@ -18,6 +18,7 @@ another thread is filling (a swap-in) and is never read (no query attends past i
 Paged, the pool's last block is the scratch block: idle slots write there, and table entries a
 sequence does not own point there.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,14 +37,16 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
 
-    def covers(self, reader: "KVLayout") -> bool:
+    def covers(self, reader: KVLayout) -> bool:
         """Whether ``reader``'s layers lie in this layout's, with the same heads, head dim and dtype."""
-        return (self.first_layer <= reader.first_layer
-                and reader.first_layer + reader.num_layers <= self.first_layer + self.num_layers
-                and (reader.head_start, reader.num_heads, reader.head_dim, reader.dtype)
-                == (self.head_start, self.num_heads, self.head_dim, self.dtype))
+        return (
+            self.first_layer <= reader.first_layer
+            and reader.first_layer + reader.num_layers <= self.first_layer + self.num_layers
+            and (reader.head_start, reader.num_heads, reader.head_dim, reader.dtype)
+            == (self.head_start, self.num_heads, self.head_dim, self.dtype)
+        )
 
-    def check(self, reader: "KVLayout", who: str) -> None:
+    def check(self, reader: KVLayout, who: str) -> None:
         """``ValueError`` naming both layouts unless this layout covers ``reader``'s."""
         if not self.covers(reader):
             raise ValueError(f"{who} expects KV layout {reader} but the cache holds {self}")
@@ -67,8 +70,10 @@ class KVSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
         if (self.block_size is None) != (self.num_blocks is None):
-            raise ValueError(f"a paged cache needs block_size and num_blocks, got block_size={self.block_size}, "
-                             f"num_blocks={self.num_blocks}")
+            raise ValueError(
+                f"a paged cache needs block_size and num_blocks, got block_size={self.block_size}, "
+                f"num_blocks={self.num_blocks}"
+            )
         if self.paged and (self.block_size < 1 or self.num_blocks < 1):
             raise ValueError(f"KVSpec.block_size and num_blocks must be >= 1, got {self.block_size}, {self.num_blocks}")
 
@@ -115,8 +120,7 @@ class KVSpec:
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(self.first_layer, self.num_layers, self.head_start, self.num_heads,
-                        self.head_dim, self.dtype)
+        return KVLayout(self.first_layer, self.num_layers, self.head_start, self.num_heads, self.head_dim, self.dtype)
 
 
 class KVCache:
@@ -156,15 +160,18 @@ class KVCache:
             # background swap threads (outside inference mode) write into them
             self.k = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
             self.v = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
-            self.table = (torch.full((s.num_slots, s.max_blocks), s.scratch_block, dtype=torch.long,
-                                     device=self.device) if s.paged else None)
+            self.table = (
+                torch.full((s.num_slots, s.max_blocks), s.scratch_block, dtype=torch.long, device=self.device)
+                if s.paged
+                else None
+            )
 
     # ---- paged addressing -----------------------------------------------------------------------
     def assign(self, slot: int, blocks: list[int]) -> None:
         """Slot ``slot`` now holds a sequence whose positions live in ``blocks`` (in order)."""
         assert self.spec.paged and len(blocks) <= self.spec.max_blocks, (len(blocks), self.spec.max_blocks)
         row = torch.full((self.spec.max_blocks,), self.spec.scratch_block, dtype=torch.long)
-        row[:len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         self.table[slot].copy_(row)
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,33 +182,35 @@ class KVCache:
         bs, scratch = self.spec.block_size, positions == self.spec.scratch
         rows = self.table[slots, torch.where(scratch, 0, positions) // bs]
         return torch.where(scratch, self.spec.scratch_block, rows), torch.where(scratch, 0, positions % bs)
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of global layer ``index``."""
         index -= self.spec.first_layer
         return self.k[index], self.v[index]
 
-    def write(self, layer: int, rows: torch.Tensor, cols: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store per-token ``k``/``v`` ``(N, num_heads, head_dim)`` at ``(rows[i], :, cols[i])``
         (from :meth:`locate`)."""
         kc, vc = self.layer(layer)
         kc[rows, :, cols] = k
         vc[rows, :, cols] = v
 
-    def read(self, layer: int, slots: torch.Tensor | slice, length: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, slots: torch.Tensor | slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``(len(slots), num_heads, length, head_dim)``: views for a slice of contiguous
         slots, copies otherwise (paged: the slots' blocks gathered in table order)."""
         kc, vc = self.layer(layer)
         if not self.spec.paged:
             return kc[slots, :, :length], vc[slots, :, :length]
-        index = self.table[slots, :self.spec.blocks_for(length)]  # (B, nb)
+        index = self.table[slots, : self.spec.blocks_for(length)]  # (B, nb)
         return _gather_blocks(kc, index, length), _gather_blocks(vc, index, length)
 
     def read_slot(self, layer: int, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``(num_heads, num_tokens, head_dim)`` of one slot's first positions."""
-        k, v = self.read(layer, torch.tensor([slot], device=self.table.device) if self.spec.paged
-                         else slice(slot, slot + 1), num_tokens)
+        k, v = self.read(
+            layer,
+            torch.tensor([slot], device=self.table.device) if self.spec.paged else slice(slot, slot + 1),
+            num_tokens,
+        )
         return k[0], v[0]
 
     def write_slot(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:

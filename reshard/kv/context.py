@@ -6,10 +6,11 @@ query may see. Prefill builds one from the step's lengths; decode reuses :class:
 persistent per-slot buffers updated in place, and runs every slot of the cache so that the cache
 is read as a view (no gathered copy) and the step's shapes never change.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +41,9 @@ class AttentionContext:
     _masks: dict = field(default_factory=dict)
 
     @staticmethod
-    def build(kv: KVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], *,
-              kv_len: int | None = None) -> "AttentionContext":
+    def build(
+        kv: KVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], *, kv_len: int | None = None
+    ) -> AttentionContext:
         """Sequence ``i`` writes ``lengths[i]`` tokens at positions ``starts[i]...`` of slot ``slots[i]``."""
         device = kv.k[0].device
         lengths_t = torch.tensor(lengths, dtype=torch.long)
@@ -55,10 +57,17 @@ class AttentionContext:
         token_slots, positions = torch.repeat_interleave(slots_t, lengths_t).to(device), qpos[valid].to(device)
         rows, cols = kv.locate(token_slots, positions)
         return AttentionContext(
-            kv=kv, slots=_as_slice(slots) or slots_t.to(device), token_slots=token_slots,
-            positions=positions, rows=rows, cols=cols, query_positions=qpos.to(device),
-            gather=gather.to(device), valid=valid.to(device),
-            kv_len=max(int((starts_t + lengths_t).max()), kv_len or 0))
+            kv=kv,
+            slots=_as_slice(slots) or slots_t.to(device),
+            token_slots=token_slots,
+            positions=positions,
+            rows=rows,
+            cols=cols,
+            query_positions=qpos.to(device),
+            gather=gather.to(device),
+            valid=valid.to(device),
+            kv_len=max(int((starts_t + lengths_t).max()), kv_len or 0),
+        )
 
     def mask(self, window: int | None) -> torch.Tensor:
         """Bool ``(B, 1, Tq, kv_len)``: key allowed for query (causal, within ``window``)."""
@@ -77,8 +86,9 @@ class AttentionContext:
             allowed[..., 0] |= ~self.valid  # padded query rows see one key: no NaN
         return allowed.unsqueeze(1)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scaling: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float, window: int | None
+    ) -> torch.Tensor:
         """Write this step's K/V, attend over the cache. ``q``/``k``/``v``: ``(1, N, H, hd)``.
 
         Returns ``(1, N, Hq, hd)``.
@@ -89,8 +99,9 @@ class AttentionContext:
             qp = q[0].unsqueeze(2)  # (B, Hq, 1, hd)
         else:
             qp = q[0][self.gather].transpose(1, 2)  # (B, Hq, Tq, hd)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=self.mask(window),
-                                             scale=scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qp, keys, values, attn_mask=self.mask(window), scale=scaling, enable_gqa=True
+        )
         if self.single_token:
             return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1, q.shape[-1])
         return out.transpose(1, 2)[self.valid].unsqueeze(0)  # (1, N, Hq, hd)
@@ -132,7 +143,15 @@ class DecodeInputs:
         """The view of slots ``[start, stop)`` attending over ``kv_len`` cached positions."""
         positions = self.positions[start:stop]
         return AttentionContext(
-            kv=self.kv, slots=slice(start, stop), token_slots=self.slot_ids[start:stop],
-            positions=positions, rows=self.rows[start:stop], cols=self.cols[start:stop],
-            query_positions=positions[:, None], gather=None, valid=None,
-            kv_len=kv_len, single_token=True)
+            kv=self.kv,
+            slots=slice(start, stop),
+            token_slots=self.slot_ids[start:stop],
+            positions=positions,
+            rows=self.rows[start:stop],
+            cols=self.cols[start:stop],
+            query_positions=positions[:, None],
+            gather=None,
+            valid=None,
+            kv_len=kv_len,
+            single_token=True,
+        )

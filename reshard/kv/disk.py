@@ -7,6 +7,7 @@ into place, so a reader never sees half a file. A reader assembles its own layer
 whichever files overlap them, reading only the slices it needs (``safe_open``), so KV moves
 between TP degrees and pipeline depths through the disk as it does through the CPU tier.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,10 @@ class DiskKVTier:
         for layer in range(s.first_layer, s.first_layer + s.num_layers):
             k, v = cache.read_slot(layer, slot, num_tokens)
             tensors[f"{layer}.k"], tensors[f"{layer}.v"] = k.cpu().contiguous(), v.cpu().contiguous()
-        path = self.directory / (f"req{request_id}-L{s.first_layer}-{s.first_layer + s.num_layers}"
-                                 f"-H{s.head_start}-{s.head_start + s.num_heads}.safetensors")
+        path = self.directory / (
+            f"req{request_id}-L{s.first_layer}-{s.first_layer + s.num_layers}"
+            f"-H{s.head_start}-{s.head_start + s.num_heads}.safetensors"
+        )
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         save_file(tensors, str(tmp), metadata={"tokens": str(num_tokens)})
         os.replace(tmp, path)  # replicas of a region write the same bytes: the last rename wins
@@ -77,12 +80,14 @@ class DiskKVTier:
                 continue
             stop = min(f1, h1)
             with safe_open(str(path), framework="pt") as f:
-                parts.append(tuple(f.get_slice(f"{layer}.{kv}")[at - f0:stop - f0] for kv in ("k", "v")))
+                parts.append(tuple(f.get_slice(f"{layer}.{kv}")[at - f0 : stop - f0] for kv in ("k", "v")))
             at = stop
             if at == h1:
                 return parts
-        raise ValueError(f"request {request_id}: the disk tier at {self.directory} holds no KV for layer {layer} "
-                         f"heads [{at}, {h1}) (cache layout {cache.layout}; files {[p.name for _, p in files]})")
+        raise ValueError(
+            f"request {request_id}: the disk tier at {self.directory} holds no KV for layer {layer} "
+            f"heads [{at}, {h1}) (cache layout {cache.layout}; files {[p.name for _, p in files]})"
+        )
 
     def free(self, request_id: int) -> None:
         """Delete the request's files (call once every reader is done)."""

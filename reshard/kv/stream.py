@@ -19,11 +19,12 @@ ranks returns the flush jobs; ``stream_in`` on the destination ranks returns a h
 ``wait`` fetches and unpacks. Sequences are named by their request id on both sides; each side
 passes its own slots.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,10 @@ class Span:
 
 # ---- level 1: which chunks go where ------------------------------------------------------------
 def kv_box(layout: KVLayout) -> Box:
-    return ((layout.first_layer, layout.first_layer + layout.num_layers),
-            (layout.head_start, layout.head_start + layout.num_heads))
+    return (
+        (layout.first_layer, layout.first_layer + layout.num_layers),
+        (layout.head_start, layout.head_start + layout.num_heads),
+    )
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def plan_stream(src: Mapping[int, KVLayout], dst: Mapping[int, KVLayout]) -> Str
     first = next(iter(src.values()), None)
     for rank, layout in sorted(dst.items()):
         _check_reader(rank, layout, first, src, items)
-    pieces = assign_senders(list(items.items()), [(r, kv_box(l)) for r, l in sorted(dst.items())])
+    pieces = assign_senders(list(items.items()), [(r, kv_box(lay)) for r, lay in sorted(dst.items())])
     return StreamPlan(tuple(sorted(src.items())), tuple(sorted(dst.items())), tuple(pieces))
 
 
@@ -97,8 +100,10 @@ def _check_reader(rank: int, layout: KVLayout, first: KVLayout | None, src, item
     box = kv_box(layout)
     covered = sum(_area(_intersect(b, box)) for b in items)
     if first is None or (layout.head_dim, layout.dtype) != (first.head_dim, first.dtype) or covered != _area(box):
-        raise ValueError(f"rank {rank} reads KV layout {layout}, which the source layouts do not hold "
-                         f"({ {r: l for r, l in sorted(src.items())} })")
+        raise ValueError(
+            f"rank {rank} reads KV layout {layout}, which the source layouts do not hold "
+            f"({ {r: lay for r, lay in sorted(src.items())} })"
+        )
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -136,8 +141,9 @@ def _locations(cache: KVCache, spans: Sequence[Span]) -> tuple[torch.Tensor, tor
     device = cache.k[0].device
     slots = [sp.slot for sp in spans for _ in range(sp.stop - sp.start)]
     positions = [p for sp in spans for p in range(sp.start, sp.stop)]
-    return cache.locate(torch.tensor(slots, dtype=torch.long, device=device),
-                        torch.tensor(positions, dtype=torch.long, device=device))
+    return cache.locate(
+        torch.tensor(slots, dtype=torch.long, device=device), torch.tensor(positions, dtype=torch.long, device=device)
+    )
 
 
 def chunk_bytes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
@@ -160,11 +166,17 @@ class Packing:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span],
-           layers: Sequence[int] | None = None) -> "Packing":
+    def of(
+        cls, cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], layers: Sequence[int] | None = None
+    ) -> Packing:
         rows, cols = _locations(cache, spans) if spans else (None, None)
-        return cls(list(_regions(cache, pieces, layers)), rows, cols, chunk_bytes(cache, pieces, spans, layers),
-                   cache.spec.dtype)
+        return cls(
+            list(_regions(cache, pieces, layers)),
+            rows,
+            cols,
+            chunk_bytes(cache, pieces, spans, layers),
+            cache.spec.dtype,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -187,12 +199,13 @@ class Packing:
             return
         at = 0
         for (_, (h0, h1)), n in zip(self.regions, self.sizes):
-            yield buf[at:at + n].view(self.dtype).view(len(self.rows), h1 - h0, -1)  # (N, heads, head_dim)
+            yield buf[at : at + n].view(self.dtype).view(len(self.rows), h1 - h0, -1)  # (N, heads, head_dim)
             at += n
 
 
-def scatter(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span],
-            layers: Sequence[int] | None = None) -> torch.Tensor:
+def scatter(
+    cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], layers: Sequence[int] | None = None
+) -> torch.Tensor:
     """One contiguous byte buffer of every chunk for one peer (``layers``: only those). Each chunk
     is one indexed copy of all spans' tokens ``(N, heads, head_dim)``, however scattered their
     blocks: one copy per layer and K/V, not one per sequence."""
@@ -212,8 +225,11 @@ def chunks(cache: KVCache, pieces, spans, layers=None) -> list[torch.Tensor]:
 def chunk_sizes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
     """Bytes of each chunk :func:`chunks` makes (what a per-chunk receiver allocates)."""
     item = torch.empty((), dtype=cache.spec.dtype).element_size()
-    return [(h1 - h0) * (sp.stop - sp.start) * cache.spec.head_dim * item
-            for _, (h0, h1) in _regions(cache, pieces, layers) for sp in spans]
+    return [
+        (h1 - h0) * (sp.stop - sp.start) * cache.spec.head_dim * item
+        for _, (h0, h1) in _regions(cache, pieces, layers)
+        for sp in spans
+    ]
 
 
 def _blocks(cache: KVCache, slot: int) -> torch.Tensor:
@@ -223,8 +239,13 @@ def _blocks(cache: KVCache, slot: int) -> torch.Tensor:
     return torch.tensor([slot], device=cache.k[0].device)
 
 
-def gather(cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], buf: torch.Tensor,
-           layers: Sequence[int] | None = None) -> None:
+def gather(
+    cache: KVCache,
+    pieces: Sequence[Piece],
+    spans: Sequence[Span],
+    buf: torch.Tensor,
+    layers: Sequence[int] | None = None,
+) -> None:
     """Unpack a peer's buffer (from :func:`scatter` on the other side) into ``cache``."""
     Packing.of(cache, pieces, spans, layers).unpack(buf)
 
@@ -240,8 +261,14 @@ class KVStreamer:
     sides, in the same order.
     """
 
-    def __init__(self, plan: StreamPlan, *, transport: Callable[[int], Transport] | None = None,
-                 timeout: float = 60.0, background: bool = False) -> None:
+    def __init__(
+        self,
+        plan: StreamPlan,
+        *,
+        transport: Callable[[int], Transport] | None = None,
+        timeout: float = 60.0,
+        background: bool = False,
+    ) -> None:
         self.plan, self.rank, self.timeout = plan, dist.get_rank(), timeout
         # background: pack and unpack on a thread of the streamer's too (token streaming, where the
         # caller leaves the streamed entries alone until it waits; a prompt's slot may be refilled)
@@ -253,8 +280,9 @@ class KVStreamer:
         self.transports = {peer: open_(peer) for peer in sorted(peers)}
 
     @torch.inference_mode(False)  # background threads write the buffers: no inference tensors
-    def stream_out(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
-                   tag: object = 0) -> list[Job]:
+    def stream_out(
+        self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None, tag: object = 0
+    ) -> list[Job]:
         """Flush this rank's share of ``spans`` (``layers``: only those) to every destination."""
         jobs = []
         for peer, pieces in _covering(self.out_pieces, layers).items():
@@ -270,8 +298,9 @@ class KVStreamer:
         self.transports[peer].flush(packing.pack(device), key).wait(self.timeout)
 
     @torch.inference_mode(False)
-    def stream_in(self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None,
-                  tag: object = 0) -> "StreamIn":
+    def stream_in(
+        self, cache: KVCache, spans: Sequence[Span], *, layers: Sequence[int] | None = None, tag: object = 0
+    ) -> StreamIn:
         """Fetch this rank's share of ``spans`` from every source; ``wait()`` unpacks it (in the
         background mode, the streamer's thread unpacks it as it arrives)."""
         fetches = []
@@ -282,8 +311,9 @@ class KVStreamer:
             fetches.append((job, packing, buf))
         incoming = StreamIn(fetches, self.timeout)
         if self._worker is not None and fetches:
-            incoming.unpacked = self._worker.submit("fetch", ("kv", str(tag), "unpack"), incoming.nbytes,
-                                                    incoming.unpack)
+            incoming.unpacked = self._worker.submit(
+                "fetch", ("kv", str(tag), "unpack"), incoming.nbytes, incoming.unpack
+            )
         return incoming
 
     @staticmethod
@@ -301,8 +331,10 @@ def _covering(by_peer: dict[int, list[Piece]], layers: Sequence[int] | None) -> 
     """The peers (and their pieces) holding any of ``layers``: both sides skip the others."""
     if layers is None:
         return by_peer
-    out = {peer: [p for p in pieces if any(p.box[0][0] <= i < p.box[0][1] for i in layers)]
-           for peer, pieces in by_peer.items()}
+    out = {
+        peer: [p for p in pieces if any(p.box[0][0] <= i < p.box[0][1] for i in layers)]
+        for peer, pieces in by_peer.items()
+    }
     return {peer: pieces for peer, pieces in out.items() if pieces}
 
 
@@ -348,22 +380,27 @@ class TokenStream:
     takes the source's block ids (a mirror of the same shape).
     """
 
-    def __init__(self, streamer: KVStreamer, send_cache: KVCache | None, recv_cache: KVCache | None, *,
-                 timeout: float = 60.0) -> None:
+    def __init__(
+        self, streamer: KVStreamer, send_cache: KVCache | None, recv_cache: KVCache | None, *, timeout: float = 60.0
+    ) -> None:
         self.streamer, self.send_cache, self.recv_cache, self.timeout = streamer, send_cache, recv_cache, timeout
         self.steps, self.bytes_out = 0, 0
         self._pending: list = []
 
-    def step_end(self, phase: str, seqs: Sequence, *, whole: Collection[int] = (),
-                 incoming: Sequence | None = None) -> None:
+    def step_end(
+        self, phase: str, seqs: Sequence, *, whole: Collection[int] = (), incoming: Sequence | None = None
+    ) -> None:
         """Stream the step's new entries of ``seqs`` (the sequences this rank's layout ran);
         ``whole``: request ids whose every entry so far is streamed (KV that reached the cache
         outside a step, e.g. a swap-in); ``incoming``: the sequences whose entries arrive here,
         where they are not ``seqs`` (another data-parallel replica's)."""
         spans = [Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in seqs]
         incoming = seqs if incoming is None else incoming
-        into = spans if incoming is seqs else [
-            Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in incoming]
+        into = (
+            spans
+            if incoming is seqs
+            else [Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in incoming]
+        )
         if self.recv_cache is not None and self.recv_cache.spec.paged:
             for s in incoming:
                 if phase == "prefill" or s.request.id in whole:

@@ -5,10 +5,11 @@ prefill computes, and a waiting sequence's KV comes back into a free decode slot
 decode step computes. Each job's future reports its bytes (out) or tokens (in); an exception in
 the thread reaches the caller at ``result()``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
 
 import torch
 
@@ -56,7 +57,7 @@ class MicrobatchSwap:
         """First device row of the region micro-batch ``i`` of a step computes in."""
         return (i % 2) * self.per
 
-    def decode(self, ranges: Sequence[tuple[int, int]], positions, kv_len: int) -> "DecodeSwap":
+    def decode(self, ranges: Sequence[tuple[int, int]], positions, kv_len: int) -> DecodeSwap:
         """The swap schedule of one decode step over host slot ``ranges`` (its micro-batches)."""
         return DecodeSwap(self, list(ranges), positions, kv_len)
 
@@ -64,8 +65,8 @@ class MicrobatchSwap:
         """Host slots ``[a, b)``, positions ``[0, length)`` -> region of micro-batch ``i``."""
         r = self.base(i)
         for (hk, hv), (dk, dv) in zip(self._layers(self.host), self._layers(self.device)):
-            dk[r:r + b - a, :, :length].copy_(hk[a:b, :, :length], non_blocking=True)
-            dv[r:r + b - a, :, :length].copy_(hv[a:b, :, :length], non_blocking=True)
+            dk[r : r + b - a, :, :length].copy_(hk[a:b, :, :length], non_blocking=True)
+            dv[r : r + b - a, :, :length].copy_(hv[a:b, :, :length], non_blocking=True)
         self.bytes_in += 2 * len(self.host.k) * (b - a) * self._row_bytes(length)
 
     def swap_out(self, i: int, a: int, b: int, positions) -> None:

@@ -7,6 +7,7 @@ its cache layout holds (:meth:`swap_out`) and later reads the heads of *another*
 without any collective. Every rank runs the same allocation sequence, so no rank needs to tell
 another where a request lives; callers order writes before reads with a barrier.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,7 +52,9 @@ class CPUKVTier:
         existing file's contents are kept: a restarted job finds what the tier held)."""
         self.path = Path(path)
         numel = self.spec.bytes // torch.empty((), dtype=self.spec.dtype).element_size()
-        self.pool = torch.from_file(str(self.path), shared=True, size=numel, dtype=self.spec.dtype).view(self.spec.shape)
+        self.pool = torch.from_file(str(self.path), shared=True, size=numel, dtype=self.spec.dtype).view(
+            self.spec.shape
+        )
 
     @property
     def free_tokens(self) -> int:
@@ -72,8 +75,9 @@ class CPUKVTier:
     def allocate(self, request_id: int, num_tokens: int) -> tuple[int, int]:
         """Reserve ``num_tokens`` for ``request_id`` (first fit); ``ValueError`` if it can never fit."""
         if num_tokens > self.spec.capacity_tokens:
-            raise ValueError(f"request {request_id} needs {num_tokens} KV tokens but the CPU tier holds "
-                             f"{self.spec.capacity_tokens}")
+            raise ValueError(
+                f"request {request_id} needs {num_tokens} KV tokens but the CPU tier holds {self.spec.capacity_tokens}"
+            )
         if request_id in self.ranges:
             raise ValueError(f"request {request_id} already has KV in the CPU tier")
         start = self._first_fit(num_tokens)
@@ -106,8 +110,9 @@ class CPUKVTier:
         h0, h1 = _heads(cache, self.spec)
         first = cache.spec.first_layer
         for layer in range(cache.spec.num_layers):
-            cache.write_slot(first + layer, slot, self.pool[first + layer, 0, h0:h1, a:b],
-                             self.pool[first + layer, 1, h0:h1, a:b])
+            cache.write_slot(
+                first + layer, slot, self.pool[first + layer, 0, h0:h1, a:b], self.pool[first + layer, 1, h0:h1, a:b]
+            )
         return b - a
 
     def close(self, *, unlink: bool = False) -> None:
@@ -135,7 +140,9 @@ def _heads(cache: KVCache, tier: TierSpec) -> tuple[int, int]:
     s = cache.spec
     whole = KVLayout(0, tier.num_layers, s.head_start, s.num_heads, tier.head_dim, tier.dtype)
     if s.head_start + s.num_heads > tier.num_kv_heads or not whole.covers(s.layout):
-        raise ValueError(f"a cache with KV layout {s.layout} cannot swap with a CPU tier of "
-                         f"{tier.num_layers} layers x {tier.num_kv_heads} KV heads x head dim "
-                         f"{tier.head_dim} ({tier.dtype})")
+        raise ValueError(
+            f"a cache with KV layout {s.layout} cannot swap with a CPU tier of "
+            f"{tier.num_layers} layers x {tier.num_kv_heads} KV heads x head dim "
+            f"{tier.head_dim} ({tier.dtype})"
+        )
     return s.head_start, s.head_start + s.num_heads

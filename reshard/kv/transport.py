@@ -15,6 +15,7 @@ in first out, so per peer the order of flushes and fetches is kept. A :class:`Jo
 ``TimeoutError`` naming the job, or re-raises on the caller's thread an error from the background.
 Each transport counts the bytes and calls it moved (:class:`TransportStats`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,14 +27,15 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Protocol, Union
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
-Key = Union[str, tuple[Union[int, str], ...]]  # e.g. (request_id, layer, step) or a string
+Key = str | tuple[int | str, ...]  # e.g. (request_id, layer, step) or a string
 MediumKind = Literal["device", "cpu", "disk"]
 TransportKind = Literal["local", "shm", "p2p", "file"]
 
@@ -53,8 +55,10 @@ class Medium:
 
     def __post_init__(self) -> None:
         if self.kind not in ("device", "cpu", "disk") or self.rank < 0 or self.node < 0:
-            raise ValueError(f"a medium is kind 'device', 'cpu' or 'disk' with rank >= 0 and node >= 0; "
-                             f"got kind={self.kind!r}, rank={self.rank}, node={self.node}")
+            raise ValueError(
+                f"a medium is kind 'device', 'cpu' or 'disk' with rank >= 0 and node >= 0; "
+                f"got kind={self.kind!r}, rank={self.rank}, node={self.node}"
+            )
 
 
 def choose_transport(src: Medium, dst: Medium) -> TransportKind:
@@ -74,9 +78,14 @@ def choose_transport(src: Medium, dst: Medium) -> TransportKind:
     return "p2p"
 
 
-def open_transport(src: Medium, dst: Medium, *, run_id: str | None = None,
-                   directory: str | os.PathLike | None = None,
-                   group: dist.ProcessGroup | None = None) -> "Transport":
+def open_transport(
+    src: Medium,
+    dst: Medium,
+    *,
+    run_id: str | None = None,
+    directory: str | os.PathLike | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Transport:
     """The transport :func:`choose_transport` picks, opened on this rank (one of the two sides).
 
     ``shm`` needs ``run_id`` (the same on both sides); ``file`` needs ``directory``; ``p2p`` uses
@@ -203,8 +212,10 @@ class JobQueue:
             self._thread.join(min(timeout, 1.0))
         if self._thread.is_alive():
             self._fail_queued()
-            raise RuntimeError(f"the {self.name} transport's thread is stuck in a job that cannot be "
-                               f"interrupted; it is left behind (do not reuse its process group)")
+            raise RuntimeError(
+                f"the {self.name} transport's thread is stuck in a job that cannot be "
+                f"interrupted; it is left behind (do not reuse its process group)"
+            )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -214,7 +225,7 @@ class JobQueue:
             job, fn = item
             try:
                 fn()
-            except BaseException as error:  # noqa: BLE001 - reaches the caller at wait()
+            except BaseException as error:
                 job._finish(error)
             else:
                 self.stats.add(job)
@@ -401,8 +412,9 @@ class P2PTransport(_Queued):
         group = group if group is not None else background_group()
         ranks = dist.get_process_group_ranks(group)
         if peer == dist.get_rank() or peer not in ranks:
-            raise ValueError(f"peer {peer} must be another rank of the group (ranks {ranks}, "
-                             f"this is rank {dist.get_rank()})")
+            raise ValueError(
+                f"peer {peer} must be another rank of the group (ranks {ranks}, this is rank {dist.get_rank()})"
+            )
         self.peer, self.group = peer, group
         self._device = "cpu" if dist.get_backend(group) == "gloo" else None
         super().__init__()  # the fetch thread
@@ -441,8 +453,10 @@ class P2PTransport(_Queued):
         if nbytes:
             dist.irecv(buf, self.peer, group=self.group, tag=_DATA_TAG).wait()
         if key_hash != _key_hash(key):
-            raise ValueError(f"fetched key {key!r} from rank {self.peer}, which flushed a different key "
-                             f"next ({nbytes} bytes); flushes and fetches must be issued in the same order")
+            raise ValueError(
+                f"fetched key {key!r} from rank {self.peer}, which flushed a different key "
+                f"next ({nbytes} bytes); flushes and fetches must be issued in the same order"
+            )
         _check_size(key, nbytes, dst)
         if not direct:
             dst.copy_(buf)
@@ -515,8 +529,9 @@ def _bytes(t: torch.Tensor, what: str, key: Key) -> torch.Tensor:
     """``t`` as a flat uint8 view; ``ValueError`` unless contiguous."""
     _check_key(key)
     if not t.is_contiguous():
-        raise ValueError(f"{what} for key {key!r} must be contiguous; got shape {tuple(t.shape)} with "
-                         f"strides {t.stride()}")
+        raise ValueError(
+            f"{what} for key {key!r} must be contiguous; got shape {tuple(t.shape)} with strides {t.stride()}"
+        )
     return t.reshape(-1).view(torch.uint8)
 
 

@@ -4,6 +4,7 @@ KV cache never moves rank to rank: prefill swaps it out into the CPU tier
 (:class:`reshard.kv.CPUKVTier`) under the prefill layout, decode swaps in each rank's own
 head range under the decode layout, so the swap re-shards it.
 """
+
 from __future__ import annotations
 
 import time
@@ -64,8 +65,14 @@ class SeesawPolicy(Policy):
     stats_cls = SeesawStats
     host_layouts = frozenset({"prefill"})  # prefill KV reaches the decode cache only through the tier
 
-    def __init__(self, switch: LayoutSwitch, tier: CPUKVTier, *, scheduler: str = "transition_minimizing",
-                 max_prefill_tokens: int = 4096) -> None:
+    def __init__(
+        self,
+        switch: LayoutSwitch,
+        tier: CPUKVTier,
+        *,
+        scheduler: str = "transition_minimizing",
+        max_prefill_tokens: int = 4096,
+    ) -> None:
         self.switch, self.tier, self.scheduler = switch, tier, make_scheduler(scheduler)
         self.max_prefill_tokens = max_prefill_tokens
         self.swapper = KVSwapper(tier)
@@ -87,20 +94,29 @@ class SeesawPolicy(Policy):
         budget, spec = self.tier.spec.capacity_tokens, self.decode.kv.spec
         for r in requests:
             if len(r.prompt_ids) > budget:
-                raise ValueError(f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
-                                 f"the CPU KV tier (cpu_kv_budget={budget} tokens)")
+                raise ValueError(
+                    f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
+                    f"the CPU KV tier (cpu_kv_budget={budget} tokens)"
+                )
             tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
             if spec.paged and spec.blocks_for(tokens) > spec.num_blocks:
-                raise ValueError(f"request {r.id}: {tokens} KV tokens do not fit the paged decode cache "
-                                 f"({spec.capacity_tokens} tokens)")
+                raise ValueError(
+                    f"request {r.id}: {tokens} KV tokens do not fit the paged decode cache "
+                    f"({spec.capacity_tokens} tokens)"
+                )
 
     def start(self, queue: deque) -> None:
         self.buffered: deque = deque()  # prefilled sequences whose KV is in the tier
         self.loading: list = []  # (future | None, sequence) swap-ins
         self.running: dict[int, Sequence] = {}  # request id -> decoding sequence
         spec = self.decode.kv.spec
-        self.decode_slots = SlotPool(self.decode.max_batch_size, self.decode.replica.size, num_blocks=spec.num_blocks,
-                                     block_size=spec.block_size, stats=self.engine.stats)
+        self.decode_slots = SlotPool(
+            self.decode.max_batch_size,
+            self.decode.replica.size,
+            num_blocks=spec.num_blocks,
+            block_size=spec.block_size,
+            stats=self.engine.stats,
+        )
 
     def next_step(self, queue: deque) -> Step:
         phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
@@ -109,9 +125,16 @@ class SeesawPolicy(Policy):
 
     def _snapshot(self, queue: deque) -> SchedState:
         fits = bool(queue) and self.tier.can_fit(len(queue[0].prompt_ids))
-        free = len(self.decode_slots) if not self.buffered or self.decode_slots.can_take(self.buffered[0].request) else 0
-        return SchedState(queued=len(queue), next_fits_tier=fits, buffered=len(self.buffered),
-                          running=len(self.running), free_slots=free)
+        free = (
+            len(self.decode_slots) if not self.buffered or self.decode_slots.can_take(self.buffered[0].request) else 0
+        )
+        return SchedState(
+            queued=len(queue),
+            next_fits_tier=fits,
+            buffered=len(self.buffered),
+            running=len(self.running),
+            free_slots=free,
+        )
 
     def on_switch(self, old: str | None, new: str) -> None:
         """Move the weights; the phase left behind gives up its KV cache memory where it can."""
@@ -230,10 +253,19 @@ class SeesawPolicy(Policy):
         self.switch.close()
 
 
-def seesaw_engine(switch: LayoutSwitch, *, cpu_kv_budget: int, scheduler: str = "transition_minimizing",
-                  max_batch_size: int = 8, max_seq_len: int | None = None, max_prefill_tokens: int = 4096,
-                  num_microbatches: int = 2, compile: bool = False, kv_block_size: int | None = None,
-                  kv_tokens: int | None = None) -> Engine:
+def seesaw_engine(
+    switch: LayoutSwitch,
+    *,
+    cpu_kv_budget: int,
+    scheduler: str = "transition_minimizing",
+    max_batch_size: int = 8,
+    max_seq_len: int | None = None,
+    max_prefill_tokens: int = 4096,
+    num_microbatches: int = 2,
+    compile: bool = False,
+    kv_block_size: int | None = None,
+    kv_tokens: int | None = None,
+) -> Engine:
     """The Seesaw engine over ``switch``'s two trees (collective: maps the shared CPU tier).
 
     ``max_batch_size``: KV slots of each dp replica in both layouts; ``cpu_kv_budget``: the
@@ -245,10 +277,17 @@ def seesaw_engine(switch: LayoutSwitch, *, cpu_kv_budget: int, scheduler: str = 
         raise ValueError(f"cpu_kv_budget must be >= 1 token, got {cpu_kv_budget}")
     kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     paged = {"kv_block_size": kv_block_size, "kv_tokens": kv_tokens}
-    runners = {phase: ModelRunner(switch.models[phase], dims=switch.dims[phase], **kw,
-                                  num_microbatches=num_microbatches if switch.dims[phase].pp > 1 else 1,
-                                  compile=compile and phase == "decode", **(paged if phase == "decode" else {}))
-               for phase in PHASES}
+    runners = {
+        phase: ModelRunner(
+            switch.models[phase],
+            dims=switch.dims[phase],
+            **kw,
+            num_microbatches=num_microbatches if switch.dims[phase].pp > 1 else 1,
+            compile=compile and phase == "decode",
+            **(paged if phase == "decode" else {}),
+        )
+        for phase in PHASES
+    }
     cfg, kv = switch.models["decode"].config, runners["decode"].kv.spec
     spec = TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, cpu_kv_budget, kv.dtype)
     tier = map_shared("reshard-kv", lambda path: CPUKVTier(spec, path))

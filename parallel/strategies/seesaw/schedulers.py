@@ -4,6 +4,7 @@ Each phase change costs a re-sharding transition (Seesaw), so the policy trades 
 against the decode batch size. A policy sees a :class:`SchedState` snapshot and answers two
 questions: which phase runs next, and how many prefilled requests it wants waiting for decode.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The ``seesaw`` strategy: its config (one layout per phase) and how it builds its engine."""
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,9 @@ class LayoutConfig:
                 raise ValueError(f"{where}: {degrees} cannot cover the world size ({world})")
             degrees[unknown[0]] = world // known
         if math.prod(degrees.values()) != world:
-            raise ValueError(f"{where}: dp({degrees['dp']}) * pp({degrees['pp']}) * tp({degrees['tp']}) "
-                             f"!= world size ({world})")
+            raise ValueError(
+                f"{where}: dp({degrees['dp']}) * pp({degrees['pp']}) * tp({degrees['tp']}) != world size ({world})"
+            )
         return ParallelDims(**degrees, world_size=world)
 
 
@@ -89,25 +91,40 @@ class SeesawStrategy(Strategy):
 
     def build(self, path, args: EngineArgs) -> Engine:
         prefill, decode = self.layouts(dist.get_world_size())
-        switch = LayoutSwitch(path, prefill, decode, weights=self.weights, dtype=args.dtype,
-                              allow_unused=args.allow_unused)
-        return seesaw_engine(switch, cpu_kv_budget=self.cpu_kv_budget, scheduler=self.scheduler, **args.kv,
-                             max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                             max_prefill_tokens=args.max_prefill_tokens,
-                             num_microbatches=self.num_microbatches, compile=args.compile)
+        switch = LayoutSwitch(
+            path, prefill, decode, weights=self.weights, dtype=args.dtype, allow_unused=args.allow_unused
+        )
+        return seesaw_engine(
+            switch,
+            cpu_kv_budget=self.cpu_kv_budget,
+            scheduler=self.scheduler,
+            **args.kv,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            max_prefill_tokens=args.max_prefill_tokens,
+            num_microbatches=self.num_microbatches,
+            compile=args.compile,
+        )
 
     def summary(self, engine: Engine) -> dict:
         s, switch = engine.stats, engine.policy.switch
         swap = torch.tensor([s.swap_seconds], dtype=torch.float64)
         dist.all_reduce(swap, op=dist.ReduceOp.MAX)
-        return {"transitions": s.transitions, "reshard_bytes": s.reshard_bytes,
-                "reshard_lower_bound_bytes": s.reshard_lower_bound_bytes,
-                "reshard_seconds": s.reshard_seconds, "swap_seconds": swap.item(),
-                "scheduler": self.scheduler, "weights": switch.weights,
-                "layouts": {p: {"dp": d.dp, "pp": d.pp, "tp": d.tp} for p, d in switch.dims.items()},
-                "peak_weight_bytes": max((h.peak_weight_bytes for h in s.history), default=0)}
+        return {
+            "transitions": s.transitions,
+            "reshard_bytes": s.reshard_bytes,
+            "reshard_lower_bound_bytes": s.reshard_lower_bound_bytes,
+            "reshard_seconds": s.reshard_seconds,
+            "swap_seconds": swap.item(),
+            "scheduler": self.scheduler,
+            "weights": switch.weights,
+            "layouts": {p: {"dp": d.dp, "pp": d.pp, "tp": d.tp} for p, d in switch.dims.items()},
+            "peak_weight_bytes": max((h.peak_weight_bytes for h in s.history), default=0),
+        }
 
     def report(self, s: dict) -> list[str]:
-        return [f"seesaw {s['layouts']['prefill']} -> {s['layouts']['decode']}: {s['transitions']} "
-                f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
-                f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s"]
+        return [
+            f"seesaw {s['layouts']['prefill']} -> {s['layouts']['decode']}: {s['transitions']} "
+            f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
+            f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s"
+        ]

@@ -6,6 +6,7 @@ tree to the other through the movement core (``weights="move"``: one coalesced p
 bytes) or re-reads each rank's new shards from a shared-memory CPU copy (``weights="reload"``, the
 paper's way).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,17 +48,29 @@ class LayoutSwitch:
     The prefill tree is loaded from ``path`` and active first; the decode tree starts empty.
     """
 
-    def __init__(self, path: str | os.PathLike, prefill: ParallelDims, decode: ParallelDims, *,
-                 weights: str = "move", dtype: torch.dtype | None = None,
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, allow_unused: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        prefill: ParallelDims,
+        decode: ParallelDims,
+        *,
+        weights: str = "move",
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+        allow_unused: bool = False,
+    ) -> None:
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
         if prefill.world_size != decode.world_size:
-            raise ValueError(f"prefill layout has {prefill.world_size} ranks but decode layout has "
-                             f"{decode.world_size}; both must span the same ranks")
+            raise ValueError(
+                f"prefill layout has {prefill.world_size} ranks but decode layout has "
+                f"{decode.world_size}; both must span the same ranks"
+            )
         self.dims = {"prefill": prefill, "decode": decode}
-        self.models = {"prefill": build_model(path, prefill, dtype=dtype, allow_unused=allow_unused),
-                       "decode": build_model(path, decode, dtype=dtype, load_weights=False)}
+        self.models = {
+            "prefill": build_model(path, prefill, dtype=dtype, allow_unused=allow_unused),
+            "decode": build_model(path, decode, dtype=dtype, load_weights=False),
+        }
         release_weights(self.models["decode"])
         self.active, self.weights, self.bucket_bytes = "prefill", weights, bucket_bytes
         self.history: list[TransitionStats] = []
@@ -82,8 +95,7 @@ class LayoutSwitch:
         moved, buffers = self._move(src, dst, plans) if self.store is None else (self._reload(phase), 0)
         peak = weight_bytes(src, dst) + buffers
         release_weights(src)
-        stats = TransitionStats(phase, moved, sum(p.lower_bound_bytes for p in plans),
-                                time.perf_counter() - t0, peak)
+        stats = TransitionStats(phase, moved, sum(p.lower_bound_bytes for p in plans), time.perf_counter() - t0, peak)
         self.active = phase
         self.history.append(stats)
         return stats
@@ -91,17 +103,17 @@ class LayoutSwitch:
     def _plans(self, src_phase: str, dst_phase: str) -> list:
         src, dst = self.models[src_phase], self.models[dst_phase]
         dst_params = dict(dst.named_parameters())
-        return [plan_transfer(global_layout(p, self.dims[src_phase]),
-                              global_layout(dst_params[n], self.dims[dst_phase]))
-                for n, p in src.named_parameters()]
+        return [
+            plan_transfer(global_layout(p, self.dims[src_phase]), global_layout(dst_params[n], self.dims[dst_phase]))
+            for n, p in src.named_parameters()
+        ]
 
     def _move(self, src: nn.Module, dst: nn.Module, plans: list) -> tuple[int, int]:
         """Rank-to-rank through the movement core; returns (bytes sent by all ranks, this rank's
         largest send + receive buffers)."""
         rank = dist.get_rank()
         params = list(src.named_parameters())
-        locals_ = [p.to_local() if plan.src.box(rank) is not None else None
-                   for (_, p), plan in zip(params, plans)]
+        locals_ = [p.to_local() if plan.src.box(rank) is not None else None for (_, p), plan in zip(params, plans)]
         outs, stats = execute(plans, locals_, bucket_bytes=self.bucket_bytes, device=_device_of(dst))
         for (name, _), out in zip(params, outs):
             _install(dst, name, None if out is None else _compact(out))
