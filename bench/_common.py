@@ -1,11 +1,59 @@
-"""What the benchmarks share: medians and a sampler of how busy the machine is."""
+"""What the benchmarks share: argument plumbing and the rerun command, medians, a sampler of how
+busy the machine is, the seeded checkpoint, scalar reductions over ranks."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import shlex
 import statistics
 import subprocess
+import sys
 import threading
+
+
+# ---- arguments and the command that reruns a bench ---------------------------------------------------
+def ints(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (an argparse type)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A bench's parser, described by the first line of its module docstring."""
+    return argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
+
+
+def add_sizes(p: argparse.ArgumentParser, defaults: dict, small: dict | None = None) -> None:
+    """One ``--key`` per entry of ``defaults`` (a list is a comma list) and, with ``small``,
+    ``--small``; flags left unset are filled by :func:`fill_sizes` from the chosen set."""
+    for key, value in defaults.items():
+        kind = ints if isinstance(value, list) else type(value)
+        p.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None, help=f"default {value}")
+    if small is not None:
+        p.add_argument("--small", action="store_true", help=f"a quick check: {small}")
+
+
+def fill_sizes(args: argparse.Namespace, defaults: dict, small: dict | None = None) -> argparse.Namespace:
+    """Unset size flags take the ``--small`` set's value if given, else the default."""
+    base = small if small is not None and getattr(args, "small", False) else defaults
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def launcher(script: str, world: int | None = None, *, one_thread: bool = True) -> str:
+    """How a bench is launched: ``torchrun`` over ``world`` ranks, or plain ``python`` (``None``)."""
+    env = "OMP_NUM_THREADS=1 " if one_thread else ""
+    if world is None:
+        return f"{env}python bench/{script}"
+    return f"{env}torchrun --standalone --nproc-per-node {world} bench/{script}"
+
+
+def rerun_command(script: str, world: int | None = None, *, one_thread: bool = True, argv=None) -> str:
+    """The command that reruns this bench exactly: its launcher and the flags it was given."""
+    flags = sys.argv[1:] if argv is None else list(argv)
+    return " ".join([launcher(script, world, one_thread=one_thread), *map(shlex.quote, flags)])
 
 
 def med(xs) -> float:

@@ -12,7 +12,6 @@ attempts), as a user sees it. The kill lands at the middle engine step of the ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import parser, rerun_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ def run(world: int, args, overrides: list[str], restarts: int, work: Path, name:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = parser(__doc__)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -119,11 +120,7 @@ def report(args, rows: dict, kill: str) -> None:
         f"\nwith one failure: recovery {recover / base_wall:.2f}x the failure-free job, restart from scratch "
         f"{scratch / base_wall:.2f}x (DejaVu's paper: 1.24x vs 1.91x); recovery / scratch = {recover / scratch:.2f}"
     )
-    extra = "".join(f" --override {o}" for o in args.override)
-    print(
-        f"\ncommand: python bench/fault_tolerance.py --world {args.world} --requests {args.requests} "
-        f"--new-tokens {args.new_tokens} --batch {args.batch} --repeats {args.repeats}{extra}"
-    )
+    print(f"\ncommand: {rerun_command('fault_tolerance.py', one_thread=False)}")
 
 
 def _step(summary: dict) -> float:

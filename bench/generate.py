@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import parser, rerun_command
 
 from reshard.parallel import Engine, Request, SamplingParams, parallelize
 from reshard.parallel.model.tiny_models import builtin_checkpoint, cached_checkpoint, default_cache_dir
@@ -63,7 +64,6 @@ from reshard.parallel.model.tiny_models import builtin_checkpoint, cached_checkp
 REPO = Path(__file__).resolve().parent.parent
 
 Tokens = list[list[int]]
-COMMAND = "torchrun --standalone --nproc-per-node {n} bench/generate.py"
 LLAMA_100M = dict(
     vocab_size=32000,
     hidden_size=768,
@@ -79,7 +79,7 @@ LLAMA_100M_DESC = "Llama hidden 768, 8 layers, 12/4 heads, MLP 2048, vocab 32000
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--workload", choices=("uniform", "realistic"), default="uniform")
     p.add_argument("--batch", type=int, default=8, help="uniform: prompts in the one batch")
     p.add_argument("--prompt-len", type=int, default=128, help="uniform: tokens per prompt")
@@ -697,7 +697,7 @@ def main() -> None:
     if rank == 0:
         render = realistic_table if args.workload == "realistic" else table
         print("\n" + render(rows, args))
-        print("\ncommand: " + " ".join([COMMAND.format(n=world), *sys.argv[1:]]))
+        print("\ncommand: " + rerun_command("generate.py", world, one_thread=False))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import LoadSampler, bench_checkpoint, med, reduce_scalar
+from _common import LoadSampler, add_sizes, bench_checkpoint, fill_sizes, med, parser, reduce_scalar, rerun_command
 
 from reshard.kv import KVCache, KVSpec
 from reshard.kv.stream import (
@@ -85,7 +85,6 @@ from reshard.parallel import Engine, Request, SamplingParams, parallelize
 
 REPO = Path(__file__).resolve().parent.parent
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/kv_streaming.py"
 MIB = 2**20
 SECTIONS = ("stream", "copies", "paged", "prefill")
 DEFAULTS = dict(
@@ -124,38 +123,16 @@ SMALL = dict(
 )
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
-    p.add_argument("--small", action="store_true", help="a quick check on a tiny model and workload")
-    for k, v in DEFAULTS.items():
-        p.add_argument(f"--{k.replace('_', '-')}", type=_ints if isinstance(v, list) else int, default=None)
-    args = p.parse_args()
-    base = SMALL if args.small else DEFAULTS
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    add_sizes(p, DEFAULTS, SMALL)
+    args = fill_sizes(p.parse_args(), DEFAULTS, SMALL)
     args.sections = [s for s in args.sections.split(",") if s]
     bad = set(args.sections) - set(SECTIONS)
     if bad:
         p.error(f"unknown sections {sorted(bad)}; choose from {SECTIONS}")
     return args
-
-
-def command(args: argparse.Namespace, world: int) -> str:
-    extra = ["--small"] if args.small else []
-    base = SMALL if args.small else DEFAULTS
-    for k, v in base.items():
-        if getattr(args, k) != v:
-            val = getattr(args, k)
-            extra.append(f"--{k.replace('_', '-')} {','.join(map(str, val)) if isinstance(val, list) else val}")
-    if args.sections != list(SECTIONS):
-        extra.append(f"--sections {','.join(args.sections)}")
-    return " ".join([COMMAND.format(n=world)] + extra)
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
@@ -710,7 +687,7 @@ def main() -> None:
             )
             print("\n".join(format_prefill(out["prefill"])))
         print(f"\nmachine: {sampler.summary()}")
-        print(f"command: {command(args, world)}")
+        print(f"command: {rerun_command('kv_streaming.py', world)}")
         print(f"total {time.perf_counter() - t_start:.0f}s")
     dist.barrier()
     dist.destroy_process_group()

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from _common import parser, rerun_command
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
@@ -51,7 +52,6 @@ from reshard.layout import Layout, box_slices
 
 REPO = Path(__file__).resolve().parent.parent
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/movement.py"
 WORLD = 4
 MIB = 2**20
 COLWISE = ("q", "k", "v", "gate", "up")
@@ -63,7 +63,7 @@ Locals = dict[str, torch.Tensor | None]  # this rank's result per tensor (None: 
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--bucket-mb", type=int, default=64)
@@ -328,15 +328,6 @@ def format_row(label: str, r: dict[str, float]) -> str:
     )
 
 
-def command(args: argparse.Namespace) -> str:
-    extra = [
-        f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items()
-        if v != {"hidden": 1024, "layers": 8, "bucket_mb": 64, "repeats": 3}[k]
-    ]
-    return " ".join([COMMAND] + extra)
-
-
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
@@ -367,7 +358,7 @@ def main() -> None:
             for label, r in part:
                 print(format_row(label, r))
             print()
-        print(f"command: {command(args)}")
+        print(f"command: {rerun_command('movement.py', dist.get_world_size())}")
         print(f"total {time.perf_counter() - t_start:.0f}s")
     dist.destroy_process_group()
 

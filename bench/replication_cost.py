@@ -10,7 +10,6 @@ the process (all threads) and context switches per step, medians over the repeat
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import parser, rerun_command
 
 from reshard.parallel import Engine, Request, SamplingParams, parallelize
 from reshard.parallel.fault.ring import RingReplication
@@ -69,7 +69,7 @@ def _time_hook(engine, ring, total: list) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = parser(__doc__)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -105,10 +105,7 @@ def report(args, rows: dict) -> None:
             f"| {v} | {m['ms_per_step']:.2f} | {m['ms_per_step'] / base['ms_per_step']:.3f} | {m['hook_ms']:.2f} | "
             f"{m['cpu_s']:.2f} | {m['cpu_s'] / base['cpu_s']:.2f} | {m['switches_per_step']:.0f} |"
         )
-    print(
-        f"\ncommand: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {dist.get_world_size()} "
-        f"bench/replication_cost.py --requests {args.requests} --new-tokens {args.new_tokens} --repeats {args.repeats}"
-    )
+    print(f"\ncommand: {rerun_command('replication_cost.py', dist.get_world_size())}")
 
 
 if __name__ == "__main__":

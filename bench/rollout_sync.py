@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import bench_checkpoint
+from _common import add_sizes, bench_checkpoint, fill_sizes, parser, rerun_command
 from torch.distributed.tensor import DTensor
 
 from reshard.parallel.model.weight_sync import model_sync, rollout_tensors
@@ -56,30 +56,18 @@ from reshard.sync import SYNC_METHODS
 
 REPO = Path(__file__).resolve().parent.parent
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/rollout_sync.py"
 MIB = 2**20
 DEFAULTS = {"hidden": 1024, "intermediate": 2816, "layers": 8, "heads": 16, "kv_heads": 8, "vocab": 32000}
 SMALL = {"hidden": 256, "intermediate": 688, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--intermediate", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--small", action="store_true", help=f"a quick check: {SMALL}")
+    p = parser(__doc__)
+    add_sizes(p, DEFAULTS, SMALL)
     p.add_argument("--bucket-mb", type=int, default=64, help="the staging budget (WeightSync bucket_bytes)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--world6", action="store_true", help="6 processes: FSDP2 on 4 ranks -> TP2 on 2 others")
-    args = p.parse_args()
-    base = SMALL if args.small else DEFAULTS
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return args
+    return fill_sizes(p.parse_args(), DEFAULTS, SMALL)
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
@@ -231,23 +219,6 @@ def format_rows(label: str, rows: dict, budget_mb: int) -> list[str]:
     return lines
 
 
-def command(args: argparse.Namespace, world: int) -> str:
-    extra = []
-    if args.small:
-        extra.append("--small")
-    base = SMALL if args.small else DEFAULTS
-    for k, v in vars(args).items():
-        if k in base and v != base[k]:
-            extra.append(f"--{k.replace('_', '-')} {v}")
-    if args.bucket_mb != 64:
-        extra.append(f"--bucket-mb {args.bucket_mb}")
-    if args.repeats != 3:
-        extra.append(f"--repeats {args.repeats}")
-    if args.world6:
-        extra.append("--world6")
-    return " ".join([COMMAND.format(n=world)] + extra)
-
-
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=20))
@@ -294,7 +265,7 @@ def main() -> None:
                 + " | ".join(f"{r['phases'][p] / MIB:.1f}" for p in phases)
                 + f" | {r['rows']['planned']['peak'] / MIB:.1f} |"
             )
-        print(f"\ncommand: {command(args, world)}")
+        print(f"\ncommand: {rerun_command('rollout_sync.py', world)}")
         print(f"total {time.perf_counter() - t_start:.0f}s")
     dist.destroy_process_group()
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import parser, rerun_command
 
 from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
 from reshard.parallel.model.pipeline import parallelize_pipeline
@@ -41,12 +42,11 @@ from reshard.parallel.strategies.seesaw import LayoutSwitch, seesaw_engine
 
 REPO = Path(__file__).resolve().parent.parent
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/seesaw.py"
 WORKLOADS = {"long-in": (320, 16), "balanced": (96, 96)}  # (prompt tokens, new tokens)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--slots", type=int, default=8, help="KV slots (max batch) per model replica")
     p.add_argument(
@@ -137,7 +137,8 @@ def bench_workload(name: str, args, path: Path, vocab: int, world: int) -> list[
 
 def report(rows: list[dict], args, tier_share: float) -> None:
     print(
-        f"\n{COMMAND}\nrequests={args.requests}, slots={args.slots}, tier={tier_share} x prompt tokens, "
+        f"\ncommand: {rerun_command('seesaw.py', dist.get_world_size())}\n"
+        f"requests={args.requests}, slots={args.slots}, tier={tier_share} x prompt tokens, "
         f"repeats={args.repeats} (medians)\n"
     )
     print(

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import parser, rerun_command
 from torch.distributed.tensor import Replicate, Shard
 
 import reshard.layers._comm as comm
@@ -70,12 +71,11 @@ from reshard.parallel.strategies.shift import (
 
 REPO = Path(__file__).resolve().parent.parent
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/shift.py"
 TP_ONLY = 10**9
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--tokens", default="8,64,512,2048", help="part 1 token counts")
     p.add_argument("--sp", type=int, default=0, help="part 2 sp degree (default: world size, tp=1)")
     p.add_argument("--threshold", type=int, default=64, help="Shift threshold (tokens > T run SP)")
@@ -511,7 +511,7 @@ def print_report(
 ) -> None:
     sp = args.sp or world
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    print(f"command: {COMMAND.format(n=world)}")
+    print(f"command: {rerun_command('shift.py', world)}")
     print(
         f"torch {torch.__version__}, gloo, {world} ranks, torch threads/rank {torch.get_num_threads()}, "
         f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"

@@ -65,7 +65,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import LoadSampler, bench_checkpoint, med, reduce_scalar
+from _common import (
+    LoadSampler,
+    add_sizes,
+    bench_checkpoint,
+    fill_sizes,
+    ints,
+    med,
+    parser,
+    reduce_scalar,
+    rerun_command,
+)
 
 from reshard.kv import KVCache
 from reshard.kv.cache import KVSpec
@@ -75,7 +85,6 @@ from reshard.parallel.strategies.sidp import kv_bytes_per_token, profile_thresho
 
 REPO = Path(__file__).resolve().parent.parent
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {n} bench/sidp.py"
 MIB, GIB = 2**20, 2**30
 DEFAULTS = {"hidden": 768, "intermediate": 3072, "layers": 8, "heads": 12, "kv_heads": 4, "vocab": 8000}
 SMALL = {"hidden": 256, "intermediate": 1024, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096}
@@ -83,16 +92,10 @@ SECTIONS = ("sweep", "kv", "e2e")
 SWEEP_VARIANTS = ("dp", "was", "cas", "allgather")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for k in DEFAULTS:
-        p.add_argument(f"--{k.replace('_', '-')}", type=int)
-    p.add_argument("--small", action="store_true", help=f"a quick check: {SMALL}, sizes 1,4, short e2e")
-    p.add_argument("--sizes", type=_ints, help="batch sizes per replica (default 1,2,4,8,16,32)")
+    p = parser(__doc__)
+    add_sizes(p, DEFAULTS, SMALL)
+    p.add_argument("--sizes", type=ints, help="batch sizes per replica (default 1,2,4,8,16,32)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per (variant, b) in the sweep")
@@ -109,11 +112,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--e2e-batch", type=int, default=8, help="max_batch_size per replica in e2e")
     p.add_argument("--e2e-repeats", type=int, default=1)
     p.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS))
-    args = p.parse_args()
-    base = SMALL if args.small else DEFAULTS
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    args = fill_sizes(p.parse_args(), DEFAULTS, SMALL)
     if args.sizes is None:
         args.sizes = [1, 4] if args.small else [1, 2, 4, 8, 16, 32]
     if args.small:
@@ -122,34 +121,6 @@ def parse_args() -> argparse.Namespace:
     if bad:
         p.error(f"unknown sections {bad}; known {list(SECTIONS)}")
     return args
-
-
-def command(args: argparse.Namespace, world: int) -> str:
-    extra = ["--small"] if args.small else []
-    base = SMALL if args.small else DEFAULTS
-    for k, v in base.items():
-        if getattr(args, k) != v:
-            extra.append(f"--{k.replace('_', '-')} {getattr(args, k)}")
-    default_sizes = [1, 4] if args.small else [1, 2, 4, 8, 16, 32]
-    if args.sizes != default_sizes:
-        extra.append(f"--sizes {','.join(map(str, args.sizes))}")
-    for k, d in (
-        ("prompt_len", 16),
-        ("new_tokens", 12),
-        ("repeats", 2),
-        ("slots", None),
-        ("prefetch_depth", 2),
-        ("threshold", None),
-        ("e2e_batch", 8),
-        ("e2e_repeats", 1),
-    ):
-        if getattr(args, k) != d:
-            extra.append(f"--{k.replace('_', '-')} {getattr(args, k)}")
-    if args.e2e_requests != (12 if args.small else 40):
-        extra.append(f"--e2e-requests {args.e2e_requests}")
-    if list(args.sections) != list(SECTIONS):
-        extra.append(f"--sections {','.join(args.sections)}")
-    return " ".join([COMMAND.format(n=world)] + extra)
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
@@ -654,7 +625,7 @@ def main() -> None:
             )
             print("\n".join(format_e2e(r)))
         print(f"\nmachine: {sampler.summary()}")
-        print(f"command: {command(args, world)}")
+        print(f"command: {rerun_command('sidp.py', world)}")
         print(f"total {time.perf_counter() - t_start:.0f}s")
     dist.barrier()
     dist.destroy_process_group()
