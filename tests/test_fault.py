@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+from tests import dist_harness
+from tests.test_recipe import _run_recipe
+
 COMMON = ["progress=false", "workload.num_requests=6", "workload.prompt_len_max=40", "generation.max_new_tokens=12"]
 
 
@@ -49,12 +52,17 @@ _REFERENCES: dict = {}
 
 @pytest.fixture
 def reference(tmp_path_factory):
-    """The failure-free run's tokens for (world, overrides), run once per session."""
+    """The failure-free run's tokens for (world, overrides), once per session: the same recipe
+    (``run_generate``) in the test harness's process pool, which saves a torchrun job per reference."""
 
     def get(overrides, world=2):
         key = (world, tuple(overrides))
         if key not in _REFERENCES:
-            _REFERENCES[key] = _run(tmp_path_factory.mktemp("ref"), "ref", overrides, world=world)[0]
+            run_dir = tmp_path_factory.mktemp("ref")
+            cache = f"model.cache_dir={run_dir / 'cache'}"
+            dist_harness.run(world, _run_recipe, [*COMMON, *overrides, cache], str(run_dir))
+            lines = (run_dir / "outputs.jsonl").read_text().splitlines()
+            _REFERENCES[key] = [json.loads(line)["output_ids"] for line in lines]
         return _REFERENCES[key]
 
     return get
