@@ -73,6 +73,10 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
+    def __iter__(self):
+        """The checkpoint's tensor names."""
+        return iter(self.weight_map)
+
     def file_of(self, name: str) -> Path:
         return self.directory / self.weight_map[name]
 
@@ -124,7 +128,7 @@ def _weight_map(directory: Path) -> dict[str, str]:
     if not single.exists():
         raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}; only safetensors checkpoints load")
     with safe_open(str(_check_file(single)), framework="pt") as f:
-        return {k: SINGLE_FILE for k in f}
+        return {k: SINGLE_FILE for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
 
 
 def _header(path: Path) -> tuple[int, dict]:
