@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from reshard.mesh import device_type
 from reshard.parallel import Engine, ParallelDims, Request
 from reshard.parallel.fault import restart_count
 from reshard.parallel.model.tiny_models import builtin_checkpoint
@@ -149,8 +150,8 @@ def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> li
 def synthetic_prompts(cfg: GenerateConfig, vocab_size: int) -> list[list[int]]:
     w = cfg.workload
     gen = torch.Generator().manual_seed(w.seed)
-    lengths = torch.randint(w.prompt_len_min, w.prompt_len_max + 1, (w.num_requests,), generator=gen)
-    return [torch.randint(0, vocab_size, (int(n),), generator=gen).tolist() for n in lengths]
+    lengths = torch.randint(w.prompt_len_min, w.prompt_len_max + 1, (w.num_requests,), generator=gen).tolist()
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 def read_prompts(path: Path, model_path: Path) -> list[list[int]]:
@@ -193,7 +194,7 @@ def _tokenizer(model_path: Path, prompts_path: Path):
 def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s: float, gen_s: float) -> dict:
     """Token counts over all requests; phase times of the slowest replica."""
     s = engine.stats
-    phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64)
+    phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64, device=device_type())
     dist.all_reduce(phase, op=dist.ReduceOp.MAX)
     prefill_s, decode_s, gen_s = phase.tolist()
     prompt_tokens = sum(len(c.prompt_ids) for c in completions)

@@ -225,7 +225,7 @@ def _run_round(
     recv_bufs = {
         peer: direct.get(peer)
         if peer in direct
-        else torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8, device=_device_of(outs))
+        else torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8, device=outs[its[0].plan].device)
         for peer, its in recvs.items()
     }
     ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in send_bufs.items()]
@@ -267,10 +267,6 @@ def _direct_target(items: list[_Item], plans, outs, rank: int, views: set[int]) 
         return None
     target = outs[it.plan][_local_slices(it.box, plan.dst.box(rank))]
     return target.reshape(-1).view(torch.uint8) if target.is_contiguous() else None
-
-
-def _device_of(outs) -> torch.device:
-    return next((o.device for o in outs if o is not None), torch.device("cpu"))
 
 
 def _src_view(it: _Item, plans, src_locals, rank: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from reshard.mesh import cached_group, cached_mesh, device_type
+from reshard.mesh import cached_group, cached_mesh, device_type, rank_tensor
 
 AXES = ("dp", "pp", "sp", "tp")
 
@@ -23,7 +23,7 @@ def rank_grid(dims: ParallelDims) -> torch.Tensor:
     ``(dp, pp, sp, tp)`` grid (checks the job's size)."""
     dims._check_world()
     first = dims.first_rank or 0
-    return torch.arange(first, first + dims.world_size).view(dims.shape)
+    return rank_tensor(range(first, first + dims.world_size)).view(dims.shape)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.kv.stream import KVStreamer, Span, plan_stream, world_layouts
+from reshard.mesh import device_type
 from reshard.parallel.cost.dejavu_planner import plan_disaggregation
 from reshard.parallel.engine import (
     Engine,
@@ -263,6 +264,7 @@ class DejaVuStrategy(Strategy):
         times = torch.tensor(
             [s.prefill_seconds / max(s.prefill_steps, 1), s.decode_seconds / max(s.decode_steps, 1), s.streamed_bytes],
             dtype=torch.float64,
+            device=device_type(),
         )
         dist.all_reduce(times[2:])
         dist.all_reduce(times[:2], op=dist.ReduceOp.MAX)

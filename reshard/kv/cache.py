@@ -170,8 +170,8 @@ class KVCache:
     def assign(self, slot: int, blocks: list[int]) -> None:
         """Slot ``slot`` now holds a sequence whose positions live in ``blocks`` (in order)."""
         assert self.spec.paged and len(blocks) <= self.spec.max_blocks, (len(blocks), self.spec.max_blocks)
-        row = torch.full((self.spec.max_blocks,), self.spec.scratch_block, dtype=torch.long)
-        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        row = torch.full((self.spec.max_blocks,), self.spec.scratch_block, dtype=torch.long, device=self.device)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long, device=self.device)
         self.table[slot].copy_(row)
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from reshard.mesh import device_type
 from reshard.parallel.engine import (
     Engine,
     EngineArgs,
@@ -108,7 +109,7 @@ class SeesawStrategy(Strategy):
 
     def summary(self, engine: Engine) -> dict:
         s, switch = engine.stats, engine.policy.switch
-        swap = torch.tensor([s.swap_seconds], dtype=torch.float64)
+        swap = torch.tensor([s.swap_seconds], dtype=torch.float64, device=device_type())
         dist.all_reduce(swap, op=dist.ReduceOp.MAX)
         return {
             "transitions": s.transitions,
