@@ -39,7 +39,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     """
     t0 = time.perf_counter()
     path = _model_path(cfg)
-    dims = cfg.parallel.dims(dist.get_world_size())  # validates the layout before loading
+    layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
     engine = cfg.parallel.build(path, args)
     keep = _keep_finished(engine, run_dir)
@@ -54,7 +54,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
             if fault is not None:
                 fault["ft"].on_failure(f"a collective failed on rank {_rank()}")
             raise
-    summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
+    summary = _summary(cfg, path, engine, layouts, completions, load_seconds, time.perf_counter() - t1)
     summary["failures"] = restart_count()
     if fault is not None:
         summary.update(fault.pop("summary")(), recovery_seconds=fault["recovery_seconds"])
@@ -191,8 +191,10 @@ def _tokenizer(model_path: Path, prompts_path: Path):
         ) from e
 
 
-def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s: float, gen_s: float) -> dict:
-    """Token counts over all requests; phase times of the slowest replica."""
+def _summary(
+    cfg, path, engine: Engine, layouts: dict[str, ParallelDims], completions, load_s: float, gen_s: float
+) -> dict:
+    """Token counts over all requests; phase times of the slowest replica; every layout the run used."""
     s = engine.stats
     phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64, device=device_type())
     dist.all_reduce(phase, op=dist.ReduceOp.MAX)
@@ -203,7 +205,7 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
         "model_path": str(Path(path).resolve()),
         "world_size": dist.get_world_size(),
         "strategy": cfg.parallel.strategy,
-        "parallel": {"dp": dims.dp, "sp": dims.sp, "tp": dims.tp},
+        "parallel": {name: dims.describe() for name, dims in layouts.items()},
         "requests": len(completions),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
@@ -261,11 +263,20 @@ def _print_summary(s: dict, strategy) -> None:
         f"  prefill {s['prefill_tokens_per_s']:10.1f} tok/s  ({ph['prefill']:.3f} s)\n"
         f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
         f"mean batch {s['mean_decode_batch']:.1f})\n"
-        f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s",
+        f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s\n"
+        f"  layouts {_layouts_line(s['parallel'])}",
         flush=True,
     )
     for line in strategy.report(s):
         print("  " + line, flush=True)
+
+
+def _layouts_line(layouts: dict) -> str:
+    """``prefill dp1 pp2 sp1 tp1 (ranks 0-1), decode ...``: each layout the run used."""
+    return ", ".join(
+        f"{name} dp{d['dp']} pp{d['pp']} sp{d['sp']} tp{d['tp']} (ranks {d['ranks'][0]}-{d['ranks'][-1]})"
+        for name, d in layouts.items()
+    )
 
 
 def _hydra_run(cfg: dict, run_dir: Path) -> None:

@@ -81,6 +81,10 @@ class ParallelDims:
         first = self.first_rank or 0
         return list(range(first, first + self.world_size))
 
+    def describe(self) -> dict:
+        """The layout as ``summary.json`` reports it: ``{"dp", "pp", "sp", "tp", "ranks"}``."""
+        return {**dict(zip(AXES, self.shape)), "ranks": self.ranks}
+
     def mesh(self, axis: str) -> DeviceMesh:
         """1-D mesh of this rank's group along ``axis``."""
         if axis not in AXES:

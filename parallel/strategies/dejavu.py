@@ -239,9 +239,10 @@ class DejaVuStrategy(Strategy):
             raise ValueError(f"parallel.prompt_ranks must be in 1..{world - 1} (the job has {world} ranks), got {n}")
         return self.prompt.dims(range(0, n), "parallel.prompt"), self.token.dims(range(n, world), "parallel.token")
 
-    def dims(self, world_size: int) -> ParallelDims:
-        self.sides(world_size)
-        return ParallelDims(tp=world_size, world_size=world_size)
+    def layouts(self, world_size: int) -> dict[str, ParallelDims]:
+        """The prompt side (the first ``prompt_ranks`` ranks) and the token side (the rest)."""
+        prompt, token = self.sides(world_size)
+        return {"prompt": prompt, "token": token}
 
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
         if args.kv_block_size is not None or args.compile:
@@ -276,21 +277,16 @@ class DejaVuStrategy(Strategy):
             max(new_tokens, 1.0),
             self.overhead,
         )
-        p, t = engine.runners["prompt"].dims, engine.runners["token"].dims
         return {
             "streamed_bytes": int(times[2]),
             "stream_wait_seconds": s.stream_wait_seconds,
-            "layouts": {
-                "prompt": {"ranks": p.ranks, "tp": p.tp, "pp": p.pp},
-                "token": {"ranks": t.ranks, "tp": t.tp, "pp": t.pp},
-            },
             "dejavu_plan": plan.as_dict(),
         }
 
     def report(self, s: dict) -> list[str]:
         plan = s["dejavu_plan"]
         return [
-            f"dejavu prompt {s['layouts']['prompt']} -> token {s['layouts']['token']}: streamed "
+            f"dejavu: streamed "
             f"{s['streamed_bytes']} bytes of prompt KV; appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
             f"(disaggregation pays: {plan['pays']})"
         ]
