@@ -12,7 +12,8 @@ What needs a device (an offender unless it says where the tensor goes):
   staging is the CPU by definition), a chained ``.to(<device>)``, or a result read straight back on
   the host (``.tolist()``, ``.item()``, ``.element_size()``, ``.numpy()``, through view-only steps);
 - ``.cuda()`` and ``.cpu()``: a move to a device named by the code, not by the mesh;
-- a literal device anywhere: ``device="cpu"``, ``.to("cuda")``, ``torch.device("cpu")``.
+- a literal device anywhere: ``device="cpu"`` (a keyword, or a parameter's default),
+  ``.to("cuda")``, ``torch.device("cpu")``.
 ``torch.from_numpy``/``frombuffer`` wrap host memory and take no device: the caller moves the result.
 
 What may stay on the CPU is listed in ``ALLOWED`` by function (``module:function``) with the reason.
@@ -127,10 +128,22 @@ class _Scan(ast.NodeVisitor):
 
     def _enter(self, node) -> None:
         self.scope.append(node.name)
+        if not isinstance(node, ast.ClassDef):
+            self._defaults(node.args)
         self.generic_visit(node)
         self.scope.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _enter
+
+    def _defaults(self, args: ast.arguments) -> None:
+        """A ``device="cpu"`` default: every caller that leaves it out lands on that device."""
+        positional = args.posonlyargs + args.args
+        pairs = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults))
+        pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+        for arg, default in pairs:
+            if arg.arg == "device" and _literal_device(default):
+                call = f"default device={ast.unparse(default)}"
+                self.found.append(Offender(self.path, default.lineno, ".".join(self.scope), call))
 
     def visit_Call(self, node: ast.Call) -> None:
         why = self._offence(node)
@@ -220,7 +233,9 @@ def bad(x, n):
     h = torch.arange(n).to(torch.long)
     i = x.to(device="cpu")
     j = torch.device("cuda")
-def good(x, n, device):
+def bad_default(x, device="cpu", *, other=None):
+    pass
+def good(x, n, device=None, *, dtype="cpu"):
     a = torch.zeros(n, device=device)
     b = torch.empty_like(x)
     c = x.new_zeros(n)
@@ -237,7 +252,8 @@ def good(x, n, device):
         pass
 """
     found = _Scan("sample.py").scan(ast.parse(src))
-    assert [(o.function, o.line) for o in found] == [("bad", i) for i in range(4, 14)], [str(o) for o in found]
+    expected = [("bad", i) for i in range(4, 14)] + [("bad_default", 14)]
+    assert [(o.function, o.line) for o in found] == expected, [str(o) for o in found]
 
 
 def test_library_places_every_tensor():

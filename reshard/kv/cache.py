@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reshard.mesh import device_type
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -124,10 +126,11 @@ class KVSpec:
 
 
 class KVCache:
-    """K and V per layer, each ``(num_slots, num_heads, max_seq_len + 1, head_dim)``."""
+    """K and V per layer, each ``(num_slots, num_heads, max_seq_len + 1, head_dim)``, on ``device``
+    (default: the process group's, :func:`reshard.mesh.device_type`; ``"cpu"`` for a host tier)."""
 
-    def __init__(self, spec: KVSpec, device: torch.device | str = "cpu") -> None:
-        self.spec, self.device = spec, device
+    def __init__(self, spec: KVSpec, device: torch.device | str | None = None) -> None:
+        self.spec, self.device = spec, device if device is not None else device_type()
         self.k: list[torch.Tensor] = []
         self.table: torch.Tensor | None = None  # paged: (num_slots, max_blocks) block ids
         self.v: list[torch.Tensor] = []
