@@ -286,8 +286,8 @@ class DejaVuStrategy(Strategy):
     def report(self, s: dict) -> list[str]:
         plan = s["dejavu_plan"]
         return [
-            f"dejavu: streamed "
-            f"{s['streamed_bytes']} bytes of prompt KV; appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
+            f"dejavu: streamed {s['streamed_bytes']} bytes of prompt KV; "
+            f"appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
             f"(disaggregation pays: {plan['pays']})"
         ]
 

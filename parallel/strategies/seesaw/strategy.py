@@ -125,7 +125,7 @@ class SeesawStrategy(Strategy):
 
     def report(self, s: dict) -> list[str]:
         return [
-            f"seesaw: {s['transitions']} "
-            f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
+            f"seesaw: {s['transitions']} transitions, "
+            f"re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
             f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s"
         ]
