@@ -273,9 +273,12 @@ def _print_summary(s: dict, strategy) -> None:
 
 def _layouts_line(layouts: dict) -> str:
     """``prefill dp1 pp2 sp1 tp1 (ranks 0-1), decode ...``: each layout the run used."""
+
+    def ranks(r: list[int]) -> str:
+        return f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}"
+
     return ", ".join(
-        f"{name} dp{d['dp']} pp{d['pp']} sp{d['sp']} tp{d['tp']} (ranks {d['ranks'][0]}-{d['ranks'][-1]})"
-        for name, d in layouts.items()
+        f"{name} dp{d['dp']} pp{d['pp']} sp{d['sp']} tp{d['tp']} ({ranks(d['ranks'])})" for name, d in layouts.items()
     )
 
 
