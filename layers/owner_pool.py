@@ -86,11 +86,14 @@ class FFNPool:
         self.act = mlps[0].act_fn
         self.owner = [self.ranks[j % self.G] for j in range(len(mlps))]
         self.shapes = [tuple(w.shape) for w in _weights(mlps[0])]
-        dtype = _weights(mlps[0])[0].dtype
+        first = _weights(mlps[0])[0]  # every layer's weights share its dtype and device
+        dtype, device = first.dtype, first.device
         # one flat buffer per owned layer and per slot (gate | up | down): a fetch is one message
         self.flat = {j: _take(m) if self.owner[j] == self.rank else _free(m) for j, m in enumerate(mlps)}
         self.weights = {j: _split(f, self.shapes) for j, f in self.flat.items() if f is not None}
-        self.slot_flat = [torch.empty(sum(_numel(sh) for sh in self.shapes), dtype=dtype) for _ in range(slots)]
+        self.slot_flat = [
+            torch.empty(sum(_numel(sh) for sh in self.shapes), dtype=dtype, device=device) for _ in range(slots)
+        ]
         self.slot_tensors = [_split(f, self.shapes) for f in self.slot_flat]
         self.counters = PoolCounters()
         self._group = _background_group(self.ranks)
@@ -285,7 +288,8 @@ class FFNPool:
     def serve_idle(self) -> None:
         """A dummy step on this rank (no tokens of its own) in CaS mode: still serve the layers it
         owns to the ranks that have tokens, in layer order."""
-        empty = torch.empty(0, self.weights_dim(), dtype=self.slot_tensors[0][0].dtype)
+        slot = self.slot_tensors[0][0]
+        empty = torch.empty(0, self.weights_dim(), dtype=slot.dtype, device=slot.device)
         for j, owner in enumerate(self.owner):
             if owner == self.rank:
                 self._cas_owner(j, empty)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from reshard.mesh import device_type
 from reshard.parallel import Engine, ParallelDims, Request
 from reshard.parallel.fault import restart_count
 from reshard.parallel.model.tiny_models import builtin_checkpoint
@@ -38,7 +39,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     """
     t0 = time.perf_counter()
     path = _model_path(cfg)
-    dims = cfg.parallel.dims(dist.get_world_size())  # validates the layout before loading
+    layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
     engine = cfg.parallel.build(path, args)
     keep = _keep_finished(engine, run_dir)
@@ -53,7 +54,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
             if fault is not None:
                 fault["ft"].on_failure(f"a collective failed on rank {_rank()}")
             raise
-    summary = _summary(cfg, path, engine, dims, completions, load_seconds, time.perf_counter() - t1)
+    summary = _summary(cfg, path, engine, layouts, completions, load_seconds, time.perf_counter() - t1)
     summary["failures"] = restart_count()
     if fault is not None:
         summary.update(fault.pop("summary")(), recovery_seconds=fault["recovery_seconds"])
@@ -149,8 +150,8 @@ def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> li
 def synthetic_prompts(cfg: GenerateConfig, vocab_size: int) -> list[list[int]]:
     w = cfg.workload
     gen = torch.Generator().manual_seed(w.seed)
-    lengths = torch.randint(w.prompt_len_min, w.prompt_len_max + 1, (w.num_requests,), generator=gen)
-    return [torch.randint(0, vocab_size, (int(n),), generator=gen).tolist() for n in lengths]
+    lengths = torch.randint(w.prompt_len_min, w.prompt_len_max + 1, (w.num_requests,), generator=gen).tolist()
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 def read_prompts(path: Path, model_path: Path) -> list[list[int]]:
@@ -190,10 +191,12 @@ def _tokenizer(model_path: Path, prompts_path: Path):
         ) from e
 
 
-def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s: float, gen_s: float) -> dict:
-    """Token counts over all requests; phase times of the slowest replica."""
+def _summary(
+    cfg, path, engine: Engine, layouts: dict[str, ParallelDims], completions, load_s: float, gen_s: float
+) -> dict:
+    """Token counts over all requests; phase times of the slowest replica; every layout the run used."""
     s = engine.stats
-    phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64)
+    phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64, device=device_type())
     dist.all_reduce(phase, op=dist.ReduceOp.MAX)
     prefill_s, decode_s, gen_s = phase.tolist()
     prompt_tokens = sum(len(c.prompt_ids) for c in completions)
@@ -202,7 +205,7 @@ def _summary(cfg, path, engine: Engine, dims: ParallelDims, completions, load_s:
         "model_path": str(Path(path).resolve()),
         "world_size": dist.get_world_size(),
         "strategy": cfg.parallel.strategy,
-        "parallel": {"dp": dims.dp, "sp": dims.sp, "tp": dims.tp},
+        "parallel": {name: dims.describe() for name, dims in layouts.items()},
         "requests": len(completions),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
@@ -260,11 +263,23 @@ def _print_summary(s: dict, strategy) -> None:
         f"  prefill {s['prefill_tokens_per_s']:10.1f} tok/s  ({ph['prefill']:.3f} s)\n"
         f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
         f"mean batch {s['mean_decode_batch']:.1f})\n"
-        f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s",
+        f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s\n"
+        f"  layouts {_layouts_line(s['parallel'])}",
         flush=True,
     )
     for line in strategy.report(s):
         print("  " + line, flush=True)
+
+
+def _layouts_line(layouts: dict) -> str:
+    """``prefill dp1 pp2 sp1 tp1 (ranks 0-1), decode ...``: each layout the run used."""
+
+    def ranks(r: list[int]) -> str:
+        return f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}"
+
+    return ", ".join(
+        f"{name} dp{d['dp']} pp{d['pp']} sp{d['sp']} tp{d['tp']} ({ranks(d['ranks'])})" for name, d in layouts.items()
+    )
 
 
 def _hydra_run(cfg: dict, run_dir: Path) -> None:

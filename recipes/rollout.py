@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from reshard.mesh import device_type
 from reshard.parallel import Request, SamplingParams
 from reshard.parallel.model.tiny_models import cached_checkpoint
 from reshard.parallel.model.weight_sync import model_sync, rollout_tensors
@@ -98,7 +99,7 @@ class RolloutJob:
         memory["sync"] += stats.peak_extra_bytes
         prompts = [p for p in task_prompts(t, it, self.vocab_size) for _ in range(t.group_size)]
         completions, memory["rollout"] = self._roll_out(prompts, it)
-        rewards = torch.tensor([even_reward(c, t.max_new_tokens) for c in completions])
+        rewards = torch.tensor([even_reward(c, t.max_new_tokens) for c in completions], device=device_type())
         loss, memory["train"] = self._train_step(prompts, completions, group_advantages(rewards, t.group_size))
         return self._metrics(it, rewards, loss, stats, sync_s, memory, completions)
 
@@ -121,7 +122,7 @@ class RolloutJob:
 
     def _train_step(self, prompts, completions, advantages: torch.Tensor) -> tuple[float, int]:
         """This training rank's share of the batch through the FSDP2 model; one optimizer step."""
-        loss, peak = torch.zeros(()), 0
+        loss, peak = torch.zeros((), device=device_type()), 0
         if self.train is not None:
             n = len(prompts) // len(self.split.train)
             a = self.split.train.index(self.rank) * n
@@ -151,7 +152,9 @@ class RolloutJob:
 
     def _metrics(self, it, rewards, loss, stats, sync_s, memory, completions) -> dict:
         agg = torch.tensor(
-            [stats.bytes_received, sync_s, memory["sync"], memory["rollout"], memory["train"]], dtype=torch.float64
+            [stats.bytes_received, sync_s, memory["sync"], memory["rollout"], memory["train"]],
+            dtype=torch.float64,
+            device=device_type(),
         )
         summed, peak = agg.clone(), agg.clone()
         dist.all_reduce(summed)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.layout import Box, box_numel
+from reshard.mesh import device_type
 from reshard.plan import Piece, Plan
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -142,17 +143,19 @@ def execute(
     src_locals: Sequence[torch.Tensor | None],
     *,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
     out: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor | None], CommStats]:
     """Run ``plans`` together; returns this rank's destination shards (``None`` off the mesh).
 
     ``out``: this rank's destination shards to write in place (``None`` off the mesh), e.g. a
-    model's parameters; otherwise new tensors are allocated (or views of the source returned
-    where a rank already holds its whole destination box).
+    model's parameters; otherwise new tensors are allocated on ``device`` (default: the process
+    group's, :func:`reshard.mesh.device_type`), or views of the source returned where a rank
+    already holds its whole destination box.
     """
     t0 = time.perf_counter()
+    device = device if device is not None else device_type()
     schedule = plans if isinstance(plans, Schedule) else Schedule.of(plans, bucket_bytes)
     plans = schedule.plans
     _check_world(plans)
@@ -225,7 +228,7 @@ def _run_round(
     recv_bufs = {
         peer: direct.get(peer)
         if peer in direct
-        else torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8, device=_device_of(outs))
+        else torch.empty(sum(i.nbytes for i in its), dtype=torch.uint8, device=outs[its[0].plan].device)
         for peer, its in recvs.items()
     }
     ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in send_bufs.items()]
@@ -267,10 +270,6 @@ def _direct_target(items: list[_Item], plans, outs, rank: int, views: set[int]) 
         return None
     target = outs[it.plan][_local_slices(it.box, plan.dst.box(rank))]
     return target.reshape(-1).view(torch.uint8) if target.is_contiguous() else None
-
-
-def _device_of(outs) -> torch.device:
-    return next((o.device for o in outs if o is not None), torch.device("cpu"))
 
 
 def _src_view(it: _Item, plans, src_locals, rank: int) -> torch.Tensor:

@@ -13,6 +13,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from reshard.mesh import rank_tensor
+
 Box = tuple[tuple[int, int], ...]  # per tensor dim: [start, stop)
 
 
@@ -37,9 +39,9 @@ class Layout:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        grid = torch.tensor(self.ranks)
-        if grid.dim() != len(self.placements):
-            raise ValueError(f"mesh has {grid.dim()} axes but {len(self.placements)} placements were given")
+        axes = self.grid.dim()
+        if axes != len(self.placements):
+            raise ValueError(f"mesh has {axes} axes but {len(self.placements)} placements were given")
         for p in self.placements:
             if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
                 raise ValueError(f"{p!r} is out of range for a tensor of shape {self.shape}")
@@ -56,7 +58,7 @@ class Layout:
 
     @property
     def grid(self) -> torch.Tensor:
-        return torch.tensor(self.ranks)
+        return rank_tensor(self.ranks)
 
     @property
     def all_ranks(self) -> list[int]:

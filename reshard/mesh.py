@@ -14,6 +14,13 @@ def device_type() -> str:
     return "cpu"
 
 
+def rank_tensor(ranks) -> torch.Tensor:
+    """``ranks`` (nested lists, tuples or a ``range``) as a rank grid: a host tensor, whatever the
+    backend. Rank grids are metadata: ``DeviceMesh`` keeps its ranks on the CPU (it moves a device
+    tensor there), and the index math on layouts reads them back as Python ints."""
+    return torch.tensor(ranks, device="cpu")
+
+
 _MESHES: dict = {}  # "world": the default process group they belong to; key -> DeviceMesh
 
 
@@ -48,4 +55,4 @@ def cached_group(ranks: torch.Tensor) -> dist.ProcessGroup:
     return _MESHES[key]
 
 
-__all__ = ["cached_group", "cached_mesh", "device_type"]
+__all__ = ["cached_group", "cached_mesh", "device_type", "rank_tensor"]

@@ -10,6 +10,7 @@ contribution is moved and the receiver reduces them.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -99,7 +100,7 @@ def contributions(layout: Layout) -> list[tuple[Box, list[int]]]:
 
 
 def _coords(shape) -> list[tuple[int, ...]]:
-    return [tuple(c) for c in torch.cartesian_prod(*[torch.arange(n) for n in shape]).view(-1, len(shape)).tolist()]
+    return list(itertools.product(*map(range, shape)))
 
 
 def _reduce_op(layout: Layout) -> str | None:

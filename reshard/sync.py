@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from reshard.background import Background
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
 from reshard.layout import Layout, box_slices, nested_tuple
-from reshard.mesh import cached_group
+from reshard.mesh import cached_group, device_type, rank_tensor
 from reshard.plan import Plan, plan_transfer
 
 SYNC_METHODS = ("planned", "full_tensor", "broadcast")
@@ -146,7 +146,7 @@ class WeightSync:
         if type(step) is not int:
             raise ValueError(f"step must be an int, got {step!r}")
         world = dist.get_world_size(group)
-        mine = torch.tensor([step], dtype=torch.long)
+        mine = torch.tensor([step], dtype=torch.long, device=device_type())
         steps = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(steps, mine, group=group)
         values = [int(s) for s in steps]
@@ -276,7 +276,7 @@ class _Baseline:
     def __init__(self, entries: list[SyncEntry], method: str) -> None:
         self.entries, self.method = entries, method
         self.needy = [self._needy(e) for e in entries]
-        self.groups = {ranks: cached_group(torch.tensor(ranks)) for ranks in sorted(set(self.needy)) if len(ranks) > 1}
+        self.groups = {ranks: cached_group(rank_tensor(ranks)) for ranks in sorted(set(self.needy)) if len(ranks) > 1}
 
     def _needy(self, e: SyncEntry) -> tuple[int, ...]:
         """Root first, then the ranks the root broadcasts to."""

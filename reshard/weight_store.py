@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from reshard.layout import Box, Layout, box_slices
+from reshard.mesh import device_type
 
 _ALIGN = 64
 
@@ -53,8 +54,10 @@ class SharedWeightStore:
         self.full(name)[box_slices(box)].copy_(t.to_local())
         return t.to_local().numel() * t.to_local().element_size()
 
-    def read(self, name: str, box: Box, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A contiguous copy of ``box`` of the stored tensor on ``device``."""
+    def read(self, name: str, box: Box, device: torch.device | str | None = None) -> torch.Tensor:
+        """A contiguous copy of ``box`` of the stored tensor on ``device`` (default: the process
+        group's, :func:`reshard.mesh.device_type`)."""
+        device = device if device is not None else device_type()
         out = self.full(name)[box_slices(box)].to(device, copy=True).contiguous()
         self.bytes_read += out.numel() * out.element_size()
         return out

@@ -9,6 +9,10 @@ PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 10
 
 
 def _job(path, prompt, token, prompt_ranks, max_new):
+    """Tokens, the strategy's summary, the layouts it reports (as ``summary.json``'s ``parallel``)
+    and the layouts its engine's runners ran."""
+    import torch.distributed as dist
+
     from reshard.parallel import Request, SamplingParams
     from reshard.parallel.engine import EngineArgs, make_strategy
 
@@ -16,23 +20,34 @@ def _job(path, prompt, token, prompt_ranks, max_new):
     engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64))
     with engine:
         out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(PROMPTS)])
-    return [c.output_ids for c in out], strategy.summary(engine)
+    reported = {name: d.describe() for name, d in strategy.layouts(dist.get_world_size()).items()}
+    ran = {name: r.dims.describe() for name, r in engine.runners.items()}
+    return [c.output_ids for c in out], strategy.summary(engine), reported, ran
+
+
+def _side(ranks, **degrees) -> dict:
+    return {"dp": 1, "pp": 1, "sp": 1, "tp": 1, **degrees, "ranks": ranks}
 
 
 @pytest.mark.parametrize(
-    "world,prompt,token,prompt_ranks",
+    "world,prompt,token,prompt_ranks,layouts",
     [
-        (2, {"tp": 1}, {"tp": 1}, 1),  # one prompt rank, one token rank
-        (4, {"tp": 2}, {"tp": 2}, 2),  # prompt on 2 ranks, tokens on 2 ranks (TP2 each)
-        (4, {"tp": 2}, {"pp": 2}, 2),  # prompt TP2 -> token pipeline 2: KV re-sharded by heads and layers
-        (4, {"pp": 2}, {"tp": 2}, 2),  # prompt pipeline 2 -> token TP2
+        # one prompt rank, one token rank
+        (2, {"tp": 1}, {"tp": 1}, 1, {"prompt": _side([0]), "token": _side([1])}),
+        # prompt on 2 ranks, tokens on 2 ranks (TP2 each)
+        (4, {"tp": 2}, {"tp": 2}, 2, {"prompt": _side([0, 1], tp=2), "token": _side([2, 3], tp=2)}),
+        # prompt TP2 -> token pipeline 2: KV re-sharded by heads and layers
+        (4, {"tp": 2}, {"pp": 2}, 2, {"prompt": _side([0, 1], tp=2), "token": _side([2, 3], pp=2)}),
+        # prompt pipeline 2 -> token TP2
+        (4, {"pp": 2}, {"tp": 2}, 2, {"prompt": _side([0, 1], pp=2), "token": _side([2, 3], tp=2)}),
     ],
 )
-def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, prompt, token, prompt_ranks):
+def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, prompt, token, prompt_ranks, layouts):
     path = four_layer["llama"]
     results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, timeout=240)
     expected = hf_reference(path, PROMPTS, 6)
-    for tokens, summary in results:
+    for tokens, summary, reported, ran in results:
+        assert reported == ran == layouts  # summary.json's "parallel": the sides the engine ran
         assert tokens == expected
         assert summary["streamed_bytes"] > 0
         plan = summary["dejavu_plan"]

@@ -94,7 +94,10 @@ def test_shift_recipe_reports_switches(checkpoints, hf_reference, tmp_path):
         "progress=false",
     ]
     summary = dist_harness.run(2, _run_recipe, overrides, str(tmp_path))[0]
-    assert summary["strategy"] == "shift" and summary["parallel"] == {"dp": 1, "sp": 2, "tp": 1}
+    assert summary["strategy"] == "shift" and summary["parallel"] == {
+        "sp": {"dp": 1, "pp": 1, "sp": 2, "tp": 1, "ranks": [0, 1]},  # big steps: Ulysses SP
+        "tp": {"dp": 1, "pp": 1, "sp": 1, "tp": 2, "ranks": [0, 1]},  # small steps: full TP, same ranks
+    }
     assert summary["mode_switches"] >= 1 and summary["switch_bytes"] == 0
     assert summary["steps_by_mode"]["sp"] > 0 and summary["steps_by_mode"]["tp"] > 0
     lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
@@ -122,7 +125,7 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
         "parallel.tp=1",
     ]
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
-    assert summaries[0]["parallel"] == {"dp": 2, "sp": 1, "tp": 1}
+    assert summaries[0]["parallel"] == {"main": {"dp": 2, "pp": 1, "sp": 1, "tp": 1, "ranks": [0, 1]}}
     lines = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
     assert [line["prompt_ids"] for line in lines] == prompts
     assert [line["output_ids"] for line in lines] == hf_reference(path, prompts, 8)
@@ -246,7 +249,10 @@ def test_seesaw_recipe_matches_hf_and_reports_transitions(four_layer, hf_referen
     ]
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path))
     s = summaries[0]
-    assert s["layouts"] == {"prefill": {"dp": 1, "pp": 2, "tp": 1}, "decode": {"dp": 1, "pp": 1, "tp": 2}}
+    assert s["parallel"] == {
+        "prefill": {"dp": 1, "pp": 2, "sp": 1, "tp": 1, "ranks": [0, 1]},
+        "decode": {"dp": 1, "pp": 1, "sp": 1, "tp": 2, "ranks": [0, 1]},
+    }
     assert s["transitions"] >= 2 and s["reshard_bytes"] == s["reshard_lower_bound_bytes"] > 0
     assert s["reshard_seconds"] > 0 and s["swap_seconds"] >= 0
     rows = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]

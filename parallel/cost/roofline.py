@@ -338,9 +338,9 @@ def _layout(cfg: ParallelConfig, stage: int, shape: tuple[int, ...], dim: int | 
     the ascending (dp, pp, tp) grid, replicated over dp, ``Shard(dim)`` (or replicated) over tp."""
     from reshard import Layout
 
-    grid = torch.arange(cfg.gpus).view(cfg.dp, cfg.pp, cfg.tp)[:, stage, :]
+    grid = torch.arange(cfg.gpus).view(cfg.dp, cfg.pp, cfg.tp)[:, stage, :].tolist()  # (dp, tp) ranks
     placements = (Replicate(), Shard(dim) if dim is not None else Replicate())
-    return Layout(tuple(tuple(r) for r in grid.tolist()), placements, shape, dtype)
+    return Layout(tuple(tuple(r) for r in grid), placements, shape, dtype)
 
 
 @cache

@@ -17,13 +17,13 @@ def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor, group: dist.Proc
     this rank is the source of; exactly one rank of the job is the source of each sequence (the
     first rank of the last pipeline stage of the data-parallel replica that ran it). One sum
     all-reduce over ``group`` (the layout's ranks; default: the job); returns the agreed ``(B,)``
-    tokens on the CPU.
+    tokens on the device of ``tokens`` (the host, where tokens are sampled).
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return tokens
     chosen = torch.where(is_source, tokens, torch.zeros_like(tokens)).to(device_type())
     dist.all_reduce(chosen, group=group)
-    return chosen.cpu()
+    return chosen.to(tokens.device)
 
 
 def sample_step(

@@ -58,8 +58,16 @@ class Strategy:
         return self.name
 
     def dims(self, world_size: int) -> ParallelDims:
-        """The layout the job reports (``ValueError`` naming the keys if it cannot cover the world)."""
-        raise NotImplementedError
+        """A single-layout strategy's one layout over ``world_size`` ranks (``ValueError`` naming the
+        keys if it cannot cover them). Strategies that run several layouts define :meth:`layouts`."""
+        raise NotImplementedError(f"strategy {self.name!r} runs several layouts: see its layouts()")
+
+    def layouts(self, world_size: int) -> dict[str, ParallelDims]:
+        """Every layout the run uses, by name (Seesaw's ``prefill`` and ``decode``, DejaVu's ``prompt``
+        and ``token`` sides, Shift's ``sp`` and ``tp`` modes; the default: :meth:`dims` as ``main``,
+        the engine's one runner). Validates them all before anything loads; ``summary.json``'s
+        ``parallel`` reports them (:meth:`ParallelDims.describe`)."""
+        return {"main": self.dims(world_size)}
 
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
         """Load the model in this strategy's layout(s) and return its engine (collective).

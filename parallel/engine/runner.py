@@ -270,7 +270,7 @@ class ModelRunner:
                 self.kv.assign(s.slot, s.blocks)
         lengths = [s.prompt_len for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s.request.prompt_ids], device=self.device)
-        offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
+        offsets = list(itertools.accumulate(lengths, initial=0))
         batches, ranges = [], self._prefill_ranges(len(seqs))
         for i, (a, b) in enumerate(ranges):
             slots = (
@@ -315,7 +315,8 @@ class ModelRunner:
         )
         if out is None:
             return None
-        return out[torch.tensor(keep)[torch.tensor(by_slot).argsort()].to(out.device)]
+        in_order = sorted(range(len(by_slot)), key=by_slot.__getitem__)  # seqs' order, from slot order
+        return out[torch.tensor([keep[j] for j in in_order], device=out.device)]
 
     def _decode_batch(self, a: int, b: int, kv_len: int, active: list[int], index: int = 0):
         """(ids, context, rows) of slots ``[a, b)``: every row when compiled (masks built outside
@@ -388,7 +389,7 @@ class ModelRunner:
         off the last stage. Overwrites those slots: call it between generations."""
         lengths = [len(p) for p in prompts]
         if self.kv.spec.paged:  # between generations every block is free: consecutive ones
-            starts = [0] + torch.cumsum(torch.tensor([self.kv.spec.blocks_for(n) for n in lengths]), 0).tolist()
+            starts = list(itertools.accumulate((self.kv.spec.blocks_for(n) for n in lengths), initial=0))
             if starts[-1] > self.kv.spec.num_blocks:
                 raise ValueError(
                     f"prompts of {sum(lengths)} tokens do not fit the paged cache's {self.kv.spec.capacity_tokens}"

@@ -60,7 +60,7 @@ def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Gene
     (for ranks that learn the token from another rank instead of sampling it)."""
     for p, g in zip(params, generators):
         if not p.greedy:
-            torch.rand(vocab_size, generator=g)
+            torch.rand(vocab_size, generator=g, device=g.device)
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -73,5 +73,5 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
         probs = torch.softmax(sorted_x, -1)
         drop = torch.cumsum(probs, -1) - probs > p.top_p  # keeps at least the top token
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    u = torch.rand(x.shape, generator=gen).clamp_(1e-20, 1.0)
+    u = torch.rand(x.shape, generator=gen, device=gen.device).clamp_(1e-20, 1.0)
     return int(torch.argmax(x - torch.log(-torch.log(u))))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.kv import KVCache
+from reshard.mesh import device_type
 from reshard.parallel.engine import Engine
 from reshard.parallel.fault.heartbeat import Heartbeat
 from reshard.parallel.fault.inject import die
@@ -138,7 +139,7 @@ class FaultTolerance:
         those steps are replayed, restore this rank's KV from its successor's mirror; returns
         that step (0: nothing to recover)."""
         steps = self._journal()
-        acked = torch.tensor([self._acked(self.rank)], dtype=torch.long)
+        acked = torch.tensor([self._acked(self.rank)], dtype=torch.long, device=device_type())
         dist.all_reduce(acked, op=dist.ReduceOp.MIN)
         resume = max(min(len(steps), int(acked.item()) + 1), 0)
         dist.barrier()  # every rank has read the journal before rank 0 trims it

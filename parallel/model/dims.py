@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from reshard.mesh import cached_group, cached_mesh, device_type
+from reshard.mesh import cached_group, cached_mesh, device_type, rank_tensor
 
 AXES = ("dp", "pp", "sp", "tp")
 
@@ -23,7 +23,7 @@ def rank_grid(dims: ParallelDims) -> torch.Tensor:
     ``(dp, pp, sp, tp)`` grid (checks the job's size)."""
     dims._check_world()
     first = dims.first_rank or 0
-    return torch.arange(first, first + dims.world_size).view(dims.shape)
+    return rank_tensor(range(first, first + dims.world_size)).view(dims.shape)
 
 
 @dataclass
@@ -80,6 +80,10 @@ class ParallelDims:
     def ranks(self) -> list[int]:
         first = self.first_rank or 0
         return list(range(first, first + self.world_size))
+
+    def describe(self) -> dict:
+        """The layout as ``summary.json`` reports it: ``{"dp", "pp", "sp", "tp", "ranks"}``."""
+        return {**dict(zip(AXES, self.shape)), "ranks": self.ranks}
 
     def mesh(self, axis: str) -> DeviceMesh:
         """1-D mesh of this rank's group along ``axis``."""

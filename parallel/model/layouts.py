@@ -104,6 +104,6 @@ def global_layout(t: DTensor, dims: ParallelDims) -> Layout:
     local = Layout.of_dtensor(t)
     d = dims.world_mesh().get_coordinate()[0]
     stride = dims.world_size // dims.dp
-    ranks = torch.tensor(local.ranks)
+    ranks = local.grid
     grid = torch.stack([ranks + (i - d) * stride for i in range(dims.dp)])  # (dp, *mesh)
     return dataclasses.replace(local, ranks=nested_tuple(grid.tolist()), placements=(Replicate(),) + local.placements)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.kv.stream import KVStreamer, Span, plan_stream, world_layouts
+from reshard.mesh import device_type
 from reshard.parallel.cost.dejavu_planner import plan_disaggregation
 from reshard.parallel.engine import (
     Engine,
@@ -238,9 +239,10 @@ class DejaVuStrategy(Strategy):
             raise ValueError(f"parallel.prompt_ranks must be in 1..{world - 1} (the job has {world} ranks), got {n}")
         return self.prompt.dims(range(0, n), "parallel.prompt"), self.token.dims(range(n, world), "parallel.token")
 
-    def dims(self, world_size: int) -> ParallelDims:
-        self.sides(world_size)
-        return ParallelDims(tp=world_size, world_size=world_size)
+    def layouts(self, world_size: int) -> dict[str, ParallelDims]:
+        """The prompt side (the first ``prompt_ranks`` ranks) and the token side (the rest)."""
+        prompt, token = self.sides(world_size)
+        return {"prompt": prompt, "token": token}
 
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
         if args.kv_block_size is not None or args.compile:
@@ -263,6 +265,7 @@ class DejaVuStrategy(Strategy):
         times = torch.tensor(
             [s.prefill_seconds / max(s.prefill_steps, 1), s.decode_seconds / max(s.decode_steps, 1), s.streamed_bytes],
             dtype=torch.float64,
+            device=device_type(),
         )
         dist.all_reduce(times[2:])
         dist.all_reduce(times[:2], op=dist.ReduceOp.MAX)
@@ -274,22 +277,17 @@ class DejaVuStrategy(Strategy):
             max(new_tokens, 1.0),
             self.overhead,
         )
-        p, t = engine.runners["prompt"].dims, engine.runners["token"].dims
         return {
             "streamed_bytes": int(times[2]),
             "stream_wait_seconds": s.stream_wait_seconds,
-            "layouts": {
-                "prompt": {"ranks": p.ranks, "tp": p.tp, "pp": p.pp},
-                "token": {"ranks": t.ranks, "tp": t.tp, "pp": t.pp},
-            },
             "dejavu_plan": plan.as_dict(),
         }
 
     def report(self, s: dict) -> list[str]:
         plan = s["dejavu_plan"]
         return [
-            f"dejavu prompt {s['layouts']['prompt']} -> token {s['layouts']['token']}: streamed "
-            f"{s['streamed_bytes']} bytes of prompt KV; appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
+            f"dejavu: streamed {s['streamed_bytes']} bytes of prompt KV; "
+            f"appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
             f"(disaggregation pays: {plan['pays']})"
         ]
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from reshard.mesh import cached_mesh
+from reshard.mesh import cached_mesh, rank_tensor
 from reshard.parallel.engine import Engine, EngineArgs, Strategy, registered, strategy_class
 from reshard.parallel.model.dims import ParallelDims
 
@@ -56,7 +56,7 @@ def train_model(path: str | os.PathLike, ranks: Sequence[int]) -> nn.Module | No
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    mesh = cached_mesh(torch.tensor(list(ranks)), ("fsdp",))  # built on every rank (collective)
+    mesh = cached_mesh(rank_tensor(list(ranks)), ("fsdp",))  # built on every rank (collective)
     if dist.get_rank() not in ranks:
         return None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
@@ -137,7 +137,7 @@ def completion_logprobs(
     ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
     attn = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
-        ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
+        ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s, device=device), 1
     logits = model(input_ids=ids, attention_mask=attn).logits.float()  # (B, W, V)
     logp_all = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, W-1)
     logp = torch.zeros(len(seqs), tc, device=device)

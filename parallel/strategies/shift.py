@@ -289,6 +289,11 @@ class ShiftStrategy(Strategy):
             raise ValueError(f"parallel.sp ({self.sp}) x parallel.tp ({tp}) must equal the world size ({world_size})")
         return ParallelDims(sp=self.sp, tp=tp, world_size=world_size)
 
+    def layouts(self, world_size: int) -> dict[str, ParallelDims]:
+        """Big steps in the base layout (``sp`` x ``tp``), small ones in full TP over the same ranks."""
+        base = self.dims(world_size)
+        return {"sp": base, "tp": ParallelDims(tp=world_size, world_size=world_size)}
+
     def build_model(self, path, dims: ParallelDims, args: EngineArgs) -> nn.Module:
         return parallelize_shift(
             path, dims, shift_weights=self.shift_weights, dtype=args.dtype, allow_unused=args.allow_unused

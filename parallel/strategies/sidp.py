@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.layers.owner_pool import CAS, WAS, FFNPool, PooledMLP
+from reshard.mesh import device_type
 from reshard.parallel.engine import (
     ContinuousBatching,
     Engine,
@@ -130,7 +131,7 @@ class SiDPPolicy(ContinuousBatching):
 def _agree(mode: str) -> str:
     """One collective: the group takes CaS if any rank proposes it (all ranks propose the same
     from the same state; this guards against divergence instead of hanging on it)."""
-    flag = torch.tensor([1 if mode == CAS else 0])
+    flag = torch.tensor([1 if mode == CAS else 0], device=device_type())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return CAS if flag.item() else WAS
 
@@ -146,12 +147,12 @@ def profile_threshold(pool: FFNPool, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 3
     owned = next(j for j, o in enumerate(pool.owner) if o == pool.rank)
     fetch = _timed(pool.fetch_round_once, repeats)
     for b in sizes:
-        x = torch.randn(b, hidden, dtype=pool.slot_tensors[0][0].dtype)
+        x = torch.randn(b, hidden, dtype=pool.slot_tensors[0][0].dtype, device=pool.slot_tensors[0][0].device)
         ffn = _timed(lambda x=x: pool._ffn(pool.weights[owned], x), repeats)
         pool.tokens = [b] * pool.G
         with use_weights(CAS):
             cas = _timed(lambda x=x: pool.forward(0, x), repeats)
-        slower = torch.tensor([int(cas > max(fetch, ffn))])
+        slower = torch.tensor([int(cas > max(fetch, ffn))], device=device_type())
         dist.all_reduce(slower, op=dist.ReduceOp.MAX)  # every rank stops at the same size
         if slower.item():
             return float(b)
@@ -290,7 +291,9 @@ class SiDPStrategy(Strategy):
         per_token = (
             2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * pool.slot_tensors[0][0].element_size()
         )
-        extra = torch.tensor([max(freed, 0) // per_token // args.kv_block_size * args.kv_block_size])
+        extra = torch.tensor(
+            [max(freed, 0) // per_token // args.kv_block_size * args.kv_block_size], device=device_type()
+        )
         dist.all_reduce(extra, op=dist.ReduceOp.MIN)  # every replica admits by the same pool size
         extra = int(extra.item())
         model.sidp_kv_tokens = (args.kv_tokens, extra)
@@ -299,7 +302,7 @@ class SiDPStrategy(Strategy):
     def summary(self, engine: Engine) -> dict:
         pool = engine.policy.pool
         c = pool.counters
-        fetched = torch.tensor([c.fetch_bytes], dtype=torch.float64)
+        fetched = torch.tensor([c.fetch_bytes], dtype=torch.float64, device=device_type())
         dist.all_reduce(fetched)
         freed = engine.model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
         return {

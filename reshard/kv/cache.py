@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reshard.mesh import device_type
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -124,10 +126,11 @@ class KVSpec:
 
 
 class KVCache:
-    """K and V per layer, each ``(num_slots, num_heads, max_seq_len + 1, head_dim)``."""
+    """K and V per layer, each ``(num_slots, num_heads, max_seq_len + 1, head_dim)``, on ``device``
+    (default: the process group's, :func:`reshard.mesh.device_type`; ``"cpu"`` for a host tier)."""
 
-    def __init__(self, spec: KVSpec, device: torch.device | str = "cpu") -> None:
-        self.spec, self.device = spec, device
+    def __init__(self, spec: KVSpec, device: torch.device | str | None = None) -> None:
+        self.spec, self.device = spec, device if device is not None else device_type()
         self.k: list[torch.Tensor] = []
         self.table: torch.Tensor | None = None  # paged: (num_slots, max_blocks) block ids
         self.v: list[torch.Tensor] = []
@@ -170,8 +173,8 @@ class KVCache:
     def assign(self, slot: int, blocks: list[int]) -> None:
         """Slot ``slot`` now holds a sequence whose positions live in ``blocks`` (in order)."""
         assert self.spec.paged and len(blocks) <= self.spec.max_blocks, (len(blocks), self.spec.max_blocks)
-        row = torch.full((self.spec.max_blocks,), self.spec.scratch_block, dtype=torch.long)
-        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        row = torch.full((self.spec.max_blocks,), self.spec.scratch_block, dtype=torch.long, device=self.device)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long, device=self.device)
         self.table[slot].copy_(row)
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,8 +130,7 @@ class DecodeInputs:
 
     def update(self, slots: Sequence[int], ids: Sequence[int], positions: Sequence[int]) -> None:
         """The step's running sequences: ``ids[j]`` at ``positions[j]`` in slot ``slots[j]``."""
-        values = torch.tensor([list(slots), list(ids), list(positions)], dtype=torch.long)
-        values = values.to(self.device, non_blocking=True)
+        values = torch.tensor([list(slots), list(ids), list(positions)], dtype=torch.long, device=self.device)
         self.positions.fill_(self.kv.spec.scratch)
         self.ids[values[0]] = values[1]
         self.positions[values[0]] = values[2]

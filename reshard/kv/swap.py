@@ -71,12 +71,12 @@ class MicrobatchSwap:
 
     def swap_out(self, i: int, a: int, b: int, positions) -> None:
         """The entries micro-batch ``i`` wrote at ``positions`` (one per slot of ``[a, b)``) -> host."""
-        r = self.base(i)
-        rows, pos = torch.arange(a, b), positions[a:b].cpu()
-        dev_rows = torch.arange(r, r + b - a)
+        r, host, dev = self.base(i), self.host.device, self.device.device
+        rows, pos = torch.arange(a, b, device=host), positions[a:b].to(host)  # (b - a,) each
+        dev_rows, dev_pos = torch.arange(r, r + b - a, device=dev), positions[a:b].to(dev)
         for (hk, hv), (dk, dv) in zip(self._layers(self.host), self._layers(self.device)):
-            hk[rows, :, pos] = dk[dev_rows.to(dk.device), :, pos.to(dk.device)].to(hk.device)
-            hv[rows, :, pos] = dv[dev_rows.to(dv.device), :, pos.to(dv.device)].to(hv.device)
+            hk[rows, :, pos] = dk[dev_rows, :, dev_pos].to(host)
+            hv[rows, :, pos] = dv[dev_rows, :, dev_pos].to(host)
         self.bytes_out += 2 * len(self.host.k) * (b - a) * self._row_bytes(1)
 
     def store_prompts(self, i: int, slots: Sequence[int], lengths: Sequence[int]) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from reshard.mesh import device_type
 from reshard.parallel.engine import (
     Engine,
     EngineArgs,
@@ -82,15 +83,16 @@ class SeesawStrategy(Strategy):
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"parallel.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULERS)}")
 
-    def layouts(self, world: int) -> tuple[ParallelDims, ParallelDims]:
-        return self.prefill.resolve(world, "parallel.prefill"), self.decode.resolve(world, "parallel.decode")
-
-    def dims(self, world_size: int) -> ParallelDims:
-        self.layouts(world_size)  # validate both layouts before loading anything
-        return ParallelDims(tp=world_size, world_size=world_size)
+    def layouts(self, world_size: int) -> dict[str, ParallelDims]:
+        """The prefill and the decode layout, each over the whole job."""
+        return {
+            "prefill": self.prefill.resolve(world_size, "parallel.prefill"),
+            "decode": self.decode.resolve(world_size, "parallel.decode"),
+        }
 
     def build(self, path, args: EngineArgs) -> Engine:
-        prefill, decode = self.layouts(dist.get_world_size())
+        layouts = self.layouts(dist.get_world_size())
+        prefill, decode = layouts["prefill"], layouts["decode"]
         switch = LayoutSwitch(
             path, prefill, decode, weights=self.weights, dtype=args.dtype, allow_unused=args.allow_unused
         )
@@ -108,7 +110,7 @@ class SeesawStrategy(Strategy):
 
     def summary(self, engine: Engine) -> dict:
         s, switch = engine.stats, engine.policy.switch
-        swap = torch.tensor([s.swap_seconds], dtype=torch.float64)
+        swap = torch.tensor([s.swap_seconds], dtype=torch.float64, device=device_type())
         dist.all_reduce(swap, op=dist.ReduceOp.MAX)
         return {
             "transitions": s.transitions,
@@ -118,13 +120,12 @@ class SeesawStrategy(Strategy):
             "swap_seconds": swap.item(),
             "scheduler": self.scheduler,
             "weights": switch.weights,
-            "layouts": {p: {"dp": d.dp, "pp": d.pp, "tp": d.tp} for p, d in switch.dims.items()},
             "peak_weight_bytes": max((h.peak_weight_bytes for h in s.history), default=0),
         }
 
     def report(self, s: dict) -> list[str]:
         return [
-            f"seesaw {s['layouts']['prefill']} -> {s['layouts']['decode']}: {s['transitions']} "
-            f"transitions, re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
+            f"seesaw: {s['transitions']} transitions, "
+            f"re-shard {s['reshard_seconds']:.3f} s ({s['reshard_bytes']} bytes, lower "
             f"bound {s['reshard_lower_bound_bytes']}), swap {s['swap_seconds']:.3f} s"
         ]
