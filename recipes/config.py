@@ -1,4 +1,5 @@
-"""Structured configs behind conf/*.yaml; validation with errors that name the override."""
+"""The generate job's config: dataclasses that Hydra checks ``conf/generate.yaml`` and the overrides
+against (registered in :mod:`reshard.recipes.schema`); ``__post_init__`` adds the range checks."""
 
 from __future__ import annotations
 
@@ -151,15 +152,19 @@ class GenerateConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
-    parallel: Any = None  # the registered strategy's config (parallel.engine.Strategy); None: tp
+    # the registered strategy's config (a parallel.engine.Strategy dataclass; None: tp). Typed Any:
+    # Hydra's ``parallel`` group puts the chosen strategy's schema here (conf/parallel/<name>.yaml)
+    parallel: Any = None
     compile: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
         from reshard.parallel.engine import Strategy, make_strategy
 
-        if not isinstance(self.parallel, Strategy):  # a dict of YAML keys, or None for the default
-            self.parallel = make_strategy(self.parallel or {})
+        if self.parallel is None:
+            self.parallel = make_strategy({})
+        if not isinstance(self.parallel, Strategy):
+            raise TypeError(f"parallel must be a registered strategy's config, got {type(self.parallel).__name__}")
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ValueError(
@@ -167,38 +172,3 @@ class GenerateConfig:
                 f"generation.max_new_tokens ({self.generation.max_new_tokens}) = {longest} exceeds "
                 f"engine.max_seq_len ({self.engine.max_seq_len})"
             )
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> GenerateConfig:
-        """Build from a plain dict (``OmegaConf.to_container(cfg)``); unknown keys are errors."""
-        known = {f.name: f for f in fields(GenerateConfig)}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
-        sections = {
-            "model": ModelConfig,
-            "workload": WorkloadConfig,
-            "generation": GenerationConfig,
-            "engine": EngineConfig,
-            "fault": FaultConfig,
-        }
-        from reshard.parallel.engine.config_types import check_values
-
-        check_values(GenerateConfig, d, "")
-        for name, cls in sections.items():
-            if name in d:
-                check_section(cls, d[name], name)
-        kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in d.items()}
-        return GenerateConfig(**kwargs)
-
-
-def check_section(cls: type, values: Any, where: str) -> None:
-    """``ValueError`` naming the key for unknown keys or values of the wrong type."""
-    from reshard.parallel.engine.config_types import check_values
-
-    if not isinstance(values, dict):
-        raise ValueError(f"{where} must be a mapping of keys, got {values!r}")
-    unknown = sorted(set(values) - {f.name for f in fields(cls)})
-    if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; known: {sorted(f.name for f in fields(cls))}")
-    check_values(cls, values, where)

@@ -282,12 +282,8 @@ def _layouts_line(layouts: dict) -> str:
     )
 
 
-def _hydra_run(cfg: dict, run_dir: Path) -> None:
-    run_generate(GenerateConfig.from_dict(cfg), run_dir)
-
-
 def main() -> None:
-    hydra_main("generate", _hydra_run)
+    hydra_main("generate", run_generate)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,24 +82,37 @@ def report_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def hydra_main(config_name: str, run: Callable[[dict, Path], None]) -> None:
-    """Run ``run(config dict, run dir)`` under ``@hydra.main`` on every rank of the job; a
-    ``ValueError`` (a user error) is one line on stderr and exit status 2."""
+def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
+    """Run ``run(config dataclass, run dir)`` under ``@hydra.main`` on every rank of the job. A user
+    error (a ``ValueError``, or a config that Hydra refuses) is one line on stderr and exit status 2."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig, OmegaConf
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+    from reshard.recipes import schema
 
     @hydra.main(version_base=None, config_path="../conf", config_name=config_name)
     def _main(cfg: DictConfig) -> None:
         try:
-            run(OmegaConf.to_container(cfg, resolve=True), Path(HydraConfig.get().runtime.output_dir))
+            run(schema.to_dataclass(cfg), Path(HydraConfig.get().runtime.output_dir))
         except ValueError as e:  # a user error: one line, not a traceback per rank
-            report_once(f"error: {e}")
-            raise SystemExit(2) from None
+            _user_error(str(e))
 
+    overrides = sys.argv[1:]
+    schema.register(overrides)
     init_distributed()
-    sys.argv += hydra_rank_overrides(sys.argv[1:])
+    sys.argv += hydra_rank_overrides(overrides)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
     try:
         _main()
+    except (HydraException, OmegaConfBaseException) as e:
+        _user_error(schema.one_line(e, schema.overrides_given(overrides)))
     finally:
         dist.destroy_process_group()
+
+
+def _user_error(message: str) -> None:
+    report_once(f"error: {message}")
+    raise SystemExit(2) from None

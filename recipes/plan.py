@@ -119,12 +119,8 @@ def run_plan(cfg: PlanConfig, run_dir: Path) -> dict:
     return plan
 
 
-def _hydra_run(cfg: dict, run_dir: Path) -> None:
-    run_plan(PlanConfig.from_dict(cfg), run_dir)
-
-
 def main() -> None:
-    hydra_main("plan", _hydra_run)
+    hydra_main("plan", run_plan)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,8 @@
-"""Structured config behind conf/plan.yaml (the cost-model planner); errors name the key."""
+"""The planner's config behind conf/plan.yaml (checked by Hydra: :mod:`reshard.recipes.schema`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
-
-from reshard.parallel.engine.config_types import check_values
+from dataclasses import dataclass
 
 
 @dataclass
@@ -29,13 +26,3 @@ class PlanConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or null, got {self.max_batch!r}")
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> PlanConfig:
-        """Build from a plain dict; unknown keys and values of the wrong type name the key."""
-        known = sorted(f.name for f in fields(PlanConfig))
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known: {known}")
-        check_values(PlanConfig, d, "")
-        return PlanConfig(**d)

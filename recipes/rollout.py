@@ -291,12 +291,8 @@ def _policy_path(cfg: RolloutJobConfig) -> Path:
     return cached_checkpoint(POLICY_NAME, POLICY, cfg.model.cache_dir)
 
 
-def _hydra_run(cfg: dict, run_dir: Path) -> None:
-    run_rollout(RolloutJobConfig.from_dict(cfg), run_dir)
-
-
 def main() -> None:
-    hydra_main("rollout", _hydra_run)
+    hydra_main("rollout", run_rollout)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,8 @@
-"""Structured config behind conf/rollout.yaml (the RL rollout loop); errors name the key."""
+"""The RL rollout loop's config behind conf/rollout.yaml (checked by Hydra: :mod:`reshard.recipes.schema`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
-
-from reshard.parallel.engine.config_types import check_values
-from reshard.recipes.config import check_section
 
 POLICY_NAME = "tiny-policy-seed0-v1"
 POLICY = dict(
@@ -89,17 +85,3 @@ class RolloutJobConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     progress: bool = True
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> RolloutJobConfig:
-        """Build from a plain dict; unknown keys and values of the wrong type name the key."""
-        sections = {"model": PolicyConfig, "rollout": RolloutLayoutConfig, "sync": SyncConfig, "train": TrainConfig}
-        unknown = sorted(set(d) - {f.name for f in fields(RolloutJobConfig)})
-        if unknown:
-            raise ValueError(
-                f"unknown config keys {unknown}; known: {sorted(f.name for f in fields(RolloutJobConfig))}"
-            )
-        check_values(RolloutJobConfig, d, "")
-        for name, cls in sections.items():
-            check_section(cls, d.get(name, {}), name)
-        return RolloutJobConfig(**{k: (sections[k](**v) if k in sections else v) for k, v in d.items()})

@@ -16,19 +16,13 @@ from reshard.parallel.cost.profiles import MODELS, ModelShape, hardware, model, 
 from reshard.parallel.cost.roofline import ParallelConfig, parse_notation
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = str(ROOT / "conf")
 PCIE = [(hw, m) for hw in ("a10", "l4") for m in ("llama3-15b", "codellama-34b")]
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from reshard.recipes.schema import compose
 
-    from reshard.recipes.plan_config import PlanConfig
-
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose("plan", overrides=overrides)
-    return PlanConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    return compose("plan", overrides)
 
 
 # ---- profiles --------------------------------------------------------------------------------------
@@ -129,8 +123,8 @@ def test_bad_inputs_name_the_value(call, message):
     [
         ("num_gpus=6", "num_gpus must be a power of two >= 1, got 6"),
         ("num_gpus=-2", "num_gpus must be a power of two >= 1, got -2"),
-        ("num_gpus=four", "num_gpus must be int, got 'four'"),
-        ("+gpus=4", "unknown config keys ['gpus']"),
+        ("num_gpus=four", "num_gpus: Value 'four' could not be converted to Integer"),
+        ("+gpus=4", "gpus: Key 'gpus' not in 'PlanConfig' (given 4)"),
         ("max_batch=0", "max_batch must be >= 1 or null, got 0"),
     ],
 )

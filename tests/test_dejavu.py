@@ -14,9 +14,10 @@ def _job(path, prompt, token, prompt_ranks, max_new):
     import torch.distributed as dist
 
     from reshard.parallel import Request, SamplingParams
-    from reshard.parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel.engine import EngineArgs
+    from reshard.recipes.schema import strategy_config
 
-    strategy = make_strategy({"strategy": "dejavu", "prompt": prompt, "token": token, "prompt_ranks": prompt_ranks})
+    strategy = strategy_config({"strategy": "dejavu", "prompt": prompt, "token": token, "prompt_ranks": prompt_ranks})
     engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64))
     with engine:
         out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(PROMPTS)])
@@ -55,11 +56,19 @@ def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, pro
 
 
 def test_bad_sides_are_named():
-    from reshard.parallel.engine import make_strategy
+    from reshard.recipes.schema import compose, strategy_config
 
     with pytest.raises(ValueError, match=r"parallel.token: tp \(2\) x pp \(2\) must equal its 2 ranks"):
-        make_strategy({"strategy": "dejavu", "token": {"tp": 2, "pp": 2}}).sides(4)
+        strategy_config({"strategy": "dejavu", "token": {"tp": 2, "pp": 2}}).sides(4)
     with pytest.raises(ValueError, match=r"parallel.prompt_ranks must be in 1..3 \(the job has 4 ranks\), got 4"):
-        make_strategy({"strategy": "dejavu", "prompt_ranks": 4}).sides(4)
-    with pytest.raises(ValueError, match=r"parallel.prompt has unknown keys \['dp'\]"):
-        make_strategy({"strategy": "dejavu", "prompt": {"dp": 2}})
+        strategy_config({"strategy": "dejavu", "prompt_ranks": 4}).sides(4)
+    with pytest.raises(ValueError, match=r"^parallel.prompt.dp: Key 'dp' not in 'SideConfig' \(given 2\)"):
+        strategy_config({"strategy": "dejavu", "prompt": {"dp": 2}})
+    with pytest.raises(ValueError, match=r"^parallel.prompt.dp: Key 'dp' not in 'SideConfig' \(given 2\)"):
+        compose("generate", ["parallel=dejavu", "+parallel.prompt.dp=2"])
+    with pytest.raises(ValueError, match=r"^parallel.token.pp: Value 'two' could not be converted to Integer"):
+        compose("generate", ["parallel=dejavu", "parallel.token.pp=two"])
+    with pytest.raises(
+        ValueError, match=r"^parallel.prompt: Invalid type assigned: int is not a subclass of SideConfig"
+    ):
+        compose("generate", ["parallel=dejavu", "parallel.prompt=3"])

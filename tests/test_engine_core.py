@@ -82,11 +82,22 @@ def test_toy_strategy_on_the_plugin_interface_matches_hf(checkpoints, hf_referen
 
 def test_unknown_strategy_and_keys_are_named():
     from reshard.parallel.engine import make_strategy
+    from reshard.recipes.schema import compose, strategy_config
 
     with pytest.raises(ValueError, match=r"parallel.strategy 'nope' is not one of \[.*'seesaw', 'shift'"):
         make_strategy({"strategy": "nope"})
-    with pytest.raises(ValueError, match=r"parallel \(strategy toy_alternating\) has unknown keys \['tp'\]"):
-        make_strategy({"strategy": "toy_alternating", "tp": 2})
+    with pytest.raises(ValueError, match=r"^parallel.tp: Key 'tp' not in 'AlternatingStrategy' \(given 2\)"):
+        strategy_config({"strategy": "toy_alternating", "tp": 2})
+    # a registered strategy without a YAML is a Hydra option of its own schema
+    assert compose("generate", ["parallel=toy_alternating", "parallel.every=3"]).parallel == AlternatingStrategy(
+        every=3
+    )
+    with pytest.raises(ValueError, match=r"^parallel.tp: Key 'tp' not in 'AlternatingStrategy' \(given 2\)"):
+        compose("generate", ["parallel=toy_alternating", "+parallel.tp=2"])
+    with pytest.raises(
+        ValueError, match=r"^parallel: 'nope' is not one of \[.*'seesaw', 'shift', 'sidp', 'toy_alternating', 'tp'\]"
+    ):
+        compose("generate", ["parallel=nope"])
 
 
 # ---- hooks at layer and step edges -------------------------------------------------------------

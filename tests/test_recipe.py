@@ -10,18 +10,11 @@ import pytest
 
 from tests import dist_harness
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
-
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from reshard.recipes.schema import compose
 
-    from reshard.recipes.config import GenerateConfig
-
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose("generate", overrides=overrides)
-    return GenerateConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    return compose("generate", overrides)
 
 
 def _run_recipe(overrides, run_dir):
@@ -41,26 +34,35 @@ def _run_recipe(overrides, run_dir):
             r"engine.max_seq_len \(512\)",
         ),
         ("workload.prompt_len_min=50 workload.prompt_len_max=10", r"prompt_len_min \(50\)"),
-        ("parallel.strategy=magic", r"'magic' is not one of"),
+        ("parallel.strategy=magic", r"parallel.strategy: Key 'strategy' not in 'TPStrategy' \(given 'magic'\)"),
+        ("parallel=magic", r"parallel: 'magic' is not one of \['dejavu', 'seesaw', 'shift', 'sidp', 'tp'\]"),
         ("engine.max_batch_size=0", r"engine.max_batch_size must be >= 1, got 0"),
         ("parallel=shift parallel.shift_weights=mirror", r"parallel.shift_weights must be copy or slice, got 'mirror'"),
         ("parallel=shift parallel.threshold=-5", r"parallel.threshold must be >= 0, got -5"),
         ("parallel=seesaw parallel.weights=copy", r"parallel.weights must be move or reload, got 'copy'"),
         ("parallel=seesaw parallel.scheduler=fifo", r"parallel.scheduler 'fifo' is not one of"),
         ("parallel=seesaw parallel.cpu_kv_budget=0", r"parallel.cpu_kv_budget must be >= 1, got 0"),
-        ("parallel=seesaw +parallel.prefill.sp=2", r"parallel.prefill has unknown keys \['sp'\]"),
-        # types: every value is checked against its config field, the key named (issue 10)
-        ("compile=maybe", r"^compile must be bool, got 'maybe'"),
-        ("progress=maybe", r"^progress must be bool, got 'maybe'"),
-        ("workload.num_requests=abc", r"workload.num_requests must be int, got 'abc'"),
-        ("generation.temperature=hot", r"generation.temperature must be float, got 'hot'"),
-        ("generation.seed=abc", r"generation.seed must be int, got 'abc'"),
-        ("engine.max_batch_size=true", r"engine.max_batch_size must be int, got True"),
-        ("parallel.tp=two", r"parallel.tp must be int \| None, got 'two'"),
-        ("parallel=shift parallel.threshold=1.5", r"parallel.threshold must be int, got 1.5"),
-        ("parallel=seesaw parallel.cpu_kv_budget=lots", r"parallel.cpu_kv_budget must be int, got 'lots'"),
-        ("+engine.slots=4", r"engine has unknown keys \['slots'\]"),
-        ("+parallel.sp=2", r"parallel \(strategy tp\) has unknown keys \['sp'\]"),
+        ("parallel=seesaw +parallel.prefill.sp=2", r"parallel.prefill.sp: Key 'sp' not in 'LayoutConfig' \(given 2\)"),
+        # types: Hydra checks every value against its config field (the dataclasses), the key named
+        ("compile=maybe", r"^compile: Value 'maybe' is not a valid bool"),
+        ("progress=maybe", r"^progress: Value 'maybe' is not a valid bool"),
+        ("workload.num_requests=abc", r"^workload.num_requests: Value 'abc' could not be converted to Integer"),
+        ("generation.temperature=hot", r"^generation.temperature: Value 'hot' could not be converted to Float"),
+        ("generation.seed=abc", r"^generation.seed: Value 'abc' could not be converted to Integer"),
+        ("engine.max_batch_size=true", r"^engine.max_batch_size: Value 'True' could not be converted to Integer"),
+        ("parallel.tp=two", r"^parallel.tp: Value 'two' could not be converted to Integer"),
+        (
+            "parallel=shift parallel.threshold=1.5",
+            r"^parallel.threshold: Value '1.5' could not be converted to Integer",
+        ),
+        (
+            "parallel=seesaw parallel.cpu_kv_budget=lots",
+            r"^parallel.cpu_kv_budget: Value 'lots' could not be converted to Integer",
+        ),
+        ("+engine.slots=4", r"^engine.slots: Key 'slots' not in 'EngineConfig' \(given 4\)"),
+        ("+slots=4", r"^slots: Key 'slots' not in 'GenerateConfig' \(given 4\)"),
+        ("engine.slots=4", r"^engine.slots: Key 'slots' not in 'EngineConfig' \(given '4'\)"),
+        ("+parallel.sp=2", r"^parallel.sp: Key 'sp' not in 'TPStrategy' \(given 2\)"),
         ("engine.admission=lifo", r"engine.admission must be one of \['fifo', 'longest_first'\], got 'lifo'"),
     ],
 )
@@ -304,7 +306,8 @@ def test_user_error_under_torchrun_is_one_line(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode != 0
-    assert proc.stderr.count("error: generation.temperature must be float, got 'hot'") == 1, proc.stderr[-2000:]
+    line = "error: generation.temperature: Value 'hot' could not be converted to Float"
+    assert proc.stderr.count(line) == 1, proc.stderr[-2000:]
     assert "recipes/generate.py" not in proc.stderr  # no rank printed a traceback of ours
 
 

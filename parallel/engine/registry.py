@@ -1,7 +1,8 @@
 """Strategies register themselves: name -> config dataclass that builds the engine and its summary.
 
 A strategy is one module (or package) of :mod:`reshard.parallel.strategies` defining a dataclass
-(its config; the YAML ``conf/parallel/<name>.yaml`` mirrors its fields) decorated with
+(its config: :mod:`reshard.recipes` registers it with Hydra as the schema of the option
+``parallel=<name>``, which the YAML ``conf/parallel/<name>.yaml`` extends) decorated with
 ``@register_strategy("<name>")`` and subclassing :class:`Strategy`. The registry discovers the
 built-in ones by importing every module of that package (no list of names); a strategy that lives
 elsewhere registers when its module is imported, or is named by its dotted module path. The
@@ -14,13 +15,12 @@ import contextlib
 import importlib
 import os
 import pkgutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from reshard.parallel.engine.config_types import check_values
 from reshard.parallel.engine.loop import Engine
 from reshard.parallel.model.dims import ParallelDims
 
@@ -138,15 +138,12 @@ def strategy_class(name: str) -> type:
 
 
 def make_strategy(values: dict[str, Any]) -> Strategy:
-    """The config of ``values["strategy"]`` from the other keys; ``ValueError`` for unknown keys."""
+    """The config of ``values["strategy"]`` (default ``tp``) built from the other keys, which are
+    already of their fields' types: nested sections as their dataclasses. An unknown key is the
+    constructor's ``TypeError``. Config files and overrides are checked against the dataclass by
+    Hydra in :mod:`reshard.recipes` (``recipes.schema.strategy_config`` for a plain dict)."""
     values = dict(values)
-    cls = strategy_class(values.pop("strategy", "tp"))
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"parallel (strategy {cls.name}) has unknown keys {unknown}; known: {sorted(known)}")
-    check_values(cls, values, "parallel")
-    return cls(**values)
+    return strategy_class(values.pop("strategy", "tp"))(**values)
 
 
 def registered() -> list[str]:

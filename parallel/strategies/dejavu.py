@@ -229,7 +229,6 @@ class DejaVuStrategy(Strategy):
     overhead: float = 1.0  # the planner's m: prompt time with streaming / without
 
     def __post_init__(self) -> None:
-        self.prompt, self.token = _side(self.prompt, "parallel.prompt"), _side(self.token, "parallel.token")
         if self.overhead < 1:
             raise ValueError(f"parallel.overhead must be >= 1, got {self.overhead}")
 
@@ -290,14 +289,3 @@ class DejaVuStrategy(Strategy):
             f"appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
             f"(disaggregation pays: {plan['pays']})"
         ]
-
-
-def _side(value: Any, where: str) -> SideConfig:
-    if isinstance(value, SideConfig):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"{where} must be a mapping with tp and pp, got {value!r}")
-    unknown = sorted(set(value) - {"tp", "pp"})
-    if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; known: ['pp', 'tp']")
-    return SideConfig(**value)

@@ -50,15 +50,6 @@ class LayoutConfig:
         return ParallelDims(**degrees, world_size=world)
 
 
-def _layout(value, where: str) -> LayoutConfig:
-    if isinstance(value, LayoutConfig):
-        return value
-    unknown = sorted(set(value) - {"dp", "pp", "tp"})
-    if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; known: dp, pp, tp")
-    return LayoutConfig(**value)
-
-
 @register_strategy("seesaw")
 @dataclass
 class SeesawStrategy(Strategy):
@@ -74,7 +65,6 @@ class SeesawStrategy(Strategy):
     def __post_init__(self) -> None:
         from reshard.parallel.strategies.seesaw.schedulers import SCHEDULERS
 
-        self.prefill, self.decode = _layout(self.prefill, "parallel.prefill"), _layout(self.decode, "parallel.decode")
         for name in ("cpu_kv_budget", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
