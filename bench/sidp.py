@@ -33,7 +33,7 @@ Sections:
    ``engine.stats.decode_seconds / decode_steps`` of one ``generate``, max over ranks. One warm-up
    per variant, then ``--repeats`` runs round-robin over the variants; medians. Reported: the
    crossover b* (the smallest swept b where WaS is faster than CaS) and what
-   ``parallel.sidp.profile_threshold(pool)`` (the library's built-in sweep) returns.
+   ``parallel.sidp.profile_threshold(fetcher)`` (the library's built-in sweep) returns.
 2. ``kv``: KV capacity at equal memory per rank. The budget is M = replicated DP weight bytes + the
    DP engine's KV bytes. SiDP holds M - (its weight bytes + slot bytes) of KV. Measured from this
    run's allocations (storage bytes of the parameters, the store's ``spec.bytes``). The summary's
@@ -225,9 +225,9 @@ def sweep_requests(args, world: int, b: int) -> list[Request]:
 
 def section_sweep(path: Path, args, models: dict, log) -> dict:
     world = dist.get_world_size()
-    pool = models["pool"]
+    fetcher = models["fetcher"]
     t0 = time.perf_counter()
-    profiled = profile_threshold(pool)
+    profiled = profile_threshold(fetcher)
     profile_s = reduce_scalar(time.perf_counter() - t0)
     log(f"profile_threshold -> {profiled} ({profile_s:.1f}s)")
     seq_len = args.prompt_len + args.new_tokens
@@ -236,8 +236,8 @@ def section_sweep(path: Path, args, models: dict, log) -> dict:
         kw = dict(max_batch_size=b, max_seq_len=seq_len)
         engines = {
             "dp": Engine(models["dp"], **kw),
-            "was": sidp_engine(models["sidp"], pool, mode="was", **kw),
-            "cas": sidp_engine(models["sidp"], pool, mode="cas", **kw),
+            "was": sidp_engine(models["sidp"], fetcher, mode="was", **kw),
+            "cas": sidp_engine(models["sidp"], fetcher, mode="cas", **kw),
             "allgather": Engine(models["ag"], **kw),
         }
         models["ag_ffn"].attach(engines["allgather"].runner)
@@ -248,13 +248,14 @@ def section_sweep(path: Path, args, models: dict, log) -> dict:
             r[v]["outputs"], r[v]["steps_per_run"] = out["outputs"], out["steps"]
         for _ in range(args.repeats):
             for v, e in engines.items():
-                c0 = (pool.counters.fetch_bytes, pool.counters.wait_seconds, models["ag_ffn"].gathered_bytes)
+                fetched, waited = fetcher.counters.fetch_bytes, fetcher.pool.counters.wait_seconds
+                c0 = (fetched, waited, models["ag_ffn"].gathered_bytes)
                 out = gen(e, reqs)
                 r[v]["step"].append(out["step"])
                 r[v]["steps"] += out["steps"]
                 if v == "was":
-                    r[v]["fetch"] += pool.counters.fetch_bytes - c0[0]
-                    r[v]["wait"] += reduce_scalar(pool.counters.wait_seconds - c0[1])
+                    r[v]["fetch"] += fetcher.counters.fetch_bytes - c0[0]
+                    r[v]["wait"] += reduce_scalar(fetcher.pool.counters.wait_seconds - c0[1])
                 if v == "allgather":
                     r[v]["fetch"] += models["ag_ffn"].gathered_bytes - c0[2]
         for v in engines:
@@ -296,14 +297,14 @@ def section_kv(path: Path, args, models: dict, log) -> dict:
     block, tokens = 16, 4096
     kw = dict(max_batch_size=8, max_seq_len=seq_len, kv_block_size=block, kv_tokens=tokens)
     strategy = models["strategy"]
-    engine = sidp_engine(models["sidp"], models["pool"], mode="was", **kw)
+    engine = sidp_engine(models["sidp"], models["fetcher"], mode="was", **kw)
     dp_engine = Engine(models["dp"], **kw)
     s = strategy.summary(engine)
     spec = engine.kv.spec
     per_token = kv_bytes_per_token(spec)
     dp_weights = reduce_scalar(storage_bytes(models["dp"].parameters()))
     # the pooled MLPs left the module tree: the pool holds the owned FFN weights
-    sidp_weights = reduce_scalar(storage_bytes(models["sidp"].parameters()) + models["pool"].ffn_bytes())
+    sidp_weights = reduce_scalar(storage_bytes(models["sidp"].parameters()) + models["fetcher"].pool.ffn_bytes())
     slots = s["slot_bytes"]
     budget = dp_weights + dp_engine.kv.spec.bytes  # equal memory per rank
     gained = s["kv_tokens_gained"]
@@ -548,13 +549,13 @@ def build_models(path: Path, args) -> dict:
         cfg["slots"] = args.slots
     strategy = make_strategy(cfg)
     seed_engine = strategy.build(path, EngineArgs(max_batch_size=1, max_seq_len=args.prompt_len + args.new_tokens))
-    pool = seed_engine.policy.pool
+    fetcher = seed_engine.policy.fetcher
     dims = ParallelDims(dp=world, world_size=world)
     ag_model = parallelize(path, dims)
     return {
         "strategy": strategy,
         "sidp": seed_engine.model,
-        "pool": pool,
+        "fetcher": fetcher,
         "dp": parallelize(path, dims),
         "ag": ag_model,
         "ag_ffn": AllGatherFFN(ag_model),
@@ -609,7 +610,7 @@ def main() -> None:
             print("\n".join(format_sweep(r, args)))
             print(
                 f"\ncrossover b* (smallest swept b with WaS < CaS): {r['crossover'] or 'none in ' + str(args.sizes)}; "
-                f"profile_threshold(pool) returned {r['profiled']:g} ({r['profile_s']:.1f} s)"
+                f"profile_threshold(fetcher) returned {r['profiled']:g} ({r['profile_s']:.1f} s)"
             )
         if "kv" in out:
             print("\n2. KV capacity at equal memory per rank\n")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -43,7 +45,7 @@ class SwiGLUMLP(Redistributable, nn.Module):
         self.act_fn = ACT2FN[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return swiglu(x, self.gate_proj, self.up_proj, self.down_proj, self.act_fn)
 
     def add_source(self, name: str, mesh: DeviceMesh, placements: Sequence[Placement], *, copy: bool) -> int:
         """The FFN's weights also in the layout of ``placements`` on ``mesh``, used while source
@@ -63,6 +65,22 @@ class SwiGLUMLP(Redistributable, nn.Module):
             **prefixed("up_proj", self.up_proj.redistribute_targets(mesh, up)),
             **prefixed("down_proj", self.down_proj.redistribute_targets(mesh, down)),
         }
+
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def swiglu(x: torch.Tensor, gate: Projection, up: Projection, down: Projection, act: Projection) -> torch.Tensor:
+    """The SwiGLU FFN ``down(act(gate(x)) * up(x))`` over any three projections: the layers of
+    :class:`SwiGLUMLP`, or whole weights held elsewhere (:func:`swiglu_weights`)."""
+    return down(act(gate(x)) * up(x))
+
+
+def swiglu_weights(x: torch.Tensor, weights: Sequence[torch.Tensor], act: Projection) -> torch.Tensor:
+    """:func:`swiglu` with bias-free whole weights ``(gate (I, D), up (I, D), down (D, I))`` held
+    as plain tensors (an owner pool's, a cache slot's). ``x``: ``(..., D)`` -> ``(..., D)``."""
+    gate, up, down = (functools.partial(F.linear, weight=w) for w in weights)
+    return swiglu(x, gate, up, down, act)
 
 
 def _ffn_placements(placements: tuple[Placement, ...]) -> tuple[tuple, tuple]:

@@ -1,108 +1,75 @@
-"""SiDP's owner-based FFN weight pool: each decoder layer's FFN lives on exactly one rank of a
-data-parallel group; the others either fetch it into a few cache slots ahead of use (WaS) or ship
-their activations to the owner (CaS).
+"""Owner-pooled FFN (SiDP's layer): each decoder layer's FFN lives whole on exactly one rank of a
+data-parallel group; the other ranks compute it from a cache slot (WaS) or by shipping their
+activations to the owner (CaS).
 
-- **WaS** (weight-as-a-service): a housekeeper thread per rank fetches the next non-owned layers'
-  FFN weights into ``slots`` pre-allocated cache slots over a background process group, as
-  planned transfers of the movement core (the owner's housekeeper sends; its compute thread does
-  nothing per fetch). Fetches run in rounds, every rank at most one layer per round; the compute
-  thread waits on the layer's slot event before its FFN and releases the slot after it. With
-  **peak shifting** each rank walks a cycle of G layers from its own offset, so in any round the
-  ranks read from different owners (counted: ``max_concurrent_readers``).
+- **WaS** (weight-as-a-service): a non-owner's forward waits until the layer's weights are in one
+  of ``slots`` pre-allocated cache slots, runs the FFN from the slot and frees the slot. Who fills
+  the slots, in which order and when, is a fetch scheduler's business (SiDP's lives with its
+  strategy): it announces the layers of a step (:meth:`OwnerPool.begin_step`), takes a free slot
+  (:meth:`OwnerPool.take_slot`), moves the bytes into it and hands it over (:meth:`OwnerPool.filled`).
 - **CaS** (compute-as-a-service): for a non-owned layer a rank sends its FFN input to the owner,
   which concatenates every rank's rows into one GEMM, splits the output and sends each rank its
-  part. A rank with no tokens in the step (a dummy step) sends nothing and the owner skips it.
+  part. A rank with no rows in the step (a dummy step) sends nothing and the owner skips it.
 
-The pool is collective per step: every rank of the group calls :meth:`FFNPool.begin_step` with
-the same arguments (each rank's token count and the mode) and runs its layers in order.
+The FFN is the SwiGLU of :mod:`layers.mlp` over whole weights. The weight source of the forward
+(:data:`WAS` or :data:`CAS`) selects the mode; every rank of the group starts each step with the
+same rows per rank and runs its layers in order.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate
 
-from reshard import Layout
-from reshard.executor import execute
+from reshard.layers.mlp import swiglu_weights
 from reshard.layers.weights import active_source
-from reshard.plan import plan_transfer
 
 WAS, CAS = "sidp:was", "sidp:cas"  # the weight-source names the runners select
 
 
 @dataclass
 class PoolCounters:
-    """What the pool did on this rank (identical schedule on every rank)."""
+    """What the pooled FFNs did on this rank."""
 
-    fetches: int = 0  # layers fetched into slots by this rank
-    fetch_bytes: int = 0  # bytes this rank received into slots
-    max_concurrent_readers: int = 0  # most ranks reading one owner in one round (the schedule)
     cas_layers: int = 0  # non-owned FFNs computed by their owners for this rank
     cas_bytes: int = 0  # activation bytes this rank sent and received
     owner_gemms: int = 0  # fused GEMMs this rank ran as an owner for other ranks
-    dummy_skips: int = 0  # (layer, rank) CaS exchanges skipped because the rank had no tokens
+    dummy_skips: int = 0  # (layer, rank) CaS exchanges skipped because the rank had no rows
     wait_seconds: float = 0.0  # compute thread waiting for slots
-    active_steps: dict = field(default_factory=lambda: {"sidp:was": 0, "sidp:cas": 0})  # steps with rows here
-    dummy_steps: int = 0  # steps with no rows on this rank
-    readers: dict = field(default_factory=dict)  # owner -> most readers in one round
 
 
-class FFNPool:
+class OwnerPool:
     """The FFN weights of ``mlps`` (one per decoder layer, whole on every rank when given)
     pooled over the ``ranks`` of a data-parallel group: layer ``j`` is owned by ``ranks[j % G]``
-    (round-robin; every layer has the same size). Non-owners free their copy.
-
-    Args:
-        slots: cache slots for fetched layers (WaS); ``prefetch_depth``: how many layers ahead a
-            rank may fetch (at most ``slots``); ``peak_shifting``: each rank starts its cycle at
-            its own offset (needs ``slots >= G - 1``).
+    (round-robin; every layer has the same size). Non-owners free their copy; every rank keeps
+    ``slots`` cache slots, each one layer's weights (gate | up | down, one flat buffer).
+    ``timeout``: seconds a forward waits for a slot's weights.
     """
 
-    def __init__(
-        self,
-        mlps: list[nn.Module],
-        ranks: list[int],
-        *,
-        slots: int = 2,
-        prefetch_depth: int = 2,
-        peak_shifting: bool = True,
-        timeout: float = 60.0,
-    ) -> None:
+    def __init__(self, mlps: list[nn.Module], ranks: list[int], *, slots: int = 2, timeout: float = 60.0) -> None:
         self.ranks, self.rank, self.G = list(ranks), dist.get_rank(), len(ranks)
-        if not 1 <= prefetch_depth <= slots:
-            raise ValueError(f"need 1 <= prefetch_depth ({prefetch_depth}) <= slots ({slots})")
-        if peak_shifting and slots < self.G - 1:
-            raise ValueError(
-                f"peak shifting walks a cycle of {self.G} layers: it needs slots >= {self.G - 1}, got {slots}"
-            )
-        self.slots, self.depth, self.shift, self.timeout = slots, prefetch_depth, peak_shifting, timeout
+        self.slots, self.timeout = slots, timeout
         self.act = mlps[0].act_fn
         self.owner = [self.ranks[j % self.G] for j in range(len(mlps))]
         self.shapes = [tuple(w.shape) for w in _weights(mlps[0])]
-        first = _weights(mlps[0])[0]  # every layer's weights share its dtype and device
-        dtype, device = first.dtype, first.device
+        self.dtype, device = _weights(mlps[0])[0].dtype, _weights(mlps[0])[0].device
         # one flat buffer per owned layer and per slot (gate | up | down): a fetch is one message
         self.flat = {j: _take(m) if self.owner[j] == self.rank else _free(m) for j, m in enumerate(mlps)}
         self.weights = {j: _split(f, self.shapes) for j, f in self.flat.items() if f is not None}
-        self.slot_flat = [
-            torch.empty(sum(_numel(sh) for sh in self.shapes), dtype=dtype, device=device) for _ in range(slots)
-        ]
+        numel = sum(_numel(sh) for sh in self.shapes)
+        self.slot_flat = [torch.empty(numel, dtype=self.dtype, device=device) for _ in range(slots)]
         self.slot_tensors = [_split(f, self.shapes) for f in self.slot_flat]
         self.counters = PoolCounters()
-        self._group = _background_group(self.ranks)
-        self._events: dict[int, tuple[threading.Event, int]] = {}
+        self.rows: list[int] = [0] * self.G  # the step's FFN input rows per group rank (CaS owners)
+        self._ready: dict[int, tuple[threading.Event, int]] = {}  # layer -> (filled, slot)
         self._free_slots: list[int] = list(range(slots))
         self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.tokens: list[int] = [0] * self.G
 
     # ---- accounting -----------------------------------------------------------------------------
     def ffn_bytes(self) -> int:
@@ -112,113 +79,38 @@ class FFNPool:
     def slot_bytes(self) -> int:
         return sum(_nbytes(f) for f in self.slot_flat)
 
-    # ---- one step ---------------------------------------------------------------------------------
-    def begin_step(self, tokens: list[int], mode: str) -> None:
-        """A step starts: ``tokens[g]`` rows on each group rank (0: a dummy step), ``mode`` WaS or CaS.
-        In WaS the housekeeper starts fetching this rank's non-owned layers."""
-        assert len(tokens) == self.G and mode in (WAS, CAS), (tokens, mode)
-        self.end_step()
-        self.tokens = list(tokens)
-        if tokens[self.ranks.index(self.rank)]:
-            self.counters.active_steps[mode] += 1
-        else:
-            self.counters.dummy_steps += 1
-        if mode == WAS:
-            rounds = self.schedule([t > 0 for t in tokens])
-            self._count_readers(rounds)
-            self._events = {j: (threading.Event(), -1) for j, o in enumerate(self.owner) if o != self.rank}
-            self._thread = threading.Thread(
-                target=self._housekeep, args=(rounds,), name="sidp-housekeeper", daemon=True
-            )
-            self._thread.start()
+    def weights_dim(self) -> int:
+        """The FFN's input and output size ``D``."""
+        return self.shapes[0][1]
 
-    def end_step(self) -> None:
-        """Wait for the housekeeper (its errors reach the caller here)."""
-        if self._thread is not None:
-            self._thread.join(self.timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(
-                    f"SiDP housekeeper of rank {self.rank} did not finish its fetches in {self.timeout} s"
-                )
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+    # ---- one step: the slots' hand-over between a fetch scheduler and the forward ---------------
+    def begin_step(self, rows: list[int], fetched: list[int]) -> None:
+        """A step starts: ``rows[g]`` FFN input rows on each group rank (0: a dummy step), and the
+        layers ``fetched`` will arrive in slots (WaS; empty in CaS). Every slot is free."""
+        assert len(rows) == self.G, (rows, self.G)
+        self.rows = list(rows)
+        self._ready = {j: (threading.Event(), -1) for j in fetched}
+        self._free_slots, self._error = list(range(self.slots)), None
 
-    def schedule(self, active: list[bool]) -> list[list[tuple[int, int]]]:
-        """Fetch rounds of a step: round ``t`` lists ``(reader rank, layer)``, one layer per active
-        reader. Without peak shifting every reader walks its non-owned layers in order; with it,
-        each cycle of G layers starting at the reader's own offset in the group."""
-        orders = {r: self._order(r) for r, on in zip(self.ranks, active) if on}
-        n = max((len(o) for o in orders.values()), default=0)
-        return [[(r, o[t]) for r, o in orders.items() if t < len(o)] for t in range(n)]
-
-    def _order(self, reader: int) -> list[int]:
-        g = self.ranks.index(reader)
-        layers = [j for j in range(len(self.owner)) if self.owner[j] != reader]
-        if not self.shift:
-            return layers
-        out = []
-        for c in range(0, len(self.owner), self.G):  # within each cycle, from the reader's offset
-            cycle = [c + (g + 1 + t) % self.G for t in range(self.G) if c + (g + 1 + t) % self.G < len(self.owner)]
-            out += [j for j in cycle if self.owner[j] != reader]
-        return out
-
-    def _count_readers(self, rounds) -> None:
-        for rnd in rounds:
-            per: dict[int, int] = {}
-            for _, j in rnd:
-                per[self.owner[j]] = per.get(self.owner[j], 0) + 1
-            for o, n in per.items():
-                self.counters.readers[o] = max(self.counters.readers.get(o, 0), n)
-                self.counters.max_concurrent_readers = max(self.counters.max_concurrent_readers, n)
-
-    # ---- WaS: the housekeeper -------------------------------------------------------------------
-    def _housekeep(self, rounds) -> None:
-        try:
-            with torch.inference_mode():
-                for rnd in rounds:
-                    self._fetch_round(rnd)
-        except BaseException as e:  # re-raised on the compute thread
-            self._error = e
-            for event, _ in self._events.values():
-                event.set()
-
-    def _fetch_round(self, rnd: list[tuple[int, int]]) -> None:
-        mine = next((j for r, j in rnd if r == self.rank), None)
-        slot = self._take_slot() if mine is not None else None
-        plans, srcs, outs = [], [], []
-        like = self.slot_flat[0]
-        for reader, j in rnd:  # the layer's flat FFN: whole on its owner -> whole in the reader's slot
-            shape = tuple(like.shape)
-            plans.append(
-                plan_transfer(
-                    Layout((self.owner[j],), (Replicate(),), shape, like.dtype),
-                    Layout((reader,), (Replicate(),), shape, like.dtype),
-                )
-            )
-            srcs.append(self.flat[j] if self.owner[j] == self.rank else None)
-            outs.append(self.slot_flat[slot] if reader == self.rank else None)
-        _, stats = execute(plans, srcs, out=outs, group=self._group)
-        if mine is not None:
-            self.counters.fetches += 1
-            self.counters.fetch_bytes += stats.bytes_received
-            event, _ = self._events[mine]
-            self._events[mine] = (event, slot)
-            event.set()
-
-    def fetch_round_once(self) -> None:
-        """One fetch round of a step in which every rank reads (profiling); the slot is freed."""
-        self._events = {j: (threading.Event(), -1) for j in range(len(self.owner))}
-        with torch.inference_mode():
-            self._fetch_round(self.schedule([True] * self.G)[0])
-        self._events, self._free_slots = {}, list(range(self.slots))
-
-    def _take_slot(self) -> int:
+    def take_slot(self) -> int:
+        """A free slot for the next fetch (blocks until the forward frees one)."""
         with self._cv:
             while not self._free_slots:
-                self._cv.wait(self.timeout)
+                if not self._cv.wait(self.timeout):
+                    raise TimeoutError(f"rank {self.rank}: no FFN cache slot was freed within {self.timeout} s")
             return self._free_slots.pop()
+
+    def filled(self, layer: int, slot: int) -> None:
+        """Layer ``layer``'s weights are in ``slot``: its forward may run."""
+        event, _ = self._ready[layer]
+        self._ready[layer] = (event, slot)
+        event.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The fetches failed: every forward waiting for a slot raises ``error``."""
+        self._error = error
+        for event, _ in self._ready.values():
+            event.set()
 
     def _release(self, slot: int) -> None:
         with self._cv:
@@ -229,18 +121,18 @@ class FFNPool:
     def forward(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``j``'s FFN of ``x`` ``(..., D)`` in the step's mode (the active weight source)."""
         if self.owner[j] == self.rank and active_source() != CAS:
-            return self._ffn(self.weights[j], x)
+            return self.owned_ffn(j, x)
         if active_source() == CAS:
             return self._cas(j, x)
         return self._was(j, x)
 
-    def _ffn(self, w, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = w
-        return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)
+    def owned_ffn(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``j``'s FFN (owned here) of ``x`` ``(..., D)``."""
+        return swiglu_weights(x, self.weights[j], self.act)
 
     def _was(self, j: int, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        event, _ = self._events[j]
+        event, _ = self._ready[j]
         if not event.wait(self.timeout):
             raise TimeoutError(
                 f"rank {self.rank}: FFN weights of layer {j} did not arrive from rank "
@@ -248,24 +140,22 @@ class FFNPool:
             )
         if self._error is not None:
             raise self._error
-        slot = self._events[j][1]
+        slot = self._ready[j][1]
         self.counters.wait_seconds += time.perf_counter() - t0
-        y = self._ffn(self.slot_tensors[slot], x)
+        y = swiglu_weights(x, self.slot_tensors[slot], self.act)
         self._release(slot)
         return y
 
     def _cas(self, j: int, x: torch.Tensor) -> torch.Tensor:
         owner, d = self.owner[j], x.shape[-1]
-        rows = x.reshape(-1, d)
+        rows = x.reshape(-1, d)  # (N, D)
         if owner != self.rank:
             return self._cas_client(owner, rows).view_as(x)
         return self._cas_owner(j, rows).view_as(x)
 
     def _cas_client(self, owner: int, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(rows)
-        ops = [dist.P2POp(dist.isend, rows.contiguous(), owner), dist.P2POp(dist.irecv, out, owner)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        _wait([dist.P2POp(dist.isend, rows.contiguous(), owner), dist.P2POp(dist.irecv, out, owner)])
         self.counters.cas_layers += 1
         self.counters.cas_bytes += 2 * _nbytes(rows)
         return out
@@ -273,35 +163,31 @@ class FFNPool:
     def _cas_owner(self, j: int, rows: torch.Tensor) -> torch.Tensor:
         """Every rank's rows (dummy ranks skipped) through one GEMM; each rank gets its part back."""
         d, peers = rows.shape[-1], [r for r in self.ranks if r != self.rank]
-        counts = {r: self.tokens[self.ranks.index(r)] for r in peers}
+        counts = {r: self.rows[self.ranks.index(r)] for r in peers}
         self.counters.dummy_skips += sum(1 for r in peers if counts[r] == 0)
         inbound = {r: torch.empty(counts[r], d, dtype=rows.dtype, device=rows.device) for r in peers if counts[r]}
         _wait([dist.P2POp(dist.irecv, buf, r) for r, buf in inbound.items()])
         if not inbound and rows.shape[0] == 0:
             return rows
-        fused = self._ffn(self.weights[j], torch.cat([rows] + list(inbound.values())))  # one GEMM for all
+        fused = self.owned_ffn(j, torch.cat([rows, *inbound.values()]))  # one GEMM for all: (sum N, D)
         self.counters.owner_gemms += bool(inbound)
         parts = torch.split(fused, [rows.shape[0]] + [b.shape[0] for b in inbound.values()])
         _wait([dist.P2POp(dist.isend, part.contiguous(), r) for r, part in zip(inbound, parts[1:])])
         return parts[0]
 
     def serve_idle(self) -> None:
-        """A dummy step on this rank (no tokens of its own) in CaS mode: still serve the layers it
-        owns to the ranks that have tokens, in layer order."""
-        slot = self.slot_tensors[0][0]
-        empty = torch.empty(0, self.weights_dim(), dtype=slot.dtype, device=slot.device)
+        """A dummy step on this rank (no rows of its own) in CaS mode: still serve the layers it
+        owns to the ranks that have rows, in layer order."""
+        empty = torch.empty(0, self.weights_dim(), dtype=self.dtype, device=self.slot_flat[0].device)
         for j, owner in enumerate(self.owner):
             if owner == self.rank:
                 self._cas_owner(j, empty)
-
-    def weights_dim(self) -> int:
-        return self.slot_tensors[0][0].shape[1]
 
 
 class PooledMLP(nn.Module):
     """Drop-in for a decoder layer's MLP: its FFN from ``pool`` (owned, fetched or shipped)."""
 
-    def __init__(self, pool: FFNPool, layer: int) -> None:
+    def __init__(self, pool: OwnerPool, layer: int) -> None:
         super().__init__()
         self.pool, self.layer = pool, layer
 
@@ -354,14 +240,3 @@ def _wait(ops: list) -> None:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-_GROUPS: dict = {}
-
-
-def _background_group(ranks: list[int]) -> dist.ProcessGroup:
-    """The housekeepers' process group (created once per default group; collective)."""
-    key = (id(dist.group.WORLD), tuple(ranks))
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(range(dist.get_world_size())))
-    return _GROUPS[key]

@@ -21,7 +21,7 @@ from reshard.background import Background
 from reshard.dtensor import wrap_local
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, execute
 from reshard.layout import Layout
-from reshard.mesh import device_type
+from reshard.mesh import cached_group, device_type
 from reshard.plan import Plan, plan_transfer
 
 _LAST: list[CommStats] = [CommStats()]
@@ -76,7 +76,7 @@ def redistribute_module(
     """
     names, tensors, targets = _select(module, plan)
     if async_op:
-        return MoveHandle(module, names, tensors, targets, bucket_bytes, _movement_group())
+        return MoveHandle(module, names, tensors, targets, bucket_bytes, cached_group(purpose="reshard-move"))
     moved, stats = _move(tensors, targets, bucket_bytes, check=check)
     _install(module, names, moved, stats)
     return stats
@@ -86,16 +86,6 @@ def _install(module: nn.Module, names: list[str], moved: list[DTensor], stats: C
     for name, new in zip(names, moved):
         assign_tensor(module, name, new)
     _LAST[0] = stats
-
-
-_GROUPS: dict[str, dist.ProcessGroup] = {}
-
-
-def _movement_group() -> dist.ProcessGroup:
-    """A second process group for background moves (collective on first use: every rank calls)."""
-    if "async" not in _GROUPS:
-        _GROUPS["async"] = dist.new_group(list(range(dist.get_world_size())))
-    return _GROUPS["async"]
 
 
 class MoveHandle:

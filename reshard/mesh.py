@@ -1,6 +1,10 @@
-"""Device meshes, created once per process group: the one mesh cache of the project."""
+"""Device meshes and process groups, created once per default process group: the one cache of the
+project's meshes and groups (foreground collectives and every background thread's group)."""
 
 from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +25,16 @@ def rank_tensor(ranks) -> torch.Tensor:
     return torch.tensor(ranks, device="cpu")
 
 
-_MESHES: dict = {}  # "world": the default process group they belong to; key -> DeviceMesh
+_MESHES: dict = {}  # "world": the default process group they belong to; key -> DeviceMesh or group
+
+
+def _cache() -> dict:
+    """The meshes and groups of the current default process group (a new one: the old are dead)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if _MESHES.get("world") is not world:
+        _MESHES.clear()
+        _MESHES["world"] = world
+    return _MESHES
 
 
 def cached_mesh(grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
@@ -32,27 +45,42 @@ def cached_mesh(grid: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
     pile up thousands of threads. Collective on first use, like ``DeviceMesh`` itself: every rank
     must ask for the same meshes in the same order, including meshes it is not part of.
     """
-    world = dist.group.WORLD if dist.is_initialized() else None
-    if _MESHES.get("world") is not world:  # a new default process group: old meshes are dead
-        _MESHES.clear()
-        _MESHES["world"] = world
+    cache = _cache()
     key = (device_type(), tuple(grid.flatten().tolist()), tuple(grid.shape), names)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh(device_type(), grid, mesh_dim_names=names)
-    return _MESHES[key]
+    if key not in cache:
+        cache[key] = DeviceMesh(device_type(), grid, mesh_dim_names=names)
+    return cache[key]
 
 
-def cached_group(ranks: torch.Tensor) -> dist.ProcessGroup:
-    """A process group over ``ranks``, created once per default group (collective: every rank
-    of the job asks for the same groups in the same order)."""
-    world = dist.group.WORLD
-    if _MESHES.get("world") is not world:
-        _MESHES.clear()
-        _MESHES["world"] = world
-    key = ("group", tuple(sorted(ranks.flatten().tolist())))
-    if key not in _MESHES:
-        _MESHES[key] = dist.new_group(list(key[1]))
-    return _MESHES[key]
+def cached_group(
+    ranks: Iterable[int] | torch.Tensor | None = None, *, purpose: str = "collectives"
+) -> dist.ProcessGroup:
+    """The process group of ``purpose`` over ``ranks`` (default: every rank of the job), created
+    once per default group with the job's collective timeout (:func:`job_timeout`).
+
+    A thread that communicates in the background needs a group no other thread uses (gloo and
+    NCCL order a group's operations per group): each background job names its own ``purpose``
+    (``"kv-transport"``, ``"sidp-fetch"``, ...); foreground collectives share the default one.
+    Collective on first use: every rank of the job asks for the same groups in the same order,
+    including groups it is not part of.
+    """
+    if isinstance(ranks, torch.Tensor):
+        ranks = ranks.flatten().tolist()
+    members = tuple(sorted(range(dist.get_world_size()) if ranks is None else ranks))
+    cache = _cache()
+    key = ("group", purpose, members)
+    if key not in cache:
+        cache[key] = dist.new_group(list(members), timeout=job_timeout())
+    return cache[key]
 
 
-__all__ = ["cached_group", "cached_mesh", "device_type", "rank_tensor"]
+def job_timeout() -> datetime.timedelta | None:
+    """How long a collective of the default process group may wait (``init_process_group``'s
+    ``timeout``); ``None`` where the backend does not say (torch's default then applies)."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device(device_type())).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+__all__ = ["cached_group", "cached_mesh", "device_type", "job_timeout", "rank_tensor"]

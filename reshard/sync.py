@@ -106,7 +106,7 @@ class WeightSync:
         self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst) for e in self.entries)
         self._baseline = _Baseline(self.entries, method) if method != "planned" else None
         self.schedule = Schedule.of(self.plans, bucket_bytes) if self._baseline is None else None
-        self._background = _background_group()
+        self._background = cached_group(purpose="weight-sync")
 
     @property
     def lower_bound_bytes(self) -> int:
@@ -333,16 +333,3 @@ def _box_bytes(box, layout: Layout) -> int:
 def _gathered_bytes(layout: Layout) -> int:
     """Bytes an all-gather of the whole tensor delivers to every holder of a shard of it."""
     return sum(_nbytes(layout) - _box_bytes(layout.box(r), layout) for r in layout.all_ranks)
-
-
-_GROUPS: dict = {}
-
-
-def _background_group() -> dist.ProcessGroup:
-    """The process group of background syncs, created once (collective)."""
-    world = dist.group.WORLD
-    if _GROUPS.get("world") is not world:
-        _GROUPS.clear()
-        _GROUPS["world"] = world
-        _GROUPS["bg"] = dist.new_group(list(range(dist.get_world_size())))
-    return _GROUPS["bg"]

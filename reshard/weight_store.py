@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from reshard import shm
 from reshard.layout import Box, Layout, box_slices
 from reshard.mesh import device_type
 
@@ -31,7 +32,7 @@ class SharedWeightStore:
             self.offsets[name] = total
             total += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
         self.nbytes = total
-        self._pool = torch.from_file(str(self.path), shared=True, size=max(total, 1), dtype=torch.uint8)
+        self._pool = shm.map_file(self.path, total)
         self.bytes_read = 0
 
     @staticmethod
@@ -65,7 +66,7 @@ class SharedWeightStore:
     def close(self, *, unlink: bool = False) -> None:
         del self._pool
         if unlink:
-            self.path.unlink(missing_ok=True)
+            shm.unlink(self.path)
 
 
 def _first_holder(layout: Layout, box: Box) -> int:

@@ -104,3 +104,33 @@ def test_readers_with_another_layout_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"cannot swap with a CPU tier of 6 layers x 3 KV heads"):
         tier.swap_out(cache, 0, 1, 4)  # heads 2..4 exceed the tier's 3
     tier.close(unlink=True)
+
+
+def test_a_kv_cache_over_a_shared_memory_file_keeps_its_contents(tmp_path):
+    """Built through the cache's constructor: K and V live in the mapped file, so a second
+    mapping (a restarted process) reads what the first wrote; storage of the wrong size is refused."""
+    from reshard.kv import KVCache, KVSpec
+    from reshard.shm import map_file
+
+    spec = KVSpec(num_layers=2, num_slots=2, num_heads=2, max_seq_len=6, head_dim=HD)
+    path = tmp_path / "mirror"
+    first = KVCache(spec, storage=map_file(path, spec.bytes))
+    k, v = torch.randn(2, 5, HD), torch.randn(2, 5, HD)
+    first.write_slot(1, 1, k, v)
+    again = KVCache(spec, storage=map_file(path, spec.bytes))
+    torch.testing.assert_close(again.read_slot(1, 1, 5), (k, v), rtol=0, atol=0)
+    assert again.k[0].shape == spec.shape and path.stat().st_size == spec.bytes
+    with pytest.raises(ValueError, match=rf"KV cache storage must be {spec.bytes} bytes \(flat uint8\) for KVSpec"):
+        KVCache(spec, storage=map_file(path, spec.bytes - 1))
+
+
+def test_a_published_file_appears_whole_and_is_never_overwritten(tmp_path):
+    from reshard.shm import map_file, publish
+
+    data = torch.arange(10, dtype=torch.uint8)
+    publish(tmp_path / "region", data)
+    assert torch.equal(map_file(tmp_path / "region", 10, shared=False), data)
+    with pytest.raises(FileExistsError):
+        publish(tmp_path / "region", data + 1)
+    assert torch.equal(map_file(tmp_path / "region", 10, shared=False), data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["region"]  # no temporary file left

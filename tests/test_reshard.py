@@ -456,3 +456,22 @@ def _layout_of(placement):
 def test_out_of_range_shard_dim_is_named_as_given():
     with pytest.raises(RuntimeError, match=r"Shard\(dim=-3\) is out of range for a tensor of shape \(4, 4\)"):
         dist_harness.run(1, _layout_of, Shard(-3))
+
+
+def _groups():
+    import torch.distributed as dist
+
+    from reshard.mesh import cached_group
+
+    moves, again, kv = cached_group(purpose="moves"), cached_group(purpose="moves"), cached_group(purpose="kv")
+    pair = cached_group([1, 0], purpose="pair")
+    timeout = moves._get_backend(torch.device("cpu")).options._timeout
+    return moves is again, moves is not kv, dist.get_process_group_ranks(pair), timeout
+
+
+def test_background_groups_are_cached_by_purpose_with_the_jobs_timeout():
+    from tests.dist_harness import COLLECTIVE_TIMEOUT
+
+    for same, distinct, ranks, timeout in dist_harness.run(2, _groups):
+        assert same and distinct and ranks == [0, 1]
+        assert timeout == COLLECTIVE_TIMEOUT  # the job's, not torch's 30-minute default

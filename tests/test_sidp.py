@@ -28,7 +28,7 @@ def _job(path, mode, shift=True, threshold=1.0):
         tokens=tokens,
         summary=strategy.summary(engine),
         expected_ffn=owned * layer,
-        counters=vars(pool.counters).copy(),
+        counters={**vars(pool.counters), **vars(engine.policy.fetcher.counters)},  # the layer's and the fetches'
         modes=list(engine.stats.modes),
         non_owned=len(pool.owner) - owned,
     )

@@ -13,10 +13,8 @@ whole-job restart keeps them; across machines they would live in the successor's
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -26,24 +24,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from reshard.kv import KVCache
+from reshard.kv import KVCache, KVSpec
 from reshard.mesh import device_type
 from reshard.parallel.engine import Engine
 from reshard.parallel.fault.heartbeat import Heartbeat
 from reshard.parallel.fault.inject import die
 from reshard.parallel.fault.restart import job_store
 from reshard.parallel.fault.ring import RingReplication
+from reshard.shm import job_directory, map_file, remove_directory
+from reshard.shm import remove_orphans as _remove_orphans
+
+JOB_PREFIX = "reshard-ft-"  # a job's shared-memory directory: JOB_PREFIX + run_id
 
 
-def shared_cache(spec, path: Path) -> KVCache:
+def shared_cache(spec: KVSpec, path: Path) -> KVCache:
     """A KV cache whose K/V live in the shared-memory file ``path`` (kept when the process dies;
     an existing file's contents are kept)."""
-    cache = KVCache(dataclasses.replace(spec), device="cpu")
-    per = spec.bytes // (2 * spec.num_layers)  # one layer's K (or V) in bytes
-    pool = torch.from_file(str(path), shared=True, size=spec.bytes, dtype=torch.uint8)
-    views = [pool[i * per : (i + 1) * per].view(spec.dtype).view(spec.shape) for i in range(2 * spec.num_layers)]
-    cache.k, cache.v = views[: spec.num_layers], views[spec.num_layers :]
-    return cache
+    return KVCache(spec, storage=map_file(path, spec.bytes))
 
 
 class FaultTolerance:
@@ -78,12 +75,11 @@ class FaultTolerance:
     ) -> None:
         self.engine, self.rank, self.attempt = engine, dist.get_rank(), attempt
         runner = _replicated_runner(engine, engine.policy.host_layouts)
-        self.shm = Path("/dev/shm") / f"reshard-ft-{run_id}"
         if self.rank == 0 and attempt == 0:
             remove_orphans()
         dist.barrier()
-        self.shm.mkdir(exist_ok=True)
-        (self.shm / "owner").write_text(str(os.getppid()))  # torchrun's agent: the job lives while it does
+        # owned by torchrun's agent: the job lives while it does
+        self.shm = job_directory(JOB_PREFIX + run_id, owner=os.getppid())
         self.journal = self.shm / "journal.jsonl"
         engine.policy.persist(self.shm)
         self.cache = runner.kv
@@ -180,7 +176,7 @@ class FaultTolerance:
                 path.write_text(repr(time.time()))
         first = self._claim(f"reported-{self.attempt}")
         if self.last_attempt:
-            shutil.rmtree(self.shm, ignore_errors=True)
+            remove_directory(self.shm)
             next_ = f"it was the last attempt torchrun allows, the job ends. {self.on_last_failure}"
         else:
             next_ = "torchrun restarts the job and recovery resumes from the ring's KV mirrors"
@@ -224,23 +220,13 @@ class FaultTolerance:
         dist.barrier()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if self.rank == 0:
-            shutil.rmtree(self.shm, ignore_errors=True)
+            remove_directory(self.shm)
 
 
-def remove_orphans(root: Path = Path("/dev/shm")) -> list[Path]:
+def remove_orphans(root: Path | None = None) -> list[Path]:
     """Remove the directories of jobs whose torchrun agent is gone (a job killed from outside
-    never reaches its own clean-up); returns them."""
-    gone = []
-    for path in root.glob("reshard-ft-*"):
-        owner = path / "owner"
-        try:
-            os.kill(int(owner.read_text()), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-            gone.append(path)
-        except (OSError, ValueError):  # no owner yet (being created) or not ours to signal: leave it
-            continue
-    return gone
+    never reaches its own clean-up); returns them. ``root``: default the shared-memory root."""
+    return _remove_orphans(JOB_PREFIX, root)
 
 
 def _replicated_runner(engine: Engine, persisted: frozenset[str]):

@@ -126,11 +126,25 @@ class KVSpec:
 
 
 class KVCache:
-    """K and V per layer, each ``(num_slots, num_heads, max_seq_len + 1, head_dim)``, on ``device``
-    (default: the process group's, :func:`reshard.mesh.device_type`; ``"cpu"`` for a host tier)."""
+    """K and V per layer, each ``(num_slots, num_heads, max_seq_len + 1, head_dim)``.
 
-    def __init__(self, spec: KVSpec, device: torch.device | str | None = None) -> None:
-        self.spec, self.device = spec, device if device is not None else device_type()
+    ``storage``: flat ``uint8`` memory of ``spec.bytes`` bytes to hold K and V instead of zeroed
+    memory of the cache's own (e.g. a shared-memory file, :func:`reshard.shm.map_file`; its
+    contents are kept): every layer's K, then every layer's V, each ``spec.shape``. The cache is
+    on ``storage``'s device; after :meth:`release`, :meth:`restore` allocates memory of its own.
+    """
+
+    def __init__(
+        self, spec: KVSpec, device: torch.device | str | None = None, *, storage: torch.Tensor | None = None
+    ) -> None:
+        if storage is not None and (storage.dtype != torch.uint8 or storage.shape != (spec.bytes,)):
+            raise ValueError(
+                f"KV cache storage must be {spec.bytes} bytes (flat uint8) for {spec}; got "
+                f"{storage.dtype} of shape {tuple(storage.shape)}"
+            )
+        self.spec = spec
+        self.device = storage.device if storage is not None else device if device is not None else device_type()
+        self.storage = storage
         self.k: list[torch.Tensor] = []
         self.table: torch.Tensor | None = None  # paged: (num_slots, max_blocks) block ids
         self.v: list[torch.Tensor] = []
@@ -151,18 +165,23 @@ class KVCache:
     def release(self) -> int:
         """Free the cache's memory (its contents are lost); returns the bytes freed."""
         freed = self.spec.bytes if self.allocated else 0
-        self.k, self.v, self.table = [], [], None
+        self.k, self.v, self.table, self.storage = [], [], None, None
         return freed
 
     def restore(self) -> None:
-        """(Re)allocate a zeroed cache after :meth:`release` (no-op when allocated)."""
+        """(Re)allocate a zeroed cache after :meth:`release` (no-op when allocated); at
+        construction, lay K and V over the given storage."""
         if self.allocated:
             return
         s = self.spec
         with torch.inference_mode(False):  # plain tensors even when restored inside generate():
             # background swap threads (outside inference mode) write into them
-            self.k = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
-            self.v = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+            if self.storage is None:
+                self.k = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+                self.v = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+            else:
+                kv = self.storage.view(s.dtype).view(2 * s.num_layers, *s.shape)  # (2L, *shape): K layers, V layers
+                self.k, self.v = list(kv[: s.num_layers]), list(kv[s.num_layers :])
             self.table = (
                 torch.full((s.num_slots, s.max_blocks), s.scratch_block, dtype=torch.long, device=self.device)
                 if s.paged

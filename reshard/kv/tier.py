@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from reshard import shm
 from reshard.kv.cache import KVCache, KVLayout
 
 
@@ -51,10 +52,7 @@ class CPUKVTier:
         """Hold the KV in the shared-memory file ``path`` from now on (created if missing; an
         existing file's contents are kept: a restarted job finds what the tier held)."""
         self.path = Path(path)
-        numel = self.spec.bytes // torch.empty((), dtype=self.spec.dtype).element_size()
-        self.pool = torch.from_file(str(self.path), shared=True, size=numel, dtype=self.spec.dtype).view(
-            self.spec.shape
-        )
+        self.pool = shm.map_file(self.path, self.spec.bytes).view(self.spec.dtype).view(self.spec.shape)
 
     @property
     def free_tokens(self) -> int:
@@ -118,7 +116,7 @@ class CPUKVTier:
     def close(self, *, unlink: bool = False) -> None:
         del self.pool
         if unlink:
-            self.path.unlink(missing_ok=True)
+            shm.unlink(self.path)
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:

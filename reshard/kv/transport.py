@@ -23,7 +23,6 @@ import itertools
 import os
 import queue
 import re
-import tempfile
 import threading
 import time
 import zlib
@@ -35,12 +34,14 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from reshard import shm
+from reshard.mesh import cached_group
+
 Key = str | tuple[int | str, ...]  # e.g. (request_id, layer, step) or a string
 MediumKind = Literal["device", "cpu", "disk"]
 TransportKind = Literal["local", "shm", "p2p", "file"]
 
 _IDS = itertools.count(1)
-_GROUPS: dict = {}
 _HEADER_TAG, _DATA_TAG = 0x4B5601, 0x4B5602
 
 
@@ -89,7 +90,7 @@ def open_transport(
     """The transport :func:`choose_transport` picks, opened on this rank (one of the two sides).
 
     ``shm`` needs ``run_id`` (the same on both sides); ``file`` needs ``directory``; ``p2p`` uses
-    ``group`` or :func:`background_group`.
+    ``group`` or a background group of its own (:func:`reshard.mesh.cached_group`).
     """
     kind = choose_transport(src, dst)
     if kind == "local":
@@ -332,7 +333,7 @@ class SharedMemoryTransport(_Queued):
     def __init__(self, run_id: str, root: str | os.PathLike | None = None) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
             raise ValueError(f"run_id must be letters, digits, '_', '.' or '-'; got {run_id!r}")
-        self.root = Path(root) if root is not None else Path(_shm_root())
+        self.root = Path(root) if root is not None else shm.shm_root()
         if not self.root.is_dir():
             raise ValueError(f"shared-memory directory {str(self.root)!r} does not exist")
         self.prefix = f"reshard-kv-{run_id}-"
@@ -354,31 +355,11 @@ class SharedMemoryTransport(_Queued):
     def close(self, timeout: float = 10.0) -> None:
         super().close(timeout)
         for path in self._published:
-            path.unlink(missing_ok=True)
+            shm.unlink(path)
         self._published.clear()
 
     def _write(self, path: Path, data: torch.Tensor) -> None:
-        if not hasattr(os, "O_TMPFILE"):
-            return self._write_named(path, data)
-        fd = os.open(self.root, os.O_TMPFILE | os.O_RDWR, 0o600)
-        try:
-            _fill(f"/proc/self/fd/{fd}", data)
-            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-            try:  # linkat(AT_SYMLINK_FOLLOW) through dst_dir_fd: names the unnamed file
-                os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dir_fd)
-            finally:
-                os.close(dir_fd)
-        finally:
-            os.close(fd)
-        self._publish(path)
-
-    def _write_named(self, path: Path, data: torch.Tensor) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
-        try:
-            _fill(str(tmp), data)
-            os.link(tmp, path)  # unlike os.replace, refuses to overwrite an unfetched region
-        finally:
-            tmp.unlink(missing_ok=True)
+        shm.publish(path, data)
         self._publish(path)
 
     def _publish(self, path: Path) -> None:
@@ -390,8 +371,8 @@ class SharedMemoryTransport(_Queued):
         self._queue.poll_until(path.exists)
         _check_size(key, path.stat().st_size, dst)
         if dst.numel():
-            dst.copy_(torch.from_file(str(path), shared=False, size=dst.numel(), dtype=torch.uint8))
-        path.unlink()
+            dst.copy_(shm.map_file(path, dst.numel(), shared=False))
+        shm.unlink(path)
 
 
 class P2PTransport(_Queued):
@@ -409,7 +390,7 @@ class P2PTransport(_Queued):
     kind = "p2p"
 
     def __init__(self, peer: int, group: dist.ProcessGroup | None = None) -> None:
-        group = group if group is not None else background_group()
+        group = group if group is not None else cached_group(purpose="kv-transport")
         ranks = dist.get_process_group_ranks(group)
         if peer == dist.get_rank() or peer not in ranks:
             raise ValueError(
@@ -509,21 +490,6 @@ class FileTransport(_Queued):
         dst.copy_(data)
 
 
-def background_group(name: str = "kv") -> dist.ProcessGroup:
-    """A process group of all ranks for background P2P, one per ``name`` (collective on first use).
-
-    Distinct from the default group and from ``reshard.sync``'s, so a transport's thread never
-    shares a group with another thread.
-    """
-    world = dist.group.WORLD
-    if _GROUPS.get("world") is not world:
-        _GROUPS.clear()
-        _GROUPS["world"] = world
-    if name not in _GROUPS:
-        _GROUPS[name] = dist.new_group(list(range(dist.get_world_size())))
-    return _GROUPS[name]
-
-
 # ---- helpers ----------------------------------------------------------------------------------
 def _bytes(t: torch.Tensor, what: str, key: Key) -> torch.Tensor:
     """``t`` as a flat uint8 view; ``ValueError`` unless contiguous."""
@@ -555,13 +521,3 @@ def _key_name(key: Key) -> str:
 
 def _key_hash(key: Key) -> int:
     return zlib.crc32(repr(key).encode())
-
-
-def _fill(path: str, data: torch.Tensor) -> None:
-    """Size the file at ``path`` to ``data`` and write it through a shared mapping."""
-    if data.numel():
-        torch.from_file(path, shared=True, size=data.numel(), dtype=torch.uint8).copy_(data)
-
-
-def _shm_root() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

@@ -1,4 +1,5 @@
-"""SiDP: data parallelism whose FFN weights live in an owner pool (:mod:`layers.owner_pool`).
+"""SiDP: data parallelism whose FFN weights live in an owner pool (:mod:`layers.owner_pool`),
+fetched by SiDP's scheduler (:mod:`.fetch`).
 
 Each rank is a data-parallel replica with its own sequences; attention, norms and embeddings
 are replicated, each decoder layer's FFN is owned by one rank. Two runners share one KV cache:
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reshard.layers.owner_pool import CAS, WAS, FFNPool, PooledMLP
+from reshard.layers.owner_pool import CAS, WAS, OwnerPool, PooledMLP
 from reshard.mesh import device_type
 from reshard.parallel.engine import (
     ContinuousBatching,
@@ -32,6 +33,7 @@ from reshard.parallel.engine import (
 )
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.parallelize import parallelize
+from reshard.parallel.strategies.sidp.fetch import FetchScheduler, check_slots
 
 MODES = ("auto", "was", "cas")
 
@@ -67,13 +69,13 @@ class SiDPStats(EngineStats):
 
 class SiDPPolicy(ContinuousBatching):
     """Continuous batching over the replicas; each step's mode from the orchestrator, decided
-    every ``interval`` steps and agreed by the group."""
+    every ``interval`` steps and agreed by the group; ``fetcher`` fetches the step's FFNs (WaS)."""
 
     stats_cls = SiDPStats
 
     def __init__(
         self,
-        pool: FFNPool,
+        fetcher: FetchScheduler,
         *,
         mode: str,
         threshold: float,
@@ -83,7 +85,8 @@ class SiDPPolicy(ContinuousBatching):
         admission: str = "fifo",
     ) -> None:
         super().__init__("was", max_prefill_tokens=max_prefill_tokens, admission=admission)
-        self.pool, self.fixed = pool, None if mode == "auto" else (WAS if mode == "was" else CAS)
+        self.pool, self.fetcher = fetcher.pool, fetcher
+        self.fixed = None if mode == "auto" else (WAS if mode == "was" else CAS)
         self.threshold, self.hysteresis, self.interval = threshold, hysteresis, interval
         self.current: str | None = None
         self._steps = 0
@@ -101,7 +104,7 @@ class SiDPPolicy(ContinuousBatching):
         stats.mode_steps["was" if mode == WAS else "cas"] += 1
         stats.dummy_steps += sum(1 for t in tokens if t == 0)
         stats.modes.append(mode)
-        self.pool.begin_step(self._rows(phase, tokens), mode)
+        self.fetcher.begin_step(self._rows(phase, tokens), mode)
         return "was" if mode == WAS else "cas"
 
     def _rows(self, phase: str, tokens: list[int]) -> list[int]:
@@ -125,7 +128,7 @@ class SiDPPolicy(ContinuousBatching):
         return self.current
 
     def after_step(self, step) -> None:
-        self.pool.end_step()
+        self.fetcher.end_step()
 
 
 def _agree(mode: str) -> str:
@@ -136,20 +139,23 @@ def _agree(mode: str) -> str:
     return CAS if flag.item() else WAS
 
 
-def profile_threshold(pool: FFNPool, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3) -> float:
+def profile_threshold(
+    fetcher: FetchScheduler, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3
+) -> float:
     """b* on this hardware (a small built-in sweep; collective over the group): per layer, WaS
     costs ``max(fetch, ffn(b))`` (the fetch hides behind compute), CaS costs one activation round
     trip plus the owner's fused GEMM over every rank's rows. Returns the smallest swept ``b``
     where CaS is the slower on some rank (the same on every rank), else the largest."""
     from reshard.layers.weights import use_weights
 
+    pool = fetcher.pool
     hidden = pool.weights_dim()
     owned = next(j for j, o in enumerate(pool.owner) if o == pool.rank)
-    fetch = _timed(pool.fetch_round_once, repeats)
+    fetch = _timed(fetcher.fetch_round_once, repeats)
     for b in sizes:
-        x = torch.randn(b, hidden, dtype=pool.slot_tensors[0][0].dtype, device=pool.slot_tensors[0][0].device)
-        ffn = _timed(lambda x=x: pool._ffn(pool.weights[owned], x), repeats)
-        pool.tokens = [b] * pool.G
+        x = torch.randn(b, hidden, dtype=pool.dtype, device=pool.slot_flat[0].device)
+        ffn = _timed(lambda x=x: pool.owned_ffn(owned, x), repeats)
+        pool.begin_step([b] * pool.G, fetched=[])
         with use_weights(CAS):
             cas = _timed(lambda x=x: pool.forward(0, x), repeats)
         slower = torch.tensor([int(cas > max(fetch, ffn))], device=device_type())
@@ -173,21 +179,23 @@ def _timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def pool_model(model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int, peak_shifting: bool) -> FFNPool:
-    """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool and
-    swap each layer's MLP for a :class:`PooledMLP` (collective)."""
+def pool_model(
+    model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int, peak_shifting: bool
+) -> FetchScheduler:
+    """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool, swap
+    each layer's MLP for a :class:`PooledMLP` and return the pool's fetch scheduler (collective)."""
+    check_slots(slots, len(ranks), prefetch_depth=prefetch_depth, peak_shifting=peak_shifting)  # before any change
     layers = model.model.layers
-    pool = FFNPool(
-        [layer.mlp for layer in layers], ranks, slots=slots, prefetch_depth=prefetch_depth, peak_shifting=peak_shifting
-    )
+    pool = OwnerPool([layer.mlp for layer in layers], ranks, slots=slots)
+    fetcher = FetchScheduler(pool, prefetch_depth=prefetch_depth, peak_shifting=peak_shifting)
     for j, layer in enumerate(layers):
         layer.mlp = PooledMLP(pool, j)
-    return pool
+    return fetcher
 
 
 def sidp_engine(
     model: nn.Module,
-    pool: FFNPool,
+    fetcher: FetchScheduler,
     *,
     mode: str = "auto",
     threshold: float = 8.0,
@@ -203,9 +211,9 @@ def sidp_engine(
     kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     was = ModelRunner(model, weights=WAS, kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw)
     cas = ModelRunner(model, kv=was.kv, weights=CAS, **kw)
-    cas.hooks.add("idle_step", lambda phase, seqs: pool.serve_idle())  # an idle owner still serves
+    cas.hooks.add("idle_step", lambda phase, seqs: fetcher.pool.serve_idle())  # an idle owner still serves
     policy = SiDPPolicy(
-        pool,
+        fetcher,
         mode=mode,
         threshold=threshold,
         hysteresis=hysteresis,
@@ -255,7 +263,7 @@ class SiDPStrategy(Strategy):
         model = parallelize(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
         full_ffn = _ffn_bytes(model)
         slots = self.slots or max(self.prefetch_depth, dims.dp - 1)
-        pool = pool_model(
+        fetcher = pool_model(
             model,
             list(range(dims.dp)),
             slots=slots,
@@ -265,10 +273,10 @@ class SiDPStrategy(Strategy):
         model.sidp_full_ffn_bytes = full_ffn
         self.profiled = self.threshold is None
         if self.threshold is None:
-            self.threshold = profile_threshold(pool)
+            self.threshold = profile_threshold(fetcher)
         return sidp_engine(
             model,
-            pool,
+            fetcher,
             mode=self.mode,
             threshold=self.threshold,
             hysteresis=self.hysteresis,
@@ -277,10 +285,10 @@ class SiDPStrategy(Strategy):
             max_seq_len=args.max_seq_len,
             max_prefill_tokens=args.max_prefill_tokens,
             admission=args.admission,
-            **self._kv(args, model, pool),
+            **self._kv(args, model, fetcher.pool),
         )
 
-    def _kv(self, args: EngineArgs, model: nn.Module, pool: FFNPool) -> dict:
+    def _kv(self, args: EngineArgs, model: nn.Module, pool: OwnerPool) -> dict:
         """A paged cache grows by the tokens the freed FFN bytes hold (the memory a replicated DP
         replica spends on FFN weights goes to KV instead); contiguous slots stay as asked."""
         if args.kv_block_size is None:
@@ -300,8 +308,7 @@ class SiDPStrategy(Strategy):
         return {"kv_block_size": args.kv_block_size, "kv_tokens": args.kv_tokens + extra}
 
     def summary(self, engine: Engine) -> dict:
-        pool = engine.policy.pool
-        c = pool.counters
+        pool, c = engine.policy.pool, engine.policy.fetcher.counters
         fetched = torch.tensor([c.fetch_bytes], dtype=torch.float64, device=device_type())
         dist.all_reduce(fetched)
         freed = engine.model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
