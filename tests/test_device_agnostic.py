@@ -82,7 +82,7 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.engine.runner:ModelRunner._micro_batch_swap": (
         "micro-batch swapping keeps every slot's KV in host memory"
     ),
-    "reshard.shm:map_file": "a mapped shared-memory file is host memory (the CPU KV tier, KV mirrors, the weight store)",
+    "reshard.shm:map_file": "a mapped shared-memory file is host memory (CPU KV tier, KV mirrors, weight store)",
 }
 
 
