@@ -321,11 +321,12 @@ class SharedMemoryTransport(_Queued):
     """CPU shared memory between the processes of one machine: one region per key.
 
     A flush writes the chunk into an unnamed file (``O_TMPFILE``) in ``/dev/shm`` and then gives it
-    the key's name (``reshard-kv-<run_id>-<key>``), so a fetch never sees a partial region and a
-    failed flush leaves nothing. A fetch waits for the name, copies the region out and removes
-    it. :meth:`close` removes the regions this transport flushed that nobody fetched, so close the
-    flushing side after the fetching side has fetched (e.g. after a barrier). Both sides use the
-    same ``run_id``; a process killed between a flush and its fetch leaves that region behind.
+    the key's name (``reshard-kv-<run_id>-<key>``; :func:`reshard.shm.publish`), so a fetch never
+    sees a partial region and a failed flush leaves nothing. A fetch waits for the name, copies
+    the region out and removes it. :meth:`close` removes the regions this transport flushed that
+    nobody fetched, so close the flushing side after the fetching side has fetched (e.g. after a
+    barrier). Both sides use the same ``run_id``; a process killed between a flush and its fetch
+    leaves that region behind.
     """
 
     kind = "shm"
