@@ -15,13 +15,13 @@ seeded random prompts of ``--prompt-len`` tokens, ``--new-tokens`` greedy tokens
 tokens, ``Engine(max_batch_size=batch, max_seq_len=prompt + new)`` (one prefill step, then
 ``new - 1`` decode steps at a full batch). Decode s/step = ``engine.stats.decode_seconds /
 decode_steps`` of one ``generate`` (the loop's per-step time, which includes the runner's
-``step_end`` hooks), max over ranks. Every section interleaves its variants per repetition
+``step_end`` listeners), max over ranks. Every section interleaves its variants per repetition
 (round-robin, after one warm-up each), medians.
 
 Sections:
 
 1. ``stream`` (2 ranks, TP2): the same decode workload with no streaming vs ``TokenStream`` (a
-   ``step_end`` hook: each step's new KV entries leave while the next step runs, waited for one
+   ``step_end`` listener: each step's new KV entries leave while the next step runs, waited for one
    step later) to (a) ``cpu``: a CPU mirror on the same rank (``LocalTransport``), (b) ``peer``:
    the other rank mirrors this rank's heads (P2P on the background group), (c) ``file``: a
    ``FileTransport`` in a temp dir (written and read back into the mirror). The mirrors are
@@ -39,7 +39,7 @@ Sections:
    with the same token capacity (``kv_tokens = batch x max_seq_len``); outputs compared with the
    contiguous engine's; cache bytes (``KVSpec.bytes``, scratch included) and capacity.
 4. ``prefill`` (2 ranks): a prefill of ``--batch`` prompts of ``--prefill-len`` tokens (one step,
-   ``max_new_tokens=1``) with no streaming vs per-layer streaming (an ``after_layer`` hook
+   ``max_new_tokens=1``) with no streaming vs per-layer streaming (a ``layer_after`` listener
    ``stream_out(layers=[i])`` / ``stream_in`` of layer i to the other rank while layer i+1
    computes; waited for and unpacked at ``step_end``) vs streaming everything at the end of the
    step (``step_end``). Prefill s = ``engine.stats.prefill_seconds``, max over ranks.
@@ -222,7 +222,7 @@ def section_stream(path: Path, args) -> dict:
         stream, remove = None, None
         if variant != "none":
             stream = TokenStream(streamers[variant], engine.kv, mirrors[variant])
-            remove = engine.runner.hooks.add("step_end", stream.step_end)
+            remove = engine.events.on("step_end", lambda step, seqs: stream.step_end(step.phase, seqs))
         r = gen(engine, reqs)
         if stream is not None:
             stream.drain()
@@ -512,15 +512,15 @@ def format_paged(res: dict) -> list[str]:
 
 # ---- 4. prompt streaming overlapped with prefill ---------------------------------------------------------
 class PromptStream:
-    """``mode`` ``layer``: each layer's KV leaves in ``after_layer``; ``end``: all of it at ``step_end``.
+    """``mode`` ``layer``: each layer's KV leaves in ``layer_after``; ``end``: all of it at ``step_end``.
     Both wait for (and unpack) everything at ``step_end``, inside the prefill step."""
 
     def __init__(self, streamer: KVStreamer, cache: KVCache, mirror: KVCache, mode: str, tag: int) -> None:
         self.streamer, self.cache, self.mirror, self.mode, self.tag = streamer, cache, mirror, mode, tag
         self.spans, self.jobs, self.ins = [], [], []
 
-    def step_begin(self, phase, seqs) -> None:
-        self.spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs] if phase == "prefill" else []
+    def step_begin(self, step, seqs) -> None:
+        self.spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs] if step.phase == "prefill" else []
 
     def after_layer(self, index, hidden, ctx) -> None:
         if self.mode == "layer" and self.spans:
@@ -530,7 +530,7 @@ class PromptStream:
         self.jobs += self.streamer.stream_out(self.cache, self.spans, layers=layers, tag=self.tag)
         self.ins.append(self.streamer.stream_in(self.mirror, self.spans, layers=layers, tag=self.tag))
 
-    def step_end(self, phase, seqs) -> None:
+    def step_end(self, step, seqs) -> None:
         if not self.spans:
             return
         if self.mode == "end":
@@ -566,9 +566,9 @@ def section_prefill(path: Path, args) -> dict:
             tag[0] += 1
             ps = PromptStream(streamer, engine.kv, mirror, v, tag[0])
             removers = [
-                engine.runner.hooks.add("step_begin", ps.step_begin),
-                engine.runner.hooks.add("after_layer", ps.after_layer),
-                engine.runner.hooks.add("step_end", ps.step_end),
+                engine.events.on("step_begin", ps.step_begin),
+                engine.events.on("layer_after", ps.after_layer),
+                engine.events.on("step_end", ps.step_end),
             ]
         r = gen(engine, reqs)
         for rm in removers:

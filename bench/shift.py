@@ -27,7 +27,7 @@ arrive together when the previous phase is done). Engines: ``shift_engine`` with
 (TP-only), 0 (SP-only) and ``--threshold`` (Shift) on the same model, plus the plain TP
 ``Engine`` as a reference. TTFT: per request, from the start of its phase's ``generate`` to the
 end of the prefill step that sampled its first token (timed on rank 0 by wrapping
-a ``step_end`` runner hook). TPOT: decode seconds / decode steps. Throughput: generated tokens / wall
+a ``step_end`` listener). TPOT: decode seconds / decode steps. Throughput: generated tokens / wall
 seconds of all phases (combined: prompt + generated tokens). One warm-up trace per engine (with
 byte counting on), then ``--repeats`` timed traces, engines round-robin; medians are reported.
 """
@@ -350,14 +350,13 @@ def run_trace(engine: Engine, trace: list[list[Request]], long_len: int) -> Trac
     """All phases on one fresh engine; per-request TTFT from the end of its prefill step."""
     first: dict[int, float] = {}
 
-    def prefill_done(phase: str, seqs) -> None:
-        if phase == "prefill":
+    def prefill_done(step, seqs) -> None:
+        if step.phase == "prefill":
             now = time.perf_counter()
             for s in seqs:
                 first[s.request.id] = now
 
-    for runner in engine.runners.values():
-        runner.hooks.add("step_end", prefill_done)
+    engine.events.on("step_end", prefill_done)
     run = TraceRun()
     for phase in trace:
         dist.barrier()

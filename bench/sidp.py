@@ -19,9 +19,9 @@ Variants (every one runs the same requests in the same run):
 - ``was`` / ``cas`` / ``auto``: SiDP (``parallel/sidp.py``). Layer j's FFN is owned by rank
   j % G; non-owners fetch it into cache slots (WaS), or ship activations to the owner (CaS).
 - ``allgather``: an FSDP-style baseline written in this file (``AllGatherFFN``). Every FFN weight
-  is split into G row chunks, one per rank (per-rank FFN bytes = SiDP's). A ``before_layer`` hook
+  is split into G row chunks, one per rank (per-rank FFN bytes = SiDP's). A ``layer_before`` listener
   all-gathers the layer's full gate/up/down weights (``dist.all_gather``) on the compute thread,
-  with no prefetch. An ``after_layer`` hook frees them again. Same bytes moved per step as WaS,
+  with no prefetch. A ``layer_after`` listener frees them again. Same bytes moved per step as WaS,
   with no overlap.
 
 Sections:
@@ -167,8 +167,8 @@ def _local(p) -> torch.Tensor:
 class AllGatherFFN:
     """FSDP-style baseline (this bench only): every FFN weight of ``model`` (a replicated DP model)
     is split into G row chunks, rank g keeping chunk g; the full weight's storage is freed. Before
-    each layer (``before_layer`` hook) the layer's three weights are all-gathered into their
-    storage on the compute thread, with no prefetch; after it (``after_layer``) they are freed.
+    each layer (a ``layer_before`` listener) the layer's three weights are all-gathered into their
+    storage on the compute thread, with no prefetch; after it (``layer_after``) they are freed.
     Per-rank FFN bytes = 1/G of the FFN, like SiDP's owner pool (no slots)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -193,9 +193,9 @@ class AllGatherFFN:
     def ffn_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for ss in self.shards.values() for s in ss)
 
-    def attach(self, runner) -> None:
-        runner.hooks.add("before_layer", self.before)
-        runner.hooks.add("after_layer", self.after)
+    def attach(self, engine, layout: str) -> None:
+        engine.events.on("layer_before", self.before, layout=layout)
+        engine.events.on("layer_after", self.after, layout=layout)
 
     def before(self, i, h, ctx):
         for w, shard, n in zip(self.full[i], self.shards[i], self.nbytes[i]):
@@ -240,7 +240,7 @@ def section_sweep(path: Path, args, models: dict, log) -> dict:
             "cas": sidp_engine(models["sidp"], fetcher, mode="cas", **kw),
             "allgather": Engine(models["ag"], **kw),
         }
-        models["ag_ffn"].attach(engines["allgather"].runner)
+        models["ag_ffn"].attach(engines["allgather"], "main")
         reqs = sweep_requests(args, world, b)
         r = {v: {"step": [], "fetch": 0, "wait": 0.0, "steps": 0} for v in engines}
         for v, e in engines.items():  # warm-up: outputs and steps

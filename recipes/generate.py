@@ -80,7 +80,7 @@ def _keep_finished(engine: Engine, run_dir: Path) -> Path:
             with open(path, "a") as f:
                 f.writelines(_output_line(c) for c in done)
 
-    engine.post_step_hooks.append(hook)
+    engine.events.on("step_agreed", hook)
     return path
 
 
@@ -93,7 +93,7 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dic
     kill = kills[attempt] if attempt < len(kills) else None
     if not cfg.fault.replicate:  # the baseline: a kill restarts every request from scratch
         if kill is not None:
-            engine.pre_step_hooks.append(inject_kill(kill))
+            engine.events.on("step_ready", inject_kill(kill))
         return None
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")

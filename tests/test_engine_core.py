@@ -1,4 +1,4 @@
-"""The engine core's plug-in interface: a strategy written only against it, runner hooks."""
+"""The engine core's plug-in interface: a strategy written only against it, the engine's events."""
 
 from dataclasses import dataclass
 
@@ -100,7 +100,7 @@ def test_unknown_strategy_and_keys_are_named():
         compose("generate", ["parallel=nope"])
 
 
-# ---- hooks at layer and step edges -------------------------------------------------------------
+# ---- events at layer and step edges ------------------------------------------------------------
 def _hooked(path, prompts, zero_last_layer):
     import torch.distributed as dist
 
@@ -109,20 +109,18 @@ def _hooked(path, prompts, zero_last_layer):
     model = parallelize(path, ParallelDims.from_world(tp=dist.get_world_size()))
     engine = Engine(model, max_batch_size=4, max_seq_len=128)
     events = []
-    runner = engine.runner
-    runner.hooks.add("step_begin", lambda phase, seqs: events.append(("begin", phase, len(seqs))))
-    runner.hooks.add("step_end", lambda phase, seqs: events.append(("end", phase, len(seqs))))
-    runner.hooks.add("before_layer", lambda i, h, ctx: events.append(("before", i)))
+    runner, on = engine.runner, engine.events.on
+    on("step_begin", lambda step, seqs: events.append(("begin", step.phase, len(seqs))))
+    on("step_end", lambda step, seqs: events.append(("end", step.phase, len(seqs))))
+    on("layer_before", lambda i, h, ctx: events.append(("before", i)))
     last = runner.layer_ids[-1]
-    runner.hooks.add(
-        "after_layer", lambda i, h, ctx: h * 0 if zero_last_layer and i == last else events.append(("after", i))
-    )
+    on("layer_after", lambda i, h, ctx: h * 0 if zero_last_layer and i == last else events.append(("after", i)))
     requests = [Request(i, p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts)]
     tokens = [c.output_ids for c in engine.generate(requests)]
     return tokens, events, engine.stats.prefill_steps + engine.stats.decode_steps, runner.layer_ids
 
 
-def test_layer_and_step_hooks_run_in_order_and_can_replace_hidden_states(checkpoints, hf_reference):
+def test_layer_and_step_events_fire_in_order_and_can_replace_hidden_states(checkpoints, hf_reference):
     path, prompts = checkpoints["qwen3"], _prompts(3)
     tokens, events, steps, layers = dist_harness.run(2, _hooked, path, prompts, False)[0]
     assert tokens == hf_reference(path, prompts, 4)  # hooks that return nothing change nothing

@@ -197,7 +197,7 @@ def _token_stream_job(path, where, tmp):
     mirror = KVCache(dataclasses.replace(engine.kv.spec, head_start=dst[rank].head_start))
     streamer = KVStreamer(plan_stream(src, dst), transport=transport)
     stream = TokenStream(streamer, engine.kv, mirror)
-    engine.runner.hooks.add("step_end", stream.step_end)
+    engine.events.on("step_end", lambda step, seqs: stream.step_end(step.phase, seqs))
     reqs = [Request(i, list(range(3 + i, 12 + 2 * i)), SamplingParams(max_new_tokens=6 + i)) for i in range(5)]
     engine.generate(reqs)
     stream.drain()

@@ -112,12 +112,11 @@ def _overlap_job(path, pooled):
         engine = make_strategy({"strategy": "sidp", "mode": "was", "slots": 2}).build(
             path, EngineArgs(max_batch_size=2, max_seq_len=64)
         )
-        runners = [engine.runners["was"]]
+        layout = "was"
     else:
         engine = Engine(parallelize(path, ParallelDims(dp=world, world_size=world)), max_batch_size=2, max_seq_len=64)
-        runners = [engine.runner]
-    for r in runners:
-        r.hooks.add("before_layer", lambda i, h, ctx: time.sleep(0.04))
+        layout = "main"
+    engine.events.on("layer_before", lambda i, h, ctx: time.sleep(0.04), layout=layout)
     reqs = [Request(i, [5 + i, 6, 7], SamplingParams(max_new_tokens=6)) for i in range(2 * world)]
     engine.generate(reqs)
     return engine.stats.decode_seconds / engine.stats.decode_steps

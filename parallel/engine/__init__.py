@@ -1,8 +1,18 @@
-"""The engine core: one request loop, one model runner with hooks, policies, a strategy registry."""
+"""The engine core: one request loop, one model runner, one event interface, policies, a strategy registry."""
 
 from reshard.parallel.engine.agree import agree_tokens, sample_step
+from reshard.parallel.engine.events import EngineEvents, LayerHooks
 from reshard.parallel.engine.loop import Engine
-from reshard.parallel.engine.policy import ContinuousBatching, Policy, SlotPool, Step
+from reshard.parallel.engine.policy import (
+    ContinuousBatching,
+    Move,
+    Policy,
+    PolicyContext,
+    RunnerInfo,
+    SlotPool,
+    Step,
+    StepOutput,
+)
 from reshard.parallel.engine.registry import (
     EngineArgs,
     Strategy,
@@ -12,23 +22,28 @@ from reshard.parallel.engine.registry import (
     strategy_class,
 )
 from reshard.parallel.engine.request import Completion, EngineStats, Request, Sequence
-from reshard.parallel.engine.runner import ModelRunner, Replica, RunnerHooks, StageLink, TokenSplit, split_ranges
+from reshard.parallel.engine.runner import ModelRunner, Replica, StageLink, TokenSplit, split_ranges
 
 __all__ = [
     "Completion",
     "ContinuousBatching",
     "Engine",
     "EngineArgs",
+    "EngineEvents",
     "EngineStats",
+    "LayerHooks",
     "ModelRunner",
+    "Move",
     "Policy",
+    "PolicyContext",
     "Replica",
     "Request",
-    "RunnerHooks",
+    "RunnerInfo",
     "Sequence",
     "SlotPool",
     "StageLink",
     "Step",
+    "StepOutput",
     "Strategy",
     "TokenSplit",
     "agree_tokens",

@@ -1,6 +1,8 @@
-"""Sampling a step's next tokens and the one agreement on them over the whole job."""
+"""Sampling a step's next tokens and the one agreement on them (and on a policy's per-step integers)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -10,20 +12,30 @@ from reshard.parallel.engine.sampling import sample_tokens, skip_draws
 from reshard.parallel.model.dims import device_type
 
 
-def agree_tokens(tokens: torch.Tensor, is_source: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def agree_tokens(
+    tokens: torch.Tensor,
+    is_source: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    extras: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank continues with, for each sequence, the token its one source rank sampled.
 
     ``tokens`` ``(B,)`` are this rank's candidates, ``is_source`` ``(B,)`` marks the sequences
     this rank is the source of; exactly one rank of the job is the source of each sequence (the
-    first rank of the last pipeline stage of the data-parallel replica that ran it). One sum
-    all-reduce over ``group`` (the layout's ranks; default: the job); returns the agreed ``(B,)``
-    tokens on the device of ``tokens`` (the host, where tokens are sampled).
+    first rank of the last pipeline stage of the data-parallel replica that ran it). ``extras``
+    ``(E,)`` int64: every rank's contribution to per-step values a policy agrees on (summed).
+    One sum all-reduce over ``group`` (the layout's ranks; default: the job) carries both;
+    returns the agreed ``(B,)`` tokens and ``(E,)`` sums on the device of ``tokens`` (the host,
+    where tokens are sampled).
     """
+    extras = torch.zeros(0, dtype=torch.long, device=tokens.device) if extras is None else extras
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return tokens
-    chosen = torch.where(is_source, tokens, torch.zeros_like(tokens)).to(device_type())
-    dist.all_reduce(chosen, group=group)
-    return chosen.to(tokens.device)
+        return tokens, extras
+    chosen = torch.where(is_source, tokens, torch.zeros_like(tokens))
+    both = torch.cat([chosen, extras]).to(device_type())
+    dist.all_reduce(both, group=group)
+    both = both.to(tokens.device)
+    return both[: len(tokens)], both[len(tokens) :]
 
 
 def sample_step(
@@ -33,8 +45,10 @@ def sample_step(
     is_source: bool,
     vocab_size: int,
     group: dist.ProcessGroup | None = None,
-) -> list[int]:
-    """The next token of every sequence of a step, the same on every rank.
+    extras: Mapping[str, int] | None = None,
+) -> tuple[list[int], dict[str, int]]:
+    """The next token of every sequence of a step, the same on every rank, and the sums of
+    ``extras`` (a policy's per-step integers: every rank names the same keys) over ``group``.
 
     ``mine`` (a sub-list of ``seqs``) ran on this rank, which holds their ``logits`` on the last
     stage. Every rank advances each sampling generator by exactly one draw: it samples where it
@@ -51,4 +65,7 @@ def sample_step(
         sampled = {id(s) for s in mine}
     others = [s for s in seqs if id(s) not in sampled]
     skip_draws([s.request.sampling for s in others], [s.generator for s in others], vocab_size)
-    return agree_tokens(tokens, source, group).tolist()
+    keys = sorted(extras or {})
+    values = torch.tensor([int(extras[k]) for k in keys], dtype=torch.long)
+    agreed, sums = agree_tokens(tokens, source, group, values)
+    return agreed.tolist(), dict(zip(keys, sums.tolist()))

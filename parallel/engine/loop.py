@@ -3,22 +3,27 @@
 Every strategy runs on this loop: it supplies runners (:class:`ModelRunner`, one per layout) and a
 :class:`Policy`. Every rank runs the loop on the whole request list; the policy splits each step's
 sequences over the data-parallel replicas of the step's layout, each replica computes its share,
-and :func:`sample_step` makes every rank continue with the same tokens.
+and :func:`sample_step` makes every rank continue with the same tokens. The policy returns each
+step as plain data and the engine makes the moves it names (:mod:`parallel.engine.policy`);
+everything else plugs in through :attr:`Engine.events` (:mod:`parallel.engine.events`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
 from reshard.parallel.engine.agree import sample_step
-from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step
+from reshard.parallel.engine.events import EngineEvents
+from reshard.parallel.engine.policy import ContinuousBatching, Policy, PolicyContext, RunnerInfo, Step, StepOutput
 from reshard.parallel.engine.request import Completion, Request, Sequence
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import skip_draws
@@ -43,6 +48,11 @@ class Engine:
         kv_block_size, kv_tokens: a paged KV cache (see :class:`ModelRunner`); admission then
             also waits for free blocks.
         kv_swap: micro-batch swapping of the KV between host and device (see :class:`ModelRunner`).
+        group: the ranks that agree on every step's tokens (e.g. ``dist.group.WORLD`` when layouts
+            on disjoint ranks share steps, as DejaVu's do); default: the step's layout's ranks.
+        host_tiers: layouts whose KV reaches the other layouts' caches through a host tier (layout
+            -> its :class:`reshard.kv.CPUKVTier`, e.g. Seesaw's prefill); fault tolerance keeps
+            those tiers in files that outlive a restart instead of replicating the layout's cache.
     """
 
     def __init__(
@@ -60,6 +70,8 @@ class Engine:
         kv_block_size: int | None = None,
         kv_tokens: int | None = None,
         kv_swap: bool = False,
+        group: dist.ProcessGroup | None = None,
+        host_tiers: Mapping | None = None,
     ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
@@ -82,13 +94,14 @@ class Engine:
         )
         cfg = next(iter(self.runners.values())).model.config
         self.vocab_size, self.eos_ids = cfg.vocab_size, _as_ids(cfg.eos_token_id)
+        self.group, self.host_tiers = group, dict(host_tiers or {})
+        self.events = EngineEvents()
         self.stats = self.policy.stats_cls()
-        self.policy.bind(self)
+        layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
+        new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids)
+        self.policy.setup(PolicyContext(layouts, self.stats, new_sequence))
         self.active: str | None = self.policy.initial_layout
         self._released: list = []  # caches freed by release_memory(), restored by generate()
-        self.replay: deque = deque()  # recovery: known tokens of the first steps (their KV restored)
-        self.pre_step_hooks: list = []  # fn(index, step) before each step runs (fault injection)
-        self.post_step_hooks: list = []  # fn(index, step, tokens) once a step's tokens are agreed (a journal)
         self.steps_done = 0
 
     # ---- what the active layout holds ------------------------------------------------------------
@@ -127,8 +140,7 @@ class Engine:
             while len(done) < len(requests):
                 step = self.policy.next_step(queue)
                 assert step.seqs, f"policy {type(self.policy).__name__} returned an empty step"
-                self._run(step)
-                self.policy.after_step(step)
+                self.policy.after_step(step, self._run(step))
                 for seq in step.seqs:
                     if seq.finish_reason is not None:
                         done[seq.request.id] = seq.completion()
@@ -136,51 +148,55 @@ class Engine:
                         bar.update(1)
         return [done[r.id] for r in requests]
 
-    def _run(self, step: Step) -> None:
-        for fn in self.pre_step_hooks:
-            fn(self.steps_done, step)
-        runner = self.enter(step.layout)
+    def _run(self, step: Step) -> StepOutput:
+        """Enter the step's layout, make its moves, compute (or replay) it and agree on its tokens."""
+        index = self.steps_done
+        known = self.events.known_tokens(index, step)
+        runner = self._enter(step.layout)
+        for move in step.moves:
+            if known is None or not move.kv:  # a replayed step finds its KV restored
+                self.policy.make(move)
+        self.events.fire("step_ready", index, step)
         t0 = time.perf_counter()
-        tokens = self._replayed(step) if self.replay else self._computed(step, runner)
+        if known is None:
+            tokens, agreed = self._computed(step, runner)
+        else:
+            tokens, agreed = self._replayed(step, known), None
         for seq, token in zip(step.seqs, tokens):
             seq.cached += seq.prompt_len if step.phase == "prefill" else 1
             seq.append(token)
         self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
-        for fn in self.post_step_hooks:
-            fn(self.steps_done, step, tokens)
+        self.events.fire("step_agreed", index, step, tokens)
         self.steps_done += 1
+        return StepOutput(tokens, replayed=known is not None, agreed=agreed)
 
-    def _computed(self, step: Step, runner: ModelRunner) -> list[int]:
+    def _computed(self, step: Step, runner: ModelRunner) -> tuple[list[int], dict[str, int]]:
         mine = [s for s in step.seqs if s.replica == runner.replica.rank]
-        logits = runner.run(step.phase, mine) if mine else runner.idle(step.phase)
-        return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, runner.group)
+        logits = None
+        if mine:
+            self.events.fire("step_begin", step, mine, layout=step.layout)
+            logits = runner.run(step.phase, mine, self.events.layers(step.layout))
+            self.events.fire("step_end", step, mine, layout=step.layout)
+        else:
+            self.events.fire("idle", step, mine, layout=step.layout)
+        group = self.group if self.group is not None else runner.group
+        return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, step.agree)
 
-    def _replayed(self, step: Step) -> list[int]:
-        """A step recovered from the journal: its tokens are known and its KV was restored, so
-        nothing runs; sampling generators skip the step's draw to stay in step."""
-        tokens, step.replayed = self.replay.popleft(), True
+    def _replayed(self, step: Step, tokens: list[int]) -> list[int]:
+        """A step whose tokens are known (a journal) and whose KV was restored: nothing runs;
+        sampling generators skip the step's draw to stay in step."""
         assert len(tokens) == len(step.seqs), (len(tokens), len(step.seqs))
         skip_draws([s.request.sampling for s in step.seqs], [s.generator for s in step.seqs], self.vocab_size)
         return tokens
 
-    @property
-    def replaying(self) -> bool:
-        """The next step is replayed from the journal (a policy skips the KV moves it would make:
-        recovery restores the KV as of the last replayed step)."""
-        return bool(self.replay)
-
-    def enter(self, layout: str) -> ModelRunner:
-        """Make ``layout`` active (``policy.on_switch`` moves what must move). The loop enters each
-        step's layout; a policy that prepares KV in the new layout enters it early."""
+    def _enter(self, layout: str) -> ModelRunner:
+        """Make ``layout`` active (``policy.on_switch`` moves what must move)."""
         if layout not in self.runners:
             raise ValueError(f"policy chose layout {layout!r}; the engine has {sorted(self.runners)}")
         if layout != self.active:
             self.policy.on_switch(self.active, layout)
             self.active = layout
         return self.runners[layout]
-
-    def new_sequence(self, request: Request) -> Sequence:
-        return Sequence.of(request, self.eos_ids)
 
     # ---- checks and helpers ---------------------------------------------------------------------
     def validate(self, requests: Seq[Request]) -> None:

@@ -1,40 +1,113 @@
-"""Policies: what the loop runs next (which sequences, which phase, which layout).
+"""Policies: what the loop runs next, as plain data (which sequences, which phase, which layout,
+which moves to make first). A policy holds no engine reference.
 
-The loop asks its policy for one :class:`Step` at a time. The policy admits requests from the
-queue, gives them KV slots (and data-parallel replicas), and names the layout (runner) that runs
-the step; the loop switches layouts, runs the step, samples and retires. Continuous batching is
-the default; Shift's token threshold and Seesaw's schedulers are policies too.
+The contract between the engine and a policy (in the spirit of vLLM v1's EngineCore/Scheduler):
+
+- Once, at construction, the engine calls :meth:`Policy.setup` with a :class:`PolicyContext`:
+  each layout's :class:`RunnerInfo` (slots, replicas, micro-batches, its KV cache), the stats
+  object the engine fills (the policy adds its own counters to it) and the ``new_sequence``
+  factory. That is all a policy knows of the engine.
+- Each step, :meth:`Policy.next_step` returns a :class:`Step`: the phase, the sequences (every
+  replica's; the same list on every rank), the layout (runner) that runs it, ``moves`` and
+  ``agree``. The engine then
+
+  1. asks its ``known_tokens`` listeners whether the step's tokens are known (fault tolerance's
+     replay: the step is *replayed*);
+  2. enters the layout: if it is not the active one, ``policy.on_switch(old, new)`` moves what
+     must move between layouts (Seesaw's weights) -- a transition is named by the layout alone;
+  3. makes the step's ``moves`` in order by calling ``policy.make(move)`` -- each move is a
+     small frozen dataclass (:class:`Move`) naming KV to bring in before the step (Seesaw's
+     swap-in of a prompt from the CPU tier, DejaVu's wait for streamed prompt KV, SiDP's start
+     of the step's FFN fetches). A move with ``kv = True`` is skipped on a replayed step
+     (recovery restores that KV);
+  4. computes this replica's share, samples, and agrees on the tokens in **one** all-reduce that
+     also sums the step's ``agree`` integers over the agreement group (SiDP's mode proposal);
+  5. calls ``policy.after_step(step, output)`` with a :class:`StepOutput` (the tokens, whether
+     the step was replayed, the agreed sums), then ``policy.retire(seq)`` for finished sequences.
+
+No callback reaches from the policy into the engine; what the policy wants done is in the data
+it returns, and what happened comes back as data.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import ClassVar
 
+from reshard.kv import KVCache
 from reshard.parallel.engine.request import EngineStats, Request, Sequence
-
-if TYPE_CHECKING:
-    from reshard.parallel.engine.loop import Engine
+from reshard.parallel.engine.runner import Replica
 
 PHASES = ("prefill", "decode")
 ADMISSION = ("fifo", "longest_first")
 
 
+@dataclass(frozen=True)
+class Move:
+    """Something a step needs made before it runs, in its layout (after any transition). The
+    policy that names it makes it when the engine calls :meth:`Policy.make`.
+
+    ``kv``: the move brings KV into a cache that recovery restores; a replayed step skips it.
+    """
+
+    kv: ClassVar[bool] = False
+
+
 @dataclass
 class Step:
-    """One step: every sequence of it over all replicas (the same list on every rank)."""
+    """One step: every sequence of it over all replicas (the same on every rank)."""
 
     phase: str  # "prefill": whole prompts | "decode": one token each
     seqs: list[Sequence]
     layout: str  # the runner that runs it
-    replayed: bool = False  # recovered from a journal: tokens known, KV restored, nothing ran
+    moves: tuple[Move, ...] = ()  # made by the engine, in order, before the step runs
+    agree: dict[str, int] = field(default_factory=dict)  # summed over the group with the tokens
 
     @property
     def num_tokens(self) -> int:
         return sum(s.prompt_len for s in self.seqs) if self.phase == "prefill" else len(self.seqs)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the engine tells the policy after a step."""
+
+    tokens: list[int]  # the agreed next token of every sequence of the step, in its order
+    replayed: bool = False  # the tokens were known (a journal): nothing computed, KV moves skipped
+    agreed: dict[str, int] | None = None  # the step's ``agree`` summed over the group; None: replayed
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What a policy knows of one layout's runner."""
+
+    max_batch_size: int  # KV slots per replica
+    replica: Replica  # this rank's replica (rank -1: the rank is not in the layout)
+    num_microbatches: int
+    num_layers: int  # decoder layers of the whole model
+    kv: KVCache | None  # the layout's cache on this rank (shared by runners that share it); None: none
+
+    @staticmethod
+    def of(runner) -> RunnerInfo:
+        return RunnerInfo(
+            runner.max_batch_size,
+            runner.replica,
+            runner.num_microbatches,
+            runner.model.config.num_hidden_layers,
+            runner.kv,
+        )
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """Everything the engine hands its policy, once."""
+
+    runner_info: Mapping[str, RunnerInfo]  # layout -> what the policy knows of its runner
+    stats: EngineStats  # the engine's counters (of the policy's ``stats_cls``), identical on every rank
+    new_sequence: Callable[[Request], Sequence]
 
 
 class SlotPool:
@@ -96,14 +169,15 @@ class SlotPool:
 
 
 class Policy:
-    """Decides each step of the loop. Every rank runs the same policy on the same state, so
-    steps agree without messages. Subclasses override :meth:`next_step` and the hooks they need."""
+    """Decides each step of the loop (see the module docstring for the contract). Every rank runs
+    the same policy on the same state, so steps agree without messages. Subclasses override
+    :meth:`next_step` and the methods they need."""
 
     stats_cls: type = EngineStats
 
-    def bind(self, engine: Engine) -> None:
+    def setup(self, ctx: PolicyContext) -> None:
         """Called once by the engine that runs this policy."""
-        self.engine = engine
+        self.runner_info, self.stats, self.new_sequence = ctx.runner_info, ctx.stats, ctx.new_sequence
 
     @property
     def initial_layout(self) -> str | None:
@@ -122,7 +196,11 @@ class Policy:
     def on_switch(self, old: str | None, new: str) -> None:
         """The next step runs in layout ``new`` after ``old``: move what must move."""
 
-    def after_step(self, step: Step) -> None:
+    def make(self, move: Move) -> None:
+        """Make ``move``, one of the moves of the step about to run."""
+        raise NotImplementedError(f"{type(self).__name__} names a {type(move).__name__} move it cannot make")
+
+    def after_step(self, step: Step, output: StepOutput) -> None:
         """The step's tokens are appended; finished sequences are retired after this."""
 
     def retire(self, seq: Sequence) -> None:
@@ -130,12 +208,6 @@ class Policy:
 
     def close(self) -> None:
         """Release threads and shared memory (not collective)."""
-
-    host_layouts: frozenset[str] = frozenset()  # layouts whose KV reaches the decode cache through the host
-
-    def persist(self, directory: Path) -> None:
-        """Fault tolerance: keep the KV this policy holds outside the runners' caches (a host
-        tier, fed by ``host_layouts``) in files under ``directory``, the same in every attempt."""
 
 
 class ContinuousBatching(Policy):
@@ -165,21 +237,21 @@ class ContinuousBatching(Policy):
             ordered = sorted(queue, key=lambda r: -r.sampling.max_new_tokens)
             queue.clear()
             queue.extend(ordered)
-        runner = self.engine.runners[self.layout]
-        spec = runner.kv.spec
+        info = self.runner_info[self.layout]
+        spec = info.kv.spec
         self.slots = SlotPool(
-            runner.max_batch_size,
-            runner.replica.size,
+            info.max_batch_size,
+            info.replica.size,
             num_blocks=spec.num_blocks,
             block_size=spec.block_size,
-            stats=self.engine.stats,
+            stats=self.stats,
         )
         self.running: dict[int, Sequence] = {}
         self._last = None
 
     def validate(self, requests: Seq[Request]) -> None:
         """``ValueError`` for a request whose KV could never fit in one replica's paged cache."""
-        spec = self.engine.runners[self.layout].kv.spec
+        spec = self.runner_info[self.layout].kv.spec
         for r in requests if spec.paged else ():
             tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
             if spec.blocks_for(tokens) > spec.num_blocks:
@@ -202,10 +274,10 @@ class ContinuousBatching(Policy):
         return self.layout
 
     def _admit(self, queue: deque) -> list[Sequence]:
-        budget = self.max_prefill_tokens * self.engine.runners[self.layout].replica.size
+        budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size
         admitted: list[Sequence] = []
         while queue and self._fits(queue[0]) and (not admitted or len(queue[0].prompt_ids) <= budget):
-            seq = self.engine.new_sequence(queue.popleft())
+            seq = self.new_sequence(queue.popleft())
             budget -= seq.prompt_len
             self.slots.take(seq)
             self.running[seq.request.id] = seq

@@ -1,10 +1,11 @@
-"""The one model runner: embed -> layers[i:j] -> norm -> head, with hooks at layer and step edges.
+"""The one model runner: embed -> layers[i:j] -> norm -> head, with listeners at layer edges.
 
 A runner runs one layout of a model: the layer range of this rank's pipeline stage (activations
 to and from the neighbouring stages by P2P, micro-batched), how a step's tokens are split (Ulysses
 sequence parallelism), and which weight source the layers use. It owns the KV cache of its layer
 range (runners may share one, e.g. Shift's two modes). Outside the runner nothing reaches into
-``model.model.*``.
+``model.model.*``. The engine hands each step the layout's layer listeners
+(:class:`reshard.parallel.engine.events.LayerHooks`, or None: no per-layer work at all).
 
 Decode runs every slot of the cache (idle slots write the cache's scratch column), so the cache
 is read as a view, the step's inputs live in persistent buffers updated in place, and the shapes
@@ -30,13 +31,11 @@ from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 from reshard.kv.swap import MicrobatchSwap, PrefillSwap
 from reshard.layers._comm import all_gather
 from reshard.layers.weights import use_weights
+from reshard.parallel.engine.events import LayerHooks
 from reshard.parallel.engine.request import Sequence
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.layouts import stage_of_layer
 
-LayerHook = Callable[[int, torch.Tensor, AttentionContext], "torch.Tensor | None"]
-StepHook = Callable[[str, list], None]
-HOOK_KINDS = ("before_layer", "after_layer", "step_begin", "step_end", "idle_step")
 KV_LEN_BUCKET = 128  # a compiled decode step attends over a multiple of this many positions
 
 
@@ -93,36 +92,6 @@ class TokenSplit:
     def gather(self, h: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``(1, N / size, D)`` shares -> ``(1, N, D)``: every rank's tokens."""
         return all_gather(h[0], self.mesh, self.axis)[:num_tokens][None]
-
-
-class RunnerHooks:
-    """Callbacks at layer edges (``hook(layer_index, hidden, ctx)``; a returned tensor replaces the
-    hidden states) and step edges (``hook(phase, sequences)``); ``idle_step`` runs instead of a
-    step on a replica with no sequence in it (e.g. to serve other replicas)."""
-
-    def __init__(self) -> None:
-        self.hooks: dict[str, list] = {kind: [] for kind in HOOK_KINDS}
-
-    def add(self, kind: str, fn: Callable) -> Callable[[], None]:
-        """Register ``fn``; returns a function that removes it."""
-        if kind not in self.hooks:
-            raise ValueError(f"hook kind {kind!r} is not one of {HOOK_KINDS}")
-        self.hooks[kind].append(fn)
-        return lambda: self.hooks[kind].remove(fn)
-
-    @property
-    def on_layers(self) -> bool:
-        return bool(self.hooks["before_layer"] or self.hooks["after_layer"])
-
-    def layer(self, kind: str, index: int, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        for fn in self.hooks[kind]:
-            out = fn(index, h, ctx)
-            h = h if out is None else out
-        return h
-
-    def step(self, kind: str, phase: str, seqs: list) -> None:
-        for fn in self.hooks[kind]:
-            fn(phase, seqs)
 
 
 class ModelRunner:
@@ -185,7 +154,6 @@ class ModelRunner:
         self.swap = self._micro_batch_swap(kv_block_size) if kv_swap else None
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
-        self.hooks = RunnerHooks()
         self._decode_body = self._compiled_body() if compile else self._body
 
     def _micro_batch_swap(self, block_size: int | None) -> MicrobatchSwap:
@@ -247,23 +215,16 @@ class ModelRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, phase: str, seqs: list[Sequence]) -> torch.Tensor | None:
-        """One step of ``seqs`` (this replica's): whole prompts (prefill) or one token each.
+    def run(self, phase: str, seqs: list[Sequence], layers: LayerHooks | None = None) -> torch.Tensor | None:
+        """One step of ``seqs`` (this replica's): whole prompts (prefill) or one token each;
+        ``layers``: listeners called around every layer of this stage.
 
         Returns fp32 logits ``(len(seqs), vocab)`` in ``seqs``' order on the last stage, else None.
         """
-        self.hooks.step("step_begin", phase, seqs)
         with use_weights(self.weights):
-            out = self._prefill(seqs) if phase == "prefill" else self._decode(seqs)
-        self.hooks.step("step_end", phase, seqs)
-        return out
+            return self._prefill(seqs, layers) if phase == "prefill" else self._decode(seqs, layers)
 
-    @torch.inference_mode()
-    def idle(self, phase: str) -> None:
-        """This replica has no sequence in the step: only the ``idle_step`` hooks run."""
-        self.hooks.step("idle_step", phase, [])
-
-    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _prefill(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
         if self.kv.spec.paged:  # the blocks the policy gave each sequence
             for s in seqs:
                 assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
@@ -286,14 +247,14 @@ class ModelRunner:
             if self.swap is None
             else PrefillSwap(self.swap, [([s.slot for s in seqs[a:b]], lengths[a:b]) for a, b in ranges])
         )
-        return self._stages(batches, self._body, edges)
+        return self._stages(batches, self._body, edges, layers)
 
     def _prefill_ranges(self, n: int) -> list[tuple[int, int]]:
         """Prefill micro-batches; with swapping, none larger than a device region."""
         parts = self.num_microbatches if self.swap is None else max(self.num_microbatches, -(-n // self.swap.per))
         return split_ranges(n, parts)
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _decode(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
         """Every slot of the cache in ``num_microbatches`` slot ranges; logits of ``seqs``' slots."""
         by_slot = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         slots = [seqs[i].slot for i in by_slot]
@@ -311,7 +272,7 @@ class ModelRunner:
                 ranges.append((a, b))
         edges = None if self.swap is None else self.swap.decode(ranges, self.decode_inputs.positions, kv_len)
         out = self._stages(
-            [(x, ctx, None if self.compiled else rows) for x, ctx, rows in batches], self._decode_body, edges
+            [(x, ctx, None if self.compiled else rows) for x, ctx, rows in batches], self._decode_body, edges, layers
         )
         if out is None:
             return None
@@ -333,15 +294,18 @@ class ModelRunner:
         rows = active + active[-1:] * (_row_bucket(len(active), b - a) - len(active))
         return self.decode_inputs.ids[a:b], ctx, torch.tensor(rows, device=self.device)
 
-    def _stages(self, batches: list, body: Callable, edges=None) -> torch.Tensor | None:
+    def _stages(
+        self, batches: list, body: Callable, edges=None, layers: LayerHooks | None = None
+    ) -> torch.Tensor | None:
         """Micro-batches through this stage: receive, run, send on (or collect logits).
-        ``edges`` (micro-batch swapping) is told before each micro-batch and after the last."""
+        ``edges`` (micro-batch swapping) is told before each micro-batch and after the last;
+        ``layers``: the step's layer listeners."""
         outs, sends = [], []
         for i, (ids, ctx, rows) in enumerate(batches):
             x = ids if self.link is None or self.link.is_first else self.link.recv(ids.numel())
             if edges is not None:
                 edges.before(i)
-            out = body(x, ctx, rows)
+            out = body(x, ctx, rows, layers)
             if self.has_logits:
                 outs.append(out)
             else:
@@ -352,7 +316,9 @@ class ModelRunner:
             work.wait()
         return torch.cat(outs) if outs else None
 
-    def _body(self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None) -> torch.Tensor:
+    def _body(
+        self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None, layers: LayerHooks | None = None
+    ) -> torch.Tensor:
         """Token ids ``(N,)`` (first stage) or hidden ``(1, N, D)`` -> logits of ``rows`` (last
         stage; all rows when None) or hidden ``(1, N, D)`` for the next stage."""
         m, positions = self.model.model, ctx.positions
@@ -361,7 +327,7 @@ class ModelRunner:
         else:
             h = x
         pos = (self.split.local(positions) if self.split is not None else positions)[None]
-        h = self._layers(h, m.rotary_emb(h, pos), pos, ctx)
+        h = self._layers(h, m.rotary_emb(h, pos), pos, ctx, layers)
         if not self.has_logits:
             return h
         if self.split is not None:
@@ -369,18 +335,20 @@ class ModelRunner:
         h = h if rows is None else h[:, rows]
         return self.model.lm_head(m.norm(h))[0].float()
 
-    def _layers(self, h: torch.Tensor, emb, pos: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def _layers(
+        self, h: torch.Tensor, emb, pos: torch.Tensor, ctx: AttentionContext, hooks: LayerHooks | None
+    ) -> torch.Tensor:
         kw = dict(position_embeddings=emb, position_ids=pos, attn_context=ctx)
         if self.split is not None:
             kw["sequence_parallel"] = True
-        if not self.hooks.on_layers:
+        if hooks is None:  # the fast path: nothing per layer
             for layer in self.layers:
                 h = layer(h, **kw)
             return h
         for i, layer in zip(self.layer_ids, self.layers):
-            h = self.hooks.layer("before_layer", i, h, ctx)
+            h = hooks.apply(hooks.before, i, h, ctx)
             h = layer(h, **kw)
-            h = self.hooks.layer("after_layer", i, h, ctx)
+            h = hooks.apply(hooks.after, i, h, ctx)
         return h
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 def inject_kill(kill_at: tuple[int, int]):
-    """A pre-step hook that SIGKILLs rank ``kill_at[0]`` before step ``kill_at[1]``."""
+    """A ``step_ready`` listener that SIGKILLs rank ``kill_at[0]`` before step ``kill_at[1]`` runs."""
 
     def hook(index: int, step) -> None:
         if (dist.get_rank(), index) == tuple(kill_at):

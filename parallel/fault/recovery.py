@@ -2,12 +2,17 @@
 
 While generating, every rank's KV is mirrored on its ring successor (:class:`RingReplication`)
 into a shared-memory file, whose acknowledged step is kept beside it, and rank 0 appends every
-step's agreed tokens to a journal in the same directory. When a rank is killed (or hangs and the
-heartbeats declare it dead), torchrun tears the job down and starts every rank again
-(``--max-restarts``); the new ranks reload the weights, replay the journal up to the lowest step
-every mirror acknowledged without compute, restore each rank's KV from the mirror its successor
-kept, and recompute at most one step. On one machine the mirrors live in shared memory so a
-whole-job restart keeps them; across machines they would live in the successor's memory.
+step's agreed tokens to a journal in the same directory. All of it plugs into the engine's events:
+``step_ready`` (failure injection), ``step_end`` / ``idle`` (the ring), ``step_agreed`` (journal,
+acknowledgements, the KV restore after the replay) and ``known_tokens`` (the replay: the engine
+computes nothing for a step whose tokens the journal supplies and skips its KV moves).
+
+When a rank is killed (or hangs and the heartbeats declare it dead), torchrun tears the job down
+and starts every rank again (``--max-restarts``); the new ranks reload the weights, replay the
+journal up to the lowest step every mirror acknowledged without compute, restore each rank's KV
+from the mirror its successor kept, and recompute at most one step. On one machine the mirrors
+live in shared memory so a whole-job restart keeps them; across machines they would live in the
+successor's memory.
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ class FaultTolerance:
 
     The replicated cache is the decode runner's (the only runner's for TP and pipelines); runners
     sharing it (Shift's two modes) stream into the same mirror. A runner with a cache of its own
-    is covered only when the policy keeps that KV on the host through :meth:`Policy.persist`
-    (Seesaw's prefill: prompts go to the CPU tier, then are swapped into the decode cache, where
-    the ring streams them whole).
+    is covered only when its KV reaches the decode cache through one of the engine's
+    ``host_tiers``, which move into the job's shared-memory directory (Seesaw's prefill: prompts
+    go to the CPU tier, then are swapped into the decode cache, where the ring streams them whole).
 
     ``run_id``: names the shared-memory directory of the job's mirrors, acknowledgements and
     journal (the same in every attempt); ``kill_at``: ``(rank, step)`` SIGKILLs that rank before
@@ -73,27 +78,27 @@ class FaultTolerance:
         heartbeat_s: float = 1.0,
         on_last_failure: str = "",
     ) -> None:
-        self.engine, self.rank, self.attempt = engine, dist.get_rank(), attempt
-        runner = _replicated_runner(engine, engine.policy.host_layouts)
+        self.rank, self.attempt = dist.get_rank(), attempt
+        layout = _replicated_layout(engine)
         if self.rank == 0 and attempt == 0:
             remove_orphans()
         dist.barrier()
         # owned by torchrun's agent: the job lives while it does
         self.shm = job_directory(JOB_PREFIX + run_id, owner=os.getppid())
         self.journal = self.shm / "journal.jsonl"
-        engine.policy.persist(self.shm)
-        self.cache = runner.kv
+        for name, tier in engine.host_tiers.items():  # a restarted job finds the prompts they held
+            tier.remap(self.shm / f"kv-tier-{name}")
+        self.cache = engine.runners[layout].kv
         self.ring = RingReplication(
-            runner, engine=engine, mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source))
+            engine, layout=layout, mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source))
         )
-        for other in engine.runners.values():
-            if other is not runner and other.kv is runner.kv:  # Shift's other mode writes the same cache
-                self.ring.attach(other)
         self.kill_at, self.hang = kill_at, hang
         self.last_attempt, self.on_last_failure = attempt >= max_restarts, on_last_failure
         self.recovered_from, self.recomputed_steps, self._streamed = 0, 0, []
-        engine.pre_step_hooks.append(self._maybe_die)
-        engine.post_step_hooks.append(self._record)
+        self._replay: list[list[int]] = []  # the journal's tokens of the first steps of this attempt
+        engine.events.on("known_tokens", self._known)
+        engine.events.on("step_ready", self._maybe_die)
+        engine.events.on("step_agreed", self._record)
         self.heartbeat = Heartbeat(
             job_store(attempt), self.rank, dist.get_world_size(), period=heartbeat_s, on_dead=self._declare_dead
         )
@@ -108,6 +113,10 @@ class FaultTolerance:
         return self.shm / f"ack-of-{source}"
 
     # ---- while generating ---------------------------------------------------------------------
+    def _known(self, index: int, step) -> list[int] | None:
+        """The journal's tokens of a step the recovery replays (None: the step computes)."""
+        return self._replay[index] if index < len(self._replay) else None
+
     def _maybe_die(self, index: int, step) -> None:
         if self.kill_at is not None and self.kill_at == (self.rank, index):
             (self.shm / f"killed-at-{self.attempt}").write_text(repr(time.time()))
@@ -143,7 +152,7 @@ class FaultTolerance:
             self.journal.write_text(
                 "".join(json.dumps({"step": i, "tokens": t}) + "\n" for i, t in enumerate(steps[:resume]))
             )
-        self.engine.replay.extend(steps[:resume])
+        self._replay = steps[:resume]
         self.recovered_from, self.recomputed_steps = resume, len(steps) - resume
         return resume
 
@@ -229,13 +238,13 @@ def remove_orphans(root: Path | None = None) -> list[Path]:
     return _remove_orphans(JOB_PREFIX, root)
 
 
-def _replicated_runner(engine: Engine, persisted: frozenset[str]):
-    """The decode runner (the only one for TP and pipelines); ``ValueError`` for a paged cache or
-    a runner with KV of its own that nothing covers."""
+def _replicated_layout(engine: Engine) -> str:
+    """The layout whose cache is replicated: the decode runner's (the only one for TP and
+    pipelines); ``ValueError`` for a paged cache or a runner with KV of its own that nothing covers."""
     runners = engine.runners
     name = "decode" if "decode" in runners else next(iter(runners))
     runner = runners[name]
-    uncovered = sorted(n for n, r in runners.items() if r.kv is not runner.kv and n not in persisted)
+    uncovered = sorted(n for n, r in runners.items() if r.kv is not runner.kv and n not in engine.host_tiers)
     if uncovered:
         raise ValueError(
             f"fault tolerance replicates the {name!r} runner's KV cache; runners {uncovered} "
@@ -246,4 +255,4 @@ def _replicated_runner(engine: Engine, persisted: frozenset[str]):
             f"fault tolerance needs a contiguous KV cache; the {name!r} runner's is paged "
             f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size"
         )
-    return runner
+    return name

@@ -3,8 +3,9 @@
 Every rank streams the KV entries it writes at each step (prompt and decode) to rank
 ``(x + 1) mod N``, which keeps them in a mirror cache laid out like rank ``x``'s and
 acknowledges ``(worker, request, step)`` once they are in. Streaming overlaps the next step
-(:class:`reshard.kv.stream.TokenStream`); replication plugs into a runner's ``step_end`` hook,
-so it composes with any layout whose KV lives in the store (TP, pipeline stages, Shift).
+(:class:`reshard.kv.stream.TokenStream`); replication listens to the engine's ``step_end`` and
+``idle`` events of the layouts that write the replicated cache, so it composes with any layout
+whose KV lives in the store (TP, pipeline stages, Shift's two modes over one cache).
 Recovery after a failure (restoring a restarted rank from its neighbour's mirror) builds on it.
 """
 
@@ -22,28 +23,26 @@ from reshard.plan import Piece
 
 
 class RingReplication:
-    """Mirror of rank ``x - 1``'s KV on every rank ``x`` of ``runner``'s layout (collective);
-    ``mirror_at(spec, source)`` makes the mirror cache (default: in memory).
+    """Mirror of rank ``x - 1``'s KV on every rank ``x`` of ``engine``'s ``layout`` (default: its
+    first) (collective); ``mirror_at(spec, source)`` makes the mirror cache (default: in memory).
 
-    With data-parallel replicas the two ends of a ring edge may run different sequences: the
-    receiver takes the sender's from the engine's step (``engine``: needed when dp > 1), and a
-    replica with nothing to run still takes part through the ``idle_step`` hook.
+    Every layout whose runner shares that layout's cache is replicated (Shift's two modes). With
+    data-parallel replicas the two ends of a ring edge may run different sequences: the receiver
+    takes the sender's from the step, and a replica with nothing to run still takes part (its
+    ``idle`` event).
     """
 
     def __init__(
         self,
-        runner: ModelRunner,
+        engine: Engine,
         *,
-        engine: Engine | None = None,
+        layout: str | None = None,
         timeout: float = 60.0,
         mirror_at: Callable[[KVSpec, int], KVCache] | None = None,
         background: bool = True,
     ) -> None:
-        if runner.replica.size > 1 and engine is None:
-            raise ValueError(
-                f"ring replication over dp={runner.replica.size} replicas needs the engine "
-                f"(a rank mirrors another replica's sequences)"
-            )
+        layout = layout if layout is not None else next(iter(engine.runners))
+        runner = engine.runners[layout]
         layouts, replicas = world_layouts(runner.kv, runner.group), _world_replicas(runner)
         ranks = sorted(layouts)
         self.rank, self.ranks = dist.get_rank(), ranks
@@ -57,35 +56,24 @@ class RingReplication:
         self.acked: dict[int, int] = {}  # request id -> last step of the source's KV that is in
         self._in_flight: list[tuple[int, int]] = []
         self._streaming: dict[int, set[int]] = {}  # replica -> request ids whose entries so far are streamed
-        self._step = None  # the engine's current step (every replica's sequences)
-        if engine is not None:
-            engine.pre_step_hooks.append(self._capture)
-        self.attach(runner)
+        self.layouts = sorted(name for name, r in engine.runners.items() if r.kv is runner.kv)
+        for event in ("step_end", "idle"):
+            engine.events.on(event, self.step_end, layout=self.layouts)
 
-    def attach(self, runner: ModelRunner) -> None:
-        """Replicate the steps ``runner`` runs; it must share the cache (Shift's two modes)."""
-        if runner.kv is not self.stream.send_cache:
-            raise ValueError("a runner joins ring replication only if it shares the replicated KV cache")
-        runner.hooks.add("step_end", self.step_end)
-        runner.hooks.add("idle_step", self.step_end)
-
-    def _capture(self, index: int, step) -> None:
-        self._step = step
-
-    def step_end(self, phase: str, seqs: list) -> None:
-        """Stream this replica's entries of the step and take the source's; the previous step's,
-        now in, are acknowledged. A sequence decoding here for the first time (its prompt KV was
-        swapped in, as Seesaw's decode does) streams everything it holds."""
-        step = self.stream.steps
+    def step_end(self, step, seqs: list) -> None:
+        """Stream this replica's entries of ``step`` (``seqs``) and take the source's; the
+        previous step's, now in, are acknowledged. A sequence decoding here for the first time
+        (its prompt KV was swapped in, as Seesaw's decode does) streams everything it holds."""
+        n, phase = self.stream.steps, step.phase
         incoming = seqs
-        if self._step is not None and self.source_replica != self.replica:
-            incoming = [s for s in self._step.seqs if s.replica == self.source_replica]
+        if self.source_replica != self.replica:
+            incoming = [s for s in step.seqs if s.replica == self.source_replica]
         whole = self._whole(self.replica, phase, seqs)
         if incoming is not seqs:
             whole |= self._whole(self.source_replica, phase, incoming)
         self.stream.step_end(phase, seqs, whole=whole, incoming=incoming)  # waits for the previous step's jobs
         self._acknowledge()
-        self._in_flight = [(s.request.id, step) for s in incoming]
+        self._in_flight = [(s.request.id, n) for s in incoming]
 
     def _whole(self, replica: int, phase: str, seqs: list) -> set[int]:
         """Sequences of ``replica`` decoding for the first time since they were streamed."""

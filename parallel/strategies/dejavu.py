@@ -2,12 +2,12 @@
 
 The prompt ranks and the token ranks are two meshes with their own layouts (TP degree and
 pipeline depth may differ, e.g. prompt TP2 -> token PP2). A prefill step runs on the prompt
-ranks; its runner's ``after_layer`` hook streams layer ``i``'s KV to the token ranks while layer
-``i + 1`` computes (DejaVu's layer-by-layer prompt streaming), re-sharded on the way by the
-stream plan (:mod:`reshard.kv.stream`). The token ranks post the matching fetches when the step
-ends and unpack them into their own cache before the first decode step that needs them. Both
-layouts run on the one engine loop: ranks outside a step's layout only join the token
-agreement, which spans the whole job.
+ranks; a ``layer_after`` listener of the prompt layout streams layer ``i``'s KV to the token ranks
+while layer ``i + 1`` computes (DejaVu's layer-by-layer prompt streaming), re-sharded on the way
+by the stream plan (:mod:`reshard.kv.stream`). The token ranks post the matching fetches when the
+step ends and unpack them into their own cache before the first decode step that needs them (the
+step's :class:`ReceiveStreams` move). Both layouts run on the one engine loop: ranks outside a
+step's layout only join the token agreement, which spans the whole job (the engine's ``group``).
 
 The appendix-D planner (:mod:`parallel.dejavu_planner`) turns the measured prompt and token step
 times into the machine split ``D_p`` / ``D_t`` it would choose, reported in ``summary.json``.
@@ -16,6 +16,7 @@ times into the machine split ``D_p`` / ``D_t`` it would choose, reported in ``su
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,11 @@ from reshard.parallel.engine import (
     EngineArgs,
     EngineStats,
     ModelRunner,
+    Move,
     Policy,
     SlotPool,
     Step,
+    StepOutput,
     Strategy,
     register_strategy,
 )
@@ -48,11 +51,8 @@ class AbsentRunner:
 
     def __init__(self, model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int) -> None:
         self.model, self.dims = model, dims
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.replica, self.is_source, self.group, self.kv = Replica(dims.dp, -1), False, None, None
-
-    def idle(self, phase: str) -> None:
-        return None
+        self.max_batch_size, self.max_seq_len, self.num_microbatches = max_batch_size, max_seq_len, dims.pp
+        self.replica, self.is_source, self.kv = Replica(dims.dp, -1), False, None
 
 
 @dataclass
@@ -62,6 +62,13 @@ class DejaVuStats(EngineStats):
 
     def summary(self) -> dict:
         return {"streamed_bytes": self.streamed_bytes, "stream_wait_seconds": self.stream_wait_seconds}
+
+
+@dataclass(frozen=True)
+class ReceiveStreams(Move):
+    """Before decoding: every streamed prompt is unpacked into the token cache, every flush is done."""
+
+    kv = True
 
 
 class DejaVuPolicy(Policy):
@@ -80,7 +87,7 @@ class DejaVuPolicy(Policy):
         return "prompt"
 
     def start(self, queue) -> None:
-        prompt, token = self.engine.runners["prompt"], self.engine.runners["token"]
+        prompt, token = self.runner_info["prompt"], self.runner_info["token"]
         self.prompt_slots = SlotPool(prompt.max_batch_size, prompt.replica.size)
         self.token_slots = SlotPool(token.max_batch_size, token.replica.size)
         self.running: dict[int, Any] = {}
@@ -91,19 +98,18 @@ class DejaVuPolicy(Policy):
         if queue and len(self.token_slots) and (not self.running or self._last == "decode"):
             seqs, self._last = self._admit(queue), "prefill"
             return Step("prefill", seqs, "prompt")
-        self._receive()
         self._last = "decode"
-        return Step("decode", list(self.running.values()), "token")
+        return Step("decode", list(self.running.values()), "token", moves=(ReceiveStreams(),))
 
     def _admit(self, queue) -> list:
-        budget, admitted = self.max_prefill_tokens * self.engine.runners["prompt"].replica.size, []
+        budget, admitted = self.max_prefill_tokens * self.runner_info["prompt"].replica.size, []
         while (
             queue
             and len(self.token_slots)
             and len(self.prompt_slots)
             and (not admitted or len(queue[0].prompt_ids) <= budget)
         ):
-            seq = self.engine.new_sequence(queue.popleft())
+            seq = self.new_sequence(queue.popleft())
             budget -= seq.prompt_len
             self.token_slots.take(seq)
             self.token_slot[seq.request.id] = (seq.replica, seq.slot)
@@ -113,28 +119,26 @@ class DejaVuPolicy(Policy):
         return admitted
 
     def stream_layer(self, layer: int, h: torch.Tensor, ctx) -> None:
-        """The prompt runner's ``after_layer`` hook: once every micro-batch of the step has
+        """The prompt layout's ``layer_after`` listener: once every micro-batch of the step has
         passed layer ``layer``, its KV leaves (while the next layer computes)."""
         mine = self._mine(self._prefilling, "prompt")
         self._passes[layer] = self._passes.get(layer, 0) + 1
-        if self._passes[layer] < len(split_ranges(len(mine), self.engine.runners["prompt"].num_microbatches)):
+        if self._passes[layer] < len(split_ranges(len(mine), self.runner_info["prompt"].num_microbatches)):
             return
         spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in mine]
-        self.outgoing += self.streamer.stream_out(
-            self.engine.runners["prompt"].kv, spans, layers=[layer], tag=self._tag()
-        )
+        self.outgoing += self.streamer.stream_out(self.runner_info["prompt"].kv, spans, layers=[layer], tag=self._tag())
 
-    def after_step(self, step: Step) -> None:
+    def after_step(self, step: Step, output: StepOutput) -> None:
         if step.phase != "prefill":
             return
         for seq in step.seqs:  # from now on the sequence lives in its token slot
             self.prompt_slots.give(seq)
             seq.replica, seq.slot = self.token_slot[seq.request.id]
             self.running[seq.request.id] = seq
-        token = self.engine.runners["token"]
+        token = self.runner_info["token"]
         if token.kv is not None:
             spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in self._mine(step.seqs, "token")]
-            for layer in range(token.model.config.num_hidden_layers):  # the order the prompt side sent
+            for layer in range(token.num_layers):  # the order the prompt side sent
                 self.incoming.append(self.streamer.stream_in(token.kv, spans, layers=[layer], tag=self._tag()))
         self.steps = getattr(self, "steps", 0) + 1
 
@@ -142,20 +146,19 @@ class DejaVuPolicy(Policy):
         return getattr(self, "steps", 0)
 
     def _mine(self, seqs: list, layout: str) -> list:
-        rank = self.engine.runners[layout].replica.rank
+        rank = self.runner_info[layout].replica.rank
         return [s for s in seqs if s.replica == rank]
 
-    def _receive(self) -> None:
-        """Before decoding: every streamed prompt is in the token cache, every flush is done."""
-        import time
-
+    def make(self, move: Move) -> None:
+        """:class:`ReceiveStreams`: wait for every stream in flight (this rank's side of it)."""
+        assert isinstance(move, ReceiveStreams), move
         t0 = time.perf_counter()
         for handle in self.incoming:
-            self.engine.stats.streamed_bytes += handle.wait()
+            self.stats.streamed_bytes += handle.wait()
         for job in self.outgoing:
             job.wait(self.streamer.timeout)
         self.incoming, self.outgoing = [], []
-        self.engine.stats.stream_wait_seconds += time.perf_counter() - t0
+        self.stats.stream_wait_seconds += time.perf_counter() - t0
 
     def retire(self, seq) -> None:
         self.running.pop(seq.request.id)
@@ -183,20 +186,19 @@ def dejavu_engine(
     }
     plan = plan_stream(world_layouts(runners["prompt"].kv), world_layouts(runners["token"].kv))
     policy = DejaVuPolicy(KVStreamer(plan), max_prefill_tokens=max_prefill_tokens)
-    engine = Engine(runners=runners, policy=policy)
+    # tokens are agreed over the whole job: both layouts take part in every step
+    engine = Engine(runners=runners, policy=policy, group=dist.group.WORLD)
     if runners["prompt"].kv is not None:
-        runners["prompt"].hooks.add("after_layer", policy.stream_layer)
+        engine.events.on("layer_after", policy.stream_layer, layout="prompt")
     return engine
 
 
 def _runner(model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int):
     if dist.get_rank() not in dims.ranks:
         return AbsentRunner(model, dims, max_batch_size, max_seq_len)
-    runner = ModelRunner(
+    return ModelRunner(
         model, dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_microbatches=dims.pp
     )
-    runner.group = None  # tokens are agreed over the whole job: both layouts take part in every step
-    return runner
 
 
 # ---- the strategy -------------------------------------------------------------------------------

@@ -227,14 +227,14 @@ class ShiftPolicy(ContinuousBatching):
     def layout_for(self, phase: str, seqs: list) -> str:
         tokens = sum(s.prompt_len for s in seqs) if phase == "prefill" else len(seqs)
         mode = "sp" if tokens > self.threshold else "tp"
-        self.engine.stats.steps_by_mode[mode] += 1
+        self.stats.steps_by_mode[mode] += 1
         return mode
 
     def on_switch(self, old: str | None, new: str) -> None:
         """Nothing moves: both modes read and write the same KV cache (recorded to show it)."""
         if old is not None:
-            self.engine.stats.mode_switches += 1
-            self.engine.stats.kv_storage.append([k.data_ptr() for k in self.engine.kv.k])
+            self.stats.mode_switches += 1
+            self.stats.kv_storage.append([k.data_ptr() for k in self.runner_info[old].kv.k])
 
 
 def shift_engine(

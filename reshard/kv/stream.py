@@ -370,7 +370,7 @@ class StreamIn:
 
 class TokenStream:
     """Token streaming: the KV entries each engine step writes leave for another store while the
-    next step runs (DejaVu section 4.2.1), as a runner's ``step_end`` hook.
+    next step runs (DejaVu section 4.2.1), as a ``step_end`` listener of the engine's events.
 
     ``streamer`` maps the runner's KV layout to the destination's (a CPU or file mirror on the
     same ranks, or other ranks). ``send_cache`` / ``recv_cache``: this rank's source cache and

@@ -2,7 +2,9 @@
 
 KV cache never moves rank to rank: prefill swaps it out into the CPU tier
 (:class:`reshard.kv.CPUKVTier`) under the prefill layout, decode swaps in each rank's own
-head range under the decode layout, so the swap re-shards it.
+head range under the decode layout, so the swap re-shards it. A transition is a step whose layout
+is the other phase's (the engine calls :meth:`SeesawPolicy.on_switch`); the swap-ins a decode
+step needs are its :class:`SwapIn` moves, made by the engine after the transition.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -19,10 +20,13 @@ from reshard.parallel.engine import (
     Engine,
     EngineStats,
     ModelRunner,
+    Move,
     Policy,
+    PolicyContext,
     Sequence,
     SlotPool,
     Step,
+    StepOutput,
 )
 from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_scheduler
 from reshard.parallel.strategies.seesaw.switch import PHASES, LayoutSwitch, TransitionStats
@@ -50,6 +54,23 @@ class SeesawStats(EngineStats):
         self.history.append(t)
 
 
+@dataclass(frozen=True)
+class SwapIn(Move):
+    """Request ``request_id``'s prompt KV from the CPU tier into slot ``slot`` (and, paged,
+    ``blocks``) of the decode cache, on the ranks of decode replica ``replica`` (background)."""
+
+    kv = True
+    request_id: int
+    replica: int
+    slot: int
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class JoinSwapIns(Move):
+    """Wait for the swap-ins in flight: their sequences run in this step (nothing else decodes)."""
+
+
 class SeesawPolicy(Policy):
     """Prefill in layout ``"prefill"``, decode in ``"decode"``, KV through a shared CPU tier.
 
@@ -63,7 +84,6 @@ class SeesawPolicy(Policy):
     """
 
     stats_cls = SeesawStats
-    host_layouts = frozenset({"prefill"})  # prefill KV reaches the decode cache only through the tier
 
     def __init__(
         self,
@@ -78,10 +98,11 @@ class SeesawPolicy(Policy):
         self.swapper = KVSwapper(tier)
         self.decode_slot_of: dict[int, int] = {}  # request id -> decode slot it was swapped into
         self._swap_outs: deque = deque()  # (future, prefill slots it frees)
+        self._swap_ins: dict[int, object] = {}  # request id -> future of its swap-in (this rank's)
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        self.prefill, self.decode = engine.runners["prefill"], engine.runners["decode"]
+    def setup(self, ctx: PolicyContext) -> None:
+        super().setup(ctx)
+        self.prefill, self.decode = ctx.runner_info["prefill"], ctx.runner_info["decode"]
         self.decode.kv.release()  # allocated at the first transition to decode
         self._prefill_free = list(range(self.prefill.max_batch_size - 1, -1, -1))
 
@@ -107,7 +128,7 @@ class SeesawPolicy(Policy):
 
     def start(self, queue: deque) -> None:
         self.buffered: deque = deque()  # prefilled sequences whose KV is in the tier
-        self.loading: list = []  # (future | None, sequence) swap-ins
+        self.loading: list[Sequence] = []  # sequences being swapped in
         self.running: dict[int, Sequence] = {}  # request id -> decoding sequence
         spec = self.decode.kv.spec
         self.decode_slots = SlotPool(
@@ -115,12 +136,13 @@ class SeesawPolicy(Policy):
             self.decode.replica.size,
             num_blocks=spec.num_blocks,
             block_size=spec.block_size,
-            stats=self.engine.stats,
+            stats=self.stats,
         )
 
     def next_step(self, queue: deque) -> Step:
+        """The scheduler's phase; its layout is that phase's (a transition when it is not the
+        active one: the engine makes it before the step's moves)."""
         phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
-        self.engine.enter(phase)  # transition first: the step's KV moves into that layout's cache
         return self._prefill_step(queue) if phase == "prefill" else self._decode_step()
 
     def _snapshot(self, queue: deque) -> SchedState:
@@ -140,7 +162,7 @@ class SeesawPolicy(Policy):
         """Move the weights; the phase left behind gives up its KV cache memory where it can."""
         if new == self.switch.active:
             return
-        stats = self.engine.stats
+        stats = self.stats
         if new == "decode":  # the tier must hold every rank's KV before anyone reads it
             self._wait_swap_outs(everything=True)
             dist.barrier()
@@ -173,7 +195,7 @@ class SeesawPolicy(Policy):
             request = queue.popleft()
             self.tier.allocate(request.id, n)
             budget -= n
-            batch.append(self.engine.new_sequence(request))
+            batch.append(self.new_sequence(request))
         return batch
 
     def _take_prefill_slots(self, seqs: list[Sequence]) -> None:
@@ -182,14 +204,14 @@ class SeesawPolicy(Policy):
         for seq in seqs:
             seq.slot = self._prefill_free.pop()
 
-    def after_step(self, step: Step) -> None:
+    def after_step(self, step: Step, output: StepOutput) -> None:
         if step.phase == "decode":
             self._join_loads()
             return
         mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
         self.buffered.extend(s for s in step.seqs if s.finish_reason is None)
         jobs = [(s.slot, s.request.id, s.prompt_len) for s in mine if s.finish_reason is None]
-        if step.replayed:  # nothing was computed; the persisted tier holds these prompts already
+        if output.replayed:  # nothing was computed; the persisted tier holds these prompts already
             jobs = []
         self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
 
@@ -197,53 +219,61 @@ class SeesawPolicy(Policy):
         t0 = time.perf_counter()
         while self._swap_outs:
             future, slots = self._swap_outs.popleft()
-            self.engine.stats.swap_out_bytes += future.result()
+            self.stats.swap_out_bytes += future.result()
             self._prefill_free.extend(slots)
             if not everything:
                 break
-        self.engine.stats.swap_seconds += time.perf_counter() - t0
+        self.stats.swap_seconds += time.perf_counter() - t0
 
     # ---- decode -------------------------------------------------------------------------------
     def _decode_step(self) -> Step:
-        """On-board tier requests into free slots (background); decode the running ones."""
-        self._onboard()
-        if not self.running:
-            self._join_loads()
-        return Step("decode", list(self.running.values()), "decode")
+        """On-board tier requests into free slots (swapped in while this step runs); decode the
+        running ones, or, when none runs, wait for the swap-ins and decode those."""
+        moves: list[Move] = self._onboard()
+        if self.running:
+            return Step("decode", list(self.running.values()), "decode", moves=tuple(moves))
+        return Step("decode", list(self.loading), "decode", moves=(*moves, JoinSwapIns()))
 
-    def _onboard(self) -> None:
+    def _onboard(self) -> list[SwapIn]:
         """Give buffered requests free decode slots; their replica's ranks swap them in."""
+        moves = []
         while self.buffered and self.decode_slots.can_take(self.buffered[0].request):
             seq = self.buffered.popleft()
             self.decode_slots.take(seq)
-            future = None
             if seq.replica == self.decode.replica.rank:
                 self.decode_slot_of[seq.request.id] = seq.slot
-                if seq.blocks:  # a paged decode cache: the slot's blocks before the swap-in writes them
-                    self.decode.kv.assign(seq.slot, seq.blocks)
-                if not self.engine.replaying:  # replayed: recovery restores the decode cache
-                    future = self.swapper.swap_in(self.decode.kv, seq.slot, seq.request.id)
-            self.loading.append((future, seq))
+            moves.append(SwapIn(seq.request.id, seq.replica, seq.slot, tuple(seq.blocks)))
+            self.loading.append(seq)
+        return moves
+
+    def make(self, move: Move) -> None:
+        """A swap-in starts on the swap thread (the decode cache is allocated: the engine made
+        the transition first); a join waits for every swap-in in flight."""
+        if isinstance(move, JoinSwapIns):
+            self._join_loads()
+            return
+        assert isinstance(move, SwapIn), move
+        if move.replica != self.decode.replica.rank:
+            return
+        if move.blocks:  # a paged decode cache: the slot's blocks before the swap-in writes them
+            self.decode.kv.assign(move.slot, list(move.blocks))
+        self._swap_ins[move.request_id] = self.swapper.swap_in(self.decode.kv, move.slot, move.request_id)
 
     def _join_loads(self) -> None:
         t0 = time.perf_counter()
-        for future, seq in self.loading:
-            self.engine.stats.swap_in_tokens += future.result() if future is not None else 0
+        for seq in self.loading:
+            future = self._swap_ins.pop(seq.request.id, None)  # none: another replica's, or replayed
+            self.stats.swap_in_tokens += future.result() if future is not None else 0
             self.tier.free(seq.request.id)
             self.running[seq.request.id] = seq
         self.loading.clear()
-        self.engine.stats.swap_seconds += time.perf_counter() - t0
+        self.stats.swap_seconds += time.perf_counter() - t0
 
     def retire(self, seq: Sequence) -> None:
         if self.running.pop(seq.request.id, None) is None:  # finished at its prefill
             self.tier.free(seq.request.id)
         else:
             self.decode_slots.give(seq)
-
-    def persist(self, directory: Path) -> None:
-        """The CPU tier moves into ``directory``'s file (every rank of the node maps it): a
-        restarted job finds the prompts it held."""
-        self.tier.remap(directory / "cpu-kv-tier")
 
     def close(self) -> None:
         """Join the swap thread and drop the shared-memory mappings (not collective: the files
@@ -292,4 +322,5 @@ def seesaw_engine(
     spec = TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, cpu_kv_budget, kv.dtype)
     tier = map_shared("reshard-kv", lambda path: CPUKVTier(spec, path))
     policy = SeesawPolicy(switch, tier, scheduler=scheduler, max_prefill_tokens=max_prefill_tokens)
-    return Engine(runners=runners, policy=policy)
+    # prefill KV reaches the decode cache only through the tier
+    return Engine(runners=runners, policy=policy, host_tiers={"prefill": tier})

@@ -6,13 +6,15 @@ are replicated, each decoder layer's FFN is owned by one rank. Two runners share
 ``"was"`` (non-owned FFNs fetched into cache slots ahead of use) and ``"cas"`` (activations
 shipped to the owner). The orchestrator (:func:`choose_mode`) picks the mode from the group's
 effective batch size against a threshold ``b*`` with hysteresis, at coarse boundaries (every
-``interval`` steps), and the group agrees on it with one collective. A replica with no sequence
-in a step runs a dummy step: it computes nothing of its own, and in CaS still serves the layers
-it owns.
+``interval`` steps). The group agrees on it without a collective of its own: the step before a
+boundary carries every rank's proposal in the token agreement (CaS if any rank proposes it), and
+the boundary step runs the agreed mode. A replica with no sequence in a step runs a dummy step:
+it computes nothing of its own, and in CaS still serves the layers it owns (an ``idle`` listener).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -28,6 +30,9 @@ from reshard.parallel.engine import (
     EngineArgs,
     EngineStats,
     ModelRunner,
+    Move,
+    Step,
+    StepOutput,
     Strategy,
     register_strategy,
 )
@@ -36,6 +41,7 @@ from reshard.parallel.model.parallelize import parallelize
 from reshard.parallel.strategies.sidp.fetch import FetchScheduler, check_slots
 
 MODES = ("auto", "was", "cas")
+PROPOSES_CAS = "sidp.proposes_cas"  # the policy's field of the token agreement: ranks proposing CaS
 
 
 def choose_mode(batch: float, current: str | None, threshold: float, hysteresis: float) -> str:
@@ -67,9 +73,20 @@ class SiDPStats(EngineStats):
         }
 
 
+@dataclass(frozen=True)
+class BeginStep(Move):
+    """The pool's step starts: ``rows[g]`` FFN input rows on replica ``g`` (0: a dummy step), in
+    ``mode`` (WaS: the housekeeper starts fetching this rank's non-owned layers)."""
+
+    rows: tuple[int, ...]
+    mode: str
+
+
 class SiDPPolicy(ContinuousBatching):
     """Continuous batching over the replicas; each step's mode from the orchestrator, decided
-    every ``interval`` steps and agreed by the group; ``fetcher`` fetches the step's FFNs (WaS)."""
+    every ``interval`` steps on the proposals the group agreed with the previous step's tokens
+    (the first step's mode from its own batch: every rank plans it from the same requests);
+    ``fetcher`` fetches the step's FFNs (WaS)."""
 
     stats_cls = SiDPStats
 
@@ -90,53 +107,71 @@ class SiDPPolicy(ContinuousBatching):
         self.threshold, self.hysteresis, self.interval = threshold, hysteresis, interval
         self.current: str | None = None
         self._steps = 0
+        self._agreed: str | None = None  # the mode the group agreed with the last step's tokens
 
     @property
     def initial_layout(self) -> None:
         return None
 
+    def next_step(self, queue) -> Step:
+        """The step, its :class:`BeginStep` move and (mode ``auto``) this rank's proposal for the
+        next decision, agreed with the step's tokens."""
+        step = super().next_step(queue)
+        mode = WAS if step.layout == "was" else CAS
+        begin = BeginStep(tuple(self._rows(step.phase, self._tokens(step.phase, step.seqs))), mode)
+        agree = {} if self.fixed is not None else {PROPOSES_CAS: int(self._proposal() == CAS)}
+        return dataclasses.replace(step, moves=(*step.moves, begin), agree=agree)
+
     def layout_for(self, phase: str, seqs: list) -> str:
-        tokens = [0] * self.pool.G
-        for s in seqs:
-            tokens[s.replica] += s.prompt_len if phase == "prefill" else 1
-        mode = self._mode(len(self.running) / self.pool.G)  # live sequences per replica, either phase
-        stats = self.engine.stats
+        tokens = self._tokens(phase, seqs)
+        mode = self._mode()
+        stats = self.stats
         stats.mode_steps["was" if mode == WAS else "cas"] += 1
         stats.dummy_steps += sum(1 for t in tokens if t == 0)
         stats.modes.append(mode)
-        self.fetcher.begin_step(self._rows(phase, tokens), mode)
         return "was" if mode == WAS else "cas"
+
+    def _tokens(self, phase: str, seqs: list) -> list[int]:
+        tokens = [0] * self.pool.G
+        for s in seqs:
+            tokens[s.replica] += s.prompt_len if phase == "prefill" else 1
+        return tokens
 
     def _rows(self, phase: str, tokens: list[int]) -> list[int]:
         """FFN input rows of each replica: its prompt tokens, or every decode slot of its cache
         (decode runs all slots) -- 0 for a replica without sequences (a dummy step)."""
         if phase == "prefill":
             return tokens
-        slots = self.engine.runners["was"].max_batch_size
+        slots = self.runner_info["was"].max_batch_size
         return [slots if t else 0 for t in tokens]
 
-    def _mode(self, batch: float) -> str:
+    def _proposal(self) -> str:
+        """This rank's mode for the live sequences per replica (either phase)."""
+        return choose_mode(len(self.running) / self.pool.G, self.current, self.threshold, self.hysteresis)
+
+    def _mode(self) -> str:
         if self.fixed is not None:
             return self.fixed
-        if self.current is None or self._steps % self.interval == 0:
-            proposal = choose_mode(batch, self.current, self.threshold, self.hysteresis)
-            agreed = _agree(proposal)
-            if self.current is not None and agreed != self.current:
-                self.engine.stats.mode_switches += 1
-            self.current = agreed
+        if self.current is None:
+            self.current = self._proposal()
+        elif self._steps % self.interval == 0:
+            if self._agreed != self.current:
+                self.stats.mode_switches += 1
+            self.current = self._agreed
         self._steps += 1
         return self.current
 
-    def after_step(self, step) -> None:
+    def make(self, move: Move) -> None:
+        assert isinstance(move, BeginStep), move
+        self.fetcher.begin_step(list(move.rows), move.mode)
+
+    def after_step(self, step: Step, output: StepOutput) -> None:
+        """The pool's step ends; the group's agreed proposal (a replayed step's: this rank's,
+        which every rank made alike) is the mode at the next decision."""
         self.fetcher.end_step()
-
-
-def _agree(mode: str) -> str:
-    """One collective: the group takes CaS if any rank proposes it (all ranks propose the same
-    from the same state; this guards against divergence instead of hanging on it)."""
-    flag = torch.tensor([1 if mode == CAS else 0], device=device_type())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return CAS if flag.item() else WAS
+        if step.agree:
+            cas = output.agreed[PROPOSES_CAS] > 0 if output.agreed is not None else step.agree[PROPOSES_CAS]
+            self._agreed = CAS if cas else WAS
 
 
 def profile_threshold(
@@ -211,7 +246,6 @@ def sidp_engine(
     kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     was = ModelRunner(model, weights=WAS, kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw)
     cas = ModelRunner(model, kv=was.kv, weights=CAS, **kw)
-    cas.hooks.add("idle_step", lambda phase, seqs: fetcher.pool.serve_idle())  # an idle owner still serves
     policy = SiDPPolicy(
         fetcher,
         mode=mode,
@@ -221,7 +255,9 @@ def sidp_engine(
         max_prefill_tokens=max_prefill_tokens,
         admission=admission,
     )
-    return Engine(runners={"was": was, "cas": cas}, policy=policy)
+    engine = Engine(runners={"was": was, "cas": cas}, policy=policy)
+    engine.events.on("idle", lambda step, seqs: fetcher.pool.serve_idle(), layout="cas")  # an idle owner still serves
+    return engine
 
 
 # ---- the strategy -------------------------------------------------------------------------------
