@@ -189,7 +189,7 @@ def run_scenario(
         rows[method]["seconds"] = statistics.median(rows[method]["times"])
         rows[method]["equal"] = rows[method]["equal"] and final_ok
     out["rows"] = rows
-    out["version"] = mine.weight_version.step if mine is not None else None
+    out["version"] = mine.parallel_info.weight_version.step if mine is not None else None
     dist.barrier()
     return out  # the models and syncs are freed with this frame
 

@@ -5,10 +5,18 @@ source name: Shift parallelism's full-TP copy or slice of a weight, later a cach
 remote weight is fetched into. The runner selects one source name for a whole forward
 (:func:`use_weights`); a layer without that source uses its own parameters. Layers keep no mode
 of their own, so no engine can leave a shared model in another engine's mode.
+
+The selection belongs to the thread running the forward (a ``threading.local``), not to the
+process: a forward on another thread (a background fetch, a second engine) sees its own selection,
+``None`` unless it selects one. Not a ``contextvars.ContextVar``: TorchDynamo cannot trace
+``ContextVar.get`` (a graph break in every linear layer of a compiled step, torch 2.13), while it
+reads a ``threading.local`` attribute and guards on its value, so a compiled step recompiles per
+source instead of running with the wrong weights.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +24,7 @@ from typing import Protocol
 
 from torch.distributed.tensor import DTensor
 
-_ACTIVE: str | None = None  # the source selected for the running forward (None: own parameters)
+_SELECTED = threading.local()  # .source: the name selected on this thread (unset or None: own parameters)
 
 
 @dataclass(frozen=True)
@@ -49,19 +57,20 @@ class StaticWeights:
 
 
 def active_source() -> str | None:
-    """The source name selected for the running forward."""
-    return _ACTIVE
+    """The source name selected for the forward running on this thread (``None``: own parameters)."""
+    return getattr(_SELECTED, "source", None)  # getattr with a default: TorchDynamo guards on it
 
 
 @contextmanager
 def use_weights(source: str | None) -> Iterator[None]:
-    """Run the enclosed forward with every layer's ``source`` weights (``None``: own parameters)."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, source
+    """Run the enclosed forwards of this thread with every layer's ``source`` weights (``None``:
+    own parameters); the previous selection comes back on exit, nested selections included."""
+    previous = active_source()
+    _SELECTED.source = source
     try:
         yield
     finally:
-        _ACTIVE = previous
+        _SELECTED.source = previous
 
 
 def weight_copies(model) -> dict[str, DTensor]:

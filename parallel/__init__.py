@@ -4,7 +4,8 @@ from reshard.parallel.engine import Completion, Engine, EngineStats, ModelRunner
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, device_type
-from reshard.parallel.model.parallelize import SUPPORTED_ARCHITECTURES, LoadStats, parallelize
+from reshard.parallel.model.info import LoadStats, ParallelInfo, parallel_info
+from reshard.parallel.model.parallelize import SUPPORTED_ARCHITECTURES, parallelize
 from reshard.parallel.model.plans import tp_plan
 
 __all__ = [
@@ -16,9 +17,11 @@ __all__ = [
     "LoadStats",
     "ModelRunner",
     "ParallelDims",
+    "ParallelInfo",
     "Request",
     "SamplingParams",
     "device_type",
+    "parallel_info",
     "parallelize",
     "register_strategy",
     "resolve_checkpoint",

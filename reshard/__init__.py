@@ -1,6 +1,6 @@
 """reshard: layouts and planned, accounted movement of tensors between them."""
 
-from reshard.api import MoveHandle, last_stats, plan_for, redistribute, redistribute_module
+from reshard.api import MoveHandle, plan_for, redistribute, redistribute_module
 from reshard.dtensor import empty_dtensor, slice_to_dtensor, wrap_local
 from reshard.executor import CommStats, execute
 from reshard.kv import AttentionContext, KVCache, KVLayout, KVSpec
@@ -19,7 +19,6 @@ __all__ = [
     "chunk_range",
     "empty_dtensor",
     "execute",
-    "last_stats",
     "plan_for",
     "plan_transfer",
     "redistribute",

@@ -2,8 +2,10 @@
 
 Unlike ``DTensor.redistribute`` this works across meshes (same, permuted, overlapping or disjoint
 rank sets), moves exactly the bytes a rank lacks (no all-gather fallback on CPU), and reports what
-it moved. Every rank of the world calls it (ranks on neither mesh do nothing); a DTensor on a mesh
-that excludes this rank carries an empty local tensor, as in DTensor.
+it moved: ``redistribute_module`` returns its :class:`CommStats` (an async move's ``wait()`` does),
+``redistribute(..., return_stats=True)`` returns them beside the tensor. Every rank of the world
+calls it (ranks on neither mesh do nothing); a DTensor on a mesh that excludes this rank carries an
+empty local tensor, as in DTensor.
 """
 
 from __future__ import annotations
@@ -24,14 +26,7 @@ from reshard.layout import Layout
 from reshard.mesh import cached_group, device_type
 from reshard.plan import Plan, plan_transfer
 
-_LAST: list[CommStats] = [CommStats()]
-
 Target = tuple[DeviceMesh, Sequence[Placement]]
-
-
-def last_stats() -> CommStats:
-    """Accounting of the most recent ``redistribute`` / ``redistribute_module`` on this rank."""
-    return _LAST[0]
 
 
 def redistribute(
@@ -41,12 +36,14 @@ def redistribute(
     *,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     check: bool = True,
-) -> DTensor | None:
+    return_stats: bool = False,
+) -> DTensor | tuple[DTensor | None, CommStats] | None:
     """Move ``t`` to ``placements`` on ``mesh``.
 
-    Returns a DTensor on ``mesh`` (ranks outside ``mesh`` get ``None``). Collective over the world:
-    every rank calls it with the same arguments; ``check`` (default) compares a hash of the plan
-    on every rank first and raises ``ValueError`` naming the differing layouts instead of hanging.
+    Returns a DTensor on ``mesh`` (ranks outside ``mesh`` get ``None``); with ``return_stats``,
+    ``(that, CommStats)``: what this rank moved. Collective over the world: every rank calls it
+    with the same arguments; ``check`` (default) compares a hash of the plan on every rank first
+    and raises ``ValueError`` naming the differing layouts instead of hanging.
     """
     if not isinstance(t, DTensor):
         raise ValueError(
@@ -54,8 +51,8 @@ def redistribute(
             f"with reshard.wrap_local or distribute it first)"
         )
     [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=check)
-    _LAST[0] = stats
-    return out if mesh.get_coordinate() is not None else None
+    out = out if mesh.get_coordinate() is not None else None
+    return (out, stats) if return_stats else out
 
 
 def redistribute_module(
@@ -70,22 +67,22 @@ def redistribute_module(
 
     ``plan`` maps fully qualified names to ``(mesh, placements)``, or is a callable returning that
     (or ``None`` to leave a tensor where it is). Ranks outside a target mesh keep a DTensor with an
-    empty local tensor. With ``async_op=True`` the transfer runs on a background thread over its
-    own process group and a :class:`MoveHandle` is returned; the module keeps its old tensors until
-    ``handle.wait()`` swaps the new ones in. ``check``: see :func:`redistribute`.
+    empty local tensor. Returns the transfer's :class:`CommStats` on this rank. With
+    ``async_op=True`` the transfer runs on a background thread over its own process group and a
+    :class:`MoveHandle` is returned; the module keeps its old tensors until ``handle.wait()`` swaps
+    the new ones in and returns the stats. ``check``: see :func:`redistribute`.
     """
     names, tensors, targets = _select(module, plan)
     if async_op:
         return MoveHandle(module, names, tensors, targets, bucket_bytes, cached_group(purpose="reshard-move"))
     moved, stats = _move(tensors, targets, bucket_bytes, check=check)
-    _install(module, names, moved, stats)
+    _install(module, names, moved)
     return stats
 
 
-def _install(module: nn.Module, names: list[str], moved: list[DTensor], stats: CommStats) -> None:
+def _install(module: nn.Module, names: list[str], moved: list[DTensor]) -> None:
     for name, new in zip(names, moved):
         assign_tensor(module, name, new)
-    _LAST[0] = stats
 
 
 class MoveHandle:
@@ -99,9 +96,10 @@ class MoveHandle:
         return self._job.done()
 
     def wait(self, timeout: float | None = None) -> CommStats:
-        """Block until the move finishes (``TimeoutError`` after ``timeout`` s); install it."""
+        """Block until the move finishes (``TimeoutError`` after ``timeout`` s); install it and
+        return its :class:`CommStats` on this rank."""
         moved, stats = self._job.result(timeout)
-        _install(self._module, self._names, moved, stats)
+        _install(self._module, self._names, moved)
         return stats
 
 

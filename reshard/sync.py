@@ -52,13 +52,6 @@ class WeightVersion:
             )
 
 
-def weight_version(model: torch.nn.Module) -> WeightVersion:
-    """The :class:`WeightVersion` attached to ``model`` (attached on first use)."""
-    if not isinstance(getattr(model, "weight_version", None), WeightVersion):
-        model.weight_version = WeightVersion()
-    return model.weight_version
-
-
 @dataclass(frozen=True)
 class SyncEntry:
     """One destination tensor: its key, the source tensor it copies, and both global layouts."""

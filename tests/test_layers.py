@@ -105,3 +105,50 @@ def test_layer_matches_reference_and_round_trips(kind, world):
         assert weights_back.keys() == full.keys()  # same state-dict keys as the HF module
         for k in full:
             assert torch.equal(weights_back[k], full[k])
+
+
+def _weight_selection():
+    """A layer with an alternative source (its weight doubled): eager and compiled forwards follow
+    the selection of the thread that runs them, and only for the enclosed forwards."""
+    import threading
+
+    from torch.distributed.tensor import DTensor
+
+    from reshard.layers import ParallelLinear
+    from reshard.layers.weights import LinearWeights, StaticWeights, active_source, use_weights
+
+    torch.manual_seed(0)
+    layer = ParallelLinear(16, 8, mesh=_mesh(), placements=(Replicate(),))  # no collective to trace
+    for p in layer.parameters():
+        nn.init.normal_(p.to_local())
+    doubled = DTensor.from_local(2 * layer.weight.to_local().detach(), layer.mesh, (Replicate(),))
+    layer.sources["alt"] = StaticWeights(LinearWeights(doubled, layer.bias, "sharded"))
+    x = torch.randn(3, 16)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)  # Dynamo's guards, no codegen
+    seen, out = [], []
+    with torch.no_grad():
+        full_w, full_b = layer.weight.full_tensor(), layer.bias.full_tensor()
+        own, alt = x @ full_w.T + full_b, x @ (2 * full_w).T + full_b
+        for source in (None, "alt", None, "alt"):
+            with use_weights(source):
+                out.append((layer(x), compiled(x)))
+        with use_weights("alt"):
+            thread = threading.Thread(target=lambda: seen.append((active_source(), layer(x).detach())))
+            thread.start()
+            thread.join()
+            nested = [active_source()]
+            with use_weights(None):
+                nested.append(active_source())
+            nested.append(active_source())
+    return own, alt, out, seen, nested, active_source()
+
+
+def test_weight_source_follows_the_forwards_thread_and_compiled_guards():
+    for own, alt, out, seen, nested, after in dist_harness.run(2, _weight_selection):
+        for (eager, compiled), want in zip(out, (own, alt, own, alt)):
+            torch.testing.assert_close(eager, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(compiled, eager)
+        [(thread_source, thread_out)] = seen
+        assert thread_source is None  # another thread does not inherit the selection
+        torch.testing.assert_close(thread_out, own, rtol=1e-5, atol=1e-5)
+        assert nested == ["alt", None, "alt"] and after is None

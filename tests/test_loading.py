@@ -15,8 +15,53 @@ from tests import dist_harness
 def _bytes_read(path):
     from reshard.parallel import parallelize
 
-    stats = parallelize(path).load_stats
+    stats = parallelize(path).parallel_info.load_stats
     return stats.bytes_read, stats.checkpoint_bytes
+
+
+def _attached(path):
+    """Attributes ``parallelize`` / ``parallelize_shift`` add to the HF model, and their records."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reshard.parallel import ParallelDims, ParallelInfo, parallelize
+    from reshard.parallel.strategies.shift import parallelize_shift
+
+    with torch.device("meta"):
+        plain = set(vars(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))))
+    world = dist.get_world_size()
+    out = []
+    for model in (parallelize(path), parallelize_shift(path, ParallelDims(sp=world, world_size=world))):
+        info = model.parallel_info
+        assert isinstance(info, ParallelInfo)
+        fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.name != "dims"}
+        out.append((set(vars(model)) - plain, info.dims.shape, fields))
+    return out
+
+
+def test_parallelize_attaches_one_record(checkpoints):
+    for (tp_new, tp_shape, tp_info), (shift_new, shift_shape, shift_info) in dist_harness.run(
+        2, _attached, checkpoints["llama"]
+    ):
+        assert tp_new == shift_new == {"parallel_info"}  # nothing else is stapled on the model
+        assert tp_shape == (1, 1, 1, 2) and shift_shape == (1, 1, 2, 1)  # (dp, pp, sp, tp)
+        assert tp_info["load_stats"].bytes_read > 0 and tp_info["extra_weight_bytes"] == 0
+        assert shift_info["load_stats"].bytes_read > 0 and shift_info["extra_weight_bytes"] > 0
+        assert tp_info["kv_replication"] is None and shift_info["kv_replication"] >= 1
+        for info in (tp_info, shift_info):
+            assert info["weight_version"].step is None and info["weight_version"].pending is None
+            assert info["replicated_ffn_bytes"] is None and info["kv_tokens_asked"] is None
+
+
+def test_parallel_info_of_a_plain_model_is_refused():
+    from torch import nn
+
+    from reshard.parallel import parallel_info
+
+    with pytest.raises(ValueError, match=r"^Linear has no parallel_info \(got NoneType\): build it with"):
+        parallel_info(nn.Linear(2, 2))
 
 
 def _expected_share(path: str, tp: int) -> int:

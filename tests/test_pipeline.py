@@ -16,7 +16,7 @@ def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2):
     model = parallelize_pipeline(path, dims)
     engine = Engine(model, num_microbatches=microbatches, max_batch_size=4, max_seq_len=128)
     requests = [Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(prompts)]
-    return [c.output_ids for c in engine.generate(requests)], model.load_stats, engine.runner.layer_ids
+    return [c.output_ids for c in engine.generate(requests)], model.parallel_info.load_stats, engine.runner.layer_ids
 
 
 @pytest.mark.parametrize("dp,pp,tp", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)], ids=["P2", "P4", "D2P2", "T2P2"])

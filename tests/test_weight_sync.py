@@ -75,7 +75,7 @@ def _colocated_job(path, layout, method, bucket):
         planned=stats.planned_bytes,
         lower=sync.lower_bound_bytes,
         peak=stats.peak_extra_bytes,
-        version=rollout.weight_version.step,
+        version=rollout.parallel_info.weight_version.step,
         opt_unchanged=unchanged,
         tokens=_greedy_tokens(rollout),
         reference=_hf_tokens(path, full),
@@ -141,7 +141,7 @@ def _split_job(path, layout, train_ranks, rollout_ranks):
         engine = rollout_engine(rollout, layout, max_batch_size=2, max_seq_len=32, threshold=4)  # Shift: SP prefill
         out.update(
             bad=_sliced_equal(rollout, full),
-            version=rollout.weight_version.step,
+            version=rollout.parallel_info.weight_version.step,
             tokens=[c.output_ids for c in engine.generate(reqs)],
         )
         if dist.get_rank() == rollout_ranks[0]:
@@ -242,7 +242,9 @@ def _async_job(path):
     dist.all_gather_object(everyone, expected)
     if mine is not None:
         out.update(
-            bad=_sliced_equal(mine, everyone[0]), version=mine.weight_version.step, pending=mine.weight_version.pending
+            bad=_sliced_equal(mine, everyone[0]),
+            version=mine.parallel_info.weight_version.step,
+            pending=mine.parallel_info.weight_version.pending,
         )
         out["generated"] = len(
             Engine(mine, max_batch_size=2, max_seq_len=32).generate(

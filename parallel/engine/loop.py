@@ -27,7 +27,7 @@ from reshard.parallel.engine.policy import ContinuousBatching, Policy, PolicyCon
 from reshard.parallel.engine.request import Completion, Request, Sequence
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import skip_draws
-from reshard.sync import weight_version
+from reshard.parallel.model.info import parallel_info
 
 
 class Engine:
@@ -131,7 +131,7 @@ class Engine:
         """Run all ``requests`` to completion on every rank; returns completions in request order."""
         self.validate(requests)
         for runner in self.runners.values():
-            weight_version(runner.model).check_ready()
+            parallel_info(runner.model).weight_version.check_ready()
         while self._released:  # re-acquire what release_memory() freed
             self._released.pop().restore()
         queue, done = deque(requests), {}

@@ -34,6 +34,7 @@ from reshard.layers.weights import use_weights
 from reshard.parallel.engine.events import LayerHooks
 from reshard.parallel.engine.request import Sequence
 from reshard.parallel.model.dims import ParallelDims, rank_grid
+from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.layouts import stage_of_layer
 
 KV_LEN_BUCKET = 128  # a compiled decode step attends over a multiple of this many positions
@@ -98,7 +99,7 @@ class ModelRunner:
     """Runs steps of ``model`` (an HF causal LM of our layers) in the layout of ``dims``.
 
     Args:
-        dims: the model's layout (default ``model.parallel_dims``, set by ``parallelize``): dp
+        dims: the model's layout (default: its ``parallel_info.dims``, set by ``parallelize``): dp
             replicas split the sequences, ``pp > 1`` makes this a pipeline stage.
         kv: a cache to share with another runner of the same model (default: a new one).
         split: Ulysses token split (Shift's SP mode); layers get ``sequence_parallel=True``.
@@ -129,7 +130,7 @@ class ModelRunner:
         kv_tokens: int | None = None,
         kv_swap: bool = False,
     ) -> None:
-        self.model, self.dims = model, dims if dims is not None else model.parallel_dims
+        self.model, self.dims = model, dims if dims is not None else parallel_info(model).dims
         cfg = model.config
         self.max_batch_size = _positive("max_batch_size", max_batch_size)
         self.max_seq_len = _positive("max_seq_len", max_seq_len or min(cfg.max_position_embeddings, 4096))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,18 +14,10 @@ from reshard import Layout
 from reshard.layout import box_slices
 from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, device_type
+from reshard.parallel.model.info import LoadStats, ParallelInfo
 from reshard.parallel.model.plans import BuildContext, MeshOf, ParallelStyle, tp_plan
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass
-class LoadStats:
-    """Bytes this rank read from the checkpoint, against the checkpoint's total tensor bytes."""
-
-    bytes_read: int
-    checkpoint_bytes: int
-    path: str | None = None
 
 
 def check_architecture(config) -> None:
@@ -48,10 +39,11 @@ def parallelize(
     load_weights: bool = True,
     allow_unused: bool = False,
 ) -> nn.Module:
-    """An HF causal LM whose modules (named in ``plan``) are our parallel layers.
+    """An HF causal LM whose modules (named in ``plan``) are our parallel layers, with its
+    :class:`ParallelInfo` as ``model.parallel_info`` (``dims``, ``load_stats``, weight version).
 
     From a path or hub id, the model skeleton is built on the meta device and every rank reads only
-    its own slices from the safetensors files (``model.load_stats`` counts the bytes). From a model
+    its own slices from the safetensors files (``parallel_info.load_stats`` counts the bytes). From a model
     object, each rank slices its parameters from the model it already holds. ``mesh_of(name)`` is
     the mesh each module lives on (default: this rank's tp mesh; a pipeline stage's tp mesh, where a
     rank reads only its stage's slices; Shift's ``(sp, tp)`` base mesh). ``load_weights=False``
@@ -85,8 +77,7 @@ def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True, 
     if load_weights:
         _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)), allow_unused=allow_unused)
     _rebuild_rotary(model, ctx.device)
-    model.load_stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory))
-    model.parallel_dims = dims  # the layout the engine's runners read
+    model.parallel_info = ParallelInfo(dims, LoadStats(reader.bytes_read, reader.total_bytes(), str(directory)))
     return model.eval()
 
 
@@ -97,7 +88,7 @@ def _parallelize_module(model: nn.Module, dims, plan, mesh_of=None) -> nn.Module
     ctx = BuildContext(model.config, dims, dtype, device_type(), mesh_of=mesh_of)
     _swap_modules(model, plan, ctx)
     copy_full_state(model, full)
-    model.parallel_dims = dims
+    model.parallel_info = ParallelInfo(dims)
     return model.eval()
 
 

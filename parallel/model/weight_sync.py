@@ -12,7 +12,8 @@ from torch import nn
 
 from reshard.executor import DEFAULT_BUCKET_BYTES
 from reshard.layers.weights import weight_copies
-from reshard.sync import WeightSync, weight_version
+from reshard.parallel.model.info import parallel_info
+from reshard.sync import WeightSync
 
 
 def train_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -34,11 +35,11 @@ def model_sync(
     allow_unused: bool = False,
 ) -> WeightSync:
     """A :class:`WeightSync` from ``train`` to ``rollout`` (``None`` where this rank holds no such
-    model). Collective over the world; the rollout model's ``weight_version`` tracks the step."""
+    model). Collective over the world; the rollout model's ``parallel_info.weight_version`` tracks the step."""
     return WeightSync(
         train_tensors(train) if train is not None else None,
         rollout_tensors(rollout) if rollout is not None else None,
-        version=weight_version(rollout) if rollout is not None else None,
+        version=parallel_info(rollout).weight_version if rollout is not None else None,
         bucket_bytes=bucket_bytes,
         method=method,
         allow_unused=allow_unused,

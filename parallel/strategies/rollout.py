@@ -22,6 +22,7 @@ from torch import nn
 from reshard.mesh import cached_mesh, rank_tensor
 from reshard.parallel.engine import Engine, EngineArgs, Strategy, registered, strategy_class
 from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.model.info import parallel_info
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def rollout_engine(
 ) -> Engine:
     """The engine of a :func:`rollout_model` by its strategy: continuous batching in the TP layout,
     or Shift's two modes over one KV cache (steps of more than ``threshold`` tokens run SP)."""
-    strategy = rollout_strategy(layout, threshold=threshold, sp=model.parallel_dims.sp)
+    strategy = rollout_strategy(layout, threshold=threshold, sp=parallel_info(model).dims.sp)
     return strategy.build_engine(model, EngineArgs(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
 
 

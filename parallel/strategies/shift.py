@@ -33,6 +33,7 @@ from reshard.parallel.engine import (
     register_strategy,
 )
 from reshard.parallel.model.dims import ParallelDims, rank_grid
+from reshard.parallel.model.info import parallel_info, update_info
 from reshard.parallel.model.parallelize import parallelize
 from reshard.parallel.model.plans import (
     BuildContext,
@@ -165,8 +166,8 @@ def parallelize_shift(
 
     ``shift_weights``: ``"copy"`` keeps separate full-TP shards beside the base weights (the
     paper's "separate models"; extra memory ~1/sp of the base), ``"slice"`` takes views of the base
-    shards. ``model.shift_extra_bytes`` reports this rank's extra bytes, ``model.kv_replication``
-    how many ranks hold each KV head.
+    shards. ``model.parallel_info`` reports this rank's extra bytes (``extra_weight_bytes``) and
+    how many ranks hold each KV head (``kv_replication``).
     """
     if shift_weights not in ("copy", "slice"):
         raise ValueError(f"shift_weights must be 'copy' or 'slice', got {shift_weights!r}")
@@ -179,13 +180,12 @@ def parallelize_shift(
     for layer in model.model.layers:
         extra += layer.self_attn.add_shift_layouts(copy=copy)
         extra += layer.mlp.add_source(SHIFT_WEIGHTS, shift_mesh(dims), (Shard(0), Shard(0)), copy=copy)
-    model.shift_extra_bytes = extra
-    model.kv_replication = model.model.layers[0].self_attn.kv_replication
+    info = update_info(model, extra_weight_bytes=extra, kv_replication=model.model.layers[0].self_attn.kv_replication)
     log.info(
         "shift parallelism: sp=%d tp=%d, KV-head replication x%d, shift weights %s (+%d bytes)",
         dims.sp,
         dims.tp,
-        model.kv_replication,
+        info.kv_replication,
         shift_weights,
         extra,
     )
@@ -251,7 +251,7 @@ def shift_engine(
 ) -> Engine:
     """The loop over ``model`` (from :func:`parallelize_shift`) with runners ``"sp"`` (tokens
     split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache."""
-    dims = model.parallel_dims
+    dims = parallel_info(model).dims
     kw = dict(dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile)
     sp = ModelRunner(
         model, split=TokenSplit(base_mesh(dims), 0), kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw
@@ -315,8 +315,8 @@ class ShiftStrategy(Strategy):
         return {
             **engine.stats.summary(),
             "threshold": self.threshold,
-            "shift_extra_bytes": engine.model.shift_extra_bytes,
-            "kv_replication": engine.model.kv_replication,
+            "shift_extra_bytes": parallel_info(engine.model).extra_weight_bytes,
+            "kv_replication": parallel_info(engine.model).kv_replication,
         }
 
     def report(self, s: dict) -> list[str]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from reshard.parallel.engine import Engine, EngineArgs, Strategy, register_strategy
 from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.pipeline import build_model
 
 
@@ -48,6 +49,6 @@ class TPStrategy(Strategy):
             max_prefill_tokens=args.max_prefill_tokens,
             compile=args.compile,
             admission=args.admission,
-            num_microbatches=model.parallel_dims.pp,
+            num_microbatches=parallel_info(model).dims.pp,
             **args.kv,
         )

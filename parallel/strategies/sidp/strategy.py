@@ -37,6 +37,7 @@ from reshard.parallel.engine import (
     register_strategy,
 )
 from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.model.info import parallel_info, update_info
 from reshard.parallel.model.parallelize import parallelize
 from reshard.parallel.strategies.sidp.fetch import FetchScheduler, check_slots
 
@@ -306,7 +307,7 @@ class SiDPStrategy(Strategy):
             prefetch_depth=self.prefetch_depth,
             peak_shifting=self.peak_shifting,
         )
-        model.sidp_full_ffn_bytes = full_ffn
+        update_info(model, replicated_ffn_bytes=full_ffn)
         self.profiled = self.threshold is None
         if self.threshold is None:
             self.threshold = profile_threshold(fetcher)
@@ -329,7 +330,7 @@ class SiDPStrategy(Strategy):
         replica spends on FFN weights goes to KV instead); contiguous slots stay as asked."""
         if args.kv_block_size is None:
             return args.kv
-        freed = model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
+        freed = parallel_info(model).replicated_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         per_token = (
@@ -340,21 +341,22 @@ class SiDPStrategy(Strategy):
         )
         dist.all_reduce(extra, op=dist.ReduceOp.MIN)  # every replica admits by the same pool size
         extra = int(extra.item())
-        model.sidp_kv_tokens = (args.kv_tokens, extra)
+        update_info(model, kv_tokens_asked=args.kv_tokens, kv_tokens_added=extra)
         return {"kv_block_size": args.kv_block_size, "kv_tokens": args.kv_tokens + extra}
 
     def summary(self, engine: Engine) -> dict:
         pool, c = engine.policy.pool, engine.policy.fetcher.counters
         fetched = torch.tensor([c.fetch_bytes], dtype=torch.float64, device=device_type())
         dist.all_reduce(fetched)
-        freed = engine.model.sidp_full_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
+        info = parallel_info(engine.model)
+        freed = info.replicated_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
         return {
             **engine.stats.summary(),
             "ffn_bytes_per_rank": pool.ffn_bytes(),
             "slot_bytes": pool.slot_bytes(),
-            "ffn_bytes_replicated": engine.model.sidp_full_ffn_bytes,
+            "ffn_bytes_replicated": info.replicated_ffn_bytes,
             "kv_capacity_tokens": engine.kv.spec.capacity_tokens,
-            "kv_tokens_asked": getattr(engine.model, "sidp_kv_tokens", (engine.kv.spec.capacity_tokens, 0))[0],
+            "kv_tokens_asked": engine.kv.spec.capacity_tokens if info.kv_tokens_asked is None else info.kv_tokens_asked,
             "kv_tokens_gained": max(freed, 0) // kv_bytes_per_token(engine.kv.spec),
             "fetch_bytes": int(fetched.item()),
             "max_concurrent_readers": c.max_concurrent_readers,
