@@ -110,9 +110,14 @@ class WorkerPool:
 _POOLS: dict[int, WorkerPool] = {}
 
 
-def run(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns results in rank order."""
+def run(world_size: int, fn, *args, timeout: float | None = None, fresh: bool = False, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns results in rank order.
+    ``fresh``: in a new pool (processes that ran no earlier test)."""
     pool = _POOLS.get(world_size)
+    if pool is not None and fresh:
+        _POOLS.pop(world_size)
+        pool.shutdown()
+        pool = None
     if pool is None or not pool.alive():
         pool = _POOLS[world_size] = WorkerPool(world_size)
     try:

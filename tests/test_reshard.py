@@ -336,7 +336,9 @@ def test_llama_through_tp_fsdp_stages_tpdp_and_back(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(torch.tensor([[5, 9, 33, 2, 100, 7, 64]])).logits
-    results = dist_harness.run(WORLD, _model_through_layouts, path)
+    # fresh processes: once in a full CI run (after ~300 tests in the same pool) every logit came out
+    # wrong here, and never when run alone or after any subset tried; under investigation
+    results = dist_harness.run(WORLD, _model_through_layouts, path, fresh=True)
     for logits, _ in results:
         torch.testing.assert_close(logits["start"], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits["tp2xdp2"], expected, rtol=1e-5, atol=1e-5)
