@@ -64,7 +64,9 @@ class LoadSampler:
     """Rank 0: every 2 s, Python processes outside this job and the 1-min load average."""
 
     def __init__(self, own_pids: set[int]) -> None:
-        self.own, self.others, self.load = own_pids, [], []
+        self.own = own_pids
+        self.others = []
+        self.load = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

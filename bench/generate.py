@@ -441,7 +441,9 @@ def _label_steps(engine: Engine) -> Callable[[], None]:
 
 def region_table(events, region: str, rows: int = 20) -> str:
     """Self CPU time by op name of the events inside ``region`` (a ``record_function`` label)."""
-    total, count, per_op = 0.0, 0, {}
+    total = 0.0
+    count = 0
+    per_op = {}
     for e in events:
         if e.name == region:
             total, count = total + e.cpu_time_total, count + 1

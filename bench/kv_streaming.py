@@ -159,7 +159,9 @@ def requests(args, prompt_len: int, new_tokens: int) -> list[Request]:
 def gen(engine: Engine, reqs) -> dict:
     """One ``generate``: decode s/step, prefill s, wall s (max over ranks), outputs."""
     s = engine.stats
-    d0, n0, p0 = s.decode_seconds, s.decode_steps, s.prefill_seconds
+    d0 = s.decode_seconds
+    n0 = s.decode_steps
+    p0 = s.prefill_seconds
     dist.barrier()
     t0 = time.perf_counter()
     out = engine.generate(reqs)
@@ -516,8 +518,14 @@ class PromptStream:
     Both wait for (and unpack) everything at ``step_end``, inside the prefill step."""
 
     def __init__(self, streamer: KVStreamer, cache: KVCache, mirror: KVCache, mode: str, tag: int) -> None:
-        self.streamer, self.cache, self.mirror, self.mode, self.tag = streamer, cache, mirror, mode, tag
-        self.spans, self.jobs, self.ins = [], [], []
+        self.streamer = streamer
+        self.cache = cache
+        self.mirror = mirror
+        self.mode = mode
+        self.tag = tag
+        self.spans = []
+        self.jobs = []
+        self.ins = []
 
     def step_begin(self, step, seqs) -> None:
         self.spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs] if step.phase == "prefill" else []
@@ -539,7 +547,9 @@ class PromptStream:
             j.wait(120)
         for i in self.ins:
             i.wait(120)
-        self.jobs, self.ins, self.spans = [], [], []
+        self.jobs = []
+        self.ins = []
+        self.spans = []
 
 
 def section_prefill(path: Path, args) -> dict:

@@ -91,7 +91,9 @@ def _counters(s) -> dict:
 def build(path: Path, world: int, slots: int, tier_tokens: int) -> dict:
     dims = lambda **d: ParallelDims(**d, world_size=world)  # noqa: E731
     kw = dict(max_batch_size=slots, max_seq_len=512)
-    tp4, pp4, d2p2 = dims(tp=4), dims(pp=4), dims(dp=2, pp=2)
+    tp4 = dims(tp=4)
+    pp4 = dims(pp=4)
+    d2p2 = dims(dp=2, pp=2)
     engines = {
         "static TP4": Static(Engine(parallelize(path, tp4), **kw)),
         "static PP4": Static(Engine(parallelize_pipeline(path, pp4), num_microbatches=2, **kw)),

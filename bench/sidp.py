@@ -173,7 +173,9 @@ class AllGatherFFN:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.G, self.rank = dist.get_world_size(), dist.get_rank()
-        self.full, self.shards, self.nbytes = {}, {}, {}
+        self.full = {}
+        self.shards = {}
+        self.nbytes = {}
         self.gathered_bytes = 0
         for i, layer in enumerate(model.model.layers):
             ws = [
@@ -339,7 +341,9 @@ def llama3_8b_rows(prefetch_depth: int, mem_gib=(24, 40, 80), groups=(2, 4, 8)) 
     """Analytic: Llama-3-8B shapes in bf16, untied embeddings; KV via ``kv_bytes_per_token`` of a
     spec holding every KV head (one replica per rank); default slots max(prefetch_depth, G - 1)."""
     c, e = LLAMA3_8B, 2
-    d, i, L = c["hidden"], c["intermediate"], c["layers"]
+    d = c["hidden"]
+    i = c["intermediate"]
+    L = c["layers"]
     ffn_layer = 3 * d * i * e
     attn_layer = (d * c["heads"] * c["head_dim"] * 2 + d * c["kv_heads"] * c["head_dim"] * 2) * e + 2 * d * e
     weights = L * (ffn_layer + attn_layer) + 2 * c["vocab"] * d * e + d * e
@@ -503,7 +507,9 @@ def _snapshot(engine) -> str:
     modes = getattr(engine.stats, "modes", None)
     if not modes:
         return "-"
-    out, prev, n = [], None, 0
+    out = []
+    prev = None
+    n = 0
     for m in modes + [None]:
         if m == prev:
             n += 1

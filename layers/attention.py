@@ -89,7 +89,9 @@ class ParallelAttention(Redistributable, nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.layer_idx, self.sliding_window = layer_idx, sliding_window
         self.scaling = head_dim**-0.5
         self._mesh, self._kv_mesh = mesh, kv_mesh

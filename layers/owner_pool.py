@@ -52,7 +52,9 @@ class OwnerPool:
     """
 
     def __init__(self, mlps: list[nn.Module], ranks: list[int], *, slots: int = 2, timeout: float = 60.0) -> None:
-        self.ranks, self.rank, self.G = list(ranks), dist.get_rank(), len(ranks)
+        self.ranks = list(ranks)
+        self.rank = dist.get_rank()
+        self.G = len(ranks)
         self.slots, self.timeout = slots, timeout
         self.act = mlps[0].act_fn
         self.owner = [self.ranks[j % self.G] for j in range(len(mlps))]

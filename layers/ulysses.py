@@ -93,8 +93,12 @@ class UlyssesAttention(ParallelAttention):
     ) -> None:
         check_shift_heads(num_heads, num_kv_heads, meshes.sp, meshes.tp)
         torch.nn.Module.__init__(self)
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.sliding_window, self.scaling = layer_idx, sliding_window, head_dim**-0.5
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.scaling = head_dim**-0.5
         self.meshes = meshes
         kw = dict(mesh=meshes.base, dtype=dtype, device=device)
         col, row = (Replicate(), Shard(0)), (Replicate(), Shard(1))
@@ -180,7 +184,9 @@ class UlyssesAttention(ParallelAttention):
         """(Nl, H, hd) token shards -> (N_pad, H / sp, hd) head shards; KV replicated if needed."""
         sp = self.meshes.sp
         if self.meshes.sp_split is None and k.shape[1] % sp == 0:
-            nl, hq, hk = q.shape[0], q.shape[1] // sp, k.shape[1] // sp
+            nl = q.shape[0]
+            hq = q.shape[1] // sp
+            hk = k.shape[1] // sp
             fused = torch.cat([t.view(nl, sp, -1, self.head_dim) for t in (q, k, v)], 2)  # (Nl, sp, c, hd)
             fused = all_to_all(fused.transpose(0, 1), self.meshes.base, 0)  # (sp, Nl, c, hd)
             fused = fused.reshape(sp * nl, -1, self.head_dim)

@@ -109,7 +109,9 @@ def plan_for(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> P
 
 
 def _select(module: nn.Module, plan) -> tuple[list[str], list[DTensor], list[Target]]:
-    names, tensors, targets = [], [], []
+    names = []
+    tensors = []
+    targets = []
     entries = list(module.named_parameters()) + list(module.named_buffers())
     known = {n for n, _ in entries}
     if isinstance(plan, Mapping):

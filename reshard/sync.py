@@ -93,7 +93,9 @@ class WeightSync:
         if method not in SYNC_METHODS:
             raise ValueError(f"weight sync method must be one of {SYNC_METHODS}, got {method!r}")
         self.src, self.dst = dict(src or {}), dict(dst or {})
-        self.version, self.method, self.bucket_bytes = version, method, bucket_bytes
+        self.version = version
+        self.method = method
+        self.bucket_bytes = bucket_bytes
         srcs, dsts = _exchange(_layouts(self.src), _layouts(self.dst))
         self.entries = match_layouts(srcs, dsts, allow_unused)
         self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst) for e in self.entries)
@@ -225,7 +227,9 @@ def _stack_replicas(name: str, layouts: list[Layout]) -> Layout:
 
 def match_layouts(src: dict[str, Layout], dst: dict[str, Layout], allow_unused: bool = False) -> list[SyncEntry]:
     """One :class:`SyncEntry` per destination key, in sorted key order (the same on every rank)."""
-    entries, missing, used = [], [], set()
+    entries = []
+    missing = []
+    used = set()
     for key in sorted(dst):
         name = key.split("@", 1)[0]
         if name not in src:

@@ -91,7 +91,9 @@ def test_notation():
 
 
 def test_infeasible_layouts_are_excluded():
-    m, a10, w = model("llama2-70b"), hardware("a10"), workload("arxiv")
+    m = model("llama2-70b")
+    a10 = hardware("a10")
+    w = workload("arxiv")
     assert cost.rank_layouts(m, a10, 1, w) == []
     assert "weights" in cost.infeasible_reason(m, a10, ParallelConfig(), 3250)
     names = {e.name for e in cost.rank_layouts(m, a10, 8, w)}
@@ -168,7 +170,9 @@ def test_seesaw_transition_bytes_are_the_movement_cores_lower_bound():
 
 @pytest.mark.parametrize("hw_name, cfg_sp", [("h100", ParallelConfig(sp=4)), ("a10", ParallelConfig(sp=2, tp=2))])
 def test_shift_sp_wins_ttft_tp_wins_tpot_at_low_traffic(hw_name, cfg_sp):
-    m, hw, tp = model("llama3-15b"), hardware(hw_name), ParallelConfig(tp=4)
+    m = model("llama3-15b")
+    hw = hardware(hw_name)
+    tp = ParallelConfig(tp=4)
     assert cost.ttft(m, hw, cfg_sp, 3000) < cost.ttft(m, hw, tp, 3000)
     assert cost.tpot(m, hw, tp, 1, 3000) < cost.tpot(m, hw, cfg_sp, 1, 3000)
     shift = cost.shift_threshold(m, hw, 4)
@@ -203,7 +207,10 @@ def test_sidp_b_star_separates_cas_from_was():
 )
 def test_dejavu_disaggregation_pays_only_when_inequality_5_holds(model_name, hw_name, gpus, w):
     d = cost.dejavu_plan(model(model_name), hardware(hw_name), gpus, w)
-    D, Y, t, m = gpus, d["Y_ms"], d["t_ms"], d["m"]
+    D = gpus
+    Y = d["Y_ms"]
+    t = d["t_ms"]
+    m = d["m"]
     denom = D * (2 - m) - 1
     inequality = denom > 0 and Y / t > (D - 1) / denom
     assert d["pays"] == inequality

@@ -39,7 +39,10 @@ def test_inverse_throughputs():
 
 def test_baseline_matches_phase_sum():
     # (4) is (S1 + S2 + S3) / D with S1 = D*Y, S2 = (D-1)*Y, S3 = (N-1)*D*t + t
-    D, Y, t, N = 3, 7.0, 0.5, 12
+    D = 3
+    Y = 7.0
+    t = 0.5
+    N = 12
     phases = (D * Y + (D - 1) * Y + (N - 1) * D * t + t) / D
     assert baseline_inverse_throughput(D, Y, t, N) == pytest.approx(phases)
 

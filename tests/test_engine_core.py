@@ -24,7 +24,10 @@ class Alternating(ContinuousBatching):
 
     def __init__(self, layouts: tuple[str, str], every: int) -> None:
         super().__init__(layouts[0])
-        self.layouts, self.every, self.steps, self.switches = layouts, every, 0, 0
+        self.layouts = layouts
+        self.every = every
+        self.steps = 0
+        self.switches = 0
 
     def layout_for(self, phase, seqs) -> str:
         self.steps += 1
@@ -149,7 +152,9 @@ def _admission(path, prompts, budgets, admission):
 def test_longest_first_admission_same_tokens_fewer_steps(checkpoints):
     """Budgets 10, 10, 20 on 2 slots: FIFO decodes 0 and 1, then 2 alone (28 steps);
     longest-first starts 2 at once and overlaps the others with it (19 steps)."""
-    path, prompts, budgets = checkpoints["llama"], _prompts(3), [10, 10, 20]
+    path = checkpoints["llama"]
+    prompts = _prompts(3)
+    budgets = [10, 10, 20]
     fifo, fifo_steps = dist_harness.run(1, _admission, path, prompts, budgets, "fifo")[0]
     lpt, lpt_steps = dist_harness.run(1, _admission, path, prompts, budgets, "longest_first")[0]
     assert fifo == lpt and [len(t) for t in fifo] == budgets

@@ -12,7 +12,10 @@ import torch
 
 from tests import dist_harness
 
-L, H, HD, MAXLEN = 4, 4, 8, 16
+L = 4
+H = 4
+HD = 8
+MAXLEN = 16
 LAYOUTS = [(tp, pp) for pp in (1, 2) for tp in (1, 2, 4) if tp * pp <= 4]  # 5 layouts on 4 ranks...
 LAYOUTS.append((4, 1))  # ... TP4 (x PP1) once; with PP2, TP4 needs 8 ranks: TP2 x PP2 is the 4-rank case
 SPANS = [(10, 11), (11, 5)]  # (request id, tokens)

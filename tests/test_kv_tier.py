@@ -5,7 +5,10 @@ import torch
 
 from tests import dist_harness
 
-LAYERS, HEADS, HD, TOKENS = 2, 4, 8, 13
+LAYERS = 2
+HEADS = 4
+HD = 8
+TOKENS = 13
 
 
 def _global_kv(request_id: int) -> torch.Tensor:

@@ -156,7 +156,10 @@ def test_bad_input_is_named():
 
 
 def test_choose_transport():
-    gpu0, cpu0, cpu1, disk1 = Medium("device", 0), Medium("cpu", 0), Medium("cpu", 1), Medium("disk", 1)
+    gpu0 = Medium("device", 0)
+    cpu0 = Medium("cpu", 0)
+    cpu1 = Medium("cpu", 1)
+    disk1 = Medium("disk", 1)
     assert choose_transport(gpu0, cpu0) == "local"
     assert choose_transport(cpu0, cpu1) == "shm"
     assert choose_transport(cpu0, Medium("cpu", 2, node=1)) == "p2p"

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from reshard import Layout, plan_transfer
 from reshard.layout import box_numel, box_slices
 from tests import dist_harness
+from tests.tolerance import assert_close_reduced
 
 WORLD = 4
 
@@ -334,14 +335,16 @@ def test_llama_through_tp_fsdp_stages_tpdp_and_back(tmp_path):
 
     path = str(make_tiny_checkpoint("llama", tmp_path / "llama4", seed=3, num_hidden_layers=4))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 33, 2, 100, 7, 64]])
     with torch.no_grad():
-        expected = hf(torch.tensor([[5, 9, 33, 2, 100, 7, 64]])).logits
+        expected = hf(ids).logits
+        expected64 = hf.double()(ids).logits
     # fresh processes: once in a full CI run (after ~300 tests in the same pool) every logit came out
     # wrong here, and never when run alone or after any subset tried; under investigation
     results = dist_harness.run(WORLD, _model_through_layouts, path, fresh=True)
     for logits, _ in results:
-        torch.testing.assert_close(logits["start"], expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(logits["tp2xdp2"], expected, rtol=1e-5, atol=1e-5)
+        assert_close_reduced(logits["start"], expected, expected64, msg="tp4")
+        assert_close_reduced(logits["tp2xdp2"], expected, expected64, msg="tp2xdp2")
         assert torch.equal(logits["tp4"], logits["start"])  # back in TP(4): bitwise the same logits
     for move in zip(*[moves for _, moves in results]):
         name, lower_bound = move[0][0], move[0][2]
@@ -464,7 +467,9 @@ def _groups():
 
     from reshard.mesh import cached_group
 
-    moves, again, kv = cached_group(purpose="moves"), cached_group(purpose="moves"), cached_group(purpose="kv")
+    moves = cached_group(purpose="moves")
+    again = cached_group(purpose="moves")
+    kv = cached_group(purpose="kv")
     pair = cached_group([1, 0], purpose="pair")
     timeout = moves._get_backend(torch.device("cpu")).options._timeout
     return moves is again, moves is not kv, dist.get_process_group_ranks(pair), timeout

@@ -61,7 +61,9 @@ def _run(sp, tp, heads, kv, head_dim, qk_norm, mode, copy):
         pos_in = torch.nn.functional.pad(pos, (0, nl * sp - N_TOKENS))[:, coord[0] * nl : (coord[0] + 1) * nl]
         g_in = torch.nn.functional.pad(grad_out, (0, 0, 0, nl * sp - N_TOKENS))[:, coord[0] * nl : (coord[0] + 1) * nl]
     else:
-        x_in, pos_in, g_in = x, pos, grad_out
+        x_in = x
+        pos_in = pos
+        g_in = grad_out
     x_in = x_in.clone().requires_grad_(True)
     with use_weights(SHIFT_WEIGHTS if mode == "tp" else None):  # the mode is chosen per forward
         out = attn(x_in, rope(x_in, pos_in), sequence_parallel=mode == "sp")[0]

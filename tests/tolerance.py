@@ -34,3 +34,16 @@ def assert_close_reduced(
         f"{msg} max |actual - float64 reference| = {error:.3g} exceeds {factor} x the fp32 reference's "
         f"own error ({atol / factor:.3g})"
     )
+
+
+def hf_prompt_kv(path, prompts, dtype):
+    """Per prompt, per layer: HF's cached (keys, values) after the prompt, [kv_heads, len, head_dim]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            cache = hf(torch.tensor([p]), use_cache=True).past_key_values
+            out.append([(layer.keys[0], layer.values[0]) for layer in cache.layers])
+    return out

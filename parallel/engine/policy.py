@@ -128,7 +128,9 @@ class SlotPool:
         block_size: int | None = None,
         stats: EngineStats | None = None,
     ) -> None:
-        self.per, self.block_size, self.stats = slots_per_replica, block_size, stats
+        self.per = slots_per_replica
+        self.block_size = block_size
+        self.stats = stats
         self.free = [
             g * slots_per_replica + i for i in reversed(range(slots_per_replica)) for g in reversed(range(replicas))
         ]
@@ -177,7 +179,9 @@ class Policy:
 
     def setup(self, ctx: PolicyContext) -> None:
         """Called once by the engine that runs this policy."""
-        self.runner_info, self.stats, self.new_sequence = ctx.runner_info, ctx.stats, ctx.new_sequence
+        self.runner_info = ctx.runner_info
+        self.stats = ctx.stats
+        self.new_sequence = ctx.new_sequence
 
     @property
     def initial_layout(self) -> str | None:
@@ -226,7 +230,9 @@ class ContinuousBatching(Policy):
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
-        self.layout, self.max_prefill_tokens, self.admission = layout, max_prefill_tokens, admission
+        self.layout = layout
+        self.max_prefill_tokens = max_prefill_tokens
+        self.admission = admission
 
     @property
     def initial_layout(self) -> str | None:

@@ -56,7 +56,9 @@ class StageLink:
         self, stage: int, peers: list[int], hidden_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.stage, self.peers = stage, peers
-        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
 
     @property
     def is_first(self) -> bool:
@@ -149,7 +151,9 @@ class ModelRunner:
         self.link = self._stage_link(coord) if self.dims.pp > 1 else None
         if split is not None and self.link is not None:
             raise ValueError("a token split (sequence parallelism) cannot be combined with pipeline stages")
-        self.split, self.weights, self.compiled = split, weights, compile
+        self.split = split
+        self.weights = weights
+        self.compiled = compile
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
         self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
         self.swap = self._micro_batch_swap(kv_block_size) if kv_swap else None
@@ -263,7 +267,9 @@ class ModelRunner:
         kv_len = max(s.cached for s in seqs) + 1
         if self.compiled:  # a few shapes (graphs), not one per step
             kv_len = min(-(-kv_len // KV_LEN_BUCKET) * KV_LEN_BUCKET, self.kv.spec.max_seq_len + 1)
-        batches, keep, ranges = [], [], []  # keep: the rows of the concatenated logits that are seqs' (by slot)
+        batches = []  # keep: the rows of the concatenated logits that are seqs' (by slot)
+        keep = []
+        ranges = []
         for a, b in split_ranges(self.max_batch_size, self.num_microbatches):
             active = [s - a for s in slots if a <= s < b]
             if active:  # a slot range with no running sequence is skipped on every stage

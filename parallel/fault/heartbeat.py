@@ -21,7 +21,11 @@ class Heartbeat:
         self, store, rank: int, world: int, *, period: float = 0.5, misses: int = 3, prefix: str = "hb", on_dead=None
     ) -> None:
 
-        self.store, self.rank, self.world, self.period, self.misses = store, rank, world, period, misses
+        self.store = store
+        self.rank = rank
+        self.world = world
+        self.period = period
+        self.misses = misses
         self.prefix, self.on_dead = prefix, on_dead or _leave
         self.detected: list[tuple[int, float]] = []
         self.error: Exception | None = None

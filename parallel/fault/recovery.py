@@ -94,7 +94,9 @@ class FaultTolerance:
         )
         self.kill_at, self.hang = kill_at, hang
         self.last_attempt, self.on_last_failure = attempt >= max_restarts, on_last_failure
-        self.recovered_from, self.recomputed_steps, self._streamed = 0, 0, []
+        self.recovered_from = 0
+        self.recomputed_steps = 0
+        self._streamed = []
         self._replay: list[list[int]] = []  # the journal's tokens of the first steps of this attempt
         engine.events.on("known_tokens", self._known)
         engine.events.on("step_ready", self._maybe_die)

@@ -51,8 +51,12 @@ class AbsentRunner:
 
     def __init__(self, model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int) -> None:
         self.model, self.dims = model, dims
-        self.max_batch_size, self.max_seq_len, self.num_microbatches = max_batch_size, max_seq_len, dims.pp
-        self.replica, self.is_source, self.kv = Replica(dims.dp, -1), False, None
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.num_microbatches = dims.pp
+        self.replica = Replica(dims.dp, -1)
+        self.is_source = False
+        self.kv = None
 
 
 @dataclass

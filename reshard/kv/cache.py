@@ -165,7 +165,10 @@ class KVCache:
     def release(self) -> int:
         """Free the cache's memory (its contents are lost); returns the bytes freed."""
         freed = self.spec.bytes if self.allocated else 0
-        self.k, self.v, self.table, self.storage = [], [], None, None
+        self.k = []
+        self.v = []
+        self.table = None
+        self.storage = None
         return freed
 
     def restore(self) -> None:

@@ -269,7 +269,9 @@ class KVStreamer:
         timeout: float = 60.0,
         background: bool = False,
     ) -> None:
-        self.plan, self.rank, self.timeout = plan, dist.get_rank(), timeout
+        self.plan = plan
+        self.rank = dist.get_rank()
+        self.timeout = timeout
         # background: pack and unpack on a thread of the streamer's too (token streaming, where the
         # caller leaves the streamed entries alone until it waits; a prompt's slot may be refilled)
         self._worker = JobQueue("stream") if background else None
@@ -343,7 +345,9 @@ class StreamIn:
     for the streamer's thread to have done so: ``unpacked``)."""
 
     def __init__(self, fetches, timeout: float) -> None:
-        self.fetches, self.timeout, self.unpacked = fetches, timeout, None
+        self.fetches = fetches
+        self.timeout = timeout
+        self.unpacked = None
 
     @property
     def nbytes(self) -> int:
@@ -383,7 +387,10 @@ class TokenStream:
     def __init__(
         self, streamer: KVStreamer, send_cache: KVCache | None, recv_cache: KVCache | None, *, timeout: float = 60.0
     ) -> None:
-        self.streamer, self.send_cache, self.recv_cache, self.timeout = streamer, send_cache, recv_cache, timeout
+        self.streamer = streamer
+        self.send_cache = send_cache
+        self.recv_cache = recv_cache
+        self.timeout = timeout
         self.steps, self.bytes_out = 0, 0
         self._pending: list = []
 

@@ -49,7 +49,9 @@ class MicrobatchSwap:
 
     def __init__(self, host: KVCache, device: KVCache, per: int) -> None:
         assert device.spec.num_slots >= 2 * per, (device.spec.num_slots, per)
-        self.host, self.device, self.per = host, device, per
+        self.host = host
+        self.device = device
+        self.per = per
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-mb-swap")
         self.bytes_in = self.bytes_out = 0
 
@@ -71,7 +73,9 @@ class MicrobatchSwap:
 
     def swap_out(self, i: int, a: int, b: int, positions) -> None:
         """The entries micro-batch ``i`` wrote at ``positions`` (one per slot of ``[a, b)``) -> host."""
-        r, host, dev = self.base(i), self.host.device, self.device.device
+        r = self.base(i)
+        host = self.host.device
+        dev = self.device.device
         rows, pos = torch.arange(a, b, device=host), positions[a:b].to(host)  # (b - a,) each
         dev_rows, dev_pos = torch.arange(r, r + b - a, device=dev), positions[a:b].to(dev)
         for (hk, hv), (dk, dv) in zip(self._layers(self.host), self._layers(self.device)):
@@ -106,7 +110,10 @@ class DecodeSwap:
     """One decode step's swaps, driven by the runner around each micro-batch it computes."""
 
     def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]], positions, kv_len: int) -> None:
-        self.swap, self.ranges, self.positions, self.kv_len = swap, ranges, positions, kv_len
+        self.swap = swap
+        self.ranges = ranges
+        self.positions = positions
+        self.kv_len = kv_len
         self._next: Future | None = None
 
     def before(self, i: int) -> None:
@@ -136,7 +143,9 @@ class PrefillSwap:
     go to their host slots before the region is used again (micro-batch ``i + 2``)."""
 
     def __init__(self, swap: MicrobatchSwap, groups: list[tuple[list[int], list[int]]]) -> None:
-        self.swap, self.groups, self._pending = swap, groups, None
+        self.swap = swap
+        self.groups = groups
+        self._pending = None
 
     def before(self, i: int) -> None:
         if i > 0:  # the previous micro-batch computed: store it while this one computes

@@ -115,7 +115,10 @@ class Job:
 
     def __init__(self, op: str, key: Key, transport: str, nbytes: int) -> None:
         self.id = next(_IDS)
-        self.op, self.key, self.transport, self.nbytes = op, key, transport, nbytes
+        self.op = op
+        self.key = key
+        self.transport = transport
+        self.nbytes = nbytes
         self._event = threading.Event()
         self._error: BaseException | None = None
 

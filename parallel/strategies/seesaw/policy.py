@@ -93,7 +93,9 @@ class SeesawPolicy(Policy):
         scheduler: str = "transition_minimizing",
         max_prefill_tokens: int = 4096,
     ) -> None:
-        self.switch, self.tier, self.scheduler = switch, tier, make_scheduler(scheduler)
+        self.switch = switch
+        self.tier = tier
+        self.scheduler = make_scheduler(scheduler)
         self.max_prefill_tokens = max_prefill_tokens
         self.swapper = KVSwapper(tier)
         self.decode_slot_of: dict[int, int] = {}  # request id -> decode slot it was swapped into

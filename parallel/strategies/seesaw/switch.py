@@ -72,7 +72,9 @@ class LayoutSwitch:
             "decode": build_model(path, decode, dtype=dtype, load_weights=False),
         }
         release_weights(self.models["decode"])
-        self.active, self.weights, self.bucket_bytes = "prefill", weights, bucket_bytes
+        self.active = "prefill"
+        self.weights = weights
+        self.bucket_bytes = bucket_bytes
         self.history: list[TransitionStats] = []
         self.store = self._make_store() if weights == "reload" else None
 
@@ -121,7 +123,9 @@ class LayoutSwitch:
 
     def _reload(self, phase: str) -> int:
         """Each rank copies its boxes of ``phase``'s layout out of the shared CPU copy."""
-        rank, before, dst = dist.get_rank(), self.store.bytes_read, self.models[phase]
+        rank = dist.get_rank()
+        before = self.store.bytes_read
+        dst = self.models[phase]
         for name, p in dst.named_parameters():
             box = global_layout(p, self.dims[phase]).box(rank)
             _install(dst, name, None if box is None else self.store.read(name, box, _device_of(dst)))

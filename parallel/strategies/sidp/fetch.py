@@ -63,7 +63,10 @@ class FetchScheduler:
         self, pool: OwnerPool, *, prefetch_depth: int = 2, peak_shifting: bool = True, timeout: float = 60.0
     ) -> None:
         check_slots(pool.slots, pool.G, prefetch_depth=prefetch_depth, peak_shifting=peak_shifting)
-        self.pool, self.depth, self.shift, self.timeout = pool, prefetch_depth, peak_shifting, timeout
+        self.pool = pool
+        self.depth = prefetch_depth
+        self.shift = peak_shifting
+        self.timeout = timeout
         self.counters = FetchCounters()
         self._group = cached_group(pool.ranks, purpose="sidp-fetch")
         self._housekeeper: Background | None = None
@@ -140,7 +143,9 @@ class FetchScheduler:
         pool = self.pool
         mine = next((j for r, j in rnd if r == pool.rank), None)
         slot = pool.take_slot() if mine is not None else None
-        plans, srcs, outs = [], [], []
+        plans = []
+        srcs = []
+        outs = []
         like = pool.slot_flat[0]
         for reader, j in rnd:
             shape = tuple(like.shape)

@@ -105,7 +105,9 @@ class SiDPPolicy(ContinuousBatching):
         super().__init__("was", max_prefill_tokens=max_prefill_tokens, admission=admission)
         self.pool, self.fetcher = fetcher.pool, fetcher
         self.fixed = None if mode == "auto" else (WAS if mode == "was" else CAS)
-        self.threshold, self.hysteresis, self.interval = threshold, hysteresis, interval
+        self.threshold = threshold
+        self.hysteresis = hysteresis
+        self.interval = interval
         self.current: str | None = None
         self._steps = 0
         self._agreed: str | None = None  # the mode the group agreed with the last step's tokens
