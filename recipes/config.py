@@ -26,8 +26,14 @@ class WorkloadConfig:
     prompt_len_max: int = 128
     seed: int = 0
     prompts_file: str | None = None
+    rate: float | None = None  # online: Poisson arrivals at this many requests/s (null: offline)
+    burst: int = 1  # online: requests arrive this many at a time
 
     def __post_init__(self) -> None:
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"workload.rate must be > 0 requests/s (or null: offline), got {self.rate}")
+        if self.burst < 1:
+            raise ValueError(f"workload.burst must be >= 1, got {self.burst}")
         if self.num_requests < 1:
             raise ValueError(f"workload.num_requests must be >= 1, got {self.num_requests}")
         if not 1 <= self.prompt_len_min <= self.prompt_len_max:
@@ -72,22 +78,32 @@ class EngineConfig:
     admission: str = "fifo"  # fifo | longest_first (largest max_new_tokens first)
     kv_block_size: int | None = None  # paged KV cache: positions per block (null: contiguous slots)
     kv_tokens: int | None = None  # paged KV cache: tokens per replica (null: contiguous slots)
+    replicas: str = "groups"  # groups: each data-parallel replica steps on its own | lockstep
+    routing: str = "least_loaded"  # least_loaded | round_robin | longest_first (requests to groups)
 
     def __post_init__(self) -> None:
         from reshard.parallel.engine.policy import ADMISSION
+        from reshard.parallel.engine.router import ROUTING
+        from reshard.parallel.engine.runner import REPLICAS
 
         if (self.kv_block_size is None) != (self.kv_tokens is None):
             raise ValueError(
                 f"engine.kv_block_size and engine.kv_tokens go together, got {self.kv_block_size} and {self.kv_tokens}"
             )
         for f in fields(self):
-            if f.name != "admission" and getattr(self, f.name) is not None and getattr(self, f.name) < 1:
+            value = getattr(self, f.name)
+            if not isinstance(value, str) and value is not None and value < 1:
                 raise ValueError(f"engine.{f.name} must be >= 1, got {getattr(self, f.name)}")
         if self.admission not in ADMISSION:
             raise ValueError(f"engine.admission must be one of {list(ADMISSION)}, got {self.admission!r}")
+        if self.replicas not in REPLICAS:
+            raise ValueError(f"engine.replicas must be one of {list(REPLICAS)}, got {self.replicas!r}")
+        if self.routing not in ROUTING:
+            raise ValueError(f"engine.routing must be one of {list(ROUTING)}, got {self.routing!r}")
 
-    def args(self, *, compile: bool, dtype: str, allow_unused: bool = False):
-        """The engine arguments every strategy takes."""
+    def args(self, *, compile: bool, dtype: str, allow_unused: bool = False, lockstep: bool = False):
+        """The engine arguments every strategy takes (``lockstep``: replicas share steps, as
+        fault tolerance's journal and ring need)."""
         import torch
 
         from reshard.parallel.engine import EngineArgs
@@ -102,6 +118,8 @@ class EngineConfig:
             allow_unused=allow_unused,
             kv_block_size=self.kv_block_size,
             kv_tokens=self.kv_tokens,
+            replicas="lockstep" if lockstep else self.replicas,
+            routing=self.routing,
         )
 
 

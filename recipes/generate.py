@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from reshard.mesh import device_type
 from reshard.parallel import Engine, ParallelDims, Request
+from reshard.parallel.engine.metrics import latency_summary
+from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.parallel.fault import restart_count
 from reshard.parallel.model.tiny_models import builtin_checkpoint
 from reshard.recipes.config import GenerateConfig
@@ -40,7 +42,12 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     path = _model_path(cfg)
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
-    args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
+    args = cfg.engine.args(
+        compile=cfg.compile,
+        dtype=cfg.model.dtype,
+        allow_unused=cfg.model.allow_unused_weights,
+        lockstep=cfg.fault.replicate,  # the journal and the KV ring follow one lockstep group (for now)
+    )
     engine = cfg.parallel.build(path, args)
     keep = _keep_finished(engine, run_dir)
     fault = _fault_tolerance(cfg, engine, keep)
@@ -138,13 +145,17 @@ def _model_path(cfg: GenerateConfig) -> Path:
 
 
 def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> list[Request]:
-    """Requests from ``workload.prompts_file`` or a seeded synthetic workload."""
+    """Requests from ``workload.prompts_file`` or a seeded synthetic workload; arrival times from
+    the file's ``"arrival"`` fields or a seeded Poisson process at ``workload.rate`` (else 0)."""
     params = cfg.generation.sampling_params()
-    if cfg.workload.prompts_file:
-        prompts = read_prompts(Path(cfg.workload.prompts_file), model_path)
+    w = cfg.workload
+    if w.prompts_file:
+        prompts, arrivals = read_prompts(Path(w.prompts_file), model_path)
     else:
-        prompts = synthetic_prompts(cfg, vocab_size)
-    return [Request(i, p, params) for i, p in enumerate(prompts)]
+        prompts, arrivals = synthetic_prompts(cfg, vocab_size), [0.0] * w.num_requests
+    if w.rate is not None:
+        arrivals = poisson_arrivals(len(prompts), w.rate, w.seed, w.burst)
+    return [Request(i, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
 
 
 def synthetic_prompts(cfg: GenerateConfig, vocab_size: int) -> list[list[int]]:
@@ -154,11 +165,13 @@ def synthetic_prompts(cfg: GenerateConfig, vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-def read_prompts(path: Path, model_path: Path) -> list[list[int]]:
-    """JSONL lines: a token-id list, ``{"prompt_ids": [...]}``, a string or ``{"text": ...}``."""
+def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[float]]:
+    """JSONL lines: a token-id list, ``{"prompt_ids": [...]}``, a string or ``{"text": ...}``; a
+    mapping may give ``"arrival"`` (seconds after the start, >= 0; default 0). Returns the prompts
+    and their arrival times."""
     if not path.exists():
         raise ValueError(f"workload.prompts_file {str(path)!r} does not exist")
-    prompts, tokenizer = [], None
+    prompts, arrivals, tokenizer = [], [], None
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -166,6 +179,7 @@ def read_prompts(path: Path, model_path: Path) -> list[list[int]]:
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        arrivals.append(_arrival(item, path, lineno))
         if isinstance(item, dict):
             item = item.get("prompt_ids", item.get("text"))
         if isinstance(item, str):
@@ -176,7 +190,14 @@ def read_prompts(path: Path, model_path: Path) -> list[list[int]]:
         prompts.append(item)
     if not prompts:
         raise ValueError(f"workload.prompts_file {str(path)!r} has no prompts")
-    return prompts
+    return prompts, arrivals
+
+
+def _arrival(item, path: Path, lineno: int) -> float:
+    value = item.get("arrival", 0.0) if isinstance(item, dict) else 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{path}:{lineno}: arrival must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _tokenizer(model_path: Path, prompts_path: Path):
@@ -194,8 +215,9 @@ def _tokenizer(model_path: Path, prompts_path: Path):
 def _summary(
     cfg, path, engine: Engine, layouts: dict[str, ParallelDims], completions, load_s: float, gen_s: float
 ) -> dict:
-    """Token counts over all requests; phase times of the slowest replica; every layout the run used."""
-    s = engine.stats
+    """Token counts over all requests; phase times of the slowest replica (or engine group);
+    latency percentiles and end-to-end throughput; every layout the run used."""
+    s = _job_stats(engine)
     phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64, device=device_type())
     dist.all_reduce(phase, op=dist.ReduceOp.MAX)
     prefill_s, decode_s, gen_s = phase.tolist()
@@ -212,11 +234,19 @@ def _summary(
         "prefill_tokens_per_s": prompt_tokens / max(prefill_s, 1e-9),
         "decode_tokens_per_s": (generated - len(completions)) / max(decode_s, 1e-9),
         "mean_decode_batch": s.mean_decode_batch,
+        "engine_groups": max(len(engine.group_stats), 1),
         "phase_seconds": {"load": load_s, "prefill": prefill_s, "decode": decode_s, "generate_total": gen_s},
+        "online": any(c.timing is not None and c.timing.arrival > 0 for c in completions),
+        "latency": latency_summary(completions, gen_s),
         "compile": cfg.compile,
         "kv": _kv_summary(engine),
         **cfg.parallel.summary(engine),
     }
+
+
+def _job_stats(engine: Engine):
+    """The engine's counters over all its groups (one group: its own)."""
+    return type(engine.stats).total(engine.group_stats) if engine.group_stats else engine.stats
 
 
 def _kv_summary(engine: Engine) -> dict:
@@ -224,7 +254,7 @@ def _kv_summary(engine: Engine) -> dict:
     kv = next((r.kv for r in engine.runners.values() if r.kv is not None), None)
     if kv is None:
         return {}
-    spec, s = kv.spec, engine.stats
+    spec, s = kv.spec, _job_stats(engine)
     out = {"paged": spec.paged, "capacity_tokens": spec.capacity_tokens}
     if spec.paged:
         out.update(

@@ -41,6 +41,10 @@ def _run_recipe(overrides, run_dir):
             r"parallel: 'magic' is not one of \['dejavu', 'seesaw', 'shift', 'sidp', ('toy_alternating', )?'tp'\]",
         ),
         ("engine.max_batch_size=0", r"engine.max_batch_size must be >= 1, got 0"),
+        ("workload.rate=0", r"workload.rate must be > 0 requests/s \(or null: offline\), got 0"),
+        ("workload.burst=0", r"workload.burst must be >= 1, got 0"),
+        ("engine.replicas=sometimes", r"engine.replicas must be one of \['lockstep', 'groups'\], got 'sometimes'"),
+        ("engine.routing=random", r"engine.routing must be one of \['least_loaded', .*\], got 'random'"),
         ("parallel=shift parallel.shift_weights=mirror", r"parallel.shift_weights must be copy or slice, got 'mirror'"),
         ("parallel=shift parallel.threshold=-5", r"parallel.threshold must be >= 0, got -5"),
         ("parallel=seesaw parallel.weights=copy", r"parallel.weights must be move or reload, got 'copy'"),
@@ -78,6 +82,18 @@ def test_bad_override_values_raise_value_error(override, message):
 def test_defaults_compose():
     cfg = _compose([])
     assert cfg.model.path is None and cfg.parallel.strategy == "tp" and cfg.generation.temperature == 0
+
+
+def test_workload_rate_gives_seeded_poisson_arrivals(tmp_path):
+    from reshard.recipes.generate import build_requests
+
+    cfg = _compose(["workload.rate=50", "workload.num_requests=200", "workload.seed=4"])
+    arrivals = [r.arrival for r in build_requests(cfg, tmp_path, 256)]
+    again = [r.arrival for r in build_requests(cfg, tmp_path, 256)]
+    assert arrivals == again == sorted(arrivals) and arrivals[0] > 0  # seeded, ascending
+    assert 200 / arrivals[-1] == pytest.approx(50, rel=0.25)  # about the asked rate
+    bursts = [r.arrival for r in build_requests(_compose(["workload.rate=50", "workload.burst=4"]), tmp_path, 256)]
+    assert bursts[:4] == [bursts[0]] * 4 and bursts[4] > bursts[3]  # four at a time
 
 
 def test_tp_not_dividing_world_is_rejected(tmp_path):
@@ -120,8 +136,8 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     path = checkpoints["qwen3"]
     prompts_file = tmp_path / "prompts.jsonl"
     prompts = [[5, 6, 7, 8], [9, 10, 11], [100, 3, 4, 77, 23, 1]]
-    prompts_file.write_text(
-        "\n".join(json.dumps(p) for p in prompts[:2]) + "\n" + json.dumps({"prompt_ids": prompts[2]}) + "\n"
+    prompts_file.write_text(  # the last one arrives 0.3 s after the start: an online workload
+        "\n".join(json.dumps(p) for p in prompts[:2]) + "\n" + json.dumps({"prompt_ids": prompts[2], "arrival": 0.3})
     )
     overrides = [
         f"model.path={path}",
@@ -132,6 +148,14 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     ]
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
     assert summaries[0]["parallel"] == {"main": {"dp": 2, "pp": 1, "sp": 1, "tp": 1, "ranks": [0, 1]}}
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["engine_groups"] == 2 and summary["online"] is True  # two replicas, each its own group
+    latency = summary["latency"]
+    for metric in ("ttft", "tpot", "latency", "normalized", "queued"):
+        assert set(latency[metric]) == {"p50", "p90", "p99", "mean"}
+        assert 0 <= latency[metric]["p50"] <= latency[metric]["p90"] <= latency[metric]["p99"]
+    assert latency["requests_per_s"] > 0 and latency["output_tokens_per_s"] > 0
+    assert summary["phase_seconds"]["generate_total"] >= 0.3  # the last request arrived at 0.3 s
     lines = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
     assert [line["prompt_ids"] for line in lines] == prompts
     assert [line["output_ids"] for line in lines] == hf_reference(path, prompts, 8)

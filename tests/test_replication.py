@@ -17,7 +17,7 @@ def _job(path, pp, paged, dp=1):
     world = dist.get_world_size()
     model = parallelize_pipeline(path, ParallelDims(dp=dp, pp=pp, tp=world // (pp * dp), world_size=world))
     kw = dict(kv_block_size=8, kv_tokens=160) if paged else {}
-    engine = Engine(model, max_batch_size=3, max_seq_len=48, num_microbatches=pp, **kw)
+    engine = Engine(model, max_batch_size=3, max_seq_len=48, num_microbatches=pp, replicas="lockstep", **kw)
     ring = RingReplication(engine)
     reqs = [Request(i, list(range(3 + i, 12 + 2 * i)), SamplingParams(max_new_tokens=5 + i)) for i in range(5)]
     engine.generate(reqs)

@@ -10,6 +10,8 @@ everything else plugs in through :attr:`Engine.events` (:mod:`parallel.engine.ev
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import time
 from collections import deque
@@ -25,6 +27,16 @@ from reshard.parallel.engine.agree import sample_step
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.policy import ContinuousBatching, Policy, PolicyContext, RunnerInfo, Step, StepOutput
 from reshard.parallel.engine.request import Completion, Request, Sequence
+from reshard.parallel.engine.router import (
+    ADMIT,
+    ROUTING,
+    Admission,
+    Channel,
+    Load,
+    LocalAdmission,
+    RoutedAdmission,
+    Router,
+)
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import skip_draws
 from reshard.parallel.model.info import parallel_info
@@ -48,6 +60,11 @@ class Engine:
         kv_block_size, kv_tokens: a paged KV cache (see :class:`ModelRunner`); admission then
             also waits for free blocks.
         kv_swap: micro-batch swapping of the KV between host and device (see :class:`ModelRunner`).
+        replicas: ``"groups"`` (default): each data-parallel replica of the model is an engine
+            group that steps on its own, fed by a router; ``"lockstep"``: replicas share steps.
+        routing: how the router places requests on groups (see :class:`Router`).
+        group_timeout: seconds a group waits for the router (default: the job's collective
+            timeout); then it fails with a message naming what it waited for.
         group: the ranks that agree on every step's tokens (e.g. ``dist.group.WORLD`` when layouts
             on disjoint ranks share steps, as DejaVu's do); default: the step's layout's ranks.
         host_tiers: layouts whose KV reaches the other layouts' caches through a host tier (layout
@@ -72,6 +89,9 @@ class Engine:
         kv_swap: bool = False,
         group: dist.ProcessGroup | None = None,
         host_tiers: Mapping | None = None,
+        replicas: str = "groups",
+        routing: str = "least_loaded",
+        group_timeout: float | None = None,
     ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
@@ -86,8 +106,13 @@ class Engine:
                     kv_block_size=kv_block_size,
                     kv_tokens=kv_tokens,
                     kv_swap=kv_swap,
+                    replicas=replicas,
                 )
             }
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
+        self.routing = routing
+        self.group_timeout = None if group_timeout is None else datetime.timedelta(seconds=group_timeout)
         self.runners = dict(runners)
         self.policy = policy or ContinuousBatching(
             next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens, admission=admission
@@ -101,6 +126,8 @@ class Engine:
         new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids)
         self.policy.setup(PolicyContext(layouts, self.stats, new_sequence))
         self.active: str | None = self.policy.initial_layout
+        self.engine_group = next(iter(self.runners.values())).engine_group  # None: one group
+        self.group_stats: list = []  # every group's counters after a routed generate
         self._released: list = []  # caches freed by release_memory(), restored by generate()
         self.steps_done = 0
 
@@ -128,25 +155,85 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, requests: Seq[Request], *, progress: bool = False) -> list[Completion]:
-        """Run all ``requests`` to completion on every rank; returns completions in request order."""
+        """Run all ``requests`` (the same list on every rank) to completion; returns every
+        completion, in request order, on every rank.
+
+        With several engine groups (:attr:`engine_group`) each group runs this loop on the
+        requests the router hands it and the completions are gathered at the end. A request with
+        an ``arrival`` time is admitted once it has arrived (online workloads).
+        """
         self.validate(requests)
         for runner in self.runners.values():
             parallel_info(runner.model).weight_version.check_ready()
         while self._released:  # re-acquire what release_memory() freed
             self._released.pop().restore()
-        queue, done = deque(requests), {}
-        self.policy.start(queue)
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
-            while len(done) < len(requests):
-                step = self.policy.next_step(queue)
-                assert step.seqs, f"policy {type(self.policy).__name__} returned an empty step"
-                self.policy.after_step(step, self._run(step))
-                for seq in step.seqs:
-                    if seq.finish_reason is not None:
-                        done[seq.request.id] = seq.completion()
-                        self.policy.retire(seq)
-                        bar.update(1)
-        return [done[r.id] for r in requests]
+            if self.engine_group is None:
+                start = time.time()
+                done = self._serve(LocalAdmission(requests, start, self._leads_group(), bar), start)
+                return [done[r.id] for r in requests]
+            return self._serve_routed(requests, bar)
+
+    def _serve(self, admission: Admission, start: float) -> dict:
+        """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
+        ``admission`` is exhausted and every request it handed over has finished."""
+        queue, done = deque(admission.initial()), {}
+        self.policy.start(queue)
+        admission.report(self._load(queue), 0)
+        while not (admission.exhausted and len(done) == admission.taken):
+            if len(done) == admission.taken:  # nothing queued or running: wait for the next request
+                queue.extend(admission.wait_next())
+                continue
+            step = self.policy.next_step(queue)
+            assert step.seqs, f"policy {type(self.policy).__name__} returned an empty step"
+            step.agree[ADMIT] = admission.proposal()
+            output = self._run(step)
+            self.policy.after_step(step, output)
+            finished = [seq for seq in step.seqs if seq.finish_reason is not None]
+            for seq in finished:
+                done[seq.request.id] = seq.completion(start)
+                self.policy.retire(seq)
+            queue.extend(admission.take((output.agreed or {}).get(ADMIT, 0)))
+            admission.report(self._load(queue), len(finished))
+        return done
+
+    def _serve_routed(self, requests: Seq[Request], bar: tqdm) -> list[Completion]:
+        """This rank's group serves what the router (a thread on rank 0) hands it; then every
+        rank gathers every group's completions and counters."""
+        group = self.engine_group
+        channel = Channel(f"groups-{self.runner.dims.ranks[0]}")
+        router = None
+        if dist.get_rank() == 0:
+            channel.put("start", time.time())
+            router = Router(channel, requests, group.count, channel.get("start"), self.routing)
+        channel.wait("start", f"engine group {group.index} waiting for the router's start time", self.group_timeout)
+        start = channel.get("start")
+        with router or contextlib.nullcontext():
+            admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, self.group_timeout)
+            done = self._serve(admission, start)
+        mine = (list(done.values()), self.stats) if group.is_leader else None
+        everyone: list = [None] * dist.get_world_size(self.runner.dims.group())
+        dist.all_gather_object(everyone, mine, group=self.runner.dims.group())
+        if router is not None:
+            channel.clear(router.keys())
+        self.group_stats = [stats for _, stats in filter(None, everyone)]
+        by_id = {c.id: c for completions, _ in filter(None, everyone) for c in completions}
+        return [by_id[r.id] for r in requests]
+
+    def _leads_group(self) -> bool:
+        """Whether this rank is the first of the ranks that agree on steps (it proposes admissions)."""
+        if not dist.is_initialized():
+            return True
+        group = (self.group if self.group is not None else self.runner.group) or dist.group.WORLD
+        return dist.get_rank() == min(dist.get_process_group_ranks(group))
+
+    def _load(self, queue: deque) -> Load | None:
+        """The room the policy has left once ``queue`` is admitted (for the router)."""
+        room = self.policy.room()
+        if room is None:
+            return None
+        need = sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in queue)
+        return Load(room[0] - len(queue), room[1] - need, 0)
 
     def _run(self, step: Step) -> StepOutput:
         """Enter the step's layout, make its moves, compute (or replay) it and agree on its tokens."""
@@ -157,14 +244,17 @@ class Engine:
             if known is None or not move.kv:  # a replayed step finds its KV restored
                 self.policy.make(move)
         self.events.fire("step_ready", index, step)
+        started = time.time()
         t0 = time.perf_counter()
         if known is None:
             tokens, agreed = self._computed(step, runner)
         else:
             tokens, agreed = self._replayed(step, known), None
+        now = time.time()
         for seq, token in zip(step.seqs, tokens):
             seq.cached += seq.prompt_len if step.phase == "prefill" else 1
             seq.append(token)
+            _record_times(seq, started, now)
         self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
         self.events.fire("step_agreed", index, step, tokens)
         self.steps_done += 1
@@ -252,6 +342,16 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _record_times(seq: Sequence, started: float, now: float) -> None:
+    """A sequence's wall-clock milestones: its first step began, its first token, its end."""
+    if not seq.times:
+        seq.times.append(started)
+    if len(seq.times) == 1:
+        seq.times.append(now)
+    if seq.finish_reason is not None and len(seq.times) == 2:
+        seq.times.append(now)
 
 
 def _as_ids(eos) -> tuple[int, ...]:

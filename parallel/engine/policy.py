@@ -161,6 +161,13 @@ class SlotPool:
                 self.stats.kv_blocks_allocated += len(seq.blocks)
                 self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.num_blocks - len(pool))
 
+    def room(self, max_seq_len: int) -> tuple[int, int]:
+        """(free slots, free KV tokens) of the first replica: a contiguous slot holds
+        ``max_seq_len`` tokens; a paged replica has its free blocks."""
+        if self.free_blocks is None:
+            return len(self.free), len(self.free) * max_seq_len
+        return len(self.free), len(self.free_blocks[0]) * self.block_size
+
     def give(self, seq: Sequence) -> None:
         self.free.append(seq.replica * self.per + seq.slot)
         if self.free_blocks is not None:
@@ -209,6 +216,11 @@ class Policy:
 
     def retire(self, seq: Sequence) -> None:
         """``seq`` finished: release what it holds."""
+
+    def room(self) -> tuple[int, int] | None:
+        """(free slots, free KV tokens) for new requests, for a router that places them by load
+        (``None``: the policy does not say; a router then only round-robins to it)."""
+        return None
 
     def close(self) -> None:
         """Release threads and shared memory (not collective)."""
@@ -292,6 +304,9 @@ class ContinuousBatching(Policy):
 
     def _fits(self, request: Request) -> bool:
         return self.slots.can_take(request)
+
+    def room(self) -> tuple[int, int] | None:
+        return self.slots.room(self.runner_info[self.layout].kv.spec.max_seq_len)
 
     def retire(self, seq: Sequence) -> None:
         self.running.pop(seq.request.id)

@@ -41,6 +41,8 @@ class EngineArgs:
     allow_unused: bool = False  # load a checkpoint that holds tensors the model does not use
     kv_block_size: int | None = None  # paged KV cache: positions per block (None: contiguous slots)
     kv_tokens: int | None = None  # paged KV cache: tokens per replica
+    replicas: str = "groups"  # data-parallel replicas: engine groups on their own, or "lockstep"
+    routing: str = "least_loaded"  # how the router places requests on engine groups
 
     @property
     def kv(self) -> dict:

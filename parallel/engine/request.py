@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,47 @@ class Request:
     id: int
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival: float = 0.0  # seconds after the start of ``generate`` (online workloads); 0: there at once
+
+    def __post_init__(self) -> None:
+        if not self.arrival >= 0:  # also refuses NaN
+            raise ValueError(f"request {self.id}: arrival must be >= 0 seconds, got {self.arrival}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When a request's milestones happened, in seconds after the start of ``generate`` (wall
+    clock, taken by the rank that ran it)."""
+
+    arrival: float
+    started: float  # its first step began (prefill)
+    first_token: float
+    finished: float
+    tokens: int  # generated
+
+    @property
+    def queued(self) -> float:
+        return self.started - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token (from arrival)."""
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first (0 for one token)."""
+        return (self.finished - self.first_token) / max(self.tokens - 1, 1)
+
+    @property
+    def latency(self) -> float:
+        """End to end, from arrival."""
+        return self.finished - self.arrival
+
+    @property
+    def normalized(self) -> float:
+        """Seconds per generated token, end to end (DejaVu's normalized latency)."""
+        return self.latency / max(self.tokens, 1)
 
 
 @dataclass
@@ -22,6 +64,7 @@ class Completion:
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: str  # "stop" | "length"
+    timing: Timing | None = None
 
 
 @dataclass
@@ -37,6 +80,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
+    times: list[float] = field(default_factory=list)  # wall clock: first step began, first token, finished
 
     @staticmethod
     def of(request: Request, eos_ids: tuple[int, ...]) -> Sequence:
@@ -60,9 +104,13 @@ class Sequence:
         elif len(self.output) >= self.request.sampling.max_new_tokens:
             self.finish_reason = "length"
 
-    def completion(self) -> Completion:
+    def completion(self, start: float | None = None) -> Completion:
+        """The finished request; with the wall-clock ``start`` of ``generate``, its :class:`Timing`."""
         r = self.request
-        return Completion(r.id, list(r.prompt_ids), list(self.output), self.finish_reason)
+        timing = None
+        if start is not None and len(self.times) == 3:
+            timing = Timing(r.arrival, *(t - start for t in self.times), tokens=len(self.output))
+        return Completion(r.id, list(r.prompt_ids), list(self.output), self.finish_reason, timing)
 
 
 @dataclass
@@ -98,3 +146,13 @@ class EngineStats:
     def summary(self) -> dict:
         """Keys a strategy adds to ``summary.json`` (none for the base counters)."""
         return {}
+
+    @classmethod
+    def total(cls, groups: list[EngineStats]) -> EngineStats:
+        """The counters of several engine groups as one: sums, and the largest of ``*_peak``."""
+        out = cls()
+        for f in dataclasses.fields(cls):
+            values = [getattr(g, f.name) for g in groups]
+            if values and isinstance(values[0], (int, float)):
+                setattr(out, f.name, max(values) if f.name.endswith("_peak") else sum(values))
+        return out

@@ -31,12 +31,15 @@ from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 from reshard.kv.swap import MicrobatchSwap, PrefillSwap
 from reshard.layers._comm import all_gather
 from reshard.layers.weights import use_weights
+from reshard.mesh import cached_group
 from reshard.parallel.engine.events import LayerHooks
 from reshard.parallel.engine.request import Sequence
+from reshard.parallel.engine.router import GroupLayout
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.layouts import stage_of_layer
 
+REPLICAS = ("lockstep", "groups")
 KV_LEN_BUCKET = 128  # a compiled decode step attends over a multiple of this many positions
 
 
@@ -46,6 +49,14 @@ class Replica:
 
     size: int = 1
     rank: int = 0
+
+
+def replica_groups(dims: ParallelDims, replica: int) -> tuple[dist.ProcessGroup, GroupLayout]:
+    """The process group and :class:`GroupLayout` of data-parallel ``replica`` of ``dims`` as an
+    engine group (every replica's group is created on every rank, in order: collective)."""
+    grid = rank_grid(dims)
+    groups = [cached_group(grid[r], purpose="engine-group") for r in range(dims.dp)]
+    return groups[replica], GroupLayout(replica, dims.dp, tuple(grid[replica].flatten().tolist()))
 
 
 class StageLink:
@@ -114,6 +125,9 @@ class ModelRunner:
         kv_swap: DejaVu's micro-batch swapping: every slot's KV lives in host memory and the
             device holds two micro-batches' worth; micro-batch ``i + 1`` is swapped in (and
             ``i - 1``'s new entries out) while ``i`` computes. Needs ``num_microbatches >= 2``.
+        replicas: ``"groups"``: each data-parallel replica is an engine group of its own (its own
+            loop, agreement over its ranks only, requests from the router; :attr:`engine_group`);
+            ``"lockstep"``: the replicas share every step (the policy splits it over them).
     """
 
     def __init__(
@@ -131,7 +145,10 @@ class ModelRunner:
         kv_block_size: int | None = None,
         kv_tokens: int | None = None,
         kv_swap: bool = False,
+        replicas: str = "lockstep",
     ) -> None:
+        if replicas not in REPLICAS:
+            raise ValueError(f"replicas must be one of {REPLICAS}, got {replicas!r}")
         self.model, self.dims = model, dims if dims is not None else parallel_info(model).dims
         cfg = model.config
         self.max_batch_size = _positive("max_batch_size", max_batch_size)
@@ -145,6 +162,10 @@ class ModelRunner:
             )
         self.group = self.dims.group()  # the layout's ranks agree on each step's tokens
         self.replica = Replica(self.dims.dp, coord[0])
+        self.engine_group = None  # lockstep: the layout is one group
+        if replicas == "groups" and self.dims.dp > 1:
+            self.group, self.engine_group = replica_groups(self.dims, coord[0])
+            self.replica = Replica()
         self.layer_ids = self._stage_layers(coord[1])
         self.layers = [model.model.layers[i] for i in self.layer_ids]
         self.device = next(self.layers[0].parameters()).to_local().device

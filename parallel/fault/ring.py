@@ -41,6 +41,11 @@ class RingReplication:
         mirror_at: Callable[[KVSpec, int], KVCache] | None = None,
         background: bool = True,
     ) -> None:
+        if engine.engine_group is not None:
+            raise ValueError(
+                "ring replication follows one lockstep group: build the engine with replicas='lockstep' "
+                f"(it runs engine group {engine.engine_group.index} of {engine.engine_group.count})"
+            )
         layout = layout if layout is not None else next(iter(engine.runners))
         runner = engine.runners[layout]
         layouts, replicas = world_layouts(runner.kv, runner.group), _world_replicas(runner)

@@ -50,5 +50,7 @@ class TPStrategy(Strategy):
             compile=args.compile,
             admission=args.admission,
             num_microbatches=parallel_info(model).dims.pp,
+            replicas=args.replicas,
+            routing=args.routing,
             **args.kv,
         )

@@ -1,0 +1,103 @@
+"""Engine groups: data-parallel replicas that each run the one loop on their own, fed by the
+router; online arrivals with latency figures. Every token is compared with HF ``generate``."""
+
+import pytest
+
+from tests import dist_harness
+from tests.test_generate import MAX_NEW, _prompts
+
+
+def _requests(prompts, max_new, arrivals=None, temperature=0.0):
+    """``max_new``: one count for all, or one per request."""
+    from reshard.parallel import Request, SamplingParams
+
+    lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    arrivals = arrivals or [0.0] * len(prompts)
+    return [
+        Request(i, p, SamplingParams(max_new_tokens=n, temperature=temperature, top_k=40, seed=7), arrival=a)
+        for i, (p, n, a) in enumerate(zip(prompts, lengths, arrivals))
+    ]
+
+
+def _grouped(path, prompts, max_new, *, routing="least_loaded", arrivals=None, temperature=0.0, replicas="groups"):
+    """Every rank a data-parallel replica of TP(1): (tokens, each group's step count, timings)."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, ParallelDims, parallelize
+
+    model = parallelize(path, ParallelDims.from_world(dp=dist.get_world_size()))
+    engine = Engine(model, max_batch_size=2, max_seq_len=128, routing=routing, replicas=replicas)
+    completions = engine.generate(_requests(prompts, max_new, arrivals, temperature))
+    steps = [s.prefill_steps + s.decode_steps for s in engine.group_stats]
+    return [c.output_ids for c in completions], steps, [c.timing for c in completions], engine.engine_group
+
+
+@pytest.mark.parametrize("world,routing", [(2, "least_loaded"), (4, "round_robin"), (2, "longest_first")])
+def test_data_parallel_groups_match_hf_and_step_on_their_own(checkpoints, hf_reference, world, routing):
+    path, prompts = checkpoints["llama"], _prompts(7)
+    lengths = [MAX_NEW, 3, MAX_NEW, 5, MAX_NEW, 7, 2]  # groups finish their shares at different steps
+    expected = [t[:n] for t, n in zip(hf_reference(path, prompts, MAX_NEW), lengths)]
+    results = dist_harness.run(world, _grouped, path, prompts, lengths, routing=routing)
+    for rank, (tokens, steps, timings, group) in enumerate(results):
+        assert tokens == expected  # every rank gets every group's completions
+        assert group.index == rank and group.count == world and group.ranks == (rank,)
+        assert len(steps) == world and steps == results[0][1]
+        assert all(t is not None and t.arrival == 0 for t in timings)
+    assert len(set(results[0][1])) > 1  # the groups took different numbers of steps: not lockstep
+
+
+def test_groups_sample_as_lockstep_replicas_do(checkpoints):
+    """Seeded sampling: a request's tokens do not depend on which group ran it."""
+    path, prompts = checkpoints["qwen3"], _prompts(6)
+    grouped = dist_harness.run(2, _grouped, path, prompts, 8, temperature=0.9)
+    lockstep = dist_harness.run(2, _grouped, path, prompts, 8, temperature=0.9, replicas="lockstep")
+    assert grouped[0][0] == lockstep[0][0] == grouped[1][0]
+    assert lockstep[0][3] is None  # lockstep replicas are one group
+
+
+def _poisson(n, rate, seed):
+    from reshard.parallel.engine.workload import poisson_arrivals
+
+    return poisson_arrivals(n, rate, seed)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_online_arrivals_give_offline_tokens_and_wait_for_arrival(checkpoints, hf_reference, world):
+    path, prompts = checkpoints["llama"], _prompts(6)
+    arrivals = _poisson(len(prompts), rate=20.0, seed=3)
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    expected = hf_reference(path, prompts, MAX_NEW)
+    for tokens, _steps, timings, _ in dist_harness.run(world, _grouped, path, prompts, MAX_NEW, arrivals=arrivals):
+        assert tokens == expected
+        for t, arrival in zip(timings, arrivals):
+            assert t.arrival == arrival
+            assert t.started >= arrival  # never before it arrived
+            assert t.arrival <= t.first_token <= t.finished and t.tokens == MAX_NEW
+            assert t.ttft >= 0 and t.tpot >= 0 and t.queued >= 0
+            assert t.normalized == pytest.approx(t.latency / MAX_NEW)
+
+
+def _router_gone(path):
+    """Rank 0 (the router) never serves; rank 1's group must fail by name, not hang."""
+    import time
+
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, ParallelDims, parallelize
+
+    model = parallelize(path, ParallelDims.from_world(dp=2))
+    engine = Engine(model, max_batch_size=2, max_seq_len=128, group_timeout=2.0)
+    if dist.get_rank() == 0:
+        return None
+    t0 = time.perf_counter()
+    try:
+        engine.generate(_requests([[5, 6, 7]], 2))
+    except RuntimeError as e:
+        return str(e), time.perf_counter() - t0
+    return "no error", 0.0
+
+
+def test_group_whose_router_is_gone_fails_by_name(checkpoints):
+    _, (message, seconds) = dist_harness.run(2, _router_gone, checkpoints["llama"])
+    assert "engine group 1 waiting for the router's start time" in message and "within 2 s" in message
+    assert 2.0 <= seconds < 10.0
