@@ -57,6 +57,7 @@ class AbsentRunner:
         self.replica = Replica(dims.dp, -1)
         self.is_source = False
         self.kv = None
+        self.engine_group = None  # the sides share one lockstep loop (for now)
 
 
 @dataclass

@@ -1,0 +1,147 @@
+"""Online serving: latency and throughput against the arrival rate, engine groups vs lockstep.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/online.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/online.py --rates 2,4,8 --png bench/online
+
+A seeded Llama of ``--hidden``/``--layers``/... (built once into the cache dir) serves
+``--requests`` seeded requests, prompts uniform over ``--prompt-lens``, ``--new-tokens`` greedy
+tokens each (EOS ignored), arriving as a seeded Poisson process at each rate of ``--rates``
+(requests/s; ``0``: all at once, offline). For each rate, each layout of ``--layouts`` on the same
+ranks, side by side:
+
+* ``tp``: tensor parallel over every rank, one group;
+* ``dp-groups``: every rank a replica, each its own engine group fed by the router;
+* ``dp-lockstep``: every rank a replica, all replicas in every step (the loop before engine groups).
+
+Per run: throughput (requests/s and output tokens/s over the wall time of ``generate``) and the
+p50/p90/p99 of time to first token (TTFT), time per output token (TPOT) and normalized latency
+(seconds per generated token, DejaVu's metric). Ratios are against ``dp-lockstep`` at the same
+rate. ``--png PREFIX`` writes one plot per metric (``PREFIX-<metric>.png``). Measure on a quiet
+machine: under load a multi-rank job gets about one core and every layout looks alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from _common import add_sizes, bench_checkpoint, fill_sizes, parser, rerun_command
+
+SIZES = {
+    "hidden": 256,
+    "intermediate": 768,
+    "layers": 4,
+    "heads": 8,
+    "kv_heads": 4,
+    "vocab": 8000,
+    "requests": 32,
+    "new_tokens": 20,
+    "batch": 8,
+    "rates": [0, 4, 16],
+    "prompt_lens": [64, 256],
+    "seed": 0,
+}
+SMALL = {**SIZES, "hidden": 64, "intermediate": 128, "layers": 2, "vocab": 512, "requests": 8, "rates": [0, 8]}
+LAYOUTS = ("tp", "dp-groups", "dp-lockstep")
+METRICS = ("ttft", "tpot", "normalized")
+
+
+def _requests(args, rate: float):
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine.workload import poisson_arrivals
+
+    gen = torch.Generator().manual_seed(args.seed)
+    lo, hi = args.prompt_lens
+    lengths = torch.randint(lo, hi + 1, (args.requests,), generator=gen).tolist()
+    prompts = [torch.randint(3, args.vocab, (n,), generator=gen).tolist() for n in lengths]
+    arrivals = poisson_arrivals(args.requests, rate, args.seed) if rate > 0 else [0.0] * args.requests
+    params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=[])
+    return [Request(i, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+
+
+def _engine(path: str, layout: str, args):
+    from reshard.parallel import Engine, ParallelDims, parallelize
+
+    world = dist.get_world_size()
+    dims = ParallelDims.from_world(tp=world) if layout == "tp" else ParallelDims.from_world(dp=world)
+    replicas = "lockstep" if layout == "dp-lockstep" else "groups"
+    max_len = args.prompt_lens[1] + args.new_tokens
+    return Engine(parallelize(path, dims), max_batch_size=args.batch, max_seq_len=max_len, replicas=replicas)
+
+
+def _run(engine, requests) -> dict:
+    from reshard.parallel.engine.metrics import latency_summary
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    completions = engine.generate(requests)
+    seconds = time.perf_counter() - t0
+    assert all(len(c.output_ids) == requests[0].sampling.max_new_tokens for c in completions)
+    return {"seconds": seconds, "tokens": [c.output_ids for c in completions], **latency_summary(completions, seconds)}
+
+
+def _line(layout: str, rate: float, r: dict, base: dict) -> str:
+    figures = "  ".join(
+        f"{m} {r[m]['p50'] * 1e3:7.1f}/{r[m]['p90'] * 1e3:7.1f}/{r[m]['p99'] * 1e3:7.1f}" for m in METRICS
+    )
+    ratio = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+    return (
+        f"{layout:12s} rate {rate:5.1f}/s  {r['requests_per_s']:6.2f} req/s {r['output_tokens_per_s']:8.1f} tok/s "
+        f"({ratio:4.2f}x lockstep)  {figures}  (ms p50/p90/p99)"
+    )
+
+
+def _plot(prefix: str, table: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({rate for _, rate in table})
+    for metric in (*METRICS, "output_tokens_per_s"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for layout in LAYOUTS:
+            points = [(rate, table[layout, rate]) for rate in rates if (layout, rate) in table]
+            values = [r[metric] if metric == "output_tokens_per_s" else r[metric]["p50"] for _, r in points]
+            ax.plot([rate for rate, _ in points], values, marker="o", label=layout)
+        unit = "tokens/s" if metric == "output_tokens_per_s" else "s (p50)"
+        ax.set(xlabel="arrival rate (requests/s; 0 = offline)", ylabel=f"{metric} [{unit}]")
+        ax.set_title(f"{metric} vs arrival rate, {dist.get_world_size()} ranks", fontsize=10)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(f"{prefix}-{metric}.png", dpi=100)
+        plt.close(fig)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    add_sizes(p, SIZES, SMALL)
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {LAYOUTS}")
+    p.add_argument("--png", default=None, help="write PREFIX-<metric>.png plots")
+    args = fill_sizes(p.parse_args(), SIZES, SMALL)
+    dist.init_process_group("gloo")
+    path = str(bench_checkpoint(args, "online"))
+    layouts = [x for x in args.layouts.split(",") if x]
+    table = {}
+    for rate in args.rates:
+        requests = _requests(args, rate)
+        for layout in layouts:
+            engine = _engine(path, layout, args)
+            _run(engine, requests[:2])  # warm-up
+            table[layout, rate] = _run(engine, requests)
+        same = all(table[x, rate]["tokens"] == table[layouts[0], rate]["tokens"] for x in layouts)
+        if dist.get_rank() == 0:
+            base = table.get(("dp-lockstep", rate), table[layouts[0], rate])
+            print(f"\n-- rate {rate}/s: {args.requests} requests, same tokens in every layout: {same}", flush=True)
+            for layout in layouts:
+                print(_line(layout, rate, table[layout, rate], base), flush=True)
+    if dist.get_rank() == 0:
+        if args.png:
+            _plot(args.png, table)
+        print(f"\ncommand: {rerun_command('online.py', dist.get_world_size())}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
