@@ -101,3 +101,13 @@ def test_group_whose_router_is_gone_fails_by_name(checkpoints):
     _, (message, seconds) = dist_harness.run(2, _router_gone, checkpoints["llama"])
     assert "engine group 1 waiting for the router's start time" in message and "within 2 s" in message
     assert 2.0 <= seconds < 10.0
+
+
+def test_percentiles_interpolate_between_closest_ranks():
+    from reshard.parallel.engine.metrics import percentiles
+
+    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    got = percentiles(values)
+    assert got["p50"] == pytest.approx(3.5) and got["p90"] == pytest.approx(6.9) and got["p99"] == pytest.approx(8.79)
+    assert got["mean"] == pytest.approx(3.875)
+    assert percentiles([2.0]) == {"p50": 2.0, "p90": 2.0, "p99": 2.0, "mean": 2.0}

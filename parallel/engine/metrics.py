@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence as Seq
-
-import torch
 
 from reshard.parallel.engine.request import Completion
 
@@ -13,10 +12,11 @@ METRICS = ("ttft", "tpot", "latency", "normalized", "queued")
 
 
 def percentiles(values: Seq[float]) -> dict[str, float]:
-    """``{"p50": ..., "p90": ..., "p99": ..., "mean": ...}`` of ``values`` (linear interpolation)."""
-    t = torch.tensor(list(values), dtype=torch.float64)
-    q = torch.quantile(t, torch.tensor([p / 100 for p in PERCENTILES], dtype=torch.float64))
-    return {**{f"p{p}": v for p, v in zip(PERCENTILES, q.tolist())}, "mean": t.mean().item()}
+    """``{"p50": ..., "p90": ..., "p99": ..., "mean": ...}`` of ``values`` (linear interpolation
+    between the closest ranks, as numpy's default)."""
+    data = sorted(values)
+    cuts = statistics.quantiles(data, n=100, method="inclusive") if len(data) > 1 else data * 99
+    return {**{f"p{p}": cuts[p - 1] for p in PERCENTILES}, "mean": statistics.fmean(data)}
 
 
 def latency_summary(completions: Seq[Completion], seconds: float) -> dict:

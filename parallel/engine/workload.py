@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import torch
+import itertools
+import random
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0, burst: int = 1) -> list[float]:
@@ -13,8 +14,6 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0, burst: int = 1) -> list
         raise ValueError(f"arrival rate must be > 0 requests/s, got {rate}")
     if burst < 1:
         raise ValueError(f"burst must be >= 1 request, got {burst}")
-    events = -(-n // burst)
-    gen = torch.Generator().manual_seed(seed)
-    gaps = torch.empty(events, dtype=torch.float64).exponential_(rate / burst, generator=gen)
-    times = torch.cumsum(gaps, 0).tolist()
+    gen = random.Random(seed)
+    times = list(itertools.accumulate(gen.expovariate(rate / burst) for _ in range(-(-n // burst))))
     return [times[i // burst] for i in range(n)]
