@@ -8,9 +8,12 @@ from tests import dist_harness
 PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 102], [60, 61, 62, 63]]
 
 
-def _job(path, prompt, token, prompt_ranks, max_new):
-    """Tokens, the strategy's summary, the layouts it reports (as ``summary.json``'s ``parallel``)
-    and the layouts its engine's runners ran."""
+def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperature=0.0):
+    """Tokens, the strategy's summary, the layouts it reports (as ``summary.json``'s ``parallel``),
+    the layouts its engine's runners ran, and this rank's busy intervals (the engine's
+    ``step_begin``/``step_end`` events, wall clock) with its group's index."""
+    import time
+
     import torch.distributed as dist
 
     from reshard.parallel import Request, SamplingParams
@@ -18,12 +21,17 @@ def _job(path, prompt, token, prompt_ranks, max_new):
     from reshard.recipes.schema import strategy_config
 
     strategy = strategy_config({"strategy": "dejavu", "prompt": prompt, "token": token, "prompt_ranks": prompt_ranks})
-    engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64))
+    engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64, replicas=replicas))
+    busy = []
+    engine.events.on("step_begin", lambda step, seqs: busy.append([step.phase, time.time(), None]))
+    engine.events.on("step_end", lambda step, seqs: busy[-1].__setitem__(2, time.time()))
+    params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=20, seed=5)
     with engine:
-        out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(PROMPTS)])
+        out = engine.generate([Request(i, p, params) for i, p in enumerate(PROMPTS)])
     reported = {name: d.describe() for name, d in strategy.layouts(dist.get_world_size()).items()}
     ran = {name: r.dims.describe() for name, r in engine.runners.items()}
-    return [c.output_ids for c in out], strategy.summary(engine), reported, ran
+    group = engine.engine_group.index if engine.engine_group else None
+    return [c.output_ids for c in out], strategy.summary(engine), reported, ran, (group, busy)
 
 
 def _side(ranks, **degrees) -> dict:
@@ -47,7 +55,7 @@ def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, pro
     path = four_layer["llama"]
     results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, timeout=240)
     expected = hf_reference(path, PROMPTS, 6)
-    for tokens, summary, reported, ran in results:
+    for tokens, summary, reported, ran, _ in results:
         assert reported == ran == layouts  # summary.json's "parallel": the sides the engine ran
         assert tokens == expected
         assert summary["streamed_bytes"] > 0
@@ -58,17 +66,57 @@ def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, pro
 def test_bad_sides_are_named():
     from reshard.recipes.schema import compose, strategy_config
 
-    with pytest.raises(ValueError, match=r"parallel.token: tp \(2\) x pp \(2\) must equal its 2 ranks"):
+    with pytest.raises(ValueError, match=r"parallel.token: dp \(1\) x tp \(2\) x pp \(2\) must equal its 2 ranks"):
         strategy_config({"strategy": "dejavu", "token": {"tp": 2, "pp": 2}}).sides(4)
+    with pytest.raises(ValueError, match=r"parallel.prompt.dp must be >= 1, got 0"):
+        strategy_config({"strategy": "dejavu", "prompt": {"dp": 0}}).sides(4)
     with pytest.raises(ValueError, match=r"parallel.prompt_ranks must be in 1..3 \(the job has 4 ranks\), got 4"):
         strategy_config({"strategy": "dejavu", "prompt_ranks": 4}).sides(4)
-    with pytest.raises(ValueError, match=r"^parallel.prompt.dp: Key 'dp' not in 'SideConfig' \(given 2\)"):
-        strategy_config({"strategy": "dejavu", "prompt": {"dp": 2}})
-    with pytest.raises(ValueError, match=r"^parallel.prompt.dp: Key 'dp' not in 'SideConfig' \(given 2\)"):
-        compose("generate", ["parallel=dejavu", "+parallel.prompt.dp=2"])
+    with pytest.raises(ValueError, match=r"^parallel.prompt.sp: Key 'sp' not in 'SideConfig' \(given 2\)"):
+        strategy_config({"strategy": "dejavu", "prompt": {"sp": 2}})
+    with pytest.raises(ValueError, match=r"^parallel.prompt.sp: Key 'sp' not in 'SideConfig' \(given 2\)"):
+        compose("generate", ["parallel=dejavu", "+parallel.prompt.sp=2"])
     with pytest.raises(ValueError, match=r"^parallel.token.pp: Value 'two' could not be converted to Integer"):
         compose("generate", ["parallel=dejavu", "parallel.token.pp=two"])
     with pytest.raises(
         ValueError, match=r"^parallel.prompt: Invalid type assigned: int is not a subclass of SideConfig"
     ):
         compose("generate", ["parallel=dejavu", "parallel.prompt=3"])
+
+
+def _overlap(trace_a, trace_b) -> float:
+    """Seconds during which an interval of ``trace_a`` and one of ``trace_b`` both ran."""
+    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for _, a0, a1 in trace_a for _, b0, b1 in trace_b)
+
+
+@pytest.mark.parametrize(
+    "world,prompt,token,prompt_ranks,groups",
+    [
+        (2, {"tp": 1}, {"tp": 1}, 1, [0, 1]),  # one prompt rank, one token rank
+        (4, {"tp": 2}, {"pp": 2}, 2, [0, 0, 1, 1]),  # prompt TP2 -> token PP2
+    ],
+)
+def test_sides_run_at_the_same_time_as_engine_groups(
+    four_layer, hf_reference, world, prompt, token, prompt_ranks, groups
+):
+    """The prompt and token sides are engine groups: tokens equal HF, and the engine's trace shows
+    prefill and decode steps running at the same time on different ranks."""
+    path = four_layer["llama"]
+    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, timeout=240)
+    expected = hf_reference(path, PROMPTS, 6)
+    for rank, (tokens, summary, _, _, (group, busy)) in enumerate(results):
+        assert tokens == expected
+        assert group == groups[rank]
+        assert summary["streamed_bytes"] > 0
+        phases = {phase for phase, _, _ in busy}
+        assert phases == ({"prefill"} if rank < prompt_ranks else {"decode"})
+    prompt_busy = [iv for _, _, _, _, (_, busy) in results[:prompt_ranks] for iv in busy]
+    token_busy = [iv for _, _, _, _, (_, busy) in results[prompt_ranks:] for iv in busy]
+    assert _overlap(prompt_busy, token_busy) > 0  # a prefill and a decode step ran at once
+
+
+def test_groups_sample_as_lockstep_sides_do(four_layer):
+    path = four_layer["qwen3"]
+    grouped = dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 6, temperature=0.8)
+    lockstep = dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 6, replicas="lockstep", temperature=0.8)
+    assert grouped[0][0] == grouped[1][0] == lockstep[0][0]

@@ -32,6 +32,7 @@ from reshard.parallel.engine.router import (
     ROUTING,
     Admission,
     Channel,
+    GroupLayout,
     Load,
     LocalAdmission,
     RoutedAdmission,
@@ -63,6 +64,8 @@ class Engine:
         replicas: ``"groups"`` (default): each data-parallel replica of the model is an engine
             group that steps on its own, fed by a router; ``"lockstep"``: replicas share steps.
         routing: how the router places requests on groups (see :class:`Router`).
+        engine_group: which group of the job this engine is, for strategies that compose groups
+            of several layouts (DejaVu's sides); default: the runner's replica, if it is a group.
         group_timeout: seconds a group waits for the router (default: the job's collective
             timeout); then it fails with a message naming what it waited for.
         group: the ranks that agree on every step's tokens (e.g. ``dist.group.WORLD`` when layouts
@@ -92,6 +95,7 @@ class Engine:
         replicas: str = "groups",
         routing: str = "least_loaded",
         group_timeout: float | None = None,
+        engine_group: GroupLayout | None = None,
     ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
@@ -126,7 +130,7 @@ class Engine:
         new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids)
         self.policy.setup(PolicyContext(layouts, self.stats, new_sequence))
         self.active: str | None = self.policy.initial_layout
-        self.engine_group = next(iter(self.runners.values())).engine_group  # None: one group
+        self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
         self._released: list = []  # caches freed by release_memory(), restored by generate()
         self.steps_done = 0
@@ -177,45 +181,48 @@ class Engine:
     def _serve(self, admission: Admission, start: float) -> dict:
         """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
         ``admission`` is exhausted and every request it handed over has finished."""
-        queue, done = deque(admission.initial()), {}
+        queue, done, left = deque(admission.initial()), {}, 0  # left: handed to another group
         self.policy.start(queue)
         admission.report(self._load(queue), 0)
-        while not (admission.exhausted and len(done) == admission.taken):
-            if len(done) == admission.taken:  # nothing queued or running: wait for the next request
+        while not (admission.exhausted and len(done) + left == admission.taken):
+            if len(done) + left == admission.taken:  # nothing queued or running: wait for more
                 queue.extend(admission.wait_next())
                 continue
             step = self.policy.next_step(queue)
-            assert step.seqs, f"policy {type(self.policy).__name__} returned an empty step"
-            step.agree[ADMIT] = admission.proposal()
-            output = self._run(step)
-            self.policy.after_step(step, output)
+            assert step.seqs or step.phase == "wait", f"policy {type(self.policy).__name__} returned an empty step"
+            output = self._run(step, {ADMIT: admission.proposal()})
+            for handoff in self.policy.after_step(step, output) or ():
+                admission.hand_off(handoff)
+                left += handoff.open
             finished = [seq for seq in step.seqs if seq.finish_reason is not None]
             for seq in finished:
                 done[seq.request.id] = seq.completion(start)
                 self.policy.retire(seq)
             queue.extend(admission.take((output.agreed or {}).get(ADMIT, 0)))
             admission.report(self._load(queue), len(finished))
+        admission.finish()
         return done
 
     def _serve_routed(self, requests: Seq[Request], bar: tqdm) -> list[Completion]:
         """This rank's group serves what the router (a thread on rank 0) hands it; then every
         rank gathers every group's completions and counters."""
         group = self.engine_group
-        channel = Channel(f"groups-{self.runner.dims.ranks[0]}")
+        channel = Channel(group.channel)
         router = None
-        if dist.get_rank() == 0:
+        if dist.get_rank() == min(dist.get_process_group_ranks(group.job or dist.group.WORLD)):
             channel.put("start", time.time())
-            router = Router(channel, requests, group.count, channel.get("start"), self.routing)
+            router = Router(channel, requests, group.entry_groups, channel.get("start"), self.routing)
         channel.wait("start", f"engine group {group.index} waiting for the router's start time", self.group_timeout)
         start = channel.get("start")
         with router or contextlib.nullcontext():
             admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, self.group_timeout)
             done = self._serve(admission, start)
         mine = (list(done.values()), self.stats) if group.is_leader else None
-        everyone: list = [None] * dist.get_world_size(self.runner.dims.group())
-        dist.all_gather_object(everyone, mine, group=self.runner.dims.group())
+        everyone: list = [None] * dist.get_world_size(group.job)
+        dist.all_gather_object(everyone, mine, group=group.job)
         if router is not None:
-            channel.clear(router.keys())
+            channel.clear(channel.job_keys(group.count))
+        dist.barrier(group=group.job)  # no rank starts another call before the keys are gone
         self.group_stats = [stats for _, stats in filter(None, everyone)]
         by_id = {c.id: c for completions, _ in filter(None, everyone) for c in completions}
         return [by_id[r.id] for r in requests]
@@ -232,10 +239,10 @@ class Engine:
         room = self.policy.room()
         if room is None:
             return None
-        need = sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in queue)
+        need = sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in queue if isinstance(r, Request))
         return Load(room[0] - len(queue), room[1] - need, 0)
 
-    def _run(self, step: Step) -> StepOutput:
+    def _run(self, step: Step, extras: dict[str, int]) -> StepOutput:
         """Enter the step's layout, make its moves, compute (or replay) it and agree on its tokens."""
         index = self.steps_done
         known = self.events.known_tokens(index, step)
@@ -247,7 +254,7 @@ class Engine:
         started = time.time()
         t0 = time.perf_counter()
         if known is None:
-            tokens, agreed = self._computed(step, runner)
+            tokens, agreed = self._computed(step, runner, extras)
         else:
             tokens, agreed = self._replayed(step, known), None
         now = time.time()
@@ -260,7 +267,7 @@ class Engine:
         self.steps_done += 1
         return StepOutput(tokens, replayed=known is not None, agreed=agreed)
 
-    def _computed(self, step: Step, runner: ModelRunner) -> tuple[list[int], dict[str, int]]:
+    def _computed(self, step: Step, runner: ModelRunner, extras: dict[str, int]) -> tuple[list[int], dict[str, int]]:
         mine = [s for s in step.seqs if s.replica == runner.replica.rank]
         logits = None
         if mine:
@@ -270,7 +277,8 @@ class Engine:
         else:
             self.events.fire("idle", step, mine, layout=step.layout)
         group = self.group if self.group is not None else runner.group
-        return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, step.agree)
+        agree = {**step.agree, **extras}  # the policy's integers and the engine's admissions
+        return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
 
     def _replayed(self, step: Step, tokens: list[int]) -> list[int]:
         """A step whose tokens are known (a journal) and whose KV was restored: nothing runs;

@@ -60,7 +60,7 @@ class Move:
 class Step:
     """One step: every sequence of it over all replicas (the same on every rank)."""
 
-    phase: str  # "prefill": whole prompts | "decode": one token each
+    phase: str  # "prefill": whole prompts | "decode": one token each | "wait": no sequences, only agree
     seqs: list[Sequence]
     layout: str  # the runner that runs it
     moves: tuple[Move, ...] = ()  # made by the engine, in order, before the step runs
@@ -211,8 +211,10 @@ class Policy:
         """Make ``move``, one of the moves of the step about to run."""
         raise NotImplementedError(f"{type(self).__name__} names a {type(move).__name__} move it cannot make")
 
-    def after_step(self, step: Step, output: StepOutput) -> None:
-        """The step's tokens are appended; finished sequences are retired after this."""
+    def after_step(self, step: Step, output: StepOutput):
+        """The step's tokens are appended; finished sequences are retired after this. May return
+        :class:`reshard.parallel.engine.router.Handoff` s: sequences that leave this group for
+        another (the engine posts them; ``None``: none)."""
 
     def retire(self, seq: Sequence) -> None:
         """``seq`` finished: release what it holds."""

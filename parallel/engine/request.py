@@ -133,6 +133,8 @@ class EngineStats:
         return self.decode_batch_sum / max(self.decode_steps, 1)
 
     def add_step(self, phase: str, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        if phase == "wait":  # a step that only agreed (e.g. on KV that landed): no tokens
+            return
         if phase == "prefill":
             self.prefill_tokens += num_tokens
             self.prefill_steps += 1

@@ -28,7 +28,7 @@ import pickle
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -36,17 +36,32 @@ from reshard.mesh import job_timeout
 from reshard.parallel.engine.request import Request
 
 ROUTING = ("least_loaded", "round_robin", "longest_first")
-POLL_S = 0.0005  # how often a waiting party looks at the store again
+POLL_S = (0.0005, 0.02)  # a waiting party looks at the store again after this, doubling up to that
 ADMIT = "_admitted"  # the key of the admission proposal in a step's agreed integers
 
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Which group of the job this rank's engine is: ``index`` of ``count``, over ``ranks``."""
+    """Which group of the job this rank's engine is: ``index`` of ``count``, over ``ranks``.
+
+    ``entries``: the groups the router hands new requests to (default: all); the others only
+    take requests other groups hand over (DejaVu's token groups). ``stops``: how many parties
+    end this group's input (the router, or every group that hands over to it). ``channel``
+    names the job's keys in the store; ``job``: the process group over every group's ranks
+    (``None``: the whole job), which gathers the completions at the end.
+    """
 
     index: int
     count: int
     ranks: tuple[int, ...]
+    entries: tuple[int, ...] | None = None
+    stops: int = 1
+    channel: str = "groups"
+    job: dist.ProcessGroup | None = field(default=None, compare=False)
+
+    @property
+    def entry_groups(self) -> tuple[int, ...]:
+        return tuple(range(self.count)) if self.entries is None else self.entries
 
     @property
     def leader(self) -> int:
@@ -65,6 +80,32 @@ class Load:
     free_slots: int
     free_tokens: int
     taken: int
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Sequences one group ran part of, handed to group ``target`` (DejaVu's prefilled prompts):
+    each request, its tokens so far and whether it already finished (its KV streams all the
+    same, so the receiver keeps the stream's order). ``tag`` names the stream: the source
+    group's step that produced them."""
+
+    source: int
+    target: int
+    tag: int
+    requests: tuple[Request, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    finished: tuple[bool, ...]
+
+    @property
+    def open(self) -> int:
+        """How many of its sequences the receiver still runs."""
+        return self.finished.count(False)
+
+
+def backoff(tries: int) -> float:
+    """Seconds to sleep before looking again, after ``tries`` looks found nothing (polling the
+    store costs a round trip and the CPU the ranks compute on: back off)."""
+    return min(POLL_S[0] * 2**tries, POLL_S[1])
 
 
 class Channel:
@@ -87,6 +128,20 @@ class Channel:
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
 
+    def post(self, group: int, value) -> None:
+        """Append ``value`` to group ``group``'s input (``assign/<group>/<k>``, ``k`` counted
+        atomically: several parties may post to one group)."""
+        k = self.store.add(f"count/{group}", 1) - 1
+        self.put(f"assign/{group}/{k}", value)
+
+    def job_keys(self, groups: int) -> list[str]:
+        """Every key one call of ``groups`` groups made (for :meth:`clear` once all are done)."""
+        keys = ["finished", "start"]
+        for g in range(groups):
+            posted = self.store.add(f"count/{g}", 0)
+            keys += [f"assign/{g}/{k}" for k in range(posted)] + [f"count/{g}", f"load/{g}"]
+        return keys
+
     def clear(self, keys: Seq[str]) -> None:
         """Delete ``keys`` (once every reader is past them), so the next call starts clean."""
         for key in keys:
@@ -97,10 +152,12 @@ class Channel:
         the job's collective timeout), so a group whose peer is gone fails instead of hanging."""
         limit = (timeout or job_timeout() or datetime.timedelta(minutes=30)).total_seconds()
         deadline = time.monotonic() + limit
+        tries = 0
         while not self.store.check([key]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what}: nothing arrived within {limit:g} s (is the router's rank 0 gone?)")
-            time.sleep(POLL_S)
+            time.sleep(backoff(tries))
+            tries += 1
 
 
 class Admission:
@@ -130,6 +187,13 @@ class Admission:
 
     def report(self, load: Load | None, finished: int) -> None:
         """After a step: the group's free room (leader) and how many requests finished in it."""
+
+    def hand_off(self, handoff: Handoff) -> None:
+        """Pass sequences to another group (only groups of a routed job have others)."""
+        raise ValueError(f"a single engine group cannot hand requests to group {handoff.target}")
+
+    def finish(self) -> None:
+        """The loop is done: tell whoever waits on this group's hand-offs."""
 
 
 class LocalAdmission(Admission):
@@ -190,7 +254,8 @@ class RoutedAdmission(Admission):
     def _key(self, k: int) -> str:
         return f"assign/{self.layout.index}/{k}"
 
-    read = 0  # assignment keys read (the requests taken and the final ``None``)
+    read = 0  # assignment keys read (requests, hand-offs and the ``None`` that end the input)
+    stops = 0  # ``None`` read so far
 
     def proposal(self) -> int:
         if not self.layout.is_leader or self.exhausted:
@@ -203,10 +268,11 @@ class RoutedAdmission(Admission):
     def take(self, count: int) -> list[Request]:
         values = [self.channel.get(self._key(self.read + i)) for i in range(count)]
         self.read += count
-        self.exhausted = self.exhausted or None in values
-        requests = [v for v in values if v is not None]
-        self.taken += len(requests)
-        return requests
+        self.stops += values.count(None)
+        self.exhausted = self.stops == self.layout.stops
+        items = [v for v in values if v is not None]
+        self.taken += sum(v.open if isinstance(v, Handoff) else 1 for v in items)
+        return items
 
     def wait_next(self) -> list[Request]:
         if self.exhausted:
@@ -223,6 +289,17 @@ class RoutedAdmission(Admission):
                 self.progress.n = done
                 self.progress.refresh()
 
+    def hand_off(self, handoff: Handoff) -> None:
+        if self.layout.is_leader:
+            self.channel.post(handoff.target, handoff)
+
+    def finish(self) -> None:
+        """Groups this one hands over to learn that no more will come (once per target group)."""
+        targets = [g for g in range(self.layout.count) if g not in self.layout.entry_groups]
+        if self.layout.is_leader and self.layout.index in self.layout.entry_groups:
+            for g in targets:
+                self.channel.post(g, None)
+
 
 class Router:
     """Rank 0's thread that hands each request, once it has arrived, to a group.
@@ -236,17 +313,22 @@ class Router:
     """
 
     def __init__(
-        self, channel: Channel, requests: Seq[Request], groups: int, start: float, routing: str = "least_loaded"
+        self,
+        channel: Channel,
+        requests: Seq[Request],
+        groups: Seq[int],
+        start: float,
+        routing: str = "least_loaded",
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.channel = channel
         self.pending = sorted(requests, key=lambda r: r.arrival)  # stable: request order within a time
-        self.groups = groups
+        self.groups = list(groups)  # the entry groups
         self.start = start
         self.routing = routing
-        self.sent = [0] * groups
-        self.sent_tokens: list[list[int]] = [[] for _ in range(groups)]
+        self.sent = dict.fromkeys(self.groups, 0)
+        self.sent_tokens: dict[int, list[int]] = {g: [] for g in self.groups}
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="reshard-router", daemon=True)
 
@@ -261,13 +343,22 @@ class Router:
 
     def _run(self) -> None:
         try:
+            tries = 0
             while self.pending:
-                if not self._dispatch():
-                    time.sleep(POLL_S)
-            for g in range(self.groups):
+                tries = 0 if self._dispatch() else tries + 1
+                if tries:  # nothing handed out: look again soon, or when the next request arrives
+                    until = self._next_arrival() - time.time()
+                    time.sleep(min(backoff(tries), until) if until > 0 else backoff(tries))
+            for g in self.groups:
                 self._send(g, None)
         except BaseException as e:  # reported by __exit__ on rank 0; groups then time out by name
             self.error = e
+
+    def _next_arrival(self) -> float:
+        """Wall-clock time of the earliest request not yet arrived (``inf``: all have)."""
+        now = time.time() - self.start
+        later = [r.arrival for r in self.pending if r.arrival > now]
+        return self.start + min(later) if later else float("inf")
 
     def _dispatch(self) -> bool:
         """Hand out what has arrived and fits; whether anything was handed out."""
@@ -287,10 +378,10 @@ class Router:
 
     def _choose(self, request: Request) -> int | None:
         if self.routing == "round_robin":
-            return sum(self.sent) % self.groups
-        room = [self._room(g) for g in range(self.groups)]
+            return self.groups[sum(self.sent.values()) % len(self.groups)]
+        room = {g: self._room(g) for g in self.groups}
         need = len(request.prompt_ids) + request.sampling.max_new_tokens
-        fits = [g for g, (slots, tokens) in enumerate(room) if slots >= 1 and tokens >= need]
+        fits = [g for g, (slots, tokens) in room.items() if slots >= 1 and tokens >= need]
         return max(fits, key=lambda g: room[g][1]) if fits else None
 
     def _room(self, g: int) -> tuple[int, int]:
@@ -301,13 +392,8 @@ class Router:
         since = self.sent_tokens[g][load.taken :]
         return load.free_slots - len(since), load.free_tokens - sum(since)
 
-    def keys(self) -> list[str]:
-        """Every key of this call (for :meth:`Channel.clear` once all groups are done)."""
-        assigned = [f"assign/{g}/{k}" for g in range(self.groups) for k in range(self.sent[g])]
-        return [*assigned, *(f"load/{g}" for g in range(self.groups)), "finished", "start"]
-
     def _send(self, g: int, request: Request | None) -> None:
-        self.channel.put(f"assign/{g}/{self.sent[g]}", request)
+        self.channel.post(g, request)
         self.sent[g] += 1
         if request is not None:
             self.sent_tokens[g].append(len(request.prompt_ids) + request.sampling.max_new_tokens)

@@ -56,7 +56,8 @@ def replica_groups(dims: ParallelDims, replica: int) -> tuple[dist.ProcessGroup,
     engine group (every replica's group is created on every rank, in order: collective)."""
     grid = rank_grid(dims)
     groups = [cached_group(grid[r], purpose="engine-group") for r in range(dims.dp)]
-    return groups[replica], GroupLayout(replica, dims.dp, tuple(grid[replica].flatten().tolist()))
+    ranks = tuple(grid[replica].flatten().tolist())
+    return groups[replica], GroupLayout(replica, dims.dp, ranks, channel=f"groups-{dims.ranks[0]}", job=dims.group())
 
 
 class StageLink:

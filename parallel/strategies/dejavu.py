@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reshard.kv.stream import KVStreamer, Span, plan_stream, world_layouts
-from reshard.mesh import device_type
+from reshard.kv.stream import KVStreamer, Span, StreamIn, plan_stream, world_layouts
+from reshard.mesh import cached_group, device_type
 from reshard.parallel.cost.dejavu_planner import plan_disaggregation
 from reshard.parallel.engine import (
     Engine,
@@ -40,8 +40,10 @@ from reshard.parallel.engine import (
     Strategy,
     register_strategy,
 )
+from reshard.parallel.engine.router import GroupLayout, Handoff
 from reshard.parallel.engine.runner import Replica, split_ranges
-from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.engine.sampling import skip_draws
+from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.pipeline import build_model
 
 
@@ -173,6 +175,244 @@ class DejaVuPolicy(Policy):
         self.streamer.close()
 
 
+# ---- the sides as engine groups (they run at the same time) ------------------------------------
+@dataclass
+class Pending:
+    """A hand-off whose prompt KV is on its way into the token cache."""
+
+    seqs: list  # its sequences still to decode (in token slots)
+    held: list  # its sequences that finished at their first token (slots freed on landing)
+    incoming: list[StreamIn]  # one per layer
+
+    def landed(self) -> bool:
+        return all(handle.done() for handle in self.incoming)
+
+    def wait(self) -> int:
+        """Unpack every layer's KV as it arrives; returns the bytes."""
+        return sum(handle.wait() for handle in self.incoming)
+
+
+class PromptSide(Policy):
+    """A prompt group: prefill admitted prompts (streaming each layer's KV out as it is written)
+    and hand every prefilled prompt, with its first token, to a token group."""
+
+    stats_cls = DejaVuStats
+
+    def __init__(self, streamers: dict, group: int, token_groups: list[int], max_prefill_tokens: int) -> None:
+        self.streamers = streamers  # token group -> streamer from this group's ranks to that group's
+        self.group = group
+        self.token_groups = token_groups
+        self.max_prefill_tokens = max_prefill_tokens
+        self.outgoing: list = []
+        self.steps = 0
+
+    @property
+    def initial_layout(self) -> str:
+        return "prompt"
+
+    def start(self, queue) -> None:
+        self.slots = SlotPool(self.runner_info["prompt"].max_batch_size, 1)
+
+    def next_step(self, queue) -> Step:
+        budget, admitted = self.max_prefill_tokens, []
+        while queue and len(self.slots) and (not admitted or len(queue[0].prompt_ids) <= budget):
+            seq = self.new_sequence(queue.popleft())
+            budget -= seq.prompt_len
+            self.slots.take(seq)
+            admitted.append(seq)
+        self._prefilling, self._passes = admitted, {}
+        return Step("prefill", admitted, "prompt")
+
+    @property
+    def target(self) -> int:
+        """The token group of this step's prompts (round robin over the steps)."""
+        return self.token_groups[self.steps % len(self.token_groups)]
+
+    def stream_layer(self, layer: int, h: torch.Tensor, ctx) -> None:
+        """``layer_after``: once every micro-batch passed ``layer``, its KV leaves for the token group."""
+        self._passes[layer] = self._passes.get(layer, 0) + 1
+        if self._passes[layer] < len(split_ranges(len(self._prefilling), self.runner_info["prompt"].num_microbatches)):
+            return
+        spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in self._prefilling]
+        kv = self.runner_info["prompt"].kv
+        self.outgoing += self.streamers[self.target].stream_out(kv, spans, layers=[layer], tag=self.steps)
+
+    def after_step(self, step: Step, output: StepOutput) -> list[Handoff]:
+        for seq in step.seqs:
+            self.slots.give(seq)
+        self.outgoing = [job for job in self.outgoing if not job.done()]
+        handoff = Handoff(
+            self.group,
+            self.target,
+            self.steps,
+            tuple(s.request for s in step.seqs),
+            tuple(tuple(s.output) for s in step.seqs),
+            tuple(s.finish_reason is not None for s in step.seqs),
+        )
+        self.steps += 1
+        return [handoff]
+
+    def room(self) -> tuple[int, int]:
+        return self.slots.room(self.runner_info["prompt"].kv.spec.max_seq_len)
+
+    def close(self) -> None:
+        for job in self.outgoing:
+            job.wait(next(iter(self.streamers.values())).timeout)
+        for streamer in self.streamers.values():
+            streamer.close()
+
+
+class TokenSide(Policy):
+    """A token group: admit hand-offs into token slots as slots free up, fetch their streamed KV,
+    and decode every sequence whose KV has landed on every rank of the group (agreed with the
+    step's tokens); with nothing to decode, wait for the oldest hand-off's KV."""
+
+    stats_cls = DejaVuStats
+
+    def __init__(self, streamers: dict, group_size: int, vocab_size: int) -> None:
+        self.streamers = streamers  # prompt group -> streamer from that group's ranks to this group's
+        self.group_size = group_size
+        self.vocab_size = vocab_size
+
+    @property
+    def initial_layout(self) -> str:
+        return "token"
+
+    def start(self, queue) -> None:
+        self.slots = SlotPool(self.runner_info["token"].max_batch_size, 1)
+        self.running: dict[int, Any] = {}
+        self.pending: list[Pending] = []
+
+    def next_step(self, queue) -> Step:
+        while queue and len(self.slots) >= len(queue[0].requests):
+            self.pending.append(self._receive(queue.popleft()))
+        if not self.running and self.pending:  # nothing to decode: the oldest hand-off's KV, when it lands
+            self._land(self.pending.pop(0))
+        agree = {f"landed{i}": int(p.landed()) for i, p in enumerate(self.pending)}
+        phase = "decode" if self.running else "wait"  # wait: a hand-off whose prompts all finished landed
+        return Step(phase, list(self.running.values()), "token", agree=agree)
+
+    def _receive(self, handoff: Handoff) -> Pending:
+        """Token slots for every sequence of ``handoff`` (in its order) and their KV's fetch."""
+        seqs = []
+        for request, tokens in zip(handoff.requests, handoff.tokens):
+            seq = self.new_sequence(request)
+            skip_draws([request.sampling] * len(tokens), [seq.generator] * len(tokens), self.vocab_size)
+            for token in tokens:
+                seq.append(token)
+            seq.cached = seq.prompt_len + len(tokens) - 1
+            self.slots.take(seq)
+            seqs.append(seq)
+        spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs]
+        token = self.runner_info["token"]
+        streamer = self.streamers[handoff.source]
+        incoming = [  # layer by layer, in the order the prompt side flushes them
+            streamer.stream_in(token.kv, spans, layers=[layer], tag=handoff.tag) for layer in range(token.num_layers)
+        ]
+        held = [s for s in seqs if s.finish_reason is not None]
+        return Pending([s for s in seqs if s.finish_reason is None], held, incoming)
+
+    def _land(self, pending: Pending) -> None:
+        t0 = time.perf_counter()
+        self.stats.streamed_bytes += pending.wait()
+        self.stats.stream_wait_seconds += time.perf_counter() - t0
+        for seq in pending.held:
+            self.slots.give(seq)
+        self.running.update((s.request.id, s) for s in pending.seqs)
+
+    def after_step(self, step: Step, output: StepOutput) -> None:
+        agreed = output.agreed or {}
+        landed = [p for i, p in enumerate(self.pending) if agreed.get(f"landed{i}") == self.group_size]
+        for p in landed:
+            self.pending.remove(p)
+            self._land(p)
+
+    def retire(self, seq) -> None:
+        self.running.pop(seq.request.id)
+        self.slots.give(seq)
+
+    def close(self) -> None:
+        for streamer in self.streamers.values():
+            streamer.close()
+
+
+def dejavu_groups_engine(
+    prompt: nn.Module,
+    token: nn.Module,
+    prompt_dims: ParallelDims,
+    token_dims: ParallelDims,
+    *,
+    max_batch_size: int = 8,
+    max_seq_len: int | None = None,
+    max_prefill_tokens: int = 4096,
+) -> Engine:
+    """The disaggregated engine with each side's replicas as engine groups that run at the same
+    time: prompt groups ``0..P-1`` (the router hands them requests), token groups ``P..P+T-1``
+    (they take prefilled prompts). Collective over the job: every rank calls it."""
+    max_seq_len = max_seq_len or min(prompt.config.max_position_embeddings, 4096)
+    groups = _side_groups(prompt_dims) + _side_groups(token_dims)
+    pgs = [cached_group(ranks, purpose="engine-group") for ranks in groups]  # collective, in order
+    runners = {
+        name: _runner(model, dims, max_batch_size, max_seq_len, replicas="groups")
+        for name, model, dims in (("prompt", prompt, prompt_dims), ("token", token, token_dims))
+    }
+    layouts = {name: world_layouts(r.kv) for name, r in runners.items()}  # collective, every rank
+    entries = tuple(range(prompt_dims.dp))
+    side = "prompt" if dist.get_rank() in prompt_dims.ranks else "token"
+    index = next(i for i, ranks in enumerate(groups) if dist.get_rank() in ranks)
+    layout = GroupLayout(
+        index, len(groups), groups[index], entries, 1 if side == "prompt" else len(entries), "dejavu", None
+    )
+    streamers = _streamers(layouts, groups, index, entries)
+    if side == "prompt":
+        tokens = [g for g in range(len(groups)) if g not in entries]
+        policy = PromptSide(streamers, index, tokens, max_prefill_tokens)
+    else:
+        policy = TokenSide(streamers, len(groups[index]), prompt.config.vocab_size)
+    engine = Engine(runners=runners, policy=policy, group=pgs[index], engine_group=layout)
+    if side == "prompt":
+        engine.events.on("layer_after", policy.stream_layer, layout="prompt")
+    return engine
+
+
+def _job_stats(engine: Engine) -> tuple[DejaVuStats, tuple[float, float, float]]:
+    """The counters over the job, and its mean prompt and token step seconds and streamed bytes:
+    summed over the groups (the same on every rank), or over the ranks of a lockstep engine."""
+    if engine.group_stats:
+        s = DejaVuStats.total(engine.group_stats)
+        return s, (
+            s.prefill_seconds / max(s.prefill_steps, 1),
+            s.decode_seconds / max(s.decode_steps, 1),
+            s.streamed_bytes,
+        )
+    s = engine.stats
+    times = torch.tensor(
+        [s.prefill_seconds / max(s.prefill_steps, 1), s.decode_seconds / max(s.decode_steps, 1), s.streamed_bytes],
+        dtype=torch.float64,
+        device=device_type(),
+    )
+    dist.all_reduce(times[2:])
+    dist.all_reduce(times[:2], op=dist.ReduceOp.MAX)
+    return s, tuple(times.tolist())
+
+
+def _side_groups(dims: ParallelDims) -> list[tuple[int, ...]]:
+    """The ranks of each data-parallel replica of a side (every replica is a group)."""
+    return [tuple(r.flatten().tolist()) for r in rank_grid(dims)]
+
+
+def _streamers(layouts: dict, groups: list, index: int, entries: tuple[int, ...]) -> dict[int, KVStreamer]:
+    """This group's streamer to (prompt side) or from (token side) each group of the other side."""
+    peers = [g for g in range(len(groups)) if (g in entries) != (index in entries)]
+    out = {}
+    for g in peers:
+        p, t = (index, g) if index in entries else (g, index)
+        src = {r: lay for r, lay in layouts["prompt"].items() if r in groups[p]}
+        dst = {r: lay for r, lay in layouts["token"].items() if r in groups[t]}
+        out[g] = KVStreamer(plan_stream(src, dst))
+    return out
+
+
 def dejavu_engine(
     prompt: nn.Module,
     token: nn.Module,
@@ -198,31 +438,38 @@ def dejavu_engine(
     return engine
 
 
-def _runner(model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int):
+def _runner(model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_len: int, replicas: str = "lockstep"):
     if dist.get_rank() not in dims.ranks:
         return AbsentRunner(model, dims, max_batch_size, max_seq_len)
     return ModelRunner(
-        model, dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_microbatches=dims.pp
+        model,
+        dims=dims,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        num_microbatches=dims.pp,
+        replicas=replicas,
     )
 
 
 # ---- the strategy -------------------------------------------------------------------------------
 @dataclass
 class SideConfig:
-    """One side's layout: TP degree and pipeline depth (their product is the side's ranks)."""
+    """One side's layout: replicas (each an engine group), TP degree and pipeline depth (their
+    product is the side's ranks)."""
 
-    tp: int | None = None  # null: the side's ranks / pp
+    tp: int | None = None  # null: the side's ranks / (dp x pp)
     pp: int = 1
+    dp: int = 1  # replicas of the side, each its own engine group
 
     def dims(self, ranks: range, where: str) -> ParallelDims:
-        for axis in ("tp", "pp"):
+        for axis in ("tp", "pp", "dp"):
             if getattr(self, axis) is not None and getattr(self, axis) < 1:
                 raise ValueError(f"{where}.{axis} must be >= 1, got {getattr(self, axis)}")
         n = len(ranks)
-        tp = self.tp if self.tp is not None else max(n // self.pp, 1)
-        if n != tp * self.pp:  # one replica per side: the stream plan pairs ranks by layout alone
-            raise ValueError(f"{where}: tp ({tp}) x pp ({self.pp}) must equal its {n} ranks")
-        return ParallelDims(pp=self.pp, tp=tp, world_size=n, first_rank=ranks[0])
+        tp = self.tp if self.tp is not None else max(n // (self.dp * self.pp), 1)
+        if n != self.dp * tp * self.pp:
+            raise ValueError(f"{where}: dp ({self.dp}) x tp ({tp}) x pp ({self.pp}) must equal its {n} ranks")
+        return ParallelDims(dp=self.dp, pp=self.pp, tp=tp, world_size=n, first_rank=ranks[0])
 
 
 @register_strategy("dejavu")
@@ -256,7 +503,16 @@ class DejaVuStrategy(Strategy):
         prompt_dims, token_dims = self.sides(dist.get_world_size())
         kw = dict(dtype=args.dtype, allow_unused=args.allow_unused)
         prompt, token = build_model(path, prompt_dims, **kw), build_model(path, token_dims, **kw)
-        return dejavu_engine(
+        if args.replicas == "lockstep":  # both sides in one loop (fault tolerance's ring follows it)
+            if prompt_dims.dp > 1 or token_dims.dp > 1:
+                raise ValueError(
+                    f"lockstep DejaVu runs one replica per side, got parallel.prompt.dp={prompt_dims.dp}, "
+                    f"parallel.token.dp={token_dims.dp}"
+                )
+            build = dejavu_engine
+        else:
+            build = dejavu_groups_engine
+        return build(
             prompt,
             token,
             prompt_dims,
@@ -267,24 +523,13 @@ class DejaVuStrategy(Strategy):
         )
 
     def summary(self, engine: Engine) -> dict:
-        s = engine.stats
-        times = torch.tensor(
-            [s.prefill_seconds / max(s.prefill_steps, 1), s.decode_seconds / max(s.decode_steps, 1), s.streamed_bytes],
-            dtype=torch.float64,
-            device=device_type(),
-        )
-        dist.all_reduce(times[2:])
-        dist.all_reduce(times[:2], op=dist.ReduceOp.MAX)
+        s, (prefill_s, decode_s, streamed) = _job_stats(engine)
         new_tokens = s.decode_tokens / max(s.prefill_tokens and s.prefill_steps, 1)
         plan = plan_disaggregation(
-            dist.get_world_size(),
-            max(times[0].item(), 1e-9),
-            max(times[1].item(), 1e-9),
-            max(new_tokens, 1.0),
-            self.overhead,
+            dist.get_world_size(), max(prefill_s, 1e-9), max(decode_s, 1e-9), max(new_tokens, 1.0), self.overhead
         )
         return {
-            "streamed_bytes": int(times[2]),
+            "streamed_bytes": int(streamed),
             "stream_wait_seconds": s.stream_wait_seconds,
             "dejavu_plan": plan.as_dict(),
         }
