@@ -94,6 +94,7 @@ def _overlap(trace_a, trace_b) -> float:
     [
         (2, {"tp": 1}, {"tp": 1}, 1, [0, 1]),  # one prompt rank, one token rank
         (4, {"tp": 2}, {"pp": 2}, 2, [0, 0, 1, 1]),  # prompt TP2 -> token PP2
+        (4, {"dp": 2}, {"tp": 2}, 2, [0, 1, 2, 2]),  # two prompt groups -> one TP2 token group
     ],
 )
 def test_sides_run_at_the_same_time_as_engine_groups(

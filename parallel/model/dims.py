@@ -86,10 +86,15 @@ class ParallelDims:
         return {**dict(zip(AXES, self.shape)), "ranks": self.ranks}
 
     def mesh(self, axis: str) -> DeviceMesh:
-        """1-D mesh of this rank's group along ``axis``."""
+        """1-D mesh of this rank's group along ``axis``; on a rank outside the layout, the first
+        group's (such a rank holds no shard on it and never communicates over it)."""
         if axis not in AXES:
             raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}")
-        return self.world_mesh()[axis]
+        world = self.world_mesh()
+        if world.get_coordinate() is not None:
+            return world[axis]
+        line = rank_grid(self).movedim(AXES.index(axis), -1).reshape(-1, getattr(self, axis))[0]  # (axis,)
+        return DeviceMesh(device_type(), line, mesh_dim_names=(axis,), _init_backend=False)
 
     def _check_world(self) -> None:
         actual = dist.get_world_size() if dist.is_initialized() else 1
