@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from reshard.mesh import device_type
 from reshard.parallel import Engine, ParallelDims, Request
+from reshard.parallel.engine import WorkloadShape
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.parallel.fault import restart_count
@@ -41,6 +43,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     """
     t0 = time.perf_counter()
     path = _model_path(cfg)
+    cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     args = cfg.engine.args(
         compile=cfg.compile,
@@ -70,6 +73,17 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         _write_outputs(run_dir, completions, summary, cfg.parallel)
         keep.unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
+
+
+def _workload_shape(cfg: GenerateConfig) -> WorkloadShape:
+    """What a strategy's planner knows of the requests before they are built (the synthetic
+    workload's mean prompt length)."""
+    w = cfg.workload
+    return WorkloadShape(
+        prompt_len=(w.prompt_len_min + w.prompt_len_max) / 2,
+        new_tokens=cfg.generation.max_new_tokens,
+        batch=cfg.engine.max_batch_size,
+    )
 
 
 def _keep_finished(engine: Engine, run_dir: Path) -> Path:

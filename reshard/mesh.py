@@ -4,11 +4,14 @@ project's meshes and groups (foreground collectives and every background thread'
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+T = TypeVar("T")
 
 
 def device_type() -> str:
@@ -83,4 +86,20 @@ def job_timeout() -> datetime.timedelta | None:
         return None
 
 
-__all__ = ["cached_group", "cached_mesh", "device_type", "job_timeout", "rank_tensor"]
+def from_rank0(fn: Callable[[], T]) -> T:
+    """``fn()`` computed on rank 0 alone and sent to every rank (collective over the job); an
+    exception it raises is raised on every rank."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (fn(), None)
+        except Exception as e:  # every rank must leave the broadcast, then raise
+            box[0] = (None, e)
+    dist.broadcast_object_list(box, src=0)
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return value
+
+
+__all__ = ["cached_group", "cached_mesh", "device_type", "from_rank0", "job_timeout", "rank_tensor"]

@@ -121,3 +121,71 @@ def test_groups_sample_as_lockstep_sides_do(four_layer):
     grouped = dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 6, temperature=0.8)
     lockstep = dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 6, replicas="lockstep", temperature=0.8)
     assert grouped[0][0] == grouped[1][0] == lockstep[0][0]
+
+
+def test_planner_chooses_the_split_the_sides_accept():
+    """``prompt_ranks: null``: the appendix-D split with the lowest ``I_dis`` among the splits both
+    sides' degrees accept, from configured step times."""
+    from reshard.parallel.cost.dejavu_planner import plan_disaggregation
+    from reshard.parallel.engine import WorkloadShape
+    from reshard.recipes.schema import strategy_config
+
+    work = WorkloadShape(prompt_len=64, new_tokens=10, batch=4)
+    free = strategy_config({"strategy": "dejavu", "prefill_ms": 30.0, "decode_ms": 1.0})
+    planned = free.planned("unused: times are given", 4, work)
+    assert planned.prompt_ranks == plan_disaggregation(4, 30.0, 1.0, 10, 1.0).D_p == 3  # formula (1): 4*30/40
+    assert planned.layouts(4)["prompt"].ranks == [0, 1, 2]
+    pinned = strategy_config({"strategy": "dejavu", "prefill_ms": 30.0, "decode_ms": 1.0, "token": {"pp": 2}})
+    assert pinned.planned("unused", 4, work).prompt_ranks == 2  # the token pipeline needs an even side
+    slow_tokens = strategy_config({"strategy": "dejavu", "prefill_ms": 1.0, "decode_ms": 10.0})
+    assert slow_tokens.planned("unused", 4, work).prompt_ranks == 1
+    assert strategy_config({"strategy": "dejavu", "prompt_ranks": 2}).planned("unused", 4, work).prompt_ranks == 2
+    with pytest.raises(ValueError, match=r"give both parallel.prefill_ms and parallel.decode_ms or neither, got 3.0"):
+        strategy_config({"strategy": "dejavu", "prefill_ms": 3.0})
+    with pytest.raises(ValueError, match=r"parallel.decode_ms must be > 0 ms, got -1.0"):
+        strategy_config({"strategy": "dejavu", "prefill_ms": 3.0, "decode_ms": -1.0})
+    with pytest.raises(ValueError, match=r"unknown hardware 'b300'"):
+        strategy_config({"strategy": "dejavu", "hardware": "b300"})
+
+
+def test_predicted_step_times_follow_the_workload(four_layer):
+    from reshard.parallel.engine import WorkloadShape
+    from reshard.parallel.strategies.dejavu import predicted_step_ms
+
+    short = predicted_step_ms(four_layer["llama"], 4, WorkloadShape(prompt_len=16, new_tokens=8, batch=4), "h100")
+    long = predicted_step_ms(four_layer["llama"], 4, WorkloadShape(prompt_len=1024, new_tokens=8, batch=4), "h100")
+    assert 0 < short[1] < short[0] < long[0]  # a prompt costs more than a token step, and grows with length
+    assert long[1] >= short[1]  # a token step reads a longer context
+
+
+def _planned_job(path):
+    from reshard.parallel.engine import WorkloadShape
+    from reshard.recipes.schema import strategy_config
+
+    strategy = strategy_config({"strategy": "dejavu", "hardware": "h100"})
+    return strategy.planned(path, 4, WorkloadShape(prompt_len=512, new_tokens=4, batch=8)).prompt_ranks
+
+
+def test_every_rank_takes_rank0s_predicted_split(four_layer):
+    from reshard.parallel.cost.dejavu_planner import best_split
+    from reshard.parallel.engine import WorkloadShape
+    from reshard.parallel.strategies.dejavu import predicted_step_ms
+
+    path = four_layer["llama"]
+    Y, t = predicted_step_ms(path, 4, WorkloadShape(prompt_len=512, new_tokens=4, batch=8), "h100")
+    expected = 4 - best_split(4, Y, t, 4, 1.0, [1, 2, 3])
+    assert dist_harness.run(2, _planned_job, path) == [expected, expected]
+
+
+def test_a_failed_calibration_says_so(monkeypatch, capsys):
+    import subprocess
+
+    from reshard.parallel.engine import WorkloadShape
+    from reshard.parallel.strategies import dejavu
+
+    def timed_out(*args):
+        raise subprocess.TimeoutExpired("calibrate", 60)
+
+    monkeypatch.setattr(dejavu, "predicted_step_ms", timed_out)
+    assert dejavu._predicted_or_none("p", 4, WorkloadShape(64, 8, 4), "this_machine") is None
+    assert "calibrating this_machine for the appendix-D split failed (TimeoutExpired)" in capsys.readouterr().out

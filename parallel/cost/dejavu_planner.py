@@ -156,6 +156,15 @@ def plan_disaggregation(
     )
 
 
+def best_split(D: int, Y: float, t: float, N: float, m: float, token_machines: list[int]) -> int:
+    """The ``D_t`` among ``token_machines`` (splits a layout accepts) with the lowest
+    ``I_dis = max(I_t, I_p)``; ties to the larger ``D_t``."""
+    _check_workload(D, Y, t, N, m)
+    if not token_machines or not all(0 < c < D for c in token_machines):
+        raise ValueError(f"token machines must be a non-empty list within 1..{D - 1}, got {token_machines}")
+    return _round_split(D, Y, t, N, m, token_machines)
+
+
 def _round_split(D: int, Y: float, t: float, N: float, m: float, candidates: list[int]) -> int:
     """The candidate ``D_t`` with the lowest ``max(I_t, I_p)``; ties to the larger ``D_t``."""
 

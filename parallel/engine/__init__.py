@@ -16,6 +16,7 @@ from reshard.parallel.engine.policy import (
 from reshard.parallel.engine.registry import (
     EngineArgs,
     Strategy,
+    WorkloadShape,
     make_strategy,
     register_strategy,
     registered,
@@ -46,6 +47,7 @@ __all__ = [
     "StepOutput",
     "Strategy",
     "TokenSplit",
+    "WorkloadShape",
     "agree_tokens",
     "make_strategy",
     "register_strategy",

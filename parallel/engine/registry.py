@@ -50,10 +50,24 @@ class EngineArgs:
         return {"kv_block_size": self.kv_block_size, "kv_tokens": self.kv_tokens}
 
 
+@dataclass(frozen=True)
+class WorkloadShape:
+    """What a strategy's planner knows of the job's requests before they run."""
+
+    prompt_len: float  # mean prompt tokens
+    new_tokens: int  # tokens generated per request
+    batch: int  # sequences per step (the engine's max_batch_size)
+
+
 class Strategy:
     """Base of a strategy's config dataclass (validate fields in ``__post_init__``)."""
 
     name: ClassVar[str] = ""
+
+    def planned(self, path: str | os.PathLike, world_size: int, workload: WorkloadShape) -> Strategy:
+        """This config with what it left to a planner filled in (collective: every rank calls it and
+        gets the same answer). The default leaves nothing to plan."""
+        return self
 
     @property
     def strategy(self) -> str:

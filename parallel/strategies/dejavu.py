@@ -9,15 +9,19 @@ step ends and unpack them into their own cache before the first decode step that
 step's :class:`ReceiveStreams` move). Both layouts run on the one engine loop: ranks outside a
 step's layout only join the token agreement, which spans the whole job (the engine's ``group``).
 
-The appendix-D planner (:mod:`parallel.dejavu_planner`) turns the measured prompt and token step
-times into the machine split ``D_p`` / ``D_t`` it would choose, reported in ``summary.json``.
+The appendix-D planner (:mod:`parallel.cost.dejavu_planner`) chooses the split when
+``prompt_ranks`` is unset (:meth:`DejaVuStrategy.planned`), from configured step times or the cost
+model's prediction; after the run it turns the measured prompt and token step times into the split
+``D_p`` / ``D_t`` it would choose next time, reported in ``summary.json``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,8 +29,10 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.kv.stream import KVStreamer, Span, StreamIn, plan_stream, world_layouts
-from reshard.mesh import cached_group, device_type
-from reshard.parallel.cost.dejavu_planner import plan_disaggregation
+from reshard.mesh import cached_group, device_type, from_rank0
+from reshard.parallel.cost.dejavu_planner import best_split, plan_disaggregation
+from reshard.parallel.cost.profiles import hardware, model_from_config
+from reshard.parallel.cost.roofline import ParallelConfig, decode_stage_time, prefill_stage_time
 from reshard.parallel.engine import (
     Engine,
     EngineArgs,
@@ -38,11 +44,13 @@ from reshard.parallel.engine import (
     Step,
     StepOutput,
     Strategy,
+    WorkloadShape,
     register_strategy,
 )
 from reshard.parallel.engine.router import GroupLayout, Handoff
 from reshard.parallel.engine.runner import Replica, split_ranges
 from reshard.parallel.engine.sampling import skip_draws
+from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.pipeline import build_model
 
@@ -452,6 +460,35 @@ def _runner(model: nn.Module, dims: ParallelDims, max_batch_size: int, max_seq_l
 
 
 # ---- the strategy -------------------------------------------------------------------------------
+def _predicted_or_none(path, world_size: int, workload: WorkloadShape, hardware_name: str) -> tuple | None:
+    """:func:`predicted_step_ms`, or None with a line saying why when this machine's calibration
+    fails (its gloo probes time out on a loaded machine): the caller then splits the job in half."""
+    try:
+        return predicted_step_ms(path, world_size, workload, hardware_name)
+    except (subprocess.SubprocessError, RuntimeError) as e:
+        print(
+            f"dejavu: calibrating {hardware_name} for the appendix-D split failed ({type(e).__name__}); "
+            f"prompts on half the job. Set parallel.prompt_ranks or parallel.prefill_ms/decode_ms."
+        )
+        return None
+
+
+def predicted_step_ms(
+    path: str | os.PathLike, world_size: int, workload: WorkloadShape, hardware_name: str
+) -> tuple[float, float]:
+    """The planner's ``Y`` and ``t`` (ms) as the roofline cost model predicts them for the
+    checkpoint's shape on profile ``hardware_name`` (``this_machine``: calibrated once, cached): a
+    micro-batch of ``workload.batch`` prompts through ``world_size`` pipeline stages, and a token
+    step of it at the mean context."""
+    config = json.loads((resolve_checkpoint(path) / "config.json").read_text())
+    shape = model_from_config(config, name=str(path))
+    hw = hardware(hardware_name)
+    layout, b = ParallelConfig(pp=world_size), workload.batch
+    Y = world_size * prefill_stage_time(shape, hw, layout, b, workload.prompt_len)
+    t = world_size * decode_stage_time(shape, hw, layout, b, workload.prompt_len + workload.new_tokens / 2)
+    return 1e3 * Y, 1e3 * t
+
+
 @dataclass
 class SideConfig:
     """One side's layout: replicas (each an engine group), TP degree and pipeline depth (their
@@ -479,14 +516,53 @@ class DejaVuStrategy(Strategy):
 
     prompt: SideConfig = field(default_factory=SideConfig)
     token: SideConfig = field(default_factory=SideConfig)
-    prompt_ranks: int | None = None  # null: half the job
+    prompt_ranks: int | None = None  # null: the appendix-D planner's D_p (see planned())
     overhead: float = 1.0  # the planner's m: prompt time with streaming / without
+    prefill_ms: float | None = None  # the planner's Y: a micro-batch's prompt on the job as one pipeline
+    decode_ms: float | None = None  # the planner's t: a token step of it (both null: predicted)
+    hardware: str = "this_machine"  # the cost model's profile predicting Y and t (calibrated here)
 
     def __post_init__(self) -> None:
         if self.overhead < 1:
             raise ValueError(f"parallel.overhead must be >= 1, got {self.overhead}")
+        if (self.prefill_ms is None) != (self.decode_ms is None):
+            raise ValueError(
+                f"give both parallel.prefill_ms and parallel.decode_ms or neither, "
+                f"got {self.prefill_ms} and {self.decode_ms}"
+            )
+        if self.hardware != "this_machine":  # (that one is measured, once, when it is needed)
+            hardware(self.hardware)  # ValueError naming the profiles
+        for key in ("prefill_ms", "decode_ms"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"parallel.{key} must be > 0 ms, got {getattr(self, key)}")
+
+    def planned(self, path: str | os.PathLike, world_size: int, workload: WorkloadShape) -> DejaVuStrategy:
+        """``prompt_ranks`` from the appendix-D planner when unset: the split the sides accept with
+        the lowest ``I_dis``, from ``prefill_ms``/``decode_ms`` or, when unset, the cost model's
+        prediction on ``hardware`` (rank 0 predicts, every rank takes its answer)."""
+        if self.prompt_ranks is not None:
+            return self
+        splits = [d for d in range(1, world_size) if self._accepts(d, world_size)]
+        if len(splits) <= 1:  # nothing to choose (none: sides() names the misfit)
+            return replace(self, prompt_ranks=splits[0] if splits else None)
+        if self.prefill_ms is not None:
+            times = (self.prefill_ms, self.decode_ms)
+        else:
+            times = from_rank0(lambda: _predicted_or_none(path, world_size, workload, self.hardware))
+        if times is None:
+            return replace(self, prompt_ranks=world_size // 2)
+        D_t = best_split(world_size, *times, workload.new_tokens, self.overhead, [world_size - d for d in splits])
+        return replace(self, prompt_ranks=world_size - D_t)
+
+    def _accepts(self, prompt_ranks: int, world_size: int) -> bool:
+        try:
+            replace(self, prompt_ranks=prompt_ranks).sides(world_size)
+        except ValueError:
+            return False
+        return True
 
     def sides(self, world: int) -> tuple[ParallelDims, ParallelDims]:
+        """The two sides' layouts (``prompt_ranks`` unset and not :meth:`planned`: half the job)."""
         n = self.prompt_ranks if self.prompt_ranks is not None else world // 2
         if not 0 < n < world:
             raise ValueError(f"parallel.prompt_ranks must be in 1..{world - 1} (the job has {world} ranks), got {n}")
