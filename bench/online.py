@@ -11,7 +11,16 @@ ranks, side by side:
 
 * ``tp``: tensor parallel over every rank, one group;
 * ``dp-groups``: every rank a replica, each its own engine group fed by the router;
-* ``dp-lockstep``: every rank a replica, all replicas in every step (the loop before engine groups).
+* ``dp-lockstep``: every rank a replica, all replicas in every step (the loop before engine groups);
+* ``shift``: Shift parallelism, SP ``--sp`` x TP for big steps, TP over every rank for small ones;
+* ``dejavu``: prompts on the first ``--prompt-ranks`` ranks, tokens on the rest, each rank its own
+  engine group (the sides run at the same time; prompt KV streams layer by layer);
+* ``dejavu-lockstep``: the same sides stepping together in one loop (one prompt and one token side).
+
+Offline (rate 0), with ``dp-groups`` measured: each replica's prefill seconds ``P`` and decode
+seconds ``D`` give the throughput perfect overlap allows a disaggregated run on the same ranks,
+``(P + D) / (2 max(P, D))`` of the replicas' (prompt and token sides of equal size), and each
+``dejavu`` run's share of that bound.
 
 Per run: throughput (requests/s and output tokens/s over the wall time of ``generate``) and the
 p50/p90/p99 of time to first token (TTFT), time per output token (TPOT) and normalized latency
@@ -43,7 +52,8 @@ SIZES = {
     "seed": 0,
 }
 SMALL = {**SIZES, "hidden": 64, "intermediate": 128, "layers": 2, "vocab": 512, "requests": 8, "rates": [0, 8]}
-LAYOUTS = ("tp", "dp-groups", "dp-lockstep")
+LAYOUTS = ("tp", "dp-groups", "dp-lockstep", "shift", "dejavu", "dejavu-lockstep")
+DEFAULT_LAYOUTS = ("tp", "dp-groups", "dp-lockstep", "dejavu")
 METRICS = ("ttft", "tpot", "normalized")
 
 
@@ -64,10 +74,50 @@ def _engine(path: str, layout: str, args):
     from reshard.parallel import Engine, ParallelDims, parallelize
 
     world = dist.get_world_size()
+    if layout in ("shift", "dejavu", "dejavu-lockstep"):
+        return _strategy_engine(path, layout, args)
     dims = ParallelDims.from_world(tp=world) if layout == "tp" else ParallelDims.from_world(dp=world)
     replicas = "lockstep" if layout == "dp-lockstep" else "groups"
     max_len = args.prompt_lens[1] + args.new_tokens
     return Engine(parallelize(path, dims), max_batch_size=args.batch, max_seq_len=max_len, replicas=replicas)
+
+
+def _strategy_engine(path: str, layout: str, args):
+    from reshard.parallel.engine import EngineArgs
+    from reshard.recipes.schema import strategy_config
+
+    if layout == "shift":
+        keys = {"strategy": "shift", "sp": args.sp}
+    else:
+        n = args.prompt_ranks or dist.get_world_size() // 2
+        keys = {"strategy": "dejavu", "prompt_ranks": n}
+        if layout == "dejavu":  # one group per rank on each side (lockstep: one TP group per side)
+            keys.update(prompt={"dp": n}, token={"dp": dist.get_world_size() - n})
+    replicas = "lockstep" if layout == "dejavu-lockstep" else "groups"
+    engine_args = EngineArgs(
+        max_batch_size=args.batch, max_seq_len=args.prompt_lens[1] + args.new_tokens, replicas=replicas
+    )
+    return strategy_config(keys).build(path, engine_args)
+
+
+def _phase_seconds(engine) -> tuple[float, float]:
+    """Mean prefill and decode seconds per engine group (one group: its own)."""
+    stats = engine.group_stats or [engine.stats]
+    return (sum(s.prefill_seconds for s in stats) / len(stats), sum(s.decode_seconds for s in stats) / len(stats))
+
+
+def _overlap_lines(table: dict, layouts: list[str]) -> list[str]:
+    """Offline: the disaggregated bound from the replicas' phase times, and each DejaVu run's share."""
+    if ("dp-groups", 0) not in table:
+        return []
+    P, D = table["dp-groups", 0]["phases"]
+    bound = (P + D) / (2 * max(P, D))
+    lines = [f"dp-groups per replica: prefill P {P:.3f} s, decode D {D:.3f} s; perfect overlap allows {bound:.2f}x"]
+    base = table["dp-groups", 0]["output_tokens_per_s"]
+    for layout in (x for x in layouts if x.startswith("dejavu")):
+        ratio = table[layout, 0]["output_tokens_per_s"] / base
+        lines.append(f"{layout}: {ratio:.2f}x dp-groups = {ratio / bound:.2f} of perfect overlap")
+    return lines
 
 
 def _run(engine, requests) -> dict:
@@ -78,7 +128,12 @@ def _run(engine, requests) -> dict:
     completions = engine.generate(requests)
     seconds = time.perf_counter() - t0
     assert all(len(c.output_ids) == requests[0].sampling.max_new_tokens for c in completions)
-    return {"seconds": seconds, "tokens": [c.output_ids for c in completions], **latency_summary(completions, seconds)}
+    return {
+        "seconds": seconds,
+        "tokens": [c.output_ids for c in completions],
+        "phases": _phase_seconds(engine),
+        **latency_summary(completions, seconds),
+    }
 
 
 def _line(layout: str, rate: float, r: dict, base: dict) -> str:
@@ -87,7 +142,7 @@ def _line(layout: str, rate: float, r: dict, base: dict) -> str:
     )
     ratio = r["output_tokens_per_s"] / base["output_tokens_per_s"]
     return (
-        f"{layout:12s} rate {rate:5.1f}/s  {r['requests_per_s']:6.2f} req/s {r['output_tokens_per_s']:8.1f} tok/s "
+        f"{layout:15s} rate {rate:5.1f}/s  {r['requests_per_s']:6.2f} req/s {r['output_tokens_per_s']:8.1f} tok/s "
         f"({ratio:4.2f}x lockstep)  {figures}  (ms p50/p90/p99)"
     )
 
@@ -117,7 +172,9 @@ def _plot(prefix: str, table: dict) -> None:
 def main() -> None:
     p = parser(__doc__)
     add_sizes(p, SIZES, SMALL)
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {LAYOUTS}")
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma list of {LAYOUTS}")
+    p.add_argument("--prompt-ranks", type=int, default=None, help="dejavu: prompt side ranks (default: half)")
+    p.add_argument("--sp", type=int, default=2, help="shift: Ulysses degree")
     p.add_argument("--png", default=None, help="write PREFIX-<metric>.png plots")
     args = fill_sizes(p.parse_args(), SIZES, SMALL)
     dist.init_process_group("gloo")
@@ -128,8 +185,10 @@ def main() -> None:
         requests = _requests(args, rate)
         for layout in layouts:
             engine = _engine(path, layout, args)
-            _run(engine, requests[:2])  # warm-up
-            table[layout, rate] = _run(engine, requests)
+            with engine:
+                _run(engine, requests[:2])  # warm-up
+                engine.stats = type(engine.stats)()  # count the measured run alone
+                table[layout, rate] = _run(engine, requests)
         same = all(table[x, rate]["tokens"] == table[layouts[0], rate]["tokens"] for x in layouts)
         if dist.get_rank() == 0:
             base = table.get(("dp-lockstep", rate), table[layouts[0], rate])
@@ -137,6 +196,7 @@ def main() -> None:
             for layout in layouts:
                 print(_line(layout, rate, table[layout, rate], base), flush=True)
     if dist.get_rank() == 0:
+        print("\n".join(["", *_overlap_lines(table, layouts)]), flush=True)
         if args.png:
             _plot(args.png, table)
         print(f"\ncommand: {rerun_command('online.py', dist.get_world_size())}")
