@@ -5,7 +5,8 @@
 
 A seeded Llama of ``--hidden``/``--layers``/... (built once into the cache dir) serves
 ``--requests`` seeded requests, prompts uniform over ``--prompt-lens``, ``--new-tokens`` greedy
-tokens each (EOS ignored), arriving as a seeded Poisson process at each rate of ``--rates``
+tokens each (EOS ignored; ``--budgets LO,HI``: uniform over that range, as in ``bench/generate.py
+--workload realistic``), arriving as a seeded Poisson process at each rate of ``--rates``
 (requests/s; ``0``: all at once, offline). For each rate, each layout of ``--layouts`` on the same
 ranks, side by side:
 
@@ -35,7 +36,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import add_sizes, bench_checkpoint, fill_sizes, parser, rerun_command
+from _common import add_sizes, bench_checkpoint, fill_sizes, ints, parser, rerun_command
 
 SIZES = {
     "hidden": 256,
@@ -66,8 +67,11 @@ def _requests(args, rate: float):
     lengths = torch.randint(lo, hi + 1, (args.requests,), generator=gen).tolist()
     prompts = [torch.randint(3, args.vocab, (n,), generator=gen).tolist() for n in lengths]
     arrivals = poisson_arrivals(args.requests, rate, args.seed) if rate > 0 else [0.0] * args.requests
-    params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=[])
-    return [Request(i, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+    budgets = torch.randint(args.budgets[0], args.budgets[1] + 1, (args.requests,), generator=gen).tolist()
+    return [
+        Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=[]), arrival=a)
+        for i, (p, b, a) in enumerate(zip(prompts, budgets, arrivals))
+    ]
 
 
 def _engine(path: str, layout: str, args):
@@ -78,7 +82,7 @@ def _engine(path: str, layout: str, args):
         return _strategy_engine(path, layout, args)
     dims = ParallelDims.from_world(tp=world) if layout == "tp" else ParallelDims.from_world(dp=world)
     replicas = "lockstep" if layout == "dp-lockstep" else "groups"
-    max_len = args.prompt_lens[1] + args.new_tokens
+    max_len = args.prompt_lens[1] + args.budgets[1]
     return Engine(parallelize(path, dims), max_batch_size=args.batch, max_seq_len=max_len, replicas=replicas)
 
 
@@ -95,7 +99,7 @@ def _strategy_engine(path: str, layout: str, args):
             keys.update(prompt={"dp": n}, token={"dp": dist.get_world_size() - n})
     replicas = "lockstep" if layout == "dejavu-lockstep" else "groups"
     engine_args = EngineArgs(
-        max_batch_size=args.batch, max_seq_len=args.prompt_lens[1] + args.new_tokens, replicas=replicas
+        max_batch_size=args.batch, max_seq_len=args.prompt_lens[1] + args.budgets[1], replicas=replicas
     )
     return strategy_config(keys).build(path, engine_args)
 
@@ -127,7 +131,7 @@ def _run(engine, requests) -> dict:
     t0 = time.perf_counter()
     completions = engine.generate(requests)
     seconds = time.perf_counter() - t0
-    assert all(len(c.output_ids) == requests[0].sampling.max_new_tokens for c in completions)
+    assert all(len(c.output_ids) == r.sampling.max_new_tokens for c, r in zip(completions, requests))
     return {
         "seconds": seconds,
         "tokens": [c.output_ids for c in completions],
@@ -175,8 +179,10 @@ def main() -> None:
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma list of {LAYOUTS}")
     p.add_argument("--prompt-ranks", type=int, default=None, help="dejavu: prompt side ranks (default: half)")
     p.add_argument("--sp", type=int, default=2, help="shift: Ulysses degree")
+    p.add_argument("--budgets", type=ints, default=None, help="new tokens uniform over LO,HI (default: --new-tokens)")
     p.add_argument("--png", default=None, help="write PREFIX-<metric>.png plots")
     args = fill_sizes(p.parse_args(), SIZES, SMALL)
+    args.budgets = args.budgets or [args.new_tokens, args.new_tokens]
     dist.init_process_group("gloo")
     path = str(bench_checkpoint(args, "online"))
     layouts = [x for x in args.layouts.split(",") if x]
