@@ -37,6 +37,7 @@ from reshard.parallel.engine.sampling import sample_tokens
 PIPELINES = ("inflight", "drain")
 NOTE_TAG = 1  # P2P tags: activations use 0 (StageLink)
 TOKEN_TAG = 2
+PHASE_CODES = ("stop", "prefill", "decode")  # a note's phase on the wire
 
 
 @dataclass(frozen=True)
@@ -66,25 +67,40 @@ class StepNote:
 
 
 class NoteLink:
-    """Notes between neighbouring stages on tag :data:`NOTE_TAG`: an ``int64`` byte count, then
-    the pickled note as ``uint8`` (host tensors; gloo)."""
+    """Notes between neighbouring stages on tag :data:`NOTE_TAG`: one ``int64`` tensor of fixed
+    size ``(3 + 3 * capacity,)`` (phase, count, payload bytes, then ids, slots, cached), and for a
+    prefill the pickled requests and blocks as ``uint8`` (host tensors; gloo).
+    ``capacity``: the most sequences of one note (a micro-batch's slots)."""
 
-    def __init__(self, prev: int | None, next: int | None) -> None:
-        self.prev, self.next = prev, next
+    def __init__(self, prev: int | None, next: int | None, capacity: int) -> None:
+        self.prev, self.next, self.capacity = prev, next, capacity
 
     def send(self, note: StepNote) -> None:
-        assert self.next is not None
-        payload = torch.frombuffer(bytearray(pickle.dumps(note)), dtype=torch.uint8)
-        dist.send(torch.tensor([payload.numel()], dtype=torch.long), self.next, tag=NOTE_TAG)
-        dist.send(payload, self.next, tag=NOTE_TAG)
+        assert self.next is not None and len(note.ids) <= self.capacity, (len(note.ids), self.capacity)
+        extra = pickle.dumps((note.requests, note.blocks)) if note.phase == "prefill" else b""
+        head = torch.zeros(3 + 3 * self.capacity, dtype=torch.long)
+        n, c = len(note.ids), self.capacity
+        head[:3] = torch.tensor([PHASE_CODES.index(note.phase), n, len(extra)])
+        if n:
+            head[3 : 3 + n], head[3 + c : 3 + c + n] = torch.tensor(note.ids), torch.tensor(note.slots)
+            head[3 + 2 * c : 3 + 2 * c + n] = torch.tensor(note.cached)
+        dist.send(head, self.next, tag=NOTE_TAG)
+        if extra:
+            dist.send(torch.frombuffer(bytearray(extra), dtype=torch.uint8), self.next, tag=NOTE_TAG)
 
     def recv(self) -> StepNote:
         assert self.prev is not None
-        size = torch.empty(1, dtype=torch.long)
-        dist.recv(size, self.prev, tag=NOTE_TAG)
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(payload, self.prev, tag=NOTE_TAG)
-        return pickle.loads(payload.numpy().tobytes())
+        head = torch.empty(3 + 3 * self.capacity, dtype=torch.long)
+        dist.recv(head, self.prev, tag=NOTE_TAG)
+        code, n, size = head[:3].tolist()
+        c = self.capacity
+        fields = [tuple(head[3 + k * c : 3 + k * c + n].tolist()) for k in range(3)]  # ids, slots, cached
+        requests, blocks = (), ()
+        if size:
+            payload = torch.empty(size, dtype=torch.uint8)
+            dist.recv(payload, self.prev, tag=NOTE_TAG)
+            requests, blocks = pickle.loads(payload.numpy().tobytes())
+        return StepNote(PHASE_CODES[code], *fields, requests, blocks)
 
 
 @dataclass
@@ -126,7 +142,7 @@ class PipelineHead:
 
     def __post_init__(self) -> None:
         peers = self.runner.link.peers
-        self.notes = NoteLink(None, peers[1])
+        self.notes = NoteLink(None, peers[1], _note_capacity(self.runner))
         self.last = peers[-1]
         self._t0 = self._busy0 = 0.0
 
@@ -170,7 +186,8 @@ class StageFollower:
     def __init__(self, runner: ModelRunner, new_sequence: Callable[[Request], Sequence]) -> None:
         link = runner.link
         self.runner, self.new_sequence = runner, new_sequence
-        self.notes = NoteLink(link.peers[link.stage - 1], None if link.is_last else link.peers[link.stage + 1])
+        nxt = None if link.is_last else link.peers[link.stage + 1]
+        self.notes = NoteLink(link.peers[link.stage - 1], nxt, _note_capacity(runner))
         self.first = link.peers[0]
         self.record = PipelineRecord()
 
@@ -222,6 +239,11 @@ class StageFollower:
         for seq, token in zip(seqs, tokens.tolist()):
             seq.output.append(token)
         return dist.isend(tokens, self.first, tag=TOKEN_TAG), tokens
+
+
+def _note_capacity(runner: ModelRunner) -> int:
+    """The most sequences one micro-batch holds: its slot range."""
+    return max(b - a for a, b in split_ranges(runner.max_batch_size, runner.num_microbatches))
 
 
 def _share(done: dict | None, runner: ModelRunner) -> dict:
@@ -296,7 +318,10 @@ def check_inflight(runner: ModelRunner, *, custom_policy: bool) -> None:
     if runner.swap is not None:
         raise ValueError("pipeline='inflight' does not combine with kv_swap (micro-batch swapping)")
     if custom_policy:
-        raise ValueError("pipeline='inflight' runs its own per-micro-batch continuous batching, not a given policy")
+        raise ValueError(
+            "pipeline='inflight' runs its own per-micro-batch continuous batching on the first stage, "
+            "not a given policy nor lockstep replicas (every rank in every step)"
+        )
 
 
 def use_inflight(pipeline: str | None, runner: ModelRunner | None, *, custom_policy: bool) -> bool:

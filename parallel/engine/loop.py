@@ -75,7 +75,8 @@ class Engine:
             across steps: the last stage sends each micro-batch's tokens to the first, which starts
             its next step at once; :mod:`parallel.engine.inflight`) or ``"drain"`` (every step
             drains the pipeline). Default: in flight wherever it runs (one rank per stage, the
-            default policy), else drained.
+            default policy, replicas as groups), else drained (lockstep replicas share every step
+            on every rank, as fault tolerance's journal and ring need).
         host_tiers: layouts whose KV reaches the other layouts' caches through a host tier (layout
             -> its :class:`reshard.kv.CPUKVTier`, e.g. Seesaw's prefill); fault tolerance keeps
             those tiers in files that outlive a restart instead of replicating the layout's cache.
@@ -125,7 +126,7 @@ class Engine:
         self.routing = routing
         self.group_timeout = None if group_timeout is None else datetime.timedelta(seconds=group_timeout)
         self.runners = dict(runners)
-        inflight = self._inflight(pipeline, custom_policy=policy is not None)
+        inflight = self._inflight(pipeline, custom_policy=policy is not None or replicas == "lockstep")
         batching = InflightBatching if inflight else ContinuousBatching
         self.policy = policy or batching(
             next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens, admission=admission
