@@ -11,7 +11,9 @@ A seeded Llama of ``--hidden``/``--layers``/... (built once into the cache dir) 
 * ``dp-groups``: every rank a replica (``--batch`` KV slots), each its own engine group;
 * ``pp-drain``: one pipeline of ``W`` stages, ``W`` micro-batches of ``--batch`` slots, every step
   drains the pipeline (the loop before in-flight micro-batches);
-* ``pp-inflight``: the same pipeline with micro-batches in flight across steps.
+* ``pp-inflight``: the same pipeline with micro-batches in flight across steps;
+* ``pp-inflight-balanced``: in flight, with fewer layers on the last stage, which also runs the LM
+  head and sampling (:func:`balanced_stages`).
 
 Every layout holds ``W * --batch`` sequences at once and every rank computes ``1/W`` of the
 model's FLOPs per token, so a full pipeline would match the replicas. Per layout: output tokens/s
@@ -43,7 +45,7 @@ SIZES = {
     "seed": 0,
 }
 SMALL = {**SIZES, "hidden": 128, "intermediate": 256, "layers": 4, "vocab": 1024, "requests": 8, "new_tokens": 16}
-LAYOUTS = ("dp-groups", "pp-drain", "pp-inflight")
+LAYOUTS = ("dp-groups", "pp-drain", "pp-inflight", "pp-inflight-balanced")
 
 
 def _requests(args):
@@ -60,15 +62,20 @@ def _requests(args):
 def _engine(path: str, layout: str, args):
     """``layout``'s engine over every rank (each holds ``W * batch`` sequences at once)."""
     from reshard.parallel import Engine, ParallelDims, parallelize
-    from reshard.parallel.model.pipeline import parallelize_pipeline
+    from reshard.parallel.model.pipeline import balanced_stages, parallelize_pipeline
 
     world = dist.get_world_size()
     max_len = args.prompt_lens[1] + args.new_tokens
     if layout == "dp-groups":
         model = parallelize(path, ParallelDims.from_world(dp=world))
         return Engine(model, max_batch_size=args.batch, max_seq_len=max_len)
-    model = parallelize_pipeline(path, ParallelDims(pp=world, world_size=world))
-    pipeline = layout.removeprefix("pp-")
+    stages = None
+    if layout.endswith("-balanced"):
+        from transformers import AutoConfig
+
+        stages = balanced_stages(AutoConfig.from_pretrained(path), world)
+    model = parallelize_pipeline(path, ParallelDims(pp=world, world_size=world, stages=stages))
+    pipeline = layout.removeprefix("pp-").removesuffix("-balanced")
     kw = dict(max_batch_size=world * args.batch, max_seq_len=max_len, num_microbatches=world)
     return Engine(model, pipeline=pipeline, **kw)
 
@@ -118,7 +125,7 @@ def main() -> None:
             r = table[layout]
             idle = " ".join(f"{x:.2f}" for x in r["idle"])
             ratio = r["tok_s"] / base["tok_s"]
-            print(f"{layout:12s} {r['tok_s']:8.1f} tok/s  {ratio:5.2f}x dp-groups  idle by rank/stage: {idle}")
+            print(f"{layout:21s} {r['tok_s']:8.1f} tok/s  {ratio:5.2f}x dp-groups  idle by rank/stage: {idle}")
         if "pp-drain" in table and "pp-inflight" in table:
             print(f"in flight vs drained: {table['pp-inflight']['tok_s'] / table['pp-drain']['tok_s']:.2f}x")
         print(f"\ncommand: {rerun_command('pipeline.py', world)}")

@@ -205,7 +205,7 @@ class ModelRunner:
     # ---- layout ---------------------------------------------------------------------------------
     def _stage_layers(self, stage: int) -> list[int]:
         n = len(self.model.model.layers)
-        return [i for i in range(n) if stage_of_layer(i, n, self.dims.pp) == stage]
+        return [i for i in range(n) if stage_of_layer(i, n, self.dims.pp, self.dims.stages) == stage]
 
     def _stage_link(self, coord: list[int]) -> StageLink:
         grid = rank_grid(self.dims)
