@@ -80,8 +80,10 @@ class EngineConfig:
     kv_tokens: int | None = None  # paged KV cache: tokens per replica (null: contiguous slots)
     replicas: str = "groups"  # groups: each data-parallel replica steps on its own | lockstep
     routing: str = "least_loaded"  # least_loaded | round_robin | longest_first (requests to groups)
+    pipeline: str | None = None  # inflight | drain | null: micro-batches in flight wherever they can be
 
     def __post_init__(self) -> None:
+        from reshard.parallel.engine.inflight import PIPELINES
         from reshard.parallel.engine.policy import ADMISSION
         from reshard.parallel.engine.router import ROUTING
         from reshard.parallel.engine.runner import REPLICAS
@@ -100,6 +102,8 @@ class EngineConfig:
             raise ValueError(f"engine.replicas must be one of {list(REPLICAS)}, got {self.replicas!r}")
         if self.routing not in ROUTING:
             raise ValueError(f"engine.routing must be one of {list(ROUTING)}, got {self.routing!r}")
+        if self.pipeline is not None and self.pipeline not in PIPELINES:
+            raise ValueError(f"engine.pipeline must be one of {list(PIPELINES)} or null, got {self.pipeline!r}")
 
     def args(self, *, compile: bool, dtype: str, allow_unused: bool = False, lockstep: bool = False):
         """The engine arguments every strategy takes (``lockstep``: replicas share steps, as
@@ -120,6 +124,7 @@ class EngineConfig:
             kv_tokens=self.kv_tokens,
             replicas="lockstep" if lockstep else self.replicas,
             routing=self.routing,
+            pipeline="drain" if lockstep else self.pipeline,
         )
 
 

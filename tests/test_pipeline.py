@@ -6,13 +6,13 @@ from tests import dist_harness
 from tests.test_generate import MAX_NEW, _prompts
 
 
-def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2):
+def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2, stages=None):
     import torch.distributed as dist
 
     from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
-    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size())
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size(), stages=stages)
     model = parallelize_pipeline(path, dims)
     engine = Engine(model, num_microbatches=microbatches, max_batch_size=4, max_seq_len=128)
     requests = [Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(prompts)]
@@ -53,3 +53,31 @@ def _too_many_stages(path):
 def test_more_stages_than_layers_is_rejected(checkpoints):
     with pytest.raises(RuntimeError, match=r"pipeline stages \(4\) exceed the model's layers \(2\)"):
         dist_harness.run(4, _too_many_stages, checkpoints["llama"])
+
+
+def test_uneven_stages_match_hf(four_layer, hf_reference):
+    """P2 with 3 layers on the first stage and 1 on the last (which also runs the LM head)."""
+    path, prompts = four_layer["llama"], _prompts()
+    expected = hf_reference(path, prompts, MAX_NEW)
+    results = dist_harness.run(2, _pp_generate, path, 1, 2, 1, prompts, MAX_NEW, 2, (3, 1))
+    assert [r[0] for r in results] == [expected, expected]
+    assert [len(r[2]) for r in results] == [3, 1]
+
+
+def test_balanced_stages_give_the_last_stage_fewer_layers():
+    from transformers import LlamaConfig
+
+    from reshard.parallel import ParallelDims
+    from reshard.parallel.model.pipeline import balanced_stages
+
+    small_head = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, vocab_size=1000)
+    big_head = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, vocab_size=32000)
+    assert balanced_stages(small_head, 2) == (4, 4)
+    # the head (32000 x 768) weighs about 4 decoder layers: the last stage's reads ~ the others'
+    assert balanced_stages(big_head, 2) == (6, 2)
+    assert balanced_stages(big_head, 4) == (3, 2, 2, 1)
+    assert balanced_stages(big_head, 1) == (8,)
+    with pytest.raises(ValueError, match=r"pipeline stages \(9\) must be in 1..8"):
+        balanced_stages(big_head, 9)
+    with pytest.raises(ValueError, match=r"stages \(4, 0\) must give each of the pp\(2\) stages >= 1 layer"):
+        ParallelDims(pp=2, world_size=2, stages=(4, 0))

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from reshard.parallel.engine.agree import sample_step
 from reshard.parallel.engine.events import EngineEvents
+from reshard.parallel.engine.inflight import InflightBatching, PipelineHead, StageFollower, use_inflight
 from reshard.parallel.engine.policy import ContinuousBatching, Policy, PolicyContext, RunnerInfo, Step, StepOutput
 from reshard.parallel.engine.request import Completion, Request, Sequence
 from reshard.parallel.engine.router import (
@@ -70,6 +71,12 @@ class Engine:
             timeout); then it fails with a message naming what it waited for.
         group: the ranks that agree on every step's tokens (e.g. ``dist.group.WORLD`` when layouts
             on disjoint ranks share steps, as DejaVu's do); default: the step's layout's ranks.
+        pipeline: a pipeline layout's schedule: ``"inflight"`` (micro-batches stay in flight
+            across steps: the last stage sends each micro-batch's tokens to the first, which starts
+            its next step at once; :mod:`parallel.engine.inflight`) or ``"drain"`` (every step
+            drains the pipeline). Default: in flight wherever it runs (one rank per stage, the
+            default policy, replicas as groups), else drained (lockstep replicas share every step
+            on every rank, as fault tolerance's journal and ring need).
         host_tiers: layouts whose KV reaches the other layouts' caches through a host tier (layout
             -> its :class:`reshard.kv.CPUKVTier`, e.g. Seesaw's prefill); fault tolerance keeps
             those tiers in files that outlive a restart instead of replicating the layout's cache.
@@ -96,6 +103,7 @@ class Engine:
         routing: str = "least_loaded",
         group_timeout: float | None = None,
         engine_group: GroupLayout | None = None,
+        pipeline: str | None = None,
     ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
@@ -118,7 +126,9 @@ class Engine:
         self.routing = routing
         self.group_timeout = None if group_timeout is None else datetime.timedelta(seconds=group_timeout)
         self.runners = dict(runners)
-        self.policy = policy or ContinuousBatching(
+        inflight = self._inflight(pipeline, custom_policy=policy is not None or replicas == "lockstep")
+        batching = InflightBatching if inflight else ContinuousBatching
+        self.policy = policy or batching(
             next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens, admission=admission
         )
         cfg = next(iter(self.runners.values())).model.config
@@ -129,6 +139,10 @@ class Engine:
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
         new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids)
         self.policy.setup(PolicyContext(layouts, self.stats, new_sequence))
+        self.flow: PipelineHead | StageFollower | None = None  # in-flight pipeline: this stage's side
+        if inflight:
+            runner = next(iter(self.runners.values()))
+            self.flow = PipelineHead(runner) if runner.link.is_first else StageFollower(runner, new_sequence)
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
@@ -156,6 +170,14 @@ class Engine:
     def max_seq_len(self) -> int:
         return min(r.max_seq_len for r in self.runners.values())
 
+    def _inflight(self, pipeline: str | None, *, custom_policy: bool) -> bool:
+        """Whether micro-batches stay in flight (``pipeline``: see the class docstring)."""
+        if len(self.runners) > 1:
+            if pipeline == "inflight":
+                raise ValueError(f"pipeline='inflight' runs one layout, got {sorted(self.runners)}")
+            return use_inflight("drain" if pipeline is None else pipeline, None, custom_policy=custom_policy)
+        return use_inflight(pipeline, next(iter(self.runners.values())), custom_policy=custom_policy)
+
     # ---- the loop -------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, requests: Seq[Request], *, progress: bool = False) -> list[Completion]:
@@ -180,7 +202,12 @@ class Engine:
 
     def _serve(self, admission: Admission, start: float) -> dict:
         """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
-        ``admission`` is exhausted and every request it handed over has finished."""
+        ``admission`` is exhausted and every request it handed over has finished. In an in-flight
+        pipeline the first stage runs it and the other stages follow its notes."""
+        if isinstance(self.flow, StageFollower):
+            return self.flow.follow()
+        if self.flow is not None:
+            self.flow.begin()
         queue, done, left = deque(admission.initial()), {}, 0  # left: handed to another group
         self.policy.start(queue)
         admission.report(self._load(queue), 0)
@@ -188,20 +215,41 @@ class Engine:
             if len(done) + left == admission.taken:  # nothing queued or running: wait for more
                 queue.extend(admission.wait_next())
                 continue
+            for step, output in self._advance(queue, admission):
+                left += self._settle(step, output, admission, queue, done, start)
+        admission.finish()
+        return done if self.flow is None else self.flow.finish(done)
+
+    def _advance(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
+        """The steps that finished next: the policy's next step, run to its agreed tokens; in an
+        in-flight pipeline, the next micro-batch launched (nothing finished yet) or, when none can
+        go, the oldest one in flight landed."""
+        if self.flow is None:
             step = self.policy.next_step(queue)
             assert step.seqs or step.phase == "wait", f"policy {type(self.policy).__name__} returned an empty step"
-            output = self._run(step, {ADMIT: admission.proposal()})
-            for handoff in self.policy.after_step(step, output) or ():
-                admission.hand_off(handoff)
-                left += handoff.open
-            finished = [seq for seq in step.seqs if seq.finish_reason is not None]
-            for seq in finished:
-                done[seq.request.id] = seq.completion(start)
-                self.policy.retire(seq)
-            queue.extend(admission.take((output.agreed or {}).get(ADMIT, 0)))
-            admission.report(self._load(queue), len(finished))
-        admission.finish()
-        return done
+            return [(step, self._run(step, {ADMIT: admission.proposal()}))]
+        step = self.policy.next_step(queue) if len(self.flow.flights) < self.runner.num_microbatches else None
+        if step is not None:
+            self._launch(step)
+            return []
+        return [self._land(admission)]
+
+    def _settle(
+        self, step: Step, output: StepOutput, admission: Admission, queue: deque, done: dict, start: float
+    ) -> int:
+        """After a step's tokens are appended: hand-offs, retire finished sequences, admit what the
+        group agreed to; returns the sequences handed to another group."""
+        left = 0
+        for handoff in self.policy.after_step(step, output) or ():
+            admission.hand_off(handoff)
+            left += handoff.open
+        finished = [seq for seq in step.seqs if seq.finish_reason is not None]
+        for seq in finished:
+            done[seq.request.id] = seq.completion(start)
+            self.policy.retire(seq)
+        queue.extend(admission.take((output.agreed or {}).get(ADMIT, 0)))
+        admission.report(self._load(queue), len(finished))
+        return left
 
     def _serve_routed(self, requests: Seq[Request], bar: tqdm) -> list[Completion]:
         """This rank's group serves what the router (a thread on rank 0) hands it; then every
@@ -244,28 +292,54 @@ class Engine:
 
     def _run(self, step: Step, extras: dict[str, int]) -> StepOutput:
         """Enter the step's layout, make its moves, compute (or replay) it and agree on its tokens."""
-        index = self.steps_done
-        known = self.events.known_tokens(index, step)
-        runner = self._enter(step.layout)
-        for move in step.moves:
-            if known is None or not move.kv:  # a replayed step finds its KV restored
-                self.policy.make(move)
-        self.events.fire("step_ready", index, step)
+        known = self.events.known_tokens(self.steps_done, step)
+        runner = self._prepare(step, replay=known is not None)
         started = time.time()
         t0 = time.perf_counter()
         if known is None:
             tokens, agreed = self._computed(step, runner, extras)
         else:
             tokens, agreed = self._replayed(step, known), None
+        self._record(step, tokens, started, t0)
+        return StepOutput(tokens, replayed=known is not None, agreed=agreed)
+
+    def _prepare(self, step: Step, *, replay: bool) -> ModelRunner:
+        """Enter the step's layout and make its moves (a replayed step's KV moves are skipped)."""
+        runner = self._enter(step.layout)
+        for move in step.moves:
+            if not replay or not move.kv:  # a replayed step finds its KV restored
+                self.policy.make(move)
+        self.events.fire("step_ready", self.steps_done, step)
+        return runner
+
+    def _record(self, step: Step, tokens: list[int], started: float, t0: float) -> None:
+        """Append a step's agreed tokens to its sequences; count it; tell the listeners."""
         now = time.time()
         for seq, token in zip(step.seqs, tokens):
             seq.cached += seq.prompt_len if step.phase == "prefill" else 1
             seq.append(token)
             _record_times(seq, started, now)
         self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
-        self.events.fire("step_agreed", index, step, tokens)
+        self.events.fire("step_agreed", self.steps_done, step, tokens)
         self.steps_done += 1
-        return StepOutput(tokens, replayed=known is not None, agreed=agreed)
+
+    def _launch(self, step: Step) -> None:
+        """In-flight pipeline, first stage: start one micro-batch's step (its tokens land later)."""
+        if self.events.known_tokens(self.steps_done, step) is not None:
+            raise ValueError("an in-flight pipeline does not replay journaled steps; use pipeline='drain'")
+        self._prepare(step, replay=False)
+        mine = step.seqs
+        self.events.fire("step_begin", step, mine, layout=step.layout)
+        self.flow.launch(step, self.events.layers(step.layout))
+        self.events.fire("step_end", step, mine, layout=step.layout)
+
+    def _land(self, admission: Admission) -> tuple[Step, StepOutput]:
+        """In-flight pipeline, first stage: the oldest micro-batch's tokens from the last stage.
+        The first stage alone admits (it holds every request's state): its proposal is agreed."""
+        flight = self.flow.land()
+        tokens = flight.tokens.tolist()
+        self._record(flight.step, tokens, flight.launched, flight.clock)
+        return flight.step, StepOutput(tokens, agreed={ADMIT: admission.proposal()})
 
     def _computed(self, step: Step, runner: ModelRunner, extras: dict[str, int]) -> tuple[list[int], dict[str, int]]:
         mine = [s for s in step.seqs if s.replica == runner.replica.rank]

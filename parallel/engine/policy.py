@@ -144,16 +144,26 @@ class SlotPool:
         tokens = len(request.prompt_ids) + request.sampling.max_new_tokens
         return -(-tokens // self.block_size) if self.block_size else 0
 
-    def can_take(self, request: Request) -> bool:
-        """A free slot, and on its replica enough free blocks for the whole sequence."""
-        if not self.free:
+    def can_take(self, request: Request, within: range | None = None) -> bool:
+        """A free slot (in ``within``, slots of the first replica, if given), and on its replica
+        enough free blocks for the whole sequence."""
+        i = self._next_free(within)
+        if i is None:
             return False
-        return self.free_blocks is None or len(self.free_blocks[self.free[-1] // self.per]) >= self.blocks_needed(
+        return self.free_blocks is None or len(self.free_blocks[self.free[i] // self.per]) >= self.blocks_needed(
             request
         )
 
-    def take(self, seq: Sequence) -> None:
-        seq.replica, seq.slot = divmod(self.free.pop(), self.per)
+    def _next_free(self, within: range | None) -> int | None:
+        """Index into :attr:`free` of the slot :meth:`take` hands out next (None: none)."""
+        if within is None:
+            return len(self.free) - 1 if self.free else None
+        return next((i for i in reversed(range(len(self.free))) if self.free[i] in within), None)
+
+    def take(self, seq: Sequence, within: range | None = None) -> None:
+        i = self._next_free(within)
+        assert i is not None, f"no free slot in {within}"
+        seq.replica, seq.slot = divmod(self.free.pop(i), self.per)
         if self.free_blocks is not None:
             pool = self.free_blocks[seq.replica]
             seq.blocks = [pool.pop() for _ in range(self.blocks_needed(seq.request))]

@@ -43,6 +43,7 @@ class EngineArgs:
     kv_tokens: int | None = None  # paged KV cache: tokens per replica
     replicas: str = "groups"  # data-parallel replicas: engine groups on their own, or "lockstep"
     routing: str = "least_loaded"  # how the router places requests on engine groups
+    pipeline: str | None = None  # pipeline schedule: "inflight" | "drain" | None: in flight where it runs
 
     @property
     def kv(self) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ class ModelRunner:
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
         self._decode_body = self._compiled_body() if compile else self._body
+        self.busy_seconds = 0.0  # wall time in this stage's forward bodies (not in receives or sends)
 
     def _micro_batch_swap(self, block_size: int | None) -> MicrobatchSwap:
         """Host KV for every slot; the device cache shrinks to two micro-batches of slots."""
@@ -203,7 +205,7 @@ class ModelRunner:
     # ---- layout ---------------------------------------------------------------------------------
     def _stage_layers(self, stage: int) -> list[int]:
         n = len(self.model.model.layers)
-        return [i for i in range(n) if stage_of_layer(i, n, self.dims.pp) == stage]
+        return [i for i in range(n) if stage_of_layer(i, n, self.dims.pp, self.dims.stages) == stage]
 
     def _stage_link(self, coord: list[int]) -> StageLink:
         grid = rank_grid(self.dims)
@@ -334,7 +336,9 @@ class ModelRunner:
             x = ids if self.link is None or self.link.is_first else self.link.recv(ids.numel())
             if edges is not None:
                 edges.before(i)
+            t0 = time.perf_counter()
             out = body(x, ctx, rows, layers)
+            self.busy_seconds += time.perf_counter() - t0
             if self.has_logits:
                 outs.append(out)
             else:

@@ -30,10 +30,12 @@ def rank_grid(dims: ParallelDims) -> torch.Tensor:
 class ParallelDims:
     """Degrees of the mesh axes ``(dp, pp, sp, tp)``; their product must equal ``world_size``.
 
-    ``first_rank``: ``None`` (default) spans the whole job; an int places the layout on ranks
-    ``first_rank..first_rank + world_size - 1`` of a larger job (e.g. rollout ranks beside
-    training ranks). Meshes are built on every rank of the job (collective), so ranks outside
-    the layout build the same model with empty shards.
+    ``stages``: decoder layers per pipeline stage, e.g. ``(5, 3)`` to give the last stage (which
+    also runs the LM head and sampling) fewer (:func:`parallel.model.pipeline.balanced_stages`);
+    ``None``: contiguous near-equal blocks. ``first_rank``: ``None`` (default) spans the whole
+    job; an int places the layout on ranks ``first_rank..first_rank + world_size - 1`` of a
+    larger job (e.g. rollout ranks beside training ranks). Meshes are built on every rank of
+    the job (collective), so ranks outside the layout build the same model with empty shards.
     """
 
     dp: int = 1
@@ -42,6 +44,7 @@ class ParallelDims:
     tp: int = 1
     world_size: int = 1
     first_rank: int | None = None
+    stages: tuple[int, ...] | None = None  # decoder layers per pipeline stage (None: near-equal blocks)
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # "world" only
 
     def __post_init__(self) -> None:
@@ -54,6 +57,8 @@ class ParallelDims:
                 f"dp({self.dp}) * pp({self.pp}) * sp({self.sp}) * tp({self.tp}) = {product} "
                 f"!= world_size({self.world_size})"
             )
+        if self.stages is not None and (len(self.stages) != self.pp or min(self.stages) < 1):
+            raise ValueError(f"stages {self.stages} must give each of the pp({self.pp}) stages >= 1 layer")
 
     @staticmethod
     def from_world(**degrees: int) -> ParallelDims:

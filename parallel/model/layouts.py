@@ -8,6 +8,7 @@ re-sharding, the RL train -> rollout weight sync, ...).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -75,21 +76,22 @@ def stage_layout(model: nn.Module, stage_meshes: Sequence[DeviceMesh]) -> Target
     return targets
 
 
-def stage_of_module(name: str, num_layers: int, num_stages: int) -> int:
+def stage_of_module(name: str, num_layers: int, num_stages: int, stages: Sequence[int] | None = None) -> int:
     """Stage of a module or parameter name: its layer's, or first (embedding) / last (norm, head)."""
     parts = name.split(".")
     if "layers" in parts:
-        return stage_of_layer(int(parts[parts.index("layers") + 1]), num_layers, num_stages)
+        return stage_of_layer(int(parts[parts.index("layers") + 1]), num_layers, num_stages, stages)
     return 0 if "embed_tokens" in name else num_stages - 1
 
 
-def stage_of_layer(layer: int, num_layers: int, num_stages: int) -> int:
-    """Layers split into contiguous, near-equal blocks (the first stages take the remainder)."""
-    base, extra = divmod(num_layers, num_stages)
-    bounds, start = [], 0
-    for s in range(num_stages):
-        start += base + (1 if s < extra else 0)
-        bounds.append(start)
+def stage_of_layer(layer: int, num_layers: int, num_stages: int, stages: Sequence[int] | None = None) -> int:
+    """Layers split into contiguous blocks of ``stages`` layers each (default: near-equal blocks,
+    the first stages take the remainder)."""
+    if stages is None:
+        base, extra = divmod(num_layers, num_stages)
+        stages = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    assert len(stages) == num_stages and sum(stages) == num_layers, (stages, num_stages, num_layers)
+    bounds = list(itertools.accumulate(stages))
     return next(s for s, end in enumerate(bounds) if layer < end)
 
 

@@ -37,6 +37,8 @@ def parallelize_pipeline(
     layers = _num_layers(path)
     if dims.pp > layers:
         raise ValueError(f"pipeline stages ({dims.pp}) exceed the model's layers ({layers})")
+    if dims.stages is not None and sum(dims.stages) != layers:
+        raise ValueError(f"stages {dims.stages} hold {sum(dims.stages)} layers; the model has {layers}")
     return parallelize(
         path,
         dims,
@@ -68,7 +70,29 @@ def stage_meshes(dims: ParallelDims) -> list[DeviceMesh]:
 def stage_mesh_of(dims: ParallelDims, num_layers: int) -> MeshOf:
     """Module name -> its stage's tp mesh (:func:`stage_of_module`: embedding first, head last)."""
     meshes = stage_meshes(dims)
-    return lambda name: meshes[stage_of_module(name, num_layers, dims.pp)]
+    return lambda name: meshes[stage_of_module(name, num_layers, dims.pp, dims.stages)]
+
+
+def balanced_stages(config, pp: int) -> tuple[int, ...]:
+    """Layers per stage that minimize the slowest stage's weight reads, counting a decoder layer's
+    parameters on every stage and the LM head's (``vocab x hidden``) on the last: the last stage
+    takes fewer layers; the others split the rest near-equally (first stages take the remainder).
+    ``config``: an HF config with ``num_hidden_layers``, ``hidden_size``, ``intermediate_size``,
+    ``vocab_size``, ``num_attention_heads`` and ``num_key_value_heads``."""
+    n, d = config.num_hidden_layers, config.hidden_size
+    if not 1 <= pp <= n:
+        raise ValueError(f"pipeline stages ({pp}) must be in 1..{n} (the model's layers)")
+    kv = d * config.num_key_value_heads // config.num_attention_heads
+    layer = 2 * d * d + 2 * d * kv + 3 * d * config.intermediate_size  # q, o, k, v; gate, up, down
+    head = config.vocab_size * d
+
+    def slowest(last: int) -> float:
+        rest = n - last
+        return max(-(-rest // max(pp - 1, 1)) * layer if pp > 1 else 0, last * layer + head)
+
+    last = n if pp == 1 else min(range(1, n - pp + 2), key=lambda k: (slowest(k), -k))
+    base, extra = divmod(n - last, max(pp - 1, 1))
+    return (*(base + (1 if s < extra else 0) for s in range(pp - 1)), last)
 
 
 def _num_layers(path) -> int:

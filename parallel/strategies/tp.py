@@ -52,5 +52,6 @@ class TPStrategy(Strategy):
             num_microbatches=parallel_info(model).dims.pp,
             replicas=args.replicas,
             routing=args.routing,
+            pipeline=args.pipeline,
             **args.kv,
         )
