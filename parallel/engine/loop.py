@@ -351,7 +351,7 @@ class Engine:
         else:
             self.events.fire("idle", step, mine, layout=step.layout)
         group = self.group if self.group is not None else runner.group
-        agree = {**step.agree, **extras}  # the policy's integers and the engine's admissions
+        agree = {**{k: v() if callable(v) else v for k, v in step.agree.items()}, **extras}  # policy's, admissions
         return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
 
     def _replayed(self, step: Step, tokens: list[int]) -> list[int]:

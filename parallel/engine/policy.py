@@ -64,7 +64,9 @@ class Step:
     seqs: list[Sequence]
     layout: str  # the runner that runs it
     moves: tuple[Move, ...] = ()  # made by the engine, in order, before the step runs
-    agree: dict[str, int] = field(default_factory=dict)  # summed over the group with the tokens
+    # summed over the group with the tokens; a callable is read after this rank's compute, just
+    # before the agreement (e.g. "has this KV landed yet", which the compute's time may settle)
+    agree: dict[str, int | Callable[[], int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

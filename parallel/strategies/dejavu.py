@@ -192,8 +192,9 @@ class Pending:
     held: list  # its sequences that finished at their first token (slots freed on landing)
     incoming: list[StreamIn]  # one per layer
 
-    def landed(self) -> bool:
-        return all(handle.done() for handle in self.incoming)
+    def landed(self) -> int:
+        """1 once every layer's KV has arrived (a step's ``agree`` entry), else 0."""
+        return int(all(handle.done() for handle in self.incoming))
 
     def wait(self) -> int:
         """Unpack every layer's KV as it arrives; returns the bytes."""
@@ -296,7 +297,7 @@ class TokenSide(Policy):
             self.pending.append(self._receive(queue.popleft()))
         if not self.running and self.pending:  # nothing to decode: the oldest hand-off's KV, when it lands
             self._land(self.pending.pop(0))
-        agree = {f"landed{i}": int(p.landed()) for i, p in enumerate(self.pending)}
+        agree = {f"landed{i}": p.landed for i, p in enumerate(self.pending)}  # read after the step's compute
         phase = "decode" if self.running else "wait"  # wait: a hand-off whose prompts all finished landed
         return Step(phase, list(self.running.values()), "token", agree=agree)
 
