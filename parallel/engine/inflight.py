@@ -74,8 +74,12 @@ class NoteLink:
 
     def __init__(self, prev: int | None, next: int | None, capacity: int) -> None:
         self.prev, self.next, self.capacity = prev, next, capacity
+        self.sent: deque[tuple[dist.Work, torch.Tensor]] = deque()  # sends in progress, with their buffers
 
     def send(self, note: StepNote) -> None:
+        """Post ``note`` to the next stage without waiting for it to be received (gloo's send
+        completes only once the receiver has posted its receive: a blocking send would hold this
+        stage until the next one finished its current micro-batch)."""
         assert self.next is not None and len(note.ids) <= self.capacity, (len(note.ids), self.capacity)
         extra = pickle.dumps((note.requests, note.blocks)) if note.phase == "prefill" else b""
         head = torch.zeros(3 + 3 * self.capacity, dtype=torch.long)
@@ -84,9 +88,19 @@ class NoteLink:
         if n:
             head[3 : 3 + n], head[3 + c : 3 + c + n] = torch.tensor(note.ids), torch.tensor(note.slots)
             head[3 + 2 * c : 3 + 2 * c + n] = torch.tensor(note.cached)
-        dist.send(head, self.next, tag=NOTE_TAG)
+        self._post(head)
         if extra:
-            dist.send(torch.frombuffer(bytearray(extra), dtype=torch.uint8), self.next, tag=NOTE_TAG)
+            self._post(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
+
+    def _post(self, buffer: torch.Tensor) -> None:
+        self.sent.append((dist.isend(buffer, self.next, tag=NOTE_TAG), buffer))
+        while self.sent and self.sent[0][0].is_completed():
+            self.sent.popleft()
+
+    def flush(self) -> None:
+        """Wait until every posted note was received."""
+        while self.sent:
+            self.sent.popleft()[0].wait()
 
     def recv(self) -> StepNote:
         assert self.prev is not None
@@ -174,6 +188,7 @@ class PipelineHead:
         """Stop the followers and hand them ``done`` (collective over the pipeline's ranks)."""
         assert not self.flights, f"{len(self.flights)} micro-batches still in flight"
         self.notes.send(StepNote("stop"))
+        self.notes.flush()
         self.record.wall = time.perf_counter() - self._t0
         self.record.busy = self.runner.busy_seconds - self._busy0
         return _share(done, self.runner)
@@ -213,6 +228,7 @@ class StageFollower:
                     seq.output.append(0)
             while len(sends) > self.runner.num_microbatches:  # its receive was posted: completes
                 sends.popleft()[0].wait()
+        self.notes.flush()
         for work, _ in sends:
             work.wait()
         self.record.wall = time.perf_counter() - t0
