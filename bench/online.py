@@ -151,22 +151,30 @@ def _line(layout: str, rate: float, r: dict, base: dict) -> str:
     )
 
 
-def _plot(prefix: str, table: dict) -> None:
+def _plot(prefix: str, table: dict, args) -> None:
+    """One PNG per metric: p50 latency (log scale) or throughput against the arrival rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rates = sorted({rate for _, rate in table})
+    workload = (
+        f"{args.requests} requests, prompts {args.prompt_lens[0]}-{args.prompt_lens[1]}, "
+        f"{args.budgets[0]}-{args.budgets[1]} new tokens, hidden {args.hidden} x {args.layers} layers"
+    )
     for metric in (*METRICS, "output_tokens_per_s"):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for layout in LAYOUTS:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for layout in (x for x in LAYOUTS if any((x, rate) in table for rate in rates)):
             points = [(rate, table[layout, rate]) for rate in rates if (layout, rate) in table]
             values = [r[metric] if metric == "output_tokens_per_s" else r[metric]["p50"] for _, r in points]
             ax.plot([rate for rate, _ in points], values, marker="o", label=layout)
-        unit = "tokens/s" if metric == "output_tokens_per_s" else "s (p50)"
-        ax.set(xlabel="arrival rate (requests/s; 0 = offline)", ylabel=f"{metric} [{unit}]")
-        ax.set_title(f"{metric} vs arrival rate, {dist.get_world_size()} ranks", fontsize=10)
+        unit = "tokens/s" if metric == "output_tokens_per_s" else "s, p50, log scale"
+        if metric != "output_tokens_per_s":
+            ax.set_yscale("log")
+        ax.set(xlabel="arrival rate (requests/s; 0 = all at once)", ylabel=f"{metric} [{unit}]")
+        title = f"{metric} vs arrival rate, {dist.get_world_size()} gloo ranks on 2 CPU cores\n{workload}"
+        ax.set_title(title, fontsize=8)
         ax.legend()
         fig.tight_layout()
         fig.savefig(f"{prefix}-{metric}.png", dpi=100)
@@ -204,7 +212,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("\n".join(["", *_overlap_lines(table, layouts)]), flush=True)
         if args.png:
-            _plot(args.png, table)
+            _plot(args.png, table, args)
         print(f"\ncommand: {rerun_command('online.py', dist.get_world_size())}")
     dist.destroy_process_group()
 
