@@ -69,11 +69,12 @@ class StepNote:
 class NoteLink:
     """Notes between neighbouring stages on tag :data:`NOTE_TAG`: one ``int64`` tensor of fixed
     size ``(3 + 3 * capacity,)`` (phase, count, payload bytes, then ids, slots, cached), and for a
-    prefill the pickled requests and blocks as ``uint8`` (host tensors; gloo).
-    ``capacity``: the most sequences of one note (a micro-batch's slots)."""
+    prefill the pickled requests and blocks as ``uint8``, all on ``device`` (the stage's: host
+    with gloo, the GPU with NCCL). ``capacity``: the most sequences of one note (a micro-batch's
+    slots)."""
 
-    def __init__(self, prev: int | None, next: int | None, capacity: int) -> None:
-        self.prev, self.next, self.capacity = prev, next, capacity
+    def __init__(self, prev: int | None, next: int | None, capacity: int, device: torch.device) -> None:
+        self.prev, self.next, self.capacity, self.device = prev, next, capacity, device
         self.sent: deque[tuple[dist.Work, torch.Tensor]] = deque()  # sends in progress, with their buffers
 
     def send(self, note: StepNote) -> None:
@@ -82,15 +83,12 @@ class NoteLink:
         stage until the next one finished its current micro-batch)."""
         assert self.next is not None and len(note.ids) <= self.capacity, (len(note.ids), self.capacity)
         extra = pickle.dumps((note.requests, note.blocks)) if note.phase == "prefill" else b""
-        head = torch.zeros(3 + 3 * self.capacity, dtype=torch.long)
-        n, c = len(note.ids), self.capacity
-        head[:3] = torch.tensor([PHASE_CODES.index(note.phase), n, len(extra)])
-        if n:
-            head[3 : 3 + n], head[3 + c : 3 + c + n] = torch.tensor(note.ids), torch.tensor(note.slots)
-            head[3 + 2 * c : 3 + 2 * c + n] = torch.tensor(note.cached)
-        self._post(head)
+        pad = [0] * (self.capacity - len(note.ids))
+        fields = [*note.ids, *pad, *note.slots, *pad, *note.cached, *pad]  # (3 * capacity,)
+        head = [PHASE_CODES.index(note.phase), len(note.ids), len(extra), *fields]
+        self._post(torch.tensor(head, dtype=torch.long, device=self.device))
         if extra:
-            self._post(torch.frombuffer(bytearray(extra), dtype=torch.uint8))
+            self._post(torch.frombuffer(bytearray(extra), dtype=torch.uint8).to(self.device))
 
     def _post(self, buffer: torch.Tensor) -> None:
         self.sent.append((dist.isend(buffer, self.next, tag=NOTE_TAG), buffer))
@@ -104,16 +102,17 @@ class NoteLink:
 
     def recv(self) -> StepNote:
         assert self.prev is not None
-        head = torch.empty(3 + 3 * self.capacity, dtype=torch.long)
+        head = torch.empty(3 + 3 * self.capacity, dtype=torch.long, device=self.device)
         dist.recv(head, self.prev, tag=NOTE_TAG)
-        code, n, size = head[:3].tolist()
+        values = head.tolist()
+        code, n, size = values[:3]
         c = self.capacity
-        fields = [tuple(head[3 + k * c : 3 + k * c + n].tolist()) for k in range(3)]  # ids, slots, cached
+        fields = [tuple(values[3 + k * c : 3 + k * c + n]) for k in range(3)]  # ids, slots, cached
         requests, blocks = (), ()
         if size:
-            payload = torch.empty(size, dtype=torch.uint8)
+            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
             dist.recv(payload, self.prev, tag=NOTE_TAG)
-            requests, blocks = pickle.loads(payload.numpy().tobytes())
+            requests, blocks = pickle.loads(payload.cpu().numpy().tobytes())
         return StepNote(PHASE_CODES[code], *fields, requests, blocks)
 
 
@@ -156,7 +155,7 @@ class PipelineHead:
 
     def __post_init__(self) -> None:
         peers = self.runner.link.peers
-        self.notes = NoteLink(None, peers[1], _note_capacity(self.runner))
+        self.notes = NoteLink(None, peers[1], _note_capacity(self.runner), self.runner.device)
         self.last = peers[-1]
         self._t0 = self._busy0 = 0.0
 
@@ -168,7 +167,7 @@ class PipelineHead:
     def launch(self, step: Step, layers=None) -> Flight:
         """Send ``step``'s note and activations down the pipeline (its token receive posted first)."""
         self.notes.send(StepNote.of(step))
-        tokens = torch.empty(len(step.seqs), dtype=torch.long)
+        tokens = torch.empty(len(step.seqs), dtype=torch.long, device=self.runner.device)
         flight = Flight(step, tokens, dist.irecv(tokens, self.last, tag=TOKEN_TAG), time.time(), time.perf_counter())
         self.record.overlapped += bool(self.flights)
         self.flights.append(flight)
@@ -202,7 +201,7 @@ class StageFollower:
         link = runner.link
         self.runner, self.new_sequence = runner, new_sequence
         nxt = None if link.is_last else link.peers[link.stage + 1]
-        self.notes = NoteLink(link.peers[link.stage - 1], nxt, _note_capacity(runner))
+        self.notes = NoteLink(link.peers[link.stage - 1], nxt, _note_capacity(runner), runner.device)
         self.first = link.peers[0]
         self.record = PipelineRecord()
 
