@@ -168,6 +168,10 @@ def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> li
     else:
         prompts, arrivals = synthetic_prompts(cfg, vocab_size), [0.0] * w.num_requests
     if w.rate is not None:
+        if any(a > 0 for a in arrivals):
+            raise ValueError(
+                f"workload.rate={w.rate} would replace the arrival times of {w.prompts_file}: give one of them"
+            )
         arrivals = poisson_arrivals(len(prompts), w.rate, w.seed, w.burst)
     return [Request(i, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
 

@@ -8,10 +8,11 @@ from tests import dist_harness
 PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 102], [60, 61, 62, 63]]
 
 
-def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperature=0.0):
+def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperature=0.0, prefill_sleep=0.0):
     """Tokens, the strategy's summary, the layouts it reports (as ``summary.json``'s ``parallel``),
     the layouts its engine's runners ran, and this rank's busy intervals (the engine's
-    ``step_begin``/``step_end`` events, wall clock) with its group's index."""
+    ``step_begin``/``step_end`` events, wall clock) with its group's index. ``prefill_sleep``:
+    seconds every prefill step lasts longer (a bigger model's prefill, inside its busy interval)."""
     import time
 
     import torch.distributed as dist
@@ -25,6 +26,8 @@ def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperat
     busy = []
     engine.events.on("step_begin", lambda step, seqs: busy.append([step.phase, time.time(), None]))
     engine.events.on("step_end", lambda step, seqs: busy[-1].__setitem__(2, time.time()))
+    if prefill_sleep:
+        engine.events.on("step_begin", lambda step, seqs: step.phase == "prefill" and time.sleep(prefill_sleep))
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=20, seed=5)
     with engine:
         out = engine.generate([Request(i, p, params) for i, p in enumerate(PROMPTS)])
@@ -102,8 +105,8 @@ def test_sides_run_at_the_same_time_as_engine_groups(
 ):
     """The prompt and token sides are engine groups: tokens equal HF, and the engine's trace shows
     prefill and decode steps running at the same time on different ranks."""
-    path = four_layer["llama"]
-    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, timeout=240)
+    path, sleep = four_layer["llama"], 0.02
+    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, prefill_sleep=sleep, timeout=240)
     expected = hf_reference(path, PROMPTS, 6)
     for rank, (tokens, summary, _, _, (group, busy)) in enumerate(results):
         assert tokens == expected
@@ -113,7 +116,10 @@ def test_sides_run_at_the_same_time_as_engine_groups(
         assert phases == ({"prefill"} if rank < prompt_ranks else {"decode"})
     prompt_busy = [iv for _, _, _, _, (_, busy) in results[:prompt_ranks] for iv in busy]
     token_busy = [iv for _, _, _, _, (_, busy) in results[prompt_ranks:] for iv in busy]
-    assert _overlap(prompt_busy, token_busy) > 0  # a prefill and a decode step ran at once
+    assert _overlap(prompt_busy, token_busy) >= sleep  # prefill and decode steps ran at once
+    if world == 2:  # the same sides in lockstep never overlap
+        lockstep = dist_harness.run(2, _job, path, prompt, token, 1, 6, "lockstep", prefill_sleep=sleep)
+        assert _overlap(lockstep[0][4][1], lockstep[1][4][1]) == 0
 
 
 def test_groups_sample_as_lockstep_sides_do(four_layer):
@@ -189,3 +195,13 @@ def test_a_failed_calibration_says_so(monkeypatch, capsys):
     monkeypatch.setattr(dejavu, "predicted_step_ms", timed_out)
     assert dejavu._predicted_or_none("p", 4, WorkloadShape(64, 8, 4), "this_machine") is None
     assert "calibrating this_machine for the appendix-D split failed (TimeoutExpired)" in capsys.readouterr().out
+
+
+def test_prompts_that_finish_at_their_first_token_are_still_received(four_layer, hf_reference):
+    """``max_new_tokens=1``: every hand-off's sequences finished on the prompt side; the token
+    group must still take each hand-off (and its streamed KV) before the job ends."""
+    path = four_layer["llama"]
+    expected = hf_reference(path, PROMPTS, 1)
+    for tokens, summary, *_ in dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 1, timeout=120):
+        assert tokens == expected
+        assert summary["streamed_bytes"] > 0

@@ -111,3 +111,23 @@ def test_percentiles_interpolate_between_closest_ranks():
     assert got["p50"] == pytest.approx(3.5) and got["p90"] == pytest.approx(6.9) and got["p99"] == pytest.approx(8.79)
     assert got["mean"] == pytest.approx(3.875)
     assert percentiles([2.0]) == {"p50": 2.0, "p90": 2.0, "p99": 2.0, "mean": 2.0}
+
+
+def test_a_request_listed_late_but_arriving_first_is_admitted_first():
+    import time
+
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine.router import LocalAdmission
+
+    params = SamplingParams(max_new_tokens=2)
+    requests = [Request(0, [5, 6], params, arrival=30.0), Request(1, [7], params, arrival=0.0)]
+    admission = LocalAdmission(requests, time.time(), leader=True)
+    assert admission.initial() == [] and admission.proposal() == 1  # request 1 has arrived
+    assert [r.id for r in admission.take(1)] == [1]
+
+
+def test_bad_group_timeout_is_named():
+    from reshard.parallel import Engine
+
+    with pytest.raises(ValueError, match=r"group_timeout must be > 0 seconds .*got 0"):
+        Engine(runners={"main": None}, group_timeout=0)

@@ -96,6 +96,17 @@ def test_workload_rate_gives_seeded_poisson_arrivals(tmp_path):
     assert bursts[:4] == [bursts[0]] * 4 and bursts[4] > bursts[3]  # four at a time
 
 
+def test_workload_rate_refuses_to_replace_a_files_arrivals(tmp_path):
+    from reshard.recipes.generate import build_requests
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6], "arrival": 0.0}\n{"prompt_ids": [7], "arrival": 0.5}\n')
+    cfg = _compose([f"workload.prompts_file={prompts}"])
+    assert [r.arrival for r in build_requests(cfg, tmp_path, 256)] == [0.0, 0.5]
+    with pytest.raises(ValueError, match=r"workload.rate=4.0 would replace the arrival times of .*prompts.jsonl"):
+        build_requests(_compose([f"workload.prompts_file={prompts}", "workload.rate=4"]), tmp_path, 256)
+
+
 def test_tp_not_dividing_world_is_rejected(tmp_path):
     with pytest.raises(RuntimeError, match=r"parallel.tp \(3\) must divide the world size \(2\)"):
         dist_harness.run(2, _run_recipe, ["parallel.tp=3"], str(tmp_path))

@@ -12,8 +12,9 @@ replicas as engine groups). Micro-batch ``k`` owns the KV slots of range ``k`` o
   their layer span on the micro-batch and (the last stage) sample its tokens and send them
   straight back to the first stage: token agreement per micro-batch, one source per sequence
   (the last stage), as in the drained loop's agreement.
-- The first stage posts each micro-batch's token receive before it sends the micro-batch on, so
-  the last stage's token send always finds its receiver; no stage waits in a cycle.
+- Every send is posted without waiting (``isend``), and the first stage posts a micro-batch's
+  token receive right after its activations (in the order the last stage issues the matching
+  operations, as NCCL needs); no stage waits in a cycle.
 - The loop ends with a ``"stop"`` note down the stages; the first stage then hands every
   completion to the followers (one broadcast over the pipeline's ranks).
 """
@@ -165,15 +166,18 @@ class PipelineHead:
         self._t0, self._busy0 = time.perf_counter(), self.runner.busy_seconds
 
     def launch(self, step: Step, layers=None) -> Flight:
-        """Send ``step``'s note and activations down the pipeline (its token receive posted first)."""
+        """Send ``step``'s note and activations down the pipeline, then post its token receive
+        (after the activations: NCCL runs one pair's P2P in posting order, and with two stages the
+        last stage is the next one, which sends the tokens only after it received them)."""
+        launched, clock = time.time(), time.perf_counter()
         self.notes.send(StepNote.of(step))
+        self.runner.run(step.phase, step.seqs, layers)
         tokens = torch.empty(len(step.seqs), dtype=torch.long, device=self.runner.device)
-        flight = Flight(step, tokens, dist.irecv(tokens, self.last, tag=TOKEN_TAG), time.time(), time.perf_counter())
+        flight = Flight(step, tokens, dist.irecv(tokens, self.last, tag=TOKEN_TAG), launched, clock)
         self.record.overlapped += bool(self.flights)
         self.flights.append(flight)
         self.record.peak = max(self.record.peak, len(self.flights))
         self.record.steps += 1
-        self.runner.run(step.phase, step.seqs, layers)
         return flight
 
     def land(self) -> Flight:
@@ -250,9 +254,9 @@ class StageFollower:
     def _answer(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:
         """Sample ``seqs``' next tokens and send them to the first stage (the send, its buffer)."""
         tokens = sample_tokens(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
-        tokens = tokens.to(torch.long).contiguous()  # (len(seqs),)
         for seq, token in zip(seqs, tokens.tolist()):
             seq.output.append(token)
+        tokens = tokens.to(device=self.runner.device, dtype=torch.long).contiguous()  # (len(seqs),) where P2P runs
         return dist.isend(tokens, self.first, tag=TOKEN_TAG), tokens
 
 

@@ -1,9 +1,11 @@
 """The one request loop: admit -> policy -> step -> sample -> agree on tokens -> retire.
 
 Every strategy runs on this loop: it supplies runners (:class:`ModelRunner`, one per layout) and a
-:class:`Policy`. Every rank runs the loop on the whole request list; the policy splits each step's
-sequences over the data-parallel replicas of the step's layout, each replica computes its share,
-and :func:`sample_step` makes every rank continue with the same tokens. The policy returns each
+:class:`Policy`. Each engine group (a set of ranks; one group when the layout steps in lockstep)
+runs the loop on the requests it is handed (the whole list, or what the router on rank 0 hands it,
+:mod:`parallel.engine.router`); the policy splits each step's sequences over the data-parallel
+replicas of the step's layout, each replica computes its share, and :func:`sample_step` makes
+every rank of the group continue with the same tokens. The policy returns each
 step as plain data and the engine makes the moves it names (:mod:`parallel.engine.policy`);
 everything else plugs in through :attr:`Engine.events` (:mod:`parallel.engine.events`).
 """
@@ -124,6 +126,8 @@ class Engine:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.routing = routing
+        if group_timeout is not None and not group_timeout > 0:
+            raise ValueError(f"group_timeout must be > 0 seconds (None: the collective timeout), got {group_timeout}")
         self.group_timeout = None if group_timeout is None else datetime.timedelta(seconds=group_timeout)
         self.runners = dict(runners)
         inflight = self._inflight(pipeline, custom_policy=policy is not None or replicas == "lockstep")
@@ -211,8 +215,10 @@ class Engine:
         queue, done, left = deque(admission.initial()), {}, 0  # left: handed to another group
         self.policy.start(queue)
         admission.report(self._load(queue), 0)
-        while not (admission.exhausted and len(done) + left == admission.taken):
-            if len(done) + left == admission.taken:  # nothing queued or running: wait for more
+        # a queued hand-off whose sequences all finished at their first token counts in no total:
+        # the loop still takes it (its KV must be received)
+        while queue or not (admission.exhausted and len(done) + left == admission.taken):
+            if not queue and len(done) + left == admission.taken:  # nothing queued or running: wait for more
                 queue.extend(admission.wait_next())
                 continue
             for step, output in self._advance(queue, admission):

@@ -87,7 +87,8 @@ class Handoff:
     """Sequences one group ran part of, handed to group ``target`` (DejaVu's prefilled prompts):
     each request, its tokens so far and whether it already finished (its KV streams all the
     same, so the receiver keeps the stream's order). ``tag`` names the stream: the source
-    group's step that produced them."""
+    group's step that produced them. ``times``: each sequence's wall-clock marks so far (its
+    first step's start, its first token), which its latency figures continue from."""
 
     source: int
     target: int
@@ -95,6 +96,7 @@ class Handoff:
     requests: tuple[Request, ...]
     tokens: tuple[tuple[int, ...], ...]
     finished: tuple[bool, ...]
+    times: tuple[tuple[float, ...], ...] = ()
 
     @property
     def open(self) -> int:
@@ -202,7 +204,7 @@ class LocalAdmission(Admission):
     at once, before the first step."""
 
     def __init__(self, requests: Seq[Request], start: float, leader: bool, progress=None) -> None:
-        self.requests = list(requests)
+        self.requests = sorted(requests, key=lambda r: r.arrival)  # stable: request order within a time
         self.start = start
         self.leader = leader
         self.online = any(r.arrival > 0 for r in self.requests)
@@ -330,6 +332,7 @@ class Router:
         self.sent = dict.fromkeys(self.groups, 0)
         self.sent_tokens: dict[int, list[int]] = {g: [] for g in self.groups}
         self.error: BaseException | None = None
+        self.stopped = threading.Event()  # set when rank 0 leaves the job's serving (also on an error)
         self.thread = threading.Thread(target=self._run, name="reshard-router", daemon=True)
 
     def __enter__(self) -> Router:
@@ -337,6 +340,7 @@ class Router:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stopped.set()  # a router still waiting for room (groups gone) stops looking
         self.thread.join()
         if self.error is not None and exc[0] is None:
             raise RuntimeError(f"the router failed: {self.error}") from self.error
@@ -344,7 +348,7 @@ class Router:
     def _run(self) -> None:
         try:
             tries = 0
-            while self.pending:
+            while self.pending and not self.stopped.is_set():
                 tries = 0 if self._dispatch() else tries + 1
                 if tries:  # nothing handed out: look again soon, or when the next request arrives
                     until = self._next_arrival() - time.time()
@@ -380,14 +384,17 @@ class Router:
         if self.routing == "round_robin":
             return self.groups[sum(self.sent.values()) % len(self.groups)]
         room = {g: self._room(g) for g in self.groups}
+        if None in room.values():  # a group has not said how much room it has: wait for it to start
+            return None
         need = len(request.prompt_ids) + request.sampling.max_new_tokens
         fits = [g for g, (slots, tokens) in room.items() if slots >= 1 and tokens >= need]
         return max(fits, key=lambda g: room[g][1]) if fits else None
 
-    def _room(self, g: int) -> tuple[int, int]:
-        """(free slots, free KV tokens) of group ``g``, less what it was handed since it last said."""
+    def _room(self, g: int) -> tuple[int, int] | None:
+        """(free slots, free KV tokens) of group ``g``, less what it was handed since it last said
+        (None: it has not said yet)."""
         if not self.channel.ready(f"load/{g}"):
-            return 0, 0
+            return None
         load: Load = self.channel.get(f"load/{g}")
         since = self.sent_tokens[g][load.taken :]
         return load.free_slots - len(since), load.free_tokens - sum(since)

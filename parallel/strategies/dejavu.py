@@ -4,10 +4,17 @@ The prompt ranks and the token ranks are two meshes with their own layouts (TP d
 pipeline depth may differ, e.g. prompt TP2 -> token PP2). A prefill step runs on the prompt
 ranks; a ``layer_after`` listener of the prompt layout streams layer ``i``'s KV to the token ranks
 while layer ``i + 1`` computes (DejaVu's layer-by-layer prompt streaming), re-sharded on the way
-by the stream plan (:mod:`reshard.kv.stream`). The token ranks post the matching fetches when the
-step ends and unpack them into their own cache before the first decode step that needs them (the
-step's :class:`ReceiveStreams` move). Both layouts run on the one engine loop: ranks outside a
-step's layout only join the token agreement, which spans the whole job (the engine's ``group``).
+by the stream plan (:mod:`reshard.kv.stream`).
+
+By default (``replicas="groups"``) each side is one or more engine groups running the one engine
+loop at the same time (:func:`dejavu_groups_engine`): a prompt group (:class:`PromptSide`)
+prefills what the router hands it and hands every prefilled prompt, with its first token and
+timing, to a token group (:class:`TokenSide`), which takes it into free slots, fetches its KV and
+decodes it once the KV has landed on every rank of the group. With ``replicas="lockstep"``
+(fault tolerance's journal and ring need it) both sides step in one loop
+(:class:`DejaVuPolicy`): the token ranks post the fetches when a prefill step ends and unpack
+them before the first decode step that needs them (the step's :class:`ReceiveStreams` move);
+ranks outside a step's layout only join the token agreement, which spans the whole job.
 
 The appendix-D planner (:mod:`parallel.cost.dejavu_planner`) chooses the split when
 ``prompt_ranks`` is unset (:meth:`DejaVuStrategy.planned`), from configured step times or the cost
@@ -67,7 +74,7 @@ class AbsentRunner:
         self.replica = Replica(dims.dp, -1)
         self.is_source = False
         self.kv = None
-        self.engine_group = None  # the sides share one lockstep loop (for now)
+        self.engine_group = None  # a rank outside a lockstep side's layout is in no group of it
 
 
 @dataclass
@@ -257,6 +264,7 @@ class PromptSide(Policy):
             tuple(s.request for s in step.seqs),
             tuple(tuple(s.output) for s in step.seqs),
             tuple(s.finish_reason is not None for s in step.seqs),
+            tuple(tuple(s.times) for s in step.seqs),
         )
         self.steps += 1
         return [handoff]
@@ -304,8 +312,10 @@ class TokenSide(Policy):
     def _receive(self, handoff: Handoff) -> Pending:
         """Token slots for every sequence of ``handoff`` (in its order) and their KV's fetch."""
         seqs = []
-        for request, tokens in zip(handoff.requests, handoff.tokens):
+        times = handoff.times or ((),) * len(handoff.requests)
+        for request, tokens, marks in zip(handoff.requests, handoff.tokens, times):
             seq = self.new_sequence(request)
+            seq.times = list(marks)  # the prompt group's: TTFT counts from its prefill
             skip_draws([request.sampling] * len(tokens), [seq.generator] * len(tokens), self.vocab_size)
             for token in tokens:
                 seq.append(token)
