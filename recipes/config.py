@@ -81,6 +81,7 @@ class EngineConfig:
     replicas: str = "groups"  # groups: each data-parallel replica steps on its own | lockstep
     routing: str = "least_loaded"  # least_loaded | round_robin | longest_first (requests to groups)
     pipeline: str | None = None  # inflight | drain | null: micro-batches in flight wherever they can be
+    prefill_chunk: int | None = None  # chunked prefill: prompt tokens per step beside decodes (null: whole)
 
     def __post_init__(self) -> None:
         from reshard.parallel.engine.inflight import PIPELINES
@@ -125,6 +126,7 @@ class EngineConfig:
             replicas="lockstep" if lockstep else self.replicas,
             routing=self.routing,
             pipeline="drain" if lockstep else self.pipeline,
+            prefill_chunk=self.prefill_chunk,
         )
 
 
@@ -188,6 +190,8 @@ class GenerateConfig:
             self.parallel = make_strategy({})
         if not isinstance(self.parallel, Strategy):
             raise TypeError(f"parallel must be a registered strategy's config, got {type(self.parallel).__name__}")
+        if self.engine.prefill_chunk is not None:  # before anything loads, on every rank alike
+            self._check_prefill_chunk(self.engine.prefill_chunk)
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens
         if longest > self.engine.max_seq_len:
             raise ValueError(
@@ -195,3 +199,12 @@ class GenerateConfig:
                 f"generation.max_new_tokens ({self.generation.max_new_tokens}) = {longest} exceeds "
                 f"engine.max_seq_len ({self.engine.max_seq_len})"
             )
+
+    def _check_prefill_chunk(self, prefill_chunk: int) -> None:
+        """``ValueError`` naming the values for what chunked prefill does not run with."""
+        if self.fault.replicate:
+            raise ValueError(
+                f"engine.prefill_chunk ({prefill_chunk}) cannot be combined with fault tolerance "
+                f"(fault.replicate ({self.fault.replicate})): the journal holds one token per sequence and step"
+            )
+        self.parallel.check_prefill_chunk(prefill_chunk)

@@ -28,7 +28,15 @@ from tqdm import tqdm
 from reshard.parallel.engine.agree import sample_step
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import InflightBatching, PipelineHead, StageFollower, use_inflight
-from reshard.parallel.engine.policy import ContinuousBatching, Policy, PolicyContext, RunnerInfo, Step, StepOutput
+from reshard.parallel.engine.policy import (
+    NO_TOKEN,
+    ContinuousBatching,
+    Policy,
+    PolicyContext,
+    RunnerInfo,
+    Step,
+    StepOutput,
+)
 from reshard.parallel.engine.request import Completion, Request, Sequence
 from reshard.parallel.engine.router import (
     ADMIT,
@@ -64,6 +72,10 @@ class Engine:
         kv_block_size, kv_tokens: a paged KV cache (see :class:`ModelRunner`); admission then
             also waits for free blocks.
         kv_swap: micro-batch swapping of the KV between host and device (see :class:`ModelRunner`).
+        prefill_chunk: chunked prefill (Sarathi-style): prompts are fed in chunks of at most this
+            many tokens per step, beside the running sequences' decode tokens (see
+            :class:`ContinuousBatching`); None: whole prompts in prefill steps. Needs the default
+            policy, no ``kv_swap`` and no pipeline stages.
         replicas: ``"groups"`` (default): each data-parallel replica of the model is an engine
             group that steps on its own, fed by a router; ``"lockstep"``: replicas share steps.
         routing: how the router places requests on groups (see :class:`Router`).
@@ -106,9 +118,12 @@ class Engine:
         group_timeout: float | None = None,
         engine_group: GroupLayout | None = None,
         pipeline: str | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
+        if prefill_chunk is not None:  # before any runner (and so any collective) exists
+            _check_chunked(prefill_chunk, model=model, policy=policy, kv_swap=kv_swap)
         if runners is None:
             runners = {
                 "main": ModelRunner(
@@ -133,7 +148,10 @@ class Engine:
         inflight = self._inflight(pipeline, custom_policy=policy is not None or replicas == "lockstep")
         batching = InflightBatching if inflight else ContinuousBatching
         self.policy = policy or batching(
-            next(iter(self.runners)), max_prefill_tokens=max_prefill_tokens, admission=admission
+            next(iter(self.runners)),
+            max_prefill_tokens=max_prefill_tokens,
+            admission=admission,
+            prefill_chunk=prefill_chunk,
         )
         cfg = next(iter(self.runners.values())).model.config
         self.vocab_size, self.eos_ids = cfg.vocab_size, _as_ids(cfg.eos_token_id)
@@ -321,10 +339,11 @@ class Engine:
     def _record(self, step: Step, tokens: list[int], started: float, t0: float) -> None:
         """Append a step's agreed tokens to its sequences; count it; tell the listeners."""
         now = time.time()
-        for seq, token in zip(step.seqs, tokens):
-            seq.cached += seq.prompt_len if step.phase == "prefill" else 1
-            seq.append(token)
-            _record_times(seq, started, now)
+        for seq, token, fed in zip(step.seqs, tokens, step.feeds()):
+            seq.cached += fed
+            if token != NO_TOKEN:  # a prompt chunk short of the prompt's end emits nothing
+                seq.append(token)
+            _record_times(seq, started, now, emitted=token != NO_TOKEN)
         self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
         self.events.fire("step_agreed", self.steps_done, step, tokens)
         self.steps_done += 1
@@ -352,19 +371,24 @@ class Engine:
         logits = None
         if mine:
             self.events.fire("step_begin", step, mine, layout=step.layout)
-            logits = runner.run(step.phase, mine, self.events.layers(step.layout))
+            chunks = [n for s, n in zip(step.seqs, step.feeds()) if s.replica == runner.replica.rank]
+            logits = runner.run(step.phase, mine, self.events.layers(step.layout), chunks=chunks)
             self.events.fire("step_end", step, mine, layout=step.layout)
         else:
             self.events.fire("idle", step, mine, layout=step.layout)
         group = self.group if self.group is not None else runner.group
         agree = {**{k: v() if callable(v) else v for k, v in step.agree.items()}, **extras}  # policy's, admissions
-        return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
+        emits = step.emits()
+        if all(emits):
+            return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
+        return _sample_emitting(step, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)
 
     def _replayed(self, step: Step, tokens: list[int]) -> list[int]:
         """A step whose tokens are known (a journal) and whose KV was restored: nothing runs;
         sampling generators skip the step's draw to stay in step."""
         assert len(tokens) == len(step.seqs), (len(tokens), len(step.seqs))
-        skip_draws([s.request.sampling for s in step.seqs], [s.generator for s in step.seqs], self.vocab_size)
+        drew = [s for s, token in zip(step.seqs, tokens) if token != NO_TOKEN]
+        skip_draws([s.request.sampling for s in drew], [s.generator for s in drew], self.vocab_size)
         return tokens
 
     def _enter(self, layout: str) -> ModelRunner:
@@ -432,11 +456,44 @@ class Engine:
         self.close()
 
 
-def _record_times(seq: Sequence, started: float, now: float) -> None:
-    """A sequence's wall-clock milestones: its first step began, its first token, its end."""
+def _sample_emitting(
+    step: Step, emits: list[bool], mine: list[Sequence], logits: torch.Tensor | None, *args
+) -> tuple[list[int], dict[str, int]]:
+    """:func:`sample_step` of the sequences of a mixed step that emit a token (their generators
+    draw; the others' do not): every sequence's token, :data:`NO_TOKEN` where none, and the sums.
+    ``logits``: ``(len(mine), vocab)`` of ``mine`` or None; ``args``: :func:`sample_step`'s rest."""
+    emitting = [s for s, e in zip(step.seqs, emits) if e]
+    ids = {id(s) for s in emitting}
+    keep = [i for i, s in enumerate(mine) if id(s) in ids]
+    picked = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)] if logits is not None and keep else None
+    tokens, agreed = sample_step(emitting, [mine[i] for i in keep], picked, *args)
+    it = iter(tokens)
+    return [next(it) if e else NO_TOKEN for e in emits], agreed
+
+
+def _check_chunked(prefill_chunk: int, *, model: nn.Module | None, policy: Policy | None, kv_swap: bool) -> None:
+    """``ValueError`` naming the values for what chunked prefill does not support (raised on
+    every rank alike, before any collective)."""
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prompts), got {prefill_chunk}")
+    if model is None or policy is not None:
+        raise ValueError(
+            f"prefill_chunk ({prefill_chunk}) runs in the default continuous-batching policy of "
+            f"Engine(model, ...); got runners/policy {type(policy).__name__}"
+        )
+    if kv_swap:
+        raise ValueError(f"prefill_chunk ({prefill_chunk}) cannot be combined with kv_swap ({kv_swap})")
+    pp = parallel_info(model).dims.pp
+    if pp > 1:
+        raise ValueError(f"prefill_chunk ({prefill_chunk}) cannot be combined with pipeline stages (pp={pp})")
+
+
+def _record_times(seq: Sequence, started: float, now: float, *, emitted: bool = True) -> None:
+    """A sequence's wall-clock milestones: its first step began (a first prompt chunk counts),
+    its first token, its end."""
     if not seq.times:
         seq.times.append(started)
-    if len(seq.times) == 1:
+    if len(seq.times) == 1 and emitted:
         seq.times.append(now)
     if seq.finish_reason is not None and len(seq.times) == 2:
         seq.times.append(now)

@@ -41,8 +41,9 @@ from reshard.kv import KVCache
 from reshard.parallel.engine.request import EngineStats, Request, Sequence
 from reshard.parallel.engine.runner import Replica
 
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "mixed")
 ADMISSION = ("fifo", "longest_first")
+NO_TOKEN = -1  # a mixed step's token of a sequence whose prompt chunk stops short of the prompt's end
 
 
 @dataclass(frozen=True)
@@ -60,24 +61,39 @@ class Move:
 class Step:
     """One step: every sequence of it over all replicas (the same on every rank)."""
 
-    phase: str  # "prefill": whole prompts | "decode": one token each | "wait": no sequences, only agree
+    # "prefill": whole prompts | "decode": one token each | "mixed": prompt chunks beside decode
+    # tokens (chunked prefill) | "wait": no sequences, only agree
+    phase: str
     seqs: list[Sequence]
     layout: str  # the runner that runs it
     moves: tuple[Move, ...] = ()  # made by the engine, in order, before the step runs
     # summed over the group with the tokens; a callable is read after this rank's compute, just
     # before the agreement (e.g. "has this KV landed yet", which the compute's time may settle)
     agree: dict[str, int | Callable[[], int]] = field(default_factory=dict)
+    chunks: list[int] | None = None  # "mixed": tokens each sequence feeds, from its ``cached`` on
+
+    def feeds(self) -> list[int]:
+        """Tokens each sequence feeds this step (its positions ``cached .. cached + n - 1``)."""
+        if self.phase == "mixed":
+            assert self.chunks is not None and len(self.chunks) == len(self.seqs), "a mixed step names its chunks"
+            return list(self.chunks)
+        return [s.prompt_len if self.phase == "prefill" else 1 for s in self.seqs]
+
+    def emits(self) -> list[bool]:
+        """Whether each sequence gets a token this step: all but a prompt chunk that stops short
+        of the prompt's end."""
+        return [s.cached + n >= s.prompt_len for s, n in zip(self.seqs, self.feeds())]
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.prompt_len for s in self.seqs) if self.phase == "prefill" else len(self.seqs)
+        return sum(self.feeds())
 
 
 @dataclass(frozen=True)
 class StepOutput:
     """What the engine tells the policy after a step."""
 
-    tokens: list[int]  # the agreed next token of every sequence of the step, in its order
+    tokens: list[int]  # the agreed next token of every sequence of the step, in its order (NO_TOKEN: none)
     replayed: bool = False  # the tokens were known (a journal): nothing computed, KV moves skipped
     agreed: dict[str, int] | None = None  # the step's ``agree`` summed over the group; None: replayed
 
@@ -249,16 +265,31 @@ class ContinuousBatching(Policy):
     runner sharing that cache per step (Shift). ``admission``: ``"fifo"`` (request order) or
     ``"longest_first"`` (largest ``max_new_tokens`` first: for offline batches, fewer decode steps
     at a small batch at the end; results per request are the same in any order).
+
+    ``prefill_chunk`` (Sarathi-style chunked prefill): requests are admitted into free slots as
+    they fit, and each step is "mixed": every running sequence whose prompt is in its cache
+    decodes one token while prompts are fed in chunks of at most ``prefill_chunk`` tokens in
+    all (per replica), so a long prompt does not stall the others' next tokens.
     """
 
-    def __init__(self, layout: str, *, max_prefill_tokens: int = 4096, admission: str = "fifo") -> None:
+    def __init__(
+        self,
+        layout: str,
+        *,
+        max_prefill_tokens: int = 4096,
+        admission: str = "fifo",
+        prefill_chunk: int | None = None,
+    ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prompts), got {prefill_chunk}")
         self.layout = layout
         self.max_prefill_tokens = max_prefill_tokens
         self.admission = admission
+        self.prefill_chunk = prefill_chunk
 
     @property
     def initial_layout(self) -> str | None:
@@ -295,6 +326,8 @@ class ContinuousBatching(Policy):
                 )
 
     def next_step(self, queue: deque) -> Step:
+        if self.prefill_chunk is not None:
+            return self._chunked_step(queue)
         if queue and self._fits(queue[0]) and not (self._last == "prefill" and self.running):
             seqs, self._last = self._admit(queue), "prefill"
         else:
@@ -315,6 +348,26 @@ class ContinuousBatching(Policy):
             self.running[seq.request.id] = seq
             admitted.append(seq)
         return admitted
+
+    def _chunked_step(self, queue: deque) -> Step:
+        """Admit what fits; every prefilled sequence decodes one token, prompts take the chunk
+        budget in admission order ("decode" when no prompt is left to feed)."""
+        while queue and self._fits(queue[0]):
+            seq = self.new_sequence(queue.popleft())
+            self.slots.take(seq)
+            self.running[seq.request.id] = seq
+        full = self.prefill_chunk * self.runner_info[self.layout].replica.size
+        budget, seqs, chunks = full, [], []
+        for seq in self.running.values():
+            left = seq.prompt_len - seq.cached
+            if left > 0 and budget == 0:
+                continue
+            n = 1 if left <= 0 else min(left, budget)
+            budget -= 0 if left <= 0 else n
+            seqs.append(seq)
+            chunks.append(n)
+        phase = "mixed" if budget < full else "decode"
+        return Step(phase, seqs, self.layout_for(phase, seqs), chunks=chunks if phase == "mixed" else None)
 
     def _fits(self, request: Request) -> bool:
         return self.slots.can_take(request)

@@ -44,6 +44,7 @@ class EngineArgs:
     replicas: str = "groups"  # data-parallel replicas: engine groups on their own, or "lockstep"
     routing: str = "least_loaded"  # how the router places requests on engine groups
     pipeline: str | None = None  # pipeline schedule: "inflight" | "drain" | None: in flight where it runs
+    prefill_chunk: int | None = None  # chunked prefill: prompt tokens per step beside decodes (None: whole)
 
     @property
     def kv(self) -> dict:
@@ -120,6 +121,15 @@ class Strategy:
     def report(self, summary: dict) -> list[str]:
         """Lines the job prints about this strategy's keys of ``summary``."""
         return []
+
+    def check_prefill_chunk(self, prefill_chunk: int) -> None:
+        """``ValueError`` naming the values if this strategy cannot run chunked prefill of
+        ``prefill_chunk`` tokens (checked with the job config, before anything loads). The
+        default: it cannot (its policy feeds whole prompts)."""
+        raise ValueError(
+            f"engine.prefill_chunk ({prefill_chunk}) runs on the tp strategy's continuous batching; "
+            f"parallel.strategy {self.name!r} feeds whole prompts (set engine.prefill_chunk=null)"
+        )
 
 
 def register_strategy(name: str):

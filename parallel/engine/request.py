@@ -124,6 +124,9 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     decode_batch_sum: int = 0
+    mixed_steps: int = 0  # chunked prefill: steps that fed prompt chunks (beside decode tokens)
+    mixed_tokens: int = 0
+    mixed_seconds: float = 0.0
     kv_blocks_allocated: int = 0  # paged KV: blocks handed to sequences (all replicas)
     kv_blocks_freed: int = 0  # ... and returned when they finished
     kv_blocks_peak: int = 0  # most blocks in use at once in one replica
@@ -135,7 +138,11 @@ class EngineStats:
     def add_step(self, phase: str, num_seqs: int, num_tokens: int, seconds: float) -> None:
         if phase == "wait":  # a step that only agreed (e.g. on KV that landed): no tokens
             return
-        if phase == "prefill":
+        if phase == "mixed":
+            self.mixed_tokens += num_tokens
+            self.mixed_steps += 1
+            self.mixed_seconds += seconds
+        elif phase == "prefill":
             self.prefill_tokens += num_tokens
             self.prefill_steps += 1
             self.prefill_seconds += seconds

@@ -244,14 +244,43 @@ class ModelRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, phase: str, seqs: list[Sequence], layers: LayerHooks | None = None) -> torch.Tensor | None:
-        """One step of ``seqs`` (this replica's): whole prompts (prefill) or one token each;
-        ``layers``: listeners called around every layer of this stage.
+    def run(
+        self,
+        phase: str,
+        seqs: list[Sequence],
+        layers: LayerHooks | None = None,
+        *,
+        chunks: list[int] | None = None,
+    ) -> torch.Tensor | None:
+        """One step of ``seqs`` (this replica's): whole prompts (prefill), one token each (decode)
+        or ``chunks[i]`` tokens of sequence ``i`` from its ``cached`` position on (mixed: prompt
+        chunks beside decode tokens); ``layers``: listeners called around every layer of this stage.
 
-        Returns fp32 logits ``(len(seqs), vocab)`` in ``seqs``' order on the last stage, else None.
+        Returns fp32 logits ``(len(seqs), vocab)`` in ``seqs``' order on the last stage (of each
+        sequence's last fed token), else None.
         """
         with use_weights(self.weights):
+            if phase == "mixed":
+                return self._mixed(seqs, chunks, layers)
             return self._prefill(seqs, layers) if phase == "prefill" else self._decode(seqs, layers)
+
+    def _mixed(self, seqs: list[Sequence], chunks: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
+        """Sequence ``i`` feeds its tokens at positions ``cached .. cached + chunks[i] - 1`` (a
+        prompt chunk, or its last output token) and attends causally over its cached KV and them:
+        one flat ``(sum(chunks),)`` batch, one micro-batch, eager."""
+        assert self.link is None and self.swap is None and self.split is None, "the engine refuses these"
+        assert len(chunks) == len(seqs), (len(chunks), len(seqs))
+        if self.kv.spec.paged:  # a sequence's first chunk brings its blocks
+            for s in seqs:
+                if s.cached == 0:
+                    assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
+                    self.kv.assign(s.slot, s.blocks)
+        fed = [(s.request.prompt_ids + s.output)[s.cached : s.cached + n] for s, n in zip(seqs, chunks)]
+        assert [len(f) for f in fed] == chunks, "a chunk runs past the sequence's tokens (policy bug)"
+        ids = torch.tensor([t for f in fed for t in f], device=self.device)  # (N,)
+        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], [s.cached for s in seqs], chunks)
+        rows = torch.tensor(list(itertools.accumulate(chunks)), device=self.device) - 1  # each last token
+        return self._stages([(ids, ctx, rows)], self._body, None, layers)
 
     def _prefill(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
         if self.kv.spec.paged:  # the blocks the policy gave each sequence

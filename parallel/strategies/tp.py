@@ -37,6 +37,14 @@ class TPStrategy(Strategy):
             raise ValueError(f"{what} must divide the world size ({world_size})")
         return ParallelDims(dp=world_size // (tp * self.pp), pp=self.pp, tp=tp, world_size=world_size)
 
+    def check_prefill_chunk(self, prefill_chunk: int) -> None:
+        """Chunked prefill runs in one pipeline stage (the mixed step is one eager micro-batch)."""
+        if self.pp > 1:
+            raise ValueError(
+                f"engine.prefill_chunk ({prefill_chunk}) cannot be combined with pipeline stages "
+                f"(parallel.pp ({self.pp})); set one of them to its default"
+            )
+
     def build_model(self, path: str | os.PathLike, dims: ParallelDims, args: EngineArgs) -> nn.Module:
         """TP x DP by the TP plan, or pipeline stages of TP when ``pp > 1``."""
         return build_model(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
@@ -53,5 +61,6 @@ class TPStrategy(Strategy):
             replicas=args.replicas,
             routing=args.routing,
             pipeline=args.pipeline,
+            prefill_chunk=args.prefill_chunk,
             **args.kv,
         )

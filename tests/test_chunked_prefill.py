@@ -1,0 +1,128 @@
+"""Chunked prefill (``prefill_chunk``): prompts fed in chunks beside running decodes give HF's
+tokens, seeded sampling unchanged, and refusals that name the values."""
+
+import pytest
+import torch
+
+from tests import dist_harness
+
+MAX_NEW = 10
+CHUNK = 5  # smaller than every prompt
+
+
+def _prompts(vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (8, 23, 12, 30, 9, 17)]
+
+
+def _generate(path, prompts, *, chunk, temperature=0.0, paged=False) -> tuple[list[list[int]], int, int, int, bool]:
+    """(tokens, mixed steps, mixed steps where decodes rode beside a prompt chunk, whole-prompt
+    prefill steps, every timing in order) of one engine with 3 slots (later prompts are chunked
+    while the first ones decode)."""
+    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+
+    kv = {"kv_block_size": 8, "kv_tokens": 256} if paged else {}
+    engine = Engine(parallelize(path), max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, **kv)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=40, top_p=0.9, seed=7)
+    rode = []
+    engine.events.on("step_ready", lambda index, step: rode.append(_decodes_beside_chunk(step)))
+    done = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+    timed = all(c.timing is not None and c.timing.started <= c.timing.first_token <= c.timing.finished for c in done)
+    return [c.output_ids for c in done], engine.stats.mixed_steps, sum(rode), engine.stats.prefill_steps, timed
+
+
+def _decodes_beside_chunk(step) -> bool:
+    """A mixed step (before it runs) with a decoding sequence and a prompt chunk in it."""
+    if step.phase != "mixed":
+        return False
+    decoding = [s.cached >= s.prompt_len for s in step.seqs]
+    return any(decoding) and not all(decoding)
+
+
+def _tp2_checks(path, prompts) -> dict:
+    """Every check of the TP2 test in one harness launch."""
+    return {
+        "contiguous": _generate(path, prompts, chunk=CHUNK),
+        "paged": _generate(path, prompts, chunk=CHUNK, paged=True),
+        "sampled": _generate(path, prompts, chunk=CHUNK, temperature=0.8)[0],
+        "sampled_whole": _generate(path, prompts, chunk=None, temperature=0.8)[0],
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_chunked_greedy_matches_hf_generate(checkpoints, hf_reference, family):
+    """1 rank, chunks of 5 < every prompt (8..30 tokens), 6 requests in 3 slots: HF's tokens;
+    chunks ran beside decodes in mixed steps and no prompt was prefilled whole."""
+    path, prompts = checkpoints[family], _prompts()
+    tokens, mixed, rode, whole, timed = dist_harness.run(1, _generate, path, prompts, chunk=CHUNK)[0]
+    assert tokens == hf_reference(path, prompts, MAX_NEW)
+    assert mixed >= -(-sum(len(p) for p in prompts) // CHUNK)  # the chunk budget bounds each step
+    assert rode > 0 and whole == 0 and timed
+
+
+def test_chunked_tp2_matches_hf_and_unchunked_sampling(checkpoints, hf_reference):
+    """TP2 (2 gloo ranks): greedy chunked tokens equal HF's with the contiguous and the paged
+    cache; seeded sampling with chunks equals seeded sampling with whole prompts (generators
+    draw only for chunks that emit a token); every rank agrees."""
+    path, prompts = checkpoints["llama"], _prompts()
+    results = dist_harness.run(2, _tp2_checks, path, prompts)
+    assert results[0] == results[1]
+    out = results[0]
+    expected = hf_reference(path, prompts, MAX_NEW)
+    for cache in ("contiguous", "paged"):
+        tokens, mixed, rode, whole, timed = out[cache]
+        assert tokens == expected, cache
+        assert mixed > 0 and rode > 0 and whole == 0 and timed, cache
+    assert out["sampled"] == out["sampled_whole"]
+    assert out["sampled"] != expected  # sampling did sample
+
+
+def _refusals(path) -> list[str]:
+    from reshard.parallel import Engine, parallelize
+    from reshard.parallel.engine.policy import ContinuousBatching
+
+    model = parallelize(path)
+    cases = [
+        dict(prefill_chunk=0),
+        dict(prefill_chunk=4, kv_swap=True, num_microbatches=2),
+        dict(prefill_chunk=4, policy=ContinuousBatching("main")),
+    ]
+    messages = []
+    for kw in cases:
+        with pytest.raises(ValueError) as err:
+            Engine(model, max_batch_size=2, max_seq_len=64, **kw)
+        messages.append(str(err.value))
+    return messages
+
+
+def test_chunked_refusals_name_the_values(checkpoints):
+    zero, swap, policy = dist_harness.run(1, _refusals, checkpoints["llama"])[0]
+    assert "prefill_chunk must be >= 1" in zero and "got 0" in zero
+    assert "prefill_chunk (4)" in swap and "kv_swap (True)" in swap
+    assert "prefill_chunk (4)" in policy and "ContinuousBatching" in policy
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["engine.prefill_chunk=0"], r"engine.prefill_chunk must be >= 1, got 0"),
+        (["engine.prefill_chunk=16", "fault.replicate=true"], r"prefill_chunk \(16\).*replicate \(True\)"),
+        (["engine.prefill_chunk=16", "parallel.pp=2"], r"prefill_chunk \(16\).*pp \(2\)"),
+        (["engine.prefill_chunk=8", "parallel=shift"], r"prefill_chunk \(8\).*'shift'"),
+    ],
+)
+def test_recipe_refuses_unsupported_chunking(overrides, match):
+    """The job config refuses (on every rank, before anything loads) what chunking does not run."""
+    from reshard.recipes.schema import compose
+
+    with pytest.raises(ValueError, match=match):
+        compose("generate", overrides)
+
+
+def test_recipe_exposes_prefill_chunk():
+    """``engine.prefill_chunk=16`` from the command line reaches the engine's arguments."""
+    from reshard.recipes.schema import compose
+
+    job = compose("generate", ["engine.prefill_chunk=16"])
+    assert job.engine.args(compile=False, dtype="float32").prefill_chunk == 16
+    assert compose("generate").engine.prefill_chunk is None
