@@ -15,14 +15,15 @@ def _prompts(vocab: int = 256) -> list[list[int]]:
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (8, 23, 12, 30, 9, 17)]
 
 
-def _generate(path, prompts, *, chunk, temperature=0.0, paged=False) -> tuple[list[list[int]], int, int, int, bool]:
+def _generate(path, prompts, *, chunk, temperature=0.0, paged=False, dp=1) -> tuple:
     """(tokens, mixed steps, mixed steps where decodes rode beside a prompt chunk, whole-prompt
     prefill steps, every timing in order) of one engine with 3 slots (later prompts are chunked
-    while the first ones decode)."""
-    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+    while the first ones decode); ``dp``: data-parallel replicas in lockstep."""
+    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
 
     kv = {"kv_block_size": 8, "kv_tokens": 256} if paged else {}
-    engine = Engine(parallelize(path), max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, **kv)
+    model = parallelize(path, ParallelDims.from_world(dp=dp) if dp > 1 else None)
+    engine = Engine(model, max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, replicas="lockstep", **kv)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=40, top_p=0.9, seed=7)
     rode = []
     engine.events.on("step_ready", lambda index, step: rode.append(_decodes_beside_chunk(step)))
@@ -44,6 +45,7 @@ def _tp2_checks(path, prompts) -> dict:
     return {
         "contiguous": _generate(path, prompts, chunk=CHUNK),
         "paged": _generate(path, prompts, chunk=CHUNK, paged=True),
+        "dp2 lockstep": _generate(path, prompts, chunk=CHUNK, dp=2),
         "sampled": _generate(path, prompts, chunk=CHUNK, temperature=0.8)[0],
         "sampled_whole": _generate(path, prompts, chunk=None, temperature=0.8)[0],
     }
@@ -61,15 +63,16 @@ def test_chunked_greedy_matches_hf_generate(checkpoints, hf_reference, family):
 
 
 def test_chunked_tp2_matches_hf_and_unchunked_sampling(checkpoints, hf_reference):
-    """TP2 (2 gloo ranks): greedy chunked tokens equal HF's with the contiguous and the paged
-    cache; seeded sampling with chunks equals seeded sampling with whole prompts (generators
-    draw only for chunks that emit a token); every rank agrees."""
+    """2 gloo ranks: greedy chunked tokens equal HF's in TP2 with the contiguous and the paged
+    cache and in two lockstep data-parallel replicas; seeded sampling with chunks equals seeded
+    sampling with whole prompts (generators draw only for chunks that emit a token); every rank
+    agrees."""
     path, prompts = checkpoints["llama"], _prompts()
     results = dist_harness.run(2, _tp2_checks, path, prompts)
     assert results[0] == results[1]
     out = results[0]
     expected = hf_reference(path, prompts, MAX_NEW)
-    for cache in ("contiguous", "paged"):
+    for cache in ("contiguous", "paged", "dp2 lockstep"):
         tokens, mixed, rode, whole, timed = out[cache]
         assert tokens == expected, cache
         assert mixed > 0 and rode > 0 and whole == 0 and timed, cache
