@@ -236,9 +236,10 @@ def _summary(
     """Token counts over all requests; phase times of the slowest replica (or engine group);
     latency percentiles and end-to-end throughput; every layout the run used."""
     s = _job_stats(engine)
-    phase = torch.tensor([s.prefill_seconds, s.decode_seconds, gen_s], dtype=torch.float64, device=device_type())
+    seconds = [s.prefill_seconds, s.decode_seconds, s.mixed_seconds, gen_s]
+    phase = torch.tensor(seconds, dtype=torch.float64, device=device_type())
     dist.all_reduce(phase, op=dist.ReduceOp.MAX)
-    prefill_s, decode_s, gen_s = phase.tolist()
+    prefill_s, decode_s, mixed_s, gen_s = phase.tolist()
     prompt_tokens = sum(len(c.prompt_ids) for c in completions)
     generated = sum(len(c.output_ids) for c in completions)
     return {
@@ -249,11 +250,19 @@ def _summary(
         "requests": len(completions),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
-        "prefill_tokens_per_s": prompt_tokens / max(prefill_s, 1e-9),
+        # chunked prefill: prompts are fed in mixed steps (beside decode tokens), counted here
+        "prefill_tokens_per_s": prompt_tokens / max(prefill_s + mixed_s, 1e-9),
         "decode_tokens_per_s": (generated - len(completions)) / max(decode_s, 1e-9),
         "mean_decode_batch": s.mean_decode_batch,
         "engine_groups": max(len(engine.group_stats), 1),
-        "phase_seconds": {"load": load_s, "prefill": prefill_s, "decode": decode_s, "generate_total": gen_s},
+        "phase_seconds": {
+            "load": load_s,
+            "prefill": prefill_s,
+            "decode": decode_s,
+            "mixed": mixed_s,
+            "generate_total": gen_s,
+        },
+        "mixed_steps": s.mixed_steps,  # chunked prefill's steps (engine.prefill_chunk)
         "online": any(c.timing is not None and c.timing.arrival > 0 for c in completions),
         "latency": latency_summary(completions, gen_s),
         "compile": cfg.compile,

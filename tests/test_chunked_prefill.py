@@ -129,3 +129,34 @@ def test_recipe_exposes_prefill_chunk():
     job = compose("generate", ["engine.prefill_chunk=16"])
     assert job.engine.args(compile=False, dtype="float32").prefill_chunk == 16
     assert compose("generate").engine.prefill_chunk is None
+
+
+def _run_recipe(overrides: list[str], run_dir: str) -> dict:
+    from pathlib import Path
+
+    from reshard.recipes.generate import run_generate
+    from reshard.recipes.schema import compose
+
+    return run_generate(compose("generate", overrides), Path(run_dir))
+
+
+def test_recipe_chunked_tp2_outputs_match_hf(checkpoints, hf_reference, tmp_path):
+    """The job with ``engine.prefill_chunk=4`` on TP2: outputs equal HF's; the summary counts the
+    mixed steps."""
+    import json
+
+    path, prompts = checkpoints["llama"], _prompts()[:4]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps(p) for p in prompts))
+    overrides = [
+        f"model.path={path}",
+        f"workload.prompts_file={prompts_file}",
+        "generation.max_new_tokens=6",
+        "engine.max_batch_size=2",
+        "engine.prefill_chunk=4",
+        "progress=false",
+    ]
+    summary = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))[0]
+    assert summary["mixed_steps"] > 0 and summary["phase_seconds"]["prefill"] == 0
+    lines = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    assert [line["output_ids"] for line in lines] == hf_reference(path, prompts, 6)
