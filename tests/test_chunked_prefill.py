@@ -15,21 +15,25 @@ def _prompts(vocab: int = 256) -> list[list[int]]:
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (8, 23, 12, 30, 9, 17)]
 
 
-def _generate(path, prompts, *, chunk, temperature=0.0, paged=False, dp=1) -> tuple:
-    """(tokens, mixed steps, mixed steps where decodes rode beside a prompt chunk, whole-prompt
-    prefill steps, every timing in order) of one engine with 3 slots (later prompts are chunked
-    while the first ones decode); ``dp``: data-parallel replicas in lockstep."""
+def _generate(path, prompts, *, chunk, temperature=0.0, paged=False, dp=1, replicas="lockstep") -> dict:
+    """``tokens``, ``mixed`` steps, steps where decodes ``rode`` beside a prompt chunk (this
+    rank's group), ``whole``-prompt prefill steps and whether every timing is ``timed`` in order,
+    of one engine with 3 slots (later prompts are chunked while the first ones decode); ``dp``:
+    data-parallel replicas (``replicas``: how they step)."""
     from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+    from reshard.parallel.engine.request import EngineStats
 
     kv = {"kv_block_size": 8, "kv_tokens": 256} if paged else {}
     model = parallelize(path, ParallelDims.from_world(dp=dp) if dp > 1 else None)
-    engine = Engine(model, max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, replicas="lockstep", **kv)
+    engine = Engine(model, max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, replicas=replicas, **kv)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=40, top_p=0.9, seed=7)
     rode = []
     engine.events.on("step_ready", lambda index, step: rode.append(_decodes_beside_chunk(step)))
     done = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
     timed = all(c.timing is not None and c.timing.started <= c.timing.first_token <= c.timing.finished for c in done)
-    return [c.output_ids for c in done], engine.stats.mixed_steps, sum(rode), engine.stats.prefill_steps, timed
+    stats = EngineStats.total(engine.group_stats) if engine.group_stats else engine.stats
+    tokens = [c.output_ids for c in done]
+    return dict(tokens=tokens, mixed=stats.mixed_steps, rode=sum(rode), whole=stats.prefill_steps, timed=timed)
 
 
 def _decodes_beside_chunk(step) -> bool:
@@ -46,8 +50,9 @@ def _tp2_checks(path, prompts) -> dict:
         "contiguous": _generate(path, prompts, chunk=CHUNK),
         "paged": _generate(path, prompts, chunk=CHUNK, paged=True),
         "dp2 lockstep": _generate(path, prompts, chunk=CHUNK, dp=2),
-        "sampled": _generate(path, prompts, chunk=CHUNK, temperature=0.8)[0],
-        "sampled_whole": _generate(path, prompts, chunk=None, temperature=0.8)[0],
+        "dp2 groups": _generate(path, prompts, chunk=CHUNK, dp=2, replicas="groups"),
+        "sampled": _generate(path, prompts, chunk=CHUNK, temperature=0.8),
+        "sampled_whole": _generate(path, prompts, chunk=None, temperature=0.8),
     }
 
 
@@ -56,28 +61,29 @@ def test_chunked_greedy_matches_hf_generate(checkpoints, hf_reference, family):
     """1 rank, chunks of 5 < every prompt (8..30 tokens), 6 requests in 3 slots: HF's tokens;
     chunks ran beside decodes in mixed steps and no prompt was prefilled whole."""
     path, prompts = checkpoints[family], _prompts()
-    tokens, mixed, rode, whole, timed = dist_harness.run(1, _generate, path, prompts, chunk=CHUNK)[0]
-    assert tokens == hf_reference(path, prompts, MAX_NEW)
-    assert mixed >= -(-sum(len(p) for p in prompts) // CHUNK)  # the chunk budget bounds each step
-    assert rode > 0 and whole == 0 and timed
+    run = dist_harness.run(1, _generate, path, prompts, chunk=CHUNK)[0]
+    assert run["tokens"] == hf_reference(path, prompts, MAX_NEW)
+    assert run["mixed"] >= -(-sum(len(p) for p in prompts) // CHUNK)  # the chunk budget bounds each step
+    assert run["rode"] > 0 and run["whole"] == 0 and run["timed"]
 
 
 def test_chunked_tp2_matches_hf_and_unchunked_sampling(checkpoints, hf_reference):
     """2 gloo ranks: greedy chunked tokens equal HF's in TP2 with the contiguous and the paged
-    cache and in two lockstep data-parallel replicas; seeded sampling with chunks equals seeded
+    cache and in two data-parallel replicas (lockstep, and engine groups); seeded sampling with chunks equals seeded
     sampling with whole prompts (generators draw only for chunks that emit a token); every rank
     agrees."""
     path, prompts = checkpoints["llama"], _prompts()
     results = dist_harness.run(2, _tp2_checks, path, prompts)
-    assert results[0] == results[1]
     out = results[0]
+    assert all(results[1][key]["tokens"] == run["tokens"] for key, run in out.items())  # every rank agrees
     expected = hf_reference(path, prompts, MAX_NEW)
-    for cache in ("contiguous", "paged", "dp2 lockstep"):
-        tokens, mixed, rode, whole, timed = out[cache]
-        assert tokens == expected, cache
-        assert mixed > 0 and rode > 0 and whole == 0 and timed, cache
-    assert out["sampled"] == out["sampled_whole"]
-    assert out["sampled"] != expected  # sampling did sample
+    for cache in ("contiguous", "paged", "dp2 lockstep", "dp2 groups"):
+        run = out[cache]
+        assert run["tokens"] == expected, cache
+        assert run["mixed"] > 0 and run["rode"] > 0 and run["whole"] == 0 and run["timed"], cache
+    assert out["sampled"]["mixed"] > 0 and out["sampled_whole"]["mixed"] == 0
+    assert out["sampled"]["tokens"] == out["sampled_whole"]["tokens"]
+    assert out["sampled"]["tokens"] != expected  # sampling did sample
 
 
 def _refusals(path) -> list[str]:

@@ -359,13 +359,12 @@ class ContinuousBatching(Policy):
         full = self.prefill_chunk * self.runner_info[self.layout].replica.size
         budget, seqs, chunks = full, [], []
         for seq in self.running.values():
-            left = seq.prompt_len - seq.cached
-            if left > 0 and budget == 0:
-                continue
-            n = 1 if left <= 0 else min(left, budget)
-            budget -= 0 if left <= 0 else n
-            seqs.append(seq)
-            chunks.append(n)
+            left = seq.prompt_len - seq.cached  # prompt tokens not in the cache yet
+            n = 1 if left <= 0 else min(left, budget)  # 0: no budget left for this prompt
+            if n:
+                seqs.append(seq)
+                chunks.append(n)
+                budget -= n if left > 0 else 0
         phase = "mixed" if budget < full else "decode"
         return Step(phase, seqs, self.layout_for(phase, seqs), chunks=chunks if phase == "mixed" else None)
 
