@@ -168,6 +168,7 @@ class Engine:
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
+        self.routed_calls = 0  # routed generates so far: each call's store keys have a prefix of their own
         self._released: list = []  # caches freed by release_memory(), restored by generate()
         self.steps_done = 0
 
@@ -279,7 +280,8 @@ class Engine:
         """This rank's group serves what the router (a thread on rank 0) hands it; then every
         rank gathers every group's completions and counters."""
         group = self.engine_group
-        channel = Channel(group.channel)
+        channel = Channel(f"{group.channel}/call{self.routed_calls}")  # every rank counts its calls alike
+        self.routed_calls += 1
         router = None
         if dist.get_rank() == min(dist.get_process_group_ranks(group.job or dist.group.WORLD)):
             channel.put("start", time.time())
