@@ -145,12 +145,22 @@ class FaultTolerance:
         if self.rank == 0:
             with open(self.journal, "a") as f:
                 f.write(json.dumps({"step": index, "tokens": tokens}) + "\n")
-        self._streamed.append(index)
-        landed = self.ring.landed  # this step's step_end waited for the message before
-        assert landed <= len(self._streamed), (landed, self._streamed)
-        if landed and self._streamed[landed - 1] != self._ack_step:
-            self._ack_step = self._streamed[landed - 1]  # the last step whose entries are all in the mirror
-            self._ack_file(self.ring.source).write_text(str(self._ack_step))
+        ring = self.ring
+        if ring.stream.steps > len(self._streamed):  # the ring took part in this step
+            self._streamed.append(index)
+        else:  # a step that leaves the replicated cache alone (Seesaw's prefill): what is gathered leaves now
+            ring.drain()
+        assert ring.stream.steps == len(self._streamed), (ring.stream.steps, self._streamed)
+        acked = self._last_in_mirror(index, ring.landed)
+        if acked != self._ack_step:
+            self._ack_step = acked
+            self._ack_file(ring.source).write_text(str(acked))
+
+    def _last_in_mirror(self, index: int, landed: int) -> int:
+        """The last step (up to ``index``) whose KV entries are all in the mirror: the one before
+        the first of the ring's steps whose message has not landed (``landed``: the ring's steps
+        that have), or ``index`` when all have (steps the ring skips leave the cache alone)."""
+        return index if landed == len(self._streamed) else self._streamed[landed] - 1
 
     # ---- after a restart ------------------------------------------------------------------------
     def recover(self) -> int:
