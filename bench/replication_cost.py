@@ -1,8 +1,9 @@
 """Ring replication's cost on failure-free decode, in one process group: the same requests
-decoded without replication, with it packing on the step's thread, and with it packing on the
-streamer's thread (the default), variants round-robin.
+decoded without replication and with it, packing on the step's thread or on the streamer's
+thread (the default), one message every ``k`` steps for each ``k`` of ``--every``
+(``fault.replicate_every``), variants round-robin.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/replication_cost.py [--repeats 3]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/replication_cost.py [--repeats 3] [--every 1 4 8]
 
 Per variant: wall ms per decode step, time inside the ``step_end`` hook per step, CPU seconds of
 the process (all threads) and context switches per step, medians over the repeats (rank 0's).
@@ -25,16 +26,24 @@ from reshard.parallel.model.tiny_models import builtin_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
-VARIANTS = (
-    "no replication",
-    "replication, packing on the step's thread",
-    "replication, packing on the streamer's thread",
-)
+NONE = ("no replication", 0, False)
 
 
-def measure(path, variant: str, requests: list[Request]) -> dict:
+def variants(every: list[int]) -> list[tuple[str, int, bool]]:
+    """(name, replicate_every, packing on the streamer's thread) of every variant; 0: none."""
+    out = [NONE]
+    for k in every:
+        out += [
+            (f"every {k}, packing on the step's thread", k, False),
+            (f"every {k}, on the streamer's thread", k, True),
+        ]
+    return out
+
+
+def measure(path, variant: tuple[str, int, bool], requests: list[Request]) -> dict:
+    _, every, background = variant
     engine = Engine(parallelize(path), max_batch_size=len(requests), max_seq_len=512)
-    ring = TimedRing(engine, background=variant == VARIANTS[2]) if variant != VARIANTS[0] else None
+    ring = TimedRing(engine, background=background, replicate_every=every) if every else None
     engine.generate(requests[:2])  # warm-up
     warm_steps = engine.stats.decode_steps
     if ring is not None:
@@ -71,6 +80,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--every", type=int, nargs="+", default=[1, 4, 8], help="replicate_every values")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -80,9 +90,9 @@ def main() -> None:
         Request(i, torch.randint(3, 4000, (32,), generator=g).tolist(), SamplingParams(max_new_tokens=args.new_tokens))
         for i in range(args.requests)
     ]
-    rows = {v: [] for v in VARIANTS}
+    rows = {v: [] for v in variants(args.every)}
     for _ in range(args.repeats):
-        for v in VARIANTS:
+        for v in rows:
             rows[v].append(measure(path, v, requests))
     if dist.get_rank() == 0:
         report(args, rows)
@@ -90,8 +100,8 @@ def main() -> None:
 
 
 def report(args, rows: dict) -> None:
-    med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
-    base = med[VARIANTS[0]]
+    med = {v[0]: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
+    base = med[NONE[0]]
     print(
         f"\nbuilt-in tiny Llama, TP{dist.get_world_size()}, {args.requests} requests x {args.new_tokens} new "
         f"tokens, greedy; median of {args.repeats}, variants round-robin\n"

@@ -138,11 +138,16 @@ class FaultConfig:
     kill_at: Any = None
     heartbeat_s: float = 1.0  # liveness period; a rank silent for 3 periods is declared dead
     inject: str = "kill"  # what kill_at does: kill (SIGKILL) | hang (stop for good, heartbeats too)
+    replicate_every: int = 1  # steps whose KV entries the ring sends in one message; a failure recomputes <= this many
 
     def __post_init__(self) -> None:
         if not self.heartbeat_s > 0:
             raise ValueError(f"fault.heartbeat_s must be > 0, got {self.heartbeat_s}")
         self.kills()  # validates
+        if not (type(self.replicate_every) is int and self.replicate_every >= 1):
+            raise ValueError(
+                f"fault.replicate_every must be an int >= 1 (steps per message), got {self.replicate_every!r}"
+            )
         if self.inject not in ("kill", "hang"):
             raise ValueError(f"fault.inject must be kill or hang, got {self.inject!r}")
         if self.inject == "hang" and self.kill_at is not None and not self.replicate:

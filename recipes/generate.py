@@ -125,6 +125,7 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dic
         hang=cfg.fault.inject == "hang",
         attempt=attempt,
         heartbeat_s=cfg.fault.heartbeat_s,
+        replicate_every=cfg.fault.replicate_every,
         max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
         on_last_failure=f"Requests that finished are in {finished.resolve()}",
     )

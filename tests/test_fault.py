@@ -75,40 +75,48 @@ def _on(world, **degrees) -> dict:
 
 
 @pytest.mark.parametrize(
-    "world,rank,step,sampling,layouts",
+    "world,rank,step,sampling,layouts,every",
     [
-        (2, 0, 5, [], {"main": _on(2, tp=2)}),
-        (2, 1, 5, [], {"main": _on(2, tp=2)}),
-        (2, 0, 7, SAMPLED, {"main": _on(2, tp=2)}),
-        (2, 1, 3, SAMPLED, {"main": _on(2, tp=2)}),
-        (4, 0, 5, [], {"main": _on(4, tp=4)}),
-        (4, 1, 7, SAMPLED, {"main": _on(4, tp=4)}),
-        (4, 2, 6, [], {"main": _on(4, tp=4)}),
-        (4, 3, 4, [], {"main": _on(4, tp=4)}),
-        # pipeline stages: each stage's KV mirrored on the other
-        (2, 0, 6, ["parallel.pp=2"], {"main": _on(2, pp=2)}),
-        # Shift: SP prefill, TP decode, one cache
-        (2, 1, 4, ["parallel=shift", "parallel.threshold=8"], {"sp": _on(2, sp=2), "tp": _on(2, tp=2)}),
-        # Seesaw: at step 16 the second pair decodes (its prompts came from the CPU tier, streamed
-        # whole to the mirror) and the third waits in the tier
-        (2, 1, 16, SEESAW, {"prefill": _on(2, pp=2), "decode": _on(2, tp=2)}),
-        # data-parallel replicas: a rank mirrors another replica's sequences
-        (2, 1, 5, ["parallel.tp=1"], {"main": _on(2, dp=2)}),
-        (4, 2, 6, ["parallel.tp=2"], {"main": _on(4, dp=2, tp=2)}),
-        (2, 1, 10, SEESAW_DP2, {"prefill": _on(2, pp=2), "decode": _on(2, dp=2)}),
-        # SiDP: every rank a replica, FFNs in the owner pool
-        (2, 1, 5, ["parallel=sidp"], {"main": _on(2, dp=2)}),
+        # fault.replicate_every=3: steps 0-2 landed at step 3, steps 3-4 lost with the kill at step 5
+        (2, 1, 5, [], {"main": _on(2, tp=2)}, 3),
+        (2, 0, 6, ["parallel.tp=1"], {"main": _on(2, dp=2)}, 3),
+    ]
+    + [
+        (*case, 1)
+        for case in [
+            (2, 0, 5, [], {"main": _on(2, tp=2)}),
+            (2, 1, 5, [], {"main": _on(2, tp=2)}),
+            (2, 0, 7, SAMPLED, {"main": _on(2, tp=2)}),
+            (2, 1, 3, SAMPLED, {"main": _on(2, tp=2)}),
+            (4, 0, 5, [], {"main": _on(4, tp=4)}),
+            (4, 1, 7, SAMPLED, {"main": _on(4, tp=4)}),
+            (4, 2, 6, [], {"main": _on(4, tp=4)}),
+            (4, 3, 4, [], {"main": _on(4, tp=4)}),
+            # pipeline stages: each stage's KV mirrored on the other
+            (2, 0, 6, ["parallel.pp=2"], {"main": _on(2, pp=2)}),
+            # Shift: SP prefill, TP decode, one cache
+            (2, 1, 4, ["parallel=shift", "parallel.threshold=8"], {"sp": _on(2, sp=2), "tp": _on(2, tp=2)}),
+            # Seesaw: at step 16 the second pair decodes (its prompts came from the CPU tier, streamed
+            # whole to the mirror) and the third waits in the tier
+            (2, 1, 16, SEESAW, {"prefill": _on(2, pp=2), "decode": _on(2, tp=2)}),
+            # data-parallel replicas: a rank mirrors another replica's sequences
+            (2, 1, 5, ["parallel.tp=1"], {"main": _on(2, dp=2)}),
+            (4, 2, 6, ["parallel.tp=2"], {"main": _on(4, dp=2, tp=2)}),
+            (2, 1, 10, SEESAW_DP2, {"prefill": _on(2, pp=2), "decode": _on(2, dp=2)}),
+            # SiDP: every rank a replica, FFNs in the owner pool
+            (2, 1, 5, ["parallel=sidp"], {"main": _on(2, dp=2)}),
+        ]
     ],
 )
-def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, reference, world, rank, step, sampling, layouts):
+def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, reference, world, rank, step, sampling, layouts, every):
     expected = reference(sampling, world)
-    tokens, summary = _run(
-        tmp_path, "ft", [*sampling, "fault.replicate=true", f"fault.kill_at=[{rank},{step}]"], restarts=1, world=world
-    )
+    ft = ["fault.replicate=true", f"fault.kill_at=[{rank},{step}]", f"fault.replicate_every={every}"]
+    tokens, summary = _run(tmp_path, "ft", [*sampling, *ft], restarts=1, world=world)
     assert tokens == expected
     assert summary["parallel"] == layouts  # every layout the run used
     assert summary["failures"] == 1
-    assert 0 < summary["recovered_from_step"] <= step and summary["recomputed_steps"] <= 1
+    assert 0 < summary["recovered_from_step"] <= step and summary["recomputed_steps"] <= every
+    assert every == 1 or summary["recomputed_steps"] > 0  # the kill falls between two messages
     assert 0 <= summary["detected_after_heartbeats"] <= 3  # a broken collective: mostly at once
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("reshard-ft-")]  # cleaned up
 

@@ -10,7 +10,8 @@ computes nothing for a step whose tokens the journal supplies and skips its KV m
 When a rank is killed (or hangs and the heartbeats declare it dead), torchrun tears the job down
 and starts every rank again (``--max-restarts``); the new ranks reload the weights, replay the
 journal up to the lowest step every mirror acknowledged without compute, restore each rank's KV
-from the mirror its successor kept, and recompute at most one step. On one machine the mirrors
+from the mirror its successor kept, and recompute at most ``replicate_every`` steps (the ring
+sends that many steps' entries per message). On one machine the mirrors
 live in shared memory so a whole-job restart keeps them; across machines they would live in the
 successor's memory.
 """
@@ -62,8 +63,9 @@ class FaultTolerance:
     that step of this attempt (fault injection; a step the recovery replays is a failure during
     recovery), or with ``hang`` stops it there for good, heartbeats included; ``attempt`` /
     ``max_restarts``: torchrun's counts (after the last attempt a failure ends the job: the files
-    go and :meth:`on_failure` says so, adding ``on_last_failure``). Collective: every rank
-    builds it.
+    go and :meth:`on_failure` says so, adding ``on_last_failure``); ``replicate_every``: steps
+    whose KV entries the ring sends in one message (a failure recomputes at most that many).
+    Collective: every rank builds it.
     """
 
     def __init__(
@@ -77,7 +79,10 @@ class FaultTolerance:
         max_restarts: int = 0,
         heartbeat_s: float = 1.0,
         on_last_failure: str = "",
+        replicate_every: int = 1,
     ) -> None:
+        if replicate_every < 1:
+            raise ValueError(f"replicate_every must be >= 1 (steps per message), got {replicate_every}")
         self.rank, self.attempt = dist.get_rank(), attempt
         layout = _replicated_layout(engine)
         if self.rank == 0 and attempt == 0:
@@ -90,13 +95,17 @@ class FaultTolerance:
             tier.remap(self.shm / f"kv-tier-{name}")
         self.cache = engine.runners[layout].kv
         self.ring = RingReplication(
-            engine, layout=layout, mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source))
+            engine,
+            layout=layout,
+            mirror_at=lambda spec, source: shared_cache(spec, self._mirror(source)),
+            replicate_every=replicate_every,
         )
         self.kill_at, self.hang = kill_at, hang
         self.last_attempt, self.on_last_failure = attempt >= max_restarts, on_last_failure
         self.recovered_from = 0
         self.recomputed_steps = 0
-        self._streamed = []
+        self._streamed: list[int] = []  # engine step index of every step this attempt computed
+        self._ack_step = -1  # the step the ack file names (written when it changes)
         self._replay: list[list[int]] = []  # the journal's tokens of the first steps of this attempt
         engine.events.on("known_tokens", self._known)
         engine.events.on("step_ready", self._maybe_die)
@@ -136,9 +145,22 @@ class FaultTolerance:
         if self.rank == 0:
             with open(self.journal, "a") as f:
                 f.write(json.dumps({"step": index, "tokens": tokens}) + "\n")
-        self._streamed.append(index)
-        if len(self._streamed) >= 2:  # this step's step_end drained the previous step's jobs
-            self._ack_file(self.ring.source).write_text(str(self._streamed[-2]))
+        ring = self.ring
+        if ring.stream.steps > len(self._streamed):  # the ring took part in this step
+            self._streamed.append(index)
+        else:  # a step that leaves the replicated cache alone (Seesaw's prefill): what is gathered leaves now
+            ring.drain()
+        assert ring.stream.steps == len(self._streamed), (ring.stream.steps, self._streamed)
+        acked = self._last_in_mirror(index, ring.landed)
+        if acked != self._ack_step:
+            self._ack_step = acked
+            self._ack_file(ring.source).write_text(str(acked))
+
+    def _last_in_mirror(self, index: int, landed: int) -> int:
+        """The last step (up to ``index``) whose KV entries are all in the mirror: the one before
+        the first of the ring's steps whose message has not landed (``landed``: the ring's steps
+        that have), or ``index`` when all have (steps the ring skips leave the cache alone)."""
+        return index if landed == len(self._streamed) else self._streamed[landed] - 1
 
     # ---- after a restart ------------------------------------------------------------------------
     def recover(self) -> int:

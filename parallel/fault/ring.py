@@ -1,8 +1,9 @@
 """KV replication around a ring (DejaVu section 4.2.3, the first half of fault tolerance).
 
-Every rank streams the KV entries it writes at each step (prompt and decode) to rank
-``(x + 1) mod N``, which keeps them in a mirror cache laid out like rank ``x``'s and
-acknowledges ``(worker, request, step)`` once they are in. Streaming overlaps the next step
+Every rank streams the KV entries it writes (prompt and decode) to rank ``(x + 1) mod N``,
+which keeps them in a mirror cache laid out like rank ``x``'s and acknowledges
+``(worker, request, step)`` once they are in; ``replicate_every=k`` sends the entries of ``k``
+steps (every sequence's) in one message, so a failure recomputes at most ``k`` steps. Streaming overlaps the next step
 (:class:`reshard.kv.stream.TokenStream`); replication listens to the engine's ``step_end`` and
 ``idle`` events of the layouts that write the replicated cache, so it composes with any layout
 whose KV lives in the store (TP, pipeline stages, Shift's two modes over one cache).
@@ -29,7 +30,9 @@ class RingReplication:
     Every layout whose runner shares that layout's cache is replicated (Shift's two modes). With
     data-parallel replicas the two ends of a ring edge may run different sequences: the receiver
     takes the sender's from the step, and a replica with nothing to run still takes part (its
-    ``idle`` event).
+    ``idle`` event). ``replicate_every``: steps whose entries leave in one message (the last
+    ``replicate_every`` steps are what a failure may lose); ``landed``: steps whose entries are
+    all in the mirror.
     """
 
     def __init__(
@@ -40,7 +43,10 @@ class RingReplication:
         timeout: float = 60.0,
         mirror_at: Callable[[KVSpec, int], KVCache] | None = None,
         background: bool = True,
+        replicate_every: int = 1,
     ) -> None:
+        if replicate_every < 1:
+            raise ValueError(f"replicate_every must be >= 1 (steps per message), got {replicate_every}")
         if engine.engine_group is not None:
             raise ValueError(
                 "ring replication follows one lockstep group: build the engine with replicas='lockstep' "
@@ -57,28 +63,34 @@ class RingReplication:
         self.mirror = mirror_at(spec, self.source) if mirror_at else KVCache(spec, device=runner.kv.device)
         # background: pack and unpack on the streamer's thread, not the step's
         streamer = KVStreamer(_ring_plan(layouts), timeout=timeout, background=background)
-        self.stream = TokenStream(streamer, runner.kv, self.mirror, timeout=timeout)
-        self.acked: dict[int, int] = {}  # request id -> last step of the source's KV that is in
-        self._in_flight: list[tuple[int, int]] = []
+        self.stream = TokenStream(streamer, runner.kv, self.mirror, timeout=timeout, every=replicate_every)
         self._streaming: dict[int, set[int]] = {}  # replica -> request ids whose entries so far are streamed
         self.layouts = sorted(name for name, r in engine.runners.items() if r.kv is runner.kv)
         for event in ("step_end", "idle"):
             engine.events.on(event, self.step_end, layout=self.layouts)
 
     def step_end(self, step, seqs: list) -> None:
-        """Stream this replica's entries of ``step`` (``seqs``) and take the source's; the
-        previous step's, now in, are acknowledged. A sequence decoding here for the first time
-        (its prompt KV was swapped in, as Seesaw's decode does) streams everything it holds."""
-        n, phase = self.stream.steps, step.phase
-        incoming = seqs
+        """Gather this replica's entries of ``step`` (``seqs``) and the source's, sent every
+        ``replicate_every``-th step; the message before, now in, is acknowledged. A sequence
+        decoding here for the first time (its prompt KV was swapped in, as Seesaw's decode does)
+        streams everything it holds."""
+        phase, incoming = step.phase, seqs
         if self.source_replica != self.replica:
             incoming = [s for s in step.seqs if s.replica == self.source_replica]
         whole = self._whole(self.replica, phase, seqs)
         if incoming is not seqs:
             whole |= self._whole(self.source_replica, phase, incoming)
-        self.stream.step_end(phase, seqs, whole=whole, incoming=incoming)  # waits for the previous step's jobs
-        self._acknowledge()
-        self._in_flight = [(s.request.id, n) for s in incoming]
+        self.stream.step_end(phase, seqs, whole=whole, incoming=incoming)
+
+    @property
+    def acked(self) -> dict[int, int]:
+        """Request id -> last step (0-based, of this ring's) of the source's KV that is in the mirror."""
+        return self.stream.acked
+
+    @property
+    def landed(self) -> int:
+        """Steps (of this ring's) whose entries are all in the mirror (and all sent)."""
+        return self.stream.landed
 
     def _whole(self, replica: int, phase: str, seqs: list) -> set[int]:
         """Sequences of ``replica`` decoding for the first time since they were streamed."""
@@ -87,15 +99,9 @@ class RingReplication:
         self._streaming[replica] = live | ids if phase == "prefill" else ids
         return ids - live if phase == "decode" else set()
 
-    def _acknowledge(self) -> None:
-        for request_id, step in self._in_flight:
-            self.acked[request_id] = step
-        self._in_flight = []
-
     def drain(self) -> None:
-        """Wait for everything in flight and acknowledge it."""
+        """Send what is gathered and wait for everything in flight (collective)."""
         self.stream.drain()
-        self._acknowledge()
 
     def close(self) -> None:
         self.drain()

@@ -372,62 +372,174 @@ class StreamIn:
         return self.nbytes
 
 
+class Batch:
+    """The entries one direction of a :class:`TokenStream` gathered since its last message: per
+    request its slot and the merged position range of the steps it wrote (a prompt joins whole).
+
+    A sequence that retired is dropped (its slot may already hold another sequence): at a decode
+    step, the ones not decoding (a decode step runs every live sequence of a replica); at any step,
+    one whose slot a sequence entering the cache takes (a prompt, or a whole sequence swapped in).
+    """
+
+    def __init__(self) -> None:
+        self.spans: dict[int, Span] = {}  # request id -> slot and merged positions, in arrival order
+
+    def retire(self, phase: str, spans: Sequence[Span]) -> None:
+        """Drop the sequences that ``spans`` (a step's) show to be gone."""
+        keys, taken = {sp.key for sp in spans}, {sp.slot: sp.key for sp in spans if sp.start == 0}
+        self.spans = {
+            key: sp
+            for key, sp in self.spans.items()
+            if (phase != "decode" or key in keys) and taken.get(sp.slot, key) == key
+        }
+
+    def merge(self, spans: Sequence[Span]) -> None:
+        for sp in spans:
+            old = self.spans.get(sp.key)
+            assert old is None or old.slot == sp.slot, f"request {sp.key} moved from slot {old.slot} to {sp.slot}"
+            self.spans[sp.key] = (
+                sp if old is None else Span(sp.key, sp.slot, min(old.start, sp.start), max(old.stop, sp.stop))
+            )
+
+
+class _Direction:
+    """One direction of a :class:`TokenStream` (out of ``send_cache`` or into ``recv_cache``):
+    its :class:`Batch`, its message count (the tag both ends name a message by) and the message
+    in flight. ``landed``: steps whose entries are all through (flushed out, or unpacked here)."""
+
+    def __init__(self, streamer: KVStreamer, cache: KVCache, *, out: bool, timeout: float) -> None:
+        self.streamer, self.cache, self.out, self.timeout = streamer, cache, out, timeout
+        self.batch = Batch()
+        self.messages, self.landed, self.bytes = 0, 0, 0
+        self.acked: dict[int, int] = {}  # request id -> last step (0-based) of its entries that is through
+        self._flight: list[tuple[object, int, list[int]]] = []  # (jobs or StreamIn, steps covered, request ids)
+
+    def retire(self, phase: str, spans: Sequence[Span], *, before: int) -> bool:
+        """Wait for the message in flight, drop the sequences ``spans`` (a step's) show gone; if
+        one enters a slot, send what earlier steps gathered (``before``: steps taken), returning
+        True: the caller waits for it (after every direction sent, or two ranks wait on each
+        other), so a slot's next occupant never lands before its previous occupant's last step."""
+        self.wait()
+        self.batch.retire(phase, spans)
+        if self.batch.spans and any(sp.start == 0 for sp in spans):
+            self.send(before)
+            return True
+        return False
+
+    def add(self, spans: Sequence[Span], *, steps: int, send: bool) -> None:
+        """Add a step's ``spans``; ``send``: the batch (entries of ``steps`` steps) leaves."""
+        self.batch.merge(spans)
+        if send:
+            self.send(steps)
+
+    def send(self, steps: int) -> None:
+        """The batch (the entries of steps up to ``steps``) leaves in one message; none if empty."""
+        spans, self.batch.spans = list(self.batch.spans.values()), {}
+        if not spans:  # nothing to send: the steps are through once what is in flight is
+            self._flight.append((None, steps, []))
+            return
+        tag = self.messages
+        if self.out:
+            handle = self.streamer.stream_out(self.cache, spans, tag=tag)
+            self.bytes += sum(j.nbytes for j in handle)
+        else:
+            handle = self.streamer.stream_in(self.cache, spans, tag=tag)
+        self.messages += 1
+        self._flight.append((handle, steps, [sp.key for sp in spans]))
+
+    def wait(self) -> None:
+        """Wait for the messages in flight (errors and timeouts reach the caller here)."""
+        for handle, steps, keys in self._flight:
+            for job in [] if handle is None else handle if self.out else [handle]:
+                job.wait(self.timeout)
+            self.landed = steps
+            self.acked.update(dict.fromkeys(keys, steps - 1))
+        self._flight = []
+
+
 class TokenStream:
     """Token streaming: the KV entries each engine step writes leave for another store while the
     next step runs (DejaVu section 4.2.1), as a ``step_end`` listener of the engine's events.
 
     ``streamer`` maps the runner's KV layout to the destination's (a CPU or file mirror on the
     same ranks, or other ranks). ``send_cache`` / ``recv_cache``: this rank's source cache and
-    destination cache (``None`` where it holds none). A prefill step streams each prompt, a
-    decode step each sequence's one new position. Step ``n``'s jobs are waited for at step
-    ``n + 1`` (or :meth:`drain`), so streaming overlaps one step of compute. A paged destination
-    takes the source's block ids (a mirror of the same shape).
+    destination cache (``None`` where it holds none). A prefill step writes each prompt, a
+    decode step each sequence's one new position; ``every`` steps' entries (all sequences') leave
+    in one message per peer, at every ``every``-th step and at :meth:`drain`. A message is waited
+    for at the next step (or :meth:`drain`), so streaming overlaps a step of compute; ``landed``
+    counts the steps whose entries are all through. A paged destination takes the source's block
+    ids (a mirror of the same shape).
     """
 
     def __init__(
-        self, streamer: KVStreamer, send_cache: KVCache | None, recv_cache: KVCache | None, *, timeout: float = 60.0
+        self,
+        streamer: KVStreamer,
+        send_cache: KVCache | None,
+        recv_cache: KVCache | None,
+        *,
+        timeout: float = 60.0,
+        every: int = 1,
     ) -> None:
+        if every < 1:
+            raise ValueError(f"replicate_every must be >= 1 (steps per message), got {every}")
         self.streamer = streamer
         self.send_cache = send_cache
         self.recv_cache = recv_cache
-        self.timeout = timeout
-        self.steps, self.bytes_out = 0, 0
-        self._pending: list = []
+        self.timeout, self.every = timeout, every
+        self.steps = 0
+        self.directions = [
+            _Direction(streamer, cache, out=out, timeout=timeout)
+            for cache, out in ((send_cache, True), (recv_cache, False))
+            if cache is not None
+        ]
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(d.bytes for d in self.directions if d.out)
+
+    @property
+    def landed(self) -> int:
+        """Steps whose entries are all through, both ways this rank streams."""
+        return min((d.landed for d in self.directions), default=self.steps)
+
+    @property
+    def acked(self) -> dict[int, int]:
+        """Request id -> last step whose entries are unpacked here (the receiving direction)."""
+        return next((d.acked for d in self.directions if not d.out), {})
 
     def step_end(
         self, phase: str, seqs: Sequence, *, whole: Collection[int] = (), incoming: Sequence | None = None
     ) -> None:
-        """Stream the step's new entries of ``seqs`` (the sequences this rank's layout ran);
-        ``whole``: request ids whose every entry so far is streamed (KV that reached the cache
-        outside a step, e.g. a swap-in); ``incoming``: the sequences whose entries arrive here,
-        where they are not ``seqs`` (another data-parallel replica's)."""
-        spans = [Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in seqs]
+        """Gather the step's new entries of ``seqs`` (the sequences this rank's layout ran) and
+        send the batch every ``every``-th step; ``whole``: request ids whose every entry so far is
+        streamed (KV that reached the cache outside a step, e.g. a swap-in); ``incoming``: the
+        sequences whose entries arrive here, where they are not ``seqs`` (another data-parallel
+        replica's)."""
         incoming = seqs if incoming is None else incoming
-        into = (
-            spans
-            if incoming is seqs
-            else [Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole)) for s in incoming]
-        )
         if self.recv_cache is not None and self.recv_cache.spec.paged:
             for s in incoming:
                 if phase == "prefill" or s.request.id in whole:
                     self.recv_cache.assign(s.slot, s.blocks)
-        jobs = self.streamer.stream_out(self.send_cache, spans, tag=self.steps) if self.send_cache else []
-        incoming = self.streamer.stream_in(self.recv_cache, into, tag=self.steps) if self.recv_cache else None
-        self.drain()
-        self.bytes_out += sum(j.nbytes for j in jobs)
-        self._pending, self.steps = [jobs, incoming], self.steps + 1
+        send = (self.steps + 1) % self.every == 0
+        spans = {
+            d: [
+                Span(s.request.id, s.slot, *_new_positions(phase, s, s.request.id in whole))
+                for s in (seqs if d.out else incoming)
+            ]
+            for d in self.directions
+        }
+        for d in [d for d in self.directions if d.retire(phase, spans[d], before=self.steps)]:
+            d.wait()
+        for d in self.directions:
+            d.add(spans[d], steps=self.steps + 1, send=send)
+        self.steps += 1
 
     def drain(self) -> None:
-        """Wait for every job in flight (errors and timeouts reach the caller here)."""
-        if not self._pending:
-            return
-        jobs, incoming = self._pending
-        for job in jobs:
-            job.wait(self.timeout)
-        if incoming is not None:
-            incoming.wait(self.timeout)
-        self._pending = []
+        """Send what is gathered and wait for every message in flight."""
+        for d in self.directions:
+            d.send(self.steps)
+        for d in self.directions:
+            d.wait()
 
 
 def _new_positions(phase: str, seq, whole: bool = False) -> tuple[int, int]:
