@@ -302,24 +302,13 @@ class InflightBatching(ContinuousBatching):
     def _flight_step(self, k: int, queue: deque) -> Step | None:
         slots = self.flights[k]
         running = [s for s in self.running.values() if s.slot in slots]
-        if queue and self.slots.can_take(queue[0], slots) and not (self.phases[k] == "prefill" and running):
-            seqs, self.phases[k] = self._admit_into(queue, slots), "prefill"
+        if queue and self._fits(queue[0], slots) and not (self.phases[k] == "prefill" and running):
+            seqs, self.phases[k] = self._admit(queue, slots), "prefill"
         elif running:
             seqs, self.phases[k] = running, "decode"
         else:
             return None
         return Step(self.phases[k], seqs, self.layout)
-
-    def _admit_into(self, queue: deque, slots: range) -> list[Sequence]:
-        budget = self.max_prefill_tokens
-        admitted: list[Sequence] = []
-        while queue and self.slots.can_take(queue[0], slots) and (not admitted or len(queue[0].prompt_ids) <= budget):
-            seq = self.new_sequence(queue.popleft())
-            budget -= seq.prompt_len
-            self.slots.take(seq, slots)
-            self.running[seq.request.id] = seq
-            admitted.append(seq)
-        return admitted
 
     def after_step(self, step: Step, output) -> None:
         self.busy.discard(self.flight_of(step))

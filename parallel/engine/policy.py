@@ -338,13 +338,14 @@ class ContinuousBatching(Policy):
         """The runner of a step (subclasses choose per step)."""
         return self.layout
 
-    def _admit(self, queue: deque) -> list[Sequence]:
+    def _admit(self, queue: deque, within: range | None = None) -> list[Sequence]:
+        """Queued requests into free slots (of ``within`` only, if given) up to the prefill budget."""
         budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size
         admitted: list[Sequence] = []
-        while queue and self._fits(queue[0]) and (not admitted or len(queue[0].prompt_ids) <= budget):
+        while queue and self._fits(queue[0], within) and (not admitted or len(queue[0].prompt_ids) <= budget):
             seq = self.new_sequence(queue.popleft())
             budget -= seq.prompt_len
-            self.slots.take(seq)
+            self.slots.take(seq, within)
             self.running[seq.request.id] = seq
             admitted.append(seq)
         return admitted
@@ -368,8 +369,8 @@ class ContinuousBatching(Policy):
         phase = "mixed" if budget < full else "decode"
         return Step(phase, seqs, self.layout_for(phase, seqs), chunks=chunks if phase == "mixed" else None)
 
-    def _fits(self, request: Request) -> bool:
-        return self.slots.can_take(request)
+    def _fits(self, request: Request, within: range | None = None) -> bool:
+        return self.slots.can_take(request, within)
 
     def room(self) -> tuple[int, int] | None:
         return self.slots.room(self.runner_info[self.layout].kv.spec.max_seq_len)
