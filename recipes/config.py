@@ -139,6 +139,11 @@ class FaultConfig:
     heartbeat_s: float = 1.0  # liveness period; a rank silent for 3 periods is declared dead
     inject: str = "kill"  # what kill_at does: kill (SIGKILL) | hang (stop for good, heartbeats too)
     replicate_every: int = 1  # steps whose KV entries the ring sends in one message; a failure recomputes <= this many
+    # supervised ranks (each engine a child of the process torchrun watches, respawned in the job)
+    # and where a failed engine group's requests go: reprefill (any live group, prompt + tokens so
+    # far prefilled again) | none (wait for the group's respawn); null: failures end the attempt
+    migrate: Any = None
+    max_respawns: int = 3  # per rank, under fault.migrate; one more failure ends the job
 
     def __post_init__(self) -> None:
         if not self.heartbeat_s > 0:
@@ -148,6 +153,7 @@ class FaultConfig:
             raise ValueError(
                 f"fault.replicate_every must be an int >= 1 (steps per message), got {self.replicate_every!r}"
             )
+        self._check_migrate()
         if self.inject not in ("kill", "hang"):
             raise ValueError(f"fault.inject must be kill or hang, got {self.inject!r}")
         if self.inject == "hang" and self.kill_at is not None and not self.replicate:
@@ -156,6 +162,21 @@ class FaultConfig:
                 "rank dead comes with it (without it the others would wait in a collective), "
                 "got fault.replicate=false"
             )
+
+    def _check_migrate(self) -> None:
+        if self.migrate is None:
+            return
+        if self.migrate not in ("reprefill", "none"):
+            raise ValueError(f"fault.migrate must be reprefill, none or null, got {self.migrate!r}")
+        if self.replicate:
+            raise ValueError(
+                f"fault.migrate={self.migrate} runs supervised engine groups; fault.replicate=true is the "
+                "whole-job restart with the KV ring (one lockstep group): choose one"
+            )
+        if self.inject != "kill":
+            raise ValueError(f"fault.migrate={self.migrate} injects kills only, got fault.inject={self.inject}")
+        if not (type(self.max_respawns) is int and self.max_respawns >= 0):
+            raise ValueError(f"fault.max_respawns must be an int >= 0, got {self.max_respawns!r}")
 
     def kills(self) -> list[tuple[int, int]]:
         """``(rank, step)`` to kill in attempt 0, 1, ... of the job."""

@@ -43,6 +43,10 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     """
     t0 = time.perf_counter()
     path = _model_path(cfg)
+    if cfg.fault.migrate is not None:  # supervised ranks: failures stay in their engine group
+        from reshard.recipes.supervised import run_supervised
+
+        return run_supervised(cfg, run_dir, path)
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     args = cfg.engine.args(

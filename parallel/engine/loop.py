@@ -159,7 +159,7 @@ class Engine:
         self.events = EngineEvents()
         self.stats = self.policy.stats_cls()
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
-        new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids)
+        new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids, vocab_size=self.vocab_size)
         self.policy.setup(PolicyContext(layouts, self.stats, new_sequence))
         self.flow: PipelineHead | StageFollower | None = None  # in-flight pipeline: this stage's side
         if inflight:
@@ -212,16 +212,36 @@ class Engine:
         an ``arrival`` time is admitted once it has arrived (online workloads).
         """
         self.validate(requests)
-        for runner in self.runners.values():
-            parallel_info(runner.model).weight_version.check_ready()
-        while self._released:  # re-acquire what release_memory() freed
-            self._released.pop().restore()
+        self._ready()
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
             if self.engine_group is None:
                 start = time.time()
                 done = self._serve(LocalAdmission(requests, start, self._leads_group(), bar), start)
                 return [done[r.id] for r in requests]
             return self._serve_routed(requests, bar)
+
+    @torch.inference_mode()
+    def serve_routed(self, channel: Channel, endpoint: str) -> list[Completion]:
+        """Serve this rank's engine group as ``endpoint`` of a supervised job (whose router runs
+        in another process, :mod:`reshard.parallel.fault.migrate`): requests come from
+        ``channel``, every completion goes to its ``done`` list as it finishes. Returns this
+        group's completions (:meth:`generate` returns the whole job's, where every group lives
+        to the end)."""
+        assert self.engine_group is not None, "serve_routed runs one engine group of several"
+        self._ready()
+        what = f"engine group {endpoint} waiting for the router's start time"
+        channel.wait("start", what, self.group_timeout)
+        admission = RoutedAdmission(
+            channel, self.engine_group, None, self.group_timeout, endpoint=endpoint, publish=True
+        )
+        return list(self._serve(admission, channel.get("start")).values())
+
+    def _ready(self) -> None:
+        """Before serving: weights synced, what release_memory() freed re-acquired."""
+        for runner in self.runners.values():
+            parallel_info(runner.model).weight_version.check_ready()
+        while self._released:
+            self._released.pop().restore()
 
     def _serve(self, admission: Admission, start: float) -> dict:
         """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
@@ -233,7 +253,7 @@ class Engine:
             self.flow.begin()
         queue, done, left = deque(admission.initial()), {}, 0  # left: handed to another group
         self.policy.start(queue)
-        admission.report(self._load(queue), 0)
+        admission.report(self._load(queue), [])
         # a queued hand-off whose sequences all finished at their first token counts in no total:
         # the loop still takes it (its KV must be received)
         while queue or not (admission.exhausted and len(done) + left == admission.taken):
@@ -273,7 +293,7 @@ class Engine:
             done[seq.request.id] = seq.completion(start)
             self.policy.retire(seq)
         queue.extend(admission.take((output.agreed or {}).get(ADMIT, 0)))
-        admission.report(self._load(queue), len(finished))
+        admission.report(self._load(queue), [done[seq.request.id] for seq in finished])
         return left
 
     def _serve_routed(self, requests: Seq[Request], bar: tqdm) -> list[Completion]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reshard.parallel.engine.sampling import SamplingParams, make_generator
+from reshard.parallel.engine.sampling import SamplingParams, make_generator, skip_draws
 
 
 @dataclass
@@ -16,10 +16,28 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0  # seconds after the start of ``generate`` (online workloads); 0: there at once
+    # the last ``resumed`` prompt tokens are output an earlier engine generated before it failed
+    # (request migration, :mod:`parallel.fault.migrate`): re-prefilled, counted as output
+    resumed: int = 0
 
     def __post_init__(self) -> None:
         if not self.arrival >= 0:  # also refuses NaN
             raise ValueError(f"request {self.id}: arrival must be >= 0 seconds, got {self.arrival}")
+        if not 0 <= self.resumed < len(self.prompt_ids):
+            raise ValueError(
+                f"request {self.id}: resumed ({self.resumed}) must be >= 0 and below the prompt length "
+                f"({len(self.prompt_ids)})"
+            )
+
+    def resume(self, output: list[int]) -> Request:
+        """This request continued after ``output`` (its tokens so far): prompt and output are
+        prefilled, ``max_new_tokens`` counts what is left (``output`` must leave some)."""
+        prompt = self.prompt_ids[: len(self.prompt_ids) - self.resumed]
+        so_far = [*self.prompt_ids[len(prompt) :], *output]
+        left = self.sampling.max_new_tokens + self.resumed - len(so_far)
+        assert left > 0, (self.id, len(so_far), self.sampling.max_new_tokens)
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=left)
+        return Request(self.id, [*prompt, *so_far], sampling, self.arrival, resumed=len(so_far))
 
 
 @dataclass(frozen=True)
@@ -83,11 +101,14 @@ class Sequence:
     times: list[float] = field(default_factory=list)  # wall clock: first step began, first token, finished
 
     @staticmethod
-    def of(request: Request, eos_ids: tuple[int, ...]) -> Sequence:
-        stop = request.sampling.stop_token_ids
-        return Sequence(
-            request, make_generator(request.sampling, request.id), frozenset(eos_ids if stop is None else stop)
-        )
+    def of(request: Request, eos_ids: tuple[int, ...], vocab_size: int = 0) -> Sequence:
+        """A new sequence; a resumed request's generator skips the draws of its earlier output
+        (``vocab_size``: the draw's size, needed then)."""
+        stop, generator = request.sampling.stop_token_ids, make_generator(request.sampling, request.id)
+        if request.resumed and generator is not None:
+            assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
+            skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)
+        return Sequence(request, generator, frozenset(eos_ids if stop is None else stop))
 
     @property
     def last_token(self) -> int:
@@ -107,10 +128,12 @@ class Sequence:
     def completion(self, start: float | None = None) -> Completion:
         """The finished request; with the wall-clock ``start`` of ``generate``, its :class:`Timing`."""
         r = self.request
+        cut = len(r.prompt_ids) - r.resumed  # a resumed request's earlier output is in its prompt
+        prompt, output = r.prompt_ids[:cut], [*r.prompt_ids[cut:], *self.output]
         timing = None
         if start is not None and len(self.times) == 3:
-            timing = Timing(r.arrival, *(t - start for t in self.times), tokens=len(self.output))
-        return Completion(r.id, list(r.prompt_ids), list(self.output), self.finish_reason, timing)
+            timing = Timing(r.arrival, *(t - start for t in self.times), tokens=len(output))
+        return Completion(r.id, list(prompt), output, self.finish_reason, timing)
 
 
 @dataclass

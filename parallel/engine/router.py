@@ -111,11 +111,12 @@ def backoff(tries: int) -> float:
 
 
 class Channel:
-    """The control plane: pickled values under ``reshard/<attempt>/<name>/`` of the job's store."""
+    """The control plane: pickled values under ``reshard/<attempt>/<name>/`` of ``store`` (default:
+    the job's, the default process group's)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, store: dist.Store | None = None) -> None:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.distributed_c10d._get_default_store()
+        store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.store = dist.PrefixStore(f"reshard/{attempt}/{name}/", store)
 
     def put(self, key: str, value) -> None:
@@ -130,11 +131,22 @@ class Channel:
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
 
-    def post(self, group: int, value) -> None:
+    def post(self, group: int | str, value) -> None:
         """Append ``value`` to group ``group``'s input (``assign/<group>/<k>``, ``k`` counted
         atomically: several parties may post to one group)."""
-        k = self.store.add(f"count/{group}", 1) - 1
-        self.put(f"assign/{group}/{k}", value)
+        self.append(f"assign/{group}", value, count=f"count/{group}")
+
+    def append(self, name: str, value, count: str | None = None) -> int:
+        """Add ``value`` to the list ``name`` (``<name>/<k>``; its length under ``count``,
+        default ``<name>/count``); returns its index ``k``."""
+        k = self.store.add(count or f"{name}/count", 1) - 1
+        self.put(f"{name}/{k}", value)
+        return k
+
+    def read_list(self, name: str, start: int = 0) -> list:
+        """The values of list ``name`` from index ``start`` (see :meth:`append`)."""
+        count = self.store.add(f"{name}/count", 0)
+        return [self.get(f"{name}/{k}") for k in range(start, count)]
 
     def job_keys(self, groups: int) -> list[str]:
         """Every key one call of ``groups`` groups made (for :meth:`clear` once all are done)."""
@@ -187,8 +199,9 @@ class Admission:
         self.exhausted = True
         return []
 
-    def report(self, load: Load | None, finished: int) -> None:
-        """After a step: the group's free room (leader) and how many requests finished in it."""
+    def report(self, load: Load | None, finished: list) -> None:
+        """After a step: the group's free room (leader) and the completions of the requests that
+        finished in it."""
 
     def hand_off(self, handoff: Handoff) -> None:
         """Pass sequences to another group (only groups of a routed job have others)."""
@@ -230,9 +243,9 @@ class LocalAdmission(Admission):
         time.sleep(max(0.0, self.start + self.requests[self.taken].arrival - time.time()))
         return self._next(1)
 
-    def report(self, load: Load | None, finished: int) -> None:
+    def report(self, load: Load | None, finished: list) -> None:
         if self.progress is not None and finished:
-            self.progress.update(finished)
+            self.progress.update(len(finished))
 
     def _next(self, count: int) -> list[Request]:
         out = self.requests[self.taken : self.taken + count]
@@ -243,18 +256,33 @@ class LocalAdmission(Admission):
 
 class RoutedAdmission(Admission):
     """Group ``layout.index``'s share of the job, handed out by the :class:`Router` as keys
-    ``assign/<group>/<k>`` (``None``: no more); the leader publishes its :class:`Load`."""
+    ``assign/<endpoint>/<k>`` (``None``: no more); the leader publishes its :class:`Load`.
+
+    ``endpoint``: the router's name for this group (default its index; a supervised group's
+    names its generation too, :class:`reshard.parallel.fault.supervisor.ChildSpec`);
+    ``publish``: the leader also appends every completion to the channel's ``done`` list as the
+    request finishes (a supervised job's router collects them there).
+    """
 
     def __init__(
-        self, channel: Channel, layout: GroupLayout, progress=None, timeout: datetime.timedelta | None = None
+        self,
+        channel: Channel,
+        layout: GroupLayout,
+        progress=None,
+        timeout: datetime.timedelta | None = None,
+        *,
+        endpoint: str | None = None,
+        publish: bool = False,
     ) -> None:
         self.channel = channel
         self.layout = layout
         self.progress = progress
         self.timeout = timeout
+        self.endpoint = str(layout.index) if endpoint is None else endpoint
+        self.publish = publish
 
     def _key(self, k: int) -> str:
-        return f"assign/{self.layout.index}/{k}"
+        return f"assign/{self.endpoint}/{k}"
 
     read = 0  # assignment keys read (requests, hand-offs and the ``None`` that end the input)
     stops = 0  # ``None`` read so far
@@ -282,11 +310,14 @@ class RoutedAdmission(Admission):
         self.channel.wait(self._key(self.read), f"engine group {self.layout.index} waiting for requests", self.timeout)
         return self.take(1)
 
-    def report(self, load: Load | None, finished: int) -> None:
+    def report(self, load: Load | None, finished: list) -> None:
         if load is not None and self.layout.is_leader:
-            self.channel.put(f"load/{self.layout.index}", dataclasses.replace(load, taken=self.taken))
+            self.channel.put(f"load/{self.endpoint}", dataclasses.replace(load, taken=self.taken))
+        if self.publish and self.layout.is_leader:
+            for completion in finished:
+                self.channel.append("done", completion)
         if finished and self.layout.is_leader:
-            done = self.channel.add("finished", finished)
+            done = self.channel.add("finished", len(finished))
             if self.progress is not None:
                 self.progress.n = done
                 self.progress.refresh()

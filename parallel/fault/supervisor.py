@@ -1,0 +1,198 @@
+"""Supervised ranks: the process torchrun watches stays alive when its rank's engine dies.
+
+Under ``fault.migrate`` every torchrun worker is a :class:`Supervisor`: it runs the rank's engine
+as a child process and, when the child dies (killed, crashed), records the failure in the job's
+store and starts another child in the next *generation* of its engine group. torchrun sees no
+failure (``TORCHELASTIC_RESTART_COUNT`` stays 0) and the other groups never stop. The ranks of a
+group restart together: one member's death moves the group's generation on in the store and
+every member's supervisor replaces its child (a tensor-parallel shard is useless without the
+dead rank's). A child's process group is its group's own, named by the generation
+(:func:`group_store_prefix`), so a new generation never meets the old one's connections.
+
+The store keys (under the job's ``reshard/isolated/`` prefix): ``gen/<group>`` (the group's
+generation), ``failures`` (a counter) and ``failure/<k>`` (a :class:`Failure`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+POLL_S = 0.05  # how often a supervisor looks at its child and its group's generation
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What a child engine process is: ``rank`` of the job, in engine ``group`` (over
+    ``members``), at ``generation`` (0: the first; each failure of the group adds one)."""
+
+    rank: int
+    group: int
+    members: tuple[int, ...]
+    generation: int
+
+    @property
+    def endpoint(self) -> str:
+        """The router's name for this incarnation of the group."""
+        return f"{self.group}.{self.generation}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A child that died: its rank, group and generation, its exit code (negative: the signal)
+    and when its supervisor saw it (``time.time()``)."""
+
+    rank: int
+    group: int
+    generation: int
+    exitcode: int
+    seen_at: float
+
+
+def group_store_prefix(spec: ChildSpec) -> str:
+    """The store prefix of ``spec``'s process groups: one per (group, generation)."""
+    return f"reshard/isolated/pg/group{spec.group}/gen{spec.generation}"
+
+
+class Supervisor:
+    """Runs ``target(spec, *args)`` in a child process for this ``rank`` of engine ``group``
+    (``members``: its ranks) and replaces it when it dies, up to ``max_respawns`` times.
+
+    ``store``: the job's store (the supervisors' and children's control plane); ``on_poll(spec)``
+    runs at every look at the live child ``spec`` (e.g. to end its input). :meth:`run`
+    returns once the child exits with status 0; a child that dies moves the group's generation
+    on (the first member to see it); a member whose group moved on kills its own child and starts
+    one in the new generation. SIGINT/SIGTERM stop the child and end the supervisor (nothing is
+    respawned). ``failures``: the deaths this supervisor saw.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        group: int,
+        members: tuple[int, ...],
+        target: Callable,
+        args: tuple = (),
+        *,
+        max_respawns: int = 3,
+        on_poll: Callable[[ChildSpec], None] | None = None,
+    ) -> None:
+        self.store, self.rank, self.group, self.members = store, rank, group, tuple(members)
+        self.target, self.args, self.max_respawns = target, args, max_respawns
+        self.on_poll = on_poll or (lambda spec: None)
+        self.failures: list[Failure] = []
+        self.respawns = 0
+        self._stopping = False
+        self._child: mp.process.BaseProcess | None = None
+        store.compare_set(self._gen_key, "", "0")  # the first member to get here starts the count
+
+    @property
+    def _gen_key(self) -> str:
+        return f"gen/{self.group}"
+
+    def generation(self) -> int:
+        """The group's current generation, as the store holds it."""
+        return int(self.store.get(self._gen_key))
+
+    def run(self) -> None:
+        """Run children until one exits with status 0 (``RuntimeError`` after ``max_respawns``
+        replacements; ``KeyboardInterrupt`` / ``SystemExit`` on SIGINT / SIGTERM)."""
+        previous = {s: signal.signal(s, self._stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            generation = self.generation()
+            while True:
+                code = self._run_child(ChildSpec(self.rank, self.group, self.members, generation))
+                if code == 0:
+                    return
+                generation = self._next_generation(generation, code)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self._kill()
+
+    def _run_child(self, spec: ChildSpec) -> int | None:
+        """Start ``spec``'s child and wait: its exit code, or None when the group moved on
+        without it (it was killed here)."""
+        ctx = mp.get_context("spawn")
+        self._child = ctx.Process(
+            target=_child_main, args=(self.target, spec, self.args), name=f"reshard-rank{self.rank}"
+        )
+        self._child.start()
+        while True:
+            self._child.join(POLL_S)
+            if self._stopping:
+                raise KeyboardInterrupt
+            if self._child.exitcode is not None:
+                return self._child.exitcode
+            if self.generation() > spec.generation:
+                self._kill()
+                return None
+            self.on_poll(spec)
+
+    def _next_generation(self, generation: int, code: int | None) -> int:
+        """After a child ended without success: record its death (``code`` not None), move the
+        group's generation on (once per generation, whichever member gets there first) and
+        return the generation to start next."""
+        if code is not None:
+            failure = Failure(self.rank, self.group, generation, code, time.time())
+            self.failures.append(failure)
+            k = self.store.add("failures", 1) - 1
+            self.store.set(f"failure/{k}", pickle.dumps(failure))
+            self.store.compare_set(self._gen_key, str(generation), str(generation + 1))
+        self.respawns += 1
+        if self.respawns > self.max_respawns:
+            raise RuntimeError(
+                f"rank {self.rank}: engine group {self.group} failed {self.respawns} times, more than "
+                f"fault.max_respawns ({self.max_respawns}); last exit code {code}"
+            )
+        return self.generation()
+
+    def _stop(self, signum: int, frame) -> None:
+        self._stopping = True
+        self._kill()
+
+    def _kill(self) -> None:
+        child = self._child
+        if child is not None and child.exitcode is None:
+            child.kill()
+            child.join()
+
+
+def failures(store: dist.Store) -> list[Failure]:
+    """Every child death recorded in the job's ``store`` so far, in the order recorded."""
+    count = store.add("failures", 0)
+    return [pickle.loads(store.get(f"failure/{k}")) for k in range(count)]
+
+
+def _child_main(target: Callable, spec: ChildSpec, args: tuple) -> None:
+    """The child's entry: die with the supervisor (Linux), then run ``target``."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the supervisor stops; no traceback here
+    try:
+        target(spec, *args)
+    except SystemExit:
+        raise
+    except BaseException:
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        os._exit(1)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``; Linux only)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the call
+            os._exit(1)

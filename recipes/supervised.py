@@ -1,0 +1,252 @@
+"""``generate`` with supervised ranks (``fault.migrate``): failures stay in their engine group.
+
+Every torchrun worker supervises its rank's engine, run as a child process
+(:class:`reshard.parallel.fault.supervisor.Supervisor`); rank 0's supervisor also runs the router
+(:class:`reshard.parallel.fault.migrate.SupervisedRouter`), which outlives every engine. An engine
+that dies is respawned in the job, in its group's next generation, with a process group of its
+own; the other groups keep serving, and the dead one's requests go on elsewhere (or wait for it).
+torchrun's whole-job restart stays the fallback for a lost supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reshard.parallel.engine.metrics import latency_summary
+from reshard.parallel.engine.request import EngineStats
+from reshard.parallel.engine.router import Channel
+from reshard.parallel.fault.migrate import GroupJournal, SupervisedRouter, read_journal
+from reshard.parallel.fault.restart import job_store, restart_count
+from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, failures, group_store_prefix
+from reshard.parallel.model.dims import rank_grid
+from reshard.recipes.config import GenerateConfig
+from reshard.recipes.launch import collective_timeout
+
+CHANNEL = "supervised"
+
+
+def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
+    """Supervise this rank's engine until the router has every completion; rank 0 writes the
+    outputs. Returns the summary (rank 0; ``{}`` elsewhere)."""
+    from reshard.recipes.generate import build_requests
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    index, members, groups = engine_group_of(cfg, world, rank)
+    store = dist.PrefixStore("reshard/isolated", job_store(restart_count()))
+    channel = Channel(CHANNEL, store=store)
+    router = None
+    t0 = time.time()
+    if rank == 0:
+        requests = build_requests(cfg, path, _vocab_size(path))
+        channel.put("start", time.time())
+        generation = lambda g: int(store.get(f"gen/{g}"))  # noqa: E731
+        router = SupervisedRouter(channel, requests, groups, t0, cfg.engine.routing, cfg.fault.migrate, generation)
+    dist.barrier()  # every supervisor set its group's generation before the router reads it
+    supervisor = Supervisor(
+        store,
+        rank,
+        index,
+        members,
+        serve_child,
+        (cfg, str(path), channel.get("start")),
+        max_respawns=cfg.fault.max_respawns,
+        on_poll=_stop_when_done(channel, members[0] == rank),
+    )
+    with router or contextlib.nullcontext():
+        supervisor.run()
+    dist.barrier()  # every child is done: its statistics are in the store
+    if rank != 0:
+        return {}
+    return _finish(cfg, run_dir, path, router, channel, store, time.time() - t0, groups)
+
+
+def engine_group_of(cfg: GenerateConfig, world: int, rank: int) -> tuple[int, tuple[int, ...], int]:
+    """This rank's engine group under ``fault.migrate``: its index, its ranks and how many
+    groups there are (``ValueError`` for a strategy without data-parallel engine groups)."""
+    strategy = cfg.parallel
+    if not strategy.single_model() or strategy.name != "tp":
+        raise ValueError(
+            f"fault.migrate={cfg.fault.migrate} supervises the tp strategy's data-parallel engine groups; "
+            f"parallel.strategy is {strategy.name!r}"
+        )
+    dims = strategy.dims(world)
+    if dims.pp > 1:
+        raise ValueError(f"fault.migrate={cfg.fault.migrate} runs groups without pipeline stages, got pp={dims.pp}")
+    grid = rank_grid(dims)
+    for index in range(dims.dp):
+        members = tuple(grid[index].flatten().tolist())
+        if rank in members:
+            return index, members, dims.dp
+    raise AssertionError(f"rank {rank} in no group of {dims}")
+
+
+def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -> None:
+    """One engine child: its group's own process group (this generation's), the engine, the
+    journal, then serve what the router hands this generation of the group."""
+    store = job_store(restart_count())
+    _init_group(spec, store)
+    args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
+    engine = cfg.parallel.build(path, args)
+    group = engine.engine_group
+    assert group is not None and group.index == spec.group, (group, spec)
+    channel = Channel(CHANNEL, store=dist.PrefixStore("reshard/isolated", store))
+    GroupJournal(engine, channel, spec, _kill_step(cfg, spec))
+    channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
+    channel.put(f"ready/{spec.endpoint}", time.time())
+    with engine:
+        engine.serve_routed(channel, spec.endpoint)
+    if group.is_leader:
+        channel.put(f"stats/{spec.endpoint}", engine.stats)
+    dist.destroy_process_group()
+
+
+def _init_group(spec: ChildSpec, store: dist.Store) -> None:
+    """This child's default process group: the job's ranks under this generation's prefix, of
+    which only the group's ever connect (gloo connects lazily, NCCL always does)."""
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(group_store_prefix(spec), store),
+        rank=spec.rank,
+        world_size=world,
+        timeout=collective_timeout(),
+    )
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def _kill_step(cfg: GenerateConfig, spec: ChildSpec) -> int | None:
+    """``fault.kill_at``'s step for this child: the pairs naming a rank apply, in order, to its
+    group's generations 0, 1, ..."""
+    steps = [step for rank, step in cfg.fault.kills() if rank == spec.rank]
+    return steps[spec.generation] if spec.generation < len(steps) else None
+
+
+def weights_digest(engine) -> str:
+    """SHA-256 over this rank's local shards of every parameter and buffer, in name order."""
+    h = hashlib.sha256()
+    model = engine.runner.model
+    for name, t in sorted([*model.named_parameters(), *model.named_buffers()]):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        h.update(name.encode())
+        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _stop_when_done(channel: Channel, leader: bool):
+    """A supervisor's poll: once the router has every completion, the group's leader ends the
+    input of the group's live generation (a generation started late gets it too)."""
+    posted: set[str] = set()
+
+    def poll(spec: ChildSpec) -> None:
+        if leader and spec.endpoint not in posted and channel.ready("all_done"):
+            channel.post(spec.endpoint, None)
+            posted.add(spec.endpoint)
+
+    return poll
+
+
+def _vocab_size(path: Path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).vocab_size
+
+
+def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: Channel, store, seconds, groups) -> dict:
+    """Rank 0: outputs in request order and the summary of a supervised run."""
+    from reshard.recipes.generate import _write_outputs
+
+    completions = [router.completions[rid] for rid in sorted(router.completions)]
+    endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
+    stats = EngineStats.total([channel.get(f"stats/{e}") for e in endpoints if channel.ready(f"stats/{e}")])
+    summary = _summary(cfg, path, completions, stats, seconds, groups)
+    summary["fault"] = _fault_summary(router, channel, store, endpoints, _digests(cfg, channel, store))
+    _write_outputs(run_dir, completions, summary, cfg.parallel)
+    return summary
+
+
+def _summary(cfg, path: Path, completions, stats: EngineStats, seconds: float, groups: int) -> dict:
+    prompt = sum(len(c.prompt_ids) for c in completions)
+    generated = sum(len(c.output_ids) for c in completions)
+    return {
+        "model_path": str(Path(path).resolve()),
+        "world_size": dist.get_world_size(),
+        "strategy": cfg.parallel.strategy,
+        "parallel": {name: dims.describe() for name, dims in cfg.parallel.layouts(dist.get_world_size()).items()},
+        "requests": len(completions),
+        "prompt_tokens": prompt,
+        "generated_tokens": generated,
+        "prefill_tokens_per_s": stats.prefill_tokens / max(stats.prefill_seconds, 1e-9),
+        "decode_tokens_per_s": stats.decode_tokens / max(stats.decode_seconds, 1e-9),
+        "mean_decode_batch": stats.mean_decode_batch,
+        "engine_groups": groups,
+        "phase_seconds": {
+            "load": 0.0,
+            "prefill": stats.prefill_seconds,
+            "decode": stats.decode_seconds,
+            "mixed": stats.mixed_seconds,
+            "generate_total": seconds,
+        },
+        "online": any(c.timing is not None and c.timing.arrival > 0 for c in completions),
+        "latency": latency_summary(completions, seconds),
+        "compile": cfg.compile,
+        "failures": restart_count(),  # whole-job restarts (torchrun's)
+    }
+
+
+def _digests(cfg, channel: Channel, store) -> dict[int, dict[int, str]]:
+    """Every rank's weights digest in each generation of its group that got as far as loading."""
+    world, out = dist.get_world_size(), {}
+    for rank in range(world):
+        group = engine_group_of(cfg, world, rank)[0]
+        keys = [(k, f"digest/{rank}.{k}") for k in range(int(store.get(f"gen/{group}")) + 1)]
+        out[rank] = {k: channel.get(key) for k, key in keys if channel.ready(key)}
+    return out
+
+
+def _fault_summary(router: SupervisedRouter, channel: Channel, store, endpoints: list[str], digests: dict) -> dict:
+    """What failed, what moved where, how long each group was down and how many steps the other
+    groups took meanwhile, every generation's weight digest per rank."""
+    journals = {e: [entry.time - router.start for entry in read_journal(channel, e)] for e in endpoints}
+    failed = {f"{f.group}.{f.generation}": f for f in failures(store)}
+    deaths = []
+    for m in router.migrations:
+        end = m.rejoined if m.rejoined is not None else float("inf")
+        group = m.endpoint.split(".")[0]
+        others = {e: sum(m.seen <= t <= end for t in ts) for e, ts in journals.items() if e.split(".")[0] != group}
+        f = failed.get(m.endpoint)
+        deaths.append(
+            {
+                "endpoint": m.endpoint,
+                "rank": None if f is None else f.rank,
+                "exitcode": None if f is None else f.exitcode,
+                "seen_s": m.seen,
+                "rejoined_s": m.rejoined,
+                "resumed": m.resumed,
+                "restarted": m.restarted,
+                "completed": m.completed,
+                "reprefilled_tokens": m.reprefilled_tokens,
+                "other_groups_steps_while_down": others,
+            }
+        )
+    return {
+        "migrate": router.migrate,
+        "deaths": deaths,
+        "served_by": {rid: eps for rid, eps in sorted(router.routed.items())},
+        "weights_digest": digests,  # rank -> generation -> digest
+        "journal_steps": {e: len(t) for e, t in journals.items()},
+    }
+
+
+__all__ = ["engine_group_of", "run_supervised", "serve_child", "weights_digest"]
