@@ -144,6 +144,7 @@ class FaultConfig:
     # far prefilled again) | none (wait for the group's respawn); null: failures end the attempt
     migrate: Any = None
     max_respawns: int = 3  # per rank, under fault.migrate; one more failure ends the job
+    warm_spare: bool = True  # fault.migrate: keep a spare child per rank with its imports done (a faster respawn)
 
     def __post_init__(self) -> None:
         if not self.heartbeat_s > 0:

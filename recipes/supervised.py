@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import collective_timeout
 
 CHANNEL = "supervised"
+WARM = ("reshard.recipes.supervised", "reshard.parallel.strategies.tp", "transformers")  # a spare's imports
 
 
 def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
@@ -48,7 +50,6 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         channel.put("start", time.time())
         generation = lambda g: int(store.get(f"gen/{g}"))  # noqa: E731
         router = SupervisedRouter(channel, requests, groups, t0, cfg.engine.routing, cfg.fault.migrate, generation)
-    dist.barrier()  # every supervisor set its group's generation before the router reads it
     supervisor = Supervisor(
         store,
         rank,
@@ -58,7 +59,12 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         (cfg, str(path), channel.get("start")),
         max_respawns=cfg.fault.max_respawns,
         on_poll=_stop_when_done(channel, members[0] == rank),
+        warm_spare=cfg.fault.warm_spare,
+        ready=lambda spec: channel.ready(f"ready/{spec.endpoint}"),
+        warm=(*WARM, *_model_modules(path)),
+        log=_event_log(run_dir / "supervision.jsonl"),
     )
+    dist.barrier()  # every supervisor set its group's generation before the router reads it
     with router or contextlib.nullcontext():
         supervisor.run()
     dist.barrier()  # every child is done: its statistics are in the store
@@ -155,6 +161,26 @@ def _stop_when_done(channel: Channel, leader: bool):
             posted.add(spec.endpoint)
 
     return poll
+
+
+def _event_log(path: Path):
+    """Appends each supervisor's events (a child started, ready, died) to ``path``, one JSON
+    line each (lines this short are appended whole by every rank)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(event: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    return log
+
+
+def _model_modules(path: Path) -> tuple[str, ...]:
+    """The transformers modules the checkpoint's model class lives in (a spare imports them)."""
+    from transformers import AutoConfig
+
+    kind = AutoConfig.from_pretrained(path).model_type.replace("-", "_")
+    return ("transformers.models.auto.modeling_auto", f"transformers.models.{kind}.modeling_{kind}")
 
 
 def _vocab_size(path: Path) -> int:

@@ -15,6 +15,7 @@ generation), ``failures`` (a counter) and ``failure/<k>`` (a :class:`Failure`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -86,10 +87,17 @@ class Supervisor:
         *,
         max_respawns: int = 3,
         on_poll: Callable[[ChildSpec], None] | None = None,
+        warm_spare: bool = True,
+        ready: Callable[[ChildSpec], bool] | None = None,
+        warm: tuple[str, ...] = (),
+        log: Callable[[dict], None] | None = None,
     ) -> None:
         self.store, self.rank, self.group, self.members = store, rank, group, tuple(members)
         self.target, self.args, self.max_respawns = target, args, max_respawns
         self.on_poll = on_poll or (lambda spec: None)
+        self.warm_spare, self.ready, self.warm = warm_spare, ready or (lambda spec: True), warm
+        self._spare: _Spare | None = None
+        self.log = log or (lambda event: None)
         self.failures: list[Failure] = []
         self.respawns = 0
         self._stopping = False
@@ -118,26 +126,45 @@ class Supervisor:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self._kill()
+            self._kill()  # the spare too
 
     def _run_child(self, spec: ChildSpec) -> int | None:
-        """Start ``spec``'s child and wait: its exit code, or None when the group moved on
-        without it (it was killed here)."""
-        ctx = mp.get_context("spawn")
-        self._child = ctx.Process(
-            target=_child_main, args=(self.target, spec, self.args), name=f"reshard-rank{self.rank}"
-        )
-        self._child.start()
+        """Start ``spec``'s child (in the warm spare if there is one) and wait: its exit code, or
+        None when the group moved on without it (it was killed here). Once the child is
+        ``ready``, a spare is started for the next generation (``warm_spare``)."""
+        spare, self._spare = self._spare or _Spare(f"reshard-rank{self.rank}", self.warm), None
+        self._child = spare.assign(self.target, spec, self.args)
+        self._event("started", spec, warm=spare.warmed_at is not None)  # warm: imports were done
+        ready = False
         while True:
             self._child.join(POLL_S)
             if self._stopping:
                 raise KeyboardInterrupt
             if self._child.exitcode is not None:
+                self._event("exited", spec, code=self._child.exitcode)
                 return self._child.exitcode
             if self.generation() > spec.generation:
                 self._kill()
+                self._event("replaced", spec)
                 return None
+            if not ready and self.ready(spec):
+                ready = True
+                self._event("ready", spec)
+            if self.warm_spare and self._spare is None and ready:
+                self._spare = _Spare(f"reshard-spare{self.rank}", self.warm)
             self.on_poll(spec)
+
+    def _event(self, what: str, spec: ChildSpec, **extra) -> None:
+        self.log(
+            {
+                "t": time.time(),
+                "event": what,
+                "rank": self.rank,
+                "endpoint": spec.endpoint,
+                "pid": self._child.pid,
+                **extra,
+            }
+        )
 
     def _next_generation(self, generation: int, code: int | None) -> int:
         """After a child ended without success: record its death (``code`` not None), move the
@@ -162,10 +189,50 @@ class Supervisor:
         self._kill()
 
     def _kill(self) -> None:
-        child = self._child
-        if child is not None and child.exitcode is None:
-            child.kill()
-            child.join()
+        for child in (self._child, self._spare.process if self._spare else None):
+            if child is not None and child.exitcode is None:
+                child.kill()
+                child.join()
+
+
+class _Spare:
+    """A child process started ahead of need: it imports ``warm`` (modules) and waits for its
+    work, so a respawn skips the imports (seconds of a child's start)."""
+
+    def __init__(self, name: str, warm: tuple[str, ...]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=_spare_main, args=(theirs, warm), name=name, daemon=True)
+        self.process.start()
+        self.started_at = time.time()
+        self.warmed_at: float | None = None  # set when it is handed work after its imports
+        theirs.close()
+
+    def assign(self, target: Callable, spec: ChildSpec, args: tuple) -> mp.process.BaseProcess:
+        """Run ``target(spec, *args)`` in it; returns its process."""
+        if self.conn.poll():  # its imports are done
+            self.warmed_at = float(self.conn.recv())
+        self.conn.send((target, spec, args))
+        self.conn.close()
+        return self.process
+
+
+def _spare_main(conn, warm: tuple[str, ...]) -> None:
+    """A spare's entry: die with the supervisor, import ``warm``, then run the work it is sent."""
+    import importlib
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the supervisor stops; no traceback here
+    for module in warm:
+        importlib.import_module(module)
+    with contextlib.suppress(BrokenPipeError):  # the supervisor sent the work already and hung up
+        conn.send(time.time())
+    try:
+        target, spec, args = conn.recv()
+    except EOFError:  # the supervisor ended without using it
+        return
+    conn.close()
+    _child_main(target, spec, args)
 
 
 def failures(store: dist.Store) -> list[Failure]:
@@ -175,9 +242,7 @@ def failures(store: dist.Store) -> list[Failure]:
 
 
 def _child_main(target: Callable, spec: ChildSpec, args: tuple) -> None:
-    """The child's entry: die with the supervisor (Linux), then run ``target``."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the supervisor stops; no traceback here
+    """Run ``target``; an exception is a traceback and exit status 1 (not a hang)."""
     try:
         target(spec, *args)
     except SystemExit:
