@@ -242,15 +242,18 @@ def _digests(cfg, channel: Channel, store) -> dict[int, dict[int, str]]:
 
 
 def _fault_summary(router: SupervisedRouter, channel: Channel, store, endpoints: list[str], digests: dict) -> dict:
-    """What failed, what moved where, how long each group was down and how many steps the other
-    groups took meanwhile, every generation's weight digest per rank."""
-    journals = {e: [entry.time - router.start for entry in read_journal(channel, e)] for e in endpoints}
+    """What failed and what moved where; per death, the steps each other group that was serving
+    then took while the dead group was down (they never wait for it); every generation's weight
+    digest per rank. Times in seconds on the job's clock."""
+    clock = lambda t: t - router.start  # noqa: E731
+    journals = {e: [clock(entry.time) for entry in read_journal(channel, e)] for e in endpoints}
+    ready = {e: clock(channel.get(f"ready/{e}")) for e in endpoints if channel.ready(f"ready/{e}")}
+    died = {m.endpoint: m.seen for m in router.migrations}
     failed = {f"{f.group}.{f.generation}": f for f in failures(store)}
     deaths = []
     for m in router.migrations:
-        end = m.rejoined if m.rejoined is not None else float("inf")
-        group = m.endpoint.split(".")[0]
-        others = {e: sum(m.seen <= t <= end for t in ts) for e, ts in journals.items() if e.split(".")[0] != group}
+        until = m.rejoined if m.rejoined is not None else float("inf")
+        serving = [e for e in ready if ready[e] <= m.seen < died.get(e, float("inf")) and e != m.endpoint]
         f = failed.get(m.endpoint)
         deaths.append(
             {
@@ -263,12 +266,17 @@ def _fault_summary(router: SupervisedRouter, channel: Channel, store, endpoints:
                 "restarted": m.restarted,
                 "completed": m.completed,
                 "reprefilled_tokens": m.reprefilled_tokens,
-                "other_groups_steps_while_down": others,
+                # steps of the groups serving at the death, from it until the dead group rejoined
+                # (or until they died themselves)
+                "others_kept_stepping": {
+                    e: sum(m.seen < t <= min(until, died.get(e, until)) for t in journals[e]) for e in serving
+                },
             }
         )
     return {
         "migrate": router.migrate,
         "deaths": deaths,
+        "ready_s": ready,
         "served_by": {rid: eps for rid, eps in sorted(router.routed.items())},
         "weights_digest": digests,  # rank -> generation -> digest
         "journal_steps": {e: len(t) for e, t in journals.items()},

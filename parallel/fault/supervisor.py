@@ -152,6 +152,7 @@ class Supervisor:
                 self._event("ready", spec)
             if self.warm_spare and self._spare is None and ready:
                 self._spare = _Spare(f"reshard-spare{self.rank}", self.warm)
+                self._event("spare", spec, spare=self._spare.process.pid)
             self.on_poll(spec)
 
     def _event(self, what: str, spec: ChildSpec, **extra) -> None:

@@ -1,0 +1,243 @@
+"""Failures stay in their engine group (``fault.migrate``): every rank's engine runs as a child of
+the process torchrun watches, a dead engine is respawned inside the job while the other groups
+keep serving, and its requests go on elsewhere (re-prefilled) or wait for its next generation;
+tokens equal a failure-free run's, torchrun never restarts the job."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import dist_harness
+from tests.test_recipe import _run_recipe
+
+BASE = ["progress=false", "workload.prompt_len_max=40", "engine.max_batch_size=2"]
+DP4 = [*BASE, "parallel.tp=1", "workload.num_requests=24", "generation.max_new_tokens=24"]
+TP2x2 = [*BASE, "parallel.tp=2", "workload.num_requests=8", "generation.max_new_tokens=16"]
+SAMPLED = ["generation.temperature=0.8", "generation.seed=3"]
+_REFERENCES: dict = {}
+
+
+@pytest.fixture
+def reference(tmp_path_factory):
+    """The failure-free, unsupervised run's tokens (the same recipe in the harness's process pool)."""
+
+    def get(overrides, world):
+        key = (world, tuple(overrides))
+        if key not in _REFERENCES:
+            run_dir = tmp_path_factory.mktemp("ref")
+            dist_harness.run(world, _run_recipe, [*overrides, f"model.cache_dir={run_dir / 'cache'}"], str(run_dir))
+            lines = (run_dir / "outputs.jsonl").read_text().splitlines()
+            _REFERENCES[key] = [json.loads(line)["output_ids"] for line in lines]
+        return _REFERENCES[key]
+
+    return get
+
+
+def _command(tmp_path, overrides, world):
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+        "--max-restarts", "0", "-m", "reshard.recipes.generate", f"hydra.run.dir={tmp_path / 'run'}", *overrides,
+    ]  # fmt: skip
+
+
+def _env(tmp_path):
+    return {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+
+
+def _run(tmp_path, overrides, world):
+    """A supervised job; its tokens, summary and supervisors' events. ``--max-restarts 0``: a
+    failure that reached torchrun would end the job."""
+    proc = subprocess.run(
+        _command(tmp_path, overrides, world), cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+        timeout=220,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    outputs = [json.loads(line)["output_ids"] for line in (run / "outputs.jsonl").read_text().splitlines()]
+    return outputs, json.loads((run / "summary.json").read_text()), _events(run)
+
+
+def _events(run):
+    return [json.loads(line) for line in (run / "supervision.jsonl").read_text().splitlines()]
+
+
+def _gone(events) -> bool:
+    """Whether every child and spare the supervisors started has exited."""
+    pids = {e["pid"] for e in events} | {e["spare"] for e in events if "spare" in e}
+    return not [p for p in pids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"]
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_each_rank_killed_in_turn_migrates_its_requests_while_the_others_serve(tmp_path, reference):
+    expected = reference(DP4, 4)
+    shm = _shm()
+    # four engine groups of one rank; each rank's engine is SIGKILLed at a decode step, in turn
+    kills = "fault.kill_at=[[0,3],[1,20],[2,40],[3,60]]"
+    tokens, summary, events = _run(tmp_path, [*DP4, "fault.migrate=reprefill", kills], 4)
+    assert tokens == expected
+    assert summary["failures"] == 0  # torchrun never restarted the job
+    deaths = summary["fault"]["deaths"]
+    assert [d["rank"] for d in deaths] == [0, 1, 2, 3] and all(d["exitcode"] == -signal.SIGKILL for d in deaths)
+    assert [d["endpoint"] for d in deaths] == ["0.0", "1.0", "2.0", "3.0"]
+    # every group serving when one died kept stepping while it was down: nobody waited for it
+    serving = [d["others_kept_stepping"] for d in deaths]
+    assert sum(bool(s) for s in serving) >= 2, serving
+    assert all(steps > 0 for s in serving for steps in s.values()), serving
+    # the dead groups' requests went on elsewhere, re-prefilled with their tokens so far
+    served_by = summary["fault"]["served_by"]
+    for d in deaths:
+        for rid in d["resumed"]:
+            assert d["endpoint"] in served_by[str(rid)][:-1] and served_by[str(rid)][-1] != d["endpoint"]
+    assert sum(len(d["resumed"]) for d in deaths) >= 4 and sum(d["reprefilled_tokens"] for d in deaths) > 0
+    # groups respawned in the job served again afterwards
+    assert any(eps[-1].endswith(".1") for eps in served_by.values()), served_by
+    # each respawned engine loaded the checkpoint's weights again, bit for bit
+    digests = summary["fault"]["weights_digest"]
+    assert all(len(set(digests[str(r)].values())) == 1 and len(digests[str(r)]) == 2 for r in range(4)), digests
+    assert _gone(events) and _shm() <= shm
+
+
+def test_a_tensor_parallel_group_restarts_together_and_its_requests_wait_for_it(tmp_path, reference):
+    expected = reference([*TP2x2, *SAMPLED], 4)
+    # two groups of TP2; rank 3 dies, rank 2 (its group's other shard) is replaced with it
+    tokens, summary, events = _run(tmp_path, [*TP2x2, *SAMPLED, "fault.migrate=none", "fault.kill_at=[3,5]"], 4)
+    assert tokens == expected and summary["failures"] == 0
+    (death,) = summary["fault"]["deaths"]
+    assert death["endpoint"] == "1.0" and death["rank"] == 3 and death["rejoined_s"] is not None
+    assert [e["rank"] for e in events if e["event"] == "replaced"] == [2]
+    waited = death["resumed"] + death["restarted"]
+    served_by = summary["fault"]["served_by"]
+    # migrate=none: they waited for the group's next generation, which served them
+    assert waited and all(served_by[str(rid)] == ["1.0", "1.1"] for rid in waited), served_by
+    assert all(e["endpoint"] != "0.0" for e in events if e["event"] in ("replaced", "exited") and e.get("code"))
+    digests = summary["fault"]["weights_digest"]
+    assert digests["2"]["0"] == digests["2"]["1"] and digests["3"]["0"] == digests["3"]["1"]
+    assert digests["2"]["0"] != digests["3"]["0"]  # two different shards
+    assert _gone(events)
+
+
+def test_ctrl_c_stops_every_supervisor_child_and_spare(tmp_path):
+    shm = _shm()
+    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=400", "generation.max_new_tokens=64"]
+    proc = subprocess.Popen(
+        _command(tmp_path, [*overrides, "fault.migrate=reprefill"], 2), cwd=tmp_path, env=_env(tmp_path),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    log = tmp_path / "run" / "supervision.jsonl"
+    deadline = time.monotonic() + 150
+    while not (log.exists() and sum(e["event"] == "spare" for e in _events(tmp_path / "run")) == 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: every process of the job gets it
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert _gone(_events(tmp_path / "run")) and _shm() <= shm
+    assert not (tmp_path / "run" / "outputs.jsonl").exists()
+
+
+def test_supervised_settings_are_checked():
+    from reshard.recipes.config import FaultConfig
+
+    with pytest.raises(ValueError, match=re.escape("fault.migrate must be reprefill, none or null, got 'kvv'")):
+        FaultConfig(migrate="kvv")
+    with pytest.raises(
+        ValueError, match=re.escape("fault.migrate=reprefill runs supervised engine groups; fault.replicate")
+    ):
+        FaultConfig(migrate="reprefill", replicate=True)
+    with pytest.raises(ValueError, match=re.escape("fault.max_respawns must be an int >= 0, got -1")):
+        FaultConfig(migrate="none", max_respawns=-1)
+
+
+def _refused(overrides, run_dir):
+    with pytest.raises(ValueError) as err:
+        _run_recipe(overrides, run_dir)
+    return str(err.value)
+
+
+def test_strategies_without_engine_groups_are_refused(tmp_path):
+    overrides = [*BASE, "parallel=dejavu", "fault.migrate=reprefill", f"model.cache_dir={tmp_path / 'cache'}"]
+    for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
+        assert message == (
+            "fault.migrate=reprefill supervises the tp strategy's data-parallel engine groups; "
+            "parallel.strategy is 'dejavu'"
+        )
+
+
+def test_the_router_continues_a_dead_generations_requests_from_its_journal():
+    """In one process, over an in-memory store: generation 0 of group 1 journals two steps and
+    dies; its running request resumes with its tokens, its finished one completes from the
+    journal, the one it never started starts over; migrate=none holds them for generation 1."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from reshard.parallel import Request
+    from reshard.parallel.engine.router import Channel, Load
+    from reshard.parallel.engine.sampling import SamplingParams
+    from reshard.parallel.fault.migrate import JournalEntry, SupervisedRouter
+
+    for migrate in ("reprefill", "none"):
+        store = dist.HashStore()
+        channel, generations = Channel("t", store=store), [0, 0]
+        requests = [Request(i, [5 + i] * 3, SamplingParams(max_new_tokens=3)) for i in range(3)]
+        router = SupervisedRouter(
+            channel, requests, 2, time.time(), "round_robin", migrate, lambda g, gens=generations: gens[g]
+        )
+        for r in requests:
+            router.pending.remove(r)
+            router._send("1.0", r)
+        steps = [((0, 11, None), (1, 21, None)), ((0, 12, None), (1, 22, None)), ((1, 23, "length"),)]
+        for tokens in steps:
+            channel.store.append("journal/1.0", pickle.dumps(JournalEntry(time.time(), tokens)))
+        generations[1] = 1
+        router._watch()
+        (m,) = router.migrations
+        assert (m.endpoint, m.resumed, m.completed, m.restarted) == ("1.0", [0], [1], [2])
+        assert router.completions[1].output_ids == [21, 22, 23] and router.completions[1].finish_reason == "length"
+        waiting = router.pending if migrate == "reprefill" else router.held[1]
+        resumed, restarted = waiting
+        assert resumed.prompt_ids == [5, 5, 5, 11, 12] and resumed.resumed == 2
+        assert resumed.sampling.max_new_tokens == 1 and restarted is requests[2]
+        assert "1.0" not in router.groups
+        channel.put("load/1.1", Load(2, 100, 0))  # generation 1 reports in
+        router._watch()
+        assert (
+            "1.1" in router.groups and m.rejoined is not None and (migrate == "reprefill" or router.pending == waiting)
+        )
+
+
+def test_a_resumed_request_samples_what_it_would_have():
+    """Resuming after k tokens: the generator skips k draws, the completion has the whole output."""
+    import torch
+
+    from reshard.parallel import Request
+    from reshard.parallel.engine.request import Sequence
+    from reshard.parallel.engine.sampling import SamplingParams, sample_tokens
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, seed=4)
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    whole = Sequence.of(Request(7, [1, 2, 3], params), (), 50)
+    drawn = [int(sample_tokens(logits[i : i + 1], [params], [whole.generator])) for i in range(6)]
+    resumed = Sequence.of(Request(7, [1, 2, 3], params).resume(drawn[:4]), (), 50)
+    later = [int(sample_tokens(logits[i : i + 1], [params], [resumed.generator])) for i in (4, 5)]
+    assert later == drawn[4:]
+    for t in later:
+        resumed.append(t)
+    c = resumed.completion()
+    assert c.prompt_ids == [1, 2, 3] and c.output_ids == drawn and c.finish_reason == "length"
