@@ -46,6 +46,7 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
     router = None
     t0 = time.time()
     if rank == 0:
+        (run_dir / "supervision.jsonl").unlink(missing_ok=True)  # the supervisors append their events
         requests = build_requests(cfg, path, _vocab_size(path))
         channel.put("start", time.time())
         generation = lambda g: int(store.get(f"gen/{g}"))  # noqa: E731
@@ -249,7 +250,9 @@ def _fault_summary(router: SupervisedRouter, channel: Channel, store, endpoints:
     journals = {e: [clock(entry.time) for entry in read_journal(channel, e)] for e in endpoints}
     ready = {e: clock(channel.get(f"ready/{e}")) for e in endpoints if channel.ready(f"ready/{e}")}
     died = {m.endpoint: m.seen for m in router.migrations}
-    failed = {f"{f.group}.{f.generation}": f for f in failures(store)}
+    failed: dict = {}
+    for f in failures(store):  # the first recorded death of a generation is its cause
+        failed.setdefault(f"{f.group}.{f.generation}", f)
     deaths = []
     for m in router.migrations:
         until = m.rejoined if m.rejoined is not None else float("inf")

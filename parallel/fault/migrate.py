@@ -214,7 +214,8 @@ class SupervisedRouter(Router):
         for m in self.migrations:
             if m.endpoint.split(".")[0] == str(g) and m.rejoined is None:
                 m.rejoined = time.time() - self.start
-        self.pending[:0] = self.held.pop(g, [])
+        for request in self.held.pop(g, []):  # migrate="none": they waited for this generation
+            self._send(endpoint, request)
 
 
 def _tokens_by_request(journal: list[JournalEntry]) -> dict[int, tuple[list[int], str | None, float | None]]:

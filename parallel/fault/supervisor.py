@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 POLL_S = 0.05  # how often a supervisor looks at its child and its group's generation
+PEER_GRACE_S = 1.0  # a child that raised is a peer's casualty if its group moves on within this
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Supervisor:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self._kill()  # the spare too
+            self._kill(spare=True)
 
     def _run_child(self, spec: ChildSpec) -> int | None:
         """Start ``spec``'s child (in the warm spare if there is one) and wait: its exit code, or
@@ -140,9 +141,10 @@ class Supervisor:
             self._child.join(POLL_S)
             if self._stopping:
                 raise KeyboardInterrupt
-            if self._child.exitcode is not None:
-                self._event("exited", spec, code=self._child.exitcode)
-                return self._child.exitcode
+            code = self._child.exitcode
+            if code is not None and not self._after_peer(code, spec):
+                self._event("exited", spec, code=code)
+                return code
             if self.generation() > spec.generation:
                 self._kill()
                 self._event("replaced", spec)
@@ -154,6 +156,17 @@ class Supervisor:
                 self._spare = _Spare(f"reshard-spare{self.rank}", self.warm)
                 self._event("spare", spec, spare=self._spare.process.pid)
             self.on_poll(spec)
+
+    def _after_peer(self, code: int, spec: ChildSpec) -> bool:
+        """Whether a child that raised (``code > 0``) did so because a peer of its group died:
+        the group's generation moves on within ``PEER_GRACE_S`` (a killed child, ``code < 0``, is
+        a failure of its own)."""
+        deadline = time.monotonic() + PEER_GRACE_S
+        while code > 0 and time.monotonic() < deadline:
+            if self.generation() > spec.generation:
+                return True
+            time.sleep(POLL_S)
+        return False
 
     def _event(self, what: str, spec: ChildSpec, **extra) -> None:
         self.log(
@@ -187,10 +200,11 @@ class Supervisor:
 
     def _stop(self, signum: int, frame) -> None:
         self._stopping = True
-        self._kill()
+        self._kill(spare=True)
 
-    def _kill(self) -> None:
-        for child in (self._child, self._spare.process if self._spare else None):
+    def _kill(self, *, spare: bool = False) -> None:
+        """Kill the child (and the spare, ``spare``) if alive."""
+        for child in (self._child, self._spare.process if spare and self._spare else None):
             if child is not None and child.exitcode is None:
                 child.kill()
                 child.join()
