@@ -140,8 +140,9 @@ class FaultConfig:
     inject: str = "kill"  # what kill_at does: kill (SIGKILL) | hang (stop for good, heartbeats too)
     replicate_every: int = 1  # steps whose KV entries the ring sends in one message; a failure recomputes <= this many
     # supervised ranks (each engine a child of the process torchrun watches, respawned in the job)
-    # and where a failed engine group's requests go: reprefill (any live group, prompt + tokens so
-    # far prefilled again) | none (wait for the group's respawn); null: failures end the attempt
+    # and where a failed engine group's requests go: kv (the next group, which mirrors its KV,
+    # adopts them and decodes on) | reprefill (any live group, prompt + tokens so far prefilled
+    # again) | none (wait for the group's respawn); null: failures end the attempt
     migrate: Any = None
     max_respawns: int = 3  # per rank, under fault.migrate; one more failure ends the job
     warm_spare: bool = True  # fault.migrate: keep a spare child per rank with its imports done (a faster respawn)
@@ -167,8 +168,8 @@ class FaultConfig:
     def _check_migrate(self) -> None:
         if self.migrate is None:
             return
-        if self.migrate not in ("reprefill", "none"):
-            raise ValueError(f"fault.migrate must be reprefill, none or null, got {self.migrate!r}")
+        if self.migrate not in ("kv", "reprefill", "none"):
+            raise ValueError(f"fault.migrate must be kv, reprefill, none or null, got {self.migrate!r}")
         if self.replicate:
             raise ValueError(
                 f"fault.migrate={self.migrate} runs supervised engine groups; fault.replicate=true is the "

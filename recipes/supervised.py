@@ -24,6 +24,7 @@ from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.request import EngineStats
 from reshard.parallel.engine.router import Channel
 from reshard.parallel.fault.migrate import GroupJournal, SupervisedRouter, read_journal
+from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, failures, group_store_prefix
 from reshard.parallel.model.dims import rank_grid
@@ -41,7 +42,7 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     index, members, groups = engine_group_of(cfg, world, rank)
-    store = dist.PrefixStore("reshard/isolated", job_store(restart_count()))
+    store = _supervision_store()
     channel = Channel(CHANNEL, store=store)
     router = None
     t0 = time.time()
@@ -49,8 +50,10 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         (run_dir / "supervision.jsonl").unlink(missing_ok=True)  # the supervisors append their events
         requests = build_requests(cfg, path, _vocab_size(path))
         channel.put("start", time.time())
-        generation = lambda g: int(store.get(f"gen/{g}"))  # noqa: E731
-        router = SupervisedRouter(channel, requests, groups, t0, cfg.engine.routing, cfg.fault.migrate, generation)
+        own = _supervision_store()  # the router's thread has a store client of its own
+        generation = lambda g: int(own.get(f"gen/{g}"))  # noqa: E731
+        routed = Channel(CHANNEL, store=own)
+        router = SupervisedRouter(routed, requests, groups, t0, cfg.engine.routing, cfg.fault.migrate, generation)
     supervisor = Supervisor(
         store,
         rank,
@@ -103,15 +106,39 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     engine = cfg.parallel.build(path, args)
     group = engine.engine_group
     assert group is not None and group.index == spec.group, (group, spec)
-    channel = Channel(CHANNEL, store=dist.PrefixStore("reshard/isolated", store))
+    supervision = _supervision_store()  # a client of its own: the process group waits on `store`
+    channel = Channel(CHANNEL, store=supervision)
     GroupJournal(engine, channel, spec, _kill_step(cfg, spec))
+    mirror = _mirror(cfg, engine, spec) if cfg.fault.migrate == "kv" else None
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
     channel.put(f"ready/{spec.endpoint}", time.time())
     with engine:
         engine.serve_routed(channel, spec.endpoint)
+    if mirror is not None:
+        mirror.close()
+        channel.put(f"adopted/{spec.rank}.{spec.generation}", mirror.adopted)
     if group.is_leader:
         channel.put(f"stats/{spec.endpoint}", engine.stats)
     dist.destroy_process_group()
+
+
+def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec) -> KVMirror:
+    """This rank's KV mirrors (``fault.migrate=kv``): streamed to the next group's rank of the
+    same position, the previous group's kept."""
+
+    def live(store: dist.Store, g: int) -> str | None:
+        endpoint = f"{g}.{int(store.get(f'gen/{g}'))}"
+        return endpoint if Channel(CHANNEL, store=store).ready(f"ready/{endpoint}") else None
+
+    peers = Peers(engine.engine_group.count, spec.group, spec.members.index(spec.rank), live)
+    every, group = cfg.fault.replicate_every, engine.runner.group
+    return KVMirror(engine, _supervision_store, spec.endpoint, peers, every=every, group=group)
+
+
+def _supervision_store() -> dist.Store:
+    """A new client of the job's store, under the supervised keys' prefix (a client serves one
+    thread: a wait in one blocks the others)."""
+    return dist.PrefixStore("reshard/isolated", job_store(restart_count()))
 
 
 def _init_group(spec: ChildSpec, store: dist.Store) -> None:
@@ -198,7 +225,9 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
     stats = EngineStats.total([channel.get(f"stats/{e}") for e in endpoints if channel.ready(f"stats/{e}")])
     summary = _summary(cfg, path, completions, stats, seconds, groups)
-    summary["fault"] = _fault_summary(router, channel, store, endpoints, _digests(cfg, channel, store))
+    digests, adopted = (_per_generation(cfg, channel, store, name) for name in ("digest", "adopted"))
+    adoptions = sorted({tuple(a) for per_rank in adopted.values() for done in per_rank.values() for a in done})
+    summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     _write_outputs(run_dir, completions, summary, cfg.parallel)
     return summary
 
@@ -232,17 +261,19 @@ def _summary(cfg, path: Path, completions, stats: EngineStats, seconds: float, g
     }
 
 
-def _digests(cfg, channel: Channel, store) -> dict[int, dict[int, str]]:
-    """Every rank's weights digest in each generation of its group that got as far as loading."""
+def _per_generation(cfg, channel: Channel, store, name: str) -> dict[int, dict[int, object]]:
+    """``name/<rank>.<generation>`` of every rank, for each generation of its group that wrote it."""
     world, out = dist.get_world_size(), {}
     for rank in range(world):
         group = engine_group_of(cfg, world, rank)[0]
-        keys = [(k, f"digest/{rank}.{k}") for k in range(int(store.get(f"gen/{group}")) + 1)]
+        keys = [(k, f"{name}/{rank}.{k}") for k in range(int(store.get(f"gen/{group}")) + 1)]
         out[rank] = {k: channel.get(key) for k, key in keys if channel.ready(key)}
     return out
 
 
-def _fault_summary(router: SupervisedRouter, channel: Channel, store, endpoints: list[str], digests: dict) -> dict:
+def _fault_summary(
+    router: SupervisedRouter, channel: Channel, store, endpoints: list[str], digests: dict, adoptions: list
+) -> dict:
     """What failed and what moved where; per death, the steps each other group that was serving
     then took while the dead group was down (they never wait for it); every generation's weight
     digest per rank. Times in seconds on the job's clock."""
@@ -269,6 +300,9 @@ def _fault_summary(router: SupervisedRouter, channel: Channel, store, endpoints:
                 "restarted": m.restarted,
                 "completed": m.completed,
                 "reprefilled_tokens": m.reprefilled_tokens,
+                "adopted_by": m.adopted_by,
+                # migrate=kv: (request id, tokens whose KV came from the mirror, tokens generated again)
+                "adopted": [a[1:] for a in adoptions if a[0] == m.endpoint],
                 # steps of the groups serving at the death, from it until the dead group rejoined
                 # (or until they died themselves)
                 "others_kept_stepping": {

@@ -154,7 +154,7 @@ def test_ctrl_c_stops_every_supervisor_child_and_spare(tmp_path):
 def test_supervised_settings_are_checked():
     from reshard.recipes.config import FaultConfig
 
-    with pytest.raises(ValueError, match=re.escape("fault.migrate must be reprefill, none or null, got 'kvv'")):
+    with pytest.raises(ValueError, match=re.escape("fault.migrate must be kv, reprefill, none or null, got 'kvv'")):
         FaultConfig(migrate="kvv")
     with pytest.raises(
         ValueError, match=re.escape("fault.migrate=reprefill runs supervised engine groups; fault.replicate")
@@ -202,7 +202,7 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
         for r in requests:
             router.pending.remove(r)
             router._send("1.0", r)
-        steps = [((0, 11, None), (1, 21, None)), ((0, 12, None), (1, 22, None)), ((1, 23, "length"),)]
+        steps = [((0, 0, 11, None), (1, 0, 21, None)), ((0, 1, 12, None), (1, 1, 22, None)), ((1, 2, 23, "length"),)]
         for tokens in steps:
             channel.store.append("journal/1.0", pickle.dumps(JournalEntry(time.time(), tokens)))
         generations[1] = 1

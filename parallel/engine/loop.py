@@ -160,7 +160,7 @@ class Engine:
         self.stats = self.policy.stats_cls()
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
         new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids, vocab_size=self.vocab_size)
-        self.policy.setup(PolicyContext(layouts, self.stats, new_sequence))
+        self.policy.setup(PolicyContext(layouts, self.stats, new_sequence, self.events.adopt))
         self.flow: PipelineHead | StageFollower | None = None  # in-flight pipeline: this stage's side
         if inflight:
             runner = next(iter(self.runners.values()))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from reshard.kv import KVCache
-from reshard.parallel.engine.request import EngineStats, Request, Sequence
+from reshard.parallel.engine.request import EngineStats, Migrated, Request, Sequence
 from reshard.parallel.engine.runner import Replica
 
 PHASES = ("prefill", "decode", "mixed")
@@ -126,6 +126,7 @@ class PolicyContext:
     runner_info: Mapping[str, RunnerInfo]  # layout -> what the policy knows of its runner
     stats: EngineStats  # the engine's counters (of the policy's ``stats_cls``), identical on every rank
     new_sequence: Callable[[Request], Sequence]
+    adopt: Callable[[Sequence], bool] = lambda seq: False  # a migrated sequence's KV into its slot
 
 
 class SlotPool:
@@ -217,6 +218,7 @@ class Policy:
         self.runner_info = ctx.runner_info
         self.stats = ctx.stats
         self.new_sequence = ctx.new_sequence
+        self.adopt = ctx.adopt
 
     @property
     def initial_layout(self) -> str | None:
@@ -326,6 +328,7 @@ class ContinuousBatching(Policy):
                 )
 
     def next_step(self, queue: deque) -> Step:
+        self._adopt(queue)
         if self.prefill_chunk is not None:
             return self._chunked_step(queue)
         if queue and self._fits(queue[0]) and not (self._last == "prefill" and self.running):
@@ -337,6 +340,18 @@ class ContinuousBatching(Policy):
     def layout_for(self, phase: str, seqs: list[Sequence]) -> str:
         """The runner of a step (subclasses choose per step)."""
         return self.layout
+
+    def _adopt(self, queue: deque) -> None:
+        """Migrated requests at the front of the queue into free slots, their KV adopted (they
+        decode next); one whose KV cannot be adopted goes back to be prefilled again."""
+        while queue and isinstance(queue[0], Migrated) and self._fits(queue[0]):
+            seq = self.new_sequence(queue.popleft())
+            self.slots.take(seq)
+            if self.adopt(seq):
+                self.running[seq.request.id] = seq
+            else:
+                self.slots.give(seq)
+                queue.appendleft(seq.request.fallback())
 
     def _admit(self, queue: deque, within: range | None = None) -> list[Sequence]:
         """Queued requests into free slots (of ``within`` only, if given) up to the prefill budget."""

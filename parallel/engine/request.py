@@ -40,6 +40,22 @@ class Request:
         return Request(self.id, [*prompt, *so_far], sampling, self.arrival, resumed=len(so_far))
 
 
+@dataclass
+class Migrated(Request):
+    """A request whose engine failed after it generated ``tokens``, handed to a group that holds
+    a mirror of that engine's KV (``source``: the failed engine's endpoint). The group adopts its
+    KV (the engine's ``adopt`` event) and decodes on; without the KV, it is prefilled again
+    (:meth:`Request.resume`)."""
+
+    tokens: tuple[int, ...] = ()
+    source: str = ""
+
+    def fallback(self) -> Request:
+        """The request re-prefilled with its tokens so far (no KV to adopt)."""
+        base = Request(self.id, self.prompt_ids, self.sampling, self.arrival, self.resumed)
+        return base.resume(list(self.tokens)) if self.tokens else base
+
+
 @dataclass(frozen=True)
 class Timing:
     """When a request's milestones happened, in seconds after the start of ``generate`` (wall

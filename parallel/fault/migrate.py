@@ -27,21 +27,22 @@ from collections.abc import Sequence as Seq
 
 from reshard.parallel.engine import Engine
 from reshard.parallel.engine.policy import NO_TOKEN
-from reshard.parallel.engine.request import Completion, Request
+from reshard.parallel.engine.request import Completion, Migrated, Request
 from reshard.parallel.engine.router import Channel, Router, backoff
 from reshard.parallel.fault.inject import inject_kill
 from reshard.parallel.fault.supervisor import ChildSpec
 
-MIGRATE = ("reprefill", "none")
+MIGRATE = ("kv", "reprefill", "none")
 
 
 @dataclasses.dataclass(frozen=True)
 class JournalEntry:
-    """One step of a group: when it was agreed and each emitted ``(request id, token, finish
-    reason or None)``."""
+    """One step of a group: when it was agreed and each emitted ``(request id, index in the
+    request's output, token, finish reason or None)`` (an index, not an append: a group that
+    adopted a sequence may generate again tokens its KV did not cover)."""
 
     time: float
-    tokens: tuple[tuple[int, int, str | None], ...]
+    tokens: tuple[tuple[int, int, int, str | None], ...]  # (request id, output index, token, finish reason)
 
 
 class GroupJournal:
@@ -59,7 +60,11 @@ class GroupJournal:
             engine.events.on("step_ready", inject_kill((spec.rank, kill_step)))
 
     def _record(self, index: int, step, tokens: list[int]) -> None:
-        emitted = tuple((s.request.id, t, s.finish_reason) for s, t in zip(step.seqs, tokens) if t != NO_TOKEN)
+        emitted = tuple(
+            (s.request.id, s.request.resumed + len(s.output) - 1, t, s.finish_reason)
+            for s, t in zip(step.seqs, tokens)
+            if t != NO_TOKEN
+        )
         if emitted:
             self.channel.store.append(self.key, pickle.dumps(JournalEntry(time.time(), emitted)))
 
@@ -84,8 +89,9 @@ class Migration:
     resumed: list[int] = dataclasses.field(default_factory=list)  # request ids re-admitted with tokens so far
     restarted: list[int] = dataclasses.field(default_factory=list)  # ... with none yet
     completed: list[int] = dataclasses.field(default_factory=list)  # finished there, completed from the journal
-    reprefilled_tokens: int = 0  # generated tokens prefilled again
+    reprefilled_tokens: int = 0  # generated tokens prefilled again (reprefill; kv: by the adopter, if it had to)
     rejoined: float | None = None  # when the group's next generation reported in (job clock)
+    adopted_by: str | None = None  # migrate="kv": the endpoint that adopted its requests with their KV
 
 
 class SupervisedRouter(Router):
@@ -180,19 +186,24 @@ class SupervisedRouter(Router):
         moved = []
         for rid in [r for r, e in self.where.items() if e == dead]:
             del self.where[rid]
-            request = self._continued(rid, journal.get(rid, ([], None, None)), migration)
+            request = self._continued(rid, journal.get(rid, ({}, None, None)), migration)
             if request is not None:
                 moved.append(request)
+        holder = (g + 1) % len(self.generations)
+        holder_endpoint = f"{holder}.{self.generations[holder]}"
         if self.migrate == "none":
             self.held.setdefault(g, []).extend(moved)
-        else:
+        elif self.migrate == "kv" and holder != g and holder_endpoint in self.groups:
+            self._adopt(moved, dead, holder_endpoint, migration)
+        else:  # reprefill (or no live group holds its KV)
+            migration.reprefilled_tokens += sum(r.resumed for r in moved)
             self.pending[:0] = moved  # arrived already: ahead of the rest
 
     def _continued(self, rid: int, journaled: tuple, migration: Migration) -> Request | None:
         """Request ``rid`` continued after its tokens in the dead generation's journal
         (``(tokens, finish reason, first token time)``); None when the journal finished it."""
         tokens, reason, first = journaled
-        original, so_far = self.originals[rid], [*self.so_far.get(rid, []), *tokens]
+        original, so_far = self.originals[rid], _merged(self.so_far.get(rid, []), tokens)
         if first is not None and rid not in self.first_token:
             self.first_token[rid] = first - self.start
         if reason is not None:
@@ -204,8 +215,19 @@ class SupervisedRouter(Router):
             return original
         self.so_far[rid] = so_far
         migration.resumed.append(rid)
-        migration.reprefilled_tokens += len(so_far)
         return original.resume(so_far)
+
+    def _adopt(self, moved: list[Request], dead: str, holder: str, migration: Migration) -> None:
+        """``migrate="kv"``: the dead endpoint's requests to ``holder``, which mirrors its KV (a
+        request with no token yet is routed as any other)."""
+        for request in moved:
+            if request.resumed == 0:
+                self.pending.insert(0, request)
+                continue
+            o = self.originals[request.id]
+            tokens = tuple(self.so_far[request.id])
+            self._send(holder, Migrated(o.id, o.prompt_ids, o.sampling, o.arrival, tokens=tokens, source=dead))
+            migration.adopted_by = holder
 
     def _rejoin(self, g: int, endpoint: str) -> None:
         self.groups.append(endpoint)
@@ -218,12 +240,24 @@ class SupervisedRouter(Router):
             self._send(endpoint, request)
 
 
-def _tokens_by_request(journal: list[JournalEntry]) -> dict[int, tuple[list[int], str | None, float | None]]:
-    """Each request's tokens in ``journal``, its finish reason there (None: still running) and
-    the time of its first journaled token."""
-    out: dict[int, tuple[list[int], str | None, float | None]] = {}
+def _tokens_by_request(journal: list[JournalEntry]) -> dict[int, tuple[dict[int, int], str | None, float | None]]:
+    """Each request's tokens in ``journal`` by output index, its finish reason there (None:
+    still running) and the time of its first journaled token."""
+    out: dict[int, tuple[dict[int, int], str | None, float | None]] = {}
     for entry in journal:
-        for rid, token, reason in entry.tokens:
-            tokens, _, first = out.get(rid, ([], None, entry.time))
-            out[rid] = ([*tokens, token], reason, first)
+        for rid, index, token, reason in entry.tokens:
+            tokens, _, first = out.get(rid, ({}, None, entry.time))
+            out[rid] = ({**tokens, index: token}, reason, first)
+    return out
+
+
+def _merged(before: list[int], tokens: dict[int, int]) -> list[int]:
+    """``before`` (a request's output known so far) with ``tokens`` (by output index) written in
+    and everything after the last of them dropped."""
+    if not tokens:
+        return list(before)
+    out = list(before[: max(tokens) + 1])
+    out += [0] * (max(tokens) + 1 - len(out))
+    for i, t in tokens.items():
+        out[i] = t
     return out

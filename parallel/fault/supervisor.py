@@ -257,7 +257,11 @@ def failures(store: dist.Store) -> list[Failure]:
 
 
 def _child_main(target: Callable, spec: ChildSpec, args: tuple) -> None:
-    """Run ``target``; an exception is a traceback and exit status 1 (not a hang)."""
+    """Run ``target``; an exception is a traceback and exit status 1 (not a hang). SIGUSR1 prints
+    every thread's stack (a child that seems stuck)."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         target(spec, *args)
     except SystemExit:
