@@ -109,20 +109,22 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     supervision = _supervision_store()  # a client of its own: the process group waits on `store`
     channel = Channel(CHANNEL, store=supervision)
     GroupJournal(engine, channel, spec, _kill_step(cfg, spec))
-    mirror = _mirror(cfg, engine, spec) if cfg.fault.migrate == "kv" else None
+    report = (lambda a: channel.append("adoptions", a)) if group.is_leader else None
+    mirror = _mirror(cfg, engine, spec, report) if cfg.fault.migrate == "kv" else None
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
     channel.put(f"ready/{spec.endpoint}", time.time())
+    if mirror is not None:
+        mirror.wait_connected()  # serve mirrored from the first step when the next group is up
     with engine:
         engine.serve_routed(channel, spec.endpoint)
     if mirror is not None:
         mirror.close()
-        channel.put(f"adopted/{spec.rank}.{spec.generation}", mirror.adopted)
     if group.is_leader:
         channel.put(f"stats/{spec.endpoint}", engine.stats)
     dist.destroy_process_group()
 
 
-def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec) -> KVMirror:
+def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report) -> KVMirror:
     """This rank's KV mirrors (``fault.migrate=kv``): streamed to the next group's rank of the
     same position, the previous group's kept."""
 
@@ -132,7 +134,7 @@ def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec) -> KVMirror:
 
     peers = Peers(engine.engine_group.count, spec.group, spec.members.index(spec.rank), live)
     every, group = cfg.fault.replicate_every, engine.runner.group
-    return KVMirror(engine, _supervision_store, spec.endpoint, peers, every=every, group=group)
+    return KVMirror(engine, _supervision_store, spec.endpoint, peers, every=every, group=group, report=report)
 
 
 def _supervision_store() -> dist.Store:
@@ -225,8 +227,7 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
     stats = EngineStats.total([channel.get(f"stats/{e}") for e in endpoints if channel.ready(f"stats/{e}")])
     summary = _summary(cfg, path, completions, stats, seconds, groups)
-    digests, adopted = (_per_generation(cfg, channel, store, name) for name in ("digest", "adopted"))
-    adoptions = sorted({tuple(a) for per_rank in adopted.values() for done in per_rank.values() for a in done})
+    digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     _write_outputs(run_dir, completions, summary, cfg.parallel)
     return summary
@@ -301,6 +302,7 @@ def _fault_summary(
                 "completed": m.completed,
                 "reprefilled_tokens": m.reprefilled_tokens,
                 "adopted_by": m.adopted_by,
+                "tokens_so_far": m.tokens,
                 # migrate=kv: (request id, tokens whose KV came from the mirror, tokens generated again)
                 "adopted": [a[1:] for a in adoptions if a[0] == m.endpoint],
                 # steps of the groups serving at the death, from it until the dead group rejoined

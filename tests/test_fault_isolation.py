@@ -84,51 +84,124 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def test_each_rank_killed_in_turn_migrates_its_requests_while_the_others_serve(tmp_path, reference):
+def _checkpoint_digest(path):
+    """The weights digest of the checkpoint loaded on one rank (the layout of a DP group of one)."""
+    from reshard.parallel import Engine, parallelize
+    from reshard.recipes.supervised import weights_digest
+
+    return weights_digest(Engine(parallelize(path), max_batch_size=1, max_seq_len=64))
+
+
+def _never_waited(deaths) -> int:
+    """Checks that every group serving when one died took steps while it was down (unless it
+    died itself within a second); returns how many such groups there were."""
+    died = {d["endpoint"]: d["seen_s"] for d in deaths}
+    checked = 0
+    for d in deaths:
+        for endpoint, steps in d["others_kept_stepping"].items():
+            if died.get(endpoint, float("inf")) > d["seen_s"] + 1.0:
+                assert steps > 0, (d["endpoint"], endpoint, deaths)
+                checked += 1
+    return checked
+
+
+def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, reference):
     expected = reference(DP4, 4)
     shm = _shm()
     # four engine groups of one rank; each rank's engine is SIGKILLed at a decode step, in turn
-    kills = "fault.kill_at=[[0,3],[1,20],[2,40],[3,60]]"
-    tokens, summary, events = _run(tmp_path, [*DP4, "fault.migrate=reprefill", kills], 4)
+    kills = "fault.kill_at=[[0,3],[1,25],[2,50],[3,75]]"
+    tokens, summary, events = _run(tmp_path, [*DP4, "fault.migrate=kv", kills], 4)
+    assert _gone(events) and _shm() <= shm  # every process of the job ended, nothing left in /dev/shm
     assert tokens == expected
     assert summary["failures"] == 0  # torchrun never restarted the job
-    deaths = summary["fault"]["deaths"]
-    assert [d["rank"] for d in deaths] == [0, 1, 2, 3] and all(d["exitcode"] == -signal.SIGKILL for d in deaths)
-    assert [d["endpoint"] for d in deaths] == ["0.0", "1.0", "2.0", "3.0"]
-    # every group serving when one died kept stepping while it was down: nobody waited for it
-    serving = [d["others_kept_stepping"] for d in deaths]
-    assert sum(bool(s) for s in serving) >= 2, serving
-    assert all(steps > 0 for s in serving for steps in s.values()), serving
-    # the dead groups' requests went on elsewhere, re-prefilled with their tokens so far
+    deaths = summary["fault"]["deaths"]  # in the order the router saw them
+    assert sorted(d["rank"] for d in deaths) == [0, 1, 2, 3] and all(d["exitcode"] == -signal.SIGKILL for d in deaths)
+    assert sorted(d["endpoint"] for d in deaths) == ["0.0", "1.0", "2.0", "3.0"]
+    assert _never_waited(deaths) >= 3  # nobody waited for a dead group
+    # a dead group's requests moved with their KV to the next group, which mirrored it (when
+    # that one was down too, they were prefilled again): at most replicate_every (1) token per
+    # sequence generated again
     served_by = summary["fault"]["served_by"]
-    for d in deaths:
-        for rid in d["resumed"]:
-            assert d["endpoint"] in served_by[str(rid)][:-1] and served_by[str(rid)][-1] != d["endpoint"]
-    assert sum(len(d["resumed"]) for d in deaths) >= 4 and sum(d["reprefilled_tokens"] for d in deaths) > 0
+    _moved_with_kv(deaths, served_by, every=1, groups=4)
     # groups respawned in the job served again afterwards
     assert any(eps[-1].endswith(".1") for eps in served_by.values()), served_by
-    # each respawned engine loaded the checkpoint's weights again, bit for bit
+    # each respawned engine loaded the checkpoint's weights, bit for bit
+    (digest,) = dist_harness.run(1, _checkpoint_digest, _builtin(tmp_path))
     digests = summary["fault"]["weights_digest"]
-    assert all(len(set(digests[str(r)].values())) == 1 and len(digests[str(r)]) == 2 for r in range(4)), digests
-    assert _gone(events) and _shm() <= shm
+    assert all(list(digests[str(r)]) == ["0", "1"] for r in range(4)), digests
+    assert {d for per_rank in digests.values() for d in per_rank.values()} == {digest}
 
 
-def test_a_tensor_parallel_group_restarts_together_and_its_requests_wait_for_it(tmp_path, reference):
+def _moved_with_kv(deaths, served_by, every: int, groups: int) -> None:
+    """Checks, for every death whose next group was up and lived on a second, that its requests
+    went there and were adopted with at most ``every`` tokens generated again; the others had no
+    KV in the mirror yet (their last ``every`` steps included their prompt's)."""
+    died = {d["endpoint"]: d["seen_s"] for d in deaths}
+    checked, moved = 0, set()  # moved: requests an earlier death moved (their KV may be lost twice)
+    for d in deaths:
+        first_move, moved = set(d["resumed"]) - moved, moved | set(d["resumed"])
+        if d["adopted_by"] is None or died.get(d["adopted_by"], float("inf")) < d["seen_s"] + 1.0:
+            continue
+        checked += 1
+        adopted = {rid for rid, _, _ in d["adopted"]}
+        assert adopted <= set(d["resumed"]) and d["reprefilled_tokens"] == 0, d
+        assert all(kept > 0 and again <= every for _, kept, again in d["adopted"]), d
+        assert all(d["tokens_so_far"][str(rid)] <= every for rid in first_move - adopted), d
+        assert int(d["adopted_by"].split(".")[0]) == (int(d["endpoint"].split(".")[0]) + 1) % groups
+        assert all(d["adopted_by"] in served_by[str(rid)] for rid in d["resumed"]), (d, served_by)
+    assert checked, deaths
+
+
+def _builtin(tmp_path) -> str:
+    """The built-in checkpoint the job created under its ``RESHARD_CACHE``."""
+    return str(next((tmp_path / "cache").rglob("config.json")).parent)
+
+
+@pytest.mark.parametrize("migrate", ["kv", "reprefill"])
+def test_a_tensor_parallel_group_restarts_together(tmp_path, reference, migrate):
     expected = reference([*TP2x2, *SAMPLED], 4)
-    # two groups of TP2; rank 3 dies, rank 2 (its group's other shard) is replaced with it
-    tokens, summary, events = _run(tmp_path, [*TP2x2, *SAMPLED, "fault.migrate=none", "fault.kill_at=[3,5]"], 4)
+    # two groups of TP2 (seeded sampling); rank 3 dies, rank 2 (its group's other shard) is replaced with it
+    tokens, summary, events = _run(tmp_path, [*TP2x2, *SAMPLED, f"fault.migrate={migrate}", "fault.kill_at=[3,5]"], 4)
     assert tokens == expected and summary["failures"] == 0
     (death,) = summary["fault"]["deaths"]
-    assert death["endpoint"] == "1.0" and death["rank"] == 3 and death["rejoined_s"] is not None
+    assert death["endpoint"] == "1.0" and death["rank"] == 3 and death["resumed"]
     assert [e["rank"] for e in events if e["event"] == "replaced"] == [2]
-    waited = death["resumed"] + death["restarted"]
     served_by = summary["fault"]["served_by"]
-    # migrate=none: they waited for the group's next generation, which served them
-    assert waited and all(served_by[str(rid)] == ["1.0", "1.1"] for rid in waited), served_by
-    assert all(e["endpoint"] != "0.0" for e in events if e["event"] in ("replaced", "exited") and e.get("code"))
+    assert all(served_by[str(rid)] == ["1.0", "0.0"] for rid in death["resumed"]), served_by
+    if migrate == "kv":  # group 0 mirrored both shards (rank 2 on rank 0, rank 3 on rank 1) and adopted them
+        _moved_with_kv([death], served_by, every=1, groups=2)
+        assert death["adopted"]
+    else:
+        assert death["adopted"] == [] and death["reprefilled_tokens"] > 0
     digests = summary["fault"]["weights_digest"]
     assert digests["2"]["0"] == digests["2"]["1"] and digests["3"]["0"] == digests["3"]["1"]
     assert digests["2"]["0"] != digests["3"]["0"]  # two different shards
+    assert _gone(events)
+
+
+def test_kv_sent_every_three_steps_regenerates_at_most_three_tokens(tmp_path, reference):
+    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    expected = reference(overrides, 2)
+    kv = ["fault.migrate=kv", "fault.replicate_every=3", "fault.kill_at=[0,8]"]  # the router's rank's engine
+    tokens, summary, events = _run(tmp_path, [*overrides, *kv], 2)
+    assert tokens == expected and summary["failures"] == 0
+    (death,) = summary["fault"]["deaths"]
+    assert death["endpoint"] == "0.0" and death["adopted_by"] == "1.0" and death["adopted"]
+    _moved_with_kv([death], summary["fault"]["served_by"], every=3, groups=2)
+    assert _gone(events)
+
+
+def test_with_migrate_none_the_requests_wait_for_their_group(tmp_path, reference):
+    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    expected = reference(overrides, 2)
+    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=none", "fault.kill_at=[1,5]"], 2)
+    assert tokens == expected and summary["failures"] == 0
+    (death,) = summary["fault"]["deaths"]
+    waited = death["resumed"] + death["restarted"]
+    served_by = summary["fault"]["served_by"]
+    # they waited for the group's next generation, which served them
+    assert waited and death["rejoined_s"] is not None
+    assert all(served_by[str(rid)] == ["1.0", "1.1"] for rid in waited), served_by
     assert _gone(events)
 
 

@@ -342,16 +342,20 @@ class ContinuousBatching(Policy):
         return self.layout
 
     def _adopt(self, queue: deque) -> None:
-        """Migrated requests at the front of the queue into free slots, their KV adopted (they
-        decode next); one whose KV cannot be adopted goes back to be prefilled again."""
-        while queue and isinstance(queue[0], Migrated) and self._fits(queue[0]):
-            seq = self.new_sequence(queue.popleft())
+        """Migrated requests (running ones whose engine failed) ahead of the rest into free
+        slots, their KV adopted (they decode next); one whose KV cannot be adopted goes to the
+        front of the queue to be prefilled again."""
+        for item in [r for r in queue if isinstance(r, Migrated)]:
+            if not self._fits(item):
+                return
+            queue.remove(item)
+            seq = self.new_sequence(item)
             self.slots.take(seq)
             if self.adopt(seq):
                 self.running[seq.request.id] = seq
             else:
                 self.slots.give(seq)
-                queue.appendleft(seq.request.fallback())
+                queue.appendleft(item.fallback())
 
     def _admit(self, queue: deque, within: range | None = None) -> list[Sequence]:
         """Queued requests into free slots (of ``within`` only, if given) up to the prefill budget."""

@@ -92,6 +92,7 @@ class Migration:
     reprefilled_tokens: int = 0  # generated tokens prefilled again (reprefill; kv: by the adopter, if it had to)
     rejoined: float | None = None  # when the group's next generation reported in (job clock)
     adopted_by: str | None = None  # migrate="kv": the endpoint that adopted its requests with their KV
+    tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # request id -> tokens it had generated
 
 
 class SupervisedRouter(Router):
@@ -215,6 +216,7 @@ class SupervisedRouter(Router):
             return original
         self.so_far[rid] = so_far
         migration.resumed.append(rid)
+        migration.tokens[rid] = len(so_far)
         return original.resume(so_far)
 
     def _adopt(self, moved: list[Request], dead: str, holder: str, migration: Migration) -> None:

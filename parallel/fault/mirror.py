@@ -25,6 +25,7 @@ import functools
 import pickle
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from reshard.plan import Piece
 
 LINK_TIMEOUT = datetime.timedelta(days=1)  # a quiet link is not a dead one
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
+_LINKS: list = []  # every link this process opened (see Link)
 
 
 class Link:
@@ -52,6 +54,7 @@ class Link:
     def __init__(self, store: dist.Store, name: str, side: int) -> None:
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), side, 2, LINK_TIMEOUT)
         self.peer = 1 - side
+        _LINKS.append(self)  # never destroyed: a gloo group torn down with an operation pending aborts the process
 
     def send(self, meta, data: torch.Tensor) -> None:
         blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
@@ -96,7 +99,8 @@ class KVMirror:
     ``me``: this generation's endpoint; ``connect()``: a new client of the job's store (each
     thread and each link has its own: a client blocked in a wait, as a link's lazy connection
     is, blocks every thread sharing it); ``every``: steps per message; ``group``: the engine
-    group's process group (adoption agrees on lengths over it).
+    group's process group (adoption agrees on lengths over it); ``report(adoption)``: told of
+    each adoption as it happens (:attr:`adopted`'s entries).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class KVMirror:
         *,
         every: int = 1,
         group=None,
+        report: Callable[[tuple], None] | None = None,
     ) -> None:
         runner = engine.runners[next(iter(engine.runners))]
         self.engine, self.cache, self.connect, self.me, self.peers = engine, runner.kv, connect, me, peers
@@ -122,8 +127,10 @@ class KVMirror:
         self.resync = False  # the receiver changed: stream every live sequence whole
         self.outbox: queue.Queue | None = None  # the live sender's (None: no receiver yet)
         self.stopping = threading.Event()
+        self.connected = threading.Event()  # the live sender's link is up
         # (source endpoint, request id, tokens kept, tokens generated again): what this rank adopted
         self.adopted: list[tuple[str, int, int, int]] = []
+        self.report = report or (lambda adoption: None)
         self.watcher = threading.Thread(target=self._watch, name="reshard-mirror", daemon=True)
         if peers.groups > 1:  # one group mirrors nothing
             self.watcher.start()
@@ -151,6 +158,20 @@ class KVMirror:
                 self.resync = True
                 return
             outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack("cpu")))
+            import os, sys
+            if os.environ.get("RESHARD_DEBUG"):
+                print("SEND", self.me, [(sp.key, sp.slot, sp.start, sp.stop) for sp in spans], file=sys.stderr, flush=True)
+
+    def wait_connected(self, timeout: float = 60.0) -> bool:
+        """Wait until this rank's KV has a live mirror, if the successor group is up (a group
+        should not serve unmirrored when it need not); whether it has one."""
+        store, deadline = self.connect(), time.monotonic() + timeout
+        while self.peers.groups > 1 and time.monotonic() < deadline:
+            if self.connected.wait(0.05):
+                return True
+            if self.peers.endpoint(store, self.peers.successor) is None:
+                return False
+        return self.connected.is_set()
 
     # ---- the links --------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -161,6 +182,7 @@ class KVMirror:
             now = self.peers.endpoint(store, self.peers.successor)
             if now != to:
                 to = now
+                self.connected.clear()
                 if self.outbox is not None:
                     self.outbox.put(None)  # the old sender ends (or stays blocked on a dead peer)
                 self.outbox = None if now is None else self._start_sender(now)
@@ -180,6 +202,8 @@ class KVMirror:
         """Send what is queued until the receiver dies (its next generation gets a new sender)."""
         try:
             out = link()
+            out.send([], torch.empty(0, dtype=torch.uint8))  # connects: this rank's KV is mirrored from here on
+            self.connected.set()
             while not self.stopping.is_set():
                 item = outbox.get()
                 if item is None:
@@ -209,6 +233,9 @@ class KVMirror:
         """One message from ``source`` into its mirror; each sequence's landed length moves on
         (only from where it stood: a sequence first seen mid-way waits for its whole resend)."""
         spans, data = link.recv()
+        import os, sys
+        if os.environ.get("RESHARD_DEBUG"):
+            print("RECV", self.me, source, [(sp.key, sp.slot, sp.start, sp.stop) for sp in spans], file=sys.stderr, flush=True)
         with self.lock:
             if source not in self.mirrors:
                 return
@@ -242,6 +269,7 @@ class KVMirror:
         if seq.generator is not None:
             skip_draws([request.sampling] * len(seq.output), [seq.generator] * len(seq.output), self.vocab)
         self.adopted.append((request.source, request.id, len(seq.output), len(tokens) - len(seq.output)))
+        self.report(self.adopted[-1])
         return True
 
     def _agreed(self, landed: int) -> int:

@@ -264,6 +264,9 @@ def _child_main(target: Callable, spec: ChildSpec, args: tuple) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         target(spec, *args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no teardown: threads blocked on links to dead peers stay where they are
     except SystemExit:
         raise
     except BaseException:
