@@ -128,6 +128,8 @@ class KVMirror:
         self.outbox: queue.Queue | None = None  # the live sender's (None: no receiver yet)
         self.stopping = threading.Event()
         self.connected = threading.Event()  # the live sender's link is up
+        self.last = threading.Event()  # set when the last message queued has been sent
+        self.last.set()
         # (source endpoint, request id, tokens kept, tokens generated again): what this rank adopted
         self.adopted: list[tuple[str, int, int, int]] = []
         self.report = report or (lambda adoption: None)
@@ -157,10 +159,16 @@ class KVMirror:
             if outbox is None:  # nobody mirrors this rank now: the next receiver gets everything
                 self.resync = True
                 return
-            outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack("cpu")))
-            import os, sys
-            if os.environ.get("RESHARD_DEBUG"):
-                print("SEND", self.me, [(sp.key, sp.slot, sp.start, sp.stop) for sp in spans], file=sys.stderr, flush=True)
+            self._wait_sent(outbox)
+            self.last = threading.Event()
+            outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack("cpu"), self.last))
+
+    def _wait_sent(self, outbox: queue.Queue) -> None:
+        """Wait until the previous message has left (at most one message in flight: a failure
+        loses at most ``every`` steps), unless its sender was replaced meanwhile."""
+        while not self.last.wait(0.05):
+            if self.outbox is not outbox or self.stopping.is_set():
+                return
 
     def wait_connected(self, timeout: float = 60.0) -> bool:
         """Wait until this rank's KV has a live mirror, if the successor group is up (a group
@@ -208,9 +216,16 @@ class KVMirror:
                 item = outbox.get()
                 if item is None:
                     return
-                out.send(*item)
+                spans, data, sent = item
+                out.send(spans, data)
+                sent.set()
         except RuntimeError:
             self.resync = True
+        finally:  # whatever is left is lost: nobody waits for it
+            while not outbox.empty():
+                item = outbox.get()
+                if item is not None:
+                    item[2].set()
 
     def _start_receiver(self, source: str) -> None:
         with self.lock:
@@ -233,9 +248,6 @@ class KVMirror:
         """One message from ``source`` into its mirror; each sequence's landed length moves on
         (only from where it stood: a sequence first seen mid-way waits for its whole resend)."""
         spans, data = link.recv()
-        import os, sys
-        if os.environ.get("RESHARD_DEBUG"):
-            print("RECV", self.me, source, [(sp.key, sp.slot, sp.start, sp.stop) for sp in spans], file=sys.stderr, flush=True)
         with self.lock:
             if source not in self.mirrors:
                 return
