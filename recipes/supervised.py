@@ -67,6 +67,7 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         ready=lambda spec: channel.ready(f"ready/{spec.endpoint}"),
         warm=(*WARM, *_model_modules(path)),
         log=_event_log(run_dir / "supervision.jsonl"),
+        done=lambda: channel.ready("all_done"),
     )
     dist.barrier()  # every supervisor set its group's generation before the router reads it
     with router or contextlib.nullcontext():
@@ -117,6 +118,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
         mirror.wait_connected()  # serve mirrored from the first step when the next group is up
     with engine:
         engine.serve_routed(channel, spec.endpoint)
+    channel.put(f"left/{spec.endpoint}", time.time())  # no mirror waits for it any more
     if mirror is not None:
         mirror.close()
     if group.is_leader:
@@ -129,8 +131,9 @@ def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report) -> KVMirror:
     same position, the previous group's kept."""
 
     def live(store: dist.Store, g: int) -> str | None:
-        endpoint = f"{g}.{int(store.get(f'gen/{g}'))}"
-        return endpoint if Channel(CHANNEL, store=store).ready(f"ready/{endpoint}") else None
+        """Group ``g``'s generation that is serving (ready, not yet left), if any."""
+        endpoint, channel = f"{g}.{int(store.get(f'gen/{g}'))}", Channel(CHANNEL, store=store)
+        return endpoint if channel.ready(f"ready/{endpoint}") and not channel.ready(f"left/{endpoint}") else None
 
     peers = Peers(engine.engine_group.count, spec.group, spec.members.index(spec.rank), live)
     every, group = cfg.fault.replicate_every, engine.runner.group

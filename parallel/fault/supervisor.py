@@ -70,7 +70,8 @@ class Supervisor:
     (``members``: its ranks) and replaces it when it dies, up to ``max_respawns`` times.
 
     ``store``: the job's store (the supervisors' and children's control plane); ``on_poll(spec)``
-    runs at every look at the live child ``spec`` (e.g. to end its input). :meth:`run`
+    runs at every look at the live child ``spec`` (e.g. to end its input); once ``done()``, a
+    child that is not ``ready`` yet is not needed and is stopped. :meth:`run`
     returns once the child exits with status 0; a child that dies moves the group's generation
     on (the first member to see it); a member whose group moved on kills its own child and starts
     one in the new generation. SIGINT/SIGTERM stop the child and end the supervisor (nothing is
@@ -92,6 +93,7 @@ class Supervisor:
         ready: Callable[[ChildSpec], bool] | None = None,
         warm: tuple[str, ...] = (),
         log: Callable[[dict], None] | None = None,
+        done: Callable[[], bool] | None = None,
     ) -> None:
         self.store, self.rank, self.group, self.members = store, rank, group, tuple(members)
         self.target, self.args, self.max_respawns = target, args, max_respawns
@@ -99,6 +101,7 @@ class Supervisor:
         self.warm_spare, self.ready, self.warm = warm_spare, ready or (lambda spec: True), warm
         self._spare: _Spare | None = None
         self.log = log or (lambda event: None)
+        self.done = done or (lambda: False)
         self.failures: list[Failure] = []
         self.respawns = 0
         self._stopping = False
@@ -152,6 +155,10 @@ class Supervisor:
             if not ready and self.ready(spec):
                 ready = True
                 self._event("ready", spec)
+            if not ready and self.done():  # the job finished while this child was starting
+                self._kill()
+                self._event("not needed", spec)
+                return 0
             if self.warm_spare and self._spare is None and ready:
                 self._spare = _Spare(f"reshard-spare{self.rank}", self.warm)
                 self._event("spare", spec, spare=self._spare.process.pid)
