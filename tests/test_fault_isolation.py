@@ -157,22 +157,19 @@ def _builtin(tmp_path) -> str:
     return str(next((tmp_path / "cache").rglob("config.json")).parent)
 
 
-@pytest.mark.parametrize("migrate", ["kv", "reprefill"])
-def test_a_tensor_parallel_group_restarts_together(tmp_path, reference, migrate):
+def test_a_tensor_parallel_group_restarts_together_its_requests_adopted_shard_by_shard(tmp_path, reference):
     expected = reference([*TP2x2, *SAMPLED], 4)
     # two groups of TP2 (seeded sampling); rank 3 dies, rank 2 (its group's other shard) is replaced with it
-    tokens, summary, events = _run(tmp_path, [*TP2x2, *SAMPLED, f"fault.migrate={migrate}", "fault.kill_at=[3,5]"], 4)
+    tokens, summary, events = _run(tmp_path, [*TP2x2, *SAMPLED, "fault.migrate=kv", "fault.kill_at=[3,5]"], 4)
     assert tokens == expected and summary["failures"] == 0
     (death,) = summary["fault"]["deaths"]
     assert death["endpoint"] == "1.0" and death["rank"] == 3 and death["resumed"]
     assert [e["rank"] for e in events if e["event"] == "replaced"] == [2]
     served_by = summary["fault"]["served_by"]
     assert all(served_by[str(rid)] == ["1.0", "0.0"] for rid in death["resumed"]), served_by
-    if migrate == "kv":  # group 0 mirrored both shards (rank 2 on rank 0, rank 3 on rank 1) and adopted them
-        _moved_with_kv([death], served_by, every=1, groups=2)
-        assert death["adopted"]
-    else:
-        assert death["adopted"] == [] and death["reprefilled_tokens"] > 0
+    # group 0 mirrored both shards (rank 2's on rank 0, rank 3's on rank 1) and adopted them
+    _moved_with_kv([death], served_by, every=1, groups=2)
+    assert death["adopted"]
     digests = summary["fault"]["weights_digest"]  # generation 1 loaded unless the job ended first
     assert all(len(set(digests[r].values())) == 1 for r in "0123") and digests["2"]["0"] != digests["3"]["0"]
     assert _gone(events)
@@ -187,6 +184,20 @@ def test_kv_sent_every_three_steps_regenerates_at_most_three_tokens(tmp_path, re
     (death,) = summary["fault"]["deaths"]
     assert death["endpoint"] == "0.0" and death["adopted_by"] == "1.0" and death["adopted"]
     _moved_with_kv([death], summary["fault"]["served_by"], every=3, groups=2)
+    assert _gone(events)
+
+
+def test_without_kv_the_requests_are_prefilled_again_elsewhere(tmp_path, reference):
+    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    expected = reference(overrides, 2)
+    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=reprefill", "fault.kill_at=[1,6]"], 2)
+    assert tokens == expected and summary["failures"] == 0
+    (death,) = summary["fault"]["deaths"]
+    assert death["resumed"] and death["adopted"] == [] and death["adopted_by"] is None
+    # prompt + every token so far prefilled again on the live group
+    assert death["reprefilled_tokens"] == sum(death["tokens_so_far"].values()) > 0
+    served_by = summary["fault"]["served_by"]
+    assert all(served_by[str(rid)] == ["1.0", "0.0"] for rid in death["resumed"]), served_by
     assert _gone(events)
 
 
