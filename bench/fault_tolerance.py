@@ -3,6 +3,13 @@ ring successor's mirror, replay the journal) vs without (restart every request f
 no failure; and replication's cost on a failure-free decode step.
 
     python bench/fault_tolerance.py [--world 2] [--requests 32] [--new-tokens 64] [--batch 8] [--repeats 2]
+    python bench/fault_tolerance.py --groups [--world 4] [--prompt-len 64] ...
+
+``--groups``: data-parallel engine groups of one rank each under supervision (``fault.migrate``):
+the killed engine is respawned in the job while the others serve, and its requests continue with
+their KV on the group that mirrors it (``kv``), prefilled again on any group (``reprefill``) or
+on its own respawned group (``none``); against the same job without failure (with and without
+supervision) and against torchrun's whole-job restart (every request from scratch).
 
 Every variant is a real ``torchrun --max-restarts 1 -m reshard.recipes.generate`` job on the built-in
 model (greedy); end-to-end seconds are the whole job's wall time (process start, load, both
@@ -42,7 +49,8 @@ def run(world: int, args, overrides: list[str], restarts: int, work: Path, name:
         f"hydra.run.dir={work / name}",
         "progress=false",
         f"workload.num_requests={args.requests}",
-        "workload.prompt_len_max=64",
+        f"workload.prompt_len_min={args.prompt_len // 2}",
+        f"workload.prompt_len_max={args.prompt_len}",
         f"engine.max_batch_size={args.batch}",
         *args.override,
         f"generation.max_new_tokens={args.new_tokens}",
@@ -71,7 +79,21 @@ def main() -> None:
         default=[],
         help="a Hydra override for every variant (e.g. parallel=seesaw); repeatable",
     )
+    p.add_argument("--groups", action="store_true", help="supervised engine groups (see the module docstring)")
+    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (the shortest is half)")
     args = p.parse_args()
+    variants, kill = group_variants(args) if args.groups else lockstep_variants(args)
+    rows: dict[str, list] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for rep in range(args.repeats):  # round-robin: drift on a shared machine hits every variant
+            for v, (overrides, restarts) in variants.items():
+                rows[v].append(run(args.world, args, overrides, restarts, work, f"{rep}-{len(rows[v])}-{abs(hash(v))}"))
+    (group_report if args.groups else report)(args, rows, kill)
+
+
+def lockstep_variants(args) -> tuple[dict, str]:
+    """One lockstep layout: the ring's recovery after a whole-job restart vs from scratch."""
     steps = -(-args.requests // args.batch) * args.new_tokens
     kill = f"fault.kill_at=[{args.world - 1},{steps // 2}]"
     variants = {
@@ -80,13 +102,69 @@ def main() -> None:
         "1 failure, replication (recover)": (["fault.replicate=true", kill], 1),
         "1 failure, no replication (from scratch)": ([kill], 1),
     }
-    rows: dict[str, list] = {v: [] for v in variants}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for rep in range(args.repeats):  # round-robin: drift on a shared machine hits every variant
-            for v, (overrides, restarts) in variants.items():
-                rows[v].append(run(args.world, args, overrides, restarts, work, f"{rep}-{len(rows[v])}-{abs(hash(v))}"))
-    report(args, rows, kill)
+    return variants, kill
+
+
+def group_variants(args) -> tuple[dict, str]:
+    """DP engine groups of one rank: the last rank killed at its middle step."""
+    steps = -(-args.requests // (args.batch * args.world)) * args.new_tokens
+    kill, dp = f"fault.kill_at=[{args.world - 1},{steps // 2}]", ["parallel.tp=1"]
+    variants = {
+        "no failure": (dp, 0),
+        "no failure, supervised, KV mirrored": ([*dp, "fault.migrate=kv"], 0),
+        "1 failure, migrate=kv": ([*dp, "fault.migrate=kv", kill], 0),
+        "1 failure, migrate=reprefill": ([*dp, "fault.migrate=reprefill", kill], 0),
+        "1 failure, migrate=none": ([*dp, "fault.migrate=none", kill], 0),
+        "1 failure, whole-job restart (from scratch)": ([*dp, kill], 1),
+    }
+    return variants, kill
+
+
+def group_report(args, rows: dict, kill: str) -> None:
+    base_wall = statistics.median(w for w, _, _ in rows["no failure"])
+    mirrored = statistics.median(w for w, _, _ in rows["no failure, supervised, KV mirrored"])
+    base_step = statistics.median(_step(s) for _, s, _ in rows["no failure"])
+    reference = rows["no failure"][0][2]
+    print(
+        f"\nbuilt-in tiny Llama, {args.world} engine groups of 1 rank (DP), {args.requests} requests x "
+        f"{args.new_tokens} new tokens, prompts {args.prompt_len // 2}-{args.prompt_len}, batch {args.batch}, greedy; "
+        f"{kill}; median of {args.repeats}, variants round-robin\n"
+    )
+    print(
+        "| variant | end-to-end s | vs no failure | vs supervised no failure | decode ms/step | kill -> first "
+        "migrated token s | kill -> respawn serving s | adopted (regenerated tokens) | re-prefilled tokens | "
+        "same tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for v, results in rows.items():
+        wall = statistics.median(w for w, _, _ in results)
+        step = statistics.median(_step(s) for _, s, _ in results)
+        death = _death(results[-1][1])
+        same = all(out == reference for _, _, out in results)
+        print(
+            f"| {v} | {wall:.2f} | {wall / base_wall:.2f} | {wall / mirrored:.2f} | {step * 1e3:.2f} "
+            f"({step / base_step:.2f}x) | {_after(death, 'first_migrated_token_s')} | {_after(death, 'rejoined_s')} | "
+            f"{_adopted(death)} | {death.get('reprefilled_tokens', '-')} | {'yes' if same else 'NO'} |"
+        )
+    print(f"\ncommand: {rerun_command('fault_tolerance.py', one_thread=False)}")
+
+
+def _death(summary: dict) -> dict:
+    deaths = summary.get("fault", {}).get("deaths", [])
+    return deaths[0] if deaths else {}
+
+
+def _after(death: dict, key: str) -> str:
+    """Seconds from the kill (its supervisor saw the child end) to ``key``'s time."""
+    if death.get(key) is None or death.get("died_s") is None:
+        return "-"
+    return f"{death[key] - death['died_s']:.2f}"
+
+
+def _adopted(death: dict) -> str:
+    if "adopted" not in death:
+        return "-"
+    return f"{len(death['adopted'])} of {len(death['resumed'])} ({sum(a[2] for a in death['adopted'])})"
 
 
 def report(args, rows: dict, kill: str) -> None:

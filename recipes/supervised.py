@@ -275,6 +275,13 @@ def _per_generation(cfg, channel: Channel, store, name: str) -> dict[int, dict[i
     return out
 
 
+def _first_token(entries: dict, requests: set[int], after: float, clock) -> float | None:
+    """When the first of ``requests`` produced a token anywhere after ``after`` (job clock)."""
+    times = [clock(e.time) for js in entries.values() for e in js if any(t[0] in requests for t in e.tokens)]
+    later = [t for t in times if t > after]
+    return min(later) if later else None
+
+
 def _fault_summary(
     router: SupervisedRouter, channel: Channel, store, endpoints: list[str], digests: dict, adoptions: list
 ) -> dict:
@@ -282,7 +289,8 @@ def _fault_summary(
     then took while the dead group was down (they never wait for it); every generation's weight
     digest per rank. Times in seconds on the job's clock."""
     clock = lambda t: t - router.start  # noqa: E731
-    journals = {e: [clock(entry.time) for entry in read_journal(channel, e)] for e in endpoints}
+    entries = {e: read_journal(channel, e) for e in endpoints}
+    journals = {e: [clock(entry.time) for entry in js] for e, js in entries.items()}
     ready = {e: clock(channel.get(f"ready/{e}")) for e in endpoints if channel.ready(f"ready/{e}")}
     died = {m.endpoint: m.seen for m in router.migrations}
     failed: dict = {}
@@ -298,8 +306,10 @@ def _fault_summary(
                 "endpoint": m.endpoint,
                 "rank": None if f is None else f.rank,
                 "exitcode": None if f is None else f.exitcode,
-                "seen_s": m.seen,
+                "died_s": None if f is None else clock(f.seen_at),  # its supervisor saw the child end
+                "seen_s": m.seen,  # the router saw its group's generation move on
                 "rejoined_s": m.rejoined,
+                "first_migrated_token_s": _first_token(entries, set(m.resumed), m.seen, clock),
                 "resumed": m.resumed,
                 "restarted": m.restarted,
                 "completed": m.completed,

@@ -133,14 +133,14 @@ def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, refe
 
 
 def _moved_with_kv(deaths, served_by, every: int, groups: int) -> None:
-    """Checks, for every death whose next group was up and lived on a second, that its requests
+    """Checks, for every death whose next group was up and lived on half a second, that its requests
     went there and were adopted with at most ``every`` tokens generated again; the others had no
     KV in the mirror yet (their last ``every`` steps included their prompt's)."""
     died = {d["endpoint"]: d["seen_s"] for d in deaths}
     checked, moved = 0, set()  # moved: requests an earlier death moved (their KV may be lost twice)
     for d in deaths:
         first_move, moved = set(d["resumed"]) - moved, moved | set(d["resumed"])
-        if d["adopted_by"] is None or died.get(d["adopted_by"], float("inf")) < d["seen_s"] + 1.0:
+        if d["adopted_by"] is None or died.get(d["adopted_by"], float("inf")) < d["seen_s"] + 0.5:
             continue
         checked += 1
         adopted = {rid for rid, _, _ in d["adopted"]}
@@ -247,6 +247,12 @@ def test_supervised_settings_are_checked():
         FaultConfig(migrate="reprefill", replicate=True)
     with pytest.raises(ValueError, match=re.escape("fault.max_respawns must be an int >= 0, got -1")):
         FaultConfig(migrate="none", max_respawns=-1)
+    from reshard.recipes.config import EngineConfig, GenerateConfig
+
+    with pytest.raises(
+        ValueError, match=re.escape("fault.migrate=kv mirrors contiguous KV caches; engine.kv_block_size=16")
+    ):
+        GenerateConfig(fault=FaultConfig(migrate="kv"), engine=EngineConfig(kv_block_size=16, kv_tokens=1024))
 
 
 def _refused(overrides, run_dir):

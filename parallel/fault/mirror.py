@@ -161,7 +161,7 @@ class KVMirror:
                 return
             self._wait_sent(outbox)
             self.last = threading.Event()
-            outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack("cpu"), self.last))
+            outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack(self.cache.device), self.last))
 
     def _wait_sent(self, outbox: queue.Queue) -> None:
         """Wait until the previous message has left (at most one message in flight: a failure
@@ -210,7 +210,9 @@ class KVMirror:
         """Send what is queued until the receiver dies (its next generation gets a new sender)."""
         try:
             out = link()
-            out.send([], torch.empty(0, dtype=torch.uint8))  # connects: this rank's KV is mirrored from here on
+            out.send(
+                [], torch.empty(0, dtype=torch.uint8, device=self.cache.device)
+            )  # connects: this rank's KV is mirrored from here on
             self.connected.set()
             while not self.stopping.is_set():
                 item = outbox.get()

@@ -102,6 +102,7 @@ class Supervisor:
         self._spare: _Spare | None = None
         self.log = log or (lambda event: None)
         self.done = done or (lambda: False)
+        self.served = False  # some child of this rank became ready
         self.failures: list[Failure] = []
         self.respawns = 0
         self._stopping = False
@@ -126,6 +127,11 @@ class Supervisor:
                 code = self._run_child(ChildSpec(self.rank, self.group, self.members, generation))
                 if code == 0:
                     return
+                if not self.served and code is not None:  # a start-up error, not a failure to recover from
+                    raise RuntimeError(
+                        f"rank {self.rank}: its engine failed before it could serve (exit code {code}; its "
+                        "error is printed above); nothing is respawned"
+                    )
                 generation = self._next_generation(generation, code)
         finally:
             for s, handler in previous.items():
@@ -153,7 +159,7 @@ class Supervisor:
                 self._event("replaced", spec)
                 return None
             if not ready and self.ready(spec):
-                ready = True
+                ready = self.served = True
                 self._event("ready", spec)
             if not ready and self.done():  # the job finished while this child was starting
                 self._kill()
