@@ -88,10 +88,9 @@ def _on(world, **degrees) -> dict:
             (2, 1, 5, [], {"main": _on(2, tp=2)}),
             (2, 0, 7, SAMPLED, {"main": _on(2, tp=2)}),
             (2, 1, 3, SAMPLED, {"main": _on(2, tp=2)}),
+            # 4 ranks: the first and a middle rank (the last rank's ring edge wraps, as rank 1's does on 2 ranks)
             (4, 0, 5, [], {"main": _on(4, tp=4)}),
             (4, 1, 7, SAMPLED, {"main": _on(4, tp=4)}),
-            (4, 2, 6, [], {"main": _on(4, tp=4)}),
-            (4, 3, 4, [], {"main": _on(4, tp=4)}),
             # pipeline stages: each stage's KV mirrored on the other
             (2, 0, 6, ["parallel.pp=2"], {"main": _on(2, pp=2)}),
             # Shift: SP prefill, TP decode, one cache
