@@ -151,6 +151,8 @@ class Supervisor:
             if self._stopping:
                 raise KeyboardInterrupt
             code = self._child.exitcode
+            if code is not None and self.ready(spec):  # it served, if only for a moment
+                self.served = True
             if code is not None and not self._after_peer(code, spec):
                 self._event("exited", spec, code=code)
                 return code
