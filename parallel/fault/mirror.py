@@ -162,10 +162,14 @@ class KVMirror:
             self._wait_sent(outbox)
             self.last = threading.Event()
             outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack(self.cache.device), self.last))
+            if self.every > 1:  # k steps per message: this one leaves before the next k gather (<= k lost)
+                self._wait_sent(outbox)
 
     def _wait_sent(self, outbox: queue.Queue) -> None:
-        """Wait until the previous message has left (at most one message in flight: a failure
-        loses at most ``every`` steps), unless its sender was replaced meanwhile."""
+        """Wait until the last message queued has left, unless its sender was replaced meanwhile.
+        With one step per message the previous one is waited for (one in flight: a failure
+        loses at most that step); with ``every`` > 1, each message before the next steps gather
+        (a failure loses at most the ``every - 1`` steps gathered and the one computing)."""
         while not self.last.wait(0.05):
             if self.outbox is not outbox or self.stopping.is_set():
                 return
