@@ -218,11 +218,6 @@ class GenerateConfig:
             self.parallel = make_strategy({})
         if not isinstance(self.parallel, Strategy):
             raise TypeError(f"parallel must be a registered strategy's config, got {type(self.parallel).__name__}")
-        if self.fault.migrate == "kv" and self.engine.kv_block_size is not None:
-            raise ValueError(
-                f"fault.migrate=kv mirrors contiguous KV caches; engine.kv_block_size={self.engine.kv_block_size} "
-                "makes it paged (use fault.migrate=reprefill, or drop engine.kv_block_size)"
-            )
         if self.engine.prefill_chunk is not None:  # before anything loads, on every rank alike
             self._check_prefill_chunk(self.engine.prefill_chunk)
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens

@@ -176,11 +176,12 @@ def test_a_tensor_parallel_group_restarts_together_its_requests_adopted_shard_by
     assert _gone(events)
 
 
-def test_kv_sent_every_three_steps_regenerates_at_most_three_tokens(tmp_path, reference):
+def test_kv_sent_every_three_steps_into_a_paged_cache_regenerates_at_most_three_tokens(tmp_path, reference):
     overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
-    expected = reference(overrides, 2)
+    expected = reference(overrides, 2)  # contiguous KV, unsupervised
     kv = ["fault.migrate=kv", "fault.replicate_every=3", "fault.kill_at=[0,8]"]  # the router's rank's engine
-    tokens, summary, events = _run(tmp_path, [*overrides, *kv], 2)
+    paged = ["engine.kv_block_size=4", "engine.kv_tokens=160"]  # blocks scattered over the pool by then
+    tokens, summary, events = _run(tmp_path, [*overrides, *kv, *paged], 2)
     assert tokens == expected and summary["failures"] == 0
     (death,) = summary["fault"]["deaths"]
     assert death["endpoint"] == "0.0" and death["adopted_by"] == "1.0" and death["adopted"]
@@ -248,12 +249,6 @@ def test_supervised_settings_are_checked():
         FaultConfig(migrate="reprefill", replicate=True)
     with pytest.raises(ValueError, match=re.escape("fault.max_respawns must be an int >= 0, got -1")):
         FaultConfig(migrate="none", max_respawns=-1)
-    from reshard.recipes.config import EngineConfig, GenerateConfig
-
-    with pytest.raises(
-        ValueError, match=re.escape("fault.migrate=kv mirrors contiguous KV caches; engine.kv_block_size=16")
-    ):
-        GenerateConfig(fault=FaultConfig(migrate="kv"), engine=EngineConfig(kv_block_size=16, kv_tokens=1024))
 
 
 def _refused(overrides, run_dir):

@@ -20,6 +20,7 @@ the receiver's next generation and streams every live sequence whole again.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import pickle
@@ -142,12 +143,15 @@ class KVMirror:
     # ---- sending ----------------------------------------------------------------------------------
     def _step_end(self, step, seqs: list) -> None:
         """Gather ``seqs``' new entries; every ``every``-th step, hand them to the sending thread."""
-        whole, self.resync = self.resync, False
         live = {s.request.id for s in seqs} if step.phase != "prefill" else None
+        whole = self.resync and live is not None  # a step of every live sequence resends them all
+        self.resync = self.resync and not whole
         for s in seqs:
             start = 0 if whole else self.sent.get(s.request.id, 0)
             stop = s.cached + (1 if step.phase == "decode" else s.prompt_len - s.cached)
             if stop > start:
+                if start == 0:  # a new occupant of the slot (or of its blocks): the last one's are stale
+                    self.pending = [sp for sp in self.pending if sp.slot != s.slot]
                 self.pending.append(Span(s.request.id, s.slot, start, stop))
                 self.sent[s.request.id] = stop
         if live is not None:  # a decode step runs every live sequence: forget the finished ones
@@ -234,8 +238,9 @@ class KVMirror:
                     item[2].set()
 
     def _start_receiver(self, source: str) -> None:
+        spec = dataclasses.replace(self.cache.spec, block_size=None, num_blocks=None)  # a slot per sequence
         with self.lock:
-            self.mirrors[source] = (KVCache(self.cache.spec, device=self.cache.device), {})
+            self.mirrors[source] = (KVCache(spec, device=self.cache.device), {})
             for old in list(self.mirrors)[:-2]:  # the last failed source's stays until adopted
                 del self.mirrors[old]
         link = functools.partial(Link, self.connect(), f"mirror/{source}->{self.me}/{self.peers.position}", 1)
@@ -281,14 +286,21 @@ class KVMirror:
             cached = min(length, n + len(tokens) - 1)
             if cache is None or cached < n:
                 return False
-            for dst, src in zip(self.cache.k + self.cache.v, cache.k + cache.v):
-                dst[seq.slot, :, :cached] = src[slot, :, :cached]
+            self._copy(cache, Span(request.id, slot, 0, cached), Span(request.id, seq.slot, 0, cached), seq)
         seq.output, seq.cached = tokens[: cached - n + 1], cached
         if seq.generator is not None:
             skip_draws([request.sampling] * len(seq.output), [seq.generator] * len(seq.output), self.vocab)
         self.adopted.append((request.source, request.id, len(seq.output), len(tokens) - len(seq.output)))
         self.report(self.adopted[-1])
         return True
+
+    def _copy(self, mirror: KVCache, src: Span, dst: Span, seq) -> None:
+        """``src``'s entries of ``mirror`` (contiguous) into ``dst`` of this rank's cache (paged:
+        into the blocks the policy gave ``seq``): one indexed copy per layer and K/V each way."""
+        if self.cache.spec.paged:
+            self.cache.assign(seq.slot, seq.blocks)
+        buf = Packing.of(mirror, [self.piece], [src]).pack(self.cache.device)
+        Packing.of(self.cache, [self.piece], [dst]).unpack(buf)
 
     def _agreed(self, landed: int) -> int:
         """The shortest landed length over the group's ranks (each holds its own shard)."""
