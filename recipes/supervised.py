@@ -88,8 +88,11 @@ def engine_group_of(cfg: GenerateConfig, world: int, rank: int) -> tuple[int, tu
             f"parallel.strategy is {strategy.name!r}"
         )
     dims = strategy.dims(world)
-    if dims.pp > 1:
-        raise ValueError(f"fault.migrate={cfg.fault.migrate} runs groups without pipeline stages, got pp={dims.pp}")
+    if dims.pp > 1 and cfg.fault.migrate == "kv":
+        raise ValueError(
+            f"fault.migrate=kv adopts KV on every rank of a group in its step, which a pipeline's later stages "
+            f"do not take; parallel.pp={dims.pp} (use fault.migrate=reprefill or none)"
+        )
     grid = rank_grid(dims)
     for index in range(dims.dp):
         members = tuple(grid[index].flatten().tolist())

@@ -176,6 +176,26 @@ def test_a_tensor_parallel_group_restarts_together_its_requests_adopted_shard_by
     assert _gone(events)
 
 
+def test_pipeline_groups_lose_a_later_stage_and_a_first_stage_and_serve_on(tmp_path, reference):
+    overrides = [*BASE, "parallel.tp=1", "parallel.pp=2", "workload.num_requests=8", "generation.max_new_tokens=16"]
+    expected = reference([*overrides, *SAMPLED], 4)
+    # DP2 x PP2: group 1's later stage (rank 3) dies, then group 0's first stage (rank 0, the
+    # router's rank): both groups are down at once, their requests wait for a respawned group
+    kills = ["fault.migrate=reprefill", "fault.kill_at=[[3,5],[0,12]]"]
+    tokens, summary, events = _run(tmp_path, [*overrides, *SAMPLED, *kills], 4)
+    assert tokens == expected and summary["failures"] == 0
+    deaths = {d["endpoint"]: d for d in summary["fault"]["deaths"]}
+    assert {e: d["rank"] for e, d in deaths.items()} == {"0.0": 0, "1.0": 3}, deaths
+    assert sorted(e["rank"] for e in events if e["event"] == "replaced") == [1, 2]  # each stage's peer with it
+    served_by = summary["fault"]["served_by"]
+    moved = [rid for d in deaths.values() for rid in d["resumed"]]
+    assert moved and all(len(served_by[str(rid)]) > 1 for rid in moved), (moved, served_by)
+    assert sum(d["reprefilled_tokens"] for d in deaths.values()) == sum(
+        n for d in deaths.values() for n in d["tokens_so_far"].values()
+    )
+    assert _gone(events)
+
+
 def test_kv_sent_every_three_steps_into_a_paged_cache_regenerates_at_most_three_tokens(tmp_path, reference):
     overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)  # contiguous KV, unsupervised
@@ -257,13 +277,16 @@ def _refused(overrides, run_dir):
     return str(err.value)
 
 
-def test_strategies_without_engine_groups_are_refused(tmp_path):
+def test_strategies_without_engine_groups_and_kv_in_pipelines_are_refused(tmp_path):
     overrides = [*BASE, "parallel=dejavu", "fault.migrate=reprefill", f"model.cache_dir={tmp_path / 'cache'}"]
     for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
         assert message == (
             "fault.migrate=reprefill supervises the tp strategy's data-parallel engine groups; "
             "parallel.strategy is 'dejavu'"
         )
+    overrides = [*BASE, "parallel.pp=2", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
+    for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
+        assert message.startswith("fault.migrate=kv adopts KV on every rank of a group") and "parallel.pp=2" in message
 
 
 def test_the_router_continues_a_dead_generations_requests_from_its_journal():

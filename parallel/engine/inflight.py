@@ -201,9 +201,12 @@ class StageFollower:
     """A later stage: runs each micro-batch step the first stage notes, in note order; the last
     stage samples the tokens and sends them to the first stage (the one source of each)."""
 
-    def __init__(self, runner: ModelRunner, new_sequence: Callable[[Request], Sequence]) -> None:
+    def __init__(
+        self, runner: ModelRunner, new_sequence: Callable[[Request], Sequence], ready: Callable | None = None
+    ) -> None:
         link = runner.link
         self.runner, self.new_sequence = runner, new_sequence
+        self.ready = ready or (lambda index, phase, seqs: None)  # told before each step runs
         nxt = None if link.is_last else link.peers[link.stage + 1]
         self.notes = NoteLink(link.peers[link.stage - 1], nxt, _note_capacity(runner), runner.device)
         self.first = link.peers[0]
@@ -222,6 +225,7 @@ class StageFollower:
             if note.phase == "stop":
                 break
             seqs = self._mirror(note, mirror)
+            self.ready(self.record.steps, note.phase, seqs)
             logits = self.runner.run(note.phase, seqs)
             self.record.steps += 1
             if logits is not None:

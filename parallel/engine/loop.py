@@ -164,7 +164,8 @@ class Engine:
         self.flow: PipelineHead | StageFollower | None = None  # in-flight pipeline: this stage's side
         if inflight:
             runner = next(iter(self.runners.values()))
-            self.flow = PipelineHead(runner) if runner.link.is_first else StageFollower(runner, new_sequence)
+            first = runner.link.is_first
+            self.flow = PipelineHead(runner) if first else StageFollower(runner, new_sequence, self._noted)
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
@@ -348,6 +349,10 @@ class Engine:
             tokens, agreed = self._replayed(step, known), None
         self._record(step, tokens, started, t0)
         return StepOutput(tokens, replayed=known is not None, agreed=agreed)
+
+    def _noted(self, index: int, phase: str, seqs: list) -> None:
+        """A later pipeline stage is about to run the first stage's ``index``-th step."""
+        self.events.fire("step_ready", index, Step(phase, seqs, next(iter(self.runners))))
 
     def _prepare(self, step: Step, *, replay: bool) -> ModelRunner:
         """Enter the step's layout and make its moves (a replayed step's KV moves are skipped)."""
