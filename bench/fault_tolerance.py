@@ -3,13 +3,15 @@ ring successor's mirror, replay the journal) vs without (restart every request f
 no failure; and replication's cost on a failure-free decode step.
 
     python bench/fault_tolerance.py [--world 2] [--requests 32] [--new-tokens 64] [--batch 8] [--repeats 2]
-    python bench/fault_tolerance.py --groups [--world 4] [--prompt-len 64] ...
+    python bench/fault_tolerance.py --groups [--world 4] [--prompt-len 64] [--layout dp|dejavu] ...
 
 ``--groups``: data-parallel engine groups of one rank each under supervision (``fault.migrate``):
 the killed engine is respawned in the job while the others serve, and its requests continue with
 their KV on the group that mirrors it (``kv``), prefilled again on any group (``reprefill``) or
 on its own respawned group (``none``); against the same job without failure (with and without
-supervision) and against torchrun's whole-job restart (every request from scratch).
+supervision) and against torchrun's whole-job restart (every request from scratch). With
+``--layout dejavu``: half the ranks prompt groups, half token groups (of one rank each); the last
+rank, a token group's, is killed.
 
 Every variant is a real ``torchrun --max-restarts 1 -m reshard.recipes.generate`` job on the built-in
 model (greedy); end-to-end seconds are the whole job's wall time (process start, load, both
@@ -81,6 +83,7 @@ def main() -> None:
     )
     p.add_argument("--groups", action="store_true", help="supervised engine groups (see the module docstring)")
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (the shortest is half)")
+    p.add_argument("--layout", choices=("dp", "dejavu"), default="dp", help="--groups: the groups' layout")
     args = p.parse_args()
     variants, kill = group_variants(args) if args.groups else lockstep_variants(args)
     rows: dict[str, list] = {v: [] for v in variants}
@@ -106,9 +109,15 @@ def lockstep_variants(args) -> tuple[dict, str]:
 
 
 def group_variants(args) -> tuple[dict, str]:
-    """DP engine groups of one rank: the last rank killed at its middle step."""
-    steps = -(-args.requests // (args.batch * args.world)) * args.new_tokens
+    """Engine groups of one rank (DP, or DejaVu's prompt and token groups): the last rank killed
+    at its middle step."""
+    decoders = args.world if args.layout == "dp" else args.world // 2  # the groups that decode
+    steps = -(-args.requests // (args.batch * decoders)) * args.new_tokens
     kill, dp = f"fault.kill_at=[{args.world - 1},{steps // 2}]", ["parallel.tp=1"]
+    if args.layout == "dejavu":
+        half = args.world // 2
+        dp = ["parallel=dejavu", f"parallel.prompt_ranks={half}", f"parallel.prompt.dp={half}"]
+        dp.append(f"parallel.token.dp={args.world - half}")
     variants = {
         "no failure": (dp, 0),
         "no failure, supervised, KV mirrored": ([*dp, "fault.migrate=kv"], 0),
@@ -126,7 +135,7 @@ def group_report(args, rows: dict, kill: str) -> None:
     base_step = statistics.median(_step(s) for _, s, _ in rows["no failure"])
     reference = rows["no failure"][0][2]
     print(
-        f"\nbuilt-in tiny Llama, {args.world} engine groups of 1 rank (DP), {args.requests} requests x "
+        f"\nbuilt-in tiny Llama, {args.world} engine groups of 1 rank ({args.layout}), {args.requests} requests x "
         f"{args.new_tokens} new tokens, prompts {args.prompt_len // 2}-{args.prompt_len}, batch {args.batch}, greedy; "
         f"{kill}; median of {args.repeats}, variants round-robin\n"
     )

@@ -136,7 +136,12 @@ class FaultConfig:
     # [rank, step]: SIGKILL that rank before that engine step of the first attempt; a list of such
     # pairs kills once per attempt ([[1, 16], [0, 5]]: the second during the recovery's replay)
     kill_at: Any = None
-    heartbeat_s: float = 1.0  # liveness period; a rank silent for 3 periods is declared dead
+    # liveness period; a rank (fault.replicate) silent for 3 periods is declared dead; under
+    # fault.migrate each engine group's leader beats at each step and while it waits for requests
+    heartbeat_s: float = 1.0
+    # fault.migrate: an engine group whose leader has not beaten for this long is hung (killed and
+    # respawned); longer than any step (a loaded machine's, a first compiled one's)
+    hung_after_s: float = 30.0
     inject: str = "kill"  # what kill_at does: kill (SIGKILL) | hang (stop for good, heartbeats too)
     replicate_every: int = 1  # steps whose KV entries the ring sends in one message; a failure recomputes <= this many
     # supervised ranks (each engine a child of the process torchrun watches, respawned in the job)
@@ -146,10 +151,17 @@ class FaultConfig:
     migrate: Any = None
     max_respawns: int = 3  # per rank, under fault.migrate; one more failure ends the job
     warm_spare: bool = True  # fault.migrate: keep a spare child per rank with its imports done (a faster respawn)
+    # fault.migrate: SIGKILL rank 0's supervisor (the router's process) once this many requests
+    # completed, in the first attempt (torchrun's restart takes over; finished requests are kept)
+    kill_router_after: int | None = None
 
     def __post_init__(self) -> None:
         if not self.heartbeat_s > 0:
             raise ValueError(f"fault.heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if not self.hung_after_s > self.heartbeat_s:
+            raise ValueError(
+                f"fault.hung_after_s must exceed fault.heartbeat_s ({self.heartbeat_s}), got {self.hung_after_s}"
+            )
         self.kills()  # validates
         if not (type(self.replicate_every) is int and self.replicate_every >= 1):
             raise ValueError(
@@ -158,14 +170,19 @@ class FaultConfig:
         self._check_migrate()
         if self.inject not in ("kill", "hang"):
             raise ValueError(f"fault.inject must be kill or hang, got {self.inject!r}")
-        if self.inject == "hang" and self.kill_at is not None and not self.replicate:
+        if self.inject == "hang" and self.kill_at is not None and not self.replicate and self.migrate is None:
             raise ValueError(
-                "fault.inject=hang needs fault.replicate=true: the heartbeat that declares a silent "
-                "rank dead comes with it (without it the others would wait in a collective), "
+                "fault.inject=hang needs fault.replicate=true or fault.migrate: the heartbeat that declares a "
+                "silent rank dead comes with them (without it the others would wait in a collective), "
                 "got fault.replicate=false"
             )
 
     def _check_migrate(self) -> None:
+        if self.migrate is None and self.kill_router_after is not None:
+            raise ValueError(
+                f"fault.kill_router_after={self.kill_router_after} kills a supervised job's router; "
+                "fault.migrate is null"
+            )
         if self.migrate is None:
             return
         if self.migrate not in ("kv", "reprefill", "none"):
@@ -175,8 +192,10 @@ class FaultConfig:
                 f"fault.migrate={self.migrate} runs supervised engine groups; fault.replicate=true is the "
                 "whole-job restart with the KV ring (one lockstep group): choose one"
             )
-        if self.inject != "kill":
-            raise ValueError(f"fault.migrate={self.migrate} injects kills only, got fault.inject={self.inject}")
+        if self.kill_router_after is not None and not (
+            type(self.kill_router_after) is int and self.kill_router_after >= 1
+        ):
+            raise ValueError(f"fault.kill_router_after must be an int >= 1 or null, got {self.kill_router_after!r}")
         if not (type(self.max_respawns) is int and self.max_respawns >= 0):
             raise ValueError(f"fault.max_respawns must be an int >= 0, got {self.max_respawns!r}")
 

@@ -15,19 +15,21 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from reshard.parallel.engine import Strategy
 from reshard.parallel.engine.metrics import latency_summary
-from reshard.parallel.engine.request import EngineStats
+from reshard.parallel.engine.request import Completion, EngineStats
 from reshard.parallel.engine.router import Channel
-from reshard.parallel.fault.migrate import GroupJournal, SupervisedRouter, read_journal
+from reshard.parallel.fault.migrate import GroupJournal, SupervisedRouter, Topology, read_journal, silent_for
 from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, failures, group_store_prefix
-from reshard.parallel.model.dims import rank_grid
+from reshard.parallel.strategies.tp import TPStrategy
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import collective_timeout
 
@@ -41,19 +43,25 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
     from reshard.recipes.generate import build_requests
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    index, members, groups = engine_group_of(cfg, world, rank)
+    index, members, topology = engine_group_of(cfg, world, rank)
     store = _supervision_store()
     channel = Channel(CHANNEL, store=store)
     router = None
     t0 = time.time()
     if rank == 0:
-        (run_dir / "supervision.jsonl").unlink(missing_ok=True)  # the supervisors append their events
+        if restart_count() == 0:
+            (run_dir / "supervision.jsonl").unlink(missing_ok=True)  # the supervisors append their events
         requests = build_requests(cfg, path, _vocab_size(path))
         channel.put("start", time.time())
         own = _supervision_store()  # the router's thread has a store client of its own
         generation = lambda g: int(own.get(f"gen/{g}"))  # noqa: E731
         routed = Channel(CHANNEL, store=own)
-        router = SupervisedRouter(routed, requests, groups, t0, cfg.engine.routing, cfg.fault.migrate, generation)
+        kept, keep = _kept_finished(run_dir)
+        die_after = cfg.fault.kill_router_after if restart_count() == 0 else None
+        router = SupervisedRouter(
+            routed, requests, topology, t0, cfg.engine.routing, cfg.fault.migrate, generation,
+            kept=kept, keep=keep, die_after=die_after,
+        )  # fmt: skip
     supervisor = Supervisor(
         store,
         rank,
@@ -68,6 +76,8 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         warm=(*WARM, *_model_modules(path)),
         log=_event_log(run_dir / "supervision.jsonl"),
         done=lambda: channel.ready("all_done"),
+        silent=lambda spec: silent_for(channel, spec.endpoint),
+        hung_after=cfg.fault.hung_after_s,  # the group's leader beats twice a heartbeat period
     )
     dist.barrier()  # every supervisor set its group's generation before the router reads it
     with router or contextlib.nullcontext():
@@ -75,30 +85,68 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
     dist.barrier()  # every child is done: its statistics are in the store
     if rank != 0:
         return {}
-    return _finish(cfg, run_dir, path, router, channel, store, time.time() - t0, groups)
+    return _finish(cfg, run_dir, path, router, channel, store, time.time() - t0, topology.groups)
 
 
-def engine_group_of(cfg: GenerateConfig, world: int, rank: int) -> tuple[int, tuple[int, ...], int]:
-    """This rank's engine group under ``fault.migrate``: its index, its ranks and how many
-    groups there are (``ValueError`` for a strategy without data-parallel engine groups)."""
-    strategy = cfg.parallel
+def _kept_finished(run_dir: Path) -> tuple[list[Completion], Callable[[Completion], None]]:
+    """What an earlier attempt of this job finished (``run_dir/finished.jsonl``, kept when the
+    router's process was lost and torchrun restarted the job), and the function that appends
+    each new completion there (a lost router loses none of them)."""
+    from reshard.recipes.generate import _output_line
+
+    path = run_dir / "finished.jsonl"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = path.read_text().splitlines() if restart_count() > 0 and path.exists() else []
+    kept = [Completion(**json.loads(line)) for line in lines]
+    path.write_text("".join(_output_line(c) for c in kept))
+
+    def keep(c: Completion) -> None:
+        with open(path, "a") as f:
+            f.write(_output_line(c))
+
+    return kept, keep
+
+
+def engine_group_of(cfg: GenerateConfig, world: int, rank: int) -> tuple[int, tuple[int, ...], Topology]:
+    """This rank's engine group under ``fault.migrate``: its index, its ranks and the job's
+    :class:`Topology` (``ValueError`` for a layout supervision does not take)."""
+    tp, topology = _supervised_layout(cfg, world)
+    index = rank // tp
+    return index, tuple(range(index * tp, (index + 1) * tp)), topology
+
+
+def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
+    """Ranks per group and the topology: the ``tp`` strategy's data-parallel groups (of
+    ``pp x tp`` ranks), or DejaVu's prompt and token groups (of ``tp`` ranks, alike on both
+    sides: an entry's KV lands on a taker's rank of the same position)."""
+    strategy, migrate = cfg.parallel, cfg.fault.migrate
+    if strategy.name == "dejavu":
+        prompt, token = strategy.sides(world)
+        if (prompt.tp, prompt.pp) != (token.tp, token.pp) or prompt.pp > 1:
+            raise ValueError(
+                f"fault.migrate={migrate} runs DejaVu's sides as groups of one layout without pipeline stages: "
+                f"parallel.prompt is tp={prompt.tp} pp={prompt.pp}, parallel.token tp={token.tp} pp={token.pp}"
+            )
+        return prompt.tp, Topology.disaggregated(prompt.dp, token.dp)
     if not strategy.single_model() or strategy.name != "tp":
         raise ValueError(
-            f"fault.migrate={cfg.fault.migrate} supervises the tp strategy's data-parallel engine groups; "
+            f"fault.migrate={migrate} supervises the tp strategy's data-parallel engine groups or DejaVu's sides; "
             f"parallel.strategy is {strategy.name!r}"
         )
     dims = strategy.dims(world)
-    if dims.pp > 1 and cfg.fault.migrate == "kv":
+    if dims.pp > 1 and migrate == "kv":
         raise ValueError(
             f"fault.migrate=kv adopts KV on every rank of a group in its step, which a pipeline's later stages "
             f"do not take; parallel.pp={dims.pp} (use fault.migrate=reprefill or none)"
         )
-    grid = rank_grid(dims)
-    for index in range(dims.dp):
-        members = tuple(grid[index].flatten().tolist())
-        if rank in members:
-            return index, members, dims.dp
-    raise AssertionError(f"rank {rank} in no group of {dims}")
+    return dims.tp * dims.pp, Topology.ring(dims.dp)
+
+
+def _group_strategy(cfg: GenerateConfig, world: int) -> Strategy:
+    """What builds each group's engine: the tp strategy's (DejaVu's sides are its groups)."""
+    if cfg.parallel.name == "dejavu":
+        return TPStrategy(tp=_supervised_layout(cfg, world)[0])
+    return cfg.parallel
 
 
 def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -> None:
@@ -107,20 +155,23 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     store = job_store(restart_count())
     _init_group(spec, store)
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
-    engine = cfg.parallel.build(path, args)
+    world = int(os.environ["WORLD_SIZE"])
+    engine, topology = _group_strategy(cfg, world).build(path, args), engine_group_of(cfg, world, spec.rank)[2]
     group = engine.engine_group
     assert group is not None and group.index == spec.group, (group, spec)
     supervision = _supervision_store()  # a client of its own: the process group waits on `store`
     channel = Channel(CHANNEL, store=supervision)
-    GroupJournal(engine, channel, spec, _kill_step(cfg, spec))
+    hang, beat_s = cfg.fault.inject == "hang", cfg.fault.heartbeat_s / 2
+    journal = GroupJournal(engine, channel, spec, _kill_step(cfg, spec), hang=hang, beat_s=beat_s)
     report = (lambda a: channel.append("adoptions", a)) if group.is_leader else None
-    mirror = _mirror(cfg, engine, spec, report) if cfg.fault.migrate == "kv" else None
+    mirror = _mirror(cfg, engine, spec, report, topology)
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
     channel.put(f"ready/{spec.endpoint}", time.time())
-    if mirror is not None:
-        mirror.wait_connected()  # serve mirrored from the first step when the next group is up
+    hands_off = spec.group in topology.entries and bool(topology.takers)  # a prompt group
+    if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group: once it is)
+        mirror.wait_connected(starting=hands_off)
     with engine:
-        engine.serve_routed(channel, spec.endpoint)
+        engine.serve_routed(channel, spec.endpoint, beat=journal.beat)
     channel.put(f"left/{spec.endpoint}", time.time())  # no mirror waits for it any more
     if mirror is not None:
         mirror.close()
@@ -129,18 +180,26 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     dist.destroy_process_group()
 
 
-def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report) -> KVMirror:
-    """This rank's KV mirrors (``fault.migrate=kv``): streamed to the next group's rank of the
-    same position, the previous group's kept."""
+def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topology) -> KVMirror | None:
+    """This rank's KV mirrors, where the topology has any for its group (``fault.migrate=kv``,
+    and a disaggregated job's hand-offs): streamed to the rank of the same position of the
+    successor group, the source groups' kept."""
 
     def live(store: dist.Store, g: int) -> str | None:
         """Group ``g``'s generation that is serving (ready, not yet left), if any."""
         endpoint, channel = f"{g}.{int(store.get(f'gen/{g}'))}", Channel(CHANNEL, store=store)
         return endpoint if channel.ready(f"ready/{endpoint}") and not channel.ready(f"left/{endpoint}") else None
 
-    peers = Peers(engine.engine_group.count, spec.group, spec.members.index(spec.rank), live)
-    every, group = cfg.fault.replicate_every, engine.runner.group
-    return KVMirror(engine, _supervision_store, spec.endpoint, peers, every=every, group=group, report=report)
+    kv = cfg.fault.migrate == "kv"
+    successor, sources = topology.successor(spec.group, kv), topology.sources(spec.group, kv)
+    if successor is None and not sources:
+        return None
+    peers = Peers(spec.group, spec.members.index(spec.rank), successor, sources, live)
+    hands_off = spec.group in topology.entries and topology.takers  # each prompt's KV leaves after its step
+    every = 1 if hands_off else cfg.fault.replicate_every
+    return KVMirror(
+        engine, _supervision_store, spec.endpoint, peers, every=every, group=engine.runner.group, report=report
+    )
 
 
 def _supervision_store() -> dist.Store:
@@ -235,7 +294,9 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     summary = _summary(cfg, path, completions, stats, seconds, groups)
     digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
-    _write_outputs(run_dir, completions, summary, cfg.parallel)
+    summary["fault"]["kept_from_earlier_attempts"] = router.kept
+    _write_outputs(run_dir, completions, summary, _group_strategy(cfg, dist.get_world_size()))
+    (run_dir / "finished.jsonl").unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 
 
@@ -309,6 +370,7 @@ def _fault_summary(
                 "endpoint": m.endpoint,
                 "rank": None if f is None else f.rank,
                 "exitcode": None if f is None else f.exitcode,
+                "hung": None if f is None else f.hung,  # killed by its supervisor: silent past fault.hung_after_s
                 "died_s": None if f is None else clock(f.seen_at),  # its supervisor saw the child end
                 "seen_s": m.seen,  # the router saw its group's generation move on
                 "rejoined_s": m.rejoined,
@@ -328,9 +390,13 @@ def _fault_summary(
                 },
             }
         )
+    entries = router.topology.entries if router.topology.takers else ()
     return {
         "migrate": router.migrate,
         "deaths": deaths,
+        # DejaVu: prefilled requests adopted with their prompt group's KV by a token group
+        # (source, request id, tokens kept, tokens generated again); the others were prefilled again there
+        "hand_offs": [a for a in adoptions if int(a[0].split(".")[0]) in entries],
         "ready_s": ready,
         "served_by": {rid: eps for rid, eps in sorted(router.routed.items())},
         "weights_digest": digests,  # rank -> generation -> digest

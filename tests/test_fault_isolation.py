@@ -20,6 +20,10 @@ BASE = ["progress=false", "workload.prompt_len_max=40", "engine.max_batch_size=2
 DP4 = [*BASE, "parallel.tp=1", "workload.num_requests=32", "generation.max_new_tokens=32"]
 TP2x2 = [*BASE, "parallel.tp=2", "workload.num_requests=8", "generation.max_new_tokens=16"]
 SAMPLED = ["generation.temperature=0.8", "generation.seed=3"]
+DEJAVU = [  # prompt groups 0 and 1 (ranks 0, 1), token groups 2 and 3 (ranks 2, 3)
+    *BASE, "parallel=dejavu", "parallel.prompt_ranks=2", "parallel.prompt.dp=2", "parallel.token.dp=2",
+    "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED,
+]  # fmt: skip
 _REFERENCES: dict = {}
 
 
@@ -39,10 +43,11 @@ def reference(tmp_path_factory):
     return get
 
 
-def _command(tmp_path, overrides, world):
+def _command(tmp_path, overrides, world, restarts=0):
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        "--max-restarts", "0", "-m", "reshard.recipes.generate", f"hydra.run.dir={tmp_path / 'run'}", *overrides,
+        "--max-restarts", str(restarts), "-m", "reshard.recipes.generate", f"hydra.run.dir={tmp_path / 'run'}",
+        *overrides,
     ]  # fmt: skip
 
 
@@ -50,12 +55,12 @@ def _env(tmp_path):
     return {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
-def _run(tmp_path, overrides, world):
-    """A supervised job; its tokens, summary and supervisors' events. ``--max-restarts 0``: a
-    failure that reached torchrun would end the job."""
+def _run(tmp_path, overrides, world, restarts=0):
+    """A supervised job; its tokens, summary and supervisors' events. ``--max-restarts 0`` (by
+    default): a failure that reached torchrun would end the job."""
     proc = subprocess.run(
-        _command(tmp_path, overrides, world), cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
-        timeout=220,
+        _command(tmp_path, overrides, world, restarts), cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+        text=True, timeout=220,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
@@ -196,6 +201,45 @@ def test_pipeline_groups_lose_a_later_stage_and_a_first_stage_and_serve_on(tmp_p
     assert _gone(events)
 
 
+def _prefilled_then_decoded(served_by, prompt_groups=(0, 1)) -> bool:
+    """Whether every request was prefilled by a prompt group and decoded on by a token group last."""
+    group = lambda e: int(e.split(".")[0])  # noqa: E731
+    return all(group(eps[0]) in prompt_groups and group(eps[-1]) not in prompt_groups for eps in served_by.values())
+
+
+def test_dejavu_token_rank_killed_its_requests_move_with_their_kv_to_the_other_token_group(tmp_path, reference):
+    expected = reference(DEJAVU, 4)  # unsupervised DejaVu: prompt and token groups, KV streamed
+    tokens, summary, events = _run(tmp_path, [*DEJAVU, "fault.migrate=kv", "fault.kill_at=[3,6]"], 4)
+    assert tokens == expected and summary["failures"] == 0
+    fault = summary["fault"]
+    assert _prefilled_then_decoded(fault["served_by"]), fault["served_by"]
+    # hand-offs are migrations from a live source: the prompt group's KV was adopted, nothing prefilled again
+    assert len(fault["hand_offs"]) >= 4 and all(kept == 1 and again == 0 for _, _, kept, again in fault["hand_offs"])
+    (death,) = fault["deaths"]
+    assert death["endpoint"] == "3.0" and death["rank"] == 3 and death["adopted_by"] == "2.0"
+    # its decoding requests went on in token group 2 with the KV group 2 mirrored: at most a token again
+    decoding = {rid for rid in death["resumed"] if death["tokens_so_far"][str(rid)] > 1}
+    assert decoding and decoding <= {rid for rid, _, _ in death["adopted"]}, death
+    assert all(again <= 1 for _, _, again in death["adopted"]) and death["reprefilled_tokens"] == 0
+    assert _gone(events)
+
+
+def test_dejavu_prompt_rank_killed_its_prompts_are_prefilled_again_into_a_paged_cache(tmp_path, reference):
+    expected = reference(DEJAVU, 4)
+    paged = ["engine.kv_block_size=4", "engine.kv_tokens=160"]
+    tokens, summary, events = _run(tmp_path, [*DEJAVU, *paged, "fault.migrate=reprefill", "fault.kill_at=[1,1]"], 4)
+    assert tokens == expected and summary["failures"] == 0
+    fault = summary["fault"]
+    (death,) = fault["deaths"]
+    assert death["endpoint"] == "1.0" and death["rank"] == 1
+    # what it had not prefilled yet was prefilled by the other prompt group (or its own next generation)
+    assert death["restarted"] and not death["resumed"]
+    assert all(fault["served_by"][str(rid)][:2] in (["1.0", "0.0"], ["1.0", "1.1"]) for rid in death["restarted"])
+    assert _prefilled_then_decoded(fault["served_by"])
+    assert fault["hand_offs"]  # into the token groups' paged caches
+    assert _gone(events)
+
+
 def test_kv_sent_every_three_steps_into_a_paged_cache_regenerates_at_most_three_tokens(tmp_path, reference):
     overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)  # contiguous KV, unsupervised
@@ -221,6 +265,33 @@ def test_without_kv_the_requests_are_prefilled_again_elsewhere(tmp_path, referen
     served_by = summary["fault"]["served_by"]
     assert all(served_by[str(rid)] == ["1.0", "0.0"] for rid in death["resumed"]), served_by
     assert _gone(events)
+
+
+def test_a_hung_group_is_killed_by_its_supervisor_and_its_requests_move_on(tmp_path, reference):
+    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    expected = reference(overrides, 2)
+    hang = ["fault.migrate=reprefill", "fault.kill_at=[1,6]", "fault.inject=hang", "fault.hung_after_s=4"]
+    tokens, summary, events = _run(tmp_path, [*overrides, *hang], 2)
+    assert tokens == expected and summary["failures"] == 0
+    (death,) = summary["fault"]["deaths"]
+    assert death["endpoint"] == "1.0" and death["hung"] and death["exitcode"] == -signal.SIGKILL
+    assert not [d for d in summary["fault"]["deaths"] if d["hung"] and d["endpoint"] != "1.0"]
+    (hung,) = [e for e in events if e["event"] == "hung"]  # SIGSTOPped: silent past fault.hung_after_s
+    assert hung["rank"] == 1 and 4 < hung["silent_s"] < 10, hung
+    assert death["resumed"] and _gone(events)
+
+
+def test_the_routers_process_lost_torchrun_restarts_the_job_and_nothing_finished_runs_again(tmp_path, reference):
+    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    expected = reference(overrides, 2)
+    # rank 0's supervisor (the router's process) SIGKILLed once 3 requests completed: the job's
+    # fallback is torchrun's restart, which runs only what the first attempt had not finished
+    lost = ["fault.migrate=kv", "fault.kill_router_after=3"]
+    tokens, summary, events = _run(tmp_path, [*overrides, *lost], 2, restarts=1)
+    assert tokens == expected and summary["failures"] == 1  # one whole-job restart
+    assert summary["fault"]["kept_from_earlier_attempts"] >= 3
+    assert not (tmp_path / "run" / "finished.jsonl").exists()  # outputs.jsonl holds them all
+    assert _gone(events)  # the lost attempt's children and spares too
 
 
 def test_with_migrate_none_the_requests_wait_for_their_group(tmp_path, reference):
@@ -269,6 +340,18 @@ def test_supervised_settings_are_checked():
         FaultConfig(migrate="reprefill", replicate=True)
     with pytest.raises(ValueError, match=re.escape("fault.max_respawns must be an int >= 0, got -1")):
         FaultConfig(migrate="none", max_respawns=-1)
+    from reshard.parallel.strategies.dejavu import DejaVuStrategy, SideConfig
+    from reshard.recipes.config import GenerateConfig
+    from reshard.recipes.supervised import engine_group_of
+
+    sides = DejaVuStrategy(prompt=SideConfig(tp=2), token=SideConfig(dp=2), prompt_ranks=2)
+    message = "parallel.prompt is tp=2 pp=1, parallel.token tp=1 pp=1"  # a prompt's KV must land rank for rank
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine_group_of(GenerateConfig(parallel=sides, fault=FaultConfig(migrate="kv")), 4, 0)
+    one_prompt_rank = DejaVuStrategy(token=SideConfig(dp=2), prompt_ranks=1)
+    dejavu = GenerateConfig(parallel=one_prompt_rank, fault=FaultConfig(migrate="kv"))
+    assert [engine_group_of(dejavu, 3, r)[:2] for r in range(3)] == [(0, (0,)), (1, (1,)), (2, (2,))]
+    assert engine_group_of(dejavu, 3, 0)[2].successor(0, kv=False) == 1  # the prompt group's KV: to token group 1
 
 
 def _refused(overrides, run_dir):
@@ -278,11 +361,11 @@ def _refused(overrides, run_dir):
 
 
 def test_strategies_without_engine_groups_and_kv_in_pipelines_are_refused(tmp_path):
-    overrides = [*BASE, "parallel=dejavu", "fault.migrate=reprefill", f"model.cache_dir={tmp_path / 'cache'}"]
+    overrides = [*BASE, "parallel=seesaw", "fault.migrate=reprefill", f"model.cache_dir={tmp_path / 'cache'}"]
     for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
         assert message == (
-            "fault.migrate=reprefill supervises the tp strategy's data-parallel engine groups; "
-            "parallel.strategy is 'dejavu'"
+            "fault.migrate=reprefill supervises the tp strategy's data-parallel engine groups or DejaVu's sides; "
+            "parallel.strategy is 'seesaw'"
         )
     overrides = [*BASE, "parallel.pp=2", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
     for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
@@ -300,14 +383,20 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
     from reshard.parallel import Request
     from reshard.parallel.engine.router import Channel, Load
     from reshard.parallel.engine.sampling import SamplingParams
-    from reshard.parallel.fault.migrate import JournalEntry, SupervisedRouter
+    from reshard.parallel.fault.migrate import JournalEntry, SupervisedRouter, Topology
 
     for migrate in ("reprefill", "none"):
         store = dist.HashStore()
         channel, generations = Channel("t", store=store), [0, 0]
         requests = [Request(i, [5 + i] * 3, SamplingParams(max_new_tokens=3)) for i in range(3)]
         router = SupervisedRouter(
-            channel, requests, 2, time.time(), "round_robin", migrate, lambda g, gens=generations: gens[g]
+            channel,
+            requests,
+            Topology.ring(2),
+            time.time(),
+            "round_robin",
+            migrate,
+            lambda g, gens=generations: gens[g],
         )
         for r in requests:
             router.pending.remove(r)
@@ -330,6 +419,41 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
         assert "1.1" in router.groups and m.rejoined is not None
         if migrate == "none":  # handed to generation 1 of their group
             assert router.held == {} and [router.where[r.id] for r in waiting] == ["1.1", "1.1"]
+
+
+def test_the_router_hands_a_prefilled_request_to_the_token_group_its_prompt_group_streams_to():
+    """DejaVu under supervision, in one process: a prompt group runs a request to its first token;
+    its completion there is a hand-off, sent on as a ``Migrated`` request (source: that prompt
+    group) to the token group it streams its KV to, or, that one down, to another; a request whose
+    first token ends it completes there."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Request
+    from reshard.parallel.engine.request import Completion, Migrated
+    from reshard.parallel.engine.router import Channel
+    from reshard.parallel.engine.sampling import SamplingParams
+    from reshard.parallel.fault.migrate import SupervisedRouter, Topology
+
+    channel, topology = Channel("t", store=dist.HashStore()), Topology.disaggregated(2, 2)
+    assert [topology.successor(g, kv=True) for g in range(4)] == [2, 3, 3, 2] and topology.sources(2, False) == (0,)
+    requests = [Request(i, [7] * 4, SamplingParams(max_new_tokens=m)) for i, m in enumerate((5, 1, 5))]
+    router = SupervisedRouter(channel, requests, topology, time.time(), "round_robin", "kv", lambda g: 0)
+    for r, entry in zip(requests, ("1.0", "0.0", "0.0")):
+        router.pending.remove(r)
+        router._send(entry, r)
+    assert all(channel.get(f"assign/{e}/0").sampling.max_new_tokens == 1 for e in ("0.0", "1.0"))  # prefill only
+    router.takers.remove("3.0")  # token group 3 is down: prompt group 1's hand-off goes to group 2
+    for rid, token in ((0, 40), (1, 41), (2, 42)):
+        channel.append("done", Completion(rid, [7] * 4, [token], "length"))
+    router._collect()
+    assert list(router.completions) == [1]  # its one token was all it wanted
+    handed = [channel.get(f"assign/2.0/{k}") for k in range(2)]
+    assert all(isinstance(m, Migrated) for m in handed)
+    assert [(m.id, m.tokens, m.source, m.sampling.max_new_tokens) for m in handed] == [
+        (0, (40,), "1.0", 5),
+        (2, (42,), "0.0", 5),
+    ]
+    assert router.where == {0: "2.0", 2: "2.0"}
 
 
 def test_a_resumed_request_samples_what_it_would_have():

@@ -133,3 +133,11 @@ def test_bad_group_timeout_is_named():
 
     with pytest.raises(ValueError, match=r"group_timeout must be > 0 seconds .*got 0"):
         Engine(runners={"main": None}, group_timeout=0)
+
+
+def test_polling_backs_off_to_its_cap_however_long_it_waits():
+    from reshard.parallel.engine.router import POLL_S, backoff
+
+    # an idle group polls for hours: 2**tries once overflowed a float after 1024 looks
+    assert backoff(0) == POLL_S[0] and backoff(3) == 8 * POLL_S[0]
+    assert backoff(1024) == backoff(10**6) == POLL_S[1]

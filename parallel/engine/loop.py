@@ -17,7 +17,7 @@ import datetime
 import functools
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 
 import torch
@@ -222,18 +222,19 @@ class Engine:
             return self._serve_routed(requests, bar)
 
     @torch.inference_mode()
-    def serve_routed(self, channel: Channel, endpoint: str) -> list[Completion]:
+    def serve_routed(self, channel: Channel, endpoint: str, beat: Callable[[], None] | None = None) -> list[Completion]:
         """Serve this rank's engine group as ``endpoint`` of a supervised job (whose router runs
         in another process, :mod:`reshard.parallel.fault.migrate`): requests come from
-        ``channel``, every completion goes to its ``done`` list as it finishes. Returns this
-        group's completions (:meth:`generate` returns the whole job's, where every group lives
-        to the end)."""
+        ``channel``, every completion goes to its ``done`` list as it finishes; ``beat()`` runs
+        while it waits for requests (a heartbeat: idle is not hung). Returns this group's
+        completions (:meth:`generate` returns the whole job's, where every group lives to the
+        end)."""
         assert self.engine_group is not None, "serve_routed runs one engine group of several"
         self._ready()
         what = f"engine group {endpoint} waiting for the router's start time"
         channel.wait("start", what, self.group_timeout)
         admission = RoutedAdmission(
-            channel, self.engine_group, None, self.group_timeout, endpoint=endpoint, publish=True
+            channel, self.engine_group, None, self.group_timeout, endpoint=endpoint, publish=True, beat=beat
         )
         return list(self._serve(admission, channel.get("start")).values())
 

@@ -27,6 +27,7 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -107,7 +108,7 @@ class Handoff:
 def backoff(tries: int) -> float:
     """Seconds to sleep before looking again, after ``tries`` looks found nothing (polling the
     store costs a round trip and the CPU the ranks compute on: back off)."""
-    return min(POLL_S[0] * 2**tries, POLL_S[1])
+    return min(POLL_S[0] * 2 ** min(tries, 30), POLL_S[1])  # (2**tries overflows a float past 1023)
 
 
 class Channel:
@@ -161,15 +162,20 @@ class Channel:
         for key in keys:
             self.store.delete_key(key)
 
-    def wait(self, key: str, what: str, timeout: datetime.timedelta | None = None) -> None:
+    def wait(
+        self, key: str, what: str, timeout: datetime.timedelta | None = None, poll: Callable[[], None] | None = None
+    ) -> None:
         """Poll until ``key`` is set; ``RuntimeError`` naming ``what`` after ``timeout`` (default:
-        the job's collective timeout), so a group whose peer is gone fails instead of hanging."""
+        the job's collective timeout), so a group whose peer is gone fails instead of hanging.
+        ``poll()`` runs at every look (a heartbeat: waiting is not hanging)."""
         limit = (timeout or job_timeout() or datetime.timedelta(minutes=30)).total_seconds()
         deadline = time.monotonic() + limit
         tries = 0
         while not self.store.check([key]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what}: nothing arrived within {limit:g} s (is the router's rank 0 gone?)")
+            if poll is not None:
+                poll()
             time.sleep(backoff(tries))
             tries += 1
 
@@ -261,7 +267,8 @@ class RoutedAdmission(Admission):
     ``endpoint``: the router's name for this group (default its index; a supervised group's
     names its generation too, :class:`reshard.parallel.fault.supervisor.ChildSpec`);
     ``publish``: the leader also appends every completion to the channel's ``done`` list as the
-    request finishes (a supervised job's router collects them there).
+    request finishes (a supervised job's router collects them there); ``beat()``: called while
+    it waits for requests (a supervised group's heartbeat).
     """
 
     def __init__(
@@ -273,8 +280,9 @@ class RoutedAdmission(Admission):
         *,
         endpoint: str | None = None,
         publish: bool = False,
+        beat: Callable[[], None] | None = None,
     ) -> None:
-        self.channel = channel
+        self.channel, self.beat = channel, beat
         self.layout = layout
         self.progress = progress
         self.timeout = timeout
@@ -307,7 +315,8 @@ class RoutedAdmission(Admission):
     def wait_next(self) -> list[Request]:
         if self.exhausted:
             return []
-        self.channel.wait(self._key(self.read), f"engine group {self.layout.index} waiting for requests", self.timeout)
+        what = f"engine group {self.layout.index} waiting for requests"
+        self.channel.wait(self._key(self.read), what, self.timeout, self.beat)
         return self.take(1)
 
     def report(self, load: Load | None, finished: list) -> None:

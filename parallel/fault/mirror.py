@@ -1,21 +1,25 @@
-"""KV mirrors across engine groups (``fault.migrate=kv``): a failed group's sequences move, with
-their KV, to the group that mirrors it, and decode on there.
+"""KV mirrors across engine groups: a failed group's sequences move, with their KV, to the group
+that mirrors it (``fault.migrate=kv``), and DejaVu's prompt groups hand their prefilled prompts
+to token groups the same way.
 
-Rank ``i`` of engine group ``g`` streams the KV entries it writes to rank ``i`` of group
-``(g + 1) mod G`` (the same position: the same layers and heads, since the groups are replicas of
-one layout), which keeps them in a mirror cache laid out like the sender's. Groups do not step
-together, so each message names what it carries (request ids, slots, token ranges) and the
-receiver unpacks it as it lands, on a thread of its own. Each direction is a two-rank process
-group of its own per pair of generations (:class:`Link`), so a respawned peer never meets the
-old one's connections. ``every`` steps' entries leave in one message (a failure recomputes at
-most that many tokens per sequence).
+Rank ``i`` of an engine group streams the KV entries it writes to rank ``i`` of its successor
+group (the same position: the same layers and heads, since the groups are replicas of one
+layout; which group follows which is the job's
+:class:`reshard.parallel.fault.migrate.Topology`), which keeps them in a mirror per source
+(:class:`Landing`: contiguous slots of its own, each request's slot and landed length). Groups
+do not step together, so each message names what it carries (request ids, slots, token ranges)
+and the receiver unpacks it as it lands, on a thread of its own. Each direction is a two-rank
+process group of its own per pair of generations (:class:`Link`), so a respawned peer never
+meets the old one's connections. ``every`` steps' entries leave in one message (a failure
+recomputes at most that many tokens per sequence).
 
-When group ``g`` fails, the router hands its requests to group ``g + 1``
-(:class:`reshard.parallel.engine.request.Migrated`, with the tokens its journal holds); that
-group's policy gives each a slot and fires the engine's ``adopt`` event: :meth:`KVMirror.adopt`
-copies what landed in the mirror into the slot (the group's ranks agree on the shortest landed
-length), keeps the tokens that KV covers and decodes on. A sender whose receiver died waits for
-the receiver's next generation and streams every live sequence whole again.
+A :class:`reshard.parallel.engine.request.Migrated` request names its source endpoint; the
+group that takes it gives it a slot and fires the engine's ``adopt`` event:
+:meth:`KVMirror.adopt` copies what landed from that source into the slot (the group's ranks
+agree on the shortest landed length; from a source that lives on, a hand-off, it first waits
+for the KV still on its way), keeps the tokens that KV covers and decodes on. A sender whose
+receiver died waits for the receiver's next generation and streams every live sequence whole
+again.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from reshard.plan import Piece
 
 LINK_TIMEOUT = datetime.timedelta(days=1)  # a quiet link is not a dead one
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
+HANDOFF_WAIT_S = 2.0  # longest an adoption waits for KV still on its way from a live source
 _LINKS: list = []  # every link this process opened (see Link)
 
 
@@ -75,33 +80,72 @@ class Link:
 
 @dataclass(frozen=True)
 class Peers:
-    """Where this rank's mirror traffic goes: the engine groups' count, this group's index and
-    this rank's position in it; ``endpoint(store, g)`` is group ``g``'s live generation once it
-    is ready (None while it is down or starting), looked up through ``store``."""
+    """Where this rank's mirror traffic goes: this group's index and this rank's position in it,
+    the group its KV streams to (``successor``, None: nowhere) and the groups whose KV it keeps
+    (``sources``); ``endpoint(store, g)`` is group ``g``'s live generation once it is ready (None
+    while it is down or starting), looked up through ``store``."""
 
-    groups: int
     group: int
     position: int
+    successor: int | None
+    sources: tuple[int, ...]
     endpoint: Callable[[dist.Store, int], str | None]  # (a store client, group) -> its live endpoint
 
-    @property
-    def successor(self) -> int:
-        return (self.group + 1) % self.groups
 
-    @property
-    def predecessor(self) -> int:
-        return (self.group - 1) % self.groups
+class Landing:
+    """One source endpoint's mirror on this rank: a contiguous cache of ``slots`` slots (and a
+    scratch slot for what cannot be placed), each request's slot and landed length. A request
+    takes a free slot when its KV first arrives (from position 0); with none free, the request
+    written least recently gives up its own (a finished sequence is never written again)."""
+
+    def __init__(self, spec, slots: int, device) -> None:
+        spec = dataclasses.replace(spec, num_slots=slots + 1, block_size=None, num_blocks=None)
+        self.cache = KVCache(spec, device=device)
+        self.scratch = slots
+        self.index: dict[int, list[int]] = {}  # request id -> [slot, positions landed]; oldest write first
+        self.free = list(range(slots))
+        self.closed = False  # its sender is gone: nothing more will land
+
+    def place(self, spans: list[Span]) -> list[Span]:
+        """``spans`` (the sender's slots) in this mirror's slots; a span that does not continue
+        what landed (a request first seen mid-way) goes to the scratch slot."""
+        out = []
+        for sp in spans:
+            entry = self.index.pop(sp.key, None)
+            if sp.start == 0:
+                entry = entry or [self._take(), 0]
+            elif entry is None or entry[1] != sp.start:  # its whole resend places it
+                if entry is not None:
+                    self.index[sp.key] = entry
+                out.append(Span(sp.key, self.scratch, sp.start, sp.stop))
+                continue
+            entry[1] = sp.stop
+            self.index[sp.key] = entry  # now the most recently written
+            out.append(Span(sp.key, entry[0], sp.start, sp.stop))
+        return out
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        oldest = next(iter(self.index))
+        return self.index.pop(oldest)[0]
+
+    def landed(self, key: int) -> tuple[int, int]:
+        """``(slot, positions landed)`` of request ``key`` (``(-1, 0)``: none)."""
+        slot, landed = self.index.get(key, (-1, 0))
+        return slot, landed
 
 
 class KVMirror:
     """This rank's side of the mirrors: streams its runner's KV to the successor group and keeps
-    the predecessor group's (see the module docstring); adopts migrated sequences from it.
+    the source groups' (see the module docstring); adopts migrated sequences from them.
 
     ``me``: this generation's endpoint; ``connect()``: a new client of the job's store (each
     thread and each link has its own: a client blocked in a wait, as a link's lazy connection
     is, blocks every thread sharing it); ``every``: steps per message; ``group``: the engine
     group's process group (adoption agrees on lengths over it); ``report(adoption)``: told of
-    each adoption as it happens (:attr:`adopted`'s entries).
+    each adoption as it happens (:attr:`adopted`'s entries); ``slots``: a source's mirror slots
+    per slot of this rank's cache (hand-offs wait there until adopted).
     """
 
     def __init__(
@@ -114,15 +158,18 @@ class KVMirror:
         every: int = 1,
         group=None,
         report: Callable[[tuple], None] | None = None,
+        slots: int = 2,
     ) -> None:
         runner = engine.runners[next(iter(engine.runners))]
         self.engine, self.cache, self.connect, self.me, self.peers = engine, runner.kv, connect, me, peers
         self.every, self.group, self.vocab = every, group, engine.vocab_size
         self.piece = Piece(0, 1, kv_box(self.cache.layout))
-        # source endpoint -> (its mirror cache, request id -> (slot, positions landed))
-        self.mirrors: dict[str, tuple[KVCache, dict[int, tuple[int, int]]]] = {}
-        self.lock = threading.Lock()
+        self.slots = slots * self.cache.spec.num_slots
+        self.mirrors: dict[str, Landing] = {}  # source endpoint -> its mirror
+        self.late: set[str] = set()  # sources an adoption waited for in vain (since their last message)
+        self.lock = threading.Condition()  # notified whenever something lands or a source closes
         self.sent: dict[int, int] = {}  # request id -> positions streamed so far
+        self.occupant: dict[int, int] = {}  # slot -> the request whose KV it holds
         self.pending: list[Span] = []
         self.steps = 0
         self.resync = False  # the receiver changed: stream every live sequence whole
@@ -135,9 +182,11 @@ class KVMirror:
         self.adopted: list[tuple[str, int, int, int]] = []
         self.report = report or (lambda adoption: None)
         self.watcher = threading.Thread(target=self._watch, name="reshard-mirror", daemon=True)
-        if peers.groups > 1:  # one group mirrors nothing
+        if peers.successor is not None or peers.sources:
             self.watcher.start()
+        if peers.successor is not None:
             engine.events.on("step_end", self._step_end)
+        if peers.sources:
             engine.events.on("adopt", self.adopt)
 
     # ---- sending ----------------------------------------------------------------------------------
@@ -147,13 +196,16 @@ class KVMirror:
         whole = self.resync and live is not None  # a step of every live sequence resends them all
         self.resync = self.resync and not whole
         for s in seqs:
-            start = 0 if whole else self.sent.get(s.request.id, 0)
+            rid = s.request.id
+            if self.occupant.get(s.slot) != rid:  # a new occupant of the slot (or of its blocks)
+                self.sent.pop(self.occupant.get(s.slot), None)
+                self.pending = [sp for sp in self.pending if sp.slot != s.slot]  # the last one's are stale
+                self.occupant[s.slot] = rid
+            start = 0 if whole or step.phase == "prefill" else self.sent.get(rid, 0)
             stop = s.cached + (1 if step.phase == "decode" else s.prompt_len - s.cached)
             if stop > start:
-                if start == 0:  # a new occupant of the slot (or of its blocks): the last one's are stale
-                    self.pending = [sp for sp in self.pending if sp.slot != s.slot]
-                self.pending.append(Span(s.request.id, s.slot, start, stop))
-                self.sent[s.request.id] = stop
+                self.pending.append(Span(rid, s.slot, start, stop))
+                self.sent[rid] = stop
         if live is not None:  # a decode step runs every live sequence: forget the finished ones
             self.sent = {rid: n for rid, n in self.sent.items() if rid in live}
         self.steps += 1
@@ -178,24 +230,25 @@ class KVMirror:
             if self.outbox is not outbox or self.stopping.is_set():
                 return
 
-    def wait_connected(self, timeout: float = 60.0) -> bool:
-        """Wait until this rank's KV has a live mirror, if the successor group is up (a group
-        should not serve unmirrored when it need not); whether it has one."""
+    def wait_connected(self, timeout: float = 60.0, *, starting: bool = False) -> bool:
+        """Wait until this rank's KV has a live mirror, if the successor group is up (or, with
+        ``starting``, until it is: a prompt group's hand-offs need it); whether it has one. A
+        group should not serve unmirrored when it need not."""
         store, deadline = self.connect(), time.monotonic() + timeout
-        while self.peers.groups > 1 and time.monotonic() < deadline:
+        while self.peers.successor is not None and time.monotonic() < deadline:
             if self.connected.wait(0.05):
                 return True
-            if self.peers.endpoint(store, self.peers.successor) is None:
+            if not starting and self.peers.endpoint(store, self.peers.successor) is None:
                 return False
         return self.connected.is_set()
 
     # ---- the links --------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """Follow the successor's and predecessor's generations: a new one gets a link (and a
+        """Follow the successor's and the sources' generations: a new one gets a link (and a
         thread) of its own; the old link's thread is left to end (or block) on its own."""
-        store, to, source = self.connect(), None, None
+        store, to, sources = self.connect(), None, dict.fromkeys(self.peers.sources)
         while not self.stopping.wait(WATCH_S):
-            now = self.peers.endpoint(store, self.peers.successor)
+            now = None if self.peers.successor is None else self.peers.endpoint(store, self.peers.successor)
             if now != to:
                 to = now
                 self.connected.clear()
@@ -203,10 +256,19 @@ class KVMirror:
                     self.outbox.put(None)  # the old sender ends (or stays blocked on a dead peer)
                 self.outbox = None if now is None else self._start_sender(now)
                 self.resync = True
-            now = self.peers.endpoint(store, self.peers.predecessor)
-            if now is not None and now != source and now != self.me:
-                source = now
-                self._start_receiver(now)
+            for g, known in sources.items():
+                now = self.peers.endpoint(store, g)
+                if now != known and known is not None:
+                    self._closed(known)  # down, or done: nothing more lands from it
+                if now is not None and now != known:
+                    self._start_receiver(now, g)
+                sources[g] = now
+
+    def _closed(self, source: str) -> None:
+        with self.lock:
+            if source in self.mirrors:
+                self.mirrors[source].closed = True
+            self.lock.notify_all()
 
     def _start_sender(self, to: str) -> queue.Queue:
         outbox: queue.Queue = queue.Queue()
@@ -237,12 +299,13 @@ class KVMirror:
                 if item is not None:
                     item[2].set()
 
-    def _start_receiver(self, source: str) -> None:
-        spec = dataclasses.replace(self.cache.spec, block_size=None, num_blocks=None)  # a slot per sequence
+    def _start_receiver(self, source: str, g: int) -> None:
+        landing = Landing(self.cache.spec, self.slots, self.cache.device)
         with self.lock:
-            self.mirrors[source] = (KVCache(spec, device=self.cache.device), {})
-            for old in list(self.mirrors)[:-2]:  # the last failed source's stays until adopted
+            older = [e for e in self.mirrors if e.split(".")[0] == str(g)]
+            for old in older[:-1]:  # group g's last dead generation's stays until adopted
                 del self.mirrors[old]
+            self.mirrors[source] = landing
         link = functools.partial(Link, self.connect(), f"mirror/{source}->{self.me}/{self.peers.position}", 1)
         threading.Thread(target=self._receive_all, args=(link, source), name="reshard-mirror-in", daemon=True).start()
 
@@ -253,40 +316,42 @@ class KVMirror:
             while not self.stopping.is_set():
                 self._receive(into, source)
         except RuntimeError:
-            pass
+            self._closed(source)
 
     def _receive(self, link: Link, source: str) -> None:
         """One message from ``source`` into its mirror; each sequence's landed length moves on
         (only from where it stood: a sequence first seen mid-way waits for its whole resend)."""
         spans, data = link.recv()
         with self.lock:
-            if source not in self.mirrors:
+            landing = self.mirrors.get(source)
+            if landing is None:
                 return
-            cache, index = self.mirrors[source]
-            packing = Packing.of(cache, [self.piece], spans)
+            packing = Packing.of(landing.cache, [self.piece], landing.place(spans))
             assert packing.nbytes == data.numel(), (packing.nbytes, data.numel())
-            packing.unpack(data.to(cache.device))
-            for sp in spans:
-                if sp.start == 0:  # a new sequence in that slot: forget the slot's last one
-                    for rid in [r for r, (slot, _) in index.items() if slot == sp.slot]:
-                        del index[rid]
-                if sp.start == 0 or index.get(sp.key, (sp.slot, -1))[1] == sp.start:
-                    index[sp.key] = (sp.slot, sp.stop)
+            packing.unpack(data.to(landing.cache.device))
+            self.late.discard(source)
+            self.lock.notify_all()
 
     # ---- adopting ---------------------------------------------------------------------------------
     def adopt(self, seq) -> bool:
-        """Copy ``seq``'s KV from the mirror of its failed engine into its slot (every rank of the
-        group alike); keep the tokens that KV covers (the rest are generated again)."""
+        """Copy ``seq``'s KV from its source's mirror into its slot (every rank of the group
+        alike); keep the tokens that KV covers (the rest are generated again). From a source
+        that lives on (a hand-off) the KV is waited for, up to :data:`HANDOFF_WAIT_S`."""
         request: Migrated = seq.request
+        n, tokens = len(request.prompt_ids), list(request.tokens)
+        need = n + len(tokens) - 1
         with self.lock:
-            cache, index = self.mirrors.get(request.source, (None, {}))
-            slot, landed = index.get(request.id, (-1, 0))
-            length = self._agreed(landed)
-            n, tokens = len(request.prompt_ids), list(request.tokens)
-            cached = min(length, n + len(tokens) - 1)
-            if cache is None or cached < n:
-                return False
-            self._copy(cache, Span(request.id, slot, 0, cached), Span(request.id, seq.slot, 0, cached), seq)
+            if not self.lock.wait_for(lambda: self._settled(request, need), timeout=HANDOFF_WAIT_S):
+                self.late.add(request.source)  # its next hand-offs wait no more until something lands
+            landing = self.mirrors.get(request.source)
+            slot, landed = landing.landed(request.id) if landing is not None else (-1, 0)
+            buf = self._packed(landing.cache, Span(request.id, slot, 0, landed)) if landed >= n else None
+        cached = min(self._agreed(landed), need)  # a collective: outside the lock the receivers take
+        if cached < n:
+            return False
+        if self.cache.spec.paged:
+            self.cache.assign(seq.slot, seq.blocks)
+        Packing.of(self.cache, [self.piece], [Span(request.id, seq.slot, 0, landed)]).unpack(buf)
         seq.output, seq.cached = tokens[: cached - n + 1], cached
         if seq.generator is not None:
             skip_draws([request.sampling] * len(seq.output), [seq.generator] * len(seq.output), self.vocab)
@@ -294,13 +359,16 @@ class KVMirror:
         self.report(self.adopted[-1])
         return True
 
-    def _copy(self, mirror: KVCache, src: Span, dst: Span, seq) -> None:
-        """``src``'s entries of ``mirror`` (contiguous) into ``dst`` of this rank's cache (paged:
-        into the blocks the policy gave ``seq``): one indexed copy per layer and K/V each way."""
-        if self.cache.spec.paged:
-            self.cache.assign(seq.slot, seq.blocks)
-        buf = Packing.of(mirror, [self.piece], [src]).pack(self.cache.device)
-        Packing.of(self.cache, [self.piece], [dst]).unpack(buf)
+    def _settled(self, request: Migrated, need: int) -> bool:
+        """Whether ``request``'s KV landed whole, or will land no further (its source closed)."""
+        landing = self.mirrors.get(request.source)
+        return landing is None or landing.closed or request.source in self.late or landing.landed(request.id)[1] >= need
+
+    def _packed(self, mirror: KVCache, span: Span) -> torch.Tensor:
+        """``span``'s entries of ``mirror``, packed (one indexed copy per layer and K/V); unpacked
+        into this rank's slot (paged: the blocks the policy gave it) once the group agrees.
+        Entries past the agreed length are written too: nothing reads them before a step does."""
+        return Packing.of(mirror, [self.piece], [span]).pack(self.cache.device)
 
     def _agreed(self, landed: int) -> int:
         """The shortest landed length over the group's ranks (each holds its own shard)."""

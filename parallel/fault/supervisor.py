@@ -58,6 +58,7 @@ class Failure:
     generation: int
     exitcode: int
     seen_at: float
+    hung: bool = False  # killed by its supervisor: its group's heartbeat went silent
 
 
 def group_store_prefix(spec: ChildSpec) -> str:
@@ -75,7 +76,9 @@ class Supervisor:
     returns once the child exits with status 0; a child that dies moves the group's generation
     on (the first member to see it); a member whose group moved on kills its own child and starts
     one in the new generation. SIGINT/SIGTERM stop the child and end the supervisor (nothing is
-    respawned). ``failures``: the deaths this supervisor saw.
+    respawned). ``silent(spec)``: seconds since the child's group last showed life (None: not
+    yet); a child silent for more than ``hung_after`` seconds is killed as hung (a death like
+    any other). ``failures``: the deaths this supervisor saw.
     """
 
     def __init__(
@@ -94,6 +97,8 @@ class Supervisor:
         warm: tuple[str, ...] = (),
         log: Callable[[dict], None] | None = None,
         done: Callable[[], bool] | None = None,
+        silent: Callable[[ChildSpec], float | None] | None = None,
+        hung_after: float = float("inf"),
     ) -> None:
         self.store, self.rank, self.group, self.members = store, rank, group, tuple(members)
         self.target, self.args, self.max_respawns = target, args, max_respawns
@@ -102,6 +107,7 @@ class Supervisor:
         self._spare: _Spare | None = None
         self.log = log or (lambda event: None)
         self.done = done or (lambda: False)
+        self.silent, self.hung_after, self._hung = silent or (lambda spec: None), hung_after, False
         self.served = False  # some child of this rank became ready
         self.failures: list[Failure] = []
         self.respawns = 0
@@ -163,6 +169,8 @@ class Supervisor:
             if not ready and self.ready(spec):
                 ready = self.served = True
                 self._event("ready", spec)
+            if ready and self._is_hung(spec):
+                return self._child.exitcode
             if not ready and self.done():  # the job finished while this child was starting
                 self._kill()
                 self._event("not needed", spec)
@@ -171,6 +179,16 @@ class Supervisor:
                 self._spare = _Spare(f"reshard-spare{self.rank}", self.warm)
                 self._event("spare", spec, spare=self._spare.process.pid)
             self.on_poll(spec)
+
+    def _is_hung(self, spec: ChildSpec) -> bool:
+        """Kill the child if its group has been silent too long (whether it was)."""
+        silent = None if self.done() else self.silent(spec)  # (a finishing child beats no more)
+        if silent is None or silent <= self.hung_after:
+            return False
+        self._kill()
+        self._hung = True
+        self._event("hung", spec, silent_s=round(silent, 3), code=self._child.exitcode)
+        return True
 
     def _after_peer(self, code: int, spec: ChildSpec) -> bool:
         """Whether a child that raised (``code > 0``) did so because a peer of its group died:
@@ -200,7 +218,8 @@ class Supervisor:
         group's generation on (once per generation, whichever member gets there first) and
         return the generation to start next."""
         if code is not None:
-            failure = Failure(self.rank, self.group, generation, code, time.time())
+            failure = Failure(self.rank, self.group, generation, code, time.time(), hung=self._hung)
+            self._hung = False
             self.failures.append(failure)
             k = self.store.add("failures", 1) - 1
             self.store.set(f"failure/{k}", pickle.dumps(failure))
