@@ -142,9 +142,9 @@ def group_report(args, rows: dict, kill: str) -> None:
     print(
         "| variant | end-to-end s | vs no failure | vs supervised no failure | decode ms/step | kill -> first "
         "migrated token s | kill -> respawn serving s | adopted (regenerated tokens) | re-prefilled tokens | "
-        "same tokens |"
+        "hand-offs adopted | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v, results in rows.items():
         wall = statistics.median(w for w, _, _ in results)
         step = statistics.median(_step(s) for _, s, _ in results)
@@ -153,7 +153,8 @@ def group_report(args, rows: dict, kill: str) -> None:
         print(
             f"| {v} | {wall:.2f} | {wall / base_wall:.2f} | {wall / mirrored:.2f} | {step * 1e3:.2f} "
             f"({step / base_step:.2f}x) | {_after(death, 'first_migrated_token_s')} | {_after(death, 'rejoined_s')} | "
-            f"{_adopted(death)} | {death.get('reprefilled_tokens', '-')} | {'yes' if same else 'NO'} |"
+            f"{_adopted(death)} | {death.get('reprefilled_tokens', '-')} | {_hand_offs(results[-1][1])} | "
+            f"{'yes' if same else 'NO'} |"
         )
     print(f"\ncommand: {rerun_command('fault_tolerance.py', one_thread=False)}")
 
@@ -168,6 +169,13 @@ def _after(death: dict, key: str) -> str:
     if death.get(key) is None or death.get("died_s") is None:
         return "-"
     return f"{death[key] - death['died_s']:.2f}"
+
+
+def _hand_offs(summary: dict) -> str:
+    """DejaVu under supervision: prefilled requests a token group adopted with their KV."""
+    if summary.get("fault", {}).get("hand_offs") is None or summary["strategy"] != "dejavu":
+        return "-"
+    return f"{len(summary['fault']['hand_offs'])} of {summary['requests']}"
 
 
 def _adopted(death: dict) -> str:

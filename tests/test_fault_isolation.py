@@ -454,6 +454,16 @@ def test_the_router_hands_a_prefilled_request_to_the_token_group_its_prompt_grou
         (2, (42,), "0.0", 5),
     ]
     assert router.where == {0: "2.0", 2: "2.0"}
+    # back-pressure: prompt group 0 gets no more while token group 2 holds twice its slots
+    from reshard.parallel.engine.router import Load
+
+    channel.put("load/0.0", Load(2, 1000, 2))  # it took both it was sent
+    channel.put("load/2.0", Load(1, 1000, 2))  # one slot: a backlog of 2 is full
+    assert router._room("0.0") == (0, 0)
+    channel.put("load/2.0", Load(2, 1000, 2))  # two slots: room for two more
+    assert router._room("0.0") == (2, 1000)
+    channel.put("load/1.0", Load(2, 1000, 1))
+    assert router._room("1.0") == (0, 0)  # the token group it streams to is down: its KV would go nowhere
 
 
 def test_a_resumed_request_samples_what_it_would_have():

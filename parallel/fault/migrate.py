@@ -205,6 +205,7 @@ class SupervisedRouter(Router):
         for e in self.takers:
             self.sent[e], self.sent_tokens[e] = 0, []
         self.handoffs: list[Migrated] = []  # waiting for a live taker
+        self.capacity: dict[str, int] = {}  # taker endpoint -> its slots (see _slots)
         self.originals = {r.id: r for r in requests}
         self.migrate, self.generation = migrate, generation
         self.generations = [0] * topology.groups
@@ -239,6 +240,31 @@ class SupervisedRouter(Router):
 
     def _choose(self, request: Request) -> str | None:
         return super()._choose(request) if self.groups else None  # every group down: wait
+
+    def _room(self, g: str) -> tuple[int, int] | None:
+        """An entry's room; none while the taker it streams to is down (its prompts' KV would
+        have nowhere to go) or has a backlog of twice its slots (prompt groups run ahead of
+        token groups no further than their mirrors hold)."""
+        room = super()._room(g)
+        if room is None or not self.takers or g in self.takers:
+            return room
+        taker = self.topology.successor(int(g.split(".")[0]), kv=False)
+        endpoint = f"{taker}.{self.generations[taker]}"
+        slots = self._slots(endpoint)
+        if endpoint not in self.takers or (slots is not None and self._backlog(taker) >= 2 * slots):
+            return (0, 0)
+        return room
+
+    def _slots(self, taker: str) -> int | None:
+        """A taker's slots: the most it ever reported free (None: it has not reported)."""
+        if self.channel.ready(f"load/{taker}"):
+            self.capacity[taker] = max(self.capacity.get(taker, 0), self.channel.get(f"load/{taker}").free_slots)
+        return self.capacity.get(taker)
+
+    def _backlog(self, taker: int) -> int:
+        """Requests at group ``taker``, or at the entries that stream to it, not yet finished."""
+        upstream = {g for g in self.topology.entries if self.topology.successor(g, kv=False) == taker} | {taker}
+        return sum(int(e.split(".")[0]) in upstream for e in self.where.values())
 
     def _send(self, g: str, request: Request | None) -> None:
         if request is not None and self.takers and int(g.split(".")[0]) in self.topology.entries:

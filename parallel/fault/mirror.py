@@ -130,6 +130,10 @@ class Landing:
         oldest = next(iter(self.index))
         return self.index.pop(oldest)[0]
 
+    def release(self, key: int) -> None:
+        if key in self.index:
+            self.free.append(self.index.pop(key)[0])
+
     def landed(self, key: int) -> tuple[int, int]:
         """``(slot, positions landed)`` of request ``key`` (``(-1, 0)``: none)."""
         slot, landed = self.index.get(key, (-1, 0))
@@ -352,6 +356,9 @@ class KVMirror:
         if self.cache.spec.paged:
             self.cache.assign(seq.slot, seq.blocks)
         Packing.of(self.cache, [self.piece], [Span(request.id, seq.slot, 0, landed)]).unpack(buf)
+        with self.lock:  # adopted: its mirror slot is free again
+            if request.source in self.mirrors:
+                self.mirrors[request.source].release(request.id)
         seq.output, seq.cached = tokens[: cached - n + 1], cached
         if seq.generator is not None:
             skip_draws([request.sampling] * len(seq.output), [seq.generator] * len(seq.output), self.vocab)
