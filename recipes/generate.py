@@ -329,7 +329,7 @@ def _print_summary(s: dict, strategy) -> None:
         f"  layouts {_layouts_line(s['parallel'])}",
         flush=True,
     )
-    for line in strategy.report(s):
+    for line in strategy.report(s) if strategy is not None else ():
         print("  " + line, flush=True)
 
 

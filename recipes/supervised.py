@@ -24,7 +24,7 @@ import torch.distributed as dist
 from reshard.parallel.engine import Strategy
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.request import Completion, EngineStats
-from reshard.parallel.engine.router import Channel
+from reshard.parallel.engine.router import Channel, GroupLayout
 from reshard.parallel.fault.migrate import GroupJournal, SupervisedRouter, Topology, read_journal, silent_for
 from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
@@ -58,8 +58,11 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         routed = Channel(CHANNEL, store=own)
         kept, keep = _kept_finished(run_dir)
         die_after = cfg.fault.kill_router_after if restart_count() == 0 else None
+        # one group of every rank (Seesaw, SiDP, Shift) takes each request as it arrives: its
+        # policy need not report room
+        routing = cfg.engine.routing if topology.groups > 1 else "round_robin"
         router = SupervisedRouter(
-            routed, requests, topology, t0, cfg.engine.routing, cfg.fault.migrate, generation,
+            routed, requests, topology, t0, routing, cfg.fault.migrate, generation,
             kept=kept, keep=keep, die_after=die_after,
         )  # fmt: skip
     supervisor = Supervisor(
@@ -128,11 +131,13 @@ def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
                 f"parallel.prompt is tp={prompt.tp} pp={prompt.pp}, parallel.token tp={token.tp} pp={token.pp}"
             )
         return prompt.tp, Topology.disaggregated(prompt.dp, token.dp)
-    if not strategy.single_model() or strategy.name != "tp":
-        raise ValueError(
-            f"fault.migrate={migrate} supervises the tp strategy's data-parallel engine groups or DejaVu's sides; "
-            f"parallel.strategy is {strategy.name!r}"
-        )
+    if strategy.name != "tp":  # Seesaw, SiDP, Shift: one group of every rank, restarted whole in the job
+        if migrate == "kv":
+            raise ValueError(
+                f"fault.migrate=kv mirrors KV across engine groups; parallel.strategy={strategy.name!r} runs one "
+                "group of every rank (use fault.migrate=reprefill or none)"
+            )
+        return world, Topology.ring(1)
     dims = strategy.dims(world)
     if dims.pp > 1 and migrate == "kv":
         raise ValueError(
@@ -142,11 +147,14 @@ def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
     return dims.tp * dims.pp, Topology.ring(dims.dp)
 
 
-def _group_strategy(cfg: GenerateConfig, world: int) -> Strategy:
-    """What builds each group's engine: the tp strategy's (DejaVu's sides are its groups)."""
+def _group_strategy(cfg: GenerateConfig, world: int, path: str) -> Strategy:
+    """What builds each group's engine: the tp strategy's (DejaVu's sides are its groups), or
+    the strategy itself, planned, for one group of every rank."""
+    from reshard.recipes.generate import _workload_shape
+
     if cfg.parallel.name == "dejavu":
         return TPStrategy(tp=_supervised_layout(cfg, world)[0])
-    return cfg.parallel
+    return cfg.parallel.planned(path, world, _workload_shape(cfg))
 
 
 def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -> None:
@@ -156,13 +164,15 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     _init_group(spec, store)
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
     world = int(os.environ["WORLD_SIZE"])
-    engine, topology = _group_strategy(cfg, world).build(path, args), engine_group_of(cfg, world, spec.rank)[2]
-    group = engine.engine_group
-    assert group is not None and group.index == spec.group, (group, spec)
+    engine, topology = _group_strategy(cfg, world, path).build(path, args), engine_group_of(cfg, world, spec.rank)[2]
+    group = engine.engine_group or GroupLayout(0, 1, spec.members)  # a strategy's one group of every rank
+    assert group.index == spec.group and group.ranks == spec.members, (group, spec)
     supervision = _supervision_store()  # a client of its own: the process group waits on `store`
     channel = Channel(CHANNEL, store=supervision)
     hang, beat_s = cfg.fault.inject == "hang", cfg.fault.heartbeat_s / 2
-    journal = GroupJournal(engine, channel, spec, _kill_step(cfg, spec), hang=hang, beat_s=beat_s)
+    journal = GroupJournal(
+        engine, channel, spec, _kill_step(cfg, spec), leader=group.is_leader, hang=hang, beat_s=beat_s
+    )
     report = (lambda a: channel.append("adoptions", a)) if group.is_leader else None
     mirror = _mirror(cfg, engine, spec, report, topology)
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
@@ -171,7 +181,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group: once it is)
         mirror.wait_connected(starting=hands_off)
     with engine:
-        engine.serve_routed(channel, spec.endpoint, beat=journal.beat)
+        engine.serve_routed(channel, spec.endpoint, beat=journal.beat, layout=group)
     channel.put(f"left/{spec.endpoint}", time.time())  # no mirror waits for it any more
     if mirror is not None:
         mirror.close()
@@ -295,7 +305,7 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
-    _write_outputs(run_dir, completions, summary, _group_strategy(cfg, dist.get_world_size()))
+    _write_outputs(run_dir, completions, summary, None)  # (no strategy's own keys: its engines are the children's)
     (run_dir / "finished.jsonl").unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 

@@ -240,6 +240,21 @@ def test_dejavu_prompt_rank_killed_its_prompts_are_prefilled_again_into_a_paged_
     assert _gone(events)
 
 
+@pytest.mark.parametrize("strategy", ["seesaw", "sidp"])
+def test_a_strategy_of_one_group_restarts_whole_in_the_job(tmp_path, reference, strategy):
+    """Seesaw and SiDP run one engine group of every rank: a rank's death respawns the group in
+    the job (no torchrun restart), its requests resume there with their tokens so far."""
+    overrides = [*BASE, f"parallel={strategy}", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    expected = reference(overrides, 2)
+    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=reprefill", "fault.kill_at=[1,6]"], 2)
+    assert tokens == expected and summary["failures"] == 0
+    (death,) = summary["fault"]["deaths"]
+    assert death["endpoint"] == "0.0" and death["rank"] == 1 and death["resumed"] and death["rejoined_s"]
+    assert [e["rank"] for e in events if e["event"] == "replaced"] == [0]  # the whole group, in the job
+    assert all(summary["fault"]["served_by"][str(rid)] == ["0.0", "0.1"] for rid in death["resumed"])
+    assert _gone(events)
+
+
 def test_kv_sent_every_three_steps_into_a_paged_cache_regenerates_at_most_three_tokens(tmp_path, reference):
     overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)  # contiguous KV, unsupervised
@@ -360,12 +375,12 @@ def _refused(overrides, run_dir):
     return str(err.value)
 
 
-def test_strategies_without_engine_groups_and_kv_in_pipelines_are_refused(tmp_path):
-    overrides = [*BASE, "parallel=seesaw", "fault.migrate=reprefill", f"model.cache_dir={tmp_path / 'cache'}"]
+def test_kv_without_groups_to_mirror_across_or_in_pipelines_is_refused(tmp_path):
+    overrides = [*BASE, "parallel=seesaw", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
     for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
         assert message == (
-            "fault.migrate=reprefill supervises the tp strategy's data-parallel engine groups or DejaVu's sides; "
-            "parallel.strategy is 'seesaw'"
+            "fault.migrate=kv mirrors KV across engine groups; parallel.strategy='seesaw' runs one group of every "
+            "rank (use fault.migrate=reprefill or none)"
         )
     overrides = [*BASE, "parallel.pp=2", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
     for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
@@ -381,7 +396,7 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
     import torch.distributed as dist
 
     from reshard.parallel import Request
-    from reshard.parallel.engine.router import Channel, Load
+    from reshard.parallel.engine.router import Channel
     from reshard.parallel.engine.sampling import SamplingParams
     from reshard.parallel.fault.migrate import JournalEntry, SupervisedRouter, Topology
 
@@ -414,7 +429,7 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
         assert resumed.prompt_ids == [5, 5, 5, 11, 12] and resumed.resumed == 2
         assert resumed.sampling.max_new_tokens == 1 and restarted is requests[2]
         assert "1.0" not in router.groups
-        channel.put("load/1.1", Load(2, 100, 0))  # generation 1 reports in
+        channel.put("ready/1.1", time.time())  # generation 1 is ready
         router._watch()
         assert "1.1" in router.groups and m.rejoined is not None
         if migrate == "none":  # handed to generation 1 of their group

@@ -222,19 +222,27 @@ class Engine:
             return self._serve_routed(requests, bar)
 
     @torch.inference_mode()
-    def serve_routed(self, channel: Channel, endpoint: str, beat: Callable[[], None] | None = None) -> list[Completion]:
+    def serve_routed(
+        self,
+        channel: Channel,
+        endpoint: str,
+        beat: Callable[[], None] | None = None,
+        layout: GroupLayout | None = None,
+    ) -> list[Completion]:
         """Serve this rank's engine group as ``endpoint`` of a supervised job (whose router runs
         in another process, :mod:`reshard.parallel.fault.migrate`): requests come from
         ``channel``, every completion goes to its ``done`` list as it finishes; ``beat()`` runs
-        while it waits for requests (a heartbeat: idle is not hung). Returns this group's
+        while it waits for requests (a heartbeat: idle is not hung). ``layout``: the group, when the
+        engine is not one of several (a strategy's one group of every rank). Returns this group's
         completions (:meth:`generate` returns the whole job's, where every group lives to the
         end)."""
-        assert self.engine_group is not None, "serve_routed runs one engine group of several"
+        layout = layout or self.engine_group
+        assert layout is not None, "serve_routed runs an engine group: give its layout"
         self._ready()
         what = f"engine group {endpoint} waiting for the router's start time"
         channel.wait("start", what, self.group_timeout)
         admission = RoutedAdmission(
-            channel, self.engine_group, None, self.group_timeout, endpoint=endpoint, publish=True, beat=beat
+            channel, layout, None, self.group_timeout, endpoint=endpoint, publish=True, beat=beat
         )
         return list(self._serve(admission, channel.get("start")).values())
 

@@ -14,7 +14,7 @@ Two halves, both on the engine's core hooks:
   ``migrate="reprefill"`` they go to any live group at once; with ``"none"`` they wait for their
   own group's next generation; with ``"kv"`` they go, as :class:`Migrated` requests, to the
   group that mirrors the dead one's KV. The router stops handing the dead group work and takes
-  it back once its new generation reports in.
+  it back once its new generation is ready.
 
 DejaVu under supervision (:meth:`Topology.disaggregated`): prompt groups get each request up to
 its first token; its completion there is a *hand-off*, which the router sends on as a
@@ -97,7 +97,7 @@ class GroupJournal:
     """The journal, heartbeat and failure injection of one engine child (``spec``), on
     ``engine``'s events.
 
-    The group's leader journals every step and beats (``beat/<endpoint>``, the time, at most
+    The group's ``leader`` journals every step and beats (``beat/<endpoint>``, the time, at most
     every ``beat_s`` seconds) before each step and while it waits for requests (:meth:`beat`);
     its supervisors read it (:func:`silent_for`). ``kill_step``: SIGKILL this rank before that
     step of this generation (None: never; ``hang``: stop it there for good instead).
@@ -110,11 +110,12 @@ class GroupJournal:
         spec: ChildSpec,
         kill_step: int | None = None,
         *,
+        leader: bool,
         hang: bool = False,
         beat_s: float = 0.5,
     ) -> None:
         self.channel, self.key, self.beat_key = channel, f"journal/{spec.endpoint}", f"beat/{spec.endpoint}"
-        self.leader, self.beat_s, self.last_beat = engine.engine_group.is_leader, beat_s, 0.0
+        self.leader, self.beat_s, self.last_beat = leader, beat_s, 0.0
         if self.leader:
             engine.events.on("step_agreed", self._record)
             engine.events.on("step_ready", lambda index, step: self.beat())
@@ -166,7 +167,7 @@ class Migration:
     restarted: list[int] = dataclasses.field(default_factory=list)  # ... with none yet
     completed: list[int] = dataclasses.field(default_factory=list)  # finished there, completed from the journal
     reprefilled_tokens: int = 0  # generated tokens prefilled again (reprefill; kv: by the adopter, if it had to)
-    rejoined: float | None = None  # when the group's next generation reported in (job clock)
+    rejoined: float | None = None  # when the group's next generation was ready (job clock)
     adopted_by: str | None = None  # migrate="kv": the endpoint that adopted its requests with their KV
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # request id -> tokens it had generated
 
@@ -317,7 +318,7 @@ class SupervisedRouter(Router):
 
     def _watch(self) -> None:
         """Groups whose generation moved on: migrate the old one's requests; groups whose new
-        generation reported in: route to it again."""
+        generation is ready: route to it again."""
         for g, known in enumerate(self.generations):
             current = self.generation(g)
             if current > known:
@@ -325,7 +326,7 @@ class SupervisedRouter(Router):
                 self._fail(g, known)
                 self.generations[g] = current
             endpoint = f"{g}.{self.generations[g]}"
-            if endpoint not in self.groups + self.takers and self.channel.ready(f"load/{endpoint}"):
+            if endpoint not in self.groups + self.takers and self.channel.ready(f"ready/{endpoint}"):
                 self._rejoin(g, endpoint)
 
     def _fail(self, g: int, generation: int) -> None:
