@@ -268,17 +268,21 @@ def test_kv_sent_every_three_steps_into_a_paged_cache_regenerates_at_most_three_
     assert _gone(events)
 
 
-def test_without_kv_the_requests_are_prefilled_again_elsewhere(tmp_path, reference):
-    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
-    expected = reference(overrides, 2)
-    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=reprefill", "fault.kill_at=[1,6]"], 2)
+def test_each_rank_killed_in_turn_without_kv_its_requests_are_prefilled_again_elsewhere(tmp_path, reference):
+    expected = reference(DP4, 4)
+    kills = "fault.kill_at=[[0,3],[1,40],[2,80],[3,120]]"
+    tokens, summary, events = _run(tmp_path, [*DP4, "fault.migrate=reprefill", kills], 4)
     assert tokens == expected and summary["failures"] == 0
-    (death,) = summary["fault"]["deaths"]
-    assert death["resumed"] and death["adopted"] == [] and death["adopted_by"] is None
-    # prompt + every token so far prefilled again on the live group
-    assert death["reprefilled_tokens"] == sum(death["tokens_so_far"].values()) > 0
+    deaths = summary["fault"]["deaths"]
+    assert sorted(d["rank"] for d in deaths) == [0, 1, 2, 3]
+    assert _never_waited(deaths) >= 2
     served_by = summary["fault"]["served_by"]
-    assert all(served_by[str(rid)] == ["1.0", "0.0"] for rid in death["resumed"]), served_by
+    for d in deaths:
+        assert d["adopted"] == [] and d["adopted_by"] is None
+        # prompt + every token so far prefilled again on a live group
+        assert d["reprefilled_tokens"] == sum(d["tokens_so_far"].values())
+        assert all(served_by[str(rid)][-1] != d["endpoint"] for rid in d["resumed"]), (d, served_by)
+    assert sum(len(d["resumed"]) for d in deaths) > 0
     assert _gone(events)
 
 
