@@ -50,6 +50,11 @@ def redistribute(
             f"redistribute moves DTensors; got a {type(t).__name__} (wrap a local shard "
             f"with reshard.wrap_local or distribute it first)"
         )
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "reshard.redistribute does not record autograd (its gradient would be wrong): got a tensor that "
+            "requires grad; detach it or run under torch.no_grad(), or use DTensor.redistribute to differentiate"
+        )
     [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=check)
     out = out if mesh.get_coordinate() is not None else None
     return (out, stats) if return_stats else out
@@ -137,6 +142,7 @@ def _move(
     plans, srcs = [], []
     for t, target in zip(tensors, targets):
         mesh, placements = _target(target)
+        _check_movable(t, mesh)
         plans.append(plan_for(t, mesh, placements))
         srcs.append(t.to_local() if plans[-1].src.box(rank) is not None else None)
     if check:
@@ -148,6 +154,20 @@ def _move(
         local = out if out is not None else torch.empty(0, dtype=t.dtype, device=device)
         result.append(wrap_local(local, target[0], tuple(plan.dst.placements), t.shape))
     return result, stats
+
+
+def _check_movable(t: DTensor, mesh: DeviceMesh) -> None:
+    """``ValueError``, on every rank before any collective, for a tensor no move can carry."""
+    if t.to_local().device.type == "meta":
+        raise ValueError(
+            f"cannot move a meta-device DTensor of shape {tuple(t.shape)}: it holds no data (materialize it "
+            "first, e.g. with to_empty and a load)"
+        )
+    if mesh.device_type != t.device_mesh.device_type:
+        raise ValueError(
+            f"the source mesh is {t.device_mesh.device_type!r} and the destination mesh {mesh.device_type!r}: "
+            "a move stays on one device type"
+        )
 
 
 def _target(target) -> tuple[DeviceMesh, tuple[Placement, ...]]:

@@ -19,6 +19,7 @@ then broadcast from the first source rank to every destination rank, as OpenRLHF
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class WeightSync:
 
     Collective: every rank of the world constructs it and calls :meth:`sync` / :meth:`start`.
     A name, shape or dtype mismatch is a ``ValueError`` on every rank, before anything moves.
+    One sync at a time: a :meth:`sync` or :meth:`start` called while a background sync is in
+    flight waits for it first (so the version label always names the bytes last written).
     """
 
     def __init__(
@@ -102,6 +105,8 @@ class WeightSync:
         self._baseline = _Baseline(self.entries, method) if method != "planned" else None
         self.schedule = Schedule.of(self.plans, bucket_bytes) if self._baseline is None else None
         self._background = cached_group(purpose="weight-sync")
+        self._running: SyncHandle | None = None  # the background sync in flight, if any
+        self._lock = threading.Lock()  # held while a sync writes (callers on several threads)
 
     @property
     def lower_bound_bytes(self) -> int:
@@ -109,8 +114,10 @@ class WeightSync:
 
     def sync(self, step: int) -> CommStats:
         """Write the source's current values into the destination (in place); mark them ``step``."""
+        self._wait_running()
         self._check_step(step, None)
-        return self._apply(step, None)
+        with self._lock:
+            return self._apply(step, None)
 
     def start(self, step: int) -> SyncHandle:
         """:meth:`sync` on a background thread over its own process group. The source tensors
@@ -118,8 +125,20 @@ class WeightSync:
         an optimizer step may not); the destination refuses to generate until then."""
         if self._baseline is not None:
             raise ValueError(f"the {self.method!r} baseline runs synchronously only; use sync()")
+        self._wait_running()
         self._check_step(step, self._background)
-        return SyncHandle(self, step)
+        self._running = SyncHandle(self, step)
+        return self._running
+
+    def _wait_running(self) -> None:
+        """Wait for the background sync in flight (every rank alike: each waits for its own)."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.wait()
+
+    def _apply_locked(self, step: int, group) -> CommStats:
+        with self._lock:
+            return self._apply(step, group)
 
     # ---- internals --------------------------------------------------------------------------
     def _apply(self, step: int, group) -> CommStats:
@@ -160,7 +179,7 @@ class SyncHandle:
         if sync.version is not None:
             sync.version.pending = step  # refuse to generate from the moment the sync is started
         self._job = Background(
-            lambda: sync._apply(step, sync._background), "reshard-sync", f"weight sync of step {step}"
+            lambda: sync._apply_locked(step, sync._background), "reshard-sync", f"weight sync of step {step}"
         )
 
     def done(self) -> bool:

@@ -286,18 +286,23 @@ def test_each_rank_killed_in_turn_without_kv_its_requests_are_prefilled_again_el
     assert _gone(events)
 
 
-def test_a_hung_group_is_killed_by_its_supervisor_and_its_requests_move_on(tmp_path, reference):
+def test_a_hung_group_is_killed_and_with_migrate_none_its_requests_wait_for_its_respawn(tmp_path, reference):
     overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)
-    hang = ["fault.migrate=reprefill", "fault.kill_at=[1,6]", "fault.inject=hang", "fault.hung_after_s=4"]
+    hang = ["fault.migrate=none", "fault.kill_at=[1,5]", "fault.inject=hang", "fault.hung_after_s=4"]
     tokens, summary, events = _run(tmp_path, [*overrides, *hang], 2)
     assert tokens == expected and summary["failures"] == 0
     (death,) = summary["fault"]["deaths"]
     assert death["endpoint"] == "1.0" and death["hung"] and death["exitcode"] == -signal.SIGKILL
-    assert not [d for d in summary["fault"]["deaths"] if d["hung"] and d["endpoint"] != "1.0"]
     (hung,) = [e for e in events if e["event"] == "hung"]  # SIGSTOPped: silent past fault.hung_after_s
     assert hung["rank"] == 1 and 4 < hung["silent_s"] < 10, hung
-    assert death["resumed"] and _gone(events)
+    # its requests waited for the group's next generation, which served them
+    waited, served_by = death["resumed"] + death["restarted"], summary["fault"]["served_by"]
+    assert waited and death["rejoined_s"] is not None
+    assert all(served_by[str(rid)] == ["1.0", "1.1"] for rid in waited), served_by
+    digests = summary["fault"]["weights_digest"]  # the respawned engine loaded what the first did
+    assert digests["1"]["0"] == digests["1"]["1"] and digests["0"]["0"] == digests["1"]["0"]
+    assert _gone(events)
 
 
 def test_the_routers_process_lost_torchrun_restarts_the_job_and_nothing_finished_runs_again(tmp_path, reference):
@@ -311,22 +316,6 @@ def test_the_routers_process_lost_torchrun_restarts_the_job_and_nothing_finished
     assert summary["fault"]["kept_from_earlier_attempts"] >= 3
     assert not (tmp_path / "run" / "finished.jsonl").exists()  # outputs.jsonl holds them all
     assert _gone(events)  # the lost attempt's children and spares too
-
-
-def test_with_migrate_none_the_requests_wait_for_their_group(tmp_path, reference):
-    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
-    expected = reference(overrides, 2)
-    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=none", "fault.kill_at=[1,5]"], 2)
-    assert tokens == expected and summary["failures"] == 0
-    (death,) = summary["fault"]["deaths"]
-    waited = death["resumed"] + death["restarted"]
-    served_by = summary["fault"]["served_by"]
-    # they waited for the group's next generation, which served them
-    assert waited and death["rejoined_s"] is not None
-    assert all(served_by[str(rid)] == ["1.0", "1.1"] for rid in waited), served_by
-    digests = summary["fault"]["weights_digest"]  # the respawned engine loaded what the first did
-    assert digests["1"]["0"] == digests["1"]["1"] and digests["0"]["0"] == digests["1"]["0"]
-    assert _gone(events)
 
 
 def test_ctrl_c_stops_every_supervisor_child_and_spare(tmp_path):

@@ -481,3 +481,83 @@ def test_background_groups_are_cached_by_purpose_with_the_jobs_timeout():
     for same, distinct, ranks, timeout in dist_harness.run(2, _groups):
         assert same and distinct and ranks == [0, 1]
         assert timeout == COLLECTIVE_TIMEOUT  # the job's, not torch's 30-minute default
+
+
+# ---- _StridedShard: FSDP2 over tensor parallelism (issue 23) ---------------------------------------
+def _strided_moves(shape, ranks):
+    """The moves that went wrong before (issue 23), through ``reshard.redistribute`` on a 2x2
+    mesh, against DTensor's own placement of the global tensor (local slicing by coordinate) and,
+    on an ascending mesh, its own ``full_tensor`` (which reads ``_StridedShard`` right there)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from reshard import redistribute
+
+    mesh = DeviceMesh("cpu", torch.tensor(ranks))
+    x = torch.arange(box_numel(tuple((0, n) for n in shape)), dtype=torch.float32).view(shape)
+    fsdp_tp, fsdp_tp1 = (_StridedShard(0, split_factor=2), Shard(0)), (_StridedShard(1, split_factor=2), Shard(1))
+    cases = [
+        (fsdp_tp, (Shard(0), Shard(0))),
+        ((Replicate(), Replicate()), fsdp_tp),
+        (fsdp_tp, (Shard(0), Shard(1))),
+        (fsdp_tp, (Replicate(), Replicate())),
+        ((Shard(0), Shard(1)), fsdp_tp),
+        (fsdp_tp1, (Replicate(), Shard(0))),
+        (fsdp_tp, fsdp_tp1),
+    ]
+    for src, dst in cases:
+        t = distribute_tensor(x, mesh, src, src_data_rank=None)
+        out = redistribute(t, mesh, dst)
+        expect = distribute_tensor(x, mesh, dst, src_data_rank=None).to_local()
+        assert out.to_local().shape == expect.shape and torch.equal(out.to_local(), expect), (src, dst, shape)
+        if ranks == ASCENDING:  # elsewhere DTensor's own collectives permute the shards
+            assert torch.equal(out.full_tensor(), x), (src, dst, shape)
+    return len(cases)
+
+
+ASCENDING, PERMUTED = [[0, 1], [2, 3]], [[2, 0], [3, 1]]
+
+
+@pytest.mark.parametrize("shape,ranks", [((8, 4), ASCENDING), ((7, 5), ASCENDING), ((3, 2), PERMUTED)])
+def test_strided_shard_moves_equal_dtensors_placement_on_every_rank(shape, ranks):
+    """Even and uneven sizes (on a 2x2 mesh every rank's rows stay contiguous), ascending and not."""
+    assert dist_harness.run(WORLD, _strided_moves, shape, ranks) == [7] * WORLD
+
+
+def test_a_strided_shard_that_leaves_a_rank_non_contiguous_indices_is_refused_by_name():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    ss = _StridedShard(0, split_factor=2)
+    with pytest.raises(ValueError, match=r"mesh coordinate \(0,\) would hold non-contiguous indices of dim 0"):
+        Layout((0, 1, 2, 3), (ss,), (8, 4), torch.float32)  # alone: rank 0 holds rows 0 and 4
+    with pytest.raises(ValueError, match=r"_StridedShard\(dim=0, sf=2\), Shard\(dim=0\).*coordinate \(2, 0\)"):
+        Layout(((0, 1), (2, 3), (4, 5)), (ss, Shard(0)), (13, 2), torch.float32)  # 13 rows on 3 x 2: uneven
+    assert Layout(((0, 1), (2, 3)), (ss, Shard(0)), (8, 4), torch.float32).box(1) == ((4, 6), (0, 4))
+
+
+def _unmovable(case):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from reshard import redistribute, slice_to_dtensor
+    from reshard.mesh import cached_mesh
+
+    mesh = cached_mesh(torch.arange(dist.get_world_size()), ("x",))
+    if case == "meta":
+        t = DTensor.from_local(torch.empty(4, 4, device="meta"), mesh, (Replicate(),), run_check=False)
+    else:
+        t = slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)).requires_grad_()
+    redistribute(t, mesh, (Shard(0),))
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("meta", r"cannot move a meta-device DTensor of shape \(4, 4\)"),
+        ("grad", r"reshard.redistribute does not record autograd \(its gradient would be wrong\)"),
+    ],
+)
+def test_tensors_no_move_can_carry_are_refused_before_any_collective(case, match):
+    with pytest.raises(RuntimeError, match=match):
+        dist_harness.run(2, _unmovable, case)

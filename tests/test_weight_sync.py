@@ -344,3 +344,35 @@ def test_sync_into_a_mesh_of_non_ascending_ranks():
     results = dist_harness.run(2, _permuted_job)
     assert all(same and in_place for same, in_place, _ in results)
     assert sum(r[2] for r in results) == 2 * 3 * 5 * 4  # each rank lacks half of its 6 x 5 box (fp32)
+
+
+def _overlapping_syncs(order: str):
+    """A second sync issued while a background one is in flight waits for it: the bytes and
+    the version label are the second's, every time (issue 23: once, both ranks ended labelled
+    with the first step after the second had returned)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from reshard import empty_dtensor
+    from reshard.sync import WeightSync, WeightVersion
+
+    full = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    src = distribute_tensor(full, DeviceMesh("cpu", torch.tensor([0, 1])), (Shard(0),), src_data_rank=None)
+    dst = empty_dtensor((64, 256), DeviceMesh("cpu", torch.tensor([0, 1])), (Shard(1),), dtype=torch.float32)
+    version = WeightVersion()
+    sync = WeightSync({"w": src}, {"w": dst}, version=version)
+    outcomes = []
+    for trial in range(4):
+        first = sync.start(2 * trial + 1)
+        if order == "sync":
+            sync.sync(2 * trial + 2)
+        else:
+            sync.start(2 * trial + 2).wait()
+        outcomes.append((first.done(), version.step, version.pending))
+    return outcomes, torch.equal(dst.full_tensor(), full)
+
+
+@pytest.mark.parametrize("order", ["sync", "start"])
+def test_a_sync_started_while_another_is_in_flight_waits_for_it(order):
+    for outcomes, same in dist_harness.run(2, _overlapping_syncs, order):
+        assert same and outcomes == [(True, 2 * t + 2, None) for t in range(4)], outcomes
