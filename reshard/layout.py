@@ -94,7 +94,7 @@ class Layout:
         """The indices of ``dim`` held at ``coord`` by DTensor's rule, placement by placement: a
         ``Shard`` keeps its chunk; a ``_StridedShard`` cuts ``split_factor`` pieces, chunks each
         and keeps its chunk of every piece, concatenated. ``ValueError`` unless contiguous."""
-        idx = torch.arange(self.shape[dim])
+        idx = torch.arange(self.shape[dim])  # host index math (a layout is a pure description)
         for axis, p in enumerate(self.placements):
             n, i = self.grid.shape[axis], coord[axis]
             if isinstance(p, _StridedShard) and p.dim == dim:

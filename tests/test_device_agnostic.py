@@ -64,6 +64,7 @@ DEVICE_NAMES = frozenset({"cpu", "cuda", "mps", "xpu"})  # not "meta": a meta te
 _CALIBRATION = "calibration times this host's CPU threads and its gloo link (the cost model's CPU inputs)"
 ALLOWED: dict[str, str] = {
     "reshard.mesh:rank_tensor": "rank grids are host metadata: DeviceMesh keeps its ranks on the CPU",
+    "reshard.layout:Layout._strided_range": "a layout is a pure description: its index math runs on the host",
     "reshard.kv.context:AttentionContext.build": (
         "a prefill's index math runs on the host from Python lists (no device sync for its sizes); "
         "every tensor it returns is moved to the cache's device"
