@@ -94,7 +94,8 @@ class RolloutJob:
         t = self.cfg.train
         memory = {"sync": self._resident()}
         t0 = time.perf_counter()
-        stats = self.sync.sync(it)
+        every = self.cfg.sync.verify_every
+        stats = self.sync.sync(it, verify=every > 0 and it % every == 0)  # verify: a RuntimeError if wrong
         sync_s = time.perf_counter() - t0
         memory["sync"] += stats.peak_extra_bytes
         prompts = [p for p in task_prompts(t, it, self.vocab_size) for _ in range(t.group_size)]

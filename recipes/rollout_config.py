@@ -47,6 +47,7 @@ class RolloutLayoutConfig:
 class SyncConfig:
     method: str = "planned"  # planned (ours) | full_tensor | broadcast (baselines)
     bucket_mb: float = 64.0  # staging budget: a round's send + receive buffers per rank
+    verify_every: int = 10  # check the synced weights against the source every N iterations (0: never)
 
     def __post_init__(self) -> None:
         from reshard.sync import SYNC_METHODS
@@ -55,6 +56,8 @@ class SyncConfig:
             raise ValueError(f"sync.method must be one of {list(SYNC_METHODS)}, got {self.method!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"sync.bucket_mb must be > 0, got {self.bucket_mb}")
+        if not (type(self.verify_every) is int and self.verify_every >= 0):
+            raise ValueError(f"sync.verify_every must be an int >= 0 (0: never), got {self.verify_every!r}")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from reshard.background import Background
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
-from reshard.layout import Layout, box_slices, nested_tuple
+from reshard.layout import Box, Layout, box_slices, nested_tuple
 from reshard.mesh import cached_group, device_type, rank_tensor
 from reshard.plan import Plan, plan_transfer
 
@@ -112,12 +112,46 @@ class WeightSync:
     def lower_bound_bytes(self) -> int:
         return sum(p.lower_bound_bytes for p in self.plans)
 
-    def sync(self, step: int) -> CommStats:
-        """Write the source's current values into the destination (in place); mark them ``step``."""
+    def sync(self, step: int, *, verify: bool = False) -> CommStats:
+        """Write the source's current values into the destination (in place); mark them ``step``
+        (``verify``: then :meth:`verify` what was written)."""
         self._wait_running()
         self._check_step(step, None)
         with self._lock:
-            return self._apply(step, None)
+            stats = self._apply(step, None)
+        if verify:
+            self.verify()
+        return stats
+
+    def verify(self) -> None:
+        """Check every destination shard against the source: each rank checksums what it holds
+        of the destination, and the source side the same boxes (piece by piece, additive); one
+        all-reduce of the sums, then ``RuntimeError`` on every rank naming each tensor and rank
+        that differs. Collective; the source must not have changed since the sync.
+        ``Partial`` sources are not checked (their destination is a reduction of them)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        sums = torch.zeros(len(self.entries), world, dtype=torch.int64, device=device_type())
+        for i, (e, plan) in enumerate(zip(self.entries, self.plans)):
+            local, box = _local(self.src.get(e.source), e.src), e.src.box(rank)
+            for piece in plan.pieces if plan.reduce_op is None else ():
+                if piece.src == rank:
+                    sums[i, piece.dst] += _checksum(local, box, piece.box, e.src.shape)
+        dist.all_reduce(sums)
+        wrong = [
+            (e.key, rank)
+            for i, (e, plan) in enumerate(zip(self.entries, self.plans))
+            if plan.reduce_op is None
+            and (box := e.dst.box(rank)) is not None
+            and int(sums[i, rank]) % CHECKSUM_P != _checksum(_local(self.dst.get(e.key), e.dst), box, box, e.dst.shape)
+        ]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, wrong)
+        wrong = sorted(w for per_rank in everyone for w in per_rank)
+        if wrong:
+            listed = ", ".join(f"{key!r} on rank {r}" for key, r in wrong[:8])
+            raise RuntimeError(
+                f"weight sync verification failed: {len(wrong)} destination shard(s) differ from the source: {listed}"
+            )
 
     def start(self, step: int) -> SyncHandle:
         """:meth:`sync` on a background thread over its own process group. The source tensors
@@ -274,6 +308,28 @@ def match_layouts(src: dict[str, Layout], dst: dict[str, Layout], allow_unused: 
             f"{' ...' if len(unused) > 6 else ''} (pass allow_unused=True to sync anyway)"
         )
     return entries
+
+
+CHECKSUM_P = 2**31 - 1  # checksums are sums mod this prime (int64 never overflows on the way)
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(local: torch.Tensor, held: Box, box: Box, shape) -> int:
+    """Sum over ``box`` (global coordinates, inside ``held``: the box ``local`` holds) of each
+    element's bit pattern times a weight of its global position, mod :data:`CHECKSUM_P`:
+    additive over disjoint boxes, so pieces checksummed where they were sent from add up to
+    the destination's."""
+    view = local[tuple(slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(box, held))]
+    bits = view.contiguous().view(_INT_OF[view.element_size()]).to(torch.int64) % CHECKSUM_P
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    lin = torch.zeros((), dtype=torch.int64, device=local.device)
+    for d, (lo, hi) in enumerate(box):  # global linear index of every element, broadcast over dims
+        axis = torch.arange(lo, hi, dtype=torch.int64, device=local.device) * strides[d]
+        lin = lin.unsqueeze(-1) + axis
+    weight = (lin * 1_000_003 + 12_345) % CHECKSUM_P
+    return int((bits * weight % CHECKSUM_P).sum()) % CHECKSUM_P
 
 
 def _local(t: torch.Tensor | None, layout: Layout) -> torch.Tensor | None:

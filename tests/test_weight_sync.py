@@ -376,3 +376,42 @@ def _overlapping_syncs(order: str):
 def test_a_sync_started_while_another_is_in_flight_waits_for_it(order):
     for outcomes, same in dist_harness.run(2, _overlapping_syncs, order):
         assert same and outcomes == [(True, 2 * t + 2, None) for t in range(4)], outcomes
+
+
+def _verified_job():
+    """A sync checked with ``verify``: passes as written; one element flipped in one rank's
+    destination shard afterwards is caught, on every rank, naming the tensor and the rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from reshard import empty_dtensor
+    from reshard.sync import WeightSync
+
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(6, 10, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)}
+    ranks = DeviceMesh("cpu", torch.tensor([0, 1]))
+    src = {
+        "w": distribute_tensor(full["w"], ranks, (Shard(0),), src_data_rank=None),
+        "b": distribute_tensor(full["b"], ranks, (Replicate(),), src_data_rank=None),
+    }
+    dst = {
+        "w": empty_dtensor((6, 10), DeviceMesh("cpu", torch.tensor([1, 0])), (Shard(1),), dtype=torch.float32),
+        "b": empty_dtensor((7,), ranks, (Shard(0),), dtype=torch.bfloat16),
+    }
+    sync = WeightSync(src, dst)
+    sync.sync(1, verify=True)  # nothing raised: what was written is the source
+    if dist.get_rank() == 1:
+        dst["w"].to_local()[2, 3] += 1.0  # a corrupted destination element
+    try:
+        sync.verify()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_verify_catches_a_corrupted_destination_shard_on_every_rank():
+    for message in dist_harness.run(2, _verified_job):
+        assert message == (
+            "weight sync verification failed: 1 destination shard(s) differ from the source: 'w' on rank 1"
+        )

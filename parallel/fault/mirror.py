@@ -180,8 +180,8 @@ class KVMirror:
         self.outbox: queue.Queue | None = None  # the live sender's (None: no receiver yet)
         self.stopping = threading.Event()
         self.connected = threading.Event()  # the live sender's link is up
-        self.last = threading.Event()  # set when the last message queued has been sent
-        self.last.set()
+        # the outbox the last message was queued in, and its event (set once it has been sent)
+        self.last: tuple[queue.Queue | None, threading.Event] = (None, threading.Event())
         # (source endpoint, request id, tokens kept, tokens generated again): what this rank adopted
         self.adopted: list[tuple[str, int, int, int]] = []
         self.report = report or (lambda adoption: None)
@@ -220,8 +220,8 @@ class KVMirror:
                 self.resync = True
                 return
             self._wait_sent(outbox)
-            self.last = threading.Event()
-            outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack(self.cache.device), self.last))
+            self.last = (outbox, threading.Event())
+            outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack(self.cache.device), self.last[1]))
             if self.every > 1:  # k steps per message: this one leaves before the next k gather (<= k lost)
                 self._wait_sent(outbox)
 
@@ -230,7 +230,10 @@ class KVMirror:
         With one step per message the previous one is waited for (one in flight: a failure
         loses at most that step); with ``every`` > 1, each message before the next steps gather
         (a failure loses at most the ``every - 1`` steps gathered and the one computing)."""
-        while not self.last.wait(0.05):
+        queued_in, sent = self.last
+        if queued_in is not outbox:  # it went to a receiver since replaced: nothing to wait for here
+            return
+        while not sent.wait(0.05):
             if self.outbox is not outbox or self.stopping.is_set():
                 return
 
