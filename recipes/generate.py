@@ -90,10 +90,19 @@ def _workload_shape(cfg: GenerateConfig) -> WorkloadShape:
     )
 
 
+FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
+
+
+def append_finished(path: Path, completions) -> None:
+    """Append ``completions`` to a :data:`FINISHED` file, one output line each."""
+    with open(path, "a") as f:
+        f.writelines(_output_line(c) for c in completions)
+
+
 def _keep_finished(engine: Engine, run_dir: Path) -> Path:
     """Rank 0 appends each request to ``run_dir/finished.jsonl`` the step it finishes, so a job
     that dies keeps what it completed (a restarted attempt rewrites the file as it replays)."""
-    path = run_dir / "finished.jsonl"
+    path = run_dir / FINISHED
     if _rank() != 0:
         return path
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -102,8 +111,7 @@ def _keep_finished(engine: Engine, run_dir: Path) -> Path:
     def hook(index: int, step, tokens) -> None:
         done = [s.completion() for s in step.seqs if s.finish_reason is not None]
         if done:
-            with open(path, "a") as f:
-                f.writelines(_output_line(c) for c in done)
+            append_finished(path, done)
 
     engine.events.on("step_agreed", hook)
     return path

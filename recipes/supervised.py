@@ -95,19 +95,15 @@ def _kept_finished(run_dir: Path) -> tuple[list[Completion], Callable[[Completio
     """What an earlier attempt of this job finished (``run_dir/finished.jsonl``, kept when the
     router's process was lost and torchrun restarted the job), and the function that appends
     each new completion there (a lost router loses none of them)."""
-    from reshard.recipes.generate import _output_line
+    from reshard.recipes.generate import FINISHED, append_finished
 
-    path = run_dir / "finished.jsonl"
+    path = run_dir / FINISHED
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = path.read_text().splitlines() if restart_count() > 0 and path.exists() else []
     kept = [Completion(**json.loads(line)) for line in lines]
-    path.write_text("".join(_output_line(c) for c in kept))
-
-    def keep(c: Completion) -> None:
-        with open(path, "a") as f:
-            f.write(_output_line(c))
-
-    return kept, keep
+    path.write_text("")
+    append_finished(path, kept)
+    return kept, lambda c: append_finished(path, [c])
 
 
 def engine_group_of(cfg: GenerateConfig, world: int, rank: int) -> tuple[int, tuple[int, ...], Topology]:
@@ -296,7 +292,7 @@ def _vocab_size(path: Path) -> int:
 
 def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: Channel, store, seconds, groups) -> dict:
     """Rank 0: outputs in request order and the summary of a supervised run."""
-    from reshard.recipes.generate import _write_outputs
+    from reshard.recipes.generate import FINISHED, _write_outputs
 
     completions = [router.completions[rid] for rid in sorted(router.completions)]
     endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
@@ -306,7 +302,7 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
     _write_outputs(run_dir, completions, summary, None)  # (no strategy's own keys: its engines are the children's)
-    (run_dir / "finished.jsonl").unlink(missing_ok=True)  # outputs.jsonl holds them all
+    (run_dir / FINISHED).unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 
 
