@@ -69,7 +69,7 @@ def _items(plans: Sequence[Plan], bucket_bytes: int | None) -> list[_Item]:
         if limit is not None and limit < 1:
             raise ValueError(
                 f"bucket_bytes ({bucket_bytes}) is smaller than the minimum chunk: one "
-                f"element of {plan.src.dtype} ({plan.itemsize} bytes)"
+                f"element of {plan.dst.dtype} ({plan.itemsize} bytes)"
             )
         for piece in plan.pieces:
             chunks = [piece.box] if piece.local or limit is None else split_box(piece.box, limit)
@@ -199,7 +199,8 @@ def _check_out(plans: Sequence[Plan], out: Sequence[torch.Tensor | None], rank: 
 def _held_whole(plan: Plan, rank: int) -> bool:
     """This rank already holds its whole destination box (one local piece, nothing to reduce)."""
     mine = [p for p in plan.pieces if p.dst == rank]
-    return not plan.reduce_op and len(mine) == 1 and mine[0].local and mine[0].box == plan.dst.box(rank)
+    whole = len(mine) == 1 and mine[0].local and mine[0].box == plan.dst.box(rank)
+    return whole and not plan.reduce_op and plan.src.dtype == plan.dst.dtype
 
 
 def _src_slice(plan: Plan, src_local: torch.Tensor, rank: int) -> torch.Tensor:
@@ -249,15 +250,23 @@ def _run_round(
 def _send_buffer(items: list[_Item], plans, src_locals, rank: int) -> torch.Tensor:
     """A peer's bytes: the source slice itself when it is one contiguous chunk (no copy), else
     every chunk packed into one buffer."""
-    if len(items) == 1:
+    if len(items) == 1 and _same_dtype(items[0], plans):
         view = _src_view(items[0], plans, src_locals, rank)
         if view.is_contiguous():
             return view.reshape(-1).view(torch.uint8)
     return _pack(items, plans, src_locals, rank)
 
 
+def _same_dtype(it: _Item, plans) -> bool:
+    return plans[it.plan].src.dtype == plans[it.plan].dst.dtype
+
+
 def _is_view(buf: torch.Tensor, items: list[_Item], plans, src_locals, rank: int) -> bool:
-    return len(items) == 1 and buf.data_ptr() == _src_view(items[0], plans, src_locals, rank).data_ptr()
+    return (
+        len(items) == 1
+        and _same_dtype(items[0], plans)
+        and buf.data_ptr() == _src_view(items[0], plans, src_locals, rank).data_ptr()
+    )
 
 
 def _direct_target(items: list[_Item], plans, outs, rank: int, views: set[int]) -> torch.Tensor | None:
@@ -294,7 +303,8 @@ def _typed(buf: torch.Tensor, offset: int, it: _Item, plans) -> torch.Tensor:
 
 
 def _pack(items: list[_Item], plans, src_locals, rank: int) -> torch.Tensor:
-    """One contiguous byte buffer of every chunk for one peer; chunks are copied straight in."""
+    """One contiguous byte buffer of every chunk for one peer; chunks are copied straight in
+    (converted to the destination dtype where a plan casts)."""
     offsets = _offsets(items, plans)
     buf = torch.empty(sum(it.nbytes for it in items), dtype=torch.uint8, device=src_locals[items[0].plan].device)
     for it in items:

@@ -112,21 +112,30 @@ def _reduce_op(layout: Layout) -> str | None:
     return ops.pop()
 
 
-def check_compatible(src: Layout, dst: Layout) -> None:
+def check_compatible(src: Layout, dst: Layout, cast: bool = False) -> None:
+    """``ValueError`` naming both sides unless ``src`` can move to ``dst`` (``cast``: a floating
+    dtype may become another floating dtype, converted where the data is packed)."""
     if src.shape != dst.shape:
         raise ValueError(f"global shape mismatch: source {src.shape} vs destination {dst.shape}")
-    if src.dtype != dst.dtype:
+    if src.dtype != dst.dtype and not (cast and src.dtype.is_floating_point and dst.dtype.is_floating_point):
         raise ValueError(f"dtype mismatch: source {src.dtype} vs destination {dst.dtype}")
+    if src.dtype != dst.dtype and src.is_partial:
+        raise ValueError(
+            f"a Partial source ({src.placements}) cannot change dtype on the way ({src.dtype} -> {dst.dtype}): "
+            "its contributions would be reduced in the destination's precision"
+        )
     if dst.is_partial:
         raise ValueError(f"destination placements must be Shard or Replicate, got {dst.placements}")
 
 
 @lru_cache(maxsize=4096)
-def plan_transfer(src: Layout, dst: Layout) -> Plan:
-    """Plan moving a tensor from ``src`` to ``dst`` (any meshes: equal, permuted, overlapping, disjoint)."""
-    check_compatible(src, dst)
+def plan_transfer(src: Layout, dst: Layout, cast: bool = False) -> Plan:
+    """Plan moving a tensor from ``src`` to ``dst`` (any meshes: equal, permuted, overlapping,
+    disjoint). ``cast``: the dtypes may differ (both floating); the sender converts while packing,
+    so the bytes moved are the destination dtype's."""
+    check_compatible(src, dst, cast)
     pieces = assign_senders(contributions(src), [(rank, dst.box(rank)) for rank in dst.all_ranks])
-    return Plan(src, dst, tuple(pieces), _reduce_op(src), _partial_count(src), _itemsize(src.dtype))
+    return Plan(src, dst, tuple(pieces), _reduce_op(src), _partial_count(src), _itemsize(dst.dtype))
 
 
 def assign_senders(items: list[tuple[Box, list[int]]], wanted: list[tuple[int, Box]]) -> list[Piece]:
@@ -161,7 +170,8 @@ def _least_loaded(holders: list[int], load: dict[int, int], rank: int) -> int:
 
 
 def lower_bound_bytes(src: Layout, dst: Layout) -> int:
-    """Sum over destination ranks of what they need and do not hold, from boxes alone.
+    """Sum over destination ranks of what they need and do not hold, from boxes alone, in the
+    destination's dtype.
 
     A rank needs its destination box once per partial contribution and already holds the part of
     it that overlaps its own source box (one contribution).
@@ -171,4 +181,4 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
         dst_box, own = dst.box(rank), src.box(rank)
         overlap = intersect(own, dst_box) if own is not None else None
         total += _partial_count(src) * box_numel(dst_box) - (box_numel(overlap) if overlap else 0)
-    return total * _itemsize(src.dtype)
+    return total * _itemsize(dst.dtype)

@@ -4,11 +4,12 @@ The RL rollout case: a policy trained in its training layout (FSDP2's ``Shard(0)
 copy in an inference layout (TP, Shift), on the same ranks or on other ranks. One
 :class:`WeightSync` is built once (a collective: every rank of the world, whether it holds the
 source, the destination, both or neither). It exchanges the two sides' layouts, matches tensors by
-name and checks global shape and dtype, plans every transfer with the movement core and keeps the
-plans and their bucketed rounds. Each :meth:`WeightSync.sync` then moves exactly the bytes the
-destination ranks lack (the lower bound), senders spread over source replicas, in rounds whose
-buffers stay within ``bucket_bytes``, and writes the destination's storages in place, so compiled
-graphs and CUDA graphs that captured them stay valid.
+name and checks global shapes and dtypes (floating dtypes convert on the way), plans every
+transfer with the movement core and keeps the plans and their bucketed rounds. Each
+:meth:`WeightSync.sync` then moves exactly the bytes the destination ranks lack (the lower bound),
+senders spread over source replicas, in rounds whose buffers stay within ``bucket_bytes``, and
+writes the destination's storages in place, so compiled graphs and CUDA graphs that captured them
+stay valid.
 
 ``method`` selects the common baselines instead, in the same code for comparison:
 ``"full_tensor"`` (every parameter gathered whole by ``DTensor.full_tensor()`` on the source
@@ -78,7 +79,9 @@ class WeightSync:
         allow_unused: source tensors no destination copies are an error unless set.
 
     Collective: every rank of the world constructs it and calls :meth:`sync` / :meth:`start`.
-    A name, shape or dtype mismatch is a ``ValueError`` on every rank, before anything moves.
+    A name or shape mismatch, or dtypes that do not convert (a floating dtype converts to another
+    while it is packed: fp32 training weights into a bf16 rollout moves bf16 bytes), is a
+    ``ValueError`` on every rank, before anything moves.
     One sync at a time: a :meth:`sync` or :meth:`start` called while a background sync is in
     flight waits for it first (so the version label always names the bytes last written).
     """
@@ -101,7 +104,7 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         srcs, dsts = _exchange(_layouts(self.src), _layouts(self.dst))
         self.entries = match_layouts(srcs, dsts, allow_unused)
-        self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst) for e in self.entries)
+        self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst, cast=True) for e in self.entries)
         self._baseline = _Baseline(self.entries, method) if method != "planned" else None
         self.schedule = Schedule.of(self.plans, bucket_bytes) if self._baseline is None else None
         self._background = cached_group(purpose="weight-sync")
@@ -135,7 +138,7 @@ class WeightSync:
             local, box = _local(self.src.get(e.source), e.src), e.src.box(rank)
             for piece in plan.pieces if plan.reduce_op is None else ():
                 if piece.src == rank:
-                    sums[i, piece.dst] += _checksum(local, box, piece.box, e.src.shape)
+                    sums[i, piece.dst] += _checksum(local, box, piece.box, e.src.shape, e.dst.dtype)
         dist.all_reduce(sums)
         wrong = [
             (e.key, rank)
@@ -289,7 +292,8 @@ def match_layouts(src: dict[str, Layout], dst: dict[str, Layout], allow_unused: 
             missing.append(key)
             continue
         s, d = src[name], dst[key]
-        if (s.shape, s.dtype) != (d.shape, d.dtype):
+        castable = s.dtype.is_floating_point and d.dtype.is_floating_point and not s.is_partial
+        if s.shape != d.shape or (s.dtype != d.dtype and not castable):
             raise ValueError(
                 f"parameter {key!r}: the source holds {list(s.shape)} {s.dtype} but the "
                 f"destination {list(d.shape)} {d.dtype}"
@@ -314,12 +318,13 @@ CHECKSUM_P = 2**31 - 1  # checksums are sums mod this prime (int64 never overflo
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _checksum(local: torch.Tensor, held: Box, box: Box, shape) -> int:
+def _checksum(local: torch.Tensor, held: Box, box: Box, shape, dtype: torch.dtype | None = None) -> int:
     """Sum over ``box`` (global coordinates, inside ``held``: the box ``local`` holds) of each
-    element's bit pattern times a weight of its global position, mod :data:`CHECKSUM_P`:
-    additive over disjoint boxes, so pieces checksummed where they were sent from add up to
-    the destination's."""
+    element's bit pattern (as ``dtype``, default its own) times a weight of its global position,
+    mod :data:`CHECKSUM_P`: additive over disjoint boxes, so pieces checksummed where they were
+    sent from add up to the destination's."""
     view = local[tuple(slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(box, held))]
+    view = view.to(dtype) if dtype is not None else view
     bits = view.contiguous().view(_INT_OF[view.element_size()]).to(torch.int64) % CHECKSUM_P
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):

@@ -55,6 +55,18 @@ def test_plan_rejects_mismatches():
         plan_transfer(a, Layout((0, 1), (Partial(),), (4, 6), torch.float32))
 
 
+def test_a_casting_plan_moves_the_destination_dtype_and_refuses_what_cannot_convert():
+    src = Layout((0, 1), (Shard(0),), (4, 6), torch.float32)
+    bf16 = Layout((0, 1), (Shard(1),), (4, 6), torch.bfloat16)
+    plan = plan_transfer(src, bf16, cast=True)
+    assert plan.itemsize == 2 and plan.bytes_moved == plan.lower_bound_bytes == 2 * (2 * 3) * 2
+    with pytest.raises(ValueError, match=re.escape("dtype mismatch: source torch.float32 vs destination torch.int32")):
+        plan_transfer(src, Layout((0, 1), (Shard(1),), (4, 6), torch.int32), cast=True)
+    partial = Layout((0, 1), (Partial(),), (4, 6), torch.float32)
+    with pytest.raises(ValueError, match=r"a Partial source \(\(Partial\(sum\),\)\) cannot change dtype"):
+        plan_transfer(partial, bf16, cast=True)
+
+
 # ---- execution on 4 ranks: property-based --------------------------------------------------------
 def _contribution(shape, dtype, index: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + index)

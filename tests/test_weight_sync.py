@@ -10,11 +10,12 @@ import torch
 from tests import dist_harness
 
 
-def _trained(path, ranks, seed=0):
-    """The FSDP2 model after one Adam step on a seeded batch (so its weights differ from the file)."""
+def _trained(path, ranks, seed=0, layout="fsdp", inner=2):
+    """The training model (FSDP2 by default) after one Adam step on a seeded batch (so its
+    weights differ from the file)."""
     from reshard.parallel.strategies.rollout import train_model
 
-    model = train_model(path, ranks)
+    model = train_model(path, ranks, layout, inner=inner)
     if model is None:
         return None, None
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -32,7 +33,8 @@ def _full(model):
 
 
 def _sliced_equal(rollout, full: dict) -> list[str]:
-    """Names of rollout tensors (parameters and weight copies) that differ from the sliced oracle."""
+    """Names of rollout tensors (parameters and weight copies) that differ from the sliced oracle
+    (converted to the rollout's dtype: bitwise what converting the full tensor gives)."""
     import torch.distributed as dist
 
     from reshard import Layout
@@ -42,7 +44,8 @@ def _sliced_equal(rollout, full: dict) -> list[str]:
     bad = []
     for key, t in rollout_tensors(rollout).items():
         box = Layout.of_dtensor(t).box(dist.get_rank())
-        if box is not None and not torch.equal(t.to_local(), full[key.split("@")[0]][box_slices(box)]):
+        want = full[key.split("@")[0]][box_slices(box)].to(t.dtype) if box is not None else None
+        if box is not None and not torch.equal(t.to_local(), want):
             bad.append(key)
     return bad
 
@@ -415,3 +418,59 @@ def test_verify_catches_a_corrupted_destination_shard_on_every_rank():
         assert message == (
             "weight sync verification failed: 1 destination shard(s) differ from the source: 'w' on rank 1"
         )
+
+
+def _train_layout_job(path, layout, inner, train_ranks, rollout, rollout_ranks, dtype):
+    """A real training layout after an Adam step, synced into a rollout model (``rollout`` =
+    (strategy, tp)) in ``dtype``, verified; every rank's shards against the full-tensor oracle."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from reshard.parallel.model.weight_sync import model_sync
+    from reshard.parallel.strategies.rollout import rollout_model
+
+    train, _ = _trained(path, train_ranks, layout=layout, inner=inner)
+    model = rollout_model(path, rollout[0], rollout_ranks, tp=rollout[1], dtype=dtype)
+    mine = model if dist.get_rank() in rollout_ranks else None
+    sync = model_sync(train, mine)
+    stats = sync.sync(1, verify=True)
+    full = _full(train) if train is not None else None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, full)
+    full = everyone[train_ranks[0]]
+    placements = {str(p.placements) for p in train.parameters() if isinstance(p, DTensor)} if train else set()
+    out = {"placements": placements, "received": stats.bytes_received, "lower": sync.lower_bound_bytes}
+    if mine is not None:
+        out.update(bad=_sliced_equal(mine, full), version=mine.parallel_info.weight_version.step)
+        if dtype is None and dist.get_rank() == rollout_ranks[0]:
+            out.update(tokens=_greedy_tokens(mine), reference=_hf_tokens(path, full))
+        elif dtype is None:
+            _greedy_tokens(mine)  # the engine is collective over the rollout ranks
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout,inner,train_ranks,rollout,rollout_ranks,dtype,placement",
+    [
+        # torchtitan's 2-D FSDP x TP (2 x 2): q/k/v/gate/up are (_StridedShard(0, sf=2), Shard(0))
+        ("fsdp_tp", 2, [0, 1, 2, 3], ("tp", 4), [0, 1, 2, 3], None, "_StridedShard(dim=0, sf=2), Shard(dim=0)"),
+        ("fsdp_tp", 2, [0, 1, 2, 3], ("shift", None), [0, 1, 2, 3], torch.bfloat16, "Shard(dim=0), Shard(dim=1)"),
+        # HSDP (Replicate x Shard) -> TP2 on other ranks, fp32 -> bf16 on the way
+        ("hsdp", 1, [0, 1], ("tp", 2), [2, 3], torch.bfloat16, "Replicate(), Shard(dim=0)"),
+        ("hsdp", 2, [0, 1, 2, 3], ("tp", 2), [0, 1, 2, 3], None, "Replicate(), Shard(dim=0)"),
+    ],
+    ids=["fsdp_tp-tp4", "fsdp_tp-shift-bf16", "hsdp-split-tp2-bf16", "hsdp2x2-tp2x2"],
+)
+def test_sync_from_real_training_layouts_is_bitwise(
+    checkpoints, layout, inner, train_ranks, rollout, rollout_ranks, dtype, placement
+):
+    results = dist_harness.run(
+        4, _train_layout_job, checkpoints["llama"], layout, inner, train_ranks, rollout, rollout_ranks, dtype
+    )
+    assert any(placement in p for p in results[train_ranks[0]]["placements"]), results[train_ranks[0]]["placements"]
+    for r in rollout_ranks:
+        assert results[r]["bad"] == [] and results[r]["version"] == 1, (r, results[r])
+    assert sum(r["received"] for r in results) == results[0]["lower"]  # the lower bound, bf16 bytes when converting
+    first = results[rollout_ranks[0]]
+    if "tokens" in first:
+        assert first["tokens"] == first["reference"]

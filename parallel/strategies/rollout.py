@@ -51,20 +51,80 @@ class RankSplit:
         return self.train == self.rollout
 
 
-def train_model(path: str | os.PathLike, ranks: Sequence[int]) -> nn.Module | None:
-    """The HF model of ``path``, FSDP2-sharded over ``ranks`` (``Shard(0)`` parameters), in fp32
-    train mode; ``None`` on other ranks. Collective: every rank of the job calls it."""
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
+TRAIN_LAYOUTS = ("fsdp", "fsdp_tp", "hsdp")
 
-    mesh = cached_mesh(rank_tensor(list(ranks)), ("fsdp",))  # built on every rank (collective)
+# torchtitan's Llama TP plan on HF's module names: column-parallel in, row-parallel out
+_TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def train_model(
+    path: str | os.PathLike, ranks: Sequence[int], layout: str = "fsdp", *, inner: int = 2
+) -> nn.Module | None:
+    """The HF model of ``path`` in fp32 train mode, in a training ``layout`` over ``ranks``;
+    ``None`` on other ranks. Collective: every rank of the job calls it.
+
+    ``fsdp``: FSDP2 over all ``ranks`` (parameters ``Shard(0)``). ``fsdp_tp``: torchtitan's 2-D
+    layout, TP over ``inner`` consecutive ranks and FSDP2 over the rest (a weight TP already
+    sharded on dim 0 becomes ``(_StridedShard(0, sf=inner), Shard(0))``, one sharded on dim 1
+    ``(Shard(0), Shard(1))``). ``hsdp``: FSDP2 within groups of ``inner`` ranks, replicated
+    across them (``(Replicate(), Shard(0))``).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _train_mesh(ranks, layout, inner)  # built on every rank (collective)
     if dist.get_rank() not in ranks:
         return None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model = _load_train(path)
+    if layout == "fsdp_tp":
+        _tensor_parallel(model, mesh["tp"])
+    shard_mesh = mesh["dp"] if layout == "fsdp_tp" else mesh
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
     return model.train()
+
+
+def _train_mesh(ranks: Sequence[int], layout: str, inner: int):
+    """``fsdp``: 1-D ``("fsdp",)``; ``fsdp_tp``: ``("dp", "tp")``; ``hsdp``: ``("replicate", "shard")``."""
+    if layout not in TRAIN_LAYOUTS:
+        raise ValueError(f"train layout must be one of {TRAIN_LAYOUTS}, got {layout!r}")
+    if layout == "fsdp":
+        return cached_mesh(rank_tensor(list(ranks)), ("fsdp",))
+    least = 2 if layout == "fsdp_tp" else 1  # HSDP's shard groups may be single ranks (pure replicas)
+    if inner < least or len(ranks) % inner or len(ranks) == inner:
+        raise ValueError(
+            f"train layout {layout!r} needs groups of {inner} ranks (at least {least}) and at least two "
+            f"groups; got {len(ranks)} training ranks"
+        )
+    names = ("dp", "tp") if layout == "fsdp_tp" else ("replicate", "shard")
+    return cached_mesh(rank_tensor(list(ranks)).view(-1, inner), names)
+
+
+def _load_train(path: str | os.PathLike) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """torch's ``parallelize_module`` with :data:`_TP_PLAN` on every decoder layer (attention
+    heads and MLP columns split over ``tp_mesh``; embeddings, norms and the head replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    heads = model.config.num_key_value_heads
+    if heads % tp_mesh.size():
+        raise ValueError(f"fsdp_tp over {tp_mesh.size()} ranks needs KV heads divisible by it; the model has {heads}")
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {name: styles[kind]() for name, kind in _TP_PLAN.items()})
 
 
 def rollout_layouts() -> list[str]:
@@ -83,14 +143,20 @@ def rollout_strategy(layout: str, **keys) -> Strategy:
 
 
 def rollout_model(
-    path: str | os.PathLike, layout: str, ranks: Sequence[int], *, tp: int | None = None, sp: int = 2
+    path: str | os.PathLike,
+    layout: str,
+    ranks: Sequence[int],
+    *,
+    tp: int | None = None,
+    sp: int = 2,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The rollout model over ``ranks`` (consecutive) in the strategy ``layout``'s layout: ``"tp"``
     (TP of ``tp`` ranks, default all, the rest data-parallel replicas) or ``"shift"`` (Shift
-    parallelism, ``sp`` x rest). Built on every rank of the job (collective); ranks outside
-    ``ranks`` hold empty shards."""
+    parallelism, ``sp`` x rest), in ``dtype`` (default the checkpoint's). Built on every rank of
+    the job (collective); ranks outside ``ranks`` hold empty shards."""
     strategy = rollout_strategy(layout, tp=tp, sp=sp)
-    return strategy.build_model(path, rollout_dims(strategy, ranks), EngineArgs())
+    return strategy.build_model(path, rollout_dims(strategy, ranks), EngineArgs(dtype=dtype))
 
 
 def rollout_engine(
