@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from reshard.background import Background
 from reshard.dtensor import wrap_local
@@ -44,6 +44,11 @@ def redistribute(
     ``(that, CommStats)``: what this rank moved. Collective over the world: every rank calls it
     with the same arguments; ``check`` (default) compares a hash of the plan on every rank first
     and raises ``ValueError`` naming the differing layouts instead of hanging.
+
+    A tensor that requires grad (under grad mode) is moved as ``DTensor.redistribute`` moves it
+    for autograd: the output requires grad on every rank, and the backward moves the gradient
+    back to the source's placements (a ``Partial`` axis as ``Replicate``). Both meshes must hold
+    the same ranks then (``ValueError`` otherwise).
     """
     if not isinstance(t, DTensor):
         raise ValueError(
@@ -51,13 +56,56 @@ def redistribute(
             f"with reshard.wrap_local or distribute it first)"
         )
     if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            "reshard.redistribute does not record autograd (its gradient would be wrong): got a tensor that "
-            "requires grad; detach it or run under torch.no_grad(), or use DTensor.redistribute to differentiate"
-        )
-    [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=check)
+        out, stats = _differentiable(t, mesh, tuple(placements), bucket_bytes, check)
+    else:
+        [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=check)
     out = out if mesh.get_coordinate() is not None else None
     return (out, stats) if return_stats else out
+
+
+def _differentiable(t: DTensor, mesh: DeviceMesh, placements: tuple, bucket_bytes, check) -> tuple[DTensor, CommStats]:
+    """The move recorded for autograd (its gradient moves back, as ``DTensor.redistribute``'s
+    does); ``ValueError`` where the two meshes' ranks differ (a rank off one side could not take
+    part in the backward)."""
+    src_ranks, dst_ranks = sorted(t.device_mesh.mesh.flatten().tolist()), sorted(mesh.mesh.flatten().tolist())
+    if src_ranks != dst_ranks:
+        raise ValueError(
+            f"reshard.redistribute differentiates moves within one set of ranks only; got a tensor that requires "
+            f"grad on ranks {src_ranks} moving to ranks {dst_ranks}: detach it or run under torch.no_grad()"
+        )
+    stats: list[CommStats] = []
+    return _Redistribute.apply(t, mesh, placements, bucket_bytes, check, stats), stats[0]
+
+
+class _Redistribute(torch.autograd.Function):
+    """Forward: the move. Backward: the gradient moved back to the source's mesh and placements,
+    a ``Partial`` source's axis as ``Replicate`` (DTensor's rule: the gradient of a sum is
+    the same on every contribution)."""
+
+    @staticmethod
+    def forward(ctx, t: DTensor, mesh, placements, bucket_bytes, check, stats: list) -> DTensor:
+        ctx.source = (t.device_mesh, t.placements)
+        ctx.options = (bucket_bytes, check)
+        [out], moved = _move([t], [(mesh, placements)], bucket_bytes, check=check)
+        stats.append(moved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        mesh, placements = ctx.source
+        target = _gradient_placements(grad.placements, placements)
+        if target == tuple(grad.placements) and grad.device_mesh == mesh:
+            return grad, None, None, None, None, None
+        [back], _ = _move([grad], [(mesh, target)], ctx.options[0], check=ctx.options[1])
+        return back, None, None, None, None, None
+
+
+def _gradient_placements(current: Sequence[Placement], source: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Where a gradient goes back to: the source's placements, ``Partial`` axes as ``Replicate``
+    unless the gradient is itself ``Partial`` there (then it stays)."""
+    if len(current) != len(source):  # a move between meshes of different ndim: the gradient's axes differ
+        return tuple(Replicate() if p.is_partial() else p for p in source)
+    return tuple(Replicate() if p.is_partial() and not c.is_partial() else p for c, p in zip(current, source))
 
 
 def redistribute_module(

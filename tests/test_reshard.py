@@ -552,14 +552,16 @@ def _unmovable(case):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from reshard import redistribute, slice_to_dtensor
+    from reshard import redistribute, wrap_local
     from reshard.mesh import cached_mesh
 
     mesh = cached_mesh(torch.arange(dist.get_world_size()), ("x",))
     if case == "meta":
         t = DTensor.from_local(torch.empty(4, 4, device="meta"), mesh, (Replicate(),), run_check=False)
-    else:
-        t = slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)).requires_grad_()
+    else:  # requires grad, moving from rank 0 alone to both ranks: no backward could run on rank 1
+        one = cached_mesh(torch.tensor([0]), ("one",))
+        local = torch.zeros(4, 4) if dist.get_rank() == 0 else torch.empty(0, 0)
+        t = wrap_local(local, one, (Replicate(),), (4, 4)).requires_grad_()
     redistribute(t, mesh, (Shard(0),))
 
 
@@ -567,9 +569,70 @@ def _unmovable(case):
     "case,match",
     [
         ("meta", r"cannot move a meta-device DTensor of shape \(4, 4\)"),
-        ("grad", r"reshard.redistribute does not record autograd \(its gradient would be wrong\)"),
+        ("grad", r"differentiates moves within one set of ranks only; got a tensor that requires grad on ranks \[0\]"),
     ],
 )
 def test_tensors_no_move_can_carry_are_refused_before_any_collective(case, match):
     with pytest.raises(RuntimeError, match=match):
         dist_harness.run(2, _unmovable, case)
+
+
+# ---- autograd: gradients equal DTensor.redistribute's ---------------------------------------------
+def _grad_moves(cases):
+    """Each case: the gradient of ``sum(y * w)`` through our move and through DTensor's (same
+    source shards, same weights ``w`` per global position): equal bitwise, ``requires_grad`` on
+    every rank. Returns ``(failures, requires_grad of every output)``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from reshard import redistribute
+    from reshard.layout import box_slices
+    from reshard.mesh import cached_mesh
+
+    failures, flags = [], []
+    for grid, src, dst, shape in cases:
+        mesh = cached_mesh(torch.tensor(grid), tuple(f"g{i}" for i in range(len(torch.tensor(grid).shape))))
+        layout = Layout.of(mesh, src, shape, torch.float64)
+        grads = []
+        for move in ("ours", "dtensor"):
+            full = _contribution(shape, torch.float64, dist.get_rank()) if layout.is_partial else _global(layout)
+            local = full[box_slices(layout.box(dist.get_rank()))].clone()
+            x = DTensor.from_local(local, mesh, src, run_check=False, shape=torch.Size(shape), stride=_strides(shape))
+            x = x.detach().requires_grad_()  # a DTensor leaf: its .grad is what the backward delivers
+            y = redistribute(x, mesh, dst) if move == "ours" else x.redistribute(mesh, dst)
+            w = torch.arange(1, 1 + box_numel(tuple((0, n) for n in shape)), dtype=torch.float64).view(shape)
+            box = Layout.of(mesh, dst, shape, torch.float64).box(dist.get_rank())
+            (y.to_local() * w[box_slices(box)]).sum().backward()
+            flags.append(y.requires_grad)
+            grads.append((x.grad.placements, x.grad.to_local()))
+        if grads[0][0] != grads[1][0] or not torch.equal(grads[0][1], grads[1][1]):
+            failures.append((src, dst, shape))
+    return failures, flags
+
+
+def _strides(shape):
+    from reshard.dtensor import _contiguous_stride
+
+    return _contiguous_stride(shape)
+
+
+GRAD_CASES = [
+    ([0, 1, 2, 3], (Shard(0),), (Replicate(),), (8, 3)),
+    ([0, 1, 2, 3], (Replicate(),), (Shard(0),), (8, 3)),  # was: each rank's block only, labelled Replicate
+    ([0, 1, 2, 3], (Replicate(),), (Shard(1),), (3, 6)),  # uneven; a rank with an empty shard
+    ([0, 1, 2, 3], (Shard(0),), (Shard(1),), (5, 7)),
+    ([0, 1, 2, 3], (Partial(),), (Replicate(),), (4, 4)),
+    ([0, 1, 2, 3], (Partial(),), (Shard(0),), (6, 2)),
+    ([0, 1, 2, 3], (Partial("avg"),), (Shard(1),), (3, 8)),
+    ([[0, 1], [2, 3]], (Shard(0), Shard(1)), (Replicate(), Replicate()), (4, 6)),
+    ([[0, 1], [2, 3]], (Replicate(), Replicate()), (Shard(1), Shard(0)), (5, 6)),
+    ([[0, 1], [2, 3]], (Replicate(), Shard(0)), (Shard(0), Replicate()), (6, 3)),
+    ([[0, 1], [2, 3]], (Partial(), Shard(0)), (Replicate(), Shard(1)), (4, 4)),
+    ([[0, 1], [2, 3]], (Shard(0), Partial()), (Shard(1), Shard(0)), (4, 6)),
+]
+
+
+def test_gradients_equal_dtensor_redistribute_on_1d_and_2d_meshes():
+    results = dist_harness.run(WORLD, _grad_moves, GRAD_CASES)
+    for failures, flags in results:
+        assert failures == [] and all(flags), (failures, flags)
