@@ -68,14 +68,19 @@ class RolloutJob:
         r = cfg.rollout
         self.split = RankSplit.of(dist.get_world_size(), r.colocated, r.train_ranks)
         _check_batch(cfg.train, self.split)
-        self.train = train_model(path, self.split.train)
+        self.train = train_model(path, self.split.train, cfg.train.layout, inner=cfg.train.inner)
         self.opt = torch.optim.Adam(self.train.parameters(), lr=cfg.train.learning_rate) if self.train else None
-        rollout = rollout_model(path, r.layout, self.split.rollout, tp=r.tp, sp=r.sp)
+        dtype = getattr(torch, r.dtype) if r.dtype is not None else None
+        rollout = rollout_model(path, r.layout, self.split.rollout, tp=r.tp, sp=r.sp, dtype=dtype)
         self.rollout = rollout if self.rank in self.split.rollout else None
         self.vocab_size = rollout.config.vocab_size
         self.engine = self._engine() if self.rollout is not None else None
         self.sync = model_sync(
-            self.train, self.rollout, bucket_bytes=int(cfg.sync.bucket_mb * 2**20), method=cfg.sync.method
+            self.train,
+            self.rollout,
+            bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
+            method=cfg.sync.method,
+            delta=cfg.sync.delta,
         )
 
     def _engine(self):
@@ -122,11 +127,13 @@ class RolloutJob:
         return outs, peak
 
     def _train_step(self, prompts, completions, advantages: torch.Tensor) -> tuple[float, int]:
-        """This training rank's share of the batch through the FSDP2 model; one optimizer step."""
+        """This training rank's share of the batch (a TP group's ranks share one) through the
+        training model; one optimizer step."""
         loss, peak = torch.zeros((), device=device_type()), 0
         if self.train is not None:
-            n = len(prompts) // len(self.split.train)
-            a = self.split.train.index(self.rank) * n
+            shards = self.cfg.train.data_shards(len(self.split.train))
+            n = len(prompts) // shards
+            a = self.split.train.index(self.rank) // (len(self.split.train) // shards) * n
             logp, mask = completion_logprobs(self.train, prompts[a : a + n], completions[a : a + n])
             loss = grpo_loss(logp, mask, advantages[a : a + n])
             loss.backward()  # FSDP2 averages the gradients over the training ranks
@@ -207,11 +214,11 @@ def _digest(data: bytes) -> str:
 
 
 def _check_batch(cfg: TrainConfig, split: RankSplit) -> None:
-    n = cfg.prompts * cfg.group_size
-    if n % len(split.train):
+    n, shards = cfg.prompts * cfg.group_size, cfg.data_shards(len(split.train))
+    if n % shards:
         raise ValueError(
             f"train.prompts ({cfg.prompts}) x train.group_size ({cfg.group_size}) = {n} "
-            f"sequences do not split evenly over the {len(split.train)} training ranks"
+            f"sequences do not split evenly over the {shards} data-parallel training ranks"
         )
 
 
@@ -252,7 +259,10 @@ def _summary(cfg: RolloutJobConfig, job: RolloutJob, history: list[dict]) -> dic
         "colocated": job.split.colocated,
         "train_ranks": list(job.split.train),
         "rollout_ranks": list(job.split.rollout),
+        "train_layout": cfg.train.layout,
+        "rollout_dtype": cfg.rollout.dtype or "checkpoint's",
         "sync_method": cfg.sync.method,
+        "sync_delta": cfg.sync.delta,
         "reward_first5": sum(rewards[:k]) / k,
         "reward_last5": sum(rewards[-k:]) / k,
         "sync_bytes": history[-1]["sync_bytes"],

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from reshard.background import Background
+from reshard.delta import DeltaCache, execute_delta
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
 from reshard.layout import Box, Layout, box_slices, nested_tuple
 from reshard.mesh import cached_group, device_type, rank_tensor
@@ -77,6 +78,11 @@ class WeightSync:
         bucket_bytes: the staging budget: a round's send + receive buffers on any rank.
         method: ``"planned"`` (ours) or a baseline, ``"full_tensor"`` | ``"broadcast"``.
         allow_unused: source tensors no destination copies are an error unless set.
+        delta: send only the elements that changed since the last sync (in the destination's
+            dtype: most bf16 rollout weights do not change in one RL step), per chunk whichever
+            of changed elements or the whole chunk is smaller; the first sync is dense. Each
+            sender keeps what it last sent (its sent bytes, in the destination dtype); the
+            destination must still hold what the last sync wrote. See :mod:`reshard.delta`.
 
     Collective: every rank of the world constructs it and calls :meth:`sync` / :meth:`start`.
     A name or shape mismatch, or dtypes that do not convert (a floating dtype converts to another
@@ -95,9 +101,12 @@ class WeightSync:
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         method: str = "planned",
         allow_unused: bool = False,
+        delta: bool = False,
     ) -> None:
         if method not in SYNC_METHODS:
             raise ValueError(f"weight sync method must be one of {SYNC_METHODS}, got {method!r}")
+        if delta and method != "planned":
+            raise ValueError(f"a delta sync runs the planned method only, got method={method!r}")
         self.src, self.dst = dict(src or {}), dict(dst or {})
         self.version = version
         self.method = method
@@ -107,6 +116,10 @@ class WeightSync:
         self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst, cast=True) for e in self.entries)
         self._baseline = _Baseline(self.entries, method) if method != "planned" else None
         self.schedule = Schedule.of(self.plans, bucket_bytes) if self._baseline is None else None
+        self._delta = DeltaCache() if delta else None
+        if delta and any(p.reduce_op for p in self.plans):
+            partial = next(e.source for e, p in zip(self.entries, self.plans) if p.reduce_op)
+            raise ValueError(f"a delta sync copies; {partial!r} is Partial (a reduction): use delta=False")
         self._background = cached_group(purpose="weight-sync")
         self._running: SyncHandle | None = None  # the background sync in flight, if any
         self._lock = threading.Lock()  # held while a sync writes (callers on several threads)
@@ -186,6 +199,8 @@ class WeightSync:
         if self._baseline is not None:
             stats = self._baseline.run(self.src, outs)
             stats.lower_bound_bytes = self.lower_bound_bytes
+        elif self._delta is not None:
+            stats = execute_delta(self.schedule, srcs, outs, self._delta, group)
         else:
             _, stats = execute(self.schedule, srcs, out=outs, group=group)
         if self.version is not None:

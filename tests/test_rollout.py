@@ -70,6 +70,29 @@ def test_baselines_give_bitwise_identical_weights_and_tokens(tmp_path, placement
         assert m["sync_bytes"] > m["lower_bound_bytes"]
 
 
+def test_delta_sync_from_fsdp_tp_into_bf16_equals_dense_bitwise_and_moves_fewer_bytes(tmp_path):
+    """The recipe with a 2-D FSDP2 x TP trainer (2 x 2) and bf16 rollout weights (TP4), every
+    sync verified, at an RL learning rate: dense and delta syncs give the same weights and
+    tokens iteration by iteration, and after the first (dense) sync delta moves fewer bytes."""
+    base = [
+        "train.iterations=4",
+        "progress=false",
+        "train.layout=fsdp_tp",
+        "rollout.dtype=bfloat16",
+        "train.learning_rate=1e-5",
+        "sync.verify_every=1",
+    ]
+    dense = dist_harness.run(4, _run, base, str(tmp_path / "dense"))[0]
+    delta = dist_harness.run(4, _run, [*base, "sync.delta=true"], str(tmp_path / "delta"))[0]
+    pairs = [(r["weights_digest"], r["tokens_digest"]) for r in dense]
+    assert pairs == [(r["weights_digest"], r["tokens_digest"]) for r in delta]
+    assert len({w for w, _ in pairs}) == 4  # bf16 weights do change every iteration
+    assert all(m["sync_bytes"] == m["lower_bound_bytes"] for m in dense)
+    sent = [m["sync_bytes"] for m in delta]
+    assert sent[0] > delta[0]["lower_bound_bytes"]  # the first sync is dense (plus 8-byte headers per chunk)
+    assert all(b < m["lower_bound_bytes"] for b, m in zip(sent[1:], delta[1:])), sent
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -80,18 +103,21 @@ def test_baselines_give_bitwise_identical_weights_and_tokens(tmp_path, placement
         ("train.group_size=1", r"train.group_size must be >= 2"),
         ("train.learning_rate=fast", r"^train.learning_rate: Value 'fast' could not be converted to Float"),
         ("train.iterations=0", r"train.iterations must be > 0, got 0"),
+        ("train.layout=zero3", r"train.layout must be one of \['fsdp', 'fsdp_tp', 'hsdp'\], got 'zero3'"),
+        ("rollout.dtype=int8", r"rollout.dtype must be one of \['float32', 'bfloat16', 'float16'\] or null, got 'int"),
+        ("sync.delta=true sync.method=broadcast", r"sync.delta=true runs the planned method only"),
         ("+train.epochs=3", r"^train.epochs: Key 'epochs' not in 'TrainConfig' \(given 3\)"),
     ],
 )
 def test_bad_rollout_config_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        _compose([override])
+        _compose(override.split())
 
 
 def test_uneven_training_batch_is_named(tmp_path):
     with pytest.raises(
         RuntimeError,
         match=r"train.prompts \(3\) x train.group_size \(3\) = 9 sequences do not "
-        r"split evenly over the 2 training ranks",
+        r"split evenly over the 2 data-parallel training ranks",
     ):
         dist_harness.run(2, _run, ["train.prompts=3", "train.group_size=3", "progress=false"], str(tmp_path))

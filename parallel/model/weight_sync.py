@@ -33,9 +33,11 @@ def model_sync(
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     method: str = "planned",
     allow_unused: bool = False,
+    delta: bool = False,
 ) -> WeightSync:
     """A :class:`WeightSync` from ``train`` to ``rollout`` (``None`` where this rank holds no such
-    model). Collective over the world; the rollout model's ``parallel_info.weight_version`` tracks the step."""
+    model). Collective over the world; the rollout model's ``parallel_info.weight_version`` tracks the step.
+    ``delta``: send only what changed since the last sync (see :class:`WeightSync`)."""
     return WeightSync(
         train_tensors(train) if train is not None else None,
         rollout_tensors(rollout) if rollout is not None else None,
@@ -43,4 +45,5 @@ def model_sync(
         bucket_bytes=bucket_bytes,
         method=method,
         allow_unused=allow_unused,
+        delta=delta,
     )
