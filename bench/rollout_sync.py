@@ -43,6 +43,7 @@ import datetime
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=int, default=64, help="the staging budget (WeightSync bucket_bytes)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--world6", action="store_true", help="6 processes: FSDP2 on 4 ranks -> TP2 on 2 others")
+    p.add_argument("--delta-steps", type=int, default=5, help="optimizer steps of the delta vs dense section (0: skip)")
+    p.add_argument("--delta-lr", type=float, default=1e-5, help="Adam learning rate of the delta section")
     return fill_sizes(p.parse_args(), DEFAULTS, SMALL)
 
 
@@ -121,25 +124,39 @@ def local_shards(rollout) -> dict[str, torch.Tensor]:
 
 
 # ---- one scenario ----------------------------------------------------------------------------------
-def trained(path: Path, ranks: list[int]):
-    """The FSDP2 model after one Adam step on a seeded batch (``None, None`` off its ranks)."""
-    model = train_model(path, ranks)
+@dataclass(frozen=True)
+class Scenario:
+    label: str
+    train_layout: str  # fsdp | fsdp_tp | hsdp (parallel.strategies.rollout.train_model)
+    train_ranks: list[int]
+    rollout_ranks: list[int]
+    tp: int
+    dtype: torch.dtype | None = None  # the rollout weights' dtype (None: fp32, the checkpoint's)
+
+
+def trained(path: Path, ranks: list[int], layout: str = "fsdp", lr: float = 1e-3):
+    """The training model after one Adam step on a seeded batch (``None, None`` off its ranks)."""
+    model = train_model(path, ranks, layout)
     if model is None:
         return None, None
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    adam_step(model, opt, 0)
     return model, opt
 
 
-def run_scenario(
-    path: Path, train_ranks: list[int], rollout_ranks: list[int], tp: int, args: argparse.Namespace
-) -> dict:
+def adam_step(model, opt, seed: int) -> None:
+    """One forward/backward on a seeded 2 x 16 batch and one optimizer step."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run_scenario(path: Path, sc: Scenario, args: argparse.Namespace) -> dict:
     rank = dist.get_rank()
+    train_ranks, rollout_ranks, tp = sc.train_ranks, sc.rollout_ranks, sc.tp
     out: dict = {"phases": {}}
-    train, opt = trained(path, train_ranks)
+    train, opt = trained(path, train_ranks, sc.train_layout)
     train_bytes = storage_bytes(train.parameters()) if train is not None else 0
     opt_bytes = (
         storage_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)) if opt is not None else 0
@@ -147,7 +164,7 @@ def run_scenario(
     out["phases"]["train params"] = reduce_scalar(train_bytes, dist.ReduceOp.MAX)
     out["phases"]["Adam state"] = reduce_scalar(opt_bytes, dist.ReduceOp.MAX)
     out["phases"]["RSS after train"] = reduce_scalar(rss_bytes(), dist.ReduceOp.MAX)
-    rollout = rollout_model(path, "tp", rollout_ranks, tp=tp)
+    rollout = rollout_model(path, "tp", rollout_ranks, tp=tp, dtype=sc.dtype)
     mine = rollout if rank in rollout_ranks else None
     roll_bytes = storage_bytes(rollout_tensors(mine).values()) if mine is not None else 0
     out["phases"]["rollout params"] = reduce_scalar(roll_bytes, dist.ReduceOp.MAX)
@@ -176,11 +193,14 @@ def run_scenario(
         rows[method]["peak"] = reduce_scalar(stats.peak_extra_bytes, dist.ReduceOp.MAX)
     out["phases"]["RSS after warm-up syncs"] = reduce_scalar(rss_bytes(), dist.ReduceOp.MAX)
 
+    verify_times = []
     for _ in range(args.repeats):  # timed, round-robin over the methods
         for method in SYNC_METHODS:
             step += 1
             seconds, stats = timed(lambda m=method, s=step: syncs[m].sync(s))
             rows[method]["times"].append(seconds)
+            if method == "planned":  # the digest check of what was just written
+                verify_times.append(timed(syncs[method].verify)[0])
             rows[method]["peak"] = max(rows[method]["peak"], reduce_scalar(stats.peak_extra_bytes, dist.ReduceOp.MAX))
             assert reduce_scalar(stats.bytes_received, dist.ReduceOp.SUM) == rows[method]["bytes"]
     shards = local_shards(mine) if mine is not None else {}
@@ -189,6 +209,7 @@ def run_scenario(
         rows[method]["seconds"] = statistics.median(rows[method]["times"])
         rows[method]["equal"] = rows[method]["equal"] and final_ok
     out["rows"] = rows
+    out["verify_s"] = statistics.median(verify_times)
     out["version"] = mine.parallel_info.weight_version.step if mine is not None else None
     dist.barrier()
     return out  # the models and syncs are freed with this frame
@@ -197,7 +218,7 @@ def run_scenario(
 # ---- report ----------------------------------------------------------------------------------------
 HEADER = (
     "| scenario | method | build s | sync s | base/ours time | MiB moved | lower bound MiB | bytes/LB "
-    "| peak extra MiB | budget MiB | peak <= budget | equal to planned |"
+    "| peak extra MiB | budget MiB | peak <= budget | equal to planned | verify s (verify/sync) |"
 )
 
 
@@ -205,7 +226,7 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else ("1.00" if a == 0 else "inf")
 
 
-def format_rows(label: str, rows: dict, budget_mb: int) -> list[str]:
+def format_rows(label: str, rows: dict, budget_mb: int, verify_s: float) -> list[str]:
     ours = rows["planned"]["seconds"]
     lines = []
     for method, r in rows.items():
@@ -214,7 +235,8 @@ def format_rows(label: str, rows: dict, budget_mb: int) -> list[str]:
             f"| {r['seconds']:.3f} | {'-' if method == 'planned' else ratio(r['seconds'], ours)} "
             f"| {r['bytes'] / MIB:.1f} | {r['lb'] / MIB:.1f} | {ratio(r['bytes'], r['lb'])} "
             f"| {r['peak'] / MIB:.1f} | {budget_mb} | {'yes' if r['peak'] <= budget_mb * MIB else 'NO'} "
-            f"| {'yes' if r['equal'] else 'NO'} |"
+            f"| {'yes' if r['equal'] else 'NO'} "
+            f"| {f'{verify_s:.3f} ({verify_s / ours:.2f})' if method == 'planned' else '-'} |"
         )
     return lines
 
@@ -228,21 +250,12 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, t_start = dist.get_rank(), time.perf_counter()
     path = checkpoint(args)
-    if world == 4:
-        scenarios = [
-            ("colocated FSDP2[0-3]->TP4[0-3]", [0, 1, 2, 3], [0, 1, 2, 3], 4),
-            ("split FSDP2[0,1]->TP2[2,3]", [0, 1], [2, 3], 2),
-        ]
-    else:
-        scenarios = [
-            ("colocated FSDP2[0-3]->TP4[0-3] (4,5 idle)", [0, 1, 2, 3], [0, 1, 2, 3], 4),
-            ("split FSDP2[0-3]->TP2[4,5]", [0, 1, 2, 3], [4, 5], 2),
-        ]
     results = []
-    for label, train_ranks, rollout_ranks, tp in scenarios:
-        results.append((label, run_scenario(path, train_ranks, rollout_ranks, tp, args)))
+    for sc in scenarios(world):
+        results.append((sc.label, run_scenario(path, sc, args)))
         if rank == 0:
-            print(f"[{time.perf_counter() - t_start:.0f}s] {label} done", flush=True)
+            print(f"[{time.perf_counter() - t_start:.0f}s] {sc.label} done", flush=True)
+    delta = run_delta(path, args) if world == 4 and args.delta_steps else None
     if rank == 0:
         numel = sum(math.prod(shape) for shape in _param_shapes(path))
         print(
@@ -251,9 +264,9 @@ def main() -> None:
             f"({numel * 4 / MIB:.0f} MiB); bucket {args.bucket_mb} MiB; warm-up 1 + median of "
             f"{args.repeats} (round-robin over methods); torch {torch.__version__}, {world} gloo ranks\n"
         )
-        print(f"{HEADER}\n|{'---|' * 12}")
+        print(f"{HEADER}\n|{'---|' * 13}")
         for label, r in results:
-            for line in format_rows(label, r["rows"], args.bucket_mb):
+            for line in format_rows(label, r["rows"], args.bucket_mb, r["verify_s"]):
                 print(line)
         print("\nMemory accounting per phase (max over ranks; tensor bytes except RSS):\n")
         phases = list(results[0][1]["phases"])
@@ -265,9 +278,67 @@ def main() -> None:
                 + " | ".join(f"{r['phases'][p] / MIB:.1f}" for p in phases)
                 + f" | {r['rows']['planned']['peak'] / MIB:.1f} |"
             )
+        if delta is not None:
+            print_delta(delta, args)
         print(f"\ncommand: {rerun_command('rollout_sync.py', world)}")
         print(f"total {time.perf_counter() - t_start:.0f}s")
     dist.destroy_process_group()
+
+
+def scenarios(world: int) -> list[Scenario]:
+    if world == 6:
+        return [
+            Scenario("colocated FSDP2[0-3]->TP4[0-3] (4,5 idle)", "fsdp", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+            Scenario("split FSDP2[0-3]->TP2[4,5]", "fsdp", [0, 1, 2, 3], [4, 5], 2),
+        ]
+    return [
+        Scenario("colocated FSDP2[0-3]->TP4[0-3]", "fsdp", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+        Scenario("split FSDP2[0,1]->TP2[2,3]", "fsdp", [0, 1], [2, 3], 2),
+        Scenario("colocated FSDP2xTP(2x2)[0-3]->TP4[0-3]", "fsdp_tp", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+        Scenario("colocated HSDP(2x2)[0-3]->TP4[0-3]", "hsdp", [0, 1, 2, 3], [0, 1, 2, 3], 4),
+        Scenario("split FSDP2[0,1]->TP2[2,3] fp32->bf16", "fsdp", [0, 1], [2, 3], 2, torch.bfloat16),
+    ]
+
+
+# ---- delta vs dense over real optimizer steps --------------------------------------------------------
+def run_delta(path: Path, args: argparse.Namespace) -> list[dict]:
+    """Split FSDP2[0,1] -> two bf16 TP2 rollout models on [2,3], one synced dense and one delta,
+    after each of ``--delta-steps`` Adam steps at ``--delta-lr``: per step the bytes (sum over
+    ranks), seconds (max over ranks) and whether the two rollout models are bitwise equal."""
+    train, opt = trained(path, [0, 1], lr=args.delta_lr)
+    models = [rollout_model(path, "tp", [2, 3], dtype=torch.bfloat16) for _ in range(2)]
+    mine = [m if dist.get_rank() in (2, 3) else None for m in models]
+    bucket = args.bucket_mb * MIB
+    dense, delta = (model_sync(train, m, bucket_bytes=bucket, delta=d) for m, d in zip(mine, (False, True)))
+    rows = []
+    for step in range(args.delta_steps + 1):  # step 0: the first sync (delta's is dense)
+        if step and train is not None:
+            adam_step(train, opt, step)
+        row = {"step": step}
+        for name, sync in (("dense", dense), ("delta", delta)):
+            row[f"{name}_s"], stats = timed(lambda s=sync, k=step: s.sync(k))
+            row[f"{name}_bytes"] = reduce_scalar(stats.bytes_received, dist.ReduceOp.SUM)
+        a, b = (local_shards(m) if m is not None else {} for m in mine)
+        row["equal"] = all_ranks_ok(all(torch.equal(a[k], b[k]) for k in a))
+        row["lb"] = dense.lower_bound_bytes
+        rows.append(row)
+    dist.barrier()
+    return rows
+
+
+def print_delta(rows: list[dict], args: argparse.Namespace) -> None:
+    print(
+        f"\nDelta vs dense sync, split FSDP2[0,1] -> TP2[2,3] fp32 -> bf16, Adam lr {args.delta_lr:g}, "
+        f"one real optimizer step before each sync (step 0: the first sync):\n"
+    )
+    print("| step | dense MiB | delta MiB | delta/dense bytes | dense s | delta s | delta/dense time | bitwise equal |")
+    print(f"|{'---|' * 8}")
+    for r in rows:
+        print(
+            f"| {r['step']} | {r['dense_bytes'] / MIB:.2f} | {r['delta_bytes'] / MIB:.2f} "
+            f"| {ratio(r['delta_bytes'], r['dense_bytes'])} | {r['dense_s']:.3f} | {r['delta_s']:.3f} "
+            f"| {ratio(r['delta_s'], r['dense_s'])} | {'yes' if r['equal'] else 'NO'} |"
+        )
 
 
 def _param_shapes(path: Path):

@@ -20,6 +20,7 @@ then broadcast from the first source rank to every destination rank, as OpenRLHF
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Mapping
@@ -146,23 +147,20 @@ class WeightSync:
         that differs. Collective; the source must not have changed since the sync.
         ``Partial`` sources are not checked (their destination is a reduction of them)."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        sums = torch.zeros(len(self.entries), world, dtype=torch.int64, device=device_type())
+        sums = torch.zeros(len(self.entries), world, dtype=torch.int64, device=device_type())  # wrap mod 2^64
         for i, (e, plan) in enumerate(zip(self.entries, self.plans)):
             local, box = _local(self.src.get(e.source), e.src), e.src.box(rank)
             for piece in plan.pieces if plan.reduce_op is None else ():
                 if piece.src == rank:
-                    sums[i, piece.dst] += _checksum(local, box, piece.box, e.src.shape, e.dst.dtype)
+                    sums[i, piece.dst] += _checksum(local, box, piece.box, e.dst.dtype)
         dist.all_reduce(sums)
-        wrong = [
-            (e.key, rank)
-            for i, (e, plan) in enumerate(zip(self.entries, self.plans))
-            if plan.reduce_op is None
-            and (box := e.dst.box(rank)) is not None
-            and int(sums[i, rank]) % CHECKSUM_P != _checksum(_local(self.dst.get(e.key), e.dst), box, box, e.dst.shape)
-        ]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, wrong)
-        wrong = sorted(w for per_rank in everyone for w in per_rank)
+        differs = torch.zeros_like(sums)  # (entries, world): 1 where a rank's shard differs
+        for i, (e, plan) in enumerate(zip(self.entries, self.plans)):
+            if plan.reduce_op is None and (box := e.dst.box(rank)) is not None:
+                mine = _checksum(_local(self.dst.get(e.key), e.dst), box, box).to(sums.device)
+                differs[i, rank] = int(not torch.equal(sums[i, rank], mine))
+        dist.all_reduce(differs)
+        wrong = [(self.entries[i].key, r) for i, r in differs.nonzero().tolist()]
         if wrong:
             listed = ", ".join(f"{key!r} on rank {r}" for key, r in wrong[:8])
             raise RuntimeError(
@@ -329,27 +327,31 @@ def match_layouts(src: dict[str, Layout], dst: dict[str, Layout], allow_unused: 
     return entries
 
 
-CHECKSUM_P = 2**31 - 1  # checksums are sums mod this prime (int64 never overflows on the way)
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MIX = (0x7F4A7C159E3779B9, 0x6A09E667F3BCC909, 0x3C6EF372FE94F82B)  # odd 63-bit constants
 
 
-def _checksum(local: torch.Tensor, held: Box, box: Box, shape, dtype: torch.dtype | None = None) -> int:
+def _checksum(local: torch.Tensor, held: Box, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sum over ``box`` (global coordinates, inside ``held``: the box ``local`` holds) of each
-    element's bit pattern (as ``dtype``, default its own) times a weight of its global position,
-    mod :data:`CHECKSUM_P`: additive over disjoint boxes, so pieces checksummed where they were
-    sent from add up to the destination's."""
+    element's bit pattern (as ``dtype``, default its own) times an odd pseudo-random weight of its
+    global position, in wrapping int64 arithmetic (mod 2^64): additive over disjoint boxes, so
+    pieces checksummed where they were sent from add up to the destination's. The weight is a
+    product of one per coordinate, so the sum contracts one dim at a time: one multiply and one
+    sum over the elements, the rest on ever smaller tensors. A 0-d int64 tensor."""
     view = local[tuple(slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(box, held))]
     view = view.to(dtype) if dtype is not None else view
-    bits = view.contiguous().view(_INT_OF[view.element_size()]).to(torch.int64) % CHECKSUM_P
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    lin = torch.zeros((), dtype=torch.int64, device=local.device)
-    for d, (lo, hi) in enumerate(box):  # global linear index of every element, broadcast over dims
-        axis = torch.arange(lo, hi, dtype=torch.int64, device=local.device) * strides[d]
-        lin = lin.unsqueeze(-1) + axis
-    weight = (lin * 1_000_003 + 12_345) % CHECKSUM_P
-    return int((bits * weight % CHECKSUM_P).sum()) % CHECKSUM_P
+    acc = view.contiguous().view(_INT_OF[view.element_size()]).to(torch.int64)  # (n_0, ..., n_k)
+    for d in reversed(range(acc.dim())):
+        acc = (acc * _position_weights(box[d], d, acc.device)).sum(-1)  # contracts dim d
+    return acc
+
+
+@functools.lru_cache(maxsize=4096)  # a pure memo: the same spans come back every verify
+def _position_weights(span: tuple[int, int], dim: int, device: torch.device) -> torch.Tensor:
+    """(hi - lo,) odd int64 weights of global indices ``lo..hi`` along ``dim`` (a fixed mix)."""
+    h = torch.arange(*span, dtype=torch.int64, device=device) * _MIX[0] + (dim + 1) * _MIX[1]
+    h = (h ^ (h >> 29)) * _MIX[2]
+    return h | 1
 
 
 def _local(t: torch.Tensor | None, layout: Layout) -> torch.Tensor | None:

@@ -149,13 +149,15 @@ def rollout_model(
     *,
     tp: int | None = None,
     sp: int = 2,
+    pp: int = 1,
     dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The rollout model over ``ranks`` (consecutive) in the strategy ``layout``'s layout: ``"tp"``
-    (TP of ``tp`` ranks, default all, the rest data-parallel replicas) or ``"shift"`` (Shift
-    parallelism, ``sp`` x rest), in ``dtype`` (default the checkpoint's). Built on every rank of
-    the job (collective); ranks outside ``ranks`` hold empty shards."""
-    strategy = rollout_strategy(layout, tp=tp, sp=sp)
+    (TP of ``tp`` ranks, default all, in ``pp`` pipeline stages, the rest data-parallel
+    replicas) or ``"shift"`` (Shift parallelism, ``sp`` x rest), in ``dtype`` (default the
+    checkpoint's). Built on every rank of the job (collective); ranks outside ``ranks`` hold
+    empty shards."""
+    strategy = rollout_strategy(layout, tp=tp, sp=sp, pp=pp)
     return strategy.build_model(path, rollout_dims(strategy, ranks), EngineArgs(dtype=dtype))
 
 
