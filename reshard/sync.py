@@ -147,7 +147,7 @@ class WeightSync:
         that differs. Collective; the source must not have changed since the sync.
         ``Partial`` sources are not checked (their destination is a reduction of them)."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        sums = torch.zeros(len(self.entries), world, dtype=torch.int64, device=device_type())  # wrap mod 2^64
+        sums = torch.zeros(len(self.entries), world, dtype=torch.int64, device=device_type())  # wrapping sums
         for i, (e, plan) in enumerate(zip(self.entries, self.plans)):
             local, box = _local(self.src.get(e.source), e.src), e.src.box(rank)
             for piece in plan.pieces if plan.reduce_op is None else ():
@@ -158,7 +158,7 @@ class WeightSync:
         for i, (e, plan) in enumerate(zip(self.entries, self.plans)):
             if plan.reduce_op is None and (box := e.dst.box(rank)) is not None:
                 mine = _checksum(_local(self.dst.get(e.key), e.dst), box, box).to(sums.device)
-                differs[i, rank] = int(not torch.equal(sums[i, rank], mine))
+                differs[i, rank] = int(not torch.equal(sums[i, rank] & _checksum_mask(e.dst.dtype), mine))
         dist.all_reduce(differs)
         wrong = [(self.entries[i].key, r) for i, r in differs.nonzero().tolist()]
         if wrong:
@@ -334,24 +334,32 @@ _MIX = (0x7F4A7C159E3779B9, 0x6A09E667F3BCC909, 0x3C6EF372FE94F82B)  # odd 63-bi
 def _checksum(local: torch.Tensor, held: Box, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sum over ``box`` (global coordinates, inside ``held``: the box ``local`` holds) of each
     element's bit pattern (as ``dtype``, default its own) times an odd pseudo-random weight of its
-    global position, in wrapping int64 arithmetic (mod 2^64): additive over disjoint boxes, so
-    pieces checksummed where they were sent from add up to the destination's. The weight is a
-    product of one per coordinate, so the sum contracts one dim at a time: one multiply and one
-    sum over the elements, the rest on ever smaller tensors. A 0-d int64 tensor."""
+    global position, mod 2^32 (mod 2^64 for 8-byte dtypes, whose low bits may all be zero):
+    additive over disjoint boxes, so pieces checksummed where they were sent from add up to the
+    destination's (a changed element always changes it). The weight is a product of one per
+    coordinate, so the sum contracts one dim at a time: one vectorized multiply and sum per
+    element, the rest on ever smaller tensors. A 0-d int64 tensor (see :func:`_checksum_mask`)."""
     view = local[tuple(slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(box, held))]
     view = view.to(dtype) if dtype is not None else view
-    acc = view.contiguous().view(_INT_OF[view.element_size()]).to(torch.int64)  # (n_0, ..., n_k)
+    wide = torch.int64 if view.element_size() == 8 else torch.int32  # arithmetic wraps in this width
+    acc = view.contiguous().view(_INT_OF[view.element_size()]).to(wide)  # (n_0, ..., n_k)
     for d in reversed(range(acc.dim())):
-        acc = (acc * _position_weights(box[d], d, acc.device)).sum(-1)  # contracts dim d
-    return acc
+        acc = (acc * _position_weights(box[d], d, acc.device, wide)).sum(-1, dtype=wide)  # contracts dim d
+    return acc.to(torch.int64) & _checksum_mask(view.dtype)
+
+
+def _checksum_mask(dtype: torch.dtype) -> int:
+    """The bits a checksum of ``dtype`` keeps: 32 (its arithmetic is int32), or all 64."""
+    return -1 if dtype.itemsize == 8 else 0xFFFFFFFF
 
 
 @functools.lru_cache(maxsize=4096)  # a pure memo: the same spans come back every verify
-def _position_weights(span: tuple[int, int], dim: int, device: torch.device) -> torch.Tensor:
-    """(hi - lo,) odd int64 weights of global indices ``lo..hi`` along ``dim`` (a fixed mix)."""
-    h = torch.arange(*span, dtype=torch.int64, device=device) * _MIX[0] + (dim + 1) * _MIX[1]
-    h = (h ^ (h >> 29)) * _MIX[2]
-    return h | 1
+def _position_weights(span: tuple[int, int], dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(hi - lo,) odd weights of global indices ``lo..hi`` along ``dim`` (a fixed mix), as ``dtype``."""
+    h = (torch.arange(*span, dtype=torch.int64, device=device) + (dim + 1) * 1_000_003) * _MIX[0]
+    h = (h ^ (h >> 29)) * _MIX[1]
+    h = (h ^ (h >> 32)) * _MIX[2]
+    return (h | 1).to(dtype)
 
 
 def _local(t: torch.Tensor | None, layout: Layout) -> torch.Tensor | None:

@@ -552,12 +552,16 @@ def _unmovable(case):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from reshard import redistribute, wrap_local
+    from reshard import redistribute, slice_to_dtensor, wrap_local
     from reshard.mesh import cached_mesh
 
     mesh = cached_mesh(torch.arange(dist.get_world_size()), ("x",))
     if case == "meta":
         t = DTensor.from_local(torch.empty(4, 4, device="meta"), mesh, (Replicate(),), run_check=False)
+    elif case == "partial-dst":
+        redistribute(slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)), mesh, (Partial(),))
+    elif case == "partial-max":
+        t = DTensor.from_local(torch.zeros(4, 4), mesh, (Partial("max"),), run_check=False)
     else:  # requires grad, moving from rank 0 alone to both ranks: no backward could run on rank 1
         one = cached_mesh(torch.tensor([0]), ("one",))
         local = torch.zeros(4, 4) if dist.get_rank() == 0 else torch.empty(0, 0)
@@ -569,6 +573,8 @@ def _unmovable(case):
     "case,match",
     [
         ("meta", r"cannot move a meta-device DTensor of shape \(4, 4\)"),
+        ("partial-dst", r"ranks \[0, 1\][\s\S]*placements must be Shard or Replicate, got \(Partial\(sum\),\)"),
+        ("partial-max", r"ranks \[0, 1\][\s\S]*Partial sources reduce with 'sum' or 'avg' only, got \['max'\]"),
         ("grad", r"differentiates moves within one set of ranks only; got a tensor that requires grad on ranks \[0\]"),
     ],
 )

@@ -475,3 +475,21 @@ def test_sync_from_real_training_layouts_is_bitwise(
     first = results[rollout_ranks[0]]
     if dtype is None:  # fp32 rollout: greedy tokens equal HF generate on the full trained weights
         assert first["tokens"] == first["reference"] and len(first["tokens"]) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
+def test_checksum_adds_up_over_boxes_and_changes_with_any_element_or_swap(dtype):
+    """What ``verify`` relies on: the checksum of a box is the sum of its pieces' (sent from
+    different ranks), and one changed element or two swapped rows change it (float64 values
+    converted from float32 have all-zero low bits: the 64-bit arithmetic still sees them)."""
+    from reshard.sync import _checksum, _checksum_mask
+
+    x = (torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+    whole = ((0, 64), (0, 48))
+    pieces = [((0, 20), (0, 48)), ((20, 64), (0, 10)), ((20, 64), (10, 48))]
+    total = _checksum(x, whole, whole)
+    assert total == sum(_checksum(x, whole, p) for p in pieces) & _checksum_mask(dtype)
+    changed, swapped = x.clone(), x.clone()
+    changed[3, 5] = x[3, 6]
+    swapped[[1, 2]] = x[[2, 1]]
+    assert _checksum(changed, whole, whole) != total and _checksum(swapped, whole, whole) != total
