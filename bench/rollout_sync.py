@@ -16,7 +16,14 @@ the checkpoint and optimizer state exists. The rollout model is ``rollout_model(
 Scenarios (world 4):
 
 1. colocated: FSDP2 over ranks [0, 1, 2, 3] -> TP4 over [0, 1, 2, 3];
-2. split: FSDP2 over [0, 1] -> TP2 over [2, 3] (ranks 0, 1 pass ``None`` as the rollout side).
+2. split: FSDP2 over [0, 1] -> TP2 over [2, 3] (ranks 0, 1 pass ``None`` as the rollout side);
+3. colocated 2-D FSDP2 x TP (2 x 2, ``train_model(..., "fsdp_tp")``: ``_StridedShard``) -> TP4;
+4. colocated HSDP (2 x 2, ``(Replicate(), Shard(0))``) -> TP4;
+5. split FSDP2 [0, 1] -> TP2 [2, 3] in bf16 (fp32 converted while packed).
+
+Then (``--delta-steps``, default 5): delta vs dense syncs into two bf16 TP2 rollout models on
+[2, 3] after each of that many real Adam steps (``--delta-lr``, default 1e-5): bytes, seconds,
+bitwise equality per step. Per scenario the planned sync's ``verify()`` is timed too.
 
 With ``--world6`` (6 processes): colocated FSDP2 [0..3] -> TP4 [0..3] (ranks 4, 5 idle but in
 every collective) and split FSDP2 [0..3] -> TP2 [4, 5] (the issue's "FSDP2 on 4 ranks -> TP2 on 2
