@@ -7,6 +7,7 @@ Every number carries its source in a comment on its line: a vendor datasheet, a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class Hardware:
     link_bw: float
     link_latency: float
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
+    step_overhead: float = 0.0  # seconds per forward step of a stage (launches, scheduling): 0 unless fitted
 
     def comm(self, kind: str) -> tuple[float, float]:
         """``(latency s, bandwidth B/s)`` of collective ``kind``; the link's own without a fit."""
@@ -93,6 +95,44 @@ HARDWARE: dict[str, Hardware] = {
         link_bw=PCIE4_X16,  # NVIDIA L4 datasheet: PCIe Gen4 x16 64 GB/s (no NVLink)
         link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
     ),
+    # the machines Seesaw measured on (section 6.1, ../shared/seeds/000_*.txt lines 922-930): AWS
+    # g5.48xlarge (A10) and g6.48xlarge (L4) give each GPU PCIe 4.0 x8, 16 GiB/s
+    "a10-g5": Hardware(
+        name="a10-g5",
+        memory=24 * GiB,  # Seesaw Table 1: A10 24 GiB
+        mem_bw=600 * GiB,  # Seesaw Table 1: A10 600 GiB/s
+        flops=125 * TFLOPS,  # Seesaw Table 1: A10 125T
+        link="pcie",
+        link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
+        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+    ),
+    "l4-g6": Hardware(
+        name="l4-g6",
+        memory=24 * GiB,  # Seesaw Table 1: L4 24 GiB
+        mem_bw=300 * GiB,  # Seesaw Table 1: L4 300 GiB/s
+        flops=121 * TFLOPS,  # Seesaw Table 1: L4 121T
+        link="pcie",
+        link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
+        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+    ),
+    "a100-40g-pcie": Hardware(
+        name="a100-40g-pcie",
+        memory=40 * GiB,  # Seesaw Table 1: A100 40 GiB
+        mem_bw=1555 * GiB,  # Seesaw Table 1: A100 1,555 GiB/s
+        flops=312 * TFLOPS,  # Seesaw Table 1: A100 312T
+        link="pcie",
+        link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
+        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+    ),
+    "a100-40g-nvlink": Hardware(
+        name="a100-40g-nvlink",
+        memory=40 * GiB,  # Seesaw Table 1: A100 40 GiB
+        mem_bw=1555 * GiB,  # Seesaw Table 1: A100 1,555 GiB/s
+        flops=312 * TFLOPS,  # Seesaw Table 1: A100 312T
+        link="nvlink",
+        link_bw=300 * GiB,  # Seesaw section 6.1: NVLink "600 GiB/s" (both directions) = 300 per direction
+        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+    ),
     "a100-40g": Hardware(
         name="a100-40g",
         memory=40 * GB,  # NVIDIA A100 datasheet (SXM): 40 GB HBM2
@@ -118,6 +158,15 @@ HARDWARE: dict[str, Hardware] = {
         flops=989 * TFLOPS,  # NVIDIA H100 datasheet (SXM): BF16 tensor 1,979 TF with sparsity = 989 dense
         link="nvlink",
         link_bw=450 * GB,  # NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
+        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+    ),
+    "h200-fp8": Hardware(
+        name="h200-fp8",
+        memory=141 * GB,  # NVIDIA H200 datasheet (SXM): 141 GB HBM3e
+        mem_bw=4800 * GB,  # NVIDIA H200 datasheet (SXM): 4.8 TB/s
+        flops=1979 * TFLOPS,  # NVIDIA H200 datasheet (SXM): FP8 tensor 3,958 TF with sparsity = 1,979 dense
+        link="nvlink",
+        link_bw=450 * GB,  # NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
         link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
     ),
     "h200": Hardware(
@@ -194,6 +243,11 @@ MODELS: dict[str, ModelShape] = {
 }
 
 # ---- workloads (Seesaw section 6; means of the length distributions of its Figure 9) -----------
+# Shift Parallelism's runs use FP8 weights and KV ("all FP8", ../shared/seeds/001_*.txt line 606)
+MODELS.update(
+    {f"{n}-fp8": dataclasses.replace(MODELS[n], name=f"{n}-fp8", dtype_bytes=1) for n in ("llama3-70b", "qwen3-32b")}
+)
+
 WORKLOADS: dict[str, Workload] = {
     "arxiv": Workload(
         name="arxiv",

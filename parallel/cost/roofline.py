@@ -6,9 +6,11 @@ Per decoder layer and phase, on one GPU of a layout (Seesaw appendix A, Table 3)
 / mem_bw) + T_comm``. Linear bytes are the weights plus the activations read and written; attention
 bytes the KV cache read (decode) or Q/K/V written (prefill). Communication:
 
-- TP: 2 all-reduces of the layer's activations per layer, ring ``2(n-1)/n * bytes / bw + 2(n-1) * lat``;
+- TP: 2 all-reduces of the layer's activations per layer, the faster of a ring
+  ``2(n-1)/n * bytes / bw + 2(n-1) * lat`` and a tree ``2 * bytes / bw + 2 log2(n) * lat``;
 - SP (Ulysses): 2 all-to-alls per layer (fused QKV in, attention output back; Shift's Table 2),
-  ``(n-1)/n * bytes / bw + lat`` (pairwise messages sent concurrently, assumed);
+  ``(n-1)/n * bytes / bw + (n-1) * lat``: ``n-1`` pairwise messages, each paying its latency
+  (Shift's Fig. 9: SP's TPOT exceeds DP's by ~10 ms over 160 all-to-alls at batch 1);
 - PP: one activation send per stage boundary and micro-batch, ``lat + bytes / bw``, plus the
   pipeline fill/drain bubble of prefill;
 - DP: nothing.
@@ -145,19 +147,24 @@ def infeasible_reason(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seq_len:
 
 # ---- communication ---------------------------------------------------------------------------------
 def all_reduce_time(hw: Hardware, nbytes: float, n: int) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` GPUs."""
+    """All-reduce of ``nbytes`` over ``n`` GPUs: the faster of a ring (``2(n-1)`` latency hops,
+    bandwidth-optimal) and a tree / one-shot (``2 log2 n`` hops, the whole message each way), as
+    NCCL and vLLM's custom all-reduce pick by message size."""
     if n == 1:
         return 0.0
     lat, bw = hw.comm("all_reduce")
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+    ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+    tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(n)) * lat
+    return min(ring, tree)
 
 
 def all_to_all_time(hw: Hardware, nbytes: float, n: int) -> float:
-    """All-to-all of ``nbytes`` per GPU (the ``(n-1)/n`` not kept) over ``n`` GPUs."""
+    """All-to-all of ``nbytes`` per GPU (the ``(n-1)/n`` not kept) over ``n`` GPUs: ``n-1``
+    pairwise messages, each paying the link latency."""
     if n == 1:
         return 0.0
     lat, bw = hw.comm("all_to_all")
-    return (n - 1) / n * nbytes / bw + lat
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
 
 
 def send_time(hw: Hardware, nbytes: float) -> float:
@@ -212,9 +219,10 @@ def decode_stage_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seqs: fl
 
 
 def _stage(m: ModelShape, hw: Hardware, cfg: ParallelConfig, layer: float, tokens: float, head_rows: float) -> float:
-    """A stage's layers, the LM head on the last stage (the bottleneck stage) and one send."""
+    """A stage's layers, the LM head on the last stage (the bottleneck stage), one send and the
+    per-step overhead (``hw.step_overhead``: launches and scheduling, paid per micro-batch)."""
     send = send_time(hw, tokens * m.hidden * m.dtype_bytes) if cfg.pp > 1 else 0.0
-    return math.ceil(m.layers / cfg.pp) * layer + head_time(m, hw, cfg, head_rows) + send
+    return math.ceil(m.layers / cfg.pp) * layer + head_time(m, hw, cfg, head_rows) + send + hw.step_overhead
 
 
 # ---- phases of one replica -------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Global efficiency factors of the cost model, fitted on published measurements.
+
+The cost model (:mod:`parallel.cost.roofline`) is physical: FLOPs, bytes, link bandwidth and
+latency, memory, from datasheets and model configs. Real systems reach a fraction of the peaks;
+:class:`Efficiency` is the short, named list of what may be fitted to account for that, each one
+global (the same for every model, layout, workload and row): achieved fractions of peak FLOP/s,
+of memory bandwidth and of link bandwidth in collectives, a multiplier of the per-message link
+latency, and a per-step overhead. Nothing else can be fitted (:func:`fit` refuses other names),
+so a fit cannot encode one row's answer.
+
+:func:`fit` searches those factors (every combination of a log grid) to minimise a loss over
+the *training* rows it is given, and sees nothing else: the held-out rows are predicted with the
+result (``bench/cost_vs_papers.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from reshard.parallel.cost.profiles import Hardware
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What is fitted (defaults: the datasheet peaks, no overhead)."""
+
+    compute: float = 1.0  # achieved fraction of peak dense FLOP/s
+    memory: float = 1.0  # achieved fraction of peak memory bandwidth
+    link: float = 1.0  # achieved fraction of link bandwidth in collectives and sends
+    latency: float = 1.0  # multiplier of the per-message link latency
+    step_overhead: float = 0.0  # seconds per forward step of a stage
+
+    def apply(self, hw: Hardware) -> Hardware:
+        """``hw`` as it performs: peaks scaled, latency multiplied, the overhead set."""
+        collectives = {k: (lat * self.latency, bw * self.link) for k, (lat, bw) in hw.collectives.items()}
+        return dataclasses.replace(
+            hw,
+            flops=hw.flops * self.compute,
+            mem_bw=hw.mem_bw * self.memory,
+            link_bw=hw.link_bw * self.link,
+            link_latency=hw.link_latency * self.latency,
+            collectives=collectives,
+            step_overhead=self.step_overhead,
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+FITTABLE = tuple(f.name for f in dataclasses.fields(Efficiency))
+
+# the values each factor may take (log-spaced; the overhead in seconds)
+GRID: dict[str, tuple[float, ...]] = {
+    "compute": (0.15, 0.25, 0.35, 0.5, 0.7, 1.0),
+    "memory": (0.4, 0.55, 0.7, 0.85, 1.0),
+    "link": (0.15, 0.25, 0.4, 0.6, 1.0),
+    "latency": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
+    "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3),
+}
+
+
+def check_names(names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` if every one is a field of :class:`Efficiency`; else a ``ValueError`` naming them."""
+    unknown = [n for n in names if n not in FITTABLE]
+    if unknown or not names:
+        raise ValueError(f"only global efficiency factors can be fitted, {list(FITTABLE)}; got {list(names)}")
+    return tuple(names)
+
+
+def fit(
+    loss: Callable[[Efficiency, Sequence], float],
+    rows: Sequence,
+    names: Sequence[str] = FITTABLE,
+    *,
+    grid: dict[str, tuple[float, ...]] | None = None,
+) -> tuple[Efficiency, float]:
+    """The :class:`Efficiency` minimising ``loss(efficiency, rows)`` over every combination of
+    ``grid`` values of the factors ``names`` (the others stay at their defaults; ties keep the
+    first in grid order), and its loss. ``loss`` sees ``rows`` and nothing else."""
+    names, grid = check_names(names), grid or GRID
+    best, best_loss = Efficiency(), math.inf
+    for values in itertools.product(*(grid[n] for n in names)):
+        trial = Efficiency(**dict(zip(names, values)))
+        trial_loss = loss(trial, rows)
+        if trial_loss < best_loss - 1e-12:
+            best, best_loss = trial, trial_loss
+    return best, best_loss
+
+
+def log_ratio(best: float, got: float) -> float:
+    """``log(best / got)``: 0 when ``got`` is the best, growing as it falls behind (inf at 0)."""
+    return math.inf if got <= 0 else math.log(best / got)

@@ -1,0 +1,167 @@
+"""Published measurements the cost model is validated against, as data with their sources.
+
+Each row names the paper, the figure or table, and the line of the paper's text in
+``../shared/seeds`` it is read from. Only what the papers state is here; how the model's
+prediction compares is ``bench/cost_vs_papers.py``'s business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SEESAW = "Seesaw (Su et al. 2025), ../shared/seeds/000_1b995ee7312ad9dc.txt"
+SHIFT = "Shift Parallelism (Snowflake 2025), ../shared/seeds/001_204e28c7c271ee4f.txt"
+
+# Seesaw's baseline and implementation both run vLLM 0.5.4 (section 6.1, line 968), whose scheduler
+# holds at most max_num_seqs = 256 sequences per replica (vllm/engine/arg_utils.py, EngineArgs default)
+VLLM_MAX_NUM_SEQS = 256
+
+
+@dataclass(frozen=True)
+class LayoutWinner:
+    """One bar pair of Seesaw's Fig. 10: the best static vLLM layout the authors found by sweeping
+    every single parallelism, and the Seesaw pair (prefill -> decode) they ran, on ``gpus`` GPUs."""
+
+    hardware: str
+    model: str
+    workload: str
+    gpus: int
+    best_static: str
+    seesaw_pair: str
+    source: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.hardware} {self.model} {self.workload}"
+
+
+def _fig10(hw: str, line: int, labels: list[tuple[str, str]]) -> list[LayoutWinner]:
+    """Fig. 10's labels in the text's order: arxiv 15B, 34B, 70B, then sharegpt 15B, 34B, 70B.
+    15B runs on 4 GPUs, 34B and 70B on 8 (section 6.2, line 1036)."""
+    shapes = [("llama3-15b", 4), ("codellama-34b", 8), ("llama2-70b", 8)]
+    rows = []
+    for i, (static, pair) in enumerate(labels):
+        model, gpus = shapes[i % 3]
+        data = "arxiv" if i < 3 else "sharegpt"
+        rows.append(LayoutWinner(hw, model, data, gpus, static, pair, f"{SEESAW}, Fig. 10, line {line}"))
+    return rows
+
+
+# Fig. 10 (a) A10, labels at lines 1079-1092; (b) L4, lines 1105-1119 (the machines of section
+# 6.1: profiles a10-g5 and l4-g6)
+SEESAW_FIG10: tuple[LayoutWinner, ...] = tuple(
+    _fig10(
+        "a10-g5",
+        1079,
+        [
+            ("D2T2", "P4->T4"),
+            ("D2T2P2", "D2P4->D2T4"),
+            ("T2P4", "P8->T4P2"),
+            ("D2P2", "P4->T4"),
+            ("D2T2P2", "D2P4->D2T4"),
+            ("T4P2", "P8->T4P2"),
+        ],
+    )
+    + _fig10(
+        "l4-g6",
+        1105,
+        [
+            ("T2P2", "P4->T4"),
+            ("D2T4", "D2P4->D2T4"),
+            ("T4P2", "P8->T4P2"),
+            ("P4", "P4->T4"),
+            ("D2T4", "P8->T4P2"),
+            ("T4P2", "P8->T4P2"),
+        ],
+    )
+)
+
+# section 6.2, lines 1039-1044: Seesaw over the best static layout, geometric mean and maximum
+SEESAW_SPEEDUP = {"a10-g5": {"geomean": 1.45, "max": 1.78}, "l4-g6": {"geomean": 1.29, "max": 1.52}}
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A throughput ratio the paper reports: ``numerator`` over ``denominator``, each ``(hardware,
+    kind)`` with kind ``static`` (the best static layout) or ``seesaw`` (the best Seesaw pair)."""
+
+    model: str
+    workload: str
+    gpus: int
+    numerator: tuple[str, str]
+    denominator: tuple[str, str]
+    value: float
+    source: str
+
+    @property
+    def key(self) -> str:
+        (a, ka), (b, kb) = self.numerator, self.denominator
+        return f"{self.model} {self.workload} {a} {ka} / {b} {kb}"
+
+
+def _fig11(workload: str, pcie_static: float, pcie_seesaw: float, nvlink_seesaw: float) -> list[Ratio]:
+    """Fig. 11 (lines 1131-1143, text lines 1158-1171): LLaMA3-70B on eight A100s, normalized to
+    vLLM on NVLink; the bars, in order, are vLLM and Seesaw on PCIe, then on NVLink."""
+    src = f"{SEESAW}, Fig. 11"
+    pcie, nvl = "a100-40g-pcie", "a100-40g-nvlink"
+    return [
+        Ratio("llama3-70b", workload, 8, (pcie, "static"), (nvl, "static"), pcie_static, src),
+        Ratio("llama3-70b", workload, 8, (pcie, "seesaw"), (pcie, "static"), pcie_seesaw / pcie_static, src),
+        Ratio("llama3-70b", workload, 8, (nvl, "seesaw"), (nvl, "static"), nvlink_seesaw, src),
+    ]
+
+
+SEESAW_FIG11: tuple[Ratio, ...] = tuple(_fig11("arxiv", 0.61, 0.89, 1.00) + _fig11("sharegpt", 0.62, 0.82, 1.13))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One absolute number: ``metric`` (``ttft_ms`` and ``tpot_ms`` of one request at a time,
+    ``throughput``: peak combined input + output tokens/s) of ``technique`` (``DP`` | ``TP`` |
+    ``SP`` | ``Shift``) on ``gpus`` GPUs, a uniform workload of ``input_len`` / ``output_len``."""
+
+    hardware: str
+    model: str
+    gpus: int
+    input_len: int
+    output_len: int
+    metric: str
+    technique: str
+    value: float
+    source: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} {self.metric} {self.technique}"
+
+
+def _fig9(model: str, values: dict[str, tuple[float, float, float, float]]) -> list[Measured]:
+    """Shift's Fig. 9(c) (table flattened at line 698; setup lines 669-674: 8 x H200, FP8, 4k
+    input and 250 output tokens; latency one request at a time, throughput at saturation)."""
+    src = f"{SHIFT}, Fig. 9(c), line 698"
+    techniques = ("DP", "TP", "SP", "Shift")
+    return [
+        Measured("h200-fp8", model, 8, 4096, 250, metric, t, v, src)
+        for metric, row in values.items()
+        for t, v in zip(techniques, row)
+    ]
+
+
+SHIFT_FIG9: tuple[Measured, ...] = tuple(
+    _fig9(
+        "llama3-70b-fp8",
+        {
+            "ttft_ms": (614, 159, 103, 102),
+            "tpot_ms": (22.5, 9.34, 32.5, 10.1),
+            "throughput": (45.9e3, 24.7e3, 37.2e3, 37.4e3),
+        },
+    )
+    + _fig9(
+        "qwen3-32b-fp8",
+        {
+            "ttft_ms": (385, 113, 79.8, 86.41),
+            "tpot_ms": (18.8, 8.68, 24.4, 9.48),
+            "throughput": (70.1e3, 38.3e3, 52.3e3, 53.8e3),
+        },
+    )
+)

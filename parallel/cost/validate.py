@@ -1,0 +1,194 @@
+"""The cost model's predictions for published measurements (:mod:`parallel.cost.papers`).
+
+For a Seesaw Fig. 10 row the paper names the best static layout it measured and the Seesaw pair
+it ran; the model ranks every static layout and every pair of the same GPUs. A row agrees when
+the measured winner's predicted throughput is close to the model's own best (the ratio
+``measured / best`` near 1): a model that ranks the measured winner low would send a user to
+another layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
+from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio
+from reshard.parallel.cost.profiles import Hardware, ModelShape, hardware, model, workload
+from reshard.parallel.cost.roofline import Estimate, ParallelConfig, rank_layouts
+
+
+@dataclass(frozen=True)
+class WinnerCheck:
+    """The model's view of one :class:`LayoutWinner` row."""
+
+    row: LayoutWinner
+    best_static: Estimate
+    best_pair: Estimate
+    measured_static: Estimate | None  # the model's estimate of the paper's static winner (None: infeasible)
+    measured_pair: Estimate | None
+
+    @property
+    def static_ratio(self) -> float:
+        """Predicted throughput of the measured static winner / the model's best static."""
+        return self.measured_static.tokens_per_s / self.best_static.tokens_per_s if self.measured_static else 0.0
+
+    @property
+    def pair_ratio(self) -> float:
+        return self.measured_pair.tokens_per_s / self.best_pair.tokens_per_s if self.measured_pair else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Predicted measured pair / measured static (the paper's bar ratio)."""
+        if not (self.measured_static and self.measured_pair):
+            return math.nan
+        return self.measured_pair.tokens_per_s / self.measured_static.tokens_per_s
+
+    @property
+    def loss(self) -> float:
+        return log_ratio(1.0, self.static_ratio) + log_ratio(1.0, self.pair_ratio)
+
+
+def why_behind(got: Estimate | None, best: Estimate) -> str:
+    """One line: the phase in which ``got`` loses most per generated token against ``best``."""
+    if got is None:
+        return "infeasible in the model (does not fit)"
+    if got is best:
+        return ""
+    per = {
+        phase: (getattr(got, f"{phase}_s") / got.batch - getattr(best, f"{phase}_s") / best.batch)
+        for phase in ("prefill", "decode", "transition")
+    }
+    phase = max(per, key=per.get)
+    return f"{phase} +{per[phase] * 1e3:.1f} ms per sequence (batch {got.batch} vs {best.batch})"
+
+
+def check_winner(row: LayoutWinner, eff: Efficiency) -> WinnerCheck:
+    """Rank every layout of the row's GPUs under ``eff`` and place the measured winners."""
+    hw = eff.apply(hardware(row.hardware))
+    ranked = rank_layouts(model(row.model), hw, row.gpus, workload(row.workload), max_batch=VLLM_MAX_NUM_SEQS)
+    by_name = {e.name: e for e in ranked}
+    statics = [e for e in ranked if e.prefill == e.decode]
+    pairs = [e for e in ranked if e.prefill != e.decode]
+    return WinnerCheck(row, statics[0], pairs[0], by_name.get(row.best_static), by_name.get(row.seesaw_pair))
+
+
+def best_of(hw: str, kind: str, model_name: str, workload_name: str, gpus: int, eff: Efficiency) -> Estimate:
+    """The model's best static layout (``kind="static"``) or Seesaw pair (``"seesaw"``)."""
+    w = workload(workload_name)
+    ranked = rank_layouts(model(model_name), eff.apply(hardware(hw)), gpus, w, max_batch=VLLM_MAX_NUM_SEQS)
+    return next(e for e in ranked if (e.prefill == e.decode) == (kind == "static"))
+
+
+def predict_ratio(row: Ratio, eff: Efficiency) -> float:
+    """The model's value of a :class:`Ratio` row: best of the numerator's kind over the denominator's."""
+    num, den = (best_of(*side, row.model, row.workload, row.gpus, eff) for side in (row.numerator, row.denominator))
+    return num.tokens_per_s / den.tokens_per_s
+
+
+# Shift's techniques on n GPUs: (prefill layout, decode layout); Shift prefills in its SP base
+# and decodes small batches in its full-TP mode (a second weight copy: see predict_measured)
+def technique_layouts(technique: str, n: int) -> tuple[ParallelConfig, ParallelConfig]:
+    layouts = {
+        "DP": (ParallelConfig(dp=n), ParallelConfig(dp=n)),
+        "TP": (ParallelConfig(tp=n), ParallelConfig(tp=n)),
+        "SP": (ParallelConfig(sp=n), ParallelConfig(sp=n)),
+        "Shift": (ParallelConfig(sp=n), ParallelConfig(tp=n)),
+    }
+    if technique not in layouts:
+        raise ValueError(f"technique must be one of {sorted(layouts)}, got {technique!r}")
+    return layouts[technique]
+
+
+def predict_measured(row: Measured, eff: Efficiency) -> float:
+    """The model's value of a :class:`Measured` row: TTFT / TPOT (ms) of one request at a time in
+    the technique's prefill / decode layout, or the saturated combined tokens/s (Shift: its SP
+    base at saturation, with the KV room its full-TP weight copy takes)."""
+    m, hw = model(row.model), eff.apply(hardware(row.hardware))
+    prefill, decode = technique_layouts(row.technique, row.gpus)
+    context = row.input_len + row.output_len / 2
+    if row.metric == "ttft_ms":
+        return 1e3 * cost.ttft(m, hw, _replica(prefill), row.input_len)
+    if row.metric == "tpot_ms":
+        return 1e3 * cost.tpot(m, hw, _replica(decode), 1, context)
+    assert row.metric == "throughput", row.metric
+    if row.technique == "Shift":
+        hw, decode = _minus_copy(m, hw, decode), prefill  # saturated batches run the SP base
+    w = workload("constant", input_len=row.input_len, output_len=row.output_len, requests=100_000)
+    e = cost.estimate(m, hw, decode, decode, w)
+    return 0.0 if e is None else e.tokens_per_s * (row.input_len + row.output_len) / row.output_len
+
+
+def _replica(cfg: ParallelConfig) -> ParallelConfig:
+    """One replica of ``cfg`` (a lone request runs on one)."""
+    return ParallelConfig(tp=cfg.tp, pp=cfg.pp, sp=cfg.sp)
+
+
+def _minus_copy(m: ModelShape, hw: Hardware, tp: ParallelConfig) -> Hardware:
+    """``hw`` with the memory of Shift's full-TP weight copy taken out."""
+    import dataclasses
+
+    copy = cost.weight_bytes_per_gpu(m, tp)
+    return dataclasses.replace(hw, memory=hw.memory - copy / (1 - cost.MEMORY_RESERVE))
+
+
+def row_hardware(row: LayoutWinner | Ratio | Measured) -> str:
+    return row.numerator[0] if isinstance(row, Ratio) else row.hardware
+
+
+def row_loss(row: LayoutWinner | Ratio | Measured, eff: Efficiency) -> float:
+    """A winner row: ``-log`` of both ratios (0 when the measured winners are the model's best).
+    A ratio or a measured row: ``|log(predicted / published)|``."""
+    if isinstance(row, LayoutWinner):
+        return check_winner(row, eff).loss
+    got = predict_ratio(row, eff) if isinstance(row, Ratio) else predict_measured(row, eff)
+    return math.inf if got <= 0 else abs(math.log(got / row.value))
+
+
+def winners_loss(eff: Efficiency, rows: Sequence[LayoutWinner | Ratio]) -> float:
+    """Sum of :func:`row_loss` over ``rows``."""
+    return sum(row_loss(r, eff) for r in rows)
+
+
+def geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def fit_half(
+    rows: Sequence[LayoutWinner | Ratio | Measured],
+    train: Collection[str],
+    *,
+    loss: Callable[[Efficiency, Sequence], float] = winners_loss,
+    grid: dict[str, tuple[float, ...]] | None = None,
+) -> tuple[Efficiency, float]:
+    """:func:`parallel.cost.fit.fit` on the rows of the hardware named in ``train`` only (the
+    others are the held-out half: the fit never sees them)."""
+    have = sorted({row_hardware(r) for r in rows})
+    missing = sorted(set(train) - set(have))
+    if missing:
+        raise ValueError(f"no rows of hardware {missing} to fit on; rows have {have}")
+    return fit(loss, [r for r in rows if row_hardware(r) in train], grid=grid)
+
+
+def orderings(rows: Sequence[Measured], eff: Efficiency, gap: float = 1.10) -> list[dict]:
+    """Per (model, metric): the paper's and the model's techniques best first, and every pair the
+    paper separates by more than ``gap`` (a ratio) that the model orders the other way."""
+    out = []
+    for key in dict.fromkeys((r.model, r.metric) for r in rows):
+        group = [r for r in rows if (r.model, r.metric) == key]
+        better = 1 if key[1] == "throughput" else -1  # throughput: higher is better; latency: lower
+        paper = {r.technique: r.value for r in group}
+        mine = {r.technique: predict_measured(r, eff) for r in group}
+        flipped = [
+            (a, b)
+            for a in paper
+            for b in paper
+            if paper[a] * better > paper[b] * better
+            and max(paper[a], paper[b]) / min(paper[a], paper[b]) > gap
+            and not mine[a] * better > mine[b] * better
+        ]
+        order = [sorted(d, key=lambda t, d=d: -better * d[t]) for d in (paper, mine)]
+        out.append({"model": key[0], "metric": key[1], "paper": order[0], "model_order": order[1], "flipped": flipped})
+    return out
