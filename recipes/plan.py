@@ -3,7 +3,8 @@
     python -m reshard.recipes.plan model=llama3-15b hardware=a10 num_gpus=4 workload=arxiv
 
 Single process (no torchrun); ``hardware=this_machine`` first calibrates this machine (2 gloo
-processes, cached). Prints the ranked table of every feasible static layout and Seesaw pair and
+processes, cached). Prints one ranking across techniques (every feasible static layout and Seesaw
+pair, Shift, SiDP and DejaVu: :mod:`parallel.cost.techniques`) and
 writes ``plan.json`` and ``plan.png`` into Hydra's run directory. Layouts are in Seesaw's notation
 (``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of 1 omitted, one GPU = ``T1``; ``S``
 Ulysses SP; ``A->B`` = prefill in A, decode in B).
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost.profiles import hardware, model, workload
+from reshard.parallel.cost.techniques import rank_all
 from reshard.recipes.launch import hydra_main
 from reshard.recipes.plan_config import PlanConfig
 
@@ -24,23 +26,26 @@ def make_plan(cfg: PlanConfig) -> dict:
     """Everything the planner predicts for ``cfg`` (the content of ``plan.json``)."""
     m, hw = model(cfg.model), hardware(cfg.hardware)
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
-    ranked = cost.rank_layouts(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
+    ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
     infeasible = {
         c.notation: cost.infeasible_reason(m, hw, c, w.input_len + w.output_len) for c in cost.configs(cfg.num_gpus)
     }
     if not ranked:
         raise ValueError(f"no layout of {cfg.num_gpus} x {cfg.hardware} fits model {cfg.model!r}: {infeasible}")
-    static = [e for e in ranked if e.prefill == e.decode]
-    seesaw = [e for e in ranked if e.prefill != e.decode]
+    best = {}
+    for r in ranked:  # best first: the first row of each kind is its best
+        best.setdefault(r["kind"], r)
+    static, seesaw = best.get("static"), best.get("seesaw")
     return {
         "model": cfg.model,
         "hardware": hw.name,
         "num_gpus": cfg.num_gpus,
         "workload": {"name": w.name, "input_len": w.input_len, "output_len": w.output_len, "requests": w.requests},
-        "best_static": static[0].name if static else None,
-        "best_seesaw": seesaw[0].name if seesaw else None,
-        "seesaw_speedup": seesaw[0].tokens_per_s / static[0].tokens_per_s if seesaw and static else None,
-        "ranked": [e.as_dict() for e in ranked],
+        "best_static": static["layout"] if static else None,
+        "best_seesaw": seesaw["layout"] if seesaw else None,
+        "seesaw_speedup": seesaw["tokens_per_s"] / static["tokens_per_s"] if seesaw and static else None,
+        "best_by_technique": {kind: r["layout"] for kind, r in best.items()},
+        "ranked": ranked,
         "phases": _phases(m, hw, cfg.num_gpus, w),
         "infeasible": {k: v for k, v in infeasible.items() if v},
         "shift_threshold": cost.shift_threshold(m, hw, cfg.num_gpus),
@@ -65,22 +70,27 @@ def _phases(m, hw, num_gpus: int, w) -> dict:
 
 
 def table(plan: dict, top: int) -> str:
-    """The ranked layouts as a fixed-width table (the first ``top`` rows)."""
+    """The ranked rows of every technique as a fixed-width table (the first ``top`` rows)."""
     rows = [
-        f"{'rank':>4}  {'layout':<16}{'kind':<8}{'tokens/s':>10}{'batch':>7}{'prefill s':>11}"
-        f"{'decode s':>10}{'trans s':>9}"
+        f"{'rank':>4}  {'layout':<24}{'kind':<8}{'tokens/s':>10}{'batch':>7}{'prefill s':>11}"
+        f"{'decode s':>10}{'comm s':>8}{'trans s':>9}"
     ]
     for i, e in enumerate(plan["ranked"][:top], 1):
         rows.append(
-            f"{i:>4}  {e['layout']:<16}{e['kind']:<8}{e['tokens_per_s']:>10.1f}{e['batch']:>7}"
-            f"{e['prefill_s']:>11.2f}{e['decode_s']:>10.2f}{e['transition_s']:>9.3f}"
+            f"{i:>4}  {e['layout']:<24}{e['kind']:<8}{e['tokens_per_s']:>10.1f}{e['batch']:>7}"
+            f"{e['prefill_s']:>11.2f}{e['decode_s']:>10.2f}{e['comm_s']:>8.2f}{e['transition_s']:>9.3f}"
         )
+    shown = len(plan["ranked"][:top])
+    if shown < len(plan["ranked"]):
+        rows.append(f"({shown} of {len(plan['ranked'])} feasible rows; plan.json has all; top=N shows more)")
     return "\n".join(rows)
 
 
 def summary_lines(plan: dict) -> str:
     s, d = plan["shift_threshold"], plan["dejavu"]
+    best = ", ".join(f"{kind} {name}" for kind, name in plan["best_by_technique"].items())
     return (
+        f"best per technique: {best}\n"
         f"best static {plan['best_static']}, best Seesaw {plan['best_seesaw']} "
         f"(x{plan['seesaw_speedup'] or float('nan'):.2f}); Shift threshold {s['threshold']} tokens "
         f"({s['base']} vs {s['shift']}); SiDP b* {plan['sidp_threshold']}; "
@@ -88,25 +98,50 @@ def summary_lines(plan: dict) -> str:
     )
 
 
+PHASES = (("prefill", "tab:blue"), ("decode", "tab:green"), ("comm", "tab:red"), ("transition", "tab:orange"))
+
+
 def plot(plan: dict, path: Path, top: int) -> None:
-    """Predicted tokens/s of the best ``top`` layouts (static and Seesaw pairs) as a PNG."""
+    """Where the time of the best ``top`` rows goes, as a PNG: one stacked bar per row of seconds per
+    1000 generated tokens (prefill and decode compute, communication, Seesaw's transition), its
+    tokens/s written beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = plan["ranked"][:top][::-1]
-    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.5))
-    colors = ["tab:blue" if r["kind"] == "static" else "tab:orange" for r in rows]
-    ax.barh([r["layout"] for r in rows], [r["tokens_per_s"] for r in rows], color=colors)
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 2))
+    labels = [f"{r['layout']} ({r['kind']})" for r in rows]
+    left = [0.0] * len(rows)
+    for phase, color in PHASES:
+        widths = [_per_kilotoken(r, phase, plan) for r in rows]
+        ax.barh(labels, widths, left=left, color=color, label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, (r, x) in enumerate(zip(rows, left)):
+        ax.text(x, y, f" {r['tokens_per_s']:,.0f} tok/s", va="center", fontsize=8)
+    ax.set_xlim(0, max(left) * 1.25)
+    ax.legend(loc="lower right", fontsize=8)
+    w = plan["workload"]
     ax.set(
-        xlabel="predicted generated tokens/s",
-        title=f"{plan['model']} on {plan['num_gpus']} x "
-        f"{plan['hardware']}, {plan['workload']['name']} (blue static, orange Seesaw)",
+        xlabel="seconds per 1000 generated tokens (shorter is better)",
+        title=f"{plan['model']} on {plan['num_gpus']} x {plan['hardware']}, {w['name']} "
+        f"({w['input_len']:.0f} in / {w['output_len']:.0f} out): top {len(rows)} of {len(plan['ranked'])}",
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _per_kilotoken(row: dict, phase: str, plan: dict) -> float:
+    """Seconds of ``phase`` per 1000 generated tokens (compute phases without their communication,
+    split in proportion)."""
+    tokens = row["batch"] * plan["workload"]["output_len"] / 1000
+    if phase in ("comm", "transition"):
+        return row[f"{phase}_s"] / tokens
+    compute = row["prefill_s"] + row["decode_s"]
+    share = row[f"{phase}_s"] / compute if compute else 0.0
+    return share * (compute - row["comm_s"]) / tokens
 
 
 def run_plan(cfg: PlanConfig, run_dir: Path) -> dict:

@@ -238,8 +238,33 @@ def test_plan_recipe_end_to_end(tmp_path, capsys):
     rates = [r["tokens_per_s"] for r in saved["ranked"]]
     assert rates == sorted(rates, reverse=True) and all(r > 0 for r in rates)
     assert "D4" in saved["infeasible"] and "D4" not in {r["layout"] for r in saved["ranked"]}
+    assert {r["kind"] for r in saved["ranked"]} >= {"static", "seesaw", "sidp"}
+    assert set(saved["best_by_technique"]) == {r["kind"] for r in saved["ranked"]}
+    for r in saved["ranked"]:  # where the time goes adds up to the throughput
+        total = r["prefill_s"] + r["decode_s"] + r["transition_s"]
+        assert 0 <= r["comm_s"] <= r["prefill_s"] + r["decode_s"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 250 / total)
     assert (tmp_path / "plan.png").stat().st_size > 1000
-    assert "best static" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "best static" in out and "best per technique: seesaw D2P2->T4" in out
+
+
+def test_one_ranking_counts_shifts_weight_copy_and_sidps_pooled_ffn():
+    """70B on 8 x H100, sharegpt: every technique is ranked; Shift's batch is what its SP base
+    holds beside the full-TP weight copy; SiDP's replicas hold more KV than plain DP replicas."""
+    import dataclasses
+
+    from reshard.parallel.cost.techniques import rank_all, sidp_weight_bytes
+
+    m, hw, w = model("llama3-70b"), hardware("h100"), workload("sharegpt")
+    rows = rank_all(m, hw, 8, w)
+    assert {r["kind"] for r in rows} == {"static", "seesaw", "shift", "sidp"}  # DejaVu's split does not pay here
+    shift = next(r for r in rows if r["layout"] == "Shift S2T4|T8")
+    copy = cost.weight_bytes_per_gpu(m, ParallelConfig(tp=8)) / (1 - cost.MEMORY_RESERVE)
+    base = ParallelConfig(sp=2, tp=4)
+    assert shift["batch"] == cost.batch_per_replica(m, dataclasses.replace(hw, memory=hw.memory - copy), base, w)
+    assert shift["batch"] < cost.batch_per_replica(m, hw, base, w)
+    assert sidp_weight_bytes(m, 8) < cost.weight_bytes_per_gpu(m, ParallelConfig())  # less than a whole replica
 
 
 # ---- calibration -------------------------------------------------------------------------------------
