@@ -17,7 +17,7 @@ from pathlib import Path
 
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost.profiles import hardware, model, workload
-from reshard.parallel.cost.techniques import rank_all
+from reshard.parallel.cost.techniques import rank_all, with_latency
 from reshard.recipes.launch import hydra_main
 from reshard.recipes.plan_config import PlanConfig
 
@@ -27,13 +27,15 @@ def make_plan(cfg: PlanConfig) -> dict:
     m, hw = model(cfg.model), hardware(cfg.hardware)
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
     ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
+    if cfg.rate is not None:
+        ranked = with_latency(ranked, m, hw, w, cfg.rate)
     infeasible = {
         c.notation: cost.infeasible_reason(m, hw, c, w.input_len + w.output_len) for c in cost.configs(cfg.num_gpus)
     }
     if not ranked:
         raise ValueError(f"no layout of {cfg.num_gpus} x {cfg.hardware} fits model {cfg.model!r}: {infeasible}")
     best = {}
-    for r in ranked:  # best first: the first row of each kind is its best
+    for r in ranked:  # best first (throughput, or completion time at a rate): the first of each kind
         best.setdefault(r["kind"], r)
     static, seesaw = best.get("static"), best.get("seesaw")
     return {
@@ -41,6 +43,7 @@ def make_plan(cfg: PlanConfig) -> dict:
         "hardware": hw.name,
         "num_gpus": cfg.num_gpus,
         "workload": {"name": w.name, "input_len": w.input_len, "output_len": w.output_len, "requests": w.requests},
+        "rate": cfg.rate,
         "best_static": static["layout"] if static else None,
         "best_seesaw": seesaw["layout"] if seesaw else None,
         "seesaw_speedup": seesaw["tokens_per_s"] / static["tokens_per_s"] if seesaw and static else None,
@@ -70,20 +73,32 @@ def _phases(m, hw, num_gpus: int, w) -> dict:
 
 
 def table(plan: dict, top: int) -> str:
-    """The ranked rows of every technique as a fixed-width table (the first ``top`` rows)."""
-    rows = [
-        f"{'rank':>4}  {'layout':<24}{'kind':<8}{'tokens/s':>10}{'batch':>7}{'prefill s':>11}"
-        f"{'decode s':>10}{'comm s':>8}{'trans s':>9}"
-    ]
+    """The ranked rows of every technique as a fixed-width table (the first ``top`` rows); with a
+    rate, TTFT and TPOT at it (``-`` for offline-only techniques, ``overloaded`` past capacity)."""
+    online = plan["rate"] is not None
+    head = f"{'rank':>4}  {'layout':<24}{'kind':<8}{'tokens/s':>10}{'batch':>7}{'prefill s':>11}"
+    head += f"{'decode s':>10}{'comm s':>8}{'trans s':>9}" + (f"{'TTFT ms':>11}{'TPOT ms':>9}" if online else "")
+    rows = [head]
     for i, e in enumerate(plan["ranked"][:top], 1):
-        rows.append(
+        line = (
             f"{i:>4}  {e['layout']:<24}{e['kind']:<8}{e['tokens_per_s']:>10.1f}{e['batch']:>7}"
             f"{e['prefill_s']:>11.2f}{e['decode_s']:>10.2f}{e['comm_s']:>8.2f}{e['transition_s']:>9.3f}"
         )
+        rows.append(line + (_latency_cells(e) if online else ""))
     shown = len(plan["ranked"][:top])
     if shown < len(plan["ranked"]):
         rows.append(f"({shown} of {len(plan['ranked'])} feasible rows; plan.json has all; top=N shows more)")
+    if online:
+        rows.append(f"ranked by TTFT + {plan['workload']['output_len']:.0f} x TPOT at {plan['rate']} requests/s")
     return "\n".join(rows)
+
+
+def _latency_cells(e: dict) -> str:
+    if e["ttft_s"] is None:
+        return f"{'-':>11}{'-':>9}"
+    if e["ttft_s"] == float("inf"):
+        return f"{'overloaded':>11}{'':>9}"
+    return f"{e['ttft_s'] * 1e3:>11.1f}{e['tpot_s'] * 1e3:>9.2f}"
 
 
 def summary_lines(plan: dict) -> str:

@@ -331,3 +331,24 @@ def test_shift_fig9_ordering_of_dp_tp_sp_shift_is_reproduced_for_every_metric():
     assert len(found) == 6 and {o["metric"] for o in found} == {"ttft_ms", "tpot_ms", "throughput"}
     assert all(o["flipped"] == [] for o in found), found
     assert all(o["paper"][-1] == o["model_order"][-1] for o in found)  # the worst technique agrees too
+
+
+def test_an_online_rate_ranks_by_completion_time_and_marks_overload(capsys, tmp_path):
+    """70B on 8 x H100 at 4 requests/s: Shift answers first (SP prefill, TP decode: the lowest
+    TTFT and TPOT, as Shift's paper finds at low traffic); at 200 requests/s nothing keeps up."""
+    import math
+
+    from reshard.recipes.plan import make_plan, table
+
+    keys = ["model=llama3-70b", "hardware=h100", "num_gpus=8", "workload=constant", "input_len=2000"]
+    plan = make_plan(_compose([*keys, "output_len=250", "rate=4"]))
+    online = [r for r in plan["ranked"] if r["ttft_s"] is not None and math.isfinite(r["ttft_s"])]
+    assert plan["ranked"][0]["kind"] == "shift" and online[0] is plan["ranked"][0]
+    done = [r["ttft_s"] + 250 * r["tpot_s"] for r in online]
+    assert done == sorted(done) and all(r["utilization"] < 1 for r in online)
+    assert "ranked by TTFT + 250 x TPOT at 4.0 requests/s" in table(plan, 20)
+    flooded = make_plan(_compose([*keys, "output_len=250", "rate=200"]))
+    assert all(r["ttft_s"] in (None, math.inf) for r in flooded["ranked"])
+    assert "overloaded" in table(flooded, 100)
+    with pytest.raises(ValueError, match=r"rate must be > 0 requests/s or null, got -1.0"):
+        _compose(["rate=-1"])

@@ -141,3 +141,63 @@ def dejavu_row(m: ModelShape, hw: Hardware, n: int, w: Workload) -> dict | None:
     name = f"DejaVu P{plan['D_p']}|P{plan['D_t']}"
     note = f"P{n} x {gain:.2f} (I_c / I_dis), streaming overhead m={plan['m']}"
     return _row(name, "dejavu", pipe.batch, pipe.prefill_s / gain, pipe.decode_s / gain, 0.0, 0.0, w, note)
+
+
+# ---- online: latency at an arrival rate ---------------------------------------------------------------
+def online_latency(
+    m: ModelShape, hw: Hardware, prefill: ParallelConfig, decode: ParallelConfig, w: Workload, rate: float
+) -> dict:
+    """TTFT and TPOT (s) of requests arriving at ``rate`` per second, spread over the replicas:
+    the decode batch ``B`` per replica follows Little's law (``B = rate/dp * output_len * TPOT``),
+    each decode step also yields to the prefill work arriving meanwhile (its share ``f`` of the
+    time), and a request waits for the prefill queue like an M/M/1 server (``TTFT = t_p / (1 -
+    f)``). ``utilization``: the prefill share plus the decode share at full batches; >= 1, the
+    layouts cannot keep up (latencies ``inf``)."""
+    per_replica = rate / decode.dp
+    t_prefill = cost.ttft(m, hw, _one(prefill), w.input_len)
+    f = rate / prefill.dp * t_prefill  # fraction of a replica's time spent prefilling
+    ctx = w.input_len + w.output_len / 2
+    cap = cost.batch_per_replica(m, hw, decode, w)
+    full = cost.decode_step_time(m, hw, _one(decode), cap, ctx) if cap else math.inf
+    util = f + (per_replica * w.output_len * full / cap if cap else math.inf)  # prefill + decode time shares
+    if util >= 1:  # even full decode batches cannot keep up beside the prefill work
+        return {"ttft_s": math.inf, "tpot_s": math.inf, "utilization": util}
+    batch, tpot = 1.0, math.inf
+    for _ in range(50):  # fixed point of Little's law (stable: it converges in a few rounds)
+        tpot = cost.decode_step_time(m, hw, _one(decode), batch, ctx) / (1 - f)
+        batch = min(float(cap), max(1.0, per_replica * w.output_len * tpot))
+    return {"ttft_s": t_prefill / (1 - f), "tpot_s": tpot, "utilization": util}
+
+
+def _one(cfg: ParallelConfig) -> ParallelConfig:
+    """One replica of ``cfg``."""
+    return ParallelConfig(tp=cfg.tp, pp=cfg.pp, sp=cfg.sp)
+
+
+def with_latency(rows: list[dict], m: ModelShape, hw: Hardware, w: Workload, rate: float) -> list[dict]:
+    """``rows`` with ``ttft_s``, ``tpot_s`` and ``utilization`` at ``rate`` requests/s where the
+    technique serves online (static layouts; Shift: its base prefills, full TP decodes), ranked by
+    mean completion time (``TTFT + output_len * TPOT``); rows that cannot keep up, and the
+    offline-only techniques (Seesaw, SiDP, DejaVu: batch-oriented), follow by throughput."""
+    out = []
+    for r in rows:
+        layouts = _online_layouts(r)
+        lat = online_latency(m, hw, *layouts, w, rate) if layouts else {"ttft_s": None, "tpot_s": None}
+        out.append({**r, **lat})
+    return sorted(out, key=lambda r: (_completion(r, w), -r["tokens_per_s"]))
+
+
+def _online_layouts(row: dict) -> tuple[ParallelConfig, ParallelConfig] | None:
+    if row["kind"] == "static":
+        cfg = cost.parse_notation(row["layout"])
+        return cfg, cfg
+    if row["kind"] == "shift":  # "Shift S2T2|T4"
+        base, full = row["layout"].split()[1].split("|")
+        return cost.parse_notation(base), cost.parse_notation(full)
+    return None
+
+
+def _completion(row: dict, w: Workload) -> float:
+    if row.get("ttft_s") is None:
+        return math.inf
+    return row["ttft_s"] + w.output_len * row["tpot_s"]
