@@ -13,7 +13,7 @@ model's own best (the issue's goals: 8 of 12 statics, 10 of 12 pairs). The paper
 model's predicted ratio of the two measured winners.
 
 Fit: :func:`parallel.cost.fit.fit` chooses the global :class:`parallel.cost.fit.Efficiency`
-factors (fractions of peak FLOP/s, memory and link bandwidth, a latency multiplier, a per-step
+factors (fractions of peak FLOP/s, of memory and of PCIe / NVLink bandwidth, a latency multiplier, a per-step
 overhead; nothing per row, model or layout) minimising the summed ``-log(ratio)`` over the
 *training* hardware's rows only; the other hardware's rows are predictions. Printed: the rows
 with the datasheet peaks (no fit) and with the fit, the fitted factors, the held-out error.

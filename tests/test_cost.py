@@ -285,7 +285,7 @@ def test_calibration_sweep_gives_positive_finite_numbers(tmp_path):
 def test_only_the_named_global_efficiency_factors_can_be_fitted():
     from reshard.parallel.cost.fit import FITTABLE, Efficiency, fit
 
-    assert FITTABLE == ("compute", "memory", "link", "latency", "step_overhead")
+    assert FITTABLE == ("compute", "memory", "pcie", "nvlink", "latency", "step_overhead")
     with pytest.raises(ValueError, match=r"only global efficiency factors can be fitted, \[.*\]; got \['row_3_bias'\]"):
         fit(lambda eff, rows: 0.0, [], ["row_3_bias"])
     with pytest.raises(TypeError):
@@ -298,7 +298,7 @@ def test_the_fit_sees_only_its_half_and_a_held_out_change_does_not_move_it():
     from reshard.parallel.cost.papers import SEESAW_FIG10, SEESAW_FIG11
     from reshard.parallel.cost.validate import fit_half, winners_loss
 
-    grid = {**dict.fromkeys(("memory", "latency"), (1.0,)), "compute": (0.25, 0.5), "link": (0.4, 1.0)}
+    grid = {**dict.fromkeys(("memory", "latency", "nvlink"), (1.0,)), "compute": (0.25, 0.5), "pcie": (0.4, 1.0)}
     grid.update(step_overhead=(0.0, 2e-3))
     seen = []
 

@@ -3,10 +3,10 @@
 The cost model (:mod:`parallel.cost.roofline`) is physical: FLOPs, bytes, link bandwidth and
 latency, memory, from datasheets and model configs. Real systems reach a fraction of the peaks;
 :class:`Efficiency` is the short, named list of what may be fitted to account for that, each one
-global (the same for every model, layout, workload and row): achieved fractions of peak FLOP/s,
-of memory bandwidth and of link bandwidth in collectives, a multiplier of the per-message link
-latency, and a per-step overhead. Nothing else can be fitted (:func:`fit` refuses other names),
-so a fit cannot encode one row's answer.
+global (the same for every model, layout, workload and row): achieved fractions of peak FLOP/s, of
+memory bandwidth and of link bandwidth in collectives (per link type: PCIe, NVLink), a multiplier
+of the per-message link latency, and a per-step overhead. Nothing else can be fitted (:func:`fit`
+refuses other names), so a fit cannot encode one row's answer.
 
 :func:`fit` searches those factors (every combination of a log grid) to minimise a loss over
 the *training* rows it is given, and sees nothing else: the held-out rows are predicted with the
@@ -30,18 +30,20 @@ class Efficiency:
 
     compute: float = 1.0  # achieved fraction of peak dense FLOP/s
     memory: float = 1.0  # achieved fraction of peak memory bandwidth
-    link: float = 1.0  # achieved fraction of link bandwidth in collectives and sends
+    pcie: float = 1.0  # achieved fraction of link bandwidth in collectives and sends over PCIe
+    nvlink: float = 1.0  # the same over NVLink (and any other link)
     latency: float = 1.0  # multiplier of the per-message link latency
     step_overhead: float = 0.0  # seconds per forward step of a stage
 
     def apply(self, hw: Hardware) -> Hardware:
         """``hw`` as it performs: peaks scaled, latency multiplied, the overhead set."""
-        collectives = {k: (lat * self.latency, bw * self.link) for k, (lat, bw) in hw.collectives.items()}
+        link = self.pcie if hw.link == "pcie" else self.nvlink
+        collectives = {k: (lat * self.latency, bw * link) for k, (lat, bw) in hw.collectives.items()}
         return dataclasses.replace(
             hw,
             flops=hw.flops * self.compute,
             mem_bw=hw.mem_bw * self.memory,
-            link_bw=hw.link_bw * self.link,
+            link_bw=hw.link_bw * link,
             link_latency=hw.link_latency * self.latency,
             collectives=collectives,
             step_overhead=self.step_overhead,
@@ -57,7 +59,8 @@ FITTABLE = tuple(f.name for f in dataclasses.fields(Efficiency))
 GRID: dict[str, tuple[float, ...]] = {
     "compute": (0.15, 0.25, 0.35, 0.5, 0.7, 1.0),
     "memory": (0.4, 0.55, 0.7, 0.85, 1.0),
-    "link": (0.15, 0.25, 0.4, 0.6, 1.0),
+    "pcie": (0.15, 0.25, 0.4, 0.6, 1.0),
+    "nvlink": (0.25, 0.5, 1.0),
     "latency": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
     "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3),
 }
