@@ -57,7 +57,6 @@ def make_plan(cfg: PlanConfig) -> dict:
         "assumptions": {
             "memory_reserve": cost.MEMORY_RESERVE,
             "prefill_tokens": cost.PREFILL_TOKENS,
-            "dejavu_m": cost.DEJAVU_M,
         },
     }
 

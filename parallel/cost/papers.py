@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 SEESAW = "Seesaw (Su et al. 2025), ../shared/seeds/000_1b995ee7312ad9dc.txt"
 SHIFT = "Shift Parallelism (Snowflake 2025), ../shared/seeds/001_204e28c7c271ee4f.txt"
+DEJAVU = "DejaVu (Strati et al. 2024), ../shared/seeds/003_1c77894d1722ee85.txt"
 
 # Seesaw's baseline and implementation both run vLLM 0.5.4 (section 6.1, line 968), whose scheduler
 # holds at most max_num_seqs = 256 sequences per replica (vllm/engine/arg_utils.py, EngineArgs default)
@@ -163,5 +164,36 @@ SHIFT_FIG9: tuple[Measured, ...] = tuple(
             "tpot_ms": (18.8, 8.68, 24.4, 9.48),
             "throughput": (70.1e3, 38.3e3, 52.3e3, 53.8e3),
         },
+    )
+)
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """DejaVu's Table 6 (lines 596-600; a simulation): BLOOM-176B on 7 machines, 3 prompt and 4
+    token, micro-batches of 8 prompts of 1000 tokens; the prompt KV streamed at ``gbps`` takes
+    ``transfer_s``, of which ``extra_s`` outlasts the ``prompt_s`` it overlaps."""
+
+    gbps: float
+    transfer_s: float
+    extra_s: float
+    prompt_s: float = 3.1
+    model: str = "bloom-176b"
+    prompt_stages: int = 3
+    seqs: int = 8
+    prompt_len: int = 1000
+    source: str = f"{DEJAVU}, Table 6"
+
+
+DEJAVU_TABLE6: tuple[StreamRow, ...] = tuple(
+    StreamRow(g, t, x)
+    for g, t, x in (
+        (100, 0.856, 0),
+        (80, 1.07, 0),
+        (60, 1.43, 0),
+        (40, 2.14, 0),
+        (20, 4.28, 1.18),
+        (10, 8.56, 5.46),
+        (1, 85.6, 82.5),
     )
 )

@@ -229,6 +229,18 @@ MODELS: dict[str, ModelShape] = {
         vocab=128256,  # meta-llama/Meta-Llama-3-70B config.json vocab_size
         dtype_bytes=2,  # config.json torch_dtype bfloat16
     ),
+    "bloom-176b": ModelShape(
+        name="bloom-176b",
+        layers=70,  # bigscience/bloom config.json n_layer
+        hidden=14336,  # bigscience/bloom config.json hidden_size
+        heads=112,  # bigscience/bloom config.json n_head
+        kv_heads=112,  # bigscience/bloom: multi-head attention (no GQA)
+        head_dim=128,  # bigscience/bloom config.json: hidden_size / n_head
+        intermediate=57344,  # bigscience/bloom: 4 x hidden_size (MLP dense_h_to_4h)
+        vocab=250880,  # bigscience/bloom config.json vocab_size
+        dtype_bytes=2,  # DejaVu serves it in fp16 (its KV per micro-batch, 10.7 GB, implies 2 bytes)
+        tied_embeddings=True,  # bigscience/bloom: tie_word_embeddings
+    ),
     "qwen3-32b": ModelShape(
         name="qwen3-32b",
         layers=64,  # Qwen/Qwen3-32B config.json num_hidden_layers

@@ -43,7 +43,6 @@ from reshard.parallel.cost.profiles import Hardware, ModelShape, Workload
 
 MEMORY_RESERVE = 0.10  # fraction of device memory kept free for activations, workspace, fragmentation
 PREFILL_TOKENS = 4096  # assumed tokens per prefill step (vLLM-style chunk), >= one whole prompt
-DEJAVU_M = 1.1  # assumed DejaVu prompt slowdown from KV streaming (m >= 1 in appendix D)
 _DTYPES = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32}
 
 
@@ -470,9 +469,23 @@ def sidp_threshold(m: ModelShape, hw: Hardware, replicas: int, *, limit: int = 1
 
 
 # ---- DejaVu: D_p / D_t -------------------------------------------------------------------------------------
-def dejavu_plan(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, overhead: float = DEJAVU_M) -> dict:
+def dejavu_stream_time(m: ModelShape, hw: Hardware, seqs: float, prompt_len: float, stages: int) -> float:
+    """Seconds for one of ``stages`` prompt stages to stream its layers' KV of a micro-batch of
+    ``seqs`` prompts to the token machines (each stage over its own link, concurrently)."""
+    return send_time(hw, kv_bytes_per_token(m, ParallelConfig(pp=stages)) * seqs * prompt_len)
+
+
+def dejavu_overhead(m: ModelShape, hw: Hardware, seqs: float, prompt_len: float, stages: int, Y: float) -> float:
+    """DejaVu's ``m`` from the link: streaming overlaps the next micro-batch's prompt, so a stage's
+    prompt slows by the part of its transfer that outlasts its compute (``Y / stages``):
+    ``m = max(1, transfer / (Y / stages))`` (Table 6: extra time = max(0, transfer - prompt time))."""
+    return max(1.0, dejavu_stream_time(m, hw, seqs, prompt_len, stages) / (Y / stages))
+
+
+def dejavu_plan(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, overhead: float | None = None) -> dict:
     """DejaVu's split of ``num_gpus`` pipeline stages into prompt and token machines, with ``Y`` and
-    ``t`` (ms) of one micro-batch on the ``P{num_gpus}`` pipeline from this model, and the memory
+    ``t`` (ms) of one micro-batch on the ``P{num_gpus}`` pipeline from this model, the streaming
+    overhead ``m`` from the link (:func:`dejavu_overhead`; ``overhead`` overrides it) and the memory
     limits (2), (3) from its shapes (dropped, and said so, when they cannot be met)."""
     from reshard.parallel.cost.dejavu_planner import plan_disaggregation
 
@@ -482,6 +495,8 @@ def dejavu_plan(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, over
     micro = max(1, batch_per_replica(m, hw, pipe, w) // num_gpus)
     Y = num_gpus * prefill_stage_time(m, hw, pipe, micro, w.input_len) * 1e3
     t = num_gpus * decode_stage_time(m, hw, pipe, micro, w.input_len + w.output_len / 2) * 1e3
+    if overhead is None:
+        overhead = dejavu_overhead(m, hw, micro, w.input_len, num_gpus, Y / 1e3)
     kv_layer = 2 * m.kv_heads * m.head_dim * m.dtype_bytes * micro / 1e9  # GB per token per layer
     mem = dict(
         L=m.layers,

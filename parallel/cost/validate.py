@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
-from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio
+from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio, StreamRow
 from reshard.parallel.cost.profiles import Hardware, ModelShape, hardware, model, workload
 from reshard.parallel.cost.roofline import Estimate, ParallelConfig, rank_layouts
 
@@ -192,3 +192,12 @@ def orderings(rows: Sequence[Measured], eff: Efficiency, gap: float = 1.10) -> l
         order = [sorted(d, key=lambda t, d=d: -better * d[t]) for d in (paper, mine)]
         out.append({"model": key[0], "metric": key[1], "paper": order[0], "model_order": order[1], "flipped": flipped})
     return out
+
+
+def predict_stream(row: StreamRow) -> tuple[float, float]:
+    """``(transfer s, extra s)`` of a :class:`StreamRow` from the model: a prompt stage's KV
+    (:func:`roofline.dejavu_stream_time`, the largest stage's layers) at the nominal bandwidth
+    (the paper simulates, so nothing is fitted here), the extra being what outlasts the prompt."""
+    net = Hardware("network", 0.0, 0.0, 0.0, "network", row.gbps * 1e9 / 8, 0.0)
+    t = cost.dejavu_stream_time(model(row.model), net, row.seqs, row.prompt_len, row.prompt_stages)
+    return t, max(0.0, t - row.prompt_s)
