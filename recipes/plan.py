@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost.fit import EFFICIENCIES
 from reshard.parallel.cost.profiles import hardware, model, workload
 from reshard.parallel.cost.techniques import rank_all, with_latency
 from reshard.recipes.launch import hydra_main
@@ -24,7 +25,7 @@ from reshard.recipes.plan_config import PlanConfig
 
 def make_plan(cfg: PlanConfig) -> dict:
     """Everything the planner predicts for ``cfg`` (the content of ``plan.json``)."""
-    m, hw = model(cfg.model), hardware(cfg.hardware)
+    m, hw = model(cfg.model), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware))
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
     ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
     if cfg.rate is not None:
@@ -44,6 +45,7 @@ def make_plan(cfg: PlanConfig) -> dict:
         "num_gpus": cfg.num_gpus,
         "workload": {"name": w.name, "input_len": w.input_len, "output_len": w.output_len, "requests": w.requests},
         "rate": cfg.rate,
+        "efficiency": {"name": cfg.efficiency, **EFFICIENCIES[cfg.efficiency].as_dict()},
         "best_static": static["layout"] if static else None,
         "best_seesaw": seesaw["layout"] if seesaw else None,
         "seesaw_speedup": seesaw["tokens_per_s"] / static["tokens_per_s"] if seesaw and static else None,

@@ -15,6 +15,7 @@ class PlanConfig:
     output_len: float = 512.0  # constant workload: generated tokens per request
     requests: int = 1000  # constant workload: requests in the job
     max_batch: int | None = None  # cap on sequences per replica (null: KV capacity decides)
+    efficiency: str = "datasheet"  # datasheet (peaks) | fitted (the factors fitted on the papers' numbers)
     rate: float | None = None  # online: requests/s arriving; ranks by TTFT + output_len x TPOT (null: offline)
     top: int = 20  # rows of the ranked table printed (plan.json holds all)
 
@@ -25,6 +26,10 @@ class PlanConfig:
         for key in ("input_len", "output_len", "requests", "top"):
             if not getattr(self, key) >= 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)!r}")
+        from reshard.parallel.cost.fit import EFFICIENCIES
+
+        if self.efficiency not in EFFICIENCIES:
+            raise ValueError(f"efficiency must be one of {sorted(EFFICIENCIES)}, got {self.efficiency!r}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"rate must be > 0 requests/s or null, got {self.rate!r}")
         if self.max_batch is not None and self.max_batch < 1:

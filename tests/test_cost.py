@@ -377,3 +377,24 @@ def test_dejavu_streaming_overhead_comes_from_the_link():
     slow_hw = dataclasses.replace(hardware("a100-80g"), link_bw=1.25e8)  # 1 Gbps
     slow = cost.dejavu_plan(m, slow_hw, 8, w)
     assert fast["m"] == 1.0 and slow["m"] > 1.0
+
+
+def test_the_fitted_factors_are_the_fit_of_the_training_half_and_plan_can_use_them():
+    """FITTED is where the fit on the A10 + H200 rows lands: re-fitting over each factor's grid
+    neighbours returns it; ``efficiency=fitted`` plans with it and says so in plan.json."""
+    from reshard.parallel.cost.fit import FITTED, GRID
+    from reshard.parallel.cost.papers import SEESAW_FIG10, SEESAW_FIG11, SHIFT_FIG9
+    from reshard.parallel.cost.validate import fit_half
+    from reshard.recipes.plan import make_plan
+
+    def around(name):
+        values = GRID[name]
+        i = values.index(getattr(FITTED, name))
+        return values[max(0, i - 1) : i + 2]
+
+    grid = {name: around(name) for name in GRID}
+    assert fit_half(SEESAW_FIG10 + SEESAW_FIG11 + SHIFT_FIG9, ["a10-g5", "h200-fp8"], grid=grid)[0] == FITTED
+    plan = make_plan(_compose(["efficiency=fitted"]))
+    assert plan["efficiency"]["name"] == "fitted" and plan["efficiency"]["compute"] == FITTED.compute
+    with pytest.raises(ValueError, match=r"efficiency must be one of \['datasheet', 'fitted'\], got 'magic'"):
+        _compose(["efficiency=magic"])

@@ -55,6 +55,11 @@ class Efficiency:
 
 FITTABLE = tuple(f.name for f in dataclasses.fields(Efficiency))
 
+# ``python bench/cost_vs_papers.py``'s fit on the A10 and H200 rows (bench/RESULTS.md, "Cost model
+# vs the papers"); ``recipes.plan efficiency=fitted`` uses it; a test re-fits around it
+FITTED = Efficiency(compute=0.35, memory=0.85, pcie=0.6, nvlink=0.25, latency=0.1, step_overhead=0.008)
+EFFICIENCIES = {"datasheet": Efficiency(), "fitted": FITTED}
+
 # the values each factor may take (log-spaced; the overhead in seconds)
 GRID: dict[str, tuple[float, ...]] = {
     "compute": (0.15, 0.25, 0.35, 0.5, 0.7, 1.0),
