@@ -55,10 +55,14 @@ def redistribute(
             f"redistribute moves DTensors; got a {type(t).__name__} (wrap a local shard "
             f"with reshard.wrap_local or distribute it first)"
         )
-    if t.requires_grad and torch.is_grad_enabled():
-        out, stats = _differentiable(t, mesh, tuple(placements), bucket_bytes, check)
+    differentiate = t.requires_grad and torch.is_grad_enabled()
+    if check:  # every rank agrees on the plan and on recording it (a refusal is then on every rank)
+        _check_movable(t, mesh)
+        check_agreement([plan_for(t, mesh, placements)], extra=f"differentiate={differentiate}")
+    if differentiate:
+        out, stats = _differentiable(t, mesh, tuple(placements), bucket_bytes, False)
     else:
-        [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=check)
+        [out], stats = _move([t], [(mesh, placements)], bucket_bytes, check=False)
     out = out if mesh.get_coordinate() is not None else None
     return (out, stats) if return_stats else out
 
@@ -228,7 +232,7 @@ def _target(target) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     return mesh, placements
 
 
-def check_agreement(plans: Sequence[Plan], group=None) -> None:
+def check_agreement(plans: Sequence[Plan], group=None, extra: str = "") -> None:
     """``ValueError`` on every rank unless all ranks of ``group`` run the same ``plans``.
 
     One all-gather of an 8-byte hash; only on a mismatch are the layouts exchanged to name them.
@@ -237,7 +241,7 @@ def check_agreement(plans: Sequence[Plan], group=None) -> None:
     world = dist.get_world_size(group)
     if world == 1:
         return
-    described = [(repr(p.src), repr(p.dst)) for p in plans]
+    described = [(repr(p.src), repr(p.dst)) for p in plans] + ([("options", extra)] if extra else [])
     digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.long, device=device_type())
     hashes = [torch.empty_like(mine) for _ in range(world)]

@@ -10,8 +10,9 @@ same senders, same bucket budget); a round exchanges fixed-size headers first (p
 many changed, or dense), then the payloads.
 
 The receiver's destination must still hold what the last run wrote (nothing else writes it):
-then the result is bitwise the dense one. A run that fails clears the cache, so the next run is
-dense.
+then the result is bitwise the dense one. A run that fails (or a verification that finds a wrong
+shard) invalidates the cache, and every rank drops its own before the next run, which is dense.
+Chunks must have fewer than 2^31 elements (int32 indices): :func:`check_chunks`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.executor import CommStats, Schedule, _check_out, _check_world, _Item, _local_slices, _src_view
+from reshard.layout import box_numel
 from reshard.mesh import device_type
 
 DENSE = -1  # header value: the chunk is sent whole
@@ -36,13 +38,26 @@ def _padded(n: int) -> int:
 
 class DeltaCache:
     """What this rank last sent of each chunk (``{item order: flat tensor in the destination's
-    dtype}``); empty at first and after a failed run (then the next run is dense)."""
+    dtype}``); empty at first and after :meth:`invalidate` (then the next run is dense).
+    ``invalid``: this rank's cache was dropped by a failure (a run or a verification) and every
+    rank must drop its own before the next run (:class:`reshard.sync.WeightSync` agrees on it)."""
 
     def __init__(self) -> None:
         self.sent: dict[int, torch.Tensor] = {}
+        self.invalid = False
+
+    def invalidate(self) -> None:
+        """Drop what was sent: the receivers may not hold it (a failure, a corrupted shard)."""
+        self.sent.clear()
+        self.invalid = True
 
     def clear(self) -> None:
         self.sent.clear()
+        self.invalid = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sent.values())
 
 
 def execute_delta(
@@ -70,8 +85,9 @@ def execute_delta(
                 _delta_round(mine, plans, src_locals, outs, rank, cache, stats, group)
             stats.rounds += 1
     except BaseException:
-        cache.clear()
+        cache.invalidate()
         raise
+    stats.peak_extra_bytes += cache.nbytes  # what this rank keeps between runs to send deltas
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -110,7 +126,9 @@ def _delta_round(items: list[_Item], plans, src_locals, outs, rank: int, cache: 
             cache.sent[order] = new
     stats.bytes_sent += sum(buf.numel() + 8 * len(encoded[peer]) for peer, buf in sent.items())
     stats.bytes_received += sum(b.numel() for b in payloads.values()) + 8 * sum(map(len, recvs.values()))
-    stats.messages += len(encoded)
+    stats.messages += 2 * len(encoded)  # a header and a payload per peer
+    staged = sum(b.numel() for b in sent.values()) + sum(b.numel() for b in payloads.values())
+    stats.peak_extra_bytes = max(stats.peak_extra_bytes, staged)
 
 
 def _encode(
@@ -121,13 +139,22 @@ def _encode(
     dtype = plans[it.plan].dst.dtype
     new = _src_view(it, plans, src_locals, rank).to(dtype).reshape(-1).clone()  # (numel,) in the destination dtype
     old = cache.sent.get(it.order)
-    if old is not None:
+    if old is not None and it.box:  # a 0-d tensor is always sent whole
         bits = _INT_OF[new.element_size()]
         changed = torch.nonzero(new.view(bits) != old.view(bits)).flatten()
         if _delta_bytes(changed.numel(), new.element_size()) < _padded(it.nbytes):
-            assert new.numel() < 2**31, f"a chunk of {new.numel()} elements overflows int32 indices"
             return changed.numel(), [changed.to(torch.int32), new[changed]], it.order, new
     return DENSE, [new], it.order, new
+
+
+def check_chunks(schedule: Schedule) -> None:
+    """``ValueError`` unless every chunk indexes with int32 (set a ``bucket_bytes``)."""
+    big = max((box_numel(it.box) for r in schedule.rounds for it in r), default=0)
+    if big >= 2**31:
+        raise ValueError(
+            f"a delta sync indexes chunks with int32, but one has {big} elements (bucket_bytes="
+            f"{schedule.bucket_bytes}); set bucket_bytes to at most {2**31 - 1} elements' bytes"
+        )
 
 
 def _delta_bytes(k: int, itemsize: int) -> int:
@@ -177,4 +204,5 @@ def _apply(items: list[_Item], header: torch.Tensor, payload: torch.Tensor, plan
         at += _padded(4 * k)
         values = payload[at : at + plan.itemsize * k].view(plan.dst.dtype)
         at += _padded(plan.itemsize * k)
-        target[torch.unravel_index(idx, shape)] = values  # (k,) changed elements; a view writes its base
+        if k:
+            target[torch.unravel_index(idx, shape)] = values  # (k,) changed elements; a view writes its base

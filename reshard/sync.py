@@ -20,7 +20,6 @@ then broadcast from the first source rank to every destination rank, as OpenRLHF
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Mapping
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from reshard.background import Background
-from reshard.delta import DeltaCache, execute_delta
+from reshard.delta import DeltaCache, check_chunks, execute_delta
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
 from reshard.layout import Box, Layout, box_slices, nested_tuple
 from reshard.mesh import cached_group, device_type, rank_tensor
@@ -121,6 +120,8 @@ class WeightSync:
         if delta and any(p.reduce_op for p in self.plans):
             partial = next(e.source for e, p in zip(self.entries, self.plans) if p.reduce_op)
             raise ValueError(f"a delta sync copies; {partial!r} is Partial (a reduction): use delta=False")
+        if delta:
+            check_chunks(self.schedule)
         self._background = cached_group(purpose="weight-sync")
         self._running: SyncHandle | None = None  # the background sync in flight, if any
         self._lock = threading.Lock()  # held while a sync writes (callers on several threads)
@@ -162,6 +163,8 @@ class WeightSync:
         dist.all_reduce(differs)
         wrong = [(self.entries[i].key, r) for i, r in differs.nonzero().tolist()]
         if wrong:
+            if self._delta is not None:  # the receivers do not hold what was sent: next sync dense
+                self._delta.invalidate()
             listed = ", ".join(f"{key!r} on rank {r}" for key, r in wrong[:8])
             raise RuntimeError(
                 f"weight sync verification failed: {len(wrong)} destination shard(s) differ from the source: {listed}"
@@ -206,14 +209,19 @@ class WeightSync:
         return stats
 
     def _check_step(self, step: int, group) -> None:
-        """Every rank must sync the same step (one 8-byte all-gather): a ``ValueError`` naming both."""
+        """Every rank must sync the same step (one small all-gather): a ``ValueError`` naming both.
+        The same all-gather spreads a delta cache's invalidation: if any rank dropped its cache,
+        every rank drops its own (the next sync is dense everywhere)."""
         if type(step) is not int:
             raise ValueError(f"step must be an int, got {step!r}")
         world = dist.get_world_size(group)
-        mine = torch.tensor([step], dtype=torch.long, device=device_type())
+        invalid = int(self._delta is not None and self._delta.invalid)
+        mine = torch.tensor([step, invalid], dtype=torch.long, device=device_type())
         steps = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(steps, mine, group=group)
-        values = [int(s) for s in steps]
+        if self._delta is not None and any(int(s[1]) for s in steps):
+            self._delta.clear()
+        values = [int(s[0]) for s in steps]
         if len(set(values)) > 1:
             other = next(r for r, v in enumerate(values) if v != values[0])
             raise ValueError(
@@ -353,7 +361,6 @@ def _checksum_mask(dtype: torch.dtype) -> int:
     return -1 if dtype.itemsize == 8 else 0xFFFFFFFF
 
 
-@functools.lru_cache(maxsize=4096)  # a pure memo: the same spans come back every verify
 def _position_weights(span: tuple[int, int], dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """(hi - lo,) odd weights of global indices ``lo..hi`` along ``dim`` (a fixed mix), as ``dtype``."""
     h = (torch.arange(*span, dtype=torch.int64, device=device) + (dim + 1) * 1_000_003) * _MIX[0]

@@ -562,6 +562,8 @@ def _unmovable(case):
         redistribute(slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)), mesh, (Partial(),))
     elif case == "partial-max":
         t = DTensor.from_local(torch.zeros(4, 4), mesh, (Partial("max"),), run_check=False)
+    elif case == "grad-on-one-rank":  # rank 1's tensor does not require grad: both must refuse, not hang
+        t = slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)).requires_grad_(dist.get_rank() == 0)
     else:  # requires grad, moving from rank 0 alone to both ranks: no backward could run on rank 1
         one = cached_mesh(torch.tensor([0]), ("one",))
         local = torch.zeros(4, 4) if dist.get_rank() == 0 else torch.empty(0, 0)
@@ -575,6 +577,7 @@ def _unmovable(case):
         ("meta", r"cannot move a meta-device DTensor of shape \(4, 4\)"),
         ("partial-dst", r"ranks \[0, 1\][\s\S]*placements must be Shard or Replicate, got \(Partial\(sum\),\)"),
         ("partial-max", r"ranks \[0, 1\][\s\S]*Partial sources reduce with 'sum' or 'avg' only, got \['max'\]"),
+        ("grad-on-one-rank", r"ranks \[0, 1\][\s\S]*different arguments[\s\S]*differentiate=True"),
         ("grad", r"differentiates moves within one set of ranks only; got a tensor that requires grad on ranks \[0\]"),
     ],
 )

@@ -90,6 +90,9 @@ def fit(
     ``grid`` values of the factors ``names`` (the others stay at their defaults; ties keep the
     first in grid order), and its loss. ``loss`` sees ``rows`` and nothing else."""
     names, grid = check_names(names), grid or GRID
+    missing = [n for n in names if n not in grid]
+    if missing:
+        raise ValueError(f"the grid has no values for {missing}; it has {sorted(grid)}")
     best, best_loss = Efficiency(), math.inf
     for values in itertools.product(*(grid[n] for n in names)):
         trial = Efficiency(**dict(zip(names, values)))

@@ -170,7 +170,7 @@ SHIFT_FIG9: tuple[Measured, ...] = tuple(
 
 @dataclass(frozen=True)
 class StreamRow:
-    """DejaVu's Table 6 (lines 596-600; a simulation): BLOOM-176B on 7 machines, 3 prompt and 4
+    """DejaVu's Table 6 (lines 596-609; a simulation): BLOOM-176B on 7 machines, 3 prompt and 4
     token, micro-batches of 8 prompts of 1000 tokens; the prompt KV streamed at ``gbps`` takes
     ``transfer_s``, of which ``extra_s`` outlasts the ``prompt_s`` it overlaps."""
 

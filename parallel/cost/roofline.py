@@ -476,10 +476,10 @@ def dejavu_stream_time(m: ModelShape, hw: Hardware, seqs: float, prompt_len: flo
 
 
 def dejavu_overhead(m: ModelShape, hw: Hardware, seqs: float, prompt_len: float, stages: int, Y: float) -> float:
-    """DejaVu's ``m`` from the link: streaming overlaps the next micro-batch's prompt, so a stage's
-    prompt slows by the part of its transfer that outlasts its compute (``Y / stages``):
-    ``m = max(1, transfer / (Y / stages))`` (Table 6: extra time = max(0, transfer - prompt time))."""
-    return max(1.0, dejavu_stream_time(m, hw, seqs, prompt_len, stages) / (Y / stages))
+    """DejaVu's ``m`` from the link, as its section 5.4 defines it (``m = cache transfer time /
+    prompt time``, line 598; Table 6: extra time = max(0, transfer - prompt time)): a stage's KV
+    stream of a micro-batch against the micro-batch's prompt time ``Y``; at least 1."""
+    return max(1.0, dejavu_stream_time(m, hw, seqs, prompt_len, stages) / Y)
 
 
 def dejavu_plan(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, overhead: float | None = None) -> dict:

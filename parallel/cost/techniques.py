@@ -83,6 +83,12 @@ def shift_rows(m: ModelShape, hw: Hardware, n: int, w: Workload, max_batch: int 
     return rows
 
 
+def shift_room(m: ModelShape, hw: Hardware, n: int) -> Hardware:
+    """``hw`` with the memory of Shift's full-TP weight copy over ``n`` GPUs taken out."""
+    copy = cost.weight_bytes_per_gpu(m, ParallelConfig(tp=n))
+    return dataclasses.replace(hw, memory=hw.memory - copy / (1 - cost.MEMORY_RESERVE))
+
+
 def _shift_times(m, hw, base, full, w, max_batch, room_hw) -> tuple[int, float, float]:
     """(batch, prefill s, decode s): each step in the faster of the base and full TP."""
     b = cost.batch_per_replica(m, room_hw, base, w, max_batch)
@@ -139,7 +145,7 @@ def dejavu_row(m: ModelShape, hw: Hardware, n: int, w: Workload) -> dict | None:
         return None
     gain = plan["I_c"] / plan["I_dis"]
     name = f"DejaVu P{plan['D_p']}|P{plan['D_t']}"
-    note = f"P{n} x {gain:.2f} (I_c / I_dis), streaming overhead m={plan['m']}"
+    note = f"P{n} x {gain:.2f} (I_c / I_dis); KV streaming inside m={plan['m']:.2f}, not in comm"
     return _row(name, "dejavu", pipe.batch, pipe.prefill_s / gain, pipe.decode_s / gain, 0.0, 0.0, w, note)
 
 
@@ -182,7 +188,8 @@ def with_latency(rows: list[dict], m: ModelShape, hw: Hardware, w: Workload, rat
     out = []
     for r in rows:
         layouts = _online_layouts(r)
-        lat = online_latency(m, hw, *layouts, w, rate) if layouts else {"ttft_s": None, "tpot_s": None}
+        room = shift_room(m, hw, layouts[1].tp) if r["kind"] == "shift" else hw  # its copy's memory
+        lat = online_latency(m, room, *layouts, w, rate) if layouts else {"ttft_s": None, "tpot_s": None}
         out.append({**r, **lat})
     return sorted(out, key=lambda r: (_completion(r, w), -r["tokens_per_s"]))
 
