@@ -450,23 +450,23 @@ def _train_layout_job(path, layout, inner, train_ranks, rollout, rollout_ranks, 
 
 
 @pytest.mark.parametrize(
-    "layout,inner,train_ranks,rollout,rollout_ranks,dtype,placement",
+    "world,layout,inner,train_ranks,rollout,rollout_ranks,dtype,placement",
     [
         # torchtitan's 2-D FSDP x TP (2 x 2): q/k/v/gate/up are (_StridedShard(0, sf=2), Shard(0))
-        ("fsdp_tp", 2, [0, 1, 2, 3], ("tp", 4, 1), [0, 1, 2, 3], None, "_StridedShard(dim=0, sf=2), Shard(dim=0)"),
-        ("fsdp_tp", 2, [0, 1, 2, 3], ("shift", None, 1), [0, 1, 2, 3], torch.bfloat16, "Shard(dim=0), Shard(dim=1)"),
-        # HSDP (Replicate x Shard) -> TP2 on other ranks, fp32 -> bf16 on the way
-        ("hsdp", 1, [0, 1], ("tp", 2, 1), [2, 3], torch.bfloat16, "Replicate(), Shard(dim=0)"),
+        (4, "fsdp_tp", 2, [0, 1, 2, 3], ("tp", 4, 1), [0, 1, 2, 3], None, "_StridedShard(dim=0, sf=2), Shard(dim=0)"),
+        (4, "fsdp_tp", 2, [0, 1, 2, 3], ("shift", None, 1), [0, 1, 2, 3], torch.bfloat16, "Shard(dim=0), Shard(dim=1)"),
+        # HSDP 2 x 2 (Replicate x Shard) -> TP2 on two other ranks, fp32 -> bf16 on the way (6 ranks)
+        (6, "hsdp", 2, [0, 1, 2, 3], ("tp", 2, 1), [4, 5], torch.bfloat16, "Replicate(), Shard(dim=0)"),
         # HSDP 2 x 2 -> two pipeline stages of TP2 on the same ranks
-        ("hsdp", 2, [0, 1, 2, 3], ("tp", 2, 2), [0, 1, 2, 3], None, "Replicate(), Shard(dim=0)"),
+        (4, "hsdp", 2, [0, 1, 2, 3], ("tp", 2, 2), [0, 1, 2, 3], None, "Replicate(), Shard(dim=0)"),
     ],
     ids=["fsdp_tp-tp4", "fsdp_tp-shift-bf16", "hsdp-split-tp2-bf16", "hsdp2x2-pp2xtp2"],
 )
 def test_sync_from_real_training_layouts_is_bitwise(
-    checkpoints, layout, inner, train_ranks, rollout, rollout_ranks, dtype, placement
+    checkpoints, world, layout, inner, train_ranks, rollout, rollout_ranks, dtype, placement
 ):
     results = dist_harness.run(
-        4, _train_layout_job, checkpoints["llama"], layout, inner, train_ranks, rollout, rollout_ranks, dtype
+        world, _train_layout_job, checkpoints["llama"], layout, inner, train_ranks, rollout, rollout_ranks, dtype
     )
     assert any(placement in p for p in results[train_ranks[0]]["placements"]), results[train_ranks[0]]["placements"]
     for r in rollout_ranks:
