@@ -26,7 +26,14 @@ import argparse
 import time
 
 from reshard.parallel.cost.fit import Efficiency
-from reshard.parallel.cost.papers import DEJAVU_TABLE6, SEESAW_FIG10, SEESAW_FIG11, SEESAW_SPEEDUP, SHIFT_FIG9
+from reshard.parallel.cost.papers import (
+    DEJAVU_TABLE6,
+    SEESAW_FIG10,
+    SEESAW_FIG11,
+    SEESAW_FIG13,
+    SEESAW_SPEEDUP,
+    SHIFT_FIG9,
+)
 from reshard.parallel.cost.validate import (
     WinnerCheck,
     check_winner,
@@ -36,8 +43,10 @@ from reshard.parallel.cost.validate import (
     predict_measured,
     predict_ratio,
     predict_stream,
+    predict_trend,
     row_hardware,
     why_behind,
+    winners_in_order,
     winners_loss,
 )
 
@@ -79,6 +88,26 @@ def shift_table(eff: Efficiency) -> list[str]:
             f"- {o['model']} {o['metric']}: paper {' > '.join(o['paper'])}; model {' > '.join(o['model_order'])}; "
             f"flips: {o['flipped'] or 'none'}"
         )
+    return lines
+
+
+def trend_table(eff: Efficiency) -> list[str]:
+    points = predict_trend(SEESAW_FIG13, eff)
+    names = [*SEESAW_FIG13.statics, SEESAW_FIG13.seesaw_pair]
+    lines = [
+        "| Seesaw Fig. 13, 70B on 8 x A10, input 3000, (input + output) tokens/s: output | "
+        + " | ".join(names)
+        + " | best static |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
+    for p in points:
+        combined = (SEESAW_FIG13.input_len + p["output_len"]) / p["output_len"]
+        cells = " | ".join(f"{p['rates'][n] * combined:.0f}" for n in names)
+        lines.append(f"| {p['output_len']} | {cells} | {p['best_static']} |")
+    lines.append(
+        f"\nbest static as the output grows: model {' -> '.join(winners_in_order(points))}; paper "
+        f"{' -> '.join(SEESAW_FIG13.static_winners)} (Seesaw's pair best in the paper at every point)"
+    )
     return lines
 
 
@@ -143,6 +172,7 @@ def main() -> None:
         print("\n" + "\n".join(summary(label, checks, train)))
         print("\n" + "\n".join(ratio_table(SEESAW_FIG11, eff)))
         print("\n" + "\n".join(shift_table(eff)))
+        print("\n" + "\n".join(trend_table(eff)))
     print("\n" + "\n".join(stream_table()))
     print(f"\ncommand: python bench/cost_vs_papers.py --train {args.train}\ntotal {time.perf_counter() - t0:.0f}s")
 

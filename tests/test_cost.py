@@ -398,3 +398,19 @@ def test_the_fitted_factors_are_the_fit_of_the_training_half_and_plan_can_use_th
     assert plan["efficiency"]["name"] == "fitted" and plan["efficiency"]["compute"] == FITTED.compute
     with pytest.raises(ValueError, match=r"efficiency must be one of \['datasheet', 'fitted'\], got 'magic'"):
         _compose(["efficiency=magic"])
+
+
+@pytest.mark.parametrize("fitted", [False, True], ids=["datasheet", "fitted"])
+def test_seesaw_fig13_best_static_moves_from_pp8_to_tp2pp4_to_tp4pp2_as_output_grows(fitted):
+    """70B on eight A10s, input 3000: the best static layout follows the paper's order as the
+    output grows, and the Seesaw pair P8->T4P2 is the best at every output but the first (where
+    the paper finds it "similar" to PP8: within 10% here)."""
+    from reshard.parallel.cost.fit import FITTED, Efficiency
+    from reshard.parallel.cost.papers import SEESAW_FIG13
+    from reshard.parallel.cost.validate import predict_trend, winners_in_order
+
+    points = predict_trend(SEESAW_FIG13, FITTED if fitted else Efficiency())
+    assert winners_in_order(points) == list(SEESAW_FIG13.static_winners)
+    pair = SEESAW_FIG13.seesaw_pair
+    assert points[0]["rates"][pair] >= 0.9 * max(points[0]["rates"].values())
+    assert all(p["rates"][pair] == max(p["rates"].values()) for p in points[1:])

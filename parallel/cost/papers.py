@@ -77,6 +77,28 @@ SEESAW_FIG10: tuple[LayoutWinner, ...] = tuple(
     )
 )
 
+
+@dataclass(frozen=True)
+class Trend:
+    """Seesaw's Fig. 13 (lines 1204-1229): 70B on eight A10s, input fixed at 3000 tokens, output
+    growing; the best static layout moves ``static_winners`` in that order (``PP8`` near output 1,
+    ``TP2PP4`` in between, ``TP4PP2`` once decoding dominates), and the Seesaw pair is the best
+    "across all data points" (at output 1 "similar" to PP8)."""
+
+    hardware: str = "a10-g5"
+    model: str = "llama2-70b"
+    gpus: int = 8
+    input_len: int = 3000
+    outputs: tuple[int, ...] = (1, 50, 150, 300, 600, 900)  # the figure's D:P axis runs 0 to 0.3
+    statics: tuple[str, ...] = ("P8", "T2P4", "T4P2")
+    static_winners: tuple[str, ...] = ("P8", "T2P4", "T4P2")
+    seesaw_pair: str = "P8->T4P2"
+    source: str = f"{SEESAW}, Fig. 13, lines 1204-1229"
+
+
+SEESAW_FIG13 = Trend()
+
+
 # section 6.2, lines 1039-1044: Seesaw over the best static layout, geometric mean and maximum
 SEESAW_SPEEDUP = {"a10-g5": {"geomean": 1.45, "max": 1.78}, "l4-g6": {"geomean": 1.29, "max": 1.52}}
 

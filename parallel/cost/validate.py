@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
-from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio, StreamRow
+from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio, StreamRow, Trend
 from reshard.parallel.cost.profiles import Hardware, ModelShape, hardware, model, workload
 from reshard.parallel.cost.roofline import Estimate, ParallelConfig, rank_layouts
 
@@ -201,3 +201,30 @@ def predict_stream(row: StreamRow) -> tuple[float, float]:
     net = Hardware("network", 0.0, 0.0, 0.0, "network", row.gbps * 1e9 / 8, 0.0)
     t = cost.dejavu_stream_time(model(row.model), net, row.seqs, row.prompt_len, row.prompt_stages)
     return t, max(0.0, t - row.prompt_s)
+
+
+def predict_trend(row: Trend, eff: Efficiency) -> list[dict]:
+    """Per output length of a :class:`Trend`: the model's tokens/s of each static layout and of
+    the Seesaw pair (vLLM's batch cap applied), and the best static."""
+    m, hw = model(row.model), eff.apply(hardware(row.hardware))
+    out = []
+    for n in row.outputs:
+        w = workload("constant", input_len=row.input_len, output_len=n, requests=500)
+        rates = {}
+        for name in (*row.statics, row.seesaw_pair):
+            a, _, b = name.partition("->")
+            e = cost.estimate(
+                m, hw, cost.parse_notation(a), cost.parse_notation(b or a), w, max_batch=VLLM_MAX_NUM_SEQS
+            )
+            rates[name] = e.tokens_per_s if e is not None else 0.0
+        out.append({"output_len": n, "rates": rates, "best_static": max(row.statics, key=rates.get)})
+    return out
+
+
+def winners_in_order(points: list[dict]) -> list[str]:
+    """The best static layouts as the output grows, each run of equal winners once."""
+    order: list[str] = []
+    for p in points:
+        if not order or order[-1] != p["best_static"]:
+            order.append(p["best_static"])
+    return order
