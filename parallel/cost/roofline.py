@@ -60,6 +60,11 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp * self.sp
 
     @property
+    def replica(self) -> ParallelConfig:
+        """One data-parallel replica of this layout (a lone request runs on one)."""
+        return ParallelConfig(tp=self.tp, pp=self.pp, sp=self.sp)
+
+    @property
     def notation(self) -> str:
         """``D2T2``, ``T4P2``, ``S2T2``; ``T1`` for one GPU."""
         parts = [f"{k}{v}" for k, v in (("D", self.dp), ("S", self.sp), ("T", self.tp), ("P", self.pp)) if v > 1]

@@ -160,24 +160,19 @@ def online_latency(
     f)``). ``utilization``: the prefill share plus the decode share at full batches; >= 1, the
     layouts cannot keep up (latencies ``inf``)."""
     per_replica = rate / decode.dp
-    t_prefill = cost.ttft(m, hw, _one(prefill), w.input_len)
+    t_prefill = cost.ttft(m, hw, prefill.replica, w.input_len)
     f = rate / prefill.dp * t_prefill  # fraction of a replica's time spent prefilling
     ctx = w.input_len + w.output_len / 2
     cap = cost.batch_per_replica(m, hw, decode, w)
-    full = cost.decode_step_time(m, hw, _one(decode), cap, ctx) if cap else math.inf
+    full = cost.decode_step_time(m, hw, decode.replica, cap, ctx) if cap else math.inf
     util = f + (per_replica * w.output_len * full / cap if cap else math.inf)  # prefill + decode time shares
     if util >= 1:  # even full decode batches cannot keep up beside the prefill work
         return {"ttft_s": math.inf, "tpot_s": math.inf, "utilization": util}
     batch, tpot = 1.0, math.inf
     for _ in range(50):  # fixed point of Little's law (stable: it converges in a few rounds)
-        tpot = cost.decode_step_time(m, hw, _one(decode), batch, ctx) / (1 - f)
+        tpot = cost.decode_step_time(m, hw, decode.replica, batch, ctx) / (1 - f)
         batch = min(float(cap), max(1.0, per_replica * w.output_len * tpot))
     return {"ttft_s": t_prefill / (1 - f), "tpot_s": tpot, "utilization": util}
-
-
-def _one(cfg: ParallelConfig) -> ParallelConfig:
-    """One replica of ``cfg``."""
-    return ParallelConfig(tp=cfg.tp, pp=cfg.pp, sp=cfg.sp)
 
 
 def with_latency(rows: list[dict], m: ModelShape, hw: Hardware, w: Workload, rate: float) -> list[dict]:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
 from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio, StreamRow, Trend
-from reshard.parallel.cost.profiles import Hardware, ModelShape, hardware, model, workload
+from reshard.parallel.cost.profiles import Hardware, hardware, model, workload
 from reshard.parallel.cost.roofline import Estimate, ParallelConfig, rank_layouts
+from reshard.parallel.cost.techniques import shift_room
 
 
 @dataclass(frozen=True)
@@ -110,28 +111,15 @@ def predict_measured(row: Measured, eff: Efficiency) -> float:
     prefill, decode = technique_layouts(row.technique, row.gpus)
     context = row.input_len + row.output_len / 2
     if row.metric == "ttft_ms":
-        return 1e3 * cost.ttft(m, hw, _replica(prefill), row.input_len)
+        return 1e3 * cost.ttft(m, hw, prefill.replica, row.input_len)
     if row.metric == "tpot_ms":
-        return 1e3 * cost.tpot(m, hw, _replica(decode), 1, context)
+        return 1e3 * cost.tpot(m, hw, decode.replica, 1, context)
     assert row.metric == "throughput", row.metric
     if row.technique == "Shift":
-        hw, decode = _minus_copy(m, hw, decode), prefill  # saturated batches run the SP base
+        hw, decode = shift_room(m, hw, decode.tp), prefill  # saturated batches run the SP base
     w = workload("constant", input_len=row.input_len, output_len=row.output_len, requests=100_000)
     e = cost.estimate(m, hw, decode, decode, w)
     return 0.0 if e is None else e.tokens_per_s * (row.input_len + row.output_len) / row.output_len
-
-
-def _replica(cfg: ParallelConfig) -> ParallelConfig:
-    """One replica of ``cfg`` (a lone request runs on one)."""
-    return ParallelConfig(tp=cfg.tp, pp=cfg.pp, sp=cfg.sp)
-
-
-def _minus_copy(m: ModelShape, hw: Hardware, tp: ParallelConfig) -> Hardware:
-    """``hw`` with the memory of Shift's full-TP weight copy taken out."""
-    import dataclasses
-
-    copy = cost.weight_bytes_per_gpu(m, tp)
-    return dataclasses.replace(hw, memory=hw.memory - copy / (1 - cost.MEMORY_RESERVE))
 
 
 def row_hardware(row: LayoutWinner | Ratio | Measured) -> str:
