@@ -40,6 +40,7 @@ from reshard.parallel.cost.validate import (
     fit_half,
     geomean,
     orderings,
+    pair_ceiling,
     predict_measured,
     predict_ratio,
     predict_stream,
@@ -54,6 +55,11 @@ from reshard.parallel.cost.validate import (
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train", default="a10-g5,h200-fp8", help="comma list: the hardware whose rows are fitted")
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also search the factors on all 12 Fig. 10 rows for the most pairs within 5%% (a diagnostic: 2 min)",
+    )
     return p.parse_args()
 
 
@@ -174,6 +180,12 @@ def main() -> None:
         print("\n" + "\n".join(shift_table(eff)))
         print("\n" + "\n".join(trend_table(eff)))
     print("\n" + "\n".join(stream_table()))
+    if args.ceiling:
+        best, eff = pair_ceiling(SEESAW_FIG10)
+        print(
+            f"\nceiling (diagnostic, every Fig. 10 row searched at once, not a fit): at most {best} of "
+            f"{len(SEESAW_FIG10)} measured pairs within 5% at any grid point, first at {eff.as_dict()}"
+        )
     print(f"\ncommand: python bench/cost_vs_papers.py --train {args.train}\ntotal {time.perf_counter() - t0:.0f}s")
 
 

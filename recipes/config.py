@@ -41,6 +41,19 @@ class WorkloadConfig:
                 f"need 1 <= workload.prompt_len_min ({self.prompt_len_min}) <= "
                 f"workload.prompt_len_max ({self.prompt_len_max})"
             )
+        if self.prompts_file is not None:
+            self._check_file_alone()
+
+    def _check_file_alone(self) -> None:
+        """The synthetic workload's keys do not apply to a prompts file: set to anything but their
+        defaults next to one, they are a ``ValueError`` naming them (never silently ignored)."""
+        default = WorkloadConfig()
+        for key in ("num_requests", "prompt_len_min", "prompt_len_max"):
+            if getattr(self, key) != getattr(default, key):
+                raise ValueError(
+                    f"workload.{key}={getattr(self, key)} shapes the synthetic workload; with "
+                    f"workload.prompts_file={self.prompts_file} the file's lines are the requests (unset one)"
+                )
 
 
 @dataclass
@@ -130,6 +143,9 @@ class EngineConfig:
         )
 
 
+MIN_HEARTBEAT_S = 0.1  # fault.heartbeat_s below this declares busy ranks dead (store polls of a loaded machine)
+
+
 @dataclass
 class FaultConfig:
     replicate: bool = False  # mirror every rank's KV on its ring successor; recover after a restart
@@ -156,8 +172,11 @@ class FaultConfig:
     kill_router_after: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.heartbeat_s > 0:
-            raise ValueError(f"fault.heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if not self.heartbeat_s >= MIN_HEARTBEAT_S:
+            raise ValueError(
+                f"fault.heartbeat_s must be >= {MIN_HEARTBEAT_S} s (a rank silent for 3 periods is declared dead: "
+                f"shorter periods mistake a busy rank for a dead one), got {self.heartbeat_s}"
+            )
         if not self.hung_after_s > self.heartbeat_s:
             raise ValueError(
                 f"fault.hung_after_s must exceed fault.heartbeat_s ({self.heartbeat_s}), got {self.hung_after_s}"
@@ -199,6 +218,15 @@ class FaultConfig:
         if not (type(self.max_respawns) is int and self.max_respawns >= 0):
             raise ValueError(f"fault.max_respawns must be an int >= 0, got {self.max_respawns!r}")
 
+    def check_world(self, world_size: int) -> None:
+        """``ValueError`` naming the pair if ``fault.kill_at`` names a rank outside the job."""
+        for rank, step in self.kills():
+            if rank >= world_size:
+                raise ValueError(
+                    f"fault.kill_at [{rank}, {step}] names rank {rank}, outside the job's {world_size} ranks "
+                    f"(0..{world_size - 1})"
+                )
+
     def kills(self) -> list[tuple[int, int]]:
         """``(rank, step)`` to kill in attempt 0, 1, ... of the job."""
         k = self.kill_at
@@ -239,13 +267,23 @@ class GenerateConfig:
             raise TypeError(f"parallel must be a registered strategy's config, got {type(self.parallel).__name__}")
         if self.engine.prefill_chunk is not None:  # before anything loads, on every rank alike
             self._check_prefill_chunk(self.engine.prefill_chunk)
+        self.parallel.check_args(self.engine_args())
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens
-        if longest > self.engine.max_seq_len:
+        if self.workload.prompts_file is None and longest > self.engine.max_seq_len:  # a file's: build_requests
             raise ValueError(
                 f"workload.prompt_len_max ({self.workload.prompt_len_max}) + "
                 f"generation.max_new_tokens ({self.generation.max_new_tokens}) = {longest} exceeds "
                 f"engine.max_seq_len ({self.engine.max_seq_len})"
             )
+
+    def engine_args(self):
+        """The :class:`EngineArgs` this job runs its strategy with."""
+        return self.engine.args(
+            compile=self.compile,
+            dtype=self.model.dtype,
+            allow_unused=self.model.allow_unused_weights,
+            lockstep=self.fault.replicate,  # the journal and the KV ring follow one lockstep group (for now)
+        )
 
     def _check_prefill_chunk(self, prefill_chunk: int) -> None:
         """``ValueError`` naming the values for what chunked prefill does not run with."""

@@ -9,6 +9,7 @@ directory and prints its path; other ranks write nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,6 +43,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     and returns every completion on every rank.
     """
     t0 = time.perf_counter()
+    cfg.fault.check_world(dist.get_world_size())  # before anything loads, on every rank alike
     path = _model_path(cfg)
     if cfg.fault.migrate is not None:  # supervised ranks: failures stay in their engine group
         from reshard.recipes.supervised import run_supervised
@@ -49,13 +51,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         return run_supervised(cfg, run_dir, path)
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
-    args = cfg.engine.args(
-        compile=cfg.compile,
-        dtype=cfg.model.dtype,
-        allow_unused=cfg.model.allow_unused_weights,
-        lockstep=cfg.fault.replicate,  # the journal and the KV ring follow one lockstep group (for now)
-    )
-    engine = cfg.parallel.build(path, args)
+    engine = cfg.parallel.build(path, cfg.engine_args())
     keep = _keep_finished(engine, run_dir)
     fault = _fault_tolerance(cfg, engine, keep)
     load_seconds = time.perf_counter() - t0
@@ -178,6 +174,7 @@ def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> li
     w = cfg.workload
     if w.prompts_file:
         prompts, arrivals = read_prompts(Path(w.prompts_file), model_path)
+        _check_lengths(prompts, Path(w.prompts_file), params.max_new_tokens, cfg.engine.max_seq_len)
     else:
         prompts, arrivals = synthetic_prompts(cfg, vocab_size), [0.0] * w.num_requests
     if w.rate is not None:
@@ -187,6 +184,16 @@ def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> li
             )
         arrivals = poisson_arrivals(len(prompts), w.rate, w.seed, w.burst)
     return [Request(i, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+
+
+def _check_lengths(prompts: list[list[int]], path: Path, new_tokens: int, max_seq_len: int) -> None:
+    """``ValueError`` naming the file's line whose prompt + ``new_tokens`` exceeds ``max_seq_len``."""
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    if len(prompts[i]) + new_tokens > max_seq_len:
+        raise ValueError(
+            f"{path}: the prompt of request {i} ({len(prompts[i])} tokens) + generation.max_new_tokens "
+            f"({new_tokens}) = {len(prompts[i]) + new_tokens} exceeds engine.max_seq_len ({max_seq_len})"
+        )
 
 
 def synthetic_prompts(cfg: GenerateConfig, vocab_size: int) -> list[list[int]]:
@@ -203,9 +210,10 @@ def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[fl
     if not path.exists():
         raise ValueError(f"workload.prompts_file {str(path)!r} does not exist")
     prompts, arrivals, tokenizer = [], [], None
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    lines = _prompt_lines(path)
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
-            continue
+            raise ValueError(f"{path}:{lineno}: blank line (one prompt per line; only the end may be blank)")
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
@@ -222,6 +230,21 @@ def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[fl
     if not prompts:
         raise ValueError(f"workload.prompts_file {str(path)!r} has no prompts")
     return prompts, arrivals
+
+
+def _prompt_lines(path: Path) -> list[str]:
+    """The file's lines, blank ones at the end dropped; a file that is not UTF-8 is a ``ValueError``
+    naming it and the byte."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"workload.prompts_file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason})"
+        ) from None
+    lines = text.splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return lines
 
 
 def _arrival(item, path: Path, lineno: int) -> float:
@@ -259,7 +282,7 @@ def _summary(
         "model_path": str(Path(path).resolve()),
         "world_size": dist.get_world_size(),
         "strategy": cfg.parallel.strategy,
-        "parallel": {name: dims.describe() for name, dims in layouts.items()},
+        **what_ran(cfg, layouts),
         "requests": len(completions),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
@@ -282,6 +305,27 @@ def _summary(
         "kv": _kv_summary(engine),
         **cfg.parallel.summary(engine),
     }
+
+
+def what_ran(cfg: GenerateConfig, layouts: dict[str, ParallelDims]) -> dict:
+    """The summary's keys that say what ran: each layout (degrees and ranks), the layouts in one
+    notation, the weights' dtype and the sampling parameters."""
+    return {
+        "parallel": {name: dims.describe() for name, dims in layouts.items()},
+        "layout": layout_notation(layouts),
+        "dtype": cfg.model.dtype,
+        "sampling": dataclasses.asdict(cfg.generation),
+    }
+
+
+def layout_notation(layouts: dict[str, ParallelDims]) -> str:
+    """Every layout a run used in one string: ``T2P2``; Seesaw's ``P4->T4`` (prefill -> decode);
+    otherwise ``prompt T2 / token P2`` (DejaVu's sides, Shift's modes)."""
+    if set(layouts) == {"prefill", "decode"}:
+        return f"{layouts['prefill'].notation}->{layouts['decode'].notation}"
+    if len(layouts) == 1:
+        return next(iter(layouts.values())).notation
+    return " / ".join(f"{name} {dims.notation}" for name, dims in layouts.items())
 
 
 def _job_stats(engine: Engine):
@@ -326,19 +370,29 @@ def _output_line(c) -> str:
 
 
 def _print_summary(s: dict, strategy) -> None:
-    ph = s["phase_seconds"]
+    ph, lat = s["phase_seconds"], s["latency"]
     print(
-        f"\n{s['strategy']} on {s['world_size']} rank(s): {s['requests']} requests, "
-        f"{s['prompt_tokens']} prompt / {s['generated_tokens']} generated tokens\n"
+        f"\n{s['strategy']} {s['layout']} on {s['world_size']} rank(s), {s['dtype']}, {_sampling_line(s['sampling'])}: "
+        f"{s['requests']} requests, {s['prompt_tokens']} prompt / {s['generated_tokens']} generated tokens\n"
+        f"  end to end {lat['output_tokens_per_s']:10.1f} output tok/s, {lat['requests_per_s']:.2f} requests/s "
+        f"({ph['generate_total']:.3f} s; load {ph['load']:.3f} s before it)\n"
         f"  prefill {s['prefill_tokens_per_s']:10.1f} tok/s  ({ph['prefill']:.3f} s)\n"
         f"  decode  {s['decode_tokens_per_s']:10.1f} tok/s  ({ph['decode']:.3f} s, "
         f"mean batch {s['mean_decode_batch']:.1f})\n"
-        f"  load {ph['load']:.3f} s, generate {ph['generate_total']:.3f} s\n"
         f"  layouts {_layouts_line(s['parallel'])}",
         flush=True,
     )
     for line in strategy.report(s) if strategy is not None else ():
         print("  " + line, flush=True)
+
+
+def _sampling_line(g: dict) -> str:
+    """``greedy, 32 new tokens`` or ``temperature 0.8 top_k 50 top_p 0.9 seed 0, 32 new tokens``."""
+    if g["temperature"] == 0:
+        how = "greedy"
+    else:
+        how = f"temperature {g['temperature']} top_k {g['top_k']} top_p {g['top_p']} seed {g['seed']}"
+    return f"{how}, up to {g['max_new_tokens']} new tokens"
 
 
 def _layouts_line(layouts: dict) -> str:

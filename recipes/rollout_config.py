@@ -47,6 +47,11 @@ class RolloutLayoutConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {value}")
+        if self.colocated and self.train_ranks is not None:
+            raise ValueError(
+                f"rollout.train_ranks={self.train_ranks} splits the ranks between training and rollout; "
+                "rollout.colocated=true trains and rolls out on every rank (set rollout.colocated=false or unset it)"
+            )
 
 
 @dataclass

@@ -307,13 +307,15 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
 
 
 def _summary(cfg, path: Path, completions, stats: EngineStats, seconds: float, groups: int) -> dict:
+    from reshard.recipes.generate import what_ran
+
     prompt = sum(len(c.prompt_ids) for c in completions)
     generated = sum(len(c.output_ids) for c in completions)
     return {
         "model_path": str(Path(path).resolve()),
         "world_size": dist.get_world_size(),
         "strategy": cfg.parallel.strategy,
-        "parallel": {name: dims.describe() for name, dims in cfg.parallel.layouts(dist.get_world_size()).items()},
+        **what_ran(cfg, cfg.parallel.layouts(dist.get_world_size())),
         "requests": len(completions),
         "prompt_tokens": prompt,
         "generated_tokens": generated,

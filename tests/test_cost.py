@@ -379,6 +379,21 @@ def test_dejavu_streaming_overhead_comes_from_the_link():
     assert fast["m"] == 1.0 and slow["m"] > 1.0
 
 
+def test_pair_ceiling_is_the_most_pairs_any_grid_point_reaches():
+    """The ceiling diagnostic counts the rows within 5% at each grid point and keeps the best: on
+    a two-point grid it equals the larger of the two points' own counts, and names that point."""
+    from reshard.parallel.cost.fit import FITTED, Efficiency
+    from reshard.parallel.cost.papers import SEESAW_FIG10
+    from reshard.parallel.cost.validate import pair_ceiling, pairs_within
+
+    other = Efficiency(compute=1.0, memory=1.0, pcie=0.6, nvlink=0.5, latency=0.25, step_overhead=0.016)
+    counts = {e: pairs_within(e, SEESAW_FIG10) for e in (FITTED, other)}
+    grid = {name: tuple(dict.fromkeys(getattr(e, name) for e in counts)) for name in FITTED.as_dict()}
+    best, at = pair_ceiling(SEESAW_FIG10, grid)
+    assert best == max(counts.values()) and counts.get(at, pairs_within(at, SEESAW_FIG10)) == best
+    assert 0 < counts[FITTED] < best <= len(SEESAW_FIG10)
+
+
 def test_the_fitted_factors_are_the_fit_of_the_training_half_and_plan_can_use_them():
     """FITTED is where the fit on the A10 + H200 rows lands: re-fitting over each factor's grid
     neighbours returns it; ``efficiency=fitted`` plans with it and says so in plan.json."""

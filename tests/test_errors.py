@@ -1,5 +1,6 @@
 """Bad input gives a ValueError that names the offending values."""
 
+import json
 import re
 
 import pytest
@@ -123,3 +124,137 @@ def test_prompts_file_errors_name_file_and_line(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         read_prompts(path, tmp_path)
+
+
+# ---- inputs a user's battery found accepted silently: each refused in one line naming key and value ----
+def _compose(name, overrides):
+    from reshard.recipes.schema import compose
+
+    return compose(name, overrides)
+
+
+@pytest.mark.parametrize(
+    "recipe,overrides,match",
+    [
+        ("generate", ["parallel=sidp", "compile=true"], r"^compile=true is not supported by parallel=sidp"),
+        (
+            "generate",
+            ["parallel=dejavu", "compile=true"],
+            r"^parallel=dejavu runs contiguous, eager KV caches; got engine.kv_block_size=None and compile=True",
+        ),
+        (
+            "generate",
+            ["fault.replicate=true", "fault.heartbeat_s=0.001"],
+            r"^fault.heartbeat_s must be >= 0.1 s .* got 0.001$",
+        ),
+        (
+            "generate",
+            ["workload.prompts_file=p.jsonl", "workload.num_requests=100"],
+            r"^workload.num_requests=100 shapes the synthetic workload; with workload.prompts_file=p.jsonl",
+        ),
+        (
+            "generate",
+            ["workload.prompts_file=p.jsonl", "workload.prompt_len_max=64"],
+            r"^workload.prompt_len_max=64 shapes the synthetic workload",
+        ),
+        (
+            "rollout",
+            ["rollout.train_ranks=2"],
+            r"^rollout.train_ranks=2 splits the ranks .* rollout.colocated=true trains and rolls out on every rank",
+        ),
+    ],
+)
+def test_inputs_once_ignored_are_refused_by_name(recipe, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _compose(recipe, overrides)
+
+
+def test_a_kill_outside_the_world_is_refused_before_anything_loads():
+    from reshard.recipes.config import FaultConfig
+
+    FaultConfig(kill_at=[1, 3]).check_world(2)
+    with pytest.raises(ValueError, match=r"^fault.kill_at \[5, 3\] names rank 5, outside the job's 2 ranks \(0..1\)$"):
+        FaultConfig(kill_at=[5, 3]).check_world(2)
+    with pytest.raises(ValueError, match=r"fault.kill_at \[2, 9\] names rank 2"):  # the second attempt's kill
+        FaultConfig(kill_at=[[0, 4], [2, 9]]).check_world(2)
+
+
+def test_the_job_refuses_a_kill_outside_the_world(tmp_path):
+    from tests.test_recipe import _run_recipe
+
+    with pytest.raises(RuntimeError, match=r"fault.kill_at \[5, 3\] names rank 5, outside the job's 1 ranks"):
+        dist_harness.run(1, _run_recipe, ["fault.kill_at=[5,3]", "progress=false"], str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # refused before any output
+
+
+def test_a_prompts_file_is_checked_against_max_seq_len_by_its_own_prompts(tmp_path):
+    """engine.max_seq_len is checked against the file's longest prompt (not workload.prompt_len_max,
+    which does not apply), naming the file and the request."""
+    from reshard.recipes.generate import build_requests
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("[1, 2, 3]\n" + json.dumps(list(range(40))) + "\n")
+    cfg = _compose("generate", [f"workload.prompts_file={path}", "engine.max_seq_len=64"])  # 128 + 32 > 64: fine
+    with pytest.raises(
+        ValueError, match=r"prompts.jsonl: the prompt of request 1 \(40 tokens\) \+ generation.max_new_"
+    ):
+        build_requests(cfg, tmp_path, 256)
+    path.write_text("[1, 2, 3]\n" + json.dumps(list(range(30))) + "\n\n")  # 30 + 32 <= 64; a blank end is fine
+    assert [len(r.prompt_ids) for r in build_requests(cfg, tmp_path, 256)] == [3, 30]
+
+
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        (b"[1, 2]\n\n[3]\n", r"prompts.jsonl:2: blank line \(one prompt per line; only the end may be blank\)"),
+        (b'"caf\xe9"\n', r"workload.prompts_file '.*prompts.jsonl' is not UTF-8 text \(byte 4: invalid"),
+    ],
+)
+def test_prompts_files_with_blank_lines_or_other_encodings_are_refused(tmp_path, data, match):
+    from reshard.recipes.generate import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=match):
+        read_prompts(path, tmp_path)
+
+
+def test_sidp_look_ahead_and_slots_beyond_the_layers_to_fetch_are_refused():
+    from reshard.parallel.strategies.sidp.fetch import check_slots
+
+    check_slots(2, 2, prefetch_depth=2, peak_shifting=True, layers=4)  # 2 owned, 2 fetched per rank
+    with pytest.raises(
+        ValueError,
+        match=r"^parallel.prefetch_depth \(10\) exceeds the FFN layers a rank fetches \(2: 4 layers, 2 owned",
+    ):
+        check_slots(10, 2, prefetch_depth=10, peak_shifting=True, layers=4)
+    with pytest.raises(ValueError, match=r"^parallel.slots \(3\) exceeds the FFN layers a rank fetches \(2"):
+        check_slots(3, 2, prefetch_depth=2, peak_shifting=True, layers=4)
+
+
+def test_plan_refuses_mixture_of_experts_and_configs_that_are_not_json(tmp_path):
+    from reshard.recipes.plan import make_plan
+
+    mixtral = dict(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(mixtral))
+    with pytest.raises(ValueError, match=r"is a Mixture-of-Experts model \(num_local_experts=8\); the cost model has"):
+        make_plan(_compose("plan", [f"model={tmp_path}"]))
+    bad = tmp_path / "broken.json"
+    bad.write_text("{'hidden_size': 4096}")
+    with pytest.raises(ValueError, match=r"^model '.*broken.json': .*broken.json is not a JSON config \(Expecting"):
+        make_plan(_compose("plan", [f"model={bad}"]))
+
+
+def test_seesaws_default_names_the_null_degree_that_cannot_split_the_heads(checkpoints):
+    from reshard.parallel.strategies.seesaw.strategy import SeesawStrategy
+
+    strategy = SeesawStrategy()
+    with pytest.raises(
+        ValueError,
+        match=r"^parallel.decode.tp is null, so the rest of the 3 ranks: 3; Number of attention heads \(4\) must be "
+        r"divisible by tensor parallel size \(3\)\. \(set parallel.decode.tp\)$",
+    ):
+        strategy._check_heads(checkpoints["llama"], strategy.layouts(3))

@@ -131,6 +131,7 @@ def test_shift_recipe_reports_switches(checkpoints, hf_reference, tmp_path):
         "sp": {"dp": 1, "pp": 1, "sp": 2, "tp": 1, "ranks": [0, 1]},  # big steps: Ulysses SP
         "tp": {"dp": 1, "pp": 1, "sp": 1, "tp": 2, "ranks": [0, 1]},  # small steps: full TP, same ranks
     }
+    assert summary["layout"] == "sp S2 / tp T2"
     assert summary["mode_switches"] >= 1 and summary["switch_bytes"] == 0
     assert summary["steps_by_mode"]["sp"] > 0 and summary["steps_by_mode"]["tp"] > 0
     lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
@@ -159,6 +160,8 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     ]
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
     assert summaries[0]["parallel"] == {"main": {"dp": 2, "pp": 1, "sp": 1, "tp": 1, "ranks": [0, 1]}}
+    assert summaries[0]["layout"] == "D2" and summaries[0]["dtype"] == "float32"
+    assert summaries[0]["sampling"] == {"max_new_tokens": 8, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["engine_groups"] == 2 and summary["online"] is True  # two replicas, each its own group
     latency = summary["latency"]
@@ -294,6 +297,7 @@ def test_seesaw_recipe_matches_hf_and_reports_transitions(four_layer, hf_referen
         "prefill": {"dp": 1, "pp": 2, "sp": 1, "tp": 1, "ranks": [0, 1]},
         "decode": {"dp": 1, "pp": 1, "sp": 1, "tp": 2, "ranks": [0, 1]},
     }
+    assert s["layout"] == "P2->T2" and s["dtype"] == "float32"
     assert s["transitions"] >= 2 and s["reshard_bytes"] == s["reshard_lower_bound_bytes"] > 0
     assert s["reshard_seconds"] > 0 and s["swap_seconds"] >= 0
     rows = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ def _job(path, mode, shift=True, threshold=1.0):
     from reshard.parallel.engine import EngineArgs, make_strategy
 
     strategy = make_strategy(
-        {"strategy": "sidp", "mode": mode, "threshold": threshold, "peak_shifting": shift, "slots": 3, "interval": 2}
+        {"strategy": "sidp", "mode": mode, "threshold": threshold, "peak_shifting": shift, "interval": 2}
     )
     engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64))
     reqs = [Request(i, p, SamplingParams(max_new_tokens=m)) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]

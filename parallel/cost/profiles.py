@@ -309,16 +309,32 @@ def model(name: str) -> ModelShape:
         return MODELS[name]
     path = Path(name) / "config.json" if os.path.isdir(name) else Path(name)
     if path.name.endswith(".json") and path.is_file():
-        return model_from_config(json.loads(path.read_text()), name=str(name))
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"model {name!r}: {path} is not a JSON config ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"model {name!r}: {path} holds a {type(cfg).__name__}, not an HF config object")
+        return model_from_config(cfg, name=str(name))
     raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)} or a path to an HF config.json")
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}  # bytes per element (IEEE 754 / OCP FP8)
 
 
+# HF config keys that mark a Mixture-of-Experts FFN (Mixtral, Qwen2/3-MoE, DeepSeek, DBRX-style)
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
 def model_from_config(cfg: dict, *, name: str) -> ModelShape:
     """The shape of an HF ``config.json`` dict (``text_config`` of multimodal configs is read)."""
     cfg = cfg.get("text_config", cfg)
+    experts = ", ".join(f"{k}={cfg[k]}" for k in _EXPERT_KEYS if cfg.get(k))
+    if experts:
+        raise ValueError(
+            f"config.json of {name!r} is a Mixture-of-Experts model ({experts}); "
+            "the cost model has dense FFNs only and would count one expert's weights"
+        )
     missing = [
         k
         for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")

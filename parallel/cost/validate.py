@@ -144,6 +144,21 @@ def geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def pairs_within(eff: Efficiency, rows: Sequence[LayoutWinner]) -> int:
+    """Rows whose measured Seesaw pair the model puts within 5% of its best pair under ``eff``."""
+    return sum(check_winner(r, eff).pair_ratio >= 0.95 for r in rows)
+
+
+def pair_ceiling(
+    rows: Sequence[LayoutWinner], grid: dict[str, tuple[float, ...]] | None = None
+) -> tuple[int, Efficiency]:
+    """A diagnostic, not a fit: the most ``rows`` any grid point of the global factors puts
+    within 5% (searched on every row at once, so it bounds what fitting could reach without a
+    change to the model's structure), and the first point that does."""
+    eff, loss = fit(lambda e, rs: -pairs_within(e, rs), rows, grid=grid)
+    return int(-loss), eff
+
+
 def fit_half(
     rows: Sequence[LayoutWinner | Ratio | Measured],
     train: Collection[str],

@@ -122,6 +122,13 @@ class Strategy:
         """Lines the job prints about this strategy's keys of ``summary``."""
         return []
 
+    def check_args(self, args: EngineArgs) -> None:
+        """``ValueError`` naming the key and value for an engine argument this strategy cannot honour
+        (checked with the job config, before anything loads; and again by :meth:`build`). The
+        default: chunked prefill only where :meth:`check_prefill_chunk` allows it."""
+        if args.prefill_chunk is not None:
+            self.check_prefill_chunk(args.prefill_chunk)
+
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """``ValueError`` naming the values if this strategy cannot run chunked prefill of
         ``prefill_chunk`` tokens (checked with the job config, before anything loads). The

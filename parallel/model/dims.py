@@ -86,6 +86,13 @@ class ParallelDims:
         first = self.first_rank or 0
         return list(range(first, first + self.world_size))
 
+    @property
+    def notation(self) -> str:
+        """``D2T2``, ``T4P2``, ``S2T2``: the degrees above 1 (data, sequence, tensor, pipeline), as
+        the papers and the cost model write layouts; ``T1`` on one rank."""
+        parts = [f"{k}{v}" for k, v in (("D", self.dp), ("S", self.sp), ("T", self.tp), ("P", self.pp)) if v > 1]
+        return "".join(parts) or "T1"
+
     def describe(self) -> dict:
         """The layout as ``summary.json`` reports it: ``{"dp", "pp", "sp", "tp", "ranks"}``."""
         return {**dict(zip(AXES, self.shape)), "ranks": self.ranks}

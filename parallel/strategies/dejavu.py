@@ -584,9 +584,16 @@ class DejaVuStrategy(Strategy):
         prompt, token = self.sides(world_size)
         return {"prompt": prompt, "token": token}
 
-    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
+    def check_args(self, args: EngineArgs) -> None:
+        super().check_args(args)
         if args.kv_block_size is not None or args.compile:
-            raise ValueError("parallel=dejavu runs contiguous, eager KV caches; unset engine.kv_block_size and compile")
+            raise ValueError(
+                f"parallel=dejavu runs contiguous, eager KV caches; got engine.kv_block_size={args.kv_block_size} "
+                f"and compile={args.compile} (set them to null and false)"
+            )
+
+    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
+        self.check_args(args)
         prompt_dims, token_dims = self.sides(dist.get_world_size())
         kw = dict(dtype=args.dtype, allow_unused=args.allow_unused)
         prompt, token = build_model(path, prompt_dims, **kw), build_model(path, token_dims, **kw)

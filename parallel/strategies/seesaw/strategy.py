@@ -73,6 +73,24 @@ class SeesawStrategy(Strategy):
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"parallel.scheduler {self.scheduler!r} is not one of {sorted(SCHEDULERS)}")
 
+    def _check_heads(self, path, layouts: dict[str, ParallelDims]) -> None:
+        """``ValueError`` before loading when a layout's TP degree cannot split the model's heads,
+        naming the key (and, when it was null, that it took the rest of the world)."""
+        from transformers import AutoConfig
+
+        from reshard.layers import check_head_split
+        from reshard.parallel import resolve_checkpoint
+
+        config = AutoConfig.from_pretrained(resolve_checkpoint(path))
+        heads = config.num_attention_heads
+        for name, dims in layouts.items():
+            try:
+                check_head_split(heads, getattr(config, "num_key_value_heads", None) or heads, dims.tp)
+            except ValueError as e:
+                null = getattr(self, name).tp is None
+                how = f"null, so the rest of the {dims.world_size} ranks: {dims.tp}" if null else str(dims.tp)
+                raise ValueError(f"parallel.{name}.tp is {how}; {e} (set parallel.{name}.tp)") from None
+
     def layouts(self, world_size: int) -> dict[str, ParallelDims]:
         """The prefill and the decode layout, each over the whole job."""
         return {
@@ -82,6 +100,7 @@ class SeesawStrategy(Strategy):
 
     def build(self, path, args: EngineArgs) -> Engine:
         layouts = self.layouts(dist.get_world_size())
+        self._check_heads(path, layouts)
         prefill, decode = layouts["prefill"], layouts["decode"]
         switch = LayoutSwitch(
             path, prefill, decode, weights=self.weights, dtype=args.dtype, allow_unused=args.allow_unused

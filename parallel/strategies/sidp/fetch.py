@@ -12,6 +12,7 @@ from different owners (counted: ``max_concurrent_readers``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +40,20 @@ class FetchCounters:
     dummy_steps: int = 0  # steps with no rows on this rank
 
 
-def check_slots(slots: int, group_size: int, *, prefetch_depth: int, peak_shifting: bool) -> None:
-    """``ValueError`` unless ``slots`` cache slots serve the schedule over ``group_size`` ranks."""
+def check_slots(
+    slots: int, group_size: int, *, prefetch_depth: int, peak_shifting: bool, layers: int | None = None
+) -> None:
+    """``ValueError`` unless ``slots`` cache slots serve the schedule over ``group_size`` ranks (and,
+    given the model's ``layers``, no rank has more slots or look-ahead than layers to fetch)."""
+    if layers is not None:
+        fetched = layers - math.ceil(layers / group_size)  # the fewest non-owned layers of any rank
+        for key, value in (("prefetch_depth", prefetch_depth), ("slots", slots)):
+            if value > fetched:
+                raise ValueError(
+                    f"parallel.{key} ({value}) exceeds the FFN layers a rank fetches ({fetched}: {layers} layers, "
+                    f"{math.ceil(layers / group_size)} owned per rank over {group_size} ranks); more only costs "
+                    f"memory (use at most {fetched})"
+                )
     if not 1 <= prefetch_depth <= slots:
         raise ValueError(f"need 1 <= prefetch_depth ({prefetch_depth}) <= slots ({slots})")
     if peak_shifting and slots < group_size - 1:

@@ -15,6 +15,7 @@ it computes nothing of its own, and in CaS still serves the layers it owns (an `
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -217,13 +218,21 @@ def _timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _fetched_layers(model: nn.Module, group_size: int) -> int:
+    """The fewest FFN layers any rank of a ``group_size`` owner pool fetches (those it does not own)."""
+    layers = len(model.model.layers)
+    return layers - math.ceil(layers / group_size)
+
+
 def pool_model(
     model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int, peak_shifting: bool
 ) -> FetchScheduler:
     """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool, swap
     each layer's MLP for a :class:`PooledMLP` and return the pool's fetch scheduler (collective)."""
-    check_slots(slots, len(ranks), prefetch_depth=prefetch_depth, peak_shifting=peak_shifting)  # before any change
     layers = model.model.layers
+    check_slots(  # before any change
+        slots, len(ranks), prefetch_depth=prefetch_depth, peak_shifting=peak_shifting, layers=len(layers)
+    )
     pool = OwnerPool([layer.mlp for layer in layers], ranks, slots=slots)
     fetcher = FetchScheduler(pool, prefetch_depth=prefetch_depth, peak_shifting=peak_shifting)
     for j, layer in enumerate(layers):
@@ -270,7 +279,7 @@ class SiDPStrategy(Strategy):
     """Data parallel over every rank with SiDP's FFN owner pool."""
 
     dp: int | None = None  # null: the whole job
-    prefetch_depth: int = 2  # layers a rank fetches ahead (WaS)
+    prefetch_depth: int | None = None  # layers a rank fetches ahead (WaS); null: 2, or fewer if it fetches fewer
     slots: int | None = None  # cache slots for fetched layers; null: max(prefetch_depth, dp - 1)
     peak_shifting: bool = True
     threshold: float | None = 8.0  # b*: rows per replica above which WaS beats CaS; null: profiled here
@@ -297,16 +306,26 @@ class SiDPStrategy(Strategy):
             raise ValueError(f"parallel.dp ({dp}) must equal the world size ({world_size}): one replica per rank")
         return ParallelDims(dp=dp, world_size=world_size)
 
+    def check_args(self, args: EngineArgs) -> None:
+        super().check_args(args)
+        if args.compile:
+            raise ValueError(
+                "compile=true is not supported by parallel=sidp: its decode step fetches FFN weights from the "
+                "owner pool between layers, which runs eagerly (set compile=false)"
+            )
+
     def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
+        self.check_args(args)
         dims = self.dims(dist.get_world_size())
         model = parallelize(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
         full_ffn = _ffn_bytes(model)
-        slots = self.slots or max(self.prefetch_depth, dims.dp - 1)
+        depth = self.prefetch_depth or max(1, min(2, _fetched_layers(model, dims.dp)))
+        slots = self.slots or max(depth, dims.dp - 1)
         fetcher = pool_model(
             model,
             list(range(dims.dp)),
             slots=slots,
-            prefetch_depth=self.prefetch_depth,
+            prefetch_depth=depth,
             peak_shifting=self.peak_shifting,
         )
         update_info(model, replicated_ffn_bytes=full_ffn)
