@@ -267,7 +267,8 @@ class GenerateConfig:
             raise TypeError(f"parallel must be a registered strategy's config, got {type(self.parallel).__name__}")
         if self.engine.prefill_chunk is not None:  # before anything loads, on every rank alike
             self._check_prefill_chunk(self.engine.prefill_chunk)
-        self.parallel.check_args(self.engine_args())
+        if self.fault.migrate is None:  # supervised jobs build their groups' engines themselves (recipes/supervised.py)
+            self.parallel.check_args(self.engine_args())
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens
         if self.workload.prompts_file is None and longest > self.engine.max_seq_len:  # a file's: build_requests
             raise ValueError(

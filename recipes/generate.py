@@ -27,7 +27,7 @@ from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.parallel.fault import restart_count
 from reshard.parallel.model.tiny_models import builtin_checkpoint
 from reshard.recipes.config import GenerateConfig
-from reshard.recipes.launch import collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
+from reshard.recipes.launch import LAUNCHED_ENV, collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
 
 
 def _rank() -> int:
@@ -63,6 +63,8 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         except RuntimeError:  # a peer died mid-collective (the error itself follows in the traceback)
             if fault is not None:
                 fault["ft"].on_failure(f"a collective failed on rank {_rank()}")
+                if LAUNCHED_ENV in os.environ:  # its line says what comes next; the launcher tells the rest
+                    raise SystemExit(1) from None
             raise
     summary = _summary(cfg, path, engine, layouts, completions, load_seconds, time.perf_counter() - t1)
     summary["failures"] = restart_count()

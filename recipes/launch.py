@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
+LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -90,27 +92,64 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
     from hydra.errors import HydraException
     from omegaconf import DictConfig
     from omegaconf.errors import OmegaConfBaseException
+    from torch.distributed.elastic.multiprocessing.errors import record
 
     from reshard.recipes import schema
 
     @hydra.main(version_base=None, config_path="../conf", config_name=config_name)
     def _main(cfg: DictConfig) -> None:
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
-            run(schema.to_dataclass(cfg), Path(HydraConfig.get().runtime.output_dir))
+            run(schema.to_dataclass(cfg), run_dir)
         except ValueError as e:  # a user error: one line, not a traceback per rank
             _user_error(str(e))
+        except KeyboardInterrupt:
+            _interrupted(run_dir)
 
-    overrides = sys.argv[1:]
-    schema.register(overrides)
-    init_distributed()
-    sys.argv += hydra_rank_overrides(overrides)
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
-    try:
-        _main()
-    except (HydraException, OmegaConfBaseException) as e:
-        _user_error(schema.one_line(e, schema.overrides_given(overrides)))
-    finally:
-        dist.destroy_process_group()
+    @record  # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
+    def _job() -> None:
+        overrides = sys.argv[1:]
+        schema.register(overrides)
+        signal.signal(signal.SIGTERM, _terminated)  # a launcher stopping the ranks: clean up as for Ctrl-C
+        init_distributed()
+        sys.argv += hydra_rank_overrides(overrides)
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
+        interrupted = False
+        try:
+            _main()
+        except (HydraException, OmegaConfBaseException) as e:
+            _user_error(schema.one_line(e, schema.overrides_given(overrides)))
+        except KeyboardInterrupt:
+            interrupted = True
+        except SystemExit as e:
+            interrupted = e.code == EXIT_INTERRUPTED
+            if not interrupted:
+                raise
+        finally:
+            dist.destroy_process_group()
+        if interrupted:  # cleaned up above; skip the C++ teardown's report of the collective cut short
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+
+    _job()
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads) on SIGTERM too
+
+
+def _interrupted(run_dir: Path) -> None:
+    """Ctrl-C (or SIGTERM): exit 130 with no traceback; run alone or under torchrun, rank 0 says
+    where the finished requests are (under ``reshard``'s launcher, the launcher says it)."""
+    finished = run_dir / "finished.jsonl"
+    if LAUNCHED_ENV not in os.environ and dist.is_initialized() and dist.get_rank() == 0:
+        done = len(finished.read_text().splitlines()) if finished.exists() else 0
+        where = f", kept in {finished.resolve()}" if done else ""
+        print(f"interrupted: {done} requests finished{where}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 def _user_error(message: str) -> None:

@@ -1,0 +1,300 @@
+"""``reshard``: the command line (installed as a console script, as torchtune's ``tune run`` wraps torchrun).
+
+    reshard generate [--nproc N] [hydra overrides]    the main job on N ranks (default 1)
+    reshard rollout  [--nproc N] [hydra overrides]    the RL rollout loop
+    reshard plan     [hydra overrides]                the cost model's ranking (one process)
+    reshard generate --help                           every key with its default
+
+The config is composed and checked here, in one process, before any rank starts (a typo fails in
+about a second, once, with "did you mean" where a close key exists). The ranks are launched with
+torch.distributed's launcher API (what torchrun runs) into one run directory made here, whatever
+the restarts; every way the job ends is one or two lines of ours: a user error (its line, exit
+2), Ctrl-C (how many requests finished and where they are, exit 130), a failure the job recovered
+from (what died and how it came back, exit 0), a failure it could not recover from (exit 1). A
+run that fails leaves no empty run directory. ``torchrun -m reshard.recipes.<job>`` keeps working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RANKED_JOBS = ("generate", "rollout")
+JOBS = (*RANKED_JOBS, "plan")
+EXIT_USER, EXIT_INTERRUPTED = 2, 130
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``(the launcher's own options, the Hydra overrides)``."""
+    p = argparse.ArgumentParser(prog="reshard", description=__doc__.splitlines()[0], add_help=True)
+    p.add_argument("job", choices=JOBS, help="what to run")
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (generate, rollout; default 1)")
+    p.add_argument("--keys", action="store_true", help="print every config key with its default, one per line")
+    p.add_argument(
+        "--max-restarts", type=int, default=None, help="whole-job restarts (default: 1 with fault.replicate, else 0)"
+    )
+    args, overrides = p.parse_known_args(argv)
+    unknown = [o for o in overrides if o.startswith("-")]
+    if unknown:
+        p.error(f"unrecognized option {unknown[0]!r} (Hydra overrides are key=value)")
+    if args.nproc < 1 or (args.job == "plan" and args.nproc != 1):
+        p.error(f"--nproc must be >= 1 (and 1 for plan), got {args.nproc}")
+    return args, overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = check(args.job, overrides, args.nproc)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER
+    if args.keys:
+        print("\n".join(keys_lines(args.job, overrides)))
+        return 0
+    run_dir = Path(datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+    overrides = [*overrides, f"hydra.run.dir={run_dir}"]
+    if args.job == "plan":
+        return run_in_process(args.job, overrides, run_dir)
+    restarts = args.max_restarts if args.max_restarts is not None else int(_replicates(cfg))
+    return launch(args.job, overrides, args.nproc, run_dir, total_requests(cfg), restarts)
+
+
+# ---- before any rank starts -------------------------------------------------------------------
+def check(job: str, overrides: Sequence[str], nproc: int) -> Any:
+    """The job's config dataclass, checked as the ranks will check it (layouts and kills against
+    ``nproc`` ranks too); ``ValueError`` with one line naming the key otherwise."""
+    from reshard.recipes import schema
+
+    bad = [o for o in overrides if "=" not in o and not o.startswith("~")]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a key=value override")
+    try:
+        cfg = schema.compose(job, overrides)
+    except ValueError as e:
+        raise ValueError(str(e) + did_you_mean(job, str(e), overrides)) from None
+    if job == "generate":
+        cfg.fault.check_world(nproc)
+        cfg.parallel.layouts(nproc)
+    return cfg
+
+
+def did_you_mean(job: str, message: str, overrides: Sequence[str]) -> str:
+    """`` (did you mean 'engine.max_batch_size'?)`` when ``message`` refuses a key that is close to
+    one the job has; else ``""``."""
+    key = message.split(":", 1)[0]
+    if "not in" not in message or ("." not in key and key not in _given_keys(overrides)):
+        return ""
+    close = difflib.get_close_matches(key, all_keys(job, overrides), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _given_keys(overrides: Sequence[str]) -> list[str]:
+    return [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+
+
+def all_keys(job: str, overrides: Sequence[str]) -> list[str]:
+    """Every full key of the job's config (with the ``parallel=`` strategy the overrides chose)."""
+    return [k for k, _ in flat_defaults(job, overrides)]
+
+
+def flat_defaults(job: str, overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """``(full key, default)`` of the job's config, depth first."""
+    import dataclasses
+
+    from reshard.recipes import schema
+
+    groups = [o for o in overrides if o.split("=", 1)[0] == "parallel"]
+    cfg = schema.compose(job, groups)
+
+    def walk(node: Any, path: str) -> list[tuple[str, Any]]:
+        if not dataclasses.is_dataclass(node):
+            return [(path, node)]
+        return [kv for f in dataclasses.fields(node) for kv in walk(getattr(node, f.name), f"{path}{f.name}.")]
+
+    return [(k.rstrip("."), v) for k, v in walk(cfg, "")]
+
+
+def keys_lines(job: str, overrides: Sequence[str]) -> list[str]:
+    """One line per key: ``engine.max_batch_size = 8``."""
+    return [f"{key} = {json.dumps(value, default=repr)}" for key, value in flat_defaults(job, overrides)]
+
+
+def total_requests(cfg: Any) -> int | None:
+    """How many requests a generate job runs (``None`` for jobs without requests)."""
+    w = getattr(cfg, "workload", None)
+    if w is None or not hasattr(w, "num_requests"):
+        return None
+    if w.prompts_file is None:
+        return w.num_requests
+    lines = Path(w.prompts_file).read_text(encoding="utf-8").splitlines()
+    return len([line for line in lines if line.strip()])
+
+
+# ---- the job ------------------------------------------------------------------------------------
+def run_in_process(job: str, overrides: Sequence[str], run_dir: Path) -> int:
+    """A one-process job (``plan``) run here, its exit status returned."""
+    import importlib
+
+    sys.argv = [f"reshard {job}", *overrides]
+    try:
+        importlib.import_module(f"reshard.recipes.{job}").main()
+    except SystemExit as e:
+        return _remove_if_empty(run_dir, e.code if isinstance(e.code, int) else 1)
+    return 0
+
+
+def _replicates(cfg: Any) -> bool:
+    """Whether the job recovers by a whole-job restart (``fault.replicate``: the KV ring)."""
+    return bool(getattr(getattr(cfg, "fault", None), "replicate", False))
+
+
+def launch(
+    job: str, overrides: Sequence[str], nproc: int, run_dir: Path, requests: int | None, max_restarts: int = 0
+) -> int:
+    """Start ``nproc`` ranks of ``python -m reshard.recipes.<job>`` (torch.distributed's elastic
+    launcher, as torchrun does) and report how they ended."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from reshard.recipes.launch import LAUNCHED_ENV
+
+    _quiet("torch.distributed.elastic")  # our lines, not the agent's
+    env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nproc > 1 else {})
+    os.environ.update({k: v for k, v in env.items() if k not in os.environ})
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", f"reshard.recipes.{job}", *overrides)
+    except (KeyboardInterrupt, SignalException):
+        print(interrupted_line(run_dir, requests), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except ChildFailedError as e:
+        return _remove_if_empty(run_dir, failed(e))
+    print_story(run_dir)
+    return 0
+
+
+def _quiet(prefix: str) -> None:
+    """Silence every logger under ``prefix`` (torch's set their own levels, so the parent's is not enough)."""
+    for name in [prefix, *logging.Logger.manager.loggerDict]:
+        if name.startswith(prefix):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def failed(e: Exception) -> int:
+    """The exit status of a job whose ranks failed: 2 when a rank reported a user error (its line is
+    printed already), else 1 with a line naming the first rank that failed and how."""
+    codes = {rank: f.exitcode for rank, f in getattr(e, "failures", {}).items()}
+    if EXIT_USER in codes.values():
+        return EXIT_USER
+    rank, code = min(codes.items()) if codes else (None, None)
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+    print(f"error: rank {rank} failed ({how}); its traceback is above", file=sys.stderr, flush=True)
+    return 1
+
+
+def interrupted_line(run_dir: Path, requests: int | None) -> str:
+    """``interrupted: 12 of 32 requests finished, kept in .../finished.jsonl``."""
+    finished = run_dir / "finished.jsonl"
+    done = len(finished.read_text().splitlines()) if finished.exists() else 0
+    of = f" of {requests}" if requests is not None else ""
+    where = f", kept in {finished.resolve()}" if done else ""
+    _remove_if_empty(run_dir, 0)
+    return f"interrupted: {done}{of} requests finished{where}"
+
+
+def print_story(run_dir: Path) -> None:
+    """After a job that succeeded: one line per failure it recovered from (from ``summary.json``)."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    for line in story_lines(summary):
+        print(line, flush=True)
+
+
+def story_lines(summary: dict) -> list[str]:
+    """What died and how the job came back, one line each: supervised deaths (``fault`` of a
+    ``fault.migrate`` run) and whole-job restarts (``failures`` with ``fault.replicate``)."""
+    lines = []
+    for d in summary.get("fault", {}).get("deaths", []):
+        how = "hung, killed" if d.get("hung") else _signal_name(d.get("exitcode"))
+        moved = _moved(d)
+        back = (
+            ""
+            if d.get("rejoined_s") is None
+            else f"; its group served again {d['rejoined_s'] - d['seen_s']:.1f} s later"
+        )
+        lines.append(f"recovered: rank {d.get('rank')} died ({how}) at {d.get('died_s') or 0:.1f} s; {moved}{back}")
+    restarts = summary.get("failures", 0)
+    if restarts and "recomputed_steps" in summary:
+        lines.append(
+            f"recovered: {restarts} whole-job restart(s); KV restored from the ring neighbours, "
+            f"{summary['recomputed_steps']} step(s) recomputed, {summary.get('recovery_seconds', 0):.1f} s to recover"
+        )
+    return lines
+
+
+def _moved(death: dict) -> str:
+    adopted, redone = len(death.get("adopted") or []), death.get("reprefilled_tokens") or 0
+    again = sum(a[-1] for a in death.get("adopted") or [])
+    if adopted:
+        return f"{adopted} request(s) adopted with their KV by another group, {again} token(s) generated again"
+    if redone:
+        return f"{len(death.get('resumed') or [])} request(s) prefilled again on live groups ({redone} tokens)"
+    return f"{len(death.get('resumed') or [])} request(s) waited for its respawn"
+
+
+def _signal_name(code: int | None) -> str:
+    import signal
+
+    if code is None or code >= 0:
+        return f"exit status {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _remove_if_empty(run_dir: Path, code: int) -> int:
+    """``code``, after removing ``run_dir`` when it holds nothing but Hydra's ``.hydra`` and empty
+    files (Hydra's log), and then its empty parents under ``outputs/``."""
+    if run_dir.is_dir() and all(p.name == ".hydra" or _empty_file(p) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir)
+        for d in (run_dir.parent, run_dir.parent.parent):
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+    return code
+
+
+def _empty_file(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size == 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
