@@ -66,6 +66,10 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
                 if LAUNCHED_ENV in os.environ:  # its line says what comes next; the launcher tells the rest
                     raise SystemExit(1) from None
             raise
+        except KeyboardInterrupt:  # Ctrl-C or a launcher's SIGTERM: nothing will recover from the mirrors
+            if fault is not None:
+                fault["ft"].abandon()
+            raise
     summary = _summary(cfg, path, engine, layouts, completions, load_seconds, time.perf_counter() - t1)
     summary["failures"] = restart_count()
     if fault is not None:

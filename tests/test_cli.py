@@ -69,9 +69,13 @@ def test_a_rank_side_user_error_exits_2_in_one_line_and_leaves_no_run_directory(
     assert _run_dirs(tmp_path) == []
 
 
-def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("fault", [[], ["fault.replicate=true"]], ids=["plain", "kv-mirrors"])
+def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_path, fault):
+    """Ctrl-C mid-generation: one line, exit 130, finished requests kept; no process and nothing in
+    /dev/shm left, the KV mirrors of a fault.replicate run included."""
     shm_before = set(os.listdir("/dev/shm"))
     args = ["generate", "--nproc", "2", "workload.num_requests=300", "generation.max_new_tokens=64", "progress=false"]
+    args += fault
     p, t0 = _reshard(args, tmp_path), time.time()
     finished = None
     while finished is None and time.time() - t0 < 120 and p.poll() is None:

@@ -246,6 +246,13 @@ class FaultTolerance:
         path = self._ack_file(source)
         return int(path.read_text()) if path.exists() else -1
 
+    def abandon(self) -> None:
+        """The job was interrupted (Ctrl-C, SIGTERM from a launcher): no attempt will recover from
+        the mirrors, so stop the threads and remove the shared-memory files (every rank; no collective)."""
+        self.heartbeat.stop()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        remove_directory(self.shm)
+
     def close(self) -> None:
         """After a successful run: remove the shared-memory files."""
         self.heartbeat.stop()
