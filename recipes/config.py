@@ -63,8 +63,18 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    stop_token_ids: Any = None  # a list of token ids that end a request (null: the model's EOS ids)
+    min_tokens: int = 0  # stop tokens are never sampled before this many new tokens (HF min_new_tokens)
+    ignore_eos: bool = False  # the model's EOS ids do not end a request (stop_token_ids still do)
 
     def __post_init__(self) -> None:
+        ids = self.stop_token_ids
+        if ids is not None and not (
+            isinstance(ids, (list, tuple)) and ids and all(type(t) is int and t >= 0 for t in ids)
+        ):
+            raise ValueError(
+                f"generation.stop_token_ids must be a non-empty list of token ids >= 0 or null, got {ids!r}"
+            )
         try:
             self.sampling_params()
         except ValueError as e:  # SamplingParams names the field; add the config section
@@ -79,6 +89,9 @@ class GenerationConfig:
             top_k=self.top_k,
             top_p=self.top_p,
             seed=self.seed,
+            stop_token_ids=None if self.stop_token_ids is None else tuple(self.stop_token_ids),
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
         )
 
 

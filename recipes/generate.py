@@ -10,11 +10,14 @@ directory and prints its path; other ranks write nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +55,8 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     engine = cfg.parallel.build(path, cfg.engine_args())
-    keep = _keep_finished(engine, run_dir)
+    tokenizer = output_tokenizer(path) if _rank() == 0 else None
+    keep = _keep_finished(engine, run_dir, tokenizer)
     fault = _fault_tolerance(cfg, engine, keep)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
@@ -76,7 +80,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         summary.update(fault.pop("summary")(), recovery_seconds=fault["recovery_seconds"])
         fault["ft"].close()
     if _rank() == 0:
-        _write_outputs(run_dir, completions, summary, cfg.parallel)
+        _write_outputs(run_dir, completions, summary, cfg.parallel, tokenizer)
         keep.unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 
@@ -95,13 +99,13 @@ def _workload_shape(cfg: GenerateConfig) -> WorkloadShape:
 FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
 
 
-def append_finished(path: Path, completions) -> None:
+def append_finished(path: Path, completions, tokenizer=None) -> None:
     """Append ``completions`` to a :data:`FINISHED` file, one output line each."""
     with open(path, "a") as f:
-        f.writelines(_output_line(c) for c in completions)
+        f.writelines(_output_line(c, tokenizer) for c in completions)
 
 
-def _keep_finished(engine: Engine, run_dir: Path) -> Path:
+def _keep_finished(engine: Engine, run_dir: Path, tokenizer=None) -> Path:
     """Rank 0 appends each request to ``run_dir/finished.jsonl`` the step it finishes, so a job
     that dies keeps what it completed (a restarted attempt rewrites the file as it replays)."""
     path = run_dir / FINISHED
@@ -113,7 +117,7 @@ def _keep_finished(engine: Engine, run_dir: Path) -> Path:
     def hook(index: int, step, tokens) -> None:
         done = [s.completion() for s in step.seqs if s.finish_reason is not None]
         if done:
-            append_finished(path, done)
+            append_finished(path, done, tokenizer)
 
     engine.events.on("step_agreed", hook)
     return path
@@ -215,9 +219,9 @@ def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[fl
     and their arrival times."""
     if not path.exists():
         raise ValueError(f"workload.prompts_file {str(path)!r} does not exist")
-    prompts, arrivals, tokenizer = [], [], None
-    lines = _prompt_lines(path)
-    for lineno, line in enumerate(lines, 1):
+    prompts, arrivals = [], []
+    tokenizer = functools.cache(lambda: _tokenizer(model_path, path))  # loaded at the first text prompt
+    for lineno, line in enumerate(_prompt_lines(path), 1):
         if not line.strip():
             raise ValueError(f"{path}:{lineno}: blank line (one prompt per line; only the end may be blank)")
         try:
@@ -225,17 +229,48 @@ def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[fl
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
         arrivals.append(_arrival(item, path, lineno))
-        if isinstance(item, dict):
-            item = item.get("prompt_ids", item.get("text"))
-        if isinstance(item, str):
-            tokenizer = tokenizer or _tokenizer(model_path, path)
-            item = tokenizer(item)["input_ids"]
-        if not (isinstance(item, list) and item and all(type(t) is int for t in item)):  # no bools
-            raise ValueError(f"{path}:{lineno}: expected a non-empty token-id list or a text")
-        prompts.append(item)
+        prompts.append(_prompt_ids(item, f"{path}:{lineno}", tokenizer))
     if not prompts:
         raise ValueError(f"workload.prompts_file {str(path)!r} has no prompts")
     return prompts, arrivals
+
+
+def _prompt_ids(item, where: str, tokenizer: Callable[[], Any]) -> list[int]:
+    """A prompts-file line's token ids: a token-id list (or ``{"prompt_ids": ...}``) as given, a text
+    (or ``{"text": ...}``) tokenized, ``{"messages": [...]}`` rendered by the tokenizer's chat
+    template with the assistant's turn opened."""
+    if isinstance(item, dict):
+        if "messages" in item:
+            return _chat_ids(item["messages"], tokenizer(), where)
+        item = item.get("prompt_ids", item.get("text"))
+    if isinstance(item, str):
+        item = tokenizer()(item)["input_ids"]
+    if not (isinstance(item, list) and item and all(type(t) is int for t in item)):  # no bools
+        raise ValueError(f"{where}: expected a non-empty token-id list, a text or chat messages")
+    return item
+
+
+def _chat_ids(messages, tokenizer, where: str) -> list[int]:
+    ok = isinstance(messages, list) and messages
+    if not (ok and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages)):
+        raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}}')
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: chat messages need a chat template; the checkpoint's tokenizer has none")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+
+def output_tokenizer(model_path: Path):
+    """The checkpoint's tokenizer for decoding outputs, or ``None`` when it has no tokenizer files."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((Path(model_path) / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception:  # files that do not load: outputs stay token ids, as without a tokenizer
+        return None
 
 
 def _prompt_lines(path: Path) -> list[str]:
@@ -267,7 +302,7 @@ def _tokenizer(model_path: Path, prompts_path: Path):
         return AutoTokenizer.from_pretrained(model_path)
     except Exception as e:  # no tokenizer files in the checkpoint
         raise ValueError(
-            f"{prompts_path} has text prompts but the checkpoint at {model_path} has no "
+            f"{prompts_path} has text or chat prompts but the checkpoint at {model_path} has no "
             f"usable tokenizer ({type(e).__name__}); give token-id lists"
         ) from e
 
@@ -357,22 +392,23 @@ def _kv_summary(engine: Engine) -> dict:
     return out
 
 
-def _write_outputs(run_dir: Path, completions, summary: dict, strategy) -> None:
+def _write_outputs(run_dir: Path, completions, summary: dict, strategy, tokenizer=None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "outputs.jsonl", "w") as f:
-        f.writelines(_output_line(c) for c in completions)
+        f.writelines(_output_line(c, tokenizer) for c in completions)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(summary, strategy)
     print(f"outputs written to {run_dir.resolve()}", flush=True)
 
 
-def _output_line(c) -> str:
-    return (
-        json.dumps(
-            {"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "finish_reason": c.finish_reason}
-        )
-        + "\n"
-    )
+def _output_line(c, tokenizer=None) -> str:
+    """One ``outputs.jsonl`` line: ids and finish reason; with a tokenizer also the prompt as fed and
+    the output decoded (special tokens skipped)."""
+    line = {"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "finish_reason": c.finish_reason}
+    if tokenizer is not None:
+        line["prompt"] = tokenizer.decode(c.prompt_ids)
+        line["output"] = tokenizer.decode(c.output_ids, skip_special_tokens=True)
+    return json.dumps(line) + "\n"
 
 
 def _print_summary(s: dict, strategy) -> None:

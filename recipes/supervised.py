@@ -292,7 +292,7 @@ def _vocab_size(path: Path) -> int:
 
 def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: Channel, store, seconds, groups) -> dict:
     """Rank 0: outputs in request order and the summary of a supervised run."""
-    from reshard.recipes.generate import FINISHED, _write_outputs
+    from reshard.recipes.generate import FINISHED, _write_outputs, output_tokenizer
 
     completions = [router.completions[rid] for rid in sorted(router.completions)]
     endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
@@ -301,7 +301,8 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
-    _write_outputs(run_dir, completions, summary, None)  # (no strategy's own keys: its engines are the children's)
+    # (no strategy's own keys: its engines are the children's)
+    _write_outputs(run_dir, completions, summary, None, output_tokenizer(path))
     (run_dir / FINISHED).unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 

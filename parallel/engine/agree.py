@@ -60,7 +60,9 @@ def sample_step(
     sampled = set()
     if logits is not None:
         rows = torch.tensor([index[id(s)] for s in mine], dtype=torch.long)
-        tokens[rows] = sample_tokens(logits, [s.request.sampling for s in mine], [s.generator for s in mine])
+        tokens[rows] = sample_tokens(
+            logits, [s.request.sampling for s in mine], [s.generator for s in mine], [s.banned for s in mine]
+        )
         source[rows] = is_source
         sampled = {id(s) for s in mine}
     others = [s for s in seqs if id(s) not in sampled]

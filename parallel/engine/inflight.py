@@ -257,7 +257,9 @@ class StageFollower:
 
     def _answer(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:
         """Sample ``seqs``' next tokens and send them to the first stage (the send, its buffer)."""
-        tokens = sample_tokens(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+        tokens = sample_tokens(
+            logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], [s.banned for s in seqs]
+        )
         for seq, token in zip(seqs, tokens.tolist()):
             seq.output.append(token)
         tokens = tokens.to(device=self.runner.device, dtype=torch.long).contiguous()  # (len(seqs),) where P2P runs

@@ -124,7 +124,15 @@ class Sequence:
         if request.resumed and generator is not None:
             assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
             skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)
-        return Sequence(request, generator, frozenset(eos_ids if stop is None else stop))
+        if stop is None:
+            stop = () if request.sampling.ignore_eos else eos_ids
+        return Sequence(request, generator, frozenset(stop))
+
+    @property
+    def banned(self) -> frozenset[int]:
+        """Token ids the next sample may not take: the stop ids while short of ``min_tokens``."""
+        short = len(self.output) + self.request.resumed < self.request.sampling.min_tokens
+        return self.stop_ids if short else frozenset()
 
     @property
     def last_token(self) -> int:

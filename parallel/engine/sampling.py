@@ -6,7 +6,7 @@ request's tokens do not depend on which other requests share its batch or on the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +20,12 @@ class SamplingParams:
     max_new_tokens: int = 32
     seed: int = 0
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS ids
+    min_tokens: int = 0  # the stop tokens are masked (never sampled) until this many new tokens (HF min_new_tokens)
+    ignore_eos: bool = False  # the model's EOS ids do not stop the request (stop_token_ids still do)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -43,9 +47,19 @@ def make_generator(params: SamplingParams, request_id: int) -> torch.Generator |
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    banned: Sequence[Collection[int]] = (),
 ) -> torch.Tensor:
-    """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU."""
+    """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU; ``banned[i]``: token ids row ``i``
+    may not take (a sequence short of its ``min_tokens``: its stop tokens), as HF's
+    ``MinNewTokensLengthLogitsProcessor`` masks them."""
+    if any(banned):
+        logits = logits.clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                logits[i, list(ids)] = float("-inf")
     greedy = logits.argmax(-1).cpu()
     if all(p.greedy for p in params):
         return greedy

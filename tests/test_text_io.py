@@ -1,0 +1,129 @@
+"""Text in, text out: a real `tokenizers` tokenizer in the checkpoint gives decoded prompts and
+outputs, chat messages rendered with its chat template; stop tokens, min_tokens and ignore_eos
+sample as HF ``generate`` does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests import dist_harness
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def _with_tokenizer(src: str, dst: Path, chat: bool = True):
+    """A copy of checkpoint ``src`` (vocab 256) with a WordLevel tokenizer over all 256 ids (built
+    with the `tokenizers` library, saved as ``tokenizer.json``) and, with ``chat``, a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(src, dst)
+    words = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant", ":"] + [f"w{i}" for i in range(248)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(dst)
+    return fast
+
+
+def _run_recipe(overrides, run_dir):
+    from reshard.recipes.generate import run_generate
+    from reshard.recipes.schema import compose
+
+    return run_generate(compose("generate", overrides), Path(run_dir))
+
+
+def test_text_and_chat_prompts_round_trip_with_a_real_tokenizer(checkpoints, hf_reference, tmp_path):
+    path = tmp_path / "ckpt"
+    tok = _with_tokenizer(checkpoints["llama"], path)
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w7 w8 w9"}]
+    lines = [{"text": "w5 w9 w11"}, {"messages": messages}, [40, 41, 42]]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    overrides = [f"model.path={path}", f"workload.prompts_file={prompts_file}", "generation.max_new_tokens=8"]
+    dist_harness.run(1, _run_recipe, [*overrides, "progress=false"], str(tmp_path / "run"))
+    out = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids  # a BatchEncoding in newer HF
+    assert [o["prompt_ids"] for o in out] == [tok("w5 w9 w11")["input_ids"], list(chat_ids), [40, 41, 42]]
+    assert out[1]["prompt"] == "system : w1 w2 user : w7 w8 w9 assistant :"
+    assert out[0]["prompt"] == "w5 w9 w11" and out[2]["prompt"] == "w32 w33 w34"
+    assert [o["output_ids"] for o in out] == hf_reference(str(path), [o["prompt_ids"] for o in out], 8)
+    for o in out:
+        assert o["output"] == tok.decode(o["output_ids"], skip_special_tokens=True) and o["output"].strip()
+
+
+def test_chat_messages_need_a_chat_template_and_well_formed_messages(checkpoints, tmp_path):
+    from reshard.recipes.generate import read_prompts
+
+    path = tmp_path / "ckpt"
+    _with_tokenizer(checkpoints["llama"], path, chat=False)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "w1"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl:1: chat messages need a chat template; the checkpoint's"):
+        read_prompts(prompts, path)
+    prompts.write_text(json.dumps({"messages": [{"content": "w1"}]}) + "\n")
+    with pytest.raises(ValueError, match=r'prompts.jsonl:1: "messages" must be a non-empty list of \{"role"'):
+        read_prompts(prompts, path)
+
+
+def _stop_job(path, prompt, params):
+    from reshard.parallel import Engine, Request, parallelize
+
+    engine = Engine(parallelize(path), max_seq_len=64)
+    done = engine.generate([Request(i, prompt, p) for i, p in enumerate(params)])
+    return [(c.output_ids, c.finish_reason) for c in done]
+
+
+def _hf(path, prompt, **kw):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        seq = model.generate(torch.tensor([prompt]), do_sample=False, attention_mask=torch.ones(1, len(prompt)), **kw)
+    return seq[0, len(prompt) :].tolist()
+
+
+def test_stop_tokens_and_min_tokens_sample_as_hf_generate(checkpoints):
+    """A stop id taken from the free-running output ends the request where HF's ``eos_token_id``
+    does; with ``min_tokens`` it is masked until then, as HF's ``min_new_tokens`` masks it."""
+    from reshard.parallel import SamplingParams
+
+    path, prompt = checkpoints["llama"], [5, 9, 11, 2, 7]
+    free = _hf(path, prompt, max_new_tokens=12)
+    stop = free[2]
+    params = [
+        SamplingParams(max_new_tokens=12),
+        SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)),
+        SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), min_tokens=5),
+    ]
+    got = dist_harness.run(1, _stop_job, path, prompt, params)[0]
+    assert got[0] == (free, "length")
+    assert got[1] == (_hf(path, prompt, max_new_tokens=12, eos_token_id=[stop]), "stop") and len(got[1][0]) <= 3
+    masked = _hf(path, prompt, max_new_tokens=12, eos_token_id=[stop], min_new_tokens=5)
+    assert got[2][0] == masked and stop not in masked[:5] and masked != free
+
+
+def test_ignore_eos_runs_past_the_models_eos_and_min_tokens_is_checked():
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine.request import Sequence
+
+    seq = Sequence.of(Request(0, [1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True)), eos_ids=(2,))
+    seq.append(2)
+    assert seq.finish_reason is None and seq.stop_ids == frozenset()
+    kept = Sequence.of(Request(0, [1], SamplingParams(max_new_tokens=3, ignore_eos=True, stop_token_ids=(9,))), (2,))
+    assert kept.stop_ids == {9}  # explicit stop ids still stop
+    with pytest.raises(ValueError, match=r"min_tokens must be in 0..max_new_tokens \(3\), got 4"):
+        SamplingParams(max_new_tokens=3, min_tokens=4)
