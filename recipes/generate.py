@@ -28,7 +28,7 @@ from reshard.parallel.engine import WorkloadShape
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.parallel.fault import restart_count
-from reshard.parallel.model.tiny_models import builtin_checkpoint
+from reshard.parallel.model.tiny_models import builtin_checkpoint, default_cache_dir
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import LAUNCHED_ENV, collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
 
@@ -52,6 +52,8 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         from reshard.recipes.supervised import run_supervised
 
         return run_supervised(cfg, run_dir, path)
+    if cfg.compile:  # Inductor's compiled code outlives /tmp and this run: the second run starts warm
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     engine = cfg.parallel.build(path, cfg.engine_args())
@@ -60,6 +62,8 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     fault = _fault_tolerance(cfg, engine, keep)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
+    if cfg.compile and _rank() == 0:
+        print(compile_notice(), flush=True)
     t1 = time.perf_counter()
     with engine:
         try:
@@ -83,6 +87,15 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         _write_outputs(run_dir, completions, summary, cfg.parallel, tokenizer)
         keep.unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
+
+
+def compile_notice() -> str:
+    """What ``compile=true`` is about to do, said before the first (slow) compiled step."""
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "Inductor's default cache")
+    return (
+        "compiling the decode step at its first calls (a first run on this machine can take minutes; "
+        f"compiled code is cached in {where}, so later runs start faster)"
+    )
 
 
 def _workload_shape(cfg: GenerateConfig) -> WorkloadShape:
@@ -313,10 +326,12 @@ def _summary(
     """Token counts over all requests; phase times of the slowest replica (or engine group);
     latency percentiles and end-to-end throughput; every layout the run used."""
     s = _job_stats(engine)
-    seconds = [s.prefill_seconds, s.decode_seconds, s.mixed_seconds, gen_s]
+    compile_s = sum(getattr(r, "compile_seconds", 0.0) for r in engine.runners.values())
+    seconds = [s.prefill_seconds, s.decode_seconds, s.mixed_seconds, gen_s, compile_s]
     phase = torch.tensor(seconds, dtype=torch.float64, device=device_type())
     dist.all_reduce(phase, op=dist.ReduceOp.MAX)
-    prefill_s, decode_s, mixed_s, gen_s = phase.tolist()
+    prefill_s, decode_s, mixed_s, gen_s, compile_s = phase.tolist()
+    decode_s = max(decode_s - compile_s, 0.0)  # the decode steps that compiled are reported apart
     prompt_tokens = sum(len(c.prompt_ids) for c in completions)
     generated = sum(len(c.output_ids) for c in completions)
     return {
@@ -337,6 +352,7 @@ def _summary(
             "prefill": prefill_s,
             "decode": decode_s,
             "mixed": mixed_s,
+            "compile": compile_s,  # compile=true: the decode calls that compiled a graph (not in decode)
             "generate_total": gen_s,
         },
         "mixed_steps": s.mixed_steps,  # chunked prefill's steps (engine.prefill_chunk)
@@ -424,6 +440,8 @@ def _print_summary(s: dict, strategy) -> None:
         f"  layouts {_layouts_line(s['parallel'])}",
         flush=True,
     )
+    if ph.get("compile"):
+        print(f"  compile {ph['compile']:.1f} s (first decode calls; not counted as decode)", flush=True)
     for line in strategy.report(s) if strategy is not None else ():
         print("  " + line, flush=True)
 

@@ -161,7 +161,10 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
     assert summaries[0]["parallel"] == {"main": {"dp": 2, "pp": 1, "sp": 1, "tp": 1, "ranks": [0, 1]}}
     assert summaries[0]["layout"] == "D2" and summaries[0]["dtype"] == "float32"
-    assert summaries[0]["sampling"] == {"max_new_tokens": 8, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    assert summaries[0]["sampling"] == {
+        "max_new_tokens": 8, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+        "stop_token_ids": None, "min_tokens": 0, "ignore_eos": False,
+    }  # fmt: skip
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["engine_groups"] == 2 and summary["online"] is True  # two replicas, each its own group
     latency = summary["latency"]

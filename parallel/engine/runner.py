@@ -182,6 +182,7 @@ class ModelRunner:
         self.swap = self._micro_batch_swap(kv_block_size) if kv_swap else None
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
+        self.compile_seconds = 0.0  # wall time of the decode calls that compiled a graph (in the decode phase)
         self._decode_body = self._compiled_body() if compile else self._body
         self.busy_seconds = 0.0  # wall time in this stage's forward bodies (not in receives or sends)
 
@@ -198,9 +199,19 @@ class ModelRunner:
         return MicrobatchSwap(KVCache(host, device="cpu"), self.kv, per)
 
     def _compiled_body(self) -> Callable:
-        """The decode body compiled once; CUDA graphs on a GPU (static shapes and buffers)."""
+        """The decode body compiled once per shape; CUDA graphs on a GPU (static shapes and buffers).
+        Calls that compiled a graph add their wall time to :attr:`compile_seconds`."""
         mode = "reduce-overhead" if self.device.type == "cuda" else None
-        return torch.compile(self._body, mode=mode)
+        body = torch.compile(self._body, mode=mode)
+
+        def timed(*args, **kwargs):
+            graphs, t0 = _graphs_compiled(), time.perf_counter()
+            out = body(*args, **kwargs)
+            if _graphs_compiled() != graphs:
+                self.compile_seconds += time.perf_counter() - t0
+            return out
+
+        return timed
 
     # ---- layout ---------------------------------------------------------------------------------
     def _stage_layers(self, stage: int) -> list[int]:
@@ -459,3 +470,10 @@ def _positive(name: str, value: int) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (its own counter; private, read-only)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
