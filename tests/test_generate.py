@@ -32,6 +32,8 @@ def _generate(path, prompts, max_new, *, max_batch=4, compile=False, temperature
     if alone:
         return [engine.generate([r])[0].output_ids for r in requests]
     out = [c.output_ids for c in engine.generate(requests)]
+    if compile:  # the calls that compiled a graph are timed apart (summary.json's phase_seconds.compile)
+        assert all(0 < r.compile_seconds < engine.stats.decode_seconds for r in engine.runners.values())
     return out, engine.stats.decode_steps
 
 
