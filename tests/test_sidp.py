@@ -140,3 +140,21 @@ def test_threshold_profiled_by_a_sweep_is_the_same_on_every_rank(four_layer):
     summaries = dist_harness.run(2, _profiled_job, four_layer["llama"])
     assert summaries[0]["threshold_profiled"] and summaries[0]["threshold"] in (1, 2, 4, 8, 16, 32, 64)
     assert len({s["threshold"] for s in summaries}) == 1
+
+
+def _default_gain_job(path):
+    from reshard.parallel.engine import EngineArgs, make_strategy
+
+    strategy = make_strategy({"strategy": "sidp"})
+    engine = strategy.build(path, EngineArgs(max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=64))
+    s = strategy.summary(engine)
+    return s["kv_tokens_gained"], s["kv_capacity_tokens"], strategy.report(s)
+
+
+def test_the_default_slots_leave_a_kv_gain_and_the_report_says_it(four_layer):
+    """4 layers over 2 ranks: by default each rank fetches 1 layer ahead into 1 slot (not 2 slots
+    for its 2 non-owned layers, which would hold as much FFN as replication), so the paged cache
+    grows and the printed line states by how much."""
+    for gained, capacity, lines in dist_harness.run(2, _default_gain_job, four_layer["llama"]):
+        assert gained > 0 and capacity > 64
+        assert f"+{gained} KV tokens, allocated (64 asked -> {capacity})" in lines[1]

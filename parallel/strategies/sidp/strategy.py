@@ -279,7 +279,7 @@ class SiDPStrategy(Strategy):
     """Data parallel over every rank with SiDP's FFN owner pool."""
 
     dp: int | None = None  # null: the whole job
-    prefetch_depth: int | None = None  # layers a rank fetches ahead (WaS); null: 2, or fewer if it fetches fewer
+    prefetch_depth: int | None = None  # layers a rank fetches ahead (WaS); null: 2, at most one fewer than it fetches
     slots: int | None = None  # cache slots for fetched layers; null: max(prefetch_depth, dp - 1)
     peak_shifting: bool = True
     threshold: float | None = 8.0  # b*: rows per replica above which WaS beats CaS; null: profiled here
@@ -319,7 +319,9 @@ class SiDPStrategy(Strategy):
         dims = self.dims(dist.get_world_size())
         model = parallelize(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
         full_ffn = _ffn_bytes(model)
-        depth = self.prefetch_depth or max(1, min(2, _fetched_layers(model, dims.dp)))
+        # default look-ahead: 2, but one slot fewer than the layers a rank fetches, so the pool
+        # keeps less FFN per rank than replication and the freed bytes become KV (where it can)
+        depth = self.prefetch_depth or max(1, min(2, _fetched_layers(model, dims.dp) - 1))
         slots = self.slots or max(depth, dims.dp - 1)
         fetcher = pool_model(
             model,
@@ -387,12 +389,24 @@ class SiDPStrategy(Strategy):
         }
 
     def report(self, s: dict) -> list[str]:
+        mib = 1 << 20
+        held = (s["ffn_bytes_per_rank"] + s["slot_bytes"]) / mib
         return [
-            f"sidp {s['mode']}: steps {s['mode_steps']}, {s['mode_switches']} switches, {s['dummy_steps']} "
-            f"dummy; FFN {s['ffn_bytes_per_rank']} bytes/rank (replicated {s['ffn_bytes_replicated']}), "
-            f"+{s['kv_tokens_gained']} KV tokens at equal memory; fetched {s['fetch_bytes']} bytes, "
-            f"max {s['max_concurrent_readers']} readers per owner"
+            f"sidp {s['mode']}: steps {s['mode_steps']}, {s['mode_switches']} switches, {s['dummy_steps']} dummy; "
+            f"fetched {s['fetch_bytes'] / mib:.1f} MiB, at most {s['max_concurrent_readers']} readers per owner",
+            f"FFN per rank {s['ffn_bytes_per_rank'] / mib:.1f} MiB owned + {s['slot_bytes'] / mib:.1f} MiB slots "
+            f"= {held:.1f} MiB vs {s['ffn_bytes_replicated'] / mib:.1f} MiB replicated: {_gain_line(s)}",
         ]
+
+
+def _gain_line(s: dict) -> str:
+    """What the freed FFN bytes bought: KV tokens, allocated (a paged cache grows) or not."""
+    gained = s["kv_tokens_gained"]
+    if gained <= 0:
+        return "no KV gained (the slots and owned layers hold as much as replication: fewer slots leave a gain)"
+    if s["kv_capacity_tokens"] > s["kv_tokens_asked"]:
+        return f"+{gained} KV tokens, allocated ({s['kv_tokens_asked']} asked -> {s['kv_capacity_tokens']})"
+    return f"+{gained} KV tokens at equal memory (allocated with a paged cache: engine.kv_block_size, engine.kv_tokens)"
 
 
 def _ffn_bytes(model: nn.Module) -> int:
