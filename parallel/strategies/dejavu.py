@@ -630,8 +630,10 @@ class DejaVuStrategy(Strategy):
 
     def report(self, s: dict) -> list[str]:
         plan = s["dejavu_plan"]
+        verdict = "would pay" if plan["plan_pays"] else "would not pay"
         return [
-            f"dejavu: streamed {s['streamed_bytes']} bytes of prompt KV; "
-            f"appendix-D plan D_p={plan['D_p']} D_t={plan['D_t']} "
-            f"(disaggregation pays: {plan['pays']})"
+            f"dejavu: streamed {s['streamed_bytes'] / (1 << 20):.1f} MiB of prompt KV; on this run's step times the "
+            f"appendix-D planner splits {plan['D']} ranks as {plan['D_p']} prompt + {plan['D_t']} token, which "
+            f"{verdict} against the same ranks without disaggregation (I_dis {plan['I_dis']:.3g} vs I_c "
+            f"{plan['I_c']:.3g}; the ideal real split {'would' if plan['pays'] else 'would not'})"
         ]
