@@ -77,12 +77,13 @@ def table(plan: dict, top: int) -> str:
     """The ranked rows of every technique as a fixed-width table (the first ``top`` rows); with a
     rate, TTFT and TPOT at it (``-`` for offline-only techniques, ``overloaded`` past capacity)."""
     online = plan["rate"] is not None
-    head = f"{'rank':>4}  {'layout':<24}{'kind':<8}{'tokens/s':>10}{'batch':>7}{'prefill s':>11}"
+    head = f"{'rank':>4}  {'layout':<24}{'kind':<8}{'tokens/s':>10}{'% best':>7}{'batch':>7}{'prefill s':>11}"
     head += f"{'decode s':>10}{'comm s':>8}{'trans s':>9}" + (f"{'TTFT ms':>11}{'TPOT ms':>9}" if online else "")
     rows = [head]
     for i, e in enumerate(plan["ranked"][:top], 1):
         line = (
-            f"{i:>4}  {e['layout']:<24}{e['kind']:<8}{e['tokens_per_s']:>10.1f}{e['batch']:>7}"
+            f"{i:>4}  {e['layout']:<24}{e['kind']:<8}{e['tokens_per_s']:>10.1f}"
+            f"{100 * e['tokens_per_s'] / plan['ranked'][0]['tokens_per_s']:>7.0f}{e['batch']:>7}"
             f"{e['prefill_s']:>11.2f}{e['decode_s']:>10.2f}{e['comm_s']:>8.2f}{e['transition_s']:>9.3f}"
         )
         rows.append(line + (_latency_cells(e) if online else ""))
@@ -110,7 +111,8 @@ def summary_lines(plan: dict) -> str:
         f"best static {plan['best_static']}, best Seesaw {plan['best_seesaw']} "
         f"(x{plan['seesaw_speedup'] or float('nan'):.2f}); Shift threshold {s['threshold']} tokens "
         f"({s['base']} vs {s['shift']}); SiDP b* {plan['sidp_threshold']}; "
-        f"DejaVu D_p={d.get('D_p')} D_t={d.get('D_t')} (pays: {d.get('pays')})"
+        f"DejaVu {d.get('D_p')} prompt + {d.get('D_t')} token GPUs "
+        f"({'beats' if d.get('plan_pays') else 'does not beat'} the same GPUs without disaggregation)"
     )
 
 
@@ -134,15 +136,21 @@ def plot(plan: dict, path: Path, top: int) -> None:
         widths = [_per_kilotoken(r, phase, plan) for r in rows]
         ax.barh(labels, widths, left=left, color=color, label=phase)
         left = [a + b for a, b in zip(left, widths)]
+    best = plan["ranked"][0]["tokens_per_s"]
     for y, (r, x) in enumerate(zip(rows, left)):
-        ax.text(x, y, f" {r['tokens_per_s']:,.0f} tok/s", va="center", fontsize=8)
+        ax.text(x, y, f" {r['tokens_per_s']:,.0f} tok/s ({100 * r['tokens_per_s'] / best:.0f}% of best)", va="center",
+                fontsize=8)  # fmt: skip
     ax.set_xlim(0, max(left) * 1.25)
-    ax.legend(loc="lower right", fontsize=8)
+    below = 0.6 / (0.35 * len(rows) + 0.2)  # the legend 0.6 in under the axes, whatever their height
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), ncol=4, fontsize=8)
     w = plan["workload"]
-    ax.set(
-        xlabel="seconds per 1000 generated tokens (shorter is better)",
-        title=f"{plan['model']} on {plan['num_gpus']} x {plan['hardware']}, {w['name']} "
-        f"({w['input_len']:.0f} in / {w['output_len']:.0f} out): top {len(rows)} of {len(plan['ranked'])}",
+    model = plan["model"] if len(plan["model"]) <= 40 else "..." + plan["model"][-37:]  # a long path, its end
+    ax.set_xlabel("seconds per 1000 generated tokens (shorter is better)")
+    ax.set_title(
+        f"{model} on {plan['num_gpus']} x {plan['hardware']}, {w['name']} ({w['input_len']:.0f} in / "
+        f"{w['output_len']:.0f} out)\ntop {len(rows)} of {len(plan['ranked'])} feasible layouts, "
+        f"{plan['efficiency']['name']} efficiencies",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)

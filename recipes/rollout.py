@@ -240,7 +240,7 @@ def run_rollout(cfg: RolloutJobConfig, run_dir: Path) -> dict:
     summary = _summary(cfg, job, history)
     if rank0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot(history, run_dir / "rollout.png")
+        plot(history, run_dir / "rollout.png", run_title(summary, dist.get_world_size()))
         print(
             f"reward {summary['reward_first5']:.3f} (first 5 iterations) -> {summary['reward_last5']:.3f} "
             f"(last 5); sync {summary['sync_bytes']} bytes/iteration, lower bound "
@@ -272,8 +272,18 @@ def _summary(cfg: RolloutJobConfig, job: RolloutJob, history: list[dict]) -> dic
     }
 
 
-def plot(history: list[dict], path: Path) -> None:
-    """Reward per iteration (left) and sync time per iteration (right) as a PNG."""
+def run_title(s: dict, world: int) -> str:
+    """Which run a plot is of: ranks, layouts, dtype and sync method."""
+    ranks = "colocated" if s["colocated"] else f"train ranks {s['train_ranks']} -> rollout ranks {s['rollout_ranks']}"
+    delta = ", delta" if s["sync_delta"] else ""
+    return (
+        f"RL rollout on {world} ranks ({ranks}): train {s['train_layout']} -> rollout {s['layout']} "
+        f"({s['rollout_dtype']}), sync {s['sync_method']}{delta}, {s['iterations']} iterations"
+    )
+
+
+def plot(history: list[dict], path: Path, title: str = "") -> None:
+    """Reward per iteration (left) and sync time per iteration (right) as a PNG titled ``title``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,7 +294,8 @@ def plot(history: list[dict], path: Path) -> None:
     a.plot(its, [h["reward"] for h in history], marker=".")
     a.set(xlabel="iteration", ylabel="mean reward", title="reward")
     b.plot(its, [h["sync_seconds"] * 1e3 for h in history], marker=".", color="tab:orange")
-    b.set(xlabel="iteration", ylabel="ms", title="weight sync time")
+    b.set(xlabel="iteration", ylabel="weight sync time (ms)", title="weight sync time per iteration")
+    fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
