@@ -41,6 +41,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("job", choices=JOBS, help="what to run")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (generate, rollout; default 1)")
     p.add_argument("--keys", action="store_true", help="print every config key with its default, one per line")
+    p.add_argument("--check", action="store_true", help="check the config for --nproc ranks and exit (runs nothing)")
     p.add_argument(
         "--max-restarts", type=int, default=None, help="whole-job restarts (default: 1 with fault.replicate, else 0)"
     )
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER
     if args.keys:
         print("\n".join(keys_lines(args.job, overrides)))
+        return 0
+    if args.check:
+        print(f"ok: the {args.job} config checks for {args.nproc} rank(s)")
         return 0
     run_dir = Path(datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
     overrides = [*overrides, f"hydra.run.dir={run_dir}"]
