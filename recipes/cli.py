@@ -140,10 +140,11 @@ def total_requests(cfg: Any) -> int | None:
     w = getattr(cfg, "workload", None)
     if w is None or not hasattr(w, "num_requests"):
         return None
+    n = cfg.generation.n
     if w.prompts_file is None:
-        return w.num_requests
+        return w.num_requests * n
     lines = Path(w.prompts_file).read_text(encoding="utf-8").splitlines()
-    return len([line for line in lines if line.strip()])
+    return len([line for line in lines if line.strip()]) * n
 
 
 # ---- the job ------------------------------------------------------------------------------------

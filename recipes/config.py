@@ -66,8 +66,16 @@ class GenerationConfig:
     stop_token_ids: Any = None  # a list of token ids that end a request (null: the model's EOS ids)
     min_tokens: int = 0  # stop tokens are never sampled before this many new tokens (HF min_new_tokens)
     ignore_eos: bool = False  # the model's EOS ids do not end a request (stop_token_ids still do)
+    n: int = 1  # samples per prompt (each its own request and seed; needs temperature > 0)
 
     def __post_init__(self) -> None:
+        if not (type(self.n) is int and self.n >= 1):
+            raise ValueError(f"generation.n must be an int >= 1 (samples per prompt), got {self.n!r}")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(
+                f"generation.n={self.n} samples per prompt need generation.temperature > 0 "
+                "(greedy decoding gives n identical outputs)"
+            )
         ids = self.stop_token_ids
         if ids is not None and not (
             isinstance(ids, (list, tuple)) and ids and all(type(t) is int and t >= 0 for t in ids)

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,8 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     engine = cfg.parallel.build(path, cfg.engine_args())
-    tokenizer = output_tokenizer(path) if _rank() == 0 else None
-    keep = _keep_finished(engine, run_dir, tokenizer)
+    fmt = OutputFormat(output_tokenizer(path) if _rank() == 0 else None, cfg.generation.n)
+    keep = _keep_finished(engine, run_dir, fmt)
     fault = _fault_tolerance(cfg, engine, keep)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
@@ -84,7 +84,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         summary.update(fault.pop("summary")(), recovery_seconds=fault["recovery_seconds"])
         fault["ft"].close()
     if _rank() == 0:
-        _write_outputs(run_dir, completions, summary, cfg.parallel, tokenizer)
+        _write_outputs(run_dir, completions, summary, cfg.parallel, fmt)
         keep.unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 
@@ -112,13 +112,14 @@ def _workload_shape(cfg: GenerateConfig) -> WorkloadShape:
 FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
 
 
-def append_finished(path: Path, completions, tokenizer=None) -> None:
+def append_finished(path: Path, completions, fmt: OutputFormat | None = None) -> None:
     """Append ``completions`` to a :data:`FINISHED` file, one output line each."""
+    fmt = fmt or OutputFormat()
     with open(path, "a") as f:
-        f.writelines(_output_line(c, tokenizer) for c in completions)
+        f.writelines(fmt.line(c) for c in completions)
 
 
-def _keep_finished(engine: Engine, run_dir: Path, tokenizer=None) -> Path:
+def _keep_finished(engine: Engine, run_dir: Path, fmt: OutputFormat) -> Path:
     """Rank 0 appends each request to ``run_dir/finished.jsonl`` the step it finishes, so a job
     that dies keeps what it completed (a restarted attempt rewrites the file as it replays)."""
     path = run_dir / FINISHED
@@ -130,7 +131,7 @@ def _keep_finished(engine: Engine, run_dir: Path, tokenizer=None) -> Path:
     def hook(index: int, step, tokens) -> None:
         done = [s.completion() for s in step.seqs if s.finish_reason is not None]
         if done:
-            append_finished(path, done, tokenizer)
+            append_finished(path, done, fmt)
 
     engine.events.on("step_agreed", hook)
     return path
@@ -206,7 +207,10 @@ def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> li
                 f"workload.rate={w.rate} would replace the arrival times of {w.prompts_file}: give one of them"
             )
         arrivals = poisson_arrivals(len(prompts), w.rate, w.seed, w.burst)
-    return [Request(i, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+    n = cfg.generation.n  # samples per prompt: request ids prompt_index * n + sample (each its own seed)
+    return [
+        Request(i * n + k, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals)) for k in range(n)
+    ]
 
 
 def _check_lengths(prompts: list[list[int]], path: Path, new_tokens: int, max_seq_len: int) -> None:
@@ -408,23 +412,32 @@ def _kv_summary(engine: Engine) -> dict:
     return out
 
 
-def _write_outputs(run_dir: Path, completions, summary: dict, strategy, tokenizer=None) -> None:
+def _write_outputs(run_dir: Path, completions, summary: dict, strategy, fmt: OutputFormat) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "outputs.jsonl", "w") as f:
-        f.writelines(_output_line(c, tokenizer) for c in completions)
+        f.writelines(fmt.line(c) for c in completions)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(summary, strategy)
     print(f"outputs written to {run_dir.resolve()}", flush=True)
 
 
-def _output_line(c, tokenizer=None) -> str:
-    """One ``outputs.jsonl`` line: ids and finish reason; with a tokenizer also the prompt as fed and
-    the output decoded (special tokens skipped)."""
-    line = {"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "finish_reason": c.finish_reason}
-    if tokenizer is not None:
-        line["prompt"] = tokenizer.decode(c.prompt_ids)
-        line["output"] = tokenizer.decode(c.output_ids, skip_special_tokens=True)
-    return json.dumps(line) + "\n"
+@dataclass(frozen=True)
+class OutputFormat:
+    """How a completion becomes an ``outputs.jsonl`` / ``finished.jsonl`` line: ids and finish reason;
+    with a tokenizer also the prompt as fed and the output decoded (special tokens skipped); with
+    ``n`` samples per prompt (request id ``prompt_index * n + sample``) which prompt and sample."""
+
+    tokenizer: Any = None
+    n: int = 1
+
+    def line(self, c) -> str:
+        out = {"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "finish_reason": c.finish_reason}
+        if self.n > 1:
+            out.update(prompt_index=c.id // self.n, sample=c.id % self.n)
+        if self.tokenizer is not None:
+            out["prompt"] = self.tokenizer.decode(c.prompt_ids)
+            out["output"] = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
+        return json.dumps(out) + "\n"
 
 
 def _print_summary(s: dict, strategy) -> None:

@@ -56,7 +56,7 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         own = _supervision_store()  # the router's thread has a store client of its own
         generation = lambda g: int(own.get(f"gen/{g}"))  # noqa: E731
         routed = Channel(CHANNEL, store=own)
-        kept, keep = _kept_finished(run_dir)
+        kept, keep = _kept_finished(run_dir, cfg.generation.n)
         die_after = cfg.fault.kill_router_after if restart_count() == 0 else None
         # one group of every rank (Seesaw, SiDP, Shift) takes each request as it arrives: its
         # policy need not report room
@@ -91,19 +91,21 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
     return _finish(cfg, run_dir, path, router, channel, store, time.time() - t0, topology.groups)
 
 
-def _kept_finished(run_dir: Path) -> tuple[list[Completion], Callable[[Completion], None]]:
+def _kept_finished(run_dir: Path, n: int) -> tuple[list[Completion], Callable[[Completion], None]]:
     """What an earlier attempt of this job finished (``run_dir/finished.jsonl``, kept when the
     router's process was lost and torchrun restarted the job), and the function that appends
     each new completion there (a lost router loses none of them)."""
-    from reshard.recipes.generate import FINISHED, append_finished
+    from reshard.recipes.generate import FINISHED, OutputFormat, append_finished
 
     path = run_dir / FINISHED
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = path.read_text().splitlines() if restart_count() > 0 and path.exists() else []
-    kept = [Completion(**json.loads(line)) for line in lines]
+    fields = ("id", "prompt_ids", "output_ids", "finish_reason")  # a line's text and sample keys are derived
+    kept = [Completion(**{k: v for k, v in json.loads(line).items() if k in fields}) for line in lines]
     path.write_text("")
-    append_finished(path, kept)
-    return kept, lambda c: append_finished(path, [c])
+    fmt = OutputFormat(n=n)
+    append_finished(path, kept, fmt)
+    return kept, lambda c: append_finished(path, [c], fmt)
 
 
 def engine_group_of(cfg: GenerateConfig, world: int, rank: int) -> tuple[int, tuple[int, ...], Topology]:
@@ -292,7 +294,7 @@ def _vocab_size(path: Path) -> int:
 
 def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: Channel, store, seconds, groups) -> dict:
     """Rank 0: outputs in request order and the summary of a supervised run."""
-    from reshard.recipes.generate import FINISHED, _write_outputs, output_tokenizer
+    from reshard.recipes.generate import FINISHED, OutputFormat, _write_outputs, output_tokenizer
 
     completions = [router.completions[rid] for rid in sorted(router.completions)]
     endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
@@ -302,7 +304,7 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
     # (no strategy's own keys: its engines are the children's)
-    _write_outputs(run_dir, completions, summary, None, output_tokenizer(path))
+    _write_outputs(run_dir, completions, summary, None, OutputFormat(output_tokenizer(path), cfg.generation.n))
     (run_dir / FINISHED).unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 

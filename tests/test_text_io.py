@@ -127,3 +127,24 @@ def test_ignore_eos_runs_past_the_models_eos_and_min_tokens_is_checked():
     assert kept.stop_ids == {9}  # explicit stop ids still stop
     with pytest.raises(ValueError, match=r"min_tokens must be in 0..max_new_tokens \(3\), got 4"):
         SamplingParams(max_new_tokens=3, min_tokens=4)
+
+
+def test_n_samples_per_prompt_are_requests_of_their_own_seed(checkpoints, tmp_path):
+    """generation.n=3: each prompt becomes 3 requests (ids 3i..3i+2, each its own seeded sample);
+    outputs.jsonl names the prompt and the sample; greedy n > 1 is refused."""
+    from reshard.recipes.generate import build_requests
+    from reshard.recipes.schema import compose
+
+    sampled = ["generation.temperature=0.9", "generation.n=3", "workload.num_requests=2"]
+    requests = build_requests(compose("generate", sampled), tmp_path, 256)
+    assert [r.id for r in requests] == list(range(6))
+    assert [r.prompt_ids for r in requests[:3]] == [requests[0].prompt_ids] * 3 != [requests[3].prompt_ids] * 3
+    with pytest.raises(ValueError, match=r"^generation.n=3 samples per prompt need generation.temperature > 0"):
+        compose("generate", ["generation.n=3"])
+    overrides = [f"model.path={checkpoints['llama']}", *sampled, "generation.max_new_tokens=6", "progress=false"]
+    dist_harness.run(1, _run_recipe, overrides, str(tmp_path / "run"))
+    out = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    assert [(o["prompt_index"], o["sample"]) for o in out] == [(i, k) for i in range(2) for k in range(3)]
+    for i in range(2):
+        samples = [o["output_ids"] for o in out if o["prompt_index"] == i]
+        assert len({tuple(s) for s in samples}) > 1  # seeded per request: the samples differ
