@@ -23,9 +23,13 @@ from reshard.recipes.launch import hydra_main
 from reshard.recipes.plan_config import PlanConfig
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def make_plan(cfg: PlanConfig) -> dict:
     """Everything the planner predicts for ``cfg`` (the content of ``plan.json``)."""
-    m, hw = model(cfg.model), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware))
+    m, hw = model(cfg.model), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say))
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
     ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
     if cfg.rate is not None:

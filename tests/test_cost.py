@@ -271,12 +271,16 @@ def test_one_ranking_counts_shifts_weight_copy_and_sidps_pooled_ffn():
 def test_calibration_sweep_gives_positive_finite_numbers(tmp_path):
     from reshard.parallel.cost.calibrate import cache_path, this_machine
 
-    hw = this_machine(cache_dir=tmp_path)
+    lines = []
+    hw = this_machine(cache_dir=tmp_path, report=lines.append)  # calibration says what it does
+    assert lines[0].startswith("this_machine: calibrating") and str(cache_path(tmp_path)) in lines[0]
+    assert "GFLOP/s" in lines[1] and "all-reduce" in lines[2]
     numbers = [hw.memory, hw.mem_bw, hw.flops, hw.link_bw, hw.link_latency]
     numbers += [x for kind in ("all_reduce", "all_to_all", "send") for x in hw.comm(kind)]
     assert all(math.isfinite(x) and x > 0 for x in numbers), hw
     assert cache_path(tmp_path).is_file()
-    assert this_machine(cache_dir=tmp_path) == hw  # read back from the cache
+    assert this_machine(cache_dir=tmp_path, report=lines.append) == hw  # read back from the cache
+    assert lines[-1].startswith("this_machine: the calibration cached in")
     est = cost.rank_layouts(model("llama3-15b"), hw, 2, workload("constant", input_len=64, output_len=16, requests=8))
     assert est and all(math.isfinite(e.tokens_per_s) for e in est)
 

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -147,15 +148,19 @@ def measure_collectives(repeats: int = 7, timeout: float = 60.0) -> dict[str, tu
     return {k: _fit(raw[k][0], raw[k][1], data[k][0], data[k][1]) for k in data}
 
 
-def calibrate(*, repeats: int = 7) -> Hardware:
-    """Measure this machine now (one torch thread per process); about 5-10 s."""
+def calibrate(*, repeats: int = 7, report: Callable[[str], None] = lambda line: None) -> Hardware:
+    """Measure this machine now (one torch thread per process); about 5-10 s. ``report`` gets a
+    line per measurement as it finishes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         flops, mem_bw = measure_flops(), measure_mem_bw()
     finally:
         torch.set_num_threads(threads)
+    report(f"  compute {flops / 1e9:.1f} GFLOP/s, memory {mem_bw / 1e9:.1f} GB/s (one thread)")
     comm = measure_collectives(repeats)
+    lat, bw = comm["all_reduce"]
+    report(f"  collectives over gloo between 2 processes: all-reduce {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s")
     from reshard.parallel.cost.profiles import Hardware
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -182,14 +187,22 @@ def _key() -> str:
     return f"torch {torch.__version__}, {os.cpu_count()} cpus"
 
 
-def this_machine(*, refresh: bool = False, cache_dir: str | os.PathLike | None = None) -> Hardware:
-    """The calibrated profile, from the cache when it was measured with this torch and CPU count."""
+def this_machine(
+    *,
+    refresh: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    report: Callable[[str], None] = lambda line: None,
+) -> Hardware:
+    """The calibrated profile, from the cache when it was measured with this torch and CPU count
+    (``report``: a line saying which, and one per measurement while calibrating)."""
     path = cache_path(cache_dir)
     if not refresh and path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("key") == _key():
+            report(f"this_machine: the calibration cached in {path} ({_key()})")
             return from_json(saved["hardware"])
-    hw = calibrate()
+    report(f"this_machine: calibrating (once for {_key()}, about 10 s; cached in {path})")
+    hw = calibrate(report=report)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": _key(), "hardware": to_json(hw)}, indent=2) + "\n")
     return hw

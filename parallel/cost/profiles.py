@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -292,12 +293,13 @@ def workload(name: str, *, input_len: float = 512, output_len: float = 512, requ
     return WORKLOADS[name]
 
 
-def hardware(name: str) -> Hardware:
-    """A datasheet profile by name, or ``this_machine`` (calibrated, cached; see :mod:`parallel.calibrate`)."""
+def hardware(name: str, report: Callable[[str], None] = lambda line: None) -> Hardware:
+    """A datasheet profile by name, or ``this_machine`` (calibrated, cached; see :mod:`parallel.calibrate`;
+    ``report`` gets its progress lines)."""
     if name == "this_machine":
         from reshard.parallel.cost.calibrate import this_machine
 
-        return this_machine()
+        return this_machine(report=report)
     if name not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE) + ['this_machine']}")
     return HARDWARE[name]
