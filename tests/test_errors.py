@@ -112,7 +112,7 @@ def test_bad_requests_name_the_request(checkpoints, case, match):
     "text,match",
     [
         ('[1, 2]\n{"prompt_ids": [3, 4\n', r"prompts.jsonl:2: invalid JSON \(Expecting"),
-        ("[1, true, 2]\n", r"prompts.jsonl:1: expected a non-empty token-id list or a text"),
+        ("[1, true, 2]\n", r"prompts.jsonl:1: expected a non-empty token-id list, a text or chat messages"),
         ('{"prompt_ids": [1], "arrival": -2}\n', r"prompts.jsonl:1: arrival must be a number of seconds >= 0, got -2"),
         ('[1]\n{"text": "hi", "arrival": "soon"}\n', r"prompts.jsonl:2: arrival must be .* got 'soon'"),
     ],
