@@ -3,7 +3,8 @@
     reshard generate [--nproc N] [hydra overrides]    the main job on N ranks (default 1)
     reshard rollout  [--nproc N] [hydra overrides]    the RL rollout loop
     reshard plan     [hydra overrides]                the cost model's ranking (one process)
-    reshard generate --help                           every key with its default
+    reshard generate --keys                           every key with its default
+    reshard generate --check [--nproc N] [overrides]  check the config for N ranks, run nothing
 
 The config is composed and checked here, in one process, before any rank starts (a typo fails in
 about a second, once, with "did you mean" where a close key exists). The ranks are launched with
@@ -30,9 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from reshard.recipes.launch import EXIT_INTERRUPTED, EXIT_USER
+
 RANKED_JOBS = ("generate", "rollout")
 JOBS = (*RANKED_JOBS, "plan")
-EXIT_USER, EXIT_INTERRUPTED = 2, 130
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -58,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
         cfg = check(args.job, overrides, args.nproc)
+        requests = total_requests(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER
@@ -67,12 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         print(f"ok: the {args.job} config checks for {args.nproc} rank(s)")
         return 0
-    run_dir = Path(datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+    run_dir = new_run_dir()
     overrides = [*overrides, f"hydra.run.dir={run_dir}"]
     if args.job == "plan":
         return run_in_process(args.job, overrides, run_dir)
     restarts = args.max_restarts if args.max_restarts is not None else int(_replicates(cfg))
-    return launch(args.job, overrides, args.nproc, run_dir, total_requests(cfg), restarts)
+    return launch(args.job, overrides, args.nproc, run_dir, requests, restarts)
 
 
 # ---- before any rank starts -------------------------------------------------------------------
@@ -136,15 +139,28 @@ def keys_lines(job: str, overrides: Sequence[str]) -> list[str]:
 
 
 def total_requests(cfg: Any) -> int | None:
-    """How many requests a generate job runs (``None`` for jobs without requests)."""
+    """How many requests a generate job runs (``None`` for jobs without requests); a prompts file
+    that does not exist or is not UTF-8 is a ``ValueError`` naming it."""
+    from reshard.recipes.generate import _prompt_lines
+
     w = getattr(cfg, "workload", None)
     if w is None or not hasattr(w, "num_requests"):
         return None
-    n = cfg.generation.n
     if w.prompts_file is None:
-        return w.num_requests * n
-    lines = Path(w.prompts_file).read_text(encoding="utf-8").splitlines()
-    return len([line for line in lines if line.strip()]) * n
+        return w.num_requests * cfg.generation.n
+    path = Path(w.prompts_file)
+    if not path.is_file():
+        raise ValueError(f"workload.prompts_file {str(path)!r} does not exist")
+    return len(_prompt_lines(path)) * cfg.generation.n
+
+
+def new_run_dir() -> Path:
+    """``outputs/<date>/<time>``, with a suffix when a job started in the same second has it."""
+    base = Path(datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+    path, k = base, 1
+    while path.exists():
+        path, k = base.with_name(f"{base.name}-{k}"), k + 1
+    return path
 
 
 # ---- the job ------------------------------------------------------------------------------------
@@ -175,6 +191,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from reshard.recipes.launch import LAUNCHED_ENV
+    from reshard.shm import remove_owned_by
 
     _quiet("torch.distributed.elastic")  # our lines, not the agent's
     env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nproc > 1 else {})
@@ -195,7 +212,9 @@ def launch(
         print(interrupted_line(run_dir, requests), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except ChildFailedError as e:
-        return _remove_if_empty(run_dir, failed(e))
+        return _remove_if_empty(run_dir, failed(e, run_dir))
+    finally:  # the ranks' shared memory that outlives them (KV mirrors for a restart): this launcher owns it
+        remove_owned_by(os.getpid())
     print_story(run_dir)
     return 0
 
@@ -213,15 +232,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def failed(e: Exception) -> int:
+def failed(e: Exception, run_dir: Path) -> int:
     """The exit status of a job whose ranks failed: 2 when a rank reported a user error (its line is
-    printed already), else 1 with a line naming the first rank that failed and how."""
+    printed already), else 1 with a line naming the first rank that failed, how, and where the
+    requests that finished before it are."""
     codes = {rank: f.exitcode for rank, f in getattr(e, "failures", {}).items()}
     if EXIT_USER in codes.values():
         return EXIT_USER
     rank, code = min(codes.items()) if codes else (None, None)
-    how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-    print(f"error: rank {rank} failed ({how}); its traceback is above", file=sys.stderr, flush=True)
+    how = f"killed by {_signal_name(code)}" if code is not None and code < 0 else f"exit status {code}, see above"
+    finished = run_dir / "finished.jsonl"
+    done = len(finished.read_text().splitlines()) if finished.exists() else 0
+    kept = f"; {done} finished requests kept in {finished.resolve()}" if done else ""
+    print(f"error: rank {rank} failed ({how}){kept}", file=sys.stderr, flush=True)
     return 1
 
 

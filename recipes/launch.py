@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
 LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
+EXIT_USER, EXIT_INTERRUPTED = 2, 130  # a user error; Ctrl-C (128 + SIGINT, as a shell reports it)
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -128,16 +129,14 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
         finally:
             dist.destroy_process_group()
         if interrupted:  # cleaned up above; skip the C++ teardown's report of the collective cut short
-            sys.stdout.flush(), sys.stderr.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(EXIT_INTERRUPTED)
 
     _job()
 
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
-
-
-def _terminated(signum, frame) -> None:
+def _terminated(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads) on SIGTERM too
 
 
@@ -154,4 +153,4 @@ def _interrupted(run_dir: Path) -> None:
 
 def _user_error(message: str) -> None:
     report_once(f"error: {message}")
-    raise SystemExit(2) from None
+    raise SystemExit(EXIT_USER) from None

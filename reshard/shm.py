@@ -166,6 +166,21 @@ def remove_orphans(prefix: str, root: str | os.PathLike | None = None) -> list[P
     return gone
 
 
+def remove_owned_by(pid: int, root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the job directories of ``root`` (default :func:`shm_root`) that process ``pid`` owns
+    (a launcher ending its job, whatever way it ended); returns them."""
+    gone = []
+    for path in sorted(Path(root if root is not None else shm_root()).glob("*")):
+        owner = path / OWNER
+        try:
+            if owner.is_file() and int(owner.read_text()) == pid:
+                remove_directory(path)
+                gone.append(path)
+        except (OSError, ValueError):  # being created or removed by its job: leave it
+            continue
+    return gone
+
+
 __all__ = [
     "job_directory",
     "map_file",
@@ -173,6 +188,7 @@ __all__ = [
     "publish",
     "remove_directory",
     "remove_orphans",
+    "remove_owned_by",
     "shared_path",
     "shm_root",
     "unlink",

@@ -35,6 +35,11 @@ def _run_dirs(cwd: Path) -> list[Path]:
     return sorted(p for p in (cwd / "outputs").glob("*/*") if p.is_dir())
 
 
+def _shm() -> set[str]:
+    """/dev/shm's entries, without Python multiprocessing's semaphores (the test harness's own)."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
+
+
 def _left_running(run_dir: Path) -> str:
     """Processes whose command line names ``run_dir`` (the ranks get it as ``hydra.run.dir``)."""
     return subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout.strip()
@@ -69,11 +74,17 @@ def test_a_rank_side_user_error_exits_2_in_one_line_and_leaves_no_run_directory(
     assert _run_dirs(tmp_path) == []
 
 
-@pytest.mark.parametrize("fault", [[], ["fault.replicate=true"]], ids=["plain", "kv-mirrors"])
-def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_path, fault):
-    """Ctrl-C mid-generation: one line, exit 130, finished requests kept; no process and nothing in
-    /dev/shm left, the KV mirrors of a fault.replicate run included."""
-    shm_before = set(os.listdir("/dev/shm"))
+@pytest.mark.parametrize(
+    "fault,signum",
+    [([], signal.SIGINT), (["fault.replicate=true"], signal.SIGINT), (["fault.replicate=true"], signal.SIGTERM)],
+    ids=["ctrl-c", "ctrl-c-kv-mirrors", "sigterm-to-the-launcher-kv-mirrors"],
+)
+def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_path, fault, signum):
+    """Ctrl-C mid-generation (SIGINT to the job's process group, as a terminal sends it): one line,
+    exit 130, finished requests kept; no process and nothing in /dev/shm left, the KV mirrors of a
+    fault.replicate run included. SIGTERM to the launcher alone (its ranks see it as a stop, and a
+    fault-tolerant rank reports it): the same exit, the same last line, the same nothing left."""
+    shm_before = _shm()
     args = ["generate", "--nproc", "2", "workload.num_requests=300", "generation.max_new_tokens=64", "progress=false"]
     args += fault
     p, t0 = _reshard(args, tmp_path), time.time()
@@ -83,16 +94,19 @@ def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_p
         finished = found[0] if found else None
         time.sleep(0.1)
     assert finished is not None, "no request finished within 120 s"
-    os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    if signum == signal.SIGINT:
+        os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    else:
+        os.kill(p.pid, signum)
     out, _ = p.communicate(timeout=60)
     lines = _lines(out)
-    assert p.returncode == 130 and len(lines) == 1, out
+    assert p.returncode == 130 and (len(lines) == 1 or signum == signal.SIGTERM), out
     done = len(finished.read_text().splitlines())
-    assert lines[0] == f"interrupted: {done} of 300 requests finished, kept in {finished.resolve()}"
+    assert lines[-1] == f"interrupted: {done} of 300 requests finished, kept in {finished.resolve()}"
     assert all(json.loads(line)["output_ids"] for line in finished.read_text().splitlines())
     assert _run_dirs(tmp_path) == [finished.parent]
     time.sleep(0.5)
-    assert _left_running(finished.parent) == "" and set(os.listdir("/dev/shm")) <= shm_before
+    assert _left_running(finished.parent) == "" and _shm() <= shm_before
 
 
 def test_a_recovered_failure_is_told_as_a_story_exits_0_in_one_run_directory(tmp_path):

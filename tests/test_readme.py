@@ -69,11 +69,9 @@ def test_the_readme_test_command_is_the_one_ci_runs():
 def _run_block(code: str) -> str:
     """Execute a README Python block on this rank (the harness's process group stands in for
     torchrun's: the block's own ``init_process_group`` is skipped when one exists)."""
-    import torch.distributed as dist
-
     code = code.replace('dist.init_process_group("gloo")', 'dist.is_initialized() or dist.init_process_group("gloo")')
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        exec(compile(code, "README.md python block", "exec"), {"__name__": "__readme__", "dist": dist})
+        exec(compile(code, "README.md python block", "exec"), {"__name__": "__readme__"})
     return out.getvalue()
 
 

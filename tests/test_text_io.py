@@ -127,6 +127,16 @@ def test_ignore_eos_runs_past_the_models_eos_and_min_tokens_is_checked():
     assert kept.stop_ids == {9}  # explicit stop ids still stop
     with pytest.raises(ValueError, match=r"min_tokens must be in 0..max_new_tokens \(3\), got 4"):
         SamplingParams(max_new_tokens=3, min_tokens=4)
+    # a request resumed after 5 tokens (migrated, prefilled again) counts min_tokens, as max_new_tokens, by what is left
+    resumed = Request(0, [1, 2, 3], SamplingParams(max_new_tokens=32, min_tokens=20)).resume(list(range(5)))
+    assert (resumed.sampling.max_new_tokens, resumed.sampling.min_tokens) == (27, 15)
+    again = resumed.resume(list(range(5, 25)))  # 25 generated in all: past min_tokens
+    assert (again.sampling.max_new_tokens, again.sampling.min_tokens) == (7, 0)
+    seq = Sequence.of(resumed, eos_ids=(2,))
+    assert seq.banned == {2}  # 15 more before the EOS may be sampled
+    for t in range(15):
+        seq.append(10 + t)
+    assert seq.banned == frozenset()
 
 
 def test_n_samples_per_prompt_are_requests_of_their_own_seed(checkpoints, tmp_path):

@@ -36,7 +36,8 @@ class Request:
         so_far = [*self.prompt_ids[len(prompt) :], *output]
         left = self.sampling.max_new_tokens + self.resumed - len(so_far)
         assert left > 0, (self.id, len(so_far), self.sampling.max_new_tokens)
-        sampling = dataclasses.replace(self.sampling, max_new_tokens=left)
+        least = max(0, self.sampling.min_tokens + self.resumed - len(so_far))  # min_tokens also counts what is left
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=left, min_tokens=least)
         return Request(self.id, [*prompt, *so_far], sampling, self.arrival, resumed=len(so_far))
 
 
@@ -131,7 +132,7 @@ class Sequence:
     @property
     def banned(self) -> frozenset[int]:
         """Token ids the next sample may not take: the stop ids while short of ``min_tokens``."""
-        short = len(self.output) + self.request.resumed < self.request.sampling.min_tokens
+        short = len(self.output) < self.request.sampling.min_tokens  # a resumed request's counts what is left
         return self.stop_ids if short else frozenset()
 
     @property

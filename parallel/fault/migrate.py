@@ -410,7 +410,8 @@ class SupervisedRouter(Router):
 
 def _prefill_only(request: Request) -> Request:
     """``request`` as an entry of a disaggregated job runs it: up to its first token."""
-    return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_new_tokens=1))
+    first = dataclasses.replace(request.sampling, max_new_tokens=1, min_tokens=min(request.sampling.min_tokens, 1))
+    return dataclasses.replace(request, sampling=first)
 
 
 def _tokens_by_request(journal: list[JournalEntry]) -> dict[int, tuple[dict[int, int], str | None, float | None]]:

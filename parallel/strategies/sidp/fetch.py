@@ -45,7 +45,7 @@ def check_slots(
 ) -> None:
     """``ValueError`` unless ``slots`` cache slots serve the schedule over ``group_size`` ranks (and,
     given the model's ``layers``, no rank has more slots or look-ahead than layers to fetch)."""
-    if layers is not None:
+    if layers is not None and group_size > 1:  # one rank owns every layer: nothing to fetch or check
         fetched = layers - math.ceil(layers / group_size)  # the fewest non-owned layers of any rank
         for key, value in (("prefetch_depth", prefetch_depth), ("slots", slots)):
             if value > fetched:
