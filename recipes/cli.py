@@ -279,13 +279,23 @@ def story_lines(summary: dict) -> list[str]:
             else f"; its group served again {d['rejoined_s'] - d['seen_s']:.1f} s later"
         )
         lines.append(f"recovered: rank {d.get('rank')} died ({how}) at {d.get('died_s') or 0:.1f} s; {moved}{back}")
-    restarts = summary.get("failures", 0)
-    if restarts and "recomputed_steps" in summary:
-        lines.append(
-            f"recovered: {restarts} whole-job restart(s); KV restored from the ring neighbours, "
-            f"{summary['recomputed_steps']} step(s) recomputed, {summary.get('recovery_seconds', 0):.1f} s to recover"
-        )
+    if summary.get("failures", 0) and "recomputed_steps" in summary:
+        lines.append(_restart_story(summary))
     return lines
+
+
+def _restart_story(s: dict) -> str:
+    """A ``fault.replicate`` run's whole-job restart(s), one line."""
+    detected = "" if s.get("detected_after_s") is None else f", detected after {s['detected_after_s']:.1f} s"
+    back = (
+        ""
+        if s.get("restart_after_s") is None
+        else f"; serving again {s['restart_after_s'] + s.get('recovery_seconds', 0):.1f} s after the failure"
+    )
+    return (
+        f"recovered: {s['failures']} whole-job restart(s) after a rank failed{detected}; resumed at step "
+        f"{s.get('recovered_from_step')} from the ring neighbours' KV, {s['recomputed_steps']} step(s) recomputed{back}"
+    )
 
 
 def _moved(death: dict) -> str:

@@ -135,3 +135,23 @@ def test_plan_runs_in_the_launchers_process(tmp_path):
     assert p.returncode == 0, out
     [run_dir] = _run_dirs(tmp_path)
     assert json.loads((run_dir / "plan.json").read_text())["ranked"]
+
+
+def test_story_lines_tell_each_recovery_in_one_line():
+    """The summary keys of a supervised death and of a fault.replicate restart, as the launcher
+    tells them (the jobs behind these keys: tests/test_fault_isolation.py, tests/test_fault.py)."""
+    from reshard.recipes.cli import story_lines
+
+    death = {"rank": 2, "exitcode": -9, "hung": False, "died_s": 3.25, "seen_s": 3.3, "rejoined_s": 4.1}
+    death |= {"adopted": [[7, 12, 1], [9, 30, 1]], "resumed": [7, 9], "reprefilled_tokens": 0}
+    assert story_lines({"fault": {"deaths": [death]}}) == [
+        "recovered: rank 2 died (SIGKILL) at 3.2 s; 2 request(s) adopted with their KV by another group, "
+        "2 token(s) generated again; its group served again 0.8 s later"
+    ]
+    restart = {"failures": 1, "detected_after_s": 0.4, "restart_after_s": 5.0, "recovery_seconds": 0.5}
+    restart |= {"recovered_from_step": 6, "recomputed_steps": 1}
+    assert story_lines(restart) == [
+        "recovered: 1 whole-job restart(s) after a rank failed, detected after 0.4 s; resumed at step 6 from "
+        "the ring neighbours' KV, 1 step(s) recomputed; serving again 5.5 s after the failure"
+    ]
+    assert story_lines({"failures": 0}) == [] and story_lines({}) == []
