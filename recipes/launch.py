@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,12 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
 
     from reshard.recipes import schema
 
+    stopping = threading.Event()  # set by SIGINT / SIGTERM before the KeyboardInterrupt they raise
+
+    def _stop(signum: int, frame: object) -> None:
+        stopping.set()
+        raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads), on SIGTERM too
+
     @hydra.main(version_base=None, config_path="../conf", config_name=config_name)
     def _main(cfg: DictConfig) -> None:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -106,12 +113,17 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
             _user_error(str(e))
         except KeyboardInterrupt:
             _interrupted(run_dir)
+        except Exception:  # a collective cut short by a peer that stopped first: the same interruption
+            if stopping.is_set():
+                _interrupted(run_dir)
+            raise
 
     @record  # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
     def _job() -> None:
         overrides = sys.argv[1:]
         schema.register(overrides)
-        signal.signal(signal.SIGTERM, _terminated)  # a launcher stopping the ranks: clean up as for Ctrl-C
+        for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a launcher stopping the ranks
+            signal.signal(signum, _stop)
         init_distributed()
         sys.argv += hydra_rank_overrides(overrides)
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
@@ -134,10 +146,6 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
             os._exit(EXIT_INTERRUPTED)
 
     _job()
-
-
-def _terminated(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads) on SIGTERM too
 
 
 def _interrupted(run_dir: Path) -> None:
