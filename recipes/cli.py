@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from reshard.recipes.launch import EXIT_INTERRUPTED, EXIT_USER
+from reshard.recipes.launch import EXIT_INTERRUPTED, EXIT_USER, finished_so_far
 
 RANKED_JOBS = ("generate", "rollout")
 JOBS = (*RANKED_JOBS, "plan")
@@ -241,8 +241,7 @@ def failed(e: Exception, run_dir: Path) -> int:
         return EXIT_USER
     rank, code = min(codes.items()) if codes else (None, None)
     how = f"killed by {_signal_name(code)}" if code is not None and code < 0 else f"exit status {code}, see above"
-    finished = run_dir / "finished.jsonl"
-    done = len(finished.read_text().splitlines()) if finished.exists() else 0
+    done, finished = finished_so_far(run_dir)
     kept = f"; {done} finished requests kept in {finished.resolve()}" if done else ""
     print(f"error: rank {rank} failed ({how}){kept}", file=sys.stderr, flush=True)
     return 1
@@ -250,8 +249,7 @@ def failed(e: Exception, run_dir: Path) -> int:
 
 def interrupted_line(run_dir: Path, requests: int | None) -> str:
     """``interrupted: 12 of 32 requests finished, kept in .../finished.jsonl``."""
-    finished = run_dir / "finished.jsonl"
-    done = len(finished.read_text().splitlines()) if finished.exists() else 0
+    done, finished = finished_so_far(run_dir)
     of = f" of {requests}" if requests is not None else ""
     where = f", kept in {finished.resolve()}" if done else ""
     _remove_if_empty(run_dir, 0)

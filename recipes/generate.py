@@ -30,7 +30,7 @@ from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.parallel.fault import restart_count
 from reshard.parallel.model.tiny_models import builtin_checkpoint, default_cache_dir
 from reshard.recipes.config import GenerateConfig
-from reshard.recipes.launch import LAUNCHED_ENV, collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
+from reshard.recipes.launch import FINISHED, LAUNCHED_ENV, collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
 
 
 def _rank() -> int:
@@ -107,9 +107,6 @@ def _workload_shape(cfg: GenerateConfig) -> WorkloadShape:
         new_tokens=cfg.generation.max_new_tokens,
         batch=cfg.engine.max_batch_size,
     )
-
-
-FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
 
 
 def append_finished(path: Path, completions, fmt: OutputFormat | None = None) -> None:

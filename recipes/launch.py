@@ -19,6 +19,7 @@ import torch.distributed as dist
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
 LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
 EXIT_USER, EXIT_INTERRUPTED = 2, 130  # a user error; Ctrl-C (128 + SIGINT, as a shell reports it)
+FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -151,12 +152,17 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
 def _interrupted(run_dir: Path) -> None:
     """Ctrl-C (or SIGTERM): exit 130 with no traceback; run alone or under torchrun, rank 0 says
     where the finished requests are (under ``reshard``'s launcher, the launcher says it)."""
-    finished = run_dir / "finished.jsonl"
     if LAUNCHED_ENV not in os.environ and dist.is_initialized() and dist.get_rank() == 0:
-        done = len(finished.read_text().splitlines()) if finished.exists() else 0
+        done, finished = finished_so_far(run_dir)
         where = f", kept in {finished.resolve()}" if done else ""
         print(f"interrupted: {done} requests finished{where}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def finished_so_far(run_dir: Path) -> tuple[int, Path]:
+    """How many requests the run directory's :data:`FINISHED` file holds, and its path."""
+    path = run_dir / FINISHED
+    return (len(path.read_text().splitlines()) if path.exists() else 0), path
 
 
 def _user_error(message: str) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard.parallel.cost.profiles import Hardware, ModelShape, Workload
+from reshard.parallel.model.dims import layout_notation
 
 MEMORY_RESERVE = 0.10  # fraction of device memory kept free for activations, workspace, fragmentation
 PREFILL_TOKENS = 4096  # assumed tokens per prefill step (vLLM-style chunk), >= one whole prompt
@@ -67,8 +68,7 @@ class ParallelConfig:
     @property
     def notation(self) -> str:
         """``D2T2``, ``T4P2``, ``S2T2``; ``T1`` for one GPU."""
-        parts = [f"{k}{v}" for k, v in (("D", self.dp), ("S", self.sp), ("T", self.tp), ("P", self.pp)) if v > 1]
-        return "".join(parts) or "T1"
+        return layout_notation(dp=self.dp, sp=self.sp, tp=self.tp, pp=self.pp)
 
 
 def parse_notation(text: str) -> ParallelConfig:

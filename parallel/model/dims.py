@@ -90,8 +90,7 @@ class ParallelDims:
     def notation(self) -> str:
         """``D2T2``, ``T4P2``, ``S2T2``: the degrees above 1 (data, sequence, tensor, pipeline), as
         the papers and the cost model write layouts; ``T1`` on one rank."""
-        parts = [f"{k}{v}" for k, v in (("D", self.dp), ("S", self.sp), ("T", self.tp), ("P", self.pp)) if v > 1]
-        return "".join(parts) or "T1"
+        return layout_notation(dp=self.dp, sp=self.sp, tp=self.tp, pp=self.pp)
 
     def describe(self) -> dict:
         """The layout as ``summary.json`` reports it: ``{"dp", "pp", "sp", "tp", "ranks"}``."""
@@ -120,4 +119,11 @@ class ParallelDims:
             raise ValueError(f"ParallelDims expects world_size({self.world_size}) but the job has {actual} ranks")
 
 
-__all__ = ["AXES", "ParallelDims", "cached_mesh", "device_type", "rank_grid"]
+__all__ = ["AXES", "ParallelDims", "cached_mesh", "device_type", "layout_notation", "rank_grid"]
+
+
+def layout_notation(*, dp: int = 1, sp: int = 1, tp: int = 1, pp: int = 1) -> str:
+    """``D2T2``, ``T4P2``, ``S2T2``: the degrees above 1 (data, sequence, tensor, pipeline), as the
+    papers write layouts; ``T1`` for one device. One notation for the engine and the cost model."""
+    parts = [f"{k}{v}" for k, v in (("D", dp), ("S", sp), ("T", tp), ("P", pp)) if v > 1]
+    return "".join(parts) or "T1"
