@@ -66,6 +66,8 @@ class GenerationConfig:
     stop_token_ids: Any = None  # a list of token ids that end a request (null: the model's EOS ids)
     min_tokens: int = 0  # stop tokens are never sampled before this many new tokens (HF min_new_tokens)
     ignore_eos: bool = False  # the model's EOS ids do not end a request (stop_token_ids still do)
+    stop: Any = None  # strings that end a request once its decoded output holds one (needs the checkpoint's tokenizer)
+    logprobs: int | None = None  # log-probabilities of each output token and of the top this many (null: none)
     n: int = 1  # samples per prompt (each its own request and seed; needs temperature > 0)
 
     def __post_init__(self) -> None:
@@ -82,6 +84,12 @@ class GenerationConfig:
         ):
             raise ValueError(
                 f"generation.stop_token_ids must be a non-empty list of token ids >= 0 or null, got {ids!r}"
+            )
+        if self.stop is not None and not (
+            isinstance(self.stop, (list, tuple)) and self.stop and all(isinstance(t, str) and t for t in self.stop)
+        ):
+            raise ValueError(
+                f"generation.stop must be a non-empty list of non-empty strings or null, got {self.stop!r}"
             )
         try:
             self.sampling_params()
@@ -100,6 +108,8 @@ class GenerationConfig:
             stop_token_ids=None if self.stop_token_ids is None else tuple(self.stop_token_ids),
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
+            stop=tuple(self.stop or ()),
+            logprobs=self.logprobs,
         )
 
 
@@ -288,6 +298,12 @@ class GenerateConfig:
             raise TypeError(f"parallel must be a registered strategy's config, got {type(self.parallel).__name__}")
         if self.engine.prefill_chunk is not None:  # before anything loads, on every rank alike
             self._check_prefill_chunk(self.engine.prefill_chunk)
+        if self.generation.logprobs is not None and (self.fault.replicate or self.fault.migrate is not None):
+            raise ValueError(
+                f"generation.logprobs ({self.generation.logprobs}) are not kept across a failure (the journal and a "
+                f"migration carry tokens only): unset fault.replicate ({self.fault.replicate}) / fault.migrate "
+                f"({self.fault.migrate})"
+            )
         if self.fault.migrate is None:  # supervised jobs build their groups' engines themselves (recipes/supervised.py)
             self.parallel.check_args(self.engine_args())
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens

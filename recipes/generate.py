@@ -14,7 +14,7 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,8 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     engine = cfg.parallel.build(path, cfg.engine_args())
-    fmt = OutputFormat(output_tokenizer(path) if _rank() == 0 else None, cfg.generation.n)
+    engine.tokenizer = stop_tokenizer(cfg, path)
+    fmt = OutputFormat(output_tokenizer(path) if _rank() == 0 else None, cfg.generation.n, cfg.generation.stop)
     keep = _keep_finished(engine, run_dir, fmt)
     fault = _fault_tolerance(cfg, engine, keep)
     load_seconds = time.perf_counter() - t0
@@ -287,6 +288,20 @@ def output_tokenizer(model_path: Path):
         return None
 
 
+def stop_tokenizer(cfg: GenerateConfig, path: Path):
+    """The checkpoint's tokenizer when the job has stop strings (matched in decoded text), else
+    None; ``ValueError`` naming the checkpoint when it has none."""
+    if not cfg.generation.stop:
+        return None
+    tokenizer = output_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(
+            f"generation.stop={list(cfg.generation.stop)} is matched in decoded text, and the checkpoint {path} "
+            "has no tokenizer (tokenizer.json / tokenizer_config.json); use generation.stop_token_ids"
+        )
+    return tokenizer
+
+
 def _prompt_lines(path: Path) -> list[str]:
     """The file's lines, blank ones at the end dropped; a file that is not UTF-8 is a ``ValueError``
     naming it and the byte."""
@@ -370,13 +385,13 @@ def what_ran(cfg: GenerateConfig, layouts: dict[str, ParallelDims]) -> dict:
     notation, the weights' dtype and the sampling parameters."""
     return {
         "parallel": {name: dims.describe() for name, dims in layouts.items()},
-        "layout": layout_notation(layouts),
+        "layout": run_notation(layouts),
         "dtype": cfg.model.dtype,
         "sampling": dataclasses.asdict(cfg.generation),
     }
 
 
-def layout_notation(layouts: dict[str, ParallelDims]) -> str:
+def run_notation(layouts: dict[str, ParallelDims]) -> str:
     """Every layout a run used in one string: ``T2P2``; Seesaw's ``P4->T4`` (prefill -> decode);
     otherwise ``prompt T2 / token P2`` (DejaVu's sides, Shift's modes)."""
     if set(layouts) == {"prefill", "decode"}:
@@ -426,6 +441,7 @@ class OutputFormat:
 
     tokenizer: Any = None
     n: int = 1
+    stop: Sequence[str] | None = None  # stop strings: the decoded output ends before the first (as vLLM's)
 
     def line(self, c) -> str:
         out = {"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "finish_reason": c.finish_reason}
@@ -433,8 +449,15 @@ class OutputFormat:
             out.update(prompt_index=c.id // self.n, sample=c.id % self.n)
         if self.tokenizer is not None:
             out["prompt"] = self.tokenizer.decode(c.prompt_ids)
-            out["output"] = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
+            out["output"] = self._cut(self.tokenizer.decode(c.output_ids, skip_special_tokens=True), c.finish_reason)
+        if c.logprobs is not None:  # per output token: [its logprob, [[id, logprob] of the top ones]]
+            out["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in c.logprobs]
         return json.dumps(out) + "\n"
+
+    def _cut(self, text: str, reason: str) -> str:
+        """``text`` up to the first stop string in it (a request a stop string ended)."""
+        found = [i for i in (text.find(s) for s in self.stop or ()) if i >= 0] if reason == "stop" else []
+        return text[: min(found)] if found else text
 
 
 def _print_summary(s: dict, strategy) -> None:

@@ -158,11 +158,14 @@ def _group_strategy(cfg: GenerateConfig, world: int, path: str) -> Strategy:
 def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -> None:
     """One engine child: its group's own process group (this generation's), the engine, the
     journal, then serve what the router hands this generation of the group."""
+    from reshard.recipes.generate import stop_tokenizer
+
     store = job_store(restart_count())
     _init_group(spec, store)
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
     world = int(os.environ["WORLD_SIZE"])
     engine, topology = _group_strategy(cfg, world, path).build(path, args), engine_group_of(cfg, world, spec.rank)[2]
+    engine.tokenizer = stop_tokenizer(cfg, Path(path))
     group = engine.engine_group or GroupLayout(0, 1, spec.members)  # a strategy's one group of every rank
     assert group.index == spec.group and group.ranks == spec.members, (group, spec)
     supervision = _supervision_store()  # a client of its own: the process group waits on `store`
@@ -304,7 +307,8 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
     # (no strategy's own keys: its engines are the children's)
-    _write_outputs(run_dir, completions, summary, None, OutputFormat(output_tokenizer(path), cfg.generation.n))
+    fmt = OutputFormat(output_tokenizer(path), cfg.generation.n, cfg.generation.stop)
+    _write_outputs(run_dir, completions, summary, None, fmt)
     (run_dir / FINISHED).unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 

@@ -77,6 +77,9 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.engine.sampling:sample_tokens": (
         "tokens are sampled on the host with per-request CPU generators, so draws do not depend on the device"
     ),
+    "reshard.parallel.engine.sampling:token_logprobs": (
+        "log-probabilities are agreed with the tokens, which are assembled on the host beside the sampler"
+    ),
     "reshard.parallel.engine.agree:sample_step": (
         "a step's tokens are assembled on the host beside the sampler; agree_tokens moves them for the all-reduce"
     ),

@@ -25,7 +25,9 @@ def _with_tokenizer(src: str, dst: Path, chat: bool = True):
     from transformers import PreTrainedTokenizerFast
 
     shutil.copytree(src, dst)
-    words = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant", ":"] + [f"w{i}" for i in range(248)]
+    # ("abcdef": the prefix HF's stop-string matching puts before each token)
+    words = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant", ":"] + [f"w{i}" for i in range(247)]
+    words.append("abcdef")
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
@@ -158,3 +160,107 @@ def test_n_samples_per_prompt_are_requests_of_their_own_seed(checkpoints, tmp_pa
     for i in range(2):
         samples = [o["output_ids"] for o in out if o["prompt_index"] == i]
         assert len({tuple(s) for s in samples}) > 1  # seeded per request: the samples differ
+
+
+def _stop_string_job(path, prompt, stops):
+    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.recipes.generate import output_tokenizer
+
+    engine = Engine(parallelize(path), max_seq_len=64)
+    request = Request(0, prompt, SamplingParams(max_new_tokens=12, stop=stops))
+    with pytest.raises(ValueError, match=r"request 0: stop strings \('.+',\) are matched in decoded text and the"):
+        engine.generate([request])
+    engine.tokenizer = output_tokenizer(path)
+    done = engine.generate([request, Request(1, prompt, SamplingParams(max_new_tokens=12, stop=stops, min_tokens=6))])
+    return [(c.output_ids, c.finish_reason) for c in done]
+
+
+def test_stop_strings_end_requests_where_hf_stop_strings_does(checkpoints, tmp_path):
+    """A word of the free-running output as a stop string ends the request at the token that
+    completes it, as HF ``generate(stop_strings=, tokenizer=)`` does; from ``min_tokens`` on only;
+    the recipe's ``outputs.jsonl`` text ends before it (as vLLM's), its ids keep the token."""
+    path, prompt = tmp_path / "ckpt", [5, 9, 11, 2, 7]
+    tok = _with_tokenizer(checkpoints["llama"], path)
+    free = _hf(path, prompt, max_new_tokens=12)
+    word = tok.convert_ids_to_tokens(free[3])
+    expected = _hf(path, prompt, max_new_tokens=12, stop_strings=[word], tokenizer=tok)
+    assert len(expected) <= 4 < len(free)
+    got = dist_harness.run(1, _stop_string_job, str(path), prompt, (word,))[0]
+    assert got[0] == (expected, "stop")
+    late = [i for i, t in enumerate(free) if word in tok.convert_ids_to_tokens(t) and i >= 5]  # from min_tokens=6 on
+    assert got[1] == ((free[: late[0] + 1], "stop") if late else (free, "length"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(prompt) + "\n")
+    stop = f"generation.stop=[{word}]"
+    overrides = [f"model.path={path}", f"workload.prompts_file={prompts}", "generation.max_new_tokens=12", stop]
+    dist_harness.run(1, _run_recipe, [*overrides, "progress=false"], str(tmp_path / "run"))
+    out = json.loads((tmp_path / "run" / "outputs.jsonl").read_text())
+    assert out["finish_reason"] == "stop" and tok.convert_ids_to_tokens(out["output_ids"][-1]).find(word) >= 0
+    text = tok.decode(out["output_ids"], skip_special_tokens=True)
+    assert out["output"] == text[: text.find(word)] and word not in out["output"]
+    with pytest.raises(ValueError, match=r"^generation.stop must be a non-empty list of non-empty strings or null"):
+        from reshard.recipes.schema import compose
+
+        compose("generate", ["generation.stop=[]"])
+
+
+def _hf_logprobs(path, prompt, new_tokens, k):
+    """HF greedy ``generate``'s tokens and, per token, its log-probability and the top ``k``
+    ``(id, logprob)`` of the raw logits (``output_logits``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    lps = [torch.log_softmax(logits[0].float(), -1) for logits in out.logits]
+    tops = [lp.topk(k) for lp in lps]
+    pairs = [list(zip(top.indices.tolist(), top.values.tolist())) for top in tops]
+    return tokens, [(lp[t].item(), top) for lp, t, top in zip(lps, tokens, pairs)]
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel=dejavu"]], ids=["tp2", "dejavu"])
+def test_logprobs_equal_hf_generates_raw_logits(checkpoints, tmp_path, layout):
+    """``generation.logprobs=3`` on 2 ranks (TP2; DejaVu 1+1, whose first token's log-probabilities
+    travel with the hand-off): each output token's log-probability and its top 3 as HF's
+    ``output_logits`` give them (ids equal, values within fp32 reduction error)."""
+    path, prompts = checkpoints["llama"], [[5, 9, 11, 2, 7], [40, 41, 42]]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    overrides = [f"model.path={path}", f"workload.prompts_file={prompts_file}", "generation.max_new_tokens=6"]
+    dist_harness.run(2, _run_recipe, [*overrides, *layout, "generation.logprobs=3", "progress=false"], str(tmp_path))
+    out = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    for o, prompt in zip(out, prompts):
+        tokens, expected = _hf_logprobs(path, prompt, 6, 3)
+        assert o["output_ids"] == tokens and len(o["logprobs"]) == len(tokens)
+        for (lp, top), (want, want_top) in zip(o["logprobs"], expected):
+            assert lp == pytest.approx(want, abs=1e-4) and [t[0] for t in top] == [t[0] for t in want_top]
+            assert [t[1] for t in top] == pytest.approx([t[1] for t in want_top], abs=1e-4)
+            assert top[0][1] >= top[1][1] >= top[2][1] and lp == pytest.approx(top[0][1], abs=1e-6)  # greedy: the top
+
+
+def test_logprobs_are_refused_where_they_are_not_carried(checkpoints):
+    from reshard.recipes.schema import compose
+
+    with pytest.raises(ValueError, match=r"^generation.logprobs \(2\) are not kept across a failure"):
+        compose("generate", ["generation.logprobs=2", "fault.migrate=reprefill"])
+    with pytest.raises(ValueError, match=r"^generation.logprobs must be an int in 0..20 or None, got 21"):
+        compose("generate", ["generation.logprobs=21"])
+    assert dist_harness.run(2, _inflight_logprobs, checkpoints["llama"]) == [True, True]
+
+
+def _inflight_logprobs(path):
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+
+    model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
+    engine = Engine(model, pipeline="inflight", num_microbatches=2, max_seq_len=64)
+    with pytest.raises(ValueError, match=r"request 0: logprobs=1 are not carried by an in-flight pipeline"):
+        engine.generate([Request(0, [1, 2, 3], SamplingParams(max_new_tokens=2, logprobs=1))])
+    return True

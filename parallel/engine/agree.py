@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.parallel.engine.request import Sequence
-from reshard.parallel.engine.sampling import sample_tokens, skip_draws
+from reshard.parallel.engine.sampling import TokenLogprobs, sample_tokens, skip_draws, token_logprobs, unpack_logprobs
 from reshard.parallel.model.dims import device_type
 
 
@@ -46,17 +46,22 @@ def sample_step(
     vocab_size: int,
     group: dist.ProcessGroup | None = None,
     extras: Mapping[str, int] | None = None,
-) -> tuple[list[int], dict[str, int]]:
-    """The next token of every sequence of a step, the same on every rank, and the sums of
-    ``extras`` (a policy's per-step integers: every rank names the same keys) over ``group``.
+) -> tuple[list[int], dict[str, int], list[TokenLogprobs | None]]:
+    """The next token of every sequence of a step, the same on every rank, the sums of
+    ``extras`` (a policy's per-step integers: every rank names the same keys) over ``group``, and
+    each sequence's :data:`TokenLogprobs` (None where its request asks for none).
 
     ``mine`` (a sub-list of ``seqs``) ran on this rank, which holds their ``logits`` on the last
     stage. Every rank advances each sampling generator by exactly one draw: it samples where it
-    has logits and skips the draw elsewhere, so generators stay in step across layouts.
+    has logits and skips the draw elsewhere, so generators stay in step across layouts. The
+    log-probabilities travel, as fp32 bit patterns, in the tokens' one all-reduce.
     """
     index = {id(s): i for i, s in enumerate(seqs)}
     tokens = torch.zeros(len(seqs), dtype=torch.long)
     source = torch.zeros(len(seqs), dtype=torch.bool)
+    want = [i for i, s in enumerate(seqs) if s.request.sampling.logprobs is not None]
+    width = 1 + 2 * max((seqs[i].request.sampling.logprobs for i in want), default=0)
+    lp = torch.zeros(len(seqs), width)  # (B, 1 + 2k): rows of the sequences this rank is the source of
     sampled = set()
     if logits is not None:
         rows = torch.tensor([index[id(s)] for s in mine], dtype=torch.long)
@@ -64,10 +69,17 @@ def sample_step(
             logits, [s.request.sampling for s in mine], [s.generator for s in mine], [s.banned for s in mine]
         )
         source[rows] = is_source
+        if want and is_source:
+            lp[rows] = token_logprobs(logits, tokens[rows], (width - 1) // 2)
         sampled = {id(s) for s in mine}
     others = [s for s in seqs if id(s) not in sampled]
     skip_draws([s.request.sampling for s in others], [s.generator for s in others], vocab_size)
     keys = sorted(extras or {})
     values = torch.tensor([int(extras[k]) for k in keys], dtype=torch.long)
-    agreed, sums = agree_tokens(tokens, source, group, values)
-    return agreed.tolist(), dict(zip(keys, sums.tolist()))
+    bits = lp[want].view(torch.int32).long().flatten()  # one source per row: the sum is its bits
+    agreed, sums = agree_tokens(tokens, source, group, torch.cat([values, bits]))
+    rows = sums[len(keys) :].int().view(torch.float32).view(len(want), width).tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+    for i, row in zip(want, rows):
+        logprobs[i] = unpack_logprobs(row, seqs[i].request.sampling.logprobs)
+    return agreed.tolist(), dict(zip(keys, sums[: len(keys)].tolist())), logprobs

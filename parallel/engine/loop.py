@@ -94,6 +94,8 @@ class Engine:
         host_tiers: layouts whose KV reaches the other layouts' caches through a host tier (layout
             -> its :class:`reshard.kv.CPUKVTier`, e.g. Seesaw's prefill); fault tolerance keeps
             those tiers in files that outlive a restart instead of replicating the layout's cache.
+        tokenizer: a Hugging Face tokenizer, for requests with stop strings (``SamplingParams.stop``:
+            a request ends once its decoded output holds one); settable later (``engine.tokenizer``).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Engine:
         engine_group: GroupLayout | None = None,
         pipeline: str | None = None,
         prefill_chunk: int | None = None,
+        tokenizer=None,
     ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
@@ -159,7 +162,8 @@ class Engine:
         self.events = EngineEvents()
         self.stats = self.policy.stats_cls()
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
-        new_sequence = functools.partial(Sequence.of, eos_ids=self.eos_ids, vocab_size=self.vocab_size)
+        self.tokenizer = tokenizer  # a Hugging Face tokenizer: requests' stop strings are matched in its text
+        new_sequence = self._new_sequence
         self.policy.setup(PolicyContext(layouts, self.stats, new_sequence, self.events.adopt))
         self.flow: PipelineHead | StageFollower | None = None  # in-flight pipeline: this stage's side
         if inflight:
@@ -352,11 +356,12 @@ class Engine:
         runner = self._prepare(step, replay=known is not None)
         started = time.time()
         t0 = time.perf_counter()
+        logprobs = None
         if known is None:
-            tokens, agreed = self._computed(step, runner, extras)
+            tokens, agreed, logprobs = self._computed(step, runner, extras)
         else:
             tokens, agreed = self._replayed(step, known), None
-        self._record(step, tokens, started, t0)
+        self._record(step, tokens, started, t0, logprobs)
         return StepOutput(tokens, replayed=known is not None, agreed=agreed)
 
     def _noted(self, index: int, phase: str, seqs: list) -> None:
@@ -372,13 +377,14 @@ class Engine:
         self.events.fire("step_ready", self.steps_done, step)
         return runner
 
-    def _record(self, step: Step, tokens: list[int], started: float, t0: float) -> None:
-        """Append a step's agreed tokens to its sequences; count it; tell the listeners."""
+    def _record(self, step: Step, tokens: list[int], started: float, t0: float, logprobs: list | None = None) -> None:
+        """Append a step's agreed tokens (and their log-probabilities, where asked) to its
+        sequences; count it; tell the listeners."""
         now = time.time()
-        for seq, token, fed in zip(step.seqs, tokens, step.feeds()):
+        for seq, token, fed, lp in zip(step.seqs, tokens, step.feeds(), logprobs or [None] * len(tokens)):
             seq.cached += fed
             if token != NO_TOKEN:  # a prompt chunk short of the prompt's end emits nothing
-                seq.append(token)
+                seq.append(token, lp)
             _record_times(seq, started, now, emitted=token != NO_TOKEN)
         self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
         self.events.fire("step_agreed", self.steps_done, step, tokens)
@@ -402,7 +408,7 @@ class Engine:
         self._record(flight.step, tokens, flight.launched, flight.clock)
         return flight.step, StepOutput(tokens, agreed={ADMIT: admission.proposal()})
 
-    def _computed(self, step: Step, runner: ModelRunner, extras: dict[str, int]) -> tuple[list[int], dict[str, int]]:
+    def _computed(self, step: Step, runner: ModelRunner, extras: dict[str, int]) -> tuple[list[int], dict, list]:
         mine = [s for s in step.seqs if s.replica == runner.replica.rank]
         logits = None
         if mine:
@@ -437,6 +443,11 @@ class Engine:
         return self.runners[layout]
 
     # ---- checks and helpers ---------------------------------------------------------------------
+    def _new_sequence(self, request: Request) -> Sequence:
+        tok = self.tokenizer
+        decode = None if tok is None else functools.partial(tok.decode, skip_special_tokens=True)
+        return Sequence.of(request, self.eos_ids, self.vocab_size, decode=decode)
+
     def validate(self, requests: Seq[Request]) -> None:
         """``ValueError`` naming the request for repeated ids, empty, too long or
         out-of-vocabulary prompts and token ids that are not ints; then the policy's checks."""
@@ -455,6 +466,16 @@ class Engine:
         not_int = [t for t in r.prompt_ids if type(t) is not int]  # bools and floats are not token ids
         if not_int:
             raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
+        if r.sampling.logprobs is not None and self.flow is not None:
+            raise ValueError(
+                f"request {r.id}: logprobs={r.sampling.logprobs} are not carried by an in-flight pipeline (its last "
+                "stage sends the first tokens only); use Engine(pipeline='drain') (engine.pipeline=drain)"
+            )
+        if r.sampling.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {r.id}: stop strings {r.sampling.stop!r} are matched in decoded text and the engine has "
+                "no tokenizer: give Engine(..., tokenizer=) one (the recipe takes the checkpoint's)"
+            )
         if n + m > self.max_seq_len:
             raise ValueError(
                 f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = "
@@ -494,17 +515,18 @@ class Engine:
 
 def _sample_emitting(
     step: Step, emits: list[bool], mine: list[Sequence], logits: torch.Tensor | None, *args
-) -> tuple[list[int], dict[str, int]]:
+) -> tuple[list[int], dict[str, int], list]:
     """:func:`sample_step` of the sequences of a mixed step that emit a token (their generators
-    draw; the others' do not): every sequence's token, :data:`NO_TOKEN` where none, and the sums.
-    ``logits``: ``(len(mine), vocab)`` of ``mine`` or None; ``args``: :func:`sample_step`'s rest."""
+    draw; the others' do not): every sequence's token, :data:`NO_TOKEN` where none, the sums and
+    the log-probabilities (None where none). ``logits``: ``(len(mine), vocab)`` of ``mine`` or
+    None; ``args``: :func:`sample_step`'s rest."""
     emitting = [s for s, e in zip(step.seqs, emits) if e]
     ids = {id(s) for s in emitting}
     keep = [i for i, s in enumerate(mine) if id(s) in ids]
     picked = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)] if logits is not None and keep else None
-    tokens, agreed = sample_step(emitting, [mine[i] for i in keep], picked, *args)
-    it = iter(tokens)
-    return [next(it) if e else NO_TOKEN for e in emits], agreed
+    tokens, agreed, logprobs = sample_step(emitting, [mine[i] for i in keep], picked, *args)
+    it, lps = iter(tokens), iter(logprobs)
+    return [next(it) if e else NO_TOKEN for e in emits], agreed, [next(lps) if e else None for e in emits]
 
 
 def _check_chunked(prefill_chunk: int, *, model: nn.Module | None, policy: Policy | None, kv_swap: bool) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from reshard.parallel.engine.sampling import SamplingParams, make_generator, skip_draws
+from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, make_generator, skip_draws
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Completion:
     output_ids: list[int]
     finish_reason: str  # "stop" | "length"
     timing: Timing | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, where the request asked (``logprobs``)
 
 
 @dataclass
@@ -116,18 +118,26 @@ class Sequence:
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     times: list[float] = field(default_factory=list)  # wall clock: first step began, first token, finished
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text (the request's stop strings)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, where the request asks
 
     @staticmethod
-    def of(request: Request, eos_ids: tuple[int, ...], vocab_size: int = 0) -> Sequence:
+    def of(
+        request: Request,
+        eos_ids: tuple[int, ...],
+        vocab_size: int = 0,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> Sequence:
         """A new sequence; a resumed request's generator skips the draws of its earlier output
-        (``vocab_size``: the draw's size, needed then)."""
+        (``vocab_size``: the draw's size, needed then); ``decode``: the tokenizer's, for stop strings."""
+        assert decode is not None or not request.sampling.stop, f"request {request.id}: stop strings need decode"
         stop, generator = request.sampling.stop_token_ids, make_generator(request.sampling, request.id)
         if request.resumed and generator is not None:
             assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
             skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)
         if stop is None:
             stop = () if request.sampling.ignore_eos else eos_ids
-        return Sequence(request, generator, frozenset(stop))
+        return Sequence(request, generator, frozenset(stop), decode=decode)
 
     @property
     def banned(self) -> frozenset[int]:
@@ -143,12 +153,33 @@ class Sequence:
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
 
-    def append(self, token: int) -> None:
+    def append(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
+        """The next token (and its log-probabilities: where the request asks, with every token)."""
+        assert (logprobs is None) == (self.request.sampling.logprobs is None), (self.request.id, logprobs)
         self.output.append(token)
-        if token in self.stop_ids:
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if token in self.stop_ids or self._stop_string_ended():
             self.finish_reason = "stop"
         elif len(self.output) >= self.request.sampling.max_new_tokens:
             self.finish_reason = "length"
+
+    def _stop_string_ended(self) -> bool:
+        """Whether the newest token completed one of the request's stop strings: one ends in the
+        text it added to the decoded output (from ``min_tokens`` on, as vLLM; a string may span
+        tokens and overhang either end, as HF's ``StopStringCriteria`` catches)."""
+        stops = self.request.sampling.stop
+        if not stops or len(self.output) < self.request.sampling.min_tokens:
+            return False
+        r = self.request
+        generated = [*r.prompt_ids[len(r.prompt_ids) - r.resumed :], *self.output]  # a resumed request's too
+        # enough tokens to hold the longest stop string (a token decodes to a character or more,
+        # a few byte tokens to one character: four per character covers UTF-8)
+        window = generated[-(4 * max(map(len, stops)) + 1) :]
+        text, before = self.decode(window), self.decode(window[:-1])
+        # where the newest token's text begins: the first character the two decodings differ in
+        start = next((i for i, (a, b) in enumerate(zip(text, before)) if a != b), min(len(text), len(before)))
+        return any(text.find(s, max(0, start - len(s) + 1)) >= 0 for s in stops)
 
     def completion(self, start: float | None = None) -> Completion:
         """The finished request; with the wall-clock ``start`` of ``generate``, its :class:`Timing`."""
@@ -158,7 +189,8 @@ class Sequence:
         timing = None
         if start is not None and len(self.times) == 3:
             timing = Timing(r.arrival, *(t - start for t in self.times), tokens=len(output))
-        return Completion(r.id, list(prompt), output, self.finish_reason, timing)
+        logprobs = None if r.sampling.logprobs is None else list(self.logprobs)
+        return Completion(r.id, list(prompt), output, self.finish_reason, timing, logprobs)
 
 
 @dataclass

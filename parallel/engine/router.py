@@ -89,7 +89,8 @@ class Handoff:
     each request, its tokens so far and whether it already finished (its KV streams all the
     same, so the receiver keeps the stream's order). ``tag`` names the stream: the source
     group's step that produced them. ``times``: each sequence's wall-clock marks so far (its
-    first step's start, its first token), which its latency figures continue from."""
+    first step's start, its first token), which its latency figures continue from; ``logprobs``: its tokens'
+    log-probabilities, where its request asks."""
 
     source: int
     target: int
@@ -98,6 +99,7 @@ class Handoff:
     tokens: tuple[tuple[int, ...], ...]
     finished: tuple[bool, ...]
     times: tuple[tuple[float, ...], ...] = ()
+    logprobs: tuple[tuple, ...] = ()  # each sequence's TokenLogprobs so far (its request asked for them)
 
     @property
     def open(self) -> int:

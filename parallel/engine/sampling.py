@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (vLLM's default cap)
+
+# one generated token's log-probability and the top ones: (logprob, ((token id, logprob), ...))
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,8 +27,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS ids
     min_tokens: int = 0  # the stop tokens are masked (never sampled) until this many new tokens (HF min_new_tokens)
     ignore_eos: bool = False  # the model's EOS ids do not stop the request (stop_token_ids still do)
+    # strings that end the request when the decoded output comes to hold one (HF ``stop_strings``;
+    # checked from ``min_tokens`` on; the engine needs a tokenizer)
+    stop: tuple[str, ...] = ()
+    # log-probabilities of each sampled token and of the ``logprobs`` most likely ones (None: off);
+    # of the model's raw distribution (log-softmax of the logits, before temperature, top-k/p)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {self.logprobs!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.temperature < 0:
@@ -67,6 +82,23 @@ def sample_tokens(
         if not p.greedy:
             greedy[i] = _sample_one(logits[i].cpu(), p, g)
     return greedy
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """``(B, V)`` fp32 logits and the ``(B,)`` sampled tokens -> ``(B, 1 + 2k)`` fp32: each row's
+    sampled token's log-probability, then the ids and log-probabilities of its ``k`` most likely
+    tokens (ids as floats: exact below 2**24)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(lp, k, dim=-1)
+    picked = lp.gather(1, tokens.to(lp.device).view(-1, 1))
+    return torch.cat([picked, top.indices.float(), top.values], dim=1).cpu()
+
+
+def unpack_logprobs(row: Sequence[float], k: int) -> TokenLogprobs:
+    """A row of :func:`token_logprobs` (its first ``k`` top entries) as :data:`TokenLogprobs`."""
+    width = (len(row) - 1) // 2
+    ids, values = row[1 : 1 + width], row[1 + width :]
+    return float(row[0]), tuple((int(ids[i]), float(values[i])) for i in range(k))
 
 
 def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab_size: int) -> None:

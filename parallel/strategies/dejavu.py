@@ -265,6 +265,7 @@ class PromptSide(Policy):
             tuple(tuple(s.output) for s in step.seqs),
             tuple(s.finish_reason is not None for s in step.seqs),
             tuple(tuple(s.times) for s in step.seqs),
+            tuple(tuple(s.logprobs) for s in step.seqs),
         )
         self.steps += 1
         return [handoff]
@@ -313,12 +314,12 @@ class TokenSide(Policy):
         """Token slots for every sequence of ``handoff`` (in its order) and their KV's fetch."""
         seqs = []
         times = handoff.times or ((),) * len(handoff.requests)
-        for request, tokens, marks in zip(handoff.requests, handoff.tokens, times):
+        for request, tokens, marks, logprobs in zip(handoff.requests, handoff.tokens, times, handoff.logprobs):
             seq = self.new_sequence(request)
             seq.times = list(marks)  # the prompt group's: TTFT counts from its prefill
             skip_draws([request.sampling] * len(tokens), [seq.generator] * len(tokens), self.vocab_size)
-            for token in tokens:
-                seq.append(token)
+            for token, lp in zip(tokens, logprobs or [None] * len(tokens)):
+                seq.append(token, lp)
             seq.cached = seq.prompt_len + len(tokens) - 1
             self.slots.take(seq)
             seqs.append(seq)
