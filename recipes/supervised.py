@@ -11,6 +11,7 @@ torchrun's whole-job restart stays the fallback for a lost supervisor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,10 +26,12 @@ from reshard.parallel.engine import Strategy
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.request import Completion, EngineStats
 from reshard.parallel.engine.router import Channel, GroupLayout
+from reshard.parallel.fault.donor import WeightDonor, take_weights
 from reshard.parallel.fault.migrate import GroupJournal, SupervisedRouter, Topology, read_journal, silent_for
 from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, failures, group_store_prefix
+from reshard.parallel.model.parallelize import load_checkpoint
 from reshard.parallel.strategies.tp import TPStrategy
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import collective_timeout
@@ -156,15 +159,16 @@ def _group_strategy(cfg: GenerateConfig, world: int, path: str) -> Strategy:
 
 
 def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -> None:
-    """One engine child: its group's own process group (this generation's), the engine, the
-    journal, then serve what the router hands this generation of the group."""
+    """One engine child: its group's own process group (this generation's), the engine (its
+    weights from a live replica when one serves, else the checkpoint), the journal, then serve
+    what the router hands this generation of the group."""
     from reshard.recipes.generate import stop_tokenizer
 
     store = job_store(restart_count())
     _init_group(spec, store)
-    args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
     world = int(os.environ["WORLD_SIZE"])
-    engine, topology = _group_strategy(cfg, world, path).build(path, args), engine_group_of(cfg, world, spec.rank)[2]
+    topology = engine_group_of(cfg, world, spec.rank)[2]
+    engine, source = _build_engine(cfg, spec, path, topology)
     engine.tokenizer = stop_tokenizer(cfg, Path(path))
     group = engine.engine_group or GroupLayout(0, 1, spec.members)  # a strategy's one group of every rank
     assert group.index == spec.group and group.ranks == spec.members, (group, spec)
@@ -176,19 +180,58 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     )
     report = (lambda a: channel.append("adoptions", a)) if group.is_leader else None
     mirror = _mirror(cfg, engine, spec, report, topology)
+    position = spec.members.index(spec.rank)
+    donor = WeightDonor(engine.runner.model, _supervision_store, spec.endpoint, position) if _replicas(cfg) else None
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
+    channel.put(f"weights_from/{spec.rank}.{spec.generation}", source)
     channel.put(f"ready/{spec.endpoint}", time.time())
     hands_off = spec.group in topology.entries and bool(topology.takers)  # a prompt group
     if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group: once it is)
         mirror.wait_connected(starting=hands_off)
     with engine:
         engine.serve_routed(channel, spec.endpoint, beat=journal.beat, layout=group)
-    channel.put(f"left/{spec.endpoint}", time.time())  # no mirror waits for it any more
-    if mirror is not None:
-        mirror.close()
+    channel.put(f"left/{spec.endpoint}", time.time())  # no mirror (or weight taker) waits for it any more
+    for closing in (mirror, donor):
+        if closing is not None:
+            closing.close()
     if group.is_leader:
         channel.put(f"stats/{spec.endpoint}", engine.stats)
     dist.destroy_process_group()
+
+
+def _replicas(cfg: GenerateConfig) -> bool:
+    """Whether the job's groups are replicas of one layout (the ``tp`` strategy's groups; DejaVu's
+    sides, alike by construction), whose ranks can give a respawned group its weights."""
+    return cfg.parallel.name in ("tp", "dejavu")
+
+
+def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Topology) -> tuple:
+    """This child's engine and where its weights came from: a live replica's endpoint (a
+    respawned group, while another group serves), else ``"checkpoint"``."""
+    args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
+    world = int(os.environ["WORLD_SIZE"])
+    store = _supervision_store()
+    others = [g for g in range(topology.groups) if g != spec.group]
+    live = [e for e in (_live_endpoint(store, g) for g in others) if e is not None]
+    donor = live[0] if spec.generation > 0 and live and _replicas(cfg) else None
+    if donor is not None:
+        args = dataclasses.replace(args, load_weights=False)
+    engine = _group_strategy(cfg, world, path).build(path, args)
+    if donor is None:
+        return engine, "checkpoint"
+    group = int(donor.split(".")[0])
+    gone = lambda: _live_endpoint(store, group) != donor  # noqa: E731 - it died or finished
+    position = spec.members.index(spec.rank)
+    if take_weights(engine.runner.model, _supervision_store, donor, spec.endpoint, position, gone):
+        return engine, donor
+    load_checkpoint(engine.runner.model, path, allow_unused=cfg.model.allow_unused_weights)
+    return engine, "checkpoint"
+
+
+def _live_endpoint(store: dist.Store, g: int) -> str | None:
+    """Group ``g``'s generation that is serving (ready, not yet left), if any."""
+    endpoint, channel = f"{g}.{int(store.get(f'gen/{g}'))}", Channel(CHANNEL, store=store)
+    return endpoint if channel.ready(f"ready/{endpoint}") and not channel.ready(f"left/{endpoint}") else None
 
 
 def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topology) -> KVMirror | None:
@@ -196,16 +239,11 @@ def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topo
     and a disaggregated job's hand-offs): streamed to the rank of the same position of the
     successor group, the source groups' kept."""
 
-    def live(store: dist.Store, g: int) -> str | None:
-        """Group ``g``'s generation that is serving (ready, not yet left), if any."""
-        endpoint, channel = f"{g}.{int(store.get(f'gen/{g}'))}", Channel(CHANNEL, store=store)
-        return endpoint if channel.ready(f"ready/{endpoint}") and not channel.ready(f"left/{endpoint}") else None
-
     kv = cfg.fault.migrate == "kv"
     successor, sources = topology.successor(spec.group, kv), topology.sources(spec.group, kv)
     if successor is None and not sources:
         return None
-    peers = Peers(spec.group, spec.members.index(spec.rank), successor, sources, live)
+    peers = Peers(spec.group, spec.members.index(spec.rank), successor, sources, _live_endpoint)
     hands_off = spec.group in topology.entries and topology.takers  # each prompt's KV leaves after its step
     every = 1 if hands_off else cfg.fault.replicate_every
     return KVMirror(
@@ -306,6 +344,8 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
+    # rank -> generation -> where its weights came from: "checkpoint" or a live replica's endpoint
+    summary["fault"]["weights_from"] = _per_generation(cfg, channel, store, "weights_from")
     # (no strategy's own keys: its engines are the children's)
     fmt = OutputFormat(output_tokenizer(path), cfg.generation.n, cfg.generation.stop)
     _write_outputs(run_dir, completions, summary, None, fmt)

@@ -3,7 +3,8 @@
 ``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank of a pool of ``world_size``
 spawned processes (one pool per world size, created on first use) and returns the per-rank
 results in rank order. ``fn`` must be importable (a module-level function). A failure on any rank
-raises with that rank's traceback; a job that does not finish within ``timeout`` seconds (a hung
+raises with that rank's traceback, a rank whose process is gone with its exit code (at once: its
+peers would wait for it); a job that does not finish within ``timeout`` seconds (a hung
 collective) raises ``TimeoutError``. After a timeout or any failure other than a ``ValueError`` on
 the failing ranks, the pool is killed and the next job gets a fresh one, so one broken test never
 poisons the next.
@@ -18,12 +19,14 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
 JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+DEATH_POLL_S = 0.5  # how often a job's wait looks for a rank whose process is gone
 
 
 def _free_port() -> int:
@@ -87,12 +90,20 @@ class WorkerPool:
         return out
 
     def _next(self, timeout: float, fn):
-        try:
-            return self.results.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(
-                f"{fn.__name__} did not finish on {self.world_size} ranks within {timeout:.0f} s (hung collective?)"
-            ) from None
+        """The next rank's result; ``RuntimeError`` as soon as a rank's process is gone (its peers
+        would wait for it until ``timeout``), ``TimeoutError`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return self.results.get(timeout=max(0.0, min(DEATH_POLL_S, deadline - time.monotonic())))
+            dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
+            if dead:
+                self.healthy = False
+                raise RuntimeError(f"{fn.__name__}: rank(s) {sorted(dead)} exited (exit codes {dead}) before finishing")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on {self.world_size} ranks within {timeout:.0f} s (hung collective?)"
+                )
 
     def alive(self) -> bool:
         return self.healthy and all(p.is_alive() for p in self.procs)

@@ -46,22 +46,39 @@ def _left_running(run_dir: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "args,match",
+    "args,match,console",
     [
         (
             ["generate", "--nproc", "2", "engine.max_batch_sise=4"],
             r"^error: engine.max_batch_sise: Key 'max_batch_sise' not in 'EngineConfig' \(given '4'\) "
             r"\(did you mean 'engine.max_batch_size'\?\)$",
+            True,  # the console script itself: nothing else printed
         ),
-        (["generate", "--nproc", "2", "fault.kill_at=[5,3]"], r"^error: fault.kill_at \[5, 3\] names rank 5, outside"),
-        (["generate", "--nproc", "3", "parallel.tp=2"], r"^error: parallel.tp \(2\) must divide the world size \(3\)$"),
+        (
+            ["generate", "--nproc", "2", "fault.kill_at=[5,3]"],
+            r"^error: fault.kill_at \[5, 3\] names rank 5, outside",
+            False,  # its main() in this process (the same code path, without a Python start)
+        ),
+        (
+            ["generate", "--nproc", "3", "parallel.tp=2"],
+            r"^error: parallel.tp \(2\) must divide the world size \(3\)$",
+            False,
+        ),
     ],
 )
-def test_a_config_error_is_one_line_before_any_rank_starts(tmp_path, args, match):
-    p = _reshard(args, tmp_path)
-    out, _ = p.communicate(timeout=60)
+def test_a_config_error_is_one_line_before_any_rank_starts(tmp_path, args, match, console, capsys, monkeypatch):
+    if console:
+        p = _reshard(args, tmp_path)
+        out, _ = p.communicate(timeout=60)
+        code = p.returncode
+    else:
+        from reshard.recipes.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        code = main(args)
+        out = capsys.readouterr().err
     lines = _lines(out)
-    assert p.returncode == 2 and len(lines) == 1, out
+    assert code == 2 and len(lines) == 1, out
     assert re.match(match, lines[0]), lines[0]
     assert not (tmp_path / "outputs").exists()  # no rank ran, no run directory
 
@@ -76,8 +93,9 @@ def test_a_rank_side_user_error_exits_2_in_one_line_and_leaves_no_run_directory(
 
 @pytest.mark.parametrize(
     "fault,signum",
-    [([], signal.SIGINT), (["fault.replicate=true"], signal.SIGINT), (["fault.replicate=true"], signal.SIGTERM)],
-    ids=["ctrl-c", "ctrl-c-kv-mirrors", "sigterm-to-the-launcher-kv-mirrors"],
+    # (a plain run's Ctrl-C takes the same path with fewer things to clean up)
+    [(["fault.replicate=true"], signal.SIGINT), (["fault.replicate=true"], signal.SIGTERM)],
+    ids=["ctrl-c-kv-mirrors", "sigterm-to-the-launcher-kv-mirrors"],
 )
 def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_path, fault, signum):
     """Ctrl-C mid-generation (SIGINT to the job's process group, as a terminal sends it): one line,

@@ -84,10 +84,8 @@ def _on(world, **degrees) -> dict:
     + [
         (*case, 1)
         for case in [
-            # TP2, greedy and sampled (each rank's ring edge: rank 1's wraps), and TP4 (a middle rank)
-            (2, 1, 5, [], {"main": _on(2, tp=2)}),
+            # TP2 sampled, rank 0 killed (greedy, rank 1, whose ring edge wraps: the cases above)
             (2, 0, 7, SAMPLED, {"main": _on(2, tp=2)}),
-            (4, 1, 7, SAMPLED, {"main": _on(4, tp=4)}),
             # pipeline stages: each stage's KV mirrored on the other
             (2, 0, 6, ["parallel.pp=2"], {"main": _on(2, pp=2)}),
             # Shift: SP prefill, TP decode, one cache
@@ -95,9 +93,8 @@ def _on(world, **degrees) -> dict:
             # Seesaw: at step 16 the second pair decodes (its prompts came from the CPU tier, streamed
             # whole to the mirror) and the third waits in the tier
             (2, 1, 16, SEESAW, {"prefill": _on(2, pp=2), "decode": _on(2, tp=2)}),
-            # data-parallel replicas: a rank mirrors another replica's sequences (DP2: the
-            # replicate_every=3 case above)
-            (4, 2, 6, ["parallel.tp=2"], {"main": _on(4, dp=2, tp=2)}),
+            # data-parallel replicas (a rank mirrors another replica's sequences): the DP2
+            # replicate_every=3 case above; Seesaw decoding in DP2
             (2, 1, 10, SEESAW_DP2, {"prefill": _on(2, pp=2), "decode": _on(2, dp=2)}),
             # SiDP: every rank a replica, FFNs in the owner pool
             (2, 1, 5, ["parallel=sidp"], {"main": _on(2, dp=2)}),

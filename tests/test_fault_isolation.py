@@ -16,7 +16,10 @@ import pytest
 from tests import dist_harness
 from tests.test_recipe import _run_recipe
 
-BASE = ["progress=false", "workload.prompt_len_max=40", "engine.max_batch_size=2"]
+COMMON = ["progress=false", "workload.prompt_len_max=40", "engine.max_batch_size=2"]
+# a warm spare costs each supervisor a process importing torch: on 2 cores, seconds per test. The
+# tests of spares (a respawn taken by one; Ctrl-C stops them) keep them on
+BASE = [*COMMON, "fault.warm_spare=false"]
 DP4 = [*BASE, "parallel.tp=1", "workload.num_requests=32", "generation.max_new_tokens=32"]
 TP2x2 = [*BASE, "parallel.tp=2", "workload.num_requests=8", "generation.max_new_tokens=16"]
 SAMPLED = ["generation.temperature=0.8", "generation.seed=3"]
@@ -131,11 +134,15 @@ def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, refe
     _moved_with_kv(deaths, served_by, every=1, groups=4)
     # groups respawned in the job served again afterwards
     assert any(eps[-1].endswith(".1") for eps in served_by.values()), served_by
-    # each respawned engine loaded the checkpoint's weights, bit for bit
+    # each respawned engine holds the checkpoint's weights, bit for bit, taken from a live replica
+    # (through a link of their own) where one served, else read from the checkpoint
     (digest,) = dist_harness.run(1, _checkpoint_digest, _builtin(tmp_path))
     digests = summary["fault"]["weights_digest"]  # a respawn the job no longer needed may not have loaded
     assert sum("1" in digests[str(r)] for r in range(4)) >= 2, digests
     assert {d for per_rank in digests.values() for d in per_rank.values()} == {digest}
+    sources = summary["fault"]["weights_from"]
+    assert all(sources[r]["0"] == "checkpoint" for r in sources)
+    assert any(k != "0" and src.split(".")[0] != r for r in sources for k, src in sources[r].items()), sources
 
 
 def _moved_with_kv(deaths, served_by, every: int, groups: int) -> None:
@@ -287,7 +294,7 @@ def test_each_rank_killed_in_turn_without_kv_its_requests_are_prefilled_again_el
 
 
 def test_a_hung_group_is_killed_and_with_migrate_none_its_requests_wait_for_its_respawn(tmp_path, reference):
-    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    overrides = [*COMMON, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)
     hang = ["fault.migrate=none", "fault.kill_at=[1,5]", "fault.inject=hang", "fault.hung_after_s=4"]
     tokens, summary, events = _run(tmp_path, [*overrides, *hang], 2)
@@ -300,6 +307,10 @@ def test_a_hung_group_is_killed_and_with_migrate_none_its_requests_wait_for_its_
     waited, served_by = death["resumed"] + death["restarted"], summary["fault"]["served_by"]
     assert waited and death["rejoined_s"] is not None
     assert all(served_by[str(rid)] == ["1.0", "1.1"] for rid in waited), served_by
+    # the respawn ran in the spare rank 1's supervisor started once its first child was ready
+    spare = [e["spare"] for e in events if e["event"] == "spare" and e["rank"] == 1 and e["endpoint"] == "1.0"]
+    started = [e["pid"] for e in events if e["event"] == "started" and e["endpoint"] == "1.1"]
+    assert spare and started == spare[:1], (spare, started)
     digests = summary["fault"]["weights_digest"]  # the respawned engine loaded what the first did
     assert digests["1"]["0"] == digests["1"]["1"] and digests["0"]["0"] == digests["1"]["0"]
     assert _gone(events)
@@ -320,7 +331,7 @@ def test_the_routers_process_lost_torchrun_restarts_the_job_and_nothing_finished
 
 def test_ctrl_c_stops_every_supervisor_child_and_spare(tmp_path):
     shm = _shm()
-    overrides = [*BASE, "parallel.tp=1", "workload.num_requests=400", "generation.max_new_tokens=64"]
+    overrides = [*COMMON, "parallel.tp=1", "workload.num_requests=400", "generation.max_new_tokens=64"]
     proc = subprocess.Popen(
         _command(tmp_path, [*overrides, "fault.migrate=reprefill"], 2), cwd=tmp_path, env=_env(tmp_path),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,

@@ -45,6 +45,9 @@ class EngineArgs:
     routing: str = "least_loaded"  # how the router places requests on engine groups
     pipeline: str | None = None  # pipeline schedule: "inflight" | "drain" | None: in flight where it runs
     prefill_chunk: int | None = None  # chunked prefill: prompt tokens per step beside decodes (None: whole)
+    # False: the model's parameters are left unread, for the caller to fill (a respawned group takes
+    # them from a live replica); strategies that build one layout through ``build_model`` honour it
+    load_weights: bool = True
 
     @property
     def kv(self) -> dict:

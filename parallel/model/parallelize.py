@@ -131,6 +131,13 @@ def _layer_index(name: str) -> int:
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else 0
 
 
+def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, allow_unused: bool = False) -> None:
+    """Read this rank's boxes of every parameter of ``model`` (built with ``load_weights=False``)
+    from the checkpoint at ``path``; rank-local, no collective."""
+    reader = CheckpointReader(resolve_checkpoint(path))
+    _load(model, reader, tied=bool(getattr(model.config, "tie_word_embeddings", False)), allow_unused=allow_unused)
+
+
 def _load(model: nn.Module, reader: CheckpointReader, *, tied: bool, allow_unused: bool) -> None:
     """Copy each rank's box of every parameter from the checkpoint into its local shard, after
     checking every tensor's shape and dtype and that the checkpoint holds nothing unused."""

@@ -47,7 +47,7 @@ class TPStrategy(Strategy):
 
     def build_model(self, path: str | os.PathLike, dims: ParallelDims, args: EngineArgs) -> nn.Module:
         """TP x DP by the TP plan, or pipeline stages of TP when ``pp > 1``."""
-        return build_model(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
+        return build_model(path, dims, dtype=args.dtype, load_weights=args.load_weights, allow_unused=args.allow_unused)
 
     def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
         return Engine(
