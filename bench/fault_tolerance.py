@@ -122,6 +122,10 @@ def group_variants(args) -> tuple[dict, str]:
         "no failure": (dp, 0),
         "no failure, supervised, KV mirrored": ([*dp, "fault.migrate=kv"], 0),
         "1 failure, migrate=kv": ([*dp, "fault.migrate=kv", kill], 0),
+        "1 failure, migrate=kv, respawn reads the checkpoint": (
+            [*dp, "fault.migrate=kv", "fault.respawn_weights=checkpoint", kill],
+            0,
+        ),
         "1 failure, migrate=reprefill": ([*dp, "fault.migrate=reprefill", kill], 0),
         "1 failure, migrate=none": ([*dp, "fault.migrate=none", kill], 0),
         "1 failure, whole-job restart (from scratch)": ([*dp, kill], 1),
@@ -142,9 +146,9 @@ def group_report(args, rows: dict, kill: str) -> None:
     print(
         "| variant | end-to-end s | vs no failure | vs supervised no failure | decode ms/step | kill -> first "
         "migrated token s | kill -> respawn serving s | adopted (regenerated tokens) | re-prefilled tokens | "
-        "hand-offs adopted | same tokens |"
+        "hand-offs adopted | respawn's weights from (build s) | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for v, results in rows.items():
         wall = statistics.median(w for w, _, _ in results)
         step = statistics.median(_step(s) for _, s, _ in results)
@@ -154,7 +158,7 @@ def group_report(args, rows: dict, kill: str) -> None:
             f"| {v} | {wall:.2f} | {wall / base_wall:.2f} | {wall / mirrored:.2f} | {step * 1e3:.2f} "
             f"({step / base_step:.2f}x) | {_after(death, 'first_migrated_token_s')} | {_after(death, 'rejoined_s')} | "
             f"{_adopted(death)} | {death.get('reprefilled_tokens', '-')} | {_hand_offs(results[-1][1])} | "
-            f"{'yes' if same else 'NO'} |"
+            f"{_respawn_weights(results, args.world - 1)} | {'yes' if same else 'NO'} |"
         )
     print(f"\ncommand: {rerun_command('fault_tolerance.py', one_thread=False)}")
 
@@ -169,6 +173,17 @@ def _after(death: dict, key: str) -> str:
     if death.get(key) is None or death.get("died_s") is None:
         return "-"
     return f"{death[key] - death['died_s']:.2f}"
+
+
+def _respawn_weights(results: list, rank: int) -> str:
+    """Where the killed rank's respawned engine took its weights (``checkpoint`` or a live group)
+    and the median seconds its engine took to build with them."""
+    sources = [r[1].get("fault", {}).get("weights_from", {}).get(str(rank), {}).get("1") for r in results]
+    sources = [s for s in sources if s]
+    if not sources:
+        return "-"
+    where = "replica " + sources[-1][0] if sources[-1][0] != "checkpoint" else "checkpoint"
+    return f"{where} ({statistics.median(s[1] for s in sources):.2f})"
 
 
 def _hand_offs(summary: dict) -> str:

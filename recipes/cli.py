@@ -267,14 +267,14 @@ def print_story(run_dir: Path) -> None:
 def story_lines(summary: dict) -> list[str]:
     """What died and how the job came back, one line each: supervised deaths (``fault`` of a
     ``fault.migrate`` run) and whole-job restarts (``failures`` with ``fault.replicate``)."""
-    lines = []
-    for d in summary.get("fault", {}).get("deaths", []):
+    lines, fault = [], summary.get("fault", {})
+    for d in fault.get("deaths", []):
         how = "hung, killed" if d.get("hung") else _signal_name(d.get("exitcode"))
         moved = _moved(d)
         back = (
             ""
             if d.get("rejoined_s") is None
-            else f"; its group served again {d['rejoined_s'] - d['seen_s']:.1f} s later"
+            else f"; its group served again {d['rejoined_s'] - d['seen_s']:.1f} s later{_weights(fault, d)}"
         )
         lines.append(f"recovered: rank {d.get('rank')} died ({how}) at {d.get('died_s') or 0:.1f} s; {moved}{back}")
     if summary.get("failures", 0) and "recomputed_steps" in summary:
@@ -294,6 +294,15 @@ def _restart_story(s: dict) -> str:
         f"recovered: {s['failures']} whole-job restart(s) after a rank failed{detected}; resumed at step "
         f"{s.get('recovered_from_step')} from the ring neighbours' KV, {s['recomputed_steps']} step(s) recomputed{back}"
     )
+
+
+def _weights(fault: dict, death: dict) -> str:
+    """`` with group 0's weights`` when the dead rank's next generation took them from a live replica."""
+    if "endpoint" not in death:
+        return ""
+    generation = int(death["endpoint"].split(".")[1]) + 1
+    source = fault.get("weights_from", {}).get(str(death.get("rank")), {}).get(str(generation))
+    return f" with group {source[0].split('.')[0]}'s weights" if source and source[0] != "checkpoint" else ""
 
 
 def _moved(death: dict) -> str:

@@ -198,6 +198,9 @@ class FaultConfig:
     migrate: Any = None
     max_respawns: int = 3  # per rank, under fault.migrate; one more failure ends the job
     warm_spare: bool = True  # fault.migrate: keep a spare child per rank with its imports done (a faster respawn)
+    # fault.migrate: where a respawned engine takes its weights: replica (a live group of the same
+    # layout sends its ranks' shards; the checkpoint when none serves) | checkpoint
+    respawn_weights: str = "replica"
     # fault.migrate: SIGKILL rank 0's supervisor (the router's process) once this many requests
     # completed, in the first attempt (torchrun's restart takes over; finished requests are kept)
     kill_router_after: int | None = None
@@ -246,6 +249,8 @@ class FaultConfig:
             type(self.kill_router_after) is int and self.kill_router_after >= 1
         ):
             raise ValueError(f"fault.kill_router_after must be an int >= 1 or null, got {self.kill_router_after!r}")
+        if self.respawn_weights not in ("replica", "checkpoint"):
+            raise ValueError(f"fault.respawn_weights must be replica or checkpoint, got {self.respawn_weights!r}")
         if not (type(self.max_respawns) is int and self.max_respawns >= 0):
             raise ValueError(f"fault.max_respawns must be an int >= 0, got {self.max_respawns!r}")
 

@@ -183,7 +183,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     position = spec.members.index(spec.rank)
     donor = WeightDonor(engine.runner.model, _supervision_store, spec.endpoint, position) if _replicas(cfg) else None
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
-    channel.put(f"weights_from/{spec.rank}.{spec.generation}", source)
+    channel.put(f"weights_from/{spec.rank}.{spec.generation}", source)  # (where, seconds to build with them)
     channel.put(f"ready/{spec.endpoint}", time.time())
     hands_off = spec.group in topology.entries and bool(topology.takers)  # a prompt group
     if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group: once it is)
@@ -206,26 +206,26 @@ def _replicas(cfg: GenerateConfig) -> bool:
 
 
 def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Topology) -> tuple:
-    """This child's engine and where its weights came from: a live replica's endpoint (a
-    respawned group, while another group serves), else ``"checkpoint"``."""
+    """This child's engine and where its weights came from, with the seconds that took: a live
+    replica's endpoint (a respawned group, while another group serves; ``fault.respawn_weights``),
+    else ``"checkpoint"``."""
     args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
-    world = int(os.environ["WORLD_SIZE"])
-    store = _supervision_store()
-    others = [g for g in range(topology.groups) if g != spec.group]
-    live = [e for e in (_live_endpoint(store, g) for g in others) if e is not None]
-    donor = live[0] if spec.generation > 0 and live and _replicas(cfg) else None
-    if donor is not None:
-        args = dataclasses.replace(args, load_weights=False)
-    engine = _group_strategy(cfg, world, path).build(path, args)
+    world, store = int(os.environ["WORLD_SIZE"]), _supervision_store()
+    live = [e for e in (_live_endpoint(store, g) for g in range(topology.groups) if g != spec.group) if e]
+    wanted = spec.generation > 0 and cfg.fault.respawn_weights == "replica" and _replicas(cfg)
+    donor = live[0] if wanted and live else None
+    t0 = time.perf_counter()
     if donor is None:
-        return engine, "checkpoint"
+        engine = _group_strategy(cfg, world, path).build(path, args)
+        return engine, ("checkpoint", time.perf_counter() - t0)
+    engine = _group_strategy(cfg, world, path).build(path, dataclasses.replace(args, load_weights=False))
     group = int(donor.split(".")[0])
     gone = lambda: _live_endpoint(store, group) != donor  # noqa: E731 - it died or finished
     position = spec.members.index(spec.rank)
     if take_weights(engine.runner.model, _supervision_store, donor, spec.endpoint, position, gone):
-        return engine, donor
+        return engine, (donor, time.perf_counter() - t0)
     load_checkpoint(engine.runner.model, path, allow_unused=cfg.model.allow_unused_weights)
-    return engine, "checkpoint"
+    return engine, ("checkpoint", time.perf_counter() - t0)
 
 
 def _live_endpoint(store: dist.Store, g: int) -> str | None:
@@ -344,7 +344,8 @@ def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: C
     digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
     summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
-    # rank -> generation -> where its weights came from: "checkpoint" or a live replica's endpoint
+    # rank -> generation -> [where its weights came from: "checkpoint" or a live replica's endpoint,
+    # seconds its engine took to build with them]
     summary["fault"]["weights_from"] = _per_generation(cfg, channel, store, "weights_from")
     # (no strategy's own keys: its engines are the children's)
     fmt = OutputFormat(output_tokenizer(path), cfg.generation.n, cfg.generation.stop)

@@ -161,11 +161,15 @@ def test_story_lines_tell_each_recovery_in_one_line():
     from reshard.recipes.cli import story_lines
 
     death = {"rank": 2, "exitcode": -9, "hung": False, "died_s": 3.25, "seen_s": 3.3, "rejoined_s": 4.1}
-    death |= {"adopted": [[7, 12, 1], [9, 30, 1]], "resumed": [7, 9], "reprefilled_tokens": 0}
+    death |= {"adopted": [[7, 12, 1], [9, 30, 1]], "resumed": [7, 9], "reprefilled_tokens": 0, "endpoint": "2.0"}
     assert story_lines({"fault": {"deaths": [death]}}) == [
         "recovered: rank 2 died (SIGKILL) at 3.2 s; 2 request(s) adopted with their KV by another group, "
         "2 token(s) generated again; its group served again 0.8 s later"
     ]
+    weights = {"2": {"0": ["checkpoint", 1.5], "1": ["3.0", 0.4]}}
+    assert story_lines({"fault": {"deaths": [death], "weights_from": weights}})[0].endswith(
+        "; its group served again 0.8 s later with group 3's weights"
+    )
     restart = {"failures": 1, "detected_after_s": 0.4, "restart_after_s": 5.0, "recovery_seconds": 0.5}
     restart |= {"recovered_from_step": 6, "recomputed_steps": 1}
     assert story_lines(restart) == [

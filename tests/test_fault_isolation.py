@@ -141,8 +141,8 @@ def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, refe
     assert sum("1" in digests[str(r)] for r in range(4)) >= 2, digests
     assert {d for per_rank in digests.values() for d in per_rank.values()} == {digest}
     sources = summary["fault"]["weights_from"]
-    assert all(sources[r]["0"] == "checkpoint" for r in sources)
-    assert any(k != "0" and src.split(".")[0] != r for r in sources for k, src in sources[r].items()), sources
+    assert all(sources[r]["0"][0] == "checkpoint" for r in sources)
+    assert any(k != "0" and src[0].split(".")[0] != r for r in sources for k, src in sources[r].items()), sources
 
 
 def _moved_with_kv(deaths, served_by, every: int, groups: int) -> None:

@@ -4,17 +4,18 @@ Under ``fault.migrate`` the ``tp`` strategy's engine groups are replicas of one 
 ``i`` of a live group holds exactly the local shards rank ``i`` of a respawned group needs. Every
 live child runs a :class:`WeightDonor`: a thread that waits for requests under its endpoint
 (``weights/want/<endpoint>/<position>``) and answers each over a two-rank link of its own
-(:class:`reshard.parallel.fault.mirror.Link`), one message per parameter: its name and local
-shape and dtype, then its bytes. The respawned child builds its model without reading the
-checkpoint (``EngineArgs.load_weights=False``), asks a live group's rank of its own position
+(:class:`reshard.parallel.fault.mirror.Link`), one message per parameter: its name, local shape,
+dtype and whether it is the last, then its bytes. The respawned child builds its model without
+reading the checkpoint (``EngineArgs.load_weights=False``), asks a live group's rank of its own position
 (:func:`take_weights`) and copies each message into its local shard after checking name, shape
-and dtype. A donor that dies or finishes before the last message leaves the taker to read the
-checkpoint, as a respawn without a live replica does.
+and dtype. A donor that dies or finishes before the last message, or a transfer that stalls,
+leaves the taker to read the checkpoint, as a respawn without a live replica does.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,8 +25,8 @@ from torch import nn
 from reshard.parallel.engine.router import Channel
 from reshard.parallel.fault.mirror import Link
 
-WATCH_S = 0.1  # how often a donor looks for requests
-DONE = "done"  # the last message's name
+WATCH_S = 0.1  # how often a donor looks for requests (and a taker at its transfer)
+STALL_S = 60.0  # a taker that received nothing for this long reads the checkpoint instead
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -51,18 +52,22 @@ class WeightDonor:
         self._thread.start()
 
     def _serve(self) -> None:
+        """Each request gets a thread (and a store client) of its own: a transfer to a taker that
+        died blocks only its own thread."""
         channel = Channel("weights", store=self.connect())
         seen = 0
         while not self._stop.wait(WATCH_S):
             for taker in channel.read_list(self.key, seen):
                 seen += 1
-                self._send(Link(channel.store, f"{self.name}/{taker}", 0))
-                self.sent.append(taker)
+                threading.Thread(target=self._send, args=(taker,), name="reshard-weight-send", daemon=True).start()
 
-    def _send(self, link: Link) -> None:
-        for name, local in _params(self.model):
-            link.send((name, tuple(local.shape), str(local.dtype)), local.detach().contiguous().view(torch.uint8))
-        link.send((DONE, (), ""), torch.empty(0, dtype=torch.uint8))
+    def _send(self, taker: str) -> None:
+        link = Link(Channel("weights", store=self.connect()).store, f"{self.name}/{taker}", 0)
+        params = _params(self.model)
+        for i, (name, local) in enumerate(params):
+            meta = (name, tuple(local.shape), str(local.dtype), i == len(params) - 1)  # (.., the last one)
+            link.send(meta, local.detach().contiguous().view(torch.uint8))
+        self.sent.append(taker)
 
     def close(self) -> None:
         """Stop answering (a transfer under way finishes first only if the process lives on)."""
@@ -79,8 +84,9 @@ def take_weights(
 ) -> bool:
     """Fill ``model``'s local shards from rank ``position`` of the live group ``donor`` (an
     endpoint) for this group's ``endpoint``; whether they all arrived before ``gone()`` (the donor
-    died or finished: the caller loads the checkpoint instead, and the transfer is abandoned on
-    its blocked thread). ``AssertionError`` if the donor's tensors are not this model's."""
+    died or finished) and without a stall of ``STALL_S`` (else the caller loads the checkpoint
+    instead, and the transfer is abandoned on its blocked thread). ``AssertionError`` if the
+    donor's tensors are not this model's."""
     channel = Channel("weights", store=connect())
     channel.append(f"weights/want/{donor}/{position}", endpoint)
     link = Link(Channel("weights", store=connect()).store, f"weights/{donor}/{position}/{endpoint}", 1)
@@ -89,10 +95,9 @@ def take_weights(
 
     def receive() -> None:
         try:
-            while True:
-                (name, shape, dtype), data = link.recv()
-                if name == DONE:
-                    break
+            last = False
+            while not last:
+                (name, shape, dtype, last), data = link.recv()
                 local = mine.pop(name)
                 assert (shape, dtype) == (tuple(local.shape), str(local.dtype)), (name, shape, dtype, local.shape)
                 local.copy_(data.view(local.dtype).view(shape))
@@ -102,8 +107,11 @@ def take_weights(
         done.set()
 
     threading.Thread(target=receive, name="reshard-weight-taker", daemon=True).start()
+    last, since = len(mine), time.monotonic()
     while not done.wait(WATCH_S):
-        if gone():
+        if len(mine) != last:  # a tensor arrived
+            last, since = len(mine), time.monotonic()
+        if gone() or time.monotonic() - since > STALL_S:
             return False
     if failed:
         raise failed[0]
