@@ -163,7 +163,7 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
     assert summaries[0]["layout"] == "D2" and summaries[0]["dtype"] == "float32"
     assert summaries[0]["sampling"] == {
         "max_new_tokens": 8, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
-        "stop_token_ids": None, "min_tokens": 0, "ignore_eos": False, "n": 1,
+        "stop_token_ids": None, "min_tokens": 0, "ignore_eos": False, "stop": None, "logprobs": None, "n": 1,
     }  # fmt: skip
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["engine_groups"] == 2 and summary["online"] is True  # two replicas, each its own group
