@@ -3,12 +3,13 @@ ring successor's mirror, replay the journal) vs without (restart every request f
 no failure; and replication's cost on a failure-free decode step.
 
     python bench/fault_tolerance.py [--world 2] [--requests 32] [--new-tokens 64] [--batch 8] [--repeats 2]
-    python bench/fault_tolerance.py --groups [--world 4] [--prompt-len 64] [--layout dp|dejavu] ...
+    python bench/fault_tolerance.py --groups [--world 4] [--prompt-len 64] [--layout dp|dejavu] [--only none] ...
 
 ``--groups``: data-parallel engine groups of one rank each under supervision (``fault.migrate``):
 the killed engine is respawned in the job while the others serve, and its requests continue with
 their KV on the group that mirrors it (``kv``), prefilled again on any group (``reprefill``) or
-on its own respawned group (``none``); against the same job without failure (with and without
+on its own respawned group (``none``, whose respawn takes its weights from a live replica, and
+again reading the checkpoint); against the same job without failure (with and without
 supervision) and against torchrun's whole-job restart (every request from scratch). With
 ``--layout dejavu``: half the ranks prompt groups, half token groups (of one rank each); the last
 rank, a token group's, is killed.
@@ -82,10 +83,13 @@ def main() -> None:
         help="a Hydra override for every variant (e.g. parallel=seesaw); repeatable",
     )
     p.add_argument("--groups", action="store_true", help="supervised engine groups (see the module docstring)")
+    p.add_argument("--only", action="append", default=[], help="run the variants whose name contains this; repeatable")
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (the shortest is half)")
     p.add_argument("--layout", choices=("dp", "dejavu"), default="dp", help="--groups: the groups' layout")
     args = p.parse_args()
     variants, kill = group_variants(args) if args.groups else lockstep_variants(args)
+    if args.only:  # the failure-free baseline always runs: every ratio is to it
+        variants = {v: x for v, x in variants.items() if v == "no failure" or any(o in v for o in args.only)}
     rows: dict[str, list] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -122,12 +126,13 @@ def group_variants(args) -> tuple[dict, str]:
         "no failure": (dp, 0),
         "no failure, supervised, KV mirrored": ([*dp, "fault.migrate=kv"], 0),
         "1 failure, migrate=kv": ([*dp, "fault.migrate=kv", kill], 0),
-        "1 failure, migrate=kv, respawn reads the checkpoint": (
-            [*dp, "fault.migrate=kv", "fault.respawn_weights=checkpoint", kill],
-            0,
-        ),
         "1 failure, migrate=reprefill": ([*dp, "fault.migrate=reprefill", kill], 0),
         "1 failure, migrate=none": ([*dp, "fault.migrate=none", kill], 0),
+        # the requests wait for the respawn: its weights from a live replica (above) or the checkpoint
+        "1 failure, migrate=none, respawn reads the checkpoint": (
+            [*dp, "fault.migrate=none", "fault.respawn_weights=checkpoint", kill],
+            0,
+        ),
         "1 failure, whole-job restart (from scratch)": ([*dp, kill], 1),
     }
     return variants, kill
@@ -135,11 +140,12 @@ def group_variants(args) -> tuple[dict, str]:
 
 def group_report(args, rows: dict, kill: str) -> None:
     base_wall = statistics.median(w for w, _, _ in rows["no failure"])
-    mirrored = statistics.median(w for w, _, _ in rows["no failure, supervised, KV mirrored"])
+    supervised = rows.get("no failure, supervised, KV mirrored") or rows["no failure"]  # (--only may skip it)
+    mirrored = statistics.median(w for w, _, _ in supervised)
     base_step = statistics.median(_step(s) for _, s, _ in rows["no failure"])
     reference = rows["no failure"][0][2]
     print(
-        f"\nbuilt-in tiny Llama, {args.world} engine groups of 1 rank ({args.layout}), {args.requests} requests x "
+        f"\n{_model(args)}, {args.world} engine groups of 1 rank ({args.layout}), {args.requests} requests x "
         f"{args.new_tokens} new tokens, prompts {args.prompt_len // 2}-{args.prompt_len}, batch {args.batch}, greedy; "
         f"{kill}; median of {args.repeats}, variants round-robin\n"
     )
@@ -161,6 +167,12 @@ def group_report(args, rows: dict, kill: str) -> None:
             f"{_respawn_weights(results, args.world - 1)} | {'yes' if same else 'NO'} |"
         )
     print(f"\ncommand: {rerun_command('fault_tolerance.py', one_thread=False)}")
+
+
+def _model(args) -> str:
+    """The checkpoint the variants ran: the built-in one unless an override names another."""
+    paths = [o.split("=", 1)[1] for o in args.override if o.startswith("model.path=")]
+    return f"checkpoint {paths[-1]}" if paths else "built-in tiny Llama"
 
 
 def _death(summary: dict) -> dict:
@@ -205,7 +217,7 @@ def report(args, rows: dict, kill: str) -> None:
     reference = rows["no failure"][0][2]
     layout = " ".join(args.override) or "TP"
     print(
-        f"\nbuilt-in tiny Llama, {args.world} ranks ({layout}), "
+        f"\n{_model(args)}, {args.world} ranks ({layout}), "
         f"{args.requests} requests x {args.new_tokens} new tokens, "
         f"batch {args.batch}, greedy; {kill}; median of {args.repeats}, variants round-robin\n"
     )

@@ -18,9 +18,10 @@ from tests.test_recipe import _run_recipe
 
 COMMON = ["progress=false", "workload.prompt_len_max=40", "engine.max_batch_size=2"]
 # a warm spare costs each supervisor a process importing torch: on 2 cores, seconds per test. The
-# tests of spares (a respawn taken by one; Ctrl-C stops them) keep them on
+# tests of spares (a respawn taken by one; Ctrl-C stops them) and the each-rank-killed tests (their
+# respawns must serve before the job ends) keep them on
 BASE = [*COMMON, "fault.warm_spare=false"]
-DP4 = [*BASE, "parallel.tp=1", "workload.num_requests=32", "generation.max_new_tokens=32"]
+DP4 = [*COMMON, "parallel.tp=1", "workload.num_requests=32", "generation.max_new_tokens=32"]
 TP2x2 = [*BASE, "parallel.tp=2", "workload.num_requests=8", "generation.max_new_tokens=16"]
 SAMPLED = ["generation.temperature=0.8", "generation.seed=3"]
 DEJAVU = [  # prompt groups 0 and 1 (ranks 0, 1), token groups 2 and 3 (ranks 2, 3)

@@ -10,8 +10,8 @@ layout; which group follows which is the job's
 do not step together, so each message names what it carries (request ids, slots, token ranges)
 and the receiver unpacks it as it lands, on a thread of its own. Each direction is a two-rank
 process group of its own per pair of generations (:class:`Link`), so a respawned peer never
-meets the old one's connections. ``every`` steps' entries leave in one message (a failure
-recomputes at most that many tokens per sequence).
+meets the old one's connections. A failure recomputes at most ``every`` tokens per sequence:
+messages of ``(every + 1) // 2`` steps' entries, one in flight (:attr:`KVMirror.cadence`).
 
 A :class:`reshard.parallel.engine.request.Migrated` request names its source endpoint; the
 group that takes it gives it a slot and fires the engine's ``adopt`` event:
@@ -146,7 +146,8 @@ class KVMirror:
 
     ``me``: this generation's endpoint; ``connect()``: a new client of the job's store (each
     thread and each link has its own: a client blocked in a wait, as a link's lazy connection
-    is, blocks every thread sharing it); ``every``: steps per message; ``group``: the engine
+    is, blocks every thread sharing it); ``every``: the most tokens per sequence a failure makes
+    the adopter generate again (see :attr:`cadence`); ``group``: the engine
     group's process group (adoption agrees on lengths over it); ``report(adoption)``: told of
     each adoption as it happens (:attr:`adopted`'s entries); ``slots``: a source's mirror slots
     per slot of this rank's cache (hand-offs wait there until adopted).
@@ -195,7 +196,7 @@ class KVMirror:
 
     # ---- sending ----------------------------------------------------------------------------------
     def _step_end(self, step, seqs: list) -> None:
-        """Gather ``seqs``' new entries; every ``every``-th step, hand them to the sending thread."""
+        """Gather ``seqs``' new entries; every :attr:`cadence`-th step, hand them to the sending thread."""
         live = {s.request.id for s in seqs} if step.phase != "prefill" else None
         whole = self.resync and live is not None  # a step of every live sequence resends them all
         self.resync = self.resync and not whole
@@ -214,22 +215,26 @@ class KVMirror:
             self.sent = {rid: n for rid, n in self.sent.items() if rid in live}
         self.steps += 1
         outbox = self.outbox
-        if self.pending and self.steps % self.every == 0:
+        if self.pending and self.steps % self.cadence == 0:
             spans, self.pending = self.pending, []
             if outbox is None:  # nobody mirrors this rank now: the next receiver gets everything
                 self.resync = True
                 return
-            self._wait_sent(outbox)
+            self._wait_sent(outbox)  # one message in flight at most
             self.last = (outbox, threading.Event())
             outbox.put((spans, Packing.of(self.cache, [self.piece], spans).pack(self.cache.device), self.last[1]))
-            if self.every > 1:  # k steps per message: this one leaves before the next k gather (<= k lost)
-                self._wait_sent(outbox)
+
+    @property
+    def cadence(self) -> int:
+        """Steps per message: ``m = (every + 1) // 2``. With one message in flight, a failure
+        loses the ``m`` steps it carries and the ``m - 1`` gathered since, ``2m - 1 <= every``
+        (1 for ``every`` 1 and 2); the step never waits on a message it just queued, only, rarely,
+        on the one before (``m`` steps to leave)."""
+        return (self.every + 1) // 2
 
     def _wait_sent(self, outbox: queue.Queue) -> None:
-        """Wait until the last message queued has left, unless its sender was replaced meanwhile.
-        With one step per message the previous one is waited for (one in flight: a failure
-        loses at most that step); with ``every`` > 1, each message before the next steps gather
-        (a failure loses at most the ``every - 1`` steps gathered and the one computing)."""
+        """Wait until the last message queued has left, unless its sender was replaced meanwhile
+        (one message in flight: see :attr:`cadence`)."""
         queued_in, sent = self.last
         if queued_in is not outbox:  # it went to a receiver since replaced: nothing to wait for here
             return
