@@ -22,6 +22,8 @@ COMMON = ["progress=false", "workload.prompt_len_max=40", "engine.max_batch_size
 # respawns must serve before the job ends) keep them on
 BASE = [*COMMON, "fault.warm_spare=false"]
 DP4 = [*COMMON, "parallel.tp=1", "workload.num_requests=32", "generation.max_new_tokens=32"]
+# with migrate=kv the dead groups' requests leave at once: more work keeps the job on while respawns load
+DP4_LONG = [*COMMON, "parallel.tp=1", "workload.num_requests=64", "generation.max_new_tokens=32"]
 TP2x2 = [*BASE, "parallel.tp=2", "workload.num_requests=8", "generation.max_new_tokens=16"]
 SAMPLED = ["generation.temperature=0.8", "generation.seed=3"]
 DEJAVU = [  # prompt groups 0 and 1 (ranks 0, 1), token groups 2 and 3 (ranks 2, 3)
@@ -116,11 +118,11 @@ def _never_waited(deaths) -> int:
 
 
 def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, reference):
-    expected = reference(DP4, 4)
+    expected = reference(DP4_LONG, 4)
     shm = _shm()
     # four engine groups of one rank; each rank's engine is SIGKILLed at a decode step, in turn
     kills = "fault.kill_at=[[0,3],[1,40],[2,80],[3,120]]"
-    tokens, summary, events = _run(tmp_path, [*DP4, "fault.migrate=kv", kills], 4)
+    tokens, summary, events = _run(tmp_path, [*DP4_LONG, "fault.migrate=kv", kills], 4)
     assert _gone(events) and _shm() <= shm  # every process of the job ended, nothing left in /dev/shm
     assert tokens == expected
     assert summary["failures"] == 0  # torchrun never restarted the job
