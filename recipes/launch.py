@@ -4,6 +4,7 @@ Hydra under torchrun (one run dir, written by rank 0) and user errors reported a
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import signal
 import socket
@@ -15,9 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
 LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads a failed rank's exception
 EXIT_USER, EXIT_INTERRUPTED = 2, 130  # a user error; Ctrl-C (128 + SIGINT, as a shell reports it)
 FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
 
@@ -87,6 +90,23 @@ def report_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+class _WholeErrorFile(ErrorHandler):
+    """torchrun's error file, written whole or not at all: a fault-tolerant rank may leave
+    (``os._exit`` from its heartbeat thread) while its main thread records the error its peer's
+    death raised, and torchrun's agent fails on a half-written file instead of restarting."""
+
+    def record_exception(self, e: BaseException) -> None:
+        file = self._get_error_file_path()
+        if not file:
+            return super().record_exception(e)
+        os.environ[ERROR_FILE_ENV] = f"{file}.{os.getpid()}.tmp"
+        try:
+            super().record_exception(e)
+        finally:
+            os.environ[ERROR_FILE_ENV] = file
+        os.replace(f"{file}.{os.getpid()}.tmp", file)
+
+
 def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
     """Run ``run(config dataclass, run dir)`` under ``@hydra.main`` on every rank of the job. A user
     error (a ``ValueError``, or a config that Hydra refuses) is one line on stderr and exit status 2."""
@@ -119,7 +139,8 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
                 _interrupted(run_dir)
             raise
 
-    @record  # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
+    # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
+    @functools.partial(record, error_handler=_WholeErrorFile())
     def _job() -> None:
         overrides = sys.argv[1:]
         schema.register(overrides)

@@ -102,10 +102,13 @@ def take_weights(
                 assert (shape, dtype) == (tuple(local.shape), str(local.dtype)), (name, shape, dtype, local.shape)
                 local.copy_(data.view(local.dtype).view(shape))
             assert not mine, f"the donor {donor} sent no {sorted(mine)[:4]}"
-        except BaseException as e:
+        except AssertionError as e:  # another layout's tensors: a bug, raised in the caller's thread
             failed.append(e)
+        except Exception:  # the link broke (the donor died mid-way): the caller reads the checkpoint
+            broken.set()
         done.set()
 
+    broken = threading.Event()
     threading.Thread(target=receive, name="reshard-weight-taker", daemon=True).start()
     last, since = len(mine), time.monotonic()
     while not done.wait(WATCH_S):
@@ -115,7 +118,7 @@ def take_weights(
             return False
     if failed:
         raise failed[0]
-    return True
+    return not broken.is_set()
 
 
 __all__ = ["WeightDonor", "take_weights"]
