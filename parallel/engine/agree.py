@@ -61,7 +61,7 @@ def sample_step(
     source = torch.zeros(len(seqs), dtype=torch.bool)
     want = [i for i, s in enumerate(seqs) if s.request.sampling.logprobs is not None]
     width = 1 + 2 * max((seqs[i].request.sampling.logprobs for i in want), default=0)
-    lp = torch.zeros(len(seqs), width)  # (B, 1 + 2k): rows of the sequences this rank is the source of
+    lp = torch.zeros(len(seqs), width) if want else None  # (B, 1 + 2k): the rows this rank is the source of
     sampled = set()
     if logits is not None:
         rows = torch.tensor([index[id(s)] for s in mine], dtype=torch.long)
@@ -76,10 +76,12 @@ def sample_step(
     skip_draws([s.request.sampling for s in others], [s.generator for s in others], vocab_size)
     keys = sorted(extras or {})
     values = torch.tensor([int(extras[k]) for k in keys], dtype=torch.long)
-    bits = lp[want].view(torch.int32).long().flatten()  # one source per row: the sum is its bits
-    agreed, sums = agree_tokens(tokens, source, group, torch.cat([values, bits]))
-    rows = sums[len(keys) :].int().view(torch.float32).view(len(want), width).tolist()
+    if want:  # one source per row: the sum is its fp32 bits
+        values = torch.cat([values, lp[want].view(torch.int32).long().flatten()])
+    agreed, sums = agree_tokens(tokens, source, group, values)
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-    for i, row in zip(want, rows):
-        logprobs[i] = unpack_logprobs(row, seqs[i].request.sampling.logprobs)
+    if want:
+        rows = sums[len(keys) :].int().view(torch.float32).view(len(want), width).tolist()
+        for i, row in zip(want, rows):
+            logprobs[i] = unpack_logprobs(row, seqs[i].request.sampling.logprobs)
     return agreed.tolist(), dict(zip(keys, sums[: len(keys)].tolist())), logprobs

@@ -46,7 +46,6 @@ class WeightDonor:
     def __init__(self, model: nn.Module, connect: Callable[[], dist.Store], endpoint: str, position: int) -> None:
         self.model, self.connect, self.key = model, connect, f"weights/want/{endpoint}/{position}"
         self.name = f"weights/{endpoint}/{position}"
-        self.sent: list[str] = []  # the endpoints served
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="reshard-weight-donor", daemon=True)
         self._thread.start()
@@ -67,7 +66,6 @@ class WeightDonor:
         for i, (name, local) in enumerate(params):
             meta = (name, tuple(local.shape), str(local.dtype), i == len(params) - 1)  # (.., the last one)
             link.send(meta, local.detach().contiguous().view(torch.uint8))
-        self.sent.append(taker)
 
     def close(self) -> None:
         """Stop answering (a transfer under way finishes first only if the process lives on)."""

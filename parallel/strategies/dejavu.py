@@ -314,7 +314,8 @@ class TokenSide(Policy):
         """Token slots for every sequence of ``handoff`` (in its order) and their KV's fetch."""
         seqs = []
         times = handoff.times or ((),) * len(handoff.requests)
-        for request, tokens, marks, logprobs in zip(handoff.requests, handoff.tokens, times, handoff.logprobs):
+        logprobs_all = handoff.logprobs or ((),) * len(handoff.requests)
+        for request, tokens, marks, logprobs in zip(handoff.requests, handoff.tokens, times, logprobs_all):
             seq = self.new_sequence(request)
             seq.times = list(marks)  # the prompt group's: TTFT counts from its prefill
             skip_draws([request.sampling] * len(tokens), [seq.generator] * len(tokens), self.vocab_size)
