@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.fit import EFFICIENCIES
 from reshard.parallel.cost.profiles import hardware, model, workload
 from reshard.parallel.cost.techniques import rank_all, with_latency
@@ -57,9 +58,9 @@ def make_plan(cfg: PlanConfig) -> dict:
         "ranked": ranked,
         "phases": _phases(m, hw, cfg.num_gpus, w),
         "infeasible": {k: v for k, v in infeasible.items() if v},
-        "shift_threshold": cost.shift_threshold(m, hw, cfg.num_gpus),
-        "sidp_threshold": cost.sidp_threshold(m, hw, cfg.num_gpus),
-        "dejavu": cost.dejavu_plan(m, hw, cfg.num_gpus, w),
+        "shift_threshold": models.shift_threshold(m, hw, cfg.num_gpus),
+        "sidp_threshold": models.sidp_threshold(m, hw, cfg.num_gpus),
+        "dejavu": models.dejavu_plan(m, hw, cfg.num_gpus, w),
         "assumptions": {
             "memory_reserve": cost.MEMORY_RESERVE,
             "prefill_tokens": cost.PREFILL_TOKENS,

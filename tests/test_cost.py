@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.profiles import MODELS, ModelShape, hardware, model, workload
 from reshard.parallel.cost.roofline import ParallelConfig, parse_notation
 
@@ -175,25 +176,25 @@ def test_shift_sp_wins_ttft_tp_wins_tpot_at_low_traffic(hw_name, cfg_sp):
     tp = ParallelConfig(tp=4)
     assert cost.ttft(m, hw, cfg_sp, 3000) < cost.ttft(m, hw, tp, 3000)
     assert cost.tpot(m, hw, tp, 1, 3000) < cost.tpot(m, hw, cfg_sp, 1, 3000)
-    shift = cost.shift_threshold(m, hw, 4)
+    shift = models.shift_threshold(m, hw, 4)
     n = shift["threshold"]
     assert shift["base"] == cfg_sp.notation and 1 < n < 3000
-    assert cost.step_time(m, hw, cfg_sp, n) < cost.step_time(m, hw, tp, n)
-    assert cost.step_time(m, hw, cfg_sp, n - 1) >= cost.step_time(m, hw, tp, n - 1)
+    assert models.step_time(m, hw, cfg_sp, n) < models.step_time(m, hw, tp, n)
+    assert models.step_time(m, hw, cfg_sp, n - 1) >= models.step_time(m, hw, tp, n - 1)
 
 
 def test_sidp_b_star_separates_cas_from_was():
     m, hw = model("qwen3-32b"), hardware("h200")
-    b = cost.sidp_threshold(m, hw, 8)
-    was, cas = cost.sidp_times(m, hw, 8, b)
+    b = models.sidp_threshold(m, hw, 8)
+    was, cas = models.sidp_times(m, hw, 8, b)
     assert cas >= was
-    was, cas = cost.sidp_times(m, hw, 8, b - 1)
+    was, cas = models.sidp_times(m, hw, 8, b - 1)
     assert cas < was
     from reshard.layers.owner_pool import CAS, WAS
     from reshard.parallel.strategies.sidp import choose_mode
 
     assert choose_mode(b * 2, None, b, 0.1) == WAS and choose_mode(b / 2, None, b, 0.1) == CAS
-    assert cost.sidp_threshold(m, hardware("a10"), 8) > b  # a slower link needs bigger batches
+    assert models.sidp_threshold(m, hardware("a10"), 8) > b  # a slower link needs bigger batches
 
 
 @pytest.mark.parametrize(
@@ -206,7 +207,7 @@ def test_sidp_b_star_separates_cas_from_was():
     ],
 )
 def test_dejavu_disaggregation_pays_only_when_inequality_5_holds(model_name, hw_name, gpus, w):
-    d = cost.dejavu_plan(model(model_name), hardware(hw_name), gpus, w)
+    d = models.dejavu_plan(model(model_name), hardware(hw_name), gpus, w)
     D = gpus
     Y = d["Y_ms"]
     t = d["t_ms"]
@@ -378,8 +379,8 @@ def test_dejavu_streaming_overhead_comes_from_the_link():
     import dataclasses
 
     m, w = model("bloom-176b"), workload("constant", input_len=1000, output_len=200, requests=64)
-    fast = cost.dejavu_plan(m, hardware("a100-80g"), 8, w)
-    slow = cost.dejavu_plan(m, dataclasses.replace(hardware("a100-80g"), link_bw=1.25e8), 8, w)
+    fast = models.dejavu_plan(m, hardware("a100-80g"), 8, w)
+    slow = models.dejavu_plan(m, dataclasses.replace(hardware("a100-80g"), link_bw=1.25e8), 8, w)
     assert fast["m"] == 1.0 and slow["m"] > 1.0
 
 

@@ -177,7 +177,7 @@ def send_time(hw: Hardware, nbytes: float) -> float:
 
 
 # ---- one layer, one stage --------------------------------------------------------------------------
-def _roofline(hw: Hardware, flops: float, nbytes: float) -> float:
+def roofline_time(hw: Hardware, flops: float, nbytes: float) -> float:
     return max(flops / hw.flops, nbytes / hw.mem_bw)
 
 
@@ -188,8 +188,8 @@ def layer_time(
     ``attn_flops`` / ``attn_bytes`` are the whole attention's (split here over ``tp * sp``)."""
     shards, e = cfg.tp * cfg.sp, m.dtype_bytes
     acts = tokens * (4 * m.hidden + m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * m.intermediate) * e
-    linear = _roofline(hw, 2 * layer_params(m) * tokens / shards, layer_params(m) * e / cfg.tp + acts / shards)
-    attn = _roofline(hw, attn_flops / shards, attn_bytes / shards)
+    linear = roofline_time(hw, 2 * layer_params(m) * tokens / shards, layer_params(m) * e / cfg.tp + acts / shards)
+    attn = roofline_time(hw, attn_flops / shards, attn_bytes / shards)
     comm = 2 * all_reduce_time(hw, tokens / cfg.sp * m.hidden * e, cfg.tp)
     qkv = tokens / cfg.sp * m.head_dim * (m.heads + 2 * m.kv_heads) / cfg.tp * e
     comm += all_to_all_time(hw, qkv, cfg.sp) + all_to_all_time(
@@ -201,7 +201,7 @@ def layer_time(
 def head_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, rows: float) -> float:
     """The LM head for ``rows`` sampled positions (vocab-split over ``tp``)."""
     params = m.vocab * m.hidden
-    return _roofline(hw, 2 * params * rows / (cfg.tp * cfg.sp), params * m.dtype_bytes / cfg.tp)
+    return roofline_time(hw, 2 * params * rows / (cfg.tp * cfg.sp), params * m.dtype_bytes / cfg.tp)
 
 
 def prefill_stage_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seqs: float, seq_len: float) -> float:
@@ -401,117 +401,3 @@ def rank_layouts(
     cands = configs(num_gpus)
     out = [estimate(m, hw, a, b, w, max_batch=max_batch) for a in cands for b in cands]
     return sorted((e for e in out if e is not None and e.batch > 0), key=lambda e: -e.tokens_per_s)
-
-
-# ---- Shift: the SP/TP token threshold -----------------------------------------------------------------
-def step_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, tokens: float) -> float:
-    """One forward of a ``tokens``-token prompt (all stages in turn): Shift's per-step cost."""
-    return ttft(m, hw, cfg, tokens)
-
-
-def shift_base(m: ModelShape, hw: Hardware, num_gpus: int) -> ParallelConfig | None:
-    """Shift's base layout: the largest SP degree (x TP for the rest) whose replicated weights fit."""
-    for sp in sorted((2**i for i in range(1, num_gpus.bit_length())), reverse=True):
-        cfg = ParallelConfig(sp=sp, tp=num_gpus // sp)
-        if infeasible_reason(m, hw, cfg, 1) is None:
-            return cfg
-    return None
-
-
-def shift_threshold(m: ModelShape, hw: Hardware, num_gpus: int, *, limit: int = 1 << 20) -> dict:
-    """The smallest token count per step where the SP base beats full TP (``threshold`` None when
-    SP never wins below ``limit`` tokens or no SP layout fits)."""
-    base, full = shift_base(m, hw, check_gpus(num_gpus)), ParallelConfig(tp=num_gpus)
-    if base is None:
-        return {"threshold": None, "base": None, "shift": full.notation, "reason": "no SP layout fits"}
-
-    def sp_wins(n: int) -> bool:
-        return step_time(m, hw, base, n) < step_time(m, hw, full, n)
-
-    hi = next((n for n in (2**i for i in range(limit.bit_length())) if sp_wins(n)), None)
-    if hi is None:
-        return {
-            "threshold": None,
-            "base": base.notation,
-            "shift": full.notation,
-            "reason": f"TP wins up to {limit} tokens",
-        }
-    lo = hi // 2  # sp_wins(lo) is False (or lo == 0)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if sp_wins(mid) else (mid, hi)
-    return {"threshold": hi, "base": base.notation, "shift": full.notation, "reason": None}
-
-
-# ---- SiDP: b* --------------------------------------------------------------------------------------------
-def sidp_times(m: ModelShape, hw: Hardware, replicas: int, batch: float) -> tuple[float, float]:
-    """Per-layer FFN seconds ``(WaS, CaS)`` at ``batch`` rows per replica: WaS fetches the layer's
-    FFN weights over the link, overlapped with the local GEMM; CaS ships ``2 x b x hidden``
-    activation bytes (there and back) and the owner runs one fused GEMM over all replicas' rows."""
-    ffn = 3 * m.hidden * m.intermediate
-    local = _roofline(hw, 2 * ffn * batch, ffn * m.dtype_bytes)
-    was = max(send_time(hw, ffn * m.dtype_bytes), local)
-    ship = 2 * send_time(hw, batch * m.hidden * m.dtype_bytes)
-    cas = ship + _roofline(hw, 2 * ffn * batch * replicas, ffn * m.dtype_bytes)
-    return was, cas
-
-
-def sidp_threshold(m: ModelShape, hw: Hardware, replicas: int, *, limit: int = 1 << 20) -> float | None:
-    """``b*``: the smallest batch per replica where CaS stops beating WaS (``None`` below ``limit``)."""
-
-    def cas_slower(b: int) -> bool:
-        was, cas = sidp_times(m, hw, replicas, b)
-        return cas >= was
-
-    hi = next((b for b in (2**i for i in range(limit.bit_length())) if cas_slower(b)), None)
-    if hi is None:
-        return None
-    lo = hi // 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if cas_slower(mid) else (mid, hi)
-    return float(hi)
-
-
-# ---- DejaVu: D_p / D_t -------------------------------------------------------------------------------------
-def dejavu_stream_time(m: ModelShape, hw: Hardware, seqs: float, prompt_len: float, stages: int) -> float:
-    """Seconds for one of ``stages`` prompt stages to stream its layers' KV of a micro-batch of
-    ``seqs`` prompts to the token machines (each stage over its own link, concurrently)."""
-    return send_time(hw, kv_bytes_per_token(m, ParallelConfig(pp=stages)) * seqs * prompt_len)
-
-
-def dejavu_overhead(m: ModelShape, hw: Hardware, seqs: float, prompt_len: float, stages: int, Y: float) -> float:
-    """DejaVu's ``m`` from the link, as its section 5.4 defines it (``m = cache transfer time /
-    prompt time``, line 598; Table 6: extra time = max(0, transfer - prompt time)): a stage's KV
-    stream of a micro-batch against the micro-batch's prompt time ``Y``; at least 1."""
-    return max(1.0, dejavu_stream_time(m, hw, seqs, prompt_len, stages) / Y)
-
-
-def dejavu_plan(m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, overhead: float | None = None) -> dict:
-    """DejaVu's split of ``num_gpus`` pipeline stages into prompt and token machines, with ``Y`` and
-    ``t`` (ms) of one micro-batch on the ``P{num_gpus}`` pipeline from this model, the streaming
-    overhead ``m`` from the link (:func:`dejavu_overhead`; ``overhead`` overrides it) and the memory
-    limits (2), (3) from its shapes (dropped, and said so, when they cannot be met)."""
-    from reshard.parallel.cost.dejavu_planner import plan_disaggregation
-
-    pipe = ParallelConfig(pp=num_gpus)
-    if num_gpus < 2 or infeasible_reason(m, hw, pipe, w.input_len + w.output_len):
-        return {"D_p": None, "D_t": None, "reason": f"needs a feasible P{num_gpus} pipeline of >= 2 GPUs"}
-    micro = max(1, batch_per_replica(m, hw, pipe, w) // num_gpus)
-    Y = num_gpus * prefill_stage_time(m, hw, pipe, micro, w.input_len) * 1e3
-    t = num_gpus * decode_stage_time(m, hw, pipe, micro, w.input_len + w.output_len / 2) * 1e3
-    if overhead is None:
-        overhead = dejavu_overhead(m, hw, micro, w.input_len, num_gpus, Y / 1e3)
-    kv_layer = 2 * m.kv_heads * m.head_dim * m.dtype_bytes * micro / 1e9  # GB per token per layer
-    mem = dict(
-        L=m.layers,
-        M=hw.memory * (1 - MEMORY_RESERVE) / 1e9,
-        W0=layer_params(m) * m.dtype_bytes / 1e9,
-        C0=kv_layer * w.input_len,
-        K0=kv_layer * w.output_len,
-    )
-    try:
-        plan, note = plan_disaggregation(num_gpus, Y, t, w.output_len, overhead, **mem), None
-    except ValueError as e:
-        plan, note = plan_disaggregation(num_gpus, Y, t, w.output_len, overhead), f"memory limits dropped: {e}"
-    return {**plan.as_dict(), "Y_ms": Y, "t_ms": t, "m": overhead, "micro_batch": micro, "reason": note}

@@ -12,8 +12,8 @@ free links, subtracted).
   the second, full-TP copy of the weights takes its memory out of the KV room.
 - **sidp**: ``n`` data-parallel replicas with the FFN weights in an owner pool (each GPU holds
   ``1/n`` of every layer's FFN plus a two-layer prefetch buffer); per layer the FFN runs as
-  weight-as-a-service or compute-as-a-service, whichever :func:`roofline.sidp_times` says is faster.
-- **dejavu**: prompt / token disaggregation of a ``P{n}`` pipeline (:func:`roofline.dejavu_plan`):
+  weight-as-a-service or compute-as-a-service, whichever :func:`technique_models.sidp_times` says is faster.
+- **dejavu**: prompt / token disaggregation of a ``P{n}`` pipeline (:func:`technique_models.dejavu_plan`):
   the pipeline's throughput scaled by ``I_c / I_dis`` (its baseline over the split's inverse
   throughput); listed only where the split beats the baseline.
 """
@@ -24,6 +24,7 @@ import dataclasses
 import math
 
 from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.profiles import Hardware, ModelShape, Workload
 from reshard.parallel.cost.roofline import ParallelConfig
 
@@ -130,16 +131,16 @@ def _sidp_times(m: ModelShape, hw: Hardware, n: int, b: int, w: Workload) -> tup
     one = ParallelConfig()
     chunk = max(1.0, min(b, math.floor(cost.PREFILL_TOKENS / w.input_len)))  # prompts per prefill step
     pre_layer = cost.prefill_stage_time(attn, hw, one, chunk, w.input_len) / m.layers
-    pre = math.ceil(b / chunk) * (pre_layer + min(cost.sidp_times(m, hw, n, chunk * w.input_len))) * m.layers
+    pre = math.ceil(b / chunk) * (pre_layer + min(models.sidp_times(m, hw, n, chunk * w.input_len))) * m.layers
     ctx = w.input_len + w.output_len / 2
-    dec_layer = cost.decode_stage_time(attn, hw, one, b, ctx) / m.layers + min(cost.sidp_times(m, hw, n, b))
+    dec_layer = cost.decode_stage_time(attn, hw, one, b, ctx) / m.layers + min(models.sidp_times(m, hw, n, b))
     return pre, w.output_len * dec_layer * m.layers
 
 
 # ---- DejaVu -------------------------------------------------------------------------------------------
 def dejavu_row(m: ModelShape, hw: Hardware, n: int, w: Workload) -> dict | None:
     """The prompt / token split of a ``P{n}`` pipeline where it beats the pipeline (else ``None``)."""
-    plan = cost.dejavu_plan(m, hw, n, w)
+    plan = models.dejavu_plan(m, hw, n, w)
     pipe = cost.estimate(m, hw, ParallelConfig(pp=n), ParallelConfig(pp=n), w)
     if plan.get("D_p") is None or pipe is None or pipe.batch == 0 or not plan["plan_pays"]:
         return None

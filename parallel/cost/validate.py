@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from reshard.parallel.cost import roofline as cost
+from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
 from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio, StreamRow, Trend
 from reshard.parallel.cost.profiles import Hardware, hardware, model, workload
@@ -199,10 +200,10 @@ def orderings(rows: Sequence[Measured], eff: Efficiency, gap: float = 1.10) -> l
 
 def predict_stream(row: StreamRow) -> tuple[float, float]:
     """``(transfer s, extra s)`` of a :class:`StreamRow` from the model: a prompt stage's KV
-    (:func:`roofline.dejavu_stream_time`, the largest stage's layers) at the nominal bandwidth
+    (:func:`technique_models.dejavu_stream_time`, the largest stage's layers) at the nominal bandwidth
     (the paper simulates, so nothing is fitted here), the extra being what outlasts the prompt."""
     net = Hardware("network", 0.0, 0.0, 0.0, "network", row.gbps * 1e9 / 8, 0.0)
-    t = cost.dejavu_stream_time(model(row.model), net, row.seqs, row.prompt_len, row.prompt_stages)
+    t = models.dejavu_stream_time(model(row.model), net, row.seqs, row.prompt_len, row.prompt_stages)
     return t, max(0.0, t - row.prompt_s)
 
 
