@@ -63,18 +63,9 @@ import torch.distributed as dist
 from _common import LoadSampler, add_sizes, bench_checkpoint, fill_sizes, med, parser, reduce_scalar, rerun_command
 
 from reshard.kv import KVCache, KVSpec
-from reshard.kv.stream import (
-    KVStreamer,
-    Span,
-    TokenStream,
-    chunk_bytes,
-    chunk_sizes,
-    chunks,
-    gather,
-    plan_stream,
-    scatter,
-    world_layouts,
-)
+from reshard.kv.scatter import chunk_bytes, chunk_sizes, chunks, gather, scatter
+from reshard.kv.stream import KVStreamer, TokenStream
+from reshard.kv.stream_plan import Span, plan_stream, world_layouts
 from reshard.kv.transport import (
     FileTransport,
     LocalTransport,

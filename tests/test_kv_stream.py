@@ -83,7 +83,8 @@ def _wrong(cache, slots):
 def _pairs_job(pairs):
     import torch.distributed as dist
 
-    from reshard.kv.stream import KVStreamer, Span, plan_stream
+    from reshard.kv.stream import KVStreamer
+    from reshard.kv.stream_plan import Span, plan_stream
 
     rank, world = dist.get_rank(), dist.get_world_size()
     failures = {}
@@ -116,7 +117,7 @@ def test_streaming_between_every_pair_of_layouts_is_bitwise():
 def test_plan_splits_at_the_source_and_merges_at_the_destination():
     """TP4 -> TP2 x PP2: every destination merges two source head ranges; replicas (TP1 x 4)
     spread the sending over all holders."""
-    from reshard.kv.stream import plan_stream
+    from reshard.kv.stream_plan import plan_stream
 
     plan = plan_stream({r: _layout(r, 4, 1) for r in range(4)}, {r: _layout(r, 2, 2) for r in range(4)})
     assert {d: len(p) for d, p in ((r, plan.receives(r)) for r in range(4))} == {0: 2, 1: 2, 2: 2, 3: 2}
@@ -129,7 +130,7 @@ def test_plan_splits_at_the_source_and_merges_at_the_destination():
 
 def test_an_incompatible_reader_is_refused_with_both_layouts_named():
     from reshard.kv import KVLayout
-    from reshard.kv.stream import plan_stream
+    from reshard.kv.stream_plan import plan_stream
 
     src = {r: _layout(r, 2, 1) for r in range(2)}
     wide = {0: KVLayout(0, 4, 0, 2, 16, torch.float32)}
@@ -147,7 +148,8 @@ def test_an_incompatible_reader_is_refused_with_both_layouts_named():
 
 
 def test_coalesced_and_per_chunk_copies_move_the_same_bytes():
-    from reshard.kv.stream import Span, chunks, gather, plan_stream, scatter
+    from reshard.kv.scatter import chunks, gather, scatter
+    from reshard.kv.stream_plan import Span, plan_stream
     from reshard.kv.transport import LocalTransport
 
     src = {0: _layout(0, 1, 1)}
@@ -178,7 +180,8 @@ def _token_stream_job(path, where, tmp):
     import torch.distributed as dist
 
     from reshard.kv import KVCache
-    from reshard.kv.stream import KVStreamer, TokenStream, plan_stream, world_layouts
+    from reshard.kv.stream import KVStreamer, TokenStream
+    from reshard.kv.stream_plan import plan_stream, world_layouts
     from reshard.kv.transport import FileTransport, LocalTransport
     from reshard.parallel import Engine, Request, SamplingParams, parallelize
 

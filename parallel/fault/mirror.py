@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from reshard.kv import KVCache
-from reshard.kv.stream import Packing, Span, kv_box
+from reshard.kv.scatter import Packing
+from reshard.kv.stream_plan import Span, kv_box
 from reshard.parallel.engine import Engine
 from reshard.parallel.engine.request import Migrated
 from reshard.parallel.engine.sampling import skip_draws

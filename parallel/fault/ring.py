@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from reshard.kv import KVCache, KVLayout, KVSpec
-from reshard.kv.stream import KVStreamer, StreamPlan, TokenStream, kv_box, world_layouts
+from reshard.kv.stream import KVStreamer, TokenStream
+from reshard.kv.stream_plan import StreamPlan, kv_box, world_layouts
 from reshard.parallel.engine import Engine, ModelRunner
 from reshard.plan import Piece
 

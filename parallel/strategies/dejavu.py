@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reshard.kv.stream import KVStreamer, Span, StreamIn, plan_stream, world_layouts
+from reshard.kv.stream import KVStreamer, StreamIn
+from reshard.kv.stream_plan import Span, plan_stream, world_layouts
 from reshard.mesh import cached_group, device_type, from_rank0
 from reshard.parallel.cost.dejavu_planner import best_split, plan_disaggregation
 from reshard.parallel.cost.profiles import hardware, model_from_config

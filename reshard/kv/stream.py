@@ -1,12 +1,12 @@
 """DejaVu's KV streaming library, in three levels each usable on its own.
 
-1. ``stream_out / stream_in`` decisions (:func:`plan_stream`): from the source and destination KV
+1. ``stream_out / stream_in`` decisions (:func:`reshard.kv.stream_plan.plan_stream`): from the source and destination KV
    layouts of every rank (layers x KV heads each holds: TP degree, pipeline depth, replicas),
    which ``(layer range x head range)`` goes from which source rank to which destination rank.
    A destination box is split over the source boxes it meets (merging at the destination) and a
    source box over the destinations that need it (splitting at the source); a region several
    ranks hold is sent by the least loaded one. Pure: the movement core's sender assignment.
-2. ``scatter / gather`` (:func:`scatter`, :func:`gather`): the non-contiguous region of a peer
+2. ``scatter / gather`` (:mod:`reshard.kv.scatter`): the non-contiguous region of a peer
    (a head range x a token range, across blocks and layers, for several sequences) packed into
    one contiguous buffer per peer and unpacked at the other end (the paper's buffered copies),
    with one indexed copy per layer and K/V for all the sequences at once (measured: per-chunk
@@ -23,231 +23,16 @@ passes its own slots.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
 
-from reshard.kv.cache import KVCache, KVLayout
-from reshard.kv.pack import pack_kv
+from reshard.kv.cache import KVCache
+from reshard.kv.scatter import Packing
+from reshard.kv.stream_plan import Span, StreamPlan
 from reshard.kv.transport import Job, JobQueue, LocalTransport, P2PTransport, Transport
-from reshard.plan import Piece, assign_senders
-
-Box = tuple[tuple[int, int], tuple[int, int]]  # (layers [l0, l1), KV heads [h0, h1))
-
-
-@dataclass(frozen=True)
-class Span:
-    """Tokens ``[start, stop)`` of request ``key``, held in ``slot`` of this side's cache."""
-
-    key: int
-    slot: int
-    start: int
-    stop: int
-
-
-# ---- level 1: which chunks go where ------------------------------------------------------------
-def kv_box(layout: KVLayout) -> Box:
-    return (
-        (layout.first_layer, layout.first_layer + layout.num_layers),
-        (layout.head_start, layout.head_start + layout.num_heads),
-    )
-
-
-@dataclass(frozen=True)
-class StreamPlan:
-    """Pieces ``(src rank, dst rank, (layers, heads))`` between two layouts (every rank's)."""
-
-    src: tuple[tuple[int, KVLayout], ...]
-    dst: tuple[tuple[int, KVLayout], ...]
-    pieces: tuple[Piece, ...]
-
-    def sends(self, rank: int) -> dict[int, list[Piece]]:
-        """Pieces ``rank`` streams out, by destination rank (itself included: a local copy)."""
-        return _by(p for p in self.pieces if p.src == rank)
-
-    def receives(self, rank: int) -> dict[int, list[Piece]]:
-        """Pieces ``rank`` streams in, by source rank."""
-        return _by((p for p in self.pieces if p.dst == rank), key=lambda p: p.src)
-
-
-def _by(pieces, key=lambda p: p.dst) -> dict[int, list[Piece]]:
-    out: dict[int, list[Piece]] = {}
-    for p in pieces:
-        out.setdefault(key(p), []).append(p)
-    return dict(sorted(out.items()))
-
-
-def plan_stream(src: Mapping[int, KVLayout], dst: Mapping[int, KVLayout]) -> StreamPlan:
-    """Which region of the KV each destination rank gets from which source rank.
-
-    ``src`` / ``dst``: the KV layout each rank holds (ranks that hold none are left out). A
-    destination whose layers and heads the sources do not cover, or whose head dim or dtype
-    differs, is refused with both layouts named.
-    """
-    items: dict[Box, list[int]] = {}
-    for rank, layout in sorted(src.items()):
-        items.setdefault(kv_box(layout), []).append(rank)
-    first = next(iter(src.values()), None)
-    for rank, layout in sorted(dst.items()):
-        _check_reader(rank, layout, first, src, items)
-    pieces = assign_senders(list(items.items()), [(r, kv_box(lay)) for r, lay in sorted(dst.items())])
-    return StreamPlan(tuple(sorted(src.items())), tuple(sorted(dst.items())), tuple(pieces))
-
-
-def _check_reader(rank: int, layout: KVLayout, first: KVLayout | None, src, items) -> None:
-    box = kv_box(layout)
-    covered = sum(_area(_intersect(b, box)) for b in items)
-    if first is None or (layout.head_dim, layout.dtype) != (first.head_dim, first.dtype) or covered != _area(box):
-        raise ValueError(
-            f"rank {rank} reads KV layout {layout}, which the source layouts do not hold "
-            f"({ {r: lay for r, lay in sorted(src.items())} })"
-        )
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return box if all(lo < hi for lo, hi in box) else None
-
-
-def _area(box: Box | None) -> int:
-    return 0 if box is None else (box[0][1] - box[0][0]) * (box[1][1] - box[1][0])
-
-
-def world_layouts(cache: KVCache | None, group: dist.ProcessGroup | None = None) -> dict[int, KVLayout]:
-    """Every rank's KV layout (ranks without a cache left out): one all-gather of descriptors."""
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (dist.get_rank(), cache.layout if cache is not None else None), group=group)
-    return {rank: layout for rank, layout in everyone if layout is not None}
-
-
-# ---- level 2: scatter / gather ----------------------------------------------------------------
-def _regions(cache: KVCache, pieces: Sequence[Piece], layers: Sequence[int] | None):
-    """``(storage, (h0, h1))`` of every chunk, in the canonical order both sides use: piece,
-    layer, K then V; heads local to ``cache``. A chunk holds every span's tokens."""
-    s = cache.spec
-    for piece in pieces:
-        (l0, l1), (h0, h1) = piece.box
-        for layer in range(l0, l1):
-            if layers is not None and layer not in layers:
-                continue
-            for storage in cache.layer(layer):
-                yield storage, (h0 - s.head_start, h1 - s.head_start)
-
-
-def _locations(cache: KVCache, spans: Sequence[Span]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Storage ``(rows, cols)`` of every token of ``spans``, span after span (paged or not)."""
-    device = cache.k[0].device
-    slots = [sp.slot for sp in spans for _ in range(sp.stop - sp.start)]
-    positions = [p for sp in spans for p in range(sp.start, sp.stop)]
-    return cache.locate(
-        torch.tensor(slots, dtype=torch.long, device=device), torch.tensor(positions, dtype=torch.long, device=device)
-    )
-
-
-def chunk_bytes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
-    tokens = sum(sp.stop - sp.start for sp in spans)
-    item = torch.empty((), dtype=cache.spec.dtype).element_size()
-    return [(h1 - h0) * tokens * cache.spec.head_dim * item for _, (h0, h1) in _regions(cache, pieces, layers)]
-
-
-@dataclass
-class Packing:
-    """Where one peer's chunks live in ``cache``: each chunk's storage and local head range, the
-    ``(rows, cols)`` of every span token, and each chunk's bytes. Made on the step's thread, so a
-    background copy neither looks up a cache that was since released nor a block table since
-    changed."""
-
-    regions: list
-    rows: torch.Tensor | None
-    cols: torch.Tensor | None
-    sizes: list[int]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(
-        cls, cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], layers: Sequence[int] | None = None
-    ) -> Packing:
-        rows, cols = _locations(cache, spans) if spans else (None, None)
-        return cls(
-            list(_regions(cache, pieces, layers)),
-            rows,
-            cols,
-            chunk_bytes(cache, pieces, spans, layers),
-            cache.spec.dtype,
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes)
-
-    def pack(self, device: torch.device | str) -> torch.Tensor:
-        """One contiguous byte buffer of every chunk: one indexed copy per chunk."""
-        buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        for (storage, (h0, h1)), view in zip(self.regions, self._views(buf)):
-            view.copy_(storage[self.rows, h0:h1, self.cols])
-        return buf
-
-    def unpack(self, buf: torch.Tensor) -> None:
-        assert buf.numel() == self.nbytes, f"buffer of {buf.numel()} bytes for chunks of {self.nbytes}"
-        for (storage, (h0, h1)), view in zip(self.regions, self._views(buf)):
-            storage[self.rows, h0:h1, self.cols] = view
-
-    def _views(self, buf: torch.Tensor):
-        if self.rows is None:
-            return
-        at = 0
-        for (_, (h0, h1)), n in zip(self.regions, self.sizes):
-            yield buf[at : at + n].view(self.dtype).view(len(self.rows), h1 - h0, -1)  # (N, heads, head_dim)
-            at += n
-
-
-def scatter(
-    cache: KVCache, pieces: Sequence[Piece], spans: Sequence[Span], layers: Sequence[int] | None = None
-) -> torch.Tensor:
-    """One contiguous byte buffer of every chunk for one peer (``layers``: only those). Each chunk
-    is one indexed copy of all spans' tokens ``(N, heads, head_dim)``, however scattered their
-    blocks: one copy per layer and K/V, not one per sequence."""
-    return Packing.of(cache, pieces, spans, layers).pack(cache.k[0].device)
-
-
-def chunks(cache: KVCache, pieces, spans, layers=None) -> list[torch.Tensor]:
-    """The same bytes one chunk per (layer, K/V, sequence), each packed by
-    :func:`reshard.kv.pack.pack_kv` (the naive per-chunk way, for comparison)."""
-    out = []
-    for storage, heads in _regions(cache, pieces, layers):
-        for span in spans:
-            out.append(pack_kv(storage, _blocks(cache, span.slot), heads, (span.start, span.stop)))
-    return out
-
-
-def chunk_sizes(cache: KVCache, pieces, spans, layers=None) -> list[int]:
-    """Bytes of each chunk :func:`chunks` makes (what a per-chunk receiver allocates)."""
-    item = torch.empty((), dtype=cache.spec.dtype).element_size()
-    return [
-        (h1 - h0) * (sp.stop - sp.start) * cache.spec.head_dim * item
-        for _, (h0, h1) in _regions(cache, pieces, layers)
-        for sp in spans
-    ]
-
-
-def _blocks(cache: KVCache, slot: int) -> torch.Tensor:
-    """The slot's block table; a contiguous cache is one block of ``max_seq_len + 1`` per slot."""
-    if cache.spec.paged:
-        return cache.table[slot]
-    return torch.tensor([slot], device=cache.k[0].device)
-
-
-def gather(
-    cache: KVCache,
-    pieces: Sequence[Piece],
-    spans: Sequence[Span],
-    buf: torch.Tensor,
-    layers: Sequence[int] | None = None,
-) -> None:
-    """Unpack a peer's buffer (from :func:`scatter` on the other side) into ``cache``."""
-    Packing.of(cache, pieces, spans, layers).unpack(buf)
+from reshard.plan import Piece
 
 
 # ---- level 3 on top: a streamer for one pair of layouts ----------------------------------------
