@@ -8,7 +8,8 @@ import uuid
 import pytest
 import torch
 
-from reshard.kv.transport import FileTransport, Job, LocalTransport, Medium, SharedMemoryTransport, choose_transport
+from reshard.kv.jobs import Job
+from reshard.kv.transport import FileTransport, LocalTransport, Medium, SharedMemoryTransport, choose_transport
 from tests import dist_harness
 
 DTYPES = [torch.float32, torch.bfloat16]

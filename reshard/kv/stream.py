@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from reshard.kv.cache import KVCache
+from reshard.kv.jobs import Job, JobQueue
 from reshard.kv.scatter import Packing
 from reshard.kv.stream_plan import Span, StreamPlan
-from reshard.kv.transport import Job, JobQueue, LocalTransport, P2PTransport, Transport
+from reshard.kv.transport import LocalTransport, P2PTransport, Transport
 from reshard.plan import Piece
 
 
