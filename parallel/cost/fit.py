@@ -20,6 +20,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from reshard.parallel.cost.profiles import Hardware
 
@@ -58,17 +59,19 @@ FITTABLE = tuple(f.name for f in dataclasses.fields(Efficiency))
 # ``python bench/cost_vs_papers.py``'s fit on the A10 and H200 rows (bench/RESULTS.md, "Cost model
 # vs the papers"); ``recipes.plan efficiency=fitted`` uses it; a test re-fits around it
 FITTED = Efficiency(compute=0.35, memory=0.85, pcie=0.6, nvlink=0.25, latency=0.1, step_overhead=0.008)
-EFFICIENCIES = {"datasheet": Efficiency(), "fitted": FITTED}
+EFFICIENCIES = MappingProxyType({"datasheet": Efficiency(), "fitted": FITTED})
 
 # the values each factor may take (log-spaced; the overhead in seconds)
-GRID: dict[str, tuple[float, ...]] = {
-    "compute": (0.15, 0.25, 0.35, 0.5, 0.7, 1.0),
-    "memory": (0.4, 0.55, 0.7, 0.85, 1.0),
-    "pcie": (0.15, 0.25, 0.4, 0.6, 1.0),
-    "nvlink": (0.25, 0.5, 1.0),
-    "latency": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
-    "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3),
-}
+GRID: MappingProxyType[str, tuple[float, ...]] = MappingProxyType(
+    {
+        "compute": (0.15, 0.25, 0.35, 0.5, 0.7, 1.0),
+        "memory": (0.4, 0.55, 0.7, 0.85, 1.0),
+        "pcie": (0.15, 0.25, 0.4, 0.6, 1.0),
+        "nvlink": (0.25, 0.5, 1.0),
+        "latency": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
+        "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3),
+    }
+)
 
 
 def check_names(names: Sequence[str]) -> tuple[str, ...]:

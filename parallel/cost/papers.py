@@ -8,6 +8,7 @@ prediction compares is ``bench/cost_vs_papers.py``'s business.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 SEESAW = "Seesaw (Su et al. 2025), ../shared/seeds/000_1b995ee7312ad9dc.txt"
 SHIFT = "Shift Parallelism (Snowflake 2025), ../shared/seeds/001_204e28c7c271ee4f.txt"
@@ -100,7 +101,7 @@ SEESAW_FIG13 = Trend()
 
 
 # section 6.2, lines 1039-1044: Seesaw over the best static layout, geometric mean and maximum
-SEESAW_SPEEDUP = {"a10-g5": {"geomean": 1.45, "max": 1.78}, "l4-g6": {"geomean": 1.29, "max": 1.52}}
+SEESAW_SPEEDUP = MappingProxyType({"a10-g5": {"geomean": 1.45, "max": 1.78}, "l4-g6": {"geomean": 1.29, "max": 1.52}})
 
 
 @dataclass(frozen=True)

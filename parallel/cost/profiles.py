@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 GB = 10**9  # vendors quote memory bandwidth and link bandwidth in decimal GB/s
 GiB = 2**30
@@ -77,208 +78,215 @@ PCIE4_X16 = 32 * GB  # PCIe Gen4 x16: 64 GB/s bidirectional = 32 GB/s per direct
 PCIE_LATENCY = 10 * US  # assumed: per message / ring hop over PCIe through the host bridge
 NVLINK_LATENCY = 5 * US  # assumed: per message / ring hop over NVLink + NVSwitch
 
-HARDWARE: dict[str, Hardware] = {
-    "a10": Hardware(
-        name="a10",
-        memory=24 * GB,  # NVIDIA A10 datasheet: 24 GB GDDR6
-        mem_bw=600 * GB,  # NVIDIA A10 datasheet: 600 GB/s
-        flops=125 * TFLOPS,  # NVIDIA A10 datasheet: BF16/FP16 tensor 125 TF dense (250 sparse)
-        link="pcie",
-        link_bw=PCIE4_X16,  # NVIDIA A10 datasheet: PCIe Gen4 64 GB/s (no NVLink)
-        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
-    ),
-    "l4": Hardware(
-        name="l4",
-        memory=24 * GB,  # NVIDIA L4 datasheet: 24 GB GDDR6
-        mem_bw=300 * GB,  # NVIDIA L4 datasheet: 300 GB/s
-        flops=121 * TFLOPS,  # NVIDIA L4 datasheet: BF16/FP16 tensor 242 TF with sparsity = 121 dense
-        link="pcie",
-        link_bw=PCIE4_X16,  # NVIDIA L4 datasheet: PCIe Gen4 x16 64 GB/s (no NVLink)
-        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
-    ),
-    # the machines Seesaw measured on (section 6.1, ../shared/seeds/000_*.txt lines 922-930): AWS
-    # g5.48xlarge (A10) and g6.48xlarge (L4) give each GPU PCIe 4.0 x8, 16 GiB/s
-    "a10-g5": Hardware(
-        name="a10-g5",
-        memory=24 * GiB,  # Seesaw Table 1: A10 24 GiB
-        mem_bw=600 * GiB,  # Seesaw Table 1: A10 600 GiB/s
-        flops=125 * TFLOPS,  # Seesaw Table 1: A10 125T
-        link="pcie",
-        link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
-        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
-    ),
-    "l4-g6": Hardware(
-        name="l4-g6",
-        memory=24 * GiB,  # Seesaw Table 1: L4 24 GiB
-        mem_bw=300 * GiB,  # Seesaw Table 1: L4 300 GiB/s
-        flops=121 * TFLOPS,  # Seesaw Table 1: L4 121T
-        link="pcie",
-        link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
-        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
-    ),
-    "a100-40g-pcie": Hardware(
-        name="a100-40g-pcie",
-        memory=40 * GiB,  # Seesaw Table 1: A100 40 GiB
-        mem_bw=1555 * GiB,  # Seesaw Table 1: A100 1,555 GiB/s
-        flops=312 * TFLOPS,  # Seesaw Table 1: A100 312T
-        link="pcie",
-        link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
-        link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
-    ),
-    "a100-40g-nvlink": Hardware(
-        name="a100-40g-nvlink",
-        memory=40 * GiB,  # Seesaw Table 1: A100 40 GiB
-        mem_bw=1555 * GiB,  # Seesaw Table 1: A100 1,555 GiB/s
-        flops=312 * TFLOPS,  # Seesaw Table 1: A100 312T
-        link="nvlink",
-        link_bw=300 * GiB,  # Seesaw section 6.1: NVLink "600 GiB/s" (both directions) = 300 per direction
-        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
-    ),
-    "a100-40g": Hardware(
-        name="a100-40g",
-        memory=40 * GB,  # NVIDIA A100 datasheet (SXM): 40 GB HBM2
-        mem_bw=1555 * GB,  # NVIDIA A100 datasheet (SXM 40GB): 1,555 GB/s
-        flops=312 * TFLOPS,  # NVIDIA A100 datasheet: BF16/FP16 tensor 312 TF dense
-        link="nvlink",
-        link_bw=300 * GB,  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional = 300 per direction
-        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
-    ),
-    "a100-80g": Hardware(
-        name="a100-80g",
-        memory=80 * GB,  # NVIDIA A100 datasheet (SXM): 80 GB HBM2e
-        mem_bw=2039 * GB,  # NVIDIA A100 datasheet (SXM 80GB): 2,039 GB/s
-        flops=312 * TFLOPS,  # NVIDIA A100 datasheet: BF16/FP16 tensor 312 TF dense
-        link="nvlink",
-        link_bw=300 * GB,  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional = 300 per direction
-        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
-    ),
-    "h100": Hardware(
-        name="h100",
-        memory=80 * GB,  # NVIDIA H100 datasheet (SXM): 80 GB HBM3
-        mem_bw=3350 * GB,  # NVIDIA H100 datasheet (SXM): 3.35 TB/s
-        flops=989 * TFLOPS,  # NVIDIA H100 datasheet (SXM): BF16 tensor 1,979 TF with sparsity = 989 dense
-        link="nvlink",
-        link_bw=450 * GB,  # NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
-        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
-    ),
-    "h200-fp8": Hardware(
-        name="h200-fp8",
-        memory=141 * GB,  # NVIDIA H200 datasheet (SXM): 141 GB HBM3e
-        mem_bw=4800 * GB,  # NVIDIA H200 datasheet (SXM): 4.8 TB/s
-        flops=1979 * TFLOPS,  # NVIDIA H200 datasheet (SXM): FP8 tensor 3,958 TF with sparsity = 1,979 dense
-        link="nvlink",
-        link_bw=450 * GB,  # NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
-        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
-    ),
-    "h200": Hardware(
-        name="h200",
-        memory=141 * GB,  # NVIDIA H200 datasheet (SXM): 141 GB HBM3e
-        mem_bw=4800 * GB,  # NVIDIA H200 datasheet (SXM): 4.8 TB/s
-        flops=989 * TFLOPS,  # NVIDIA H200 datasheet (SXM): BF16 tensor 1,979 TF with sparsity = 989 dense
-        link="nvlink",
-        link_bw=450 * GB,  # NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
-        link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
-    ),
-}
-
-# ---- models (public HF config.json values; fp16/bf16 weights as the papers run them) ------------
-MODELS: dict[str, ModelShape] = {
-    # Seesaw's "15B variety of LLaMA3" is elinas/Llama-3-15B-Instruct-zeroed; the paper gives no
-    # shape. Assumed: Llama-3-8B's config.json with its 32 layers doubled to 64 by the passthrough
-    # merge (64 x 218M layer params + 1.05B embeddings = 15.0B, matching the name).
-    "llama3-15b": ModelShape(
-        name="llama3-15b",
-        layers=64,  # assumed: 2 x Llama-3-8B's num_hidden_layers (32), see above
-        hidden=4096,  # meta-llama/Meta-Llama-3-8B config.json hidden_size
-        heads=32,  # meta-llama/Meta-Llama-3-8B config.json num_attention_heads
-        kv_heads=8,  # meta-llama/Meta-Llama-3-8B config.json num_key_value_heads
-        head_dim=128,  # meta-llama/Meta-Llama-3-8B config.json: hidden_size / num_attention_heads
-        intermediate=14336,  # meta-llama/Meta-Llama-3-8B config.json intermediate_size
-        vocab=128256,  # meta-llama/Meta-Llama-3-8B config.json vocab_size
-        dtype_bytes=2,  # Seesaw section 6: "We use float16"
-    ),
-    "codellama-34b": ModelShape(
-        name="codellama-34b",
-        layers=48,  # codellama/CodeLlama-34b-hf config.json num_hidden_layers
-        hidden=8192,  # codellama/CodeLlama-34b-hf config.json hidden_size
-        heads=64,  # codellama/CodeLlama-34b-hf config.json num_attention_heads
-        kv_heads=8,  # codellama/CodeLlama-34b-hf config.json num_key_value_heads
-        head_dim=128,  # codellama/CodeLlama-34b-hf config.json: hidden_size / num_attention_heads
-        intermediate=22016,  # codellama/CodeLlama-34b-hf config.json intermediate_size
-        vocab=32000,  # codellama/CodeLlama-34b-hf config.json vocab_size
-        dtype_bytes=2,  # config.json torch_dtype bfloat16; Seesaw runs float16
-    ),
-    "llama2-70b": ModelShape(
-        name="llama2-70b",
-        layers=80,  # meta-llama/Llama-2-70b-hf config.json num_hidden_layers
-        hidden=8192,  # meta-llama/Llama-2-70b-hf config.json hidden_size
-        heads=64,  # meta-llama/Llama-2-70b-hf config.json num_attention_heads
-        kv_heads=8,  # meta-llama/Llama-2-70b-hf config.json num_key_value_heads
-        head_dim=128,  # meta-llama/Llama-2-70b-hf config.json: hidden_size / num_attention_heads
-        intermediate=28672,  # meta-llama/Llama-2-70b-hf config.json intermediate_size
-        vocab=32000,  # meta-llama/Llama-2-70b-hf config.json vocab_size
-        dtype_bytes=2,  # config.json torch_dtype float16
-    ),
-    "llama3-70b": ModelShape(
-        name="llama3-70b",
-        layers=80,  # meta-llama/Meta-Llama-3-70B config.json num_hidden_layers
-        hidden=8192,  # meta-llama/Meta-Llama-3-70B config.json hidden_size
-        heads=64,  # meta-llama/Meta-Llama-3-70B config.json num_attention_heads
-        kv_heads=8,  # meta-llama/Meta-Llama-3-70B config.json num_key_value_heads
-        head_dim=128,  # meta-llama/Meta-Llama-3-70B config.json: hidden_size / num_attention_heads
-        intermediate=28672,  # meta-llama/Meta-Llama-3-70B config.json intermediate_size
-        vocab=128256,  # meta-llama/Meta-Llama-3-70B config.json vocab_size
-        dtype_bytes=2,  # config.json torch_dtype bfloat16
-    ),
-    "bloom-176b": ModelShape(
-        name="bloom-176b",
-        layers=70,  # bigscience/bloom config.json n_layer
-        hidden=14336,  # bigscience/bloom config.json hidden_size
-        heads=112,  # bigscience/bloom config.json n_head
-        kv_heads=112,  # bigscience/bloom: multi-head attention (no GQA)
-        head_dim=128,  # bigscience/bloom config.json: hidden_size / n_head
-        intermediate=57344,  # bigscience/bloom: 4 x hidden_size (MLP dense_h_to_4h)
-        vocab=250880,  # bigscience/bloom config.json vocab_size
-        dtype_bytes=2,  # DejaVu serves it in fp16 (its KV per micro-batch, 10.7 GB, implies 2 bytes)
-        tied_embeddings=True,  # bigscience/bloom: tie_word_embeddings
-    ),
-    "qwen3-32b": ModelShape(
-        name="qwen3-32b",
-        layers=64,  # Qwen/Qwen3-32B config.json num_hidden_layers
-        hidden=5120,  # Qwen/Qwen3-32B config.json hidden_size
-        heads=64,  # Qwen/Qwen3-32B config.json num_attention_heads
-        kv_heads=8,  # Qwen/Qwen3-32B config.json num_key_value_heads
-        head_dim=128,  # Qwen/Qwen3-32B config.json head_dim
-        intermediate=25600,  # Qwen/Qwen3-32B config.json intermediate_size
-        vocab=151936,  # Qwen/Qwen3-32B config.json vocab_size
-        dtype_bytes=2,  # config.json torch_dtype bfloat16
-    ),
-}
-
-# ---- workloads (Seesaw section 6; means of the length distributions of its Figure 9) -----------
-# Shift Parallelism's runs use FP8 weights and KV ("all FP8", ../shared/seeds/001_*.txt line 606)
-MODELS.update(
-    {f"{n}-fp8": dataclasses.replace(MODELS[n], name=f"{n}-fp8", dtype_bytes=1) for n in ("llama3-70b", "qwen3-32b")}
+HARDWARE: MappingProxyType[str, Hardware] = MappingProxyType(
+    {
+        "a10": Hardware(
+            name="a10",
+            memory=24 * GB,  # NVIDIA A10 datasheet: 24 GB GDDR6
+            mem_bw=600 * GB,  # NVIDIA A10 datasheet: 600 GB/s
+            flops=125 * TFLOPS,  # NVIDIA A10 datasheet: BF16/FP16 tensor 125 TF dense (250 sparse)
+            link="pcie",
+            link_bw=PCIE4_X16,  # NVIDIA A10 datasheet: PCIe Gen4 64 GB/s (no NVLink)
+            link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+        ),
+        "l4": Hardware(
+            name="l4",
+            memory=24 * GB,  # NVIDIA L4 datasheet: 24 GB GDDR6
+            mem_bw=300 * GB,  # NVIDIA L4 datasheet: 300 GB/s
+            flops=121 * TFLOPS,  # NVIDIA L4 datasheet: BF16/FP16 tensor 242 TF with sparsity = 121 dense
+            link="pcie",
+            link_bw=PCIE4_X16,  # NVIDIA L4 datasheet: PCIe Gen4 x16 64 GB/s (no NVLink)
+            link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+        ),
+        # the machines Seesaw measured on (section 6.1, ../shared/seeds/000_*.txt lines 922-930): AWS
+        # g5.48xlarge (A10) and g6.48xlarge (L4) give each GPU PCIe 4.0 x8, 16 GiB/s
+        "a10-g5": Hardware(
+            name="a10-g5",
+            memory=24 * GiB,  # Seesaw Table 1: A10 24 GiB
+            mem_bw=600 * GiB,  # Seesaw Table 1: A10 600 GiB/s
+            flops=125 * TFLOPS,  # Seesaw Table 1: A10 125T
+            link="pcie",
+            link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
+            link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+        ),
+        "l4-g6": Hardware(
+            name="l4-g6",
+            memory=24 * GiB,  # Seesaw Table 1: L4 24 GiB
+            mem_bw=300 * GiB,  # Seesaw Table 1: L4 300 GiB/s
+            flops=121 * TFLOPS,  # Seesaw Table 1: L4 121T
+            link="pcie",
+            link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
+            link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+        ),
+        "a100-40g-pcie": Hardware(
+            name="a100-40g-pcie",
+            memory=40 * GiB,  # Seesaw Table 1: A100 40 GiB
+            mem_bw=1555 * GiB,  # Seesaw Table 1: A100 1,555 GiB/s
+            flops=312 * TFLOPS,  # Seesaw Table 1: A100 312T
+            link="pcie",
+            link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
+            link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+        ),
+        "a100-40g-nvlink": Hardware(
+            name="a100-40g-nvlink",
+            memory=40 * GiB,  # Seesaw Table 1: A100 40 GiB
+            mem_bw=1555 * GiB,  # Seesaw Table 1: A100 1,555 GiB/s
+            flops=312 * TFLOPS,  # Seesaw Table 1: A100 312T
+            link="nvlink",
+            link_bw=300 * GiB,  # Seesaw section 6.1: NVLink "600 GiB/s" (both directions) = 300 per direction
+            link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+        ),
+        "a100-40g": Hardware(
+            name="a100-40g",
+            memory=40 * GB,  # NVIDIA A100 datasheet (SXM): 40 GB HBM2
+            mem_bw=1555 * GB,  # NVIDIA A100 datasheet (SXM 40GB): 1,555 GB/s
+            flops=312 * TFLOPS,  # NVIDIA A100 datasheet: BF16/FP16 tensor 312 TF dense
+            link="nvlink",
+            link_bw=300 * GB,  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional = 300 per direction
+            link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+        ),
+        "a100-80g": Hardware(
+            name="a100-80g",
+            memory=80 * GB,  # NVIDIA A100 datasheet (SXM): 80 GB HBM2e
+            mem_bw=2039 * GB,  # NVIDIA A100 datasheet (SXM 80GB): 2,039 GB/s
+            flops=312 * TFLOPS,  # NVIDIA A100 datasheet: BF16/FP16 tensor 312 TF dense
+            link="nvlink",
+            link_bw=300 * GB,  # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional = 300 per direction
+            link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+        ),
+        "h100": Hardware(
+            name="h100",
+            memory=80 * GB,  # NVIDIA H100 datasheet (SXM): 80 GB HBM3
+            mem_bw=3350 * GB,  # NVIDIA H100 datasheet (SXM): 3.35 TB/s
+            flops=989 * TFLOPS,  # NVIDIA H100 datasheet (SXM): BF16 tensor 1,979 TF with sparsity = 989 dense
+            link="nvlink",
+            link_bw=450 * GB,  # NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
+            link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+        ),
+        "h200-fp8": Hardware(
+            name="h200-fp8",
+            memory=141 * GB,  # NVIDIA H200 datasheet (SXM): 141 GB HBM3e
+            mem_bw=4800 * GB,  # NVIDIA H200 datasheet (SXM): 4.8 TB/s
+            flops=1979 * TFLOPS,  # NVIDIA H200 datasheet (SXM): FP8 tensor 3,958 TF with sparsity = 1,979 dense
+            link="nvlink",
+            link_bw=450 * GB,  # NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
+            link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+        ),
+        "h200": Hardware(
+            name="h200",
+            memory=141 * GB,  # NVIDIA H200 datasheet (SXM): 141 GB HBM3e
+            mem_bw=4800 * GB,  # NVIDIA H200 datasheet (SXM): 4.8 TB/s
+            flops=989 * TFLOPS,  # NVIDIA H200 datasheet (SXM): BF16 tensor 1,979 TF with sparsity = 989 dense
+            link="nvlink",
+            link_bw=450 * GB,  # NVIDIA H200 datasheet: NVLink 900 GB/s bidirectional = 450 per direction
+            link_latency=NVLINK_LATENCY,  # assumed (see NVLINK_LATENCY)
+        ),
+    }
 )
 
-WORKLOADS: dict[str, Workload] = {
-    "arxiv": Workload(
-        name="arxiv",
-        # Seesaw Fig. 9(a) spreads inputs over 0-4000 tokens (articles of ~6k words, Cohan et al.
-        # 2018, cut to the context), inputs "much longer than outputs"; the figure gives no mean
-        input_len=3000,  # assumed mean, read off Seesaw Fig. 9(a)
-        output_len=250,  # assumed mean: Fig. 9(a) outputs peak at a few hundred (abstracts ~220 words)
-        requests=500,  # Seesaw section 6: "500 requests from arxiv-summarization"
-    ),
-    "sharegpt": Workload(
-        name="sharegpt",
-        # Seesaw Fig. 9(b): "input and output have comparable lengths", mass under ~1000 tokens;
-        # means of the same ShareGPT set as reported by the vLLM paper (Kwon et al. 2023, Fig. 11)
-        input_len=161,  # vLLM paper (Kwon et al. 2023) Fig. 11: ShareGPT mean input 161.31
-        output_len=338,  # vLLM paper (Kwon et al. 2023) Fig. 11: ShareGPT mean output 337.99
-        requests=2000,  # Seesaw section 6: "We sample 2000 requests from the sharegpt dataset"
-    ),
-}
+
+# ---- models (public HF config.json values; fp16/bf16 weights as the papers run them) ------------
+def _paper_models() -> dict[str, ModelShape]:
+    models = {
+        # Seesaw's "15B variety of LLaMA3" is elinas/Llama-3-15B-Instruct-zeroed; the paper gives no
+        # shape. Assumed: Llama-3-8B's config.json with its 32 layers doubled to 64 by the passthrough
+        # merge (64 x 218M layer params + 1.05B embeddings = 15.0B, matching the name).
+        "llama3-15b": ModelShape(
+            name="llama3-15b",
+            layers=64,  # assumed: 2 x Llama-3-8B's num_hidden_layers (32), see above
+            hidden=4096,  # meta-llama/Meta-Llama-3-8B config.json hidden_size
+            heads=32,  # meta-llama/Meta-Llama-3-8B config.json num_attention_heads
+            kv_heads=8,  # meta-llama/Meta-Llama-3-8B config.json num_key_value_heads
+            head_dim=128,  # meta-llama/Meta-Llama-3-8B config.json: hidden_size / num_attention_heads
+            intermediate=14336,  # meta-llama/Meta-Llama-3-8B config.json intermediate_size
+            vocab=128256,  # meta-llama/Meta-Llama-3-8B config.json vocab_size
+            dtype_bytes=2,  # Seesaw section 6: "We use float16"
+        ),
+        "codellama-34b": ModelShape(
+            name="codellama-34b",
+            layers=48,  # codellama/CodeLlama-34b-hf config.json num_hidden_layers
+            hidden=8192,  # codellama/CodeLlama-34b-hf config.json hidden_size
+            heads=64,  # codellama/CodeLlama-34b-hf config.json num_attention_heads
+            kv_heads=8,  # codellama/CodeLlama-34b-hf config.json num_key_value_heads
+            head_dim=128,  # codellama/CodeLlama-34b-hf config.json: hidden_size / num_attention_heads
+            intermediate=22016,  # codellama/CodeLlama-34b-hf config.json intermediate_size
+            vocab=32000,  # codellama/CodeLlama-34b-hf config.json vocab_size
+            dtype_bytes=2,  # config.json torch_dtype bfloat16; Seesaw runs float16
+        ),
+        "llama2-70b": ModelShape(
+            name="llama2-70b",
+            layers=80,  # meta-llama/Llama-2-70b-hf config.json num_hidden_layers
+            hidden=8192,  # meta-llama/Llama-2-70b-hf config.json hidden_size
+            heads=64,  # meta-llama/Llama-2-70b-hf config.json num_attention_heads
+            kv_heads=8,  # meta-llama/Llama-2-70b-hf config.json num_key_value_heads
+            head_dim=128,  # meta-llama/Llama-2-70b-hf config.json: hidden_size / num_attention_heads
+            intermediate=28672,  # meta-llama/Llama-2-70b-hf config.json intermediate_size
+            vocab=32000,  # meta-llama/Llama-2-70b-hf config.json vocab_size
+            dtype_bytes=2,  # config.json torch_dtype float16
+        ),
+        "llama3-70b": ModelShape(
+            name="llama3-70b",
+            layers=80,  # meta-llama/Meta-Llama-3-70B config.json num_hidden_layers
+            hidden=8192,  # meta-llama/Meta-Llama-3-70B config.json hidden_size
+            heads=64,  # meta-llama/Meta-Llama-3-70B config.json num_attention_heads
+            kv_heads=8,  # meta-llama/Meta-Llama-3-70B config.json num_key_value_heads
+            head_dim=128,  # meta-llama/Meta-Llama-3-70B config.json: hidden_size / num_attention_heads
+            intermediate=28672,  # meta-llama/Meta-Llama-3-70B config.json intermediate_size
+            vocab=128256,  # meta-llama/Meta-Llama-3-70B config.json vocab_size
+            dtype_bytes=2,  # config.json torch_dtype bfloat16
+        ),
+        "bloom-176b": ModelShape(
+            name="bloom-176b",
+            layers=70,  # bigscience/bloom config.json n_layer
+            hidden=14336,  # bigscience/bloom config.json hidden_size
+            heads=112,  # bigscience/bloom config.json n_head
+            kv_heads=112,  # bigscience/bloom: multi-head attention (no GQA)
+            head_dim=128,  # bigscience/bloom config.json: hidden_size / n_head
+            intermediate=57344,  # bigscience/bloom: 4 x hidden_size (MLP dense_h_to_4h)
+            vocab=250880,  # bigscience/bloom config.json vocab_size
+            dtype_bytes=2,  # DejaVu serves it in fp16 (its KV per micro-batch, 10.7 GB, implies 2 bytes)
+            tied_embeddings=True,  # bigscience/bloom: tie_word_embeddings
+        ),
+        "qwen3-32b": ModelShape(
+            name="qwen3-32b",
+            layers=64,  # Qwen/Qwen3-32B config.json num_hidden_layers
+            hidden=5120,  # Qwen/Qwen3-32B config.json hidden_size
+            heads=64,  # Qwen/Qwen3-32B config.json num_attention_heads
+            kv_heads=8,  # Qwen/Qwen3-32B config.json num_key_value_heads
+            head_dim=128,  # Qwen/Qwen3-32B config.json head_dim
+            intermediate=25600,  # Qwen/Qwen3-32B config.json intermediate_size
+            vocab=151936,  # Qwen/Qwen3-32B config.json vocab_size
+            dtype_bytes=2,  # config.json torch_dtype bfloat16
+        ),
+    }
+    # Shift Parallelism's runs use FP8 weights and KV ("all FP8", ../shared/seeds/001_*.txt line 606)
+    fp8 = ("llama3-70b", "qwen3-32b")
+    return {**models, **{f"{n}-fp8": dataclasses.replace(models[n], name=f"{n}-fp8", dtype_bytes=1) for n in fp8}}
+
+
+MODELS: MappingProxyType[str, ModelShape] = MappingProxyType(_paper_models())
+
+# ---- workloads (Seesaw section 6; means of the length distributions of its Figure 9) -----------
+WORKLOADS: MappingProxyType[str, Workload] = MappingProxyType(
+    {
+        "arxiv": Workload(
+            name="arxiv",
+            # Seesaw Fig. 9(a) spreads inputs over 0-4000 tokens (articles of ~6k words, Cohan et al.
+            # 2018, cut to the context), inputs "much longer than outputs"; the figure gives no mean
+            input_len=3000,  # assumed mean, read off Seesaw Fig. 9(a)
+            output_len=250,  # assumed mean: Fig. 9(a) outputs peak at a few hundred (abstracts ~220 words)
+            requests=500,  # Seesaw section 6: "500 requests from arxiv-summarization"
+        ),
+        "sharegpt": Workload(
+            name="sharegpt",
+            # Seesaw Fig. 9(b): "input and output have comparable lengths", mass under ~1000 tokens;
+            # means of the same ShareGPT set as reported by the vLLM paper (Kwon et al. 2023, Fig. 11)
+            input_len=161,  # vLLM paper (Kwon et al. 2023) Fig. 11: ShareGPT mean input 161.31
+            output_len=338,  # vLLM paper (Kwon et al. 2023) Fig. 11: ShareGPT mean output 337.99
+            requests=2000,  # Seesaw section 6: "We sample 2000 requests from the sharegpt dataset"
+        ),
+    }
+)
 
 
 def workload(name: str, *, input_len: float = 512, output_len: float = 512, requests: int = 1000) -> Workload:
@@ -321,7 +329,9 @@ def model(name: str) -> ModelShape:
     raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)} or a path to an HF config.json")
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}  # bytes per element (IEEE 754 / OCP FP8)
+_DTYPE_BYTES = MappingProxyType(
+    {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+)  # bytes per element (IEEE 754 / OCP FP8)
 
 
 # HF config keys that mark a Mixture-of-Experts FFN (Mixtral, Qwen2/3-MoE, DeepSeek, DBRX-style)

@@ -35,6 +35,7 @@ import math
 import re
 from dataclasses import dataclass
 from functools import cache
+from types import MappingProxyType
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -44,7 +45,7 @@ from reshard.parallel.model.dims import layout_notation
 
 MEMORY_RESERVE = 0.10  # fraction of device memory kept free for activations, workspace, fragmentation
 PREFILL_TOKENS = 4096  # assumed tokens per prefill step (vLLM-style chunk), >= one whole prompt
-_DTYPES = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32}
+_DTYPES = MappingProxyType({1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32})
 
 
 @dataclass(frozen=True)

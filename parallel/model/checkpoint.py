@@ -6,6 +6,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from safetensors import safe_open
@@ -14,18 +15,20 @@ from reshard.layout import Box, box_slices
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+DTYPES = MappingProxyType(
+    {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+)
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:

@@ -9,37 +9,45 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
-FAMILY_DEFAULTS = {
-    "llama": dict(num_key_value_heads=2),
-    "qwen2": dict(num_key_value_heads=2),
-    "qwen3": dict(num_key_value_heads=2, head_dim=32),
-    "mistral": dict(num_key_value_heads=1, sliding_window=24),
-}
-_COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
+FAMILY_DEFAULTS = MappingProxyType(
+    {
+        "llama": dict(num_key_value_heads=2),
+        "qwen2": dict(num_key_value_heads=2),
+        "qwen3": dict(num_key_value_heads=2, head_dim=32),
+        "mistral": dict(num_key_value_heads=1, sliding_window=24),
+    }
 )
-BUILTIN = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    initializer_range=0.05,
+_COMMON = MappingProxyType(
+    dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+)
+BUILTIN = MappingProxyType(
+    dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        initializer_range=0.05,
+    )
 )
 BUILTIN_NAME = "tiny-llama-seed0-v1"
 
@@ -80,7 +88,7 @@ def builtin_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     return cached_checkpoint(BUILTIN_NAME, BUILTIN, cache_dir)
 
 
-def cached_checkpoint(name: str, overrides: dict, cache_dir: str | os.PathLike | None = None) -> Path:
+def cached_checkpoint(name: str, overrides: Mapping, cache_dir: str | os.PathLike | None = None) -> Path:
     """A seeded Llama (``overrides`` of the tiny config) under ``cache_dir/name``, built once.
 
     Written to a temporary directory and renamed into place, so an interrupted run leaves no
