@@ -58,7 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import parser, rerun_command
 
-from reshard.parallel import Engine, Request, SamplingParams, parallelize
+from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 from reshard.parallel.model.tiny_models import builtin_checkpoint, cached_checkpoint, default_cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -168,7 +168,9 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> Tokens:
 
 def bench_ours(path: Path, prompts: Tokens, args: argparse.Namespace) -> tuple[Tokens, float]:
     model = parallelize(path)
-    engine = Engine(model, max_batch_size=len(prompts), max_seq_len=args.prompt_len + args.new_tokens, compile=False)
+    engine = Engine(
+        model, EngineConfig(max_batch_size=len(prompts), max_seq_len=args.prompt_len + args.new_tokens, compile=False)
+    )
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=())
 
     def run() -> Tokens:
@@ -331,7 +333,10 @@ def bench_ours_realistic(
     [``:compiled``]); returns the stats of the timed runs."""
     admission, _, mode = variant.partition(":")
     engine = Engine(
-        model, max_batch_size=batch, max_seq_len=work.max_seq_len, compile=mode == "compiled", admission=admission
+        model,
+        EngineConfig(
+            max_batch_size=batch, max_seq_len=work.max_seq_len, compile=mode == "compiled", admission=admission
+        ),
     )
     requests = [
         Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
@@ -425,14 +430,14 @@ def profile_generate(engine: Engine, work: Workload) -> None:
 
 
 def _label_steps(engine: Engine) -> Callable[[], None]:
-    """Wrap each engine step (``Engine._run(step)``) in ``record_function("engine.<phase>")``;
+    """Wrap each engine step (``Engine._run(step)``) in ``record_function("engine.<kind>")``;
     returns the undo."""
     from torch.profiler import record_function
 
     run = engine._run
 
     def labelled(step, *a, **kw):
-        with record_function(f"engine.{step.phase}"):
+        with record_function(f"engine.{step.kind}"):
             return run(step, *a, **kw)
 
     engine._run = labelled

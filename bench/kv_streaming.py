@@ -72,7 +72,7 @@ from reshard.kv.transport import (
     P2PTransport,
     SharedMemoryTransport,
 )
-from reshard.parallel import Engine, Request, SamplingParams, parallelize
+from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -189,7 +189,9 @@ def neighbour_written(cache: KVCache) -> torch.Tensor:
 def section_stream(path: Path, args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, "section stream runs on 2 ranks (TP2)"
-    engine = Engine(parallelize(path), max_batch_size=args.batch, max_seq_len=args.prompt_len + args.new_tokens)
+    engine = Engine(
+        parallelize(path), EngineConfig(max_batch_size=args.batch, max_seq_len=args.prompt_len + args.new_tokens)
+    )
     reqs = requests(args, args.prompt_len, args.new_tokens)
     src = world_layouts(engine.kv)
     tmp = Path(tempfile.mkdtemp(prefix=f"kvbench-r{rank}-"))
@@ -215,7 +217,7 @@ def section_stream(path: Path, args) -> dict:
         stream, remove = None, None
         if variant != "none":
             stream = TokenStream(streamers[variant], engine.kv, mirrors[variant])
-            remove = engine.events.on("step_end", lambda step, seqs: stream.step_end(step.phase, seqs))
+            remove = engine.events.on("step_end", lambda step, seqs: stream.step_end(step.kind, seqs))
         r = gen(engine, reqs)
         if stream is not None:
             stream.drain()
@@ -454,10 +456,10 @@ def section_paged(path: Path, args) -> dict:
     model = parallelize(path)
     seq_len = args.prompt_len + args.new_tokens
     capacity = args.batch * seq_len
-    engines = {"contiguous": Engine(model, max_batch_size=args.batch, max_seq_len=seq_len)}
+    engines = {"contiguous": Engine(model, EngineConfig(max_batch_size=args.batch, max_seq_len=seq_len))}
     for bs in args.block_sizes:
         engines[f"paged, block {bs}"] = Engine(
-            model, max_batch_size=args.batch, max_seq_len=seq_len, kv_block_size=bs, kv_tokens=capacity
+            model, EngineConfig(max_batch_size=args.batch, max_seq_len=seq_len, kv_block_size=bs, kv_tokens=capacity)
         )
     reqs = requests(args, args.prompt_len, args.new_tokens)
     rows = {k: {"step": [], "prefill": []} for k in engines}
@@ -519,7 +521,7 @@ class PromptStream:
         self.ins = []
 
     def step_begin(self, step, seqs) -> None:
-        self.spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs] if step.phase == "prefill" else []
+        self.spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs] if step.kind == "prefill" else []
 
     def after_layer(self, index, hidden, ctx) -> None:
         if self.mode == "layer" and self.spans:
@@ -548,9 +550,11 @@ def section_prefill(path: Path, args) -> dict:
     assert world == 2, "section prefill runs on 2 ranks (TP2)"
     engine = Engine(
         parallelize(path),
-        max_batch_size=args.batch,
-        max_seq_len=args.prefill_len + 1,
-        max_prefill_tokens=args.batch * args.prefill_len,
+        EngineConfig(
+            max_batch_size=args.batch,
+            max_seq_len=args.prefill_len + 1,
+            max_prefill_tokens=args.batch * args.prefill_len,
+        ),
     )
     reqs = requests(args, args.prefill_len, 1)
     src = world_layouts(engine.kv)

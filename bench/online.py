@@ -75,7 +75,7 @@ def _requests(args, rate: float):
 
 
 def _engine(path: str, layout: str, args):
-    from reshard.parallel import Engine, ParallelDims, parallelize
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, parallelize
 
     world = dist.get_world_size()
     if layout in ("shift", "dejavu", "dejavu-lockstep"):
@@ -83,11 +83,13 @@ def _engine(path: str, layout: str, args):
     dims = ParallelDims.from_world(tp=world) if layout == "tp" else ParallelDims.from_world(dp=world)
     replicas = "lockstep" if layout == "dp-lockstep" else "groups"
     max_len = args.prompt_lens[1] + args.budgets[1]
-    return Engine(parallelize(path, dims), max_batch_size=args.batch, max_seq_len=max_len, replicas=replicas)
+    return Engine(
+        parallelize(path, dims), EngineConfig(max_batch_size=args.batch, max_seq_len=max_len, replicas=replicas)
+    )
 
 
 def _strategy_engine(path: str, layout: str, args):
-    from reshard.parallel.engine import EngineArgs
+    from reshard.parallel.engine import EngineConfig
     from reshard.recipes.schema import strategy_config
 
     if layout == "shift":
@@ -98,10 +100,10 @@ def _strategy_engine(path: str, layout: str, args):
         if layout == "dejavu":  # one group per rank on each side (lockstep: one TP group per side)
             keys.update(prompt={"dp": n}, token={"dp": dist.get_world_size() - n})
     replicas = "lockstep" if layout == "dejavu-lockstep" else "groups"
-    engine_args = EngineArgs(
+    config = EngineConfig(
         max_batch_size=args.batch, max_seq_len=args.prompt_lens[1] + args.budgets[1], replicas=replicas
     )
-    return strategy_config(keys).build(path, engine_args)
+    return strategy_config(keys).build(path, config)
 
 
 def _phase_seconds(engine) -> tuple[float, float]:

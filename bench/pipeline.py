@@ -61,14 +61,14 @@ def _requests(args):
 
 def _engine(path: str, layout: str, args):
     """``layout``'s engine over every rank (each holds ``W * batch`` sequences at once)."""
-    from reshard.parallel import Engine, ParallelDims, parallelize
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, parallelize
     from reshard.parallel.model.pipeline import balanced_stages, parallelize_pipeline
 
     world = dist.get_world_size()
     max_len = args.prompt_lens[1] + args.new_tokens
     if layout == "dp-groups":
         model = parallelize(path, ParallelDims.from_world(dp=world))
-        return Engine(model, max_batch_size=args.batch, max_seq_len=max_len)
+        return Engine(model, EngineConfig(max_batch_size=args.batch, max_seq_len=max_len))
     stages = None
     if layout.endswith("-balanced"):
         from transformers import AutoConfig
@@ -76,8 +76,10 @@ def _engine(path: str, layout: str, args):
         stages = balanced_stages(AutoConfig.from_pretrained(path), world)
     model = parallelize_pipeline(path, ParallelDims(pp=world, world_size=world, stages=stages))
     pipeline = layout.removeprefix("pp-").removesuffix("-balanced")
-    kw = dict(max_batch_size=world * args.batch, max_seq_len=max_len, num_microbatches=world)
-    return Engine(model, pipeline=pipeline, **kw)
+    config = EngineConfig(
+        max_batch_size=world * args.batch, max_seq_len=max_len, num_microbatches=world, pipeline=pipeline
+    )
+    return Engine(model, config)
 
 
 def _run(engine, requests) -> dict:

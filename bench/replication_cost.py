@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from _common import parser, rerun_command
 
-from reshard.parallel import Engine, Request, SamplingParams, parallelize
+from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 from reshard.parallel.fault.ring import RingReplication
 from reshard.parallel.model.tiny_models import builtin_checkpoint
 
@@ -42,7 +42,7 @@ def variants(every: list[int]) -> list[tuple[str, int, bool]]:
 
 def measure(path, variant: tuple[str, int, bool], requests: list[Request]) -> dict:
     _, every, background = variant
-    engine = Engine(parallelize(path), max_batch_size=len(requests), max_seq_len=512)
+    engine = Engine(parallelize(path), EngineConfig(max_batch_size=len(requests), max_seq_len=512))
     ring = TimedRing(engine, background=background, replicate_every=every) if every else None
     engine.generate(requests[:2])  # warm-up
     warm_steps = engine.stats.decode_steps

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from _common import parser, rerun_command
 
-from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams, parallelize
 from reshard.parallel.model.pipeline import parallelize_pipeline
 from reshard.parallel.model.tiny_models import builtin_checkpoint
 from reshard.parallel.strategies.seesaw import LayoutSwitch, seesaw_engine
@@ -94,14 +94,15 @@ def build(path: Path, world: int, slots: int, tier_tokens: int) -> dict:
     tp4 = dims(tp=4)
     pp4 = dims(pp=4)
     d2p2 = dims(dp=2, pp=2)
+    piped = EngineConfig(num_microbatches=2, **kw)
     engines = {
-        "static TP4": Static(Engine(parallelize(path, tp4), **kw)),
-        "static PP4": Static(Engine(parallelize_pipeline(path, pp4), num_microbatches=2, **kw)),
-        "static D2P2": Static(Engine(parallelize_pipeline(path, d2p2), num_microbatches=2, **kw)),
+        "static TP4": Static(Engine(parallelize(path, tp4), EngineConfig(**kw))),
+        "static PP4": Static(Engine(parallelize_pipeline(path, pp4), piped)),
+        "static D2P2": Static(Engine(parallelize_pipeline(path, d2p2), piped)),
     }
     for name, pre in (("seesaw P4->T4", pp4), ("seesaw D2P2->T4", d2p2)):
         switch = LayoutSwitch(path, pre, tp4, weights="move")
-        engines[name] = Seesaw(seesaw_engine(switch, cpu_kv_budget=tier_tokens, **kw))
+        engines[name] = Seesaw(seesaw_engine(switch, EngineConfig(**kw), cpu_kv_budget=tier_tokens))
     return engines
 
 

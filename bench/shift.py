@@ -58,7 +58,7 @@ from reshard.layers.attention import AttentionContext
 from reshard.layers.mlp import SwiGLUMLP
 from reshard.layers.ulysses import SHIFT_WEIGHTS, UlyssesAttention
 from reshard.layers.weights import use_weights
-from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams, parallelize
 from reshard.parallel.model.tiny_models import builtin_checkpoint
 from reshard.parallel.strategies.shift import (
     ShiftStats,
@@ -351,7 +351,7 @@ def run_trace(engine: Engine, trace: list[list[Request]], long_len: int) -> Trac
     first: dict[int, float] = {}
 
     def prefill_done(step, seqs) -> None:
-        if step.phase == "prefill":
+        if step.kind == "prefill":
             now = time.perf_counter()
             for s in seqs:
                 first[s.request.id] = now
@@ -381,19 +381,19 @@ def part2(path: Path, args: argparse.Namespace, trace: list[list[Request]]) -> d
     world = dist.get_world_size()
     sp = args.sp or world
     model = parallelize_shift(path, ParallelDims(sp=sp, tp=world // sp, world_size=world), shift_weights="copy")
-    kw = dict(
+    config = EngineConfig(
         max_batch_size=args.burst_size,
         max_seq_len=max(args.long_len, args.burst_len) + args.new_tokens,
         max_prefill_tokens=max(args.long_len, args.burst_size * args.burst_len),
     )
     makers: dict[str, Callable[[], Engine]] = {
-        "TP-only (T=1e9)": lambda: shift_engine(model, threshold=TP_ONLY, **kw),
-        "SP-only (T=0)": lambda: shift_engine(model, threshold=0, **kw),
-        f"Shift (T={args.threshold})": lambda: shift_engine(model, threshold=args.threshold, **kw),
+        "TP-only (T=1e9)": lambda: shift_engine(model, config, threshold=TP_ONLY),
+        "SP-only (T=0)": lambda: shift_engine(model, config, threshold=0),
+        f"Shift (T={args.threshold})": lambda: shift_engine(model, config, threshold=args.threshold),
     }
     if not args.no_plain_tp:
         tp_model = parallelize(path, ParallelDims(tp=world, world_size=world))
-        makers["TP plain Engine"] = lambda: Engine(tp_model, **kw)
+        makers["TP plain Engine"] = lambda: Engine(tp_model, config)
     runs: dict[str, list[TraceRun]] = {name: [] for name in makers}
     wire: dict[str, float] = {}
     for name, make in makers.items():  # warm-up with byte counting (untimed)

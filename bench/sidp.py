@@ -79,8 +79,8 @@ from _common import (
 
 from reshard.kv import KVCache
 from reshard.kv.cache import KVSpec
-from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
-from reshard.parallel.engine import EngineArgs, make_strategy
+from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams, parallelize
+from reshard.parallel.engine import make_strategy
 from reshard.parallel.strategies.sidp import kv_bytes_per_token, profile_threshold, sidp_engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -235,12 +235,12 @@ def section_sweep(path: Path, args, models: dict, log) -> dict:
     seq_len = args.prompt_len + args.new_tokens
     rows = {}
     for b in args.sizes:
-        kw = dict(max_batch_size=b, max_seq_len=seq_len)
+        config = EngineConfig(max_batch_size=b, max_seq_len=seq_len)
         engines = {
-            "dp": Engine(models["dp"], **kw),
-            "was": sidp_engine(models["sidp"], fetcher, mode="was", **kw),
-            "cas": sidp_engine(models["sidp"], fetcher, mode="cas", **kw),
-            "allgather": Engine(models["ag"], **kw),
+            "dp": Engine(models["dp"], config),
+            "was": sidp_engine(models["sidp"], fetcher, config, mode="was"),
+            "cas": sidp_engine(models["sidp"], fetcher, config, mode="cas"),
+            "allgather": Engine(models["ag"], config),
         }
         models["ag_ffn"].attach(engines["allgather"], "main")
         reqs = sweep_requests(args, world, b)
@@ -297,10 +297,10 @@ def section_kv(path: Path, args, models: dict, log) -> dict:
     world = dist.get_world_size()
     seq_len = args.prompt_len + args.new_tokens
     block, tokens = 16, 4096
-    kw = dict(max_batch_size=8, max_seq_len=seq_len, kv_block_size=block, kv_tokens=tokens)
+    config = EngineConfig(max_batch_size=8, max_seq_len=seq_len, kv_block_size=block, kv_tokens=tokens)
     strategy = models["strategy"]
-    engine = sidp_engine(models["sidp"], models["fetcher"], mode="was", **kw)
-    dp_engine = Engine(models["dp"], **kw)
+    engine = sidp_engine(models["sidp"], models["fetcher"], config, mode="was")
+    dp_engine = Engine(models["dp"], config)
     s = strategy.summary(engine)
     spec = engine.kv.spec
     per_token = kv_bytes_per_token(spec)
@@ -446,7 +446,7 @@ def section_e2e(path: Path, args, threshold: float, log) -> dict:
     world = dist.get_world_size()
     reqs = tail_requests(args)
     seq_len = max(len(r.prompt_ids) + r.sampling.max_new_tokens for r in reqs)
-    eargs = EngineArgs(
+    eargs = EngineConfig(
         max_batch_size=args.e2e_batch, max_seq_len=seq_len, kv_block_size=16, kv_tokens=args.e2e_batch * seq_len
     )
     strategies, engines = {}, {}
@@ -456,12 +456,7 @@ def section_e2e(path: Path, args, threshold: float, log) -> dict:
     for v in ("auto", "was", "cas"):
         strategies[v] = make_strategy({**common, "mode": v})
         engines[v] = strategies[v].build(path, eargs)
-    engines["dp"] = Engine(
-        parallelize(path, ParallelDims(dp=world, world_size=world)),
-        **eargs.kv,
-        max_batch_size=eargs.max_batch_size,
-        max_seq_len=seq_len,
-    )
+    engines["dp"] = Engine(parallelize(path, ParallelDims(dp=world, world_size=world)), eargs)
     order = ("dp", "was", "cas", "auto")
     rows = {v: {"wall": [], "step": []} for v in order}
     for v in order:  # warm-up
@@ -554,7 +549,7 @@ def build_models(path: Path, args) -> dict:
     if args.slots:
         cfg["slots"] = args.slots
     strategy = make_strategy(cfg)
-    seed_engine = strategy.build(path, EngineArgs(max_batch_size=1, max_seq_len=args.prompt_len + args.new_tokens))
+    seed_engine = strategy.build(path, EngineConfig(max_batch_size=1, max_seq_len=args.prompt_len + args.new_tokens))
     fetcher = seed_engine.policy.fetcher
     dims = ParallelDims(dp=world, world_size=world)
     ag_model = parallelize(path, dims)

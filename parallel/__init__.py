@@ -1,6 +1,14 @@
 """Meshes, parallelization plans, checkpoint loading, the engine core and the strategies."""
 
-from reshard.parallel.engine import Completion, Engine, EngineStats, ModelRunner, Request, register_strategy
+from reshard.parallel.engine import (
+    Completion,
+    Engine,
+    EngineConfig,
+    EngineStats,
+    ModelRunner,
+    Request,
+    register_strategy,
+)
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, device_type
@@ -13,6 +21,7 @@ __all__ = [
     "CheckpointReader",
     "Completion",
     "Engine",
+    "EngineConfig",
     "EngineStats",
     "LoadStats",
     "ModelRunner",

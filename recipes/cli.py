@@ -141,7 +141,7 @@ def keys_lines(job: str, overrides: Sequence[str]) -> list[str]:
 def total_requests(cfg: Any) -> int | None:
     """How many requests a generate job runs (``None`` for jobs without requests); a prompts file
     that does not exist or is not UTF-8 is a ``ValueError`` naming it."""
-    from reshard.recipes.generate import _prompt_lines
+    from reshard.recipes.prompts import _prompt_lines
 
     w = getattr(cfg, "workload", None)
     if w is None or not hasattr(w, "num_requests"):

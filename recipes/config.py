@@ -1,10 +1,13 @@
 """The generate job's config: dataclasses that Hydra checks ``conf/generate.yaml`` and the overrides
-against (registered in :mod:`reshard.recipes.schema`); ``__post_init__`` adds the range checks."""
+against (registered in :mod:`reshard.recipes.schema`); ``__post_init__`` adds the range checks. The
+``engine:`` section is the library's :class:`~reshard.parallel.engine.config.EngineConfig` itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from reshard.parallel.engine.config import EngineConfig
 
 
 @dataclass
@@ -110,67 +113,6 @@ class GenerationConfig:
             ignore_eos=self.ignore_eos,
             stop=tuple(self.stop or ()),
             logprobs=self.logprobs,
-        )
-
-
-@dataclass
-class EngineConfig:
-    max_batch_size: int = 8
-    max_seq_len: int = 512
-    max_prefill_tokens: int = 4096
-
-    admission: str = "fifo"  # fifo | longest_first (largest max_new_tokens first)
-    kv_block_size: int | None = None  # paged KV cache: positions per block (null: contiguous slots)
-    kv_tokens: int | None = None  # paged KV cache: tokens per replica (null: contiguous slots)
-    replicas: str = "groups"  # groups: each data-parallel replica steps on its own | lockstep
-    routing: str = "least_loaded"  # least_loaded | round_robin | longest_first (requests to groups)
-    pipeline: str | None = None  # inflight | drain | null: micro-batches in flight wherever they can be
-    prefill_chunk: int | None = None  # chunked prefill: prompt tokens per step beside decodes (null: whole)
-
-    def __post_init__(self) -> None:
-        from reshard.parallel.engine.inflight import PIPELINES
-        from reshard.parallel.engine.policy import ADMISSION
-        from reshard.parallel.engine.router import ROUTING
-        from reshard.parallel.engine.runner import REPLICAS
-
-        if (self.kv_block_size is None) != (self.kv_tokens is None):
-            raise ValueError(
-                f"engine.kv_block_size and engine.kv_tokens go together, got {self.kv_block_size} and {self.kv_tokens}"
-            )
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, str) and value is not None and value < 1:
-                raise ValueError(f"engine.{f.name} must be >= 1, got {getattr(self, f.name)}")
-        if self.admission not in ADMISSION:
-            raise ValueError(f"engine.admission must be one of {list(ADMISSION)}, got {self.admission!r}")
-        if self.replicas not in REPLICAS:
-            raise ValueError(f"engine.replicas must be one of {list(REPLICAS)}, got {self.replicas!r}")
-        if self.routing not in ROUTING:
-            raise ValueError(f"engine.routing must be one of {list(ROUTING)}, got {self.routing!r}")
-        if self.pipeline is not None and self.pipeline not in PIPELINES:
-            raise ValueError(f"engine.pipeline must be one of {list(PIPELINES)} or null, got {self.pipeline!r}")
-
-    def args(self, *, compile: bool, dtype: str, allow_unused: bool = False, lockstep: bool = False):
-        """The engine arguments every strategy takes (``lockstep``: replicas share steps, as
-        fault tolerance's journal and ring need)."""
-        import torch
-
-        from reshard.parallel.engine import EngineArgs
-
-        return EngineArgs(
-            max_batch_size=self.max_batch_size,
-            max_seq_len=self.max_seq_len,
-            max_prefill_tokens=self.max_prefill_tokens,
-            compile=compile,
-            dtype=getattr(torch, dtype),
-            admission=self.admission,
-            allow_unused=allow_unused,
-            kv_block_size=self.kv_block_size,
-            kv_tokens=self.kv_tokens,
-            replicas="lockstep" if lockstep else self.replicas,
-            routing=self.routing,
-            pipeline="drain" if lockstep else self.pipeline,
-            prefill_chunk=self.prefill_chunk,
         )
 
 
@@ -309,24 +251,43 @@ class GenerateConfig:
                 f"migration carry tokens only): unset fault.replicate ({self.fault.replicate}) / fault.migrate "
                 f"({self.fault.migrate})"
             )
+        engine = self.engine_config()  # checks the engine keys the job's own keys set
         if self.fault.migrate is None:  # supervised jobs build their groups' engines themselves (recipes/supervised.py)
-            self.parallel.check_args(self.engine_args())
+            self.parallel.check_args(engine)
         longest = self.workload.prompt_len_max + self.generation.max_new_tokens
-        if self.workload.prompts_file is None and longest > self.engine.max_seq_len:  # a file's: build_requests
+        limit = self.engine.max_seq_len  # null: the model's (checked per request when it runs)
+        if self.workload.prompts_file is None and limit is not None and longest > limit:  # a file's: build_requests
             raise ValueError(
                 f"workload.prompt_len_max ({self.workload.prompt_len_max}) + "
                 f"generation.max_new_tokens ({self.generation.max_new_tokens}) = {longest} exceeds "
-                f"engine.max_seq_len ({self.engine.max_seq_len})"
+                f"engine.max_seq_len ({limit})"
             )
 
-    def engine_args(self):
-        """The :class:`EngineArgs` this job runs its strategy with."""
-        return self.engine.args(
-            compile=self.compile,
-            dtype=self.model.dtype,
-            allow_unused=self.model.allow_unused_weights,
-            lockstep=self.fault.replicate,  # the journal and the KV ring follow one lockstep group (for now)
-        )
+    def engine_config(self) -> EngineConfig:
+        """The :class:`EngineConfig` this job runs its strategy with: ``engine:`` plus the job's
+        ``compile``, ``model.dtype`` and ``model.allow_unused_weights`` (an ``engine.`` key of
+        those set otherwise is a ``ValueError`` naming both); ``fault.replicate`` runs the
+        replicas in lockstep, pipelines drained (the journal and the KV ring follow one lockstep
+        group, for now)."""
+        own = {"compile": self.compile, "dtype": self.model.dtype, "allow_unused": self.model.allow_unused_weights}
+        self._check_engine_keys(own)
+        lockstep = dict(replicas="lockstep", pipeline="drain") if self.fault.replicate else {}
+        return replace(self.engine, **own, **lockstep)
+
+    def _check_engine_keys(self, own: dict[str, Any]) -> None:
+        """``ValueError`` naming both keys for an ``engine.`` key set apart from the job's key that
+        sets it (``own``: engine key -> the job's value), or for unread weights."""
+        job_keys = {"compile": "compile", "dtype": "model.dtype", "allow_unused": "model.allow_unused_weights"}
+        default = EngineConfig()
+        for key, value in own.items():
+            given = getattr(self.engine, key)
+            if given != getattr(default, key) and given != value:
+                raise ValueError(
+                    f"engine.{key} ({given!r}) differs from {job_keys[key]} ({value!r}), which sets it in the "
+                    f"generate job: set {job_keys[key]} (and leave engine.{key} unset)"
+                )
+        if not self.engine.load_weights:
+            raise ValueError("engine.load_weights=false leaves the weights unread; a generate job reads them")
 
     def _check_prefill_chunk(self, prefill_chunk: int) -> None:
         """``ValueError`` naming the values for what chunked prefill does not run with."""

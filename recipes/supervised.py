@@ -23,17 +23,18 @@ import torch
 import torch.distributed as dist
 
 from reshard.parallel.engine import Strategy
-from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.request import Completion, EngineStats
 from reshard.parallel.engine.router import Channel, GroupLayout
 from reshard.parallel.fault.donor import WeightDonor, take_weights
-from reshard.parallel.fault.migrate import GroupJournal, SupervisedRouter, Topology, read_journal, silent_for
+from reshard.parallel.fault.journal import GroupJournal, silent_for
+from reshard.parallel.fault.migrate import SupervisedRouter, Topology
 from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
-from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, failures, group_store_prefix
+from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, group_store_prefix
 from reshard.parallel.model.parallelize import load_checkpoint
 from reshard.parallel.strategies.tp import TPStrategy
 from reshard.recipes.config import GenerateConfig
+from reshard.recipes.fault_report import fault_summary
 from reshard.recipes.launch import collective_timeout
 
 CHANNEL = "supervised"
@@ -43,7 +44,7 @@ WARM = ("reshard.recipes.supervised", "reshard.parallel.strategies.tp", "transfo
 def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
     """Supervise this rank's engine until the router has every completion; rank 0 writes the
     outputs. Returns the summary (rank 0; ``{}`` elsewhere)."""
-    from reshard.recipes.generate import build_requests
+    from reshard.recipes.prompts import build_requests
 
     world, rank = dist.get_world_size(), dist.get_rank()
     index, members, topology = engine_group_of(cfg, world, rank)
@@ -98,7 +99,8 @@ def _kept_finished(run_dir: Path, n: int) -> tuple[list[Completion], Callable[[C
     """What an earlier attempt of this job finished (``run_dir/finished.jsonl``, kept when the
     router's process was lost and torchrun restarted the job), and the function that appends
     each new completion there (a lost router loses none of them)."""
-    from reshard.recipes.generate import FINISHED, OutputFormat, append_finished
+    from reshard.recipes.launch import FINISHED
+    from reshard.recipes.report import OutputFormat, append_finished
 
     path = run_dir / FINISHED
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +164,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     """One engine child: its group's own process group (this generation's), the engine (its
     weights from a live replica when one serves, else the checkpoint), the journal, then serve
     what the router hands this generation of the group."""
-    from reshard.recipes.generate import stop_tokenizer
+    from reshard.recipes.prompts import stop_tokenizer
 
     store = job_store(restart_count())
     _init_group(spec, store)
@@ -209,16 +211,16 @@ def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Top
     """This child's engine and where its weights came from, with the seconds that took: a live
     replica's endpoint (a respawned group, while another group serves; ``fault.respawn_weights``),
     else ``"checkpoint"``."""
-    args = cfg.engine.args(compile=cfg.compile, dtype=cfg.model.dtype, allow_unused=cfg.model.allow_unused_weights)
+    config = cfg.engine_config()
     world, store = int(os.environ["WORLD_SIZE"]), _supervision_store()
     live = [e for e in (_live_endpoint(store, g) for g in range(topology.groups) if g != spec.group) if e]
     wanted = spec.generation > 0 and cfg.fault.respawn_weights == "replica" and _replicas(cfg)
     donor = live[0] if wanted and live else None
     t0 = time.perf_counter()
     if donor is None:
-        engine = _group_strategy(cfg, world, path).build(path, args)
+        engine = _group_strategy(cfg, world, path).build(path, config)
         return engine, ("checkpoint", time.perf_counter() - t0)
-    engine = _group_strategy(cfg, world, path).build(path, dataclasses.replace(args, load_weights=False))
+    engine = _group_strategy(cfg, world, path).build(path, dataclasses.replace(config, load_weights=False))
     group = int(donor.split(".")[0])
     gone = lambda: _live_endpoint(store, group) != donor  # noqa: E731 - it died or finished
     position = spec.members.index(spec.rank)
@@ -260,6 +262,10 @@ def _supervision_store() -> dist.Store:
 def _init_group(spec: ChildSpec, store: dist.Store) -> None:
     """This child's default process group: the job's ranks under this generation's prefix, of
     which only the group's ever connect (gloo connects lazily, NCCL always does)."""
+    # torch's own variable, set at this child's entry (serve_child's first call) for the whole
+    # process: its default group, and any group over the job's ranks, holds ranks that are not
+    # this generation's (they live in other children, under other prefixes) and eager gloo would
+    # wait for them. No reshard setting reads it; links build their groups on their own threads.
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -335,54 +341,35 @@ def _vocab_size(path: Path) -> int:
 
 def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: Channel, store, seconds, groups) -> dict:
     """Rank 0: outputs in request order and the summary of a supervised run."""
-    from reshard.recipes.generate import FINISHED, OutputFormat, _write_outputs, output_tokenizer
+    from reshard.recipes.launch import FINISHED
+    from reshard.recipes.prompts import output_tokenizer
+    from reshard.recipes.report import OutputFormat, write_outputs
 
     completions = [router.completions[rid] for rid in sorted(router.completions)]
     endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
     stats = EngineStats.total([channel.get(f"stats/{e}") for e in endpoints if channel.ready(f"stats/{e}")])
     summary = _summary(cfg, path, completions, stats, seconds, groups)
     digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
-    summary["fault"] = _fault_summary(router, channel, store, endpoints, digests, adoptions)
+    summary["fault"] = fault_summary(router, channel, store, endpoints, digests, adoptions)
     summary["fault"]["kept_from_earlier_attempts"] = router.kept
     # rank -> generation -> [where its weights came from: "checkpoint" or a live replica's endpoint,
     # seconds its engine took to build with them]
     summary["fault"]["weights_from"] = _per_generation(cfg, channel, store, "weights_from")
     # (no strategy's own keys: its engines are the children's)
     fmt = OutputFormat(output_tokenizer(path), cfg.generation.n, cfg.generation.stop)
-    _write_outputs(run_dir, completions, summary, None, fmt)
+    write_outputs(run_dir, completions, summary, None, fmt)
     (run_dir / FINISHED).unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
 
 
 def _summary(cfg, path: Path, completions, stats: EngineStats, seconds: float, groups: int) -> dict:
-    from reshard.recipes.generate import what_ran
+    """:func:`run_summary` of the engine groups' counters (phase times summed over the groups)."""
+    from reshard.recipes.report import PhaseSeconds, run_summary
 
-    prompt = sum(len(c.prompt_ids) for c in completions)
-    generated = sum(len(c.output_ids) for c in completions)
-    return {
-        "model_path": str(Path(path).resolve()),
-        "world_size": dist.get_world_size(),
-        "strategy": cfg.parallel.strategy,
-        **what_ran(cfg, cfg.parallel.layouts(dist.get_world_size())),
-        "requests": len(completions),
-        "prompt_tokens": prompt,
-        "generated_tokens": generated,
-        "prefill_tokens_per_s": stats.prefill_tokens / max(stats.prefill_seconds, 1e-9),
-        "decode_tokens_per_s": stats.decode_tokens / max(stats.decode_seconds, 1e-9),
-        "mean_decode_batch": stats.mean_decode_batch,
-        "engine_groups": groups,
-        "phase_seconds": {
-            "load": 0.0,
-            "prefill": stats.prefill_seconds,
-            "decode": stats.decode_seconds,
-            "mixed": stats.mixed_seconds,
-            "generate_total": seconds,
-        },
-        "online": any(c.timing is not None and c.timing.arrival > 0 for c in completions),
-        "latency": latency_summary(completions, seconds),
-        "compile": cfg.compile,
-        "failures": restart_count(),  # whole-job restarts (torchrun's)
-    }
+    phases = PhaseSeconds(0.0, stats.prefill_seconds, stats.decode_seconds, stats.mixed_seconds, 0.0, seconds)
+    layouts = cfg.parallel.layouts(dist.get_world_size())
+    summary = run_summary(cfg, path, completions, layouts, stats=stats, seconds=phases, groups=groups)
+    return {**summary, "failures": restart_count()}  # whole-job restarts (torchrun's)
 
 
 def _per_generation(cfg, channel: Channel, store, name: str) -> dict[int, dict[int, object]]:
@@ -393,71 +380,6 @@ def _per_generation(cfg, channel: Channel, store, name: str) -> dict[int, dict[i
         keys = [(k, f"{name}/{rank}.{k}") for k in range(int(store.get(f"gen/{group}")) + 1)]
         out[rank] = {k: channel.get(key) for k, key in keys if channel.ready(key)}
     return out
-
-
-def _first_token(entries: dict, requests: set[int], after: float, clock) -> float | None:
-    """When the first of ``requests`` produced a token anywhere after ``after`` (job clock)."""
-    times = [clock(e.time) for js in entries.values() for e in js if any(t[0] in requests for t in e.tokens)]
-    later = [t for t in times if t > after]
-    return min(later) if later else None
-
-
-def _fault_summary(
-    router: SupervisedRouter, channel: Channel, store, endpoints: list[str], digests: dict, adoptions: list
-) -> dict:
-    """What failed and what moved where; per death, the steps each other group that was serving
-    then took while the dead group was down (they never wait for it); every generation's weight
-    digest per rank. Times in seconds on the job's clock."""
-    clock = lambda t: t - router.start  # noqa: E731
-    entries = {e: read_journal(channel, e) for e in endpoints}
-    journals = {e: [clock(entry.time) for entry in js] for e, js in entries.items()}
-    ready = {e: clock(channel.get(f"ready/{e}")) for e in endpoints if channel.ready(f"ready/{e}")}
-    died = {m.endpoint: m.seen for m in router.migrations}
-    failed: dict = {}
-    for f in failures(store):  # the first recorded death of a generation is its cause
-        failed.setdefault(f"{f.group}.{f.generation}", f)
-    deaths = []
-    for m in router.migrations:
-        until = m.rejoined if m.rejoined is not None else float("inf")
-        serving = [e for e in ready if ready[e] <= m.seen < died.get(e, float("inf")) and e != m.endpoint]
-        f = failed.get(m.endpoint)
-        deaths.append(
-            {
-                "endpoint": m.endpoint,
-                "rank": None if f is None else f.rank,
-                "exitcode": None if f is None else f.exitcode,
-                "hung": None if f is None else f.hung,  # killed by its supervisor: silent past fault.hung_after_s
-                "died_s": None if f is None else clock(f.seen_at),  # its supervisor saw the child end
-                "seen_s": m.seen,  # the router saw its group's generation move on
-                "rejoined_s": m.rejoined,
-                "first_migrated_token_s": _first_token(entries, set(m.resumed), m.seen, clock),
-                "resumed": m.resumed,
-                "restarted": m.restarted,
-                "completed": m.completed,
-                "reprefilled_tokens": m.reprefilled_tokens,
-                "adopted_by": m.adopted_by,
-                "tokens_so_far": m.tokens,
-                # migrate=kv: (request id, tokens whose KV came from the mirror, tokens generated again)
-                "adopted": [a[1:] for a in adoptions if a[0] == m.endpoint],
-                # steps of the groups serving at the death, from it until the dead group rejoined
-                # (or until they died themselves)
-                "others_kept_stepping": {
-                    e: sum(m.seen < t <= min(until, died.get(e, until)) for t in journals[e]) for e in serving
-                },
-            }
-        )
-    entries = router.topology.entries if router.topology.takers else ()
-    return {
-        "migrate": router.migrate,
-        "deaths": deaths,
-        # DejaVu: prefilled requests adopted with their prompt group's KV by a token group
-        # (source, request id, tokens kept, tokens generated again); the others were prefilled again there
-        "hand_offs": [a for a in adoptions if int(a[0].split(".")[0]) in entries],
-        "ready_s": ready,
-        "served_by": {rid: eps for rid, eps in sorted(router.routed.items())},
-        "weights_digest": digests,  # rank -> generation -> digest
-        "journal_steps": {e: len(t) for e, t in journals.items()},
-    }
 
 
 __all__ = ["engine_group_of", "run_supervised", "serve_child", "weights_digest"]

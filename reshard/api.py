@@ -23,7 +23,7 @@ from reshard.background import Background
 from reshard.dtensor import wrap_local
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, execute
 from reshard.layout import Layout
-from reshard.mesh import cached_group, device_type
+from reshard.mesh import all_gather_objects, cached_group, device_type, let_go
 from reshard.plan import Plan, plan_transfer
 
 Target = tuple[DeviceMesh, Sequence[Placement]]
@@ -243,13 +243,11 @@ def check_agreement(plans: Sequence[Plan], group=None, extra: str = "") -> None:
         return
     described = [(repr(p.src), repr(p.dst)) for p in plans] + ([("options", extra)] if extra else [])
     digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.long, device=device_type())
-    hashes = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(hashes, mine, group=group)
-    if all(torch.equal(h, hashes[0]) for h in hashes):
+    exchanged: list[torch.Tensor] = []
+    if len(set(_all_hashes(digest, group, exchanged))) == 1:
         return
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, described, group=group)
+    everyone = all_gather_objects(described, group)
+    let_go(exchanged)  # the refusal may end the process at once: nothing may be left in the backend
     other = next(r for r in range(world) if everyone[r] != everyone[0])
     first = next((i for i, (a, b) in enumerate(zip(everyone[0], everyone[other])) if a != b), None)
     detail = (
@@ -261,6 +259,16 @@ def check_agreement(plans: Sequence[Plan], group=None, extra: str = "") -> None:
         f"ranks called the move with different arguments (rank 0 vs rank {other}, {detail}); "
         f"every rank must pass the same tensors, meshes and placements"
     )
+
+
+def _all_hashes(digest: bytes, group, exchanged: list[torch.Tensor]) -> list[int]:
+    """Every rank's 8-byte ``digest`` as an int (one all-gather); the tensors it used are appended
+    to ``exchanged`` (for :func:`reshard.mesh.let_go`) and referenced nowhere else."""
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.long, device=device_type())
+    hashes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(hashes, mine, group=group)
+    exchanged += [mine, *hashes]
+    return [int(h) for h in hashes]
 
 
 def assign_tensor(module: nn.Module, name: str, value: DTensor) -> None:

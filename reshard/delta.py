@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,10 @@ from reshard.mesh import device_type
 
 DENSE = -1  # header value: the chunk is sent whole
 _ALIGN = 8
-_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# element size (bytes) -> the integer dtype of that size (bit patterns compared or hashed as ints)
+INT_OF_SIZE: Mapping[int, torch.dtype] = MappingProxyType(
+    {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+)
 
 
 def _padded(n: int) -> int:
@@ -140,7 +145,7 @@ def _encode(
     new = _src_view(it, plans, src_locals, rank).to(dtype).reshape(-1).clone()  # (numel,) in the destination dtype
     old = cache.sent.get(it.order)
     if old is not None and it.box:  # a 0-d tensor is always sent whole
-        bits = _INT_OF[new.element_size()]
+        bits = INT_OF_SIZE[new.element_size()]
         changed = torch.nonzero(new.view(bits) != old.view(bits)).flatten()
         if _delta_bytes(changed.numel(), new.element_size()) < _padded(it.nbytes):
             return changed.numel(), [changed.to(torch.int32), new[changed]], it.order, new

@@ -1,9 +1,13 @@
 """Device meshes and process groups, created once per default process group: the one cache of the
-project's meshes and groups (foreground collectives and every background thread's group)."""
+project's meshes and groups (foreground collectives and every background thread's group); and the
+small object exchanges after which every rank may raise (nothing left in the backend's threads)."""
 
 from __future__ import annotations
 
 import datetime
+import pickle
+import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -89,17 +93,74 @@ def job_timeout() -> datetime.timedelta | None:
 def from_rank0(fn: Callable[[], T]) -> T:
     """``fn()`` computed on rank 0 alone and sent to every rank (collective over the job); an
     exception it raises is raised on every rank."""
-    box: list = [None]
+    box: tuple = (None, None)
     if dist.get_rank() == 0:
         try:
-            box[0] = (fn(), None)
-        except Exception as e:  # every rank must leave the broadcast, then raise
-            box[0] = (None, e)
-    dist.broadcast_object_list(box, src=0)
-    value, error = box[0]
+            box = (fn(), None)
+        except Exception as e:  # every rank must leave the exchange, then raise
+            box = (None, e)
+    value, error = all_gather_objects(box if dist.get_rank() == 0 else None)[0]
     if error is not None:
         raise error
     return value
 
 
-__all__ = ["cached_group", "cached_mesh", "device_type", "from_rank0", "job_timeout", "rank_tensor"]
+# ---- exchanges that leave nothing behind in the backend --------------------------------------------
+RELEASE_TIMEOUT_S = 2.0  # the longest a collective's tensors are waited for (gloo: under a millisecond)
+
+
+def let_go(exchanged: list[torch.Tensor], *, timeout: float = RELEASE_TIMEOUT_S) -> None:
+    """Return once the process group's threads have dropped ``exchanged``: the tensors a finished
+    collective used, whose only Python references the caller hands over (the list is emptied).
+
+    ``wait()`` returns before the backend's thread (gloo's worker) drops its hold on a
+    collective's tensors, and dropping a tensor Python created takes the GIL. If the
+    interpreter is already finalizing by then (an error that every rank raises right after an
+    exchange ends the script at once), that thread is ended inside a C++ destructor and the
+    process aborts after printing the error: ``terminate called without an active exception``,
+    SIGABRT. Sleeping here releases the GIL so the thread can finish; weak references show when
+    it has (``timeout`` bounds the wait).
+    """
+    refs = [weakref.ref(t) for t in exchanged]
+    exchanged.clear()
+    deadline = time.monotonic() + timeout
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (small, picklable) in ``group``'s rank order, as
+    ``dist.all_gather_object`` gives them, returned once the backend let go of the exchanged
+    tensors (:func:`let_go`): an error every rank raises on the result ends the process cleanly."""
+    exchanged: list[torch.Tensor] = []
+    objects = _all_gather_pickles(pickle.dumps(obj), group, exchanged)
+    let_go(exchanged)
+    return [pickle.loads(data) for data in objects]
+
+
+def _all_gather_pickles(data: bytes, group, exchanged: list[torch.Tensor]) -> list[bytes]:
+    """Every rank's ``data``: two all-gathers (sizes, then the bytes padded to the longest); the
+    tensors they used are appended to ``exchanged`` and referenced nowhere else."""
+    device, world = device_type(), dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s) for s in sizes]
+    mine = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    exchanged += [size, *sizes, mine, *gathered]
+    return [bytes(g.cpu().numpy()[:n]) for g, n in zip(gathered, lengths)]
+
+
+__all__ = [
+    "all_gather_objects",
+    "cached_group",
+    "cached_mesh",
+    "device_type",
+    "from_rank0",
+    "job_timeout",
+    "let_go",
+    "rank_tensor",
+]

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from reshard.background import Background
-from reshard.delta import DeltaCache, check_chunks, execute_delta
+from reshard.delta import INT_OF_SIZE, DeltaCache, check_chunks, execute_delta
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
 from reshard.layout import Box, Layout, box_slices, nested_tuple
-from reshard.mesh import cached_group, device_type, rank_tensor
+from reshard.mesh import all_gather_objects, cached_group, device_type, rank_tensor
 from reshard.plan import Plan, plan_transfer
 
 SYNC_METHODS = ("planned", "full_tensor", "broadcast")
@@ -261,8 +261,7 @@ def _layouts(tensors: Mapping[str, torch.Tensor]) -> dict[str, Layout]:
 
 def _exchange(src: dict[str, Layout], dst: dict[str, Layout]) -> tuple[dict[str, Layout], dict[str, Layout]]:
     """Every rank's layouts, merged: the same on every rank afterwards."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dist.get_rank(), src, dst))
+    everyone = all_gather_objects((dist.get_rank(), src, dst))  # a mismatch raises on every rank next
     return (merge_layouts([(r, s) for r, s, _ in everyone]), merge_layouts([(r, d) for r, _, d in everyone]))
 
 
@@ -335,7 +334,6 @@ def match_layouts(src: dict[str, Layout], dst: dict[str, Layout], allow_unused: 
     return entries
 
 
-_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MIX = (0x7F4A7C159E3779B9, 0x6A09E667F3BCC909, 0x3C6EF372FE94F82B)  # odd 63-bit constants
 
 
@@ -350,7 +348,7 @@ def _checksum(local: torch.Tensor, held: Box, box: Box, dtype: torch.dtype | Non
     view = local[tuple(slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(box, held))]
     view = view.to(dtype) if dtype is not None else view
     wide = torch.int64 if view.element_size() == 8 else torch.int32  # arithmetic wraps in this width
-    acc = view.contiguous().view(_INT_OF[view.element_size()]).to(wide)  # (n_0, ..., n_k)
+    acc = view.contiguous().view(INT_OF_SIZE[view.element_size()]).to(wide)  # (n_0, ..., n_k)
     for d in reversed(range(acc.dim())):
         acc = (acc * _position_weights(box[d], d, acc.device, wide)).sum(-1, dtype=wide)  # contracts dim d
     return acc.to(torch.int64) & _checksum_mask(view.dtype)

@@ -20,12 +20,12 @@ def _generate(path, prompts, *, chunk, temperature=0.0, paged=False, dp=1, repli
     rank's group), ``whole``-prompt prefill steps and whether every timing is ``timed`` in order,
     of one engine with 3 slots (later prompts are chunked while the first ones decode); ``dp``:
     data-parallel replicas (``replicas``: how they step)."""
-    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams, parallelize
     from reshard.parallel.engine.request import EngineStats
 
     kv = {"kv_block_size": 8, "kv_tokens": 256} if paged else {}
     model = parallelize(path, ParallelDims.from_world(dp=dp) if dp > 1 else None)
-    engine = Engine(model, max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, replicas=replicas, **kv)
+    engine = Engine(model, EngineConfig(max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, replicas=replicas, **kv))
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=40, top_p=0.9, seed=7)
     rode = []
     engine.events.on("step_ready", lambda index, step: rode.append(_decodes_beside_chunk(step)))
@@ -37,10 +37,8 @@ def _generate(path, prompts, *, chunk, temperature=0.0, paged=False, dp=1, repli
 
 
 def _decodes_beside_chunk(step) -> bool:
-    """A mixed step (before it runs) with a decoding sequence and a prompt chunk in it."""
-    if step.phase != "mixed":
-        return False
-    decoding = [s.cached >= s.prompt_len for s in step.seqs]
+    """A step (before it runs) with a decoding sequence and a prompt chunk in it."""
+    decoding = [s.num_computed_tokens >= s.prompt_len for s in step.seqs]
     return any(decoding) and not all(decoding)
 
 
@@ -63,7 +61,7 @@ def test_chunked_greedy_matches_hf_generate(checkpoints, hf_reference, family):
     path, prompts = checkpoints[family], _prompts()
     run = dist_harness.run(1, _generate, path, prompts, chunk=CHUNK)[0]
     assert run["tokens"] == hf_reference(path, prompts, MAX_NEW)
-    assert run["mixed"] >= -(-sum(len(p) for p in prompts) // CHUNK)  # the chunk budget bounds each step
+    assert run["mixed"] >= -(-max(len(p) for p in prompts) // CHUNK)  # a prompt gets at most CHUNK tokens a step
     assert run["rode"] > 0 and run["whole"] == 0 and run["timed"]
 
 
@@ -86,20 +84,101 @@ def test_chunked_tp2_matches_hf_and_unchunked_sampling(checkpoints, hf_reference
     assert out["sampled"]["tokens"] != expected  # sampling did sample
 
 
+# ---- requests at very different num_computed_tokens in one step ---------------------------------
+# 4 slots, at most CHUNK prompt tokens per request and step. Step 0 feeds the first two prompts
+# whole and chunks of the next two; the first request ends after its second token (step 1), so at
+# step 2 the last prompt is admitted and fed whole from 0 while the 23-token prompt is half
+# prefilled and the second request decodes.
+MIXED_LENGTHS = (4, 3, 23, 12, 5)
+MIXED_MAX_NEW = (2, MAX_NEW, MAX_NEW, MAX_NEW, MAX_NEW)
+
+
+def _mixed_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 256, (k,), generator=g).tolist() for k in MIXED_LENGTHS]
+
+
+def _step_record(engine) -> list[list[tuple[int, int, int]]]:
+    """Every step's ``(num_computed_tokens, num_tokens, prompt_len)`` per sequence, recorded as
+    the step is about to run (``step_ready``)."""
+    steps = []
+
+    def ready(index, step) -> None:
+        steps.append([(s.num_computed_tokens, n, s.prompt_len) for s, n in zip(step.seqs, step.num_tokens)])
+
+    engine.events.on("step_ready", ready)
+    return steps
+
+
+def _one_step_of_every_kind(path, prompts) -> dict:
+    """Greedy tokens and the step record (:func:`_step_record`) with a contiguous and a paged cache."""
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
+
+    model, out = parallelize(path), {}
+    requests = [Request(i, p, SamplingParams(max_new_tokens=m)) for i, (p, m) in enumerate(zip(prompts, MIXED_MAX_NEW))]
+    for cache, kv in (("contiguous", {}), ("paged", {"kv_block_size": 4, "kv_tokens": 256})):
+        engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=64, prefill_chunk=CHUNK, **kv))
+        steps = _step_record(engine)
+        out[cache] = dict(tokens=[c.output_ids for c in engine.generate(requests)], steps=steps)
+    return out
+
+
+def _holds_every_kind(step: list[tuple[int, int, int]]) -> bool:
+    """A fresh prompt (nothing computed), a half-prefilled one (part of its prompt computed, more
+    to come after this step) and a decoding sequence in one step."""
+    fresh = any(c == 0 for c, _, _ in step)
+    half = any(c > 0 and c + n < p for c, n, p in step)
+    decoding = any(c >= p for c, _, p in step)
+    return fresh and half and decoding
+
+
+def _check_every_kind(run: dict, expected: list[list[int]]) -> None:
+    assert run["tokens"] == expected
+    assert any(_holds_every_kind(step) for step in run["steps"]), run["steps"]
+    for step in run["steps"]:  # decode tokens one each, prompts at most CHUNK tokens a step
+        assert all(n == 1 if c >= p else 1 <= n <= min(CHUNK, p - c) for c, n, p in step), step
+
+
+def _expected_mixed(hf_reference, path, prompts) -> list[list[int]]:
+    """HF's greedy tokens, cut at each request's max_new_tokens (greedy: a prefix of the longer run)."""
+    return [out[:m] for out, m in zip(hf_reference(path, prompts, MAX_NEW), MIXED_MAX_NEW)]
+
+
+def test_one_step_of_fresh_half_prefilled_and_decoding_requests_matches_hf(checkpoints, hf_reference):
+    """One step whose batch holds a fresh prompt, a half-prefilled one and a decoding sequence
+    (seen in the engine's step record) gives HF's tokens, with a contiguous and a paged cache."""
+    path, prompts = checkpoints["llama"], _mixed_prompts()
+    out = dist_harness.run(1, _one_step_of_every_kind, path, prompts)[0]
+    expected = _expected_mixed(hf_reference, path, prompts)
+    for run in out.values():
+        _check_every_kind(run, expected)
+    assert out["paged"]["steps"] == out["contiguous"]["steps"]
+
+
+def test_one_step_of_fresh_half_prefilled_and_decoding_requests_tp2(checkpoints, hf_reference):
+    """The same on 2 gloo ranks (TP2), contiguous and paged: HF's tokens, every rank agrees."""
+    path, prompts = checkpoints["llama"], _mixed_prompts()
+    results = dist_harness.run(2, _one_step_of_every_kind, path, prompts)
+    assert results[1] == results[0]
+    expected = _expected_mixed(hf_reference, path, prompts)
+    for run in results[0].values():
+        _check_every_kind(run, expected)
+
+
 def _refusals(path) -> list[str]:
-    from reshard.parallel import Engine, parallelize
+    from reshard.parallel import Engine, EngineConfig, parallelize
     from reshard.parallel.engine.policy import ContinuousBatching
 
     model = parallelize(path)
     cases = [
-        dict(prefill_chunk=0),
-        dict(prefill_chunk=4, kv_swap=True, num_microbatches=2),
-        dict(prefill_chunk=4, policy=ContinuousBatching("main")),
+        (dict(prefill_chunk=0), None),
+        (dict(prefill_chunk=4, kv_swap=True, num_microbatches=2), None),
+        (dict(prefill_chunk=4), ContinuousBatching("main")),
     ]
     messages = []
-    for kw in cases:
+    for kw, policy in cases:
         with pytest.raises(ValueError) as err:
-            Engine(model, max_batch_size=2, max_seq_len=64, **kw)
+            Engine(model, EngineConfig(max_batch_size=2, max_seq_len=64, **kw), policy=policy)
         messages.append(str(err.value))
     return messages
 
@@ -133,7 +212,7 @@ def test_recipe_exposes_prefill_chunk():
     from reshard.recipes.schema import compose
 
     job = compose("generate", ["engine.prefill_chunk=16"])
-    assert job.engine.args(compile=False, dtype="float32").prefill_chunk == 16
+    assert job.engine_config().prefill_chunk == 16
     assert compose("generate").engine.prefill_chunk is None
 
 

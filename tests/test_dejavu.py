@@ -10,31 +10,38 @@ PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 10
 
 def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperature=0.0, prefill_sleep=0.0):
     """Tokens, the strategy's summary, the layouts it reports (as ``summary.json``'s ``parallel``),
-    the layouts its engine's runners ran, and this rank's busy intervals (the engine's
-    ``step_begin``/``step_end`` events, wall clock) with its group's index. ``prefill_sleep``:
-    seconds every prefill step lasts longer (a bigger model's prefill, inside its busy interval)."""
+    the layouts its engine's runners ran, and this rank's steps with its group's index: one
+    ``[kind, begin, end]`` per step, ``begin``/``end`` the job-wide order of its ``step_begin`` /
+    ``step_end`` events (an atomic counter in the job's store, shared by every rank: a smaller
+    number happened first). ``prefill_sleep``: seconds every prefill step lasts longer (a bigger
+    model's prefill, inside its step), so that the other side has time to step meanwhile."""
     import time
 
     import torch.distributed as dist
 
     from reshard.parallel import Request, SamplingParams
-    from reshard.parallel.engine import EngineArgs
+    from reshard.parallel.engine import EngineConfig
     from reshard.recipes.schema import strategy_config
 
     strategy = strategy_config({"strategy": "dejavu", "prompt": prompt, "token": token, "prompt_ranks": prompt_ranks})
-    engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64, replicas=replicas))
-    busy = []
-    engine.events.on("step_begin", lambda step, seqs: busy.append([step.phase, time.time(), None]))
-    engine.events.on("step_end", lambda step, seqs: busy[-1].__setitem__(2, time.time()))
+    engine = strategy.build(path, EngineConfig(max_batch_size=3, max_seq_len=64, replicas=replicas))
+    store = dist.distributed_c10d._get_default_store()
+
+    def order() -> int:  # the job-wide position of the event that calls it
+        return store.add("test_dejavu/events", 1)
+
+    steps = []
+    engine.events.on("step_begin", lambda step, seqs: steps.append([step.kind, order(), None]))
+    engine.events.on("step_end", lambda step, seqs: steps[-1].__setitem__(2, order()))
     if prefill_sleep:
-        engine.events.on("step_begin", lambda step, seqs: step.phase == "prefill" and time.sleep(prefill_sleep))
+        engine.events.on("step_begin", lambda step, seqs: step.kind == "prefill" and time.sleep(prefill_sleep))
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=20, seed=5)
     with engine:
         out = engine.generate([Request(i, p, params) for i, p in enumerate(PROMPTS)])
     reported = {name: d.describe() for name, d in strategy.layouts(dist.get_world_size()).items()}
     ran = {name: r.dims.describe() for name, r in engine.runners.items()}
     group = engine.engine_group.index if engine.engine_group else None
-    return [c.output_ids for c in out], strategy.summary(engine), reported, ran, (group, busy)
+    return [c.output_ids for c in out], strategy.summary(engine), reported, ran, (group, steps)
 
 
 def _side(ranks, **degrees) -> dict:
@@ -87,9 +94,10 @@ def test_bad_sides_are_named():
         compose("generate", ["parallel=dejavu", "parallel.prompt=3"])
 
 
-def _overlap(trace_a, trace_b) -> float:
-    """Seconds during which an interval of ``trace_a`` and one of ``trace_b`` both ran."""
-    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for _, a0, a1 in trace_a for _, b0, b1 in trace_b)
+def _began_during(steps_a, steps_b) -> int:
+    """How many steps of ``steps_b`` began while a step of ``steps_a`` was open: after its
+    ``step_begin`` and before its ``step_end``, in the job-wide order of the events."""
+    return sum(1 for _, b0, _ in steps_b if any(a0 < b0 < a1 for _, a0, a1 in steps_a))
 
 
 @pytest.mark.parametrize(
@@ -103,23 +111,25 @@ def _overlap(trace_a, trace_b) -> float:
 def test_sides_run_at_the_same_time_as_engine_groups(
     four_layer, hf_reference, world, prompt, token, prompt_ranks, groups
 ):
-    """The prompt and token sides are engine groups: tokens equal HF, and the engine's trace shows
-    prefill and decode steps running at the same time on different ranks."""
-    path, sleep = four_layer["llama"], 0.02
-    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, prefill_sleep=sleep, timeout=240)
+    """The prompt and token sides are engine groups: tokens equal HF, and the engine's events show
+    decode steps beginning on the token ranks while a prefill step is open on a prompt rank (each
+    prefill step made longer by a sleep, so that the token side has steps to begin meanwhile)."""
+    path = four_layer["llama"]
+    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, prefill_sleep=0.02, timeout=240)
     expected = hf_reference(path, PROMPTS, 6)
-    for rank, (tokens, summary, _, _, (group, busy)) in enumerate(results):
+    for rank, (tokens, summary, _, _, (group, steps)) in enumerate(results):
         assert tokens == expected
         assert group == groups[rank]
         assert summary["streamed_bytes"] > 0
-        phases = {phase for phase, _, _ in busy}
+        phases = {phase for phase, _, _ in steps}
         assert phases == ({"prefill"} if rank < prompt_ranks else {"decode"})
-    prompt_busy = [iv for _, _, _, _, (_, busy) in results[:prompt_ranks] for iv in busy]
-    token_busy = [iv for _, _, _, _, (_, busy) in results[prompt_ranks:] for iv in busy]
-    assert _overlap(prompt_busy, token_busy) >= sleep  # prefill and decode steps ran at once
-    if world == 2:  # the same sides in lockstep never overlap
-        lockstep = dist_harness.run(2, _job, path, prompt, token, 1, 6, "lockstep", prefill_sleep=sleep)
-        assert _overlap(lockstep[0][4][1], lockstep[1][4][1]) == 0
+    prompt_steps = [s for _, _, _, _, (_, steps) in results[:prompt_ranks] for s in steps]
+    for rank in range(prompt_ranks, world):  # each token rank began a decode step during a prefill step
+        assert _began_during(prompt_steps, results[rank][4][1]) >= 1, (rank, [r[4][1] for r in results])
+    if world == 2:  # the same sides in lockstep: every step ends before the next one (either side's) begins
+        lockstep = dist_harness.run(2, _job, path, prompt, token, 1, 6, "lockstep", prefill_sleep=0.02)
+        prompt_steps, token_steps = lockstep[0][4][1], lockstep[1][4][1]
+        assert _began_during(prompt_steps, token_steps) == _began_during(token_steps, prompt_steps) == 0
 
 
 def test_groups_sample_as_lockstep_sides_do(four_layer):
@@ -187,7 +197,7 @@ def test_a_failed_calibration_says_so(monkeypatch, capsys):
     import subprocess
 
     from reshard.parallel.engine import WorkloadShape
-    from reshard.parallel.strategies import dejavu
+    from reshard.parallel.strategies.dejavu import strategy as dejavu
 
     def timed_out(*args):
         raise subprocess.TimeoutExpired("calibrate", 60)

@@ -8,7 +8,7 @@ from reshard.parallel import ParallelDims
 from reshard.parallel.engine import (
     ContinuousBatching,
     Engine,
-    EngineArgs,
+    EngineConfig,
     ModelRunner,
     Strategy,
     TokenSplit,
@@ -29,7 +29,7 @@ class Alternating(ContinuousBatching):
         self.steps = 0
         self.switches = 0
 
-    def layout_for(self, phase, seqs) -> str:
+    def layout_for(self, seqs, num_tokens) -> str:
         self.steps += 1
         return self.layouts[(self.steps - 1) // self.every % 2]
 
@@ -47,7 +47,7 @@ class AlternatingStrategy(Strategy):
     def dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(sp=world_size, world_size=world_size)
 
-    def build(self, path, args: EngineArgs) -> Engine:
+    def build(self, path, config: EngineConfig) -> Engine:
         import torch.distributed as dist
 
         from reshard.layers.ulysses import SHIFT_WEIGHTS
@@ -55,9 +55,8 @@ class AlternatingStrategy(Strategy):
 
         dims = self.dims(dist.get_world_size())
         model = parallelize_shift(path, dims)
-        kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
-        sp = ModelRunner(model, split=TokenSplit(model.model.embed_tokens.weight.device_mesh, 0), **kw)
-        tp = ModelRunner(model, kv=sp.kv, weights=SHIFT_WEIGHTS, **kw)
+        sp = ModelRunner(model, config, split=TokenSplit(model.model.embed_tokens.weight.device_mesh, 0))
+        tp = ModelRunner(model, config, kv=sp.kv, weights=SHIFT_WEIGHTS)
         return Engine(runners={"sp": sp, "tp": tp}, policy=Alternating(("sp", "tp"), self.every))
 
     def summary(self, engine: Engine) -> dict:
@@ -69,7 +68,7 @@ def _toy_job(path, prompts, max_new):
     from reshard.parallel.engine import make_strategy
 
     strategy = make_strategy({"strategy": "toy_alternating", "every": 3})
-    engine = strategy.build(path, EngineArgs(max_batch_size=4, max_seq_len=128))
+    engine = strategy.build(path, EngineConfig(max_batch_size=4, max_seq_len=128))
     requests = [Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(prompts)]
     tokens = [c.output_ids for c in engine.generate(requests)]
     return tokens, strategy.summary(engine)
@@ -110,11 +109,11 @@ def _hooked(path, prompts, zero_last_layer):
     from reshard.parallel import Request, SamplingParams, parallelize
 
     model = parallelize(path, ParallelDims.from_world(tp=dist.get_world_size()))
-    engine = Engine(model, max_batch_size=4, max_seq_len=128)
+    engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=128))
     events = []
     runner, on = engine.runner, engine.events.on
-    on("step_begin", lambda step, seqs: events.append(("begin", step.phase, len(seqs))))
-    on("step_end", lambda step, seqs: events.append(("end", step.phase, len(seqs))))
+    on("step_begin", lambda step, seqs: events.append(("begin", step.kind, len(seqs))))
+    on("step_end", lambda step, seqs: events.append(("end", step.kind, len(seqs))))
     on("layer_before", lambda i, h, ctx: events.append(("before", i)))
     last = runner.layer_ids[-1]
     on("layer_after", lambda i, h, ctx: h * 0 if zero_last_layer and i == last else events.append(("after", i)))
@@ -141,7 +140,7 @@ def test_layer_and_step_events_fire_in_order_and_can_replace_hidden_states(check
 def _admission(path, prompts, budgets, admission):
     from reshard.parallel import Request, SamplingParams, parallelize
 
-    engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=128, admission=admission)
+    engine = Engine(parallelize(path), EngineConfig(max_batch_size=2, max_seq_len=128, admission=admission))
     requests = [
         Request(i, p, SamplingParams(max_new_tokens=n, stop_token_ids=()))
         for i, (p, n) in enumerate(zip(prompts, budgets))

@@ -1,7 +1,12 @@
 """Bad input gives a ValueError that names the offending values."""
 
+import functools
 import json
+import os
 import re
+import subprocess
+import sys
+import weakref
 
 import pytest
 
@@ -16,9 +21,9 @@ def _parallelize(path, **dims):
 
 
 def _long_prompt(path):
-    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 
-    engine = Engine(parallelize(path), max_seq_len=32)
+    engine = Engine(parallelize(path), EngineConfig(max_seq_len=32))
     engine.generate([Request(7, list(range(3, 30)), SamplingParams(max_new_tokens=10))])
 
 
@@ -83,9 +88,9 @@ def test_not_a_checkpoint(tmp_path):
 
 
 def _bad_requests(path, case):
-    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 
-    engine = Engine(parallelize(path), max_seq_len=64)
+    engine = Engine(parallelize(path), EngineConfig(max_seq_len=64))
     p = SamplingParams(max_new_tokens=2)
     requests = {
         "duplicate": [Request(3, [5, 6], p), Request(4, [7], p), Request(3, [8], p)],
@@ -118,7 +123,7 @@ def test_bad_requests_name_the_request(checkpoints, case, match):
     ],
 )
 def test_prompts_file_errors_name_file_and_line(tmp_path, text, match):
-    from reshard.recipes.generate import read_prompts
+    from reshard.recipes.prompts import read_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text(text)
@@ -190,7 +195,7 @@ def test_the_job_refuses_a_kill_outside_the_world(tmp_path):
 def test_a_prompts_file_is_checked_against_max_seq_len_by_its_own_prompts(tmp_path):
     """engine.max_seq_len is checked against the file's longest prompt (not workload.prompt_len_max,
     which does not apply), naming the file and the request."""
-    from reshard.recipes.generate import build_requests
+    from reshard.recipes.prompts import build_requests
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("[1, 2, 3]\n" + json.dumps(list(range(40))) + "\n")
@@ -211,7 +216,7 @@ def test_a_prompts_file_is_checked_against_max_seq_len_by_its_own_prompts(tmp_pa
     ],
 )
 def test_prompts_files_with_blank_lines_or_other_encodings_are_refused(tmp_path, data, match):
-    from reshard.recipes.generate import read_prompts
+    from reshard.recipes.prompts import read_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(data)
@@ -258,3 +263,94 @@ def test_seesaws_default_names_the_null_degree_that_cannot_split_the_heads(check
         r"divisible by tensor parallel size \(3\)\. \(set parallel.decode.tp\)$",
     ):
         strategy._check_heads(checkpoints["llama"], strategy.layouts(3))
+
+
+# ---- a refusal on every rank ends each process with status 1 and the error last (issue 35) --------
+_DISAGREEING_SCRIPT = """
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+from reshard import redistribute, slice_to_dtensor
+from reshard.mesh import cached_mesh
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+mesh = cached_mesh(torch.arange(2), ("x",))
+t = slice_to_dtensor(torch.arange(16.0).view(4, 4), mesh, (Shard(0),))
+redistribute(t, mesh, (Shard(1),) if dist.get_rank() == 1 else (Replicate(),))  # rank 1 asks for another layout
+dist.barrier()  # never reached: the ValueError leaves the script, the process group never destroyed
+"""
+
+
+def test_a_refusal_on_every_rank_exits_with_status_1_and_the_error_last(tmp_path):
+    """Two real processes (what torchrun starts) let the ValueError leave the script: each exits
+    with status 1, its stderr ends with the error, and nothing aborts at exit (no SIGABRT,
+    no "terminate called without an active exception")."""
+    script = tmp_path / "disagree.py"
+    script.write_text(_DISAGREEING_SCRIPT)
+    port = str(dist_harness._free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank))
+        cmd = [sys.executable, str(script)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        stderrs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, err) in enumerate(zip(procs, stderrs)):
+        assert "terminate called" not in err, f"rank {rank}:\n{err}"
+        assert p.returncode == 1, f"rank {rank} exited with {p.returncode}:\n{err}"
+        lines = [line.removeprefix(f"[rank{rank}]: ") for line in err.rstrip().splitlines()]  # torch's prefix
+        assert lines[-1].startswith("ValueError: ranks called the move with different arguments (rank 0 vs rank 1"), err
+        assert "Traceback (most recent call last):" in lines, err
+
+
+def _tensors_held_after_refusals(tries):
+    """For each of ``tries`` refused moves: how many of the tensors its all-gathers exchanged were
+    still alive (held by the backend's thread) when the ValueError reached the caller, of how many."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.distributed.tensor import Replicate, Shard
+
+    from reshard import redistribute, slice_to_dtensor
+    from reshard.mesh import cached_mesh
+
+    mesh = cached_mesh(torch.arange(2), ("x",))
+    t = slice_to_dtensor(torch.arange(16.0).view(4, 4), mesh, (Shard(0),))
+    target = (Shard(1),) if dist.get_rank() == 1 else (Replicate(),)
+    exchanged: list = []
+    original = distributed_c10d.all_gather
+
+    @functools.wraps(original)
+    def recording(tensor_list, tensor, *args, **kwargs):  # weak references: they keep nothing alive
+        exchanged.extend(weakref.ref(x) for x in (*tensor_list, tensor))
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    dist.all_gather = distributed_c10d.all_gather = recording  # one object under both names
+    held = []
+    try:
+        for _ in range(tries):
+            exchanged.clear()
+            try:
+                redistribute(t, mesh, target)
+            except ValueError:  # counted at once: code that releases the GIL first (pytest.raises) hides it
+                held.append((sum(r() is not None for r in exchanged), len(exchanged)))
+    finally:
+        dist.all_gather = distributed_c10d.all_gather = original
+    return held
+
+
+def test_a_refusal_leaves_no_tensor_in_the_backend():
+    """The cause of the abort: gloo's worker thread drops a collective's tensors after ``wait()``
+    returns, and dropping one takes the GIL; an interpreter that finalizes first ends that thread
+    inside a C++ destructor (SIGABRT). The refusal returns only once every tensor it exchanged is
+    gone (before the fix, 3 or 6 of the 9 were still held on every try)."""
+    for rank, held in enumerate(dist_harness.run(2, _tensors_held_after_refusals, 5)):
+        assert len(held) == 5 and all(total > 0 for _, total in held), held  # refused, the exchanges seen
+        assert [alive for alive, _ in held] == [0] * 5, f"rank {rank}: {held}"

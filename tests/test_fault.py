@@ -168,10 +168,10 @@ def test_disaggregated_kv_is_refused(tmp_path):
 
 
 def _refused_job(path, run_id):
-    from reshard.parallel import Engine, parallelize
+    from reshard.parallel import Engine, EngineConfig, parallelize
     from reshard.parallel.fault import FaultTolerance
 
-    engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=64, kv_block_size=16, kv_tokens=128)
+    engine = Engine(parallelize(path), EngineConfig(max_batch_size=2, max_seq_len=64, kv_block_size=16, kv_tokens=128))
     with pytest.raises(ValueError) as err:
         FaultTolerance(engine, run_id)
     return str(err.value), os.path.exists(f"/dev/shm/reshard-ft-{run_id}")
@@ -218,7 +218,11 @@ def test_kill_at_is_validated():
         FaultConfig(kill_at=[1, 5], inject="hang")
 
 
-def _heartbeat_job(period):
+def _heartbeat_job(period, misses):
+    """Both ranks beat until each has heard the other beat ``misses + 1`` times; then rank 1 stops
+    beating (it hangs, still watching) and rank 0 waits for its monitor to declare rank 1 dead.
+    Returns the monitor's events, how many of them came before rank 1 stopped beating, and the
+    last beat this rank published."""
     import time
 
     import torch.distributed as dist
@@ -226,35 +230,46 @@ def _heartbeat_job(period):
     from reshard.parallel.fault import Heartbeat, job_store
 
     rank = dist.get_rank()
+    peer = 1 - rank
     tag = [time.time_ns()]  # a fresh key space per call (the worker pool outlives one test)
     dist.broadcast_object_list(tag, src=0)
     store = job_store(tag[0])
-    found = []
-    beat = Heartbeat(
-        store,
-        rank,
-        dist.get_world_size(),
-        period=period,
-        misses=3,
-        on_dead=lambda r, silent: found.append((r, silent, time.monotonic())),
-    )
-    time.sleep(4 * period)  # everyone beating: nobody declared
-    before = list(found)
+    beat = Heartbeat(store, rank, 2, period=period, misses=misses, on_dead=lambda r, silent: None)
+
+    def until(done, what: str) -> None:  # a guard against a hang, not a measurement
+        deadline = time.monotonic() + 100 * period
+        while not done():
+            assert time.monotonic() < deadline, f"rank {rank}: never {what}: {list(beat.events)}"
+            time.sleep(period / 10)
+
+    until(lambda: [e[:2] for e in beat.events.copy()].count(("beat", peer)) > misses, f"heard rank {peer} beat")
+    dist.barrier()  # both have heard the other beat
+    stopped_at = len(beat.events)
     if rank == 1:
         beat.pause()  # rank 1 hangs (stops beating)
-    t0 = time.monotonic()
-    time.sleep(8 * period)
+    else:
+        until(lambda: beat.detected, "declared rank 1 dead")
+    dist.barrier()
     beat.stop()
     assert beat.error is None, repr(beat.error)
-    return before, [(r, silent, at - t0) for r, silent, at in found]
+    return list(beat.events), stopped_at, int(store.get(f"hb/{rank}"))
 
 
 def test_a_silent_rank_is_declared_dead_within_three_heartbeats():
+    """What each rank's monitor saw of the other, in order: rank 0 heard rank 1 beat (no false
+    alarm), heard its last beat, missed it at the next checks and declared it dead at the third;
+    rank 1, silent itself, kept hearing rank 0 and declared nothing."""
     from tests import dist_harness
 
-    period = 0.25
-    results = dist_harness.run(2, _heartbeat_job, period)
-    assert results[0][0] == [] and results[1][0] == []  # no false alarm while both beat
-    ((rank, silent, after),) = results[0][1]
-    assert rank == 1 and 3 * period < silent <= 4 * period + 0.2 and after <= 4 * period + 0.3
-    assert results[1][1] == []  # rank 1 still hears rank 0
+    misses = 3
+    (seen_by_0, stopped_at_0, _), (seen_by_1, stopped_at_1, last_beat_1) = dist_harness.run(
+        2, _heartbeat_job, 0.25, misses
+    )
+    assert {r for _, r, _ in seen_by_0} == {1} and {r for _, r, _ in seen_by_1} == {0}
+    heard = [(event, n) for event, _, n in seen_by_0]
+    assert "dead" not in [event for event, _ in heard[:stopped_at_0]]  # no false alarm while rank 1 beat
+    last = max(i for i, (event, _) in enumerate(heard) if event == "beat")
+    assert heard[last] == ("beat", last_beat_1)  # rank 0 heard rank 1's last beat, then only silence:
+    assert heard[last + 1 :] == [("miss", last_beat_1)] * (misses - 1) + [("dead", last_beat_1)], heard
+    heard_by_1 = [event for event, _, _ in seen_by_1]
+    assert "dead" not in heard_by_1 and "beat" in heard_by_1[stopped_at_1:]  # rank 1 still hears rank 0

@@ -18,9 +18,9 @@ def _prompts(n: int = 6, seed: int = 1, vocab: int = 256) -> list[list[int]]:
 
 
 def _engine(path, max_batch=4, compile=False):
-    from reshard.parallel import Engine, parallelize
+    from reshard.parallel import Engine, EngineConfig, parallelize
 
-    return Engine(parallelize(path), max_batch_size=max_batch, max_seq_len=128, compile=compile)
+    return Engine(parallelize(path), EngineConfig(max_batch_size=max_batch, max_seq_len=128, compile=compile))
 
 
 def _generate(path, prompts, max_new, *, max_batch=4, compile=False, temperature=0.0, alone=False):
@@ -31,10 +31,25 @@ def _generate(path, prompts, max_new, *, max_batch=4, compile=False, temperature
     requests = [Request(i, p, params) for i, p in enumerate(prompts)]
     if alone:
         return [engine.generate([r])[0].output_ids for r in requests]
+    compiled = _graphs_compiled_per_step(engine) if compile else []
     out = [c.output_ids for c in engine.generate(requests)]
-    if compile:  # the calls that compiled a graph are timed apart (summary.json's phase_seconds.compile)
-        assert all(0 < r.compile_seconds < engine.stats.decode_seconds for r in engine.runners.values())
+    if compile:  # the calls that compiled a graph are timed apart (summary.json's phase_seconds.compile):
+        # every graph compiled inside a decode step, in order, and the runner timed those calls
+        assert any(n for kind, n in compiled if kind == "decode"), compiled
+        assert not any(n for kind, n in compiled if kind != "decode"), compiled
+        assert all(r.compile_seconds > 0 for r in engine.runners.values())
     return out, engine.stats.decode_steps
+
+
+def _graphs_compiled_per_step(engine) -> list[list]:
+    """``[kind, graphs Dynamo compiled between the step's begin and end]`` for each step, in order."""
+    from torch._dynamo.utils import counters
+
+    steps: list[list] = []
+    graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
+    engine.events.on("step_begin", lambda step, seqs: steps.append([step.kind, graphs()]))
+    engine.events.on("step_end", lambda step, seqs: steps[-1].__setitem__(1, graphs() - steps[-1][1]))
+    return steps
 
 
 def _logits(path, prompts):

@@ -133,40 +133,30 @@ def test_unpack_bad_src():
 def test_dispatch(monkeypatch):
     cpu = torch.zeros(2, 2, 4, 8)
     monkeypatch.setattr(pack, "_triton_kernel", lambda: object())  # "triton imports", without importing it
-    for var in ("TRITON_INTERPRET", "RESHARD_KV_PACK"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert pack._pick_backend("auto", cpu) == "torch"
-    monkeypatch.setenv("RESHARD_KV_PACK", "triton")
-    assert pack._pick_backend("auto", cpu) == "torch"  # CPU without the interpreter
     with pytest.raises(ValueError, match=r"needs a CUDA cache or TRITON_INTERPRET=1, got a cpu cache"):
         pack._pick_backend("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert pack._pick_backend("auto", cpu) == "triton"
+    assert pack._pick_backend("auto", cpu) == "torch"  # the interpreter runs only when asked for by name
+    assert pack._pick_backend("triton", cpu) == "triton"
     assert pack._pick_backend("torch", cpu) == "torch"
-    assert pack._pick_backend("auto", cpu.transpose(2, 3)) == "torch"  # (block, head) not one run
     with pytest.raises(ValueError, match=r"each \(block, head\) of the cache contiguous"):
         pack._pick_backend("triton", cpu.transpose(2, 3))
-    monkeypatch.setenv("RESHARD_KV_PACK", "torch")
-    assert pack._pick_backend("auto", cpu) == "torch"
-    monkeypatch.setenv("RESHARD_KV_PACK", "fast")
-    with pytest.raises(ValueError, match=r"RESHARD_KV_PACK must be one of .* got 'fast'"):
-        pack._pick_backend("auto", cpu)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\), got 'fast'"):
+        pack._pick_backend("fast", cpu)
 
 
 def test_works_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     monkeypatch.setitem(sys.modules, "triton.language", None)
+    monkeypatch.setitem(sys.modules, "reshard.kv.pack_kernel", None)  # even if an earlier test imported it
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("RESHARD_KV_PACK", "triton")
-    pack._triton_kernel.cache_clear()
-    try:
-        cache, blocks = make(9, 4, 4, 8, (3, 17), torch.float32)
-        out = pack_kv(cache, blocks, (1, 3), (3, 17))  # auto falls back to torch
-        assert torch.equal(out, reference_pack(cache, blocks, (1, 3), (3, 17)))
-        with pytest.raises(ValueError, match=r"backend='triton' but triton does not import"):
-            pack_kv(cache, blocks, (1, 3), (3, 17), backend="triton")
-    finally:
-        pack._triton_kernel.cache_clear()
+    cache, blocks = make(9, 4, 4, 8, (3, 17), torch.float32)
+    out = pack_kv(cache, blocks, (1, 3), (3, 17))  # auto: torch
+    assert torch.equal(out, reference_pack(cache, blocks, (1, 3), (3, 17)))
+    with pytest.raises(ValueError, match=r"backend='triton' but triton does not import"):
+        pack_kv(cache, blocks, (1, 3), (3, 17), backend="triton")
 
 
 TRITON_SCRIPT = textwrap.dedent("""
@@ -178,10 +168,10 @@ TRITON_SCRIPT = textwrap.dedent("""
     for dtype in (torch.float32, torch.bfloat16):
         for nb, nh, bs, hd, heads, tokens in CASES:
             cache, blocks = make(nb, nh, bs, hd, tokens, dtype)
-            assert pack._pick_backend("auto", cache) == "triton"
+            assert pack._pick_backend("auto", cache) == "torch"  # a CPU cache: the interpreter only by name
             ref = pack_kv(cache, blocks, heads, tokens, backend="torch")
             out = torch.empty_like(ref)
-            assert pack_kv(cache, blocks, heads, tokens, out) is out  # auto: forced to triton
+            assert pack_kv(cache, blocks, heads, tokens, out, backend="triton") is out
             assert torch.equal(out, ref), (dtype, nb, nh, bs, hd, heads, tokens)
             a, b = torch.zeros_like(cache), torch.zeros_like(cache)
             unpack_kv(ref, a, blocks, heads, tokens, backend="triton")
@@ -198,7 +188,7 @@ TRITON_SCRIPT = textwrap.dedent("""
 def test_triton_interpreter_matches_torch():
     pytest.importorskip("triton")
     # the interpreter must be on before triton is imported: run in a fresh process
-    env = {**os.environ, "TRITON_INTERPRET": "1", "RESHARD_KV_PACK": "triton"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=120

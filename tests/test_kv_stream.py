@@ -183,10 +183,10 @@ def _token_stream_job(path, where, tmp):
     from reshard.kv.stream import KVStreamer, TokenStream
     from reshard.kv.stream_plan import plan_stream, world_layouts
     from reshard.kv.transport import FileTransport, LocalTransport
-    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = Engine(parallelize(path), max_batch_size=3, max_seq_len=48)
+    engine = Engine(parallelize(path), EngineConfig(max_batch_size=3, max_seq_len=48))
     src = world_layouts(engine.kv)
     if where == "peer":  # rank r mirrors rank r - 1's heads (the ring of DejaVu's replication)
         dst = {r: src[(r - 1) % world] for r in range(world)}
@@ -203,7 +203,7 @@ def _token_stream_job(path, where, tmp):
     mirror = KVCache(dataclasses.replace(engine.kv.spec, head_start=dst[rank].head_start))
     streamer = KVStreamer(plan_stream(src, dst), transport=transport)
     stream = TokenStream(streamer, engine.kv, mirror)
-    engine.events.on("step_end", lambda step, seqs: stream.step_end(step.phase, seqs))
+    engine.events.on("step_end", lambda step, seqs: stream.step_end(step.kind, seqs))
     reqs = [Request(i, list(range(3 + i, 12 + 2 * i)), SamplingParams(max_new_tokens=6 + i)) for i in range(5)]
     engine.generate(reqs)
     stream.drain()

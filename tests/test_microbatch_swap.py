@@ -22,12 +22,12 @@ PROMPTS = [
 def _job(path, pp, swap):
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     world = dist.get_world_size()
     model = parallelize_pipeline(path, ParallelDims(pp=pp, tp=world // pp, world_size=world))
-    engine = Engine(model, max_batch_size=8, max_seq_len=64, num_microbatches=4, kv_swap=swap)
+    engine = Engine(model, EngineConfig(max_batch_size=8, max_seq_len=64, num_microbatches=4, kv_swap=swap))
     out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=7)) for i, p in enumerate(PROMPTS)])
     runner = engine.runner
     host = runner.swap.host.spec.bytes if swap else runner.kv.spec.bytes
@@ -48,9 +48,9 @@ def test_swapping_two_of_four_microbatches_gives_the_same_tokens(four_layer, hf_
 
 
 def _bad_job(path):
-    from reshard.parallel import Engine, parallelize
+    from reshard.parallel import Engine, EngineConfig, parallelize
 
-    Engine(parallelize(path), max_batch_size=4, num_microbatches=1, kv_swap=True)
+    Engine(parallelize(path), EngineConfig(max_batch_size=4, num_microbatches=1, kv_swap=True))
 
 
 def test_swapping_needs_micro_batches(checkpoints):

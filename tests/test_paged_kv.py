@@ -52,16 +52,20 @@ def _requests(n, seed=0, sampled=False):
 def _paged_job(path, tp, compile):
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims, parallelize
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, parallelize
 
     world = dist.get_world_size()
     model = parallelize(path, ParallelDims(dp=world // tp, tp=tp, world_size=world))
     out = {}
     for sampled in (False, True):
         reqs = _requests(14, sampled=sampled)
-        engine = Engine(model, max_batch_size=4, max_seq_len=64, kv_block_size=8, kv_tokens=120, compile=compile)
+        engine = Engine(
+            model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_block_size=8, kv_tokens=120, compile=compile)
+        )
         paged = [c.output_ids for c in engine.generate(reqs)]
-        alone = [Engine(model, max_batch_size=1, max_seq_len=64).generate([r])[0].output_ids for r in reqs]
+        alone = [
+            Engine(model, EngineConfig(max_batch_size=1, max_seq_len=64)).generate([r])[0].output_ids for r in reqs
+        ]
         s = engine.stats
         out[sampled] = dict(
             same=paged == alone,
@@ -87,9 +91,9 @@ def test_mixed_lengths_in_a_small_paged_cache_equal_each_request_alone(checkpoin
 
 
 def _too_big_job(path):
-    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 
-    engine = Engine(parallelize(path), max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=32)
+    engine = Engine(parallelize(path), EngineConfig(max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=32))
     engine.generate([Request(7, list(range(3, 33)), SamplingParams(max_new_tokens=10))])
 
 

@@ -9,12 +9,12 @@ from tests.test_generate import MAX_NEW, _prompts
 def _pp_generate(path, dp, pp, tp, prompts, max_new, microbatches=2, stages=None):
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size(), stages=stages)
     model = parallelize_pipeline(path, dims)
-    engine = Engine(model, num_microbatches=microbatches, max_batch_size=4, max_seq_len=128)
+    engine = Engine(model, EngineConfig(num_microbatches=microbatches, max_batch_size=4, max_seq_len=128))
     requests = [Request(i, p, SamplingParams(max_new_tokens=max_new)) for i, p in enumerate(prompts)]
     return [c.output_ids for c in engine.generate(requests)], model.parallel_info.load_stats, engine.runner.layer_ids
 

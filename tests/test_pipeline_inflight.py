@@ -15,13 +15,14 @@ def _stage_runs(path, pp, prompts, max_new):
     late arrival) and drained (seeded); each with the stage's :class:`PipelineRecord`."""
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims
+    from reshard.parallel import Engine, EngineConfig, ParallelDims
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     model = parallelize_pipeline(path, ParallelDims(pp=pp, world_size=dist.get_world_size()))
     kw = dict(num_microbatches=pp, max_batch_size=8, max_seq_len=128)
-    inflight, drained = Engine(model, pipeline="inflight", **kw), Engine(model, pipeline="drain", **kw)
-    assert Engine(model, **kw).flow is not None  # in flight is the default for pp > 1
+    inflight = Engine(model, EngineConfig(pipeline="inflight", **kw))
+    drained = Engine(model, EngineConfig(pipeline="drain", **kw))
+    assert Engine(model, EngineConfig(**kw)).flow is not None  # in flight is the default for pp > 1
 
     def run(engine, new=max_new, **req):
         completions = engine.generate(_requests(prompts, new, **req))
@@ -57,12 +58,12 @@ def test_inflight_pipeline_matches_hf_and_keeps_microbatches_in_flight(four_laye
 def _refused(path, pipeline, tp):
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims
+    from reshard.parallel import Engine, EngineConfig, ParallelDims
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     model = parallelize_pipeline(path, ParallelDims(pp=2, tp=tp, world_size=dist.get_world_size()))
     try:
-        Engine(model, pipeline=pipeline, num_microbatches=2, max_batch_size=4, max_seq_len=128)
+        Engine(model, EngineConfig(pipeline=pipeline, num_microbatches=2, max_batch_size=4, max_seq_len=128))
     except ValueError as e:
         return str(e)
     return None
@@ -71,6 +72,6 @@ def _refused(path, pipeline, tp):
 def test_inflight_refuses_what_it_cannot_run(four_layer):
     path = four_layer["llama"]
     assert dist_harness.run(2, _refused, path, "overlap", 1)[0] == (
-        "pipeline must be one of ('inflight', 'drain'), got 'overlap'"
+        "engine.pipeline must be one of ['inflight', 'drain'] or None, got 'overlap'"
     )
     assert "one rank per stage (tp=1, sp=1), got tp=2" in dist_harness.run(4, _refused, path, "inflight", 2)[0]

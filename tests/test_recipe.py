@@ -23,6 +23,24 @@ def _run_recipe(overrides, run_dir):
     return run_generate(_compose(overrides), Path(run_dir))
 
 
+def _run_recipe_keeping_timings(overrides, run_dir):
+    """The recipe, and the milestones of each completion its engine returned, by request id."""
+    from reshard.parallel.engine import Engine
+
+    generate, timings = Engine.generate, {}
+
+    def recorded(self, *args, **kwargs):
+        completions = generate(self, *args, **kwargs)
+        timings.update({c.id: c.timing for c in completions})
+        return completions
+
+    Engine.generate = recorded
+    try:
+        return _run_recipe(overrides, run_dir), timings
+    finally:
+        Engine.generate = generate  # the harness's processes run later tests
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -85,7 +103,7 @@ def test_defaults_compose():
 
 
 def test_workload_rate_gives_seeded_poisson_arrivals(tmp_path):
-    from reshard.recipes.generate import build_requests
+    from reshard.recipes.prompts import build_requests
 
     cfg = _compose(["workload.rate=50", "workload.num_requests=200", "workload.seed=4"])
     arrivals = [r.arrival for r in build_requests(cfg, tmp_path, 256)]
@@ -97,7 +115,7 @@ def test_workload_rate_gives_seeded_poisson_arrivals(tmp_path):
 
 
 def test_workload_rate_refuses_to_replace_a_files_arrivals(tmp_path):
-    from reshard.recipes.generate import build_requests
+    from reshard.recipes.prompts import build_requests
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [5, 6], "arrival": 0.0}\n{"prompt_ids": [7], "arrival": 0.5}\n')
@@ -158,7 +176,8 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
         "progress=false",
         "parallel.tp=1",
     ]
-    summaries = dist_harness.run(2, _run_recipe, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
+    results = dist_harness.run(2, _run_recipe_keeping_timings, overrides, str(tmp_path / "run"))  # dp=2 x tp=1
+    summaries = [summary for summary, _ in results]
     assert summaries[0]["parallel"] == {"main": {"dp": 2, "pp": 1, "sp": 1, "tp": 1, "ranks": [0, 1]}}
     assert summaries[0]["layout"] == "D2" and summaries[0]["dtype"] == "float32"
     assert summaries[0]["sampling"] == {
@@ -172,7 +191,10 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
         assert set(latency[metric]) == {"p50", "p90", "p99", "mean"}
         assert 0 <= latency[metric]["p50"] <= latency[metric]["p90"] <= latency[metric]["p99"]
     assert latency["requests_per_s"] > 0 and latency["output_tokens_per_s"] > 0
-    assert summary["phase_seconds"]["generate_total"] >= 0.3  # the last request arrived at 0.3 s
+    # in order: each request's first step began once it had arrived; the last arrived at 0.3 s
+    timings = results[0][1]
+    assert [timings[i].arrival for i in range(3)] == [0.0, 0.0, 0.3]
+    assert all(t.arrival <= t.started <= t.first_token <= t.finished for t in timings.values()), timings
     lines = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
     assert [line["prompt_ids"] for line in lines] == prompts
     assert [line["output_ids"] for line in lines] == hf_reference(path, prompts, 8)

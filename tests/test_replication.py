@@ -10,14 +10,16 @@ from tests import dist_harness
 def _job(path, pp, paged, dp=1):
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
     from reshard.parallel.fault.ring import RingReplication
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     world = dist.get_world_size()
     model = parallelize_pipeline(path, ParallelDims(dp=dp, pp=pp, tp=world // (pp * dp), world_size=world))
     kw = dict(kv_block_size=8, kv_tokens=160) if paged else {}
-    engine = Engine(model, max_batch_size=3, max_seq_len=48, num_microbatches=pp, replicas="lockstep", **kw)
+    engine = Engine(
+        model, EngineConfig(max_batch_size=3, max_seq_len=48, num_microbatches=pp, replicas="lockstep", **kw)
+    )
     ring = RingReplication(engine)
     reqs = [Request(i, list(range(3 + i, 12 + 2 * i)), SamplingParams(max_new_tokens=5 + i)) for i in range(5)]
     engine.generate(reqs)
@@ -62,19 +64,19 @@ def _batched_job(path, dp, every):
     wrote; 6 requests in 3 slots of each replica retire at different steps and reuse slots."""
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams, parallelize
     from reshard.parallel.fault.ring import RingReplication
 
     world = dist.get_world_size()
     model = parallelize(path, ParallelDims(dp=dp, tp=world // dp, world_size=world))
-    engine = Engine(model, max_batch_size=3, max_seq_len=48, replicas="lockstep")
+    engine = Engine(model, EngineConfig(max_batch_size=3, max_seq_len=48, replicas="lockstep"))
     ring = RingReplication(engine, replicate_every=every)
     checks, last = [], {}
 
     def check(step, seqs) -> None:  # after the ring's listener: the message before this step is in
         if ring.landed == ring.stream.steps - 1:  # a message landed: steps before this one are all in
-            checks.append(_compare(ring, seqs if step.phase == "decode" else None))
-        last["seqs"] = seqs if step.phase == "decode" else []
+            checks.append(_compare(ring, seqs if step.kind == "decode" else None))
+        last["seqs"] = seqs if step.kind == "decode" else []
 
     for event in ("step_end", "idle"):
         engine.events.on(event, check)
@@ -96,7 +98,7 @@ def _compare(ring, seqs) -> tuple[int, bool]:
     import torch.distributed as dist
 
     kv = ring.stream.send_cache
-    mine = (torch.stack(kv.k + kv.v), None if seqs is None else [(s.slot, s.cached) for s in seqs])
+    mine = (torch.stack(kv.k + kv.v), None if seqs is None else [(s.slot, s.num_computed_tokens) for s in seqs])
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     source, live = everyone[ring.source]

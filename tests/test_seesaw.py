@@ -39,19 +39,13 @@ def _seesaw(
 ):
     import torch.distributed as dist
 
+    from reshard.parallel import EngineConfig
     from reshard.parallel.strategies.seesaw import LayoutSwitch, seesaw_engine
 
     world = dist.get_world_size()
     switch = LayoutSwitch(path, _dims(world, layouts[0]), _dims(world, layouts[1]), weights=weights)
-    return seesaw_engine(
-        switch,
-        cpu_kv_budget=budget,
-        scheduler=scheduler,
-        max_batch_size=max_batch_size,
-        max_seq_len=128,
-        compile=compile,
-        **paged,
-    )
+    config = EngineConfig(max_batch_size=max_batch_size, max_seq_len=128, compile=compile, **paged)
+    return seesaw_engine(switch, config, cpu_kv_budget=budget, scheduler=scheduler)
 
 
 def _requests(prompts, max_new):
@@ -158,14 +152,16 @@ def _sampled(path, prompts, layouts):
     """Seeded sampling: Seesaw with dp replicas (tokens drawn on one replica) vs a static TP4 engine."""
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, Request, SamplingParams, parallelize
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, seed=3)
     requests = [Request(i, p, params) for i, p in enumerate(prompts)]
     engine = _seesaw(path, layouts)
     seesaw = [c.output_ids for c in engine.generate(requests)]
     engine.close()
-    static = Engine(parallelize(path, _dims(dist.get_world_size(), dict(tp=4))), max_batch_size=3, max_seq_len=128)
+    static = Engine(
+        parallelize(path, _dims(dist.get_world_size(), dict(tp=4))), EngineConfig(max_batch_size=3, max_seq_len=128)
+    )
     return seesaw, [c.output_ids for c in static.generate(requests)]
 
 
@@ -180,7 +176,7 @@ def _swapped_in_kv(path, layouts, prompts):
     same from a pure decode-layout prefill; and this rank's KV heads (first, count)."""
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, parallelize
+    from reshard.parallel import Engine, EngineConfig, parallelize
 
     engine = _seesaw(path, layouts, budget=200, max_batch_size=len(prompts))
     engine.generate(_requests(prompts, [2] * len(prompts)))  # prefill, swap out, swap in, 1 decode step
@@ -188,7 +184,8 @@ def _swapped_in_kv(path, layouts, prompts):
     slots = dict(engine.policy.decode_slot_of)
     engine.close()
     pure = Engine(
-        parallelize(path, _dims(dist.get_world_size(), layouts[1])), max_batch_size=len(prompts), max_seq_len=128
+        parallelize(path, _dims(dist.get_world_size(), layouts[1])),
+        EngineConfig(max_batch_size=len(prompts), max_seq_len=128),
     )
     pure.prompt_logits(prompts)  # request i's KV in slot i
     assert pure.kv.spec.head_start == seesaw_kv.spec.head_start

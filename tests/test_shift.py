@@ -11,12 +11,12 @@ from tests.tolerance import assert_close_reduced, hf_prompt_kv
 def _shift_generate(path, sp, tp, threshold, prompts, max_new, *, copy=True, snapshot_kv=False):
     import torch.distributed as dist
 
-    from reshard.parallel import ParallelDims, Request, SamplingParams
+    from reshard.parallel import EngineConfig, ParallelDims, Request, SamplingParams
     from reshard.parallel.strategies.shift import parallelize_shift, shift_engine
 
     dims = ParallelDims(sp=sp, tp=tp, world_size=dist.get_world_size())
     model = parallelize_shift(path, dims, shift_weights="copy" if copy else "slice")
-    engine = shift_engine(model, threshold=threshold, max_batch_size=4, max_seq_len=128)
+    engine = shift_engine(model, EngineConfig(max_batch_size=4, max_seq_len=128), threshold=threshold)
     assert engine.runners["sp"].kv is engine.runners["tp"].kv  # one cache for both modes
     lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     requests = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
@@ -83,13 +83,13 @@ def _shift_compiled(path, prompts, lengths):
     import torch._dynamo
 
     torch._dynamo.reset()
-    from reshard.parallel import ParallelDims, Request, SamplingParams
+    from reshard.parallel import EngineConfig, ParallelDims, Request, SamplingParams
     from reshard.parallel.strategies.shift import parallelize_shift, shift_engine
 
     out = {}
     for compile in (False, True):
         model = parallelize_shift(path, ParallelDims(sp=2, tp=1, world_size=2))
-        engine = shift_engine(model, threshold=2, max_batch_size=4, max_seq_len=64, compile=compile)
+        engine = shift_engine(model, EngineConfig(max_batch_size=4, max_seq_len=64, compile=compile), threshold=2)
         requests = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
         out[compile] = ([c.output_ids for c in engine.generate(requests)], dict(engine.stats.steps_by_mode))
     return out

@@ -13,12 +13,12 @@ MAX_NEW = [3, 5, 4, 6, 18]  # the last request runs on alone: the other replicas
 
 def _job(path, mode, shift=True, threshold=1.0):
     from reshard.parallel import Request, SamplingParams
-    from reshard.parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel.engine import EngineConfig, make_strategy
 
     strategy = make_strategy(
         {"strategy": "sidp", "mode": mode, "threshold": threshold, "peak_shifting": shift, "interval": 2}
     )
-    engine = strategy.build(path, EngineArgs(max_batch_size=3, max_seq_len=64))
+    engine = strategy.build(path, EngineConfig(max_batch_size=3, max_seq_len=64))
     reqs = [Request(i, p, SamplingParams(max_new_tokens=m)) for i, (p, m) in enumerate(zip(PROMPTS, MAX_NEW))]
     tokens = [c.output_ids for c in engine.generate(reqs)]
     pool = engine.policy.pool
@@ -76,11 +76,11 @@ def test_orchestrator_hysteresis_never_flaps():
 
 
 def _gain_job(path):
-    from reshard.parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel.engine import EngineConfig, make_strategy
     from reshard.parallel.strategies.sidp import kv_bytes_per_token
 
     strategy = make_strategy({"strategy": "sidp", "slots": 2, "prefetch_depth": 2})
-    engine = strategy.build(path, EngineArgs(max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=64))
+    engine = strategy.build(path, EngineConfig(max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=64))
     s = strategy.summary(engine)
     spec = engine.kv.spec
     freed = s["ffn_bytes_replicated"] - s["ffn_bytes_per_rank"] - s["slot_bytes"]
@@ -100,39 +100,58 @@ def test_freed_ffn_memory_becomes_kv_capacity(tmp_path):
         assert freed - 8 * per_token < grown <= freed
 
 
-def _overlap_job(path, pooled):
-    """Every layer computes 40 ms longer (a stand-in for a bigger model); WaS fetches hide behind it."""
+def _overlap_job(path):
+    """WaS with 2 slots; every layer computes 40 ms longer (a stand-in for a bigger model) and every
+    fetch takes 120 ms longer (a slower link). Returns the compute thread's ``layer_before`` /
+    ``layer_after`` events and the housekeeper's ``fetch_begin`` / ``fetch_end``, in one list in
+    the order they happened, and the layers this rank owns."""
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams, parallelize
-    from reshard.parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine import EngineConfig, make_strategy
 
+    engine = make_strategy({"strategy": "sidp", "mode": "was", "slots": 2}).build(
+        path, EngineConfig(max_batch_size=2, max_seq_len=64)
+    )
+    events = []  # appended from both threads: one order
+
+    def fetched(event, layer):
+        events.append((event, layer))
+        if event == "fetch_begin":
+            time.sleep(0.12)
+
+    engine.policy.fetcher.on_fetch = fetched
+    engine.events.on("layer_before", lambda i, h, ctx: events.append(("compute_begin", i)), layout="was")
+    engine.events.on("layer_before", lambda i, h, ctx: time.sleep(0.04), layout="was")
+    engine.events.on("layer_after", lambda i, h, ctx: events.append(("compute_end", i)), layout="was")
     world = dist.get_world_size()
-    if pooled:
-        engine = make_strategy({"strategy": "sidp", "mode": "was", "slots": 2}).build(
-            path, EngineArgs(max_batch_size=2, max_seq_len=64)
-        )
-        layout = "was"
-    else:
-        engine = Engine(parallelize(path, ParallelDims(dp=world, world_size=world)), max_batch_size=2, max_seq_len=64)
-        layout = "main"
-    engine.events.on("layer_before", lambda i, h, ctx: time.sleep(0.04), layout=layout)
-    reqs = [Request(i, [5 + i, 6, 7], SamplingParams(max_new_tokens=6)) for i in range(2 * world)]
-    engine.generate(reqs)
-    return engine.stats.decode_seconds / engine.stats.decode_steps
+    engine.generate([Request(i, [5 + i, 6, 7], SamplingParams(max_new_tokens=6)) for i in range(2 * world)])
+    pool = engine.policy.pool
+    return events, [j for j, owner in enumerate(pool.owner) if owner == pool.rank]
 
 
 def test_was_hides_fetches_behind_compute(four_layer):
-    resident = max(dist_harness.run(2, _overlap_job, four_layer["llama"], False))
-    was = max(dist_harness.run(2, _overlap_job, four_layer["llama"], True))
-    assert was < 1.3 * resident, (was, resident)  # loose: the bench has the precise figure
+    """Each fetched layer's weights move while the previous layer computes: its fetch begins before
+    that layer's compute ends, and ends after it (no step fetches its layers up front, or each
+    layer only when its forward asks). How much time that hides is a figure for bench/ (the
+    "SiDP: WaS overlap" entry of bench/RESULTS.md), not for a test."""
+    for events, owned in dist_harness.run(2, _overlap_job, four_layer["llama"]):
+        fetched = sorted({j for event, j in events if event == "fetch_begin"})
+        assert fetched and not set(fetched) & set(owned)
+        for j in [j for j in fetched if j > 0]:
+            begins = [at for at, e in enumerate(events) if e == ("fetch_begin", j)]
+            ends = [at for at, e in enumerate(events) if e == ("fetch_end", j)]
+            previous = [at for at, e in enumerate(events) if e == ("compute_end", j - 1)]
+            assert len(begins) == len(ends) == len(previous) > 0, (j, events)
+            for begin, previous_end, end in zip(begins, previous, ends):  # one step each
+                assert begin < previous_end < end, (j, events)
 
 
 def _profiled_job(path):
-    from reshard.parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel.engine import EngineConfig, make_strategy
 
     strategy = make_strategy({"strategy": "sidp", "threshold": None})
-    engine = strategy.build(path, EngineArgs(max_batch_size=2, max_seq_len=32))
+    engine = strategy.build(path, EngineConfig(max_batch_size=2, max_seq_len=32))
     return strategy.summary(engine)
 
 
@@ -143,10 +162,10 @@ def test_threshold_profiled_by_a_sweep_is_the_same_on_every_rank(four_layer):
 
 
 def _default_gain_job(path):
-    from reshard.parallel.engine import EngineArgs, make_strategy
+    from reshard.parallel.engine import EngineConfig, make_strategy
 
     strategy = make_strategy({"strategy": "sidp"})
-    engine = strategy.build(path, EngineArgs(max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=64))
+    engine = strategy.build(path, EngineConfig(max_batch_size=2, max_seq_len=64, kv_block_size=8, kv_tokens=64))
     s = strategy.summary(engine)
     return s["kv_tokens_gained"], s["kv_capacity_tokens"], strategy.report(s)
 

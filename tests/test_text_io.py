@@ -67,7 +67,7 @@ def test_text_and_chat_prompts_round_trip_with_a_real_tokenizer(checkpoints, hf_
 
 
 def test_chat_messages_need_a_chat_template_and_well_formed_messages(checkpoints, tmp_path):
-    from reshard.recipes.generate import read_prompts
+    from reshard.recipes.prompts import read_prompts
 
     path = tmp_path / "ckpt"
     _with_tokenizer(checkpoints["llama"], path, chat=False)
@@ -81,9 +81,9 @@ def test_chat_messages_need_a_chat_template_and_well_formed_messages(checkpoints
 
 
 def _stop_job(path, prompt, params):
-    from reshard.parallel import Engine, Request, parallelize
+    from reshard.parallel import Engine, EngineConfig, Request, parallelize
 
-    engine = Engine(parallelize(path), max_seq_len=64)
+    engine = Engine(parallelize(path), EngineConfig(max_seq_len=64))
     done = engine.generate([Request(i, prompt, p) for i, p in enumerate(params)])
     return [(c.output_ids, c.finish_reason) for c in done]
 
@@ -144,7 +144,7 @@ def test_ignore_eos_runs_past_the_models_eos_and_min_tokens_is_checked():
 def test_n_samples_per_prompt_are_requests_of_their_own_seed(checkpoints, tmp_path):
     """generation.n=3: each prompt becomes 3 requests (ids 3i..3i+2, each its own seeded sample);
     outputs.jsonl names the prompt and the sample; greedy n > 1 is refused."""
-    from reshard.recipes.generate import build_requests
+    from reshard.recipes.prompts import build_requests
     from reshard.recipes.schema import compose
 
     sampled = ["generation.temperature=0.9", "generation.n=3", "workload.num_requests=2"]
@@ -163,10 +163,10 @@ def test_n_samples_per_prompt_are_requests_of_their_own_seed(checkpoints, tmp_pa
 
 
 def _stop_string_job(path, prompt, stops):
-    from reshard.parallel import Engine, Request, SamplingParams, parallelize
-    from reshard.recipes.generate import output_tokenizer
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
+    from reshard.recipes.prompts import output_tokenizer
 
-    engine = Engine(parallelize(path), max_seq_len=64)
+    engine = Engine(parallelize(path), EngineConfig(max_seq_len=64))
     request = Request(0, prompt, SamplingParams(max_new_tokens=12, stop=stops))
     with pytest.raises(ValueError, match=r"request 0: stop strings \('.+',\) are matched in decoded text and the"):
         engine.generate([request])
@@ -256,11 +256,11 @@ def test_logprobs_are_refused_where_they_are_not_carried(checkpoints):
 def _inflight_logprobs(path):
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, ParallelDims, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
-    engine = Engine(model, pipeline="inflight", num_microbatches=2, max_seq_len=64)
+    engine = Engine(model, EngineConfig(pipeline="inflight", num_microbatches=2, max_seq_len=64))
     with pytest.raises(ValueError, match=r"request 0: logprobs=1 are not carried by an in-flight pipeline"):
         engine.generate([Request(0, [1, 2, 3], SamplingParams(max_new_tokens=2, logprobs=1))])
     return True

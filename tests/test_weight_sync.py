@@ -86,9 +86,9 @@ def _colocated_job(path, layout, method, bucket):
 
 
 def _greedy_tokens(model):
-    from reshard.parallel import Engine, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams
 
-    engine = Engine(model, max_batch_size=4, max_seq_len=64)
+    engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=64))
     reqs = [Request(i, [3 + i, 17, 40 + i], SamplingParams(max_new_tokens=6)) for i in range(3)]
     return [c.output_ids for c in engine.generate(reqs)]
 
@@ -219,7 +219,7 @@ def _async_job(path):
     rollout side refuses to generate until the sync is applied."""
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams
     from reshard.parallel.model.weight_sync import model_sync
     from reshard.parallel.strategies.rollout import rollout_model
 
@@ -234,7 +234,7 @@ def _async_job(path):
         ids = torch.arange(24).view(2, 12) % train.config.vocab_size
         train(input_ids=ids, labels=ids).loss.backward()
     else:
-        engine = Engine(mine, max_batch_size=2, max_seq_len=32)
+        engine = Engine(mine, EngineConfig(max_batch_size=2, max_seq_len=32))
         try:
             engine.generate([Request(0, [5, 6], SamplingParams(max_new_tokens=2))])
             out["refused"] = False
@@ -250,7 +250,7 @@ def _async_job(path):
             pending=mine.parallel_info.weight_version.pending,
         )
         out["generated"] = len(
-            Engine(mine, max_batch_size=2, max_seq_len=32).generate(
+            Engine(mine, EngineConfig(max_batch_size=2, max_seq_len=32)).generate(
                 [Request(0, [5, 6], SamplingParams(max_new_tokens=2))]
             )
         )
@@ -268,11 +268,11 @@ def test_async_sync_overlaps_training_compute_and_versions_the_weights(checkpoin
 def _release_job(path):
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams
     from reshard.parallel.strategies.rollout import rollout_model
 
     model = rollout_model(path, "tp", list(range(dist.get_world_size())))
-    engine = Engine(model, max_batch_size=2, max_seq_len=32)
+    engine = Engine(model, EngineConfig(max_batch_size=2, max_seq_len=32))
     reqs = [Request(0, [5, 6, 7], SamplingParams(max_new_tokens=4))]
     first = engine.generate(reqs)[0].output_ids
     freed = engine.release_memory()
@@ -291,13 +291,13 @@ def _compiled_job(path):
     decodes with the new weights."""
     import torch._dynamo.utils as dynamo_utils
 
-    from reshard.parallel import Engine, Request, SamplingParams
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams
     from reshard.parallel.model.weight_sync import model_sync
     from reshard.parallel.strategies.rollout import rollout_model
 
     train, opt = _trained(path, [0])
     rollout = rollout_model(path, "tp", [0])
-    engine = Engine(rollout, max_batch_size=2, max_seq_len=32, compile=True)
+    engine = Engine(rollout, EngineConfig(max_batch_size=2, max_seq_len=32, compile=True))
     reqs = [Request(i, [5 + i, 9, 11], SamplingParams(max_new_tokens=5)) for i in range(2)]
     model_sync(train, rollout).sync(1)
     first = [c.output_ids for c in engine.generate(reqs)]

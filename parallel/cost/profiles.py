@@ -186,85 +186,88 @@ HARDWARE: MappingProxyType[str, Hardware] = MappingProxyType(
 
 
 # ---- models (public HF config.json values; fp16/bf16 weights as the papers run them) ------------
-def _paper_models() -> dict[str, ModelShape]:
-    models = {
-        # Seesaw's "15B variety of LLaMA3" is elinas/Llama-3-15B-Instruct-zeroed; the paper gives no
-        # shape. Assumed: Llama-3-8B's config.json with its 32 layers doubled to 64 by the passthrough
-        # merge (64 x 218M layer params + 1.05B embeddings = 15.0B, matching the name).
-        "llama3-15b": ModelShape(
-            name="llama3-15b",
-            layers=64,  # assumed: 2 x Llama-3-8B's num_hidden_layers (32), see above
-            hidden=4096,  # meta-llama/Meta-Llama-3-8B config.json hidden_size
-            heads=32,  # meta-llama/Meta-Llama-3-8B config.json num_attention_heads
-            kv_heads=8,  # meta-llama/Meta-Llama-3-8B config.json num_key_value_heads
-            head_dim=128,  # meta-llama/Meta-Llama-3-8B config.json: hidden_size / num_attention_heads
-            intermediate=14336,  # meta-llama/Meta-Llama-3-8B config.json intermediate_size
-            vocab=128256,  # meta-llama/Meta-Llama-3-8B config.json vocab_size
-            dtype_bytes=2,  # Seesaw section 6: "We use float16"
-        ),
-        "codellama-34b": ModelShape(
-            name="codellama-34b",
-            layers=48,  # codellama/CodeLlama-34b-hf config.json num_hidden_layers
-            hidden=8192,  # codellama/CodeLlama-34b-hf config.json hidden_size
-            heads=64,  # codellama/CodeLlama-34b-hf config.json num_attention_heads
-            kv_heads=8,  # codellama/CodeLlama-34b-hf config.json num_key_value_heads
-            head_dim=128,  # codellama/CodeLlama-34b-hf config.json: hidden_size / num_attention_heads
-            intermediate=22016,  # codellama/CodeLlama-34b-hf config.json intermediate_size
-            vocab=32000,  # codellama/CodeLlama-34b-hf config.json vocab_size
-            dtype_bytes=2,  # config.json torch_dtype bfloat16; Seesaw runs float16
-        ),
-        "llama2-70b": ModelShape(
-            name="llama2-70b",
-            layers=80,  # meta-llama/Llama-2-70b-hf config.json num_hidden_layers
-            hidden=8192,  # meta-llama/Llama-2-70b-hf config.json hidden_size
-            heads=64,  # meta-llama/Llama-2-70b-hf config.json num_attention_heads
-            kv_heads=8,  # meta-llama/Llama-2-70b-hf config.json num_key_value_heads
-            head_dim=128,  # meta-llama/Llama-2-70b-hf config.json: hidden_size / num_attention_heads
-            intermediate=28672,  # meta-llama/Llama-2-70b-hf config.json intermediate_size
-            vocab=32000,  # meta-llama/Llama-2-70b-hf config.json vocab_size
-            dtype_bytes=2,  # config.json torch_dtype float16
-        ),
-        "llama3-70b": ModelShape(
-            name="llama3-70b",
-            layers=80,  # meta-llama/Meta-Llama-3-70B config.json num_hidden_layers
-            hidden=8192,  # meta-llama/Meta-Llama-3-70B config.json hidden_size
-            heads=64,  # meta-llama/Meta-Llama-3-70B config.json num_attention_heads
-            kv_heads=8,  # meta-llama/Meta-Llama-3-70B config.json num_key_value_heads
-            head_dim=128,  # meta-llama/Meta-Llama-3-70B config.json: hidden_size / num_attention_heads
-            intermediate=28672,  # meta-llama/Meta-Llama-3-70B config.json intermediate_size
-            vocab=128256,  # meta-llama/Meta-Llama-3-70B config.json vocab_size
-            dtype_bytes=2,  # config.json torch_dtype bfloat16
-        ),
-        "bloom-176b": ModelShape(
-            name="bloom-176b",
-            layers=70,  # bigscience/bloom config.json n_layer
-            hidden=14336,  # bigscience/bloom config.json hidden_size
-            heads=112,  # bigscience/bloom config.json n_head
-            kv_heads=112,  # bigscience/bloom: multi-head attention (no GQA)
-            head_dim=128,  # bigscience/bloom config.json: hidden_size / n_head
-            intermediate=57344,  # bigscience/bloom: 4 x hidden_size (MLP dense_h_to_4h)
-            vocab=250880,  # bigscience/bloom config.json vocab_size
-            dtype_bytes=2,  # DejaVu serves it in fp16 (its KV per micro-batch, 10.7 GB, implies 2 bytes)
-            tied_embeddings=True,  # bigscience/bloom: tie_word_embeddings
-        ),
-        "qwen3-32b": ModelShape(
-            name="qwen3-32b",
-            layers=64,  # Qwen/Qwen3-32B config.json num_hidden_layers
-            hidden=5120,  # Qwen/Qwen3-32B config.json hidden_size
-            heads=64,  # Qwen/Qwen3-32B config.json num_attention_heads
-            kv_heads=8,  # Qwen/Qwen3-32B config.json num_key_value_heads
-            head_dim=128,  # Qwen/Qwen3-32B config.json head_dim
-            intermediate=25600,  # Qwen/Qwen3-32B config.json intermediate_size
-            vocab=151936,  # Qwen/Qwen3-32B config.json vocab_size
-            dtype_bytes=2,  # config.json torch_dtype bfloat16
-        ),
+# Shift Parallelism's runs use FP8 weights and KV ("all FP8", ../shared/seeds/001_*.txt line 606)
+_FP8 = ("llama3-70b", "qwen3-32b")
+_PAPER_MODELS: tuple[ModelShape, ...] = (
+    # Seesaw's "15B variety of LLaMA3" is elinas/Llama-3-15B-Instruct-zeroed; the paper gives no
+    # shape. Assumed: Llama-3-8B's config.json with its 32 layers doubled to 64 by the passthrough
+    # merge (64 x 218M layer params + 1.05B embeddings = 15.0B, matching the name).
+    ModelShape(
+        name="llama3-15b",
+        layers=64,  # assumed: 2 x Llama-3-8B's num_hidden_layers (32), see above
+        hidden=4096,  # meta-llama/Meta-Llama-3-8B config.json hidden_size
+        heads=32,  # meta-llama/Meta-Llama-3-8B config.json num_attention_heads
+        kv_heads=8,  # meta-llama/Meta-Llama-3-8B config.json num_key_value_heads
+        head_dim=128,  # meta-llama/Meta-Llama-3-8B config.json: hidden_size / num_attention_heads
+        intermediate=14336,  # meta-llama/Meta-Llama-3-8B config.json intermediate_size
+        vocab=128256,  # meta-llama/Meta-Llama-3-8B config.json vocab_size
+        dtype_bytes=2,  # Seesaw section 6: "We use float16"
+    ),
+    ModelShape(
+        name="codellama-34b",
+        layers=48,  # codellama/CodeLlama-34b-hf config.json num_hidden_layers
+        hidden=8192,  # codellama/CodeLlama-34b-hf config.json hidden_size
+        heads=64,  # codellama/CodeLlama-34b-hf config.json num_attention_heads
+        kv_heads=8,  # codellama/CodeLlama-34b-hf config.json num_key_value_heads
+        head_dim=128,  # codellama/CodeLlama-34b-hf config.json: hidden_size / num_attention_heads
+        intermediate=22016,  # codellama/CodeLlama-34b-hf config.json intermediate_size
+        vocab=32000,  # codellama/CodeLlama-34b-hf config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16; Seesaw runs float16
+    ),
+    ModelShape(
+        name="llama2-70b",
+        layers=80,  # meta-llama/Llama-2-70b-hf config.json num_hidden_layers
+        hidden=8192,  # meta-llama/Llama-2-70b-hf config.json hidden_size
+        heads=64,  # meta-llama/Llama-2-70b-hf config.json num_attention_heads
+        kv_heads=8,  # meta-llama/Llama-2-70b-hf config.json num_key_value_heads
+        head_dim=128,  # meta-llama/Llama-2-70b-hf config.json: hidden_size / num_attention_heads
+        intermediate=28672,  # meta-llama/Llama-2-70b-hf config.json intermediate_size
+        vocab=32000,  # meta-llama/Llama-2-70b-hf config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype float16
+    ),
+    ModelShape(
+        name="llama3-70b",
+        layers=80,  # meta-llama/Meta-Llama-3-70B config.json num_hidden_layers
+        hidden=8192,  # meta-llama/Meta-Llama-3-70B config.json hidden_size
+        heads=64,  # meta-llama/Meta-Llama-3-70B config.json num_attention_heads
+        kv_heads=8,  # meta-llama/Meta-Llama-3-70B config.json num_key_value_heads
+        head_dim=128,  # meta-llama/Meta-Llama-3-70B config.json: hidden_size / num_attention_heads
+        intermediate=28672,  # meta-llama/Meta-Llama-3-70B config.json intermediate_size
+        vocab=128256,  # meta-llama/Meta-Llama-3-70B config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16
+    ),
+    ModelShape(
+        name="bloom-176b",
+        layers=70,  # bigscience/bloom config.json n_layer
+        hidden=14336,  # bigscience/bloom config.json hidden_size
+        heads=112,  # bigscience/bloom config.json n_head
+        kv_heads=112,  # bigscience/bloom: multi-head attention (no GQA)
+        head_dim=128,  # bigscience/bloom config.json: hidden_size / n_head
+        intermediate=57344,  # bigscience/bloom: 4 x hidden_size (MLP dense_h_to_4h)
+        vocab=250880,  # bigscience/bloom config.json vocab_size
+        dtype_bytes=2,  # DejaVu serves it in fp16 (its KV per micro-batch, 10.7 GB, implies 2 bytes)
+        tied_embeddings=True,  # bigscience/bloom: tie_word_embeddings
+    ),
+    ModelShape(
+        name="qwen3-32b",
+        layers=64,  # Qwen/Qwen3-32B config.json num_hidden_layers
+        hidden=5120,  # Qwen/Qwen3-32B config.json hidden_size
+        heads=64,  # Qwen/Qwen3-32B config.json num_attention_heads
+        kv_heads=8,  # Qwen/Qwen3-32B config.json num_key_value_heads
+        head_dim=128,  # Qwen/Qwen3-32B config.json head_dim
+        intermediate=25600,  # Qwen/Qwen3-32B config.json intermediate_size
+        vocab=151936,  # Qwen/Qwen3-32B config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16
+    ),
+)
+MODELS: MappingProxyType[str, ModelShape] = MappingProxyType(
+    {m.name: m for m in _PAPER_MODELS}
+    | {
+        f"{m.name}-fp8": dataclasses.replace(m, name=f"{m.name}-fp8", dtype_bytes=1)
+        for m in _PAPER_MODELS
+        if m.name in _FP8
     }
-    # Shift Parallelism's runs use FP8 weights and KV ("all FP8", ../shared/seeds/001_*.txt line 606)
-    fp8 = ("llama3-70b", "qwen3-32b")
-    return {**models, **{f"{n}-fp8": dataclasses.replace(models[n], name=f"{n}-fp8", dtype_bytes=1) for n in fp8}}
-
-
-MODELS: MappingProxyType[str, ModelShape] = MappingProxyType(_paper_models())
+)
 
 # ---- workloads (Seesaw section 6; means of the length distributions of its Figure 9) -----------
 WORKLOADS: MappingProxyType[str, Workload] = MappingProxyType(

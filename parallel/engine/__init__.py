@@ -1,6 +1,7 @@
 """The engine core: one request loop, one model runner, one event interface, policies, a strategy registry."""
 
 from reshard.parallel.engine.agree import agree_tokens, sample_step
+from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.events import EngineEvents, LayerHooks
 from reshard.parallel.engine.loop import Engine
 from reshard.parallel.engine.policy import (
@@ -14,7 +15,6 @@ from reshard.parallel.engine.policy import (
     StepOutput,
 )
 from reshard.parallel.engine.registry import (
-    EngineArgs,
     Strategy,
     WorkloadShape,
     make_strategy,
@@ -23,13 +23,14 @@ from reshard.parallel.engine.registry import (
     strategy_class,
 )
 from reshard.parallel.engine.request import Completion, EngineStats, Request, Sequence
-from reshard.parallel.engine.runner import ModelRunner, Replica, StageLink, TokenSplit, split_ranges
+from reshard.parallel.engine.runner import ModelRunner, Replica
+from reshard.parallel.engine.splits import StageLink, TokenSplit, split_ranges
 
 __all__ = [
     "Completion",
     "ContinuousBatching",
     "Engine",
-    "EngineArgs",
+    "EngineConfig",
     "EngineEvents",
     "EngineStats",
     "LayerHooks",

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from reshard.parallel.engine.request import Sequence
+from reshard.parallel.engine.request import NO_TOKEN, Sequence
 from reshard.parallel.engine.sampling import TokenLogprobs, sample_tokens, skip_draws, token_logprobs, unpack_logprobs
 from reshard.parallel.model.dims import device_type
 
@@ -85,3 +85,19 @@ def sample_step(
         for i, row in zip(want, rows):
             logprobs[i] = unpack_logprobs(row, seqs[i].request.sampling.logprobs)
     return agreed.tolist(), dict(zip(keys, sums[: len(keys)].tolist())), logprobs
+
+
+def sample_emitting(
+    seqs: list[Sequence], emits: list[bool], mine: list[Sequence], logits: torch.Tensor | None, *args
+) -> tuple[list[int], dict[str, int], list]:
+    """:func:`sample_step` of the sequences of a step that emit a token (their generators draw; a
+    prompt chunk short of its prompt's end does not): every sequence's token, :data:`NO_TOKEN`
+    where none, the sums and the log-probabilities (None where none). ``logits``: ``(len(mine),
+    vocab)`` of ``mine`` or None; ``args``: :func:`sample_step`'s rest."""
+    emitting = [s for s, e in zip(seqs, emits) if e]
+    ids = {id(s) for s in emitting}
+    keep = [i for i, s in enumerate(mine) if id(s) in ids]
+    picked = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)] if logits is not None and keep else None
+    tokens, agreed, logprobs = sample_step(emitting, [mine[i] for i in keep], picked, *args)
+    it, lps = iter(tokens), iter(logprobs)
+    return [next(it) if e else NO_TOKEN for e in emits], agreed, [next(lps) if e else None for e in emits]

@@ -24,7 +24,7 @@ idle           ``fn(step, seqs)``         instead of begin/end when this rank's 
 step_agreed    ``fn(index, step, tokens)`` every rank holds the step's agreed tokens (replayed steps too)
 adopt          ``fn(seq) -> bool``        a migrated sequence (``seq.request`` a :class:`Migrated`) has its
                                           slot: a listener that fills the slot with its KV from elsewhere
-                                          and sets ``seq.output`` / ``seq.cached`` returns True (it decodes
+                                          and sets ``seq.output`` / ``seq.num_computed_tokens`` returns True (it decodes
                                           next); False or no listener: it is prefilled again
 ============== ========================== ==================================================================
 

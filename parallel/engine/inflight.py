@@ -32,47 +32,51 @@ import torch.distributed as dist
 
 from reshard.parallel.engine.policy import ContinuousBatching, Step
 from reshard.parallel.engine.request import Request, Sequence
-from reshard.parallel.engine.runner import ModelRunner, split_ranges
+from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import sample_tokens
+from reshard.parallel.engine.splits import split_ranges
 
 PIPELINES = ("inflight", "drain")
 NOTE_TAG = 1  # P2P tags: activations use 0 (StageLink)
 TOKEN_TAG = 2
-PHASE_CODES = ("stop", "prefill", "decode")  # a note's phase on the wire
+KINDS = ("stop", "new", "running")  # a note's kind on the wire
 
 
 @dataclass(frozen=True)
 class StepNote:
-    """What a follower stage needs to run one micro-batch's step: the phase, each sequence's
-    request id, KV slot and cached tokens; for a prefill the new requests (and paged blocks)."""
+    """What a follower stage needs to run one micro-batch's step: each sequence's request id, KV
+    slot, computed tokens and tokens to compute; for new sequences (a step of whole prompts) their
+    requests (and paged blocks)."""
 
-    phase: str  # "prefill" | "decode" | "stop"
+    kind: str  # "new": every sequence is new to the followers | "running": none is | "stop"
     ids: tuple[int, ...] = ()
     slots: tuple[int, ...] = ()
-    cached: tuple[int, ...] = ()
-    requests: tuple[Request, ...] = ()  # prefill: each sequence's request
-    blocks: tuple[tuple[int, ...], ...] = ()  # prefill on a paged cache: each sequence's blocks
+    num_computed_tokens: tuple[int, ...] = ()
+    num_tokens: tuple[int, ...] = ()
+    requests: tuple[Request, ...] = ()  # new: each sequence's request
+    blocks: tuple[tuple[int, ...], ...] = ()  # new, on a paged cache: each sequence's blocks
 
     @staticmethod
     def of(step: Step) -> StepNote:
         seqs = step.seqs
-        prefill = step.phase == "prefill"
+        new = all(s.num_computed_tokens == 0 for s in seqs)  # in-flight steps: whole prompts or decodes
         return StepNote(
-            step.phase,
+            "new" if new else "running",
             tuple(s.request.id for s in seqs),
             tuple(s.slot for s in seqs),
-            tuple(s.cached for s in seqs),
-            tuple(s.request for s in seqs) if prefill else (),
-            tuple(tuple(s.blocks) for s in seqs) if prefill else (),
+            tuple(s.num_computed_tokens for s in seqs),
+            tuple(step.num_tokens),
+            tuple(s.request for s in seqs) if new else (),
+            tuple(tuple(s.blocks) for s in seqs) if new else (),
         )
 
 
 class NoteLink:
     """Notes between neighbouring stages on tag :data:`NOTE_TAG`: one ``int64`` tensor of fixed
-    size ``(3 + 3 * capacity,)`` (phase, count, payload bytes, then ids, slots, cached), and for a
-    prefill the pickled requests and blocks as ``uint8``, all on ``device`` (the stage's: host
-    with gloo, the GPU with NCCL). ``capacity``: the most sequences of one note (a micro-batch's
-    slots)."""
+    size ``(3 + 4 * capacity,)`` (kind, count, payload bytes, then ids, slots, computed tokens,
+    tokens to compute), and for new sequences the pickled requests and blocks as ``uint8``, all
+    on ``device`` (the stage's: host with gloo, the GPU with NCCL). ``capacity``: the most
+    sequences of one note (a micro-batch's slots)."""
 
     def __init__(self, prev: int | None, next: int | None, capacity: int, device: torch.device) -> None:
         self.prev, self.next, self.capacity, self.device = prev, next, capacity, device
@@ -83,10 +87,10 @@ class NoteLink:
         completes only once the receiver has posted its receive: a blocking send would hold this
         stage until the next one finished its current micro-batch)."""
         assert self.next is not None and len(note.ids) <= self.capacity, (len(note.ids), self.capacity)
-        extra = pickle.dumps((note.requests, note.blocks)) if note.phase == "prefill" else b""
+        extra = pickle.dumps((note.requests, note.blocks)) if note.kind == "new" else b""
         pad = [0] * (self.capacity - len(note.ids))
-        fields = [*note.ids, *pad, *note.slots, *pad, *note.cached, *pad]  # (3 * capacity,)
-        head = [PHASE_CODES.index(note.phase), len(note.ids), len(extra), *fields]
+        fields = [*note.ids, *pad, *note.slots, *pad, *note.num_computed_tokens, *pad, *note.num_tokens, *pad]
+        head = [KINDS.index(note.kind), len(note.ids), len(extra), *fields]  # (3 + 4 * capacity,)
         self._post(torch.tensor(head, dtype=torch.long, device=self.device))
         if extra:
             self._post(torch.frombuffer(bytearray(extra), dtype=torch.uint8).to(self.device))
@@ -103,18 +107,18 @@ class NoteLink:
 
     def recv(self) -> StepNote:
         assert self.prev is not None
-        head = torch.empty(3 + 3 * self.capacity, dtype=torch.long, device=self.device)
+        head = torch.empty(3 + 4 * self.capacity, dtype=torch.long, device=self.device)
         dist.recv(head, self.prev, tag=NOTE_TAG)
         values = head.tolist()
         code, n, size = values[:3]
         c = self.capacity
-        fields = [tuple(values[3 + k * c : 3 + k * c + n]) for k in range(3)]  # ids, slots, cached
+        fields = [tuple(values[3 + k * c : 3 + k * c + n]) for k in range(4)]  # ids, slots, computed, counts
         requests, blocks = (), ()
         if size:
             payload = torch.empty(size, dtype=torch.uint8, device=self.device)
             dist.recv(payload, self.prev, tag=NOTE_TAG)
             requests, blocks = pickle.loads(payload.cpu().numpy().tobytes())
-        return StepNote(PHASE_CODES[code], *fields, requests, blocks)
+        return StepNote(KINDS[code], *fields, requests, blocks)
 
 
 @dataclass
@@ -171,7 +175,7 @@ class PipelineHead:
         last stage is the next one, which sends the tokens only after it received them)."""
         launched, clock = time.time(), time.perf_counter()
         self.notes.send(StepNote.of(step))
-        self.runner.run(step.phase, step.seqs, layers)
+        self.runner.run(step.seqs, step.num_tokens, layers)
         tokens = torch.empty(len(step.seqs), dtype=torch.long, device=self.runner.device)
         flight = Flight(step, tokens, dist.irecv(tokens, self.last, tag=TOKEN_TAG), launched, clock)
         self.record.overlapped += bool(self.flights)
@@ -206,7 +210,7 @@ class StageFollower:
     ) -> None:
         link = runner.link
         self.runner, self.new_sequence = runner, new_sequence
-        self.ready = ready or (lambda index, phase, seqs: None)  # told before each step runs
+        self.ready = ready or (lambda index, seqs, num_tokens: None)  # told before each step runs
         nxt = None if link.is_last else link.peers[link.stage + 1]
         self.notes = NoteLink(link.peers[link.stage - 1], nxt, _note_capacity(runner), runner.device)
         self.first = link.peers[0]
@@ -222,11 +226,11 @@ class StageFollower:
             note = self.notes.recv()
             if self.notes.next is not None:
                 self.notes.send(note)
-            if note.phase == "stop":
+            if note.kind == "stop":
                 break
             seqs = self._mirror(note, mirror)
-            self.ready(self.record.steps, note.phase, seqs)
-            logits = self.runner.run(note.phase, seqs)
+            self.ready(self.record.steps, seqs, list(note.num_tokens))
+            logits = self.runner.run(seqs, list(note.num_tokens))
             self.record.steps += 1
             if logits is not None:
                 sends.append(self._answer(seqs, logits))
@@ -243,16 +247,16 @@ class StageFollower:
         return _share(None, self.runner)
 
     def _mirror(self, note: StepNote, mirror: dict[int, Sequence]) -> list[Sequence]:
-        """This stage's sequences of ``note`` (new ones for a prefill), at the noted positions."""
-        if note.phase == "prefill":
+        """This stage's sequences of ``note`` (made for new ones), at the noted positions."""
+        if note.kind == "new":
             for request, slot, blocks in zip(note.requests, note.slots, note.blocks):
                 seq = self.new_sequence(request)
                 seq.slot, seq.blocks = slot, list(blocks)
                 mirror[slot] = seq
         seqs = [mirror[slot] for slot in note.slots]
-        for seq, rid, cached in zip(seqs, note.ids, note.cached):
+        for seq, rid, computed in zip(seqs, note.ids, note.num_computed_tokens):
             assert seq.request.id == rid, f"slot {seq.slot}: request {seq.request.id} noted as {rid}"
-            seq.cached = cached
+            seq.num_computed_tokens = computed
         return seqs
 
     def _answer(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:
@@ -289,7 +293,7 @@ class InflightBatching(ContinuousBatching):
         assert info.replica.size == 1, "in-flight micro-batches take one replica per engine group"
         self.flights = [range(a, b) for a, b in split_ranges(info.max_batch_size, info.num_microbatches)]
         self.busy: set[int] = set()
-        self.phases: list[str | None] = [None] * len(self.flights)
+        self.prefilled = [False] * len(self.flights)  # micro-batch k's last step fed whole prompts
         self.turn = 0
 
     def flight_of(self, step: Step) -> int:
@@ -308,13 +312,13 @@ class InflightBatching(ContinuousBatching):
     def _flight_step(self, k: int, queue: deque) -> Step | None:
         slots = self.flights[k]
         running = [s for s in self.running.values() if s.slot in slots]
-        if queue and self._fits(queue[0], slots) and not (self.phases[k] == "prefill" and running):
-            seqs, self.phases[k] = self._admit(queue, slots), "prefill"
-        elif running:
-            seqs, self.phases[k] = running, "decode"
-        else:
+        if queue and self._fits(queue[0], slots) and not (self.prefilled[k] and running):
+            seqs, self.prefilled[k] = self._admit(queue, slots), True
+            return Step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs], self.layout)
+        if not running:
             return None
-        return Step(self.phases[k], seqs, self.layout)
+        self.prefilled[k] = False
+        return Step(running, [1] * len(running), self.layout)
 
     def after_step(self, step: Step, output) -> None:
         self.busy.discard(self.flight_of(step))

@@ -25,11 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from reshard.parallel.engine.agree import sample_step
+from reshard.parallel.engine.agree import sample_emitting, sample_step
+from reshard.parallel.engine.checks import check_chunked, check_requests
+from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import InflightBatching, PipelineHead, StageFollower, use_inflight
 from reshard.parallel.engine.policy import (
-    NO_TOKEN,
     ContinuousBatching,
     Policy,
     PolicyContext,
@@ -37,10 +38,9 @@ from reshard.parallel.engine.policy import (
     Step,
     StepOutput,
 )
-from reshard.parallel.engine.request import Completion, Request, Sequence
+from reshard.parallel.engine.request import NO_TOKEN, Completion, Request, Sequence, eos_ids, record_times
 from reshard.parallel.engine.router import (
     ADMIT,
-    ROUTING,
     Admission,
     Channel,
     GroupLayout,
@@ -57,43 +57,26 @@ from reshard.parallel.model.info import parallel_info
 class Engine:
     """Generation over one or more layouts of a model.
 
-    ``Engine(model, ...)``: one runner in the model's own layout, continuous batching (a
+    ``Engine(model, config)``: one runner in the model's own layout, continuous batching (a
     tensor-parallel model, with data-parallel replicas when its dims have ``dp > 1``).
-    ``Engine(runners={...}, policy=...)``: a strategy's layouts and policy.
+    ``Engine(runners={...}, policy=..., config=...)``: a strategy's layouts and policy (the
+    runners hold their own slots and caches; the config's ``routing``, ``group_timeout`` and
+    ``pipeline`` still apply).
 
     Args:
-        max_batch_size: KV-cache slots per replica; ``max_seq_len``: prompt + generation per slot
-            (default: the model's ``max_position_embeddings``, capped at 4096).
-        max_prefill_tokens: prompt tokens admitted into one prefill step per replica.
-        num_microbatches: pipeline micro-batches per step (a model with ``pp > 1``).
-        compile: ``torch.compile`` the decode step (static shapes, a few graphs).
-        admission: the default policy's order, ``"fifo"`` or ``"longest_first"`` (see
-            :class:`ContinuousBatching`).
-        kv_block_size, kv_tokens: a paged KV cache (see :class:`ModelRunner`); admission then
-            also waits for free blocks.
-        kv_swap: micro-batch swapping of the KV between host and device (see :class:`ModelRunner`).
-        prefill_chunk: chunked prefill (Sarathi-style): prompts are fed in chunks of at most this
-            many tokens per step, beside the running sequences' decode tokens (see
-            :class:`ContinuousBatching`); None: whole prompts in prefill steps. Needs the default
-            policy, no ``kv_swap`` and no pipeline stages.
-        replicas: ``"groups"`` (default): each data-parallel replica of the model is an engine
-            group that steps on its own, fed by a router; ``"lockstep"``: replicas share steps.
-        routing: how the router places requests on groups (see :class:`Router`).
-        engine_group: which group of the job this engine is, for strategies that compose groups
-            of several layouts (DejaVu's sides); default: the runner's replica, if it is a group.
-        group_timeout: seconds a group waits for the router (default: the job's collective
-            timeout); then it fails with a message naming what it waited for.
+        config: every knob that is configuration (slots, sequence length, KV cache, admission,
+            chunked prefill, replicas, routing, pipeline schedule...): :class:`EngineConfig`.
+        runners, policy: a strategy's layouts (name -> :class:`ModelRunner`) and its
+            :class:`Policy` (default: :class:`ContinuousBatching` over the first runner, in
+            flight for a pipeline that can keep micro-batches in flight, see
+            ``EngineConfig.pipeline``).
         group: the ranks that agree on every step's tokens (e.g. ``dist.group.WORLD`` when layouts
             on disjoint ranks share steps, as DejaVu's do); default: the step's layout's ranks.
-        pipeline: a pipeline layout's schedule: ``"inflight"`` (micro-batches stay in flight
-            across steps: the last stage sends each micro-batch's tokens to the first, which starts
-            its next step at once; :mod:`parallel.engine.inflight`) or ``"drain"`` (every step
-            drains the pipeline). Default: in flight wherever it runs (one rank per stage, the
-            default policy, replicas as groups), else drained (lockstep replicas share every step
-            on every rank, as fault tolerance's journal and ring need).
         host_tiers: layouts whose KV reaches the other layouts' caches through a host tier (layout
             -> its :class:`reshard.kv.CPUKVTier`, e.g. Seesaw's prefill); fault tolerance keeps
             those tiers in files that outlive a restart instead of replicating the layout's cache.
+        engine_group: which group of the job this engine is, for strategies that compose groups
+            of several layouts (DejaVu's sides); default: the runner's replica, if it is a group.
         tokenizer: a Hugging Face tokenizer, for requests with stop strings (``SamplingParams.stop``:
             a request ends once its decoded output holds one); settable later (``engine.tokenizer``).
     """
@@ -101,81 +84,57 @@ class Engine:
     def __init__(
         self,
         model: nn.Module | None = None,
+        config: EngineConfig | None = None,
         *,
         runners: Mapping[str, ModelRunner] | None = None,
         policy: Policy | None = None,
-        max_batch_size: int = 8,
-        max_seq_len: int | None = None,
-        max_prefill_tokens: int = 4096,
-        num_microbatches: int = 1,
-        compile: bool = False,
-        admission: str = "fifo",
-        kv_block_size: int | None = None,
-        kv_tokens: int | None = None,
-        kv_swap: bool = False,
         group: dist.ProcessGroup | None = None,
         host_tiers: Mapping | None = None,
-        replicas: str = "groups",
-        routing: str = "least_loaded",
-        group_timeout: float | None = None,
         engine_group: GroupLayout | None = None,
-        pipeline: str | None = None,
-        prefill_chunk: int | None = None,
         tokenizer=None,
     ) -> None:
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
-        if prefill_chunk is not None:  # before any runner (and so any collective) exists
-            _check_chunked(prefill_chunk, model=model, policy=policy, kv_swap=kv_swap)
-        if runners is None:
-            runners = {
-                "main": ModelRunner(
-                    model,
-                    max_batch_size=max_batch_size,
-                    max_seq_len=max_seq_len,
-                    num_microbatches=num_microbatches,
-                    compile=compile,
-                    kv_block_size=kv_block_size,
-                    kv_tokens=kv_tokens,
-                    kv_swap=kv_swap,
-                    replicas=replicas,
-                )
-            }
-        if routing not in ROUTING:
-            raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
-        self.routing = routing
-        if group_timeout is not None and not group_timeout > 0:
-            raise ValueError(f"group_timeout must be > 0 seconds (None: the collective timeout), got {group_timeout}")
-        self.group_timeout = None if group_timeout is None else datetime.timedelta(seconds=group_timeout)
-        self.runners = dict(runners)
-        inflight = self._inflight(pipeline, custom_policy=policy is not None or replicas == "lockstep")
-        batching = InflightBatching if inflight else ContinuousBatching
-        self.policy = policy or batching(
-            next(iter(self.runners)),
-            max_prefill_tokens=max_prefill_tokens,
-            admission=admission,
-            prefill_chunk=prefill_chunk,
-        )
+        self.config = config = config if config is not None else EngineConfig()
+        if config.prefill_chunk is not None:  # before any runner (and so any collective) exists
+            check_chunked(config.prefill_chunk, model=model, policy=policy)
+        self.runners = dict(runners) if runners is not None else {"main": ModelRunner(model, config)}
+        self.routing = config.routing
+        self.group_timeout = None if config.group_timeout is None else datetime.timedelta(seconds=config.group_timeout)
+        inflight = self._inflight(config.pipeline, custom_policy=policy is not None or config.replicas == "lockstep")
+        self.policy = policy or self._default_policy(inflight)
         cfg = next(iter(self.runners.values())).model.config
-        self.vocab_size, self.eos_ids = cfg.vocab_size, _as_ids(cfg.eos_token_id)
+        self.vocab_size, self.eos_ids = cfg.vocab_size, eos_ids(cfg.eos_token_id)
         self.group, self.host_tiers = group, dict(host_tiers or {})
         self.events = EngineEvents()
         self.stats = self.policy.stats_cls()
-        layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
         self.tokenizer = tokenizer  # a Hugging Face tokenizer: requests' stop strings are matched in its text
-        new_sequence = self._new_sequence
-        self.policy.setup(PolicyContext(layouts, self.stats, new_sequence, self.events.adopt))
-        self.flow: PipelineHead | StageFollower | None = None  # in-flight pipeline: this stage's side
-        if inflight:
-            runner = next(iter(self.runners.values()))
-            first = runner.link.is_first
-            self.flow = PipelineHead(runner) if first else StageFollower(runner, new_sequence, self._noted)
+        layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
+        self.policy.setup(PolicyContext(layouts, self.stats, self._new_sequence, self.events.adopt))
+        self.flow = self._flow() if inflight else None  # in-flight pipeline: this stage's side
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
         self.routed_calls = 0  # routed generates so far: each call's store keys have a prefix of their own
         self._released: list = []  # caches freed by release_memory(), restored by generate()
         self.steps_done = 0
+
+    def _default_policy(self, inflight: bool) -> Policy:
+        """Continuous batching over the first runner, by the config (in flight: see ``pipeline``)."""
+        batching = InflightBatching if inflight else ContinuousBatching
+        return batching(
+            next(iter(self.runners)),
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            admission=self.config.admission,
+            prefill_chunk=self.config.prefill_chunk,
+        )
+
+    def _flow(self) -> PipelineHead | StageFollower:
+        """This stage's side of an in-flight pipeline: the first stage leads, the others follow."""
+        runner = next(iter(self.runners.values()))
+        if runner.link.is_first:
+            return PipelineHead(runner)
+        return StageFollower(runner, self._new_sequence, self._noted)
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property
@@ -285,7 +244,6 @@ class Engine:
         go, the oldest one in flight landed."""
         if self.flow is None:
             step = self.policy.next_step(queue)
-            assert step.seqs or step.phase == "wait", f"policy {type(self.policy).__name__} returned an empty step"
             return [(step, self._run(step, {ADMIT: admission.proposal()}))]
         step = self.policy.next_step(queue) if len(self.flow.flights) < self.runner.num_microbatches else None
         if step is not None:
@@ -364,9 +322,9 @@ class Engine:
         self._record(step, tokens, started, t0, logprobs)
         return StepOutput(tokens, replayed=known is not None, agreed=agreed)
 
-    def _noted(self, index: int, phase: str, seqs: list) -> None:
+    def _noted(self, index: int, seqs: list, num_tokens: list[int]) -> None:
         """A later pipeline stage is about to run the first stage's ``index``-th step."""
-        self.events.fire("step_ready", index, Step(phase, seqs, next(iter(self.runners))))
+        self.events.fire("step_ready", index, Step(seqs, num_tokens, next(iter(self.runners))))
 
     def _prepare(self, step: Step, *, replay: bool) -> ModelRunner:
         """Enter the step's layout and make its moves (a replayed step's KV moves are skipped)."""
@@ -381,12 +339,12 @@ class Engine:
         """Append a step's agreed tokens (and their log-probabilities, where asked) to its
         sequences; count it; tell the listeners."""
         now = time.time()
-        for seq, token, fed, lp in zip(step.seqs, tokens, step.feeds(), logprobs or [None] * len(tokens)):
-            seq.cached += fed
+        for seq, token, fed, lp in zip(step.seqs, tokens, step.num_tokens, logprobs or [None] * len(tokens)):
+            seq.num_computed_tokens += fed
             if token != NO_TOKEN:  # a prompt chunk short of the prompt's end emits nothing
                 seq.append(token, lp)
-            _record_times(seq, started, now, emitted=token != NO_TOKEN)
-        self.stats.add_step(step.phase, len(step.seqs), step.num_tokens, time.perf_counter() - t0)
+            record_times(seq, started, now, emitted=token != NO_TOKEN)
+        self.stats.add_step(step.kind, len(step.seqs), step.total_tokens, time.perf_counter() - t0)
         self.events.fire("step_agreed", self.steps_done, step, tokens)
         self.steps_done += 1
 
@@ -413,8 +371,8 @@ class Engine:
         logits = None
         if mine:
             self.events.fire("step_begin", step, mine, layout=step.layout)
-            chunks = [n for s, n in zip(step.seqs, step.feeds()) if s.replica == runner.replica.rank]
-            logits = runner.run(step.phase, mine, self.events.layers(step.layout), chunks=chunks)
+            counts = [n for s, n in zip(step.seqs, step.num_tokens) if s.replica == runner.replica.rank]
+            logits = runner.run(mine, counts, self.events.layers(step.layout))
             self.events.fire("step_end", step, mine, layout=step.layout)
         else:
             self.events.fire("idle", step, mine, layout=step.layout)
@@ -423,7 +381,7 @@ class Engine:
         emits = step.emits()
         if all(emits):
             return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
-        return _sample_emitting(step, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)
+        return sample_emitting(step.seqs, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)
 
     def _replayed(self, step: Step, tokens: list[int]) -> list[int]:
         """A step whose tokens are known (a journal) and whose KV was restored: nothing runs;
@@ -449,41 +407,16 @@ class Engine:
         return Sequence.of(request, self.eos_ids, self.vocab_size, decode=decode)
 
     def validate(self, requests: Seq[Request]) -> None:
-        """``ValueError`` naming the request for repeated ids, empty, too long or
-        out-of-vocabulary prompts and token ids that are not ints; then the policy's checks."""
-        seen: set = set()
-        for r in requests:
-            if r.id in seen:
-                raise ValueError(f"request id {r.id!r} appears more than once; ids must be unique")
-            seen.add(r.id)
-            self._check_request(r)
+        """``ValueError`` naming the request for what this engine cannot run
+        (:func:`check_requests`); then the policy's checks."""
+        check_requests(
+            requests,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            has_tokenizer=self.tokenizer is not None,
+            inflight=self.flow is not None,
+        )
         self.policy.validate(requests)
-
-    def _check_request(self, r: Request) -> None:
-        n, m = len(r.prompt_ids), r.sampling.max_new_tokens
-        if n == 0:
-            raise ValueError(f"request {r.id}: empty prompt")
-        not_int = [t for t in r.prompt_ids if type(t) is not int]  # bools and floats are not token ids
-        if not_int:
-            raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
-        if r.sampling.logprobs is not None and self.flow is not None:
-            raise ValueError(
-                f"request {r.id}: logprobs={r.sampling.logprobs} are not carried by an in-flight pipeline (its last "
-                "stage sends the first tokens only); use Engine(pipeline='drain') (engine.pipeline=drain)"
-            )
-        if r.sampling.stop and self.tokenizer is None:
-            raise ValueError(
-                f"request {r.id}: stop strings {r.sampling.stop!r} are matched in decoded text and the engine has "
-                "no tokenizer: give Engine(..., tokenizer=) one (the recipe takes the checkpoint's)"
-            )
-        if n + m > self.max_seq_len:
-            raise ValueError(
-                f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = "
-                f"{n + m} exceeds max_seq_len ({self.max_seq_len})"
-            )
-        bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {r.id}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
 
     def prompt_logits(self, prompts: Seq[Seq[int]]) -> list[torch.Tensor]:
         """fp32 logits ``(len(p), vocab)`` at every position of each prompt, through the active
@@ -511,53 +444,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _sample_emitting(
-    step: Step, emits: list[bool], mine: list[Sequence], logits: torch.Tensor | None, *args
-) -> tuple[list[int], dict[str, int], list]:
-    """:func:`sample_step` of the sequences of a mixed step that emit a token (their generators
-    draw; the others' do not): every sequence's token, :data:`NO_TOKEN` where none, the sums and
-    the log-probabilities (None where none). ``logits``: ``(len(mine), vocab)`` of ``mine`` or
-    None; ``args``: :func:`sample_step`'s rest."""
-    emitting = [s for s, e in zip(step.seqs, emits) if e]
-    ids = {id(s) for s in emitting}
-    keep = [i for i, s in enumerate(mine) if id(s) in ids]
-    picked = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)] if logits is not None and keep else None
-    tokens, agreed, logprobs = sample_step(emitting, [mine[i] for i in keep], picked, *args)
-    it, lps = iter(tokens), iter(logprobs)
-    return [next(it) if e else NO_TOKEN for e in emits], agreed, [next(lps) if e else None for e in emits]
-
-
-def _check_chunked(prefill_chunk: int, *, model: nn.Module | None, policy: Policy | None, kv_swap: bool) -> None:
-    """``ValueError`` naming the values for what chunked prefill does not support (raised on
-    every rank alike, before any collective)."""
-    if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prompts), got {prefill_chunk}")
-    if model is None or policy is not None:
-        raise ValueError(
-            f"prefill_chunk ({prefill_chunk}) runs in the default continuous-batching policy of "
-            f"Engine(model, ...); got runners/policy {type(policy).__name__}"
-        )
-    if kv_swap:
-        raise ValueError(f"prefill_chunk ({prefill_chunk}) cannot be combined with kv_swap ({kv_swap})")
-    pp = parallel_info(model).dims.pp
-    if pp > 1:
-        raise ValueError(f"prefill_chunk ({prefill_chunk}) cannot be combined with pipeline stages (pp={pp})")
-
-
-def _record_times(seq: Sequence, started: float, now: float, *, emitted: bool = True) -> None:
-    """A sequence's wall-clock milestones: its first step began (a first prompt chunk counts),
-    its first token, its end."""
-    if not seq.times:
-        seq.times.append(started)
-    if len(seq.times) == 1 and emitted:
-        seq.times.append(now)
-    if seq.finish_reason is not None and len(seq.times) == 2:
-        seq.times.append(now)
-
-
-def _as_ids(eos) -> tuple[int, ...]:
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,5 +1,5 @@
-"""Policies: what the loop runs next, as plain data (which sequences, which phase, which layout,
-which moves to make first). A policy holds no engine reference.
+"""Policies: what the loop runs next, as plain data (which sequences, how many tokens each, which
+layout, which moves to make first). A policy holds no engine reference.
 
 The contract between the engine and a policy (in the spirit of vLLM v1's EngineCore/Scheduler):
 
@@ -7,9 +7,11 @@ The contract between the engine and a policy (in the spirit of vLLM v1's EngineC
   each layout's :class:`RunnerInfo` (slots, replicas, micro-batches, its KV cache), the stats
   object the engine fills (the policy adds its own counters to it) and the ``new_sequence``
   factory. That is all a policy knows of the engine.
-- Each step, :meth:`Policy.next_step` returns a :class:`Step`: the phase, the sequences (every
-  replica's; the same list on every rank), the layout (runner) that runs it, ``moves`` and
-  ``agree``. The engine then
+- Each step, :meth:`Policy.next_step` returns a :class:`Step`: the sequences (every replica's;
+  the same list on every rank), the tokens each computes from its ``num_computed_tokens`` on
+  (a whole prompt, a prompt chunk and a decode token are the same thing: a count; there is no
+  prefill or decode phase, and the runner picks its path from the counts), the layout (runner)
+  that runs it, ``moves`` and ``agree``. The engine then
 
   1. asks its ``known_tokens`` listeners whether the step's tokens are known (fault tolerance's
      replay: the step is *replayed*);
@@ -38,12 +40,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from reshard.kv import KVCache
-from reshard.parallel.engine.request import EngineStats, Migrated, Request, Sequence
+from reshard.parallel.engine.request import EngineStats, Migrated, Request, Sequence, batch_kind
 from reshard.parallel.engine.runner import Replica
 
-PHASES = ("prefill", "decode", "mixed")
 ADMISSION = ("fifo", "longest_first")
-NO_TOKEN = -1  # a mixed step's token of a sequence whose prompt chunk stops short of the prompt's end
 
 
 @dataclass(frozen=True)
@@ -59,34 +59,40 @@ class Move:
 
 @dataclass
 class Step:
-    """One step: every sequence of it over all replicas (the same on every rank)."""
+    """One step: every sequence of it over all replicas (the same on every rank) and the tokens
+    each computes: sequence ``i`` feeds its positions ``num_computed_tokens .. num_computed_tokens
+    + num_tokens[i] - 1`` (its whole prompt, a chunk of it, or its last output token). A step
+    with no sequences only agrees (``agree``, admissions): a "wait" step."""
 
-    # "prefill": whole prompts | "decode": one token each | "mixed": prompt chunks beside decode
-    # tokens (chunked prefill) | "wait": no sequences, only agree
-    phase: str
     seqs: list[Sequence]
+    num_tokens: list[int]  # tokens each sequence computes this step, from its num_computed_tokens on
     layout: str  # the runner that runs it
     moves: tuple[Move, ...] = ()  # made by the engine, in order, before the step runs
     # summed over the group with the tokens; a callable is read after this rank's compute, just
     # before the agreement (e.g. "has this KV landed yet", which the compute's time may settle)
     agree: dict[str, int | Callable[[], int]] = field(default_factory=dict)
-    chunks: list[int] | None = None  # "mixed": tokens each sequence feeds, from its ``cached`` on
+    _kind: str = field(init=False, repr=False, compare=False)
 
-    def feeds(self) -> list[int]:
-        """Tokens each sequence feeds this step (its positions ``cached .. cached + n - 1``)."""
-        if self.phase == "mixed":
-            assert self.chunks is not None and len(self.chunks) == len(self.seqs), "a mixed step names its chunks"
-            return list(self.chunks)
-        return [s.prompt_len if self.phase == "prefill" else 1 for s in self.seqs]
-
-    def emits(self) -> list[bool]:
-        """Whether each sequence gets a token this step: all but a prompt chunk that stops short
-        of the prompt's end."""
-        return [s.cached + n >= s.prompt_len for s, n in zip(self.seqs, self.feeds())]
+    def __post_init__(self) -> None:
+        assert len(self.num_tokens) == len(self.seqs), (len(self.num_tokens), len(self.seqs))
+        assert all(n >= 1 for n in self.num_tokens), f"a step's sequence computes >= 1 token: {self.num_tokens}"
+        self._kind = batch_kind(self.seqs, self.num_tokens)  # before the step runs and moves them on
 
     @property
-    def num_tokens(self) -> int:
-        return sum(self.feeds())
+    def kind(self) -> str:
+        """``"prefill"`` | ``"decode"`` | ``"mixed"`` | ``"wait"``: derived from the counts when
+        the step was made (:func:`batch_kind`), for statistics labels and listeners; it decides
+        nothing in the engine."""
+        return self._kind
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def emits(self) -> list[bool]:
+        """Whether each sequence gets a token this step (read before it is recorded): all but a
+        prompt chunk that stops short of the prompt's end."""
+        return [s.num_computed_tokens + n >= s.prompt_len for s, n in zip(self.seqs, self.num_tokens)]
 
 
 @dataclass(frozen=True)
@@ -259,19 +265,24 @@ class Policy:
 
 
 class ContinuousBatching(Policy):
-    """Admit queued requests into free KV slots (prefill), then decode every running sequence;
-    a finished sequence's slot is refilled at the next prefill. With data-parallel replicas,
-    slots (and so sequences) alternate over the replicas.
+    """Admit queued requests into free KV slots; each step gives requests token counts under the
+    step's token budget, ``max_prefill_tokens`` per replica (vLLM's ``max_num_batched_tokens``):
+    every running sequence whose prompt is computed gets its decode token first (always, even
+    past the budget), then prompts get tokens in admission order while the budget lasts (a
+    whole prompt larger than the budget still runs, alone in its step). A finished sequence's
+    slot is refilled by the next admission. With data-parallel replicas, slots (and so sequences)
+    alternate over the replicas.
 
     ``layout``: the runner whose cache holds the slots; :meth:`layout_for` may pick another
     runner sharing that cache per step (Shift). ``admission``: ``"fifo"`` (request order) or
     ``"longest_first"`` (largest ``max_new_tokens`` first: for offline batches, fewer decode steps
     at a small batch at the end; results per request are the same in any order).
 
-    ``prefill_chunk`` (Sarathi-style chunked prefill): requests are admitted into free slots as
-    they fit, and each step is "mixed": every running sequence whose prompt is in its cache
-    decodes one token while prompts are fed in chunks of at most ``prefill_chunk`` tokens in
-    all (per replica), so a long prompt does not stall the others' next tokens.
+    ``prefill_chunk`` (chunked prefill, vLLM's ``long_prefill_token_threshold``): a prompt gets
+    at most this many tokens per step, beside the decode tokens and other prompts' tokens, so a
+    long prompt does not stall the others' next tokens. ``None``: the runner does not mix (no
+    chunking, pipeline stages, micro-batch swapping): newly admitted whole prompts make a step of
+    their own, alternating with steps of decode tokens.
     """
 
     def __init__(
@@ -312,7 +323,7 @@ class ContinuousBatching(Policy):
             stats=self.stats,
         )
         self.running: dict[int, Sequence] = {}
-        self._last = None
+        self._prefilled = False  # the last step fed whole prompts (whole-prompt steps alternate)
 
     def validate(self, requests: Seq[Request]) -> None:
         """``ValueError`` for a request whose KV could never fit in one replica's paged cache."""
@@ -330,15 +341,19 @@ class ContinuousBatching(Policy):
     def next_step(self, queue: deque) -> Step:
         self._adopt(queue)
         if self.prefill_chunk is not None:
-            return self._chunked_step(queue)
-        if queue and self._fits(queue[0]) and not (self._last == "prefill" and self.running):
-            seqs, self._last = self._admit(queue), "prefill"
-        else:
-            seqs, self._last = list(self.running.values()), "decode"
-        return Step(self._last, seqs, self.layout_for(self._last, seqs))
+            return self._budget_step(queue)
+        if queue and self._fits(queue[0]) and not (self._prefilled and self.running):
+            seqs, self._prefilled = self._admit(queue), True
+            return self._step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs])
+        assert self.running, "nothing runs and the queue's head does not fit an empty cache (policy bug)"
+        seqs, self._prefilled = list(self.running.values()), False
+        return self._step(seqs, [1] * len(seqs))
 
-    def layout_for(self, phase: str, seqs: list[Sequence]) -> str:
-        """The runner of a step (subclasses choose per step)."""
+    def _step(self, seqs: list[Sequence], num_tokens: list[int]) -> Step:
+        return Step(seqs, num_tokens, self.layout_for(seqs, num_tokens))
+
+    def layout_for(self, seqs: list[Sequence], num_tokens: list[int]) -> str:
+        """The runner of a step of ``seqs`` computing ``num_tokens`` each (subclasses choose per step)."""
         return self.layout
 
     def _adopt(self, queue: deque) -> None:
@@ -369,24 +384,25 @@ class ContinuousBatching(Policy):
             admitted.append(seq)
         return admitted
 
-    def _chunked_step(self, queue: deque) -> Step:
-        """Admit what fits; every prefilled sequence decodes one token, prompts take the chunk
-        budget in admission order ("decode" when no prompt is left to feed)."""
+    def _budget_step(self, queue: deque) -> Step:
+        """Admit what fits; every running sequence past its prompt gets one token, then prompts
+        get at most ``prefill_chunk`` tokens each, in admission order, while the budget lasts."""
         while queue and self._fits(queue[0]):
             seq = self.new_sequence(queue.popleft())
             self.slots.take(seq)
             self.running[seq.request.id] = seq
-        full = self.prefill_chunk * self.runner_info[self.layout].replica.size
-        budget, seqs, chunks = full, [], []
-        for seq in self.running.values():
-            left = seq.prompt_len - seq.cached  # prompt tokens not in the cache yet
-            n = 1 if left <= 0 else min(left, budget)  # 0: no budget left for this prompt
+        running = list(self.running.values())
+        decoding = sum(s.num_computed_tokens >= s.prompt_len for s in running)
+        budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size - decoding
+        seqs, num_tokens = [], []
+        for seq in running:
+            left = seq.prompt_len - seq.num_computed_tokens  # prompt tokens not computed yet
+            n = 1 if left <= 0 else max(min(left, self.prefill_chunk, budget), 0)  # 0: no budget left
             if n:
                 seqs.append(seq)
-                chunks.append(n)
+                num_tokens.append(n)
                 budget -= n if left > 0 else 0
-        phase = "mixed" if budget < full else "decode"
-        return Step(phase, seqs, self.layout_for(phase, seqs), chunks=chunks if phase == "mixed" else None)
+        return self._step(seqs, num_tokens)
 
     def _fits(self, request: Request, within: range | None = None) -> bool:
         return self.slots.can_take(request, within)

@@ -18,41 +18,14 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
+from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.loop import Engine
 from reshard.parallel.model.dims import ParallelDims
 
 STRATEGIES_PACKAGE = "reshard.parallel.strategies"
 _REGISTRY: dict[str, type] = {}
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    """What every strategy's engine takes from the job config besides the strategy's own keys."""
-
-    max_batch_size: int = 8
-    max_seq_len: int | None = None
-    max_prefill_tokens: int = 4096
-    compile: bool = False
-    dtype: torch.dtype | None = None
-    admission: str = "fifo"  # the continuous-batching order (strategies with their own scheduler ignore it)
-    allow_unused: bool = False  # load a checkpoint that holds tensors the model does not use
-    kv_block_size: int | None = None  # paged KV cache: positions per block (None: contiguous slots)
-    kv_tokens: int | None = None  # paged KV cache: tokens per replica
-    replicas: str = "groups"  # data-parallel replicas: engine groups on their own, or "lockstep"
-    routing: str = "least_loaded"  # how the router places requests on engine groups
-    pipeline: str | None = None  # pipeline schedule: "inflight" | "drain" | None: in flight where it runs
-    prefill_chunk: int | None = None  # chunked prefill: prompt tokens per step beside decodes (None: whole)
-    # False: the model's parameters are left unread, for the caller to fill (a respawned group takes
-    # them from a live replica); strategies that build one layout through ``build_model`` honour it
-    load_weights: bool = True
-
-    @property
-    def kv(self) -> dict:
-        """The KV-cache keywords of :class:`ModelRunner` / :class:`Engine`."""
-        return {"kv_block_size": self.kv_block_size, "kv_tokens": self.kv_tokens}
 
 
 @dataclass(frozen=True)
@@ -90,25 +63,26 @@ class Strategy:
         ``parallel`` reports them (:meth:`ParallelDims.describe`)."""
         return {"main": self.dims(world_size)}
 
-    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
+    def build(self, path: str | os.PathLike, config: EngineConfig) -> Engine:
         """Load the model in this strategy's layout(s) and return its engine (collective).
 
         The default builds :meth:`build_model` over the whole world, then :meth:`build_engine`.
         """
         import torch.distributed as dist
 
-        model = self.build_model(path, self.dims(dist.get_world_size()), args)
-        return self.build_engine(model, args)
+        model = self.build_model(path, self.dims(dist.get_world_size()), config)
+        return self.build_engine(model, config)
 
-    def build_model(self, path: str | os.PathLike, dims: ParallelDims, args: EngineArgs) -> nn.Module:
-        """The model in this strategy's one layout over ``dims``' ranks (collective over the job).
+    def build_model(self, path: str | os.PathLike, dims: ParallelDims, config: EngineConfig) -> nn.Module:
+        """The model in this strategy's one layout over ``dims``' ranks (collective over the job),
+        in ``config.dtype``; ``config.load_weights=False`` leaves its parameters unread.
 
         Strategies whose engine holds several module trees (Seesaw, DejaVu) do not define it, and so
         cannot be built on a subset of ranks (an RL rollout's).
         """
         raise NotImplementedError(f"strategy {self.name!r} has no single-layout model")
 
-    def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
+    def build_engine(self, model: nn.Module, config: EngineConfig) -> Engine:
         """The engine over a :meth:`build_model` model (collective over its ranks)."""
         raise NotImplementedError(f"strategy {self.name!r} has no single-layout model")
 
@@ -125,12 +99,12 @@ class Strategy:
         """Lines the job prints about this strategy's keys of ``summary``."""
         return []
 
-    def check_args(self, args: EngineArgs) -> None:
-        """``ValueError`` naming the key and value for an engine argument this strategy cannot honour
-        (checked with the job config, before anything loads; and again by :meth:`build`). The
-        default: chunked prefill only where :meth:`check_prefill_chunk` allows it."""
-        if args.prefill_chunk is not None:
-            self.check_prefill_chunk(args.prefill_chunk)
+    def check_args(self, config: EngineConfig) -> None:
+        """``ValueError`` naming the key and value for an engine config key this strategy cannot
+        honour (checked with the job config, before anything loads; and again by :meth:`build`).
+        The default: chunked prefill only where :meth:`check_prefill_chunk` allows it."""
+        if config.prefill_chunk is not None:
+            self.check_prefill_chunk(config.prefill_chunk)
 
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """``ValueError`` naming the values if this strategy cannot run chunked prefill of

@@ -10,6 +10,8 @@ import torch
 
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, make_generator, skip_draws
 
+NO_TOKEN = -1  # a step's token of a sequence whose prompt chunk stops short of the prompt's end
+
 
 @dataclass
 class Request:
@@ -115,7 +117,7 @@ class Sequence:
     replica: int = 0  # data-parallel replica (of that layout) that computes it
     blocks: list[int] = field(default_factory=list)  # paged KV: its blocks in its replica's pool
     output: list[int] = field(default_factory=list)
-    cached: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (written by the engine loop only)
     finish_reason: str | None = None
     times: list[float] = field(default_factory=list)  # wall clock: first step began, first token, finished
     decode: Callable[[list[int]], str] | None = None  # token ids -> text (the request's stop strings)
@@ -193,6 +195,22 @@ class Sequence:
         return Completion(r.id, list(prompt), output, self.finish_reason, timing, logprobs)
 
 
+def batch_kind(seqs: list[Sequence], num_tokens: list[int]) -> str:
+    """What a batch is, sequence ``i`` computing ``num_tokens[i]`` tokens from its
+    ``num_computed_tokens`` on: ``"wait"`` (no sequences), ``"decode"`` (one token each, every
+    prompt already computed), ``"prefill"`` (every whole prompt, from position 0) or ``"mixed"``
+    (anything else: prompt chunks, beside decode tokens or not). A label for statistics and the
+    runner's choice of path; a scheduler gives token counts, never a kind."""
+    assert len(seqs) == len(num_tokens), (len(seqs), len(num_tokens))
+    if not seqs:
+        return "wait"
+    if all(n == 1 and s.num_computed_tokens >= s.prompt_len for s, n in zip(seqs, num_tokens)):
+        return "decode"
+    if all(s.num_computed_tokens == 0 and n == s.prompt_len for s, n in zip(seqs, num_tokens)):
+        return "prefill"
+    return "mixed"
+
+
 @dataclass
 class EngineStats:
     """Counters of the loop over all replicas (identical on every rank); strategies extend it."""
@@ -204,7 +222,7 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     decode_batch_sum: int = 0
-    mixed_steps: int = 0  # chunked prefill: steps that fed prompt chunks (beside decode tokens)
+    mixed_steps: int = 0  # chunked prefill: steps that fed prompt chunks (beside decode tokens or not)
     mixed_tokens: int = 0
     mixed_seconds: float = 0.0
     kv_blocks_allocated: int = 0  # paged KV: blocks handed to sequences (all replicas)
@@ -215,14 +233,15 @@ class EngineStats:
     def mean_decode_batch(self) -> float:
         return self.decode_batch_sum / max(self.decode_steps, 1)
 
-    def add_step(self, phase: str, num_seqs: int, num_tokens: int, seconds: float) -> None:
-        if phase == "wait":  # a step that only agreed (e.g. on KV that landed): no tokens
+    def add_step(self, kind: str, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        """Count a step of ``kind`` (:func:`batch_kind`: the label it is counted under)."""
+        if kind == "wait":  # a step that only agreed (e.g. on KV that landed): no tokens
             return
-        if phase == "mixed":
+        if kind == "mixed":
             self.mixed_tokens += num_tokens
             self.mixed_steps += 1
             self.mixed_seconds += seconds
-        elif phase == "prefill":
+        elif kind == "prefill":
             self.prefill_tokens += num_tokens
             self.prefill_steps += 1
             self.prefill_seconds += seconds
@@ -245,3 +264,21 @@ class EngineStats:
             if values and isinstance(values[0], (int, float)):
                 setattr(out, f.name, max(values) if f.name.endswith("_peak") else sum(values))
         return out
+
+
+def record_times(seq: Sequence, started: float, now: float, *, emitted: bool = True) -> None:
+    """A sequence's wall-clock milestones: its first step began (a first prompt chunk counts),
+    its first token, its end."""
+    if not seq.times:
+        seq.times.append(started)
+    if len(seq.times) == 1 and emitted:
+        seq.times.append(now)
+    if seq.finish_reason is not None and len(seq.times) == 2:
+        seq.times.append(now)
+
+
+def eos_ids(eos) -> tuple[int, ...]:
+    """A config's ``eos_token_id`` (None, an id or a list of them) as a tuple of ids."""
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

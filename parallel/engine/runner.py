@@ -7,10 +7,13 @@ range (runners may share one, e.g. Shift's two modes). Outside the runner nothin
 ``model.model.*``. The engine hands each step the layout's layer listeners
 (:class:`reshard.parallel.engine.events.LayerHooks`, or None: no per-layer work at all).
 
-Decode runs every slot of the cache (idle slots write the cache's scratch column), so the cache
-is read as a view, the step's inputs live in persistent buffers updated in place, and the shapes
-never change (a compiled decode step is one graph). Host and device synchronize only when the
-sampled tokens are read.
+A step is "these sequences, this many tokens each" (:meth:`ModelRunner.run`); the runner picks
+its path from the counts. A batch of decode tokens only runs every slot of the cache (idle slots
+write the cache's scratch column), so the cache is read as a view, the step's inputs live in
+persistent buffers updated in place, and the shapes never change (a compiled decode step is one
+graph). Whole prompts from position 0 run as prefill (micro-batched, swapped where asked);
+anything else attends over each sequence's cached KV plus its new tokens. Host and device
+synchronize only when the sampled tokens are read.
 """
 
 from __future__ import annotations
@@ -24,18 +27,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 from reshard.kv.swap import MicrobatchSwap, PrefillSwap
-from reshard.layers._comm import all_gather
 from reshard.layers.weights import use_weights
 from reshard.mesh import cached_group
+from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.events import LayerHooks
-from reshard.parallel.engine.request import Sequence
+from reshard.parallel.engine.request import Sequence, batch_kind
 from reshard.parallel.engine.router import GroupLayout
+from reshard.parallel.engine.splits import StageLink, TokenSplit, split_ranges
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.layouts import stage_of_layer
@@ -61,101 +63,45 @@ def replica_groups(dims: ParallelDims, replica: int) -> tuple[dist.ProcessGroup,
     return groups[replica], GroupLayout(replica, dims.dp, ranks, channel=f"groups-{dims.ranks[0]}", job=dims.group())
 
 
-class StageLink:
-    """Pipeline P2P: stage ``s`` receives ``(1, N, D)`` hidden states from stage ``s - 1`` and sends
-    its output to stage ``s + 1`` without waiting (peers: this rank's group, one rank per stage)."""
-
-    def __init__(
-        self, stage: int, peers: list[int], hidden_size: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.stage, self.peers = stage, peers
-        self.hidden_size = hidden_size
-        self.dtype = dtype
-        self.device = device
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == len(self.peers) - 1
-
-    def recv(self, num_tokens: int) -> torch.Tensor:
-        h = torch.empty(1, num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-        dist.recv(h, self.peers[self.stage - 1])
-        return h
-
-    def send(self, h: torch.Tensor) -> dist.Work:
-        return dist.isend(h.contiguous(), self.peers[self.stage + 1])
-
-
-class TokenSplit:
-    """Ulysses sequence parallelism: a step's ``N`` tokens split over ``axis`` of ``mesh``
-    (padded to a multiple of its size); hidden states gathered back before the head."""
-
-    def __init__(self, mesh: DeviceMesh, axis: int = 0) -> None:
-        self.mesh, self.axis = mesh, axis
-        self.size, self.rank = mesh.size(axis), mesh.get_coordinate()[axis]
-
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the ``(N, ...)`` tokens: ``(ceil(N / size), ...)``."""
-        n = x.shape[0]
-        per = -(-n // self.size)
-        x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, per * self.size - n))
-        return x[self.rank * per : (self.rank + 1) * per]
-
-    def gather(self, h: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """``(1, N / size, D)`` shares -> ``(1, N, D)``: every rank's tokens."""
-        return all_gather(h[0], self.mesh, self.axis)[:num_tokens][None]
-
-
 class ModelRunner:
     """Runs steps of ``model`` (an HF causal LM of our layers) in the layout of ``dims``.
 
     Args:
+        config: what the runner takes from :class:`EngineConfig`: ``max_batch_size`` slots of
+            ``max_seq_len`` positions per replica, ``num_microbatches`` (default: one per
+            pipeline stage), ``compile`` (the decode step's body, one static graph),
+            ``kv_block_size``/``kv_tokens`` (a paged KV cache shared by the slots; default:
+            contiguous slots), ``kv_swap`` (DejaVu's micro-batch swapping: every slot's KV lives
+            in host memory and the device holds two micro-batches' worth; micro-batch ``i + 1``
+            is swapped in, and ``i - 1``'s new entries out, while ``i`` computes) and
+            ``replicas`` (``"groups"``: each data-parallel replica is an engine group of its own,
+            with its own loop, agreement over its ranks only and requests from the router,
+            :attr:`engine_group`; ``"lockstep"``: the replicas share every step, the policy
+            splits it over them).
         dims: the model's layout (default: its ``parallel_info.dims``, set by ``parallelize``): dp
             replicas split the sequences, ``pp > 1`` makes this a pipeline stage.
-        kv: a cache to share with another runner of the same model (default: a new one).
+        kv: a cache to share with another runner of the same model (default: a new one; the
+            config's KV-cache keys then do not apply).
         split: Ulysses token split (Shift's SP mode); layers get ``sequence_parallel=True``.
         weights: the weight source selected for every forward (``None``: own parameters).
-        num_microbatches: pipeline micro-batches per step.
-        compile: ``torch.compile`` the decode step's body (one static graph).
-        kv_block_size, kv_tokens: a paged KV cache of ``kv_tokens`` tokens (per replica) in
-            blocks of ``kv_block_size`` positions, shared by the slots; default: contiguous
-            slots of ``max_seq_len`` positions each.
-        kv_swap: DejaVu's micro-batch swapping: every slot's KV lives in host memory and the
-            device holds two micro-batches' worth; micro-batch ``i + 1`` is swapped in (and
-            ``i - 1``'s new entries out) while ``i`` computes. Needs ``num_microbatches >= 2``.
-        replicas: ``"groups"``: each data-parallel replica is an engine group of its own (its own
-            loop, agreement over its ranks only, requests from the router; :attr:`engine_group`);
-            ``"lockstep"``: the replicas share every step (the policy splits it over them).
     """
 
     def __init__(
         self,
         model: nn.Module,
+        config: EngineConfig | None = None,
         *,
         dims: ParallelDims | None = None,
-        max_batch_size: int = 8,
-        max_seq_len: int | None = None,
         kv: KVCache | None = None,
         split: TokenSplit | None = None,
         weights: str | None = None,
-        num_microbatches: int = 1,
-        compile: bool = False,
-        kv_block_size: int | None = None,
-        kv_tokens: int | None = None,
-        kv_swap: bool = False,
-        replicas: str = "lockstep",
     ) -> None:
-        if replicas not in REPLICAS:
-            raise ValueError(f"replicas must be one of {REPLICAS}, got {replicas!r}")
+        config = config if config is not None else EngineConfig()
+        kv_block_size, kv_tokens, compile = config.kv_block_size, config.kv_tokens, config.compile
         self.model, self.dims = model, dims if dims is not None else parallel_info(model).dims
-        cfg = model.config
-        self.max_batch_size = _positive("max_batch_size", max_batch_size)
-        self.max_seq_len = _positive("max_seq_len", max_seq_len or min(cfg.max_position_embeddings, 4096))
-        self.num_microbatches = _positive("num_microbatches", num_microbatches)
+        self.max_batch_size = _positive("max_batch_size", config.max_batch_size)
+        self.max_seq_len = _positive("max_seq_len", config.seq_len(model.config))
+        self.num_microbatches = _positive("num_microbatches", config.num_microbatches or self.dims.pp)
         coord = self.dims.world_mesh().get_coordinate()  # (dp, pp, sp, tp)
         if coord is None:
             raise ValueError(
@@ -165,7 +111,7 @@ class ModelRunner:
         self.group = self.dims.group()  # the layout's ranks agree on each step's tokens
         self.replica = Replica(self.dims.dp, coord[0])
         self.engine_group = None  # lockstep: the layout is one group
-        if replicas == "groups" and self.dims.dp > 1:
+        if config.replicas == "groups" and self.dims.dp > 1:
             self.group, self.engine_group = replica_groups(self.dims, coord[0])
             self.replica = Replica()
         self.layer_ids = self._stage_layers(coord[1])
@@ -179,7 +125,7 @@ class ModelRunner:
         self.compiled = compile
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
         self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
-        self.swap = self._micro_batch_swap(kv_block_size) if kv_swap else None
+        self.swap = self._micro_batch_swap(kv_block_size) if config.kv_swap else None
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
         self.compile_seconds = 0.0  # wall time of the decode calls that compiled a graph (in the decode phase)
@@ -255,42 +201,41 @@ class ModelRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(
-        self,
-        phase: str,
-        seqs: list[Sequence],
-        layers: LayerHooks | None = None,
-        *,
-        chunks: list[int] | None = None,
-    ) -> torch.Tensor | None:
-        """One step of ``seqs`` (this replica's): whole prompts (prefill), one token each (decode)
-        or ``chunks[i]`` tokens of sequence ``i`` from its ``cached`` position on (mixed: prompt
-        chunks beside decode tokens); ``layers``: listeners called around every layer of this stage.
+    def run(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None = None) -> torch.Tensor | None:
+        """One step of ``seqs`` (this replica's, at least one): sequence ``i`` computes
+        ``num_tokens[i]`` tokens at its positions ``num_computed_tokens ..`` (its whole prompt, a
+        chunk of it, or its last output token); ``layers``: listeners called around every layer of
+        this stage. The path follows from the counts (:func:`batch_kind`): decode tokens only ->
+        the persistent-buffer decode step; every whole prompt from 0 -> prefill; else one flat
+        batch over each sequence's cached KV and its new tokens.
 
         Returns fp32 logits ``(len(seqs), vocab)`` in ``seqs``' order on the last stage (of each
         sequence's last fed token), else None.
         """
+        kind = batch_kind(seqs, num_tokens)
+        assert kind != "wait", "a runner step has sequences"
         with use_weights(self.weights):
-            if phase == "mixed":
-                return self._mixed(seqs, chunks, layers)
-            return self._prefill(seqs, layers) if phase == "prefill" else self._decode(seqs, layers)
+            if kind == "decode":
+                return self._decode(seqs, layers)
+            return self._prefill(seqs, layers) if kind == "prefill" else self._mixed(seqs, num_tokens, layers)
 
-    def _mixed(self, seqs: list[Sequence], chunks: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
-        """Sequence ``i`` feeds its tokens at positions ``cached .. cached + chunks[i] - 1`` (a
-        prompt chunk, or its last output token) and attends causally over its cached KV and them:
-        one flat ``(sum(chunks),)`` batch, one micro-batch, eager."""
+    def _mixed(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
+        """Sequence ``i`` feeds its tokens at positions ``c .. c + num_tokens[i] - 1`` (``c``: its
+        ``num_computed_tokens``; a prompt, a prompt chunk, or its last output token) and attends
+        causally over its cached KV and them: one flat ``(sum(num_tokens),)`` batch, one
+        micro-batch, eager."""
         assert self.link is None and self.swap is None and self.split is None, "the engine refuses these"
-        assert len(chunks) == len(seqs), (len(chunks), len(seqs))
-        if self.kv.spec.paged:  # a sequence's first chunk brings its blocks
+        if self.kv.spec.paged:  # a sequence's first tokens bring its blocks
             for s in seqs:
-                if s.cached == 0:
+                if s.num_computed_tokens == 0:
                     assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
                     self.kv.assign(s.slot, s.blocks)
-        fed = [(s.request.prompt_ids + s.output)[s.cached : s.cached + n] for s, n in zip(seqs, chunks)]
-        assert [len(f) for f in fed] == chunks, "a chunk runs past the sequence's tokens (policy bug)"
+        starts = [s.num_computed_tokens for s in seqs]
+        fed = [(s.request.prompt_ids + s.output)[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
+        assert [len(f) for f in fed] == num_tokens, "a count runs past the sequence's tokens (policy bug)"
         ids = torch.tensor([t for f in fed for t in f], device=self.device)  # (N,)
-        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], [s.cached for s in seqs], chunks)
-        rows = torch.tensor(list(itertools.accumulate(chunks)), device=self.device) - 1  # each last token
+        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], starts, num_tokens)
+        rows = torch.tensor(list(itertools.accumulate(num_tokens)), device=self.device) - 1  # each last token
         return self._stages([(ids, ctx, rows)], self._body, None, layers)
 
     def _prefill(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
@@ -327,8 +272,9 @@ class ModelRunner:
         """Every slot of the cache in ``num_microbatches`` slot ranges; logits of ``seqs``' slots."""
         by_slot = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         slots = [seqs[i].slot for i in by_slot]
-        self.decode_inputs.update(slots, [seqs[i].last_token for i in by_slot], [seqs[i].cached for i in by_slot])
-        kv_len = max(s.cached for s in seqs) + 1
+        positions = [seqs[i].num_computed_tokens for i in by_slot]
+        self.decode_inputs.update(slots, [seqs[i].last_token for i in by_slot], positions)
+        kv_len = max(positions) + 1
         if self.compiled:  # a few shapes (graphs), not one per step
             kv_len = min(-(-kv_len // KV_LEN_BUCKET) * KV_LEN_BUCKET, self.kv.spec.max_seq_len + 1)
         batches = []  # keep: the rows of the concatenated logits that are seqs' (by slot)
@@ -442,18 +388,6 @@ class ModelRunner:
         with use_weights(self.weights):
             out = self._stages([(ids, ctx, torch.arange(len(ids), device=self.device))], self._body)
         return None if out is None else list(torch.split(out, lengths))
-
-
-def split_ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    """``n`` items into at most ``parts`` contiguous, near-equal, non-empty ranges."""
-    parts = max(min(parts, n), 1)
-    base, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def _row_bucket(n: int, cap: int) -> int:

@@ -6,7 +6,7 @@ live child runs a :class:`WeightDonor`: a thread that waits for requests under i
 (``weights/want/<endpoint>/<position>``) and answers each over a two-rank link of its own
 (:class:`reshard.parallel.fault.mirror.Link`), one message per parameter: its name, local shape,
 dtype and whether it is the last, then its bytes. The respawned child builds its model without
-reading the checkpoint (``EngineArgs.load_weights=False``), asks a live group's rank of its own position
+reading the checkpoint (``EngineConfig.load_weights=False``), asks a live group's rank of its own position
 (:func:`take_weights`) and copies each message into its local shard after checking name, shape
 and dtype. A donor that dies or finishes before the last message, or a transfer that stalls,
 leaves the taker to read the checkpoint, as a respawn without a live replica does.
@@ -27,6 +27,7 @@ from reshard.parallel.fault.mirror import Link
 
 WATCH_S = 0.1  # how often a donor looks for requests (and a taker at its transfer)
 STALL_S = 60.0  # a taker that received nothing for this long reads the checkpoint instead
+CLOSE_S = 1.0  # longest close() waits for transfers under way
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -40,36 +41,56 @@ def _params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 class WeightDonor:
     """Answers requests for this rank's local weights (``model``'s parameters) addressed to
-    ``endpoint`` at ``position`` in its group, on a thread of its own, until :meth:`close`.
-    ``connect()``: a new client of the job's store (one per thread)."""
+    ``endpoint`` at ``position`` in its group, on a thread of its own, until :meth:`close` (or
+    the end of a ``with`` block). ``connect()``: a new client of the job's store (one per thread).
+    It owns its thread, its links to takers and their threads."""
 
     def __init__(self, model: nn.Module, connect: Callable[[], dist.Store], endpoint: str, position: int) -> None:
         self.model, self.connect, self.key = model, connect, f"weights/want/{endpoint}/{position}"
         self.name = f"weights/{endpoint}/{position}"
+        self.links: list[tuple[Link, threading.Thread]] = []  # a transfer's link and its thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="reshard-weight-donor", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        """Each request gets a thread (and a store client) of its own: a transfer to a taker that
-        died blocks only its own thread."""
+        """Each request gets a link, a thread and a store client of its own: a transfer to a
+        taker that died blocks only its own thread. Finished transfers' links are closed."""
         channel = Channel("weights", store=self.connect())
         seen = 0
         while not self._stop.wait(WATCH_S):
             for taker in channel.read_list(self.key, seen):
                 seen += 1
-                threading.Thread(target=self._send, args=(taker,), name="reshard-weight-send", daemon=True).start()
+                link = Link(Channel("weights", store=self.connect()).store, f"{self.name}/{taker}", 0)
+                thread = threading.Thread(target=self._send, args=(link,), name="reshard-weight-send", daemon=True)
+                self.links = [(ln, t) for ln, t in self.links if t.is_alive()] + [(link, thread)]
+                thread.start()
 
-    def _send(self, taker: str) -> None:
-        link = Link(Channel("weights", store=self.connect()).store, f"{self.name}/{taker}", 0)
-        params = _params(self.model)
-        for i, (name, local) in enumerate(params):
-            meta = (name, tuple(local.shape), str(local.dtype), i == len(params) - 1)  # (.., the last one)
-            link.send(meta, local.detach().contiguous().view(torch.uint8))
+    def _send(self, link: Link) -> None:
+        try:
+            params = _params(self.model)
+            for i, (name, local) in enumerate(params):
+                meta = (name, tuple(local.shape), str(local.dtype), i == len(params) - 1)  # (.., the last one)
+                link.send(meta, local.detach().contiguous().view(torch.uint8))
+        finally:
+            link.close()
 
-    def close(self) -> None:
-        """Stop answering (a transfer under way finishes first only if the process lives on)."""
+    def close(self, timeout: float = CLOSE_S) -> None:
+        """Stop answering (not collective): the thread and the transfers' threads are joined, up
+        to ``timeout`` s in all (a transfer under way finishes first only within it; one blocked
+        on a taker that died is left, a daemon, holding its link's group)."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        for link, thread in self.links:  # the serving thread has ended (or is stuck): the list stays
+            link.close()
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> WeightDonor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def take_weights(
@@ -91,7 +112,7 @@ def take_weights(
     mine = dict(_params(model))
     done, failed = threading.Event(), []
 
-    def receive() -> None:
+    def receive() -> None:  # the link connects here, on its own thread (a dead donor blocks only it)
         try:
             last = False
             while not last:
@@ -104,16 +125,21 @@ def take_weights(
             failed.append(e)
         except Exception:  # the link broke (the donor died mid-way): the caller reads the checkpoint
             broken.set()
+        finally:
+            link.close()
         done.set()
 
     broken = threading.Event()
-    threading.Thread(target=receive, name="reshard-weight-taker", daemon=True).start()
+    taker = threading.Thread(target=receive, name="reshard-weight-taker", daemon=True)
+    taker.start()
     last, since = len(mine), time.monotonic()
     while not done.wait(WATCH_S):
         if len(mine) != last:  # a tensor arrived
             last, since = len(mine), time.monotonic()
-        if gone() or time.monotonic() - since > STALL_S:
+        if gone() or time.monotonic() - since > STALL_S:  # the thread, blocked, is left with its link
+            link.close()
             return False
+    taker.join()
     if failed:
         raise failed[0]
     return not broken.is_set()

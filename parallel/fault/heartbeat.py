@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 
 
 class Heartbeat:
@@ -15,7 +16,14 @@ class Heartbeat:
     rank's counter, and a rank whose counter has not moved for ``misses`` periods is declared
     dead: ``on_dead(rank, silent_seconds)`` runs (default: record it and leave the job, so no
     survivor waits in a collective for a rank that hangs). ``detected`` lists what was declared.
+
+    ``events`` records what each check saw of each other rank, in order (the last ``EVENTS_KEPT``):
+    ``("beat", r, n)`` rank ``r``'s counter had moved, to ``n``; ``("miss", r, n)`` it was still
+    ``n``; ``("dead", r, n)`` still ``n``, and ``r`` is declared dead (no event of ``r`` follows).
+    ``events.copy()`` reads it while the thread runs.
     """
+
+    EVENTS_KEPT = 1000
 
     def __init__(
         self, store, rank: int, world: int, *, period: float = 0.5, misses: int = 3, prefix: str = "hb", on_dead=None
@@ -28,6 +36,7 @@ class Heartbeat:
         self.misses = misses
         self.prefix, self.on_dead = prefix, on_dead or _leave
         self.detected: list[tuple[int, float]] = []
+        self.events: deque[tuple[str, int, int]] = deque(maxlen=self.EVENTS_KEPT)
         self.error: Exception | None = None
         self._beats, self._paused = 0, False
         self._beat()  # before anyone can watch: a rank is live from its first beat
@@ -56,10 +65,14 @@ class Heartbeat:
             grace = self.misses if count >= 0 else 4 * self.misses  # a rank not yet seen: starting up
             if current != count:
                 self._seen[r] = (current, now)
+                self.events.append(("beat", r, current))
             elif now - since > grace * self.period:
                 del self._seen[r]
+                self.events.append(("dead", r, current))
                 self.detected.append((r, now - since))
                 self.on_dead(r, now - since)
+            else:
+                self.events.append(("miss", r, current))
 
     def pause(self) -> None:
         """Stop beating (a hung rank, for tests); the monitor keeps watching the others."""

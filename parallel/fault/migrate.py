@@ -2,9 +2,10 @@
 
 Two halves, both on the engine's core hooks:
 
-- in each engine child, :class:`GroupJournal` appends every step's agreed tokens (with their
-  finish reasons and the wall-clock time) to the group's journal in the job's store (one append
-  per step, by the group's leader), and fires the failure injection (``fault.kill_at``);
+- in each engine child, :class:`reshard.parallel.fault.journal.GroupJournal` appends every step's
+  agreed tokens (with their finish reasons and the wall-clock time) to the group's journal in the
+  job's store (one append per step, by the group's leader), and fires the failure injection
+  (``fault.kill_at``);
 - in rank 0's supervisor, :class:`SupervisedRouter` (a :class:`Router` that outlives every
   engine) watches the groups' generations (:mod:`reshard.parallel.fault.supervisor`). When one
   moves on, the old incarnation's in-flight requests are rebuilt from its journal: a request that
@@ -33,12 +34,10 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from reshard.parallel.engine import Engine
-from reshard.parallel.engine.policy import NO_TOKEN
 from reshard.parallel.engine.request import Completion, Migrated, Request
 from reshard.parallel.engine.router import Channel, Router, backoff
-from reshard.parallel.fault.inject import die, inject_kill
-from reshard.parallel.fault.supervisor import ChildSpec
+from reshard.parallel.fault.inject import die
+from reshard.parallel.fault.journal import read_journal, tokens_by_request
 
 MIGRATE = ("kv", "reprefill", "none")
 
@@ -83,91 +82,28 @@ class Topology:
         return tuple(h for h in range(self.groups) if self.successor(h, kv) == g)
 
 
-@dataclasses.dataclass(frozen=True)
-class JournalEntry:
-    """One step of a group: when it was agreed and each emitted ``(request id, index in the
-    request's output, token, finish reason or None)`` (an index, not an append: a group that
-    adopted a sequence may generate again tokens its KV did not cover)."""
-
-    time: float
-    tokens: tuple[tuple[int, int, int, str | None], ...]  # (request id, output index, token, finish reason)
-
-
-class GroupJournal:
-    """The journal, heartbeat and failure injection of one engine child (``spec``), on
-    ``engine``'s events.
-
-    The group's ``leader`` journals every step and beats (``beat/<endpoint>``, the time, at most
-    every ``beat_s`` seconds) before each step and while it waits for requests (:meth:`beat`);
-    its supervisors read it (:func:`silent_for`). ``kill_step``: SIGKILL this rank before that
-    step of this generation (None: never; ``hang``: stop it there for good instead).
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        channel: Channel,
-        spec: ChildSpec,
-        kill_step: int | None = None,
-        *,
-        leader: bool,
-        hang: bool = False,
-        beat_s: float = 0.5,
-    ) -> None:
-        self.channel, self.key, self.beat_key = channel, f"journal/{spec.endpoint}", f"beat/{spec.endpoint}"
-        self.leader, self.beat_s, self.last_beat = leader, beat_s, 0.0
-        if self.leader:
-            engine.events.on("step_agreed", self._record)
-            engine.events.on("step_ready", lambda index, step: self.beat())
-            engine.events.on("step_agreed", lambda index, step, tokens: self.beat())
-        if kill_step is not None:
-            engine.events.on("step_ready", inject_kill((spec.rank, kill_step), hang=hang))
-
-    def beat(self) -> None:
-        """The group is alive (the leader's steps and waits call it; others' calls do nothing)."""
-        now = time.time()
-        if self.leader and now - self.last_beat >= self.beat_s:
-            self.channel.put(self.beat_key, now)
-            self.last_beat = now
-
-    def _record(self, index: int, step, tokens: list[int]) -> None:
-        emitted = tuple(
-            (s.request.id, s.request.resumed + len(s.output) - 1, t, s.finish_reason)
-            for s, t in zip(step.seqs, tokens)
-            if t != NO_TOKEN
-        )
-        if emitted:
-            self.channel.store.append(self.key, pickle.dumps(JournalEntry(time.time(), emitted)))
-
-
-def silent_for(channel: Channel, endpoint: str) -> float | None:
-    """Seconds since ``endpoint``'s last heartbeat (None: it has not beaten yet)."""
-    key = f"beat/{endpoint}"
-    return time.time() - channel.get(key) if channel.ready(key) else None
-
-
-def read_journal(channel: Channel, endpoint: str) -> list[JournalEntry]:
-    """Every step ``endpoint`` journaled (none if it never ran one)."""
-    key = f"journal/{endpoint}"
-    if not channel.ready(key):
-        return []
-    stream, out = io.BytesIO(channel.store.get(key)), []
-    while stream.tell() < len(stream.getbuffer()):
-        out.append(pickle.load(stream))
-    return out
-
-
 @dataclasses.dataclass
 class Migration:
-    """What the router did when ``endpoint`` failed (``seen``: when it noticed, job clock)."""
+    """What the router did when ``endpoint`` failed (``seen``: when it noticed, job clock).
+
+    Ordered facts, no clock (tests assert on them): ``order``, its place in
+    :attr:`SupervisedRouter.observed`; ``steps``, the steps every endpoint had journaled when the
+    router saw the death (the dead one's: every step it ran); ``steps_down``, the same in the
+    router's last count taken before it found the group's next generation ready (a count made
+    while the group was still down).
+    """
 
     endpoint: str
     seen: float
+    order: int = 0
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps_down: dict[str, int] = dataclasses.field(default_factory=dict)
     resumed: list[int] = dataclasses.field(default_factory=list)  # request ids re-admitted with tokens so far
     restarted: list[int] = dataclasses.field(default_factory=list)  # ... with none yet
     completed: list[int] = dataclasses.field(default_factory=list)  # finished there, completed from the journal
     reprefilled_tokens: int = 0  # generated tokens prefilled again (reprefill; kv: by the adopter, if it had to)
     rejoined: float | None = None  # when the group's next generation was ready (job clock)
+    rejoined_order: int | None = None  # that observation's place in SupervisedRouter.observed
     adopted_by: str | None = None  # migrate="kv": the endpoint that adopted its requests with their KV
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # request id -> tokens it had generated
 
@@ -219,6 +155,10 @@ class SupervisedRouter(Router):
         self.pending = [r for r in self.pending if r.id not in self.completions]
         self.keep, self.die_after = keep or (lambda c: None), die_after
         self.migrations: list[Migration] = []
+        # ("died" | "ready", endpoint) in the order the router saw them: tests check what happened
+        # between two of them (the steps journaled meanwhile, see Migration), never how long it took
+        self.observed: list[tuple[str, str]] = []
+        self._journaled: dict[str, tuple[int, int]] = {}  # endpoint -> (bytes of its journal counted, steps in them)
         self.routed: dict[int, list[str]] = {}  # request id -> every endpoint it was sent to
         self._read = 0  # ``done`` entries read
 
@@ -318,7 +258,11 @@ class SupervisedRouter(Router):
 
     def _watch(self) -> None:
         """Groups whose generation moved on: migrate the old one's requests; groups whose new
-        generation is ready: route to it again."""
+        generation is ready: route to it again. While a group is down, the steps journaled are
+        counted before its ready key is looked at (a count the look finds unset was made while
+        it was down: :attr:`Migration.steps_down`)."""
+        before = len(self.observed)  # observations made before this pass
+        steps = self._steps() if any(m.rejoined is None for m in self.migrations) else None
         for g, known in enumerate(self.generations):
             current = self.generation(g)
             if current > known:
@@ -326,8 +270,42 @@ class SupervisedRouter(Router):
                 self._fail(g, known)
                 self.generations[g] = current
             endpoint = f"{g}.{self.generations[g]}"
-            if endpoint not in self.groups + self.takers and self.channel.ready(f"ready/{endpoint}"):
-                self._rejoin(g, endpoint)
+            if ("ready", endpoint) in self.observed:
+                continue
+            if self.channel.ready(f"ready/{endpoint}"):
+                order = self._observe("ready", endpoint)
+                if endpoint not in self.groups + self.takers:
+                    self._rejoin(g, endpoint, order)
+            elif steps is not None:
+                for m in self.migrations:
+                    if m.endpoint.split(".")[0] == str(g) and m.rejoined is None and m.order < before:
+                        m.steps_down = steps
+
+    def _observe(self, what: str, endpoint: str) -> int:
+        """Record that the router saw ``endpoint`` die or become ready; returns its place."""
+        self.observed.append((what, endpoint))
+        return len(self.observed) - 1
+
+    def _steps(self) -> dict[str, int]:
+        """The steps every endpoint has journaled: each group's current generation counted now,
+        an earlier one as last counted (a dead generation's: every step it ran)."""
+        for g, k in enumerate(self.generations):
+            self._count(f"{g}.{k}")
+        return {e: n for e, (_, n) in self._journaled.items()}
+
+    def _count(self, endpoint: str) -> None:
+        """Count the steps appended to ``endpoint``'s journal since the last count."""
+        key = f"journal/{endpoint}"
+        if not self.channel.ready(key):
+            return
+        blob = self.channel.store.get(key)
+        counted, steps = self._journaled.get(endpoint, (0, 0))
+        stream = io.BytesIO(blob)
+        stream.seek(counted)
+        while stream.tell() < len(blob):
+            pickle.load(stream)
+            steps += 1
+        self._journaled[endpoint] = (len(blob), steps)
 
     def _fail(self, g: int, generation: int) -> None:
         """Generation ``generation`` of group ``g`` died: its requests go on elsewhere."""
@@ -335,9 +313,10 @@ class SupervisedRouter(Router):
         for live in (self.groups, self.takers):
             if dead in live:
                 live.remove(dead)
-        migration = Migration(dead, time.time() - self.start)
+        steps = self._steps()  # self.generations still names the dead one: its every step
+        migration = Migration(dead, time.time() - self.start, self._observe("died", dead), steps, dict(steps))
         self.migrations.append(migration)
-        journal = _tokens_by_request(read_journal(self.channel, dead))
+        journal = tokens_by_request(read_journal(self.channel, dead))
         moved = []
         for rid in [r for r, e in self.where.items() if e == dead]:
             del self.where[rid]
@@ -396,13 +375,14 @@ class SupervisedRouter(Router):
             self._send(holder, Migrated(o.id, o.prompt_ids, o.sampling, o.arrival, tokens=tokens, source=dead))
             migration.adopted_by = holder
 
-    def _rejoin(self, g: int, endpoint: str) -> None:
+    def _rejoin(self, g: int, endpoint: str, order: int) -> None:
+        """Group ``g``'s new generation ``endpoint`` is ready (observation ``order``): route to it."""
         (self.groups if g in self.topology.entries else self.takers).append(endpoint)
         self.sent.setdefault(endpoint, 0)
         self.sent_tokens.setdefault(endpoint, [])
         for m in self.migrations:
             if m.endpoint.split(".")[0] == str(g) and m.rejoined is None:
-                m.rejoined = time.time() - self.start
+                m.rejoined, m.rejoined_order = time.time() - self.start, order
         for request in self.held.pop(g, []):  # migrate="none": they waited for this generation
             self._send(endpoint, request)
         self._hand_out()
@@ -412,17 +392,6 @@ def _prefill_only(request: Request) -> Request:
     """``request`` as an entry of a disaggregated job runs it: up to its first token."""
     first = dataclasses.replace(request.sampling, max_new_tokens=1, min_tokens=min(request.sampling.min_tokens, 1))
     return dataclasses.replace(request, sampling=first)
-
-
-def _tokens_by_request(journal: list[JournalEntry]) -> dict[int, tuple[dict[int, int], str | None, float | None]]:
-    """Each request's tokens in ``journal`` by output index, its finish reason there (None:
-    still running) and the time of its first journaled token."""
-    out: dict[int, tuple[dict[int, int], str | None, float | None]] = {}
-    for entry in journal:
-        for rid, index, token, reason in entry.tokens:
-            tokens, _, first = out.get(rid, ({}, None, entry.time))
-            out[rid] = ({**tokens, index: token}, reason, first)
-    return out
 
 
 def _merged(before: list[int], tokens: dict[int, int]) -> list[int]:

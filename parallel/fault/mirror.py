@@ -10,7 +10,8 @@ layout; which group follows which is the job's
 do not step together, so each message names what it carries (request ids, slots, token ranges)
 and the receiver unpacks it as it lands, on a thread of its own. Each direction is a two-rank
 process group of its own per pair of generations (:class:`Link`), so a respawned peer never
-meets the old one's connections. A failure recomputes at most ``every`` tokens per sequence:
+meets the old one's connections; the mirror owns its links and their threads and closes them in
+:meth:`KVMirror.close`. A failure recomputes at most ``every`` tokens per sequence:
 messages of ``(every + 1) // 2`` steps' entries, one in flight (:attr:`KVMirror.cadence`).
 
 A :class:`reshard.parallel.engine.request.Migrated` request names its source endpoint; the
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import pickle
 import queue
 import threading
@@ -48,35 +48,51 @@ from reshard.plan import Piece
 LINK_TIMEOUT = datetime.timedelta(days=1)  # a quiet link is not a dead one
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
 HANDOFF_WAIT_S = 2.0  # longest an adoption waits for KV still on its way from a live source
-_LINKS: list = []  # every link this process opened (see Link)
+CLOSE_S = 1.0  # longest close() waits for the links' threads (a peer that leaves ends them)
 
 
 class Link:
-    """A two-rank gloo process group named ``name`` in ``store``: ``side`` 0 sends, 1 receives
-    (connected lazily, on first use). A message is a header (two sizes), pickled metadata and a
-    byte buffer. Waits block (a gloo wait with a timeout breaks the connection): a link whose
-    peer died before it connected blocks its thread for good, so every link has a thread of its
-    own that is abandoned when its peer's endpoint moves on."""
+    """A two-rank gloo process group named ``name`` in ``store``: ``side`` 0 sends, 1 receives.
+    The group is built on first use, by the thread that uses the link (so building a link never
+    blocks its owner, whether gloo connects then or, ``TORCH_GLOO_LAZY_INIT``, at the first
+    message). A message is a header (two sizes), pickled metadata and a byte buffer. Waits block
+    (a gloo wait with a timeout breaks the connection): a link whose peer died before it
+    connected blocks its thread for good. :meth:`close` drops this end's group; an operation still
+    blocked on it holds it until it returns (a gloo group torn down with an operation pending
+    aborts the process), and the link's next operation raises ``RuntimeError``."""
 
     def __init__(self, store: dist.Store, name: str, side: int) -> None:
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), side, 2, LINK_TIMEOUT)
-        self.peer = 1 - side
-        _LINKS.append(self)  # never destroyed: a gloo group torn down with an operation pending aborts the process
+        self.store, self.name, self.side, self.peer = store, name, side, 1 - side
+        self._pg: dist.ProcessGroup | None = None
+        self._closed = False
+
+    def _group(self) -> dist.ProcessGroup:
+        if self._closed:
+            raise RuntimeError(f"link {self.name} is closed")
+        if self._pg is None:
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(self.name, self.store), self.side, 2, LINK_TIMEOUT)
+        return self._pg
 
     def send(self, meta, data: torch.Tensor) -> None:
+        pg = self._group()  # held until the message is out, whatever close() does meanwhile
         blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
         header = torch.tensor([blob.numel(), data.numel()], dtype=torch.int64)
         for t in (header, blob, data.cpu()):
-            self.pg.send([t], self.peer, 0).wait()
+            pg.send([t], self.peer, 0).wait()
 
     def recv(self) -> tuple[object, torch.Tensor]:
         """The next message: its metadata and bytes."""
+        pg = self._group()  # held until the message is in, whatever close() does meanwhile
         header = torch.empty(2, dtype=torch.int64)
-        self.pg.recv([header], self.peer, 0).wait()
+        pg.recv([header], self.peer, 0).wait()
         blob, data = torch.empty(int(header[0]), dtype=torch.uint8), torch.empty(int(header[1]), dtype=torch.uint8)
-        self.pg.recv([blob], self.peer, 0).wait()
-        self.pg.recv([data], self.peer, 0).wait()
+        pg.recv([blob], self.peer, 0).wait()
+        pg.recv([data], self.peer, 0).wait()
         return pickle.loads(blob.numpy().tobytes()), data
+
+    def close(self) -> None:
+        """Drop this end's group (its peer's next operation fails); idempotent."""
+        self._closed, self._pg = True, None
 
 
 @dataclass(frozen=True)
@@ -151,7 +167,8 @@ class KVMirror:
     the adopter generate again (see :attr:`cadence`); ``group``: the engine
     group's process group (adoption agrees on lengths over it); ``report(adoption)``: told of
     each adoption as it happens (:attr:`adopted`'s entries); ``slots``: a source's mirror slots
-    per slot of this rank's cache (hand-offs wait there until adopted).
+    per slot of this rank's cache (hand-offs wait there until adopted). It owns its watcher
+    thread, its links and their threads, ended by :meth:`close` (or leaving a ``with`` block).
     """
 
     def __init__(
@@ -187,6 +204,8 @@ class KVMirror:
         # (source endpoint, request id, tokens kept, tokens generated again): what this rank adopted
         self.adopted: list[tuple[str, int, int, int]] = []
         self.report = report or (lambda adoption: None)
+        self.links: list[tuple[Link, threading.Thread]] = []  # the open links, each with its thread
+        self._links_lock = threading.Lock()  # the watcher opens links, close() closes them
         self.watcher = threading.Thread(target=self._watch, name="reshard-mirror", daemon=True)
         if peers.successor is not None or peers.sources:
             self.watcher.start()
@@ -198,7 +217,7 @@ class KVMirror:
     # ---- sending ----------------------------------------------------------------------------------
     def _step_end(self, step, seqs: list) -> None:
         """Gather ``seqs``' new entries; every :attr:`cadence`-th step, hand them to the sending thread."""
-        live = {s.request.id for s in seqs} if step.phase != "prefill" else None
+        live = {s.request.id for s in seqs} if step.kind != "prefill" else None
         whole = self.resync and live is not None  # a step of every live sequence resends them all
         self.resync = self.resync and not whole
         for s in seqs:
@@ -207,8 +226,8 @@ class KVMirror:
                 self.sent.pop(self.occupant.get(s.slot), None)
                 self.pending = [sp for sp in self.pending if sp.slot != s.slot]  # the last one's are stale
                 self.occupant[s.slot] = rid
-            start = 0 if whole or step.phase == "prefill" else self.sent.get(rid, 0)
-            stop = s.cached + (1 if step.phase == "decode" else s.prompt_len - s.cached)
+            start = 0 if whole or step.kind == "prefill" else self.sent.get(rid, 0)
+            stop = s.num_computed_tokens + (1 if step.kind == "decode" else s.prompt_len - s.num_computed_tokens)
             if stop > start:
                 self.pending.append(Span(rid, s.slot, start, stop))
                 self.sent[rid] = stop
@@ -258,7 +277,8 @@ class KVMirror:
     # ---- the links --------------------------------------------------------------------------------
     def _watch(self) -> None:
         """Follow the successor's and the sources' generations: a new one gets a link (and a
-        thread) of its own; the old link's thread is left to end (or block) on its own."""
+        thread) of its own; the old link's thread is left to end (or block, on a peer that died
+        before it connected) on its own."""
         store, to, sources = self.connect(), None, dict.fromkeys(self.peers.sources)
         while not self.stopping.wait(WATCH_S):
             now = None if self.peers.successor is None else self.peers.endpoint(store, self.peers.successor)
@@ -283,16 +303,26 @@ class KVMirror:
                 self.mirrors[source].closed = True
             self.lock.notify_all()
 
+    def _open(self, name: str, side: int, run: Callable, *args) -> None:
+        """Open link ``name`` (``side`` 0: sending) with a thread running ``run(link, *args)``,
+        which closes it when it ends (ended ones are forgotten); none once the mirror closes."""
+        with self._links_lock:
+            if self.stopping.is_set():
+                return
+            link = Link(self.connect(), name, side)
+            way = "out" if side == 0 else "in"
+            thread = threading.Thread(target=run, args=(link, *args), name=f"reshard-mirror-{way}", daemon=True)
+            self.links = [(ln, t) for ln, t in self.links if t.is_alive()] + [(link, thread)]
+            thread.start()
+
     def _start_sender(self, to: str) -> queue.Queue:
         outbox: queue.Queue = queue.Queue()
-        link = functools.partial(Link, self.connect(), f"mirror/{self.me}->{to}/{self.peers.position}", 0)
-        threading.Thread(target=self._send_all, args=(link, outbox), name="reshard-mirror-out", daemon=True).start()
+        self._open(f"mirror/{self.me}->{to}/{self.peers.position}", 0, self._send_all, outbox)
         return outbox
 
-    def _send_all(self, link: Callable[[], Link], outbox: queue.Queue) -> None:
+    def _send_all(self, out: Link, outbox: queue.Queue) -> None:
         """Send what is queued until the receiver dies (its next generation gets a new sender)."""
         try:
-            out = link()
             out.send(
                 [], torch.empty(0, dtype=torch.uint8, device=self.cache.device)
             )  # connects: this rank's KV is mirrored from here on
@@ -307,6 +337,7 @@ class KVMirror:
         except RuntimeError:
             self.resync = True
         finally:  # whatever is left is lost: nobody waits for it
+            out.close()  # the receiver's thread ends: nothing more comes this way
             while not outbox.empty():
                 item = outbox.get()
                 if item is not None:
@@ -319,17 +350,17 @@ class KVMirror:
             for old in older[:-1]:  # group g's last dead generation's stays until adopted
                 del self.mirrors[old]
             self.mirrors[source] = landing
-        link = functools.partial(Link, self.connect(), f"mirror/{source}->{self.me}/{self.peers.position}", 1)
-        threading.Thread(target=self._receive_all, args=(link, source), name="reshard-mirror-in", daemon=True).start()
+        self._open(f"mirror/{source}->{self.me}/{self.peers.position}", 1, self._receive_all, source)
 
-    def _receive_all(self, link: Callable[[], Link], source: str) -> None:
-        """Unpack ``source``'s messages into its mirror as they land, until it dies."""
+    def _receive_all(self, into: Link, source: str) -> None:
+        """Unpack ``source``'s messages into its mirror as they land, until it dies or leaves."""
         try:
-            into = link()
             while not self.stopping.is_set():
                 self._receive(into, source)
         except RuntimeError:
             self._closed(source)
+        finally:
+            into.close()
 
     def _receive(self, link: Link, source: str) -> None:
         """One message from ``source`` into its mirror; each sequence's landed length moves on
@@ -368,7 +399,7 @@ class KVMirror:
         with self.lock:  # adopted: its mirror slot is free again
             if request.source in self.mirrors:
                 self.mirrors[request.source].release(request.id)
-        seq.output, seq.cached = tokens[: cached - n + 1], cached
+        seq.output, seq.num_computed_tokens = tokens[: cached - n + 1], cached
         if seq.generator is not None:
             skip_draws([request.sampling] * len(seq.output), [seq.generator] * len(seq.output), self.vocab)
         self.adopted.append((request.source, request.id, len(seq.output), len(tokens) - len(seq.output)))
@@ -394,9 +425,25 @@ class KVMirror:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_S) -> None:
+        """Stop mirroring (not collective; safe on an error path): the watcher and the links'
+        threads are joined, up to ``timeout`` s in all, and the links closed. A thread still
+        blocked then (on a peer that died before it connected, or a source that still sends) is
+        left, a daemon, holding its link's group until its operation returns."""
+        deadline = time.monotonic() + timeout
         self.stopping.set()
         if self.outbox is not None:
             self.outbox.put(None)
         if self.watcher.is_alive():
-            self.watcher.join(timeout=2)
+            self.watcher.join(max(0.0, deadline - time.monotonic()))
+        with self._links_lock:
+            links, self.links = self.links, []
+        for link, thread in links:
+            link.close()
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> KVMirror:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

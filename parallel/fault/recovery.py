@@ -65,7 +65,10 @@ class FaultTolerance:
     ``max_restarts``: torchrun's counts (after the last attempt a failure ends the job: the files
     go and :meth:`on_failure` says so, adding ``on_last_failure``); ``replicate_every``: steps
     whose KV entries the ring sends in one message (a failure recomputes at most that many).
-    Collective: every rank builds it.
+    Collective: every rank builds it, on its main thread: it installs its own SIGTERM handler
+    there and restores the one it replaced (a launcher's) when it ends, by :meth:`close`, by
+    :meth:`abandon` or leaving a ``with`` block (which keeps the files after a failure: the next
+    attempt recovers from them).
     """
 
     def __init__(
@@ -115,7 +118,8 @@ class FaultTolerance:
         )
         # torchrun stops the survivors of a failed rank with SIGTERM, maybe before they reach a
         # collective that fails: that is when they learn of it
-        signal.signal(signal.SIGTERM, self._terminated)
+        self._replaced_sigterm = signal.signal(signal.SIGTERM, self._terminated)
+        self._sigterm_restored = False
 
     def _mirror(self, source: int) -> Path:
         return self.shm / f"mirror-of-{source}"
@@ -250,17 +254,40 @@ class FaultTolerance:
         """The job was interrupted (Ctrl-C, SIGTERM from a launcher): no attempt will recover from
         the mirrors, so stop the threads and remove the shared-memory files (every rank; no collective)."""
         self.heartbeat.stop()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._restore_sigterm()
         remove_directory(self.shm)
 
     def close(self) -> None:
-        """After a successful run: remove the shared-memory files."""
+        """After a successful run: remove the shared-memory files (collective)."""
         self.heartbeat.stop()
         self.ring.close()
         dist.barrier()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._restore_sigterm()
         if self.rank == 0:
             remove_directory(self.shm)
+
+    def _restore_sigterm(self) -> None:
+        """Give SIGTERM back to the handler this object replaced (once)."""
+        if not self._sigterm_restored:
+            # None: a handler installed outside Python, which Python cannot reinstall
+            replaced = signal.SIG_DFL if self._replaced_sigterm is None else self._replaced_sigterm
+            signal.signal(signal.SIGTERM, replaced)
+            self._sigterm_restored = True
+
+    def __enter__(self) -> FaultTolerance:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """No error: :meth:`close`; Ctrl-C or a launcher's SIGTERM: :meth:`abandon`; another
+        error (a peer died mid-collective): the heartbeats and the handler go, the files stay for
+        the next attempt (the ring is not drained: its peer may be the one that died)."""
+        if exc_type is None:
+            self.close()
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.abandon()
+        else:
+            self.heartbeat.stop()
+            self._restore_sigterm()
 
 
 def remove_orphans(root: Path | None = None) -> list[Path]:

@@ -75,7 +75,7 @@ class RingReplication:
         ``replicate_every``-th step; the message before, now in, is acknowledged. A sequence
         decoding here for the first time (its prompt KV was swapped in, as Seesaw's decode does)
         streams everything it holds."""
-        phase, incoming = step.phase, seqs
+        phase, incoming = step.kind, seqs
         if self.source_replica != self.replica:
             incoming = [s for s in step.seqs if s.replica == self.source_replica]
         whole = self._whole(self.replica, phase, seqs)

@@ -125,7 +125,9 @@ class Supervisor:
 
     def run(self) -> None:
         """Run children until one exits with status 0 (``RuntimeError`` after ``max_respawns``
-        replacements; ``KeyboardInterrupt`` / ``SystemExit`` on SIGINT / SIGTERM)."""
+        replacements; ``KeyboardInterrupt`` / ``SystemExit`` on SIGINT / SIGTERM). Its SIGINT and
+        SIGTERM handlers are installed here, on the calling (main) thread, and the ones they
+        replaced are back when it returns or raises."""
         previous = {s: signal.signal(s, self._stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             generation = self.generation()
@@ -140,8 +142,8 @@ class Supervisor:
                     )
                 generation = self._next_generation(generation, code)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            for s, handler in previous.items():  # None: installed outside Python, not reinstallable
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
             self._kill(spare=True)
 
     def _run_child(self, spec: ChildSpec) -> int | None:
@@ -271,17 +273,21 @@ def _spare_main(conn, warm: tuple[str, ...]) -> None:
     import importlib
 
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the supervisor stops; no traceback here
-    for module in warm:
-        importlib.import_module(module)
-    with contextlib.suppress(BrokenPipeError):  # the supervisor sent the work already and hung up
-        conn.send(time.time())
+    # this process's entry point: Ctrl-C ends it at once, no traceback (the supervisor does the stopping)
+    replaced = signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
-        target, spec, args = conn.recv()
-    except EOFError:  # the supervisor ended without using it
-        return
-    conn.close()
-    _child_main(target, spec, args)
+        for module in warm:
+            importlib.import_module(module)
+        with contextlib.suppress(BrokenPipeError):  # the supervisor sent the work already and hung up
+            conn.send(time.time())
+        try:
+            target, spec, args = conn.recv()
+        except EOFError:  # the supervisor ended without using it
+            return
+        conn.close()
+        _child_main(target, spec, args)
+    finally:  # (a child's end is os._exit: only a spare that was not used gets here)
+        signal.signal(signal.SIGINT, signal.SIG_DFL if replaced is None else replaced)
 
 
 def failures(store: dist.Store) -> list[Failure]:
@@ -298,16 +304,19 @@ def _child_main(target: Callable, spec: ChildSpec, args: tuple) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         target(spec, *args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # no teardown: threads blocked on links to dead peers stay where they are
+        code = 0
     except SystemExit:
         raise
     except BaseException:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
-        os._exit(1)
+        code = 1
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)  # the handler it replaced is back
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no teardown: threads blocked on links to dead peers stay where they are
 
 
 def _die_with_parent() -> None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reshard.mesh import cached_mesh, rank_tensor
-from reshard.parallel.engine import Engine, EngineArgs, Strategy, registered, strategy_class
+from reshard.parallel.engine import Engine, EngineConfig, Strategy, registered, strategy_class
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info
 
@@ -158,7 +158,8 @@ def rollout_model(
     checkpoint's). Built on every rank of the job (collective); ranks outside ``ranks`` hold
     empty shards."""
     strategy = rollout_strategy(layout, tp=tp, sp=sp, pp=pp)
-    return strategy.build_model(path, rollout_dims(strategy, ranks), EngineArgs(dtype=dtype))
+    config = EngineConfig(dtype=None if dtype is None else str(dtype).removeprefix("torch."))
+    return strategy.build_model(path, rollout_dims(strategy, ranks), config)
 
 
 def rollout_engine(
@@ -167,7 +168,7 @@ def rollout_engine(
     """The engine of a :func:`rollout_model` by its strategy: continuous batching in the TP layout,
     or Shift's two modes over one KV cache (steps of more than ``threshold`` tokens run SP)."""
     strategy = rollout_strategy(layout, threshold=threshold, sp=parallel_info(model).dims.sp)
-    return strategy.build_engine(model, EngineArgs(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
+    return strategy.build_engine(model, EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
 
 
 def rollout_dims(strategy: Strategy, ranks: Sequence[int]) -> ParallelDims:

@@ -25,7 +25,7 @@ from reshard.mesh import cached_mesh
 from reshard.parallel.engine import (
     ContinuousBatching,
     Engine,
-    EngineArgs,
+    EngineConfig,
     EngineStats,
     ModelRunner,
     Strategy,
@@ -224,8 +224,8 @@ class ShiftPolicy(ContinuousBatching):
     def initial_layout(self) -> None:
         return None
 
-    def layout_for(self, phase: str, seqs: list) -> str:
-        tokens = sum(s.prompt_len for s in seqs) if phase == "prefill" else len(seqs)
+    def layout_for(self, seqs: list, num_tokens: list[int]) -> str:
+        tokens = sum(num_tokens)
         mode = "sp" if tokens > self.threshold else "tp"
         self.stats.steps_by_mode[mode] += 1
         return mode
@@ -237,28 +237,16 @@ class ShiftPolicy(ContinuousBatching):
             self.stats.kv_storage.append([k.data_ptr() for k in self.runner_info[old].kv.k])
 
 
-def shift_engine(
-    model: nn.Module,
-    *,
-    threshold: int,
-    max_batch_size: int = 8,
-    max_seq_len: int | None = None,
-    max_prefill_tokens: int = 4096,
-    compile: bool = False,
-    admission: str = "fifo",
-    kv_block_size: int | None = None,
-    kv_tokens: int | None = None,
-) -> Engine:
+def shift_engine(model: nn.Module, config: EngineConfig | None = None, *, threshold: int) -> Engine:
     """The loop over ``model`` (from :func:`parallelize_shift`) with runners ``"sp"`` (tokens
-    split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache."""
+    split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache
+    (``config``'s; its ``max_prefill_tokens`` and ``admission`` go to :class:`ShiftPolicy`)."""
+    config = config if config is not None else EngineConfig()
     dims = parallel_info(model).dims
-    kw = dict(dims=dims, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile)
-    sp = ModelRunner(
-        model, split=TokenSplit(base_mesh(dims), 0), kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw
-    )
-    tp = ModelRunner(model, kv=sp.kv, weights=SHIFT_WEIGHTS, **kw)
-    policy = ShiftPolicy(threshold, max_prefill_tokens=max_prefill_tokens, admission=admission)
-    return Engine(runners={"sp": sp, "tp": tp}, policy=policy)
+    sp = ModelRunner(model, config, dims=dims, split=TokenSplit(base_mesh(dims), 0))
+    tp = ModelRunner(model, config, dims=dims, kv=sp.kv, weights=SHIFT_WEIGHTS)
+    policy = ShiftPolicy(threshold, max_prefill_tokens=config.max_prefill_tokens, admission=config.admission)
+    return Engine(runners={"sp": sp, "tp": tp}, policy=policy, config=config)
 
 
 @register_strategy("shift")
@@ -294,22 +282,13 @@ class ShiftStrategy(Strategy):
         base = self.dims(world_size)
         return {"sp": base, "tp": ParallelDims(tp=world_size, world_size=world_size)}
 
-    def build_model(self, path, dims: ParallelDims, args: EngineArgs) -> nn.Module:
+    def build_model(self, path, dims: ParallelDims, config: EngineConfig) -> nn.Module:
         return parallelize_shift(
-            path, dims, shift_weights=self.shift_weights, dtype=args.dtype, allow_unused=args.allow_unused
+            path, dims, shift_weights=self.shift_weights, dtype=config.torch_dtype, allow_unused=config.allow_unused
         )
 
-    def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
-        return shift_engine(
-            model,
-            threshold=self.threshold,
-            max_batch_size=args.max_batch_size,
-            max_seq_len=args.max_seq_len,
-            max_prefill_tokens=args.max_prefill_tokens,
-            compile=args.compile,
-            admission=args.admission,
-            **args.kv,
-        )
+    def build_engine(self, model: nn.Module, config: EngineConfig) -> Engine:
+        return shift_engine(model, config, threshold=self.threshold)
 
     def summary(self, engine: Engine) -> dict:
         return {

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from reshard.parallel.engine import Engine, EngineArgs, Strategy, register_strategy
+from reshard.parallel.engine import Engine, EngineConfig, Strategy, register_strategy
 from reshard.parallel.model.dims import ParallelDims
-from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.pipeline import build_model
 
 
@@ -45,22 +44,13 @@ class TPStrategy(Strategy):
                 f"(parallel.pp ({self.pp})); set one of them to its default"
             )
 
-    def build_model(self, path: str | os.PathLike, dims: ParallelDims, args: EngineArgs) -> nn.Module:
+    def build_model(self, path: str | os.PathLike, dims: ParallelDims, config: EngineConfig) -> nn.Module:
         """TP x DP by the TP plan, or pipeline stages of TP when ``pp > 1``."""
-        return build_model(path, dims, dtype=args.dtype, load_weights=args.load_weights, allow_unused=args.allow_unused)
-
-    def build_engine(self, model: nn.Module, args: EngineArgs) -> Engine:
-        return Engine(
-            model,
-            max_batch_size=args.max_batch_size,
-            max_seq_len=args.max_seq_len,
-            max_prefill_tokens=args.max_prefill_tokens,
-            compile=args.compile,
-            admission=args.admission,
-            num_microbatches=parallel_info(model).dims.pp,
-            replicas=args.replicas,
-            routing=args.routing,
-            pipeline=args.pipeline,
-            prefill_chunk=args.prefill_chunk,
-            **args.kv,
+        return build_model(
+            path, dims, dtype=config.torch_dtype, load_weights=config.load_weights, allow_unused=config.allow_unused
         )
+
+    def build_engine(self, model: nn.Module, config: EngineConfig) -> Engine:
+        """Continuous batching over the model (``pp > 1``: one micro-batch per stage unless
+        ``config.num_microbatches`` says otherwise)."""
+        return Engine(model, config)

@@ -6,27 +6,27 @@ lives in block ``blocks[t // block_size]`` at offset ``t % block_size``. A packe
 ``(h1 - h0, t1 - t0, head_dim)``, contiguous: what a transfer (``flush``/``fetch`` in DejaVu's
 terms) sends as one message.
 
-Two backends compute the same bytes: ``"torch"`` (index arithmetic, one gather or scatter) and
-``"triton"`` (one program per (block, head) copying that block's contiguous run of the head).
-Triton is optional and imported on first use. ``backend="auto"`` picks Triton when it imports and
-the cache is on CUDA, or when ``TRITON_INTERPRET=1`` and ``RESHARD_KV_PACK=triton`` (the
-interpreter, for tests on CPU); ``RESHARD_KV_PACK=torch`` forces torch.
+Two backends compute the same bytes, chosen by the ``backend`` argument: ``"torch"`` (index
+arithmetic, one gather or scatter) and ``"triton"`` (one program per (block, head) copying that
+block's contiguous run of the head; :mod:`reshard.kv.pack_kernel`). Triton is optional and
+imported on first use. ``backend="auto"`` (the default) picks Triton when it is installed, the
+cache is on CUDA and each (block, head) of it is contiguous, else torch. ``backend="triton"`` on a
+CPU cache runs Triton's interpreter, which Triton's own ``TRITON_INTERPRET=1`` turns on (tests).
 """
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
 
 BACKENDS = ("auto", "torch", "triton")
 _MAX_CHUNK = 4096  # elements one Triton program moves per step
-
-tl: Any = None  # triton.language once _triton_kernel() has imported it (the kernel's global)
+# whether triton is installed (looked up, not imported): a failed import costs ~2 ms, too much per call
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def pack_kv(
@@ -42,7 +42,8 @@ def pack_kv(
 
     ``cache``: ``(num_blocks, num_heads, block_size, head_dim)``; ``blocks``: the sequence's block
     table, 1-D int64/int32 covering token ``t1 - 1``. ``out``, when given, must be contiguous with
-    that shape and the cache's dtype and device; it is filled and returned.
+    that shape and the cache's dtype and device; it is filled and returned. ``backend``:
+    ``"auto"``, ``"torch"`` or ``"triton"`` (see the module docstring).
     """
     shape = _check_region(cache, blocks, heads, tokens)
     if out is None:
@@ -67,7 +68,8 @@ def unpack_kv(
     *,
     backend: str = "auto",
 ) -> None:
-    """Inverse of :func:`pack_kv`: write ``src`` ``(h1-h0, t1-t0, head_dim)`` into ``cache`` in place."""
+    """Inverse of :func:`pack_kv`: write ``src`` ``(h1-h0, t1-t0, head_dim)`` into ``cache`` in place
+    (``backend`` as there)."""
     shape = _check_region(cache, blocks, heads, tokens)
     _check_buffer(src, shape, cache, "src", contiguous=False)
     if src.numel() == 0:
@@ -105,55 +107,15 @@ def _pack_torch(cache: Tensor, blocks: Tensor, heads: tuple[int, int], tokens: t
 # ---- triton backend ------------------------------------------------------------------------------
 
 
-def _copy_run(
-    cache_ptr,
-    blocks_ptr,
-    buf_ptr,
-    h0,
-    t0,
-    t1,
-    stride_block,
-    stride_head,
-    stride_buf_head,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr,
-    UNPACK: tl.constexpr,
-):
-    """Program ``(j, h)``: the tokens of block ``t0 // BLOCK_SIZE + j`` in ``[t0, t1)``, head ``h0 + h``.
-
-    Within one block and head those tokens are ``(end - start) * HEAD_DIM`` contiguous elements of
-    the cache, and contiguous in the packed buffer ``(nh, nt, HEAD_DIM)`` too.
-    """
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    bi = t0 // BLOCK_SIZE + j  # logical block
-    start = tl.maximum(t0, bi * BLOCK_SIZE)
-    end = tl.minimum(t1, (bi + 1) * BLOCK_SIZE)
-    phys = tl.load(blocks_ptr + bi).to(tl.int64)
-    src = cache_ptr + phys * stride_block + (h0 + h).to(tl.int64) * stride_head + (start - bi * BLOCK_SIZE) * HEAD_DIM
-    dst = buf_ptr + h.to(tl.int64) * stride_buf_head + (start - t0).to(tl.int64) * HEAD_DIM
-    n = (end - start) * HEAD_DIM
-    for k in range(0, n, CHUNK):
-        idx = k + tl.arange(0, CHUNK)
-        mask = idx < n
-        if UNPACK:
-            tl.store(src + idx, tl.load(dst + idx, mask=mask), mask=mask)
-        else:
-            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
-
-
-@functools.cache
 def _triton_kernel() -> Callable | None:
-    """The jitted :func:`_copy_run`, or ``None`` when triton does not import."""
-    global tl
+    """The jitted :func:`reshard.kv.pack_kernel.copy_run`, or ``None`` when triton does not import
+    (imported on first use; the import system keeps it)."""
+    if not TRITON_INSTALLED:
+        return None
     try:
-        import triton
-        import triton.language as language
+        return importlib.import_module("reshard.kv.pack_kernel").copy_run
     except ImportError:
         return None
-    tl = language
-    return triton.jit(_copy_run, do_not_specialize=["h0", "t0", "t1"])
 
 
 def _launch(
@@ -195,13 +157,8 @@ def _pick_backend(backend: str, cache: Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        forced = os.environ.get("RESHARD_KV_PACK", "auto")
-        if forced not in BACKENDS:
-            raise ValueError(f"RESHARD_KV_PACK must be one of {BACKENDS}, got {forced!r}")
-        usable = _triton_ok(cache) and (cache.is_cuda or _interpreting()) and _triton_kernel() is not None
-        if forced == "torch" or not usable or (not cache.is_cuda and forced != "triton"):
-            return "torch"
-        return "triton"
+        usable = cache.is_cuda and _triton_ok(cache) and _triton_kernel() is not None
+        return "triton" if usable else "torch"
     if backend == "triton" and _triton_kernel() is None:
         raise ValueError("backend='triton' but triton does not import (pip install 'reshard[triton]')")
     if backend == "triton" and not (cache.is_cuda or _interpreting()):
@@ -215,6 +172,7 @@ def _pick_backend(backend: str, cache: Tensor) -> str:
 
 
 def _interpreting() -> bool:
+    """Whether Triton's own interpreter switch is on (Triton reads it when it is imported)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

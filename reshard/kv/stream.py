@@ -333,4 +333,4 @@ def _new_positions(phase: str, seq, whole: bool = False) -> tuple[int, int]:
     ``whole``: every position up to the step's."""
     if phase == "prefill":
         return 0, seq.prompt_len
-    return (0 if whole else seq.cached), seq.cached + 1
+    return (0 if whole else seq.num_computed_tokens), seq.num_computed_tokens + 1

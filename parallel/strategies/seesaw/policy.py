@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
 from reshard.kv import CPUKVTier, KVSwapper, TierSpec
 from reshard.parallel.engine import (
     Engine,
+    EngineConfig,
     EngineStats,
     ModelRunner,
     Move,
@@ -182,7 +183,7 @@ class SeesawPolicy(Policy):
         for i, seq in enumerate(batch):
             seq.replica = i % dp.size
         self._take_prefill_slots([s for s in batch if s.replica == dp.rank])
-        return Step("prefill", batch, "prefill")
+        return Step(batch, [s.prompt_len for s in batch], "prefill")
 
     def _admit(self, queue: deque) -> list[Sequence]:
         """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
@@ -207,7 +208,7 @@ class SeesawPolicy(Policy):
             seq.slot = self._prefill_free.pop()
 
     def after_step(self, step: Step, output: StepOutput) -> None:
-        if step.phase == "decode":
+        if step.layout == "decode":
             self._join_loads()
             return
         mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
@@ -233,8 +234,8 @@ class SeesawPolicy(Policy):
         running ones, or, when none runs, wait for the swap-ins and decode those."""
         moves: list[Move] = self._onboard()
         if self.running:
-            return Step("decode", list(self.running.values()), "decode", moves=tuple(moves))
-        return Step("decode", list(self.loading), "decode", moves=(*moves, JoinSwapIns()))
+            return Step(list(self.running.values()), [1] * len(self.running), "decode", moves=tuple(moves))
+        return Step(list(self.loading), [1] * len(self.loading), "decode", moves=(*moves, JoinSwapIns()))
 
     def _onboard(self) -> list[SwapIn]:
         """Give buffered requests free decode slots; their replica's ranks swap them in."""
@@ -287,42 +288,55 @@ class SeesawPolicy(Policy):
 
 def seesaw_engine(
     switch: LayoutSwitch,
+    config: EngineConfig | None = None,
     *,
     cpu_kv_budget: int,
     scheduler: str = "transition_minimizing",
-    max_batch_size: int = 8,
-    max_seq_len: int | None = None,
-    max_prefill_tokens: int = 4096,
     num_microbatches: int = 2,
-    compile: bool = False,
-    kv_block_size: int | None = None,
-    kv_tokens: int | None = None,
 ) -> Engine:
     """The Seesaw engine over ``switch``'s two trees (collective: maps the shared CPU tier).
 
-    ``max_batch_size``: KV slots of each dp replica in both layouts; ``cpu_kv_budget``: the
-    tier's capacity in tokens (every prompt must fit); ``compile``: the decode step;
-    ``kv_block_size`` / ``kv_tokens``: a paged decode cache (requests are swapped in from the
-    tier once their replica has blocks for them).
+    ``config``: ``max_batch_size`` KV slots of each dp replica in both layouts; ``compile`` the
+    decode step; ``kv_block_size`` / ``kv_tokens`` a paged decode cache (requests are swapped
+    in from the tier once their replica has blocks for them); ``max_prefill_tokens`` the
+    scheduler's. ``cpu_kv_budget``: the tier's capacity in tokens (every prompt must fit);
+    ``num_microbatches``: per step in a layout with pipeline stages.
     """
+    config = config if config is not None else EngineConfig()
     if cpu_kv_budget < 1:
         raise ValueError(f"cpu_kv_budget must be >= 1 token, got {cpu_kv_budget}")
-    kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-    paged = {"kv_block_size": kv_block_size, "kv_tokens": kv_tokens}
+    check_microbatches(config, num_microbatches)
     runners = {
         phase: ModelRunner(
             switch.models[phase],
+            _runner_config(config, phase, switch.dims[phase].pp, num_microbatches),
             dims=switch.dims[phase],
-            **kw,
-            num_microbatches=num_microbatches if switch.dims[phase].pp > 1 else 1,
-            compile=compile and phase == "decode",
-            **(paged if phase == "decode" else {}),
         )
         for phase in PHASES
     }
     cfg, kv = switch.models["decode"].config, runners["decode"].kv.spec
     spec = TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, cpu_kv_budget, kv.dtype)
     tier = map_shared("reshard-kv", lambda path: CPUKVTier(spec, path))
-    policy = SeesawPolicy(switch, tier, scheduler=scheduler, max_prefill_tokens=max_prefill_tokens)
+    policy = SeesawPolicy(switch, tier, scheduler=scheduler, max_prefill_tokens=config.max_prefill_tokens)
     # prefill KV reaches the decode cache only through the tier
-    return Engine(runners=runners, policy=policy, host_tiers={"prefill": tier})
+    return Engine(runners=runners, policy=policy, config=config, host_tiers={"prefill": tier})
+
+
+def check_microbatches(config: EngineConfig, num_microbatches: int) -> None:
+    """``ValueError`` naming both keys when ``config`` sets micro-batches: Seesaw's come from its
+    own key (a pipeline layout's micro-batches are part of the layout)."""
+    if config.num_microbatches is not None:
+        raise ValueError(
+            f"parallel=seesaw runs parallel.num_microbatches ({num_microbatches}) micro-batches per step; "
+            f"got engine.num_microbatches={config.num_microbatches} (set it to null)"
+        )
+
+
+def _runner_config(config: EngineConfig, phase: str, pp: int, num_microbatches: int) -> EngineConfig:
+    """A layout's runner config: replicas share every step (the policy splits it), micro-batches
+    only with pipeline stages; ``compile`` and a paged cache are the decode layout's (prefill KV
+    goes to the tier)."""
+    config = replace(config, replicas="lockstep", num_microbatches=num_microbatches if pp > 1 else 1)
+    if phase == "decode":
+        return config
+    return replace(config, compile=False, kv_block_size=None, kv_tokens=None)

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from reshard.mesh import device_type
 from reshard.parallel.engine import (
     Engine,
-    EngineArgs,
+    EngineConfig,
     Strategy,
     register_strategy,
 )
 from reshard.parallel.model.dims import ParallelDims
-from reshard.parallel.strategies.seesaw.policy import seesaw_engine
+from reshard.parallel.strategies.seesaw.policy import check_microbatches, seesaw_engine
 from reshard.parallel.strategies.seesaw.switch import WEIGHT_MODES, LayoutSwitch
 
 
@@ -98,23 +98,24 @@ class SeesawStrategy(Strategy):
             "decode": self.decode.resolve(world_size, "parallel.decode"),
         }
 
-    def build(self, path, args: EngineArgs) -> Engine:
+    def check_args(self, config: EngineConfig) -> None:
+        super().check_args(config)
+        check_microbatches(config, self.num_microbatches)
+
+    def build(self, path, config: EngineConfig) -> Engine:
+        self.check_args(config)
         layouts = self.layouts(dist.get_world_size())
         self._check_heads(path, layouts)
         prefill, decode = layouts["prefill"], layouts["decode"]
         switch = LayoutSwitch(
-            path, prefill, decode, weights=self.weights, dtype=args.dtype, allow_unused=args.allow_unused
+            path, prefill, decode, weights=self.weights, dtype=config.torch_dtype, allow_unused=config.allow_unused
         )
         return seesaw_engine(
             switch,
+            config,
             cpu_kv_budget=self.cpu_kv_budget,
             scheduler=self.scheduler,
-            **args.kv,
-            max_batch_size=args.max_batch_size,
-            max_seq_len=args.max_seq_len,
-            max_prefill_tokens=args.max_prefill_tokens,
             num_microbatches=self.num_microbatches,
-            compile=args.compile,
         )
 
     def summary(self, engine: Engine) -> dict:

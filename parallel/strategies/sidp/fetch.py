@@ -1,7 +1,8 @@
 """SiDP's fetch scheduler: which non-owned FFN layers each rank fetches into its cache slots, in
 which round, from which owner (WaS).
 
-A housekeeper thread per rank fetches the step's non-owned layers into the owner pool's slots
+One housekeeper thread per rank (:class:`Housekeeper`, started with the scheduler and joined by
+its :meth:`FetchScheduler.close`) fetches the step's non-owned layers into the owner pool's slots
 (:class:`reshard.layers.owner_pool.OwnerPool`) over a background process group of its own, as
 planned transfers of the movement core (the owner's housekeeper sends; its compute thread does
 nothing per fetch). Fetches run in rounds, every rank at most one layer per round; a round waits
@@ -12,14 +13,19 @@ from different owners (counted: ``max_concurrent_readers``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate
 
 from reshard import Layout
-from reshard.background import Background
 from reshard.executor import execute
 from reshard.layers.owner_pool import CAS, WAS, OwnerPool
 from reshard.mesh import cached_group
@@ -62,6 +68,35 @@ def check_slots(
         )
 
 
+class Housekeeper:
+    """One daemon thread named ``name`` that runs the calls it is given, in order, each with a
+    :class:`concurrent.futures.Future` of its result; :meth:`close` ends it once the calls queued
+    before have run (daemon: a call blocked for good on a dead peer never holds the process)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, future = call
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # re-raised by future.result() on the caller's thread
+                future.set_exception(e)
+
+    def close(self, timeout: float | None = None) -> None:
+        """End the thread after the calls queued so far; wait up to ``timeout`` s for it."""
+        self._calls.put(None)
+        self._thread.join(timeout)
+
+
 class FetchScheduler:
     """Fetches for ``pool``'s non-owned layers, step by step (collective per step: every rank of
     the group calls :meth:`begin_step` with the same arguments, then :meth:`end_step`).
@@ -70,6 +105,13 @@ class FetchScheduler:
         prefetch_depth: how many layers ahead a rank may fetch (at most the pool's slots);
         peak_shifting: each rank starts its cycle at its own offset (needs ``slots >= G - 1``);
         timeout: seconds :meth:`end_step` waits for the step's fetches.
+
+    Owns its housekeeper thread: :meth:`close` (or the end of a ``with`` block) joins it.
+
+    ``on_fetch``: None, or ``fn(event, layer)`` called on the housekeeper thread for each fetch
+    into this rank's slots: ``("fetch_begin", j)`` once layer ``j`` has a slot, before its bytes
+    move; ``("fetch_end", j)`` once they are in the slot, before the forward may use them (what
+    tests and benches listen to).
     """
 
     def __init__(
@@ -82,7 +124,9 @@ class FetchScheduler:
         self.timeout = timeout
         self.counters = FetchCounters()
         self._group = cached_group(pool.ranks, purpose="sidp-fetch")
-        self._housekeeper: Background | None = None
+        self._housekeeper = Housekeeper(f"sidp-housekeeper-{pool.rank}")
+        self._step: Future | None = None  # the step's fetches, while they run
+        self.on_fetch: Callable[[str, int], None] | None = None
 
     # ---- one step ---------------------------------------------------------------------------------
     def begin_step(self, rows: list[int], mode: str) -> None:
@@ -101,15 +145,29 @@ class FetchScheduler:
         rounds = self.schedule([r > 0 for r in rows])
         self._count_readers(rounds)
         pool.begin_step(rows, fetched=[j for j, o in enumerate(pool.owner) if o != pool.rank])
-        self._housekeeper = Background(
-            lambda: self._housekeep(rounds), "sidp-housekeeper", f"SiDP housekeeper of rank {pool.rank}"
-        )
+        self._step = self._housekeeper.submit(lambda: self._housekeep(rounds))
 
     def end_step(self) -> None:
-        """Wait for the housekeeper (its errors reach the caller here)."""
-        if self._housekeeper is not None:
-            housekeeper, self._housekeeper = self._housekeeper, None
-            housekeeper.result(self.timeout)
+        """Wait for the step's fetches (their errors reach the caller here)."""
+        if self._step is not None:
+            step, self._step = self._step, None
+            try:
+                step.result(self.timeout)
+            except concurrent.futures.TimeoutError:  # (the builtin TimeoutError from Python 3.11)
+                raise TimeoutError(
+                    f"SiDP housekeeper of rank {self.pool.rank} did not finish within {self.timeout} s"
+                ) from None
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Join the housekeeper thread, up to ``timeout`` s (not collective: a step's fetches
+        still running on an error path are not waited for beyond it)."""
+        self._housekeeper.close(timeout)
+
+    def __enter__(self) -> FetchScheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- the schedule -----------------------------------------------------------------------------
     def schedule(self, active: list[bool]) -> Rounds:
@@ -156,6 +214,8 @@ class FetchScheduler:
         pool = self.pool
         mine = next((j for r, j in rnd if r == pool.rank), None)
         slot = pool.take_slot() if mine is not None else None
+        if mine is not None and self.on_fetch is not None:
+            self.on_fetch("fetch_begin", mine)
         plans = []
         srcs = []
         outs = []
@@ -174,6 +234,8 @@ class FetchScheduler:
         if mine is not None:
             self.counters.fetches += 1
             self.counters.fetch_bytes += stats.bytes_received
+            if self.on_fetch is not None:
+                self.on_fetch("fetch_end", mine)
             pool.filled(mine, slot)
 
     def fetch_round_once(self) -> None:

@@ -28,7 +28,7 @@ from reshard.mesh import device_type
 from reshard.parallel.engine import (
     ContinuousBatching,
     Engine,
-    EngineArgs,
+    EngineConfig,
     EngineStats,
     ModelRunner,
     Move,
@@ -122,12 +122,12 @@ class SiDPPolicy(ContinuousBatching):
         next decision, agreed with the step's tokens."""
         step = super().next_step(queue)
         mode = WAS if step.layout == "was" else CAS
-        begin = BeginStep(tuple(self._rows(step.phase, self._tokens(step.phase, step.seqs))), mode)
+        begin = BeginStep(tuple(self._rows(step.kind, self._tokens(step.seqs, step.num_tokens))), mode)
         agree = {} if self.fixed is not None else {PROPOSES_CAS: int(self._proposal() == CAS)}
         return dataclasses.replace(step, moves=(*step.moves, begin), agree=agree)
 
-    def layout_for(self, phase: str, seqs: list) -> str:
-        tokens = self._tokens(phase, seqs)
+    def layout_for(self, seqs: list, num_tokens: list[int]) -> str:
+        tokens = self._tokens(seqs, num_tokens)
         mode = self._mode()
         stats = self.stats
         stats.mode_steps["was" if mode == WAS else "cas"] += 1
@@ -135,16 +135,18 @@ class SiDPPolicy(ContinuousBatching):
         stats.modes.append(mode)
         return "was" if mode == WAS else "cas"
 
-    def _tokens(self, phase: str, seqs: list) -> list[int]:
+    def _tokens(self, seqs: list, num_tokens: list[int]) -> list[int]:
+        """Tokens each replica computes this step."""
         tokens = [0] * self.pool.G
-        for s in seqs:
-            tokens[s.replica] += s.prompt_len if phase == "prefill" else 1
+        for s, n in zip(seqs, num_tokens):
+            tokens[s.replica] += n
         return tokens
 
-    def _rows(self, phase: str, tokens: list[int]) -> list[int]:
-        """FFN input rows of each replica: its prompt tokens, or every decode slot of its cache
-        (decode runs all slots) -- 0 for a replica without sequences (a dummy step)."""
-        if phase == "prefill":
+    def _rows(self, kind: str, tokens: list[int]) -> list[int]:
+        """FFN input rows of each replica: its tokens, or, for a step of decode tokens (the
+        runner's decode runs all slots), every slot of its cache -- 0 for a replica without
+        sequences (a dummy step)."""
+        if kind != "decode":
             return tokens
         slots = self.runner_info["was"].max_batch_size
         return [slots if t else 0 for t in tokens]
@@ -176,6 +178,10 @@ class SiDPPolicy(ContinuousBatching):
         if step.agree:
             cas = output.agreed[PROPOSES_CAS] > 0 if output.agreed is not None else step.agree[PROPOSES_CAS]
             self._agreed = CAS if cas else WAS
+
+    def close(self) -> None:
+        """Join the fetcher's housekeeper thread (not collective)."""
+        self.fetcher.close()
 
 
 def profile_threshold(
@@ -243,31 +249,31 @@ def pool_model(
 def sidp_engine(
     model: nn.Module,
     fetcher: FetchScheduler,
+    config: EngineConfig | None = None,
     *,
     mode: str = "auto",
     threshold: float = 8.0,
     hysteresis: float = 0.25,
     interval: int = 4,
-    max_batch_size: int = 8,
-    max_seq_len: int | None = None,
-    max_prefill_tokens: int = 4096,
-    admission: str = "fifo",
-    kv_block_size: int | None = None,
-    kv_tokens: int | None = None,
 ) -> Engine:
-    kw = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-    was = ModelRunner(model, weights=WAS, kv_block_size=kv_block_size, kv_tokens=kv_tokens, **kw)
-    cas = ModelRunner(model, kv=was.kv, weights=CAS, **kw)
+    """The loop over a :func:`pool_model` model with runners ``"was"`` and ``"cas"`` sharing one
+    KV cache (``config``'s; the replicas share every step, whatever ``config.replicas`` says: the
+    policy splits each step over them); ``config``'s ``max_prefill_tokens`` and ``admission`` go
+    to :class:`SiDPPolicy`."""
+    config = config if config is not None else EngineConfig()
+    lockstep = dataclasses.replace(config, replicas="lockstep")
+    was = ModelRunner(model, lockstep, weights=WAS)
+    cas = ModelRunner(model, lockstep, kv=was.kv, weights=CAS)
     policy = SiDPPolicy(
         fetcher,
         mode=mode,
         threshold=threshold,
         hysteresis=hysteresis,
         interval=interval,
-        max_prefill_tokens=max_prefill_tokens,
-        admission=admission,
+        max_prefill_tokens=config.max_prefill_tokens,
+        admission=config.admission,
     )
-    engine = Engine(runners={"was": was, "cas": cas}, policy=policy)
+    engine = Engine(runners={"was": was, "cas": cas}, policy=policy, config=config)
     engine.events.on("idle", lambda step, seqs: fetcher.pool.serve_idle(), layout="cas")  # an idle owner still serves
     return engine
 
@@ -306,18 +312,18 @@ class SiDPStrategy(Strategy):
             raise ValueError(f"parallel.dp ({dp}) must equal the world size ({world_size}): one replica per rank")
         return ParallelDims(dp=dp, world_size=world_size)
 
-    def check_args(self, args: EngineArgs) -> None:
-        super().check_args(args)
-        if args.compile:
+    def check_args(self, config: EngineConfig) -> None:
+        super().check_args(config)
+        if config.compile:
             raise ValueError(
                 "compile=true is not supported by parallel=sidp: its decode step fetches FFN weights from the "
                 "owner pool between layers, which runs eagerly (set compile=false)"
             )
 
-    def build(self, path: str | os.PathLike, args: EngineArgs) -> Engine:
-        self.check_args(args)
+    def build(self, path: str | os.PathLike, config: EngineConfig) -> Engine:
+        self.check_args(config)
         dims = self.dims(dist.get_world_size())
-        model = parallelize(path, dims, dtype=args.dtype, allow_unused=args.allow_unused)
+        model = parallelize(path, dims, dtype=config.torch_dtype, allow_unused=config.allow_unused)
         full_ffn = _ffn_bytes(model)
         # default look-ahead: 2, but one slot fewer than the layers a rank fetches, so the pool
         # keeps less FFN per rank than replication and the freed bytes become KV (where it can)
@@ -337,22 +343,19 @@ class SiDPStrategy(Strategy):
         return sidp_engine(
             model,
             fetcher,
+            self._kv(config, model, fetcher.pool),
             mode=self.mode,
             threshold=self.threshold,
             hysteresis=self.hysteresis,
             interval=self.interval,
-            max_batch_size=args.max_batch_size,
-            max_seq_len=args.max_seq_len,
-            max_prefill_tokens=args.max_prefill_tokens,
-            admission=args.admission,
-            **self._kv(args, model, fetcher.pool),
         )
 
-    def _kv(self, args: EngineArgs, model: nn.Module, pool: OwnerPool) -> dict:
-        """A paged cache grows by the tokens the freed FFN bytes hold (the memory a replicated DP
-        replica spends on FFN weights goes to KV instead); contiguous slots stay as asked."""
-        if args.kv_block_size is None:
-            return args.kv
+    def _kv(self, config: EngineConfig, model: nn.Module, pool: OwnerPool) -> EngineConfig:
+        """``config`` with a paged cache grown by the tokens the freed FFN bytes hold (the memory a
+        replicated DP replica spends on FFN weights goes to KV instead); contiguous slots stay as
+        asked."""
+        if config.kv_block_size is None:
+            return config
         freed = parallel_info(model).replicated_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -360,12 +363,12 @@ class SiDPStrategy(Strategy):
             2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * pool.slot_tensors[0][0].element_size()
         )
         extra = torch.tensor(
-            [max(freed, 0) // per_token // args.kv_block_size * args.kv_block_size], device=device_type()
+            [max(freed, 0) // per_token // config.kv_block_size * config.kv_block_size], device=device_type()
         )
         dist.all_reduce(extra, op=dist.ReduceOp.MIN)  # every replica admits by the same pool size
         extra = int(extra.item())
-        update_info(model, kv_tokens_asked=args.kv_tokens, kv_tokens_added=extra)
-        return {"kv_block_size": args.kv_block_size, "kv_tokens": args.kv_tokens + extra}
+        update_info(model, kv_tokens_asked=config.kv_tokens, kv_tokens_added=extra)
+        return dataclasses.replace(config, kv_tokens=config.kv_tokens + extra)
 
     def summary(self, engine: Engine) -> dict:
         pool, c = engine.policy.pool, engine.policy.fetcher.counters

@@ -1,0 +1,141 @@
+"""The engine's configuration: one dataclass, :class:`EngineConfig` (vLLM's ``EngineArgs``).
+
+``Engine(model, EngineConfig(...))`` and every strategy's ``build(path, config)`` take it; the
+generate job's ``engine:`` section (``conf/generate.yaml``) is this dataclass, key for key, checked by
+Hydra (:mod:`reshard.recipes.schema`). Only plain values live here (numbers, strings, ``None``),
+so OmegaConf can hold it; live objects (process groups, runners, policies, a tokenizer) are
+:class:`~reshard.parallel.engine.loop.Engine`'s keyword arguments. ``__post_init__`` checks every
+range and choice and names the key and value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+# keys that are counts: an int >= 1 (or None where the field allows it)
+_COUNTS = (
+    "max_batch_size",
+    "max_seq_len",
+    "max_prefill_tokens",
+    "kv_block_size",
+    "kv_tokens",
+    "prefill_chunk",
+    "num_microbatches",
+)
+MAX_DEFAULT_SEQ_LEN = 4096  # max_seq_len=None: the model's max_position_embeddings, capped at this
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob that is configuration (see each field). Keys of a strategy (its layout,
+    thresholds) live in the strategy's own dataclass, not here."""
+
+    max_batch_size: int = 8
+    """KV-cache slots per data-parallel replica: sequences that run at once."""
+    max_seq_len: int | None = None
+    """Prompt + generated tokens per slot; None: the model's ``max_position_embeddings``, capped at
+    4096 (:meth:`seq_len`)."""
+    max_prefill_tokens: int = 4096
+    """The step's token budget per replica (vLLM's ``max_num_batched_tokens``): the default
+    policy gives running sequences their decode token first, then prompts tokens while it lasts
+    (a whole prompt larger than it still runs, alone in its step)."""
+    admission: str = "fifo"
+    """The default policy's admission order: ``"fifo"`` or ``"longest_first"`` (largest
+    ``max_new_tokens`` first); strategies with a scheduler of their own ignore it."""
+    kv_block_size: int | None = None
+    """A paged KV cache: positions per block (with ``kv_tokens``); None: contiguous slots of
+    ``max_seq_len`` positions."""
+    kv_tokens: int | None = None
+    """A paged KV cache: tokens per replica (with ``kv_block_size``); admission waits for free
+    blocks."""
+    replicas: str = "groups"
+    """Data-parallel replicas: ``"groups"``, each an engine group that steps on its own, fed by a
+    router; ``"lockstep"``, the replicas share every step (as fault tolerance's journal needs)."""
+    routing: str = "least_loaded"
+    """How the router places requests on engine groups: ``"least_loaded"`` (most free KV tokens),
+    ``"round_robin"`` or ``"longest_first"``."""
+    pipeline: str | None = None
+    """A pipeline layout's schedule: ``"inflight"`` (micro-batches stay in flight across steps) or
+    ``"drain"`` (every step drains the pipeline); None: in flight wherever it runs (one layout,
+    the default policy, replicas as groups), else drained."""
+    prefill_chunk: int | None = None
+    """Chunked prefill (vLLM's ``long_prefill_token_threshold``): a prompt gets at most this many
+    tokens per step, beside the running sequences' decode tokens and other prompts' tokens, under
+    ``max_prefill_tokens``; None: whole prompts, in steps of their own. Needs the default policy,
+    no ``kv_swap`` and no pipeline stages."""
+    num_microbatches: int | None = None
+    """Pipeline micro-batches per step; None: one per pipeline stage (the model's ``pp`` degree;
+    1 without stages)."""
+    kv_swap: bool = False
+    """Micro-batch swapping (DejaVu): every slot's KV lives in host memory and the device holds
+    two micro-batches' worth. Needs ``num_microbatches >= 2``, a contiguous cache and no
+    ``compile``."""
+    compile: bool = False
+    """``torch.compile`` the decode step (static shapes, a few graphs)."""
+    dtype: str | None = None
+    """The weights' dtype when a strategy loads a checkpoint: ``"float32"``, ``"bfloat16"`` or
+    ``"float16"`` (:attr:`torch_dtype`); None: the checkpoint's."""
+    group_timeout: float | None = None
+    """Seconds an engine group waits for the router before it fails naming what it waited for;
+    None: the job's collective timeout."""
+    allow_unused: bool = False
+    """Load a checkpoint that holds tensors the model does not use."""
+    load_weights: bool = True
+    """False: a strategy building one layout leaves the parameters unread, for the caller to fill
+    (a respawned group takes them from a live replica)."""
+
+    def __post_init__(self) -> None:
+        if (self.kv_block_size is None) != (self.kv_tokens is None):
+            raise ValueError(
+                f"engine.kv_block_size and engine.kv_tokens go together, got {self.kv_block_size} and {self.kv_tokens}"
+            )
+        for key in _COUNTS:
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"engine.{key} must be >= 1, got {value!r}")
+        for key, choices in _choices().items():
+            _check_choice(key, getattr(self, key), choices)
+        if self.group_timeout is not None and not self.group_timeout > 0:
+            raise ValueError(
+                f"engine.group_timeout must be > 0 seconds (None: the collective timeout), got {self.group_timeout}"
+            )
+        if self.prefill_chunk is not None and self.kv_swap:
+            raise ValueError(
+                f"engine.prefill_chunk ({self.prefill_chunk}) cannot be combined with engine.kv_swap ({self.kv_swap})"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """:attr:`dtype` as a ``torch.dtype`` (None: the checkpoint's)."""
+        return None if self.dtype is None else getattr(torch, self.dtype)
+
+    def seq_len(self, model_config: Any) -> int:
+        """Positions per slot for a model of Hugging Face config ``model_config``."""
+        return self.max_seq_len or min(model_config.max_position_embeddings, MAX_DEFAULT_SEQ_LEN)
+
+
+def _choices() -> dict[str, tuple]:
+    """The keys that take one of a few names, and those names (each owned by its module)."""
+    from reshard.parallel.engine.inflight import PIPELINES
+    from reshard.parallel.engine.policy import ADMISSION
+    from reshard.parallel.engine.router import ROUTING
+    from reshard.parallel.engine.runner import REPLICAS
+
+    return {
+        "admission": ADMISSION,
+        "replicas": REPLICAS,
+        "routing": ROUTING,
+        "pipeline": (*PIPELINES, None),
+        "dtype": (*DTYPES, None),
+    }
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        names = [c for c in choices if c is not None]
+        null = " or None" if None in choices else ""
+        raise ValueError(f"engine.{key} must be one of {names}{null}, got {value!r}")

@@ -1,0 +1,44 @@
+"""DejaVu prompt/token disaggregation: prompts on some ranks, tokens on the others.
+
+The prompt ranks and the token ranks are two meshes with their own layouts (TP degree and
+pipeline depth may differ, e.g. prompt TP2 -> token PP2). A prefill step runs on the prompt
+ranks; a ``layer_after`` listener of the prompt layout streams layer ``i``'s KV to the token ranks
+while layer ``i + 1`` computes (DejaVu's layer-by-layer prompt streaming), re-sharded on the way
+by the stream plan (:mod:`reshard.kv.stream`).
+
+By default (``replicas="groups"``) each side is one or more engine groups running the one engine
+loop at the same time (:func:`dejavu_groups_engine`): a prompt group (:class:`PromptSide`)
+prefills what the router hands it and hands every prefilled prompt, with its first token and
+timing, to a token group (:class:`TokenSide`), which takes it into free slots, fetches its KV and
+decodes it once the KV has landed on every rank of the group. With ``replicas="lockstep"``
+(fault tolerance's journal and ring need it) both sides step in one loop
+(:class:`DejaVuPolicy`): the token ranks post the fetches when a prefill step ends and unpack
+them before the first decode step that needs them (the step's :class:`ReceiveStreams` move);
+ranks outside a step's layout only join the token agreement, which spans the whole job.
+
+The appendix-D planner (:mod:`parallel.cost.dejavu_planner`) chooses the split when
+``prompt_ranks`` is unset (:meth:`DejaVuStrategy.planned`), from configured step times or the cost
+model's prediction; after the run it turns the measured prompt and token step times into the split
+``D_p`` / ``D_t`` it would choose next time, reported in ``summary.json``.
+"""
+
+from reshard.parallel.strategies.dejavu.sides import DejaVuPolicy, DejaVuStats, PromptSide, TokenSide
+from reshard.parallel.strategies.dejavu.strategy import (
+    DejaVuStrategy,
+    SideConfig,
+    dejavu_engine,
+    dejavu_groups_engine,
+    predicted_step_ms,
+)
+
+__all__ = [
+    "DejaVuPolicy",
+    "DejaVuStats",
+    "DejaVuStrategy",
+    "PromptSide",
+    "SideConfig",
+    "TokenSide",
+    "dejavu_engine",
+    "dejavu_groups_engine",
+    "predicted_step_ms",
+]
