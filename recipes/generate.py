@@ -158,7 +158,7 @@ def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dic
             "restart_after_s": None if killed is None else t0 - killed,
             "detected_after_s": detected,
             "recovered_from_step": ft.recovered_from,
-            "detected_after_heartbeats": None if detected is None else detected / cfg.fault.heartbeat_s,
+            "detected_by": ft.detected_by(),  # how the first survivor noticed (a heartbeat: after how many checks)
             "recomputed_steps": ft.recomputed_steps,
         }
 

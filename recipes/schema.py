@@ -16,6 +16,7 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
+from types import MappingProxyType
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -29,7 +30,7 @@ from reshard.recipes.plan_config import PlanConfig
 from reshard.recipes.rollout_config import RolloutJobConfig
 
 CONFIG_MODULE = "reshard.conf"
-JOBS = {"generate": GenerateConfig, "rollout": RolloutJobConfig, "plan": PlanConfig}
+JOBS = MappingProxyType({"generate": GenerateConfig, "rollout": RolloutJobConfig, "plan": PlanConfig})
 # lines of an OmegaConf/Hydra message that are not the reason
 _NOT_REASON = ("full_key:", "object_type=", "reference_type=", "To append", "Error merging override")
 

@@ -187,6 +187,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
     channel.put(f"weights_from/{spec.rank}.{spec.generation}", source)  # (where, seconds to build with them)
     channel.put(f"ready/{spec.endpoint}", time.time())
+    channel.put(f"ready/{spec.endpoint}/{position}", time.time())  # this rank built, its donor answers
     hands_off = spec.group in topology.entries and bool(topology.takers)  # a prompt group
     if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group: once it is)
         mirror.wait_connected(starting=hands_off)
@@ -213,7 +214,9 @@ def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Top
     else ``"checkpoint"``."""
     config = cfg.engine_config()
     world, store = int(os.environ["WORLD_SIZE"]), _supervision_store()
-    live = [e for e in (_live_endpoint(store, g) for g in range(topology.groups) if g != spec.group) if e]
+    position = spec.members.index(spec.rank)
+    others = (_live_endpoint(store, g, position) for g in range(topology.groups) if g != spec.group)
+    live = [e for e in others if e]
     wanted = spec.generation > 0 and cfg.fault.respawn_weights == "replica" and _replicas(cfg)
     donor = live[0] if wanted and live else None
     t0 = time.perf_counter()
@@ -222,18 +225,20 @@ def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Top
         return engine, ("checkpoint", time.perf_counter() - t0)
     engine = _group_strategy(cfg, world, path).build(path, dataclasses.replace(config, load_weights=False))
     group = int(donor.split(".")[0])
-    gone = lambda: _live_endpoint(store, group) != donor  # noqa: E731 - it died or finished
-    position = spec.members.index(spec.rank)
+    gone = lambda: _live_endpoint(store, group, position) != donor  # noqa: E731 - it died or finished
     if take_weights(engine.runner.model, _supervision_store, donor, spec.endpoint, position, gone):
         return engine, (donor, time.perf_counter() - t0)
     load_checkpoint(engine.runner.model, path, allow_unused=cfg.model.allow_unused_weights)
     return engine, ("checkpoint", time.perf_counter() - t0)
 
 
-def _live_endpoint(store: dist.Store, g: int) -> str | None:
-    """Group ``g``'s generation that is serving (ready, not yet left), if any."""
+def _live_endpoint(store: dist.Store, g: int, position: int | None = None) -> str | None:
+    """Group ``g``'s generation that is serving (ready, not yet left), if any; with ``position``,
+    only once that rank of it is ready (built, its weight donor answering: a group is ready when
+    its first rank is, and a respawned rank must not ask one that is itself still asking)."""
     endpoint, channel = f"{g}.{int(store.get(f'gen/{g}'))}", Channel(CHANNEL, store=store)
-    return endpoint if channel.ready(f"ready/{endpoint}") and not channel.ready(f"left/{endpoint}") else None
+    ready = f"ready/{endpoint}" + ("" if position is None else f"/{position}")
+    return endpoint if channel.ready(ready) and not channel.ready(f"left/{endpoint}") else None
 
 
 def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topology) -> KVMirror | None:

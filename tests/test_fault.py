@@ -110,7 +110,10 @@ def test_killed_rank_recovers_from_its_ring_neighbour(tmp_path, reference, world
     assert summary["failures"] == 1
     assert 0 < summary["recovered_from_step"] <= step and summary["recomputed_steps"] <= every
     assert every == 1 or summary["recomputed_steps"] > 0  # the kill falls between two messages
-    assert 0 <= summary["detected_after_heartbeats"] <= 3  # a broken collective: mostly at once
+    # the first survivor noticed through a collective that failed, torchrun's stop, or a heartbeat
+    # declaring the killed rank dead after its checks found it silent (3; a 4th if a check woke early)
+    by = summary["detected_by"]
+    assert by["how"] in ("collective", "torchrun") or (by["how"] == "heartbeat" and by["silent_checks"] in (3, 4)), by
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("reshard-ft-")]  # cleaned up
 
 
@@ -131,8 +134,9 @@ def test_a_hung_rank_is_declared_dead_by_heartbeats_and_recovered(tmp_path, refe
         restarts=1,
     )
     assert tokens == expected and summary["failures"] == 1 and summary["recomputed_steps"] <= 1
-    # declared after 3 silent periods, checked once a period; the last beat was up to a period before the hang
-    assert 2 <= summary["detected_after_heartbeats"] <= 4.5
+    # no collective breaks: the heartbeat declared it dead, after 3 checks that found its counter
+    # still (a 4th if a check woke early), not at the first silent check nor never
+    assert summary["detected_by"]["how"] == "heartbeat" and summary["detected_by"]["silent_checks"] in (3, 4)
 
 
 def test_a_second_failure_during_recovery_recovers_again(tmp_path, reference):

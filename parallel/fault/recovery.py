@@ -197,20 +197,32 @@ class FaultTolerance:
         """When the previous attempt's injected kill fired."""
         return self._time(f"killed-at-{self.attempt - 1}")
 
+    def detected_by(self) -> dict | None:
+        """How the first survivor of the previous attempt noticed the failure (:meth:`on_failure`'s
+        ``how`` and ``silent_checks``); None: no survivor recorded it."""
+        path = self.shm / f"detected-by-{self.attempt - 1}"
+        if not path.exists():
+            return None
+        how, checks = json.loads(path.read_text())
+        return {"how": how, "silent_checks": checks}
+
     def detected_after(self) -> float | None:
         """Seconds from the injected kill to the first survivor noticing (heartbeat or a failed
         collective), from the previous attempt's records."""
         killed, detected = self.killed_at(), self._time(f"detected-at-{self.attempt - 1}")
         return None if killed is None or detected is None else detected - killed
 
-    def on_failure(self, cause: str) -> None:
-        """This rank saw a peer fail (``cause``: how): record when (once per job) and say, once
-        per attempt, what comes next. After the last attempt the job's files are removed: no later
-        attempt would read them."""
+    def on_failure(self, cause: str, *, how: str = "collective", silent_checks: int | None = None) -> None:
+        """This rank saw a peer fail (``cause``: in words; ``how``: ``"collective"`` (one failed),
+        ``"heartbeat"`` (a peer declared dead after ``silent_checks`` checks that found its
+        counter still) or ``"torchrun"`` (the agent stopped this rank)): record when and how (the
+        first survivor per attempt) and say, once per attempt, what comes next. After the last
+        attempt the job's files are removed: no later attempt would read them."""
         path = self.shm / f"detected-at-{self.attempt}"
         if not path.exists():
             with contextlib.suppress(OSError):  # another survivor of the last attempt removed the files
                 path.write_text(repr(time.time()))
+                (self.shm / f"detected-by-{self.attempt}").write_text(json.dumps([how, silent_checks]))
         first = self._claim(f"reported-{self.attempt}")
         if self.last_attempt:
             remove_directory(self.shm)
@@ -229,11 +241,12 @@ class FaultTolerance:
             return False
 
     def _terminated(self, signum: int, frame) -> None:
-        self.on_failure(f"torchrun stopped rank {self.rank} (another rank failed)")
+        self.on_failure(f"torchrun stopped rank {self.rank} (another rank failed)", how="torchrun")
         os._exit(128 + signum)
 
     def _declare_dead(self, rank: int, silent: float) -> None:
-        self.on_failure(f"rank {rank} silent for {silent:.1f} s, declared dead")
+        checks = _silent_checks(self.heartbeat.events, rank)
+        self.on_failure(f"rank {rank} silent for {silent:.1f} s, declared dead", how="heartbeat", silent_checks=checks)
         os._exit(3)  # leave the job: no survivor waits in a collective for a rank that hangs
 
     def _time(self, name: str) -> float | None:
@@ -314,3 +327,11 @@ def _replicated_layout(engine: Engine) -> str:
             f"(kv_block_size={runner.kv.spec.block_size}): drop engine.kv_block_size"
         )
     return name
+
+
+def _silent_checks(events, rank: int) -> int:
+    """The checks, up to and including the one that declared ``rank`` dead, that found its counter
+    where it was (the :class:`Heartbeat` records after its last ``beat``)."""
+    mine = [kind for kind, r, _ in list(events) if r == rank]
+    last_beat = max((i for i, kind in enumerate(mine) if kind == "beat"), default=-1)
+    return len(mine) - 1 - last_beat
