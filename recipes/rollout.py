@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from reshard.mesh import device_type
+from reshard.mesh import all_gather_objects, device_type
 from reshard.parallel import Request, SamplingParams
 from reshard.parallel.model.tiny_models import cached_checkpoint
 from reshard.parallel.model.weight_sync import model_sync, rollout_tensors
@@ -195,8 +195,7 @@ class RolloutJob:
                     for _, t in sorted(rollout_tensors(self.rollout).items())
                 )
             )
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone = all_gather_objects(mine)
         return _digest("".join(everyone).encode())
 
 

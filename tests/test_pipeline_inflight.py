@@ -10,48 +10,103 @@ from tests.test_groups import _requests
 LATE = 0.05  # seconds after the start: the online request arrives while the others decode
 
 
-def _stage_runs(path, pp, prompts, max_new):
+def _stage_runs(path, pp, prompts, max_new, stops):
     """Every engine run of one pipeline depth, on every stage: in flight (greedy, seeded, with a
-    late arrival) and drained (seeded); each with the stage's :class:`PipelineRecord`."""
+    late arrival; greedy with log-probabilities and stop strings ``stops``) and drained (seeded;
+    log-probabilities and stop strings); each with the stage's :class:`PipelineRecord`."""
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, EngineConfig, ParallelDims
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
     from reshard.parallel.model.pipeline import parallelize_pipeline
+    from reshard.recipes.prompts import output_tokenizer
 
     model = parallelize_pipeline(path, ParallelDims(pp=pp, world_size=dist.get_world_size()))
     kw = dict(num_microbatches=pp, max_batch_size=8, max_seq_len=128)
-    inflight = Engine(model, EngineConfig(pipeline="inflight", **kw))
-    drained = Engine(model, EngineConfig(pipeline="drain", **kw))
+    tok = output_tokenizer(path)
+    inflight = Engine(model, EngineConfig(pipeline="inflight", **kw), tokenizer=tok)
+    drained = Engine(model, EngineConfig(pipeline="drain", **kw), tokenizer=tok)
     assert Engine(model, EngineConfig(**kw)).flow is not None  # in flight is the default for pp > 1
 
     def run(engine, new=max_new, **req):
         completions = engine.generate(_requests(prompts, new, **req))
         return [c.output_ids for c in completions], [c.timing for c in completions], engine.flow.record
 
+    def carried(engine):
+        params = [SamplingParams(max_new_tokens=max_new, logprobs=3, stop=stop) for stop in stops]
+        done = engine.generate([Request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+        return [(c.output_ids, c.finish_reason, c.logprobs) for c in done]
+
     arrivals = [0.0] * (len(prompts) - 1) + [LATE]
     greedy = run(inflight)
     online = run(inflight, arrivals=arrivals, new=[4 * max_new] * (len(prompts) - 1) + [max_new])
     sampled = run(inflight, temperature=0.9)
-    return greedy, online, sampled, drained.generate(_requests(prompts, max_new, temperature=0.9)), drained.flow
+    drained_sampled = drained.generate(_requests(prompts, max_new, temperature=0.9))
+    return greedy, online, sampled, drained_sampled, drained.flow, carried(inflight), carried(drained)
+
+
+def _hf_carried(path, prompts, max_new, stops):
+    """HF greedy ``generate`` with ``stop_strings`` (per prompt) and ``output_logits``: each
+    prompt's tokens and each token's log-probability with its top 3 ``(id, logprob)``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    out = []
+    for prompt, stop in zip(prompts, stops):
+        kw = dict(stop_strings=list(stop), tokenizer=tok) if stop else {}
+        with torch.no_grad():
+            res = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kw,
+            )  # fmt: skip
+        tokens = res.sequences[0, len(prompt) :].tolist()
+        lps = [torch.log_softmax(logits[0].float(), -1) for logits in res.logits]
+        out.append((tokens, [(lp[t].item(), lp.topk(3)) for lp, t in zip(lps, tokens)]))
+    return out
+
+
+def _assert_carried(got, expected, max_new):
+    """Tokens, finish reasons and log-probabilities (ids equal, values within fp32 error) as HF's."""
+    import pytest
+
+    for (ids, reason, logprobs), (tokens, lps) in zip(got, expected):
+        assert ids == tokens and reason == ("length" if len(ids) == max_new else "stop")
+        for (lp, top), (want, want_top) in zip(logprobs, lps, strict=True):
+            assert lp == pytest.approx(want, abs=1e-4) and [t[0] for t in top] == want_top.indices.tolist()
+            assert [t[1] for t in top] == pytest.approx(want_top.values.tolist(), abs=1e-4)
 
 
 @pytest.mark.parametrize("pp", [2, 4], ids=["PP2", "PP4"])
-def test_inflight_pipeline_matches_hf_and_keeps_microbatches_in_flight(four_layer, hf_reference, pp):
-    path, prompts = four_layer["llama"], _prompts(8)  # every micro-batch has work at PP4
+def test_inflight_pipeline_matches_hf_and_keeps_microbatches_in_flight(four_layer, hf_reference, pp, tmp_path):
+    """Every stage runs the one loop: greedy and late-arriving tokens equal HF; seeded samples,
+    log-probabilities and stop strings equal the drained engine's and HF's, on every stage."""
+    from tests.test_text_io import _with_tokenizer
+
+    path, prompts = str(tmp_path / "ckpt"), _prompts(8)  # every micro-batch has work at PP4
+    tok = _with_tokenizer(four_layer["llama"], tmp_path / "ckpt", chat=False)
     expected = hf_reference(path, prompts, 4 * MAX_NEW)
-    results = dist_harness.run(pp, _stage_runs, path, pp, prompts, MAX_NEW)
-    (tokens, _, head), (late_tokens, timings, _), (sampled, _, _), drained, no_flow = results[0]
+    # stop strings of every other prompt: the word of its 3rd free-running token (ends it there or earlier)
+    stops = [(tok.convert_ids_to_tokens(t[2]),) if i % 2 == 0 else () for i, t in enumerate(expected)]
+    results = dist_harness.run(pp, _stage_runs, path, pp, prompts, MAX_NEW, stops)
+    (tokens, _, head), (late_tokens, timings, _), (sampled, _, _), drained, no_flow, carried, drained_carried = results[
+        0
+    ]
     assert tokens == [t[:MAX_NEW] for t in expected]
     assert sampled == [c.output_ids for c in drained] and sampled != tokens  # seeded: as the drained engine
     assert no_flow is None
+    _assert_carried(carried, _hf_carried(path, prompts, MAX_NEW, stops), MAX_NEW)
+    assert [c[:2] for c in carried] == [c[:2] for c in drained_carried]
+    assert sum(reason == "stop" for _, reason, _ in carried) >= 2  # the stop strings ended requests
     # the late request was admitted while the others decoded, and changed none of their tokens
     assert late_tokens == expected[:-1] + [expected[-1][:MAX_NEW]]
     late = timings[-1]
     assert late.started >= LATE and late.started < min(t.finished for t in timings[:-1])
     # micro-batches really were in flight across steps: every stage ran every launched step
     assert head.peak == pp and head.overlapped >= head.steps // 2
-    for rank, (greedy, online, sampled_run, _, _) in enumerate(results):
+    for rank, (greedy, online, sampled_run, _, _, carried_run, _) in enumerate(results):
         assert greedy[0] == tokens and online[0] == late_tokens and sampled_run[0] == sampled  # every rank
+        assert carried_run == carried  # every stage recorded the same tokens, reasons and log-probabilities
         assert greedy[2].steps == head.steps, f"stage {rank} ran {greedy[2].steps} of {head.steps} steps"
 
 

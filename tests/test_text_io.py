@@ -250,17 +250,3 @@ def test_logprobs_are_refused_where_they_are_not_carried(checkpoints):
         compose("generate", ["generation.logprobs=2", "fault.migrate=reprefill"])
     with pytest.raises(ValueError, match=r"^generation.logprobs must be an int in 0..20 or None, got 21"):
         compose("generate", ["generation.logprobs=21"])
-    assert dist_harness.run(2, _inflight_logprobs, checkpoints["llama"]) == [True, True]
-
-
-def _inflight_logprobs(path):
-    import torch.distributed as dist
-
-    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
-    from reshard.parallel.model.pipeline import parallelize_pipeline
-
-    model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
-    engine = Engine(model, EngineConfig(pipeline="inflight", num_microbatches=2, max_seq_len=64))
-    with pytest.raises(ValueError, match=r"request 0: logprobs=1 are not carried by an in-flight pipeline"):
-        engine.generate([Request(0, [1, 2, 3], SamplingParams(max_new_tokens=2, logprobs=1))])
-    return True

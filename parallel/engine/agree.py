@@ -59,8 +59,7 @@ def sample_step(
     index = {id(s): i for i, s in enumerate(seqs)}
     tokens = torch.zeros(len(seqs), dtype=torch.long)
     source = torch.zeros(len(seqs), dtype=torch.bool)
-    want = [i for i, s in enumerate(seqs) if s.request.sampling.logprobs is not None]
-    width = 1 + 2 * max((seqs[i].request.sampling.logprobs for i in want), default=0)
+    want, width = logprob_rows(seqs)
     lp = torch.zeros(len(seqs), width) if want else None  # (B, 1 + 2k): the rows this rank is the source of
     sampled = set()
     if logits is not None:
@@ -81,10 +80,54 @@ def sample_step(
     agreed, sums = agree_tokens(tokens, source, group, values)
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
     if want:
-        rows = sums[len(keys) :].int().view(torch.float32).view(len(want), width).tolist()
-        for i, row in zip(want, rows):
-            logprobs[i] = unpack_logprobs(row, seqs[i].request.sampling.logprobs)
+        logprobs = _unpack_rows(seqs, want, width, sums[len(keys) :])
     return agreed.tolist(), dict(zip(keys, sums[: len(keys)].tolist())), logprobs
+
+
+def logprob_rows(seqs: list[Sequence]) -> tuple[list[int], int]:
+    """The indices of ``seqs`` whose requests ask for log-probabilities and the width ``W = 1 + 2k``
+    of their rows (``k``: the most top log-probabilities one asks for)."""
+    want = [i for i, s in enumerate(seqs) if s.request.sampling.logprobs is not None]
+    return want, 1 + 2 * max((seqs[i].request.sampling.logprobs for i in want), default=0)
+
+
+def _unpack_rows(seqs: list[Sequence], want: list[int], width: int, bits: torch.Tensor) -> list:
+    """``bits`` ``(len(want) * width,)`` int64 holding fp32 bit patterns -> each sequence's
+    :data:`TokenLogprobs` (None where it asks for none)."""
+    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+    rows = bits.int().view(torch.float32).view(len(want), width).tolist()
+    for i, row in zip(want, rows):
+        logprobs[i] = unpack_logprobs(row, seqs[i].request.sampling.logprobs)
+    return logprobs
+
+
+def sample_payload(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """Sample every sequence of a step whose ``(B, V)`` ``logits`` this rank holds, as the int64
+    payload it sends the ranks that do not (:func:`read_payload`): ``(B + R * W,)``, the ``B``
+    tokens, then the ``(R, W)`` log-probability rows (:func:`logprob_rows`) as fp32 bit patterns.
+    The same sampler and the same rows as :func:`sample_step`'s."""
+    tokens = sample_tokens(
+        logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], [s.banned for s in seqs]
+    )
+    want, width = logprob_rows(seqs)
+    if not want:
+        return tokens
+    rows = token_logprobs(logits[torch.tensor(want, device=logits.device)], tokens[want], (width - 1) // 2)
+    return torch.cat([tokens, rows.contiguous().view(torch.int32).long().flatten()])  # (B + R * W,)
+
+
+def payload_size(seqs: list[Sequence]) -> int:
+    """The length of :func:`sample_payload`'s payload for ``seqs``."""
+    want, width = logprob_rows(seqs)
+    return len(seqs) + len(want) * width
+
+
+def read_payload(seqs: list[Sequence], payload: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """A :func:`sample_payload` payload -> every sequence's token and :data:`TokenLogprobs`."""
+    want, width = logprob_rows(seqs)
+    payload = payload.cpu()
+    logprobs = _unpack_rows(seqs, want, width, payload[len(seqs) :]) if want else [None] * len(seqs)
+    return payload[: len(seqs)].tolist(), logprobs
 
 
 def sample_emitting(

@@ -12,28 +12,26 @@ from reshard.parallel.engine.request import Request
 from reshard.parallel.model.info import parallel_info
 
 
-def check_requests(
-    requests: Seq[Request], *, vocab_size: int, max_seq_len: int, has_tokenizer: bool, inflight: bool
-) -> None:
+def check_requests(requests: Seq[Request], *, vocab_size: int, max_seq_len: int, has_tokenizer: bool) -> None:
     """Repeated ids, then each request (:func:`check_request`)."""
     seen: set = set()
     for r in requests:
         if r.id in seen:
             raise ValueError(f"request id {r.id!r} appears more than once; ids must be unique")
         seen.add(r.id)
-        check_request(r, vocab_size=vocab_size, max_seq_len=max_seq_len, has_tokenizer=has_tokenizer, inflight=inflight)
+        check_request(r, vocab_size=vocab_size, max_seq_len=max_seq_len, has_tokenizer=has_tokenizer)
 
 
-def check_request(r: Request, *, vocab_size: int, max_seq_len: int, has_tokenizer: bool, inflight: bool) -> None:
+def check_request(r: Request, *, vocab_size: int, max_seq_len: int, has_tokenizer: bool) -> None:
     """Empty, too long or out-of-vocabulary prompts, token ids that are not ints, and what the
-    engine does not carry (log-probabilities in flight, stop strings without a tokenizer)."""
+    engine cannot honour (stop strings without a tokenizer)."""
     n, m = len(r.prompt_ids), r.sampling.max_new_tokens
     if n == 0:
         raise ValueError(f"request {r.id}: empty prompt")
     not_int = [t for t in r.prompt_ids if type(t) is not int]  # bools and floats are not token ids
     if not_int:
         raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
-    _check_carried(r, has_tokenizer=has_tokenizer, inflight=inflight)
+    _check_carried(r, has_tokenizer=has_tokenizer)
     if n + m > max_seq_len:
         raise ValueError(
             f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = {n + m} exceeds max_seq_len ({max_seq_len})"
@@ -43,12 +41,7 @@ def check_request(r: Request, *, vocab_size: int, max_seq_len: int, has_tokenize
         raise ValueError(f"request {r.id}: token ids {bad[:5]} outside vocab [0, {vocab_size})")
 
 
-def _check_carried(r: Request, *, has_tokenizer: bool, inflight: bool) -> None:
-    if r.sampling.logprobs is not None and inflight:
-        raise ValueError(
-            f"request {r.id}: logprobs={r.sampling.logprobs} are not carried by an in-flight pipeline (its last "
-            "stage sends the first tokens only); use EngineConfig(pipeline='drain') (engine.pipeline=drain)"
-        )
+def _check_carried(r: Request, *, has_tokenizer: bool) -> None:
     if r.sampling.stop and not has_tokenizer:
         raise ValueError(
             f"request {r.id}: stop strings {r.sampling.stop!r} are matched in decoded text and the engine has "

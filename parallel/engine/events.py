@@ -3,8 +3,8 @@
 ``engine.events.on(event, fn, layout=...)`` registers ``fn`` and returns a function that removes
 it. The loop fires the step events; the runner fires the layer events (only when a listener for
 its layout exists, so a step without layer listeners pays nothing per layer). Every rank fires the
-same step events in the same order (in an in-flight pipeline the later stages fire only
-``step_ready``, for each step the first stage notes them, with its index).
+same step events in the same order (every stage of an in-flight pipeline too: each runs the
+steps the first stage notes).
 
 ============== ========================== ==================================================================
 event          listener                   when

@@ -4,19 +4,25 @@ Placement: one pipeline of ``p`` stages, one rank per stage (tp = sp = 1 per sta
 replicas as engine groups). Micro-batch ``k`` owns the KV slots of range ``k`` of
 ``split_ranges(max_batch_size, p)`` on every stage.
 
-- The **first stage** runs the engine loop and owns every request's state. It decides each
-  micro-batch's next step (:class:`InflightBatching`), sends a :class:`StepNote` with the
-  activations down the stages and keeps up to ``p`` micro-batches in flight (:class:`Flight`).
-  A micro-batch's next step starts as soon as its tokens land, not when a whole step drains.
-- **Followers** (:class:`StageFollower`: every later stage) receive notes, forward them, run
-  their layer span on the micro-batch and (the last stage) sample its tokens and send them
-  straight back to the first stage: token agreement per micro-batch, one source per sequence
-  (the last stage), as in the drained loop's agreement.
-- Every send is posted without waiting (``isend``), and the first stage posts a micro-batch's
-  token receive right after its activations (in the order the last stage issues the matching
-  operations, as NCCL needs); no stage waits in a cycle.
-- The loop ends with a ``"stop"`` note down the stages; the first stage then hands every
-  completion to the followers (one broadcast over the pipeline's ranks).
+Every stage runs the engine's one loop and the same step (:class:`BatchQueue`: run this
+stage's layers of a step, land its tokens):
+
+- The **first stage** schedules: it decides each micro-batch's next step
+  (:class:`InflightBatching`), sends its :class:`StepNote` down the stages with the activations
+  and keeps up to ``p`` micro-batches in flight. A micro-batch's next step starts as soon as its
+  tokens land, not when a whole step drains.
+- **Later stages** take their steps from the notes (:class:`NotedSteps`, the policy of their
+  loop, forwarding each note as it arrives): the scheduler's output handed to every worker, as
+  vLLM's engine core hands its workers a ``SchedulerOutput``.
+- The **last stage** samples each step's tokens and log-probabilities with the engine's sampler
+  and sends them to every other stage; every stage records them alike (one source per sequence,
+  as in the drained loop's agreement), so stop strings, finish reasons and log-probabilities are
+  the same on every stage.
+- Every send is posted without waiting (``isend``), and a stage posts a step's token receive
+  right after its activations (in the order the last stage issues the matching operations, as
+  NCCL needs); no stage waits in a cycle. A later stage lands a step's tokens before it runs the
+  next step of the same sequences.
+- The loop ends with a ``"stop"`` note down the stages.
 """
 
 from __future__ import annotations
@@ -24,16 +30,16 @@ from __future__ import annotations
 import pickle
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from reshard.parallel.engine.policy import ContinuousBatching, Step
+from reshard.parallel.engine.agree import payload_size, read_payload, sample_payload
+from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step
 from reshard.parallel.engine.request import Request, Sequence
+from reshard.parallel.engine.router import Admission
 from reshard.parallel.engine.runner import ModelRunner
-from reshard.parallel.engine.sampling import sample_tokens
 from reshard.parallel.engine.splits import split_ranges
 
 PIPELINES = ("inflight", "drain")
@@ -44,11 +50,11 @@ KINDS = ("stop", "new", "running")  # a note's kind on the wire
 
 @dataclass(frozen=True)
 class StepNote:
-    """What a follower stage needs to run one micro-batch's step: each sequence's request id, KV
+    """What a later stage needs to run one micro-batch's step: each sequence's request id, KV
     slot, computed tokens and tokens to compute; for new sequences (a step of whole prompts) their
     requests (and paged blocks)."""
 
-    kind: str  # "new": every sequence is new to the followers | "running": none is | "stop"
+    kind: str  # "new": every sequence is new to the later stages | "running": none is | "stop"
     ids: tuple[int, ...] = ()
     slots: tuple[int, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()
@@ -123,20 +129,24 @@ class NoteLink:
 
 @dataclass
 class Flight:
-    """One micro-batch's step between its launch on the first stage and its tokens' landing."""
+    """One micro-batch's step between its launch on this stage and its tokens' landing."""
 
     step: Step
-    tokens: torch.Tensor  # (len(step.seqs),) int64, filled by the last stage's send
-    work: dist.Work
+    payload: torch.Tensor  # int64 (payload_size(step.seqs),): tokens, then log-probability rows
+    work: dist.Work | None  # the receive from the last stage (None: sampled on this stage)
     launched: float  # time.time() at launch
     clock: float  # time.perf_counter() at launch
+
+    def ready(self) -> bool:
+        """Whether the step's tokens are here (landing it will not wait)."""
+        return self.work is None or self.work.is_completed()
 
 
 @dataclass
 class PipelineRecord:
-    """What a stage saw: steps it ran, and on the first stage how many micro-batches were in
-    flight (``overlapped``: launches while another micro-batch was in flight; ``peak``: most at
-    once); ``busy``: seconds in forward bodies; ``wall``: seconds from first note to stop."""
+    """What a stage saw: steps it ran, how many micro-batches were in flight (``overlapped``:
+    launches while another micro-batch was in flight; ``peak``: most at once); ``busy``: seconds
+    in forward bodies; ``wall``: seconds from the first launch to the end."""
 
     steps: int = 0
     overlapped: int = 0
@@ -150,18 +160,27 @@ class PipelineRecord:
         return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
 
 
-@dataclass
-class PipelineHead:
-    """The first stage's side: launches micro-batch steps and lands their tokens."""
+class BatchQueue:
+    """This stage's micro-batch steps in flight (at most ``num_microbatches``), on every stage.
 
-    runner: ModelRunner
-    flights: deque[Flight] = field(default_factory=deque)
-    record: PipelineRecord = field(default_factory=PipelineRecord)
+    :meth:`launch` runs this stage's layers of one step: the first stage sends the step's
+    :class:`StepNote` down first (the later stages' :class:`NotedSteps` hand it to their loop);
+    the last stage samples the step's tokens and log-probabilities with the engine's sampler
+    (:func:`sample_payload`) and sends them to every other stage; the other stages post the
+    receive of them. :meth:`land` hands back the oldest step's tokens, so every stage records the
+    same tokens in the same order (stop strings, finish reasons and log-probabilities alike).
+    """
 
-    def __post_init__(self) -> None:
-        peers = self.runner.link.peers
-        self.notes = NoteLink(None, peers[1], _note_capacity(self.runner), self.runner.device)
-        self.last = peers[-1]
+    def __init__(self, runner: ModelRunner) -> None:
+        link = runner.link
+        self.runner = runner
+        prev = None if link.is_first else link.peers[link.stage - 1]
+        nxt = None if link.is_last else link.peers[link.stage + 1]
+        self.notes = NoteLink(prev, nxt, _note_capacity(runner), runner.device)
+        self.first, self.last, self.others = link.is_first, link.peers[-1], link.peers[:-1]
+        self.flights: deque[Flight] = deque()
+        self.sent: deque[tuple[dist.Work, torch.Tensor]] = deque()  # token sends (last stage), with buffers
+        self.record = PipelineRecord()
         self._t0 = self._busy0 = 0.0
 
     def begin(self) -> None:
@@ -169,117 +188,141 @@ class PipelineHead:
         self.record = PipelineRecord()
         self._t0, self._busy0 = time.perf_counter(), self.runner.busy_seconds
 
-    def launch(self, step: Step, layers=None) -> Flight:
-        """Send ``step``'s note and activations down the pipeline, then post its token receive
-        (after the activations: NCCL runs one pair's P2P in posting order, and with two stages the
-        last stage is the next one, which sends the tokens only after it received them)."""
+    def launch(self, step: Step, layers=None) -> None:
+        """Run this stage's part of ``step`` (the first stage notes it down the stages first)."""
         launched, clock = time.time(), time.perf_counter()
-        self.notes.send(StepNote.of(step))
-        self.runner.run(step.seqs, step.num_tokens, layers)
-        tokens = torch.empty(len(step.seqs), dtype=torch.long, device=self.runner.device)
-        flight = Flight(step, tokens, dist.irecv(tokens, self.last, tag=TOKEN_TAG), launched, clock)
+        if self.first:
+            self.notes.send(StepNote.of(step))
+        logits = self.runner.run(step.seqs, step.num_tokens, layers)
+        if logits is None:  # not the last stage: (B + R * W,) tokens and log-probabilities come from it
+            payload = torch.empty(payload_size(step.seqs), dtype=torch.long, device=self.runner.device)
+            work = dist.irecv(payload, self.last, tag=TOKEN_TAG)
+        else:
+            payload, work = self._send(sample_payload(step.seqs, logits)), None
         self.record.overlapped += bool(self.flights)
-        self.flights.append(flight)
+        self.flights.append(Flight(step, payload, work, launched, clock))
         self.record.peak = max(self.record.peak, len(self.flights))
         self.record.steps += 1
-        return flight
 
-    def land(self) -> Flight:
-        """The oldest micro-batch's tokens (waits for the last stage)."""
+    def _send(self, payload: torch.Tensor) -> torch.Tensor:
+        """Post the last stage's sampled ``payload`` to every other stage without waiting."""
+        payload = payload.to(device=self.runner.device, dtype=torch.long).contiguous()
+        for peer in self.others:
+            self.sent.append((dist.isend(payload, peer, tag=TOKEN_TAG), payload))
+        while self.sent and self.sent[0][0].is_completed():
+            self.sent.popleft()
+        return payload
+
+    def holding(self, step: Step) -> int:
+        """How many of the oldest flights must land before ``step`` runs: up to the newest one
+        holding a sequence of ``step`` (its tokens are recorded first)."""
+        mine = {id(s) for s in step.seqs}
+        held = [i for i, f in enumerate(self.flights) if any(id(s) in mine for s in f.step.seqs)]
+        return held[-1] + 1 if held else 0
+
+    def land(self) -> tuple[Flight, list[int], list]:
+        """The oldest step, its tokens and log-probabilities (waits for the last stage's send)."""
         assert self.flights, "nothing in flight to land"
         flight = self.flights.popleft()
-        flight.work.wait()
-        return flight
+        if flight.work is not None:
+            flight.work.wait()
+        return (flight, *read_payload(flight.step.seqs, flight.payload))
 
-    def finish(self, done: dict) -> dict:
-        """Stop the followers and hand them ``done`` (collective over the pipeline's ranks)."""
+    def finish(self) -> None:
+        """Every step landed: the first stage sends ``"stop"`` down; every send completes."""
         assert not self.flights, f"{len(self.flights)} micro-batches still in flight"
-        self.notes.send(StepNote("stop"))
+        if self.first:
+            self.notes.send(StepNote("stop"))
         self.notes.flush()
+        while self.sent:
+            self.sent.popleft()[0].wait()
         self.record.wall = time.perf_counter() - self._t0
         self.record.busy = self.runner.busy_seconds - self._busy0
-        return _share(done, self.runner)
 
 
-class StageFollower:
-    """A later stage: runs each micro-batch step the first stage notes, in note order; the last
-    stage samples the tokens and sends them to the first stage (the one source of each)."""
+class NotedSteps(Policy):
+    """A later stage's policy: the steps the first stage notes, in note order (forwarded to the
+    next stage as they arrive); sequences made for new requests at their noted slots and blocks.
+    :meth:`admission` is where its loop's requests come from: the notes too."""
 
-    def __init__(
-        self, runner: ModelRunner, new_sequence: Callable[[Request], Sequence], ready: Callable | None = None
-    ) -> None:
-        link = runner.link
-        self.runner, self.new_sequence = runner, new_sequence
-        self.ready = ready or (lambda index, seqs, num_tokens: None)  # told before each step runs
-        nxt = None if link.is_last else link.peers[link.stage + 1]
-        self.notes = NoteLink(link.peers[link.stage - 1], nxt, _note_capacity(runner), runner.device)
-        self.first = link.peers[0]
-        self.record = PipelineRecord()
+    def __init__(self, layout: str, notes: NoteLink) -> None:
+        self.layout, self.notes = layout, notes
+        self.pending: StepNote | None = None
+        self.noted: StepNote | None = None  # the note of the last step handed out
+        self.slots: dict[int, Sequence] = {}  # slot -> this stage's sequence in it
+        self.taken, self.stopped = 0, False
 
-    def follow(self) -> dict:
-        """Serve notes until ``"stop"``; returns the first stage's completions (collective)."""
-        self.record = PipelineRecord()
-        mirror: dict[int, Sequence] = {}  # slot -> this stage's copy of the sequence in it
-        sends: deque[tuple[dist.Work, torch.Tensor]] = deque()  # token sends (and their buffers) not yet waited
-        t0, busy0 = time.perf_counter(), self.runner.busy_seconds
-        while True:
-            note = self.notes.recv()
-            if self.notes.next is not None:
-                self.notes.send(note)
-            if note.kind == "stop":
-                break
-            seqs = self._mirror(note, mirror)
-            self.ready(self.record.steps, seqs, list(note.num_tokens))
-            logits = self.runner.run(seqs, list(note.num_tokens))
-            self.record.steps += 1
-            if logits is not None:
-                sends.append(self._answer(seqs, logits))
-            else:  # a middle stage never reads a sequence's tokens (only the first stage embeds them)
-                for seq in seqs:
-                    seq.output.append(0)
-            while len(sends) > self.runner.num_microbatches:  # its receive was posted: completes
-                sends.popleft()[0].wait()
-        self.notes.flush()
-        for work, _ in sends:
-            work.wait()
-        self.record.wall = time.perf_counter() - t0
-        self.record.busy = self.runner.busy_seconds - busy0
-        return _share(None, self.runner)
+    @property
+    def initial_layout(self) -> str | None:
+        return self.layout
 
-    def _mirror(self, note: StepNote, mirror: dict[int, Sequence]) -> list[Sequence]:
-        """This stage's sequences of ``note`` (made for new ones), at the noted positions."""
-        if note.kind == "new":
-            for request, slot, blocks in zip(note.requests, note.slots, note.blocks):
-                seq = self.new_sequence(request)
-                seq.slot, seq.blocks = slot, list(blocks)
-                mirror[slot] = seq
-        seqs = [mirror[slot] for slot in note.slots]
-        for seq, rid, computed in zip(seqs, note.ids, note.num_computed_tokens):
-            assert seq.request.id == rid, f"slot {seq.slot}: request {seq.request.id} noted as {rid}"
-            seq.num_computed_tokens = computed
-        return seqs
+    def start(self, queue: deque) -> None:
+        assert not queue, "a later stage's requests come in notes"
+        self.slots, self.taken, self.stopped = {}, 0, False
 
-    def _answer(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:
-        """Sample ``seqs``' next tokens and send them to the first stage (the send, its buffer)."""
-        tokens = sample_tokens(
-            logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], [s.banned for s in seqs]
-        )
-        for seq, token in zip(seqs, tokens.tolist()):
-            seq.output.append(token)
-        tokens = tokens.to(device=self.runner.device, dtype=torch.long).contiguous()  # (len(seqs),) where P2P runs
-        return dist.isend(tokens, self.first, tag=TOKEN_TAG), tokens
+    def receive(self) -> None:
+        """Wait for the next note (forwarding it down first)."""
+        assert self.pending is None and not self.stopped
+        note = self.notes.recv()
+        if self.notes.next is not None:
+            self.notes.send(note)
+        self.stopped = note.kind == "stop"
+        self.taken += len(note.requests)
+        self.pending = None if self.stopped else note
+
+    def next_step(self, queue: deque) -> Step | None:
+        if self.pending is None and not self.stopped:
+            self.receive()
+        note, self.pending = self.pending, None
+        if note is None:
+            return None
+        self.noted = note
+        return Step(self._sequences(note), list(note.num_tokens), self.layout)
+
+    def _sequences(self, note: StepNote) -> list[Sequence]:
+        """This stage's sequences of ``note`` (made for new ones)."""
+        for request, slot, blocks in zip(note.requests, note.slots, note.blocks):
+            seq = self.new_sequence(request)
+            seq.slot, seq.blocks = slot, list(blocks)
+            self.slots[slot] = seq
+        return [self.slots[slot] for slot in note.slots]
+
+    def check(self, step: Step) -> None:
+        """Before ``step`` (the last noted) runs, once the steps holding its sequences landed:
+        this stage's sequences are where the first stage's were when it noted the step."""
+        here = [(s.request.id, s.num_computed_tokens) for s in step.seqs]
+        assert here == list(zip(self.noted.ids, self.noted.num_computed_tokens)), (here, self.noted)
+
+    def retire(self, seq: Sequence) -> None:
+        if self.slots.get(seq.slot) is seq:  # a new sequence may hold its slot already
+            del self.slots[seq.slot]
+
+    def admission(self) -> Admission:
+        return _NotedAdmission(self)
+
+
+class _NotedAdmission(Admission):
+    """A later stage's requests: those of the notes (taken as they are noted)."""
+
+    def __init__(self, steps: NotedSteps) -> None:
+        self.steps = steps
+
+    @property
+    def taken(self) -> int:
+        return self.steps.taken
+
+    @property
+    def exhausted(self) -> bool:
+        return self.steps.stopped
+
+    def wait_next(self) -> list[Request]:
+        self.steps.receive()
+        return []
 
 
 def _note_capacity(runner: ModelRunner) -> int:
     """The most sequences one micro-batch holds: its slot range."""
     return max(b - a for a, b in split_ranges(runner.max_batch_size, runner.num_microbatches))
-
-
-def _share(done: dict | None, runner: ModelRunner) -> dict:
-    """The first stage's ``done`` on every rank of the pipeline."""
-    box = [done]
-    dist.broadcast_object_list(box, src=runner.link.peers[0], group=runner.group)
-    return box[0]
 
 
 class InflightBatching(ContinuousBatching):

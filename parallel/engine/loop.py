@@ -25,11 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.agree import sample_emitting, sample_step
 from reshard.parallel.engine.checks import check_chunked, check_requests
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.events import EngineEvents
-from reshard.parallel.engine.inflight import InflightBatching, PipelineHead, StageFollower, use_inflight
+from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
 from reshard.parallel.engine.policy import (
     ContinuousBatching,
     Policy,
@@ -102,7 +103,10 @@ class Engine:
         self.routing = config.routing
         self.group_timeout = None if config.group_timeout is None else datetime.timedelta(seconds=config.group_timeout)
         inflight = self._inflight(config.pipeline, custom_policy=policy is not None or config.replicas == "lockstep")
-        self.policy = policy or self._default_policy(inflight)
+        # an in-flight pipeline's batch queue, on every stage (None: every step drains)
+        self.flow = BatchQueue(next(iter(self.runners.values()))) if inflight else None
+        self._advance = self._advance_drained if self.flow is None else self._advance_inflight
+        self.policy = policy or self._default_policy()
         cfg = next(iter(self.runners.values())).model.config
         self.vocab_size, self.eos_ids = cfg.vocab_size, eos_ids(cfg.eos_token_id)
         self.group, self.host_tiers = group, dict(host_tiers or {})
@@ -111,7 +115,6 @@ class Engine:
         self.tokenizer = tokenizer  # a Hugging Face tokenizer: requests' stop strings are matched in its text
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
         self.policy.setup(PolicyContext(layouts, self.stats, self._new_sequence, self.events.adopt))
-        self.flow = self._flow() if inflight else None  # in-flight pipeline: this stage's side
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
@@ -119,22 +122,19 @@ class Engine:
         self._released: list = []  # caches freed by release_memory(), restored by generate()
         self.steps_done = 0
 
-    def _default_policy(self, inflight: bool) -> Policy:
-        """Continuous batching over the first runner, by the config (in flight: see ``pipeline``)."""
-        batching = InflightBatching if inflight else ContinuousBatching
+    def _default_policy(self) -> Policy:
+        """Continuous batching over the first runner, by the config (in flight: see ``pipeline``;
+        a later stage of an in-flight pipeline runs the steps the first stage notes)."""
+        layout = next(iter(self.runners))
+        if self.flow is not None and not self.flow.first:
+            return NotedSteps(layout, self.flow.notes)
+        batching = ContinuousBatching if self.flow is None else InflightBatching
         return batching(
-            next(iter(self.runners)),
+            layout,
             max_prefill_tokens=self.config.max_prefill_tokens,
             admission=self.config.admission,
             prefill_chunk=self.config.prefill_chunk,
         )
-
-    def _flow(self) -> PipelineHead | StageFollower:
-        """This stage's side of an in-flight pipeline: the first stage leads, the others follow."""
-        runner = next(iter(self.runners.values()))
-        if runner.link.is_first:
-            return PipelineHead(runner)
-        return StageFollower(runner, self._new_sequence, self._noted)
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property
@@ -218,10 +218,11 @@ class Engine:
 
     def _serve(self, admission: Admission, start: float) -> dict:
         """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
-        ``admission`` is exhausted and every request it handed over has finished. In an in-flight
-        pipeline the first stage runs it and the other stages follow its notes."""
-        if isinstance(self.flow, StageFollower):
-            return self.flow.follow()
+        ``admission`` is exhausted and every request it handed over has finished. Every stage of
+        an in-flight pipeline runs it; a later stage's requests and steps come from the first
+        stage's notes (:class:`NotedSteps`)."""
+        if isinstance(self.policy, NotedSteps):
+            admission = self.policy.admission()
         if self.flow is not None:
             self.flow.begin()
         queue, done, left = deque(admission.initial()), {}, 0  # left: handed to another group
@@ -236,20 +237,32 @@ class Engine:
             for step, output in self._advance(queue, admission):
                 left += self._settle(step, output, admission, queue, done, start)
         admission.finish()
-        return done if self.flow is None else self.flow.finish(done)
+        if self.flow is not None:
+            self.flow.finish()
+        return done
 
-    def _advance(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
-        """The steps that finished next: the policy's next step, run to its agreed tokens; in an
-        in-flight pipeline, the next micro-batch launched (nothing finished yet) or, when none can
-        go, the oldest one in flight landed."""
-        if self.flow is None:
-            step = self.policy.next_step(queue)
-            return [(step, self._run(step, {ADMIT: admission.proposal()}))]
-        step = self.policy.next_step(queue) if len(self.flow.flights) < self.runner.num_microbatches else None
-        if step is not None:
-            self._launch(step)
-            return []
-        return [self._land(admission)]
+    def _advance_drained(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
+        """The steps that finished next: the policy's next step, run to its agreed tokens."""
+        step = self.policy.next_step(queue)
+        return [(step, self._run(step, {ADMIT: admission.proposal()}))]
+
+    def _advance_inflight(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
+        """In-flight pipeline: the oldest step landed if its tokens are here; else the next step
+        launched (after landing the steps that hold its sequences); else, when none can go, the
+        oldest one landed."""
+        flow = self.flow
+        if flow.flights and flow.flights[0].ready():
+            return [self._land(admission)]
+        step = self.policy.next_step(queue) if len(flow.flights) < self.runner.num_microbatches else None
+        if step is None:
+            # nothing to land with no step to run: a later stage whose first stage has stopped
+            assert flow.flights or isinstance(self.policy, NotedSteps), "no step and nothing in flight"
+            return [self._land(admission)] if flow.flights else []
+        landed = [self._land(admission) for _ in range(flow.holding(step))]
+        if isinstance(self.policy, NotedSteps):
+            self.policy.check(step)
+        self._launch(step)
+        return landed
 
     def _settle(
         self, step: Step, output: StepOutput, admission: Admission, queue: deque, done: dict, start: float
@@ -284,8 +297,7 @@ class Engine:
             admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, self.group_timeout)
             done = self._serve(admission, start)
         mine = (list(done.values()), self.stats) if group.is_leader else None
-        everyone: list = [None] * dist.get_world_size(group.job)
-        dist.all_gather_object(everyone, mine, group=group.job)
+        everyone = all_gather_objects(mine, group.job)
         if router is not None:
             channel.clear(channel.job_keys(group.count))
         dist.barrier(group=group.job)  # no rank starts another call before the keys are gone
@@ -322,10 +334,6 @@ class Engine:
         self._record(step, tokens, started, t0, logprobs)
         return StepOutput(tokens, replayed=known is not None, agreed=agreed)
 
-    def _noted(self, index: int, seqs: list, num_tokens: list[int]) -> None:
-        """A later pipeline stage is about to run the first stage's ``index``-th step."""
-        self.events.fire("step_ready", index, Step(seqs, num_tokens, next(iter(self.runners))))
-
     def _prepare(self, step: Step, *, replay: bool) -> ModelRunner:
         """Enter the step's layout and make its moves (a replayed step's KV moves are skipped)."""
         runner = self._enter(step.layout)
@@ -349,7 +357,7 @@ class Engine:
         self.steps_done += 1
 
     def _launch(self, step: Step) -> None:
-        """In-flight pipeline, first stage: start one micro-batch's step (its tokens land later)."""
+        """In-flight pipeline: start one micro-batch's step on this stage (its tokens land later)."""
         if self.events.known_tokens(self.steps_done, step) is not None:
             raise ValueError("an in-flight pipeline does not replay journaled steps; use pipeline='drain'")
         self._prepare(step, replay=False)
@@ -359,11 +367,10 @@ class Engine:
         self.events.fire("step_end", step, mine, layout=step.layout)
 
     def _land(self, admission: Admission) -> tuple[Step, StepOutput]:
-        """In-flight pipeline, first stage: the oldest micro-batch's tokens from the last stage.
-        The first stage alone admits (it holds every request's state): its proposal is agreed."""
-        flight = self.flow.land()
-        tokens = flight.tokens.tolist()
-        self._record(flight.step, tokens, flight.launched, flight.clock)
+        """In-flight pipeline: the oldest micro-batch's tokens (and log-probabilities) from the
+        last stage, recorded. The first stage alone admits: its proposal is agreed."""
+        flight, tokens, logprobs = self.flow.land()
+        self._record(flight.step, tokens, flight.launched, flight.clock, logprobs)
         return flight.step, StepOutput(tokens, agreed={ADMIT: admission.proposal()})
 
     def _computed(self, step: Step, runner: ModelRunner, extras: dict[str, int]) -> tuple[list[int], dict, list]:
@@ -414,7 +421,6 @@ class Engine:
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,
             has_tokenizer=self.tokenizer is not None,
-            inflight=self.flow is not None,
         )
         self.policy.validate(requests)
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from reshard.kv import KVCache, KVLayout, KVSpec
 from reshard.kv.stream import KVStreamer, TokenStream
 from reshard.kv.stream_plan import StreamPlan, kv_box, world_layouts
+from reshard.mesh import all_gather_objects
 from reshard.parallel.engine import Engine, ModelRunner
 from reshard.plan import Piece
 
@@ -111,9 +112,7 @@ class RingReplication:
 
 def _world_replicas(runner: ModelRunner) -> dict[int, int]:
     """Every rank's data-parallel replica in ``runner``'s layout."""
-    everyone: list = [None] * dist.get_world_size(runner.group)
-    dist.all_gather_object(everyone, (dist.get_rank(), runner.replica.rank), group=runner.group)
-    return dict(everyone)
+    return dict(all_gather_objects((dist.get_rank(), runner.replica.rank), runner.group))
 
 
 def _ring_plan(layouts: dict[int, KVLayout]) -> StreamPlan:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from reshard.kv.cache import KVCache, KVLayout
+from reshard.mesh import all_gather_objects
 from reshard.plan import Piece, assign_senders
 
 Box = tuple[tuple[int, int], tuple[int, int]]  # (layers [l0, l1), KV heads [h0, h1))
@@ -100,6 +101,5 @@ def _area(box: Box | None) -> int:
 
 def world_layouts(cache: KVCache | None, group: dist.ProcessGroup | None = None) -> dict[int, KVLayout]:
     """Every rank's KV layout (ranks without a cache left out): one all-gather of descriptors."""
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (dist.get_rank(), cache.layout if cache is not None else None), group=group)
+    everyone = all_gather_objects((dist.get_rank(), cache.layout if cache is not None else None), group)
     return {rank: layout for rank, layout in everyone if layout is not None}
