@@ -137,9 +137,10 @@ class Flight:
     launched: float  # time.time() at launch
     clock: float  # time.perf_counter() at launch
 
-    def ready(self) -> bool:
-        """Whether the step's tokens are here (landing it will not wait)."""
-        return self.work is None or self.work.is_completed()
+    @property
+    def sampled_here(self) -> bool:
+        """Whether this stage sampled the step's tokens (the last stage: landing it will not wait)."""
+        return self.work is None
 
 
 @dataclass
