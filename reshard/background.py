@@ -1,9 +1,12 @@
-"""One call on a background thread, its result or error handed to the caller's thread."""
+"""Background threads with owners: one call (:class:`Background`) or a worker that runs calls in
+order for its owner's life (:class:`Worker`); results and errors are handed to the caller's thread."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 
@@ -34,3 +37,32 @@ class Background:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+class Worker:
+    """One daemon thread named ``name`` that runs the calls it is given, in order, each with a
+    :class:`concurrent.futures.Future` of its result; :meth:`close` ends it once the calls queued
+    before have run (daemon: a call blocked for good on a dead peer never holds the process)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, future = call
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # re-raised by future.result() on the caller's thread
+                future.set_exception(e)
+
+    def close(self, timeout: float | None = None) -> None:
+        """End the thread after the calls queued so far; wait up to ``timeout`` s for it."""
+        self._calls.put(None)
+        self._thread.join(timeout)

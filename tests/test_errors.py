@@ -354,3 +354,51 @@ def test_a_refusal_leaves_no_tensor_in_the_backend():
     for rank, held in enumerate(dist_harness.run(2, _tensors_held_after_refusals, 5)):
         assert len(held) == 5 and all(total > 0 for _, total in held), held  # refused, the exchanges seen
         assert [alive for alive, _ in held] == [0] * 5, f"rank {rank}: {held}"
+
+
+def _different_requests(path):
+    """A TP2 engine whose rank 1 passes (a) one prompt token changed, (b) one request fewer, then
+    (c) the same list; then DP2 engine groups given (a), then (c): the refusals each rank raises,
+    and the tokens of each (c)."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams, parallelize
+
+    engine = Engine(parallelize(path, ParallelDims.from_world(tp=dist.get_world_size())), EngineConfig(max_seq_len=64))
+    prompts = [[5, 9, 11, 2, 7], [40, 41, 42], [3, 4]]
+    mine = [list(p) for p in prompts]
+    if dist.get_rank() == 1:
+        mine[1][2] = 43  # same shapes: without the check, rank 1 would get rank 0's completion for it
+
+    def requests(lists):
+        return [Request(i, p, SamplingParams(max_new_tokens=3)) for i, p in enumerate(lists)]
+
+    errors = []
+    for attempt in (requests(mine), requests(prompts)[: 3 - dist.get_rank()]):
+        try:
+            engine.generate(attempt)
+        except ValueError as e:
+            errors.append(str(e))
+    same = engine.generate(requests(prompts))
+    groups = Engine(parallelize(path, ParallelDims.from_world(dp=2)), EngineConfig(max_seq_len=64))  # engine groups
+    try:
+        groups.generate(requests(mine))
+    except ValueError as e:
+        errors.append(str(e))
+    return errors, [c.output_ids for c in same], [c.output_ids for c in groups.generate(requests(prompts))]
+
+
+def test_ranks_passing_different_requests_get_one_clear_error(checkpoints, hf_reference):
+    """Ranks that run one engine, or one job of engine groups, but pass different request lists
+    (a prompt token, or a count) each raise a ValueError naming the request or the counts; the
+    engine serves the next call."""
+    path = checkpoints["llama"]
+    results = dist_harness.run(2, _different_requests, path)
+    expected = hf_reference(path, [[5, 9, 11, 2, 7], [40, 41, 42], [3, 4]], 3)
+    for errors, tokens, grouped in results:
+        assert len(errors) == 3, errors
+        for error in errors[0], errors[2]:  # one engine over both ranks; two engine groups (a router)
+            assert error.startswith("ranks passed different requests to generate: request 1 (id 1 on rank ")
+            assert "differs between rank 0 and rank 1" in error
+        assert errors[1].startswith("ranks passed different requests to generate: rank 0 passed 3, rank 1 passed 2")
+        assert tokens == expected and grouped == expected

@@ -125,7 +125,6 @@ def payload_size(seqs: list[Sequence]) -> int:
 def read_payload(seqs: list[Sequence], payload: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
     """A :func:`sample_payload` payload -> every sequence's token and :data:`TokenLogprobs`."""
     want, width = logprob_rows(seqs)
-    payload = payload.cpu()
     logprobs = _unpack_rows(seqs, want, width, payload[len(seqs) :]) if want else [None] * len(seqs)
     return payload[: len(seqs)].tolist(), logprobs
 

@@ -1,13 +1,17 @@
 """What the engine refuses before it runs anything: requests it cannot serve and configurations its
-default policy cannot run. Each check raises one ``ValueError`` naming the request or the values,
-alike on every rank and before any collective."""
+default policy cannot run, and request lists that differ between the ranks that run them. Each
+check raises one ``ValueError`` naming the request or the values, alike on every rank and before
+any collective of the run (:func:`check_same_requests` is one itself)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence as Seq
 
+import torch.distributed as dist
 from torch import nn
 
+from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.request import Request
 from reshard.parallel.model.info import parallel_info
 
@@ -47,6 +51,58 @@ def _check_carried(r: Request, *, has_tokenizer: bool) -> None:
             f"request {r.id}: stop strings {r.sampling.stop!r} are matched in decoded text and the engine has "
             "no tokenizer: give Engine(..., tokenizer=) one (the recipe takes the checkpoint's)"
         )
+
+
+def check_same_requests(requests: Seq[Request], group: dist.ProcessGroup | None) -> None:
+    """``ValueError`` on every rank of ``group`` unless each passed the same requests (ids, prompts,
+    sampling, arrivals): ranks that step together on different lists would pair one rank's
+    completions with another's prompts. One small all-gather of digests (a second one, of each
+    request's digest, names the first request that differs)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    digests = [_digest(r) for r in requests]
+    whole = all_gather_objects((len(digests), hashlib.sha256(b"".join(digests)).digest()), group)
+    if any(w != whole[0] for w in whole):
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        _refuse(all_gather_objects(digests, group), ranks, requests)
+
+
+def check_posted_requests(requests: Seq[Request], channel, ranks: Seq[int], timeout=None) -> None:
+    """:func:`check_same_requests` for engine groups, which share no collective before they start:
+    each rank posts its requests' digests to ``channel`` (a :class:`~reshard.parallel.engine.router.Channel`)
+    and reads every other rank's (waiting up to ``timeout``)."""
+    digests = [_digest(r) for r in requests]
+    channel.put(f"requests/{dist.get_rank()}", digests)
+    for rank in ranks:
+        channel.wait(f"requests/{rank}", f"rank {dist.get_rank()} waiting for rank {rank}'s request digests", timeout)
+    everyone = [channel.get(f"requests/{rank}") for rank in ranks]
+    differ = any(d != everyone[0] for d in everyone)
+    if channel.add("requests/read", 1) == len(ranks):  # the last reader clears them (and a refused call's start)
+        channel.clear([f"requests/{rank}" for rank in ranks] + ["requests/read"] + ["start"] * differ)
+    if differ:
+        _refuse(everyone, ranks, requests)
+
+
+def _refuse(everyone: list[list[bytes]], ranks: Seq[int], requests: Seq[Request]) -> None:
+    """The one ``ValueError`` for request lists that differ (``everyone``: each rank's digests)."""
+    first = next(k for k in range(len(everyone)) if everyone[k] != everyone[0])
+    a, b = everyone[0], everyone[first]
+    if len(a) != len(b):
+        raise ValueError(
+            f"ranks passed different requests to generate: rank {ranks[0]} passed {len(a)}, rank "
+            f"{ranks[first]} passed {len(b)}; every rank of the engine must pass the same list"
+        )
+    i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    raise ValueError(
+        f"ranks passed different requests to generate: request {i} (id {requests[i].id!r} on rank "
+        f"{dist.get_rank()}) differs between rank {ranks[0]} and rank {ranks[first]} (prompt, sampling or "
+        "arrival); every rank of the engine must pass the same list"
+    )
+
+
+def _digest(r: Request) -> bytes:
+    """A request's identity across processes: every field (id, prompt, sampling, arrival, ...)."""
+    return hashlib.sha256(repr(r).encode()).digest()  # the dataclass's fields, its kind (Migrated...) too
 
 
 def check_chunked(prefill_chunk: int, *, model: nn.Module | None, policy: object | None) -> None:

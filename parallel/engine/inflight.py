@@ -30,13 +30,14 @@ from __future__ import annotations
 import pickle
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from reshard.parallel.engine.agree import payload_size, read_payload, sample_payload
-from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step
+from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step, check_fits
 from reshard.parallel.engine.request import Request, Sequence
 from reshard.parallel.engine.router import Admission
 from reshard.parallel.engine.runner import ModelRunner
@@ -257,6 +258,9 @@ class NotedSteps(Policy):
     def initial_layout(self) -> str | None:
         return self.layout
 
+    def validate(self, requests) -> None:
+        check_fits(requests, self.runner_info[self.layout].kv)  # as the first stage refuses them
+
     def start(self, queue: deque) -> None:
         assert not queue, "a later stage's requests come in notes"
         self.slots, self.taken, self.stopped = {}, 0, False
@@ -386,16 +390,18 @@ def check_inflight(runner: ModelRunner, *, custom_policy: bool) -> None:
         )
 
 
-def use_inflight(pipeline: str | None, runner: ModelRunner | None, *, custom_policy: bool) -> bool:
+def use_inflight(pipeline: str | None, runners: Mapping[str, ModelRunner], *, custom_policy: bool) -> bool:
     """Whether the engine keeps micro-batches in flight: ``"inflight"`` (checked), ``"drain"``, or
-    None: in flight wherever it can run (a pipeline of one rank per stage, the default policy)."""
+    None: in flight wherever it can run (one layout, a pipeline of one rank per stage, the default
+    policy)."""
     if pipeline is not None and pipeline not in PIPELINES:
         raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
-    if pipeline == "drain":
+    if len(runners) > 1 and pipeline == "inflight":
+        raise ValueError(f"pipeline='inflight' runs one layout, got {sorted(runners)}")
+    if pipeline == "drain" or len(runners) > 1:
         return False
-    assert runner is not None
     try:
-        check_inflight(runner, custom_policy=custom_policy)
+        check_inflight(next(iter(runners.values())), custom_policy=custom_policy)
     except ValueError:
         if pipeline == "inflight":
             raise

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.agree import sample_emitting, sample_step
-from reshard.parallel.engine.checks import check_chunked, check_requests
+from reshard.parallel.engine.checks import check_chunked, check_posted_requests, check_requests, check_same_requests
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
@@ -45,7 +45,6 @@ from reshard.parallel.engine.router import (
     Admission,
     Channel,
     GroupLayout,
-    Load,
     LocalAdmission,
     RoutedAdmission,
     Router,
@@ -102,7 +101,8 @@ class Engine:
         self.runners = dict(runners) if runners is not None else {"main": ModelRunner(model, config)}
         self.routing = config.routing
         self.group_timeout = None if config.group_timeout is None else datetime.timedelta(seconds=config.group_timeout)
-        inflight = self._inflight(config.pipeline, custom_policy=policy is not None or config.replicas == "lockstep")
+        custom = policy is not None or config.replicas == "lockstep"
+        inflight = use_inflight(config.pipeline, self.runners, custom_policy=custom)
         # an in-flight pipeline's batch queue, on every stage (None: every step drains)
         self.flow = BatchQueue(next(iter(self.runners.values()))) if inflight else None
         self._advance = self._advance_drained if self.flow is None else self._advance_inflight
@@ -157,14 +157,6 @@ class Engine:
     def max_seq_len(self) -> int:
         return min(r.max_seq_len for r in self.runners.values())
 
-    def _inflight(self, pipeline: str | None, *, custom_policy: bool) -> bool:
-        """Whether micro-batches stay in flight (``pipeline``: see the class docstring)."""
-        if len(self.runners) > 1:
-            if pipeline == "inflight":
-                raise ValueError(f"pipeline='inflight' runs one layout, got {sorted(self.runners)}")
-            return use_inflight("drain" if pipeline is None else pipeline, None, custom_policy=custom_policy)
-        return use_inflight(pipeline, next(iter(self.runners.values())), custom_policy=custom_policy)
-
     # ---- the loop -------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, requests: Seq[Request], *, progress: bool = False) -> list[Completion]:
@@ -175,6 +167,8 @@ class Engine:
         requests the router hands it and the completions are gathered at the end. A request with
         an ``arrival`` time is admitted once it has arrived (online workloads).
         """
+        if self.engine_group is None:  # engine groups check theirs once the router's start is posted
+            check_same_requests(requests, self._agreement_group())
         self.validate(requests)
         self._ready()
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
@@ -227,7 +221,7 @@ class Engine:
             self.flow.begin()
         queue, done, left = deque(admission.initial()), {}, 0  # left: handed to another group
         self.policy.start(queue)
-        admission.report(self._load(queue), [])
+        admission.report(self.policy.load(queue), [])
         # a queued hand-off whose sequences all finished at their first token counts in no total:
         # the loop still takes it (its KV must be received)
         while queue or not (admission.exhausted and len(done) + left == admission.taken):
@@ -279,7 +273,7 @@ class Engine:
             done[seq.request.id] = seq.completion(start)
             self.policy.retire(seq)
         queue.extend(admission.take((output.agreed or {}).get(ADMIT, 0)))
-        admission.report(self._load(queue), [done[seq.request.id] for seq in finished])
+        admission.report(self.policy.load(queue), [done[seq.request.id] for seq in finished])
         return left
 
     def _serve_routed(self, requests: Seq[Request], bar: tqdm) -> list[Completion]:
@@ -288,12 +282,15 @@ class Engine:
         group = self.engine_group
         channel = Channel(f"{group.channel}/call{self.routed_calls}")  # every rank counts its calls alike
         self.routed_calls += 1
-        router = None
-        if dist.get_rank() == min(dist.get_process_group_ranks(group.job or dist.group.WORLD)):
+        ranks = dist.get_process_group_ranks(group.job or dist.group.WORLD)
+        if dist.get_rank() == min(ranks):
             channel.put("start", time.time())
-            router = Router(channel, requests, group.entry_groups, channel.get("start"), self.routing)
         channel.wait("start", f"engine group {group.index} waiting for the router's start time", self.group_timeout)
+        check_posted_requests(requests, channel, ranks, self.group_timeout)
         start = channel.get("start")
+        router = None
+        if dist.get_rank() == min(ranks):
+            router = Router(channel, requests, group.entry_groups, start, self.routing)
         with router or contextlib.nullcontext():
             admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, self.group_timeout)
             done = self._serve(admission, start)
@@ -310,16 +307,14 @@ class Engine:
         """Whether this rank is the first of the ranks that agree on steps (it proposes admissions)."""
         if not dist.is_initialized():
             return True
-        group = (self.group if self.group is not None else self.runner.group) or dist.group.WORLD
-        return dist.get_rank() == min(dist.get_process_group_ranks(group))
+        return dist.get_rank() == min(dist.get_process_group_ranks(self._agreement_group()))
 
-    def _load(self, queue: deque) -> Load | None:
-        """The room the policy has left once ``queue`` is admitted (for the router)."""
-        room = self.policy.room()
-        if room is None:
+    def _agreement_group(self) -> dist.ProcessGroup | None:
+        """The ranks that agree on this engine's steps, and so call :meth:`generate` together with
+        one engine group (None: no process group)."""
+        if not dist.is_initialized():
             return None
-        need = sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in queue if isinstance(r, Request))
-        return Load(room[0] - len(queue), room[1] - need, 0)
+        return (self.group if self.group is not None else self.runner.group) or dist.group.WORLD
 
     def _run(self, step: Step, extras: dict[str, int]) -> StepOutput:
         """Enter the step's layout, make its moves, compute (or replay) it and agree on its tokens."""

@@ -41,6 +41,7 @@ from typing import ClassVar
 
 from reshard.kv import KVCache
 from reshard.parallel.engine.request import EngineStats, Migrated, Request, Sequence, batch_kind
+from reshard.parallel.engine.router import Load
 from reshard.parallel.engine.runner import Replica
 
 ADMISSION = ("fifo", "longest_first")
@@ -212,6 +213,20 @@ class SlotPool:
             seq.blocks = []
 
 
+def check_fits(requests: Seq[Request], kv: KVCache) -> None:
+    """``ValueError`` for a request whose KV could never fit in one replica's paged cache ``kv``."""
+    spec = kv.spec
+    for r in requests if spec.paged else ():
+        tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
+        if spec.blocks_for(tokens) > spec.num_blocks:
+            raise ValueError(
+                f"request {r.id}: prompt length ({len(r.prompt_ids)}) + max_new_tokens "
+                f"({r.sampling.max_new_tokens}) = {tokens} KV tokens needs "
+                f"{spec.blocks_for(tokens)} blocks of {spec.block_size} but the paged cache "
+                f"holds {spec.num_blocks} ({spec.capacity_tokens} tokens)"
+            )
+
+
 class Policy:
     """Decides each step of the loop (see the module docstring for the contract). Every rank runs
     the same policy on the same state, so steps agree without messages. Subclasses override
@@ -259,6 +274,14 @@ class Policy:
         """(free slots, free KV tokens) for new requests, for a router that places them by load
         (``None``: the policy does not say; a router then only round-robins to it)."""
         return None
+
+    def load(self, queue: Seq) -> Load | None:
+        """The :meth:`room` left once ``queue`` is admitted (what the group's leader publishes)."""
+        room = self.room()
+        if room is None:
+            return None
+        need = sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in queue if isinstance(r, Request))
+        return Load(room[0] - len(queue), room[1] - need, 0)
 
     def close(self) -> None:
         """Release threads and shared memory (not collective)."""
@@ -326,17 +349,7 @@ class ContinuousBatching(Policy):
         self._prefilled = False  # the last step fed whole prompts (whole-prompt steps alternate)
 
     def validate(self, requests: Seq[Request]) -> None:
-        """``ValueError`` for a request whose KV could never fit in one replica's paged cache."""
-        spec = self.runner_info[self.layout].kv.spec
-        for r in requests if spec.paged else ():
-            tokens = len(r.prompt_ids) + r.sampling.max_new_tokens
-            if spec.blocks_for(tokens) > spec.num_blocks:
-                raise ValueError(
-                    f"request {r.id}: prompt length ({len(r.prompt_ids)}) + max_new_tokens "
-                    f"({r.sampling.max_new_tokens}) = {tokens} KV tokens needs "
-                    f"{spec.blocks_for(tokens)} blocks of {spec.block_size} but the paged cache "
-                    f"holds {spec.num_blocks} ({spec.capacity_tokens} tokens)"
-                )
+        check_fits(requests, self.runner_info[self.layout].kv)
 
     def next_step(self, queue: deque) -> Step:
         self._adopt(queue)

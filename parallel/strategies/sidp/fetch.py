@@ -1,7 +1,7 @@
 """SiDP's fetch scheduler: which non-owned FFN layers each rank fetches into its cache slots, in
 which round, from which owner (WaS).
 
-One housekeeper thread per rank (:class:`Housekeeper`, started with the scheduler and joined by
+One housekeeper thread per rank (:class:`reshard.background.Worker`, started with the scheduler and joined by
 its :meth:`FetchScheduler.close`) fetches the step's non-owned layers into the owner pool's slots
 (:class:`reshard.layers.owner_pool.OwnerPool`) over a background process group of its own, as
 planned transfers of the movement core (the owner's housekeeper sends; its compute thread does
@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate
 
 from reshard import Layout
+from reshard.background import Worker
 from reshard.executor import execute
 from reshard.layers.owner_pool import CAS, WAS, OwnerPool
 from reshard.mesh import cached_group
@@ -68,35 +66,6 @@ def check_slots(
         )
 
 
-class Housekeeper:
-    """One daemon thread named ``name`` that runs the calls it is given, in order, each with a
-    :class:`concurrent.futures.Future` of its result; :meth:`close` ends it once the calls queued
-    before have run (daemon: a call blocked for good on a dead peer never holds the process)."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        future: Future = Future()
-        self._calls.put((fn, future))
-        return future
-
-    def _serve(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, future = call
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # re-raised by future.result() on the caller's thread
-                future.set_exception(e)
-
-    def close(self, timeout: float | None = None) -> None:
-        """End the thread after the calls queued so far; wait up to ``timeout`` s for it."""
-        self._calls.put(None)
-        self._thread.join(timeout)
-
-
 class FetchScheduler:
     """Fetches for ``pool``'s non-owned layers, step by step (collective per step: every rank of
     the group calls :meth:`begin_step` with the same arguments, then :meth:`end_step`).
@@ -124,7 +93,7 @@ class FetchScheduler:
         self.timeout = timeout
         self.counters = FetchCounters()
         self._group = cached_group(pool.ranks, purpose="sidp-fetch")
-        self._housekeeper = Housekeeper(f"sidp-housekeeper-{pool.rank}")
+        self._housekeeper = Worker(f"sidp-housekeeper-{pool.rank}")
         self._step: Future | None = None  # the step's fetches, while they run
         self.on_fetch: Callable[[str, int], None] | None = None
 
