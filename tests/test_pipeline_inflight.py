@@ -37,7 +37,11 @@ def _stage_runs(path, pp, prompts, max_new, stops):
         return [(c.output_ids, c.finish_reason, c.logprobs) for c in done]
 
     arrivals = [0.0] * (len(prompts) - 1) + [LATE]
+    ready = []  # step_ready's indices on this stage: each launched step's, in launch order
+    stop_listening = inflight.events.on("step_ready", lambda index, step: ready.append(index))
     greedy = run(inflight)
+    stop_listening()
+    assert ready == list(range(greedy[2].steps)), ready
     online = run(inflight, arrivals=arrivals, new=[4 * max_new] * (len(prompts) - 1) + [max_new])
     sampled = run(inflight, temperature=0.9)
     drained_sampled = drained.generate(_requests(prompts, max_new, temperature=0.9))

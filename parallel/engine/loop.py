@@ -319,7 +319,7 @@ class Engine:
     def _run(self, step: Step, extras: dict[str, int]) -> StepOutput:
         """Enter the step's layout, make its moves, compute (or replay) it and agree on its tokens."""
         known = self.events.known_tokens(self.steps_done, step)
-        runner = self._prepare(step, replay=known is not None)
+        runner = self._prepare(step, self.steps_done, replay=known is not None)
         started = time.time()
         t0 = time.perf_counter()
         logprobs = None
@@ -330,13 +330,13 @@ class Engine:
         self._record(step, tokens, started, t0, logprobs)
         return StepOutput(tokens, replayed=known is not None, agreed=agreed)
 
-    def _prepare(self, step: Step, *, replay: bool) -> ModelRunner:
-        """Enter the step's layout and make its moves (a replayed step's KV moves are skipped)."""
+    def _prepare(self, step: Step, index: int, *, replay: bool) -> ModelRunner:
+        """Enter step ``index``'s layout and make its moves (a replayed step's KV moves are skipped)."""
         runner = self._enter(step.layout)
         for move in step.moves:
             if not replay or not move.kv:  # a replayed step finds its KV restored
                 self.policy.make(move)
-        self.events.fire("step_ready", self.steps_done, step)
+        self.events.fire("step_ready", index, step)
         return runner
 
     def _record(self, step: Step, tokens: list[int], started: float, t0: float, logprobs: list | None = None) -> None:
@@ -354,9 +354,10 @@ class Engine:
 
     def _launch(self, step: Step) -> None:
         """In-flight pipeline: start one micro-batch's step on this stage (its tokens land later)."""
-        if self.events.known_tokens(self.steps_done, step) is not None:
+        index = self.steps_done + len(self.flow.flights)  # steps land in launch order
+        if self.events.known_tokens(index, step) is not None:
             raise ValueError("an in-flight pipeline does not replay journaled steps; use pipeline='drain'")
-        self._prepare(step, replay=False)
+        self._prepare(step, index, replay=False)
         mine = step.seqs
         self.events.fire("step_begin", step, mine, layout=step.layout)
         self.flow.launch(step, self.events.layers(step.layout))
