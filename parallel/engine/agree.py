@@ -78,9 +78,7 @@ def sample_step(
     if want:  # one source per row: the sum is its fp32 bits
         values = torch.cat([values, lp[want].view(torch.int32).long().flatten()])
     agreed, sums = agree_tokens(tokens, source, group, values)
-    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-    if want:
-        logprobs = _unpack_rows(seqs, want, width, sums[len(keys) :])
+    logprobs = _unpack_rows(seqs, want, width, sums[len(keys) :])
     return agreed.tolist(), dict(zip(keys, sums[: len(keys)].tolist())), logprobs
 
 
@@ -93,7 +91,7 @@ def logprob_rows(seqs: list[Sequence]) -> tuple[list[int], int]:
 
 def _unpack_rows(seqs: list[Sequence], want: list[int], width: int, bits: torch.Tensor) -> list:
     """``bits`` ``(len(want) * width,)`` int64 holding fp32 bit patterns -> each sequence's
-    :data:`TokenLogprobs` (None where it asks for none)."""
+    :data:`TokenLogprobs` (None where it asks for none; all None when ``want`` is empty)."""
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
     rows = bits.int().view(torch.float32).view(len(want), width).tolist()
     for i, row in zip(want, rows):
@@ -125,7 +123,7 @@ def payload_size(seqs: list[Sequence]) -> int:
 def read_payload(seqs: list[Sequence], payload: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
     """A :func:`sample_payload` payload -> every sequence's token and :data:`TokenLogprobs`."""
     want, width = logprob_rows(seqs)
-    logprobs = _unpack_rows(seqs, want, width, payload[len(seqs) :]) if want else [None] * len(seqs)
+    logprobs = _unpack_rows(seqs, want, width, payload[len(seqs) :])
     return payload[: len(seqs)].tolist(), logprobs
 
 
