@@ -309,7 +309,7 @@ def _moved(death: dict) -> str:
     adopted, redone = len(death.get("adopted") or []), death.get("reprefilled_tokens") or 0
     again = sum(a[-1] for a in death.get("adopted") or [])
     if adopted:
-        return f"{adopted} request(s) adopted with their KV by another group, {again} token(s) generated again"
+        return f"{adopted} request(s) adopted with their KV by another group, {again} token(s) computed again"
     if redone:
         return f"{len(death.get('resumed') or [])} request(s) prefilled again on live groups ({redone} tokens)"
     return f"{len(death.get('resumed') or [])} request(s) waited for its respawn"

@@ -77,7 +77,7 @@ def fault_summary(
                 "reprefilled_tokens": m.reprefilled_tokens,
                 "adopted_by": m.adopted_by,
                 "tokens_so_far": m.tokens,
-                # migrate=kv: (request id, tokens whose KV came from the mirror, tokens generated again)
+                # migrate=kv: (request id, output tokens whose KV came from the mirror, positions computed again)
                 "adopted": [a[1:] for a in adoptions if a[0] == m.endpoint],
                 **_outage(router, m, entries),
             }
@@ -87,7 +87,7 @@ def fault_summary(
         "migrate": router.migrate,
         "deaths": deaths,
         # DejaVu: prefilled requests adopted with their prompt group's KV by a token group
-        # (source, request id, tokens kept, tokens generated again); the others were prefilled again there
+        # (source, request id, output tokens whose KV came, positions computed again); the others were prefilled again
         "hand_offs": [a for a in adoptions if int(a[0].split(".")[0]) in entries],
         "ready_s": ready,
         "served_by": {rid: eps for rid, eps in sorted(router.routed.items())},

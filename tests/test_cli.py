@@ -138,7 +138,7 @@ def test_a_recovered_failure_is_told_as_a_story_exits_0_in_one_run_directory(tmp
     assert p.returncode == 0, out
     assert re.match(
         r"^recovered: rank 1 died \(SIGKILL\) at [\d.]+ s; \d request\(s\) adopted with their KV by another group, "
-        r"\d+ token\(s\) generated again",
+        r"\d+ token\(s\) computed again",
         lines[-1],
     ), lines[-1]
     [run_dir] = _run_dirs(tmp_path)
@@ -164,7 +164,7 @@ def test_story_lines_tell_each_recovery_in_one_line():
     death |= {"adopted": [[7, 12, 1], [9, 30, 1]], "resumed": [7, 9], "reprefilled_tokens": 0, "endpoint": "2.0"}
     assert story_lines({"fault": {"deaths": [death]}}) == [
         "recovered: rank 2 died (SIGKILL) at 3.2 s; 2 request(s) adopted with their KV by another group, "
-        "2 token(s) generated again; its group served again 0.8 s later"
+        "2 token(s) computed again; its group served again 0.8 s later"
     ]
     weights = {"2": {"0": ["checkpoint", 1.5], "1": ["3.0", 0.4]}}
     assert story_lines({"fault": {"deaths": [death], "weights_from": weights}})[0].endswith(

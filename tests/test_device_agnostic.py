@@ -87,8 +87,8 @@ ALLOWED: dict[str, str] = {
         "micro-batch swapping keeps every slot's KV in host memory"
     ),
     "reshard.shm:map_file": "a mapped shared-memory file is host memory (CPU KV tier, KV mirrors, weight store)",
-    "reshard.parallel.fault.mirror:Link.send": "a mirror link is a gloo group of its own: it carries host tensors",
-    "reshard.parallel.fault.mirror:Link.recv": (
+    "reshard.parallel.fault.link:Link.send": "a mirror link is a gloo group of its own: it carries host tensors",
+    "reshard.parallel.fault.link:Link.recv": (
         "a mirror link is a gloo group of its own: what lands is moved to the mirror cache's device"
     ),
 }

@@ -134,8 +134,8 @@ def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, refe
     assert sorted(d["endpoint"] for d in deaths) == ["0.0", "1.0", "2.0", "3.0"]
     assert _never_waited(deaths) >= 2  # nobody waited for a dead group
     # a dead group's requests moved with their KV to the next group, which mirrored it (when
-    # that one was down too, they were prefilled again): at most replicate_every (1) token per
-    # sequence generated again
+    # that one was down too, they were prefilled again): at most replicate_every (1) position per
+    # sequence computed again
     served_by = summary["fault"]["served_by"]
     _moved_with_kv(deaths, served_by, every=1, groups=4)
     # groups respawned in the job served again afterwards
@@ -154,9 +154,9 @@ def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, refe
 def _moved_with_kv(deaths, served_by, every: int, groups: int) -> None:
     """Checks, for every death whose next group was up and lived on until it had stepped each of
     the dead one's requests (it never died, or its journal holds a token of each from after the
-    death), that its requests went there and were adopted with at most ``every`` tokens generated
-    again; the others had no KV in the mirror yet (their last ``every`` steps included their
-    prompt's)."""
+    death), that its requests went there and resumed with their KV (the mirror connector's) with
+    at most ``every`` positions computed again; the others had no KV in the mirror yet (their
+    last ``every`` steps included their prompt's)."""
     died = {d["endpoint"] for d in deaths}
     checked, moved = 0, set()  # moved: requests an earlier death moved (their KV may be lost twice)
     for d in deaths:
@@ -465,13 +465,13 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
 
 def test_the_router_hands_a_prefilled_request_to_the_token_group_its_prompt_group_streams_to():
     """DejaVu under supervision, in one process: a prompt group runs a request to its first token;
-    its completion there is a hand-off, sent on as a ``Migrated`` request (source: that prompt
-    group) to the token group it streams its KV to, or, that one down, to another; a request whose
+    its completion there is a hand-off, sent on resumed after its first token with ``kv_source``
+    naming that prompt group, to the token group it streams its KV to, or, that one down, to another; a request whose
     first token ends it completes there."""
     import torch.distributed as dist
 
     from reshard.parallel import Request
-    from reshard.parallel.engine.request import Completion, Migrated
+    from reshard.parallel.engine.request import Completion
     from reshard.parallel.engine.router import Channel
     from reshard.parallel.engine.sampling import SamplingParams
     from reshard.parallel.fault.migrate import SupervisedRouter, Topology
@@ -490,10 +490,9 @@ def test_the_router_hands_a_prefilled_request_to_the_token_group_its_prompt_grou
     router._collect()
     assert list(router.completions) == [1]  # its one token was all it wanted
     handed = [channel.get(f"assign/2.0/{k}") for k in range(2)]
-    assert all(isinstance(m, Migrated) for m in handed)
-    assert [(m.id, m.tokens, m.source, m.sampling.max_new_tokens) for m in handed] == [
-        (0, (40,), "1.0", 5),
-        (2, (42,), "0.0", 5),
+    assert [(m.id, m.prompt_ids, m.resumed, m.kv_source, m.sampling.max_new_tokens) for m in handed] == [
+        (0, [7] * 4 + [40], 1, "1.0", 4),  # its first token is output; 4 more to come
+        (2, [7] * 4 + [42], 1, "0.0", 4),
     ]
     assert router.where == {0: "2.0", 2: "2.0"}
     # back-pressure: prompt group 0 gets no more while token group 2 holds twice its slots

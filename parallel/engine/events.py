@@ -22,10 +22,6 @@ step_end       ``fn(step, seqs)``         this rank finished computing ``seqs`` 
 idle           ``fn(step, seqs)``         instead of begin/end when this rank's replica has no sequence of
                                           a computed step (``seqs`` empty; e.g. serve other replicas) [layout]
 step_agreed    ``fn(index, step, tokens)`` every rank holds the step's agreed tokens (replayed steps too)
-adopt          ``fn(seq) -> bool``        a migrated sequence (``seq.request`` a :class:`Migrated`) has its
-                                          slot: a listener that fills the slot with its KV from elsewhere
-                                          and sets ``seq.output`` / ``seq.num_computed_tokens`` returns True (it decodes
-                                          next); False or no listener: it is prefilled again
 ============== ========================== ==================================================================
 
 [layout]: fired for the step's layout; ``on(..., layout=name or names)`` listens to those layouts
@@ -38,7 +34,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-STEP_EVENTS = ("known_tokens", "step_ready", "step_agreed", "adopt")
+STEP_EVENTS = ("known_tokens", "step_ready", "step_agreed")
 LAYOUT_EVENTS = ("step_begin", "layer_before", "layer_after", "step_end", "idle")
 EVENTS = STEP_EVENTS + LAYOUT_EVENTS
 
@@ -91,10 +87,6 @@ class EngineEvents:
             if tokens is not None:
                 return list(tokens)
         return None
-
-    def adopt(self, seq) -> bool:
-        """Whether an ``adopt`` listener filled ``seq``'s slot with its KV (the first that did)."""
-        return any(fn(seq) for fn in self._for("adopt", None))
 
     def layers(self, layout: str) -> LayerHooks | None:
         """``layout``'s layer listeners for one step; None when it has none (the runner's fast path)."""

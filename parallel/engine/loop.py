@@ -29,6 +29,7 @@ from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.agree import sample_emitting, sample_step
 from reshard.parallel.engine.checks import check_chunked, check_posted_requests, check_requests, check_same_requests
 from reshard.parallel.engine.config import EngineConfig
+from reshard.parallel.engine.connector import KVConnectors
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
 from reshard.parallel.engine.policy import (
@@ -50,7 +51,7 @@ from reshard.parallel.engine.router import (
     Router,
 )
 from reshard.parallel.engine.runner import ModelRunner
-from reshard.parallel.engine.sampling import skip_draws
+from reshard.parallel.engine.sampling import SamplingParams, skip_draws
 from reshard.parallel.model.info import parallel_info
 
 
@@ -114,7 +115,8 @@ class Engine:
         self.stats = self.policy.stats_cls()
         self.tokenizer = tokenizer  # a Hugging Face tokenizer: requests' stop strings are matched in its text
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
-        self.policy.setup(PolicyContext(layouts, self.stats, self._new_sequence, self.events.adopt))
+        self.connector = KVConnectors()  # where KV comes from besides computing it (a job adds them)
+        self.policy.setup(PolicyContext(layouts, self.stats, self._new_sequence, self.connector))
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
@@ -361,6 +363,7 @@ class Engine:
         mine = step.seqs
         self.events.fire("step_begin", step, mine, layout=step.layout)
         self.flow.launch(step, self.events.layers(step.layout))
+        self.connector.save(step, mine)
         self.events.fire("step_end", step, mine, layout=step.layout)
 
     def _land(self, admission: Admission) -> tuple[Step, StepOutput]:
@@ -377,6 +380,7 @@ class Engine:
             self.events.fire("step_begin", step, mine, layout=step.layout)
             counts = [n for s, n in zip(step.seqs, step.num_tokens) if s.replica == runner.replica.rank]
             logits = runner.run(mine, counts, self.events.layers(step.layout))
+            self.connector.save(step, mine)
             self.events.fire("step_end", step, mine, layout=step.layout)
         else:
             self.events.fire("idle", step, mine, layout=step.layout)
@@ -388,8 +392,7 @@ class Engine:
         return sample_emitting(step.seqs, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)
 
     def _replayed(self, step: Step, tokens: list[int]) -> list[int]:
-        """A step whose tokens are known (a journal) and whose KV was restored: nothing runs;
-        sampling generators skip the step's draw to stay in step."""
+        """Known tokens (a journal), KV restored: nothing runs; generators skip the step's draw."""
         assert len(tokens) == len(step.seqs), (len(tokens), len(step.seqs))
         drew = [s for s, token in zip(step.seqs, tokens) if token != NO_TOKEN]
         skip_draws([s.request.sampling for s in drew], [s.generator for s in drew], self.vocab_size)
@@ -426,8 +429,6 @@ class Engine:
         runner's cache (slots ``0..len(prompts)-1``); call it between ``generate`` calls."""
         if not 0 < len(prompts) <= self.max_batch_size:
             raise ValueError(f"prompt_logits takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
-        from reshard.parallel.engine.sampling import SamplingParams
-
         self.validate([Request(i, list(p), SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)])
         return self.runner.prompt_logits(prompts)
 

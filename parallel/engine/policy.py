@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from reshard.kv import KVCache
-from reshard.parallel.engine.request import EngineStats, Migrated, Request, Sequence, batch_kind
+from reshard.parallel.engine.connector import KVConnector
+from reshard.parallel.engine.request import EngineStats, Request, Sequence, batch_kind
 from reshard.parallel.engine.router import Load
 from reshard.parallel.engine.runner import Replica
 
@@ -133,7 +134,7 @@ class PolicyContext:
     runner_info: Mapping[str, RunnerInfo]  # layout -> what the policy knows of its runner
     stats: EngineStats  # the engine's counters (of the policy's ``stats_cls``), identical on every rank
     new_sequence: Callable[[Request], Sequence]
-    adopt: Callable[[Sequence], bool] = lambda seq: False  # a migrated sequence's KV into its slot
+    connector: KVConnector = field(default_factory=KVConnector)  # KV from elsewhere (the engine's connectors)
 
 
 class SlotPool:
@@ -239,7 +240,7 @@ class Policy:
         self.runner_info = ctx.runner_info
         self.stats = ctx.stats
         self.new_sequence = ctx.new_sequence
-        self.adopt = ctx.adopt
+        self.connector = ctx.connector
 
     @property
     def initial_layout(self) -> str | None:
@@ -352,15 +353,16 @@ class ContinuousBatching(Policy):
         check_fits(requests, self.runner_info[self.layout].kv)
 
     def next_step(self, queue: deque) -> Step:
-        self._adopt(queue)
         if self.prefill_chunk is not None:
             return self._budget_step(queue)
         if queue and self._fits(queue[0]) and not (self._prefilled and self.running):
-            seqs, self._prefilled = self._admit(queue), True
-            return self._step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs])
-        assert self.running, "nothing runs and the queue's head does not fit an empty cache (policy bug)"
+            seqs = self._admit(queue)
+            if seqs:
+                self._prefilled = True
+                return self._step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs])
+        assert self.running or (queue and self._fits(queue[0])), "the queue's head does not fit an empty cache"
         seqs, self._prefilled = list(self.running.values()), False
-        return self._step(seqs, [1] * len(seqs))
+        return self._step(seqs, [1] * len(seqs))  # none running: a wait step (the head awaits its KV)
 
     def _step(self, seqs: list[Sequence], num_tokens: list[int]) -> Step:
         return Step(seqs, num_tokens, self.layout_for(seqs, num_tokens))
@@ -369,41 +371,40 @@ class ContinuousBatching(Policy):
         """The runner of a step of ``seqs`` computing ``num_tokens`` each (subclasses choose per step)."""
         return self.layout
 
-    def _adopt(self, queue: deque) -> None:
-        """Migrated requests (running ones whose engine failed) ahead of the rest into free
-        slots, their KV adopted (they decode next); one whose KV cannot be adopted goes to the
-        front of the queue to be prefilled again."""
-        for item in [r for r in queue if isinstance(r, Migrated)]:
-            if not self._fits(item):
-                return
-            queue.remove(item)
-            seq = self.new_sequence(item)
-            self.slots.take(seq)
-            if self.adopt(seq):
-                self.running[seq.request.id] = seq
-            else:
-                self.slots.give(seq)
-                queue.appendleft(item.fallback())
+    def _take(self, queue: deque, within: range | None = None) -> Sequence | None:
+        """The queue's head into a free slot (of ``within``, if given), running, with the KV the
+        engine's connector supplies loaded (its ``num_computed_tokens``); None, the head left
+        queued, while that KV is awaited (every rank alike: the connector agrees)."""
+        seq = self.new_sequence(queue[0])
+        self.slots.take(seq, within)
+        matched = self.connector.matched_tokens(seq)
+        if matched is None:
+            self.slots.give(seq)
+            return None
+        queue.popleft()
+        if matched:
+            self.connector.load(seq, matched)
+            seq.num_computed_tokens = matched
+        self.running[seq.request.id] = seq
+        return seq
 
     def _admit(self, queue: deque, within: range | None = None) -> list[Sequence]:
         """Queued requests into free slots (of ``within`` only, if given) up to the prefill budget."""
         budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size
         admitted: list[Sequence] = []
         while queue and self._fits(queue[0], within) and (not admitted or len(queue[0].prompt_ids) <= budget):
-            seq = self.new_sequence(queue.popleft())
-            budget -= seq.prompt_len
-            self.slots.take(seq, within)
-            self.running[seq.request.id] = seq
+            seq = self._take(queue, within)
+            if seq is None:
+                break
+            budget -= seq.prompt_len - seq.num_computed_tokens
             admitted.append(seq)
         return admitted
 
     def _budget_step(self, queue: deque) -> Step:
         """Admit what fits; every running sequence past its prompt gets one token, then prompts
         get at most ``prefill_chunk`` tokens each, in admission order, while the budget lasts."""
-        while queue and self._fits(queue[0]):
-            seq = self.new_sequence(queue.popleft())
-            self.slots.take(seq)
-            self.running[seq.request.id] = seq
+        while queue and self._fits(queue[0]) and self._take(queue) is not None:
+            pass
         running = list(self.running.values())
         decoding = sum(s.num_computed_tokens >= s.prompt_len for s in running)
         budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size - decoding

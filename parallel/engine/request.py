@@ -19,9 +19,13 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0  # seconds after the start of ``generate`` (online workloads); 0: there at once
-    # the last ``resumed`` prompt tokens are output an earlier engine generated before it failed
-    # (request migration, :mod:`parallel.fault.migrate`): re-prefilled, counted as output
+    # the last ``resumed`` prompt tokens are output an earlier engine generated (a migration
+    # after it failed, a hand-off after a prefill): counted as output, prefilled unless a KV
+    # connector supplies their KV
     resumed: int = 0
+    # where this request's KV may be (a failed or prefilling group's endpoint): a KV connector
+    # that holds it supplies it (:mod:`reshard.parallel.engine.connector`); "": nowhere
+    kv_source: str = ""
 
     def __post_init__(self) -> None:
         if not self.arrival >= 0:  # also refuses NaN
@@ -42,22 +46,6 @@ class Request:
         least = max(0, self.sampling.min_tokens + self.resumed - len(so_far))  # min_tokens also counts what is left
         sampling = dataclasses.replace(self.sampling, max_new_tokens=left, min_tokens=least)
         return Request(self.id, [*prompt, *so_far], sampling, self.arrival, resumed=len(so_far))
-
-
-@dataclass
-class Migrated(Request):
-    """A request whose engine failed after it generated ``tokens``, handed to a group that holds
-    a mirror of that engine's KV (``source``: the failed engine's endpoint). The group adopts its
-    KV (the engine's ``adopt`` event) and decodes on; without the KV, it is prefilled again
-    (:meth:`Request.resume`)."""
-
-    tokens: tuple[int, ...] = ()
-    source: str = ""
-
-    def fallback(self) -> Request:
-        """The request re-prefilled with its tokens so far (no KV to adopt)."""
-        base = Request(self.id, self.prompt_ids, self.sampling, self.arrival, self.resumed)
-        return base.resume(list(self.tokens)) if self.tokens else base
 
 
 @dataclass(frozen=True)

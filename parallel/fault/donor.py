@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.parallel.engine.router import Channel
-from reshard.parallel.fault.mirror import Link
+from reshard.parallel.fault.link import Link
 
 WATCH_S = 0.1  # how often a donor looks for requests (and a taker at its transfer)
 STALL_S = 60.0  # a taker that received nothing for this long reads the checkpoint instead

@@ -13,14 +13,15 @@ Two halves, both on the engine's core hooks:
   are re-admitted with prompt + tokens so far, re-prefilled (:meth:`Request.resume`; a seeded
   generator skips the draws already made, so tokens equal a failure-free run's). With
   ``migrate="reprefill"`` they go to any live group at once; with ``"none"`` they wait for their
-  own group's next generation; with ``"kv"`` they go, as :class:`Migrated` requests, to the
-  group that mirrors the dead one's KV. The router stops handing the dead group work and takes
+  own group's next generation; with ``"kv"`` they go to the group that mirrors the dead one's
+  KV, resumed with ``kv_source`` naming it (that group's KV connector, its mirror, supplies
+  what landed). The router stops handing the dead group work and takes
   it back once its new generation is ready.
 
 DejaVu under supervision (:meth:`Topology.disaggregated`): prompt groups get each request up to
-its first token; its completion there is a *hand-off*, which the router sends on as a
-:class:`Migrated` request to the token group that mirrors that prompt group's KV (one
-mechanism: a hand-off is a migration whose source lives on). A dead prompt group's prompts are
+its first token; its completion there is a *hand-off*, which the router sends on, resumed with
+``kv_source`` naming the prompt group, to the token group that mirrors that prompt group's KV
+(one mechanism: a hand-off is a migration whose source lives on). A dead prompt group's prompts are
 prefilled again by another; a dead token group's requests migrate as above (``reprefill``: to
 a prompt group, and handed off again).
 """
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from reshard.parallel.engine.request import Completion, Migrated, Request
+from reshard.parallel.engine.request import Completion, Request
 from reshard.parallel.engine.router import Channel, Router, backoff
 from reshard.parallel.fault.inject import die
 from reshard.parallel.fault.journal import read_journal, tokens_by_request
@@ -48,7 +49,7 @@ class Topology:
 
     ``entries`` take new requests: every group (data-parallel groups), or DejaVu's prompt
     groups, whose every prefilled request is handed, with its first token, to a *taker* (a
-    token group) as a :class:`Migrated` request: a hand-off is a migration whose source lives
+    token group), resumed from that entry's KV: a hand-off is a migration whose source lives
     on. An entry's KV streams to its taker (``entries[i]`` to ``takers[i % T]``: the hand-off's
     transport, always); with ``kv`` mirrors, each group of the ring (the takers, or every group
     when there are none) streams to the next.
@@ -141,7 +142,7 @@ class SupervisedRouter(Router):
         self.takers = [f"{g}.0" for g in topology.takers]  # the live takers' endpoints
         for e in self.takers:
             self.sent[e], self.sent_tokens[e] = 0, []
-        self.handoffs: list[Migrated] = []  # waiting for a live taker
+        self.handoffs: list[Request] = []  # resumed from an entry's KV, waiting for a live taker
         self.capacity: dict[str, int] = {}  # taker endpoint -> its slots (see _slots)
         self.originals = {r.id: r for r in requests}
         self.migrate, self.generation = migrate, generation
@@ -245,13 +246,13 @@ class SupervisedRouter(Router):
         prefills it again), else the first taker to come back."""
         o = self.originals[rid]
         self.so_far[rid] = list(tokens)
-        self.handoffs.append(Migrated(o.id, o.prompt_ids, o.sampling, o.arrival, tokens=tuple(tokens), source=source))
+        self.handoffs.append(dataclasses.replace(o.resume(list(tokens)), kv_source=source))
         self._hand_out()
 
     def _hand_out(self) -> None:
         while self.handoffs and self.takers:
             request = self.handoffs.pop(0)
-            mirror = self.topology.successor(int(request.source.split(".")[0]), self.migrate == "kv")
+            mirror = self.topology.successor(int(request.kv_source.split(".")[0]), self.migrate == "kv")
             paired = f"{mirror}.{self.generations[mirror]}"
             rooms = {e: self._room(e) or (0, 0) for e in self.takers}
             self._send(paired if paired in self.takers else max(rooms, key=lambda e: rooms[e][1]), request)
@@ -370,9 +371,7 @@ class SupervisedRouter(Router):
             if request.resumed == 0:
                 self.pending.insert(0, request)
                 continue
-            o = self.originals[request.id]
-            tokens = tuple(self.so_far[request.id])
-            self._send(holder, Migrated(o.id, o.prompt_ids, o.sampling, o.arrival, tokens=tokens, source=dead))
+            self._send(holder, dataclasses.replace(request, kv_source=dead))
             migration.adopted_by = holder
 
     def _rejoin(self, g: int, endpoint: str, order: int) -> None:

@@ -14,20 +14,19 @@ meets the old one's connections; the mirror owns its links and their threads and
 :meth:`KVMirror.close`. A failure recomputes at most ``every`` tokens per sequence:
 messages of ``(every + 1) // 2`` steps' entries, one in flight (:attr:`KVMirror.cadence`).
 
-A :class:`reshard.parallel.engine.request.Migrated` request names its source endpoint; the
-group that takes it gives it a slot and fires the engine's ``adopt`` event:
-:meth:`KVMirror.adopt` copies what landed from that source into the slot (the group's ranks
-agree on the shortest landed length; from a source that lives on, a hand-off, it first waits
-for the KV still on its way), keeps the tokens that KV covers and decodes on. A sender whose
-receiver died waits for the receiver's next generation and streams every live sequence whole
-again.
+The mirror is the engine's KV connector (:mod:`reshard.parallel.engine.connector`): a
+migrated or handed-off request is resumed (its tokens so far in its prompt) with ``kv_source``
+naming its source endpoint; when the group that takes it gives it a slot,
+:meth:`KVMirror.matched_tokens` answers how many positions landed from that source (the group's
+ranks agree on the shortest; from a source that lives on, a hand-off, the request awaits KV
+still on its way) and :meth:`KVMirror.load` copies them into the slot; the step computes the
+rest. A sender whose receiver died waits for the receiver's next generation and streams every
+live sequence whole again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import pickle
 import queue
 import threading
 import time
@@ -41,58 +40,14 @@ from reshard.kv import KVCache
 from reshard.kv.scatter import Packing
 from reshard.kv.stream_plan import Span, kv_box
 from reshard.parallel.engine import Engine
-from reshard.parallel.engine.request import Migrated
-from reshard.parallel.engine.sampling import skip_draws
+from reshard.parallel.engine.connector import KVConnector
+from reshard.parallel.fault.link import Link
 from reshard.plan import Piece
 
-LINK_TIMEOUT = datetime.timedelta(days=1)  # a quiet link is not a dead one
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
-HANDOFF_WAIT_S = 2.0  # longest an adoption waits for KV still on its way from a live source
+HANDOFF_WAIT_S = 2.0  # longest a request awaits KV still on its way from a live source
+AWAIT_S = 0.02  # how long one ask waits for a request's KV to settle before answering "awaiting"
 CLOSE_S = 1.0  # longest close() waits for the links' threads (a peer that leaves ends them)
-
-
-class Link:
-    """A two-rank gloo process group named ``name`` in ``store``: ``side`` 0 sends, 1 receives.
-    The group is built on first use, by the thread that uses the link (so building a link never
-    blocks its owner, whether gloo connects then or, ``TORCH_GLOO_LAZY_INIT``, at the first
-    message). A message is a header (two sizes), pickled metadata and a byte buffer. Waits block
-    (a gloo wait with a timeout breaks the connection): a link whose peer died before it
-    connected blocks its thread for good. :meth:`close` drops this end's group; an operation still
-    blocked on it holds it until it returns (a gloo group torn down with an operation pending
-    aborts the process), and the link's next operation raises ``RuntimeError``."""
-
-    def __init__(self, store: dist.Store, name: str, side: int) -> None:
-        self.store, self.name, self.side, self.peer = store, name, side, 1 - side
-        self._pg: dist.ProcessGroup | None = None
-        self._closed = False
-
-    def _group(self) -> dist.ProcessGroup:
-        if self._closed:
-            raise RuntimeError(f"link {self.name} is closed")
-        if self._pg is None:
-            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(self.name, self.store), self.side, 2, LINK_TIMEOUT)
-        return self._pg
-
-    def send(self, meta, data: torch.Tensor) -> None:
-        pg = self._group()  # held until the message is out, whatever close() does meanwhile
-        blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
-        header = torch.tensor([blob.numel(), data.numel()], dtype=torch.int64)
-        for t in (header, blob, data.cpu()):
-            pg.send([t], self.peer, 0).wait()
-
-    def recv(self) -> tuple[object, torch.Tensor]:
-        """The next message: its metadata and bytes."""
-        pg = self._group()  # held until the message is in, whatever close() does meanwhile
-        header = torch.empty(2, dtype=torch.int64)
-        pg.recv([header], self.peer, 0).wait()
-        blob, data = torch.empty(int(header[0]), dtype=torch.uint8), torch.empty(int(header[1]), dtype=torch.uint8)
-        pg.recv([blob], self.peer, 0).wait()
-        pg.recv([data], self.peer, 0).wait()
-        return pickle.loads(blob.numpy().tobytes()), data
-
-    def close(self) -> None:
-        """Drop this end's group (its peer's next operation fails); idempotent."""
-        self._closed, self._pg = True, None
 
 
 @dataclass(frozen=True)
@@ -157,14 +112,15 @@ class Landing:
         return slot, landed
 
 
-class KVMirror:
+class KVMirror(KVConnector):
     """This rank's side of the mirrors: streams its runner's KV to the successor group and keeps
-    the source groups' (see the module docstring); adopts migrated sequences from them.
+    the source groups' (see the module docstring); the engine's KV connector for requests
+    resumed from them (it supplies their KV: an *adoption*).
 
     ``me``: this generation's endpoint; ``connect()``: a new client of the job's store (each
     thread and each link has its own: a client blocked in a wait, as a link's lazy connection
     is, blocks every thread sharing it); ``every``: the most tokens per sequence a failure makes
-    the adopter generate again (see :attr:`cadence`); ``group``: the engine
+    the adopter compute again (see :attr:`cadence`); ``group``: the engine
     group's process group (adoption agrees on lengths over it); ``report(adoption)``: told of
     each adoption as it happens (:attr:`adopted`'s entries); ``slots``: a source's mirror slots
     per slot of this rank's cache (hand-offs wait there until adopted). It owns its watcher
@@ -189,7 +145,8 @@ class KVMirror:
         self.piece = Piece(0, 1, kv_box(self.cache.layout))
         self.slots = slots * self.cache.spec.num_slots
         self.mirrors: dict[str, Landing] = {}  # source endpoint -> its mirror
-        self.late: set[str] = set()  # sources an adoption waited for in vain (since their last message)
+        self.late: set[str] = set()  # sources a request awaited in vain (since their last message)
+        self.asked: dict[int, float] = {}  # request id -> when it first awaited its KV (monotonic)
         self.lock = threading.Condition()  # notified whenever something lands or a source closes
         self.sent: dict[int, int] = {}  # request id -> positions streamed so far
         self.occupant: dict[int, int] = {}  # slot -> the request whose KV it holds
@@ -201,7 +158,7 @@ class KVMirror:
         self.connected = threading.Event()  # the live sender's link is up
         # the outbox the last message was queued in, and its event (set once it has been sent)
         self.last: tuple[queue.Queue | None, threading.Event] = (None, threading.Event())
-        # (source endpoint, request id, tokens kept, tokens generated again): what this rank adopted
+        # (source endpoint, request id, output tokens whose KV came, positions computed again): adoptions
         self.adopted: list[tuple[str, int, int, int]] = []
         self.report = report or (lambda adoption: None)
         self.links: list[tuple[Link, threading.Thread]] = []  # the open links, each with its thread
@@ -209,14 +166,15 @@ class KVMirror:
         self.watcher = threading.Thread(target=self._watch, name="reshard-mirror", daemon=True)
         if peers.successor is not None or peers.sources:
             self.watcher.start()
-        if peers.successor is not None:
-            engine.events.on("step_end", self._step_end)
-        if peers.sources:
-            engine.events.on("adopt", self.adopt)
+        if peers.successor is not None or peers.sources:
+            engine.connector.add(self)
 
     # ---- sending ----------------------------------------------------------------------------------
-    def _step_end(self, step, seqs: list) -> None:
+    def save(self, step, seqs: list) -> None:
         """Gather ``seqs``' new entries; every :attr:`cadence`-th step, hand them to the sending thread."""
+        if self.peers.successor is None:
+            return
+        fed = {id(s): n for s, n in zip(step.seqs, step.num_tokens)}
         live = {s.request.id for s in seqs} if step.kind != "prefill" else None
         whole = self.resync and live is not None  # a step of every live sequence resends them all
         self.resync = self.resync and not whole
@@ -227,7 +185,7 @@ class KVMirror:
                 self.pending = [sp for sp in self.pending if sp.slot != s.slot]  # the last one's are stale
                 self.occupant[s.slot] = rid
             start = 0 if whole or step.kind == "prefill" else self.sent.get(rid, 0)
-            stop = s.num_computed_tokens + (1 if step.kind == "decode" else s.prompt_len - s.num_computed_tokens)
+            stop = s.num_computed_tokens + fed[id(s)]
             if stop > start:
                 self.pending.append(Span(rid, s.slot, start, stop))
                 self.sent[rid] = stop
@@ -376,40 +334,52 @@ class KVMirror:
             self.late.discard(source)
             self.lock.notify_all()
 
-    # ---- adopting ---------------------------------------------------------------------------------
-    def adopt(self, seq) -> bool:
-        """Copy ``seq``'s KV from its source's mirror into its slot (every rank of the group
-        alike); keep the tokens that KV covers (the rest are generated again). From a source
-        that lives on (a hand-off) the KV is waited for, up to :data:`HANDOFF_WAIT_S`."""
-        request: Migrated = seq.request
-        n, tokens = len(request.prompt_ids), list(request.tokens)
-        need = n + len(tokens) - 1
+    # ---- the connector's scheduler and worker halves ------------------------------------------------
+    def matched_tokens(self, seq) -> int | None:
+        """Positions of ``seq`` (a request resumed from ``kv_source``) whose KV landed from its
+        source on every rank of the group, at most all but its last (which the step feeds); 0
+        when that KV does not cover its prompt (it is prefilled whole); None while it is still on
+        its way from a source that lives on (a hand-off), up to :data:`HANDOFF_WAIT_S`. Collective
+        over the group."""
+        request = seq.request
+        if not request.kv_source or not self.peers.sources:
+            return 0
+        need = seq.prompt_len - 1
         with self.lock:
-            if not self.lock.wait_for(lambda: self._settled(request, need), timeout=HANDOFF_WAIT_S):
-                self.late.add(request.source)  # its next hand-offs wait no more until something lands
-            landing = self.mirrors.get(request.source)
-            slot, landed = landing.landed(request.id) if landing is not None else (-1, 0)
-            buf = self._packed(landing.cache, Span(request.id, slot, 0, landed)) if landed >= n else None
-        cached = min(self._agreed(landed), need)  # a collective: outside the lock the receivers take
-        if cached < n:
-            return False
+            settled = self.lock.wait_for(lambda: self._settled(request, need), timeout=AWAIT_S)
+            if not settled and time.monotonic() - self.asked.setdefault(request.id, time.monotonic()) > HANDOFF_WAIT_S:
+                self.late.add(request.kv_source)  # its next requests await it no more until something lands
+            landing = self.mirrors.get(request.kv_source)
+            landed = landing.landed(request.id)[1] if landing is not None else 0
+        settled_all, cached = self._agreed(int(settled), landed)  # a collective: outside the lock the receivers take
+        if not settled_all:
+            return None
+        self.asked.pop(request.id, None)
+        return min(cached, need) if cached >= seq.prompt_len - seq.request.resumed else 0
+
+    def load(self, seq, num_tokens: int) -> None:
+        """Copy ``seq``'s KV from its source's mirror into its slot (this rank's shard); its
+        mirror slot is free again."""
+        request = seq.request
+        with self.lock:
+            landing = self.mirrors[request.kv_source]
+            slot, landed = landing.landed(request.id)
+            buf = self._packed(landing.cache, Span(request.id, slot, 0, landed))
+            landing.release(request.id)
         if self.cache.spec.paged:
             self.cache.assign(seq.slot, seq.blocks)
         Packing.of(self.cache, [self.piece], [Span(request.id, seq.slot, 0, landed)]).unpack(buf)
-        with self.lock:  # adopted: its mirror slot is free again
-            if request.source in self.mirrors:
-                self.mirrors[request.source].release(request.id)
-        seq.output, seq.num_computed_tokens = tokens[: cached - n + 1], cached
-        if seq.generator is not None:
-            skip_draws([request.sampling] * len(seq.output), [seq.generator] * len(seq.output), self.vocab)
-        self.adopted.append((request.source, request.id, len(seq.output), len(tokens) - len(seq.output)))
+        # (source, request id, output tokens whose KV came, positions computed again)
+        kept = num_tokens - (seq.prompt_len - request.resumed) + 1
+        self.adopted.append((request.kv_source, request.id, kept, seq.prompt_len - 1 - num_tokens))
         self.report(self.adopted[-1])
-        return True
 
-    def _settled(self, request: Migrated, need: int) -> bool:
+    def _settled(self, request, need: int) -> bool:
         """Whether ``request``'s KV landed whole, or will land no further (its source closed)."""
-        landing = self.mirrors.get(request.source)
-        return landing is None or landing.closed or request.source in self.late or landing.landed(request.id)[1] >= need
+        landing = self.mirrors.get(request.kv_source)
+        if landing is None or landing.closed or request.kv_source in self.late:
+            return True
+        return landing.landed(request.id)[1] >= need
 
     def _packed(self, mirror: KVCache, span: Span) -> torch.Tensor:
         """``span``'s entries of ``mirror``, packed (one indexed copy per layer and K/V); unpacked
@@ -417,13 +387,13 @@ class KVMirror:
         Entries past the agreed length are written too: nothing reads them before a step does."""
         return Packing.of(mirror, [self.piece], [span]).pack(self.cache.device)
 
-    def _agreed(self, landed: int) -> int:
-        """The shortest landed length over the group's ranks (each holds its own shard)."""
+    def _agreed(self, settled: int, landed: int) -> tuple[int, int]:
+        """The least of each over the group's ranks (each holds its own shard)."""
         if self.group is None or dist.get_world_size(self.group) == 1:
-            return landed
-        t = torch.tensor([landed], dtype=torch.long, device=self.cache.device)
+            return settled, landed
+        t = torch.tensor([settled, landed], dtype=torch.long, device=self.cache.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return int(t[0]), int(t[1])
 
     def close(self, timeout: float = CLOSE_S) -> None:
         """Stop mirroring (not collective; safe on an error path): the watcher and the links'

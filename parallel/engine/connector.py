@@ -1,0 +1,76 @@
+"""KV connectors: where a request's KV comes from when the engine does not compute it (vLLM
+v1's ``KVConnector``, a scheduler half and a worker half).
+
+A request that resumes elsewhere (a migration after its group failed, a hand-off from a prompt
+group to a token group) is an ordinary :class:`reshard.parallel.engine.request.Request`: its
+tokens so far are in its prompt (:meth:`Request.resume`) and ``kv_source`` names where its KV
+may be. The scheduler (the policy) gives it a slot and asks the engine's connector
+
+- :meth:`KVConnector.matched_tokens`: how many of its first positions' KV the connector can
+  supply (the same answer on every rank of the group: a connector agrees over the group before
+  it answers), or ``None`` while that is not known yet (the request is *awaiting KV*: it keeps
+  its place and is asked again next step);
+
+and then, for a match, the worker half :meth:`KVConnector.load` writes those positions' KV
+into the sequence's slot (this rank's shard), ``num_computed_tokens`` becomes the match and the
+step computes the rest: its tail, as a prompt chunk (at least its last token: the step that
+emits its next token). Nothing special follows: no request kinds, no adoption event.
+
+After each step the engine hands this rank's share of it to :meth:`KVConnector.save` (a mirror
+streams the entries the step wrote). :class:`KVConnectors` is the engine's: the connectors a
+job adds, asked in order (each one's creator owns it and closes it).
+"""
+
+from __future__ import annotations
+
+from reshard.parallel.engine.request import Sequence
+
+
+class KVConnector:
+    """The interface (a connector that supplies nothing: every request is computed whole)."""
+
+    def matched_tokens(self, seq: Sequence) -> int | None:
+        """Positions ``0..n-1`` of ``seq`` whose KV this connector can load (``n``, below the
+        sequence's prompt length; the same on every rank of the group), 0: none, ``None``: not
+        known yet (awaiting KV). Called once ``seq`` holds its slot (and blocks)."""
+        return 0
+
+    def load(self, seq: Sequence, num_tokens: int) -> None:
+        """Write the KV of ``seq``'s first ``num_tokens`` positions into its slot (this rank's share)."""
+        raise NotImplementedError(f"{type(self).__name__} matched tokens it cannot load")
+
+    def save(self, step, seqs: list[Sequence]) -> None:
+        """This rank computed ``seqs`` (its share of ``step``; positions not yet counted in
+        ``num_computed_tokens``): keep what the step wrote, if this connector keeps KV."""
+
+    def close(self) -> None:
+        """Release threads and links (not collective; safe on an error path)."""
+
+
+class KVConnectors(KVConnector):
+    """The engine's connectors, asked in order: the first that matches a sequence (or awaits
+    its KV) supplies it; every one saves every step."""
+
+    def __init__(self) -> None:
+        self.members: list[KVConnector] = []
+        self._supplier: dict[int, KVConnector] = {}  # request id -> the member that matched it
+
+    def add(self, connector: KVConnector) -> None:
+        self.members.append(connector)
+
+    def matched_tokens(self, seq: Sequence) -> int | None:
+        for c in self.members:
+            n = c.matched_tokens(seq)
+            if n != 0:
+                assert n is None or 0 < n < seq.prompt_len, (seq.request.id, n, seq.prompt_len)
+                self._supplier[seq.request.id] = c
+                return n
+        return 0
+
+    def load(self, seq: Sequence, num_tokens: int) -> None:
+        """Load through the connector that matched ``seq``."""
+        self._supplier.pop(seq.request.id).load(seq, num_tokens)
+
+    def save(self, step, seqs: list[Sequence]) -> None:
+        for c in self.members:
+            c.save(step, seqs)
