@@ -11,7 +11,13 @@ may be. The scheduler (the policy) gives it a slot and asks the engine's connect
   it answers), or ``None`` while that is not known yet (the request is *awaiting KV*: it keeps
   its place and is asked again next step);
 
-and then, for a match, the worker half :meth:`KVConnector.load` writes those positions' KV
+A connector whose KV arrives in the background agrees on it with the step's tokens: it adds
+integers to the step's agreement (:meth:`KVConnector.agree`, read after this rank's compute: "my
+share landed") and reads their sums over the group back (:meth:`KVConnector.agreed`), so every
+rank answers alike without a collective of its own. With nothing else to run, the engine blocks
+in :meth:`KVConnector.wait_for` until this rank's share of the awaited KV is in.
+
+For a match, the worker half :meth:`KVConnector.load` writes those positions' KV
 into the sequence's slot (this rank's shard), ``num_computed_tokens`` becomes the match and the
 step computes the rest: its tail, as a prompt chunk (at least its last token: the step that
 emits its next token). Nothing special follows: no request kinds, no adoption event.
@@ -23,7 +29,9 @@ job adds, asked in order (each one's creator owns it and closes it).
 
 from __future__ import annotations
 
-from reshard.parallel.engine.request import Sequence
+from collections.abc import Callable, Mapping
+
+from reshard.parallel.engine.request import Request, Sequence
 
 
 class KVConnector:
@@ -34,6 +42,18 @@ class KVConnector:
         sequence's prompt length; the same on every rank of the group), 0: none, ``None``: not
         known yet (awaiting KV). Called once ``seq`` holds its slot (and blocks)."""
         return 0
+
+    def agree(self) -> dict[str, Callable[[], int]]:
+        """Integers this rank adds to the step's agreement (each read after its compute), summed
+        over the group and handed back to :meth:`agreed`."""
+        return {}
+
+    def agreed(self, sums: Mapping[str, int]) -> None:
+        """The group's sums of this connector's :meth:`agree` entries for the step just agreed."""
+
+    def wait_for(self, request: Request) -> None:
+        """Nothing runs until ``request``'s KV is in: block until this rank's share of it is (the
+        next step's agreement tells every rank)."""
 
     def load(self, seq: Sequence, num_tokens: int) -> None:
         """Write the KV of ``seq``'s first ``num_tokens`` positions into its slot (this rank's share)."""
@@ -66,6 +86,18 @@ class KVConnectors(KVConnector):
                 self._supplier[seq.request.id] = c
                 return n
         return 0
+
+    def agree(self) -> dict[str, Callable[[], int]]:
+        return {f"kv{i}/{k}": v for i, c in enumerate(self.members) for k, v in c.agree().items()}
+
+    def agreed(self, sums: Mapping[str, int]) -> None:
+        for i, c in enumerate(self.members):
+            prefix = f"kv{i}/"
+            c.agreed({k[len(prefix) :]: v for k, v in sums.items() if k.startswith(prefix)})
+
+    def wait_for(self, request: Request) -> None:
+        for c in self.members:
+            c.wait_for(request)
 
     def load(self, seq: Sequence, num_tokens: int) -> None:
         """Load through the connector that matched ``seq``."""

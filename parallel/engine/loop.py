@@ -5,9 +5,9 @@ Every strategy runs on this loop: it supplies runners (:class:`ModelRunner`, one
 runs the loop on the requests it is handed (the whole list, or what the router on rank 0 hands it,
 :mod:`parallel.engine.router`); the policy splits each step's sequences over the data-parallel
 replicas of the step's layout, each replica computes its share, and :func:`sample_step` makes
-every rank of the group continue with the same tokens. The policy returns each
-step as plain data and the engine makes the moves it names (:mod:`parallel.engine.policy`);
-everything else plugs in through :attr:`Engine.events` (:mod:`parallel.engine.events`).
+every rank of the group continue with the same tokens. The policy returns each step as plain data
+and the engine makes the moves it names (:mod:`parallel.engine.policy`); KV from elsewhere comes
+through its connectors (:mod:`parallel.engine.connector`), the rest through :attr:`Engine.events`.
 """
 
 from __future__ import annotations
@@ -130,12 +130,9 @@ class Engine:
         layout = next(iter(self.runners))
         if self.flow is not None and not self.flow.first:
             return NotedSteps(layout, self.flow.notes)
-        batching = ContinuousBatching if self.flow is None else InflightBatching
+        batching, c = ContinuousBatching if self.flow is None else InflightBatching, self.config
         return batching(
-            layout,
-            max_prefill_tokens=self.config.max_prefill_tokens,
-            admission=self.config.admission,
-            prefill_chunk=self.config.prefill_chunk,
+            layout, max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk
         )
 
     # ---- what the active layout holds ------------------------------------------------------------
@@ -240,7 +237,9 @@ class Engine:
     def _advance_drained(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
         """The steps that finished next: the policy's next step, run to its agreed tokens."""
         step = self.policy.next_step(queue)
-        return [(step, self._run(step, {ADMIT: admission.proposal()}))]
+        output = self._run(step, {ADMIT: admission.proposal(), **self.connector.agree()})
+        self.connector.agreed(output.agreed or {})
+        return [(step, output)]
 
     def _advance_inflight(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
         """In-flight pipeline: on the last stage, the step it sampled landed at once; else the
@@ -360,11 +359,10 @@ class Engine:
         if self.events.known_tokens(index, step) is not None:
             raise ValueError("an in-flight pipeline does not replay journaled steps; use pipeline='drain'")
         self._prepare(step, index, replay=False)
-        mine = step.seqs
-        self.events.fire("step_begin", step, mine, layout=step.layout)
+        self.events.fire("step_begin", step, step.seqs, layout=step.layout)
         self.flow.launch(step, self.events.layers(step.layout))
-        self.connector.save(step, mine)
-        self.events.fire("step_end", step, mine, layout=step.layout)
+        self.connector.save(step, step.seqs)
+        self.events.fire("step_end", step, step.seqs, layout=step.layout)
 
     def _land(self, admission: Admission) -> tuple[Step, StepOutput]:
         """In-flight pipeline: the oldest micro-batch's tokens (and log-probabilities) from the
@@ -373,19 +371,19 @@ class Engine:
         self._record(flight.step, tokens, flight.launched, flight.clock, logprobs)
         return flight.step, StepOutput(tokens, agreed={ADMIT: admission.proposal()})
 
-    def _computed(self, step: Step, runner: ModelRunner, extras: dict[str, int]) -> tuple[list[int], dict, list]:
-        mine = [s for s in step.seqs if s.replica == runner.replica.rank]
-        logits = None
+    def _computed(self, step: Step, runner: ModelRunner, extras: dict) -> tuple[list[int], dict, list]:
+        here = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if s.replica == runner.replica.rank]
+        mine, logits = [s for s, _ in here], None
         if mine:
             self.events.fire("step_begin", step, mine, layout=step.layout)
-            counts = [n for s, n in zip(step.seqs, step.num_tokens) if s.replica == runner.replica.rank]
-            logits = runner.run(mine, counts, self.events.layers(step.layout))
+            logits = runner.run(mine, [n for _, n in here], self.events.layers(step.layout))
             self.connector.save(step, mine)
             self.events.fire("step_end", step, mine, layout=step.layout)
         else:
             self.events.fire("idle", step, mine, layout=step.layout)
         group = self.group if self.group is not None else runner.group
-        agree = {**{k: v() if callable(v) else v for k, v in step.agree.items()}, **extras}  # policy's, admissions
+        # the policy's, the admissions, the connectors' (a callable is read now, after the compute)
+        agree = {k: v() if callable(v) else v for k, v in {**step.agree, **extras}.items()}
         emits = step.emits()
         if all(emits):
             return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)

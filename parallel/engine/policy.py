@@ -356,13 +356,15 @@ class ContinuousBatching(Policy):
         if self.prefill_chunk is not None:
             return self._budget_step(queue)
         if queue and self._fits(queue[0]) and not (self._prefilled and self.running):
-            seqs = self._admit(queue)
-            if seqs:
+            seqs = self._admit(queue)  # those with their KV but the last position's decode with the rest
+            if any(s.prompt_len - s.num_computed_tokens > 1 for s in seqs):
                 self._prefilled = True
                 return self._step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs])
-        assert self.running or (queue and self._fits(queue[0])), "the queue's head does not fit an empty cache"
+        if not self.running:  # a wait step: the queue's head awaits its KV
+            assert queue and self._fits(queue[0]), "the queue's head does not fit an empty cache (policy bug)"
+            self.connector.wait_for(queue[0])
         seqs, self._prefilled = list(self.running.values()), False
-        return self._step(seqs, [1] * len(seqs))  # none running: a wait step (the head awaits its KV)
+        return self._step(seqs, [1] * len(seqs))
 
     def _step(self, seqs: list[Sequence], num_tokens: list[int]) -> Step:
         return Step(seqs, num_tokens, self.layout_for(seqs, num_tokens))
@@ -409,6 +411,8 @@ class ContinuousBatching(Policy):
         decoding = sum(s.num_computed_tokens >= s.prompt_len for s in running)
         budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size - decoding
         seqs, num_tokens = [], []
+        if not running and queue:  # a wait step: the queue's head awaits its KV
+            self.connector.wait_for(queue[0])
         for seq in running:
             left = seq.prompt_len - seq.num_computed_tokens  # prompt tokens not computed yet
             n = 1 if left <= 0 else max(min(left, self.prefill_chunk, budget), 0)  # 0: no budget left

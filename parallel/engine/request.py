@@ -137,7 +137,8 @@ class Sequence:
 
     @property
     def last_token(self) -> int:
-        return self.output[-1]
+        """The token its next decode feeds (a resumed request's last earlier output, before its own)."""
+        return self.output[-1] if self.output else self.request.prompt_ids[-1]
 
     @property
     def prompt_len(self) -> int:
@@ -186,17 +187,24 @@ class Sequence:
 def batch_kind(seqs: list[Sequence], num_tokens: list[int]) -> str:
     """What a batch is, sequence ``i`` computing ``num_tokens[i]`` tokens from its
     ``num_computed_tokens`` on: ``"wait"`` (no sequences), ``"decode"`` (one token each, every
-    prompt already computed), ``"prefill"`` (every whole prompt, from position 0) or ``"mixed"``
+    prompt already computed; a resumed request's prompt ends in its earlier output, whose last
+    token decodes), ``"prefill"`` (every whole prompt, from position 0) or ``"mixed"``
     (anything else: prompt chunks, beside decode tokens or not). A label for statistics and the
     runner's choice of path; a scheduler gives token counts, never a kind."""
     assert len(seqs) == len(num_tokens), (len(seqs), len(num_tokens))
     if not seqs:
         return "wait"
-    if all(n == 1 and s.num_computed_tokens >= s.prompt_len for s, n in zip(seqs, num_tokens)):
+    if all(n == 1 and _decodes(s) for s, n in zip(seqs, num_tokens)):
         return "decode"
     if all(s.num_computed_tokens == 0 and n == s.prompt_len for s, n in zip(seqs, num_tokens)):
         return "prefill"
     return "mixed"
+
+
+def _decodes(seq: Sequence) -> bool:
+    """Whether ``seq`` feeding one token is a decode: its prompt is computed (a resumed request's
+    but for its last token, its earlier output's last)."""
+    return seq.num_computed_tokens >= seq.prompt_len - (seq.request.resumed > 0)
 
 
 @dataclass

@@ -1,21 +1,24 @@
 """DejaVu's sides as engine policies: :class:`PromptSide` (prefill, stream each layer's KV, hand
-every prefilled prompt to a token group), :class:`TokenSide` (take hand-offs into free slots, fetch
-their KV, decode once it has landed) and, for lockstep runs, :class:`DejaVuPolicy` (both sides in
-one loop). Every KV movement goes through the stream plan (:mod:`reshard.kv.stream`).
+every prefilled prompt to a token group), :class:`TokenSide` (continuous batching of the
+hand-offs' requests, their KV from the group's connector, :class:`StreamedKV`) and, for lockstep
+runs, :class:`DejaVuPolicy` (both sides in one loop). Every KV movement goes through the stream
+plan (:mod:`reshard.kv.stream`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from reshard.kv.stream import KVStreamer, StreamIn
+from reshard.kv.stream import KVStreamer
 from reshard.kv.stream_plan import Span
 from reshard.parallel.engine import (
+    ContinuousBatching,
     EngineConfig,
     EngineStats,
     Move,
@@ -26,9 +29,9 @@ from reshard.parallel.engine import (
 )
 from reshard.parallel.engine.router import Handoff
 from reshard.parallel.engine.runner import Replica
-from reshard.parallel.engine.sampling import skip_draws
 from reshard.parallel.engine.splits import split_ranges
 from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.strategies.dejavu.connector import StreamedKV
 
 
 class AbsentRunner:
@@ -161,23 +164,6 @@ class DejaVuPolicy(Policy):
 
 
 # ---- the sides as engine groups (they run at the same time) ------------------------------------
-@dataclass
-class Pending:
-    """A hand-off whose prompt KV is on its way into the token cache."""
-
-    seqs: list  # its sequences still to decode (in token slots)
-    held: list  # its sequences that finished at their first token (slots freed on landing)
-    incoming: list[StreamIn]  # one per layer
-
-    def landed(self) -> int:
-        """1 once every layer's KV has arrived (a step's ``agree`` entry), else 0."""
-        return int(all(handle.done() for handle in self.incoming))
-
-    def wait(self) -> int:
-        """Unpack every layer's KV as it arrives; returns the bytes."""
-        return sum(handle.wait() for handle in self.incoming)
-
-
 class PromptSide(Policy):
     """A prompt group: prefill admitted prompts (streaming each layer's KV out as it is written)
     and hand every prefilled prompt, with its first token, to a token group."""
@@ -250,78 +236,48 @@ class PromptSide(Policy):
             streamer.close()
 
 
-class TokenSide(Policy):
-    """A token group: admit hand-offs into token slots as slots free up, fetch their streamed KV,
-    and decode every sequence whose KV has landed on every rank of the group (agreed with the
-    step's tokens); with nothing to decode, wait for the oldest hand-off's KV."""
+class TokenSide(ContinuousBatching):
+    """A token group: each hand-off's requests that run on, resumed after their first token, wait
+    (awaiting KV) until their prompt's KV landed on every rank of the group through the group's
+    connector (:class:`StreamedKV`, which this policy owns), then take token slots as they free
+    up and decode; with nothing to decode, the oldest hand-off's KV is waited for."""
 
     stats_cls = DejaVuStats
 
-    def __init__(self, streamers: dict, group_size: int, vocab_size: int) -> None:
-        self.streamers = streamers  # prompt group -> streamer from that group's ranks to this group's
-        self.group_size = group_size
-        self.vocab_size = vocab_size
+    def __init__(self, streamed: StreamedKV) -> None:
+        super().__init__("token")
+        self.streamed = streamed
 
-    @property
-    def initial_layout(self) -> str:
-        return "token"
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        ctx.connector.add(self.streamed)
 
     def start(self, queue) -> None:
-        self.slots = SlotPool(self.runner_info["token"].max_batch_size, 1)
-        self.running: dict[int, Any] = {}
-        self.pending: list[Pending] = []
+        super().start(queue)
+        self.waiting: deque = deque()  # resumed requests, in hand-off order
 
     def next_step(self, queue) -> Step:
-        while queue and len(self.slots) >= len(queue[0].requests):
-            self.pending.append(self._receive(queue.popleft()))
-        if not self.running and self.pending:  # nothing to decode: the oldest hand-off's KV, when it lands
-            self._land(self.pending.pop(0))
-        agree = {f"landed{i}": p.landed for i, p in enumerate(self.pending)}  # read after the step's compute
-        seqs = list(self.running.values())  # none: a wait step (a hand-off whose prompts all finished landed)
-        return Step(seqs, [1] * len(seqs), "token", agree=agree)
+        while queue and (requests := self.streamed.expect(queue[0])) is not None:
+            queue.popleft()
+            self.waiting.extend(requests)
+        if not self.waiting and not self.running:  # a hand-off whose sequences all finished at their first token
+            self.streamed.wait_for()
+            step = self._step([], [])
+        else:
+            step = super().next_step(self.waiting)
+        self.stats.streamed_bytes, self.stats.stream_wait_seconds = self.streamed.bytes, self.streamed.wait_seconds
+        return step
 
-    def _receive(self, handoff: Handoff) -> Pending:
-        """Token slots for every sequence of ``handoff`` (in its order) and their KV's fetch."""
-        seqs = []
-        times = handoff.times or ((),) * len(handoff.requests)
-        logprobs_all = handoff.logprobs or ((),) * len(handoff.requests)
-        for request, tokens, marks, logprobs in zip(handoff.requests, handoff.tokens, times, logprobs_all):
-            seq = self.new_sequence(request)
-            seq.times = list(marks)  # the prompt group's: TTFT counts from its prefill
-            skip_draws([request.sampling] * len(tokens), [seq.generator] * len(tokens), self.vocab_size)
-            for token, lp in zip(tokens, logprobs or [None] * len(tokens)):
-                seq.append(token, lp)
-            seq.num_computed_tokens = seq.prompt_len + len(tokens) - 1
-            self.slots.take(seq)
-            seqs.append(seq)
-        spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs]
-        token = self.runner_info["token"]
-        streamer = self.streamers[handoff.source]
-        incoming = [  # layer by layer, in the order the prompt side flushes them
-            streamer.stream_in(token.kv, spans, layers=[layer], tag=handoff.tag) for layer in range(token.num_layers)
-        ]
-        held = [s for s in seqs if s.finish_reason is not None]
-        return Pending([s for s in seqs if s.finish_reason is None], held, incoming)
+    def _take(self, queue, within=None):
+        """The waiting head into a slot with its KV; it continues its prompt group's marks and log-probabilities."""
+        seq = super()._take(queue, within)
+        if seq is not None:
+            times, logprobs = self.streamed.carried(seq.request.id)
+            seq.times, seq.logprobs = list(times), list(logprobs)
+        return seq
 
-    def _land(self, pending: Pending) -> None:
-        t0 = time.perf_counter()
-        self.stats.streamed_bytes += pending.wait()
-        self.stats.stream_wait_seconds += time.perf_counter() - t0
-        for seq in pending.held:
-            self.slots.give(seq)
-        self.running.update((s.request.id, s) for s in pending.seqs)
-
-    def after_step(self, step: Step, output: StepOutput) -> None:
-        agreed = output.agreed or {}
-        landed = [p for i, p in enumerate(self.pending) if agreed.get(f"landed{i}") == self.group_size]
-        for p in landed:
-            self.pending.remove(p)
-            self._land(p)
-
-    def retire(self, seq) -> None:
-        self.running.pop(seq.request.id)
-        self.slots.give(seq)
+    def load(self, queue):
+        return super().load(self.waiting)
 
     def close(self) -> None:
-        for streamer in self.streamers.values():
-            streamer.close()
+        self.streamed.close()

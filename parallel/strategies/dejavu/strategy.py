@@ -31,6 +31,7 @@ from reshard.parallel.engine.router import GroupLayout
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.pipeline import build_model
+from reshard.parallel.strategies.dejavu.connector import StreamedKV
 from reshard.parallel.strategies.dejavu.sides import (
     AbsentRunner,
     DejaVuPolicy,
@@ -71,7 +72,9 @@ def dejavu_groups_engine(
         tokens = [g for g in range(len(groups)) if g not in entries]
         policy = PromptSide(streamers, index, tokens, config.max_prefill_tokens)
     else:
-        policy = TokenSide(streamers, len(groups[index]), prompt.config.vocab_size)
+        token_runner = runners["token"]
+        streamed = StreamedKV(streamers, token_runner.kv, token.config.num_hidden_layers, len(groups[index]))
+        policy = TokenSide(streamed)
     engine = Engine(runners=runners, policy=policy, config=config, group=pgs[index], engine_group=layout)
     if side == "prompt":
         engine.events.on("layer_after", policy.stream_layer, layout="prompt")

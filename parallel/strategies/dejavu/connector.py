@@ -1,0 +1,145 @@
+"""A DejaVu token group's KV connector: each hand-off's prompt KV, streamed layer by layer from the
+prompt group that prefilled it, lands in a staging cache of the connector's; a request resumed
+from that hand-off is copied into its token slot when the policy admits it (vLLM v1's
+``KVConnector``: :mod:`reshard.parallel.engine.connector`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+
+from reshard.kv import KVCache
+from reshard.kv.stream import KVStreamer, StreamIn
+from reshard.kv.stream_plan import Span
+from reshard.parallel.engine.connector import KVConnector
+from reshard.parallel.engine.request import Request, Sequence
+from reshard.parallel.engine.router import Handoff
+
+
+@dataclass
+class Incoming:
+    """One hand-off's prompt KV on its way into the staging cache: each of its sequences' staging
+    slot, the streams (one per layer, in the order the prompt side flushes them), the sequences
+    that run on (the others finished at their first token: their KV streams all the same, in the
+    stream's order), whether every rank of the group has its share (``landed``) and whether this
+    rank unpacked it."""
+
+    slots: dict[int, int]
+    streams: list[StreamIn]
+    open: set[int]
+    landed: bool = False
+    unpacked: bool = False
+
+
+class StreamedKV(KVConnector):
+    """The token group's connector over its ``streamers`` (prompt group -> streamer from that
+    group's ranks to this group's). A hand-off (:meth:`expect`) posts its streams into staging
+    slots and names its open requests' ``kv_source`` ``"<prompt group>:<tag>"``; such a request
+    matches all but its last position (its prompt; its first token is fed by its first step) once
+    every one of the ``group_size`` ranks reported its share landed with a step's tokens
+    (:meth:`agree`), and awaits KV until then. ``cache``: this rank's token cache (its layout:
+    layers and heads); the staging cache has as many slots, contiguous."""
+
+    def __init__(self, streamers: dict[int, KVStreamer], cache: KVCache, num_layers: int, group_size: int) -> None:
+        self.streamers, self.cache, self.num_layers, self.group_size = streamers, cache, num_layers, group_size
+        spec = dataclasses.replace(cache.spec, block_size=None, num_blocks=None)
+        self.staging = KVCache(spec, device=cache.device)
+        self.free = list(reversed(range(spec.num_slots)))
+        self.incoming: dict[str, Incoming] = {}  # kv_source -> its hand-off's streams
+        self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its times and logprobs so far
+        self.bytes, self.wait_seconds = 0, 0.0  # received; spent waiting with nothing else to run
+
+    def expect(self, handoff: Handoff) -> list[Request] | None:
+        """Post ``handoff``'s streams; its requests that run on, resumed after their tokens so far
+        (None: too few free staging slots now)."""
+        if len(self.free) < len(handoff.requests):
+            return None
+        key = f"{handoff.source}:{handoff.tag}"
+        slots = {r.id: self.free.pop() for r in handoff.requests}
+        spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in handoff.requests]
+        streamer = self.streamers[handoff.source]
+        streams = [  # layer by layer, in the order the prompt side flushes them
+            streamer.stream_in(self.staging, spans, layers=[layer], tag=handoff.tag) for layer in range(self.num_layers)
+        ]
+        n = len(handoff.requests)
+        times, logprobs = handoff.times or ((),) * n, handoff.logprobs or ((),) * n
+        rows = [
+            row
+            for row, done in zip(zip(handoff.requests, handoff.tokens, times, logprobs), handoff.finished)
+            if not done
+        ]
+        self.incoming[key] = Incoming(slots, streams, {r.id for r, *_ in rows})
+        self.marks.update((r.id, (marks, lps)) for r, _, marks, lps in rows)
+        return [dataclasses.replace(r.resume(list(tokens)), kv_source=key) for r, tokens, *_ in rows]
+
+    def carried(self, rid: int) -> tuple[tuple, tuple]:
+        """Request ``rid``'s wall-clock marks and log-probabilities from its prompt group (its
+        first token's), once: its sequence continues them."""
+        return self.marks.pop(rid)
+
+    # ---- scheduler half -------------------------------------------------------------------------------
+    def matched_tokens(self, seq: Sequence) -> int | None:
+        incoming = self.incoming.get(seq.request.kv_source)
+        if incoming is None:
+            return 0
+        return seq.prompt_len - 1 if incoming.landed else None
+
+    def agree(self) -> dict:
+        return {key: functools.partial(_arrived, inc.streams) for key, inc in self.incoming.items() if not inc.landed}
+
+    def agreed(self, sums: dict[str, int]) -> None:
+        """Hand-offs whose KV every rank has: unpacked into staging; those with nothing open released."""
+        for key, inc in list(self.incoming.items()):
+            if not inc.landed and sums.get(key) == self.group_size:
+                self._unpack(inc)
+                inc.landed = True
+                self._release(key)
+
+    def wait_for(self, request: Request | None = None) -> None:
+        """Block until this rank's share of ``request``'s hand-off (None: the oldest awaited) landed."""
+        key = (
+            request.kv_source
+            if request is not None
+            else next((k for k, i in self.incoming.items() if not i.landed), None)
+        )
+        if key in self.incoming:
+            t0 = time.perf_counter()
+            self._unpack(self.incoming[key])
+            self.wait_seconds += time.perf_counter() - t0
+
+    def _unpack(self, incoming: Incoming) -> None:
+        if not incoming.unpacked:
+            self.bytes += sum(stream.wait() for stream in incoming.streams)
+            incoming.unpacked = True
+
+    # ---- worker half ----------------------------------------------------------------------------------
+    def load(self, seq: Sequence, num_tokens: int) -> None:
+        """Copy ``num_tokens`` positions of ``seq`` from its staging slot into its token slot
+        (its blocks, paged: this rank's layers and heads)."""
+        key = seq.request.kv_source
+        incoming = self.incoming[key]
+        if self.cache.spec.paged:
+            self.cache.assign(seq.slot, seq.blocks)
+        first, src = self.cache.spec.first_layer, incoming.slots[seq.request.id]
+        for layer in range(first, first + self.cache.spec.num_layers):
+            self.cache.write_slot(layer, seq.slot, *self.staging.read_slot(layer, src, num_tokens))
+        incoming.open.discard(seq.request.id)
+        self._release(key)
+
+    def _release(self, key: str) -> None:
+        """A landed hand-off none of whose sequences waits any more gives its staging slots back."""
+        incoming = self.incoming[key]
+        if incoming.landed and not incoming.open:
+            self.free.extend(incoming.slots.values())
+            del self.incoming[key]
+
+    def close(self) -> None:
+        for streamer in self.streamers.values():
+            streamer.close()
+
+
+def _arrived(streams: list[StreamIn]) -> int:
+    """1 once every stream's fetches arrived on this rank (a step's ``agree`` entry), else 0."""
+    return int(all(stream.done() for stream in streams))
