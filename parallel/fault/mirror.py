@@ -46,7 +46,6 @@ from reshard.plan import Piece
 
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
 HANDOFF_WAIT_S = 2.0  # longest a request awaits KV still on its way from a live source
-AWAIT_S = 0.02  # how long one ask waits for a request's KV to settle before answering "awaiting"
 CLOSE_S = 1.0  # longest close() waits for the links' threads (a peer that leaves ends them)
 
 
@@ -339,14 +338,14 @@ class KVMirror(KVConnector):
         """Positions of ``seq`` (a request resumed from ``kv_source``) whose KV landed from its
         source on every rank of the group, at most all but its last (which the step feeds); 0
         when that KV does not cover its prompt (it is prefilled whole); None while it is still on
-        its way from a source that lives on (a hand-off), up to :data:`HANDOFF_WAIT_S`. Collective
-        over the group."""
+        its way from a source that lives on (a hand-off), up to :data:`HANDOFF_WAIT_S` after the
+        first ask. Collective over the group."""
         request = seq.request
         if not request.kv_source or not self.peers.sources:
             return 0
         need = seq.prompt_len - 1
         with self.lock:
-            settled = self.lock.wait_for(lambda: self._settled(request, need), timeout=AWAIT_S)
+            settled = self._settled(request, need)
             if not settled and time.monotonic() - self.asked.setdefault(request.id, time.monotonic()) > HANDOFF_WAIT_S:
                 self.late.add(request.kv_source)  # its next requests await it no more until something lands
             landing = self.mirrors.get(request.kv_source)
@@ -356,6 +355,17 @@ class KVMirror(KVConnector):
             return None
         self.asked.pop(request.id, None)
         return min(cached, need) if cached >= seq.prompt_len - seq.request.resumed else 0
+
+    def wait_for(self, request) -> None:
+        """Nothing else runs: block until ``request``'s KV landed whole here, or will land no
+        further, or it has been awaited :data:`HANDOFF_WAIT_S`."""
+        if not request.kv_source or not self.peers.sources:
+            return
+        need, asked = len(request.prompt_ids) - 1, self.asked.setdefault(request.id, time.monotonic())
+        with self.lock:
+            self.lock.wait_for(
+                lambda: self._settled(request, need), max(0.0, asked + HANDOFF_WAIT_S - time.monotonic())
+            )
 
     def load(self, seq, num_tokens: int) -> None:
         """Copy ``seq``'s KV from its source's mirror into its slot (this rank's shard); its
