@@ -121,6 +121,9 @@ def test_sides_run_at_the_same_time_as_engine_groups(
         assert tokens == expected
         assert group == groups[rank]
         assert summary["streamed_bytes"] > 0
+        # every request that ran on past its first token resumed on the token group through its
+        # KV connector (the group's leader counts; every rank of it loads its own shard)
+        assert summary["handoffs_loaded"] == sum(len(t) > 1 for t in expected)
         phases = {phase for phase, _, _ in steps}
         assert phases == ({"prefill"} if rank < prompt_ranks else {"decode"})
     prompt_steps = [s for _, _, _, _, (_, steps) in results[:prompt_ranks] for s in steps]

@@ -10,7 +10,7 @@ from tests import dist_harness
 MAX_NEW = 8
 RESUME_AT = 3  # output tokens a request had when its engine handed it over
 LAG = 2  # positions before the last whose KV the connector lacks (a mirror a step or two behind)
-WAITS = 2  # asks answered "awaiting" before the KV has landed
+WAITS = 2  # agreed steps a request's KV takes to land once asked for
 
 
 def _prompts() -> list[list[int]]:
@@ -21,7 +21,8 @@ def _prompts() -> list[list[int]]:
 def _resumed_elsewhere(path: str, prompts: list[list[int]], paged: bool) -> dict:
     """Engine A generates every prompt; engine B (its own cache, paged or not) takes each
     request resumed after ``RESUME_AT`` tokens with its KV copied from A's slot by a connector
-    that holds all but the last ``LAG`` + 1 positions and answers "awaiting" ``WAITS`` times."""
+    that holds all but the last ``LAG`` + 1 positions, which land ``WAITS`` agreed steps after
+    the first ask (each step's agreement carries "landed here" for every awaited request)."""
     from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
     from reshard.parallel.engine.connector import KVConnector
 
@@ -35,14 +36,24 @@ def _resumed_elsewhere(path: str, prompts: list[list[int]], paged: bool) -> dict
         """KV of engine A's slots (A's run is over: its cache holds every computed position)."""
 
         def __init__(self) -> None:
-            self.asks: dict[int, int] = {}
+            self.steps: dict[int, int] = {}  # request id -> agreed steps since its first ask
             self.loads: list[tuple[int, int]] = []
+            self.waited: list[tuple[int, int]] = []  # (request the policy waited for, sequences running)
 
         def matched_tokens(self, seq) -> int | None:
             if seq.request.kv_source != "A":
                 return 0
-            self.asks[seq.request.id] = self.asks.get(seq.request.id, 0) + 1
-            return None if self.asks[seq.request.id] <= WAITS else seq.prompt_len - 1 - LAG
+            return None if self.steps.setdefault(seq.request.id, 0) < WAITS else seq.prompt_len - 1 - LAG
+
+        def agree(self) -> dict:
+            return {str(rid): (lambda: 1) for rid, n in self.steps.items() if n < WAITS}
+
+        def agreed(self, sums) -> None:
+            for rid, total in sums.items():
+                self.steps[int(rid)] += total  # one rank: each agreed step adds 1
+
+        def wait_for(self, request) -> None:
+            self.waited.append((request.id, len(b.policy.running)))
 
         def load(self, seq, num_tokens: int) -> None:
             if b.kv.spec.paged:
@@ -66,7 +77,7 @@ def _resumed_elsewhere(path: str, prompts: list[list[int]], paged: bool) -> dict
         "prompts_b": [c.prompt_ids for c in again],
         "steps": steps,
         "loads": connector.loads,
-        "asks": connector.asks,
+        "waited": connector.waited,
     }
 
 
@@ -77,13 +88,14 @@ def test_a_request_resumed_with_its_kv_from_a_connector_matches_hf(checkpoints, 
     expected = hf_reference(path, prompts, MAX_NEW)
     assert run["a"] == expected
     assert run["b"] == [*expected, expected[0]] and run["prompts_b"] == [*prompts, prompts[0]]
-    # each resumed request loaded all but its last LAG + 1 positions, once, after WAITS asks awaiting
+    # each resumed request loaded all but its last LAG + 1 positions, once
     lengths = [len(p) + RESUME_AT for p in prompts]
     assert sorted(run["loads"]) == [(i, n - 1 - LAG) for i, n in enumerate(lengths)]
-    assert run["asks"] == {i: WAITS + 1 for i in range(len(prompts))}
     kinds = [kind for kind, _, _ in run["steps"]]
-    # nothing ran while the head's KV was awaited: wait steps first, in the order asked
-    assert kinds[:WAITS] == ["wait"] * WAITS
+    # nothing ran while the head's KV was awaited: the policy waited in the connector (only ever
+    # with nothing running), then took wait steps whose agreements landed it
+    assert kinds[:WAITS] == ["wait"] * WAITS and kinds[WAITS] != "wait"
+    assert run["waited"][0] == (0, 0) and all(running == 0 for _, running in run["waited"])
     # the resumed requests' first step fed only what the connector lacked (LAG + 1 positions)
     first: dict[int, int] = {}
     for _, ids, counts in run["steps"]:

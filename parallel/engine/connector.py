@@ -14,8 +14,8 @@ may be. The scheduler (the policy) gives it a slot and asks the engine's connect
 A connector whose KV arrives in the background agrees on it with the step's tokens: it adds
 integers to the step's agreement (:meth:`KVConnector.agree`, read after this rank's compute: "my
 share landed") and reads their sums over the group back (:meth:`KVConnector.agreed`), so every
-rank answers alike without a collective of its own. With nothing else to run, the engine blocks
-in :meth:`KVConnector.wait_for` until this rank's share of the awaited KV is in.
+rank answers alike without a collective of its own. With nothing else to run, the policy blocks
+in :meth:`KVConnector.wait_for` until this rank's share of the awaited KV is in, and asks again.
 
 For a match, the worker half :meth:`KVConnector.load` writes those positions' KV
 into the sequence's slot (this rank's shard), ``num_computed_tokens`` becomes the match and the
@@ -52,8 +52,10 @@ class KVConnector:
         """The group's sums of this connector's :meth:`agree` entries for the step just agreed."""
 
     def wait_for(self, request: Request) -> None:
-        """Nothing runs until ``request``'s KV is in: block until this rank's share of it is (the
-        next step's agreement tells every rank)."""
+        """Nothing runs until ``request``'s KV is in: block until this rank's share of it is.
+        Every rank of the group calls it at the same point (the policy's state is the same on
+        every rank), so a connector whose ranks each block until their share is in may count it
+        in on every rank at once; otherwise a step's agreement tells them."""
 
     def load(self, seq: Sequence, num_tokens: int) -> None:
         """Write the KV of ``seq``'s first ``num_tokens`` positions into its slot (this rank's share)."""

@@ -357,12 +357,14 @@ class ContinuousBatching(Policy):
             return self._budget_step(queue)
         if queue and self._fits(queue[0]) and not (self._prefilled and self.running):
             seqs = self._admit(queue)  # those with their KV but the last position's decode with the rest
+            if not seqs and not self.running:  # the head awaits its KV and nothing runs: wait, ask again
+                self.connector.wait_for(queue[0])
+                seqs = self._admit(queue)
             if any(s.prompt_len - s.num_computed_tokens > 1 for s in seqs):
                 self._prefilled = True
                 return self._step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs])
-        if not self.running:  # a wait step: the queue's head awaits its KV
-            assert queue and self._fits(queue[0]), "the queue's head does not fit an empty cache (policy bug)"
-            self.connector.wait_for(queue[0])
+        # none running: a wait step (the head still awaits its KV; the step's agreement may land it)
+        assert self.running or (queue and self._fits(queue[0])), "the head does not fit an empty cache (policy bug)"
         seqs, self._prefilled = list(self.running.values()), False
         return self._step(seqs, [1] * len(seqs))
 
@@ -407,12 +409,14 @@ class ContinuousBatching(Policy):
         get at most ``prefill_chunk`` tokens each, in admission order, while the budget lasts."""
         while queue and self._fits(queue[0]) and self._take(queue) is not None:
             pass
+        if not self.running and queue:  # the head awaits its KV and nothing runs: wait, ask again
+            self.connector.wait_for(queue[0])
+            while queue and self._fits(queue[0]) and self._take(queue) is not None:
+                pass
         running = list(self.running.values())
         decoding = sum(s.num_computed_tokens >= s.prompt_len for s in running)
         budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size - decoding
         seqs, num_tokens = [], []
-        if not running and queue:  # a wait step: the queue's head awaits its KV
-            self.connector.wait_for(queue[0])
         for seq in running:
             left = seq.prompt_len - seq.num_computed_tokens  # prompt tokens not computed yet
             n = 1 if left <= 0 else max(min(left, self.prefill_chunk, budget), 0)  # 0: no budget left

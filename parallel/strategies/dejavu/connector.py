@@ -50,6 +50,7 @@ class StreamedKV(KVConnector):
         self.incoming: dict[str, Incoming] = {}  # kv_source -> its hand-off's streams
         self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its times and logprobs so far
         self.bytes, self.wait_seconds = 0, 0.0  # received; spent waiting with nothing else to run
+        self.loads = 0  # sequences supplied
 
     def expect(self, handoff: Handoff) -> list[Request] | None:
         """Post ``handoff``'s streams; its requests that run on, resumed after their tokens so far
@@ -98,7 +99,8 @@ class StreamedKV(KVConnector):
                 self._release(key)
 
     def wait_for(self, request: Request | None = None) -> None:
-        """Block until this rank's share of ``request``'s hand-off (None: the oldest awaited) landed."""
+        """Block until this rank's share of ``request``'s hand-off (None: the oldest awaited)
+        landed; then it has landed on every rank (each blocks at this point for its own share)."""
         key = (
             request.kv_source
             if request is not None
@@ -107,7 +109,9 @@ class StreamedKV(KVConnector):
         if key in self.incoming:
             t0 = time.perf_counter()
             self._unpack(self.incoming[key])
+            self.incoming[key].landed = True
             self.wait_seconds += time.perf_counter() - t0
+            self._release(key)
 
     def _unpack(self, incoming: Incoming) -> None:
         if not incoming.unpacked:
@@ -126,6 +130,7 @@ class StreamedKV(KVConnector):
         for layer in range(first, first + self.cache.spec.num_layers):
             self.cache.write_slot(layer, seq.slot, *self.staging.read_slot(layer, src, num_tokens))
         incoming.open.discard(seq.request.id)
+        self.loads += 1
         self._release(key)
 
     def _release(self, key: str) -> None:

@@ -53,9 +53,14 @@ class AbsentRunner:
 class DejaVuStats(EngineStats):
     streamed_bytes: int = 0  # prompt KV received by the token ranks (all ranks, summed at the end)
     stream_wait_seconds: float = 0.0  # token ranks waiting for prompt KV before decoding
+    handoffs_loaded: int = 0  # requests a token group's KV connector supplied with their prompt KV
 
     def summary(self) -> dict:
-        return {"streamed_bytes": self.streamed_bytes, "stream_wait_seconds": self.stream_wait_seconds}
+        return {
+            "streamed_bytes": self.streamed_bytes,
+            "stream_wait_seconds": self.stream_wait_seconds,
+            "handoffs_loaded": self.handoffs_loaded,
+        }
 
 
 @dataclass(frozen=True)
@@ -265,7 +270,8 @@ class TokenSide(ContinuousBatching):
             step = self._step([], [])
         else:
             step = super().next_step(self.waiting)
-        self.stats.streamed_bytes, self.stats.stream_wait_seconds = self.streamed.bytes, self.streamed.wait_seconds
+        s, kv = self.stats, self.streamed
+        s.streamed_bytes, s.stream_wait_seconds, s.handoffs_loaded = kv.bytes, kv.wait_seconds, kv.loads
         return step
 
     def _take(self, queue, within=None):

@@ -296,6 +296,7 @@ class DejaVuStrategy(Strategy):
         return {
             "streamed_bytes": int(streamed),
             "stream_wait_seconds": s.stream_wait_seconds,
+            "handoffs_loaded": s.handoffs_loaded,
             "dejavu_plan": plan.as_dict(),
         }
 
