@@ -81,6 +81,7 @@ class KVConnectors(KVConnector):
         self.members.append(connector)
 
     def matched_tokens(self, seq: Sequence) -> int | None:
+        self._supplier.pop(seq.request.id, None)  # an earlier ask's answer (awaited) is stale now
         for c in self.members:
             n = c.matched_tokens(seq)
             if n != 0:
