@@ -37,6 +37,16 @@ def _outage(router: SupervisedRouter, m: Migration, entries: dict) -> dict:
     }
 
 
+def _adopted(router: SupervisedRouter, m: Migration, adoptions: list) -> list[tuple]:
+    """``m``'s requests adopted with their KV: (request id, output tokens whose KV came, positions
+    computed again). Adoptions are ``(source, request id, kept, again, adopter)``: from the dead
+    endpoint's mirror, or, where its supervisors host the KV, by the group's next generation."""
+    if router.topology.hosted:
+        host = f"{router.topology.host}.0"
+        return [a[1:4] for a in adoptions if a[0] == host and a[4] == m.adopted_by and a[1] in m.resumed]
+    return [a[1:4] for a in adoptions if a[0] == m.endpoint]
+
+
 def _first_token(entries: dict, requests: set[int], after: float, clock) -> float | None:
     """When the first of ``requests`` produced a token anywhere after ``after`` (job clock)."""
     times = [clock(e.time) for js in entries.values() for e in js if any(t[0] in requests for t in e.tokens)]
@@ -78,7 +88,7 @@ def fault_summary(
                 "adopted_by": m.adopted_by,
                 "tokens_so_far": m.tokens,
                 # migrate=kv: (request id, output tokens whose KV came from the mirror, positions computed again)
-                "adopted": [a[1:] for a in adoptions if a[0] == m.endpoint],
+                "adopted": _adopted(router, m, adoptions),
                 **_outage(router, m, entries),
             }
         )
@@ -88,7 +98,7 @@ def fault_summary(
         "deaths": deaths,
         # DejaVu: prefilled requests adopted with their prompt group's KV by a token group
         # (source, request id, output tokens whose KV came, positions computed again); the others were prefilled again
-        "hand_offs": [a for a in adoptions if int(a[0].split(".")[0]) in entries],
+        "hand_offs": [a[:4] for a in adoptions if int(a[0].split(".")[0]) in entries],
         "ready_s": ready,
         "served_by": {rid: eps for rid, eps in sorted(router.routed.items())},
         "observed": [list(o) for o in router.observed],  # ("died" | "ready", endpoint), as the router saw them

@@ -26,6 +26,7 @@ from reshard.parallel.engine import Strategy
 from reshard.parallel.engine.request import Completion, EngineStats
 from reshard.parallel.engine.router import Channel, GroupLayout
 from reshard.parallel.fault.donor import WeightDonor, take_weights
+from reshard.parallel.fault.host import MirrorHost, spec_key
 from reshard.parallel.fault.journal import GroupJournal, silent_for
 from reshard.parallel.fault.migrate import SupervisedRouter, Topology
 from reshard.parallel.fault.mirror import KVMirror, Peers
@@ -86,13 +87,32 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         silent=lambda spec: silent_for(channel, spec.endpoint),
         hung_after=cfg.fault.hung_after_s,  # the group's leader beats twice a heartbeat period
     )
-    dist.barrier()  # every supervisor set its group's generation before the router reads it
-    with router or contextlib.nullcontext():
+    host = _host(topology, members, rank)
+    dist.barrier()  # every supervisor set its group's generation (and hosts announced) before the router reads it
+    with router or contextlib.nullcontext(), host or contextlib.nullcontext():
         supervisor.run()
     dist.barrier()  # every child is done: its statistics are in the store
     if rank != 0:
         return {}
     return _finish(cfg, run_dir, path, router, channel, store, time.time() - t0, topology.groups)
+
+
+def _host(topology: Topology, members: tuple[int, ...], rank: int) -> MirrorHost | None:
+    """The mirror this rank's supervisor keeps of its ring predecessor's KV in a hosted topology
+    (a lockstep group under ``fault.migrate=kv``), announced ready in the store."""
+    if not topology.hosted:
+        return None
+    # torch's own variable: a link's two ends must agree on lazy gloo, and the children's are lazy
+    # (see _init_group); this supervisor's own groups are built already
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    position, me = (members.index(rank) - 1) % len(members), f"{topology.host}.0"
+    store = _supervision_store()
+    store.set(f"gen/{topology.host}", "0")
+    channel = Channel(CHANNEL, store=store)
+    host = MirrorHost(_supervision_store, CHANNEL, me, 0, position, lambda st, g: _live_endpoint(st, g, position))
+    channel.put(f"ready/{me}/{position}", time.time())
+    channel.put(f"ready/{me}", time.time())
+    return host
 
 
 def _kept_finished(run_dir: Path, n: int) -> tuple[list[Completion], Callable[[Completion], None]]:
@@ -135,12 +155,14 @@ def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
             )
         return prompt.tp, Topology.disaggregated(prompt.dp, token.dp)
     if strategy.name != "tp":  # Seesaw, SiDP, Shift: one group of every rank, restarted whole in the job
-        if migrate == "kv":
+        why = {"seesaw": "moves KV between its prefill and decode caches", "sidp": "runs a replica per rank"}
+        if migrate == "kv" and strategy.name in why:
             raise ValueError(
-                f"fault.migrate=kv mirrors KV across engine groups; parallel.strategy={strategy.name!r} runs one "
-                "group of every rank (use fault.migrate=reprefill or none)"
+                "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the "
+                f"group's next generation; parallel.strategy={strategy.name!r} {why[strategy.name]} "
+                "(use fault.migrate=reprefill or none)"
             )
-        return world, Topology.ring(1)
+        return world, Topology.lockstep(hosted=migrate == "kv")
     dims = strategy.dims(world)
     if dims.pp > 1 and migrate == "kv":
         raise ValueError(
@@ -180,7 +202,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     journal = GroupJournal(
         engine, channel, spec, _kill_step(cfg, spec), leader=group.is_leader, hang=hang, beat_s=beat_s
     )
-    report = (lambda a: channel.append("adoptions", a)) if group.is_leader else None
+    report = (lambda a: channel.append("adoptions", (*a, spec.endpoint))) if group.is_leader else None
     mirror = _mirror(cfg, engine, spec, report, topology)
     position = spec.members.index(spec.rank)
     donor = WeightDonor(engine.runner.model, _supervision_store, spec.endpoint, position) if _replicas(cfg) else None
@@ -188,6 +210,8 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     channel.put(f"weights_from/{spec.rank}.{spec.generation}", source)  # (where, seconds to build with them)
     channel.put(f"ready/{spec.endpoint}", time.time())
     channel.put(f"ready/{spec.endpoint}/{position}", time.time())  # this rank built, its donor answers
+    if mirror is not None and topology.hosted:  # what this rank's host keeps
+        channel.put(spec_key(spec.endpoint, position), (mirror.cache.spec, mirror.cache.layout))
     hands_off = spec.group in topology.entries and bool(topology.takers)  # a prompt group
     if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group: once it is)
         mirror.wait_connected(starting=hands_off)
@@ -254,7 +278,7 @@ def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topo
     hands_off = spec.group in topology.entries and topology.takers  # each prompt's KV leaves after its step
     every = 1 if hands_off else cfg.fault.replicate_every
     return KVMirror(
-        engine, _supervision_store, spec.endpoint, peers, every=every, group=engine.runner.group, report=report
+        engine, _supervision_store, spec.endpoint, peers, every=every, group=engine.agreement_group(), report=report
     )
 
 

@@ -63,6 +63,9 @@ DEVICE_NAMES = frozenset({"cpu", "cuda", "mps", "xpu"})  # not "meta": a meta te
 # module:function -> why the CPU is right there. Keep it short: fix a device bug rather than list it.
 _CALIBRATION = "calibration times this host's CPU threads and its gloo link (the cost model's CPU inputs)"
 ALLOWED: dict[str, str] = {
+    "reshard.parallel.fault.host:MirrorHost.__init__": (
+        "a supervisor's mirror of its engine child's KV lives in host memory: it outlives the child and its device"
+    ),
     "reshard.mesh:rank_tensor": "rank grids are host metadata: DeviceMesh keeps its ranks on the CPU",
     "reshard.layout:Layout._strided_range": "a layout is a pure description: its index math runs on the host",
     "reshard.kv.context:AttentionContext.build": (

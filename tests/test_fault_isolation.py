@@ -271,6 +271,28 @@ def test_a_strategy_of_one_group_restarts_whole_in_the_job(tmp_path, reference, 
     assert _gone(events)
 
 
+def test_a_lockstep_group_respawned_resumes_with_the_kv_its_supervisors_kept(tmp_path, reference):
+    """Shift (one group of every rank) under ``fault.migrate=kv``: each rank's KV streams to
+    its ring successor's supervisor, which replays it to the group's next generation; the dead
+    generation's requests resume there through the mirror connector (the same one migrations and
+    hand-offs use) with at most replicate_every (1) position per sequence computed again."""
+    overrides = [*BASE, "parallel=shift", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    expected = reference(overrides, 2)
+    shm = _shm()
+    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=kv", "fault.kill_at=[1,6]"], 2)
+    assert tokens == expected and summary["failures"] == 0
+    (death,) = summary["fault"]["deaths"]
+    assert death["endpoint"] == "0.0" and death["adopted_by"] == "0.1" and death["reprefilled_tokens"] == 0
+    assert [e["rank"] for e in events if e["event"] == "replaced"] == [0]  # the whole group, in the job
+    adopted = {rid for rid, _, _ in death["adopted"]}
+    assert adopted and adopted <= set(death["resumed"]), death
+    assert all(kept > 0 and again <= 1 for _, kept, again in death["adopted"]), death
+    # a resumed request not adopted had no more than replicate_every tokens: its prompt's KV was in flight
+    assert all(death["tokens_so_far"][str(rid)] <= 1 for rid in set(death["resumed"]) - adopted), death
+    assert all(summary["fault"]["served_by"][str(rid)] == ["0.0", "0.1"] for rid in death["resumed"])
+    assert _gone(events) and _shm() <= shm
+
+
 def test_kv_sent_every_three_steps_into_a_paged_cache_regenerates_at_most_three_tokens(tmp_path, reference):
     overrides = [*BASE, "parallel.tp=1", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)  # contiguous KV, unsupervised
@@ -392,13 +414,15 @@ def _refused(overrides, run_dir):
     return str(err.value)
 
 
-def test_kv_without_groups_to_mirror_across_or_in_pipelines_is_refused(tmp_path):
-    overrides = [*BASE, "parallel=seesaw", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
-    for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
-        assert message == (
-            "fault.migrate=kv mirrors KV across engine groups; parallel.strategy='seesaw' runs one group of every "
-            "rank (use fault.migrate=reprefill or none)"
-        )
+def test_kv_for_seesaw_or_in_pipelines_is_refused(tmp_path):
+    refused = [("seesaw", "moves KV between its prefill and decode caches"), ("sidp", "runs a replica per rank")]
+    for strategy, why in refused:
+        overrides = [*BASE, f"parallel={strategy}", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
+        for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
+            assert message == (
+                "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the group's "
+                f"next generation; parallel.strategy={strategy!r} {why} (use fault.migrate=reprefill or none)"
+            )
     overrides = [*BASE, "parallel.pp=2", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
     for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
         assert message.startswith("fault.migrate=kv adopts KV on every rank of a group") and "parallel.pp=2" in message

@@ -167,7 +167,7 @@ class Engine:
         an ``arrival`` time is admitted once it has arrived (online workloads).
         """
         if self.engine_group is None:  # engine groups check theirs once the router's start is posted
-            check_same_requests(requests, self._agreement_group())
+            check_same_requests(requests, self.agreement_group())
         self.validate(requests)
         self._ready()
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
@@ -308,9 +308,9 @@ class Engine:
         """Whether this rank is the first of the ranks that agree on steps (it proposes admissions)."""
         if not dist.is_initialized():
             return True
-        return dist.get_rank() == min(dist.get_process_group_ranks(self._agreement_group()))
+        return dist.get_rank() == min(dist.get_process_group_ranks(self.agreement_group()))
 
-    def _agreement_group(self) -> dist.ProcessGroup | None:
+    def agreement_group(self) -> dist.ProcessGroup | None:
         """The ranks that agree on this engine's steps, and so call :meth:`generate` together with
         one engine group (None: no process group)."""
         if not dist.is_initialized():

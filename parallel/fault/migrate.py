@@ -52,15 +52,27 @@ class Topology:
     token group), resumed from that entry's KV: a hand-off is a migration whose source lives
     on. An entry's KV streams to its taker (``entries[i]`` to ``takers[i % T]``: the hand-off's
     transport, always); with ``kv`` mirrors, each group of the ring (the takers, or every group
-    when there are none) streams to the next.
+    when there are none) streams to the next. ``hosted``: one group of every rank (a lockstep
+    strategy's) whose KV its ranks' supervisors keep (:mod:`reshard.parallel.fault.host`), as
+    group :attr:`host` (never routed to): its requests wait for its next generation with their KV.
     """
 
     groups: int
     entries: tuple[int, ...]
+    hosted: bool = False
 
     @classmethod
     def ring(cls, groups: int) -> Topology:
         return cls(groups, tuple(range(groups)))
+
+    @classmethod
+    def lockstep(cls, hosted: bool) -> Topology:
+        return cls(1, (0,), hosted)
+
+    @property
+    def host(self) -> int:
+        """The hosted mirrors' group index (past the engine groups')."""
+        return self.groups
 
     @classmethod
     def disaggregated(cls, prompt: int, token: int) -> Topology:
@@ -72,6 +84,8 @@ class Topology:
 
     def successor(self, g: int, kv: bool) -> int | None:
         """The group ``g``'s KV streams to (None: nowhere)."""
+        if self.hosted:  # the group streams to its host, which replays to the group's next generation
+            return (self.host if g != self.host else 0) if kv else None
         if g in self.entries and self.takers:
             return self.takers[self.entries.index(g) % len(self.takers)]
         ring = self.takers or self.entries
@@ -80,7 +94,7 @@ class Topology:
 
     def sources(self, g: int, kv: bool) -> tuple[int, ...]:
         """The groups whose KV ``g`` keeps."""
-        return tuple(h for h in range(self.groups) if self.successor(h, kv) == g)
+        return tuple(h for h in range(self.groups + self.hosted) if self.successor(h, kv) == g)
 
 
 @dataclasses.dataclass
@@ -324,10 +338,13 @@ class SupervisedRouter(Router):
             request = self._continued(rid, journal.get(rid, ({}, None, None)), migration)
             if request is not None:
                 moved.append(request)
-        holder = self._holder(g)
-        if self.migrate == "none":
+        if self.migrate == "kv" and self.topology.hosted:  # its supervisors keep its KV for its next generation
+            host = f"{self.topology.host}.0"
+            kept = [dataclasses.replace(r, kv_source=host) if r.resumed else r for r in moved]
+            self.held.setdefault(g, []).extend(kept)
+        elif self.migrate == "none":
             self.held.setdefault(g, []).extend(moved)
-        elif self.migrate == "kv" and holder is not None:
+        elif self.migrate == "kv" and (holder := self._holder(g)) is not None:
             self._adopt(moved, dead, holder, migration)
         else:  # reprefill (or no live group holds its KV)
             migration.reprefilled_tokens += sum(r.resumed for r in moved)
@@ -382,6 +399,7 @@ class SupervisedRouter(Router):
         for m in self.migrations:
             if m.endpoint.split(".")[0] == str(g) and m.rejoined is None:
                 m.rejoined, m.rejoined_order = time.time() - self.start, order
+                m.adopted_by = endpoint if self.topology.hosted and self.migrate == "kv" else m.adopted_by
         for request in self.held.pop(g, []):  # migrate="none": they waited for this generation
             self._send(endpoint, request)
         self._hand_out()

@@ -47,6 +47,7 @@ from reshard.plan import Piece
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
 HANDOFF_WAIT_S = 2.0  # longest a request awaits KV still on its way from a live source
 CLOSE_S = 1.0  # longest close() waits for the links' threads (a peer that leaves ends them)
+END = None  # a message's metadata that ends its stream: nothing more comes from that source
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,13 @@ class Landing:
         return slot, landed
 
 
+def land(landing: Landing, piece: Piece, spans: list[Span], data: torch.Tensor) -> None:
+    """Unpack one message (``spans`` of its sender's slots, packed over ``piece``) into ``landing``."""
+    packing = Packing.of(landing.cache, [piece], landing.place(spans))
+    assert packing.nbytes == data.numel(), (packing.nbytes, data.numel())
+    packing.unpack(data.to(landing.cache.device))
+
+
 class KVMirror(KVConnector):
     """This rank's side of the mirrors: streams its runner's KV to the successor group and keeps
     the source groups' (see the module docstring); the engine's KV connector for requests
@@ -139,6 +147,12 @@ class KVMirror(KVConnector):
         slots: int = 2,
     ) -> None:
         runner = engine.runners[next(iter(engine.runners))]
+        own = sorted(name for name, r in engine.runners.items() if r.kv is not runner.kv)
+        if own:
+            raise ValueError(
+                f"a KV mirror follows one cache: runners {own} keep KV apart from the {next(iter(engine.runners))!r} "
+                "runner's (use fault.migrate=reprefill or none)"
+            )
         self.engine, self.cache, self.connect, self.me, self.peers = engine, runner.kv, connect, me, peers
         self.every, self.group, self.vocab = every, group, engine.vocab_size
         self.piece = Piece(0, 1, kv_box(self.cache.layout))
@@ -279,6 +293,7 @@ class KVMirror(KVConnector):
 
     def _send_all(self, out: Link, outbox: queue.Queue) -> None:
         """Send what is queued until the receiver dies (its next generation gets a new sender)."""
+        item = None
         try:
             out.send(
                 [], torch.empty(0, dtype=torch.uint8, device=self.cache.device)
@@ -293,8 +308,12 @@ class KVMirror(KVConnector):
                 sent.set()
         except RuntimeError:
             self.resync = True
-        finally:  # whatever is left is lost: nobody waits for it
+        finally:  # whatever is left is lost (the message it was sending too): nobody waits for it
             out.close()  # the receiver's thread ends: nothing more comes this way
+            if self.outbox is outbox:  # until the receiver's next generation, nothing is sent
+                self.outbox = None
+            if item is not None:
+                item[2].set()
             while not outbox.empty():
                 item = outbox.get()
                 if item is not None:
@@ -312,26 +331,27 @@ class KVMirror(KVConnector):
     def _receive_all(self, into: Link, source: str) -> None:
         """Unpack ``source``'s messages into its mirror as they land, until it dies or leaves."""
         try:
-            while not self.stopping.is_set():
-                self._receive(into, source)
+            while not self.stopping.is_set() and self._receive(into, source):
+                pass
+            self._closed(source)
         except RuntimeError:
             self._closed(source)
         finally:
             into.close()
 
-    def _receive(self, link: Link, source: str) -> None:
+    def _receive(self, link: Link, source: str) -> bool:
         """One message from ``source`` into its mirror; each sequence's landed length moves on
-        (only from where it stood: a sequence first seen mid-way waits for its whole resend)."""
+        (only from where it stood: a sequence first seen mid-way waits for its whole resend).
+        False once the source ended its stream (:data:`END`) or its mirror was dropped."""
         spans, data = link.recv()
         with self.lock:
             landing = self.mirrors.get(source)
-            if landing is None:
-                return
-            packing = Packing.of(landing.cache, [self.piece], landing.place(spans))
-            assert packing.nbytes == data.numel(), (packing.nbytes, data.numel())
-            packing.unpack(data.to(landing.cache.device))
+            if landing is None or spans is END:
+                return False
+            land(landing, self.piece, spans, data)
             self.late.discard(source)
             self.lock.notify_all()
+        return True
 
     # ---- the connector's scheduler and worker halves ------------------------------------------------
     def matched_tokens(self, seq) -> int | None:
@@ -339,19 +359,20 @@ class KVMirror(KVConnector):
         source on every rank of the group, at most all but its last (which the step feeds); 0
         when that KV does not cover its prompt (it is prefilled whole); None while it is still on
         its way from a source that lives on (a hand-off), up to :data:`HANDOFF_WAIT_S` after the
-        first ask. Collective over the group."""
+        group first agreed it is awaited. Collective over the group."""
         request = seq.request
         if not request.kv_source or not self.peers.sources:
             return 0
         need = seq.prompt_len - 1
         with self.lock:
             settled = self._settled(request, need)
-            if not settled and time.monotonic() - self.asked.setdefault(request.id, time.monotonic()) > HANDOFF_WAIT_S:
+            if not settled and time.monotonic() - self.asked.get(request.id, time.monotonic()) > HANDOFF_WAIT_S:
                 self.late.add(request.kv_source)  # its next requests await it no more until something lands
             landing = self.mirrors.get(request.kv_source)
             landed = landing.landed(request.id)[1] if landing is not None else 0
         settled_all, cached = self._agreed(int(settled), landed)  # a collective: outside the lock the receivers take
-        if not settled_all:
+        if not settled_all:  # awaited from now on (not from before a peer joined the agreement)
+            self.asked.setdefault(request.id, time.monotonic())
             return None
         self.asked.pop(request.id, None)
         return min(cached, need) if cached >= seq.prompt_len - seq.request.resumed else 0
