@@ -1,9 +1,14 @@
-"""Fault tolerance benchmark: one rank SIGKILLed mid-decode, with KV replication (recover from the
-ring successor's mirror, replay the journal) vs without (restart every request from scratch), vs
-no failure; and replication's cost on a failure-free decode step.
+"""Fault tolerance benchmark: one rank SIGKILLed mid-decode under supervision (``fault.migrate``),
+its requests going on with their KV, prefilled again, or waiting for the respawn, vs torchrun's
+whole-job restart (every request from scratch), vs no failure; and the mirror's cost on a
+failure-free job.
 
     python bench/fault_tolerance.py [--world 2] [--requests 32] [--new-tokens 64] [--batch 8] [--repeats 2]
     python bench/fault_tolerance.py --groups [--world 4] [--prompt-len 64] [--layout dp|dejavu] [--only none] ...
+
+Without ``--groups``: one lockstep engine group of every rank (TP, or ``--override parallel=shift``):
+the whole group is respawned in the job and its requests resume there with the KV its ranks'
+supervisors kept (``kv``) or prefilled again (``reprefill``).
 
 ``--groups``: data-parallel engine groups of one rank each under supervision (``fault.migrate``):
 the killed engine is respawned in the job while the others serve, and its requests continue with
@@ -96,18 +101,20 @@ def main() -> None:
         for rep in range(args.repeats):  # round-robin: drift on a shared machine hits every variant
             for v, (overrides, restarts) in variants.items():
                 rows[v].append(run(args.world, args, overrides, restarts, work, f"{rep}-{len(rows[v])}-{abs(hash(v))}"))
-    (group_report if args.groups else report)(args, rows, kill)
+    group_report(args, rows, kill)
 
 
 def lockstep_variants(args) -> tuple[dict, str]:
-    """One lockstep layout: the ring's recovery after a whole-job restart vs from scratch."""
+    """One lockstep group of every rank: respawned with the KV its supervisors kept, or prefilled
+    again, vs torchrun's restart from scratch."""
     steps = -(-args.requests // args.batch) * args.new_tokens
     kill = f"fault.kill_at=[{args.world - 1},{steps // 2}]"
     variants = {
         "no failure": ([], 0),
-        "no failure, replication on": (["fault.replicate=true"], 0),
-        "1 failure, replication (recover)": (["fault.replicate=true", kill], 1),
-        "1 failure, no replication (from scratch)": ([kill], 1),
+        "no failure, supervised, KV mirrored": (["fault.migrate=kv"], 0),
+        "1 failure, migrate=kv": (["fault.migrate=kv", kill], 0),
+        "1 failure, migrate=reprefill": (["fault.migrate=reprefill", kill], 0),
+        "1 failure, whole-job restart (from scratch)": ([kill], 1),
     }
     return variants, kill
 
@@ -144,8 +151,13 @@ def group_report(args, rows: dict, kill: str) -> None:
     mirrored = statistics.median(w for w, _, _ in supervised)
     base_step = statistics.median(_step(s) for _, s, _ in rows["no failure"])
     reference = rows["no failure"][0][2]
+    groups = (
+        f"{args.world} engine groups of 1 rank ({args.layout})"
+        if args.groups
+        else (f"one lockstep group of {args.world} ranks ({' '.join(args.override) or 'TP'})")
+    )
     print(
-        f"\n{_model(args)}, {args.world} engine groups of 1 rank ({args.layout}), {args.requests} requests x "
+        f"\n{_model(args)}, {groups}, {args.requests} requests x "
         f"{args.new_tokens} new tokens, prompts {args.prompt_len // 2}-{args.prompt_len}, batch {args.batch}, greedy; "
         f"{kill}; median of {args.repeats}, variants round-robin\n"
     )
@@ -211,48 +223,10 @@ def _adopted(death: dict) -> str:
     return f"{len(death['adopted'])} of {len(death['resumed'])} ({sum(a[2] for a in death['adopted'])})"
 
 
-def report(args, rows: dict, kill: str) -> None:
-    base_wall = statistics.median(w for w, _, _ in rows["no failure"])
-    base_step = statistics.median(_step(s) for _, s, _ in rows["no failure"])
-    reference = rows["no failure"][0][2]
-    layout = " ".join(args.override) or "TP"
-    print(
-        f"\n{_model(args)}, {args.world} ranks ({layout}), "
-        f"{args.requests} requests x {args.new_tokens} new tokens, "
-        f"batch {args.batch}, greedy; {kill}; median of {args.repeats}, variants round-robin\n"
-    )
-    print(
-        "| variant | end-to-end s | vs no failure | decode ms/step | vs no failure | recovered from step | "
-        "recomputed steps | restart after kill s | recovery s | same tokens |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for v, results in rows.items():
-        wall = statistics.median(w for w, _, _ in results)
-        step = statistics.median(_step(s) for _, s, _ in results)
-        s = results[-1][1]
-        same = all(out == reference for _, _, out in results)
-        print(
-            f"| {v} | {wall:.2f} | {wall / base_wall:.2f} | {step * 1e3:.2f} | {step / base_step:.3f} | "
-            f"{s.get('recovered_from_step', '-')} | {s.get('recomputed_steps', '-')} | "
-            f"{_fmt(s.get('restart_after_s'))} | {_fmt(s.get('recovery_seconds'))} | {'yes' if same else 'NO'} |"
-        )
-    walls = {v: statistics.median(w for w, _, _ in results) for v, results in rows.items()}
-    recover, scratch = walls["1 failure, replication (recover)"], walls["1 failure, no replication (from scratch)"]
-    print(
-        f"\nwith one failure: recovery {recover / base_wall:.2f}x the failure-free job, restart from scratch "
-        f"{scratch / base_wall:.2f}x (DejaVu's paper: 1.24x vs 1.91x); recovery / scratch = {recover / scratch:.2f}"
-    )
-    print(f"\ncommand: {rerun_command('fault_tolerance.py', one_thread=False)}")
-
-
 def _step(summary: dict) -> float:
     ph = summary["phase_seconds"]
     steps = max(summary["generated_tokens"] - summary["requests"], 1) / max(summary["mean_decode_batch"], 1)
     return ph["decode"] / steps
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--keys", action="store_true", help="print every config key with its default, one per line")
     p.add_argument("--check", action="store_true", help="check the config for --nproc ranks and exit (runs nothing)")
     p.add_argument(
-        "--max-restarts", type=int, default=None, help="whole-job restarts (default: 1 with fault.replicate, else 0)"
+        "--max-restarts", type=int, default=0, help="whole-job restarts by torchrun, each from scratch (default 0)"
     )
     args, overrides = p.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
@@ -74,8 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [*overrides, f"hydra.run.dir={run_dir}"]
     if args.job == "plan":
         return run_in_process(args.job, overrides, run_dir)
-    restarts = args.max_restarts if args.max_restarts is not None else int(_replicates(cfg))
-    return launch(args.job, overrides, args.nproc, run_dir, requests, restarts)
+    return launch(args.job, overrides, args.nproc, run_dir, requests, args.max_restarts)
 
 
 # ---- before any rank starts -------------------------------------------------------------------
@@ -176,11 +175,6 @@ def run_in_process(job: str, overrides: Sequence[str], run_dir: Path) -> int:
     return 0
 
 
-def _replicates(cfg: Any) -> bool:
-    """Whether the job recovers by a whole-job restart (``fault.replicate``: the KV ring)."""
-    return bool(getattr(getattr(cfg, "fault", None), "replicate", False))
-
-
 def launch(
     job: str, overrides: Sequence[str], nproc: int, run_dir: Path, requests: int | None, max_restarts: int = 0
 ) -> int:
@@ -191,7 +185,6 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from reshard.recipes.launch import LAUNCHED_ENV
-    from reshard.shm import remove_owned_by
 
     _quiet("torch.distributed.elastic")  # our lines, not the agent's
     env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nproc > 1 else {})
@@ -213,8 +206,6 @@ def launch(
         return EXIT_INTERRUPTED
     except ChildFailedError as e:
         return _remove_if_empty(run_dir, failed(e, run_dir))
-    finally:  # the ranks' shared memory that outlives them (KV mirrors for a restart): this launcher owns it
-        remove_owned_by(os.getpid())
     print_story(run_dir)
     return 0
 
@@ -266,7 +257,7 @@ def print_story(run_dir: Path) -> None:
 
 def story_lines(summary: dict) -> list[str]:
     """What died and how the job came back, one line each: supervised deaths (``fault`` of a
-    ``fault.migrate`` run) and whole-job restarts (``failures`` with ``fault.replicate``)."""
+    ``fault.migrate`` run) and whole-job restarts (torchrun's, each from scratch)."""
     lines, fault = [], summary.get("fault", {})
     for d in fault.get("deaths", []):
         how = "hung, killed" if d.get("hung") else _signal_name(d.get("exitcode"))
@@ -277,23 +268,9 @@ def story_lines(summary: dict) -> list[str]:
             else f"; its group served again {d['rejoined_s'] - d['seen_s']:.1f} s later{_weights(fault, d)}"
         )
         lines.append(f"recovered: rank {d.get('rank')} died ({how}) at {d.get('died_s') or 0:.1f} s; {moved}{back}")
-    if summary.get("failures", 0) and "recomputed_steps" in summary:
-        lines.append(_restart_story(summary))
+    if summary.get("failures", 0) and "fault" not in summary:
+        lines.append(f"recovered: {summary['failures']} whole-job restart(s) after a rank failed, each from scratch")
     return lines
-
-
-def _restart_story(s: dict) -> str:
-    """A ``fault.replicate`` run's whole-job restart(s), one line."""
-    detected = "" if s.get("detected_after_s") is None else f", detected after {s['detected_after_s']:.1f} s"
-    back = (
-        ""
-        if s.get("restart_after_s") is None
-        else f"; serving again {s['restart_after_s'] + s.get('recovery_seconds', 0):.1f} s after the failure"
-    )
-    return (
-        f"recovered: {s['failures']} whole-job restart(s) after a rank failed{detected}; resumed at step "
-        f"{s.get('recovered_from_step')} from the ring neighbours' KV, {s['recomputed_steps']} step(s) recomputed{back}"
-    )
 
 
 def _weights(fault: dict, death: dict) -> str:
@@ -309,7 +286,9 @@ def _moved(death: dict) -> str:
     adopted, redone = len(death.get("adopted") or []), death.get("reprefilled_tokens") or 0
     again = sum(a[-1] for a in death.get("adopted") or [])
     if adopted:
-        return f"{adopted} request(s) adopted with their KV by another group, {again} token(s) computed again"
+        own = (death.get("adopted_by") or "").split(".")[0] == death.get("endpoint", "").split(".")[0]
+        by = "its group's next generation (its supervisors kept their KV)" if own else "another group"
+        return f"{adopted} request(s) adopted with their KV by {by}, {again} token(s) computed again"
     if redone:
         return f"{len(death.get('resumed') or [])} request(s) prefilled again on live groups ({redone} tokens)"
     return f"{len(death.get('resumed') or [])} request(s) waited for its respawn"

@@ -121,18 +121,20 @@ MIN_HEARTBEAT_S = 0.1  # fault.heartbeat_s below this declares busy ranks dead (
 
 @dataclass
 class FaultConfig:
-    replicate: bool = False  # mirror every rank's KV on its ring successor; recover after a restart
-    # [rank, step]: SIGKILL that rank before that engine step of the first attempt; a list of such
-    # pairs kills once per attempt ([[1, 16], [0, 5]]: the second during the recovery's replay)
+    # retired (true is refused, naming its replacement): the whole-job restart with a KV ring;
+    # fault.migrate=kv keeps KV through a failure inside the job
+    replicate: bool = False
+    # [rank, step]: SIGKILL that rank before that engine step of its first life; a list of such
+    # pairs kills once per life (fault.migrate: per generation of its group; else per torchrun attempt)
     kill_at: Any = None
-    # liveness period; a rank (fault.replicate) silent for 3 periods is declared dead; under
-    # fault.migrate each engine group's leader beats at each step and while it waits for requests
+    # liveness period: under fault.migrate each engine group's leader beats at each step and while
+    # it waits for requests
     heartbeat_s: float = 1.0
     # fault.migrate: an engine group whose leader has not beaten for this long is hung (killed and
     # respawned); longer than any step (a loaded machine's, a first compiled one's)
     hung_after_s: float = 30.0
     inject: str = "kill"  # what kill_at does: kill (SIGKILL) | hang (stop for good, heartbeats too)
-    replicate_every: int = 1  # steps whose KV entries the ring sends in one message; a failure recomputes <= this many
+    replicate_every: int = 1  # fault.migrate=kv: the most positions per sequence a failure computes again
     # supervised ranks (each engine a child of the process torchrun watches, respawned in the job)
     # and where a failed engine group's requests go: kv (the next group, which mirrors its KV,
     # adopts them and decodes on) | reprefill (any live group, prompt + tokens so far prefilled
@@ -158,6 +160,12 @@ class FaultConfig:
                 f"fault.hung_after_s must exceed fault.heartbeat_s ({self.heartbeat_s}), got {self.hung_after_s}"
             )
         self.kills()  # validates
+        if self.replicate:
+            raise ValueError(
+                "fault.replicate=true (the whole-job restart with a KV ring) is retired: fault.migrate=kv keeps "
+                "each rank's KV through a failure inside the job (fault.migrate=reprefill where a strategy "
+                "cannot mirror it)"
+            )
         if not (type(self.replicate_every) is int and self.replicate_every >= 1):
             raise ValueError(
                 f"fault.replicate_every must be an int >= 1 (steps per message), got {self.replicate_every!r}"
@@ -165,11 +173,10 @@ class FaultConfig:
         self._check_migrate()
         if self.inject not in ("kill", "hang"):
             raise ValueError(f"fault.inject must be kill or hang, got {self.inject!r}")
-        if self.inject == "hang" and self.kill_at is not None and not self.replicate and self.migrate is None:
+        if self.inject == "hang" and self.kill_at is not None and self.migrate is None:
             raise ValueError(
-                "fault.inject=hang needs fault.replicate=true or fault.migrate: the heartbeat that declares a "
-                "silent rank dead comes with them (without it the others would wait in a collective), "
-                "got fault.replicate=false"
+                "fault.inject=hang needs fault.migrate: the heartbeat that declares a silent group hung comes "
+                "with supervision (without it the others would wait in a collective), got fault.migrate=null"
             )
 
     def _check_migrate(self) -> None:
@@ -182,11 +189,6 @@ class FaultConfig:
             return
         if self.migrate not in ("kv", "reprefill", "none"):
             raise ValueError(f"fault.migrate must be kv, reprefill, none or null, got {self.migrate!r}")
-        if self.replicate:
-            raise ValueError(
-                f"fault.migrate={self.migrate} runs supervised engine groups; fault.replicate=true is the "
-                "whole-job restart with the KV ring (one lockstep group): choose one"
-            )
         if self.kill_router_after is not None and not (
             type(self.kill_router_after) is int and self.kill_router_after >= 1
         ):
@@ -245,11 +247,10 @@ class GenerateConfig:
             raise TypeError(f"parallel must be a registered strategy's config, got {type(self.parallel).__name__}")
         if self.engine.prefill_chunk is not None:  # before anything loads, on every rank alike
             self._check_prefill_chunk(self.engine.prefill_chunk)
-        if self.generation.logprobs is not None and (self.fault.replicate or self.fault.migrate is not None):
+        if self.generation.logprobs is not None and self.fault.migrate is not None:
             raise ValueError(
-                f"generation.logprobs ({self.generation.logprobs}) are not kept across a failure (the journal and a "
-                f"migration carry tokens only): unset fault.replicate ({self.fault.replicate}) / fault.migrate "
-                f"({self.fault.migrate})"
+                f"generation.logprobs ({self.generation.logprobs}) are not kept across a failure (a migration "
+                f"carries tokens only): unset fault.migrate ({self.fault.migrate})"
             )
         engine = self.engine_config()  # checks the engine keys the job's own keys set
         if self.fault.migrate is None:  # supervised jobs build their groups' engines themselves (recipes/supervised.py)
@@ -266,13 +267,10 @@ class GenerateConfig:
     def engine_config(self) -> EngineConfig:
         """The :class:`EngineConfig` this job runs its strategy with: ``engine:`` plus the job's
         ``compile``, ``model.dtype`` and ``model.allow_unused_weights`` (an ``engine.`` key of
-        those set otherwise is a ``ValueError`` naming both); ``fault.replicate`` runs the
-        replicas in lockstep, pipelines drained (the journal and the KV ring follow one lockstep
-        group, for now)."""
+        those set otherwise is a ``ValueError`` naming both)."""
         own = {"compile": self.compile, "dtype": self.model.dtype, "allow_unused": self.model.allow_unused_weights}
         self._check_engine_keys(own)
-        lockstep = dict(replicas="lockstep", pipeline="drain") if self.fault.replicate else {}
-        return replace(self.engine, **own, **lockstep)
+        return replace(self.engine, **own)
 
     def _check_engine_keys(self, own: dict[str, Any]) -> None:
         """``ValueError`` naming both keys for an ``engine.`` key set apart from the job's key that
@@ -291,9 +289,4 @@ class GenerateConfig:
 
     def _check_prefill_chunk(self, prefill_chunk: int) -> None:
         """``ValueError`` naming the values for what chunked prefill does not run with."""
-        if self.fault.replicate:
-            raise ValueError(
-                f"engine.prefill_chunk ({prefill_chunk}) cannot be combined with fault tolerance "
-                f"(fault.replicate ({self.fault.replicate})): the journal holds one token per sequence and step"
-            )
         self.parallel.check_prefill_chunk(prefill_chunk)

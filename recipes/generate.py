@@ -55,30 +55,16 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     engine.tokenizer = stop_tokenizer(cfg, path)
     fmt = OutputFormat(output_tokenizer(path) if _rank() == 0 else None, cfg.generation.n, cfg.generation.stop)
     keep = _keep_finished(engine, run_dir, fmt)
-    fault = _fault_tolerance(cfg, engine, keep)
+    _inject_failure(cfg, engine)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
     if cfg.compile and _rank() == 0:
         print(compile_notice(), flush=True)
     t1 = time.perf_counter()
     with engine:
-        try:
-            completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
-        except RuntimeError:  # a peer died mid-collective (the error itself follows in the traceback)
-            if fault is not None:
-                fault["ft"].on_failure(f"a collective failed on rank {_rank()}")
-                if LAUNCHED_ENV in os.environ:  # its line says what comes next; the launcher tells the rest
-                    raise SystemExit(1) from None
-            raise
-        except KeyboardInterrupt:  # Ctrl-C or a launcher's SIGTERM: nothing will recover from the mirrors
-            if fault is not None:
-                fault["ft"].abandon()
-            raise
+        completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
     summary = _summary(cfg, path, engine, layouts, completions, load_seconds, time.perf_counter() - t1)
-    summary["failures"] = restart_count()
-    if fault is not None:
-        summary.update(fault.pop("summary")(), recovery_seconds=fault["recovery_seconds"])
-        fault["ft"].close()
+    summary["failures"] = restart_count()  # whole-job restarts (torchrun's): each started from scratch
     if _rank() == 0:
         write_outputs(run_dir, completions, summary, cfg.parallel, fmt)
         keep.unlink(missing_ok=True)  # outputs.jsonl holds them all
@@ -123,46 +109,14 @@ def _keep_finished(engine: Engine, run_dir: Path, fmt: OutputFormat) -> Path:
     return path
 
 
-def _fault_tolerance(cfg: GenerateConfig, engine: Engine, finished: Path) -> dict | None:
-    """Ring replication and a journal when ``fault.replicate``; on a restarted attempt, recover
-    first (restore KV from the successors' mirrors, replay the journal)."""
-    from reshard.parallel.fault import FaultTolerance, inject_kill
+def _inject_failure(cfg: GenerateConfig, engine: Engine) -> None:
+    """``fault.kill_at`` without supervision: this attempt's kill, after which torchrun's restart
+    (``--max-restarts``) runs the job again from scratch (the requests that finished are kept)."""
+    from reshard.parallel.fault import inject_kill
 
     kills, attempt = cfg.fault.kills(), restart_count()
-    kill = kills[attempt] if attempt < len(kills) else None
-    if not cfg.fault.replicate:  # the baseline: a kill restarts every request from scratch
-        if kill is not None:
-            engine.events.on("step_ready", inject_kill(kill))
-        return None
-
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    ft = FaultTolerance(
-        engine,
-        run_id,
-        kill_at=kill,
-        hang=cfg.fault.inject == "hang",
-        attempt=attempt,
-        heartbeat_s=cfg.fault.heartbeat_s,
-        replicate_every=cfg.fault.replicate_every,
-        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
-        on_last_failure=f"Requests that finished are in {finished.resolve()}",
-    )
-    t0, killed = time.time(), ft.killed_at()
-    if attempt > 0:
-        ft.recover()
-
-    def summary() -> dict:
-        detected = ft.detected_after()
-        return {
-            "failures": attempt,
-            "restart_after_s": None if killed is None else t0 - killed,
-            "detected_after_s": detected,
-            "recovered_from_step": ft.recovered_from,
-            "detected_by": ft.detected_by(),  # how the first survivor noticed (a heartbeat: after how many checks)
-            "recomputed_steps": ft.recomputed_steps,
-        }
-
-    return {"ft": ft, "summary": summary, "recovery_seconds": time.time() - t0}
+    if attempt < len(kills):
+        engine.events.on("step_ready", inject_kill(kills[attempt]))
 
 
 def _model_path(cfg: GenerateConfig) -> Path:

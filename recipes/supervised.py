@@ -169,6 +169,8 @@ def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
             f"fault.migrate=kv adopts KV on every rank of a group in its step, which a pipeline's later stages "
             f"do not take; parallel.pp={dims.pp} (use fault.migrate=reprefill or none)"
         )
+    if dims.dp == 1:  # one group of every rank: its supervisors keep its KV (kv)
+        return dims.tp * dims.pp, Topology.lockstep(hosted=migrate == "kv")
     return dims.tp * dims.pp, Topology.ring(dims.dp)
 
 

@@ -6,17 +6,13 @@
   directory ever lists (``O_TMPFILE``; where that is missing, a named file unlinked once every rank
   mapped it), so a crash leaves nothing behind; :func:`publish` writes a file that appears under
   its name only once complete.
-- **Clean-up**: :func:`unlink` removes a name (mappings stay valid, the memory goes with the last);
-  files that must outlive a process (fault tolerance's mirrors, kept across a whole-job restart)
-  live in a :func:`job_directory` that names its owner, removed by :func:`remove_directory` at the
-  end of the job, or by :func:`remove_orphans` once the owner is gone.
+- **Clean-up**: :func:`unlink` removes a name (mappings stay valid, the memory goes with the last).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
-OWNER = "owner"  # a job directory's file naming the process the directory lives as long as
 
 
 def shm_root() -> Path:
@@ -136,59 +131,10 @@ def unlink(path: str | os.PathLike) -> None:
     Path(path).unlink(missing_ok=True)
 
 
-def job_directory(name: str, owner: int) -> Path:
-    """The directory ``name`` of shared memory for files that must outlive this process (e.g. a
-    whole-job restart), created if missing, owned by process ``owner``: it lives as long as
-    that process does (:func:`remove_orphans`)."""
-    path = shm_root() / name
-    path.mkdir(exist_ok=True)
-    (path / OWNER).write_text(str(owner))
-    return path
-
-
-def remove_directory(path: str | os.PathLike) -> None:
-    """Remove a job directory and every file in it (gone already is fine)."""
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def remove_orphans(prefix: str, root: str | os.PathLike | None = None) -> list[Path]:
-    """Remove the job directories ``<prefix>*`` of ``root`` (default :func:`shm_root`) whose owner
-    process is gone (a job killed from outside never reaches its own clean-up); returns them."""
-    gone = []
-    for path in sorted(Path(root if root is not None else shm_root()).glob(f"{prefix}*")):
-        try:
-            os.kill(int((path / OWNER).read_text()), 0)
-        except ProcessLookupError:
-            remove_directory(path)
-            gone.append(path)
-        except (OSError, ValueError):  # no owner yet (being created) or not ours to signal: leave it
-            continue
-    return gone
-
-
-def remove_owned_by(pid: int, root: str | os.PathLike | None = None) -> list[Path]:
-    """Remove the job directories of ``root`` (default :func:`shm_root`) that process ``pid`` owns
-    (a launcher ending its job, whatever way it ended); returns them."""
-    gone = []
-    for path in sorted(Path(root if root is not None else shm_root()).glob("*")):
-        owner = path / OWNER
-        try:
-            if owner.is_file() and int(owner.read_text()) == pid:
-                remove_directory(path)
-                gone.append(path)
-        except (OSError, ValueError):  # being created or removed by its job: leave it
-            continue
-    return gone
-
-
 __all__ = [
-    "job_directory",
     "map_file",
     "map_shared",
     "publish",
-    "remove_directory",
-    "remove_orphans",
-    "remove_owned_by",
     "shared_path",
     "shm_root",
     "unlink",

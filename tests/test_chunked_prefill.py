@@ -194,7 +194,6 @@ def test_chunked_refusals_name_the_values(checkpoints):
     ("overrides", "match"),
     [
         (["engine.prefill_chunk=0"], r"engine.prefill_chunk must be >= 1, got 0"),
-        (["engine.prefill_chunk=16", "fault.replicate=true"], r"prefill_chunk \(16\).*replicate \(True\)"),
         (["engine.prefill_chunk=16", "parallel.pp=2"], r"prefill_chunk \(16\).*pp \(2\)"),
         (["engine.prefill_chunk=8", "parallel=shift"], r"prefill_chunk \(8\).*'shift'"),
     ],

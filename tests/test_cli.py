@@ -91,20 +91,14 @@ def test_a_rank_side_user_error_exits_2_in_one_line_and_leaves_no_run_directory(
     assert _run_dirs(tmp_path) == []
 
 
-@pytest.mark.parametrize(
-    "fault,signum",
-    # (a plain run's Ctrl-C takes the same path with fewer things to clean up)
-    [(["fault.replicate=true"], signal.SIGINT), (["fault.replicate=true"], signal.SIGTERM)],
-    ids=["ctrl-c-kv-mirrors", "sigterm-to-the-launcher-kv-mirrors"],
-)
-def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_path, fault, signum):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm-to-the-launcher"])
+def test_ctrl_c_prints_one_line_keeps_finished_requests_and_leaves_nothing(tmp_path, signum):
     """Ctrl-C mid-generation (SIGINT to the job's process group, as a terminal sends it): one line,
-    exit 130, finished requests kept; no process and nothing in /dev/shm left, the KV mirrors of a
-    fault.replicate run included. SIGTERM to the launcher alone (its ranks see it as a stop, and a
-    fault-tolerant rank reports it): the same exit, the same last line, the same nothing left."""
+    exit 130, finished requests kept; no process and nothing in /dev/shm left. SIGTERM to the
+    launcher alone (its ranks see it as a stop): the same exit, the same last line, the same
+    nothing left (a supervised job's Ctrl-C: tests/test_fault_isolation.py)."""
     shm_before = _shm()
     args = ["generate", "--nproc", "2", "workload.num_requests=300", "generation.max_new_tokens=64", "progress=false"]
-    args += fault
     p, t0 = _reshard(args, tmp_path), time.time()
     finished = None
     while finished is None and time.time() - t0 < 120 and p.poll() is None:
@@ -156,8 +150,8 @@ def test_plan_runs_in_the_launchers_process(tmp_path):
 
 
 def test_story_lines_tell_each_recovery_in_one_line():
-    """The summary keys of a supervised death and of a fault.replicate restart, as the launcher
-    tells them (the jobs behind these keys: tests/test_fault_isolation.py, tests/test_fault.py)."""
+    """The summary keys of supervised deaths and of a torchrun restart, as the launcher tells them
+    (the jobs behind these keys: tests/test_fault_isolation.py, tests/test_fault.py)."""
     from reshard.recipes.cli import story_lines
 
     death = {"rank": 2, "exitcode": -9, "hung": False, "died_s": 3.25, "seen_s": 3.3, "rejoined_s": 4.1}
@@ -170,10 +164,10 @@ def test_story_lines_tell_each_recovery_in_one_line():
     assert story_lines({"fault": {"deaths": [death], "weights_from": weights}})[0].endswith(
         "; its group served again 0.8 s later with group 3's weights"
     )
-    restart = {"failures": 1, "detected_after_s": 0.4, "restart_after_s": 5.0, "recovery_seconds": 0.5}
-    restart |= {"recovered_from_step": 6, "recomputed_steps": 1}
-    assert story_lines(restart) == [
-        "recovered: 1 whole-job restart(s) after a rank failed, detected after 0.4 s; resumed at step 6 from "
-        "the ring neighbours' KV, 1 step(s) recomputed; serving again 5.5 s after the failure"
-    ]
+    hosted = death | {"endpoint": "0.0", "adopted_by": "0.1"}  # a lockstep group's KV, kept by its supervisors
+    assert story_lines({"fault": {"deaths": [hosted]}})[0].startswith(
+        "recovered: rank 2 died (SIGKILL) at 3.2 s; 2 request(s) adopted with their KV by its group's next "
+        "generation (its supervisors kept their KV), 2 token(s) computed again"
+    )
+    assert story_lines({"failures": 1}) == ["recovered: 1 whole-job restart(s) after a rank failed, each from scratch"]
     assert story_lines({"failures": 0}) == [] and story_lines({}) == []

@@ -149,7 +149,7 @@ def _compose(name, overrides):
         ),
         (
             "generate",
-            ["fault.replicate=true", "fault.heartbeat_s=0.001"],
+            ["fault.migrate=reprefill", "fault.heartbeat_s=0.001"],
             r"^fault.heartbeat_s must be >= 0.1 s .* got 0.001$",
         ),
         (

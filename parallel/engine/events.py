@@ -1,4 +1,4 @@
-"""The engine's one event interface: what strategies, fault tolerance, tests and benches listen to.
+"""The engine's one event interface: what strategies, fault injection, tests and benches listen to.
 
 ``engine.events.on(event, fn, layout=...)`` registers ``fn`` and returns a function that removes
 it. The loop fires the step events; the runner fires the layer events (only when a listener for
@@ -9,11 +9,7 @@ steps the first stage notes).
 ============== ========================== ==================================================================
 event          listener                   when
 ============== ========================== ==================================================================
-known_tokens   ``fn(index, step)``        before step ``index`` is prepared: a listener that returns the
-               ``-> list[int] | None``    step's tokens (a journal) makes the step *replayed*: its KV moves
-                                          are skipped, nothing computes, sampling generators skip a draw
 step_ready     ``fn(index, step)``        the step's layout is entered and its moves made; it runs next
-                                          (replayed steps too)
 step_begin     ``fn(step, seqs)``         this rank starts computing ``seqs``, its replica's share [layout]
 layer_before   ``fn(i, hidden, ctx)``     before layer ``i`` (``hidden`` ``(1, N, D)``); a returned tensor
                                           replaces the hidden states [layout]
@@ -21,7 +17,7 @@ layer_after    ``fn(i, hidden, ctx)``     after layer ``i``; a returned tensor r
 step_end       ``fn(step, seqs)``         this rank finished computing ``seqs`` (before the agreement) [layout]
 idle           ``fn(step, seqs)``         instead of begin/end when this rank's replica has no sequence of
                                           a computed step (``seqs`` empty; e.g. serve other replicas) [layout]
-step_agreed    ``fn(index, step, tokens)`` every rank holds the step's agreed tokens (replayed steps too)
+step_agreed    ``fn(index, step, tokens)`` every rank holds the step's agreed tokens
 ============== ========================== ==================================================================
 
 [layout]: fired for the step's layout; ``on(..., layout=name or names)`` listens to those layouts
@@ -34,7 +30,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-STEP_EVENTS = ("known_tokens", "step_ready", "step_agreed")
+STEP_EVENTS = ("step_ready", "step_agreed")
 LAYOUT_EVENTS = ("step_begin", "layer_before", "layer_after", "step_end", "idle")
 EVENTS = STEP_EVENTS + LAYOUT_EVENTS
 
@@ -79,14 +75,6 @@ class EngineEvents:
         """Call ``event``'s listeners (those of ``layout``, for a layout event) in registration order."""
         for fn in self._for(event, layout):
             fn(*args)
-
-    def known_tokens(self, index: int, step) -> list[int] | None:
-        """The tokens the first ``known_tokens`` listener supplies for step ``index`` (None: compute it)."""
-        for fn in self._for("known_tokens", None):
-            tokens = fn(index, step)
-            if tokens is not None:
-                return list(tokens)
-        return None
 
     def layers(self, layout: str) -> LayerHooks | None:
         """``layout``'s layer listeners for one step; None when it has none (the runner's fast path)."""

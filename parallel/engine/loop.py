@@ -51,8 +51,24 @@ from reshard.parallel.engine.router import (
     Router,
 )
 from reshard.parallel.engine.runner import ModelRunner
-from reshard.parallel.engine.sampling import SamplingParams, skip_draws
+from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.info import parallel_info
+
+
+def enqueue(queue: deque, requests: Seq[Request]) -> None:
+    """Queue ``requests`` as they arrive, except that a request resumed with KV held elsewhere
+    (``kv_source``: a migration) goes ahead of the fresh requests already queued: its KV waits in
+    a connector's mirror, and it has tokens out already (vLLM runs resumed requests first). Other
+    items (DejaVu's hand-offs, kept in their streams' order) are queued as they come."""
+
+    def fresh(item) -> bool:
+        return isinstance(item, Request) and not item.kv_source
+
+    for request in requests:
+        if isinstance(request, Request) and request.kv_source:
+            queue.insert(next((i for i, r in enumerate(queue) if fresh(r)), len(queue)), request)
+        else:
+            queue.append(request)
 
 
 class Engine:
@@ -225,7 +241,7 @@ class Engine:
         # the loop still takes it (its KV must be received)
         while queue or not (admission.exhausted and len(done) + left == admission.taken):
             if not queue and len(done) + left == admission.taken:  # nothing queued or running: wait for more
-                queue.extend(admission.wait_next())
+                enqueue(queue, admission.wait_next())
                 continue
             for step, output in self._advance(queue, admission):
                 left += self._settle(step, output, admission, queue, done, start)
@@ -273,7 +289,7 @@ class Engine:
         for seq in finished:
             done[seq.request.id] = seq.completion(start)
             self.policy.retire(seq)
-        queue.extend(admission.take((output.agreed or {}).get(ADMIT, 0)))
+        enqueue(queue, admission.take((output.agreed or {}).get(ADMIT, 0)))
         admission.report(self.policy.load(queue), [done[seq.request.id] for seq in finished])
         return left
 
@@ -318,25 +334,19 @@ class Engine:
         return (self.group if self.group is not None else self.runner.group) or dist.group.WORLD
 
     def _run(self, step: Step, extras: dict[str, int]) -> StepOutput:
-        """Enter the step's layout, make its moves, compute (or replay) it and agree on its tokens."""
-        known = self.events.known_tokens(self.steps_done, step)
-        runner = self._prepare(step, self.steps_done, replay=known is not None)
+        """Enter the step's layout, make its moves, compute it and agree on its tokens."""
+        runner = self._prepare(step, self.steps_done)
         started = time.time()
         t0 = time.perf_counter()
-        logprobs = None
-        if known is None:
-            tokens, agreed, logprobs = self._computed(step, runner, extras)
-        else:
-            tokens, agreed = self._replayed(step, known), None
+        tokens, agreed, logprobs = self._computed(step, runner, extras)
         self._record(step, tokens, started, t0, logprobs)
-        return StepOutput(tokens, replayed=known is not None, agreed=agreed)
+        return StepOutput(tokens, agreed=agreed)
 
-    def _prepare(self, step: Step, index: int, *, replay: bool) -> ModelRunner:
-        """Enter step ``index``'s layout and make its moves (a replayed step's KV moves are skipped)."""
+    def _prepare(self, step: Step, index: int) -> ModelRunner:
+        """Enter step ``index``'s layout and make its moves."""
         runner = self._enter(step.layout)
         for move in step.moves:
-            if not replay or not move.kv:  # a replayed step finds its KV restored
-                self.policy.make(move)
+            self.policy.make(move)
         self.events.fire("step_ready", index, step)
         return runner
 
@@ -356,9 +366,7 @@ class Engine:
     def _launch(self, step: Step) -> None:
         """In-flight pipeline: start one micro-batch's step on this stage (its tokens land later)."""
         index = self.steps_done + len(self.flow.flights)  # steps land in launch order
-        if self.events.known_tokens(index, step) is not None:
-            raise ValueError("an in-flight pipeline does not replay journaled steps; use pipeline='drain'")
-        self._prepare(step, index, replay=False)
+        self._prepare(step, index)
         self.events.fire("step_begin", step, step.seqs, layout=step.layout)
         self.flow.launch(step, self.events.layers(step.layout))
         self.connector.save(step, step.seqs)
@@ -388,13 +396,6 @@ class Engine:
         if all(emits):
             return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
         return sample_emitting(step.seqs, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)
-
-    def _replayed(self, step: Step, tokens: list[int]) -> list[int]:
-        """Known tokens (a journal), KV restored: nothing runs; generators skip the step's draw."""
-        assert len(tokens) == len(step.seqs), (len(tokens), len(step.seqs))
-        drew = [s for s, token in zip(step.seqs, tokens) if token != NO_TOKEN]
-        skip_draws([s.request.sampling for s in drew], [s.generator for s in drew], self.vocab_size)
-        return tokens
 
     def _enter(self, layout: str) -> ModelRunner:
         """Make ``layout`` active (``policy.on_switch`` moves what must move)."""

@@ -13,19 +13,16 @@ The contract between the engine and a policy (in the spirit of vLLM v1's EngineC
   prefill or decode phase, and the runner picks its path from the counts), the layout (runner)
   that runs it, ``moves`` and ``agree``. The engine then
 
-  1. asks its ``known_tokens`` listeners whether the step's tokens are known (fault tolerance's
-     replay: the step is *replayed*);
-  2. enters the layout: if it is not the active one, ``policy.on_switch(old, new)`` moves what
+  1. enters the layout: if it is not the active one, ``policy.on_switch(old, new)`` moves what
      must move between layouts (Seesaw's weights) -- a transition is named by the layout alone;
-  3. makes the step's ``moves`` in order by calling ``policy.make(move)`` -- each move is a
+  2. makes the step's ``moves`` in order by calling ``policy.make(move)`` -- each move is a
      small frozen dataclass (:class:`Move`) naming KV to bring in before the step (Seesaw's
      swap-in of a prompt from the CPU tier, DejaVu's wait for streamed prompt KV, SiDP's start
-     of the step's FFN fetches). A move with ``kv = True`` is skipped on a replayed step
-     (recovery restores that KV);
-  4. computes this replica's share, samples, and agrees on the tokens in **one** all-reduce that
+     of the step's FFN fetches);
+  3. computes this replica's share, samples, and agrees on the tokens in **one** all-reduce that
      also sums the step's ``agree`` integers over the agreement group (SiDP's mode proposal);
-  5. calls ``policy.after_step(step, output)`` with a :class:`StepOutput` (the tokens, whether
-     the step was replayed, the agreed sums), then ``policy.retire(seq)`` for finished sequences.
+  4. calls ``policy.after_step(step, output)`` with a :class:`StepOutput` (the tokens and the
+     agreed sums), then ``policy.retire(seq)`` for finished sequences.
 
 No callback reaches from the policy into the engine; what the policy wants done is in the data
 it returns, and what happened comes back as data.
@@ -37,7 +34,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from reshard.kv import KVCache
 from reshard.parallel.engine.connector import KVConnector
@@ -51,12 +47,7 @@ ADMISSION = ("fifo", "longest_first")
 @dataclass(frozen=True)
 class Move:
     """Something a step needs made before it runs, in its layout (after any transition). The
-    policy that names it makes it when the engine calls :meth:`Policy.make`.
-
-    ``kv``: the move brings KV into a cache that recovery restores; a replayed step skips it.
-    """
-
-    kv: ClassVar[bool] = False
+    policy that names it makes it when the engine calls :meth:`Policy.make`."""
 
 
 @dataclass
@@ -102,8 +93,7 @@ class StepOutput:
     """What the engine tells the policy after a step."""
 
     tokens: list[int]  # the agreed next token of every sequence of the step, in its order (NO_TOKEN: none)
-    replayed: bool = False  # the tokens were known (a journal): nothing computed, KV moves skipped
-    agreed: dict[str, int] | None = None  # the step's ``agree`` summed over the group; None: replayed
+    agreed: dict[str, int] | None = None  # the step's ``agree`` summed over the group
 
 
 @dataclass(frozen=True)

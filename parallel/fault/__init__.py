@@ -1,24 +1,18 @@
-"""Fault tolerance as a plug-in of the engine: ring replication of KV, heartbeats, recovery.
+"""Fault tolerance: supervised ranks (``fault.migrate``), failures kept inside their engine group.
 
-- ``ring.py``: :class:`RingReplication`, every rank's KV mirrored on its ring successor;
-- ``heartbeat.py``: :class:`Heartbeat`, a dead or hung rank detected through the job's store;
-- ``recovery.py``: :class:`FaultTolerance`, the token journal, replay and KV restore after a restart;
+- ``supervisor.py``: :class:`Supervisor`, each rank's engine run as a child and respawned in the job;
+- ``migrate.py``: :class:`SupervisedRouter`, the router that outlives every engine and moves a dead
+  generation's requests on (with their KV, re-prefilled, or held for the group's respawn);
+- ``mirror.py``: :class:`KVMirror`, each rank's KV streamed to a peer group's rank of the same
+  position, and the engine's KV connector for requests resumed from it;
+- ``host.py``: :class:`MirrorHost`, a lockstep group's KV kept by its supervisors for its next generation;
+- ``donor.py``: weights for a respawned rank from a live replica;
+- ``journal.py``: each group's agreed tokens and heartbeat in the job's store;
 - ``restart.py``: torchrun's attempt count and a store prefix per attempt;
 - ``inject.py``: failures on purpose (``fault.kill_at``, ``fault.inject=hang``).
 """
 
-from reshard.parallel.fault.heartbeat import Heartbeat
 from reshard.parallel.fault.inject import inject_kill
-from reshard.parallel.fault.recovery import FaultTolerance, remove_orphans
 from reshard.parallel.fault.restart import job_store, restart_count
-from reshard.parallel.fault.ring import RingReplication
 
-__all__ = [
-    "FaultTolerance",
-    "Heartbeat",
-    "RingReplication",
-    "inject_kill",
-    "job_store",
-    "remove_orphans",
-    "restart_count",
-]
+__all__ = ["inject_kill", "job_store", "restart_count"]

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reshard.background import Background
 from reshard.parallel.engine.router import Channel
-from reshard.parallel.fault.link import Link
+from reshard.parallel.fault.link import Link, Links
 
 WATCH_S = 0.1  # how often a donor looks for requests (and a taker at its transfer)
 STALL_S = 60.0  # a taker that received nothing for this long reads the checkpoint instead
@@ -48,23 +49,18 @@ class WeightDonor:
     def __init__(self, model: nn.Module, connect: Callable[[], dist.Store], endpoint: str, position: int) -> None:
         self.model, self.connect, self.key = model, connect, f"weights/want/{endpoint}/{position}"
         self.name = f"weights/{endpoint}/{position}"
-        self.links: list[tuple[Link, threading.Thread]] = []  # a transfer's link and its thread
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="reshard-weight-donor", daemon=True)
-        self._thread.start()
+        self.links = Links(lambda: Channel("weights", store=connect()).store, "reshard-weight-donor")
+        self.links.watch(self._serve)
 
     def _serve(self) -> None:
         """Each request gets a link, a thread and a store client of its own: a transfer to a
         taker that died blocks only its own thread. Finished transfers' links are closed."""
         channel = Channel("weights", store=self.connect())
         seen = 0
-        while not self._stop.wait(WATCH_S):
+        while not self.links.stopping.wait(WATCH_S):
             for taker in channel.read_list(self.key, seen):
                 seen += 1
-                link = Link(Channel("weights", store=self.connect()).store, f"{self.name}/{taker}", 0)
-                thread = threading.Thread(target=self._send, args=(link,), name="reshard-weight-send", daemon=True)
-                self.links = [(ln, t) for ln, t in self.links if t.is_alive()] + [(link, thread)]
-                thread.start()
+                self.links.open(f"{self.name}/{taker}", 0, self._send)
 
     def _send(self, link: Link) -> None:
         try:
@@ -79,12 +75,7 @@ class WeightDonor:
         """Stop answering (not collective): the thread and the transfers' threads are joined, up
         to ``timeout`` s in all (a transfer under way finishes first only within it; one blocked
         on a taker that died is left, a daemon, holding its link's group)."""
-        deadline = time.monotonic() + timeout
-        self._stop.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        for link, thread in self.links:  # the serving thread has ended (or is stuck): the list stays
-            link.close()
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self.links.close(timeout)
 
     def __enter__(self) -> WeightDonor:
         return self
@@ -130,8 +121,7 @@ def take_weights(
         done.set()
 
     broken = threading.Event()
-    taker = threading.Thread(target=receive, name="reshard-weight-taker", daemon=True)
-    taker.start()
+    taker = Background(receive, "reshard-weight-taker", f"taking weights from {donor}")
     last, since = len(mine), time.monotonic()
     while not done.wait(WATCH_S):
         if len(mine) != last:  # a tensor arrived
@@ -139,7 +129,7 @@ def take_weights(
         if gone() or time.monotonic() - since > STALL_S:  # the thread, blocked, is left with its link
             link.close()
             return False
-    taker.join()
+    taker.result()
     if failed:
         raise failed[0]
     return not broken.is_set()

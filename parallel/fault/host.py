@@ -16,7 +16,6 @@ The host owns its watcher thread, its links and their threads, ended by :meth:`M
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from reshard.kv.scatter import Packing
 from reshard.kv.stream_plan import Span, kv_box
 from reshard.parallel.engine.router import Channel
-from reshard.parallel.fault.link import Link
+from reshard.parallel.fault.link import Link, Links
 from reshard.parallel.fault.mirror import CLOSE_S, END, WATCH_S, Landing, land
 from reshard.plan import Piece
 
@@ -59,10 +58,9 @@ class MirrorHost:
         self.lock = threading.Lock()
         self.landing: tuple[str, Landing, Piece] | None = None  # (the live generation, its mirror, its box)
         self.replays: dict[str, int] = {}  # generation -> requests whose KV was replayed to it
-        self.stopping = threading.Event()
-        self.links: list[tuple[Link, threading.Thread]] = []
-        self.watcher = threading.Thread(target=self._watch, name="reshard-mirror-host", daemon=True)
-        self.watcher.start()
+        self.links = Links(connect, "reshard-mirror-host")  # the watcher, the open links and their threads
+        self.stopping = self.links.stopping
+        self.links.watch(self._watch)
 
     def _watch(self) -> None:
         """Follow the group's generations: each new one gets what the last one mirrored, then
@@ -79,17 +77,8 @@ class MirrorHost:
         landing = Landing(spec, SLOTS * spec.num_slots, self.device)
         with self.lock:
             kept, self.landing = self.landing, (now, landing, Piece(0, 1, kv_box(layout)))
-        self._open(f"mirror/{self.me}->{now}/{self.position}", 0, self._replay, now, kept)
-        self._open(f"mirror/{now}->{self.me}/{self.position}", 1, self._receive_all, now)
-
-    def _open(self, name: str, side: int, run: Callable, *args) -> None:
-        with self.lock:
-            if self.stopping.is_set():
-                return
-            link = Link(self.connect(), name, side)
-            thread = threading.Thread(target=run, args=(link, *args), name="reshard-mirror-host-link", daemon=True)
-            self.links = [(ln, t) for ln, t in self.links if t.is_alive()] + [(link, thread)]
-            thread.start()
+        self.links.open(f"mirror/{self.me}->{now}/{self.position}", 0, self._replay, now, kept)
+        self.links.open(f"mirror/{now}->{self.me}/{self.position}", 1, self._receive_all, now)
 
     def _replay(self, link: Link, to: str, kept: tuple[str, Landing, Piece] | None) -> None:
         """Send generation ``to`` every request's KV the last generation mirrored here (oldest
@@ -125,14 +114,7 @@ class MirrorHost:
         """Stop (not collective): the watcher and the links' threads are joined, up to ``timeout``
         s in all, and the links closed (a thread blocked on a peer that died before it
         connected is left, a daemon, as :meth:`KVMirror.close` leaves its own)."""
-        deadline = time.monotonic() + timeout
-        self.stopping.set()
-        self.watcher.join(max(0.0, deadline - time.monotonic()))
-        with self.lock:
-            links, self.links = self.links, []
-        for link, thread in links:
-            link.close()
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self.links.close(timeout)
 
     def __enter__(self) -> MirrorHost:
         return self

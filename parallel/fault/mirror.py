@@ -41,7 +41,7 @@ from reshard.kv.scatter import Packing
 from reshard.kv.stream_plan import Span, kv_box
 from reshard.parallel.engine import Engine
 from reshard.parallel.engine.connector import KVConnector
-from reshard.parallel.fault.link import Link
+from reshard.parallel.fault.link import Link, Links
 from reshard.plan import Piece
 
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
@@ -167,19 +167,17 @@ class KVMirror(KVConnector):
         self.steps = 0
         self.resync = False  # the receiver changed: stream every live sequence whole
         self.outbox: queue.Queue | None = None  # the live sender's (None: no receiver yet)
-        self.stopping = threading.Event()
         self.connected = threading.Event()  # the live sender's link is up
+        self.watched = threading.Event()  # the watcher looked once: the live sources' mirrors exist
         # the outbox the last message was queued in, and its event (set once it has been sent)
         self.last: tuple[queue.Queue | None, threading.Event] = (None, threading.Event())
         # (source endpoint, request id, output tokens whose KV came, positions computed again): adoptions
         self.adopted: list[tuple[str, int, int, int]] = []
         self.report = report or (lambda adoption: None)
-        self.links: list[tuple[Link, threading.Thread]] = []  # the open links, each with its thread
-        self._links_lock = threading.Lock()  # the watcher opens links, close() closes them
-        self.watcher = threading.Thread(target=self._watch, name="reshard-mirror", daemon=True)
+        self.links = Links(connect, "reshard-mirror")  # the watcher, the open links and their threads
+        self.stopping = self.links.stopping
         if peers.successor is not None or peers.sources:
-            self.watcher.start()
-        if peers.successor is not None or peers.sources:
+            self.links.watch(self._watch)
             engine.connector.add(self)
 
     # ---- sending ----------------------------------------------------------------------------------
@@ -234,10 +232,12 @@ class KVMirror(KVConnector):
                 return
 
     def wait_connected(self, timeout: float = 60.0, *, starting: bool = False) -> bool:
-        """Wait until this rank's KV has a live mirror, if the successor group is up (or, with
-        ``starting``, until it is: a prompt group's hand-offs need it); whether it has one. A
-        group should not serve unmirrored when it need not."""
+        """Wait until the live sources' mirrors exist (a request resumed from one must not find
+        none and be prefilled whole) and this rank's KV has a live mirror, if the successor group
+        is up (or, with ``starting``, until it is: a prompt group's hand-offs need it); whether it
+        has one. A group should not serve unmirrored when it need not."""
         store, deadline = self.connect(), time.monotonic() + timeout
+        self.watched.wait(timeout)  # a request resumed from a live source finds its mirror
         while self.peers.successor is not None and time.monotonic() < deadline:
             if self.connected.wait(0.05):
                 return True
@@ -267,6 +267,7 @@ class KVMirror(KVConnector):
                 if now is not None and now != known:
                     self._start_receiver(now, g)
                 sources[g] = now
+            self.watched.set()
 
     def _closed(self, source: str) -> None:
         with self.lock:
@@ -274,21 +275,9 @@ class KVMirror(KVConnector):
                 self.mirrors[source].closed = True
             self.lock.notify_all()
 
-    def _open(self, name: str, side: int, run: Callable, *args) -> None:
-        """Open link ``name`` (``side`` 0: sending) with a thread running ``run(link, *args)``,
-        which closes it when it ends (ended ones are forgotten); none once the mirror closes."""
-        with self._links_lock:
-            if self.stopping.is_set():
-                return
-            link = Link(self.connect(), name, side)
-            way = "out" if side == 0 else "in"
-            thread = threading.Thread(target=run, args=(link, *args), name=f"reshard-mirror-{way}", daemon=True)
-            self.links = [(ln, t) for ln, t in self.links if t.is_alive()] + [(link, thread)]
-            thread.start()
-
     def _start_sender(self, to: str) -> queue.Queue:
         outbox: queue.Queue = queue.Queue()
-        self._open(f"mirror/{self.me}->{to}/{self.peers.position}", 0, self._send_all, outbox)
+        self.links.open(f"mirror/{self.me}->{to}/{self.peers.position}", 0, self._send_all, outbox)
         return outbox
 
     def _send_all(self, out: Link, outbox: queue.Queue) -> None:
@@ -326,7 +315,7 @@ class KVMirror(KVConnector):
             for old in older[:-1]:  # group g's last dead generation's stays until adopted
                 del self.mirrors[old]
             self.mirrors[source] = landing
-        self._open(f"mirror/{source}->{self.me}/{self.peers.position}", 1, self._receive_all, source)
+        self.links.open(f"mirror/{source}->{self.me}/{self.peers.position}", 1, self._receive_all, source)
 
     def _receive_all(self, into: Link, source: str) -> None:
         """Unpack ``source``'s messages into its mirror as they land, until it dies or leaves."""
@@ -431,17 +420,10 @@ class KVMirror(KVConnector):
         threads are joined, up to ``timeout`` s in all, and the links closed. A thread still
         blocked then (on a peer that died before it connected, or a source that still sends) is
         left, a daemon, holding its link's group until its operation returns."""
-        deadline = time.monotonic() + timeout
         self.stopping.set()
         if self.outbox is not None:
             self.outbox.put(None)
-        if self.watcher.is_alive():
-            self.watcher.join(max(0.0, deadline - time.monotonic()))
-        with self._links_lock:
-            links, self.links = self.links, []
-        for link, thread in links:
-            link.close()
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self.links.close(timeout)
 
     def __enter__(self) -> KVMirror:
         return self

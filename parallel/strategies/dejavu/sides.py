@@ -67,8 +67,6 @@ class DejaVuStats(EngineStats):
 class ReceiveStreams(Move):
     """Before decoding: every streamed prompt is unpacked into the token cache, every flush is done."""
 
-    kv = True
-
 
 class DejaVuPolicy(Policy):
     """Prefill admitted prompts on the prompt layout (streaming their KV out layer by layer),

@@ -60,7 +60,6 @@ class SwapIn(Move):
     """Request ``request_id``'s prompt KV from the CPU tier into slot ``slot`` (and, paged,
     ``blocks``) of the decode cache, on the ranks of decode replica ``replica`` (background)."""
 
-    kv = True
     request_id: int
     replica: int
     slot: int
@@ -214,8 +213,6 @@ class SeesawPolicy(Policy):
         mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
         self.buffered.extend(s for s in step.seqs if s.finish_reason is None)
         jobs = [(s.slot, s.request.id, s.prompt_len) for s in mine if s.finish_reason is None]
-        if output.replayed:  # nothing was computed; the persisted tier holds these prompts already
-            jobs = []
         self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
 
     def _wait_swap_outs(self, *, everything: bool) -> None:

@@ -172,12 +172,11 @@ class SiDPPolicy(ContinuousBatching):
         self.fetcher.begin_step(list(move.rows), move.mode)
 
     def after_step(self, step: Step, output: StepOutput) -> None:
-        """The pool's step ends; the group's agreed proposal (a replayed step's: this rank's,
-        which every rank made alike) is the mode at the next decision."""
+        """The pool's step ends; the group's agreed proposal is the mode at the next decision."""
         self.fetcher.end_step()
         if step.agree:
-            cas = output.agreed[PROPOSES_CAS] > 0 if output.agreed is not None else step.agree[PROPOSES_CAS]
-            self._agreed = CAS if cas else WAS
+            assert output.agreed is not None, step.agree
+            self._agreed = CAS if output.agreed[PROPOSES_CAS] > 0 else WAS
 
     def close(self) -> None:
         """Join the fetcher's housekeeper thread (not collective)."""
