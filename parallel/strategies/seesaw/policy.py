@@ -262,7 +262,7 @@ class SeesawPolicy(Policy):
     def _join_loads(self) -> None:
         t0 = time.perf_counter()
         for seq in self.loading:
-            future = self._swap_ins.pop(seq.request.id, None)  # none: another replica's, or replayed
+            future = self._swap_ins.pop(seq.request.id, None)  # none: another replica's
             self.stats.swap_in_tokens += future.result() if future is not None else 0
             self.tier.free(seq.request.id)
             self.running[seq.request.id] = seq
