@@ -152,8 +152,8 @@ class FaultConfig:
     def __post_init__(self) -> None:
         if not self.heartbeat_s >= MIN_HEARTBEAT_S:
             raise ValueError(
-                f"fault.heartbeat_s must be >= {MIN_HEARTBEAT_S} s (a rank silent for 3 periods is declared dead: "
-                f"shorter periods mistake a busy rank for a dead one), got {self.heartbeat_s}"
+                f"fault.heartbeat_s must be >= {MIN_HEARTBEAT_S} s (each engine group's leader beats through the job's "
+                f"store once a period: shorter periods spend the ranks' time on it), got {self.heartbeat_s}"
             )
         if not self.hung_after_s > self.heartbeat_s:
             raise ValueError(

@@ -23,7 +23,7 @@ from reshard.parallel.engine import WorkloadShape
 from reshard.parallel.fault import restart_count
 from reshard.parallel.model.tiny_models import builtin_checkpoint, default_cache_dir
 from reshard.recipes.config import GenerateConfig
-from reshard.recipes.launch import FINISHED, LAUNCHED_ENV, collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
+from reshard.recipes.launch import FINISHED, collective_timeout, hydra_main  # noqa: F401 (collective_timeout: public here too)
 from reshard.recipes.prompts import build_requests, output_tokenizer, stop_tokenizer
 from reshard.recipes.report import OutputFormat, PhaseSeconds, append_finished, run_summary, write_outputs
 

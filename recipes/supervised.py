@@ -276,7 +276,8 @@ def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topo
     successor, sources = topology.successor(spec.group, kv), topology.sources(spec.group, kv)
     if successor is None and not sources:
         return None
-    peers = Peers(spec.group, spec.members.index(spec.rank), successor, sources, _live_endpoint)
+    ends = (topology.host,) if topology.hosted else ()  # the supervisors' hosts end their replay
+    peers = Peers(spec.group, spec.members.index(spec.rank), successor, sources, _live_endpoint, ends)
     hands_off = spec.group in topology.entries and topology.takers  # each prompt's KV leaves after its step
     every = 1 if hands_off else cfg.fault.replicate_every
     return KVMirror(

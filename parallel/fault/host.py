@@ -1,5 +1,5 @@
 """A lockstep engine group's KV kept by its supervisors: ``fault.migrate=kv`` for a strategy that
-runs one engine group of every rank (Shift, SiDP), where no peer group can mirror it.
+runs one engine group of every rank (Shift; TP over every rank), where no peer group can mirror it.
 
 The supervisor of rank ``i + 1`` (mod the group's size) keeps rank ``i``'s KV in host memory: it
 outlives rank ``i``'s engine child, which streams the entries it writes there exactly as it
@@ -15,6 +15,7 @@ The host owns its watcher thread, its links and their threads, ended by :meth:`M
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ from reshard.parallel.fault.link import Link, Links
 from reshard.parallel.fault.mirror import CLOSE_S, END, WATCH_S, Landing, land
 from reshard.plan import Piece
 
+log = logging.getLogger(__name__)
 SLOTS = 2  # mirror slots per slot of the engine's cache (a respawn replays what the last one held)
 
 
@@ -57,7 +59,6 @@ class MirrorHost:
         self.device = torch.device("cpu")  # host memory: it outlives the child and the child's device
         self.lock = threading.Lock()
         self.landing: tuple[str, Landing, Piece] | None = None  # (the live generation, its mirror, its box)
-        self.replays: dict[str, int] = {}  # generation -> requests whose KV was replayed to it
         self.links = Links(connect, "reshard-mirror-host")  # the watcher, the open links and their threads
         self.stopping = self.links.stopping
         self.links.watch(self._watch)
@@ -68,9 +69,13 @@ class MirrorHost:
         store, live = self.connect(), None
         while not self.stopping.wait(WATCH_S):
             now = self.endpoint(store, self.group)
-            if now is not None and now != live:
+            if now is None or now == live:
+                continue
+            try:
                 self._follow(store, now)
-                live = now
+            except (RuntimeError, OSError) as e:  # it died before it published its cache (or host memory ran out)
+                log.warning("KV host %s could not follow %s (its requests are prefilled again): %s", self.me, now, e)
+            live = now
 
     def _follow(self, store: dist.Store, now: str) -> None:
         spec, layout = Channel(self.channel, store=store).get(spec_key(now, self.position))
@@ -89,7 +94,6 @@ class MirrorHost:
                 spans = [Span(rid, slot, 0, n) for rid, (slot, n) in landing.index.items() if n > 0]
                 if spans:
                     link.send(spans, Packing.of(landing.cache, [piece], spans).pack(self.device))
-                self.replays[to] = len(spans)
             link.send(END, torch.empty(0, dtype=torch.uint8, device=self.device))
         except RuntimeError:  # the new generation died before it took it
             pass

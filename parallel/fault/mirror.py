@@ -46,6 +46,7 @@ from reshard.plan import Piece
 
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
 HANDOFF_WAIT_S = 2.0  # longest a request awaits KV still on its way from a live source
+REPLAY_WAIT_S = 60.0  # ... from a source that ends its stream (a supervisors' host replays it whole, then END)
 CLOSE_S = 1.0  # longest close() waits for the links' threads (a peer that leaves ends them)
 END = None  # a message's metadata that ends its stream: nothing more comes from that source
 
@@ -62,6 +63,7 @@ class Peers:
     successor: int | None
     sources: tuple[int, ...]
     endpoint: Callable[[dist.Store, int], str | None]  # (a store client, group) -> its live endpoint
+    ends: tuple[int, ...] = ()  # sources whose stream ends with END (hosts): awaited up to REPLAY_WAIT_S
 
 
 class Landing:
@@ -347,7 +349,7 @@ class KVMirror(KVConnector):
         """Positions of ``seq`` (a request resumed from ``kv_source``) whose KV landed from its
         source on every rank of the group, at most all but its last (which the step feeds); 0
         when that KV does not cover its prompt (it is prefilled whole); None while it is still on
-        its way from a source that lives on (a hand-off), up to :data:`HANDOFF_WAIT_S` after the
+        its way from a source that lives on (a hand-off), up to :meth:`_bound` s after the
         group first agreed it is awaited. Collective over the group."""
         request = seq.request
         if not request.kv_source or not self.peers.sources:
@@ -355,7 +357,7 @@ class KVMirror(KVConnector):
         need = seq.prompt_len - 1
         with self.lock:
             settled = self._settled(request, need)
-            if not settled and time.monotonic() - self.asked.get(request.id, time.monotonic()) > HANDOFF_WAIT_S:
+            if not settled and time.monotonic() - self.asked.get(request.id, time.monotonic()) > self._bound(request):
                 self.late.add(request.kv_source)  # its next requests await it no more until something lands
             landing = self.mirrors.get(request.kv_source)
             landed = landing.landed(request.id)[1] if landing is not None else 0
@@ -368,13 +370,13 @@ class KVMirror(KVConnector):
 
     def wait_for(self, request) -> None:
         """Nothing else runs: block until ``request``'s KV landed whole here, or will land no
-        further, or it has been awaited :data:`HANDOFF_WAIT_S`."""
+        further, or it has been awaited :meth:`_bound` s."""
         if not request.kv_source or not self.peers.sources:
             return
         need, asked = len(request.prompt_ids) - 1, self.asked.setdefault(request.id, time.monotonic())
         with self.lock:
             self.lock.wait_for(
-                lambda: self._settled(request, need), max(0.0, asked + HANDOFF_WAIT_S - time.monotonic())
+                lambda: self._settled(request, need), max(0.0, asked + self._bound(request) - time.monotonic())
             )
 
     def load(self, seq, num_tokens: int) -> None:
@@ -393,6 +395,12 @@ class KVMirror(KVConnector):
         kept = num_tokens - (seq.prompt_len - request.resumed) + 1
         self.adopted.append((request.kv_source, request.id, kept, seq.prompt_len - 1 - num_tokens))
         self.report(self.adopted[-1])
+
+    def _bound(self, request) -> float:
+        """How long ``request`` may await its KV: :data:`HANDOFF_WAIT_S`, or :data:`REPLAY_WAIT_S`
+        from a source that ends its stream (its END settles it sooner)."""
+        ends = request.kv_source.split(".")[0] in {str(g) for g in self.peers.ends}
+        return REPLAY_WAIT_S if ends else HANDOFF_WAIT_S
 
     def _settled(self, request, need: int) -> bool:
         """Whether ``request``'s KV landed whole, or will land no further (its source closed)."""
