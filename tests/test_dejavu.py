@@ -49,26 +49,32 @@ def _side(ranks, **degrees) -> dict:
 
 
 @pytest.mark.parametrize(
-    "world,prompt,token,prompt_ranks,layouts",
+    "world,prompt,token,prompt_ranks,layouts,replicas",
     [
         # one prompt rank, one token rank
-        (2, {"tp": 1}, {"tp": 1}, 1, {"prompt": _side([0]), "token": _side([1])}),
+        (2, {"tp": 1}, {"tp": 1}, 1, {"prompt": _side([0]), "token": _side([1])}, "groups"),
         # prompt on 2 ranks, tokens on 2 ranks (TP2 each)
-        (4, {"tp": 2}, {"tp": 2}, 2, {"prompt": _side([0, 1], tp=2), "token": _side([2, 3], tp=2)}),
-        # prompt TP2 -> token pipeline 2: KV re-sharded by heads and layers
-        (4, {"tp": 2}, {"pp": 2}, 2, {"prompt": _side([0, 1], tp=2), "token": _side([2, 3], pp=2)}),
+        (4, {"tp": 2}, {"tp": 2}, 2, {"prompt": _side([0, 1], tp=2), "token": _side([2, 3], tp=2)}, "groups"),
+        # prompt TP2 -> token pipeline 2: KV re-sharded by heads and layers; both sides in one
+        # loop (as engine groups: test_sides_run_at_the_same_time_as_engine_groups)
+        (4, {"tp": 2}, {"pp": 2}, 2, {"prompt": _side([0, 1], tp=2), "token": _side([2, 3], pp=2)}, "lockstep"),
         # prompt pipeline 2 -> token TP2
-        (4, {"pp": 2}, {"tp": 2}, 2, {"prompt": _side([0, 1], pp=2), "token": _side([2, 3], tp=2)}),
+        (4, {"pp": 2}, {"tp": 2}, 2, {"prompt": _side([0, 1], pp=2), "token": _side([2, 3], tp=2)}, "groups"),
     ],
 )
-def test_disaggregated_generation_equals_hf(four_layer, hf_reference, world, prompt, token, prompt_ranks, layouts):
+def test_disaggregated_generation_equals_hf(
+    four_layer, hf_reference, world, prompt, token, prompt_ranks, layouts, replicas
+):
+    """Tokens equal HF; every request that ran on past its first token resumed on the token side
+    through its KV connector, whether the sides are engine groups or step in one loop."""
     path = four_layer["llama"]
-    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, timeout=240)
+    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, replicas, timeout=240)
     expected = hf_reference(path, PROMPTS, 6)
     for tokens, summary, reported, ran, _ in results:
         assert reported == ran == layouts  # summary.json's "parallel": the sides the engine ran
         assert tokens == expected
         assert summary["streamed_bytes"] > 0
+        assert summary["handoffs_loaded"] == sum(len(t) > 1 for t in expected)
         plan = summary["dejavu_plan"]
         assert plan["D_p"] + plan["D_t"] == world
 
@@ -215,6 +221,7 @@ def test_prompts_that_finish_at_their_first_token_are_still_received(four_layer,
     group must still take each hand-off (and its streamed KV) before the job ends."""
     path = four_layer["llama"]
     expected = hf_reference(path, PROMPTS, 1)
-    for tokens, summary, *_ in dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 1, timeout=120):
-        assert tokens == expected
-        assert summary["streamed_bytes"] > 0
+    for replicas in ("groups", "lockstep"):
+        for tokens, summary, *_ in dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 1, replicas, timeout=120):
+            assert tokens == expected
+            assert summary["streamed_bytes"] > 0

@@ -328,12 +328,12 @@ class ContinuousBatching(Policy):
             queue.clear()
             queue.extend(ordered)
         info = self.runner_info[self.layout]
-        spec = info.kv.spec
+        spec = info.kv.spec if info.kv is not None else None  # None: a rank outside the layout (its books only)
         self.slots = SlotPool(
             info.max_batch_size,
             info.replica.size,
-            num_blocks=spec.num_blocks,
-            block_size=spec.block_size,
+            num_blocks=spec and spec.num_blocks,
+            block_size=spec and spec.block_size,
             stats=self.stats,
         )
         self.running: dict[int, Sequence] = {}

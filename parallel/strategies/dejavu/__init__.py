@@ -11,10 +11,10 @@ loop at the same time (:func:`dejavu_groups_engine`): a prompt group (:class:`Pr
 prefills what the router hands it and hands every prefilled prompt, with its first token and
 timing, to a token group (:class:`TokenSide`), which takes it into free slots, fetches its KV and
 decodes it once the KV has landed on every rank of the group. With ``replicas="lockstep"``
-(fault tolerance's journal and ring need it) both sides step in one loop
-(:class:`DejaVuPolicy`): the token ranks post the fetches when a prefill step ends and unpack
-them before the first decode step that needs them (the step's :class:`ReceiveStreams` move);
-ranks outside a step's layout only join the token agreement, which spans the whole job.
+both sides step in one loop (:class:`LockstepSides`: one prompt side and one token side, each
+step over the whole job): a prompt step's hand-off goes straight to the token side's connector,
+the one a token group has, so its requests resume awaiting KV there exactly as in a token group;
+ranks outside a step's layout only join the token agreement.
 
 The appendix-D planner (:mod:`parallel.cost.dejavu_planner`) chooses the split when
 ``prompt_ranks`` is unset (:meth:`DejaVuStrategy.planned`), from configured step times or the cost
@@ -22,7 +22,7 @@ model's prediction; after the run it turns the measured prompt and token step ti
 ``D_p`` / ``D_t`` it would choose next time, reported in ``summary.json``.
 """
 
-from reshard.parallel.strategies.dejavu.sides import DejaVuPolicy, DejaVuStats, PromptSide, TokenSide
+from reshard.parallel.strategies.dejavu.sides import DejaVuStats, LockstepSides, PromptSide, TokenSide
 from reshard.parallel.strategies.dejavu.strategy import (
     DejaVuStrategy,
     SideConfig,
@@ -32,9 +32,9 @@ from reshard.parallel.strategies.dejavu.strategy import (
 )
 
 __all__ = [
-    "DejaVuPolicy",
     "DejaVuStats",
     "DejaVuStrategy",
+    "LockstepSides",
     "PromptSide",
     "SideConfig",
     "TokenSide",

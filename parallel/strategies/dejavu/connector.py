@@ -40,13 +40,25 @@ class StreamedKV(KVConnector):
     matches all but its last position (its prompt; its first token is fed by its first step) once
     every one of the ``group_size`` ranks reported its share landed with a step's tokens
     (:meth:`agree`), and awaits KV until then. ``cache``: this rank's token cache (its layout:
-    layers and heads); the staging cache has as many slots, contiguous."""
+    layers and heads); the staging cache has as many slots, contiguous. ``cache=None``: a rank
+    of the group outside the token layout (lockstep sides, where the group is the job): it keeps
+    the same books over ``slots`` staging slots, receives nothing and counts its share landed."""
 
-    def __init__(self, streamers: dict[int, KVStreamer], cache: KVCache, num_layers: int, group_size: int) -> None:
+    def __init__(
+        self,
+        streamers: dict[int, KVStreamer],
+        cache: KVCache | None,
+        num_layers: int,
+        group_size: int,
+        slots: int | None = None,
+    ) -> None:
         self.streamers, self.cache, self.num_layers, self.group_size = streamers, cache, num_layers, group_size
-        spec = dataclasses.replace(cache.spec, block_size=None, num_blocks=None)
-        self.staging = KVCache(spec, device=cache.device)
-        self.free = list(reversed(range(spec.num_slots)))
+        self.staging = None
+        if cache is not None:
+            spec = dataclasses.replace(cache.spec, block_size=None, num_blocks=None)
+            self.staging, slots = KVCache(spec, device=cache.device), spec.num_slots
+        assert slots is not None, "a rank outside the token layout names the staging slots"
+        self.free = list(reversed(range(slots)))
         self.incoming: dict[str, Incoming] = {}  # kv_source -> its hand-off's streams
         self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its times and logprobs so far
         self.bytes, self.wait_seconds = 0, 0.0  # received; spent waiting with nothing else to run
@@ -60,9 +72,9 @@ class StreamedKV(KVConnector):
         key = f"{handoff.source}:{handoff.tag}"
         slots = {r.id: self.free.pop() for r in handoff.requests}
         spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in handoff.requests]
-        streamer = self.streamers[handoff.source]
         streams = [  # layer by layer, in the order the prompt side flushes them
-            streamer.stream_in(self.staging, spans, layers=[layer], tag=handoff.tag) for layer in range(self.num_layers)
+            self.streamers[handoff.source].stream_in(self.staging, spans, layers=[layer], tag=handoff.tag)
+            for layer in (range(self.num_layers) if self.staging is not None else ())
         ]
         n = len(handoff.requests)
         times, logprobs = handoff.times or ((),) * n, handoff.logprobs or ((),) * n
@@ -124,14 +136,19 @@ class StreamedKV(KVConnector):
         (its blocks, paged: this rank's layers and heads)."""
         key = seq.request.kv_source
         incoming = self.incoming[key]
-        if self.cache.spec.paged:
-            self.cache.assign(seq.slot, seq.blocks)
-        first, src = self.cache.spec.first_layer, incoming.slots[seq.request.id]
-        for layer in range(first, first + self.cache.spec.num_layers):
-            self.cache.write_slot(layer, seq.slot, *self.staging.read_slot(layer, src, num_tokens))
         incoming.open.discard(seq.request.id)
         self.loads += 1
+        if self.cache is not None:
+            self._copy(seq, incoming.slots[seq.request.id], num_tokens)
         self._release(key)
+
+    def _copy(self, seq: Sequence, src: int, num_tokens: int) -> None:
+        """Staging slot ``src``'s first ``num_tokens`` positions into ``seq``'s token slot."""
+        if self.cache.spec.paged:
+            self.cache.assign(seq.slot, seq.blocks)
+        first = self.cache.spec.first_layer
+        for layer in range(first, first + self.cache.spec.num_layers):
+            self.cache.write_slot(layer, seq.slot, *self.staging.read_slot(layer, src, num_tokens))
 
     def _release(self, key: str) -> None:
         """A landed hand-off none of whose sequences waits any more gives its staging slots back."""

@@ -1,27 +1,23 @@
 """DejaVu's sides as engine policies: :class:`PromptSide` (prefill, stream each layer's KV, hand
 every prefilled prompt to a token group), :class:`TokenSide` (continuous batching of the
 hand-offs' requests, their KV from the group's connector, :class:`StreamedKV`) and, for lockstep
-runs, :class:`DejaVuPolicy` (both sides in one loop). Every KV movement goes through the stream
-plan (:mod:`reshard.kv.stream`).
+runs, :class:`LockstepSides` (the two in one loop, hand-offs through the same connector). Every KV
+movement goes through the stream plan (:mod:`reshard.kv.stream`).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from reshard.kv.stream import KVStreamer
 from reshard.kv.stream_plan import Span
 from reshard.parallel.engine import (
     ContinuousBatching,
     EngineConfig,
     EngineStats,
-    Move,
     Policy,
     SlotPool,
     Step,
@@ -63,107 +59,60 @@ class DejaVuStats(EngineStats):
         }
 
 
-@dataclass(frozen=True)
-class ReceiveStreams(Move):
-    """Before decoding: every streamed prompt is unpacked into the token cache, every flush is done."""
-
-
-class DejaVuPolicy(Policy):
-    """Prefill admitted prompts on the prompt layout (streaming their KV out layer by layer),
-    then decode on the token layout; a request keeps a token slot from admission to the end."""
+class LockstepSides(Policy):
+    """Both sides in one loop, every step over the whole job: a prompt step (the prompt side's
+    ranks prefill, streaming each layer's KV out) alternates with token steps while both have
+    work. A prefilled prompt's hand-off goes straight to the token side's connector, as a token
+    group's does: its requests resume awaiting KV until it landed on every rank (the ranks
+    outside the token layout count theirs landed at once), so a hand-off is one path whether the
+    sides are groups or not. The prompt side admits no more prompts than the connector has free
+    staging slots."""
 
     stats_cls = DejaVuStats
 
-    def __init__(self, streamer: KVStreamer, *, max_prefill_tokens: int = 4096) -> None:
-        self.streamer, self.max_prefill_tokens = streamer, max_prefill_tokens
-        self.incoming: list = []  # stream_in handles not yet unpacked
-        self.outgoing: list = []  # flush jobs of the prompt side
+    def __init__(self, prompt: PromptSide, token: TokenSide) -> None:
+        self.prompt, self.token = prompt, token
 
     @property
     def initial_layout(self) -> str:
         return "prompt"
 
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        self.prompt.setup(ctx)
+        self.token.setup(ctx)
+
     def start(self, queue) -> None:
-        prompt, token = self.runner_info["prompt"], self.runner_info["token"]
-        self.prompt_slots = SlotPool(prompt.max_batch_size, prompt.replica.size)
-        self.token_slots = SlotPool(token.max_batch_size, token.replica.size)
-        self.running: dict[int, Any] = {}
-        self.token_slot: dict[int, tuple[int, int]] = {}
-        self._prefilled, self._prefilling = False, []  # whether the last step fed prompts; the ones fed
+        self.prompt.start(queue)
+        self.token.start(deque())
+        self._prefilled = False  # the last step was a prompt step
 
     def next_step(self, queue) -> Step:
-        if queue and len(self.token_slots) and (not self.running or not self._prefilled):
-            seqs, self._prefilled = self._admit(queue), True
-            return Step(seqs, [s.prompt_len for s in seqs], "prompt")
+        room = len(self.token.streamed.free)
+        if queue and room and not (self._prefilled and (self.token.running or self.token.waiting)):
+            self._prefilled = True
+            return self.prompt.next_step(queue, limit=room)
         self._prefilled = False
-        seqs = list(self.running.values())
-        return Step(seqs, [1] * len(seqs), "token", moves=(ReceiveStreams(),))
-
-    def _admit(self, queue) -> list:
-        budget, admitted = self.max_prefill_tokens * self.runner_info["prompt"].replica.size, []
-        while (
-            queue
-            and len(self.token_slots)
-            and len(self.prompt_slots)
-            and (not admitted or len(queue[0].prompt_ids) <= budget)
-        ):
-            seq = self.new_sequence(queue.popleft())
-            budget -= seq.prompt_len
-            self.token_slots.take(seq)
-            self.token_slot[seq.request.id] = (seq.replica, seq.slot)
-            self.prompt_slots.take(seq)  # the prefill runs in this slot of the prompt layout
-            admitted.append(seq)
-        self._prefilling, self._passes = admitted, {}
-        return admitted
-
-    def stream_layer(self, layer: int, h: torch.Tensor, ctx) -> None:
-        """The prompt layout's ``layer_after`` listener: once every micro-batch of the step has
-        passed layer ``layer``, its KV leaves (while the next layer computes)."""
-        mine = self._mine(self._prefilling, "prompt")
-        self._passes[layer] = self._passes.get(layer, 0) + 1
-        if self._passes[layer] < len(split_ranges(len(mine), self.runner_info["prompt"].num_microbatches)):
-            return
-        spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in mine]
-        self.outgoing += self.streamer.stream_out(self.runner_info["prompt"].kv, spans, layers=[layer], tag=self._tag())
+        return self.token.next_step(deque())
 
     def after_step(self, step: Step, output: StepOutput) -> None:
+        """A prompt step's hand-off to the token side's connector (its fetches posted now); one
+        whose sequences all finished at their first token is received at once (none waits for it)."""
         if step.layout != "prompt":
             return
-        for seq in step.seqs:  # from now on the sequence lives in its token slot
-            self.prompt_slots.give(seq)
-            seq.replica, seq.slot = self.token_slot[seq.request.id]
-            self.running[seq.request.id] = seq
-        token = self.runner_info["token"]
-        if token.kv is not None:
-            spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in self._mine(step.seqs, "token")]
-            for layer in range(token.num_layers):  # the order the prompt side sent
-                self.incoming.append(self.streamer.stream_in(token.kv, spans, layers=[layer], tag=self._tag()))
-        self.steps = getattr(self, "steps", 0) + 1
-
-    def _tag(self) -> int:
-        return getattr(self, "steps", 0)
-
-    def _mine(self, seqs: list, layout: str) -> list:
-        rank = self.runner_info[layout].replica.rank
-        return [s for s in seqs if s.replica == rank]
-
-    def make(self, move: Move) -> None:
-        """:class:`ReceiveStreams`: wait for every stream in flight (this rank's side of it)."""
-        assert isinstance(move, ReceiveStreams), move
-        t0 = time.perf_counter()
-        for handle in self.incoming:
-            self.stats.streamed_bytes += handle.wait()
-        for job in self.outgoing:
-            job.wait(self.streamer.timeout)
-        self.incoming, self.outgoing = [], []
-        self.stats.stream_wait_seconds += time.perf_counter() - t0
+        for handoff in self.prompt.after_step(step, output):
+            self.token.waiting.extend(self.token.streamed.expect(handoff))
+            if not handoff.open:
+                self.token.streamed.wait_for()
+        self.token.count()
 
     def retire(self, seq) -> None:
-        self.running.pop(seq.request.id)
-        self.token_slots.give(seq)
+        if self.token.running.get(seq.request.id) is seq:
+            self.token.retire(seq)
 
     def close(self) -> None:
-        self.streamer.close()
+        self.prompt.close()
+        self.token.close()
 
 
 # ---- the sides as engine groups (they run at the same time) ------------------------------------
@@ -188,9 +137,15 @@ class PromptSide(Policy):
     def start(self, queue) -> None:
         self.slots = SlotPool(self.runner_info["prompt"].max_batch_size, 1)
 
-    def next_step(self, queue) -> Step:
+    def next_step(self, queue, limit: int | None = None) -> Step:
+        """Prefill queued prompts up to the token budget (at most ``limit`` of them)."""
         budget, admitted = self.max_prefill_tokens, []
-        while queue and len(self.slots) and (not admitted or len(queue[0].prompt_ids) <= budget):
+        while (
+            queue
+            and len(self.slots)
+            and len(admitted) != limit
+            and (not admitted or len(queue[0].prompt_ids) <= budget)
+        ):
             seq = self.new_sequence(queue.popleft())
             budget -= seq.prompt_len
             self.slots.take(seq)
@@ -268,9 +223,13 @@ class TokenSide(ContinuousBatching):
             step = self._step([], [])
         else:
             step = super().next_step(self.waiting)
+        self.count()
+        return step
+
+    def count(self) -> None:
+        """The connector's counters into the group's stats."""
         s, kv = self.stats, self.streamed
         s.streamed_bytes, s.stream_wait_seconds, s.handoffs_loaded = kv.bytes, kv.wait_seconds, kv.loads
-        return step
 
     def _take(self, queue, within=None):
         """The waiting head into a slot with its KV; it continues its prompt group's marks and log-probabilities."""

@@ -34,8 +34,8 @@ from reshard.parallel.model.pipeline import build_model
 from reshard.parallel.strategies.dejavu.connector import StreamedKV
 from reshard.parallel.strategies.dejavu.sides import (
     AbsentRunner,
-    DejaVuPolicy,
     DejaVuStats,
+    LockstepSides,
     PromptSide,
     TokenSide,
 )
@@ -135,11 +135,20 @@ def dejavu_engine(
         for name, model, dims in (("prompt", prompt, prompt_dims), ("token", token, token_dims))
     }
     plan = plan_stream(world_layouts(runners["prompt"].kv), world_layouts(runners["token"].kv))
-    policy = DejaVuPolicy(KVStreamer(plan), max_prefill_tokens=config.max_prefill_tokens)
+    streamer, token_runner = KVStreamer(plan), runners["token"]
+    prompt_side = PromptSide({1: streamer}, 0, [1], config.max_prefill_tokens)
+    streamed = StreamedKV(
+        {0: streamer},
+        token_runner.kv,
+        token.config.num_hidden_layers,
+        dist.get_world_size(),
+        token_runner.max_batch_size,
+    )
+    policy = LockstepSides(prompt_side, TokenSide(streamed))
     # tokens are agreed over the whole job: both layouts take part in every step
     engine = Engine(runners=runners, policy=policy, config=config, group=dist.group.WORLD)
     if runners["prompt"].kv is not None:
-        engine.events.on("layer_after", policy.stream_layer, layout="prompt")
+        engine.events.on("layer_after", prompt_side.stream_layer, layout="prompt")
     return engine
 
 
