@@ -155,11 +155,10 @@ def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
             )
         return prompt.tp, Topology.disaggregated(prompt.dp, token.dp)
     if strategy.name != "tp":  # Seesaw, SiDP, Shift: one group of every rank, restarted whole in the job
-        why = {"seesaw": "moves KV between its prefill and decode caches", "sidp": "runs a replica per rank"}
-        if migrate == "kv" and strategy.name in why:
+        if migrate == "kv" and strategy.name == "sidp":
             raise ValueError(
                 "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the "
-                f"group's next generation; parallel.strategy={strategy.name!r} {why[strategy.name]} "
+                "group's next generation; parallel.strategy='sidp' runs a replica per rank "
                 "(use fault.migrate=reprefill or none)"
             )
         return world, Topology.lockstep(hosted=migrate == "kv")

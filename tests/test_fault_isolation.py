@@ -275,12 +275,14 @@ def test_a_strategy_of_one_group_restarts_whole_in_the_job(tmp_path, reference, 
     assert _gone(events)
 
 
-def test_a_lockstep_group_respawned_resumes_with_the_kv_its_supervisors_kept(tmp_path, reference):
-    """Shift (one group of every rank) under ``fault.migrate=kv``: each rank's KV streams to
-    its ring successor's supervisor, which replays it to the group's next generation; the dead
+@pytest.mark.parametrize("strategy", ["shift", "seesaw"])
+def test_a_lockstep_group_respawned_resumes_with_the_kv_its_supervisors_kept(tmp_path, reference, strategy):
+    """Shift and Seesaw (one group of every rank) under ``fault.migrate=kv``: each rank's KV
+    streams to its ring successor's supervisor (Seesaw's decode cache, whose prompts come from
+    the CPU tier through its connector), which replays it to the group's next generation; the dead
     generation's requests resume there through the mirror connector (the same one migrations and
     hand-offs use) with at most replicate_every (1) position per sequence computed again."""
-    overrides = [*BASE, "parallel=shift", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
+    overrides = [*BASE, f"parallel={strategy}", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)
     shm = _shm()
     tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=kv", "fault.kill_at=[1,6]"], 2)
@@ -416,9 +418,8 @@ def _refused(overrides, run_dir):
     return str(err.value)
 
 
-def test_kv_for_seesaw_or_in_pipelines_is_refused(tmp_path):
-    refused = [("seesaw", "moves KV between its prefill and decode caches"), ("sidp", "runs a replica per rank")]
-    for strategy, why in refused:
+def test_kv_for_sidp_or_in_pipelines_is_refused(tmp_path):
+    for strategy, why in [("sidp", "runs a replica per rank")]:
         overrides = [*BASE, f"parallel={strategy}", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
         for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
             assert message == (

@@ -181,7 +181,7 @@ def _swapped_in_kv(path, layouts, prompts):
     engine = _seesaw(path, layouts, budget=200, max_batch_size=len(prompts))
     engine.generate(_requests(prompts, [2] * len(prompts)))  # prefill, swap out, swap in, 1 decode step
     seesaw_kv = engine.runners["decode"].kv
-    slots = dict(engine.policy.decode_slot_of)
+    slots = dict(engine.policy.tiered.slot_of)  # request id -> the decode slot it was loaded into
     engine.close()
     pure = Engine(
         parallelize(path, _dims(dist.get_world_size(), layouts[1])),

@@ -16,9 +16,8 @@ The contract between the engine and a policy (in the spirit of vLLM v1's EngineC
   1. enters the layout: if it is not the active one, ``policy.on_switch(old, new)`` moves what
      must move between layouts (Seesaw's weights) -- a transition is named by the layout alone;
   2. makes the step's ``moves`` in order by calling ``policy.make(move)`` -- each move is a
-     small frozen dataclass (:class:`Move`) naming KV to bring in before the step (Seesaw's
-     swap-in of a prompt from the CPU tier, DejaVu's wait for streamed prompt KV, SiDP's start
-     of the step's FFN fetches);
+     small frozen dataclass (:class:`Move`) naming what to start before the step (SiDP's
+     start of the step's FFN fetches; KV from elsewhere comes through the engine's connectors);
   3. computes this replica's share, samples, and agrees on the tokens in **one** all-reduce that
      also sums the step's ``agree`` integers over the agreement group (SiDP's mode proposal);
   4. calls ``policy.after_step(step, output)`` with a :class:`StepOutput` (the tokens and the
@@ -237,6 +236,12 @@ class Policy:
         """The layout whose weights are in place before the first step (None: not known)."""
         return None
 
+    @property
+    def kv_layout(self) -> str | None:
+        """The layout whose KV cache holds every running request's KV (a fault mirror follows
+        it; KV another layout writes reaches it through a connector). Default: the initial one."""
+        return self.initial_layout
+
     def validate(self, requests: Seq[Request]) -> None:
         """``ValueError`` for requests this policy can never run."""
 
@@ -320,6 +325,10 @@ class ContinuousBatching(Policy):
 
     @property
     def initial_layout(self) -> str | None:
+        return self.layout
+
+    @property
+    def kv_layout(self) -> str:
         return self.layout
 
     def start(self, queue: deque) -> None:

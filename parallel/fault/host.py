@@ -1,5 +1,6 @@
 """A lockstep engine group's KV kept by its supervisors: ``fault.migrate=kv`` for a strategy that
-runs one engine group of every rank (Shift; TP over every rank), where no peer group can mirror it.
+runs one engine group of every rank (Shift, Seesaw; TP over every rank), where no peer group can
+mirror it.
 
 The supervisor of rank ``i + 1`` (mod the group's size) keeps rank ``i``'s KV in host memory: it
 outlives rank ``i``'s engine child, which streams the entries it writes there exactly as it

@@ -122,9 +122,11 @@ def land(landing: Landing, piece: Piece, spans: list[Span], data: torch.Tensor) 
 
 
 class KVMirror(KVConnector):
-    """This rank's side of the mirrors: streams its runner's KV to the successor group and keeps
-    the source groups' (see the module docstring); the engine's KV connector for requests
-    resumed from them (it supplies their KV: an *adoption*).
+    """This rank's side of the mirrors: streams the KV of its engine's cache to the successor
+    group and keeps the source groups' (see the module docstring); the engine's KV connector for
+    requests resumed from them (it supplies their KV: an *adoption*). The cache is the policy's
+    :attr:`Policy.kv_layout`'s: a step in a layout with a cache of its own (Seesaw's prefill) is
+    not sent, its KV reaches that cache through a connector (the CPU tier) and is sent from there.
 
     ``me``: this generation's endpoint; ``connect()``: a new client of the job's store (each
     thread and each link has its own: a client blocked in a wait, as a link's lazy connection
@@ -148,13 +150,7 @@ class KVMirror(KVConnector):
         report: Callable[[tuple], None] | None = None,
         slots: int = 2,
     ) -> None:
-        runner = engine.runners[next(iter(engine.runners))]
-        own = sorted(name for name, r in engine.runners.items() if r.kv is not runner.kv)
-        if own:
-            raise ValueError(
-                f"a KV mirror follows one cache: runners {own} keep KV apart from the {next(iter(engine.runners))!r} "
-                "runner's (use fault.migrate=reprefill or none)"
-            )
+        runner = engine.runners[engine.policy.kv_layout or next(iter(engine.runners))]
         self.engine, self.cache, self.connect, self.me, self.peers = engine, runner.kv, connect, me, peers
         self.every, self.group, self.vocab = every, group, engine.vocab_size
         self.piece = Piece(0, 1, kv_box(self.cache.layout))
@@ -185,8 +181,8 @@ class KVMirror(KVConnector):
     # ---- sending ----------------------------------------------------------------------------------
     def save(self, step, seqs: list) -> None:
         """Gather ``seqs``' new entries; every :attr:`cadence`-th step, hand them to the sending thread."""
-        if self.peers.successor is None:
-            return
+        if self.peers.successor is None or self.engine.runners[step.layout].kv is not self.cache:
+            return  # (another layout's cache: its KV reaches this one through a connector, and is sent from here)
         fed = {id(s): n for s, n in zip(step.seqs, step.num_tokens)}
         live = {s.request.id for s in seqs} if step.kind != "prefill" else None
         whole = self.resync and live is not None  # a step of every live sequence resends them all

@@ -1,14 +1,19 @@
-"""Seesaw's policy: which phase runs next (its schedulers), the CPU KV tier swaps, and the layout switch.
+"""Seesaw's policy: which phase runs next (its schedulers), the CPU KV tier, and the layout switch.
 
 KV cache never moves rank to rank: prefill swaps it out into the CPU tier
-(:class:`reshard.kv.CPUKVTier`) under the prefill layout, decode swaps in each rank's own
-head range under the decode layout, so the swap re-shards it. A transition is a step whose layout
-is the other phase's (the engine calls :meth:`SeesawPolicy.on_switch`); the swap-ins a decode
-step needs are its :class:`SwapIn` moves, made by the engine after the transition.
+(:class:`reshard.kv.CPUKVTier`) under the prefill layout; a prefilled request then resumes after
+its first token with ``kv_source`` naming the tier, and the decode side (continuous batching in
+the decode layout) admits it as any request whose KV lives elsewhere: the engine's connector, here
+:class:`TierKV`, loads each rank's own head range of it from the tier into its decode slot, so the
+load re-shards it. A request that comes back with KV from another connector (a respawn's mirror,
+``fault.migrate=kv``) is admitted the same way. A transition is a step whose layout is the other
+phase's: the weights move in :meth:`SeesawPolicy.on_switch`; the KV caches change over when the
+policy picks the phase (before a decode step admits from the tier, every rank's swap-outs are in).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -17,21 +22,23 @@ import torch.distributed as dist
 
 from reshard.kv import CPUKVTier, KVSwapper, TierSpec
 from reshard.parallel.engine import (
+    ContinuousBatching,
     Engine,
     EngineConfig,
     EngineStats,
     ModelRunner,
-    Move,
-    Policy,
     PolicyContext,
     Sequence,
-    SlotPool,
     Step,
     StepOutput,
 )
+from reshard.parallel.engine.connector import KVConnector
+from reshard.parallel.engine.request import Request
 from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_scheduler
 from reshard.parallel.strategies.seesaw.switch import PHASES, LayoutSwitch, TransitionStats
 from reshard.shm import map_shared
+
+TIER = "seesaw-tier"  # the kv_source of a prefilled request whose prompt KV is in the CPU tier
 
 
 # ---- the engine: a policy on the one loop ---------------------------------------------------------
@@ -55,32 +62,47 @@ class SeesawStats(EngineStats):
         self.history.append(t)
 
 
-@dataclass(frozen=True)
-class SwapIn(Move):
-    """Request ``request_id``'s prompt KV from the CPU tier into slot ``slot`` (and, paged,
-    ``blocks``) of the decode cache, on the ranks of decode replica ``replica`` (background)."""
+class TierKV(KVConnector):
+    """The CPU tier as a KV connector of the decode side: a request resumed from :data:`TIER`
+    matches its prompt (every position but the first token, which its first decode step feeds);
+    :meth:`load` copies this rank's layers and head range of it into the decode slot, on the ranks
+    of the sequence's decode replica, and frees its tier tokens on every rank. The policy makes
+    the tier whole on every rank before a decode step admits from it, so the answer is never
+    "awaiting". ``decode``: the decode layout's runner; ``slot_of``: request id -> the decode
+    slot it was loaded into (this rank's replica)."""
 
-    request_id: int
-    replica: int
-    slot: int
-    blocks: tuple[int, ...] = ()
+    def __init__(self, tier: CPUKVTier, decode, stats: SeesawStats) -> None:
+        self.tier, self.decode, self.stats = tier, decode, stats
+        self.slot_of: dict[int, int] = {}
+
+    def matched_tokens(self, seq: Sequence) -> int | None:
+        return seq.prompt_len - 1 if seq.request.kv_source == TIER else 0
+
+    def load(self, seq: Sequence, num_tokens: int) -> None:
+        rid, kv = seq.request.id, self.decode.kv
+        if seq.replica == self.decode.replica.rank:
+            t0 = time.perf_counter()
+            if kv.spec.paged:  # the slot's blocks before the load writes them
+                kv.assign(seq.slot, list(seq.blocks))
+            loaded = self.tier.swap_in(kv, seq.slot, rid)
+            assert loaded == num_tokens, (rid, loaded, num_tokens)
+            self.slot_of[rid] = seq.slot
+            self.stats.swap_in_tokens += loaded
+            self.stats.swap_seconds += time.perf_counter() - t0
+        self.tier.free(rid)
 
 
-@dataclass(frozen=True)
-class JoinSwapIns(Move):
-    """Wait for the swap-ins in flight: their sequences run in this step (nothing else decodes)."""
-
-
-class SeesawPolicy(Policy):
+class SeesawPolicy(ContinuousBatching):
     """Prefill in layout ``"prefill"``, decode in ``"decode"``, KV through a shared CPU tier.
 
     Every rank runs the same scheduler on the same state, so phases, batches and tier allocations
     agree without messages. A prefill batch alternates over the prefill layout's dp replicas; a
     request's KV goes out to the tier right after its prefill, on a background thread that
-    overlaps the next prefill step; decode on-boards it into a free slot (of the decode layout's
-    replicas) on that thread while the current decode step runs, and the request joins the batch
-    at the next step. At each transition the weights move (:class:`LayoutSwitch`) and the phase
-    left behind releases its KV cache where it can.
+    overlaps the next prefill step, and the request waits (resumed after its first token, its
+    marks kept) for the decode side: continuous batching over the decode layout's slots
+    (:class:`ContinuousBatching`), whose admission loads it through the engine's connector
+    (:class:`TierKV`). At each transition the weights move (:class:`LayoutSwitch`) and the
+    phase left behind releases its KV cache where it can.
     """
 
     stats_cls = SeesawStats
@@ -93,20 +115,21 @@ class SeesawPolicy(Policy):
         scheduler: str = "transition_minimizing",
         max_prefill_tokens: int = 4096,
     ) -> None:
+        super().__init__("decode", max_prefill_tokens=max_prefill_tokens)
         self.switch = switch
         self.tier = tier
         self.scheduler = make_scheduler(scheduler)
-        self.max_prefill_tokens = max_prefill_tokens
         self.swapper = KVSwapper(tier)
-        self.decode_slot_of: dict[int, int] = {}  # request id -> decode slot it was swapped into
         self._swap_outs: deque = deque()  # (future, prefill slots it frees)
-        self._swap_ins: dict[int, object] = {}  # request id -> future of its swap-in (this rank's)
 
     def setup(self, ctx: PolicyContext) -> None:
         super().setup(ctx)
         self.prefill, self.decode = ctx.runner_info["prefill"], ctx.runner_info["decode"]
-        self.decode.kv.release()  # allocated at the first transition to decode
+        self.decode.kv.release()  # allocated when the first decode step is chosen
+        self._kv_phase = "prefill"  # the phase whose KV cache is allocated
         self._prefill_free = list(range(self.prefill.max_batch_size - 1, -1, -1))
+        self.tiered = TierKV(self.tier, self.decode, self.stats)
+        ctx.connector.add(self.tiered)
 
     @property
     def initial_layout(self) -> str:
@@ -129,29 +152,23 @@ class SeesawPolicy(Policy):
                 )
 
     def start(self, queue: deque) -> None:
-        self.buffered: deque = deque()  # prefilled sequences whose KV is in the tier
-        self.loading: list[Sequence] = []  # sequences being swapped in
-        self.running: dict[int, Sequence] = {}  # request id -> decoding sequence
-        spec = self.decode.kv.spec
-        self.decode_slots = SlotPool(
-            self.decode.max_batch_size,
-            self.decode.replica.size,
-            num_blocks=spec.num_blocks,
-            block_size=spec.block_size,
-            stats=self.stats,
-        )
+        super().start(queue)
+        self.buffered: deque[Request] = deque()  # resumed requests waiting for a decode slot
+        self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its prefill's times and logprobs
 
     def next_step(self, queue: deque) -> Step:
         """The scheduler's phase; its layout is that phase's (a transition when it is not the
-        active one: the engine makes it before the step's moves)."""
+        active one: the engine makes it before the step). A queued request that resumes with
+        its tokens so far (a respawn's) goes to the decode side."""
+        for request in [r for r in queue if r.resumed]:
+            queue.remove(request)
+            self.buffered.append(request)
         phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
         return self._prefill_step(queue) if phase == "prefill" else self._decode_step()
 
     def _snapshot(self, queue: deque) -> SchedState:
         fits = bool(queue) and self.tier.can_fit(len(queue[0].prompt_ids))
-        free = (
-            len(self.decode_slots) if not self.buffered or self.decode_slots.can_take(self.buffered[0].request) else 0
-        )
+        free = len(self.slots) if not self.buffered or self.slots.can_take(self.buffered[0]) else 0
         return SchedState(
             queued=len(queue),
             next_fits_tier=fits,
@@ -161,30 +178,36 @@ class SeesawPolicy(Policy):
         )
 
     def on_switch(self, old: str | None, new: str) -> None:
-        """Move the weights; the phase left behind gives up its KV cache memory where it can."""
-        if new == self.switch.active:
+        """Move the weights (the KV caches changed over when the phase was chosen)."""
+        if new != self.switch.active:
+            self.stats.add(self.switch.switch(new))
+
+    def _kv_for(self, phase: str) -> None:
+        """Give ``phase`` its KV cache; the phase left behind gives its up where it can. Before
+        the decode cache admits from the tier, the tier holds every rank's swap-outs."""
+        if phase == self._kv_phase:
             return
-        stats = self.stats
-        if new == "decode":  # the tier must hold every rank's KV before anyone reads it
+        if phase == "decode":
             self._wait_swap_outs(everything=True)
             dist.barrier()
-            stats.kv_bytes_released += self.prefill.kv.release()
+            self.stats.kv_bytes_released += self.prefill.kv.release()
             self.decode.kv.restore()
         else:
             if not self.running:  # nothing decoding keeps KV in the decode cache
-                stats.kv_bytes_released += self.decode.kv.release()
+                self.stats.kv_bytes_released += self.decode.kv.release()
             self.prefill.kv.restore()
-        stats.add(self.switch.switch(new))
+        self._kv_phase = phase
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill_step(self, queue: deque) -> Step:
-        batch, dp = self._admit(queue), self.prefill.replica
+        self._kv_for("prefill")
+        batch, dp = self._admit_prefill(queue), self.prefill.replica
         for i, seq in enumerate(batch):
             seq.replica = i % dp.size
         self._take_prefill_slots([s for s in batch if s.replica == dp.rank])
         return Step(batch, [s.prompt_len for s in batch], "prefill")
 
-    def _admit(self, queue: deque) -> list[Sequence]:
+    def _admit_prefill(self, queue: deque) -> list[Sequence]:
         """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
         dp = self.prefill.replica.size
         slots, budget = self.prefill.max_batch_size * dp, self.max_prefill_tokens * dp
@@ -207,11 +230,15 @@ class SeesawPolicy(Policy):
             seq.slot = self._prefill_free.pop()
 
     def after_step(self, step: Step, output: StepOutput) -> None:
+        """A prefill step's KV goes out to the tier (in the background); its requests that run on
+        wait for the decode side, resumed after their first token from the tier."""
         if step.layout == "decode":
-            self._join_loads()
             return
         mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
-        self.buffered.extend(s for s in step.seqs if s.finish_reason is None)
+        for s in step.seqs:
+            if s.finish_reason is None:
+                self.marks[s.request.id] = (tuple(s.times), tuple(s.logprobs))
+                self.buffered.append(dataclasses.replace(s.request.resume(s.output), kv_source=TIER))
         jobs = [(s.slot, s.request.id, s.prompt_len) for s in mine if s.finish_reason is None]
         self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
 
@@ -227,53 +254,27 @@ class SeesawPolicy(Policy):
 
     # ---- decode -------------------------------------------------------------------------------
     def _decode_step(self) -> Step:
-        """On-board tier requests into free slots (swapped in while this step runs); decode the
-        running ones, or, when none runs, wait for the swap-ins and decode those."""
-        moves: list[Move] = self._onboard()
-        if self.running:
-            return Step(list(self.running.values()), [1] * len(self.running), "decode", moves=tuple(moves))
-        return Step(list(self.loading), [1] * len(self.loading), "decode", moves=(*moves, JoinSwapIns()))
+        """Continuous batching over the decode slots: waiting requests are admitted with their KV
+        from the engine's connector (the tier's, or a respawn's mirror), then decoded."""
+        self._kv_for("decode")
+        return super().next_step(self.buffered)
 
-    def _onboard(self) -> list[SwapIn]:
-        """Give buffered requests free decode slots; their replica's ranks swap them in."""
-        moves = []
-        while self.buffered and self.decode_slots.can_take(self.buffered[0].request):
-            seq = self.buffered.popleft()
-            self.decode_slots.take(seq)
-            if seq.replica == self.decode.replica.rank:
-                self.decode_slot_of[seq.request.id] = seq.slot
-            moves.append(SwapIn(seq.request.id, seq.replica, seq.slot, tuple(seq.blocks)))
-            self.loading.append(seq)
-        return moves
+    def _take(self, queue: deque, within: range | None = None) -> Sequence | None:
+        """The waiting head into a decode slot with its KV; it continues its prefill's marks."""
+        seq = super()._take(queue, within)
+        if seq is not None and seq.request.id in self.marks:
+            times, logprobs = self.marks.pop(seq.request.id)
+            seq.times, seq.logprobs = list(times), list(logprobs)
+        return seq
 
-    def make(self, move: Move) -> None:
-        """A swap-in starts on the swap thread (the decode cache is allocated: the engine made
-        the transition first); a join waits for every swap-in in flight."""
-        if isinstance(move, JoinSwapIns):
-            self._join_loads()
-            return
-        assert isinstance(move, SwapIn), move
-        if move.replica != self.decode.replica.rank:
-            return
-        if move.blocks:  # a paged decode cache: the slot's blocks before the swap-in writes them
-            self.decode.kv.assign(move.slot, list(move.blocks))
-        self._swap_ins[move.request_id] = self.swapper.swap_in(self.decode.kv, move.slot, move.request_id)
-
-    def _join_loads(self) -> None:
-        t0 = time.perf_counter()
-        for seq in self.loading:
-            future = self._swap_ins.pop(seq.request.id, None)  # none: another replica's
-            self.stats.swap_in_tokens += future.result() if future is not None else 0
-            self.tier.free(seq.request.id)
-            self.running[seq.request.id] = seq
-        self.loading.clear()
-        self.stats.swap_seconds += time.perf_counter() - t0
+    def load(self, queue):
+        return super().load([*queue, *self.buffered])
 
     def retire(self, seq: Sequence) -> None:
-        if self.running.pop(seq.request.id, None) is None:  # finished at its prefill
+        if self.running.get(seq.request.id) is seq:
+            super().retire(seq)
+        else:  # finished at its prefill
             self.tier.free(seq.request.id)
-        else:
-            self.decode_slots.give(seq)
 
     def close(self) -> None:
         """Join the swap thread and drop the shared-memory mappings (not collective: the files
