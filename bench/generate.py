@@ -37,6 +37,17 @@ Both workloads: 1 rank = our ``Engine`` on a 1-rank gloo group vs ``AutoModelFor
 waits at a barrier; then ours with TP=2 vs HF ``from_pretrained(path, tp_plan="auto")``. Each timed
 side runs once as warm-up, then ``--repeats`` timed runs; medians. ``--profile`` adds one
 ``torch.profiler`` run of our ``generate`` on the realistic workload at the largest ``B``.
+
+``--device cuda`` runs the 1-rank part on GPU 0: its 1-rank group is NCCL (so the library places
+the model and KV cache on CUDA), HF's model and inputs go to CUDA, and every clock read (the timed
+runs, the GEMM passes) follows ``torch.cuda.synchronize()``; ``:compiled`` then captures CUDA
+graphs (``mode="reduce-overhead"``). The TP part of a 2-rank job stays on CPU/gloo. ``--dtype``
+(``float32`` default, or ``bfloat16``) is the weights' dtype on both sides (and so our KV cache's).
+Each realistic row goes to stderr as it finishes (a run cut short keeps what it measured), and the
+compiled rows' compile seconds are printed under the table.
+
+    torchrun --standalone --nproc-per-node 1 bench/generate.py --workload realistic --device cuda \
+        --ours fifo,longest_first,fifo:compiled --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -75,7 +86,8 @@ LLAMA_100M = dict(
     initializer_range=0.02,
 )
 LLAMA_100M_NAME = "bench-llama-100m-seed0-v1"
-LLAMA_100M_DESC = "Llama hidden 768, 8 layers, 12/4 heads, MLP 2048, vocab 32000, fp32, seed 0"
+LLAMA_100M_DESC = "Llama hidden 768, 8 layers, 12/4 heads, MLP 2048, vocab 32000, {dtype}, seed 0"
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=None, help="timed runs after one warm-up (default: 5 uniform, 3 realistic)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the 1-rank part's device (cuda: NCCL)")
+    p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="float32", help="weights' dtype, both sides")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank with 2+ ranks")
     p.add_argument("--single-threads", type=int, default=os.cpu_count() or 1, help="torch threads of the 1-rank part")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)  # internal: 1-rank part
@@ -140,6 +154,21 @@ def _int_range(text: str) -> tuple[int, int]:
 
 
 # ---- shared timing ----------------------------------------------------------------------------
+def device(args: argparse.Namespace) -> torch.device:
+    """Where the 1-rank part runs (the current CUDA device with ``--device cuda``)."""
+    return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+
+
+def dtype(args: argparse.Namespace) -> torch.dtype:
+    return getattr(torch, args.dtype)
+
+
+def sync_device() -> None:
+    """Wait for queued CUDA work (no-op on CPU), so a host clock read covers it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def time_runs(
     run: Callable[[], Tokens], repeats: int, sync: bool, after_warmup: Callable[[], None] | None = None
 ) -> tuple[Tokens, float]:
@@ -151,8 +180,10 @@ def time_runs(
     for _ in range(repeats):
         if sync:
             dist.barrier()
+        sync_device()
         t0 = time.perf_counter()
         tokens = run()
+        sync_device()
         if sync:
             dist.barrier()
         seconds.append(time.perf_counter() - t0)
@@ -167,7 +198,7 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> Tokens:
 
 
 def bench_ours(path: Path, prompts: Tokens, args: argparse.Namespace) -> tuple[Tokens, float]:
-    model = parallelize(path)
+    model = parallelize(path, dtype=dtype(args))
     engine = Engine(
         model, EngineConfig(max_batch_size=len(prompts), max_seq_len=args.prompt_len + args.new_tokens, compile=False)
     )
@@ -181,8 +212,8 @@ def bench_ours(path: Path, prompts: Tokens, args: argparse.Namespace) -> tuple[T
 
 
 def bench_hf(path: Path, prompts: Tokens, args: argparse.Namespace, tp: bool) -> tuple[Tokens, float]:
-    model = load_hf(path, tp)
-    ids = torch.tensor(prompts)
+    model = load_hf(path, tp, args)
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
     n = args.new_tokens
 
     def run() -> Tokens:
@@ -195,12 +226,14 @@ def bench_hf(path: Path, prompts: Tokens, args: argparse.Namespace, tp: bool) ->
     return time_runs(run, args.repeats, sync=tp)
 
 
-def load_hf(path: Path, tp: bool):
-    """HF ``from_pretrained`` in fp32, eval mode; ``tp_plan="auto"`` over the world with ``tp``."""
+def load_hf(path: Path, tp: bool, args: argparse.Namespace):
+    """HF ``from_pretrained`` in ``--dtype``, eval mode; ``tp_plan="auto"`` over the world with
+    ``tp`` (CPU), else on ``--device``."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"tp_plan": "auto"} if tp else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    if tp:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype(args), tp_plan="auto").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype(args)).to(device(args)).eval()
 
 
 def compare(label: str, ranks: int, threads: int, path: Path, prompts: Tokens, args: argparse.Namespace) -> dict:
@@ -299,7 +332,8 @@ def bench_hf_realistic(
     model, work: Workload, batch: int, pad_id: int, args: argparse.Namespace, tp: bool
 ) -> tuple[Tokens, float]:
     """HF ``generate`` over the requests in order, ``batch`` at a time, left padded, greedy."""
-    batches = hf_batches(work, batch, pad_id)
+    dev = next(model.parameters()).device
+    batches = [(ids.to(dev), mask.to(dev), budgets) for ids, mask, budgets in hf_batches(work, batch, pad_id)]
 
     def run() -> Tokens:
         outputs = []
@@ -368,14 +402,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def time_gemms(weights: list[tuple[torch.Tensor, int]], repeats: int, sync: bool) -> float:
     """Median seconds of one pass of ``F.linear(x, w)`` for each ``(w, M)``, ``x`` random ``(M, in)``."""
     g = torch.Generator().manual_seed(0)
-    inputs = [(torch.randn(m, w.shape[1], generator=g, dtype=w.dtype), w) for w, m in weights]
+    inputs = [(torch.randn(m, w.shape[1], generator=g, dtype=w.dtype).to(w.device), w) for w, m in weights]
 
     def one_pass() -> float:
         if sync:
             dist.barrier()
+        sync_device()
         t0 = time.perf_counter()
         for x, w in inputs:
             F.linear(x, w)
+        sync_device()
         return time.perf_counter() - t0
 
     one_pass()
@@ -491,7 +527,7 @@ def compare_realistic(label: str, ranks: int, threads: int, path: Path, args: ar
     work = make_workload(args, config["vocab_size"])
     pad_id = config.get("pad_token_id") or 0
     tp = ranks > 1
-    ours_model, hf_model = parallelize(path), load_hf(path, tp)
+    ours_model, hf_model = parallelize(path, dtype=dtype(args)), load_hf(path, tp, args)
     rows = []
     for batch in args.batches:
         hf, hf_s = bench_hf_realistic(hf_model, work, batch, pad_id, args, tp)
@@ -513,10 +549,23 @@ def compare_realistic(label: str, ranks: int, threads: int, path: Path, args: ar
                     equal=sum(a == b for a, b in zip(ours, hf)),
                     prefix=sum(_common_prefix(a, b) for a, b in zip(ours, hf)),
                     counts_ok=[len(t) for t in ours] == work.budgets == [len(t) for t in hf],
+                    compile_s=sum(getattr(r, "compile_seconds", 0.0) for r in engine.runners.values()),
                     **share,
                 )
             )
+            _progress(rows[-1])
     return rows
+
+
+def _progress(row: dict) -> None:
+    """One line on stderr per finished row, so a run cut short still shows what it measured."""
+    print(
+        f"[generate] {row['label']} B={row['batch']} {row['variant']}: ours {row['ours_s']:.2f} s, "
+        f"HF {row['hf_s']:.2f} s, equal {row['equal']}, step {1e3 * row['step_s']:.2f} ms, "
+        f"GEMM {1e3 * row['gemm_s']:.2f} ms, compile {row['compile_s']:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -551,9 +600,18 @@ def run_multi(args: argparse.Namespace, world: int) -> list[dict]:
     return [compare(label, world, threads, path, prompts, args)]
 
 
+def backend(args: argparse.Namespace) -> str:
+    """The 1-rank part's process-group backend: NCCL on GPU 0 with ``--device cuda`` (made the
+    current device first), else gloo."""
+    if args.device != "cuda":
+        return "gloo"
+    torch.cuda.set_device(0)
+    return "nccl"
+
+
 def single_main(args: argparse.Namespace) -> None:
-    """``--single``: the 1-rank part on a private 1-rank gloo group (in-memory store, no ports)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    """``--single``: the 1-rank part on a private 1-rank group (in-memory store, no ports)."""
+    dist.init_process_group(backend(args), store=dist.HashStore(), rank=0, world_size=1)
     try:
         Path(args.json_out).write_text(json.dumps(run_single(args)))
     finally:
@@ -611,6 +669,10 @@ def _size_flags(args: argparse.Namespace) -> list[str]:
         ",".join(args.ours),
         "--seed",
         str(args.seed),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
     ]
     return flags + (["--profile"] if args.profile else [])
 
@@ -620,11 +682,17 @@ def _vocab_size(path: Path) -> int:
 
 
 # ---- report ---------------------------------------------------------------------------------
+def where(args: argparse.Namespace) -> str:
+    """The machine of the 1-rank part: CPU cores and gloo, or the GPU and NCCL."""
+    if args.device == "cuda":
+        return f"{torch.cuda.get_device_name(0)}, NCCL, {DTYPE_NAMES[args.dtype]}"
+    return f"{os.cpu_count()} CPU cores, gloo" + ("" if args.dtype == "float32" else f", {DTYPE_NAMES[args.dtype]}")
+
+
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     head = (
         f"batch={args.batch} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
-        f"greedy, warm-up 1 + median of {args.repeats}, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPU cores, gloo"
+        f"greedy, warm-up 1 + median of {args.repeats}, torch {torch.__version__}, {where(args)}"
     )
     lines = [
         head,
@@ -652,12 +720,13 @@ def realistic_table(rows: list[dict], args: argparse.Namespace) -> str:
         f"B={b}: prefill {p} / decode {d} positions" for b in args.batches for p, d in [hf_padding(work, b)]
     )
     lines = [
-        f"model: {LLAMA_100M_DESC}, {checkpoint_params(path) / 1e6:.1f}M parameters",
+        f"model: {LLAMA_100M_DESC.format(dtype=DTYPE_NAMES[args.dtype])}, "
+        f"{checkpoint_params(path) / 1e6:.1f}M parameters",
         f"workload: {args.requests} requests (seed {args.seed}), prompt lengths uniform "
         f"{args.prompt_lens[0]}..{args.prompt_lens[1]} (sum {prompt_tokens}), budgets uniform "
         f"{args.budgets[0]}..{args.budgets[1]} (sum {work.useful} = useful tokens), greedy, EOS ignored",
         f"HF padded work: {pads} (real: {prompt_tokens} / {work.useful})",
-        f"warm-up 1 + median of {args.repeats}, torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo",
+        f"warm-up 1 + median of {args.repeats}, torch {torch.__version__}, {where(args)}",
         "GEMM share = GEMMs alone (GEMM M = rows of the layers / of the LM head: B / mean decode "
         "batch; rank 0) / our mean decode step; prefill s, decode s: ours, per timed run",
         "",
@@ -682,6 +751,12 @@ def realistic_table(rows: list[dict], args: argparse.Namespace) -> str:
             f"{100 * r['gemm_s'] / r['step_s']:>9.1f}% |"
         )
     lines.append("\nequal tokens = tokens before each request's first difference / useful tokens")
+    compiled = [r for r in rows if r["variant"].endswith(":compiled")]
+    if compiled:
+        lines.append(
+            "compile s (decode calls that compiled a graph, warm-up included): "
+            + ", ".join(f"{r['label']} B={r['batch']} {r['variant']} {r['compile_s']:.1f}" for r in compiled)
+        )
     return "\n".join(lines)
 
 
@@ -689,7 +764,9 @@ def main() -> None:
     args = parse_args()
     if args.single:
         return single_main(args)
-    dist.init_process_group("gloo")
+    # 1 rank: its own default group runs the 1-rank part (NCCL with --device cuda); 2+: gloo (TP on CPU)
+    single_rank = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    dist.init_process_group(backend(args) if single_rank else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         llama_100m_checkpoint() if args.workload == "realistic" else builtin_checkpoint()

@@ -147,10 +147,13 @@ class ModelRunner:
     def _compiled_body(self) -> Callable:
         """The decode body compiled once per shape; CUDA graphs on a GPU (static shapes and buffers).
         Calls that compiled a graph add their wall time to :attr:`compile_seconds`."""
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
-        body = torch.compile(self._body, mode=mode)
+        graphs_on = self.device.type == "cuda"
+        body = torch.compile(self._body, mode="reduce-overhead" if graphs_on else None)
 
         def timed(*args, **kwargs):
+            if graphs_on:  # the step writes the KV cache in place: static inputs, or no CUDA graph at all
+                for t in (*self.kv.k, *self.kv.v):
+                    torch._dynamo.mark_static_address(t)
             graphs, t0 = _graphs_compiled(), time.perf_counter()
             out = body(*args, **kwargs)
             if _graphs_compiled() != graphs:
