@@ -5,13 +5,13 @@ happened, never how long it took)."""
 
 from __future__ import annotations
 
-from reshard.parallel.engine.router import Channel
+from reshard.parallel.engine.channel import Channel
+from reshard.parallel.engine.router import Migration, Router
 from reshard.parallel.fault.journal import read_journal
-from reshard.parallel.fault.migrate import Migration, SupervisedRouter
 from reshard.parallel.fault.supervisor import failures
 
 
-def _outage(router: SupervisedRouter, m: Migration, entries: dict) -> dict:
+def _outage(router: Router, m: Migration, entries: dict) -> dict:
     """What the other groups did while ``m``'s group was down, in steps journaled between the
     router's count when it saw the death and its last count before it saw the group's next
     generation ready (or the end), no clock.
@@ -37,7 +37,7 @@ def _outage(router: SupervisedRouter, m: Migration, entries: dict) -> dict:
     }
 
 
-def _adopted(router: SupervisedRouter, m: Migration, adoptions: list) -> list[tuple]:
+def _adopted(router: Router, m: Migration, adoptions: list) -> list[tuple]:
     """``m``'s requests adopted with their KV: (request id, output tokens whose KV came, positions
     computed again). Adoptions are ``(source, request id, kept, again, adopter)``: from the dead
     endpoint's mirror, or, where its supervisors host the KV, by the group's next generation."""
@@ -55,7 +55,7 @@ def _first_token(entries: dict, requests: set[int], after: float, clock) -> floa
 
 
 def fault_summary(
-    router: SupervisedRouter, channel: Channel, store, endpoints: list[str], digests: dict, adoptions: list
+    router: Router, channel: Channel, store, endpoints: list[str], digests: dict, adoptions: list
 ) -> dict:
     """What failed and what moved where; per death, what the other groups did while the dead
     one was down, in steps journaled between the router's observations (:func:`_outage`; no

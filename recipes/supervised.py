@@ -2,7 +2,7 @@
 
 Every torchrun worker supervises its rank's engine, run as a child process
 (:class:`reshard.parallel.fault.supervisor.Supervisor`); rank 0's supervisor also runs the router
-(:class:`reshard.parallel.fault.migrate.SupervisedRouter`), which outlives every engine. An engine
+(:class:`reshard.parallel.engine.router.Router`), which outlives every engine. An engine
 that dies is respawned in the job, in its group's next generation, with a process group of its
 own; the other groups keep serving, and the dead one's requests go on elsewhere (or wait for it).
 torchrun's whole-job restart stays the fallback for a lost supervisor.
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from reshard.parallel.engine import Strategy
+from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.request import Completion, EngineStats
-from reshard.parallel.engine.router import Channel, GroupLayout
+from reshard.parallel.engine.router import Router
 from reshard.parallel.fault.donor import WeightDonor, take_weights
 from reshard.parallel.fault.host import MirrorHost, spec_key
 from reshard.parallel.fault.journal import GroupJournal, silent_for
-from reshard.parallel.fault.migrate import SupervisedRouter, Topology
 from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, group_store_prefix
@@ -66,7 +66,7 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         # one group of every rank (Seesaw, SiDP, Shift) takes each request as it arrives: its
         # policy need not report room
         routing = cfg.engine.routing if topology.groups > 1 else "round_robin"
-        router = SupervisedRouter(
+        router = Router(
             routed, requests, topology, t0, routing, cfg.fault.migrate, generation,
             kept=kept, keep=keep, die_after=die_after,
         )  # fmt: skip
@@ -78,7 +78,6 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         serve_child,
         (cfg, str(path), channel.get("start")),
         max_respawns=cfg.fault.max_respawns,
-        on_poll=_stop_when_done(channel, members[0] == rank),
         warm_spare=cfg.fault.warm_spare,
         ready=lambda spec: channel.ready(f"ready/{spec.endpoint}"),
         warm=(*WARM, *_model_modules(path)),
@@ -331,19 +330,6 @@ def weights_digest(engine) -> str:
     return h.hexdigest()
 
 
-def _stop_when_done(channel: Channel, leader: bool):
-    """A supervisor's poll: once the router has every completion, the group's leader ends the
-    input of the group's live generation (a generation started late gets it too)."""
-    posted: set[str] = set()
-
-    def poll(spec: ChildSpec) -> None:
-        if leader and spec.endpoint not in posted and channel.ready("all_done"):
-            channel.post(spec.endpoint, None)
-            posted.add(spec.endpoint)
-
-    return poll
-
-
 def _event_log(path: Path):
     """Appends each supervisor's events (a child started, ready, died) to ``path``, one JSON
     line each (lines this short are appended whole by every rank)."""
@@ -370,7 +356,7 @@ def _vocab_size(path: Path) -> int:
     return AutoConfig.from_pretrained(path).vocab_size
 
 
-def _finish(cfg, run_dir: Path, path: Path, router: SupervisedRouter, channel: Channel, store, seconds, groups) -> dict:
+def _finish(cfg, run_dir: Path, path: Path, router: Router, channel: Channel, store, seconds, groups) -> dict:
     """Rank 0: outputs in request order and the summary of a supervised run."""
     from reshard.recipes.launch import FINISHED
     from reshard.recipes.prompts import output_tokenizer

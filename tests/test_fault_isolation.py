@@ -440,16 +440,16 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
     import torch.distributed as dist
 
     from reshard.parallel import Request
-    from reshard.parallel.engine.router import Channel
+    from reshard.parallel.engine.channel import Channel, Topology
+    from reshard.parallel.engine.router import Router
     from reshard.parallel.engine.sampling import SamplingParams
     from reshard.parallel.fault.journal import JournalEntry
-    from reshard.parallel.fault.migrate import SupervisedRouter, Topology
 
     for migrate in ("reprefill", "none"):
         store = dist.HashStore()
         channel, generations = Channel("t", store=store), [0, 0]
         requests = [Request(i, [5 + i] * 3, SamplingParams(max_new_tokens=3)) for i in range(3)]
-        router = SupervisedRouter(
+        router = Router(
             channel,
             requests,
             Topology.ring(2),
@@ -498,15 +498,15 @@ def test_the_router_hands_a_prefilled_request_to_the_token_group_its_prompt_grou
     import torch.distributed as dist
 
     from reshard.parallel import Request
+    from reshard.parallel.engine.channel import Channel, Topology
     from reshard.parallel.engine.request import Completion
-    from reshard.parallel.engine.router import Channel
+    from reshard.parallel.engine.router import Router
     from reshard.parallel.engine.sampling import SamplingParams
-    from reshard.parallel.fault.migrate import SupervisedRouter, Topology
 
     channel, topology = Channel("t", store=dist.HashStore()), Topology.disaggregated(2, 2)
     assert [topology.successor(g, kv=True) for g in range(4)] == [2, 3, 3, 2] and topology.sources(2, False) == (0,)
     requests = [Request(i, [7] * 4, SamplingParams(max_new_tokens=m)) for i, m in enumerate((5, 1, 5))]
-    router = SupervisedRouter(channel, requests, topology, time.time(), "round_robin", "kv", lambda g: 0)
+    router = Router(channel, requests, topology, time.time(), "round_robin", "kv", lambda g: 0)
     for r, entry in zip(requests, ("1.0", "0.0", "0.0")):
         router.pending.remove(r)
         router._send(entry, r)
@@ -523,7 +523,7 @@ def test_the_router_hands_a_prefilled_request_to_the_token_group_its_prompt_grou
     ]
     assert router.where == {0: "2.0", 2: "2.0"}
     # back-pressure: prompt group 0 gets no more while token group 2 holds twice its slots
-    from reshard.parallel.engine.router import Load
+    from reshard.parallel.engine.channel import Load
 
     channel.put("load/0.0", Load(2, 1000, 2))  # it took both it was sent
     channel.put("load/2.0", Load(1, 1000, 2))  # one slot: a backlog of 2 is full

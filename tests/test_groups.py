@@ -112,13 +112,13 @@ def test_a_wait_gives_up_only_after_its_timeout(monkeypatch):
 
     import torch.distributed as dist
 
-    from reshard.parallel.engine import router
+    from reshard.parallel.engine import channel as control
 
     now = [1000.0]
     clock = types.SimpleNamespace(monotonic=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
-    monkeypatch.setattr(router, "time", clock)
+    monkeypatch.setattr(control, "time", clock)
     looks = []
-    channel = router.Channel("t", store=dist.HashStore())
+    channel = control.Channel("t", store=dist.HashStore())
     with pytest.raises(RuntimeError, match=r"^waiting for start: nothing arrived within 2 s"):
         channel.wait("start", "waiting for start", datetime.timedelta(seconds=2), poll=lambda: looks.append(now[0]))
     assert len(looks) > 1 and looks[0] == 1000.0 and max(looks) <= 1002.0 < now[0], looks
@@ -138,7 +138,7 @@ def test_a_request_listed_late_but_arriving_first_is_admitted_first():
     import time
 
     from reshard.parallel import Request, SamplingParams
-    from reshard.parallel.engine.router import LocalAdmission
+    from reshard.parallel.engine.admission import LocalAdmission
 
     params = SamplingParams(max_new_tokens=2)
     requests = [Request(0, [5, 6], params, arrival=30.0), Request(1, [7], params, arrival=0.0)]
@@ -155,7 +155,7 @@ def test_bad_group_timeout_is_named():
 
 
 def test_polling_backs_off_to_its_cap_however_long_it_waits():
-    from reshard.parallel.engine.router import POLL_S, backoff
+    from reshard.parallel.engine.channel import POLL_S, backoff
 
     # an idle group polls for hours: 2**tries once overflowed a float after 1024 looks
     assert backoff(0) == POLL_S[0] and backoff(3) == 8 * POLL_S[0]

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from reshard.parallel.engine.admission import Admission
 from reshard.parallel.engine.agree import payload_size, read_payload, sample_payload
 from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step, check_fits
 from reshard.parallel.engine.request import Request, Sequence
-from reshard.parallel.engine.router import Admission
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.splits import split_ranges
 

@@ -26,7 +26,9 @@ from torch import nn
 from tqdm import tqdm
 
 from reshard.mesh import all_gather_objects
+from reshard.parallel.engine.admission import ADMIT, Admission, LocalAdmission, RoutedAdmission, endpoint_of
 from reshard.parallel.engine.agree import sample_emitting, sample_step
+from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.checks import check_chunked, check_posted_requests, check_requests, check_same_requests
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.connector import KVConnectors
@@ -41,15 +43,7 @@ from reshard.parallel.engine.policy import (
     StepOutput,
 )
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request, Sequence, eos_ids, record_times
-from reshard.parallel.engine.router import (
-    ADMIT,
-    Admission,
-    Channel,
-    GroupLayout,
-    LocalAdmission,
-    RoutedAdmission,
-    Router,
-)
+from reshard.parallel.engine.router import Router
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.info import parallel_info
@@ -202,7 +196,7 @@ class Engine:
         layout: GroupLayout | None = None,
     ) -> list[Completion]:
         """Serve this rank's engine group as ``endpoint`` of a supervised job (whose router runs
-        in another process, :mod:`reshard.parallel.fault.migrate`): requests come from
+        in another process, :mod:`reshard.parallel.engine.router`): requests come from
         ``channel``, every completion goes to its ``done`` list as it finishes; ``beat()`` runs
         while it waits for requests (a heartbeat: idle is not hung). ``layout``: the group, when the
         engine is not one of several (a strategy's one group of every rank). Returns this group's
@@ -213,9 +207,7 @@ class Engine:
         self._ready()
         what = f"engine group {endpoint} waiting for the router's start time"
         channel.wait("start", what, self.group_timeout)
-        admission = RoutedAdmission(
-            channel, layout, None, self.group_timeout, endpoint=endpoint, publish=True, beat=beat
-        )
+        admission = RoutedAdmission(channel, layout, None, self.group_timeout, endpoint=endpoint, beat=beat)
         return list(self._serve(admission, channel.get("start")).values())
 
     def _ready(self) -> None:
@@ -245,7 +237,6 @@ class Engine:
                 continue
             for step, output in self._advance(queue, admission):
                 left += self._settle(step, output, admission, queue, done, start)
-        admission.finish()
         if self.flow is not None:
             self.flow.finish()
         return done
@@ -306,15 +297,16 @@ class Engine:
         check_posted_requests(requests, channel, ranks, self.group_timeout)
         start = channel.get("start")
         router = None
-        if dist.get_rank() == min(ranks):
-            router = Router(channel, requests, group.entry_groups, start, self.routing)
+        if dist.get_rank() == min(ranks):  # the entries only: the other groups take what entries hand them
+            entries = group.entry_groups
+            router = Router(channel, requests, Topology(len(entries), entries), start, self.routing)
         with router or contextlib.nullcontext():
             admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, self.group_timeout)
             done = self._serve(admission, start)
         mine = (list(done.values()), self.stats) if group.is_leader else None
         everyone = all_gather_objects(mine, group.job)
         if router is not None:
-            channel.clear(channel.job_keys(group.count))
+            channel.clear(channel.job_keys([endpoint_of(g) for g in range(group.count)]))
         dist.barrier(group=group.job)  # no rank starts another call before the keys are gone
         self.group_stats = [stats for _, stats in filter(None, everyone)]
         by_id = {c.id: c for completions, _ in filter(None, everyone) for c in completions}

@@ -35,9 +35,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from reshard.kv import KVCache
+from reshard.parallel.engine.channel import Load
 from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.engine.request import EngineStats, Request, Sequence, batch_kind
-from reshard.parallel.engine.router import Load
 from reshard.parallel.engine.runner import Replica
 
 ADMISSION = ("fifo", "longest_first")
@@ -260,7 +260,7 @@ class Policy:
 
     def after_step(self, step: Step, output: StepOutput):
         """The step's tokens are appended; finished sequences are retired after this. May return
-        :class:`reshard.parallel.engine.router.Handoff` s: sequences that leave this group for
+        :class:`reshard.parallel.engine.channel.Handoff` s: sequences that leave this group for
         another (the engine posts them; ``None``: none)."""
 
     def retire(self, seq: Sequence) -> None:

@@ -1,352 +1,82 @@
-"""Engine groups and the router between them: where each group's loop takes its requests from.
+"""The job's router: one thread (rank 0's; under supervision, rank 0's supervisor's, which
+outlives every engine) that places each request on an engine group, collects every completion,
+hands a prefilled request on to a token group, and moves a failed group's requests.
 
-A job's ranks form groups; each group runs the one request loop (:class:`Engine`) over its own
-process group and agrees on tokens only inside itself. What a group admits comes from an
-:class:`Admission`, read by every rank of the group at the same step so the group stays in step
-without a message of its own: its leader (first rank) proposes how many new requests it can see,
-the proposal rides on the step's one token all-reduce (``Step.agree``), and every rank then takes
-exactly that many. A group with nothing to run waits for exactly its next request.
+Requests are placed once they have arrived (``routing``: least loaded, round robin or longest
+first). Groups talk to the router through the job's store (:class:`Channel`): the router posts
+to ``assign/<endpoint>/<k>``, each group's leader publishes its :class:`Load` and appends every
+completion to ``done``; once every request has completed the router sets ``all_done`` and each
+group's leader ends its own input. An endpoint is ``<group>.<generation>``: a group that never
+fails is always generation 0.
 
-- :class:`LocalAdmission`: one group owns the whole request list (lockstep strategies, a
-  single replica). Offline, everything is admitted at the start (the loop as it always was);
-  online, a request is admitted once its arrival time has passed on the leader's clock.
-- :class:`RoutedAdmission`: one group of several; its requests come from the :class:`Router`.
+The job's :class:`Topology` names the entry groups (which take new requests) and where each
+group's KV goes:
 
-The router is a thread on rank 0 that talks to groups through the job's ``torch.distributed``
-store (a TCP key-value server every job already has): a group never joins a collective another
-group must join, the store needs no process group of its own, and a key read by every rank of a
-group is the same bytes for all of them (a P2P message would reach one rank and need a
-re-broadcast inside the group). Keys live under a per-attempt, per-call prefix.
+- **Hand-offs** (DejaVu under supervision, :meth:`Topology.disaggregated`): an entry (prompt
+  group) runs each request up to its first token; its completion there is handed, resumed with
+  ``kv_source`` naming the prompt group, to the token group that mirrors that prompt group's KV:
+  a hand-off is a migration whose source lives on. (DejaVu's unsupervised groups hand over
+  among themselves, :class:`Handoff`; the router sees their completions only.)
+- **Failures** are router events: when a group's generation moves on (``generation(g)``, the
+  supervisors' count in the store; a job without supervision has none), the dead generation's
+  requests are rebuilt from its journal (:mod:`reshard.parallel.fault.journal`): a request that
+  finished there is completed from the journal; the others are re-admitted with prompt + tokens
+  so far (:meth:`Request.resume`; a seeded generator skips the draws already made, so tokens
+  equal a failure-free run's). With ``migrate="reprefill"`` they go to any live group at once;
+  with ``"none"`` they wait for their own group's next generation; with ``"kv"`` they go to the
+  group that mirrors the dead one's KV (or, for a lockstep group, to its next generation, with
+  its supervisors' mirrors), resumed with ``kv_source`` naming it: the engine's KV connector
+  supplies what landed. The router stops handing the dead group work and takes it back once
+  its new generation is ready. A dead prompt group's prompts are prefilled again by another.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
+import io
 import pickle
 import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
-from reshard.mesh import job_timeout
-from reshard.parallel.engine.request import Request
+from reshard.parallel.engine.admission import endpoint_of
+from reshard.parallel.engine.channel import Channel, Load, Topology, backoff
+from reshard.parallel.engine.request import Completion, Request
+from reshard.parallel.fault.inject import die
 
 ROUTING = ("least_loaded", "round_robin", "longest_first")
-POLL_S = (0.0005, 0.02)  # a waiting party looks at the store again after this, doubling up to that
-ADMIT = "_admitted"  # the key of the admission proposal in a step's agreed integers
+MIGRATE = ("kv", "reprefill", "none")
 
 
-@dataclass(frozen=True)
-class GroupLayout:
-    """Which group of the job this rank's engine is: ``index`` of ``count``, over ``ranks``.
+@dataclasses.dataclass
+class Migration:
+    """What the router did when ``endpoint`` failed (``seen``: when it noticed, job clock).
 
-    ``entries``: the groups the router hands new requests to (default: all); the others only
-    take requests other groups hand over (DejaVu's token groups). ``stops``: how many parties
-    end this group's input (the router, or every group that hands over to it). ``channel``
-    names the job's keys in the store; ``job``: the process group over every group's ranks
-    (``None``: the whole job), which gathers the completions at the end.
+    Ordered facts, no clock (tests assert on them): ``order``, its place in
+    :attr:`Router.observed`; ``steps``, the steps every endpoint had journaled when the
+    router saw the death (the dead one's: every step it ran); ``steps_down``, the same in the
+    router's last count taken before it found the group's next generation ready (a count made
+    while the group was still down).
     """
 
-    index: int
-    count: int
-    ranks: tuple[int, ...]
-    entries: tuple[int, ...] | None = None
-    stops: int = 1
-    channel: str = "groups"
-    job: dist.ProcessGroup | None = field(default=None, compare=False)
-
-    @property
-    def entry_groups(self) -> tuple[int, ...]:
-        return tuple(range(self.count)) if self.entries is None else self.entries
-
-    @property
-    def leader(self) -> int:
-        return self.ranks[0]
-
-    @property
-    def is_leader(self) -> bool:
-        return dist.get_rank() == self.leader
-
-
-@dataclass(frozen=True)
-class Load:
-    """What a group's leader publishes after each step: its free room and how many of its
-    assignments it has taken into its queue."""
-
-    free_slots: int
-    free_tokens: int
-    taken: int
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """Sequences one group ran part of, handed to group ``target`` (DejaVu's prefilled prompts):
-    each request, its tokens so far and whether it already finished (its KV streams all the
-    same, so the receiver keeps the stream's order). ``tag`` names the stream: the source
-    group's step that produced them. ``times``: each sequence's wall-clock marks so far (its
-    first step's start, its first token), which its latency figures continue from; ``logprobs``: its tokens'
-    log-probabilities, where its request asks."""
-
-    source: int
-    target: int
-    tag: int
-    requests: tuple[Request, ...]
-    tokens: tuple[tuple[int, ...], ...]
-    finished: tuple[bool, ...]
-    times: tuple[tuple[float, ...], ...] = ()
-    logprobs: tuple[tuple, ...] = ()  # each sequence's TokenLogprobs so far (its request asked for them)
-
-    @property
-    def open(self) -> int:
-        """How many of its sequences the receiver still runs."""
-        return self.finished.count(False)
-
-
-def backoff(tries: int) -> float:
-    """Seconds to sleep before looking again, after ``tries`` looks found nothing (polling the
-    store costs a round trip and the CPU the ranks compute on: back off)."""
-    return min(POLL_S[0] * 2 ** min(tries, 30), POLL_S[1])  # (2**tries overflows a float past 1023)
-
-
-class Channel:
-    """The control plane: pickled values under ``reshard/<attempt>/<name>/`` of ``store`` (default:
-    the job's, the default process group's)."""
-
-    def __init__(self, name: str, store: dist.Store | None = None) -> None:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = store if store is not None else dist.distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore(f"reshard/{attempt}/{name}/", store)
-
-    def put(self, key: str, value) -> None:
-        self.store.set(key, pickle.dumps(value))
-
-    def get(self, key: str):
-        return pickle.loads(self.store.get(key))
-
-    def ready(self, key: str) -> bool:
-        return self.store.check([key])
-
-    def add(self, key: str, amount: int) -> int:
-        return self.store.add(key, amount)
-
-    def post(self, group: int | str, value) -> None:
-        """Append ``value`` to group ``group``'s input (``assign/<group>/<k>``, ``k`` counted
-        atomically: several parties may post to one group)."""
-        self.append(f"assign/{group}", value, count=f"count/{group}")
-
-    def append(self, name: str, value, count: str | None = None) -> int:
-        """Add ``value`` to the list ``name`` (``<name>/<k>``; its length under ``count``,
-        default ``<name>/count``); returns its index ``k``."""
-        k = self.store.add(count or f"{name}/count", 1) - 1
-        self.put(f"{name}/{k}", value)
-        return k
-
-    def read_list(self, name: str, start: int = 0) -> list:
-        """The values of list ``name`` from index ``start`` (see :meth:`append`)."""
-        count = self.store.add(f"{name}/count", 0)
-        return [self.get(f"{name}/{k}") for k in range(start, count)]
-
-    def job_keys(self, groups: int) -> list[str]:
-        """Every key one call of ``groups`` groups made (for :meth:`clear` once all are done)."""
-        keys = ["finished", "start"]
-        for g in range(groups):
-            posted = self.store.add(f"count/{g}", 0)
-            keys += [f"assign/{g}/{k}" for k in range(posted)] + [f"count/{g}", f"load/{g}"]
-        return keys
-
-    def clear(self, keys: Seq[str]) -> None:
-        """Delete ``keys`` (once every reader is past them), so the next call starts clean."""
-        for key in keys:
-            self.store.delete_key(key)
-
-    def wait(
-        self, key: str, what: str, timeout: datetime.timedelta | None = None, poll: Callable[[], None] | None = None
-    ) -> None:
-        """Poll until ``key`` is set; ``RuntimeError`` naming ``what`` after ``timeout`` (default:
-        the job's collective timeout), so a group whose peer is gone fails instead of hanging.
-        ``poll()`` runs at every look (a heartbeat: waiting is not hanging)."""
-        limit = (timeout or job_timeout() or datetime.timedelta(minutes=30)).total_seconds()
-        deadline = time.monotonic() + limit
-        tries = 0
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: nothing arrived within {limit:g} s (is the router's rank 0 gone?)")
-            if poll is not None:
-                poll()
-            time.sleep(backoff(tries))
-            tries += 1
-
-
-class Admission:
-    """Where a group's loop takes requests from; every rank of the group calls the same methods
-    at the same steps and gets the same requests."""
-
-    taken = 0  # requests handed to the loop so far
-    exhausted = False  # no request will come any more
-
-    def initial(self) -> list[Request]:
-        """Requests admitted before the first step."""
-        return []
-
-    def proposal(self) -> int:
-        """The leader's count of new requests it can hand over now (0 on other ranks)."""
-        return 0
-
-    def take(self, count: int) -> list[Request]:
-        """The next ``count`` requests (the agreed proposal)."""
-        assert count == 0, count
-        return []
-
-    def wait_next(self) -> list[Request]:
-        """Nothing to run: block until exactly the next request (``[]`` if none will come)."""
-        self.exhausted = True
-        return []
-
-    def report(self, load: Load | None, finished: list) -> None:
-        """After a step: the group's free room (leader) and the completions of the requests that
-        finished in it."""
-
-    def hand_off(self, handoff: Handoff) -> None:
-        """Pass sequences to another group (only groups of a routed job have others)."""
-        raise ValueError(f"a single engine group cannot hand requests to group {handoff.target}")
-
-    def finish(self) -> None:
-        """The loop is done: tell whoever waits on this group's hand-offs."""
-
-
-class LocalAdmission(Admission):
-    """One group owns ``requests``; ``start`` is the job's wall-clock start (``time.time()``) and
-    a request is admitted ``request.arrival`` seconds after it. Offline (every arrival 0): all
-    at once, before the first step."""
-
-    def __init__(self, requests: Seq[Request], start: float, leader: bool, progress=None) -> None:
-        self.requests = sorted(requests, key=lambda r: r.arrival)  # stable: request order within a time
-        self.start = start
-        self.leader = leader
-        self.online = any(r.arrival > 0 for r in self.requests)
-        self.progress = progress
-
-    def initial(self) -> list[Request]:
-        return [] if self.online else self._next(len(self.requests))
-
-    def proposal(self) -> int:
-        if not self.leader:
-            return 0
-        now = time.time() - self.start
-        rest = self.requests[self.taken :]
-        return next((i for i, r in enumerate(rest) if r.arrival > now), len(rest))
-
-    def take(self, count: int) -> list[Request]:
-        return self._next(count)
-
-    def wait_next(self) -> list[Request]:
-        if self.taken == len(self.requests):
-            self.exhausted = True
-            return []
-        time.sleep(max(0.0, self.start + self.requests[self.taken].arrival - time.time()))
-        return self._next(1)
-
-    def report(self, load: Load | None, finished: list) -> None:
-        if self.progress is not None and finished:
-            self.progress.update(len(finished))
-
-    def _next(self, count: int) -> list[Request]:
-        out = self.requests[self.taken : self.taken + count]
-        self.taken += len(out)
-        self.exhausted = self.taken == len(self.requests)
-        return out
-
-
-class RoutedAdmission(Admission):
-    """Group ``layout.index``'s share of the job, handed out by the :class:`Router` as keys
-    ``assign/<endpoint>/<k>`` (``None``: no more); the leader publishes its :class:`Load`.
-
-    ``endpoint``: the router's name for this group (default its index; a supervised group's
-    names its generation too, :class:`reshard.parallel.fault.supervisor.ChildSpec`);
-    ``publish``: the leader also appends every completion to the channel's ``done`` list as the
-    request finishes (a supervised job's router collects them there); ``beat()``: called while
-    it waits for requests (a supervised group's heartbeat).
-    """
-
-    def __init__(
-        self,
-        channel: Channel,
-        layout: GroupLayout,
-        progress=None,
-        timeout: datetime.timedelta | None = None,
-        *,
-        endpoint: str | None = None,
-        publish: bool = False,
-        beat: Callable[[], None] | None = None,
-    ) -> None:
-        self.channel, self.beat = channel, beat
-        self.layout = layout
-        self.progress = progress
-        self.timeout = timeout
-        self.endpoint = str(layout.index) if endpoint is None else endpoint
-        self.publish = publish
-
-    def _key(self, k: int) -> str:
-        return f"assign/{self.endpoint}/{k}"
-
-    read = 0  # assignment keys read (requests, hand-offs and the ``None`` that end the input)
-    stops = 0  # ``None`` read so far
-
-    def proposal(self) -> int:
-        if not self.layout.is_leader or self.exhausted:
-            return 0
-        count = 0
-        while self.channel.ready(self._key(self.read + count)):
-            count += 1
-        return count
-
-    def take(self, count: int) -> list[Request]:
-        values = [self.channel.get(self._key(self.read + i)) for i in range(count)]
-        self.read += count
-        self.stops += values.count(None)
-        self.exhausted = self.stops == self.layout.stops
-        items = [v for v in values if v is not None]
-        self.taken += sum(v.open if isinstance(v, Handoff) else 1 for v in items)
-        return items
-
-    def wait_next(self) -> list[Request]:
-        if self.exhausted:
-            return []
-        what = f"engine group {self.layout.index} waiting for requests"
-        self.channel.wait(self._key(self.read), what, self.timeout, self.beat)
-        return self.take(1)
-
-    def report(self, load: Load | None, finished: list) -> None:
-        if load is not None and self.layout.is_leader:
-            self.channel.put(f"load/{self.endpoint}", dataclasses.replace(load, taken=self.taken))
-        if self.publish and self.layout.is_leader:
-            for completion in finished:
-                self.channel.append("done", completion)
-        if finished and self.layout.is_leader:
-            done = self.channel.add("finished", len(finished))
-            if self.progress is not None:
-                self.progress.n = done
-                self.progress.refresh()
-
-    def hand_off(self, handoff: Handoff) -> None:
-        if self.layout.is_leader:
-            self.channel.post(handoff.target, handoff)
-
-    def finish(self) -> None:
-        """Groups this one hands over to learn that no more will come (once per target group)."""
-        targets = [g for g in range(self.layout.count) if g not in self.layout.entry_groups]
-        if self.layout.is_leader and self.layout.index in self.layout.entry_groups:
-            for g in targets:
-                self.channel.post(g, None)
+    endpoint: str
+    seen: float
+    order: int = 0
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps_down: dict[str, int] = dataclasses.field(default_factory=dict)
+    resumed: list[int] = dataclasses.field(default_factory=list)  # request ids re-admitted with tokens so far
+    restarted: list[int] = dataclasses.field(default_factory=list)  # ... with none yet
+    completed: list[int] = dataclasses.field(default_factory=list)  # finished there, completed from the journal
+    reprefilled_tokens: int = 0  # generated tokens prefilled again (reprefill; kv: by the adopter, if it had to)
+    rejoined: float | None = None  # when the group's next generation was ready (job clock)
+    rejoined_order: int | None = None  # that observation's place in Router.observed
+    adopted_by: str | None = None  # migrate="kv": the endpoint that adopted its requests with their KV
+    tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # request id -> tokens it had generated
 
 
 class Router:
-    """Rank 0's thread that hands each request, once it has arrived, to a group.
+    """The job's router (see the module docstring), a thread started and joined by ``with``.
 
     ``routing``: ``"least_loaded"`` (the group with the most free KV tokens, estimated from its
     last published :class:`Load` minus what was handed to it since; a request waits in the router
@@ -354,25 +84,57 @@ class Router:
     ``i % groups`` on arrival) or ``"longest_first"`` (least loaded, the arrived request with the
     most prompt + new tokens first). Requests are hashed to no group in particular: tokens do not
     depend on where a request runs (each request's sampling generator is its own).
+
+    ``generation(g)``: group ``g``'s current generation (None: a job without supervision, whose
+    groups never fail); ``migrate``: what a failed generation's requests do; ``kept``:
+    completions an earlier attempt of the job finished (not run again); ``keep(c)``: told of each
+    completion as it arrives (so a lost router loses none); ``die_after``: fault injection,
+    SIGKILL this process (the router's) once that many requests have completed.
     """
 
     def __init__(
         self,
         channel: Channel,
         requests: Seq[Request],
-        groups: Seq[int],
+        topology: Topology,
         start: float,
         routing: str = "least_loaded",
+        migrate: str = "none",
+        generation: Callable[[int], int] | None = None,
+        *,
+        kept: Seq[Completion] = (),
+        keep: Callable[[Completion], None] | None = None,
+        die_after: int | None = None,
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
-        self.channel = channel
-        self.pending = sorted(requests, key=lambda r: r.arrival)  # stable: request order within a time
-        self.groups = list(groups)  # the entry groups
-        self.start = start
-        self.routing = routing
-        self.sent = dict.fromkeys(self.groups, 0)
-        self.sent_tokens: dict[int, list[int]] = {g: [] for g in self.groups}
+        if migrate not in MIGRATE:
+            raise ValueError(f"fault.migrate must be one of {MIGRATE}, got {migrate!r}")
+        self.channel, self.topology, self.start, self.routing = channel, topology, start, routing
+        self.migrate, self.generation = migrate, generation
+        self.originals = {r.id: r for r in requests}
+        self.completions: dict[int, Completion] = {c.id: c for c in kept}
+        self.kept = len(self.completions)
+        self.pending = sorted((r for r in requests if r.id not in self.completions), key=lambda r: r.arrival)
+        self.groups = [endpoint_of(g) for g in topology.entries]  # the live entries' endpoints
+        self.takers = [endpoint_of(g) for g in topology.takers]  # the live takers' endpoints
+        self.sent = dict.fromkeys(self.groups + self.takers, 0)
+        self.sent_tokens: dict[str, list[int]] = {e: [] for e in self.groups + self.takers}
+        self.handoffs: list[Request] = []  # resumed from an entry's KV, waiting for a live taker
+        self.capacity: dict[str, int] = {}  # taker endpoint -> its slots (see _slots)
+        self.generations = [0] * topology.groups
+        self.where: dict[int, str] = {}  # request id -> the endpoint it was last sent to
+        self.so_far: dict[int, list[int]] = {}  # request id -> its output before that endpoint
+        self.first_token: dict[int, float] = {}  # request id -> job-clock time of its first token (journaled)
+        self.held: dict[int, list[Request]] = {}  # group -> requests waiting for its next generation
+        self.keep, self.die_after = keep or (lambda c: None), die_after
+        self.migrations: list[Migration] = []
+        # ("died" | "ready", endpoint) in the order the router saw them: tests check what happened
+        # between two of them (the steps journaled meanwhile, see Migration), never how long it took
+        self.observed: list[tuple[str, str]] = []
+        self._journaled: dict[str, tuple[int, int]] = {}  # endpoint -> (bytes of its journal counted, steps in them)
+        self.routed: dict[int, list[str]] = {}  # request id -> every endpoint it was sent to
+        self._read = 0  # ``done`` entries read
         self.error: BaseException | None = None
         self.stopped = threading.Event()  # set when rank 0 leaves the job's serving (also on an error)
         self.thread = threading.Thread(target=self._run, name="reshard-router", daemon=True)
@@ -388,18 +150,26 @@ class Router:
             raise RuntimeError(f"the router failed: {self.error}") from self.error
 
     def _run(self) -> None:
+        """Collect, watch the groups' generations, place what arrived; ``all_done`` at the end."""
         try:
             tries = 0
-            while self.pending and not self.stopped.is_set():
+            while len(self.completions) < len(self.originals) and not self.stopped.is_set():
+                self._collect()
+                if self.generation is not None:
+                    self._watch()
                 tries = 0 if self._dispatch() else tries + 1
                 if tries:  # nothing handed out: look again soon, or when the next request arrives
-                    until = self._next_arrival() - time.time()
-                    time.sleep(min(backoff(tries), until) if until > 0 else backoff(tries))
-            for g in self.groups:
-                self._send(g, None)
+                    time.sleep(self._pause(tries))
+            if len(self.completions) == len(self.originals):
+                self.channel.put("all_done", time.time())
         except BaseException as e:  # reported by __exit__ on rank 0; groups then time out by name
             self.error = e
 
+    def _pause(self, tries: int) -> float:
+        until = self._next_arrival() - time.time()
+        return min(backoff(tries), until) if until > 0 else backoff(tries)
+
+    # ---- placement --------------------------------------------------------------------------------
     def _next_arrival(self) -> float:
         """Wall-clock time of the earliest request not yet arrived (``inf``: all have)."""
         now = time.time() - self.start
@@ -422,7 +192,10 @@ class Router:
             handed = True
         return handed
 
-    def _choose(self, request: Request) -> int | None:
+    def _choose(self, request: Request) -> str | None:
+        """The live entry to send ``request`` to (None: none has room now, or every one is down)."""
+        if not self.groups:
+            return None
         if self.routing == "round_robin":
             return self.groups[sum(self.sent.values()) % len(self.groups)]
         room = {g: self._room(g) for g in self.groups}
@@ -432,17 +205,238 @@ class Router:
         fits = [g for g, (slots, tokens) in room.items() if slots >= 1 and tokens >= need]
         return max(fits, key=lambda g: room[g][1]) if fits else None
 
-    def _room(self, g: int) -> tuple[int, int] | None:
-        """(free slots, free KV tokens) of group ``g``, less what it was handed since it last said
-        (None: it has not said yet)."""
+    def _room(self, g: str) -> tuple[int, int] | None:
+        """(free slots, free KV tokens) of endpoint ``g``, less what it was handed since it last
+        said (None: it has not said yet). An entry has none while the taker it streams to is
+        down (its prompts' KV would have nowhere to go) or has a backlog of twice its slots
+        (prompt groups run ahead of token groups no further than their mirrors hold)."""
         if not self.channel.ready(f"load/{g}"):
             return None
         load: Load = self.channel.get(f"load/{g}")
         since = self.sent_tokens[g][load.taken :]
-        return load.free_slots - len(since), load.free_tokens - sum(since)
+        room = load.free_slots - len(since), load.free_tokens - sum(since)
+        if not self.takers or g in self.takers:
+            return room
+        taker = self.topology.successor(int(g.split(".")[0]), kv=False)
+        endpoint = endpoint_of(taker, self.generations[taker])
+        slots = self._slots(endpoint)
+        if endpoint not in self.takers or (slots is not None and self._backlog(taker) >= 2 * slots):
+            return (0, 0)
+        return room
 
-    def _send(self, g: int, request: Request | None) -> None:
+    def _slots(self, taker: str) -> int | None:
+        """A taker's slots: the most it ever reported free (None: it has not reported)."""
+        if self.channel.ready(f"load/{taker}"):
+            self.capacity[taker] = max(self.capacity.get(taker, 0), self.channel.get(f"load/{taker}").free_slots)
+        return self.capacity.get(taker)
+
+    def _backlog(self, taker: int) -> int:
+        """Requests at group ``taker``, or at the entries that stream to it, not yet finished."""
+        upstream = {g for g in self.topology.entries if self.topology.successor(g, kv=False) == taker} | {taker}
+        return sum(int(e.split(".")[0]) in upstream for e in self.where.values())
+
+    def _send(self, g: str, request: Request) -> None:
+        if self.takers and int(g.split(".")[0]) in self.topology.entries:
+            request = _prefill_only(request)  # an entry of a disaggregated job: its first token, then a hand-off
         self.channel.post(g, request)
         self.sent[g] += 1
-        if request is not None:
-            self.sent_tokens[g].append(len(request.prompt_ids) + request.sampling.max_new_tokens)
+        self.sent_tokens[g].append(len(request.prompt_ids) + request.sampling.max_new_tokens)
+        self.where[request.id] = g
+        self.routed.setdefault(request.id, []).append(g)
+
+    # ---- completions and hand-offs ----------------------------------------------------------------
+    def _collect(self) -> None:
+        """Completions published since the last look (a prefilled request's: its hand-off)."""
+        for c in self.channel.read_list("done", self._read):
+            self._read += 1
+            source = self.where.pop(c.id, None)
+            if c.timing is not None and c.id not in self.first_token:
+                self.first_token[c.id] = c.timing.first_token
+            if self.topology.takers and not self._finished(c.id, c.output_ids, c.finish_reason):
+                self._hand_off(c.id, c.output_ids, source)
+                continue
+            if c.timing is not None:  # migrated or handed off: its first token came earlier
+                c.timing = dataclasses.replace(c.timing, first_token=self.first_token[c.id])
+            self._complete(c)
+
+    def _complete(self, c: Completion) -> None:
+        self.completions[c.id] = c
+        self.keep(c)
+        if self.die_after is not None and len(self.completions) >= self.die_after:
+            die()  # fault injection: the router's process, with its supervisor's engine
+
+    def _finished(self, rid: int, output: Seq[int], reason: str | None) -> bool:
+        """Whether request ``rid`` ended with ``output`` (a prefilled request's ``length`` is its hand-off)."""
+        return reason == "stop" or (reason is not None and len(output) >= self.originals[rid].sampling.max_new_tokens)
+
+    def _hand_off(self, rid: int, tokens: Seq[int], source: str) -> None:
+        """Request ``rid``, prefilled by entry ``source`` with ``tokens`` so far, to a taker: the
+        one ``source`` streams its KV to if it is live, else the one with the most room (which
+        prefills it again), else the first taker to come back."""
+        o = self.originals[rid]
+        self.so_far[rid] = list(tokens)
+        self.handoffs.append(dataclasses.replace(o.resume(list(tokens)), kv_source=source))
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        while self.handoffs and self.takers:
+            request = self.handoffs.pop(0)
+            mirror = self.topology.successor(int(request.kv_source.split(".")[0]), self.migrate == "kv")
+            paired = endpoint_of(mirror, self.generations[mirror])
+            rooms = {e: self._room(e) or (0, 0) for e in self.takers}
+            self._send(paired if paired in self.takers else max(rooms, key=lambda e: rooms[e][1]), request)
+
+    # ---- failures -----------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Groups whose generation moved on: migrate the old one's requests; groups whose new
+        generation is ready: route to it again. While a group is down, the steps journaled are
+        counted before its ready key is looked at (a count the look finds unset was made while
+        it was down: :attr:`Migration.steps_down`)."""
+        before = len(self.observed)  # observations made before this pass
+        steps = self._steps() if any(m.rejoined is None for m in self.migrations) else None
+        for g, known in enumerate(self.generations):
+            current = self.generation(g)
+            if current > known:
+                self._collect()  # whatever the dead generation published before it died
+                self._fail(g, known)
+                self.generations[g] = current
+            endpoint = endpoint_of(g, self.generations[g])
+            if ("ready", endpoint) in self.observed:
+                continue
+            if self.channel.ready(f"ready/{endpoint}"):
+                order = self._observe("ready", endpoint)
+                if endpoint not in self.groups + self.takers:
+                    self._rejoin(g, endpoint, order)
+            elif steps is not None:
+                for m in self.migrations:
+                    if m.endpoint.split(".")[0] == str(g) and m.rejoined is None and m.order < before:
+                        m.steps_down = steps
+
+    def _observe(self, what: str, endpoint: str) -> int:
+        """Record that the router saw ``endpoint`` die or become ready; returns its place."""
+        self.observed.append((what, endpoint))
+        return len(self.observed) - 1
+
+    def _steps(self) -> dict[str, int]:
+        """The steps every endpoint has journaled: each group's current generation counted now,
+        an earlier one as last counted (a dead generation's: every step it ran)."""
+        for g, k in enumerate(self.generations):
+            self._count(endpoint_of(g, k))
+        return {e: n for e, (_, n) in self._journaled.items()}
+
+    def _count(self, endpoint: str) -> None:
+        """Count the steps appended to ``endpoint``'s journal since the last count."""
+        key = f"journal/{endpoint}"
+        if not self.channel.ready(key):
+            return
+        blob = self.channel.store.get(key)
+        counted, steps = self._journaled.get(endpoint, (0, 0))
+        stream = io.BytesIO(blob)
+        stream.seek(counted)
+        while stream.tell() < len(blob):
+            pickle.load(stream)
+            steps += 1
+        self._journaled[endpoint] = (len(blob), steps)
+
+    def _fail(self, g: int, generation: int) -> None:
+        """Generation ``generation`` of group ``g`` died: its requests go on elsewhere."""
+        from reshard.parallel.fault.journal import read_journal, tokens_by_request  # (the fault layer imports this one)
+
+        dead = endpoint_of(g, generation)
+        for live in (self.groups, self.takers):
+            if dead in live:
+                live.remove(dead)
+        steps = self._steps()  # self.generations still names the dead one: its every step
+        migration = Migration(dead, time.time() - self.start, self._observe("died", dead), steps, dict(steps))
+        self.migrations.append(migration)
+        journal = tokens_by_request(read_journal(self.channel, dead))
+        moved = []
+        for rid in [r for r, e in self.where.items() if e == dead]:
+            del self.where[rid]
+            request = self._continued(rid, journal.get(rid, ({}, None, None)), migration)
+            if request is not None:
+                moved.append(request)
+        if self.migrate == "kv" and self.topology.hosted:  # its supervisors keep its KV for its next generation
+            host = endpoint_of(self.topology.host)
+            kept = [dataclasses.replace(r, kv_source=host) if r.resumed else r for r in moved]
+            self.held.setdefault(g, []).extend(kept)
+        elif self.migrate == "none":
+            self.held.setdefault(g, []).extend(moved)
+        elif self.migrate == "kv" and (holder := self._holder(g)) is not None:
+            self._adopt(moved, dead, holder, migration)
+        else:  # reprefill (or no live group holds its KV)
+            migration.reprefilled_tokens += sum(r.resumed for r in moved)
+            self.pending[:0] = moved  # arrived already: ahead of the rest
+
+    def _holder(self, g: int) -> str | None:
+        """The live endpoint that mirrors group ``g``'s KV for migration (an entry of a
+        disaggregated job has none: what it prefilled was handed off)."""
+        h = self.topology.successor(g, kv=True)
+        if h is None or (g in self.topology.entries and self.takers):
+            return None
+        endpoint = endpoint_of(h, self.generations[h])
+        return endpoint if endpoint in self.groups + self.takers else None
+
+    def _continued(self, rid: int, journaled: tuple, migration: Migration) -> Request | None:
+        """Request ``rid`` continued after its tokens in the dead generation's journal
+        (``(tokens, finish reason, first token time)``); None when the journal finished it."""
+        tokens, reason, first = journaled
+        original, so_far = self.originals[rid], _merged(self.so_far.get(rid, []), tokens)
+        if first is not None and rid not in self.first_token:
+            self.first_token[rid] = first - self.start
+        prefilled = reason is not None and self.topology.takers and not self._finished(rid, so_far, reason)
+        if prefilled:  # an entry of a disaggregated job ran it to its first token: its hand-off
+            self._hand_off(rid, so_far, migration.endpoint)
+            return None
+        if reason is not None:
+            self._complete(Completion(rid, list(original.prompt_ids), so_far, reason))
+            migration.completed.append(rid)
+            return None
+        if not so_far:
+            migration.restarted.append(rid)
+            return original
+        self.so_far[rid] = so_far
+        migration.resumed.append(rid)
+        migration.tokens[rid] = len(so_far)
+        return original.resume(so_far)
+
+    def _adopt(self, moved: list[Request], dead: str, holder: str, migration: Migration) -> None:
+        """``migrate="kv"``: the dead endpoint's requests to ``holder``, which mirrors its KV (a
+        request with no token yet is routed as any other)."""
+        for request in moved:
+            if request.resumed == 0:
+                self.pending.insert(0, request)
+                continue
+            self._send(holder, dataclasses.replace(request, kv_source=dead))
+            migration.adopted_by = holder
+
+    def _rejoin(self, g: int, endpoint: str, order: int) -> None:
+        """Group ``g``'s new generation ``endpoint`` is ready (observation ``order``): route to it."""
+        (self.groups if g in self.topology.entries else self.takers).append(endpoint)
+        self.sent.setdefault(endpoint, 0)
+        self.sent_tokens.setdefault(endpoint, [])
+        for m in self.migrations:
+            if m.endpoint.split(".")[0] == str(g) and m.rejoined is None:
+                m.rejoined, m.rejoined_order = time.time() - self.start, order
+                m.adopted_by = endpoint if self.topology.hosted and self.migrate == "kv" else m.adopted_by
+        for request in self.held.pop(g, []):  # migrate="none": they waited for this generation
+            self._send(endpoint, request)
+        self._hand_out()
+
+
+def _prefill_only(request: Request) -> Request:
+    """``request`` as an entry of a disaggregated job runs it: up to its first token."""
+    first = dataclasses.replace(request.sampling, max_new_tokens=1, min_tokens=min(request.sampling.min_tokens, 1))
+    return dataclasses.replace(request, sampling=first)
+
+
+def _merged(before: list[int], tokens: dict[int, int]) -> list[int]:
+    """``before`` (a request's output known so far) with ``tokens`` (by output index) written in
+    and everything after the last of them dropped."""
+    if not tokens:
+        return list(before)
+    out = list(before[: max(tokens) + 1])
+    out += [0] * (max(tokens) + 1 - len(out))
+    for i, t in tokens.items():
+        out[i] = t
+    return out

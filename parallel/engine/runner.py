@@ -33,10 +33,10 @@ from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 from reshard.kv.swap import MicrobatchSwap, PrefillSwap
 from reshard.layers.weights import use_weights
 from reshard.mesh import cached_group
+from reshard.parallel.engine.channel import GroupLayout
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.events import LayerHooks
 from reshard.parallel.engine.request import Sequence, batch_kind
-from reshard.parallel.engine.router import GroupLayout
 from reshard.parallel.engine.splits import StageLink, TokenSplit, split_ranges
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info

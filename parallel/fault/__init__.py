@@ -1,8 +1,9 @@
 """Fault tolerance: supervised ranks (``fault.migrate``), failures kept inside their engine group.
 
 - ``supervisor.py``: :class:`Supervisor`, each rank's engine run as a child and respawned in the job;
-- ``migrate.py``: :class:`SupervisedRouter`, the router that outlives every engine and moves a dead
-  generation's requests on (with their KV, re-prefilled, or held for the group's respawn);
+- the job's one router (:class:`reshard.parallel.engine.router.Router`) moves a dead generation's
+  requests on (with their KV, re-prefilled, or held for the group's respawn): a failure is one of
+  its events;
 - ``mirror.py``: :class:`KVMirror`, each rank's KV streamed to a peer group's rank of the same
   position, and the engine's KV connector for requests resumed from it;
 - ``host.py``: :class:`MirrorHost`, a lockstep group's KV kept by its supervisors for its next generation;

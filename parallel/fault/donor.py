@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.background import Background
-from reshard.parallel.engine.router import Channel
+from reshard.parallel.engine.channel import Channel
 from reshard.parallel.fault.link import Link, Links
 
 WATCH_S = 0.1  # how often a donor looks for requests (and a taker at its transfer)

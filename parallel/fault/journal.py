@@ -1,6 +1,6 @@
 """Each engine group's journal in a supervised job: every step's agreed tokens (with their finish
 reasons and the wall-clock time), appended to the job's store by the group's leader, and its
-heartbeat; what the router reads back when a group dies (:mod:`reshard.parallel.fault.migrate`).
+heartbeat; what the router reads back when a group dies (:mod:`reshard.parallel.engine.router`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pickle
 import time
 
 from reshard.parallel.engine import Engine
+from reshard.parallel.engine.channel import Channel
 from reshard.parallel.engine.request import NO_TOKEN
-from reshard.parallel.engine.router import Channel
 from reshard.parallel.fault.inject import inject_kill
 from reshard.parallel.fault.supervisor import ChildSpec
 

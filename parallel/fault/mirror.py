@@ -5,7 +5,7 @@ to token groups the same way.
 Rank ``i`` of an engine group streams the KV entries it writes to rank ``i`` of its successor
 group (the same position: the same layers and heads, since the groups are replicas of one
 layout; which group follows which is the job's
-:class:`reshard.parallel.fault.migrate.Topology`), which keeps them in a mirror per source
+:class:`reshard.parallel.engine.channel.Topology`), which keeps them in a mirror per source
 (:class:`Landing`: contiguous slots of its own, each request's slot and landed length). Groups
 do not step together, so each message names what it carries (request ids, slots, token ranges)
 and the receiver unpacks it as it lands, on a thread of its own. Each direction is a two-rank

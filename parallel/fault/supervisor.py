@@ -70,8 +70,7 @@ class Supervisor:
     """Runs ``target(spec, *args)`` in a child process for this ``rank`` of engine ``group``
     (``members``: its ranks) and replaces it when it dies, up to ``max_respawns`` times.
 
-    ``store``: the job's store (the supervisors' and children's control plane); ``on_poll(spec)``
-    runs at every look at the live child ``spec`` (e.g. to end its input); once ``done()``, a
+    ``store``: the job's store (the supervisors' and children's control plane); once ``done()``, a
     child that is not ``ready`` yet is not needed and is stopped. :meth:`run`
     returns once the child exits with status 0; a child that dies moves the group's generation
     on (the first member to see it); a member whose group moved on kills its own child and starts
@@ -91,7 +90,6 @@ class Supervisor:
         args: tuple = (),
         *,
         max_respawns: int = 3,
-        on_poll: Callable[[ChildSpec], None] | None = None,
         warm_spare: bool = True,
         ready: Callable[[ChildSpec], bool] | None = None,
         warm: tuple[str, ...] = (),
@@ -102,7 +100,6 @@ class Supervisor:
     ) -> None:
         self.store, self.rank, self.group, self.members = store, rank, group, tuple(members)
         self.target, self.args, self.max_respawns = target, args, max_respawns
-        self.on_poll = on_poll or (lambda spec: None)
         self.warm_spare, self.ready, self.warm = warm_spare, ready or (lambda spec: True), warm
         self._spare: _Spare | None = None
         self.log = log or (lambda event: None)
@@ -180,7 +177,6 @@ class Supervisor:
             if self.warm_spare and self._spare is None and ready:
                 self._spare = _Spare(f"reshard-spare{self.rank}", self.warm)
                 self._event("spare", spec, spare=self._spare.process.pid)
-            self.on_poll(spec)
 
     def _is_hung(self, spec: ChildSpec) -> bool:
         """Kill the child if its group has been silent too long (whether it was)."""

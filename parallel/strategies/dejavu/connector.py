@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from reshard.kv import KVCache
 from reshard.kv.stream import KVStreamer, StreamIn
 from reshard.kv.stream_plan import Span
+from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.engine.request import Request, Sequence
-from reshard.parallel.engine.router import Handoff
 
 
 @dataclass

@@ -23,7 +23,7 @@ from reshard.parallel.engine import (
     Step,
     StepOutput,
 )
-from reshard.parallel.engine.router import Handoff
+from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.runner import Replica
 from reshard.parallel.engine.splits import split_ranges
 from reshard.parallel.model.dims import ParallelDims

@@ -27,7 +27,7 @@ from reshard.parallel.engine import (
     WorkloadShape,
     register_strategy,
 )
-from reshard.parallel.engine.router import GroupLayout
+from reshard.parallel.engine.channel import GroupLayout
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.pipeline import build_model
@@ -64,9 +64,7 @@ def dejavu_groups_engine(
     entries = tuple(range(prompt_dims.dp))
     side = "prompt" if dist.get_rank() in prompt_dims.ranks else "token"
     index = next(i for i, ranks in enumerate(groups) if dist.get_rank() in ranks)
-    layout = GroupLayout(
-        index, len(groups), groups[index], entries, 1 if side == "prompt" else len(entries), "dejavu", None
-    )
+    layout = GroupLayout(index, len(groups), groups[index], entries, "dejavu", None)
     streamers = _streamers(layouts, groups, index, entries)
     if side == "prompt":
         tokens = [g for g in range(len(groups)) if g not in entries]

@@ -1,0 +1,196 @@
+"""Where an engine group's loop takes its requests from (:class:`Admission`).
+
+What a group admits is read by every rank of the group at the same step, so the group stays in
+step without a message of its own: its leader (first rank) proposes how many new requests it can
+see, the proposal rides on the step's one token all-reduce (``Step.agree``), and every rank then
+takes exactly that many. A group with nothing to run waits for exactly its next request.
+
+- :class:`LocalAdmission`: one group owns the whole request list (lockstep strategies, a
+  single replica). Offline, everything is admitted at the start (the loop as it always was);
+  online, a request is admitted once its arrival time has passed on the leader's clock.
+- :class:`RoutedAdmission`: one group of several; its requests come from the job's
+  :class:`reshard.parallel.engine.router.Router` (and hand-offs from other groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+from reshard.parallel.engine.channel import Channel, GroupLayout, Handoff, Load
+from reshard.parallel.engine.request import Request
+
+ADMIT = "_admitted"  # the key of the admission proposal in a step's agreed integers
+
+
+class Admission:
+    """Where a group's loop takes requests from; every rank of the group calls the same methods
+    at the same steps and gets the same requests."""
+
+    taken = 0  # requests handed to the loop so far
+    exhausted = False  # no request will come any more
+
+    def initial(self) -> list[Request]:
+        """Requests admitted before the first step."""
+        return []
+
+    def proposal(self) -> int:
+        """The leader's count of new requests it can hand over now (0 on other ranks)."""
+        return 0
+
+    def take(self, count: int) -> list[Request]:
+        """The next ``count`` requests (the agreed proposal)."""
+        assert count == 0, count
+        return []
+
+    def wait_next(self) -> list[Request]:
+        """Nothing to run: block until exactly the next request (``[]`` if none will come)."""
+        self.exhausted = True
+        return []
+
+    def report(self, load: Load | None, finished: list) -> None:
+        """After a step: the group's free room (leader) and the completions of the requests that
+        finished in it."""
+
+    def hand_off(self, handoff: Handoff) -> None:
+        """Pass sequences to another group (only groups of a routed job have others)."""
+        raise ValueError(f"a single engine group cannot hand requests to group {handoff.target}")
+
+
+class LocalAdmission(Admission):
+    """One group owns ``requests``; ``start`` is the job's wall-clock start (``time.time()``) and
+    a request is admitted ``request.arrival`` seconds after it. Offline (every arrival 0): all
+    at once, before the first step."""
+
+    def __init__(self, requests: Seq[Request], start: float, leader: bool, progress=None) -> None:
+        self.requests = sorted(requests, key=lambda r: r.arrival)  # stable: request order within a time
+        self.start = start
+        self.leader = leader
+        self.online = any(r.arrival > 0 for r in self.requests)
+        self.progress = progress
+
+    def initial(self) -> list[Request]:
+        return [] if self.online else self._next(len(self.requests))
+
+    def proposal(self) -> int:
+        if not self.leader:
+            return 0
+        now = time.time() - self.start
+        rest = self.requests[self.taken :]
+        return next((i for i, r in enumerate(rest) if r.arrival > now), len(rest))
+
+    def take(self, count: int) -> list[Request]:
+        return self._next(count)
+
+    def wait_next(self) -> list[Request]:
+        if self.taken == len(self.requests):
+            self.exhausted = True
+            return []
+        time.sleep(max(0.0, self.start + self.requests[self.taken].arrival - time.time()))
+        return self._next(1)
+
+    def report(self, load: Load | None, finished: list) -> None:
+        if self.progress is not None and finished:
+            self.progress.update(len(finished))
+
+    def _next(self, count: int) -> list[Request]:
+        out = self.requests[self.taken : self.taken + count]
+        self.taken += len(out)
+        self.exhausted = self.taken == len(self.requests)
+        return out
+
+
+class RoutedAdmission(Admission):
+    """Group ``layout.index``'s share of the job, handed out by the router (and hand-offs from
+    other groups) as keys ``assign/<endpoint>/<k>``; the leader publishes its :class:`Load` and
+    appends every completion to the channel's ``done`` list as the request finishes (the router
+    collects them there). The input ends with a ``None``, which the leader posts itself once the
+    router has every completion (``all_done``): everything ever posted to the group was posted
+    before that, so nothing is left unread.
+
+    ``endpoint``: the router's name for this group, ``<index>.<generation>`` (default generation
+    0; a supervised group's names its own, :class:`reshard.parallel.fault.supervisor.ChildSpec`);
+    ``beat()``: called while it waits for requests (a supervised group's heartbeat).
+    """
+
+    def __init__(
+        self,
+        channel: Channel,
+        layout: GroupLayout,
+        progress=None,
+        timeout: datetime.timedelta | None = None,
+        *,
+        endpoint: str | None = None,
+        beat: Callable[[], None] | None = None,
+    ) -> None:
+        self.channel, self.beat = channel, beat
+        self.layout = layout
+        self.progress = progress
+        self.timeout = timeout
+        self.endpoint = endpoint_of(layout.index) if endpoint is None else endpoint
+        self.ended = False  # the leader posted the None that ends the input
+
+    def _key(self, k: int) -> str:
+        return f"assign/{self.endpoint}/{k}"
+
+    read = 0  # assignment keys read (requests, hand-offs and the ``None`` that ends the input)
+
+    def proposal(self) -> int:
+        if not self.layout.is_leader or self.exhausted:
+            return 0
+        count = 0
+        while self.channel.ready(self._key(self.read + count)):
+            count += 1
+        return count
+
+    def _end_if_done(self) -> None:
+        """The leader ends the group's input once the router has every completion (looked at
+        while the group waits for requests: a group with work is not done)."""
+        if self.layout.is_leader and not self.ended and self.channel.ready("all_done"):
+            self.channel.post(self.endpoint, None)
+            self.ended = True
+
+    def take(self, count: int) -> list[Request]:
+        values = [self.channel.get(self._key(self.read + i)) for i in range(count)]
+        self.read += count
+        self.exhausted = None in values
+        items = [v for v in values if v is not None]
+        self.taken += sum(v.open if isinstance(v, Handoff) else 1 for v in items)
+        return items
+
+    def wait_next(self) -> list[Request]:
+        if self.exhausted:
+            return []
+        what = f"engine group {self.layout.index} waiting for requests"
+        self.channel.wait(self._key(self.read), what, self.timeout, self._poll)
+        return self.take(1)
+
+    def _poll(self) -> None:
+        if self.beat is not None:
+            self.beat()
+        self._end_if_done()
+
+    def report(self, load: Load | None, finished: list) -> None:
+        if not self.layout.is_leader:
+            return
+        if load is not None:
+            self.channel.put(f"load/{self.endpoint}", dataclasses.replace(load, taken=self.taken))
+        for completion in finished:
+            self.channel.append("done", completion)
+        if finished:
+            done = self.channel.add("finished", len(finished))
+            if self.progress is not None:
+                self.progress.n = done
+                self.progress.refresh()
+
+    def hand_off(self, handoff: Handoff) -> None:
+        if self.layout.is_leader:
+            self.channel.post(endpoint_of(handoff.target), handoff)
+
+
+def endpoint_of(group: int, generation: int = 0) -> str:
+    """The router's name for generation ``generation`` of engine group ``group``."""
+    return f"{group}.{generation}"
