@@ -154,10 +154,11 @@ def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
             )
         return prompt.tp, Topology.disaggregated(prompt.dp, token.dp)
     if strategy.name != "tp":  # Seesaw, SiDP, Shift: one group of every rank, restarted whole in the job
-        if migrate == "kv" and strategy.name == "sidp":
+        why = _unhosted(strategy, world) if migrate == "kv" else None
+        if why is not None:
             raise ValueError(
                 "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the "
-                "group's next generation; parallel.strategy='sidp' runs a replica per rank "
+                f"group's next generation; parallel.strategy={strategy.name!r} {why} "
                 "(use fault.migrate=reprefill or none)"
             )
         return world, Topology.lockstep(hosted=migrate == "kv")
@@ -170,6 +171,17 @@ def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
     if dims.dp == 1:  # one group of every rank: its supervisors keep its KV (kv)
         return dims.tp * dims.pp, Topology.lockstep(hosted=migrate == "kv")
     return dims.tp * dims.pp, Topology.ring(dims.dp)
+
+
+def _unhosted(strategy: Strategy, world: int) -> str | None:
+    """Why the supervisors cannot keep this lockstep strategy's KV for its next generation (None: they can)."""
+    if strategy.name == "sidp":
+        return "runs a replica per rank"
+    if strategy.name == "seesaw":
+        decode = strategy.layouts(world)["decode"]
+        if decode.dp > 1 or decode.pp > 1:  # a mirror agrees per group, and adopts on every rank in its step
+            return f"decodes in {decode.dp} replicas x {decode.pp} pipeline stages (parallel.decode.dp/pp must be 1)"
+    return None
 
 
 def _group_strategy(cfg: GenerateConfig, world: int, path: str) -> Strategy:

@@ -145,7 +145,14 @@ def _compose(name, overrides):
         (
             "generate",
             ["parallel=dejavu", "compile=true"],
-            r"^parallel=dejavu runs contiguous, eager KV caches; got engine.kv_block_size=None and compile=True",
+            r"^parallel=dejavu runs contiguous, eager KV caches on the device; got engine.kv_block_size=None, "
+            r"compile=True and kv_swap=False",
+        ),
+        (
+            "generate",
+            ["parallel=dejavu", "engine.kv_swap=true", "engine.num_microbatches=2"],
+            r"^parallel=dejavu runs contiguous, eager KV caches on the device; got engine.kv_block_size=None, "
+            r"compile=False and kv_swap=True",
         ),
         (
             "generate",

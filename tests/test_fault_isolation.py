@@ -419,8 +419,17 @@ def _refused(overrides, run_dir):
 
 
 def test_kv_for_sidp_or_in_pipelines_is_refused(tmp_path):
-    for strategy, why in [("sidp", "runs a replica per rank")]:
-        overrides = [*BASE, f"parallel={strategy}", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
+    refused = [
+        ("sidp", [], "runs a replica per rank"),
+        (
+            "seesaw",
+            ["parallel.decode.dp=2", "parallel.decode.tp=1"],
+            "decodes in 2 replicas x 1 pipeline stages (parallel.decode.dp/pp must be 1)",
+        ),
+    ]
+    cache = f"model.cache_dir={tmp_path / 'cache'}"
+    for strategy, layout, why in refused:
+        overrides = [*BASE, f"parallel={strategy}", *layout, "fault.migrate=kv", cache]
         for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
             assert message == (
                 "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the group's "

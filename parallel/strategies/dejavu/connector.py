@@ -118,6 +118,10 @@ class StreamedKV(KVConnector):
             if request is not None
             else next((k for k, i in self.incoming.items() if not i.landed), None)
         )
+        self.land(key)
+
+    def land(self, key: str | None) -> None:
+        """Block until this rank's share of hand-off ``key`` landed (see :meth:`wait_for`)."""
         if key in self.incoming:
             t0 = time.perf_counter()
             self._unpack(self.incoming[key])

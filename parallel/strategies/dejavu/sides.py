@@ -77,6 +77,10 @@ class LockstepSides(Policy):
     def initial_layout(self) -> str:
         return "prompt"
 
+    @property
+    def kv_layout(self) -> str:
+        return "token"  # where a request's KV lives once it runs on
+
     def setup(self, ctx) -> None:
         super().setup(ctx)
         self.prompt.setup(ctx)
@@ -103,7 +107,7 @@ class LockstepSides(Policy):
         for handoff in self.prompt.after_step(step, output):
             self.token.waiting.extend(self.token.streamed.expect(handoff))
             if not handoff.open:
-                self.token.streamed.wait_for()
+                self.token.streamed.land(f"{handoff.source}:{handoff.tag}")
         self.token.count()
 
     def retire(self, seq) -> None:

@@ -272,10 +272,11 @@ class DejaVuStrategy(Strategy):
 
     def check_args(self, config: EngineConfig) -> None:
         super().check_args(config)
-        if config.kv_block_size is not None or config.compile:
+        if config.kv_block_size is not None or config.compile or config.kv_swap:
             raise ValueError(
-                f"parallel=dejavu runs contiguous, eager KV caches; got engine.kv_block_size={config.kv_block_size} "
-                f"and compile={config.compile} (set them to null and false)"
+                f"parallel=dejavu runs contiguous, eager KV caches on the device; got engine.kv_block_size="
+                f"{config.kv_block_size}, compile={config.compile} and kv_swap={config.kv_swap} "
+                "(set them to null, false and false)"
             )
 
     def build(self, path: str | os.PathLike, config: EngineConfig) -> Engine:

@@ -159,8 +159,9 @@ class SeesawPolicy(ContinuousBatching):
     def next_step(self, queue: deque) -> Step:
         """The scheduler's phase; its layout is that phase's (a transition when it is not the
         active one: the engine makes it before the step). A queued request that resumes with
-        its tokens so far (a respawn's) goes to the decode side."""
-        for request in [r for r in queue if r.resumed]:
+        its tokens so far and KV elsewhere (a respawn's, ``kv_source`` naming its mirror) goes to
+        the decode side; one without (prefilled again) is prefilled in the prefill layout."""
+        for request in [r for r in queue if r.resumed and r.kv_source]:
             queue.remove(request)
             self.buffered.append(request)
         phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
