@@ -65,8 +65,8 @@ class LockstepSides(Policy):
     work. A prefilled prompt's hand-off goes straight to the token side's connector, as a token
     group's does: its requests resume awaiting KV until it landed on every rank (the ranks
     outside the token layout count theirs landed at once), so a hand-off is one path whether the
-    sides are groups or not. The prompt side admits no more prompts than the connector has free
-    staging slots."""
+    sides are groups or not. The prompt side admits no more prompts than the token side has
+    slots left (as when each request held a token slot from its admission)."""
 
     stats_cls = DejaVuStats
 
@@ -92,12 +92,15 @@ class LockstepSides(Policy):
         self._prefilled = False  # the last step was a prompt step
 
     def next_step(self, queue) -> Step:
-        room = len(self.token.streamed.free)
-        if queue and room and not (self._prefilled and (self.token.running or self.token.waiting)):
+        """A prompt step while the token side has slots its waiting requests leave free (and the
+        connector staging slots), alternating with token steps; else a token step."""
+        token = self.token
+        room = min(len(token.streamed.free), len(token.slots) - len(token.waiting))
+        if queue and room > 0 and not (self._prefilled and (token.running or token.waiting)):
             self._prefilled = True
             return self.prompt.next_step(queue, limit=room)
         self._prefilled = False
-        return self.token.next_step(deque())
+        return token.next_step(deque())
 
     def after_step(self, step: Step, output: StepOutput) -> None:
         """A prompt step's hand-off to the token side's connector (its fetches posted now); one
