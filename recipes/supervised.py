@@ -225,8 +225,8 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -
     if mirror is not None and topology.hosted:  # what this rank's host keeps
         channel.put(spec_key(spec.endpoint, position), (mirror.cache.spec, mirror.cache.layout))
     hands_off = spec.group in topology.entries and bool(topology.takers)  # a prompt group
-    if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group: once it is)
-        mirror.wait_connected(starting=hands_off)
+    if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group, or a
+        mirror.wait_connected(starting=hands_off or topology.hosted)  # hosted group: once it is; its host always is)
     with engine:
         engine.serve_routed(channel, spec.endpoint, beat=journal.beat, layout=group)
     channel.put(f"left/{spec.endpoint}", time.time())  # no mirror (or weight taker) waits for it any more

@@ -275,8 +275,10 @@ def test_a_strategy_of_one_group_restarts_whole_in_the_job(tmp_path, reference, 
     assert _gone(events)
 
 
-@pytest.mark.parametrize("strategy", ["shift", "seesaw"])
-def test_a_lockstep_group_respawned_resumes_with_the_kv_its_supervisors_kept(tmp_path, reference, strategy):
+# Seesaw's first 4 steps prefill (8 prompts, 2 slots) into its CPU tier: its decode cache, the one
+# its supervisors keep, first holds KV at step 4, and the kill comes as many decode steps later
+@pytest.mark.parametrize("strategy,kill_step", [("shift", 6), ("seesaw", 10)])
+def test_a_lockstep_group_respawned_resumes_with_the_kv_its_supervisors_kept(tmp_path, reference, strategy, kill_step):
     """Shift and Seesaw (one group of every rank) under ``fault.migrate=kv``: each rank's KV
     streams to its ring successor's supervisor (Seesaw's decode cache, whose prompts come from
     the CPU tier through its connector), which replays it to the group's next generation; the dead
@@ -285,7 +287,7 @@ def test_a_lockstep_group_respawned_resumes_with_the_kv_its_supervisors_kept(tmp
     overrides = [*BASE, f"parallel={strategy}", "workload.num_requests=8", "generation.max_new_tokens=16", *SAMPLED]
     expected = reference(overrides, 2)
     shm = _shm()
-    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=kv", "fault.kill_at=[1,6]"], 2)
+    tokens, summary, events = _run(tmp_path, [*overrides, "fault.migrate=kv", f"fault.kill_at=[1,{kill_step}]"], 2)
     assert tokens == expected and summary["failures"] == 0
     (death,) = summary["fault"]["deaths"]
     assert death["endpoint"] == "0.0" and death["adopted_by"] == "0.1"
