@@ -17,9 +17,9 @@ from tests import dist_harness
 from tests.test_recipe import _run_recipe
 
 COMMON = ["progress=false", "workload.prompt_len_max=40", "engine.max_batch_size=2"]
-# a warm spare costs each supervisor a process importing torch: on 2 cores, seconds per test. The
-# tests of spares (a respawn taken by one; Ctrl-C stops them) and the each-rank-killed tests (their
-# respawns must serve before the job ends) keep them on
+# a warm spare is one more process per supervisor (forked from its fork server: its imports are
+# done, but it holds memory). The tests of spares (a respawn taken by one; Ctrl-C stops them) and
+# the each-rank-killed tests (their respawns must serve before the job ends) keep them on
 BASE = [*COMMON, "fault.warm_spare=false"]
 DP4 = [*COMMON, "parallel.tp=1", "workload.num_requests=32", "generation.max_new_tokens=32"]
 # with migrate=kv the dead groups' requests leave at once: more work keeps the job on while respawns load

@@ -247,7 +247,7 @@ class _Spare:
     work, so a respawn skips the imports (seconds of a child's start)."""
 
     def __init__(self, name: str, warm: tuple[str, ...]) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context(warm)
         self.conn, theirs = ctx.Pipe()
         self.process = ctx.Process(target=_spare_main, args=(theirs, warm), name=name, daemon=True)
         self.process.start()
@@ -262,6 +262,16 @@ class _Spare:
         self.conn.send((target, spec, args))
         self.conn.close()
         return self.process
+
+
+def _context(warm: tuple[str, ...]) -> mp.context.BaseContext:
+    """How children start: forked from this process's fork server, which imported the main
+    module and ``warm`` once (a spawned child imports torch anew: seconds of CPU each). The
+    server is this process's child with no threads of its own; it exits when this process does
+    and its children die with it (:func:`_die_with_parent`)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", *warm])  # (no effect once the server runs)
+    return ctx
 
 
 def _spare_main(conn, warm: tuple[str, ...]) -> None:
