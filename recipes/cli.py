@@ -1,6 +1,8 @@
 """``reshard``: the command line (installed as a console script, as torchtune's ``tune run`` wraps torchrun).
 
     reshard generate [--nproc N] [hydra overrides]    the main job on N ranks (default 1)
+    reshard generate --nnodes M --node-rank R --master-addr A [--master-port P] --nproc N [overrides]
+                                                      on each of M machines: M x N ranks
     reshard rollout  [--nproc N] [hydra overrides]    the RL rollout loop
     reshard plan     [hydra overrides]                the cost model's ranking (one process)
     reshard generate --keys                           every key with its default
@@ -28,10 +30,11 @@ import socket
 import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.recipes.launch import EXIT_INTERRUPTED, EXIT_USER, finished_so_far
+from reshard.recipes.exits import EXIT_INTERRUPTED, EXIT_USER, LAUNCHED_ENV, finished_so_far
 
 RANKED_JOBS = ("generate", "rollout")
 JOBS = (*RANKED_JOBS, "plan")
@@ -42,6 +45,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="reshard", description=__doc__.splitlines()[0], add_help=True)
     p.add_argument("job", choices=JOBS, help="what to run")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (generate, rollout; default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines of the job, each runs this command (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default 0)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
+    p.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 (default 29500)")
     p.add_argument("--keys", action="store_true", help="print every config key with its default, one per line")
     p.add_argument("--check", action="store_true", help="check the config for --nproc ranks and exit (runs nothing)")
     p.add_argument(
@@ -53,13 +60,30 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"unrecognized option {unknown[0]!r} (Hydra overrides are key=value)")
     if args.nproc < 1 or (args.job == "plan" and args.nproc != 1):
         p.error(f"--nproc must be >= 1 (and 1 for plan), got {args.nproc}")
+    if args.nnodes < 1 or (args.job == "plan" and args.nnodes != 1):
+        p.error(f"--nnodes must be >= 1 (and 1 for plan), got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
+    if not 0 < args.master_port < 65536:
+        p.error(f"--master-port must be a port number in 1..65535, got {args.master_port}")
     return args, overrides
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    """The command's exit status; Ctrl-C at any moment is one line and status 130 (once the
+    ranks run, :func:`launch` says how many requests finished)."""
     try:
-        cfg = check(args.job, overrides, args.nproc)
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("interrupted: before any rank started (nothing ran)", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str]) -> int:
+    args, overrides = parse(argv)
+    try:
+        run_dir, overrides = _run_dir(overrides)
+        cfg = check(args.job, overrides, args.nproc * args.nnodes)
         requests = total_requests(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -70,11 +94,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         print(f"ok: the {args.job} config checks for {args.nproc} rank(s)")
         return 0
-    run_dir = new_run_dir()
     overrides = [*overrides, f"hydra.run.dir={run_dir}"]
     if args.job == "plan":
         return run_in_process(args.job, overrides, run_dir)
-    return launch(args.job, overrides, args.nproc, run_dir, requests, args.max_restarts)
+    return launch(args.job, overrides, Nodes.of(args), run_dir, requests, args.max_restarts)
+
+
+def _run_dir(overrides: Sequence[str]) -> tuple[Path, list[str]]:
+    """The job's run directory (the user's ``hydra.run.dir``, else :func:`new_run_dir`) and the
+    overrides without it (the launcher adds it back, once); a sweep key is refused by name."""
+    sweep = next((o for o in overrides if o.lstrip("+~").startswith(("hydra.sweep.", "hydra.mode="))), None)
+    if sweep is not None:
+        raise ValueError(f"{sweep.split('=')[0]}: reshard runs one job per launch (no sweeps); set hydra.run.dir")
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")]
+    rest = [o for o in overrides if not o.lstrip("+").startswith("hydra.run.dir=")]
+    if given and not given[-1]:
+        raise ValueError("hydra.run.dir is empty: name a directory (or leave it out for outputs/<date>/<time>)")
+    return (Path(given[-1]) if given else new_run_dir()), rest
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The machines of a job (``--nnodes``): each runs the launcher with its ``--node-rank``; one
+    machine rendezvouses on a free local port, several on node 0's ``--master-addr:--master-port``
+    (torchrun's static rendezvous)."""
+
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    @staticmethod
+    def of(args: argparse.Namespace) -> Nodes:
+        return Nodes(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
+
+    def rendezvous(self) -> dict:
+        """``LaunchConfig``'s rendezvous keys."""
+        if self.nnodes == 1:
+            return dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+        return dict(
+            rdzv_backend="static",
+            rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
+            rdzv_configs={"rank": self.node_rank},
+        )
 
 
 # ---- before any rank starts -------------------------------------------------------------------
@@ -82,10 +145,12 @@ def check(job: str, overrides: Sequence[str], nproc: int) -> Any:
     """The job's config dataclass, checked as the ranks will check it (layouts and kills against
     ``nproc`` ranks too); ``ValueError`` with one line naming the key otherwise."""
     from reshard.recipes import schema
+    from reshard.recipes.launch import collective_timeout
 
     bad = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if bad:
         raise ValueError(f"{bad[0]!r} is not a key=value override")
+    collective_timeout()  # the environment's timeout, as every rank reads it
     try:
         cfg = schema.compose(job, overrides)
     except ValueError as e:
@@ -93,21 +158,58 @@ def check(job: str, overrides: Sequence[str], nproc: int) -> Any:
     if job == "generate":
         cfg.fault.check_world(nproc)
         cfg.parallel.layouts(nproc)
+        _check_model_path(cfg.model.path)
+        _check_cache_dir(cfg.model.cache_dir)
+    if job == "rollout":
+        from reshard.parallel.strategies.rollout import RankSplit, rollout_dims, rollout_strategy
+
+        r = cfg.rollout
+        split = RankSplit.of(nproc, r.colocated, r.train_ranks)
+        rollout_dims(rollout_strategy(r.layout, tp=r.tp, sp=r.sp), split.rollout)
     return cfg
+
+
+def _check_cache_dir(cache_dir: str | None) -> None:
+    """``ValueError`` for a ``model.cache_dir`` the ranks could not write (the built-in checkpoint
+    is made there)."""
+    if cache_dir is None:
+        return
+    existing = next(p for p in (Path(cache_dir).expanduser(), *Path(cache_dir).expanduser().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"model.cache_dir {cache_dir!r} cannot be written ({str(existing)!r} is not a writable directory)"
+        )
+
+
+def _check_model_path(path: str | None) -> None:
+    """``ValueError`` for a ``model.path`` that names a local directory (``/``, ``.``, ``~``)
+    which is not a checkpoint: missing, without ``config.json``, or one that is not JSON. (A hub
+    id, ``org/name``, resolves on the ranks.)"""
+    if path is None or not str(path).startswith(("/", ".", "~")):
+        return
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ValueError(f"model.path {path!r} is not a directory (a checkpoint directory or a hub id org/name)")
+    config = directory / "config.json"
+    try:
+        json.loads(config.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"model.path {path!r} has no config.json: not an HF checkpoint directory") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.path {path!r}: its config.json is not JSON ({e})") from None
 
 
 def did_you_mean(job: str, message: str, overrides: Sequence[str]) -> str:
     """`` (did you mean 'engine.max_batch_size'?)`` when ``message`` refuses a key that is close to
     one the job has; else ``""``."""
     key = message.split(":", 1)[0]
-    if "not in" not in message or ("." not in key and key not in _given_keys(overrides)):
+    if "not in" not in message:
         return ""
-    close = difflib.get_close_matches(key, all_keys(job, overrides), n=1, cutoff=0.75)
+    keys = all_keys(job, overrides)
+    if "." not in key:  # a top-level name: the sections and keys at the top
+        keys = sorted({k.split(".", 1)[0] for k in keys})
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _given_keys(overrides: Sequence[str]) -> list[str]:
-    return [o.lstrip("+~").split("=", 1)[0] for o in overrides]
 
 
 def all_keys(job: str, overrides: Sequence[str]) -> list[str]:
@@ -148,6 +250,8 @@ def total_requests(cfg: Any) -> int | None:
     if w.prompts_file is None:
         return w.num_requests * cfg.generation.n
     path = Path(w.prompts_file)
+    if path.is_dir():
+        raise ValueError(f"workload.prompts_file {str(path)!r} is a directory; give a JSONL file")
     if not path.is_file():
         raise ValueError(f"workload.prompts_file {str(path)!r} does not exist")
     return len(_prompt_lines(path)) * cfg.generation.n
@@ -176,31 +280,28 @@ def run_in_process(job: str, overrides: Sequence[str], run_dir: Path) -> int:
 
 
 def launch(
-    job: str, overrides: Sequence[str], nproc: int, run_dir: Path, requests: int | None, max_restarts: int = 0
+    job: str, overrides: Sequence[str], nodes: Nodes, run_dir: Path, requests: int | None, max_restarts: int = 0
 ) -> int:
-    """Start ``nproc`` ranks of ``python -m reshard.recipes.<job>`` (torch.distributed's elastic
-    launcher, as torchrun does) and report how they ended."""
+    """Start this node's ``nodes.nproc`` ranks of ``python -m reshard.recipes.<job>``
+    (torch.distributed's elastic launcher, as torchrun does) and report how they ended."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from reshard.recipes.launch import LAUNCHED_ENV
-
     _quiet("torch.distributed.elastic")  # our lines, not the agent's
-    env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nproc > 1 else {})
+    env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nodes.nproc > 1 else {})
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        min_nodes=nodes.nnodes,
+        max_nodes=nodes.nnodes,
+        nproc_per_node=nodes.nproc,
+        run_id=str(uuid.uuid4()) if nodes.nnodes == 1 else "reshard",
         max_restarts=max_restarts,
         monitor_interval=0.1,
+        **nodes.rendezvous(),
     )
     try:
-        elastic_launch(config, sys.executable)("-m", f"reshard.recipes.{job}", *overrides)
+        elastic_launch(config, sys.executable)("-m", "reshard.recipes.rank", job, *overrides)
     except (KeyboardInterrupt, SignalException):
         print(interrupted_line(run_dir, requests), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
@@ -310,7 +411,8 @@ def _remove_if_empty(run_dir: Path, code: int) -> int:
     files (Hydra's log), and then its empty parents under ``outputs/``."""
     if run_dir.is_dir() and all(p.name == ".hydra" or _empty_file(p) for p in run_dir.iterdir()):
         shutil.rmtree(run_dir)
-        for d in (run_dir.parent, run_dir.parent.parent):
+        parents = (run_dir.parent, run_dir.parent.parent) if run_dir.parts[:1] == ("outputs",) else ()
+        for d in parents:  # outputs/<date>/, ours (a hydra.run.dir the user named keeps its parents)
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
     return code

@@ -65,7 +65,7 @@ class GenerationConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int = 0  # the job's: request i samples with seed (seed * 1_000_003 + i) % 2**63
     stop_token_ids: Any = None  # a list of token ids that end a request (null: the model's EOS ids)
     min_tokens: int = 0  # stop tokens are never sampled before this many new tokens (HF min_new_tokens)
     ignore_eos: bool = False  # the model's EOS ids do not end a request (stop_token_ids still do)
@@ -107,7 +107,6 @@ class GenerationConfig:
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
-            seed=self.seed,
             stop_token_ids=None if self.stop_token_ids is None else tuple(self.stop_token_ids),
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,

@@ -18,11 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from reshard.recipes.exits import (  # noqa: F401 (public here too)
+    EXIT_INTERRUPTED,
+    EXIT_USER,
+    FINISHED,
+    LAUNCHED_ENV,
+    finished_so_far,
+)
+
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
-LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads a failed rank's exception
-EXIT_USER, EXIT_INTERRUPTED = 2, 130  # a user error; Ctrl-C (128 + SIGINT, as a shell reports it)
-FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -178,12 +183,6 @@ def _interrupted(run_dir: Path) -> None:
         where = f", kept in {finished.resolve()}" if done else ""
         print(f"interrupted: {done} requests finished{where}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED) from None
-
-
-def finished_so_far(run_dir: Path) -> tuple[int, Path]:
-    """How many requests the run directory's :data:`FINISHED` file holds, and its path."""
-    path = run_dir / FINISHED
-    return (len(path.read_text().splitlines()) if path.exists() else 0), path
 
 
 def _user_error(message: str) -> None:

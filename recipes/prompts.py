@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from reshard.parallel import Request
+from reshard.parallel.engine.sampling import resolve_seeds
 from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.recipes.config import GenerateConfig
 
@@ -36,9 +37,10 @@ def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> li
             )
         arrivals = poisson_arrivals(len(prompts), w.rate, w.seed, w.burst)
     n = cfg.generation.n  # samples per prompt: request ids prompt_index * n + sample (each its own seed)
-    return [
+    requests = [
         Request(i * n + k, p, params, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals)) for k in range(n)
     ]
+    return resolve_seeds(requests, cfg.generation.seed)  # seeded here: a router in another process places them
 
 
 def _check_lengths(prompts: list[list[int]], path: Path, new_tokens: int, max_seq_len: int) -> None:

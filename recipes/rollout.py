@@ -111,12 +111,11 @@ class RolloutJob:
 
     def _roll_out(self, prompts: list[list[int]], it: int) -> tuple[list[list[int]], int]:
         t = self.cfg.train
-        params = SamplingParams(
-            temperature=t.temperature, max_new_tokens=t.max_new_tokens, seed=t.seed * 7919 + it, stop_token_ids=()
-        )
+        params = SamplingParams(temperature=t.temperature, max_new_tokens=t.max_new_tokens, stop_token_ids=())
         outs, peak = None, 0
-        if self.engine is not None:
-            outs = [c.output_ids for c in self.engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])]
+        if self.engine is not None:  # each iteration's call seed: its noise is its own
+            requests = [Request(i, p, params) for i, p in enumerate(prompts)]
+            outs = [c.output_ids for c in self.engine.generate(requests, seed=t.seed * 7919 + it)]
             peak = self._resident()  # the KV cache is held now
             if self.split.colocated:
                 self.engine.release_memory()  # training needs the memory next

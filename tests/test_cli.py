@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +65,31 @@ def _left_running(run_dir: Path) -> str:
             r"^error: parallel.tp \(2\) must divide the world size \(3\)$",
             False,
         ),
+        (
+            ["generate", "modle.path=x"],
+            r"^error: modle: Key 'modle' not in 'GenerateConfig' \(did you mean 'model'\?\)$",
+            False,
+        ),
+        (
+            ["generate", "generation.max_new_tokens=-1"],
+            r"^error: generation.max_new_tokens must be >= 1, got -1$",
+            False,
+        ),
+        (
+            ["generate", "model.path=/nonexistent/ckpt"],
+            r"^error: model.path '/nonexistent/ckpt' is not a directory",
+            False,
+        ),
+        (
+            ["generate", "workload.prompts_file=/"],
+            r"^error: workload.prompts_file '/' is a directory; give a JSONL file$",
+            False,
+        ),
+        (
+            ["rollout", "--nproc", "2", "rollout.tp=3"],
+            r"^error: rollout on 2 ranks: rollout.tp \(3\) must divide",
+            False,
+        ),
     ],
 )
 def test_a_config_error_is_one_line_before_any_rank_starts(tmp_path, args, match, console, capsys, monkeypatch):
@@ -84,10 +110,11 @@ def test_a_config_error_is_one_line_before_any_rank_starts(tmp_path, args, match
 
 
 def test_a_rank_side_user_error_exits_2_in_one_line_and_leaves_no_run_directory(tmp_path):
-    p = _reshard(["generate", "--nproc", "2", "model.path=/nonexistent/ckpt", "progress=false"], tmp_path)
+    # a hub id the ranks cannot resolve offline (a local path that is no checkpoint fails in the launcher)
+    p = _reshard(["generate", "--nproc", "2", "model.path=no-such-org/no-such-model", "progress=false"], tmp_path)
     out, _ = p.communicate(timeout=120)
     lines = _lines(out)
-    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "/nonexistent/ckpt" in lines[0]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "no-such-org" in lines[0]
     assert _run_dirs(tmp_path) == []
 
 
@@ -171,3 +198,120 @@ def test_story_lines_tell_each_recovery_in_one_line():
     )
     assert story_lines({"failures": 1}) == ["recovered: 1 whole-job restart(s) after a rank failed, each from scratch"]
     assert story_lines({"failures": 0}) == [] and story_lines({}) == []
+
+
+def test_a_sweep_key_is_refused_by_name_and_a_run_dir_is_honoured_as_given(tmp_path, capsys, monkeypatch):
+    from reshard.recipes.cli import _run_dir, main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "hydra.sweep.dir=sweeps"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: hydra.sweep.dir: reshard runs one job per launch (no sweeps); set hydra.run.dir"
+    )
+    assert _run_dir(["a=1", "hydra.run.dir=runs/x", "b=2"]) == (Path("runs/x"), ["a=1", "b=2"])
+
+
+def _node(rank: int, port: int, ckpt: str, run_dir: Path, extra: list[str], cwd: Path) -> subprocess.Popen:
+    """One "machine" of a two-node job: the launcher in a mount + IPC namespace of its own with a
+    private /dev/shm (the two share only the loopback network and the checkpoint)."""
+    args = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    args += ["--nproc", "1", f"model.path={ckpt}", f"hydra.run.dir={run_dir}", "progress=false", *extra]
+    launcher = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -m reshard.recipes.cli generate " + " ".join(
+        args
+    )
+    return subprocess.Popen(
+        ["unshare", "--mount", "--ipc", "--propagation", "private", "sh", "-c", launcher],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _private_namespaces() -> bool:
+    probe = ["unshare", "--mount", "--ipc", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1"], ids=["tp-across-nodes", "dp-across-nodes"])
+def test_two_launchers_as_two_nodes_run_one_job_and_write_where_hydra_run_dir_says(
+    tmp_path, checkpoints, hf_reference, layout
+):
+    """``--nnodes 2`` on loopback: each launcher a node in its own mount and IPC namespace (a
+    private /dev/shm, as two machines have); TP across the nodes and DP groups across them give
+    HF's tokens, in node 0's ``hydra.run.dir`` exactly."""
+    if not _private_namespaces():
+        pytest.skip("unshare --mount --ipc is not permitted here (needs root or user namespaces)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ckpt = checkpoints["llama"]
+    extra = [layout, "workload.num_requests=4", "workload.prompt_len_max=20", "generation.max_new_tokens=6"]
+    nodes = [_node(r, port, ckpt, tmp_path / f"node{r}", extra, tmp_path) for r in (0, 1)]
+    outs = [p.communicate(timeout=180)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    lines = [json.loads(line) for line in (tmp_path / "node0" / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 4
+    assert [o["output_ids"] for o in lines] == hf_reference(ckpt, [o["prompt_ids"] for o in lines], 6)
+    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert summary["layout"] == ("T2" if layout.endswith("2") else "D2")
+    assert not (tmp_path / "outputs").exists()  # no outputs/<date>/<time> beside the directory named
+
+
+@pytest.mark.parametrize("after", [1.0, 3.0, 8.0])
+def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_leaves_nothing(tmp_path, after):
+    """Ctrl-C while the launcher imports (1 s), while it starts the ranks or they import (3 s),
+    and once they load or generate (8 s): exit 130, one line, no process, nothing in /dev/shm, no
+    empty run directory."""
+    shm_before = _shm()
+    args = ["generate", "--nproc", "2", "workload.num_requests=300", "generation.max_new_tokens=64", "progress=false"]
+    p = _reshard(args, tmp_path)
+    time.sleep(after)
+    os.killpg(p.pid, signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    lines = _lines(out)
+    assert p.returncode == 130 and len(lines) == 1 and lines[0].startswith("interrupted: "), out
+    time.sleep(0.5)
+    assert _running_in(tmp_path) == [] and _shm() <= shm_before
+    assert all(list(d.iterdir()) for d in _run_dirs(tmp_path))  # a run directory left holds what finished
+
+
+def _running_in(cwd: Path) -> list[int]:
+    """Processes (not zombies) whose working directory is ``cwd``: the launcher and its ranks."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cwd").resolve() == cwd.resolve():
+                state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+                found += [int(proc.name)] if state != "Z" else []
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_what_the_launcher_can_know_fails_there_in_one_line(tmp_path, capsys, monkeypatch):
+    """A checkpoint whose config.json is not JSON, a cache directory that cannot be written and a
+    collective timeout of 0 reached the ranks as tracebacks; the launcher refuses each by name."""
+    from reshard.recipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{not json")
+    (tmp_path / "afile").write_text("")
+    cases = [
+        (["generate", f"model.path={tmp_path / 'ckpt'}"], r"^error: model.path '.*ckpt': its config.json is not JSON"),
+        (
+            ["generate", f"model.cache_dir={tmp_path / 'afile' / 'x'}"],
+            r"^error: model.cache_dir '.*' cannot be written",
+        ),
+    ]
+    for args, match in cases:
+        assert main(args) == 2
+        lines = _lines(capsys.readouterr().err)
+        assert len(lines) == 1 and re.match(match, lines[0]), lines
+    monkeypatch.setenv("RESHARD_COLLECTIVE_TIMEOUT", "0")
+    assert main(["generate"]) == 2
+    assert _lines(capsys.readouterr().err) == [
+        "error: RESHARD_COLLECTIVE_TIMEOUT must be a positive number of seconds, got '0'"
+    ]
+    assert not (tmp_path / "outputs").exists()

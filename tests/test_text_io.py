@@ -250,3 +250,38 @@ def test_logprobs_are_refused_where_they_are_not_carried(checkpoints):
         compose("generate", ["generation.logprobs=2", "fault.migrate=reprefill"])
     with pytest.raises(ValueError, match=r"^generation.logprobs must be an int in 0..20 or None, got 21"):
         compose("generate", ["generation.logprobs=21"])
+
+
+def test_the_default_job_takes_text_chats_and_stop_strings_with_the_builtin_tokenizer(tmp_path):
+    """The built-in checkpoint ships a tokenizer (byte-level BPE over its 4096 ids, a chat
+    template): text and chat prompts, decoded outputs and stop strings work on the default job."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Shoukai traim dou?"}]
+    lines = [{"text": "Tra la boumest sheed."}, {"messages": messages}]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    cache = tmp_path / "cache"
+    overrides = [f"model.cache_dir={cache}", f"workload.prompts_file={prompts_file}", "progress=false"]
+    run = tmp_path / "run"
+    dist_harness.run(1, _run_recipe, [*overrides, "generation.max_new_tokens=12"], str(run))
+    out = [json.loads(line) for line in (run / "outputs.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(next(cache.rglob("tokenizer.json")).parent)
+    assert tok.vocab_size == 4096 and (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
+    assert (
+        out[0]["prompt"] == "Tra la boumest sheed."
+        and out[0]["prompt_ids"] == tok("Tra la boumest sheed.")["input_ids"]
+    )
+    assert out[1]["prompt"] == "<|user|> Shoukai traim dou?\n<|assistant|> "
+    for o in out:
+        assert o["output"] == tok.decode(o["output_ids"], skip_special_tokens=True) and len(o["output_ids"]) == 12
+    # a stop string taken from the first output's text ends it there
+    stop = out[0]["output"][len(out[0]["output"]) // 2 :][:3]
+    assert stop.strip(), out[0]["output"]
+    run2 = tmp_path / "run2"
+    dist_harness.run(
+        1, _run_recipe, [*overrides, "generation.max_new_tokens=12", f"generation.stop=[{json.dumps(stop)}]"], str(run2)
+    )
+    first = json.loads((run2 / "outputs.jsonl").read_text().splitlines()[0])
+    assert first["finish_reason"] == "stop" and stop not in first["output"]
+    assert out[0]["output"].startswith(first["output"])

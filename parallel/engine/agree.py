@@ -64,12 +64,10 @@ def sample_step(
     sampled = set()
     if logits is not None:
         rows = torch.tensor([index[id(s)] for s in mine], dtype=torch.long)
-        tokens[rows] = sample_tokens(
-            logits, [s.request.sampling for s in mine], [s.generator for s in mine], [s.banned for s in mine]
-        )
+        tokens[rows], picked = _sample(mine, logits, width if want and is_source else 0)
         source[rows] = is_source
-        if want and is_source:
-            lp[rows] = token_logprobs(logits, tokens[rows], (width - 1) // 2)
+        if picked is not None:
+            lp[rows] = picked
         sampled = {id(s) for s in mine}
     others = [s for s in seqs if id(s) not in sampled]
     skip_draws([s.request.sampling for s in others], [s.generator for s in others], vocab_size)
@@ -104,14 +102,22 @@ def sample_payload(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
     payload it sends the ranks that do not (:func:`read_payload`): ``(B + R * W,)``, the ``B``
     tokens, then the ``(R, W)`` log-probability rows (:func:`logprob_rows`) as fp32 bit patterns.
     The same sampler and the same rows as :func:`sample_step`'s."""
-    tokens = sample_tokens(
-        logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], [s.banned for s in seqs]
-    )
     want, width = logprob_rows(seqs)
+    tokens, rows = _sample(seqs, logits, width if want else 0)
     if not want:
         return tokens
-    rows = token_logprobs(logits[torch.tensor(want, device=logits.device)], tokens[want], (width - 1) // 2)
-    return torch.cat([tokens, rows.contiguous().view(torch.int32).long().flatten()])  # (B + R * W,)
+    return torch.cat([tokens, rows[want].contiguous().view(torch.int32).long().flatten()])  # (B + R * W,)
+
+
+def _sample(seqs: list[Sequence], logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``seqs``' next tokens from their ``(B, V)`` logits (each generator draws once) and, with
+    ``width`` (``1 + 2k``), every row's ``(B, W)`` log-probabilities of the distribution its
+    request's ``logprobs_mode`` names (None without)."""
+    params = [s.request.sampling for s in seqs]
+    tokens, processed = sample_tokens(logits, params, [s.generator for s in seqs], [s.row for s in seqs])
+    if not width:
+        return tokens, None
+    return tokens, token_logprobs(logits, processed, tokens, (width - 1) // 2, params)
 
 
 def payload_size(seqs: list[Sequence]) -> int:

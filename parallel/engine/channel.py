@@ -144,7 +144,7 @@ class Channel:
     def job_keys(self, endpoints: Seq[str]) -> list[str]:
         """Every key one call of the groups ``endpoints`` made (for :meth:`clear` once all are done)."""
         done = self.store.add("done/count", 0)
-        keys = ["finished", "start", "all_done", "done/count", *(f"done/{k}" for k in range(done))]
+        keys = ["finished", "seed", "start", "all_done", "done/count", *(f"done/{k}" for k in range(done))]
         for e in endpoints:
             posted = self.store.add(f"count/{e}", 0)
             keys += [f"assign/{e}/{k}" for k in range(posted)] + [f"count/{e}", f"load/{e}"]

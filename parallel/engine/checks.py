@@ -13,6 +13,7 @@ from torch import nn
 
 from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.request import Request
+from reshard.parallel.engine.sampling import fresh_seed, needs_seed, resolve_seeds
 from reshard.parallel.model.info import parallel_info
 
 
@@ -36,6 +37,11 @@ def check_request(r: Request, *, vocab_size: int, max_seq_len: int, has_tokenize
     if not_int:
         raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
     _check_carried(r, has_tokenizer=has_tokenizer)
+    if r.sampling.n != 1:
+        raise ValueError(
+            f"request {r.id}: SamplingParams.n={r.sampling.n}: the engine runs one sample per request "
+            "(reshard.LLM makes n requests of a prompt; here give n requests)"
+        )
     if n + m > max_seq_len:
         raise ValueError(
             f"request {r.id}: prompt length ({n}) + max_new_tokens ({m}) = {n + m} exceeds max_seq_len ({max_seq_len})"
@@ -78,7 +84,7 @@ def check_posted_requests(requests: Seq[Request], channel, ranks: Seq[int], time
     everyone = [channel.get(f"requests/{rank}") for rank in ranks]
     differ = any(d != everyone[0] for d in everyone)
     if channel.add("requests/read", 1) == len(ranks):  # the last reader clears them (and a refused call's start)
-        channel.clear([f"requests/{rank}" for rank in ranks] + ["requests/read"] + ["start"] * differ)
+        channel.clear([f"requests/{rank}" for rank in ranks] + ["requests/read"] + ["seed", "start"] * differ)
     if differ:
         _refuse(everyone, ranks, requests)
 
@@ -116,3 +122,16 @@ def check_chunked(prefill_chunk: int, *, model: nn.Module | None, policy: object
     pp = parallel_info(model).dims.pp
     if pp > 1:
         raise ValueError(f"prefill_chunk ({prefill_chunk}) cannot be combined with pipeline stages (pp={pp})")
+
+
+def seeded(requests: Seq[Request], seed: int | None, group: dist.ProcessGroup | None) -> list[Request]:
+    """``requests`` with every sampled one that names no seed given one from the call's ``seed``
+    and its position (:func:`~reshard.parallel.engine.sampling.resolve_seeds`); ``seed=None``:
+    a fresh one, the first rank's of ``group`` (one small all-gather, made whatever the requests,
+    so ranks never differ in collectives; engine groups, which share none before they start, give
+    the seed their first rank posted)."""
+    if seed is None:
+        seed = fresh_seed()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            seed = all_gather_objects(seed, group)[0]
+    return resolve_seeds(requests, seed) if needs_seed(requests) else list(requests)

@@ -29,7 +29,13 @@ from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.admission import ADMIT, Admission, LocalAdmission, RoutedAdmission, endpoint_of
 from reshard.parallel.engine.agree import sample_emitting, sample_step
 from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
-from reshard.parallel.engine.checks import check_chunked, check_posted_requests, check_requests, check_same_requests
+from reshard.parallel.engine.checks import (
+    check_chunked,
+    check_posted_requests,
+    check_requests,
+    check_same_requests,
+    seeded,
+)
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.connector import KVConnectors
 from reshard.parallel.engine.events import EngineEvents
@@ -45,7 +51,7 @@ from reshard.parallel.engine.policy import (
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request, Sequence, eos_ids, record_times
 from reshard.parallel.engine.router import Router
 from reshard.parallel.engine.runner import ModelRunner
-from reshard.parallel.engine.sampling import SamplingParams
+from reshard.parallel.engine.sampling import SamplingParams, fresh_seed
 from reshard.parallel.model.info import parallel_info
 
 
@@ -168,24 +174,24 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, requests: Seq[Request], *, progress: bool = False) -> list[Completion]:
+    def generate(self, requests: Seq[Request], *, seed: int | None = None, progress: bool = False) -> list[Completion]:
         """Run all ``requests`` (the same list on every rank) to completion; returns every
-        completion, in request order, on every rank.
-
+        completion, in request order, on every rank. A sampled request without a seed of its own
+        takes one from ``seed`` and its position in ``requests`` (None: a fresh seed per call).
         With several engine groups (:attr:`engine_group`) each group runs this loop on the
-        requests the router hands it and the completions are gathered at the end. A request with
-        an ``arrival`` time is admitted once it has arrived (online workloads).
-        """
+        requests the router hands it; the completions are gathered at the end. A request with an
+        ``arrival`` time is admitted once it has arrived (online workloads)."""
         if self.engine_group is None:  # engine groups check theirs once the router's start is posted
             check_same_requests(requests, self.agreement_group())
+            requests = seeded(requests, seed, self.agreement_group())
         self.validate(requests)
-        self._ready()
+        self.ready()
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
             if self.engine_group is None:
                 start = time.time()
                 done = self._serve(LocalAdmission(requests, start, self._leads_group(), bar), start)
                 return [done[r.id] for r in requests]
-            return self._serve_routed(requests, bar)
+            return self._serve_routed(requests, bar, seed)
 
     @torch.inference_mode()
     def serve_routed(
@@ -204,13 +210,13 @@ class Engine:
         end)."""
         layout = layout or self.engine_group
         assert layout is not None, "serve_routed runs an engine group: give its layout"
-        self._ready()
+        self.ready()
         what = f"engine group {endpoint} waiting for the router's start time"
         channel.wait("start", what, self.group_timeout)
         admission = RoutedAdmission(channel, layout, None, self.group_timeout, endpoint=endpoint, beat=beat)
         return list(self._serve(admission, channel.get("start")).values())
 
-    def _ready(self) -> None:
+    def ready(self) -> None:
         """Before serving: weights synced, what release_memory() freed re-acquired."""
         for runner in self.runners.values():
             parallel_info(runner.model).weight_version.check_ready()
@@ -284,16 +290,18 @@ class Engine:
         admission.report(self.policy.load(queue), [done[seq.request.id] for seq in finished])
         return left
 
-    def _serve_routed(self, requests: Seq[Request], bar: tqdm) -> list[Completion]:
+    def _serve_routed(self, requests: Seq[Request], bar: tqdm, seed: int | None) -> list[Completion]:
         """This rank's group serves what the router (a thread on rank 0) hands it; then every
         rank gathers every group's completions and counters."""
         group = self.engine_group
         channel = Channel(f"{group.channel}/call{self.routed_calls}")  # every rank counts its calls alike
         self.routed_calls += 1
         ranks = dist.get_process_group_ranks(group.job or dist.group.WORLD)
-        if dist.get_rank() == min(ranks):
+        if dist.get_rank() == min(ranks):  # the call's fresh seed (where it names none), then its start
+            channel.put("seed", fresh_seed() if seed is None else seed)
             channel.put("start", time.time())
         channel.wait("start", f"engine group {group.index} waiting for the router's start time", self.group_timeout)
+        requests = seeded(requests, channel.get("seed"), None)
         check_posted_requests(requests, channel, ranks, self.group_timeout)
         start = channel.get("start")
         router = None

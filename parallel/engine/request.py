@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, make_generator, skip_draws
+from reshard.parallel.engine.sampling import Row, SamplingParams, TokenLogprobs, make_generator, skip_draws
 
 NO_TOKEN = -1  # a step's token of a sequence whose prompt chunk stops short of the prompt's end
 
@@ -121,7 +121,7 @@ class Sequence:
         """A new sequence; a resumed request's generator skips the draws of its earlier output
         (``vocab_size``: the draw's size, needed then); ``decode``: the tokenizer's, for stop strings."""
         assert decode is not None or not request.sampling.stop, f"request {request.id}: stop strings need decode"
-        stop, generator = request.sampling.stop_token_ids, make_generator(request.sampling, request.id)
+        stop, generator = request.sampling.stop_token_ids, make_generator(request.sampling)
         if request.resumed and generator is not None:
             assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
             skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)
@@ -134,6 +134,21 @@ class Sequence:
         """Token ids the next sample may not take: the stop ids while short of ``min_tokens``."""
         short = len(self.output) < self.request.sampling.min_tokens  # a resumed request's counts what is left
         return self.stop_ids if short else frozenset()
+
+    @property
+    def generated(self) -> list[int]:
+        """Its output so far (a resumed request's earlier output, at its prompt's end, included)."""
+        r = self.request
+        return [*r.prompt_ids[len(r.prompt_ids) - r.resumed :], *self.output]
+
+    @property
+    def row(self) -> Row:
+        """What the logits processors read of it for its next token (:class:`Row`); empty where
+        its request has no penalty (nothing to copy)."""
+        p = self.request.sampling
+        if not p.penalized:
+            return Row(self.banned)
+        return Row(self.banned, [*self.request.prompt_ids, *self.output], self.generated)
 
     @property
     def last_token(self) -> int:
@@ -162,8 +177,7 @@ class Sequence:
         stops = self.request.sampling.stop
         if not stops or len(self.output) < self.request.sampling.min_tokens:
             return False
-        r = self.request
-        generated = [*r.prompt_ids[len(r.prompt_ids) - r.resumed :], *self.output]  # a resumed request's too
+        generated = self.generated  # a resumed request's too
         # enough tokens to hold the longest stop string (a token decodes to a character or more,
         # a few byte tokens to one character: four per character covers UTF-8)
         window = generated[-(4 * max(map(len, stops)) + 1) :]

@@ -1,17 +1,26 @@
-"""Token selection: greedy, or seeded sampling with temperature, top-k and top-p.
+"""Token selection: greedy, or seeded sampling, after HF's logits processors.
 
-Sampling draws Gumbel noise from a per-request generator seeded by ``(seed, request id)``, so a
-request's tokens do not depend on which other requests share its batch or on the world size.
+A step's logits go through, in HF ``generate``'s order: the repetition penalty (over prompt and
+output), presence and frequency penalties (over the output, as OpenAI's), the stop tokens banned
+short of ``min_tokens``, then (sampled requests) temperature, top-k, top-p and min-p. Greedy
+takes the argmax of what is left; sampling draws Gumbel noise from the request's own generator,
+seeded by its ``seed`` alone, so its tokens depend neither on the batch it shares, nor on the world
+size, nor on its id. A call's requests without a seed get one each from the call's seed and their
+position in the call (:func:`resolve_seeds`); a call without a seed draws a fresh one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (vLLM's default cap)
+LOGPROBS_MODES = ("raw", "processed")
 
 # one generated token's log-probability and the top ones: (logprob, ((token id, logprob), ...))
 TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
@@ -23,72 +32,191 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     max_new_tokens: int = 32
-    seed: int = 0
+    # this request's noise (None: one from its call's seed and its position in the call, a fresh
+    # one per call where the call names none); ``n`` samples take seeds ``seed``, ``seed + 1``, ...
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS ids
     min_tokens: int = 0  # the stop tokens are masked (never sampled) until this many new tokens (HF min_new_tokens)
     ignore_eos: bool = False  # the model's EOS ids do not stop the request (stop_token_ids still do)
     # strings that end the request when the decoded output comes to hold one (HF ``stop_strings``;
     # checked from ``min_tokens`` on; the engine needs a tokenizer)
     stop: tuple[str, ...] = ()
-    # log-probabilities of each sampled token and of the ``logprobs`` most likely ones (None: off);
-    # of the model's raw distribution (log-softmax of the logits, before temperature, top-k/p)
+    # log-probabilities of each sampled token and of the ``logprobs`` most likely ones (None: off),
+    # of the distribution ``logprobs_mode`` names: "raw" (log-softmax of the model's logits) or
+    # "processed" (of the logits the token was drawn from: after penalties, bans, temperature,
+    # top-k, top-p and min-p; vLLM's ``processed_logprobs``)
     logprobs: int | None = None
+    logprobs_mode: str = "raw"
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability (after temperature); 0 = off
+    repetition_penalty: float = 1.0  # HF's / CTRL's, over prompt and output tokens; 1 = off
+    presence_penalty: float = 0.0  # OpenAI's, over output tokens: subtracted once per token present
+    frequency_penalty: float = 0.0  # OpenAI's, over output tokens: subtracted per occurrence
+    n: int = 1  # samples of the prompt (reshard.LLM makes them n requests; the engine runs n=1 each)
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and not (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {self.logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        if self.seed is not None and not (type(self.seed) is int and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in 0..2**63-1 or None, got {self.seed!r}")
+        if not (type(self.n) is int and self.n >= 1):
+            raise ValueError(f"n must be an int >= 1 (samples of the prompt), got {self.n!r}")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (OpenAI's range), got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-def make_generator(params: SamplingParams, request_id: int) -> torch.Generator | None:
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A sampled request's generator, seeded by its ``seed`` (resolved: :func:`resolve_seeds`)."""
     if params.greedy:
         return None
-    return torch.Generator().manual_seed((params.seed * 1_000_003 + request_id) % (2**63))
+    assert params.seed is not None, "a sampled request's seed is resolved when its call begins"
+    return torch.Generator().manual_seed(params.seed)
+
+
+def call_seed(seed: int, position: int) -> int:
+    """The seed of the request at ``position`` of a call seeded with ``seed``."""
+    return (seed * 1_000_003 + position) % (2**63)
+
+
+def fresh_seed() -> int:
+    """A seed no earlier call used (from the OS's entropy)."""
+    return int.from_bytes(os.urandom(8), "little") % (2**63)
+
+
+def resolve_seeds(requests: Sequence, seed: int) -> list:
+    """``requests`` with each sampled one that names no seed given :func:`call_seed` of
+    ``seed`` and its position in the list (its id plays no part)."""
+    return [
+        dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=call_seed(seed, i)))
+        if not r.sampling.greedy and r.sampling.seed is None
+        else r
+        for i, r in enumerate(requests)
+    ]
+
+
+def needs_seed(requests: Sequence) -> bool:
+    """Whether any of ``requests`` samples without a seed of its own."""
+    return any(not r.sampling.greedy and r.sampling.seed is None for r in requests)
+
+
+@dataclass(frozen=True)
+class Row:
+    """What the processors of one row of a step's logits read besides its params: the token ids
+    its stop tokens ban now (``min_tokens``), its context (prompt and output: the repetition
+    penalty's) and its output so far (presence and frequency penalties')."""
+
+    banned: Collection[int] = ()
+    context: Sequence[int] = ()
+    output: Sequence[int] = ()
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> torch.Tensor:
+    """``(B, V)`` fp32 logits -> the ``(B, V)`` logits each row's token is drawn from (greedy:
+    its argmax), after its penalties, bans and, where it samples, its temperature, top-k, top-p
+    and min-p (HF's processors, in ``generate``'s order). Rows that change nothing are the
+    input's own; ``logits`` itself is not written."""
+    out = logits
+    for i, (p, row) in enumerate(zip(params, rows)):
+        if p.penalized or row.banned or not p.greedy:
+            out = logits.clone() if out is logits else out
+            out[i] = _process_row(logits[i], p, row)
+    return out
+
+
+def _process_row(x: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
+    """One row of :func:`process_logits`: ``(V,)`` -> ``(V,)``."""
+    x = _penalize(x, p, row)
+    if row.banned:
+        x = x.index_fill(0, torch.tensor(sorted(row.banned), device=x.device), float("-inf"))
+    if p.greedy:
+        return x
+    x = x / p.temperature
+    if p.top_k:
+        kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, -1)
+        drop = torch.cumsum(probs, -1) - probs > p.top_p  # keeps at least the top token
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0:
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))  # the top token stays
+    return x
+
+
+def _penalize(x: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
+    """The repetition penalty over ``row.context`` (a seen token's logit divided by it where
+    positive, multiplied where negative: HF's), then presence and frequency penalties over
+    ``row.output`` (``logit -= presence + frequency * count``: OpenAI's)."""
+    if p.repetition_penalty != 1 and row.context:
+        seen = torch.tensor(sorted(set(row.context)), device=x.device)
+        score = x[seen]
+        x = x.index_copy(0, seen, torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty))
+    if (p.presence_penalty or p.frequency_penalty) and row.output:
+        ids, counts = zip(*Counter(row.output).items())
+        penalty = p.presence_penalty + p.frequency_penalty * torch.tensor(counts, dtype=x.dtype, device=x.device)
+        x = x.index_add(0, torch.tensor(ids, device=x.device), -penalty)
+    return x
 
 
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    banned: Sequence[Collection[int]] = (),
-) -> torch.Tensor:
-    """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU; ``banned[i]``: token ids row ``i``
-    may not take (a sequence short of its ``min_tokens``: its stop tokens), as HF's
-    ``MinNewTokensLengthLogitsProcessor`` masks them."""
-    if any(banned):
-        logits = logits.clone()
-        for i, ids in enumerate(banned):
-            if ids:
-                logits[i, list(ids)] = float("-inf")
-    greedy = logits.argmax(-1).cpu()
-    if all(p.greedy for p in params):
-        return greedy
+    rows: Sequence[Row] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU and the ``(B, V)`` processed logits
+    they were drawn from (:func:`process_logits`; ``rows``: each row's :class:`Row`, default
+    none). Greedy rows take the argmax, sampled rows the Gumbel-max of one draw of their generator."""
+    x = process_logits(logits, params, rows or [Row()] * len(params))
+    tokens = x.argmax(-1).cpu()
     for i, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
-            greedy[i] = _sample_one(logits[i].cpu(), p, g)
-    return greedy
+            u = torch.rand(x.shape[1], generator=g, device=g.device).clamp_(1e-20, 1.0)
+            tokens[i] = int(torch.argmax(x[i].cpu() - torch.log(-torch.log(u))))
+    return tokens, x
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """``(B, V)`` fp32 logits and the ``(B,)`` sampled tokens -> ``(B, 1 + 2k)`` fp32: each row's
-    sampled token's log-probability, then the ids and log-probabilities of its ``k`` most likely
-    tokens (ids as floats: exact below 2**24)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+def token_logprobs(
+    logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor, k: int, params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """``(B, V)`` raw and processed logits and the ``(B,)`` sampled tokens -> ``(B, 1 + 2k)``
+    fp32: each row's sampled token's log-probability, then the ids and log-probabilities of its
+    ``k`` most likely tokens (ids as floats: exact below 2**24), of the distribution its
+    ``logprobs_mode`` names."""
+    mode = torch.tensor([p.logprobs_mode == "processed" for p in params], device=logits.device)
+    lp = torch.log_softmax(torch.where(mode[:, None], processed, logits).float(), dim=-1)
     top = torch.topk(lp, k, dim=-1)
     picked = lp.gather(1, tokens.to(lp.device).view(-1, 1))
     return torch.cat([picked, top.indices.float(), top.values], dim=1).cpu()
@@ -107,17 +235,3 @@ def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Gene
     for p, g in zip(params, generators):
         if not p.greedy:
             torch.rand(vocab_size, generator=g, device=g.device)
-
-
-def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    x = logits / p.temperature
-    if p.top_k:
-        kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, -1)
-        drop = torch.cumsum(probs, -1) - probs > p.top_p  # keeps at least the top token
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    u = torch.rand(x.shape, generator=gen, device=gen.device).clamp_(1e-20, 1.0)
-    return int(torch.argmax(x - torch.log(-torch.log(u))))

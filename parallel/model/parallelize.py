@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import os
 from collections.abc import Mapping
@@ -38,13 +39,17 @@ def parallelize(
     mesh_of: MeshOf | None = None,
     load_weights: bool = True,
     allow_unused: bool = False,
+    inplace: bool = False,
 ) -> nn.Module:
     """An HF causal LM whose modules (named in ``plan``) are our parallel layers, with its
     :class:`ParallelInfo` as ``model.parallel_info`` (``dims``, ``load_stats``, weight version).
 
     From a path or hub id, the model skeleton is built on the meta device and every rank reads only
     its own slices from the safetensors files (``parallel_info.load_stats`` counts the bytes). From a model
-    object, each rank slices its parameters from the model it already holds. ``mesh_of(name)`` is
+    object, each rank slices its parameters from the model it already holds, into a model of its
+    own: the caller's module (its parameters, ties, mode, config) is not touched, unless
+    ``inplace`` swaps its modules for ours where it stands (its optimizer then holds parameters
+    the model no longer uses). ``mesh_of(name)`` is
     the mesh each module lives on (default: this rank's tp mesh; a pipeline stage's tp mesh, where a
     rank reads only its stage's slices; Shift's ``(sp, tp)`` base mesh). ``load_weights=False``
     (from a path) leaves the parameters uninitialized. Every checkpoint tensor's shape and dtype is
@@ -54,7 +59,7 @@ def parallelize(
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
     if isinstance(model_or_path, nn.Module):
-        return _parallelize_module(model_or_path, dims, plan, mesh_of)
+        return _parallelize_module(model_or_path, dims, plan, mesh_of, inplace)
     return _parallelize_path(model_or_path, dims, plan, dtype, mesh_of, load_weights, allow_unused)
 
 
@@ -63,30 +68,43 @@ def _world_size() -> int:
 
 
 def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True, allow_unused=False) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     directory = resolve_checkpoint(path)
     config = AutoConfig.from_pretrained(directory)
     check_architecture(config)
-    reader = CheckpointReader(directory)
-    dtype = dtype or _config_dtype(config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    ctx = BuildContext(config, dims, dtype, device_type(), mesh_of=mesh_of)
-    _swap_modules(model, plan, ctx)
-    if load_weights:
+    reader = CheckpointReader(directory) if load_weights else None  # (a config alone builds unloaded)
+    model = _skeleton(config, dims, plan, dtype or _config_dtype(config), mesh_of)
+    if reader is not None:
         _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)), allow_unused=allow_unused)
-    _rebuild_rotary(model, ctx.device)
-    model.parallel_info = ParallelInfo(dims, LoadStats(reader.bytes_read, reader.total_bytes(), str(directory)))
+    _rebuild_rotary(model, device_type())
+    stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory)) if reader else LoadStats(0, 0)
+    model.parallel_info = ParallelInfo(dims, stats)
     return model.eval()
 
 
-def _parallelize_module(model: nn.Module, dims, plan, mesh_of=None) -> nn.Module:
-    check_architecture(model.config)
-    full = {k: v.detach() for k, v in model.state_dict().items()}
+def _skeleton(config, dims, plan, dtype: torch.dtype, mesh_of) -> nn.Module:
+    """The HF model of ``config`` built on the meta device with the ``plan``'s modules swapped for
+    our layers (their parameters allocated, unread)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    _swap_modules(model, plan, BuildContext(config, dims, dtype, device_type(), mesh_of=mesh_of))
+    return model
+
+
+def _parallelize_module(module: nn.Module, dims, plan, mesh_of=None, inplace=False) -> nn.Module:
+    """Our model of ``module``'s weights; ``inplace``: ``module`` itself, its modules swapped."""
+    check_architecture(module.config)
+    full = {k: v.detach() for k, v in module.state_dict().items()}
     dtype = next(iter(full.values())).dtype
-    ctx = BuildContext(model.config, dims, dtype, device_type(), mesh_of=mesh_of)
-    _swap_modules(model, plan, ctx)
+    if inplace:
+        _swap_modules(module, plan, BuildContext(module.config, dims, dtype, device_type(), mesh_of=mesh_of))
+        model = module
+    else:  # (HF's from_config writes into the config it is given: a copy)
+        model = _skeleton(copy.deepcopy(module.config), dims, plan, dtype, mesh_of)
+        _rebuild_rotary(model, device_type())
     copy_full_state(model, full)
     model.parallel_info = ParallelInfo(dims)
     return model.eval()

@@ -1,12 +1,15 @@
 """Seeded tiny HF checkpoints built from config (for tests and the main job's built-in default).
 
 These are randomly initialized models, saved with ``save_pretrained`` as safetensors and loaded
-back through the real loading path; they are not trained models.
+back through the real loading path; they are not trained models. The built-in one ships a
+tokenizer (byte-level BPE trained offline on seeded made-up text, with a chat template), so text,
+chats and stop strings work on the default job.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -49,7 +52,11 @@ BUILTIN = MappingProxyType(
         initializer_range=0.05,
     )
 )
-BUILTIN_NAME = "tiny-llama-seed0-v1"
+BUILTIN_NAME = "tiny-llama-seed0-v2"  # v2: with a tokenizer
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
 
 
 def tiny_config(family: str, **overrides):
@@ -85,10 +92,12 @@ def default_cache_dir() -> Path:
 
 def builtin_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     """The built-in tiny Llama checkpoint, created on first use and reused afterwards."""
-    return cached_checkpoint(BUILTIN_NAME, BUILTIN, cache_dir)
+    return cached_checkpoint(BUILTIN_NAME, BUILTIN, cache_dir, tokenizer=True)
 
 
-def cached_checkpoint(name: str, overrides: Mapping, cache_dir: str | os.PathLike | None = None) -> Path:
+def cached_checkpoint(
+    name: str, overrides: Mapping, cache_dir: str | os.PathLike | None = None, *, tokenizer: bool = False
+) -> Path:
     """A seeded Llama (``overrides`` of the tiny config) under ``cache_dir/name``, built once.
 
     Written to a temporary directory and renamed into place, so an interrupted run leaves no
@@ -101,6 +110,8 @@ def cached_checkpoint(name: str, overrides: Mapping, cache_dir: str | os.PathLik
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         make_tiny_checkpoint("llama", tmp, seed=0, **overrides)
+        if tokenizer:
+            save_tokenizer(tmp, overrides.get("vocab_size", _COMMON["vocab_size"]))
         os.replace(tmp, target)
     except OSError:
         if not (target / "config.json").exists():
@@ -108,3 +119,42 @@ def cached_checkpoint(name: str, overrides: Mapping, cache_dir: str | os.PathLik
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def save_tokenizer(path: str | os.PathLike, vocab_size: int, *, seed: int = 0) -> None:
+    """Save a byte-level BPE tokenizer of exactly ``vocab_size`` ids into ``path``: ``<pad>``,
+    ``<s>``, ``</s>``, ``<unk>`` as ids 0-3 (the tiny config's pad, BOS and EOS), trained on
+    :func:`synthetic_text` (any text encodes: bytes are its alphabet), and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_text(seed), trainer)
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def synthetic_text(seed: int = 0, sentences: int = 7500) -> list[str]:
+    """Seeded sentences of made-up words (syllables of a small phonotactics): a corpus with enough
+    distinct words for a few thousand BPE merges, made in a fraction of a second."""
+    g = random.Random(seed)
+    onset = ["", "b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "st", "tr", "sh"]
+    vowel, coda = ["a", "e", "i", "o", "u", "ai", "ou", "ee"], ["", "", "n", "s", "r", "l", "t", "m", "nd", "st"]
+    syllable = lambda: g.choice(onset) + g.choice(vowel) + g.choice(coda)  # noqa: E731
+    words = ["".join(syllable() for _ in range(g.randint(1, 3))) for _ in range(3000)]
+    return [
+        " ".join(g.choice(words) for _ in range(g.randint(4, 12))).capitalize() + g.choice(".?!,")
+        for _ in range(sentences)
+    ]

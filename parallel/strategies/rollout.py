@@ -182,8 +182,8 @@ def rollout_dims(strategy: Strategy, ranks: Sequence[int]) -> ParallelDims:
         raise ValueError(f"rollout ranks must be consecutive, got {list(ranks)}")
     try:
         dims = strategy.dims(n)
-    except ValueError as e:
-        raise ValueError(f"rollout on {n} ranks: {e}") from None
+    except ValueError as e:  # the strategy names its keys as parallel.*; here they are rollout.*
+        raise ValueError(f"rollout on {n} ranks: {str(e).replace('parallel.', 'rollout.')}") from None
     return dataclasses.replace(dims, first_rank=first)
 
 

@@ -1,0 +1,254 @@
+"""``reshard.LLM``, the front door: text, token ids and chats in a plain process (its own one-rank
+group), TP2 and DP2 over the harness's processes; a module in memory left untouched and synced
+after training steps; seeds per call; processed log-probabilities equal HF's processors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import dist_harness
+from tests.test_text_io import _with_tokenizer
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def tokenized(checkpoints, tmp_path_factory):
+    """The tiny llama checkpoint with a tokenizer and a chat template."""
+    path = tmp_path_factory.mktemp("llm") / "ckpt"
+    _with_tokenizer(checkpoints["llama"], path)
+    return str(path)
+
+
+def _hf(path_or_model):
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(path_or_model, str):
+        return AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32).eval()
+    return path_or_model
+
+
+def _hf_generate(model, prompt: list[int], new: int, **kw):
+    """HF ``generate`` (greedy unless ``kw`` says otherwise) with each step's raw logits."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            return_dict_in_generate=True, output_logits=True, do_sample=False, **kw,
+        )  # fmt: skip
+    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
+
+
+def test_llm_in_a_plain_process_takes_text_ids_and_chats_as_hf_generate(tokenized):
+    from reshard import LLM, SamplingParams
+
+    hf = _hf(tokenized)
+    chat = [{"role": "user", "content": "w7 w8 w9"}]
+    with LLM(tokenized, max_seq_len=64) as llm:
+        assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1  # its own group
+        outs = llm.generate(["w5 w9 w11", [40, 41, 42], chat], SamplingParams(max_new_tokens=NEW, logprobs=2))
+        chatted = llm.chat(chat, SamplingParams(max_new_tokens=NEW))
+    assert not torch.distributed.is_initialized()  # the group it made ended with it
+    tok = llm.tokenizer
+    assert outs[0].prompt == "w5 w9 w11" and outs[0].prompt_token_ids == tok("w5 w9 w11")["input_ids"]
+    assert outs[1].prompt is None and outs[1].prompt_token_ids == [40, 41, 42]
+    assert chatted[0].prompt_token_ids == outs[2].prompt_token_ids
+    for out in outs:
+        tokens, logits = _hf_generate(hf, out.prompt_token_ids, NEW)
+        (sample,) = out.outputs
+        assert sample.token_ids == tokens and sample.finish_reason in ("length", "stop")
+        assert sample.text == tok.decode(tokens, skip_special_tokens=True)
+        raw = torch.stack([torch.log_softmax(step.float(), -1) for step in logits])[: len(tokens)]  # (T, V)
+        ours = torch.tensor([lp for lp, _ in sample.logprobs])
+        torch.testing.assert_close(ours, raw.gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-5, rtol=0)
+        top = [[t for t, _ in top] for _, top in sample.logprobs]
+        assert top == raw.topk(2, -1).indices.tolist()
+    assert chatted[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_processed_logprobs_are_the_distribution_sampled_from_as_hf_processors_make_it(tokenized):
+    """Temperature, top-k, top-p, min-p and the repetition penalty, through HF's own processors
+    over HF's logits: our ``processed`` log-probabilities equal their log-softmax, ``raw`` the
+    model's."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from reshard import LLM, SamplingParams
+
+    knobs = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
+    hf = _hf(tokenized)
+    processors = LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(1.3),
+            TemperatureLogitsWarper(0.7),
+            TopKLogitsWarper(40),
+            TopPLogitsWarper(0.9),
+            MinPLogitsWarper(0.05),
+        ]
+    )
+    prompts = [[5, 9, 11, 9, 5], [40, 41, 42]]
+    with LLM(tokenized, max_seq_len=64) as llm:
+        for mode in ("processed", "raw"):
+            params = SamplingParams(max_new_tokens=8, logprobs=0, logprobs_mode=mode, seed=11, **knobs)
+            for prompt, out in zip(prompts, llm.generate(prompts, params)):
+                tokens = out.outputs[0].token_ids
+                with torch.no_grad():
+                    logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # (T, V)
+                ref = []
+                for t in range(len(tokens)):
+                    x = logits[t : t + 1].clone()
+                    if mode == "processed":
+                        x = processors(torch.tensor([prompt + tokens[:t]]), x)
+                    ref.append(torch.log_softmax(x[0], -1)[tokens[t]])
+                ours = torch.tensor([lp for lp, _ in out.outputs[0].logprobs])
+                torch.testing.assert_close(ours, torch.stack(ref), atol=1e-4, rtol=0)
+                assert mode == "raw" or all(torch.isfinite(ours))  # every sampled token kept by the processors
+
+
+def test_a_seed_gives_the_same_tokens_whatever_the_ids_and_no_seed_fresh_ones(tokenized):
+    from reshard import LLM, SamplingParams
+    from reshard.parallel import Request
+
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0)
+    prompts = [[5, 9, 11], [40, 41, 42], [7, 7]]
+    with LLM(tokenized, max_seq_len=64) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, seed=5)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, seed=5)] == first
+        fresh = [[o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] for _ in range(2)]
+        assert fresh[0] != fresh[1]  # no seed: each call its own noise (24 tokens over 256 ids)
+        # the engine keys noise by the call's seed and the request's position, never its id
+        engine_run = lambda ids: [  # noqa: E731
+            c.output_ids for c in llm.engine.generate([Request(i, p, sampled) for i, p in zip(ids, prompts)], seed=5)
+        ]
+        assert engine_run([900, 3, 41]) == engine_run([0, 1, 2]) == first
+        # n samples of one prompt differ; a prompt's own seed gives the same n samples again
+        own = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, seed=123)
+        (four,) = llm.generate([[5, 9, 11]], own)
+        assert len({tuple(o.token_ids) for o in four.outputs}) == 4 and [o.index for o in four.outputs] == [0, 1, 2, 3]
+        assert [o.token_ids for o in llm.generate([[1, 2], [5, 9, 11]], own)[1].outputs] == [
+            o.token_ids for o in four.outputs
+        ]
+
+
+def test_llm_of_a_module_in_training_leaves_it_untouched_and_syncs_after_steps(checkpoints):
+    from reshard import LLM, SamplingParams
+
+    model = _hf(checkpoints["qwen2"]).train()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as many small models are
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, optimizer)
+    params = dict(model.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    state = {n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in params.items()}
+    greedy = SamplingParams(max_new_tokens=NEW)
+    prompts = [[5, 9, 11, 13], [40, 41, 42]]
+    with LLM(model, max_seq_len=64) as llm:
+        assert dict(model.named_parameters()) == params and model.training  # same objects, still training
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
+        assert all(torch.equal(optimizer.state[p][k], v) for n, p in params.items() for k, v in state[n].items())
+        assert optimizer.param_groups[0]["params"][0] is params[next(iter(params))]
+        _equals_hf(llm, model, prompts, greedy)
+        for _ in range(2):
+            _train_step(model, optimizer)
+        llm.sync_weights(model)
+        _weights_equal(llm, model)
+        _equals_hf(llm, model, prompts, greedy)
+        with torch.no_grad():  # weights from elsewhere, streamed as (name, full tensor) pairs
+            for p in model.parameters():
+                p.mul_(0.9)
+        assert llm.load_weights(((n, t.detach().clone()) for n, t in model.state_dict().items()), bucket_bytes=1 << 16)
+        _weights_equal(llm, model)
+        with pytest.raises(ValueError, match=r"LLM.load_weights: 1 tensors the model has no parameter for: \['nope'\]"):
+            llm.load_weights([("nope", torch.zeros(1))])
+
+
+def _train_step(model, optimizer) -> None:
+    x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(len(optimizer.state)))
+    model(x, labels=x).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _weights_equal(llm, model) -> None:
+    """Every parameter of the engine, gathered whole, equals the module's bit for bit."""
+    ours = {n: p.full_tensor() for n, p in llm.engine.model.named_parameters(remove_duplicate=False)}
+    theirs = dict(model.named_parameters(remove_duplicate=False))
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[n], theirs[n].detach()) for n in ours), [
+        n for n in ours if not torch.equal(ours[n], theirs[n].detach())
+    ]
+
+
+def _equals_hf(llm, model, prompts, params) -> None:
+    was = model.training
+    model.eval()
+    expected = [_hf_generate(model, p, params.max_new_tokens)[0] for p in prompts]
+    model.train(was)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def _llm_ranks(path: str, tp: int, prompts_of_rank):
+    """An LLM over the harness's ranks (``tp`` of them per engine); each rank's outputs."""
+    import torch.distributed as dist
+
+    from reshard import LLM, SamplingParams
+
+    llm = LLM(path, tp=tp, max_seq_len=64)
+    try:
+        outs = llm.generate(prompts_of_rank(dist.get_rank()), SamplingParams(max_new_tokens=NEW, logprobs=1))
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs) for o in outs]
+    finally:
+        llm.close()
+
+
+def _same_prompts(rank: int):
+    return ["w5 w9 w11", [40, 41, 42, 43], [7, 8]]
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
+def test_llm_under_torchrun_tp2_and_dp2_equals_hf(tokenized, hf_reference, tp):
+    from transformers import AutoTokenizer
+
+    per_rank = dist_harness.run(2, _llm_ranks, tokenized, tp, _same_prompts)
+    assert per_rank[0] == per_rank[1]  # every rank gets every output
+    tok = AutoTokenizer.from_pretrained(tokenized)
+    ids = [tok("w5 w9 w11")["input_ids"], [40, 41, 42, 43], [7, 8]]
+    assert [t for t, _, _ in per_rank[0]] == hf_reference(tokenized, ids, NEW)
+    assert [text for _, text, _ in per_rank[0]] == [tok.decode(t, skip_special_tokens=True) for t, _, _ in per_rank[0]]
+
+
+def _llm_given_different_prompts(path: str, tp: int):
+    """An LLM whose rank 1 passes (a) one token changed (equal shapes), (b) one prompt more; then
+    the same prompts: each rank's refusals and its outputs of the last call."""
+    import torch.distributed as dist
+
+    from reshard import LLM, SamplingParams
+
+    errors, rank = [], dist.get_rank()
+    with LLM(path, tp=tp, max_seq_len=64) as llm:
+        for prompts in ([[5, 6, 7], [8 + rank, 9, 10]], [[5, 6, 7]] + [[8, 9]] * rank):
+            try:
+                llm.generate(prompts, SamplingParams(max_new_tokens=3))
+            except ValueError as e:
+                errors.append(str(e))
+        same = llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_new_tokens=3))
+    return errors, [o.outputs[0].token_ids for o in same]
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
+def test_ranks_passing_different_prompts_get_one_error_each(tokenized, hf_reference, tp):
+    """Equal shapes would pair rank 1's prompts with rank 0's completions; different shapes would
+    hang a collective: each is one ValueError on every rank, and the LLM serves on."""
+    expected = hf_reference(tokenized, [[5, 6, 7], [8, 9, 10]], 3)
+    for errors, same in dist_harness.run(2, _llm_given_different_prompts, tokenized, tp):
+        assert len(errors) == 2, errors
+        assert errors[0].startswith("ranks passed different requests to generate: request 1 (id 1 on rank ")
+        assert errors[1].startswith("ranks passed different requests to generate: rank 0 passed 1, rank 1 passed 2")
+        assert same == expected
