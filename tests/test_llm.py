@@ -252,3 +252,44 @@ def test_ranks_passing_different_prompts_get_one_error_each(tokenized, hf_refere
         assert errors[0].startswith("ranks passed different requests to generate: request 1 (id 1 on rank ")
         assert errors[1].startswith("ranks passed different requests to generate: rank 0 passed 1, rank 1 passed 2")
         assert same == expected
+
+
+def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_streamed(checkpoints, hf_reference):
+    """verl's rollout surface over one LLM, driven as verl drives it: many ``generate`` calls in
+    flight at once (asyncio) become batches; ``update_weights`` streams ``(name, tensor)`` pairs;
+    ``release`` / ``resume`` around a training step. Tokens equal HF's, before and after."""
+    import asyncio
+
+    from reshard import LLM
+    from reshard.parallel.integrations.verl import Rollout
+
+    path = checkpoints["llama"]
+    prompts = [[5, 9, 11, 13], [40, 41, 42], [7, 8], [100, 101, 102, 103, 104], [3, 4, 5], [60, 61, 62, 63]]
+    greedy = {"max_tokens": NEW, "temperature": 0.0, "top_k": -1, "logprobs": True}
+    with LLM(path, max_seq_len=64, max_batch_size=4) as llm:
+        batches, generate = [], llm.generate
+        llm.generate = lambda ps, params: batches.append(len(ps)) or generate(ps, params)  # count the batches
+        rollout = Rollout(llm)
+
+        async def serve():
+            outs = await asyncio.gather(*[rollout.generate(p, greedy, f"req-{i}") for i, p in enumerate(prompts)])
+            await rollout.release()
+            model = _hf(path)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.8)
+            await rollout.update_weights((n, t.detach()) for n, t in model.state_dict().items())
+            await rollout.resume(["kv_cache"])
+            again = await asyncio.gather(*[rollout.generate(p, greedy, f"again-{i}") for i, p in enumerate(prompts)])
+            return outs, again, model
+
+        outs, again, model = asyncio.run(serve())
+    assert batches == [4, 2, 4, 2]  # six requests in flight, at most max_batch_size (4) per engine call
+    assert [o.token_ids for o in outs] == hf_reference(path, prompts, NEW)
+    assert all(len(o.log_probs) == len(o.token_ids) and o.finish_reason in ("length", "stop") for o in outs)
+    assert [o.token_ids for o in again] == [_hf_generate(model.eval(), p, NEW)[0] for p in prompts]
+    assert [o.token_ids for o in again] != [o.token_ids for o in outs]  # the new weights took effect
+    with pytest.raises(ValueError, match=r"request r1: sampling parameter 'best_of' is not one reshard honours"):
+        from reshard.parallel.integrations.verl import _params
+
+        _params({"best_of": 2}, "r1")

@@ -1,0 +1,1 @@
+"""Adapters that let RL frameworks drive :class:`reshard.LLM` through their own interfaces."""
