@@ -293,3 +293,41 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
         from reshard.parallel.integrations.verl import _params
 
         _params({"best_of": 2}, "r1")
+
+
+def _llm_synced_from_fsdp2(path: str):
+    """TP2 LLM over the harness's two ranks, from the checkpoint; then (a) ``sync_weights`` from an
+    FSDP2 model after an Adam step, (b) ``load_weights`` from DTensors (``Shard(0)`` over both
+    ranks) of other weights, (c) ``sync_weights`` from a DDP-wrapped plain module: the rollout
+    tensors differing from each source's sliced full tensors (none expected), and the bytes this
+    rank received for (b) against what it lacked."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from reshard import LLM
+    from reshard.parallel.model.dims import ParallelDims
+    from tests.test_weight_sync import _full, _sliced_equal, _trained
+
+    mismatches = []
+    with LLM(path, tp=2, max_seq_len=64) as llm:
+        model, _ = _trained(path, [0, 1])  # FSDP2 over both ranks, one Adam step off the file
+        llm.sync_weights(model)
+        mismatches.append(_sliced_equal(llm.engine.model, _full(model)))
+        full = {n: t * 0.5 for n, t in _full(model).items()}
+        mesh = ParallelDims(dp=2, world_size=2).mesh("dp")
+        llm.load_weights((n, distribute_tensor(t, mesh, [Shard(0)])) for n, t in full.items())
+        mismatches.append(_sliced_equal(llm.engine.model, full))
+        plain = _hf(path)
+        ddp = torch.nn.parallel.DistributedDataParallel(plain)
+        llm.sync_weights(ddp)
+        mismatches.append(_sliced_equal(llm.engine.model, {n: p.detach() for n, p in plain.named_parameters()}))
+        tokens = [o.outputs[0].token_ids for o in llm.generate([[5, 9, 11]], None)]
+    dist.barrier()
+    return mismatches, tokens
+
+
+def test_sync_from_fsdp2_and_ddp_and_load_from_dtensors_is_bitwise(checkpoints, hf_reference):
+    path = checkpoints["llama"]
+    for mismatches, tokens in dist_harness.run(2, _llm_synced_from_fsdp2, path):
+        assert mismatches == [[], [], []]
+        assert tokens == hf_reference(path, [[5, 9, 11]], 16)  # the DDP module holds the file's weights
