@@ -100,7 +100,47 @@ def write_outputs(run_dir: Path, completions, summary: dict, strategy, fmt: Outp
         f.writelines(fmt.line(c) for c in completions)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary, strategy)
+    if summary["online"]:
+        for line in latency_lines(summary["latency"]):
+            print("  " + line, flush=True)
+        plot_latency(completions, run_dir / "latency.png", f"{summary['strategy']} {summary['layout']}")
     print(f"outputs written to {run_dir.resolve()}", flush=True)
+
+
+def latency_lines(lat: dict) -> list[str]:
+    """An online run's percentiles, one line per figure, with units: ``TTFT  p50 12.3 ms ...``."""
+    names = {"ttft": "TTFT", "tpot": "TPOT", "latency": "latency", "queued": "queued"}
+    lines = []
+    for key, name in names.items():
+        unit = "ms/token" if lat["units"][key] == "s/token" else "ms"
+        cells = "  ".join(f"{p} {lat[key][p] * 1e3:8.1f} {unit}" for p in ("p50", "p90", "p99"))
+        lines.append(f"{name:8s}{cells}")
+    return lines
+
+
+def plot_latency(completions, path: Path, title: str) -> None:
+    """Each request's time to first token and end-to-end latency against its arrival (left) and
+    their distributions (right), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = sorted((c.timing for c in completions if c.timing is not None), key=lambda t: t.arrival)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.plot([t.arrival for t in timed], [t.ttft * 1e3 for t in timed], ".", label="time to first token")
+    a.plot([t.arrival for t in timed], [t.latency * 1e3 for t in timed], ".", label="end to end")
+    a.set(xlabel="arrival (s)", ylabel="ms", title="per request")
+    a.legend()
+    for values, label in (([t.ttft for t in timed], "TTFT"), ([t.latency for t in timed], "latency")):
+        data = sorted(v * 1e3 for v in values)
+        b.plot(data, [(i + 1) / len(data) for i in range(len(data))], label=label)
+    b.set(xlabel="ms", ylabel="fraction of requests", title="distribution")
+    b.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 @dataclass(frozen=True)

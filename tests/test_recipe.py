@@ -191,6 +191,13 @@ def test_recipe_outputs_match_hf(checkpoints, hf_reference, tmp_path):
         assert set(latency[metric]) == {"p50", "p90", "p99", "mean"}
         assert 0 <= latency[metric]["p50"] <= latency[metric]["p90"] <= latency[metric]["p99"]
     assert latency["requests_per_s"] > 0 and latency["output_tokens_per_s"] > 0
+    assert latency["units"]["ttft"] == "s" and latency["units"]["tpot"] == "s/token"
+    assert (tmp_path / "run" / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # an online run's plot
+    from reshard.recipes.report import latency_lines
+
+    lines = latency_lines(latency)  # what the run printed
+    assert [line.split()[0] for line in lines] == ["TTFT", "TPOT", "latency", "queued"]
+    assert lines[1].split()[1:4] == ["p50", f"{latency['tpot']['p50'] * 1e3:.1f}", "ms/token"], lines
     # in order: each request's first step began once it had arrived; the last arrived at 0.3 s
     timings = results[0][1]
     assert [timings[i].arrival for i in range(3)] == [0.0, 0.0, 0.3]

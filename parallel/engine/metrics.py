@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import statistics
+from types import MappingProxyType
 from collections.abc import Sequence as Seq
 
 from reshard.parallel.engine.request import Completion
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "latency", "normalized", "queued")
+UNITS = MappingProxyType(
+    {  # of each figure in latency_summary (summary.json's "latency" says them as "units")
+        "ttft": "s",
+        "tpot": "s/token",
+        "latency": "s",
+        "normalized": "s/token",
+        "queued": "s",
+        "requests_per_s": "1/s",
+        "output_tokens_per_s": "tokens/s",
+    }
+)
 
 
 def percentiles(values: Seq[float]) -> dict[str, float]:
@@ -31,4 +43,5 @@ def latency_summary(completions: Seq[Completion], seconds: float) -> dict:
         **{name: percentiles([getattr(t, name) for t in timed]) for name in METRICS},
         "requests_per_s": len(timed) / max(seconds, 1e-9),
         "output_tokens_per_s": generated / max(seconds, 1e-9),
+        "units": dict(UNITS),
     }
