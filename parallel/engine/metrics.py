@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from types import MappingProxyType
 from collections.abc import Sequence as Seq
+from types import MappingProxyType
 
 from reshard.parallel.engine.request import Completion
 

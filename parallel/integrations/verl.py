@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -87,8 +88,8 @@ class Rollout:
             self.llm.resume()
 
 
-_RENAMED = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens"}
-_KNOWN = {f.name for f in dataclasses.fields(SamplingParams)} - {"n"}
+_RENAMED = MappingProxyType({"max_tokens": "max_new_tokens"})  # verl's (vLLM's) names -> ours
+_KNOWN = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"n"}
 
 
 def _params(given: dict, request_id: str) -> SamplingParams:
