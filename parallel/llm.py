@@ -57,6 +57,7 @@ class RequestOutput:
     prompt: str | None  # the text given (None: token ids)
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # where asked: None for the first token
 
 
 class LLM:
@@ -123,7 +124,10 @@ class LLM:
         params = _per_prompt(sampling_params, len(batch))
         requests = _requests(ids, params)
         completions = self.engine.generate(requests, seed=self._call_seed(seed), progress=use_tqdm and _rank() == 0)
-        return self._outputs(batch, ids, params, completions)
+        outputs = self._outputs(batch, ids, params, completions)
+        for out, prompt_logprobs in zip(outputs, self._prompt_logprobs(ids, params)):
+            out.prompt_logprobs = prompt_logprobs
+        return outputs
 
     def chat(
         self,
@@ -174,6 +178,23 @@ class LLM:
             ]
             outputs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outs))
         return outputs
+
+    def _prompt_logprobs(self, ids: list[list[int]], params: list[SamplingParams]) -> list[list | None]:
+        """Per prompt that asks (``prompt_logprobs``): None for its first token, then each token's
+        :data:`TokenLogprobs` under the model given the tokens before it (raw log-softmax)."""
+        want = [i for i, p in enumerate(params) if p.prompt_logprobs is not None]
+        out: list[list | None] = [None] * len(ids)
+        for a in range(0, len(want), self.engine.max_batch_size):
+            chunk = want[a : a + self.engine.max_batch_size]
+            logits = _on_every_rank(self.engine.prompt_logits([ids[i] for i in chunk]))
+            for i, x in zip(chunk, logits):
+                lp = torch.log_softmax(x.float(), -1)[:-1]  # (T - 1, V): position t predicts token t + 1
+                top = torch.topk(lp, params[i].prompt_logprobs, dim=-1)
+                picked = lp.gather(1, torch.tensor(ids[i][1:], device=lp.device)[:, None])[:, 0]
+                out[i] = [None] + [
+                    (float(p), tuple(zip(t.tolist(), v.tolist()))) for p, t, v in zip(picked, top.indices, top.values)
+                ]
+        return out
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -346,7 +367,8 @@ def _requests(ids: list[list[int]], params: list[SamplingParams]) -> list[Reques
     for prompt, p in zip(ids, params):
         for j in range(p.n):
             seed = None if p.seed is None else (p.seed + j) % 2**63
-            requests.append(Request(len(requests), list(prompt), dataclasses.replace(p, n=1, seed=seed)))
+            sampling = dataclasses.replace(p, n=1, seed=seed, prompt_logprobs=None)  # (prompt logprobs: ours)
+            requests.append(Request(len(requests), list(prompt), sampling))
     return requests
 
 
@@ -363,6 +385,13 @@ def _all_gather(obj) -> list:
     from reshard.mesh import all_gather_objects
 
     return all_gather_objects(obj) if dist.get_world_size() > 1 else [obj]
+
+
+def _on_every_rank(logits: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """:meth:`Engine.prompt_logits`' result on every rank (a pipeline's earlier stages get None:
+    the last stage's, gathered)."""
+    everyone = _all_gather(logits)
+    return logits if logits is not None else next(x for x in everyone if x is not None)
 
 
 def _rank() -> int:

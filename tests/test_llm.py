@@ -66,6 +66,27 @@ def test_llm_in_a_plain_process_takes_text_ids_and_chats_as_hf_generate(tokenize
     assert chatted[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
 
 
+def test_prompt_logprobs_are_the_models_log_softmax_at_each_prompt_token(tokenized):
+    from reshard import LLM, SamplingParams
+
+    hf = _hf(tokenized)
+    prompts = [[5, 9, 11, 13, 2, 7], [40, 41, 42]]
+    with LLM(tokenized, max_seq_len=64, max_batch_size=1) as llm:  # (batches of one prompt)
+        outs = llm.generate(prompts, [SamplingParams(max_new_tokens=2, prompt_logprobs=3), SamplingParams()])
+    assert outs[1].prompt_logprobs is None
+    (first, *rest) = outs[0].prompt_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompts[0]])).logits[0, :-1].float(), -1)  # (T - 1, V)
+    assert first is None and len(rest) == len(prompts[0]) - 1
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _ in rest]),
+        ref.gather(1, torch.tensor(prompts[0][1:])[:, None])[:, 0],
+        atol=1e-5,
+        rtol=0,
+    )
+    assert [[t for t, _ in top] for _, top in rest] == ref.topk(3, -1).indices.tolist()
+
+
 def test_processed_logprobs_are_the_distribution_sampled_from_as_hf_processors_make_it(tokenized):
     """Temperature, top-k, top-p, min-p and the repetition penalty, through HF's own processors
     over HF's logits: our ``processed`` log-probabilities equal their log-softmax, ``raw`` the

@@ -37,6 +37,10 @@ def check_request(r: Request, *, vocab_size: int, max_seq_len: int, has_tokenize
     if not_int:
         raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
     _check_carried(r, has_tokenizer=has_tokenizer)
+    if r.sampling.prompt_logprobs is not None:
+        raise ValueError(
+            f"request {r.id}: prompt_logprobs are computed by reshard.LLM (or Engine.prompt_logits), not per request"
+        )
     if r.sampling.n != 1:
         raise ValueError(
             f"request {r.id}: SamplingParams.n={r.sampling.n}: the engine runs one sample per request "

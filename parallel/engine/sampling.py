@@ -52,10 +52,14 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, over output tokens: subtracted once per token present
     frequency_penalty: float = 0.0  # OpenAI's, over output tokens: subtracted per occurrence
     n: int = 1  # samples of the prompt (reshard.LLM makes them n requests; the engine runs n=1 each)
+    # reshard.LLM: each prompt token's log-probability under the model (raw) and the top this many
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.logprobs is not None and not (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS} or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (type(value) is int and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in 0..{MAX_LOGPROBS} or None, got {value!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
