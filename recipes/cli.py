@@ -166,7 +166,19 @@ def check(job: str, overrides: Sequence[str], nproc: int) -> Any:
         r = cfg.rollout
         split = RankSplit.of(nproc, r.colocated, r.train_ranks)
         rollout_dims(rollout_strategy(r.layout, tp=r.tp, sp=r.sp), split.rollout)
+        _check_task(cfg.train)
     return cfg
+
+
+def _check_task(train) -> None:
+    """A ``train.reward`` that does not import and a ``train.prompts_file`` that is not a file,
+    refused here (the lines themselves are read by the ranks, against the policy's tokenizer)."""
+    from reshard.recipes.rl_task import load_reward
+
+    if train.reward is not None:
+        load_reward(train.reward)
+    if train.prompts_file is not None and not Path(train.prompts_file).is_file():
+        raise ValueError(f"train.prompts_file {train.prompts_file!r} is not a file")
 
 
 def _check_cache_dir(cache_dir: str | None) -> None:

@@ -64,9 +64,17 @@ def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[fl
     """JSONL lines: a token-id list, ``{"prompt_ids": [...]}``, a string or ``{"text": ...}``; a
     mapping may give ``"arrival"`` (seconds after the start, >= 0; default 0). Returns the prompts
     and their arrival times."""
+    items = read_items(path, model_path, "workload.prompts_file")
+    arrivals = [_arrival(item, path, lineno) for lineno, (_, item) in enumerate(items, 1)]
+    return [ids for ids, _ in items], arrivals
+
+
+def read_items(path: Path, model_path: Path, key: str) -> list[tuple[list[int], Any]]:
+    """Each line of the JSONL file at ``path`` (the config key ``key``) as its prompt's token ids
+    (:func:`_prompt_ids`) and the parsed line; ``ValueError`` naming the line otherwise."""
     if not path.exists():
-        raise ValueError(f"workload.prompts_file {str(path)!r} does not exist")
-    prompts, arrivals = [], []
+        raise ValueError(f"{key} {str(path)!r} does not exist")
+    items = []
     tokenizer = functools.cache(lambda: _tokenizer(model_path, path))  # loaded at the first text prompt
     for lineno, line in enumerate(_prompt_lines(path), 1):
         if not line.strip():
@@ -75,11 +83,10 @@ def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[fl
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-        arrivals.append(_arrival(item, path, lineno))
-        prompts.append(_prompt_ids(item, f"{path}:{lineno}", tokenizer))
-    if not prompts:
-        raise ValueError(f"workload.prompts_file {str(path)!r} has no prompts")
-    return prompts, arrivals
+        items.append((_prompt_ids(item, f"{path}:{lineno}", tokenizer), item))
+    if not items:
+        raise ValueError(f"{key} {str(path)!r} has no prompts")
+    return items
 
 
 def _prompt_ids(item, where: str, tokenizer: Callable[[], Any]) -> list[int]:

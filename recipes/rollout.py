@@ -42,21 +42,8 @@ from reshard.parallel.strategies.rollout import (
     train_model,
 )
 from reshard.recipes.launch import hydra_main
+from reshard.recipes.rl_task import Task
 from reshard.recipes.rollout_config import POLICY, POLICY_NAME, RolloutJobConfig, TrainConfig
-
-SPECIAL_TOKENS = 3  # ids 0..2: pad, bos, eos
-
-
-# ---- the task -----------------------------------------------------------------------------------
-def task_prompts(cfg: TrainConfig, iteration: int, vocab_size: int) -> list[list[int]]:
-    """``cfg.prompts`` seeded prompts of ordinary tokens, new ones every iteration."""
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
-    return torch.randint(SPECIAL_TOKENS, vocab_size, (cfg.prompts, cfg.prompt_len), generator=gen).tolist()
-
-
-def even_reward(completion: list[int], max_new_tokens: int) -> float:
-    """Fraction of the answer's ``max_new_tokens`` positions holding an even ordinary token."""
-    return sum(1 for t in completion if t >= SPECIAL_TOKENS and t % 2 == 0) / max_new_tokens
 
 
 # ---- the job ------------------------------------------------------------------------------------
@@ -73,7 +60,7 @@ class RolloutJob:
         dtype = getattr(torch, r.dtype) if r.dtype is not None else None
         rollout = rollout_model(path, r.layout, self.split.rollout, tp=r.tp, sp=r.sp, dtype=dtype)
         self.rollout = rollout if self.rank in self.split.rollout else None
-        self.vocab_size = rollout.config.vocab_size
+        self.task = Task(cfg.train, path, rollout.config.vocab_size)
         self.engine = self._engine() if self.rollout is not None else None
         self.sync = model_sync(
             self.train,
@@ -90,7 +77,7 @@ class RolloutJob:
             self.rollout,
             self.cfg.rollout.layout,
             max_batch_size=slots,
-            max_seq_len=t.prompt_len + t.max_new_tokens,
+            max_seq_len=self.task.max_prompt_len + t.max_new_tokens,
             threshold=self.cfg.rollout.threshold,
         )
 
@@ -103,9 +90,10 @@ class RolloutJob:
         stats = self.sync.sync(it, verify=every > 0 and it % every == 0)  # verify: a RuntimeError if wrong
         sync_s = time.perf_counter() - t0
         memory["sync"] += stats.peak_extra_bytes
-        prompts = [p for p in task_prompts(t, it, self.vocab_size) for _ in range(t.group_size)]
+        asked = [p for p in self.task.prompts(it) for _ in range(t.group_size)]
+        prompts = [p.ids for p in asked]
         completions, memory["rollout"] = self._roll_out(prompts, it)
-        rewards = torch.tensor([even_reward(c, t.max_new_tokens) for c in completions], device=device_type())
+        rewards = torch.tensor(self.task.rewards(asked, completions), device=device_type())
         loss, memory["train"] = self._train_step(prompts, completions, group_advantages(rewards, t.group_size))
         return self._metrics(it, rewards, loss, stats, sync_s, memory, completions)
 

@@ -90,6 +90,8 @@ class TrainConfig:
     temperature: float = 1.0
     learning_rate: float = 3e-3
     seed: int = 0
+    prompts_file: str | None = None  # JSONL of prompts (ids, text or chat) and other fields; null: the toy task
+    reward: str | None = None  # package.module:function, called as TRL calls reward functions; null: the toy reward
 
     def __post_init__(self) -> None:
         from reshard.parallel.strategies.rollout import TRAIN_LAYOUTS
@@ -97,7 +99,7 @@ class TrainConfig:
         if self.layout not in TRAIN_LAYOUTS:
             raise ValueError(f"train.layout must be one of {list(TRAIN_LAYOUTS)}, got {self.layout!r}")
         for f in fields(self):
-            if f.name not in ("seed", "layout") and not getattr(self, f.name) > 0:
+            if f.name not in ("seed", "layout", "prompts_file", "reward") and not getattr(self, f.name) > 0:
                 raise ValueError(f"train.{f.name} must be > 0, got {getattr(self, f.name)}")
         if self.group_size < 2:
             raise ValueError(

@@ -86,6 +86,11 @@ def _left_running(run_dir: Path) -> str:
             False,
         ),
         (
+            ["rollout", "train.reward=no_such_module:f"],
+            r"^error: train.reward 'no_such_module:f' cannot be imported",
+            False,
+        ),
+        (
             ["rollout", "--nproc", "2", "rollout.tp=3"],
             r"^error: rollout on 2 ranks: rollout.tp \(3\) must divide",
             False,

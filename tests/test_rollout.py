@@ -121,3 +121,38 @@ def test_uneven_training_batch_is_named(tmp_path):
         r"split evenly over the 2 data-parallel training ranks",
     ):
         dist_harness.run(2, _run, ["train.prompts=3", "train.group_size=3", "progress=false"], str(tmp_path))
+
+
+def answer_reward(prompts, completions, completion_ids, answer, log, **_):
+    """A task's reward, as ``train.reward`` names it: the fraction of the completion's tokens equal
+    to its line's ``answer``; every call is logged (rank, prompts, answers, rewards) to ``log``."""
+    rewards = [sum(t == a for t in c) / len(c) for c, a in zip(completion_ids, answer)]
+    with open(log[0], "a") as f:
+        f.write(json.dumps([int(os.environ["RANK"]), prompts, answer, rewards, completions == completion_ids]) + "\n")
+    return rewards
+
+
+def test_a_task_of_its_own_prompts_file_and_reward_function(tmp_path):
+    """``train.prompts_file`` lines (token ids and an "answer" field) cycle through the iterations,
+    each repeated ``group_size`` times; ``train.reward`` scores them as TRL calls its reward
+    functions (prompts, completions, the lines' fields as keyword lists): the metrics' rewards are
+    its values."""
+    log = tmp_path / "calls.jsonl"
+    lines = [
+        {"prompt_ids": [5, 6, 7], "answer": 8, "log": str(log)},
+        {"prompt_ids": [9, 10], "answer": 12, "log": str(log)},
+    ]
+    lines.append({"prompt_ids": [20, 21, 22, 23], "answer": 30, "log": str(log)})
+    prompts_file = tmp_path / "task.jsonl"
+    prompts_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    overrides = [
+        f"train.prompts_file={prompts_file}", "train.reward=tests.test_rollout:answer_reward", "train.iterations=3",
+        "train.prompts=2", "train.group_size=2", "progress=false", f"model.cache_dir={tmp_path / 'cache'}",
+    ]  # fmt: skip
+    metrics = dist_harness.run(2, _run, overrides, str(tmp_path / "run"))[0]
+    calls = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line)[0] == 0]
+    order = [[0, 0, 1, 1], [2, 2, 0, 0], [1, 1, 2, 2]]  # two lines per iteration, from the top again at the end
+    assert [call[1] for call in calls] == [[lines[i]["prompt_ids"] for i in o] for o in order]
+    assert [call[2] for call in calls] == [[lines[i]["answer"] for i in o] for o in order]
+    assert all(call[4] for call in calls)  # no tokenizer in the built-in policy: completions are token ids
+    assert [m["reward"] for m in metrics] == pytest.approx([sum(call[3]) / 4 for call in calls])

@@ -1,0 +1,116 @@
+"""What the rollout loop learns from: its prompts and its reward.
+
+The default is the toy task (seeded prompts of ordinary tokens, new each iteration; the reward is
+the fraction of even tokens in the answer). ``train.prompts_file`` (JSONL: token ids, a text or
+chat messages per line, as ``workload.prompts_file``, with any other fields, e.g. an ``"answer"``)
+and ``train.reward`` (``package.module:function``) make it a real one. The reward is called as
+TRL calls its reward functions, once per iteration for the whole batch::
+
+    reward(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> list[float]
+
+``prompts`` and ``completions`` are texts where the policy has a tokenizer (its special tokens
+skipped), else token-id lists; each other field of the lines is a keyword argument, one value per
+completion. Each iteration takes the file's next ``train.prompts`` lines (from the top again at
+its end).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.recipes.prompts import output_tokenizer, read_items
+from reshard.recipes.rollout_config import TrainConfig
+
+SPECIAL_TOKENS = 3  # ids 0..2: pad, bos, eos
+PROMPT_KEYS = ("prompt_ids", "text", "messages", "arrival")  # a line's fields that are not reward columns
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of an iteration: its token ids and its line's other fields."""
+
+    ids: list[int]
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """The prompts of each iteration and the rewards of their completions (see the module)."""
+
+    def __init__(self, cfg: TrainConfig, policy_path: Path, vocab_size: int) -> None:
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.lines = _lines(Path(cfg.prompts_file), policy_path) if cfg.prompts_file else None
+        self.reward = load_reward(cfg.reward) if cfg.reward else None
+        self.tokenizer = output_tokenizer(policy_path) if cfg.reward else None
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.cfg.prompt_len if self.lines is None else max(len(p.ids) for p in self.lines)
+
+    def prompts(self, iteration: int) -> list[Prompt]:
+        """``train.prompts`` prompts of ``iteration``."""
+        n = self.cfg.prompts
+        if self.lines is None:
+            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + iteration)
+            ids = torch.randint(SPECIAL_TOKENS, self.vocab_size, (n, self.cfg.prompt_len), generator=gen).tolist()
+            return [Prompt(p) for p in ids]
+        return [self.lines[(iteration * n + k) % len(self.lines)] for k in range(n)]
+
+    def rewards(self, prompts: list[Prompt], completions: list[list[int]]) -> list[float]:
+        """One reward per completion (``prompts[i]``'s)."""
+        if self.reward is None:
+            return [even_reward(c, self.cfg.max_new_tokens) for c in completions]
+        columns = {k: [p.columns.get(k) for p in prompts] for k in sorted({k for p in prompts for k in p.columns})}
+        text = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else list
+        out = self.reward(
+            prompts=[text(p.ids) for p in prompts],
+            completions=[text(c) for c in completions],
+            completion_ids=[list(c) for c in completions],
+            **columns,
+        )
+        return _checked(out, len(completions), self.cfg.reward)
+
+
+def even_reward(completion: list[int], max_new_tokens: int) -> float:
+    """Fraction of the answer's ``max_new_tokens`` positions holding an even ordinary token."""
+    return sum(1 for t in completion if t >= SPECIAL_TOKENS and t % 2 == 0) / max_new_tokens
+
+
+def load_reward(spec: str) -> Callable[..., list[float]]:
+    """The function ``package.module:function`` names; ``ValueError`` naming ``train.reward``
+    where it is not importable or not callable."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"train.reward must be package.module:function, got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"train.reward {spec!r} cannot be imported: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"train.reward {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _lines(path: Path, policy_path: Path) -> list[Prompt]:
+    items = read_items(path, policy_path, "train.prompts_file")
+    return [Prompt(ids, {k: v for k, v in item.items() if k not in PROMPT_KEYS} if isinstance(item, dict) else {})
+            for ids, item in items]  # fmt: skip
+
+
+def _checked(out, count: int, spec: str) -> list[float]:
+    values = list(out) if isinstance(out, (list, tuple)) else None
+    if (
+        values is None
+        or len(values) != count
+        or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+    ):
+        raise ValueError(
+            f"train.reward {spec!r} must return {count} finite numbers (one per completion), got {str(out)[:80]}"
+        )
+    return [float(v) for v in values]
