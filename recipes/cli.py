@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import uuid
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting now: a second Ctrl-C must not kill the exit
         print("interrupted: before any rank started (nothing ran)", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
 
