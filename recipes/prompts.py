@@ -64,14 +64,17 @@ def read_prompts(path: Path, model_path: Path) -> tuple[list[list[int]], list[fl
     """JSONL lines: a token-id list, ``{"prompt_ids": [...]}``, a string or ``{"text": ...}``; a
     mapping may give ``"arrival"`` (seconds after the start, >= 0; default 0). Returns the prompts
     and their arrival times."""
-    items = read_items(path, model_path, "workload.prompts_file")
-    arrivals = [_arrival(item, path, lineno) for lineno, (_, item) in enumerate(items, 1)]
-    return [ids for ids, _ in items], arrivals
+    arrival = functools.partial(_arrival, path=path)  # each line's, checked before its prompt is read
+    items = read_items(path, model_path, "workload.prompts_file", arrival)
+    return [ids for ids, _ in items], [arrival(item, lineno=k) for k, (_, item) in enumerate(items, 1)]
 
 
-def read_items(path: Path, model_path: Path, key: str) -> list[tuple[list[int], Any]]:
+def read_items(
+    path: Path, model_path: Path, key: str, check: Callable[..., Any] | None = None
+) -> list[tuple[list[int], Any]]:
     """Each line of the JSONL file at ``path`` (the config key ``key``) as its prompt's token ids
-    (:func:`_prompt_ids`) and the parsed line; ``ValueError`` naming the line otherwise."""
+    (:func:`_prompt_ids`) and the parsed line; ``ValueError`` naming the line otherwise.
+    ``check(item, lineno=)`` runs on each parsed line before its prompt is read."""
     if not path.exists():
         raise ValueError(f"{key} {str(path)!r} does not exist")
     items = []
@@ -83,6 +86,8 @@ def read_items(path: Path, model_path: Path, key: str) -> list[tuple[list[int], 
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if check is not None:
+            check(item, lineno=lineno)
         items.append((_prompt_ids(item, f"{path}:{lineno}", tokenizer), item))
     if not items:
         raise ValueError(f"{key} {str(path)!r} has no prompts")
@@ -156,7 +161,7 @@ def _prompt_lines(path: Path) -> list[str]:
     return lines
 
 
-def _arrival(item, path: Path, lineno: int) -> float:
+def _arrival(item, *, path: Path, lineno: int) -> float:
     value = item.get("arrival", 0.0) if isinstance(item, dict) else 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(f"{path}:{lineno}: arrival must be a number of seconds >= 0, got {value!r}")
