@@ -1,8 +1,7 @@
 """``reshard``: the command line (installed as a console script, as torchtune's ``tune run`` wraps torchrun).
 
     reshard generate [--nproc N] [hydra overrides]    the main job on N ranks (default 1)
-    reshard generate --nnodes M --node-rank R --master-addr A [--master-port P] --nproc N [overrides]
-                                                      on each of M machines: M x N ranks
+    reshard generate --nnodes M --node-rank R --master-addr A --nproc N   one job on M machines (M x N ranks)
     reshard rollout  [--nproc N] [hydra overrides]    the RL rollout loop
     reshard plan     [hydra overrides]                the cost model's ranking (one process)
     reshard generate --keys                           every key with its default
