@@ -220,6 +220,7 @@ class LLM:
         """Copy ``module``'s current weights (a plain HF module, DDP's ``.module``, FSDP2 or
         FSDP2 x TP: DTensors move at the lower bound) into the engine, in place. Collective:
         every rank calls it, each with its part of the module."""
+        self.engine.ready(("weights",), check=False)  # weights released to host come back first
         self._sync(model_sync(getattr(module, "module", module), self._model()))
 
     def load_weights(
@@ -230,6 +231,7 @@ class LLM:
         at most ``bucket_bytes`` of source tensors are held before they are copied in (one
         tensor larger than that alone). Collective: every rank gives the same names in the same
         order (``ValueError`` on every rank otherwise). Returns how many tensors were copied."""
+        self.engine.ready(("weights",), check=False)  # weights released to host come back first
         targets, bucket, size, copied = rollout_tensors(self._model()), {}, 0, 0
         for name, tensor in weights:
             bucket[name], size = tensor, size + tensor.numel() * tensor.element_size()
@@ -269,14 +271,19 @@ class LLM:
         return self.engine.model
 
     # ---- memory and lifetime -------------------------------------------------------------------
-    def release(self) -> int:
-        """Free the KV cache (e.g. while the same ranks train); the next call takes it back.
-        Returns the bytes freed."""
-        return self.engine.release_memory()
+    def release(self, weights: bool = False) -> int:
+        """Free the KV cache (e.g. while the same ranks train) and, with ``weights``, move the
+        weights to host memory (the same tensors keep their storage objects: syncs and ties hold).
+        The next call, sync or :meth:`resume` takes them back. Returns the device bytes freed."""
+        return self.engine.release_memory(weights=weights)
 
-    def resume(self) -> None:
-        """Take back what :meth:`release` freed now (else the next call does)."""
-        self.engine.ready()
+    def resume(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Take back now what :meth:`release` freed of ``tags`` (``"weights"``, ``"kv_cache"``;
+        verl's names), else the next call does."""
+        unknown = sorted(set(tags) - {"weights", "kv_cache"})
+        if unknown:
+            raise ValueError(f"LLM.resume: tags {unknown} are none of 'weights', 'kv_cache'")
+        self.engine.ready(tags)
 
     def close(self) -> None:
         """Release the engine's threads and shared memory, and the process group this LLM made."""

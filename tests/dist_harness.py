@@ -145,6 +145,14 @@ def _last_line(tb: str) -> str:
     return lines[-1] if lines else ""
 
 
+def retire(world_size: int) -> None:
+    """End the pool of ``world_size`` (the next job gets fresh processes): after a job that leaves
+    process-wide state behind (a framework's singletons, global seeds)."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.shutdown()
+
+
 @atexit.register
 def shutdown_all() -> None:
     for pool in _POOLS.values():

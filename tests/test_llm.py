@@ -282,19 +282,25 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
     import asyncio
 
     from reshard import LLM
-    from reshard.parallel.integrations.verl import Rollout
+    from reshard.integrations.verl import Rollout
 
     path = checkpoints["llama"]
     prompts = [[5, 9, 11, 13], [40, 41, 42], [7, 8], [100, 101, 102, 103, 104], [3, 4, 5], [60, 61, 62, 63]]
     greedy = {"max_tokens": NEW, "temperature": 0.0, "top_k": -1, "logprobs": True}
     with LLM(path, max_seq_len=64, max_batch_size=4) as llm:
-        batches, generate = [], llm.generate
+        held = [p.to_local().untyped_storage().nbytes() for p in llm.engine.model.parameters()]  # (DTensors)
+        assert llm.release(weights=True) >= sum(held) > 0  # a plain release and resume: tokens unchanged
+        assert [p.to_local().untyped_storage().nbytes() for p in llm.engine.model.parameters()] == [0] * len(held)
+        llm.resume()
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], None)]
+        batches, generate, freed = [], llm.generate, []
         llm.generate = lambda ps, params: batches.append(len(ps)) or generate(ps, params)  # count the batches
         rollout = Rollout(llm)
 
         async def serve():
             outs = await asyncio.gather(*[rollout.generate(p, greedy, f"req-{i}") for i, p in enumerate(prompts)])
-            await rollout.release()
+            await rollout.release()  # KV freed, weights moved to host: their device storages hold nothing
+            freed.extend(p.to_local().untyped_storage().nbytes() for p in llm.engine.model.parameters())
             model = _hf(path)
             with torch.no_grad():
                 for p in model.parameters():
@@ -306,14 +312,15 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
 
         outs, again, model = asyncio.run(serve())
     assert batches == [4, 2, 4, 2]  # six requests in flight, at most max_batch_size (4) per engine call
+    assert freed and set(freed) == {0} and first == hf_reference(path, prompts[:2], 16)
     assert [o.token_ids for o in outs] == hf_reference(path, prompts, NEW)
     assert all(len(o.log_probs) == len(o.token_ids) and o.finish_reason in ("length", "stop") for o in outs)
     assert [o.token_ids for o in again] == [_hf_generate(model.eval(), p, NEW)[0] for p in prompts]
     assert [o.token_ids for o in again] != [o.token_ids for o in outs]  # the new weights took effect
     with pytest.raises(ValueError, match=r"request r1: sampling parameter 'best_of' is not one reshard honours"):
-        from reshard.parallel.integrations.verl import _params
+        from reshard.integrations import vllm_sampling
 
-        _params({"best_of": 2}, "r1")
+        vllm_sampling({"best_of": 2}, "request r1")
 
 
 def _llm_synced_from_fsdp2(path: str):

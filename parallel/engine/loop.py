@@ -17,7 +17,7 @@ import datetime
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as Seq
 
 import torch
@@ -53,6 +53,7 @@ from reshard.parallel.engine.router import Router
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import SamplingParams, fresh_seed
 from reshard.parallel.model.info import parallel_info
+from reshard.parallel.model.offload import release, restore
 
 
 def enqueue(queue: deque, requests: Seq[Request]) -> None:
@@ -137,7 +138,7 @@ class Engine:
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
         self.routed_calls = 0  # routed generates so far: each call's store keys have a prefix of their own
-        self._released: list = []  # caches freed by release_memory(), restored by generate()
+        self._released: list = []  # caches and weights freed by release_memory(), restored by ready()
         self.steps_done = 0
 
     def _default_policy(self) -> Policy:
@@ -216,12 +217,11 @@ class Engine:
         admission = RoutedAdmission(channel, layout, None, self.group_timeout, endpoint=endpoint, beat=beat)
         return list(self._serve(admission, channel.get("start")).values())
 
-    def ready(self) -> None:
-        """Before serving: weights synced, what release_memory() freed re-acquired."""
-        for runner in self.runners.values():
+    def ready(self, tags: Collection[str] = ("weights", "kv_cache"), check: bool = True) -> None:
+        """Before serving: weights synced (``check``), what release_memory() freed of ``tags`` back."""
+        for runner in self.runners.values() if check else ():
             parallel_info(runner.model).weight_version.check_ready()
-        while self._released:
-            self._released.pop().restore()
+        self._released = restore(self._released, tags)
 
     def _serve(self, admission: Admission, start: float) -> dict:
         """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
@@ -431,12 +431,13 @@ class Engine:
         self.validate([Request(i, list(p), SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)])
         return self.runner.prompt_logits(prompts)
 
-    def release_memory(self) -> int:
-        """Free every runner's KV cache (e.g. while the same ranks train); returns bytes freed.
-        The next :meth:`generate` re-acquires it."""
+    def release_memory(self, weights: bool = False) -> int:
+        """Free every runner's KV cache (e.g. while the same ranks train) and, with ``weights``, move
+        the weights to host; returns the device bytes freed. :meth:`ready` re-acquires them."""
         caches = [kv for kv in {id(r.kv): r.kv for r in self.runners.values()}.values() if kv.allocated]
-        self._released += caches
-        return sum(kv.release() for kv in caches)
+        models = [r.model for r in self.runners.values()] if weights else []
+        freed, self._released = release(caches, models, self._released)
+        return freed
 
     def close(self) -> None:
         """Release the policy's threads and shared memory (not collective; safe on error paths)."""

@@ -13,13 +13,12 @@ it does not install without its GPU engines; the methods keep its names and argu
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 
+from reshard.integrations import vllm_sampling
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.llm import LLM
 
@@ -49,7 +48,7 @@ class Rollout:
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ...); ``request_id``
         only names it (its noise comes from its seed, or a fresh one)."""
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append((list(prompt_ids), _params(sampling_params, request_id), future))
+        self._waiting.append((list(prompt_ids), vllm_sampling(sampling_params, f"request {request_id}"), future))
         if self._running is None or self._running.done():
             self._running = asyncio.create_task(self._drain())
         return await future
@@ -78,31 +77,12 @@ class Rollout:
             await asyncio.to_thread(self.llm.load_weights, weights)
 
     async def release(self) -> None:
-        """Free the KV cache for training (verl calls it before the actor's step)."""
+        """Free the KV cache and move the weights to host for training (verl calls it before the
+        actor's step)."""
         async with self._lock:
-            self.llm.release()
+            self.llm.release(weights=True)
 
     async def resume(self, tags: list[str] | None = None) -> None:
-        """Take the KV cache back (``tags``: verl's ``["weights", "kv_cache"]``; weights stay)."""
+        """Take back what ``tags`` names (verl's ``"weights"``, ``"kv_cache"``; None: both)."""
         async with self._lock:
-            self.llm.resume()
-
-
-_RENAMED = MappingProxyType({"max_tokens": "max_new_tokens"})  # verl's (vLLM's) names -> ours
-_KNOWN = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"n"}
-
-
-def _params(given: dict, request_id: str) -> SamplingParams:
-    """verl's sampling dict as :class:`SamplingParams` (``logprobs``: a bool or a count); a key the
-    engine cannot honour is a ``ValueError`` naming it and the request."""
-    kw = {}
-    for key, value in given.items():
-        name = _RENAMED.get(key, key)
-        if name not in _KNOWN:
-            raise ValueError(f"request {request_id}: sampling parameter {key!r} is not one reshard honours")
-        kw[name] = value
-    if isinstance(kw.get("logprobs"), bool):
-        kw["logprobs"] = 0 if kw["logprobs"] else None
-    if kw.get("top_k") == -1:  # vLLM's and verl's "off"
-        kw["top_k"] = 0
-    return SamplingParams(**kw)
+            self.llm.resume(("weights", "kv_cache") if tags is None else tags)
