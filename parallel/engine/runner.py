@@ -84,6 +84,8 @@ class ModelRunner:
             config's KV-cache keys then do not apply).
         split: Ulysses token split (Shift's SP mode); layers get ``sequence_parallel=True``.
         weights: the weight source selected for every forward (``None``: own parameters).
+        every_slot: decode every slot of the cache (not only the span running sequences occupy),
+            where the forward exchanges fixed-size blocks of rows between replicas (SiDP's CaS).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class ModelRunner:
         kv: KVCache | None = None,
         split: TokenSplit | None = None,
         weights: str | None = None,
+        every_slot: bool = False,
     ) -> None:
         config = config if config is not None else EngineConfig()
         kv_block_size, kv_tokens, compile = config.kv_block_size, config.kv_tokens, config.compile
@@ -123,6 +126,7 @@ class ModelRunner:
         self.split = split
         self.weights = weights
         self.compiled = compile
+        self.every_slot = compile or every_slot  # (compiled: fixed shapes)
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
         self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
         self.swap = self._micro_batch_swap(kv_block_size) if config.kv_swap else None
@@ -272,7 +276,9 @@ class ModelRunner:
         return split_ranges(n, parts)
 
     def _decode(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
-        """Every slot of the cache in ``num_microbatches`` slot ranges; logits of ``seqs``' slots."""
+        """The slots in ``num_microbatches`` ranges (each cut to the slots its running sequences
+        span, so a step costs what runs; every slot where :attr:`every_slot`); logits of ``seqs``'
+        slots."""
         by_slot = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         slots = [seqs[i].slot for i in by_slot]
         positions = [seqs[i].num_computed_tokens for i in by_slot]
@@ -285,6 +291,8 @@ class ModelRunner:
         ranges = []
         for a, b in split_ranges(self.max_batch_size, self.num_microbatches):
             active = [s - a for s in slots if a <= s < b]
+            if active and not self.every_slot and self.swap is None:  # the slots running ones span
+                a, b, active = a + active[0], a + active[-1] + 1, [s - active[0] for s in active]
             if active:  # a slot range with no running sequence is skipped on every stage
                 offset = sum(len(rows) for _, _, rows in batches)
                 batches.append(self._decode_batch(a, b, kv_len, active, len(ranges)))

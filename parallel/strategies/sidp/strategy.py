@@ -262,7 +262,7 @@ def sidp_engine(
     config = config if config is not None else EngineConfig()
     lockstep = dataclasses.replace(config, replicas="lockstep")
     was = ModelRunner(model, lockstep, weights=WAS)
-    cas = ModelRunner(model, lockstep, kv=was.kv, weights=CAS)
+    cas = ModelRunner(model, lockstep, kv=was.kv, weights=CAS, every_slot=True)  # (fixed-size row blocks)
     policy = SiDPPolicy(
         fetcher,
         mode=mode,
