@@ -5,14 +5,18 @@ from reshard.layers.attention import ParallelAttention, check_head_split, kv_rep
 from reshard.layers.embedding import VocabParallelEmbedding
 from reshard.layers.linear import ParallelLinear
 from reshard.layers.mlp import SwiGLUMLP
+from reshard.layers.moe import GroupedExperts, SparseMoE, TopKRouter
 from reshard.layers.norm import RMSNorm
 
 __all__ = [
     "AttentionContext",
+    "GroupedExperts",
     "ParallelAttention",
     "ParallelLinear",
     "RMSNorm",
+    "SparseMoE",
     "SwiGLUMLP",
+    "TopKRouter",
     "VocabParallelEmbedding",
     "check_head_split",
     "kv_replication",

@@ -50,9 +50,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 (default 29500)")
     p.add_argument("--keys", action="store_true", help="print every config key with its default, one per line")
     p.add_argument("--check", action="store_true", help="check the config for --nproc ranks and exit (runs nothing)")
-    p.add_argument(
-        "--max-restarts", type=int, default=0, help="whole-job restarts by torchrun, each from scratch (default 0)"
-    )
+    p.add_argument("--max-restarts", type=int, default=0, help="whole-job restarts by torchrun, from scratch")
     args, overrides = p.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
@@ -170,14 +168,15 @@ def check(job: str, overrides: Sequence[str], nproc: int) -> Any:
 
 
 def _check_task(train) -> None:
-    """A ``train.reward`` that does not import and a ``train.prompts_file`` that is not a file,
-    refused here (the lines themselves are read by the ranks, against the policy's tokenizer)."""
-    from reshard.recipes.rl_task import load_reward
+    """A ``train.reward`` that does not import, prompts that are not there: refused here (the ranks tokenize)."""
+    from reshard.recipes.rl_task import load_reward, load_rows
 
     if train.reward is not None:
         load_reward(train.reward)
     if train.prompts_file is not None and not Path(train.prompts_file).is_file():
         raise ValueError(f"train.prompts_file {train.prompts_file!r} is not a file")
+    if train.prompts_dataset is not None:
+        load_rows(train.prompts_dataset, train.prompts_split)
 
 
 def _check_cache_dir(cache_dir: str | None) -> None:

@@ -78,7 +78,6 @@ def read_items(
     if not path.exists():
         raise ValueError(f"{key} {str(path)!r} does not exist")
     items = []
-    tokenizer = functools.cache(lambda: _tokenizer(model_path, path))  # loaded at the first text prompt
     for lineno, line in enumerate(_prompt_lines(path), 1):
         if not line.strip():
             raise ValueError(f"{path}:{lineno}: blank line (one prompt per line; only the end may be blank)")
@@ -88,10 +87,17 @@ def read_items(
             raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
         if check is not None:
             check(item, lineno=lineno)
-        items.append((_prompt_ids(item, f"{path}:{lineno}", tokenizer), item))
+        items.append(item)
     if not items:
         raise ValueError(f"{key} {str(path)!r} has no prompts")
-    return items
+    return items_ids(items, model_path, str(path), lambda k: f"{path}:{k + 1}")
+
+
+def items_ids(items: list, model_path: Path, source: str, where: Callable[[int], str]) -> list[tuple[list[int], Any]]:
+    """Each item (a prompts-file line's or a dataset row's forms, see :func:`_prompt_ids`) with its
+    token ids; ``where(k)`` names item ``k`` in errors, ``source`` the items' origin."""
+    tokenizer = functools.cache(lambda: _tokenizer(model_path, source))  # loaded at the first text prompt
+    return [(_prompt_ids(item, where(k), tokenizer), item) for k, item in enumerate(items)]
 
 
 def _prompt_ids(item, where: str, tokenizer: Callable[[], Any]) -> list[int]:
@@ -168,7 +174,7 @@ def _arrival(item, *, path: Path, lineno: int) -> float:
     return float(value)
 
 
-def _tokenizer(model_path: Path, prompts_path: Path):
+def _tokenizer(model_path: Path, prompts_path: Path | str):
     from transformers import AutoTokenizer
 
     try:

@@ -3,7 +3,9 @@
 The default is the toy task (seeded prompts of ordinary tokens, new each iteration; the reward is
 the fraction of even tokens in the answer). ``train.prompts_file`` (JSONL: token ids, a text or
 chat messages per line, as ``workload.prompts_file``, with any other fields, e.g. an ``"answer"``)
-and ``train.reward`` (``package.module:function``) make it a real one. The reward is called as
+or ``train.prompts_dataset`` (a ``datasets`` dataset read offline: a ``save_to_disk`` directory or
+a cached name; TRL's ``"prompt"`` column, a text or a conversation, and any other columns) and
+``train.reward`` (``package.module:function``) make it a real one. The reward is called as
 TRL calls its reward functions, once per iteration for the whole batch::
 
     reward(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> list[float]
@@ -16,8 +18,10 @@ its end).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-from reshard.recipes.prompts import output_tokenizer, read_items
+from reshard.recipes.prompts import items_ids, output_tokenizer, read_items
 from reshard.recipes.rollout_config import TrainConfig
 
 SPECIAL_TOKENS = 3  # ids 0..2: pad, bos, eos
@@ -46,6 +50,8 @@ class Task:
     def __init__(self, cfg: TrainConfig, policy_path: Path, vocab_size: int) -> None:
         self.cfg, self.vocab_size = cfg, vocab_size
         self.lines = _lines(Path(cfg.prompts_file), policy_path) if cfg.prompts_file else None
+        if cfg.prompts_dataset:
+            self.lines = _rows(cfg.prompts_dataset, cfg.prompts_split, policy_path)
         self.reward = load_reward(cfg.reward) if cfg.reward else None
         self.tokenizer = output_tokenizer(policy_path) if cfg.reward else None
 
@@ -101,6 +107,63 @@ def _lines(path: Path, policy_path: Path) -> list[Prompt]:
     items = read_items(path, policy_path, "train.prompts_file")
     return [Prompt(ids, {k: v for k, v in item.items() if k not in PROMPT_KEYS} if isinstance(item, dict) else {})
             for ids, item in items]  # fmt: skip
+
+
+def _rows(name: str, split: str, policy_path: Path) -> list[Prompt]:
+    """The ``split`` of the ``datasets`` dataset ``name`` (a ``save_to_disk`` directory, or a name
+    in the local Hugging Face cache: read offline) as prompts. A row's prompt is TRL's ``"prompt"``
+    column (a text or a conversation) or a prompts-file line's fields; its other columns go to the
+    reward."""
+    rows = [_as_line(row) for row in load_rows(name, split)]
+    items = items_ids(rows, policy_path, f"train.prompts_dataset {name!r}", lambda k: f"{name}[{split}][{k}]")
+    return [Prompt(ids, {k: v for k, v in row.items() if k not in PROMPT_KEYS}) for ids, row in items]
+
+
+def load_rows(name: str, split: str) -> list[dict]:
+    """``ValueError`` naming ``train.prompts_dataset`` where ``datasets`` is missing, the dataset
+    is not found offline or has no such split."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"train.prompts_dataset={name} needs the `datasets` package (pip install datasets)") from None
+    try:
+        if Path(name).is_dir():
+            loaded = datasets.load_from_disk(name)
+        else:
+            with _offline():
+                loaded = datasets.load_dataset(name)
+    except Exception as e:  # not saved there, not in the cache
+        raise ValueError(f"train.prompts_dataset {name!r} was not found offline ({type(e).__name__}: {e})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"train.prompts_split {split!r} is not a split of {name!r}: {sorted(loaded)}")
+        loaded = loaded[split]
+    if len(loaded) == 0:
+        raise ValueError(f"train.prompts_dataset {name!r} ({split}) has no rows")
+    return list(loaded)
+
+
+@contextlib.contextmanager
+def _offline():
+    """Hugging Face's hub off for the block (no download at run time)."""
+    saved = os.environ.get("HF_DATASETS_OFFLINE")
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HF_DATASETS_OFFLINE")
+        else:
+            os.environ["HF_DATASETS_OFFLINE"] = saved
+
+
+def _as_line(row: dict) -> dict:
+    """A dataset row in a prompts-file line's form: TRL's ``"prompt"`` as ``"text"`` or ``"messages"``."""
+    row = dict(row)
+    if "prompt" in row:
+        prompt = row.pop("prompt")
+        row["text" if isinstance(prompt, str) else "messages"] = prompt
+    return row
 
 
 def _checked(out, count: int, spec: str) -> list[float]:

@@ -91,6 +91,8 @@ class TrainConfig:
     learning_rate: float = 3e-3
     seed: int = 0
     prompts_file: str | None = None  # JSONL of prompts (ids, text or chat) and other fields; null: the toy task
+    prompts_dataset: str | None = None  # a `datasets` dataset read offline (a saved directory or a cached name)
+    prompts_split: str = "train"  # prompts_dataset's split
     reward: str | None = None  # package.module:function, called as TRL calls reward functions; null: the toy reward
 
     def __post_init__(self) -> None:
@@ -99,8 +101,13 @@ class TrainConfig:
         if self.layout not in TRAIN_LAYOUTS:
             raise ValueError(f"train.layout must be one of {list(TRAIN_LAYOUTS)}, got {self.layout!r}")
         for f in fields(self):
-            if f.name not in ("seed", "layout", "prompts_file", "reward") and not getattr(self, f.name) > 0:
+            numeric = f.name not in ("seed", "layout", "reward") and not f.name.startswith("prompts_")
+            if numeric and not getattr(self, f.name) > 0:
                 raise ValueError(f"train.{f.name} must be > 0, got {getattr(self, f.name)}")
+        if self.prompts_file is not None and self.prompts_dataset is not None:
+            raise ValueError(
+                f"train.prompts_file={self.prompts_file} and train.prompts_dataset={self.prompts_dataset}: give one"
+            )
         if self.group_size < 2:
             raise ValueError(
                 f"train.group_size must be >= 2 (advantages are relative to the group), got {self.group_size}"

@@ -66,6 +66,9 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.fault.host:MirrorHost.__init__": (
         "a supervisor's mirror of its engine child's KV lives in host memory: it outlives the child and its device"
     ),
+    "reshard.parallel.model.offload:HostWeights.__init__": (
+        "LLM.release(weights=True) moves the weights to host memory: the point of it (pinned on CUDA)"
+    ),
     "reshard.mesh:rank_tensor": "rank grids are host metadata: DeviceMesh keeps its ranks on the CPU",
     "reshard.layout:Layout._strided_range": "a layout is a pure description: its index math runs on the host",
     "reshard.kv.context:AttentionContext.build": (

@@ -305,6 +305,8 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.8)
+            with pytest.raises(ValueError, match=r"wire_format 'delta_flush' is not supported; give 'named_tensors'"):
+                await rollout.update_weights([], wire_format="delta_flush")
             await rollout.update_weights((n, t.detach()) for n, t in model.state_dict().items())
             await rollout.resume(["kv_cache"])
             again = await asyncio.gather(*[rollout.generate(p, greedy, f"again-{i}") for i, p in enumerate(prompts)])

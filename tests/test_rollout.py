@@ -132,8 +132,10 @@ def answer_reward(prompts, completions, completion_ids, answer, log, **_):
     return rewards
 
 
-def test_a_task_of_its_own_prompts_file_and_reward_function(tmp_path):
-    """``train.prompts_file`` lines (token ids and an "answer" field) cycle through the iterations,
+@pytest.mark.parametrize("source", ["prompts_file", "prompts_dataset"])
+def test_a_task_of_its_own_prompts_file_and_reward_function(tmp_path, source):
+    """``train.prompts_file`` lines (token ids and an "answer" field), or the same rows as a
+    ``datasets`` dataset saved to disk (``train.prompts_dataset``), cycle through the iterations,
     each repeated ``group_size`` times; ``train.reward`` scores them as TRL calls its reward
     functions (prompts, completions, the lines' fields as keyword lists): the metrics' rewards are
     its values."""
@@ -143,10 +145,15 @@ def test_a_task_of_its_own_prompts_file_and_reward_function(tmp_path):
         {"prompt_ids": [9, 10], "answer": 12, "log": str(log)},
     ]
     lines.append({"prompt_ids": [20, 21, 22, 23], "answer": 30, "log": str(log)})
-    prompts_file = tmp_path / "task.jsonl"
-    prompts_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    prompts = tmp_path / "task.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if source == "prompts_dataset":
+        from datasets import Dataset
+
+        prompts = tmp_path / "task-dataset"
+        Dataset.from_list(lines).save_to_disk(str(prompts))
     overrides = [
-        f"train.prompts_file={prompts_file}", "train.reward=tests.test_rollout:answer_reward", "train.iterations=3",
+        f"train.{source}={prompts}", "train.reward=tests.test_rollout:answer_reward", "train.iterations=3",
         "train.prompts=2", "train.group_size=2", "progress=false", f"model.cache_dir={tmp_path / 'cache'}",
     ]  # fmt: skip
     metrics = dist_harness.run(2, _run, overrides, str(tmp_path / "run"))[0]
@@ -156,3 +163,23 @@ def test_a_task_of_its_own_prompts_file_and_reward_function(tmp_path):
     assert [call[2] for call in calls] == [[lines[i]["answer"] for i in o] for o in order]
     assert all(call[4] for call in calls)  # no tokenizer in the built-in policy: completions are token ids
     assert [m["reward"] for m in metrics] == pytest.approx([sum(call[3]) / 4 for call in calls])
+
+
+def test_a_prompts_dataset_is_read_offline_and_named_where_it_is_not(tmp_path):
+    """TRL's "prompt" column (a text or a conversation) becomes a line's "text" / "messages"; a
+    dataset not found offline, a missing split and both prompt sources are one line each."""
+    from datasets import Dataset, DatasetDict
+
+    from reshard.recipes.rl_task import _as_line, load_rows
+
+    chat = [{"role": "user", "content": "hi"}]
+    assert _as_line({"prompt": "w1 w2", "answer": 3}) == {"text": "w1 w2", "answer": 3}
+    assert _as_line({"prompt": chat}) == {"messages": chat}
+    DatasetDict({"test": Dataset.from_list([{"prompt": "w1"}])}).save_to_disk(str(tmp_path / "d"))
+    assert load_rows(str(tmp_path / "d"), "test") == [{"prompt": "w1"}]
+    with pytest.raises(ValueError, match=r"train.prompts_split 'train' is not a split of '.*d': \['test'\]"):
+        load_rows(str(tmp_path / "d"), "train")
+    with pytest.raises(ValueError, match=r"train.prompts_dataset 'no-such/dataset-xyz' was not found offline"):
+        load_rows("no-such/dataset-xyz", "train")
+    with pytest.raises(ValueError, match=r"train.prompts_file=a.jsonl and train.prompts_dataset=d: give one"):
+        _compose(["train.prompts_file=a.jsonl", "train.prompts_dataset=d"])

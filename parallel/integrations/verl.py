@@ -7,7 +7,9 @@ many in flight at once), ``update_weights`` from a generator of ``(HF name, tens
 surface over one ``LLM`` in one process (a data-parallel replica, as verl places its servers):
 requests that arrive while a batch runs wait and go together in the next one (a batching front
 end, as an inference server's), so concurrency becomes batch size. verl itself is not imported:
-it does not install without its GPU engines; the methods keep its names and arguments.
+verl 0.9.1 (read from its wheel) requires ``transformers<5.11``, ray, wandb and tensorboard, so
+installing it beside the transformers reshard is tested with would downgrade it; the methods keep
+``BaseRollout``'s names and arguments (``update_weights``' ``wire_format`` included).
 """
 
 from __future__ import annotations
@@ -71,8 +73,13 @@ class Rollout:
                 logprobs = None if sample.logprobs is None else [lp for lp, _ in sample.logprobs]
                 future.set_result(TokenOutput(sample.token_ids, logprobs, sample.finish_reason))
 
-    async def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], **kwargs) -> None:
-        """Copy the ``(HF name, tensor)`` pairs into the engine (streamed: :meth:`LLM.load_weights`)."""
+    async def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], wire_format: str = "named_tensors", **kwargs
+    ) -> None:
+        """Copy the ``(HF name, tensor)`` pairs into the engine (streamed: :meth:`LLM.load_weights`).
+        verl's other ``wire_format`` (``"delta_flush"``) is refused by name."""
+        if wire_format != "named_tensors":
+            raise ValueError(f"update_weights: wire_format {wire_format!r} is not supported; give 'named_tensors'")
         async with self._lock:
             await asyncio.to_thread(self.llm.load_weights, weights)
 

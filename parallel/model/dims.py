@@ -32,7 +32,9 @@ class ParallelDims:
 
     ``stages``: decoder layers per pipeline stage, e.g. ``(5, 3)`` to give the last stage (which
     also runs the LM head and sampling) fewer (:func:`parallel.model.pipeline.balanced_stages`);
-    ``None``: contiguous near-equal blocks. ``first_rank``: ``None`` (default) spans the whole
+    ``None``: contiguous near-equal blocks. ``ep``: the experts of mixture-of-experts layers split
+    over ``ep`` groups of the tp ranks, each expert tensor parallel over ``tp // ep``.
+    ``first_rank``: ``None`` (default) spans the whole
     job; an int places the layout on ranks ``first_rank..first_rank + world_size - 1`` of a
     larger job (e.g. rollout ranks beside training ranks). Meshes are built on every rank of
     the job (collective), so ranks outside the layout build the same model with empty shards.
@@ -45,6 +47,7 @@ class ParallelDims:
     world_size: int = 1
     first_rank: int | None = None
     stages: tuple[int, ...] | None = None  # decoder layers per pipeline stage (None: near-equal blocks)
+    ep: int = 1  # expert parallelism inside the tp group: experts over ep, each expert TP over tp // ep
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # "world" only
 
     def __post_init__(self) -> None:
@@ -57,6 +60,8 @@ class ParallelDims:
                 f"dp({self.dp}) * pp({self.pp}) * sp({self.sp}) * tp({self.tp}) = {product} "
                 f"!= world_size({self.world_size})"
             )
+        if self.ep < 1 or self.tp % self.ep != 0:
+            raise ValueError(f"ep ({self.ep}) must be >= 1 and divide tp ({self.tp}): experts split in the tp group")
         if self.stages is not None and (len(self.stages) != self.pp or min(self.stages) < 1):
             raise ValueError(f"stages {self.stages} must give each of the pp({self.pp}) stages >= 1 layer")
 

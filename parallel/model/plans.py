@@ -12,10 +12,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
 from reshard.layers import (
+    GroupedExperts,
     ParallelAttention,
     ParallelLinear,
     RMSNorm,
+    SparseMoE,
     SwiGLUMLP,
+    TopKRouter,
     VocabParallelEmbedding,
     check_head_split,
 )
@@ -93,7 +96,7 @@ class HeadParallel:
             o_bias=module.o_proj.bias is not None,
             qk_norm=hasattr(module, "q_norm"),
             rms_norm_eps=cfg.rms_norm_eps,
-            sliding_window=_sliding_window(module, cfg),
+            sliding_window=_sliding_window(module, cfg, ctx.layer_idx),
             **ctx.kw,
         )
 
@@ -106,13 +109,26 @@ def kv_head_mesh(dims: ParallelDims, num_kv_heads: int, tp_mesh: DeviceMesh | No
     views of every tp group (each ``(dp, pp, sp)`` coordinate, ranks ascending) are created on
     every rank in the same order, since mesh creation is collective over the world.
     """
-    tp_mesh = tp_mesh if tp_mesh is not None else dims.mesh("tp")
     if dims.tp % num_kv_heads != 0:
         raise ValueError(
             f"tensor parallel size ({dims.tp}) must be divisible by KV heads ({num_kv_heads}) to replicate them"
         )
-    groups = rank_grid(dims).view(-1, num_kv_heads, dims.tp // num_kv_heads)  # (dp*pp*sp, kv, rep)
-    views = [cached_mesh(g, ("tp_kv", "tp_rep")) for g in groups]
+    return tp_view(dims, num_kv_heads, ("tp_kv", "tp_rep"), tp_mesh)
+
+
+def expert_mesh(dims: ParallelDims, tp_mesh: DeviceMesh | None = None) -> DeviceMesh:
+    """The 2-D ``(ep, etp)`` view of ``tp_mesh`` (default: this rank's tp mesh) that experts live on:
+    ``dims.ep`` groups of experts, each expert tensor parallel over ``tp // ep`` ranks."""
+    return tp_view(dims, dims.ep, ("ep", "etp"), tp_mesh)
+
+
+def tp_view(dims: ParallelDims, outer: int, names: tuple[str, str], tp_mesh: DeviceMesh | None = None) -> DeviceMesh:
+    """The 2-D ``(outer, tp // outer)`` view of ``tp_mesh``, any tp group of the world. The views
+    of every tp group (each ``(dp, pp, sp)`` coordinate, ranks ascending) are created on every rank
+    in the same order, since mesh creation is collective over the world."""
+    tp_mesh = tp_mesh if tp_mesh is not None else dims.mesh("tp")
+    groups = rank_grid(dims).view(-1, outer, dims.tp // outer)  # (dp*pp*sp, outer, inner)
+    views = [cached_mesh(g, names) for g in groups]
     ranks = tp_mesh.mesh.flatten().tolist()
     for view in views:
         if view.mesh.flatten().tolist() == ranks:
@@ -128,6 +144,8 @@ class FFNParallel:
     placements: tuple[Placement, ...] = TP
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
+        if hasattr(module, "experts"):  # a sparse MoE block (HF's, of any family)
+            return _moe(module, ctx)
         return SwiGLUMLP(
             module.gate_proj.in_features,
             module.gate_proj.out_features,
@@ -137,6 +155,28 @@ class FFNParallel:
             placements=self.placements,
             **ctx.kw,
         )
+
+
+def _moe(module: nn.Module, ctx: BuildContext) -> SparseMoE:
+    """HF's sparse MoE block as :class:`SparseMoE` on this rank's tp group: experts on its ``(ep,
+    etp)`` view, the router and the shared expert's gate replicated, the shared expert TP."""
+    cfg, mesh = ctx.config, ctx.mesh
+    if ctx.dims.tp % ctx.dims.ep != 0:
+        raise ValueError(f"parallel.ep ({ctx.dims.ep}) must divide parallel.tp ({ctx.dims.tp})")
+    num_experts, double, hidden = module.experts.gate_up_proj.shape  # (E, 2I, D): HF's fused experts
+    renormalize = getattr(module.gate, "norm_topk_prob", True)  # Mixtral's router always renormalizes
+    gate = TopKRouter(
+        hidden, num_experts, module.gate.top_k, mesh=mesh, renormalize=renormalize,
+        cast_back=hasattr(module.gate, "norm_topk_prob"), **ctx.kw,
+    )  # fmt: skip
+    experts = GroupedExperts(
+        num_experts, hidden, double // 2, mesh=expert_mesh(ctx.dims, mesh), hidden_act=cfg.hidden_act, **ctx.kw
+    )
+    shared = getattr(module, "shared_expert", None)
+    if shared is None:
+        return SparseMoE(gate, experts, mesh)
+    mlp = SwiGLUMLP(hidden, shared.gate_proj.out_features, mesh=mesh, hidden_act=cfg.hidden_act, **ctx.kw)
+    return SparseMoE(gate, experts, mesh, mlp, ParallelLinear(hidden, 1, False, mesh=mesh, **ctx.kw))
 
 
 @dataclass(frozen=True)
@@ -166,10 +206,17 @@ class ColwiseGather:
         )
 
 
-def _sliding_window(module: nn.Module, cfg) -> int | None:
+def _sliding_window(module: nn.Module, cfg, layer_idx: int) -> int | None:
+    """The layer's attention window: its module's, else the config's for a ``sliding_attention``
+    layer (``layer_types``), else ``sliding_window`` unless ``use_sliding_window`` is off; None: full."""
     if hasattr(module, "sliding_window"):
         return module.sliding_window
-    return getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return cfg.sliding_window if types[layer_idx] == "sliding_attention" else None
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return getattr(cfg, "sliding_window", None) or None
 
 
 def tp_plan() -> dict[str, ParallelStyle]:
@@ -194,6 +241,8 @@ __all__ = [
     "ParallelStyle",
     "ReplicatedNorm",
     "VocabParallel",
+    "expert_mesh",
     "kv_head_mesh",
     "tp_plan",
+    "tp_view",
 ]

@@ -24,8 +24,28 @@ FAMILY_DEFAULTS = MappingProxyType(
         "qwen2": dict(num_key_value_heads=2),
         "qwen3": dict(num_key_value_heads=2, head_dim=32),
         "mistral": dict(num_key_value_heads=1, sliding_window=24),
+        # mixture-of-experts: 8 experts, 2 per token; Qwen3-MoE's first layer dense (mlp_only_layers)
+        "qwen3_moe": dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        ),
+        "mixtral": dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+        "qwen2_moe": dict(
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+        ),
     }
 )
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 _COMMON = MappingProxyType(
     dict(
         vocab_size=256,

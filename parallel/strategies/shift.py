@@ -67,7 +67,7 @@ class ShiftAttentionStyle:
             o_bias=module.o_proj.bias is not None,
             qk_norm=hasattr(module, "q_norm"),
             rms_norm_eps=cfg.rms_norm_eps,
-            sliding_window=_sliding_window(module, cfg),
+            sliding_window=_sliding_window(module, cfg, ctx.layer_idx),
             **ctx.kw,
         )
 

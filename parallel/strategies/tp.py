@@ -22,9 +22,10 @@ from reshard.parallel.model.pipeline import build_model
 class TPStrategy(Strategy):
     tp: int | None = None  # null: the whole world / pp
     pp: int = 1  # pipeline stages (micro-batched, one micro-batch per stage)
+    ep: int = 1  # mixture-of-experts layers: experts over ep groups of the tp ranks, each expert TP over tp // ep
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {value}")
@@ -34,7 +35,9 @@ class TPStrategy(Strategy):
         if world_size % (tp * self.pp) != 0:
             what = f"parallel.tp ({tp})" + (f" x parallel.pp ({self.pp})" if self.pp > 1 else "")
             raise ValueError(f"{what} must divide the world size ({world_size})")
-        return ParallelDims(dp=world_size // (tp * self.pp), pp=self.pp, tp=tp, world_size=world_size)
+        if tp % self.ep != 0:
+            raise ValueError(f"parallel.ep ({self.ep}) must divide parallel.tp ({tp}): experts split in the tp group")
+        return ParallelDims(dp=world_size // (tp * self.pp), pp=self.pp, tp=tp, ep=self.ep, world_size=world_size)
 
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """Chunked prefill runs in one pipeline stage (the mixed step is one eager micro-batch)."""
