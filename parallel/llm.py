@@ -32,6 +32,7 @@ from reshard.parallel.engine.registry import make_strategy, strategy_class
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, call_seed
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.info import parallel_info
+from reshard.parallel.model.parallelize import refuse_expert_copy
 from reshard.parallel.model.weight_sync import model_sync, rollout_tensors
 from reshard.sync import WeightSync
 
@@ -207,6 +208,7 @@ class LLM:
                 f"LLM(model=<module>) builds a strategy of one layout (tp, shift, sidp); strategy "
                 f"{self.parallel.name!r} holds several: give it a checkpoint path"
             )
+        refuse_expert_copy(module.config)
         dtype = config.dtype or str(next(module.parameters()).dtype).removeprefix("torch.")
         config = dataclasses.replace(config, dtype=dtype, load_weights=False)
         with tempfile.TemporaryDirectory(prefix="reshard-config-") as directory:

@@ -134,3 +134,40 @@ def test_a_missing_or_misshapen_expert_is_refused_by_name(moe, tmp_path):
         )
         with pytest.raises(ValueError, match=message):
             LLM(str(path), max_seq_len=64)
+
+
+def _strategies(path: str) -> dict[str, list | str]:
+    """Per strategy: its tokens, or the first line of its refusal."""
+    from reshard import LLM, SamplingParams
+
+    out = {}
+    for name, keys in [("pp2", dict(strategy="tp", pp=2)), ("seesaw", {}), ("dejavu", {}), ("shift", {}), ("sidp", {})]:
+        try:
+            with LLM(path, strategy=keys.pop("strategy", name), max_seq_len=64, **keys) as llm:
+                out[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+        except ValueError as e:
+            out[name] = str(e).splitlines()[0]
+    return out
+
+
+def test_pipeline_seesaw_and_dejavu_run_moe_and_shift_sidp_refuse_it_by_name(moe, hf_reference):
+    """Pipeline stages, Seesaw (P2 prefill, T2 decode) and DejaVu's sides load the experts like the
+    tp plan: tokens equal HF. Shift (SP x EP) and SiDP (an expert pool) are not built: one line."""
+    path = moe["qwen3_moe"]
+    expected = hf_reference(path, PROMPTS, NEW)
+    for out in dist_harness.run(2, _strategies, path):
+        assert out["pp2"] == out["seesaw"] == out["dejavu"] == expected
+        assert out["shift"].startswith("qwen3_moe is a mixture-of-experts model: its experts run on a tensor-parallel")
+        assert out["sidp"].startswith("strategy sidp pools dense FFN weights; qwen3_moe is a mixture-of-experts")
+
+
+def test_a_moe_module_in_memory_is_refused_not_copied_wrong(moe):
+    from transformers import AutoModelForCausalLM
+
+    from reshard import LLM
+    from reshard.parallel.model.parallelize import parallelize
+
+    module = AutoModelForCausalLM.from_pretrained(moe["mixtral"], dtype=torch.float32)
+    for build in (lambda: LLM(module, max_seq_len=64), lambda: parallelize(module)):
+        with pytest.raises(ValueError, match=r"mixtral is a mixture-of-experts model: .* give the checkpoint path"):
+            build()

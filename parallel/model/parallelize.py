@@ -35,6 +35,16 @@ def check_architecture(config) -> None:
         )
 
 
+def refuse_expert_copy(config) -> None:
+    """``ValueError`` for a mixture-of-experts model given as a module: its experts are fused in
+    memory (``gate_up_proj``) and are copied from checkpoints only, so far."""
+    if any(hasattr(config, key) for key in ("num_experts", "num_local_experts")):
+        raise ValueError(
+            f"{config.model_type} is a mixture-of-experts model: its experts load from a checkpoint's "
+            "per-expert tensors; copying them from a module in memory is not built yet: give the checkpoint path"
+        )
+
+
 def parallelize(
     model_or_path: nn.Module | str | os.PathLike,
     dims: ParallelDims | None = None,
@@ -61,6 +71,8 @@ def parallelize(
     checked against the parameter it fills before anything is read; checkpoint tensors the model
     does not use are an error unless ``allow_unused``.
     """
+    if isinstance(model_or_path, nn.Module):
+        refuse_expert_copy(model_or_path.config)
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
     if isinstance(model_or_path, nn.Module):

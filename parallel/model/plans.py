@@ -161,6 +161,12 @@ def _moe(module: nn.Module, ctx: BuildContext) -> SparseMoE:
     """HF's sparse MoE block as :class:`SparseMoE` on this rank's tp group: experts on its ``(ep,
     etp)`` view, the router and the shared expert's gate replicated, the shared expert TP."""
     cfg, mesh = ctx.config, ctx.mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{cfg.model_type} is a mixture-of-experts model: its experts run on a tensor-parallel group "
+            f"(strategies tp, seesaw, dejavu), not on this layout's {mesh.mesh_dim_names} mesh (Shift's SP x EP "
+            "is not built yet)"
+        )
     if ctx.dims.tp % ctx.dims.ep != 0:
         raise ValueError(f"parallel.ep ({ctx.dims.ep}) must divide parallel.tp ({ctx.dims.tp})")
     num_experts, double, hidden = module.experts.gate_up_proj.shape  # (E, 2I, D): HF's fused experts

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reshard.layers.moe import SparseMoE
 from reshard.layers.owner_pool import CAS, WAS, OwnerPool, PooledMLP
 from reshard.mesh import device_type
 from reshard.parallel.engine import (
@@ -235,6 +236,11 @@ def pool_model(
     """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool, swap
     each layer's MLP for a :class:`PooledMLP` and return the pool's fetch scheduler (collective)."""
     layers = model.model.layers
+    if any(isinstance(layer.mlp, SparseMoE) for layer in layers):
+        raise ValueError(
+            f"strategy sidp pools dense FFN weights; {model.config.model_type} is a mixture-of-experts model "
+            "(an owner pool of experts is not built yet): use strategy tp with parallel.ep"
+        )
     check_slots(  # before any change
         slots, len(ranks), prefetch_depth=prefetch_depth, peak_shifting=peak_shifting, layers=len(layers)
     )
