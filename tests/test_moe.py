@@ -171,3 +171,19 @@ def test_a_moe_module_in_memory_is_refused_not_copied_wrong(moe):
     for build in (lambda: LLM(module, max_seq_len=64), lambda: parallelize(module)):
         with pytest.raises(ValueError, match=r"mixtral is a mixture-of-experts model: .* give the checkpoint path"):
             build()
+
+
+def test_a_checkpoint_of_transformers_fused_experts_loads_as_the_hubs(moe, hf_reference, tmp_path):
+    """transformers' in-memory layout (``experts.gate_up_proj (E, 2I, D)``, ``experts.down_proj``)
+    saved as it is: the gate and up rows split, tokens equal HF's."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(moe["qwen2_moe"], tmp_path / "fused", ignore=shutil.ignore_patterns("*.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(moe["qwen2_moe"], dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    assert _tokens(str(tmp_path / "fused"), 1, 1) == hf_reference(moe["qwen2_moe"], PROMPTS, NEW)

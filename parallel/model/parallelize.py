@@ -6,7 +6,6 @@ import copy
 import fnmatch
 import os
 from collections.abc import Mapping
-from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -18,12 +17,9 @@ from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoi
 from reshard.parallel.model.dims import ParallelDims, device_type
 from reshard.parallel.model.info import LoadStats, ParallelInfo
 from reshard.parallel.model.plans import BuildContext, MeshOf, ParallelStyle, tp_plan
+from reshard.parallel.model.sources import checkpoint_source
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
-# a stacked experts parameter (E, ...) <- per-expert checkpoint tensors: Qwen's names, then Mixtral's
-EXPERT_TENSORS = MappingProxyType(
-    {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2")}
-)
 
 
 def check_architecture(config) -> None:
@@ -176,56 +172,16 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, allow_unused: 
 def _load(model: nn.Module, reader: CheckpointReader, *, tied: bool, allow_unused: bool) -> None:
     """Copy each rank's box of every parameter from the checkpoint into its local shard, after
     checking every tensor's shape and dtype and that the checkpoint holds nothing unused."""
-    keys = {name: _checkpoint_keys(name, param.shape, reader, tied) for name, param in model.named_parameters()}
-    for name, param in model.named_parameters():
-        stacked = isinstance(keys[name], tuple)  # one tensor per expert, each a (I, D) slab of (E, I, D)
-        for key in keys[name] if stacked else [keys[name]]:
-            reader.check(key, tuple(param.shape)[1 if stacked else 0 :], param.dtype, name)
-    _check_unused(reader, {k for v in keys.values() for k in (v if isinstance(v, tuple) else [v])}, allow_unused)
+    params = dict(model.named_parameters())
+    sources = {name: checkpoint_source(name, tuple(p.shape), reader, tied) for name, p in params.items()}
+    for name, param in params.items():
+        sources[name].check(reader, tuple(param.shape), param.dtype, name)
+    _check_unused(reader, {k for source in sources.values() for k in source.keys}, allow_unused)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for name, param in model.named_parameters():
+    for name, param in params.items():
         box = Layout.of_dtensor(param).box(rank)
         if box is not None:  # off the parameter's mesh (another pipeline stage): nothing to read
-            param.data.to_local().copy_(_read(reader, keys[name], box))
-
-
-def _read(reader: CheckpointReader, key: str | tuple[str, ...], box) -> torch.Tensor:
-    """``box`` of one tensor, or of per-expert tensors stacked on dim 0 (each expert's box read)."""
-    if isinstance(key, str):
-        return reader.read(key, box)
-    (first, stop), rest = box[0], box[1:]
-    return torch.stack([reader.read(key[e], rest) for e in range(first, stop)])
-
-
-def _checkpoint_keys(name: str, shape, reader: CheckpointReader, tied: bool) -> str | tuple[str, ...]:
-    """The checkpoint tensor(s) of parameter ``name``: its own name, the tied embedding, Mixtral's
-    ``block_sparse_moe`` for our ``mlp``, or one per expert for a stacked experts parameter."""
-    block, _, leaf = name.rpartition(".experts.")
-    if block and leaf in EXPERT_TENSORS:
-        return _expert_keys(name, block, leaf, shape[0], reader)
-    mixtral = name.replace(".mlp.", ".block_sparse_moe.")
-    if name not in reader and mixtral in reader:
-        return mixtral
-    if name not in reader and tied and name == "lm_head.weight":
-        return "model.embed_tokens.weight"
-    if name not in reader:
-        raise ValueError(f"parameter {name!r} is not in the checkpoint at {reader.directory}")
-    return name
-
-
-def _expert_keys(name: str, block: str, leaf: str, num_experts: int, reader: CheckpointReader) -> tuple[str, ...]:
-    """The hub's per-expert tensors of a stacked experts parameter (Qwen's
-    ``mlp.experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``);
-    ``ValueError`` naming the first expert the checkpoint lacks."""
-    layouts = [(block, EXPERT_TENSORS[leaf][0]), (block.replace(".mlp", ".block_sparse_moe"), EXPERT_TENSORS[leaf][1])]
-    for prefix, hub in layouts:
-        keys = tuple(f"{prefix}.experts.{e}.{hub}.weight" for e in range(num_experts))
-        if any(k in reader for k in keys):
-            missing = [k for k in keys if k not in reader]
-            if missing:
-                raise ValueError(f"checkpoint at {reader.directory} lacks expert tensor {missing[0]!r} (for {name!r})")
-            return keys
-    raise ValueError(f"parameter {name!r}: no per-expert tensors {layouts[0][0]}.experts.<e>.* in {reader.directory}")
+            param.data.to_local().copy_(sources[name].read(reader, box))
 
 
 def _check_unused(reader: CheckpointReader, used: set[str], allow_unused: bool) -> None:

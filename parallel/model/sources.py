@@ -1,0 +1,84 @@
+"""Which checkpoint tensors fill a parameter of our layers, and how a box of it is read.
+
+A parameter is filled by the tensor of its own name (HF's state-dict key), by the tied embedding
+(``lm_head.weight``), by Mixtral's on-disk name (``block_sparse_moe`` for our ``mlp``), or, for a
+stacked experts parameter ``...mlp.experts.gate_proj (E, I, D)``, by the hub's per-expert tensors
+(Qwen's ``mlp.experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``)
+or transformers' fused ``mlp.experts.gate_up_proj (E, 2I, D)`` (gate rows first, then up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from reshard.layout import Box
+from reshard.parallel.model.checkpoint import CheckpointReader
+
+# a stacked experts parameter <- its per-expert tensors: Qwen's names, then Mixtral's
+EXPERT_TENSORS = MappingProxyType(
+    {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2")}
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    """``keys``: one tensor, or one per expert stacked on dim 0 (``stacked``); ``fused``: the
+    parameter is rows ``[offset, offset + I)`` of dim 1 of a fused ``(E, 2I, D)`` tensor."""
+
+    keys: tuple[str, ...]
+    stacked: bool = False
+    fused: bool = False
+    offset: int = 0
+
+    def check(self, reader: CheckpointReader, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+        """``ValueError`` naming the tensor and ``name`` unless every key fits a parameter of ``shape``."""
+        for key in self.keys:
+            want = shape[1:] if self.stacked else (shape[0], 2 * shape[1], *shape[2:]) if self.fused else shape
+            reader.check(key, want, dtype, name)
+
+    def read(self, reader: CheckpointReader, box: Box) -> torch.Tensor:
+        """The parameter's ``box`` (each expert's box where stacked; shifted rows where fused)."""
+        if self.stacked:
+            (first, stop), rest = box[0], box[1:]
+            return torch.stack([reader.read(self.keys[e], rest) for e in range(first, stop)])
+        if self.fused:
+            (lo, hi) = box[1]
+            box = (box[0], (lo + self.offset, hi + self.offset), *box[2:])
+        return reader.read(self.keys[0], box)
+
+
+def checkpoint_source(name: str, shape: tuple[int, ...], reader: CheckpointReader, tied: bool) -> Source:
+    """Where parameter ``name`` (of ``shape``) comes from in ``reader``'s checkpoint (module docstring)."""
+    block, _, leaf = name.rpartition(".experts.")
+    if block and leaf in EXPERT_TENSORS:
+        return _experts(name, block, leaf, shape, reader)
+    mixtral = name.replace(".mlp.", ".block_sparse_moe.")
+    if name not in reader and mixtral in reader:
+        return Source((mixtral,))
+    if name not in reader and tied and name == "lm_head.weight":
+        return Source(("model.embed_tokens.weight",))
+    if name not in reader:
+        raise ValueError(f"parameter {name!r} is not in the checkpoint at {reader.directory}")
+    return Source((name,))
+
+
+def _experts(name: str, block: str, leaf: str, shape: tuple[int, ...], reader: CheckpointReader) -> Source:
+    """A stacked experts parameter's source: transformers' fused tensors, else the hub's per-expert
+    ones; ``ValueError`` naming the first expert tensor the checkpoint lacks."""
+    fused = f"{block}.experts.gate_up_proj"
+    if leaf != "down_proj" and fused in reader:
+        return Source((fused,), fused=True, offset=0 if leaf == "gate_proj" else shape[1])
+    if leaf == "down_proj" and name in reader:  # (E, D, I): the fused layout's own name and shape
+        return Source((name,))
+    layouts = [(block, EXPERT_TENSORS[leaf][0]), (block.replace(".mlp", ".block_sparse_moe"), EXPERT_TENSORS[leaf][1])]
+    for prefix, hub in layouts:
+        keys = tuple(f"{prefix}.experts.{e}.{hub}.weight" for e in range(shape[0]))
+        if any(k in reader for k in keys):
+            missing = [k for k in keys if k not in reader]
+            if missing:
+                raise ValueError(f"checkpoint at {reader.directory} lacks expert tensor {missing[0]!r} (for {name!r})")
+            return Source(keys, stacked=True)
+    raise ValueError(f"parameter {name!r}: no per-expert or fused expert tensors of {block} in {reader.directory}")
