@@ -94,3 +94,11 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     if _training(x):
         return funcol.all_gather_tensor_autograd(x.contiguous(), 0, (mesh, axis))
     return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, (mesh, axis)))
+
+
+def all_to_all_split(x: torch.Tensor, out_splits: list[int], in_splits: list[int], mesh: DeviceMesh, axis: int):
+    """All-to-all along dim 0 over ``axis`` with exact (uneven) splits: ``in_splits[i]`` rows go to
+    the axis' rank ``i``, ``out_splits[i]`` rows come from it (inference: not differentiable)."""
+    if mesh.size(axis) == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, (mesh, axis)))

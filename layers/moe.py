@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 from transformers.activations import ACT2FN
 
 from reshard import empty_dtensor
-from reshard.layers._comm import all_reduce
+from reshard.layers._comm import all_reduce, all_to_all_split
 from reshard.layers.mlp import SwiGLUMLP
 
 
@@ -119,6 +119,34 @@ class GroupedExperts(nn.Module):
         return out.index_add_(0, token, y.to(out.dtype))
 
 
+def _dispatched(experts_module: GroupedExperts, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
+    """Data-parallel attention's MoE: ``x (T, D)`` is this rank's own tokens (``T`` may be 0: an
+    idle replica still takes part). Each (token, choice) pair travels to the rank holding its
+    expert in one all-to-all with exact splits (the counts exchanged first), is computed there in
+    one grouped GEMM, and comes back by the reverse all-to-all; returns the whole ``(T, D)``."""
+    module, mesh = experts_module, experts_module.gate_proj.device_mesh
+    ep, per = mesh.size(0), module.num_experts // mesh.size(0)
+    token, slot = torch.nonzero(torch.ones_like(experts, dtype=torch.bool), as_tuple=True)  # (T*k,) pairs
+    expert = experts[token, slot]
+    order = torch.argsort(expert, stable=True)  # by expert, so by the rank holding it
+    token, slot, expert = token[order], slot[order], expert[order]
+    send = torch.bincount(expert // per, minlength=ep)  # (ep,) pairs to each rank
+    recv = all_to_all_split(send, [1] * ep, [1] * ep, mesh, 0)  # (ep,) pairs from each rank
+    sends, recvs = send.tolist(), recv.tolist()
+    rows = all_to_all_split(x[token], recvs, sends, mesh, 0)  # (R, D)
+    local = all_to_all_split(expert, recvs, sends, mesh, 0) - module.local_experts.start  # (R,)
+    y = torch.empty_like(rows)
+    if rows.shape[0]:
+        by_expert = torch.argsort(local, stable=True)  # the senders' blocks interleave experts
+        counts = torch.bincount(local, minlength=per)
+        y[by_expert] = grouped_swiglu(
+            rows[by_expert], local[by_expert], counts, module.gate_proj.to_local(), module.up_proj.to_local(),
+            module.down_proj.to_local(), module.act_fn,
+        )  # fmt: skip
+    back = all_to_all_split(y, sends, recvs, mesh, 0)  # (T*k, D) in this rank's send order
+    return torch.zeros_like(x).index_add_(0, token, (back * weights[token, slot, None]).to(x.dtype))
+
+
 def grouped_swiglu(
     x: torch.Tensor,
     expert: torch.Tensor,
@@ -144,7 +172,10 @@ def grouped_swiglu(
 class SparseMoE(nn.Module):
     """Router, experts and (Qwen2-MoE) a shared expert gated by ``sigmoid(shared_expert_gate(x))``.
     ``x (B, S, D)`` replicated over ``mesh`` (the 1-D tp group the experts' mesh views) -> ``(B, S,
-    D)`` replicated: one all-reduce over ``mesh`` sums the experts' partial outputs."""
+    D)`` replicated: one all-reduce over ``mesh`` sums the experts' partial outputs. ``dispatch``
+    (data-parallel attention): ``x`` is this rank's own tokens, the experts' ``(ep, 1)`` mesh spans
+    the replicas, pairs travel by all-to-all (:func:`_dispatched`); :meth:`idle` takes part in a
+    step this replica has no tokens for."""
 
     def __init__(
         self,
@@ -153,16 +184,26 @@ class SparseMoE(nn.Module):
         mesh: DeviceMesh,
         shared_expert: SwiGLUMLP | None = None,
         shared_expert_gate: nn.Module | None = None,
+        *,
+        dispatch: bool = False,
     ) -> None:
         super().__init__()
-        self.gate, self.experts, self.mesh = gate, experts, mesh
+        self.gate, self.experts, self.mesh, self.dispatch = gate, experts, mesh, dispatch
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])  # (B*S, D)
         weights, experts = self.gate(flat)
-        out = all_reduce(self.experts(flat, weights, experts), self.mesh, 0)
+        if self.dispatch:  # each rank its own tokens (data-parallel attention): all-to-all
+            out = _dispatched(self.experts, flat, weights, experts)
+        else:  # the tp group's tokens on every rank: partial sums, one all-reduce
+            out = all_reduce(self.experts(flat, weights, experts), self.mesh, 0)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(*lead, out.shape[-1])
+
+    def idle(self) -> None:
+        """A step with no tokens on this replica: the dispatch's collectives, with nothing to send."""
+        if self.dispatch:
+            self(self.gate.weight.to_local().new_zeros(0, self.gate.weight.shape[1]))

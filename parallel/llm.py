@@ -32,8 +32,7 @@ from reshard.parallel.engine.registry import make_strategy, strategy_class
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, call_seed
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.info import parallel_info
-from reshard.parallel.model.parallelize import refuse_expert_copy
-from reshard.parallel.model.weight_sync import model_sync, rollout_tensors
+from reshard.parallel.model.weight_sync import model_sync, rollout_tensors, split_fused
 from reshard.sync import WeightSync
 
 Prompt = str | Sequence[int] | Sequence[dict] | dict  # text, token ids, chat messages, {"prompt_token_ids": ...}
@@ -208,7 +207,6 @@ class LLM:
                 f"LLM(model=<module>) builds a strategy of one layout (tp, shift, sidp); strategy "
                 f"{self.parallel.name!r} holds several: give it a checkpoint path"
             )
-        refuse_expert_copy(module.config)
         dtype = config.dtype or str(next(module.parameters()).dtype).removeprefix("torch.")
         config = dataclasses.replace(config, dtype=dtype, load_weights=False)
         with tempfile.TemporaryDirectory(prefix="reshard-config-") as directory:
@@ -235,7 +233,7 @@ class LLM:
         order (``ValueError`` on every rank otherwise). Returns how many tensors were copied."""
         self.engine.ready(("weights",), check=False)  # weights released to host come back first
         targets, bucket, size, copied = rollout_tensors(self._model()), {}, 0, 0
-        for name, tensor in weights:
+        for name, tensor in (pair for given in weights for pair in split_fused(*given)):
             bucket[name], size = tensor, size + tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
                 copied, bucket, size = copied + self._load_bucket(bucket, targets), {}, 0

@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its gated shared
 expert) loaded from the hub's per-expert safetensors into expert-parallel layers: tokens equal HF
-``generate`` on 1 rank, TP2 (each expert split), EP2, and EP2 x TP2 / EP4 on 4 ranks; a routing skew
+``generate`` on 1 rank, TP2 (each expert split), EP2, EP2 x TP2 / EP4 on 4 ranks, and data-parallel
+attention with the experts over the replicas (all-to-all dispatch) on 2 and 4 ranks; a routing skew
 that sends nearly every token to one rank's experts drops none; a checkpoint missing an expert's
 tensor, or with one of the wrong shape, is refused by name."""
 
@@ -84,17 +85,17 @@ def _ranks(path: str, layouts: list[tuple[int, int]], sampled: bool = False) -> 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_tp2_and_ep2_equal_hf_greedy_and_one_rank_sampled(moe, hf_reference, family):
     expected, sampled = hf_reference(moe[family], PROMPTS, NEW), _tokens(moe[family], 1, 1, sampled=True)
-    for per_layout in dist_harness.run(2, _ranks, moe[family], [(2, 1), (2, 2)]):
-        assert per_layout == [expected, expected]
+    for per_layout in dist_harness.run(2, _ranks, moe[family], [(2, 1), (2, 2), (1, 2)]):
+        assert per_layout == [expected, expected, expected]  # TP2, EP2, DP-attention x EP2
     for per_layout in dist_harness.run(2, _ranks, moe[family], [(2, 2)], sampled=True):
         assert per_layout == [sampled]
 
 
-def test_ep2_x_tp2_and_ep4_on_four_ranks_equal_hf(moe, hf_reference):
+def test_ep2_x_tp2_ep4_and_dp_attention_x_ep4_on_four_ranks_equal_hf(moe, hf_reference):
     path = moe["qwen2_moe"]
     expected = hf_reference(path, PROMPTS, NEW)
-    for per_layout in dist_harness.run(4, _ranks, path, [(4, 2), (4, 4)]):
-        assert per_layout == [expected, expected]
+    for per_layout in dist_harness.run(4, _ranks, path, [(4, 2), (4, 4), (1, 4)]):
+        assert per_layout == [expected, expected, expected]  # (3 prompts on DP4: a replica idles)
 
 
 def test_a_skewed_routing_drops_no_token(skewed, hf_reference):
@@ -161,16 +162,76 @@ def test_pipeline_seesaw_and_dejavu_run_moe_and_shift_sidp_refuse_it_by_name(moe
         assert out["sidp"].startswith("strategy sidp pools dense FFN weights; qwen3_moe is a mixture-of-experts")
 
 
-def test_a_moe_module_in_memory_is_refused_not_copied_wrong(moe):
+def _greedy(model) -> list[list[int]]:
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones(1, len(p))
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def test_a_moe_module_in_memory_is_copied_and_synced_after_a_training_step(moe):
+    """``LLM(model=module)`` splits transformers' fused experts into ours (the module untouched);
+    after an optimizer step ``sync_weights`` copies them again: bitwise equal, tokens HF's."""
     from transformers import AutoModelForCausalLM
 
-    from reshard import LLM
-    from reshard.parallel.model.parallelize import parallelize
+    from reshard import LLM, SamplingParams
+    from reshard.parallel.model.weight_sync import split_fused
+    from tests.test_weight_sync import _sliced_equal
 
-    module = AutoModelForCausalLM.from_pretrained(moe["mixtral"], dtype=torch.float32)
-    for build in (lambda: LLM(module, max_seq_len=64), lambda: parallelize(module)):
-        with pytest.raises(ValueError, match=r"mixtral is a mixture-of-experts model: .* give the checkpoint path"):
-            build()
+    module = AutoModelForCausalLM.from_pretrained(moe["mixtral"], dtype=torch.float32).train()
+    fused = module.model.layers[1].mlp.experts.gate_up_proj
+    with LLM(module, max_seq_len=64) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+        assert module.training and module.model.layers[1].mlp.experts.gate_up_proj is fused  # untouched
+        opt = torch.optim.SGD(module.parameters(), lr=0.5)
+        ids = torch.tensor([PROMPTS[2]])
+        module(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        llm.sync_weights(module)
+        full = {k: v for n, t in module.state_dict().items() for k, v in split_fused(n, t)}
+        assert _sliced_equal(llm.engine.model, full) == []
+        after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+    assert after == _greedy(module) and after != first
+
+
+def _moe_sync(path: str, layout: str, tp: int, ep: int) -> dict:
+    """FSDP2 (or HSDP) training model of ``path``, one Adam step, synced into an LLM of TP ``tp``
+    and EP ``ep``: rollout tensors unlike the sliced full ones, bytes received and the lower bound,
+    tokens and HF's of the synced weights."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from reshard import LLM, SamplingParams
+    from reshard.parallel.model.weight_sync import model_sync, split_fused
+    from tests.test_weight_sync import _full, _sliced_equal, _trained
+
+    with LLM(path, tp=tp, ep=ep, max_seq_len=64) as llm:
+        model, _ = _trained(path, list(range(dist.get_world_size())), layout=layout)
+        sync = model_sync(model, llm.engine.model)
+        stats = sync.sync(1)
+        full = _full(model)
+        bad = _sliced_equal(llm.engine.model, {k: v for n, t in full.items() for k, v in split_fused(n, t)})
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference.load_state_dict(full)
+    return dict(
+        bad=bad, received=stats.bytes_received, lower=sync.lower_bound_bytes, tokens=tokens, ref=_greedy(reference)
+    )
+
+
+@pytest.mark.parametrize("world, layout, tp, ep", [(2, "fsdp", 2, 2), (4, "hsdp", 4, 4)], ids=["fsdp-ep2", "hsdp-ep4"])
+def test_rl_sync_of_experts_from_fsdp2_and_hsdp_is_bitwise_at_the_lower_bound(moe, world, layout, tp, ep):
+    """FSDP2 shards the fused experts over dim 0 (the experts); their gate / up halves stay
+    DTensors, so the planned sync moves exactly the bytes each rank lacks."""
+    results = dist_harness.run(world, _moe_sync, moe["qwen3_moe"], layout, tp, ep)
+    assert sum(r["received"] for r in results) == results[0]["lower"] > 0
+    for r in results:
+        assert r["bad"] == [] and r["tokens"] == r["ref"]
 
 
 def test_a_checkpoint_of_transformers_fused_experts_loads_as_the_hubs(moe, hf_reference, tmp_path):

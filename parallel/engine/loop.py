@@ -322,9 +322,7 @@ class Engine:
 
     def _leads_group(self) -> bool:
         """Whether this rank is the first of the ranks that agree on steps (it proposes admissions)."""
-        if not dist.is_initialized():
-            return True
-        return dist.get_rank() == min(dist.get_process_group_ranks(self.agreement_group()))
+        return not dist.is_initialized() or dist.get_rank() == min(dist.get_process_group_ranks(self.agreement_group()))
 
     def agreement_group(self) -> dist.ProcessGroup | None:
         """The ranks that agree on this engine's steps, and so call :meth:`generate` together with
@@ -387,8 +385,9 @@ class Engine:
             logits = runner.run(mine, [n for _, n in here], self.events.layers(step.layout))
             self.connector.save(step, mine)
             self.events.fire("step_end", step, mine, layout=step.layout)
-        else:
+        else:  # (a replica without sequences still joins its layers' collectives: MoE dispatch)
             self.events.fire("idle", step, mine, layout=step.layout)
+            runner.idle()
         group = self.group if self.group is not None else runner.group
         # the policy's, the admissions, the connectors' (a callable is read now, after the compute)
         agree = {k: v() if callable(v) else v for k, v in {**step.agree, **extras}.items()}

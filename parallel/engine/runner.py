@@ -226,6 +226,15 @@ class ModelRunner:
                 return self._decode(seqs, layers)
             return self._prefill(seqs, layers) if kind == "prefill" else self._mixed(seqs, num_tokens, layers)
 
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """A step this replica has no sequences for: the collectives its layers exchange with the
+        other replicas every step (data-parallel attention's MoE dispatch), with nothing to send."""
+        with use_weights(self.weights):
+            for layer in self.layers:
+                if hasattr(layer.mlp, "idle"):
+                    layer.mlp.idle()
+
     def _mixed(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
         """Sequence ``i`` feeds its tokens at positions ``c .. c + num_tokens[i] - 1`` (``c``: its
         ``num_computed_tokens``; a prompt, a prompt chunk, or its last output token) and attends

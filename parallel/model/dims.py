@@ -60,10 +60,19 @@ class ParallelDims:
                 f"dp({self.dp}) * pp({self.pp}) * sp({self.sp}) * tp({self.tp}) = {product} "
                 f"!= world_size({self.world_size})"
             )
-        if self.ep < 1 or self.tp % self.ep != 0:
-            raise ValueError(f"ep ({self.ep}) must be >= 1 and divide tp ({self.tp}): experts split in the tp group")
+        if self.ep < 1 or (self.tp % self.ep != 0 and not self.expert_dispatch):
+            raise ValueError(
+                f"ep ({self.ep}) must divide tp ({self.tp}) (experts split in the tp group), or equal dp "
+                f"({self.dp}) with tp, pp and sp 1 (data-parallel attention, experts over the replicas)"
+            )
         if self.stages is not None and (len(self.stages) != self.pp or min(self.stages) < 1):
             raise ValueError(f"stages {self.stages} must give each of the pp({self.pp}) stages >= 1 layer")
+
+    @property
+    def expert_dispatch(self) -> bool:
+        """Data-parallel attention with expert-parallel MoE: each replica attends over its own
+        requests and the experts are spread over the replicas (``ep == dp > 1``, no other axis)."""
+        return self.ep == self.dp > 1 and self.tp == self.pp == self.sp == 1
 
     @staticmethod
     def from_world(**degrees: int) -> ParallelDims:

@@ -18,6 +18,7 @@ from reshard.parallel.model.dims import ParallelDims, device_type
 from reshard.parallel.model.info import LoadStats, ParallelInfo
 from reshard.parallel.model.plans import BuildContext, MeshOf, ParallelStyle, tp_plan
 from reshard.parallel.model.sources import checkpoint_source
+from reshard.parallel.model.weight_sync import split_fused
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 
@@ -28,16 +29,6 @@ def check_architecture(config) -> None:
         raise ValueError(
             f"unsupported architecture {name!r} (model_type {config.model_type!r}); "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-
-def refuse_expert_copy(config) -> None:
-    """``ValueError`` for a mixture-of-experts model given as a module: its experts are fused in
-    memory (``gate_up_proj``) and are copied from checkpoints only, so far."""
-    if any(hasattr(config, key) for key in ("num_experts", "num_local_experts")):
-        raise ValueError(
-            f"{config.model_type} is a mixture-of-experts model: its experts load from a checkpoint's "
-            "per-expert tensors; copying them from a module in memory is not built yet: give the checkpoint path"
         )
 
 
@@ -67,8 +58,6 @@ def parallelize(
     checked against the parameter it fills before anything is read; checkpoint tensors the model
     does not use are an error unless ``allow_unused``.
     """
-    if isinstance(model_or_path, nn.Module):
-        refuse_expert_copy(model_or_path.config)
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
     if isinstance(model_or_path, nn.Module):
@@ -110,7 +99,7 @@ def _skeleton(config, dims, plan, dtype: torch.dtype, mesh_of) -> nn.Module:
 def _parallelize_module(module: nn.Module, dims, plan, mesh_of=None, inplace=False) -> nn.Module:
     """Our model of ``module``'s weights; ``inplace``: ``module`` itself, its modules swapped."""
     check_architecture(module.config)
-    full = {k: v.detach() for k, v in module.state_dict().items()}
+    full = {k: v.detach() for name, t in module.state_dict().items() for k, v in split_fused(name, t)}
     dtype = next(iter(full.values())).dtype
     if inplace:
         _swap_modules(module, plan, BuildContext(module.config, dims, dtype, device_type(), mesh_of=mesh_of))

@@ -117,8 +117,11 @@ def kv_head_mesh(dims: ParallelDims, num_kv_heads: int, tp_mesh: DeviceMesh | No
 
 
 def expert_mesh(dims: ParallelDims, tp_mesh: DeviceMesh | None = None) -> DeviceMesh:
-    """The 2-D ``(ep, etp)`` view of ``tp_mesh`` (default: this rank's tp mesh) that experts live on:
-    ``dims.ep`` groups of experts, each expert tensor parallel over ``tp // ep`` ranks."""
+    """The 2-D ``(ep, etp)`` mesh experts live on: the view of ``tp_mesh`` (default: this rank's tp
+    mesh) as ``dims.ep`` groups of experts, each expert tensor parallel over ``tp // ep`` ranks; with
+    data-parallel attention (``dims.expert_dispatch``) every replica's rank as one expert group."""
+    if dims.expert_dispatch:
+        return cached_mesh(rank_grid(dims).view(dims.dp, 1), ("ep", "etp"))
     return tp_view(dims, dims.ep, ("ep", "etp"), tp_mesh)
 
 
@@ -167,8 +170,6 @@ def _moe(module: nn.Module, ctx: BuildContext) -> SparseMoE:
             f"(strategies tp, seesaw, dejavu), not on this layout's {mesh.mesh_dim_names} mesh (Shift's SP x EP "
             "is not built yet)"
         )
-    if ctx.dims.tp % ctx.dims.ep != 0:
-        raise ValueError(f"parallel.ep ({ctx.dims.ep}) must divide parallel.tp ({ctx.dims.tp})")
     num_experts, double, hidden = module.experts.gate_up_proj.shape  # (E, 2I, D): HF's fused experts
     renormalize = getattr(module.gate, "norm_topk_prob", True)  # Mixtral's router always renormalizes
     gate = TopKRouter(
@@ -178,11 +179,12 @@ def _moe(module: nn.Module, ctx: BuildContext) -> SparseMoE:
     experts = GroupedExperts(
         num_experts, hidden, double // 2, mesh=expert_mesh(ctx.dims, mesh), hidden_act=cfg.hidden_act, **ctx.kw
     )
-    shared = getattr(module, "shared_expert", None)
+    shared, dispatch = getattr(module, "shared_expert", None), ctx.dims.expert_dispatch
     if shared is None:
-        return SparseMoE(gate, experts, mesh)
+        return SparseMoE(gate, experts, mesh, dispatch=dispatch)
     mlp = SwiGLUMLP(hidden, shared.gate_proj.out_features, mesh=mesh, hidden_act=cfg.hidden_act, **ctx.kw)
-    return SparseMoE(gate, experts, mesh, mlp, ParallelLinear(hidden, 1, False, mesh=mesh, **ctx.kw))
+    gated = ParallelLinear(hidden, 1, False, mesh=mesh, **ctx.kw)
+    return SparseMoE(gate, experts, mesh, mlp, gated, dispatch=dispatch)
 
 
 @dataclass(frozen=True)

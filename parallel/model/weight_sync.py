@@ -17,8 +17,21 @@ from reshard.sync import WeightSync
 
 
 def train_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``{name: parameter}`` with tied parameters under each of their names."""
-    return dict(model.named_parameters(remove_duplicate=False))
+    """``{name: parameter}`` with tied parameters under each of their names, and transformers'
+    fused experts split as our layers hold them (:func:`split_fused`)."""
+    return dict(pair for name, t in model.named_parameters(remove_duplicate=False) for pair in split_fused(name, t))
+
+
+def split_fused(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``(name, t)``, or for transformers' fused ``...experts.gate_up_proj (E, 2I, D)`` the views
+    ``...experts.gate_proj`` (rows ``[0, I)`` of dim 1) and ``...experts.up_proj`` (``[I, 2I)``),
+    the tensors our experts hold. A DTensor sharded over the experts (FSDP2's dim 0) stays one:
+    slicing dim 1 keeps its placements, so the sync plans the halves at the lower bound."""
+    if not name.endswith(".experts.gate_up_proj"):
+        return [(name, t)]
+    base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+    t = t.detach()
+    return [(base + "gate_proj", t[:, :half]), (base + "up_proj", t[:, half:])]
 
 
 def rollout_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ loop alternates the running sequences over the replicas.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from reshard.parallel.engine import Engine, EngineConfig, Strategy, register_strategy
 from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.pipeline import build_model
 
 
@@ -35,9 +37,13 @@ class TPStrategy(Strategy):
         if world_size % (tp * self.pp) != 0:
             what = f"parallel.tp ({tp})" + (f" x parallel.pp ({self.pp})" if self.pp > 1 else "")
             raise ValueError(f"{what} must divide the world size ({world_size})")
-        if tp % self.ep != 0:
-            raise ValueError(f"parallel.ep ({self.ep}) must divide parallel.tp ({tp}): experts split in the tp group")
-        return ParallelDims(dp=world_size // (tp * self.pp), pp=self.pp, tp=tp, ep=self.ep, world_size=world_size)
+        dp = world_size // (tp * self.pp)
+        if tp % self.ep != 0 and not (self.ep == dp and tp == self.pp == 1):
+            raise ValueError(
+                f"parallel.ep ({self.ep}) must divide parallel.tp ({tp}) (experts split in the tp group), or "
+                f"equal the data-parallel replicas ({dp}) with parallel.tp=1 (data-parallel attention)"
+            )
+        return ParallelDims(dp=dp, pp=self.pp, tp=tp, ep=self.ep, world_size=world_size)
 
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """Chunked prefill runs in one pipeline stage (the mixed step is one eager micro-batch)."""
@@ -55,5 +61,8 @@ class TPStrategy(Strategy):
 
     def build_engine(self, model: nn.Module, config: EngineConfig) -> Engine:
         """Continuous batching over the model (``pp > 1``: one micro-batch per stage unless
-        ``config.num_microbatches`` says otherwise)."""
+        ``config.num_microbatches`` says otherwise; data-parallel attention with experts over the
+        replicas: the replicas step in lockstep, their MoE layers exchange tokens every step)."""
+        if parallel_info(model).dims.expert_dispatch:
+            config = dataclasses.replace(config, replicas="lockstep")
         return Engine(model, config)
