@@ -98,7 +98,7 @@ def _gemm(args) -> None:
 def _step(args) -> None:
     import torch.distributed as dist
 
-    from reshard.layers import GroupedExperts, SparseMoE, TopKRouter
+    from reshard.layers import GroupedExperts, SparseMoE, TopKGate
     from reshard.parallel.model.dims import ParallelDims
     from reshard.parallel.model.plans import expert_mesh
 
@@ -108,7 +108,7 @@ def _step(args) -> None:
     for ep in (1, world):
         dims = ParallelDims(tp=world, ep=ep, world_size=world)
         tp_mesh = dims.mesh("tp")
-        router = TopKRouter(HIDDEN, EXPERTS, TOP_K, mesh=tp_mesh, renormalize=True)
+        router = TopKGate(HIDDEN, EXPERTS, TOP_K, mesh=tp_mesh, renormalize=True)
         experts = GroupedExperts(EXPERTS, HIDDEN, INTER, mesh=expert_mesh(dims, tp_mesh))
         gen = torch.Generator().manual_seed(0)
         for t in (router.weight, experts.gate_proj, experts.up_proj, experts.down_proj):

@@ -27,17 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import med, parser, rerun_command  # bench/ is not a package
+from generate import LLAMA_100M
 
-MODEL = dict(
-    vocab_size=4096,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=8,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    initializer_range=0.02,
-)
+MODEL = {**LLAMA_100M, "vocab_size": 4096}  # bench/generate.py's Llama with the built-in tokenizer's vocab
 MODEL_NAME = "bench-llama-69m-bpe-seed0-v1"
 
 

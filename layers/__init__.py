@@ -5,7 +5,7 @@ from reshard.layers.attention import ParallelAttention, check_head_split, kv_rep
 from reshard.layers.embedding import VocabParallelEmbedding
 from reshard.layers.linear import ParallelLinear
 from reshard.layers.mlp import SwiGLUMLP
-from reshard.layers.moe import GroupedExperts, SparseMoE, TopKRouter
+from reshard.layers.moe import GroupedExperts, SparseMoE, TopKGate
 from reshard.layers.norm import RMSNorm
 
 __all__ = [
@@ -16,7 +16,7 @@ __all__ = [
     "RMSNorm",
     "SparseMoE",
     "SwiGLUMLP",
-    "TopKRouter",
+    "TopKGate",
     "VocabParallelEmbedding",
     "check_head_split",
     "kv_replication",

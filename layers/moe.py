@@ -31,7 +31,7 @@ from reshard.layers._comm import all_reduce, all_to_all_split
 from reshard.layers.mlp import SwiGLUMLP
 
 
-class TopKRouter(nn.Module):
+class TopKGate(nn.Module):
     """``weight (E, D)`` replicated: softmax over the experts (fp32), the ``top_k`` largest, those
     renormalized to sum to one where ``renormalize`` (HF's ``norm_topk_prob``; Mixtral always).
     ``cast_back``: the weights in the input's dtype (Qwen's routers), else fp32 (Mixtral's)."""
@@ -179,7 +179,7 @@ class SparseMoE(nn.Module):
 
     def __init__(
         self,
-        gate: TopKRouter,
+        gate: TopKGate,
         experts: GroupedExperts,
         mesh: DeviceMesh,
         shared_expert: SwiGLUMLP | None = None,

@@ -90,13 +90,18 @@ def _grpo(path: str, tp: int, out_dir: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("world, tp", [(1, 1), (2, 1), (2, 2)], ids=["one-process", "dp2", "tp2"])
-def test_grpo_with_reshard_rollouts_runs_to_max_steps_synced_every_step(tokenized, tmp_path, world, tp):
+def _grpo_runs(path: str, tps: list[int], out_dir: str) -> list[dict]:
+    return [_grpo(path, tp, f"{out_dir}/tp{tp}") for tp in tps]
+
+
+@pytest.mark.parametrize("world, tps", [(1, [1]), (2, [1, 2])], ids=["one-process", "dp2-then-tp2"])
+def test_grpo_with_reshard_rollouts_runs_to_max_steps_synced_every_step(tokenized, tmp_path, world, tps):
+    """One process; two processes data-parallel (an engine each), then tensor-parallel (one over both)."""
     try:
-        per_rank = dist_harness.run(world, _grpo, tokenized, tp, str(tmp_path))
+        per_rank = dist_harness.run(world, _grpo_runs, tokenized, tps, str(tmp_path))
     finally:
         dist_harness.retire(world)  # TRL and accelerate leave singletons and seeds behind
-    for result in per_rank:
+    for result in (r for runs in per_rank for r in runs):
         assert result["global_step"] == STEPS and result["moved"]  # ran to max_steps, and trained
         assert [s["step"] for s in result["steps"]] == list(range(STEPS)) and result["synced"] == STEPS - 1
         assert all(len(p) == 7 for p in result["prompts"])  # "user : wA wB wC assistant :", TRL's tokenization

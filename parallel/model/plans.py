@@ -18,7 +18,7 @@ from reshard.layers import (
     RMSNorm,
     SparseMoE,
     SwiGLUMLP,
-    TopKRouter,
+    TopKGate,
     VocabParallelEmbedding,
     check_head_split,
 )
@@ -172,7 +172,7 @@ def _moe(module: nn.Module, ctx: BuildContext) -> SparseMoE:
         )
     num_experts, double, hidden = module.experts.gate_up_proj.shape  # (E, 2I, D): HF's fused experts
     renormalize = getattr(module.gate, "norm_topk_prob", True)  # Mixtral's router always renormalizes
-    gate = TopKRouter(
+    gate = TopKGate(
         hidden, num_experts, module.gate.top_k, mesh=mesh, renormalize=renormalize,
         cast_back=hasattr(module.gate, "norm_topk_prob"), **ctx.kw,
     )  # fmt: skip
