@@ -82,6 +82,16 @@ def _ranks(path: str, layouts: list[tuple[int, int]], sampled: bool = False) -> 
     return [_tokens(path, tp, ep, sampled) for tp, ep in layouts]
 
 
+def _dejavu_sides(path: str, prompt_ep: int, token_ep: int) -> list[list[int]]:
+    """DejaVu on 4 ranks: the prompt side TP2 with ``prompt_ep``, the token side TP2 with ``token_ep``."""
+    from reshard import LLM, SamplingParams
+    from reshard.parallel.strategies.dejavu.strategy import SideConfig
+
+    sides = dict(prompt=SideConfig(tp=2, ep=prompt_ep), token=SideConfig(tp=2, ep=token_ep), prompt_ranks=2)
+    with LLM(path, strategy="dejavu", max_seq_len=64, **sides) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_tp2_and_ep2_equal_hf_greedy_and_one_rank_sampled(moe, hf_reference, family):
     expected, sampled = hf_reference(moe[family], PROMPTS, NEW), _tokens(moe[family], 1, 1, sampled=True)
@@ -96,6 +106,7 @@ def test_ep2_x_tp2_ep4_and_dp_attention_x_ep4_on_four_ranks_equal_hf(moe, hf_ref
     expected = hf_reference(path, PROMPTS, NEW)
     for per_layout in dist_harness.run(4, _ranks, path, [(4, 2), (4, 4), (1, 4)]):
         assert per_layout == [expected, expected, expected]  # (3 prompts on DP4: a replica idles)
+    assert dist_harness.run(4, _dejavu_sides, path, 2, 1) == [expected] * 4  # DejaVu: EP2 prompts, TP2 tokens
 
 
 def test_a_skewed_routing_drops_no_token(skewed, hf_reference):
@@ -146,6 +157,8 @@ def _strategies(path: str) -> dict[str, list | str]:
         try:
             with LLM(path, strategy=keys.pop("strategy", name), max_seq_len=64, **keys) as llm:
                 out[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+                if name == "seesaw":  # its transitions' weight bytes (experts included) and their lower bound
+                    out["moves"] = [(h.bytes, h.lower_bound_bytes) for h in llm.engine.policy.switch.history]
         except ValueError as e:
             out[name] = str(e).splitlines()[0]
     return out
@@ -153,11 +166,13 @@ def _strategies(path: str) -> dict[str, list | str]:
 
 def test_pipeline_seesaw_and_dejavu_run_moe_and_shift_sidp_refuse_it_by_name(moe, hf_reference):
     """Pipeline stages, Seesaw (P2 prefill, T2 decode) and DejaVu's sides load the experts like the
-    tp plan: tokens equal HF. Shift (SP x EP) and SiDP (an expert pool) are not built: one line."""
+    tp plan: tokens equal HF; Seesaw's transitions move the expert tensors with the rest at the
+    lower bound. Shift (SP x EP) and SiDP (an expert pool) are not built: one line."""
     path = moe["qwen3_moe"]
     expected = hf_reference(path, PROMPTS, NEW)
     for out in dist_harness.run(2, _strategies, path):
         assert out["pp2"] == out["seesaw"] == out["dejavu"] == expected
+        assert out["moves"] and all(moved == lower > 0 for moved, lower in out["moves"]), out["moves"]
         assert out["shift"].startswith("qwen3_moe is a mixture-of-experts model: its experts run on a tensor-parallel")
         assert out["sidp"].startswith("strategy sidp pools dense FFN weights; qwen3_moe is a mixture-of-experts")
 

@@ -44,6 +44,9 @@ class AbsentRunner:
         self.kv = None
         self.engine_group = None  # a rank outside a lockstep side's layout is in no group of it
 
+    def idle(self) -> None:
+        """Outside the layout: none of its layers' collectives include this rank."""
+
 
 @dataclass
 class DejaVuStats(EngineStats):

@@ -189,21 +189,25 @@ def predicted_step_ms(
 @dataclass
 class SideConfig:
     """One side's layout: replicas (each an engine group), TP degree and pipeline depth (their
-    product is the side's ranks)."""
+    product is the side's ranks), and how a mixture-of-experts model's experts split over the TP
+    ranks (``ep``)."""
 
     tp: int | None = None  # null: the side's ranks / (dp x pp)
     pp: int = 1
     dp: int = 1  # replicas of the side, each its own engine group
+    ep: int = 1  # mixture-of-experts models: experts over ep groups of the side's tp ranks
 
     def dims(self, ranks: range, where: str) -> ParallelDims:
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", "dp", "ep"):
             if getattr(self, axis) is not None and getattr(self, axis) < 1:
                 raise ValueError(f"{where}.{axis} must be >= 1, got {getattr(self, axis)}")
         n = len(ranks)
         tp = self.tp if self.tp is not None else max(n // (self.dp * self.pp), 1)
         if n != self.dp * tp * self.pp:
             raise ValueError(f"{where}: dp ({self.dp}) x tp ({tp}) x pp ({self.pp}) must equal its {n} ranks")
-        return ParallelDims(dp=self.dp, pp=self.pp, tp=tp, world_size=n, first_rank=ranks[0])
+        if tp % self.ep != 0:  # (data-parallel attention x EP steps in lockstep: the tp strategy's)
+            raise ValueError(f"{where}.ep ({self.ep}) must divide {where}.tp ({tp}): experts split in the tp group")
+        return ParallelDims(dp=self.dp, pp=self.pp, tp=tp, ep=self.ep, world_size=n, first_rank=ranks[0])
 
 
 @register_strategy("dejavu")
