@@ -104,47 +104,41 @@ class GroupedExperts(nn.Module):
         """``x (T, D)``, ``weights`` / ``experts (T, k)`` -> this rank's partial ``(T, D)``."""
         local = self.local_experts
         token, slot = torch.nonzero((experts >= local.start) & (experts < local.stop), as_tuple=True)  # (N,)
-        out = torch.zeros_like(x)
-        if token.numel() == 0:
-            return out
-        expert = experts[token, slot] - local.start  # (N,) local ids
-        order = torch.argsort(expert, stable=True)
-        token, slot, expert = token[order], slot[order], expert[order]
-        counts = torch.bincount(expert, minlength=len(local))  # (E_local,)
-        y = grouped_swiglu(
-            x[token], expert, counts, self.gate_proj.to_local(), self.up_proj.to_local(),
-            self.down_proj.to_local(), self.act_fn,
-        )  # fmt: skip
+        y = self.compute(x[token], experts[token, slot] - local.start)  # (N, D)
         y = y * weights[token, slot, None]  # (fp32 routing weights promote, as HF's)
-        return out.index_add_(0, token, y.to(out.dtype))
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
+    def dispatched(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention's MoE: ``x (T, D)`` is this rank's own tokens (``T`` may be 0:
+        an idle replica still takes part). Each (token, choice) pair travels to the rank holding
+        its expert in one all-to-all with exact splits (the counts exchanged first), is computed
+        there, and comes back by the reverse all-to-all; returns the whole ``(T, D)``."""
+        mesh = self.gate_proj.device_mesh
+        ep, per = mesh.size(0), self.num_experts // mesh.size(0)
+        token, slot = torch.nonzero(torch.ones_like(experts, dtype=torch.bool), as_tuple=True)  # (T*k,) pairs
+        expert = experts[token, slot]
+        order = torch.argsort(expert, stable=True)  # by expert, so by the rank holding it
+        token, slot, expert = token[order], slot[order], expert[order]
+        send = torch.bincount(expert // per, minlength=ep)  # (ep,) pairs to each rank
+        sends = send.tolist()
+        recvs = all_to_all_split(send, [1] * ep, [1] * ep, mesh, 0).tolist()  # pairs from each rank
+        rows = all_to_all_split(x[token], recvs, sends, mesh, 0)  # (R, D)
+        local = all_to_all_split(expert, recvs, sends, mesh, 0) - self.local_experts.start  # (R,)
+        back = all_to_all_split(self.compute(rows, local), sends, recvs, mesh, 0)  # (T*k, D), send order
+        return torch.zeros_like(x).index_add_(0, token, (back * weights[token, slot, None]).to(x.dtype))
 
-def _dispatched(experts_module: GroupedExperts, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
-    """Data-parallel attention's MoE: ``x (T, D)`` is this rank's own tokens (``T`` may be 0: an
-    idle replica still takes part). Each (token, choice) pair travels to the rank holding its
-    expert in one all-to-all with exact splits (the counts exchanged first), is computed there in
-    one grouped GEMM, and comes back by the reverse all-to-all; returns the whole ``(T, D)``."""
-    module, mesh = experts_module, experts_module.gate_proj.device_mesh
-    ep, per = mesh.size(0), module.num_experts // mesh.size(0)
-    token, slot = torch.nonzero(torch.ones_like(experts, dtype=torch.bool), as_tuple=True)  # (T*k,) pairs
-    expert = experts[token, slot]
-    order = torch.argsort(expert, stable=True)  # by expert, so by the rank holding it
-    token, slot, expert = token[order], slot[order], expert[order]
-    send = torch.bincount(expert // per, minlength=ep)  # (ep,) pairs to each rank
-    recv = all_to_all_split(send, [1] * ep, [1] * ep, mesh, 0)  # (ep,) pairs from each rank
-    sends, recvs = send.tolist(), recv.tolist()
-    rows = all_to_all_split(x[token], recvs, sends, mesh, 0)  # (R, D)
-    local = all_to_all_split(expert, recvs, sends, mesh, 0) - module.local_experts.start  # (R,)
-    y = torch.empty_like(rows)
-    if rows.shape[0]:
-        by_expert = torch.argsort(local, stable=True)  # the senders' blocks interleave experts
-        counts = torch.bincount(local, minlength=per)
-        y[by_expert] = grouped_swiglu(
-            rows[by_expert], local[by_expert], counts, module.gate_proj.to_local(), module.up_proj.to_local(),
-            module.down_proj.to_local(), module.act_fn,
-        )  # fmt: skip
-    back = all_to_all_split(y, sends, recvs, mesh, 0)  # (T*k, D) in this rank's send order
-    return torch.zeros_like(x).index_add_(0, token, (back * weights[token, slot, None]).to(x.dtype))
+    def compute(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Each row of ``rows (N, D)`` through this rank's expert ``local (N,)`` (its slice of
+        it), in one grouped GEMM over the rows sorted by expert; returns ``(N, D)`` in ``rows``' order."""
+        out = torch.empty_like(rows)
+        if rows.shape[0]:
+            order = torch.argsort(local, stable=True)
+            counts = torch.bincount(local, minlength=len(self.local_experts))  # (E_local,)
+            out[order] = grouped_swiglu(
+                rows[order], local[order], counts, self.gate_proj.to_local(), self.up_proj.to_local(),
+                self.down_proj.to_local(), self.act_fn,
+            )  # fmt: skip
+        return out
 
 
 def grouped_swiglu(
@@ -174,7 +168,7 @@ class SparseMoE(nn.Module):
     ``x (B, S, D)`` replicated over ``mesh`` (the 1-D tp group the experts' mesh views) -> ``(B, S,
     D)`` replicated: one all-reduce over ``mesh`` sums the experts' partial outputs. ``dispatch``
     (data-parallel attention): ``x`` is this rank's own tokens, the experts' ``(ep, 1)`` mesh spans
-    the replicas, pairs travel by all-to-all (:func:`_dispatched`); :meth:`idle` takes part in a
+    the replicas, pairs travel by all-to-all (:meth:`GroupedExperts.dispatched`); :meth:`idle` takes part in a
     step this replica has no tokens for."""
 
     def __init__(
@@ -196,7 +190,7 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (B*S, D)
         weights, experts = self.gate(flat)
         if self.dispatch:  # each rank its own tokens (data-parallel attention): all-to-all
-            out = _dispatched(self.experts, flat, weights, experts)
+            out = self.experts.dispatched(flat, weights, experts)
         else:  # the tp group's tokens on every rank: partial sums, one all-reduce
             out = all_reduce(self.experts(flat, weights, experts), self.mesh, 0)
         if self.shared_expert is not None:

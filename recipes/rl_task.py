@@ -18,10 +18,8 @@ its end).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,9 +127,10 @@ def load_rows(name: str, split: str) -> list[dict]:
     try:
         if Path(name).is_dir():
             loaded = datasets.load_from_disk(name)
-        else:
-            with _offline():
-                loaded = datasets.load_dataset(name)
+        else:  # from the hub's local cache only: nothing is downloaded at run time
+            from huggingface_hub import snapshot_download
+
+            loaded = datasets.load_dataset(snapshot_download(name, repo_type="dataset", local_files_only=True))
     except Exception as e:  # not saved there, not in the cache
         raise ValueError(f"train.prompts_dataset {name!r} was not found offline ({type(e).__name__}: {e})") from None
     if isinstance(loaded, datasets.DatasetDict):
@@ -141,20 +140,6 @@ def load_rows(name: str, split: str) -> list[dict]:
     if len(loaded) == 0:
         raise ValueError(f"train.prompts_dataset {name!r} ({split}) has no rows")
     return list(loaded)
-
-
-@contextlib.contextmanager
-def _offline():
-    """Hugging Face's hub off for the block (no download at run time)."""
-    saved = os.environ.get("HF_DATASETS_OFFLINE")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("HF_DATASETS_OFFLINE")
-        else:
-            os.environ["HF_DATASETS_OFFLINE"] = saved
 
 
 def _as_line(row: dict) -> dict:
