@@ -151,6 +151,7 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
         schema.register(overrides)
         for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a launcher stopping the ranks
             signal.signal(signum, _stop)
+        sys.unraisablehook = functools.partial(_quiet_interrupt, sys.unraisablehook)
         init_distributed()
         sys.argv += hydra_rank_overrides(overrides)
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
@@ -173,6 +174,13 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
             os._exit(EXIT_INTERRUPTED)
 
     _job()
+
+
+def _quiet_interrupt(default: Callable, unraisable) -> None:
+    """``_stop``'s KeyboardInterrupt landing where Python cannot raise it (a ``__del__`` run by the
+    garbage collector) is the interruption already under way: not printed as "Exception ignored"."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        default(unraisable)
 
 
 def _interrupted(run_dir: Path) -> None:
