@@ -4,13 +4,13 @@ the experts split per expert (TP: every rank a slice of every expert) or per ran
 Run from the repo root:
 
     OMP_NUM_THREADS=2 python bench/moe.py                                        # grouped GEMM vs loop
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/moe.py --step   # EP2 vs TP2 block
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/moe.py --step   # TP2, EP2, DPxEP2 block
 
 Shapes: Qwen3-30B-A3B's expert width scaled down (hidden 1024, expert intermediate 384, 16
 experts, 4 per token), fp32, random weights; tokens 8 (a decode step's batch), 64 and 512 (a
 prefill). ``--step``: the whole :class:`SparseMoE` block (router, dispatch, grouped GEMM, the
-all-reduce) on an EP or TP layout of the same weights; medians of ``--repeats`` calls, the slowest
-rank's.
+all-reduce or all-to-alls) on a TP, EP or data-parallel-attention x EP layout of the same weights;
+medians of ``--repeats`` calls, the slowest rank's; the all-to-all bytes against their lower bound.
 """
 
 from __future__ import annotations
@@ -98,36 +98,85 @@ def _gemm(args) -> None:
 def _step(args) -> None:
     import torch.distributed as dist
 
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    rows = []
+    for ep, dispatch in ((1, False), (world, False), (world, True)):
+        block, label = _block(world, ep, dispatch)
+        for tokens in TOKENS:
+            mine = tokens // world if dispatch else tokens  # data-parallel attention: each rank its share
+            x = torch.randn(1, mine, HIDDEN, generator=torch.Generator().manual_seed(tokens + dist.get_rank()))
+            with torch.no_grad():
+                s = _timed(lambda: block(x), args.repeats)
+                sent, lower = _a2a_bytes(block, x) if dispatch else (tokens * HIDDEN * 4, tokens * HIDDEN * 4)
+            totals = torch.tensor([s, sent, lower], dtype=torch.float64)
+            dist.all_reduce(totals[:1], op=dist.ReduceOp.MAX)
+            dist.all_reduce(totals[1:])
+            rows.append((label, tokens, *totals.tolist()))
+    if dist.get_rank() == 0:
+        _print_steps(rows, world)
+        print(f"command: {rerun_command('moe.py', world)}")
+    dist.destroy_process_group()
+
+
+def _block(world: int, ep: int, dispatch: bool):
+    """The MoE block on ``world`` ranks: TP (``ep=1``), EP inside the tp group, or (``dispatch``)
+    data-parallel attention with the experts over the replicas; seeded weights, equal in each."""
     from reshard.layers import GroupedExperts, SparseMoE, TopKGate
     from reshard.parallel.model.dims import ParallelDims
     from reshard.parallel.model.plans import expert_mesh
 
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    rows = []
-    for ep in (1, world):
-        dims = ParallelDims(tp=world, ep=ep, world_size=world)
-        tp_mesh = dims.mesh("tp")
-        router = TopKGate(HIDDEN, EXPERTS, TOP_K, mesh=tp_mesh, renormalize=True)
-        experts = GroupedExperts(EXPERTS, HIDDEN, INTER, mesh=expert_mesh(dims, tp_mesh))
-        gen = torch.Generator().manual_seed(0)
-        for t in (router.weight, experts.gate_proj, experts.up_proj, experts.down_proj):
-            t.data.to_local().copy_(torch.randn(t.to_local().shape, generator=gen) * 0.02)
-        block = SparseMoE(router, experts, tp_mesh)
-        for tokens in TOKENS:
-            x = torch.randn(1, tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
-            with torch.no_grad():
-                s = _timed(lambda: block(x), args.repeats)
-            slowest = torch.tensor([s])
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rows.append((f"EP{ep}" if ep > 1 else f"TP{world}", tokens, slowest.item()))
-    if dist.get_rank() == 0:
-        print(f"MoE block, {world} ranks: {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, expert inter {INTER}")
-        print(f"{'layout':>7} {'tokens':>7} {'ms':>8} {'all-reduce bytes':>17}")
-        for layout, tokens, s in rows:
-            print(f"{layout:>7} {tokens:>7} {s * 1e3:>8.2f} {tokens * HIDDEN * 4:>17}")
-        print(f"command: {rerun_command('moe.py', world)}")
-    dist.destroy_process_group()
+    dims = (
+        ParallelDims(dp=world, ep=world, world_size=world)
+        if dispatch
+        else ParallelDims(tp=world, ep=ep, world_size=world)
+    )
+    tp_mesh = dims.mesh("tp")
+    router = TopKGate(HIDDEN, EXPERTS, TOP_K, mesh=tp_mesh, renormalize=True)
+    experts = GroupedExperts(EXPERTS, HIDDEN, INTER, mesh=expert_mesh(dims, tp_mesh))
+    gen = torch.Generator().manual_seed(0)
+    for t in (router.weight, experts.gate_proj, experts.up_proj, experts.down_proj):
+        t.data.to_local().copy_(torch.randn(t.to_local().shape, generator=gen) * 0.02)
+    label = f"DPxEP{world}" if dispatch else f"EP{ep}" if ep > 1 else f"TP{world}"
+    return SparseMoE(router, experts, tp_mesh, dispatch=dispatch), label
+
+
+def _a2a_bytes(block, x: torch.Tensor) -> tuple[int, int]:
+    """This rank's all-to-all bytes sent in one forward of ``block`` (counted at
+    ``all_to_all_split``: counts, rows, expert ids, results back) and their lower bound: a token's
+    hidden vector to each other rank holding one of its experts, once, and one summed result back."""
+    import reshard.layers.moe as moe
+
+    sent, original = [0], moe.all_to_all_split
+
+    def counting(t, out_splits, in_splits, mesh, axis):
+        me = mesh.get_local_rank(axis)
+        per_row = t[0].numel() * t.element_size() if t.shape[0] else 0
+        sent[0] += sum(n for i, n in enumerate(in_splits) if i != me) * per_row
+        return original(t, out_splits, in_splits, mesh, axis)
+
+    moe.all_to_all_split = counting
+    try:
+        block(x)
+    finally:
+        moe.all_to_all_split = original
+    flat = x.reshape(-1, x.shape[-1])
+    _, chosen = block.route(flat)  # (T, k)
+    mesh = block.experts.gate_proj.device_mesh
+    owner = chosen // (EXPERTS // mesh.size(0))  # (T, k)
+    remote = {(t, r) for t, r in zip(*torch.nonzero(owner != mesh.get_local_rank(0), as_tuple=True))}
+    pairs = {(t.item(), owner[t, c].item()) for t, c in remote}
+    return sent[0], 2 * len(pairs) * HIDDEN * flat.element_size()
+
+
+def _print_steps(rows: list, world: int) -> None:
+    print(f"MoE block, {world} ranks: {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, expert inter {INTER}")
+    print("TP / EP: the tp group's tokens on every rank, one all-reduce (bytes: its payload per rank);")
+    print("DPxEP: each rank its tokens/world own tokens, all-to-all dispatch (bytes: sent by all ranks)")
+    print(f"{'layout':>7} {'tokens':>7} {'ms':>8} {'comm bytes':>11} {'lower bound':>12} {'ratio':>6}")
+    for layout, tokens, s, sent, lower in rows:
+        ratio = f"{sent / lower:.2f}" if lower else "-"
+        print(f"{layout:>7} {tokens:>7} {s * 1e3:>8.2f} {int(sent):>11} {int(lower):>12} {ratio:>6}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Run from the repo root:
     (options: --hidden 1024 --intermediate 2816 --layers 8 --heads 16 --kv-heads 8 --vocab 32000
      --bucket-mb 64 --repeats 3; --small for a quick check on a 4-layer, hidden-256 model)
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 6 bench/rollout_sync.py --world6
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 bench/rollout_sync.py --moe
 
 Model: a seeded Llama checkpoint built once with ``parallel.tiny_models.cached_checkpoint`` (fp32,
 untied embeddings; defaults: hidden 1024, MLP 2816, 8 layers, 16 query / 8 KV heads, vocab 32000).
@@ -77,12 +78,30 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--world6", action="store_true", help="6 processes: FSDP2 on 4 ranks -> TP2 on 2 others")
     p.add_argument("--delta-steps", type=int, default=5, help="optimizer steps of the delta vs dense section (0: skip)")
     p.add_argument("--delta-lr", type=float, default=1e-5, help="Adam learning rate of the delta section")
+    p.add_argument(
+        "--moe", action="store_true", help="a Qwen3-MoE policy (16 experts, top-4, expert width MLP/4) into EP layouts"
+    )
     return fill_sizes(p.parse_args(), DEFAULTS, SMALL)
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
-    """The seeded Llama checkpoint of these sizes, built by rank 0 once (cached across runs)."""
-    return bench_checkpoint(args, "bench-sync")
+    """The seeded Llama (``--moe``: Qwen3-MoE) checkpoint of these sizes, built by rank 0 once
+    (cached across runs)."""
+    if not args.moe:
+        return bench_checkpoint(args, "bench-sync")
+    from reshard.parallel.model.tiny_models import cached_checkpoint
+
+    moe = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=args.intermediate // 4, mlp_only_layers=[])
+    sizes = dict(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads, max_position_embeddings=2048, initializer_range=0.02, **moe,
+    )  # fmt: skip
+    name = f"bench-sync-qwen3moe-h{args.hidden}-i{args.intermediate}-l{args.layers}-v{args.vocab}-seed0-v1"
+    if dist.get_rank() == 0:
+        cached_checkpoint(name, sizes, family="qwen3_moe")
+    dist.barrier()
+    return cached_checkpoint(name, sizes, family="qwen3_moe")
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -139,6 +158,7 @@ class Scenario:
     rollout_ranks: list[int]
     tp: int
     dtype: torch.dtype | None = None  # the rollout weights' dtype (None: fp32, the checkpoint's)
+    ep: int = 1  # a MoE policy's experts over ep groups of the rollout's tp ranks
 
 
 def trained(path: Path, ranks: list[int], layout: str = "fsdp", lr: float = 1e-3):
@@ -171,7 +191,7 @@ def run_scenario(path: Path, sc: Scenario, args: argparse.Namespace) -> dict:
     out["phases"]["train params"] = reduce_scalar(train_bytes, dist.ReduceOp.MAX)
     out["phases"]["Adam state"] = reduce_scalar(opt_bytes, dist.ReduceOp.MAX)
     out["phases"]["RSS after train"] = reduce_scalar(rss_bytes(), dist.ReduceOp.MAX)
-    rollout = rollout_model(path, "tp", rollout_ranks, tp=tp, dtype=sc.dtype)
+    rollout = rollout_model(path, "tp", rollout_ranks, tp=tp, ep=sc.ep, dtype=sc.dtype)
     mine = rollout if rank in rollout_ranks else None
     roll_bytes = storage_bytes(rollout_tensors(mine).values()) if mine is not None else 0
     out["phases"]["rollout params"] = reduce_scalar(roll_bytes, dist.ReduceOp.MAX)
@@ -258,15 +278,16 @@ def main() -> None:
     rank, t_start = dist.get_rank(), time.perf_counter()
     path = checkpoint(args)
     results = []
-    for sc in scenarios(world):
+    for sc in moe_scenarios() if args.moe else scenarios(world):
         results.append((sc.label, run_scenario(path, sc, args)))
         if rank == 0:
             print(f"[{time.perf_counter() - t_start:.0f}s] {sc.label} done", flush=True)
-    delta = run_delta(path, args) if world == 4 and args.delta_steps else None
+    delta = run_delta(path, args) if world == 4 and args.delta_steps and not args.moe else None
     if rank == 0:
         numel = sum(math.prod(shape) for shape in _param_shapes(path))
+        family = f"Qwen3-MoE (16 experts, top-4, expert MLP {args.intermediate // 4})" if args.moe else "Llama"
         print(
-            f"\nLlama hidden {args.hidden}, MLP {args.intermediate}, {args.layers} layers, "
+            f"\n{family} hidden {args.hidden}, MLP {args.intermediate}, {args.layers} layers, "
             f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}: {numel / 1e6:.1f}M fp32 parameters "
             f"({numel * 4 / MIB:.0f} MiB); bucket {args.bucket_mb} MiB; warm-up 1 + median of "
             f"{args.repeats} (round-robin over methods); torch {torch.__version__}, {world} gloo ranks\n"
@@ -304,6 +325,15 @@ def scenarios(world: int) -> list[Scenario]:
         Scenario("colocated FSDP2xTP(2x2)[0-3]->TP4[0-3]", "fsdp_tp", [0, 1, 2, 3], [0, 1, 2, 3], 4),
         Scenario("colocated HSDP(2x2)[0-3]->TP4[0-3]", "hsdp", [0, 1, 2, 3], [0, 1, 2, 3], 4),
         Scenario("split FSDP2[0,1]->TP2[2,3] fp32->bf16", "fsdp", [0, 1], [2, 3], 2, torch.bfloat16),
+    ]
+
+
+def moe_scenarios() -> list[Scenario]:
+    """A MoE policy (world 4) into the expert-parallel rollout layouts: EP2 x TP2, EP4, split EP2."""
+    return [
+        Scenario("colocated FSDP2[0-3]->TP4 EP2[0-3]", "fsdp", [0, 1, 2, 3], [0, 1, 2, 3], 4, ep=2),
+        Scenario("colocated HSDP(2x2)[0-3]->TP4 EP4[0-3]", "hsdp", [0, 1, 2, 3], [0, 1, 2, 3], 4, ep=4),
+        Scenario("split FSDP2[0,1]->TP2 EP2[2,3]", "fsdp", [0, 1], [2, 3], 2, ep=2),
     ]
 
 

@@ -238,8 +238,8 @@ def section_sweep(path: Path, args, models: dict, log) -> dict:
         config = EngineConfig(max_batch_size=b, max_seq_len=seq_len)
         engines = {
             "dp": Engine(models["dp"], config),
-            "was": sidp_engine(models["sidp"], fetcher, config, mode="was"),
-            "cas": sidp_engine(models["sidp"], fetcher, config, mode="cas"),
+            "was": sidp_engine(models["sidp"], models["pools"], config, mode="was"),
+            "cas": sidp_engine(models["sidp"], models["pools"], config, mode="cas"),
             "allgather": Engine(models["ag"], config),
         }
         models["ag_ffn"].attach(engines["allgather"], "main")
@@ -299,7 +299,7 @@ def section_kv(path: Path, args, models: dict, log) -> dict:
     block, tokens = 16, 4096
     config = EngineConfig(max_batch_size=8, max_seq_len=seq_len, kv_block_size=block, kv_tokens=tokens)
     strategy = models["strategy"]
-    engine = sidp_engine(models["sidp"], models["fetcher"], config, mode="was")
+    engine = sidp_engine(models["sidp"], models["pools"], config, mode="was")
     dp_engine = Engine(models["dp"], config)
     s = strategy.summary(engine)
     spec = engine.kv.spec
@@ -557,6 +557,7 @@ def build_models(path: Path, args) -> dict:
         "strategy": strategy,
         "sidp": seed_engine.model,
         "fetcher": fetcher,
+        "pools": seed_engine.policy.pools,
         "dp": parallelize(path, dims),
         "ag": ag_model,
         "ag_ffn": AllGatherFFN(ag_model),

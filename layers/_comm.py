@@ -96,6 +96,19 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, (mesh, axis)))
 
 
+def all_gather_chunks(x: torch.Tensor, total: int, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+    """The whole ``(total, ...)`` from each rank's dim-0 chunk ``x`` (DTensor's chunk rule, uneven
+    allowed: :func:`reshard.layout.chunk_range`), over ``axis`` (inference)."""
+    n = mesh.size(axis)
+    if n == 1 or total == 0:
+        return x
+    chunk = -(-total // n)
+    padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, chunk - x.shape[0]))
+    gathered = funcol.wait_tensor(funcol.all_gather_single(padded.contiguous(), 0, (mesh, axis)))  # (n*chunk, ...)
+    ranges = [chunk_range(total, n, i) for i in range(n)]
+    return torch.cat([gathered[i * chunk : i * chunk + (hi - lo)] for i, (lo, hi) in enumerate(ranges)])
+
+
 def all_to_all_split(x: torch.Tensor, out_splits: list[int], in_splits: list[int], mesh: DeviceMesh, axis: int):
     """All-to-all along dim 0 over ``axis`` with exact (uneven) splits: ``in_splits[i]`` rows go to
     the axis' rank ``i``, ``out_splits[i]`` rows come from it (inference: not differentiable)."""

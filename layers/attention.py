@@ -13,6 +13,7 @@ same submodule names, state-dict keys and forward signature. Two ways to run it:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from reshard import Layout
-from reshard.kv import AttentionContext, KVLayout
+from reshard.kv import AttentionContext, Chunked, KVLayout
 from reshard.layers._base import Redistributable, Targets, prefixed
 from reshard.layers.linear import ParallelLinear
 from reshard.layers.norm import RMSNorm
@@ -52,12 +53,53 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on ``(B, T, H, hd)`` q/k with ``(B, T, hd)`` cos/sin (same arithmetic as HF)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+def apply_rope(q: torch.Tensor, k: torch.Tensor, emb) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on ``(B, T, H, hd)`` q/k, with HF's arithmetic for the rotary module's output ``emb``:
+    ``(cos, sin)`` each ``(B, T, hd)`` (Llama's rotate-half), or a complex ``freqs_cis (B, T, hd/2)``
+    (Llama 4's, over interleaved pairs of the head dimension)."""
+    if isinstance(emb, torch.Tensor):
+        return _rope_pairs(q, emb), _rope_pairs(k, emb)
+    cos, sin = emb[0].unsqueeze(2), emb[1].unsqueeze(2)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``x (B, T, H, hd)`` as ``hd/2`` complex pairs times ``freqs (B, T, hd/2)``, in fp32 (HF's)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, T, H, hd/2)
+    return torch.view_as_real(pairs * freqs[:, :, None, :]).flatten(3).type_as(x)
+
+
+@dataclass(frozen=True)
+class PositionScheme:
+    """How a layer gives q/k their positions (HF's per-family variants; the default is Llama's).
+
+    ``rope``: RoPE on q/k (False: a NoPE layer, Llama 4's every fourth); ``l2_norm``: q and k
+    L2-normalized after RoPE, no weight (Llama 4's ``use_qk_norm``, with ``eps``); ``temperature``:
+    ``(attn_scale, floor_scale)``, queries of a NoPE layer scaled by ``log1p(floor((pos + 1) /
+    floor_scale)) * attn_scale + 1`` (Llama 4's ``attn_temperature_tuning``).
+    """
+
+    rope: bool = True
+    l2_norm: bool = False
+    eps: float = 1e-6
+    temperature: tuple[float, float] | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, emb, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``/``k (B, T, H, hd)``; ``positions()``: each token's position, ``(T,)``."""
+        if self.rope:
+            q, k = apply_rope(q, k, emb)
+        if self.l2_norm:
+            q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
+        if self.temperature is not None:
+            scale, floor = self.temperature
+            pos = positions().float()  # (T,)
+            q = (q * (torch.log1p(torch.floor((pos + 1.0) / floor)) * scale + 1.0)[None, :, None, None]).to(q.dtype)
+        return q, k
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class ParallelAttention(Redistributable, nn.Module):
@@ -83,7 +125,8 @@ class ParallelAttention(Redistributable, nn.Module):
         o_bias: bool = False,
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
-        sliding_window: int | None = None,
+        sliding_window: int | Chunked | None = None,
+        position_scheme: PositionScheme = PositionScheme(),
         placements: Sequence[Placement] = (Shard(0),),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -92,7 +135,7 @@ class ParallelAttention(Redistributable, nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.layer_idx, self.sliding_window = layer_idx, sliding_window
+        self.layer_idx, self.sliding_window, self.position_scheme = layer_idx, sliding_window, position_scheme
         self.scaling = head_dim**-0.5
         self._mesh, self._kv_mesh = mesh, kv_mesh
         q_pl, kv_pl, o_pl, kv_m = self._placements(mesh, tuple(placements))
@@ -154,11 +197,12 @@ class ParallelAttention(Redistributable, nn.Module):
         v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *position_embeddings)
+        cache = past_key_values if past_key_values is not None else kwargs.get("cache")
+        q, k = self.position_scheme.apply(q, k, position_embeddings, lambda: _positions(t, attn_context, cache, self))
         if attn_context is not None:
             out = attn_context.attend(self.layer_idx, q, k, v, scaling=self.scaling, window=self.sliding_window)
         else:
-            out = self._dense(q, k, v, attention_mask, past_key_values)
+            out = self._dense(q, k, v, attention_mask, cache)
         return self.o_proj(out.reshape(b, t, -1)), None
 
     def _dense(self, q, k, v, attention_mask, cache) -> torch.Tensor:
@@ -214,6 +258,14 @@ class ParallelAttention(Redistributable, nn.Module):
         """The KV this layer writes and reads on this rank: its layer, its KV-head range."""
         start, stop = self.kv_head_range
         return KVLayout(self.layer_idx, 1, start, stop - start, self.head_dim, self.q_proj.weight.dtype)
+
+
+def _positions(t: int, ctx: AttentionContext | None, cache, layer: ParallelAttention) -> torch.Tensor:
+    """The positions of a forward's ``t`` tokens: the engine step's, else after the HF cache's."""
+    if ctx is not None:
+        return ctx.positions
+    past = cache.get_seq_length(layer.layer_idx) if cache is not None else 0
+    return torch.arange(past, past + t, device=layer.q_proj.weight.device)
 
 
 def _kv_input_grad(placements) -> str:

@@ -19,6 +19,8 @@ reaches every expert it chose, so the result is HF's, up to summation order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,14 +29,20 @@ from torch.distributed.tensor import Replicate, Shard
 from transformers.activations import ACT2FN
 
 from reshard import empty_dtensor
-from reshard.layers._comm import all_reduce, all_to_all_split
+from reshard.layers._comm import all_gather_chunks, all_reduce, all_to_all_split
 from reshard.layers.mlp import SwiGLUMLP
+from reshard.layers.weights import active_source
+from reshard.layout import chunk_range
+
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up (E, I, D); down (E, D, I)
 
 
 class TopKGate(nn.Module):
-    """``weight (E, D)`` replicated: softmax over the experts (fp32), the ``top_k`` largest, those
-    renormalized to sum to one where ``renormalize`` (HF's ``norm_topk_prob``; Mixtral always).
-    ``cast_back``: the weights in the input's dtype (Qwen's routers), else fp32 (Mixtral's)."""
+    """``weight (E, D)`` replicated. ``scoring="softmax"``: softmax over the experts (fp32), the
+    ``top_k`` largest, those renormalized to sum to one where ``renormalize`` (HF's
+    ``norm_topk_prob``; Mixtral always); ``cast_back``: the weights in the input's dtype (Qwen's
+    routers), else fp32 (Mixtral's). ``scoring="sigmoid"`` (Llama 4): the ``top_k`` largest logits,
+    each weighted by its sigmoid (fp32, cast back)."""
 
     def __init__(
         self,
@@ -45,19 +53,24 @@ class TopKGate(nn.Module):
         mesh: DeviceMesh,
         renormalize: bool,
         cast_back: bool = True,
+        scoring: str = "softmax",
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
-        self.top_k, self.renormalize, self.cast_back = top_k, renormalize, cast_back
+        assert scoring in ("softmax", "sigmoid"), scoring
+        self.top_k, self.renormalize, self.cast_back, self.scoring = top_k, renormalize, cast_back, scoring
         whole = (Replicate(),) * mesh.ndim
         self.weight = nn.Parameter(empty_dtensor((num_experts, hidden_size), mesh, whole, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x (T, D)`` -> ``(weights (T, k), experts (T, k))``."""
         logits = F.linear(x, self.weight.to_local())  # (T, E)
+        if self.scoring == "sigmoid":
+            top, experts = torch.topk(logits, self.top_k, dim=-1)  # (T, k)
+            return torch.sigmoid(top.float()).to(logits.dtype), experts
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.renormalize:
@@ -68,7 +81,8 @@ class TopKGate(nn.Module):
 class GroupedExperts(nn.Module):
     """The experts' SwiGLU weights as DTensors (see the module docstring); ``forward(x, weights,
     experts)`` returns this rank's partial sum of ``sum_k weights[:, k] * expert_k(x)`` (its
-    experts, its slice of each): the caller all-reduces it over the mesh."""
+    experts, its slice of each): the caller all-reduces it over the mesh. ``scale_input`` (Llama
+    4): ``sum_k expert_k(weights[:, k] * x)``, the routing weight scales the expert's input."""
 
     def __init__(
         self,
@@ -78,6 +92,7 @@ class GroupedExperts(nn.Module):
         *,
         mesh: DeviceMesh,
         hidden_act: str = "silu",
+        scale_input: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -91,7 +106,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(empty_dtensor(shape_in, mesh, (Shard(0), Shard(1)), **kw))
         self.up_proj = nn.Parameter(empty_dtensor(shape_in, mesh, (Shard(0), Shard(1)), **kw))
         self.down_proj = nn.Parameter(empty_dtensor(shape_out, mesh, (Shard(0), Shard(2)), **kw))
-        self.num_experts, self.act_fn = num_experts, ACT2FN[hidden_act]
+        self.num_experts, self.act_fn, self.scale_input = num_experts, ACT2FN[hidden_act], scale_input
 
     @property
     def local_experts(self) -> range:
@@ -100,13 +115,22 @@ class GroupedExperts(nn.Module):
         first = self.gate_proj.device_mesh.get_local_rank(0) * per
         return range(first, first + per)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """``x (T, D)``, ``weights`` / ``experts (T, k)`` -> this rank's partial ``(T, D)``."""
-        local = self.local_experts
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, whole: Weights | None = None
+    ) -> torch.Tensor:
+        """``x (T, D)``, ``weights`` / ``experts (T, k)`` -> this rank's partial ``(T, D)``;
+        ``whole``: every expert's weights here (SiDP's WaS), the whole ``(T, D)``."""
+        local = range(self.num_experts) if whole is not None else self.local_experts
         token, slot = torch.nonzero((experts >= local.start) & (experts < local.stop), as_tuple=True)  # (N,)
-        y = self.compute(x[token], experts[token, slot] - local.start)  # (N, D)
-        y = y * weights[token, slot, None]  # (fp32 routing weights promote, as HF's)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        w = weights[token, slot, None]  # (N, 1)
+        y = self.compute(self._input(x[token], w), experts[token, slot] - local.start, whole)  # (N, D)
+        return torch.zeros_like(x).index_add_(0, token, self._output(y, w).to(x.dtype))
+
+    def _input(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (rows * w).to(rows.dtype) if self.scale_input else rows
+
+    def _output(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return rows if self.scale_input else rows * w  # (fp32 routing weights promote, as HF's)
 
     def dispatched(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention's MoE: ``x (T, D)`` is this rank's own tokens (``T`` may be 0:
@@ -122,22 +146,22 @@ class GroupedExperts(nn.Module):
         send = torch.bincount(expert // per, minlength=ep)  # (ep,) pairs to each rank
         sends = send.tolist()
         recvs = all_to_all_split(send, [1] * ep, [1] * ep, mesh, 0).tolist()  # pairs from each rank
-        rows = all_to_all_split(x[token], recvs, sends, mesh, 0)  # (R, D)
+        w = weights[token, slot, None]  # (T*k, 1)
+        rows = all_to_all_split(self._input(x[token], w), recvs, sends, mesh, 0)  # (R, D)
         local = all_to_all_split(expert, recvs, sends, mesh, 0) - self.local_experts.start  # (R,)
         back = all_to_all_split(self.compute(rows, local), sends, recvs, mesh, 0)  # (T*k, D), send order
-        return torch.zeros_like(x).index_add_(0, token, (back * weights[token, slot, None]).to(x.dtype))
+        return torch.zeros_like(x).index_add_(0, token, self._output(back, w).to(x.dtype))
 
-    def compute(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def compute(self, rows: torch.Tensor, local: torch.Tensor, whole: Weights | None = None) -> torch.Tensor:
         """Each row of ``rows (N, D)`` through this rank's expert ``local (N,)`` (its slice of
-        it), in one grouped GEMM over the rows sorted by expert; returns ``(N, D)`` in ``rows``' order."""
+        it; of ``whole``'s experts where given), in one grouped GEMM over the rows sorted by
+        expert; returns ``(N, D)`` in ``rows``' order."""
         out = torch.empty_like(rows)
         if rows.shape[0]:
+            gate, up, down = whole or (self.gate_proj.to_local(), self.up_proj.to_local(), self.down_proj.to_local())
             order = torch.argsort(local, stable=True)
-            counts = torch.bincount(local, minlength=len(self.local_experts))  # (E_local,)
-            out[order] = grouped_swiglu(
-                rows[order], local[order], counts, self.gate_proj.to_local(), self.up_proj.to_local(),
-                self.down_proj.to_local(), self.act_fn,
-            )  # fmt: skip
+            counts = torch.bincount(local, minlength=gate.shape[0])  # (E_local,)
+            out[order] = grouped_swiglu(rows[order], local[order], counts, gate, up, down, self.act_fn)
         return out
 
 
@@ -164,7 +188,9 @@ def grouped_swiglu(
 
 
 class SparseMoE(nn.Module):
-    """Router, experts and (Qwen2-MoE) a shared expert gated by ``sigmoid(shared_expert_gate(x))``.
+    """Router, experts and a shared expert (Qwen2-MoE's gated by ``sigmoid(shared_expert_gate(x))``,
+    Llama 4's ungated). The router is registered under ``router_name`` (HF's: ``gate``, Llama 4's
+    ``router``); ``tuple_output``: returns ``(out, None)`` as Llama 4's block does.
     ``x (B, S, D)`` replicated over ``mesh`` (the 1-D tp group the experts' mesh views) -> ``(B, S,
     D)`` replicated: one all-reduce over ``mesh`` sums the experts' partial outputs. ``dispatch``
     (data-parallel attention): ``x`` is this rank's own tokens, the experts' ``(ep, 1)`` mesh spans
@@ -180,24 +206,60 @@ class SparseMoE(nn.Module):
         shared_expert_gate: nn.Module | None = None,
         *,
         dispatch: bool = False,
+        token_replicas: Mapping[str | None, tuple[DeviceMesh, int]] | None = None,
+        router_name: str = "gate",
+        tuple_output: bool = False,
     ) -> None:
         super().__init__()
-        self.gate, self.experts, self.mesh, self.dispatch = gate, experts, mesh, dispatch
+        self.router_name, self.tuple_output, self.token_replicas = router_name, tuple_output, token_replicas
+        self.add_module(router_name, gate)
+        self.experts, self.mesh, self.dispatch = experts, mesh, dispatch
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def route(self) -> TopKGate:
+        return self._modules[self.router_name]
+
+    def forward(self, x: torch.Tensor, whole: Weights | None = None) -> torch.Tensor | tuple[torch.Tensor, None]:
+        """``x (..., D)``; ``whole``: every expert's weights, here (SiDP's WaS): no collective."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])  # (B*S, D)
-        weights, experts = self.gate(flat)
-        if self.dispatch:  # each rank its own tokens (data-parallel attention): all-to-all
-            out = self.experts.dispatched(flat, weights, experts)
+        if whole is not None:
+            out = self.experts(flat, *self.route(flat), whole)
+        elif self.dispatch:  # each rank its own tokens (or its share of them): all-to-all
+            out = self._dispatched(flat)
         else:  # the tp group's tokens on every rank: partial sums, one all-reduce
-            out = all_reduce(self.experts(flat, weights, experts), self.mesh, 0)
-        if self.shared_expert is not None:
+            out = all_reduce(self.experts(flat, *self.route(flat)), self.mesh, 0)
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.view(*lead, out.shape[-1])
+        elif self.shared_expert is not None:
+            out = self.shared_expert(flat) + out  # (Llama 4's order: shared first, as HF sums)
+        out = out.view(*lead, out.shape[-1])
+        return (out, None) if self.tuple_output else out
+
+    def _dispatched(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat (T, D)`` through the all-to-all dispatch. Where ranks hold the same tokens (Shift:
+        ``token_replicas`` of the selected weight source), each dispatches its chunk of them and
+        the chunks are all-gathered back over those ranks."""
+        replicas = self.token_replicas.get(active_source()) if self.token_replicas is not None else None
+        if replicas is None:
+            return self.experts.dispatched(flat, *self.route(flat))
+        mesh, axis = replicas
+        lo, hi = chunk_range(flat.shape[0], mesh.size(axis), mesh.get_local_rank(axis))
+        part = flat[lo:hi]  # (T_chunk, D)
+        return all_gather_chunks(self.experts.dispatched(part, *self.route(part)), flat.shape[0], mesh, axis)
+
+    def add_source(self, name: str, mesh: DeviceMesh, placements, *, copy: bool) -> int:
+        """The shared expert's weights in another layout (Shift's full TP; the experts keep one
+        layout for every source); returns the extra bytes on this rank."""
+        return self.shared_expert.add_source(name, mesh, placements, copy=copy) if self.shared_expert else 0
 
     def idle(self) -> None:
         """A step with no tokens on this replica: the dispatch's collectives, with nothing to send."""
         if self.dispatch:
-            self(self.gate.weight.to_local().new_zeros(0, self.gate.weight.shape[1]))
+            self(self.route.weight.to_local().new_zeros(0, self.route.weight.shape[1]))
+
+
+def feed_forward(layer: nn.Module) -> nn.Module:
+    """A decoder layer's FFN block: ``mlp`` (Llama, Qwen, Mixtral), ``feed_forward`` (Llama 4)."""
+    return layer.feed_forward if hasattr(layer, "feed_forward") else layer.mlp

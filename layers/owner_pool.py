@@ -177,13 +177,11 @@ class OwnerPool:
         _wait([dist.P2POp(dist.isend, part.contiguous(), r) for r, part in zip(inbound, parts[1:])])
         return parts[0]
 
-    def serve_idle(self) -> None:
-        """A dummy step on this rank (no rows of its own) in CaS mode: still serve the layers it
-        owns to the ranks that have rows, in layer order."""
-        empty = torch.empty(0, self.weights_dim(), dtype=self.dtype, device=self.slot_flat[0].device)
-        for j, owner in enumerate(self.owner):
-            if owner == self.rank:
-                self._cas_owner(j, empty)
+    def serve_idle(self, j: int) -> None:
+        """A dummy step on this rank (no rows of its own) in CaS mode: still serve layer ``j``
+        (owned here) to the ranks that have rows."""
+        assert self.owner[j] == self.rank, (j, self.owner[j], self.rank)
+        self._cas_owner(j, torch.empty(0, self.weights_dim(), dtype=self.dtype, device=self.slot_flat[0].device))
 
 
 class PooledMLP(nn.Module):
@@ -195,6 +193,12 @@ class PooledMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.pool.forward(self.layer, x)
+
+    def idle(self) -> None:
+        """A step without rows here (a dummy step): in CaS, an owner still serves its layer to
+        the ranks that have rows (the runner calls this for each layer, in order)."""
+        if active_source() == CAS and self.pool.owner[self.layer] == self.pool.rank:
+            self.pool.serve_idle(self.layer)
 
 
 def _weights(mlp: nn.Module) -> list[torch.Tensor]:

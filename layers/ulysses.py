@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from reshard.layers._comm import all_gather, all_to_all
-from reshard.layers.attention import AttentionContext, ParallelAttention, apply_rope
+from reshard.layers.attention import AttentionContext, ParallelAttention, PositionScheme, apply_rope
 from reshard.layers.linear import ParallelLinear
 from reshard.layers.norm import RMSNorm
 
@@ -97,7 +97,7 @@ class UlyssesAttention(ParallelAttention):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_idx = layer_idx
-        self.sliding_window = sliding_window
+        self.sliding_window, self.position_scheme = sliding_window, PositionScheme()  # (Llama's RoPE)
         self.scaling = head_dim**-0.5
         self.meshes = meshes
         kw = dict(mesh=meshes.base, dtype=dtype, device=device)
@@ -167,7 +167,7 @@ class UlyssesAttention(ParallelAttention):
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *position_embeddings)
+        q, k = apply_rope(q, k, position_embeddings)
         q, k, v = self._to_head_parallel(q[0], k[0], v[0])  # (N_pad, heads of my block, hd)
         n = int(ctx.positions.numel()) if ctx is not None else q.shape[0]
         if ctx is not None:

@@ -32,6 +32,7 @@ from reshard.parallel.engine.registry import make_strategy, strategy_class
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, call_seed
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.info import parallel_info
+from reshard.parallel.model.sources import experts_transposed
 from reshard.parallel.model.weight_sync import model_sync, rollout_tensors, split_fused
 from reshard.sync import WeightSync
 
@@ -232,8 +233,10 @@ class LLM:
         tensor larger than that alone). Collective: every rank gives the same names in the same
         order (``ValueError`` on every rank otherwise). Returns how many tensors were copied."""
         self.engine.ready(("weights",), check=False)  # weights released to host come back first
-        targets, bucket, size, copied = rollout_tensors(self._model()), {}, 0, 0
-        for name, tensor in (pair for given in weights for pair in split_fused(*given)):
+        model = self._model()
+        targets, bucket, size, copied = rollout_tensors(model), {}, 0, 0
+        transposed = experts_transposed(model.config)
+        for name, tensor in (pair for n, t in weights for pair in split_fused(n, t, transposed)):
             bucket[name], size = tensor, size + tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
                 copied, bucket, size = copied + self._load_bucket(bucket, targets), {}, 0

@@ -1,9 +1,11 @@
 """Mixture-of-experts models (Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its gated shared
-expert) loaded from the hub's per-expert safetensors into expert-parallel layers: tokens equal HF
+expert, Llama 4 text with its sigmoid top-1 router, shared expert, chunked attention and NoPE
+layer) loaded from the hub's per-expert safetensors into expert-parallel layers: tokens equal HF
 ``generate`` on 1 rank, TP2 (each expert split), EP2, EP2 x TP2 / EP4 on 4 ranks, and data-parallel
-attention with the experts over the replicas (all-to-all dispatch) on 2 and 4 ranks; a routing skew
-that sends nearly every token to one rank's experts drops none; a checkpoint missing an expert's
-tensor, or with one of the wrong shape, is refused by name."""
+attention with the experts over the replicas (all-to-all dispatch) on 2 and 4 ranks; with pipeline
+stages, Seesaw, DejaVu, Shift (SP x EP) and SiDP (an expert pool); a routing skew that sends nearly
+every token to one rank's experts drops none; RL sync from FSDP2 / HSDP at the lower bound; a
+checkpoint missing an expert's tensor, or with one of the wrong shape, is refused by name."""
 
 from __future__ import annotations
 
@@ -49,7 +51,17 @@ def _tokens(path: str, tp: int, ep: int, sampled: bool = False) -> list[list[int
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "llama4_text"]
+
+
+def _block(model, path: str):
+    """Layer 1's MoE block of ``model`` as a function of ``x (B, S, D)`` (Llama 4's returns a pair)."""
+    layer = model.model.layers[1]
+    block = layer.feed_forward if hasattr(layer, "feed_forward") else layer.mlp
+    return lambda x: block(x)[0].reshape(x.shape) if "llama4" in path else block(x)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_one_rank_equals_hf(moe, hf_reference, family):
     assert _tokens(moe[family], 1, 1) == hf_reference(moe[family], PROMPTS, NEW)
 
@@ -66,8 +78,8 @@ def test_a_moe_block_equals_hf_block_and_its_grouped_gemm_equals_a_loop(moe):
     for path in moe.values():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with LLM(path, max_seq_len=64) as llm, torch.no_grad():
-            ours = llm.engine.model.model.layers[1].mlp(x)
-        torch.testing.assert_close(ours, hf.model.layers[1].mlp(x), atol=1e-5, rtol=1e-5)
+            ours = _block(llm.engine.model, path)(x)
+        torch.testing.assert_close(ours, _block(hf, path)(x), atol=1e-5, rtol=1e-5)
     gen = torch.Generator().manual_seed(1)
     gate, up, down = (torch.randn(*shape, generator=gen) for shape in ((4, 6, 8), (4, 6, 8), (4, 8, 6)))
     expert = torch.tensor([0, 0, 0, 2, 3, 3])  # expert 1 gets none
@@ -92,7 +104,7 @@ def _dejavu_sides(path: str, prompt_ep: int, token_ep: int) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_and_ep2_equal_hf_greedy_and_one_rank_sampled(moe, hf_reference, family):
     expected, sampled = hf_reference(moe[family], PROMPTS, NEW), _tokens(moe[family], 1, 1, sampled=True)
     for per_layout in dist_harness.run(2, _ranks, moe[family], [(2, 1), (2, 2), (1, 2)]):
@@ -101,12 +113,27 @@ def test_tp2_and_ep2_equal_hf_greedy_and_one_rank_sampled(moe, hf_reference, fam
         assert per_layout == [sampled]
 
 
-def test_ep2_x_tp2_ep4_and_dp_attention_x_ep4_on_four_ranks_equal_hf(moe, hf_reference):
-    path = moe["qwen2_moe"]
-    expected = hf_reference(path, PROMPTS, NEW)
-    for per_layout in dist_harness.run(4, _ranks, path, [(4, 2), (4, 4), (1, 4)]):
-        assert per_layout == [expected, expected, expected]  # (3 prompts on DP4: a replica idles)
-    assert dist_harness.run(4, _dejavu_sides, path, 2, 1) == [expected] * 4  # DejaVu: EP2 prompts, TP2 tokens
+def _families(paths: list[str], layouts: list[tuple[int, int]]) -> list[list[list[list[int]]]]:
+    return [_ranks(path, layouts) for path in paths]
+
+
+def test_ep2_x_tp2_ep4_dp_attention_x_ep4_dejavu_and_shift_on_four_ranks_equal_hf(moe, hf_reference):
+    expected = [hf_reference(moe[f], PROMPTS, NEW) for f in FAMILIES]
+    for per_family in dist_harness.run(4, _families, [moe[f] for f in FAMILIES], [(4, 2), (4, 4), (1, 4)]):
+        assert per_family == [[e, e, e] for e in expected]  # (3 prompts on DP4: a replica idles)
+    path = moe["qwen2_moe"]  # DejaVu: EP2 prompts, TP2 tokens; Shift SP2 x TP2, experts over the 4 ranks
+    assert dist_harness.run(4, _dejavu_sides, path, 2, 1) == [expected[FAMILIES.index("qwen2_moe")]] * 4
+    assert dist_harness.run(4, _shift, path) == [(expected[FAMILIES.index("qwen2_moe")], 0)] * 4
+
+
+def _shift(path: str) -> tuple[list[list[int]], int]:
+    """Shift SP2 x TP2 (threshold 4: the prefill in SP, decode in TP): its tokens and switch bytes."""
+    from reshard import LLM, SamplingParams
+
+    with LLM(path, strategy="shift", sp=2, threshold=4, max_seq_len=64) as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+        assert llm.engine.stats.steps_by_mode["sp"] > 0 and llm.engine.stats.steps_by_mode["tp"] > 0
+        return tokens, llm.engine.stats.switch_bytes
 
 
 def test_a_skewed_routing_drops_no_token(skewed, hf_reference):
@@ -151,30 +178,47 @@ def test_a_missing_or_misshapen_expert_is_refused_by_name(moe, tmp_path):
 def _strategies(path: str) -> dict[str, list | str]:
     """Per strategy: its tokens, or the first line of its refusal."""
     from reshard import LLM, SamplingParams
+    from reshard.layers.weights import weight_copies
 
     out = {}
-    for name, keys in [("pp2", dict(strategy="tp", pp=2)), ("seesaw", {}), ("dejavu", {}), ("shift", {}), ("sidp", {})]:
+    layouts = [("pp2", dict(strategy="tp", pp=2)), ("seesaw", {}), ("dejavu", {}), ("shift", dict(threshold=4))]
+    for name, keys in layouts + [("sidp", dict(threshold=1.0))]:
         try:
             with LLM(path, strategy=keys.pop("strategy", name), max_seq_len=64, **keys) as llm:
                 out[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
                 if name == "seesaw":  # its transitions' weight bytes (experts included) and their lower bound
                     out["moves"] = [(h.bytes, h.lower_bound_bytes) for h in llm.engine.policy.switch.history]
+                if name == "shift":  # its modes, bytes at switches, the KV storage seen, the full-TP copies
+                    stats = llm.engine.stats
+                    out["shift_stats"] = (stats.steps_by_mode, stats.switch_bytes, stats.kv_storage)
+                    out["shift_copies"] = sorted(weight_copies(llm.engine.model))
         except ValueError as e:
             out[name] = str(e).splitlines()[0]
     return out
 
 
-def test_pipeline_seesaw_and_dejavu_run_moe_and_shift_sidp_refuse_it_by_name(moe, hf_reference):
+def test_pipeline_seesaw_dejavu_shift_sp_x_ep_and_sidp_run_moe(moe, hf_reference):
     """Pipeline stages, Seesaw (P2 prefill, T2 decode) and DejaVu's sides load the experts like the
     tp plan: tokens equal HF; Seesaw's transitions move the expert tensors with the rest at the
-    lower bound. Shift (SP x EP) and SiDP (an expert pool) are not built: one line."""
+    lower bound. Shift SP x EP (SP2 prefill, TP2 decode, experts over both ranks in one layout):
+    tokens equal HF, 0 bytes at the switch, one KV storage, and no expert has a full-TP copy
+    (only the dense layer 0's FFN and the attention do). SiDP with its expert pool (the dense layer
+    0 replicated): tokens equal HF."""
     path = moe["qwen3_moe"]
     expected = hf_reference(path, PROMPTS, NEW)
     for out in dist_harness.run(2, _strategies, path):
-        assert out["pp2"] == out["seesaw"] == out["dejavu"] == expected
+        assert out["pp2"] == out["seesaw"] == out["dejavu"] == out["shift"] == out["sidp"] == expected
         assert out["moves"] and all(moved == lower > 0 for moved, lower in out["moves"]), out["moves"]
-        assert out["shift"].startswith("qwen3_moe is a mixture-of-experts model: its experts run on a tensor-parallel")
-        assert out["sidp"].startswith("strategy sidp pools dense FFN weights; qwen3_moe is a mixture-of-experts")
+        steps, switch_bytes, kv_seen = out["shift_stats"]
+        assert (
+            steps["sp"] > 0
+            and steps["tp"] > 0
+            and switch_bytes == 0
+            and kv_seen
+            and kv_seen.count(kv_seen[0]) == len(kv_seen)
+        )
+        assert out["shift_copies"] and not [k for k in out["shift_copies"] if "experts" in k or "layers.1.mlp" in k]
+        assert any(k.startswith("model.layers.0.mlp.") for k in out["shift_copies"]), out["shift_copies"]
 
 
 def _greedy(model) -> list[list[int]]:
@@ -229,8 +273,8 @@ def _moe_sync(path: str, layout: str, tp: int, ep: int) -> dict:
         model, _ = _trained(path, list(range(dist.get_world_size())), layout=layout)
         sync = model_sync(model, llm.engine.model)
         stats = sync.sync(1)
-        full = _full(model)
-        bad = _sliced_equal(llm.engine.model, {k: v for n, t in full.items() for k, v in split_fused(n, t)})
+        full, transposed = _full(model), "llama4" in path
+        bad = _sliced_equal(llm.engine.model, {k: v for n, t in full.items() for k, v in split_fused(n, t, transposed)})
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference.load_state_dict(full)
@@ -239,11 +283,16 @@ def _moe_sync(path: str, layout: str, tp: int, ep: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("world, layout, tp, ep", [(2, "fsdp", 2, 2), (4, "hsdp", 4, 4)], ids=["fsdp-ep2", "hsdp-ep4"])
-def test_rl_sync_of_experts_from_fsdp2_and_hsdp_is_bitwise_at_the_lower_bound(moe, world, layout, tp, ep):
-    """FSDP2 shards the fused experts over dim 0 (the experts); their gate / up halves stay
-    DTensors, so the planned sync moves exactly the bytes each rank lacks."""
-    results = dist_harness.run(world, _moe_sync, moe["qwen3_moe"], layout, tp, ep)
+@pytest.mark.parametrize(
+    "family, layout, tp, ep",
+    [("llama4_text", "fsdp", 4, 2), ("qwen3_moe", "hsdp", 4, 4)],
+    ids=["fsdp-ep2xtp2-llama4", "hsdp-ep4-qwen3"],
+)
+def test_rl_sync_of_experts_from_fsdp2_and_hsdp_is_bitwise_at_the_lower_bound(moe, family, layout, tp, ep):
+    """FSDP2 shards the fused experts over dim 0 (the experts); their gate / up halves (Llama 4's
+    input-major ones transposed) stay DTensors, so the planned sync moves exactly the bytes each
+    rank lacks: into EP2 x TP2 (each expert split over 2 ranks) and EP4, on 4 ranks."""
+    results = dist_harness.run(4, _moe_sync, moe[family], layout, tp, ep)
     assert sum(r["received"] for r in results) == results[0]["lower"] > 0
     for r in results:
         assert r["bad"] == [] and r["tokens"] == r["ref"]
@@ -263,3 +312,46 @@ def test_a_checkpoint_of_transformers_fused_experts_loads_as_the_hubs(moe, hf_re
     assert "model.layers.1.mlp.experts.gate_up_proj" in state
     save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
     assert _tokens(str(tmp_path / "fused"), 1, 1) == hf_reference(moe["qwen2_moe"], PROMPTS, NEW)
+
+
+SIDP_NEW = (3, 5, NEW)  # the last request runs on alone: the other replica runs dummy steps
+
+
+def _sidp(path: str) -> dict[str, dict]:
+    """SiDP over 2 replicas, mode was / cas / auto (b* = 1.5 rows per replica, decided every 2
+    steps): tokens, step modes and the expert pool's counters and bytes."""
+    from reshard import LLM, SamplingParams
+
+    out = {}
+    for mode in ("was", "cas", "auto"):
+        with LLM(path, strategy="sidp", mode=mode, threshold=1.5, interval=2, max_seq_len=64, max_batch_size=3) as llm:
+            params = [SamplingParams(max_new_tokens=n) for n in SIDP_NEW]
+            tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+            pool, summary = llm.engine.policy.pools.experts, llm.engine.stats.summary()
+            out[mode] = dict(
+                tokens=tokens, summary=summary, counters=vars(pool.counters), owned=pool.owned_bytes(),
+                whole=pool.whole_bytes(), layers=len(pool.blocks),
+            )  # fmt: skip
+    return out
+
+
+def test_sidp_expert_pool_runs_was_cas_and_auto_with_tokens_equal_hf(moe, hf_reference):
+    """SiDP's expert pool on Mixtral (2 MoE layers) over 2 replicas: each rank owns half of every
+    layer's experts. WaS gathers a layer's experts whole (the next layer's gather started when a
+    layer's forward starts: prefetched), receiving exactly the half it lacks; CaS gathers nothing
+    (tokens travel to the owners by all-to-all); auto switches between them. Every replica runs
+    every step (dummy steps join the gathers and all-to-alls); tokens equal HF in every mode."""
+    path = moe["mixtral"]
+    expected = [t[:n] for t, n in zip(hf_reference(path, PROMPTS, NEW), SIDP_NEW)]
+    for out in dist_harness.run(2, _sidp, path):
+        for mode, r in out.items():
+            assert r["tokens"] == expected, mode
+            assert r["owned"] * 2 == r["whole"] and r["summary"]["dummy_steps"] > 0
+            c, steps = r["counters"], r["summary"]["mode_steps"]
+            assert (
+                c["gathers"] == steps["was"] * r["layers"]
+                and c["gather_bytes"] == c["gathers"] * r["whole"] // r["layers"] // 2
+            )
+            assert c["prefetched"] == steps["was"] * (r["layers"] - 1)
+        assert out["was"]["summary"]["mode_steps"]["cas"] == out["cas"]["summary"]["mode_steps"]["was"] == 0
+        assert out["auto"]["summary"]["mode_switches"] >= 1 and min(out["auto"]["summary"]["mode_steps"].values()) > 0

@@ -31,6 +31,7 @@ from torch import nn
 
 from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 from reshard.kv.swap import MicrobatchSwap, PrefillSwap
+from reshard.layers.moe import feed_forward
 from reshard.layers.weights import use_weights
 from reshard.mesh import cached_group
 from reshard.parallel.engine.channel import GroupLayout
@@ -232,8 +233,8 @@ class ModelRunner:
         other replicas every step (data-parallel attention's MoE dispatch), with nothing to send."""
         with use_weights(self.weights):
             for layer in self.layers:
-                if hasattr(layer.mlp, "idle"):
-                    layer.mlp.idle()
+                if hasattr(feed_forward(layer), "idle"):
+                    feed_forward(layer).idle()
 
     def _mixed(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
         """Sequence ``i`` feeds its tokens at positions ``c .. c + num_tokens[i] - 1`` (``c``: its

@@ -17,10 +17,10 @@ from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoi
 from reshard.parallel.model.dims import ParallelDims, device_type
 from reshard.parallel.model.info import LoadStats, ParallelInfo
 from reshard.parallel.model.plans import BuildContext, MeshOf, ParallelStyle, tp_plan
-from reshard.parallel.model.sources import checkpoint_source
+from reshard.parallel.model.sources import checkpoint_source, experts_transposed
 from reshard.parallel.model.weight_sync import split_fused
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "llama4_text")
 
 
 def check_architecture(config) -> None:
@@ -78,7 +78,7 @@ def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True, 
     reader = CheckpointReader(directory) if load_weights else None  # (a config alone builds unloaded)
     model = _skeleton(config, dims, plan, dtype or _config_dtype(config), mesh_of)
     if reader is not None:
-        _load(model, reader, tied=bool(getattr(config, "tie_word_embeddings", False)), allow_unused=allow_unused)
+        _load(model, reader, allow_unused=allow_unused)
     _rebuild_rotary(model, device_type())
     stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory)) if reader else LoadStats(0, 0)
     model.parallel_info = ParallelInfo(dims, stats)
@@ -99,7 +99,8 @@ def _skeleton(config, dims, plan, dtype: torch.dtype, mesh_of) -> nn.Module:
 def _parallelize_module(module: nn.Module, dims, plan, mesh_of=None, inplace=False) -> nn.Module:
     """Our model of ``module``'s weights; ``inplace``: ``module`` itself, its modules swapped."""
     check_architecture(module.config)
-    full = {k: v.detach() for name, t in module.state_dict().items() for k, v in split_fused(name, t)}
+    transposed = experts_transposed(module.config)
+    full = {k: v.detach() for name, t in module.state_dict().items() for k, v in split_fused(name, t, transposed)}
     dtype = next(iter(full.values())).dtype
     if inplace:
         _swap_modules(module, plan, BuildContext(module.config, dims, dtype, device_type(), mesh_of=mesh_of))
@@ -155,14 +156,15 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, allow_unused: 
     """Read this rank's boxes of every parameter of ``model`` (built with ``load_weights=False``)
     from the checkpoint at ``path``; rank-local, no collective."""
     reader = CheckpointReader(resolve_checkpoint(path))
-    _load(model, reader, tied=bool(getattr(model.config, "tie_word_embeddings", False)), allow_unused=allow_unused)
+    _load(model, reader, allow_unused=allow_unused)
 
 
-def _load(model: nn.Module, reader: CheckpointReader, *, tied: bool, allow_unused: bool) -> None:
+def _load(model: nn.Module, reader: CheckpointReader, *, allow_unused: bool) -> None:
     """Copy each rank's box of every parameter from the checkpoint into its local shard, after
     checking every tensor's shape and dtype and that the checkpoint holds nothing unused."""
-    params = dict(model.named_parameters())
-    sources = {name: checkpoint_source(name, tuple(p.shape), reader, tied) for name, p in params.items()}
+    params, cfg = dict(model.named_parameters()), model.config
+    tied, transposed = bool(getattr(cfg, "tie_word_embeddings", False)), experts_transposed(cfg)
+    sources = {name: checkpoint_source(name, tuple(p.shape), reader, tied, transposed) for name, p in params.items()}
     for name, param in params.items():
         sources[name].check(reader, tuple(param.shape), param.dtype, name)
     _check_unused(reader, {k for source in sources.values() for k in source.keys}, allow_unused)

@@ -9,8 +9,9 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
+from reshard.kv import Chunked
 from reshard.layers import (
     GroupedExperts,
     ParallelAttention,
@@ -22,6 +23,8 @@ from reshard.layers import (
     VocabParallelEmbedding,
     check_head_split,
 )
+from reshard.layers.attention import PositionScheme
+from reshard.layers.ulysses import SHIFT_WEIGHTS
 from reshard.mesh import cached_mesh
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 
@@ -97,8 +100,19 @@ class HeadParallel:
             qk_norm=hasattr(module, "q_norm"),
             rms_norm_eps=cfg.rms_norm_eps,
             sliding_window=_sliding_window(module, cfg, ctx.layer_idx),
+            position_scheme=position_scheme(cfg, ctx.layer_idx),
             **ctx.kw,
         )
+
+
+def position_scheme(cfg, layer_idx: int) -> PositionScheme:
+    """Llama 4's NoPE layers (``no_rope_layers[i] == 0``) with their query temperature, and the L2
+    q/k norm of its RoPE layers; every other family's default RoPE."""
+    if cfg.model_type != "llama4_text":
+        return PositionScheme()
+    rope = bool(cfg.no_rope_layers[layer_idx])
+    temperature = (cfg.attn_scale, cfg.floor_scale) if cfg.attn_temperature_tuning and not rope else None
+    return PositionScheme(rope, rope and cfg.use_qk_norm, cfg.rms_norm_eps, temperature)
 
 
 def kv_head_mesh(dims: ParallelDims, num_kv_heads: int, tp_mesh: DeviceMesh | None = None) -> DeviceMesh:
@@ -148,7 +162,7 @@ class FFNParallel:
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         if hasattr(module, "experts"):  # a sparse MoE block (HF's, of any family)
-            return _moe(module, ctx)
+            return _moe(module, ctx, self.placements)
         return SwiGLUMLP(
             module.gate_proj.in_features,
             module.gate_proj.out_features,
@@ -160,31 +174,59 @@ class FFNParallel:
         )
 
 
-def _moe(module: nn.Module, ctx: BuildContext) -> SparseMoE:
-    """HF's sparse MoE block as :class:`SparseMoE` on this rank's tp group: experts on its ``(ep,
-    etp)`` view, the router and the shared expert's gate replicated, the shared expert TP."""
+def _moe(module: nn.Module, ctx: BuildContext, placements: tuple[Placement, ...] = TP) -> SparseMoE:
+    """HF's sparse MoE block as :class:`SparseMoE` on the module's mesh: the router and the shared
+    expert's gate replicated, the shared expert an FFN of ``placements``. On a tp group: experts on
+    its ``(ep, etp)`` view (:func:`expert_mesh`). On Shift's ``(sp, tp)`` base mesh: experts over
+    all its ranks, tokens dispatched by all-to-all in both modes (:func:`shift_token_replicas`)."""
     cfg, mesh = ctx.config, ctx.mesh
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"{cfg.model_type} is a mixture-of-experts model: its experts run on a tensor-parallel group "
-            f"(strategies tp, seesaw, dejavu), not on this layout's {mesh.mesh_dim_names} mesh (Shift's SP x EP "
-            "is not built yet)"
-        )
-    num_experts, double, hidden = module.experts.gate_up_proj.shape  # (E, 2I, D): HF's fused experts
-    renormalize = getattr(module.gate, "norm_topk_prob", True)  # Mixtral's router always renormalizes
+    llama4 = hasattr(module, "router")  # Llama 4: sigmoid top-k router, experts scale their input
+    router = module.router if llama4 else module.gate
+    num_experts, hidden, intermediate = expert_shape(module.experts.gate_up_proj, llama4)
     gate = TopKGate(
-        hidden, num_experts, module.gate.top_k, mesh=mesh, renormalize=renormalize,
-        cast_back=hasattr(module.gate, "norm_topk_prob"), **ctx.kw,
+        hidden, num_experts, router.top_k, mesh=mesh, renormalize=getattr(router, "norm_topk_prob", True),
+        cast_back=llama4 or hasattr(router, "norm_topk_prob"), scoring="sigmoid" if llama4 else "softmax", **ctx.kw,
     )  # fmt: skip
+    shift = mesh.ndim == 2  # Shift's (sp, tp) base mesh
     experts = GroupedExperts(
-        num_experts, hidden, double // 2, mesh=expert_mesh(ctx.dims, mesh), hidden_act=cfg.hidden_act, **ctx.kw
+        num_experts, hidden, intermediate, mesh=_shift_experts(mesh) if shift else expert_mesh(ctx.dims, mesh),
+        hidden_act=cfg.hidden_act, scale_input=llama4, **ctx.kw,
+    )  # fmt: skip
+    kw = dict(
+        dispatch=shift or ctx.dims.expert_dispatch,
+        token_replicas=shift_token_replicas(mesh) if shift else None,
+        router_name="router" if llama4 else "gate",
+        tuple_output=llama4,
     )
-    shared, dispatch = getattr(module, "shared_expert", None), ctx.dims.expert_dispatch
+    shared = getattr(module, "shared_expert", None)
     if shared is None:
-        return SparseMoE(gate, experts, mesh, dispatch=dispatch)
-    mlp = SwiGLUMLP(hidden, shared.gate_proj.out_features, mesh=mesh, hidden_act=cfg.hidden_act, **ctx.kw)
-    gated = ParallelLinear(hidden, 1, False, mesh=mesh, **ctx.kw)
-    return SparseMoE(gate, experts, mesh, mlp, gated, dispatch=dispatch)
+        return SparseMoE(gate, experts, mesh, **kw)
+    mlp_kw = dict(mesh=mesh, hidden_act=cfg.hidden_act, placements=placements, **ctx.kw)
+    mlp = SwiGLUMLP(hidden, shared.gate_proj.out_features, **mlp_kw)
+    gated = (
+        None if llama4 else ParallelLinear(hidden, 1, False, mesh=mesh, placements=(Replicate(),) * mesh.ndim, **ctx.kw)
+    )
+    return SparseMoE(gate, experts, mesh, mlp, gated, **kw)
+
+
+def _shift_experts(base: DeviceMesh) -> DeviceMesh:
+    """Shift's experts: every rank of the ``(sp, tp)`` base mesh its own group of experts, as an
+    ``(ep, etp) = (sp * tp, 1)`` mesh — one layout for both modes, so nothing moves at a switch."""
+    return cached_mesh(base.mesh.reshape(-1, 1), ("ep", "etp"))
+
+
+def shift_token_replicas(base: DeviceMesh) -> dict[str | None, tuple[DeviceMesh, int]]:
+    """Per weight source (Shift's mode), the ranks holding the same tokens as this one: in SP mode
+    (own weights) the tp axis of the base mesh (tokens split over sp, replicated over tp), in TP
+    mode (:data:`SHIFT_WEIGHTS`) every rank. Each rank dispatches its share of them."""
+    return {None: (base, 1), SHIFT_WEIGHTS: (_shift_experts(base), 0)}
+
+
+def expert_shape(gate_up: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """``(experts, hidden, intermediate)`` of transformers' fused ``gate_up_proj``: ``(E, 2I, D)``,
+    or ``(E, D, 2I)`` where ``transposed`` (Llama 4 stores its experts input-major)."""
+    num_experts, a, b = gate_up.shape
+    return (num_experts, a, b // 2) if transposed else (num_experts, b, a // 2)
 
 
 @dataclass(frozen=True)
@@ -192,7 +234,8 @@ class ReplicatedNorm:
     """RMSNorm with its weight Replicate() on every axis of the module's mesh."""
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
-        return RMSNorm(module.weight.shape[0], module.variance_epsilon, mesh=ctx.mesh, **ctx.kw)
+        eps = getattr(module, "variance_epsilon", None) or module.eps  # (Llama 4's RMSNorm: eps)
+        return RMSNorm(module.weight.shape[0], eps, mesh=ctx.mesh, **ctx.kw)
 
 
 @dataclass(frozen=True)
@@ -214,12 +257,15 @@ class ColwiseGather:
         )
 
 
-def _sliding_window(module: nn.Module, cfg, layer_idx: int) -> int | None:
+def _sliding_window(module: nn.Module, cfg, layer_idx: int) -> int | Chunked | None:
     """The layer's attention window: its module's, else the config's for a ``sliding_attention``
-    layer (``layer_types``), else ``sliding_window`` unless ``use_sliding_window`` is off; None: full."""
+    layer (``layer_types``; Llama 4's ``chunked_attention``: :class:`Chunked`), else
+    ``sliding_window`` unless ``use_sliding_window`` is off; None: full."""
     if hasattr(module, "sliding_window"):
         return module.sliding_window
     types = getattr(cfg, "layer_types", None)
+    if types is not None and types[layer_idx] == "chunked_attention":
+        return Chunked(cfg.attention_chunk_size)
     if types is not None:
         return cfg.sliding_window if types[layer_idx] == "sliding_attention" else None
     if getattr(cfg, "use_sliding_window", True) is False:
@@ -233,6 +279,7 @@ def tp_plan() -> dict[str, ParallelStyle]:
         "model.embed_tokens": VocabParallel(),
         "model.layers.*.self_attn": HeadParallel(),
         "model.layers.*.mlp": FFNParallel(),
+        "model.layers.*.feed_forward": FFNParallel(),  # (Llama 4's name)
         "model.layers.*.input_layernorm": ReplicatedNorm(),
         "model.layers.*.post_attention_layernorm": ReplicatedNorm(),
         "model.norm": ReplicatedNorm(),

@@ -4,7 +4,9 @@ A parameter is filled by the tensor of its own name (HF's state-dict key), by th
 (``lm_head.weight``), by Mixtral's on-disk name (``block_sparse_moe`` for our ``mlp``), or, for a
 stacked experts parameter ``...mlp.experts.gate_proj (E, I, D)``, by the hub's per-expert tensors
 (Qwen's ``mlp.experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``)
-or transformers' fused ``mlp.experts.gate_up_proj (E, 2I, D)`` (gate rows first, then up).
+or transformers' fused ``mlp.experts.gate_up_proj (E, 2I, D)`` (gate rows first, then up); Llama
+4's fused experts are stored input-major, ``gate_up_proj (E, D, 2I)`` and ``down_proj (E, I, D)``
+(``transposed``: dims 1 and 2 swapped against ours).
 """
 
 from __future__ import annotations
@@ -23,21 +25,28 @@ EXPERT_TENSORS = MappingProxyType(
 )
 
 
+def experts_transposed(config) -> bool:
+    """Whether ``config``'s model stores its fused experts input-major (Llama 4)."""
+    return config.model_type == "llama4_text"
+
+
 @dataclass(frozen=True)
 class Source:
     """``keys``: one tensor, or one per expert stacked on dim 0 (``stacked``); ``fused``: the
-    parameter is rows ``[offset, offset + I)`` of dim 1 of a fused ``(E, 2I, D)`` tensor."""
+    parameter is rows ``[offset, offset + I)`` of dim 1 of a fused ``(E, 2I, D)`` tensor;
+    ``transposed``: the tensor holds the parameter's dims 1 and 2 swapped."""
 
     keys: tuple[str, ...]
     stacked: bool = False
     fused: bool = False
     offset: int = 0
+    transposed: bool = False
 
     def check(self, reader: CheckpointReader, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
         """``ValueError`` naming the tensor and ``name`` unless every key fits a parameter of ``shape``."""
         for key in self.keys:
             want = shape[1:] if self.stacked else (shape[0], 2 * shape[1], *shape[2:]) if self.fused else shape
-            reader.check(key, want, dtype, name)
+            reader.check(key, _swap12(want) if self.transposed else want, dtype, name)
 
     def read(self, reader: CheckpointReader, box: Box) -> torch.Tensor:
         """The parameter's ``box`` (each expert's box where stacked; shifted rows where fused)."""
@@ -47,14 +56,23 @@ class Source:
         if self.fused:
             (lo, hi) = box[1]
             box = (box[0], (lo + self.offset, hi + self.offset), *box[2:])
+        if self.transposed:
+            return reader.read(self.keys[0], _swap12(box)).transpose(1, 2)
         return reader.read(self.keys[0], box)
 
 
-def checkpoint_source(name: str, shape: tuple[int, ...], reader: CheckpointReader, tied: bool) -> Source:
-    """Where parameter ``name`` (of ``shape``) comes from in ``reader``'s checkpoint (module docstring)."""
+def _swap12(dims: tuple) -> tuple:
+    return (dims[0], dims[2], dims[1], *dims[3:])
+
+
+def checkpoint_source(
+    name: str, shape: tuple[int, ...], reader: CheckpointReader, tied: bool, transposed: bool = False
+) -> Source:
+    """Where parameter ``name`` (of ``shape``) comes from in ``reader``'s checkpoint (module
+    docstring); ``transposed``: the model's fused experts are stored input-major (Llama 4)."""
     block, _, leaf = name.rpartition(".experts.")
     if block and leaf in EXPERT_TENSORS:
-        return _experts(name, block, leaf, shape, reader)
+        return _experts(name, block, leaf, shape, reader, transposed)
     mixtral = name.replace(".mlp.", ".block_sparse_moe.")
     if name not in reader and mixtral in reader:
         return Source((mixtral,))
@@ -65,14 +83,16 @@ def checkpoint_source(name: str, shape: tuple[int, ...], reader: CheckpointReade
     return Source((name,))
 
 
-def _experts(name: str, block: str, leaf: str, shape: tuple[int, ...], reader: CheckpointReader) -> Source:
+def _experts(
+    name: str, block: str, leaf: str, shape: tuple[int, ...], reader: CheckpointReader, transposed: bool
+) -> Source:
     """A stacked experts parameter's source: transformers' fused tensors, else the hub's per-expert
     ones; ``ValueError`` naming the first expert tensor the checkpoint lacks."""
     fused = f"{block}.experts.gate_up_proj"
     if leaf != "down_proj" and fused in reader:
-        return Source((fused,), fused=True, offset=0 if leaf == "gate_proj" else shape[1])
+        return Source((fused,), fused=True, offset=0 if leaf == "gate_proj" else shape[1], transposed=transposed)
     if leaf == "down_proj" and name in reader:  # (E, D, I): the fused layout's own name and shape
-        return Source((name,))
+        return Source((name,), transposed=transposed)
     layouts = [(block, EXPERT_TENSORS[leaf][0]), (block.replace(".mlp", ".block_sparse_moe"), EXPERT_TENSORS[leaf][1])]
     for prefix, hub in layouts:
         keys = tuple(f"{prefix}.experts.{e}.{hub}.weight" for e in range(shape[0]))

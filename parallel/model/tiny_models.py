@@ -43,9 +43,23 @@ FAMILY_DEFAULTS = MappingProxyType(
             shared_expert_intermediate_size=96,
             norm_topk_prob=False,
         ),
+        # Llama 4 text: top-1 sigmoid router + a shared expert; layer 0 dense, RoPE with chunked
+        # attention (chunks of 8) and the L2 q/k norm; layer 1 NoPE with query temperature
+        "llama4_text": dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            intermediate_size=48,
+            intermediate_size_mlp=128,
+            interleave_moe_layer_step=2,
+            no_rope_layers=[1, 0],
+            attention_chunk_size=8,
+            floor_scale=4,
+        ),
     }
 )
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "llama4_text")
 _COMMON = MappingProxyType(
     dict(
         vocab_size=256,
@@ -116,9 +130,14 @@ def builtin_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def cached_checkpoint(
-    name: str, overrides: Mapping, cache_dir: str | os.PathLike | None = None, *, tokenizer: bool = False
+    name: str,
+    overrides: Mapping,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    tokenizer: bool = False,
+    family: str = "llama",
 ) -> Path:
-    """A seeded Llama (``overrides`` of the tiny config) under ``cache_dir/name``, built once.
+    """A seeded model of ``family`` (``overrides`` of its tiny config) under ``cache_dir/name``, built once.
 
     Written to a temporary directory and renamed into place, so an interrupted run leaves no
     half-written checkpoint behind.
@@ -129,7 +148,7 @@ def cached_checkpoint(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        make_tiny_checkpoint("llama", tmp, seed=0, **overrides)
+        make_tiny_checkpoint(family, tmp, seed=0, **overrides)
         if tokenizer:
             save_tokenizer(tmp, overrides.get("vocab_size", _COMMON["vocab_size"]))
         os.replace(tmp, target)

@@ -13,24 +13,31 @@ from torch import nn
 from reshard.executor import DEFAULT_BUCKET_BYTES
 from reshard.layers.weights import weight_copies
 from reshard.parallel.model.info import parallel_info
+from reshard.parallel.model.sources import experts_transposed
 from reshard.sync import WeightSync
 
 
 def train_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: parameter}`` with tied parameters under each of their names, and transformers'
     fused experts split as our layers hold them (:func:`split_fused`)."""
-    return dict(pair for name, t in model.named_parameters(remove_duplicate=False) for pair in split_fused(name, t))
+    transposed = experts_transposed(model.config) if hasattr(model, "config") else False
+    params = model.named_parameters(remove_duplicate=False)
+    return dict(pair for name, t in params for pair in split_fused(name, t, transposed))
 
 
-def split_fused(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def split_fused(name: str, t: torch.Tensor, transposed: bool = False) -> list[tuple[str, torch.Tensor]]:
     """``(name, t)``, or for transformers' fused ``...experts.gate_up_proj (E, 2I, D)`` the views
     ``...experts.gate_proj`` (rows ``[0, I)`` of dim 1) and ``...experts.up_proj`` (``[I, 2I)``),
-    the tensors our experts hold. A DTensor sharded over the experts (FSDP2's dim 0) stays one:
-    slicing dim 1 keeps its placements, so the sync plans the halves at the lower bound."""
+    the tensors our experts hold. ``transposed`` (Llama 4's input-major ``gate_up_proj (E, D, 2I)``,
+    ``down_proj (E, I, D)``): the same views with dims 1 and 2 swapped. A DTensor sharded over the
+    experts (FSDP2's dim 0) stays one: slicing or swapping dims 1-2 keeps its placements, so the
+    sync plans the halves at the lower bound."""
+    if transposed and name.endswith(".experts.down_proj"):
+        return [(name, t.detach().transpose(1, 2))]
     if not name.endswith(".experts.gate_up_proj"):
         return [(name, t)]
+    t = t.detach().transpose(1, 2) if transposed else t.detach()  # (E, 2I, D)
     base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
-    t = t.detach()
     return [(base + "gate_proj", t[:, :half]), (base + "up_proj", t[:, half:])]
 
 

@@ -153,14 +153,15 @@ def rollout_model(
     tp: int | None = None,
     sp: int = 2,
     pp: int = 1,
+    ep: int = 1,
     dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The rollout model over ``ranks`` (consecutive) in the strategy ``layout``'s layout: ``"tp"``
     (TP of ``tp`` ranks, default all, in ``pp`` pipeline stages, the rest data-parallel
-    replicas) or ``"shift"`` (Shift parallelism, ``sp`` x rest), in ``dtype`` (default the
-    checkpoint's). Built on every rank of the job (collective); ranks outside ``ranks`` hold
-    empty shards."""
-    strategy = rollout_strategy(layout, tp=tp, sp=sp, pp=pp)
+    replicas; a MoE model's experts over ``ep`` groups) or ``"shift"`` (Shift parallelism, ``sp``
+    x rest), in ``dtype`` (default the checkpoint's). Built on every rank of the job (collective);
+    ranks outside ``ranks`` hold empty shards."""
+    strategy = rollout_strategy(layout, tp=tp, sp=sp, pp=pp, ep=ep)
     config = EngineConfig(dtype=None if dtype is None else str(dtype).removeprefix("torch."))
     return strategy.build_model(path, rollout_dims(strategy, ranks), config)
 

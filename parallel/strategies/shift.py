@@ -7,6 +7,12 @@ cache, ``"sp"`` (tokens split over ``sp``, base weights) and ``"tp"`` (shift wei
 :class:`ShiftPolicy` picks one per step from the step's token count: ``tokens > threshold`` runs
 SP, otherwise TP. Both modes give each rank the same head block
 (:func:`head_block`), so nothing moves at a switch.
+
+Mixture-of-experts models (SP x EP, which the paper leaves open): the experts are spread over all
+``sp * tp`` ranks in one layout both modes use, and tokens reach them by all-to-all — in SP mode
+each rank dispatches its share of its sp shard's tokens, in TP mode its share of all of them
+(:func:`reshard.parallel.model.plans.shift_token_replicas`); the router is replicated and a shared
+expert is a dense FFN with a full-TP source like the others. The switch still moves 0 bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from reshard.layers.attention import PositionScheme
+from reshard.layers.moe import feed_forward
 from reshard.layers.ulysses import SHIFT_WEIGHTS, ShiftMeshes, UlyssesAttention
 from reshard.mesh import cached_mesh
 from reshard.parallel.engine import (
@@ -44,6 +52,7 @@ from reshard.parallel.model.plans import (
     ReplicatedNorm,
     VocabParallel,
     _sliding_window,
+    position_scheme,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +65,11 @@ class ShiftAttentionStyle:
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         cfg = ctx.config
+        if position_scheme(cfg, ctx.layer_idx) != PositionScheme():
+            raise ValueError(
+                f"strategy shift: {cfg.model_type}'s attention (NoPE layers, L2 q/k norm) is not built into "
+                "Ulysses attention yet; run it with strategy tp, seesaw or dejavu"
+            )
         return UlyssesAttention(
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -179,7 +193,7 @@ def parallelize_shift(
     copy, extra = shift_weights == "copy", 0
     for layer in model.model.layers:
         extra += layer.self_attn.add_shift_layouts(copy=copy)
-        extra += layer.mlp.add_source(SHIFT_WEIGHTS, shift_mesh(dims), (Shard(0), Shard(0)), copy=copy)
+        extra += feed_forward(layer).add_source(SHIFT_WEIGHTS, shift_mesh(dims), (Shard(0), Shard(0)), copy=copy)
     info = update_info(model, extra_weight_bytes=extra, kv_replication=model.model.layers[0].self_attn.kv_replication)
     log.info(
         "shift parallelism: sp=%d tp=%d, KV-head replication x%d, shift weights %s (+%d bytes)",

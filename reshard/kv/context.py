@@ -18,6 +18,14 @@ import torch.nn.functional as F
 from reshard.kv.cache import KVCache
 
 
+@dataclass(frozen=True)
+class Chunked:
+    """An attention pattern: a query sees the causal keys of its own ``size``-token chunk of the
+    sequence (Llama 4's ``chunked_attention`` layers), as a mask key beside a sliding window's int."""
+
+    size: int
+
+
 @dataclass
 class AttentionContext:
     """Metadata of one engine step: ``B`` sequences, ``N`` new tokens in total, flattened.
@@ -69,17 +77,20 @@ class AttentionContext:
             kv_len=max(int((starts_t + lengths_t).max()), kv_len or 0),
         )
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """Bool ``(B, 1, Tq, kv_len)``: key allowed for query (causal, within ``window``)."""
+    def mask(self, window: int | Chunked | None) -> torch.Tensor:
+        """Bool ``(B, 1, Tq, kv_len)``: key allowed for query (causal, within ``window``: the last
+        ``window`` positions, or the query's own chunk)."""
         if window not in self._masks:
             self._masks[window] = self._build_mask(window)
         return self._masks[window]
 
-    def _build_mask(self, window: int | None) -> torch.Tensor:
+    def _build_mask(self, window: int | Chunked | None) -> torch.Tensor:
         kpos = torch.arange(self.kv_len, device=self.query_positions.device)
         qpos = self.query_positions[:, :, None]
         allowed = kpos[None, None, :] <= qpos
-        if window is not None:
+        if isinstance(window, Chunked):
+            allowed &= (qpos // window.size) == (kpos // window.size)[None, None, :]
+        elif window is not None:
             allowed &= (qpos - kpos[None, None, :]) < window
         if self.valid is not None:
             allowed[~self.valid] = False
@@ -87,7 +98,14 @@ class AttentionContext:
         return allowed.unsqueeze(1)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float, window: int | None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scaling: float,
+        window: int | Chunked | None,
     ) -> torch.Tensor:
         """Write this step's K/V, attend over the cache. ``q``/``k``/``v``: ``(1, N, H, hd)``.
 

@@ -1,5 +1,6 @@
 """SiDP: data parallelism whose FFN weights live in an owner pool (:mod:`layers.owner_pool`),
-fetched by SiDP's scheduler (:mod:`.fetch`).
+fetched by SiDP's scheduler (:mod:`.fetch`), or, for a mixture-of-experts model, whose experts live
+in an expert pool (:mod:`layers.expert_pool`; :mod:`.pools`).
 
 Each rank is a data-parallel replica with its own sequences; attention, norms and embeddings
 are replicated, each decoder layer's FFN is owned by one rank. Two runners share one KV cache:
@@ -9,13 +10,13 @@ effective batch size against a threshold ``b*`` with hysteresis, at coarse bound
 ``interval`` steps). The group agrees on it without a collective of its own: the step before a
 boundary carries every rank's proposal in the token agreement (CaS if any rank proposes it), and
 the boundary step runs the agreed mode. A replica with no sequence in a step runs a dummy step:
-it computes nothing of its own, and in CaS still serves the layers it owns (an ``idle`` listener).
+it computes nothing of its own, and in CaS still serves the layers it owns (the runner's ``idle``,
+layer by layer: :meth:`PooledMLP.idle`, :meth:`PooledMoE.idle`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -23,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reshard.layers.moe import SparseMoE
-from reshard.layers.owner_pool import CAS, WAS, OwnerPool, PooledMLP
+from reshard.layers.owner_pool import CAS, WAS
 from reshard.mesh import device_type
 from reshard.parallel.engine import (
     ContinuousBatching,
@@ -38,10 +38,11 @@ from reshard.parallel.engine import (
     Strategy,
     register_strategy,
 )
+from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info, update_info
 from reshard.parallel.model.parallelize import parallelize
-from reshard.parallel.strategies.sidp.fetch import FetchScheduler, check_slots
+from reshard.parallel.strategies.sidp.pools import Pools, _fetched_layers, ffn_bytes, pool_model, profile_threshold
 
 MODES = ("auto", "was", "cas")
 PROPOSES_CAS = "sidp.proposes_cas"  # the policy's field of the token agreement: ranks proposing CaS
@@ -89,13 +90,13 @@ class SiDPPolicy(ContinuousBatching):
     """Continuous batching over the replicas; each step's mode from the orchestrator, decided
     every ``interval`` steps on the proposals the group agreed with the previous step's tokens
     (the first step's mode from its own batch: every rank plans it from the same requests);
-    ``fetcher`` fetches the step's FFNs (WaS)."""
+    ``pools``' fetcher fetches the step's dense FFNs (WaS)."""
 
     stats_cls = SiDPStats
 
     def __init__(
         self,
-        fetcher: FetchScheduler,
+        pools: Pools,
         *,
         mode: str,
         threshold: float,
@@ -105,7 +106,7 @@ class SiDPPolicy(ContinuousBatching):
         admission: str = "fifo",
     ) -> None:
         super().__init__("was", max_prefill_tokens=max_prefill_tokens, admission=admission)
-        self.pool, self.fetcher = fetcher.pool, fetcher
+        self.pools, self.pool, self.fetcher = pools, pools.dense, pools.fetcher
         self.fixed = None if mode == "auto" else (WAS if mode == "was" else CAS)
         self.threshold = threshold
         self.hysteresis = hysteresis
@@ -138,7 +139,7 @@ class SiDPPolicy(ContinuousBatching):
 
     def _tokens(self, seqs: list, num_tokens: list[int]) -> list[int]:
         """Tokens each replica computes this step."""
-        tokens = [0] * self.pool.G
+        tokens = [0] * self.pools.G
         for s, n in zip(seqs, num_tokens):
             tokens[s.replica] += n
         return tokens
@@ -154,7 +155,7 @@ class SiDPPolicy(ContinuousBatching):
 
     def _proposal(self) -> str:
         """This rank's mode for the live sequences per replica (either phase)."""
-        return choose_mode(len(self.running) / self.pool.G, self.current, self.threshold, self.hysteresis)
+        return choose_mode(len(self.running) / self.pools.G, self.current, self.threshold, self.hysteresis)
 
     def _mode(self) -> str:
         if self.fixed is not None:
@@ -170,90 +171,26 @@ class SiDPPolicy(ContinuousBatching):
 
     def make(self, move: Move) -> None:
         assert isinstance(move, BeginStep), move
-        self.fetcher.begin_step(list(move.rows), move.mode)
+        if self.fetcher is not None:
+            self.fetcher.begin_step(list(move.rows), move.mode)
 
     def after_step(self, step: Step, output: StepOutput) -> None:
         """The pool's step ends; the group's agreed proposal is the mode at the next decision."""
-        self.fetcher.end_step()
+        if self.fetcher is not None:
+            self.fetcher.end_step()
         if step.agree:
             assert output.agreed is not None, step.agree
             self._agreed = CAS if output.agreed[PROPOSES_CAS] > 0 else WAS
 
     def close(self) -> None:
         """Join the fetcher's housekeeper thread (not collective)."""
-        self.fetcher.close()
-
-
-def profile_threshold(
-    fetcher: FetchScheduler, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3
-) -> float:
-    """b* on this hardware (a small built-in sweep; collective over the group): per layer, WaS
-    costs ``max(fetch, ffn(b))`` (the fetch hides behind compute), CaS costs one activation round
-    trip plus the owner's fused GEMM over every rank's rows. Returns the smallest swept ``b``
-    where CaS is the slower on some rank (the same on every rank), else the largest."""
-    from reshard.layers.weights import use_weights
-
-    pool = fetcher.pool
-    hidden = pool.weights_dim()
-    owned = next(j for j, o in enumerate(pool.owner) if o == pool.rank)
-    fetch = _timed(fetcher.fetch_round_once, repeats)
-    for b in sizes:
-        x = torch.randn(b, hidden, dtype=pool.dtype, device=pool.slot_flat[0].device)
-        ffn = _timed(lambda x=x: pool.owned_ffn(owned, x), repeats)
-        pool.begin_step([b] * pool.G, fetched=[])
-        with use_weights(CAS):
-            cas = _timed(lambda x=x: pool.forward(0, x), repeats)
-        slower = torch.tensor([int(cas > max(fetch, ffn))], device=device_type())
-        dist.all_reduce(slower, op=dist.ReduceOp.MAX)  # every rank stops at the same size
-        if slower.item():
-            return float(b)
-    return float(sizes[-1])
-
-
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, every rank starting together."""
-    import time
-
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def _fetched_layers(model: nn.Module, group_size: int) -> int:
-    """The fewest FFN layers any rank of a ``group_size`` owner pool fetches (those it does not own)."""
-    layers = len(model.model.layers)
-    return layers - math.ceil(layers / group_size)
-
-
-def pool_model(
-    model: nn.Module, ranks: list[int], *, slots: int, prefetch_depth: int, peak_shifting: bool
-) -> FetchScheduler:
-    """Put every decoder layer's FFN of ``model`` (whole on every rank) into an owner pool, swap
-    each layer's MLP for a :class:`PooledMLP` and return the pool's fetch scheduler (collective)."""
-    layers = model.model.layers
-    if any(isinstance(layer.mlp, SparseMoE) for layer in layers):
-        raise ValueError(
-            f"strategy sidp pools dense FFN weights; {model.config.model_type} is a mixture-of-experts model "
-            "(an owner pool of experts is not built yet): use strategy tp with parallel.ep"
-        )
-    check_slots(  # before any change
-        slots, len(ranks), prefetch_depth=prefetch_depth, peak_shifting=peak_shifting, layers=len(layers)
-    )
-    pool = OwnerPool([layer.mlp for layer in layers], ranks, slots=slots)
-    fetcher = FetchScheduler(pool, prefetch_depth=prefetch_depth, peak_shifting=peak_shifting)
-    for j, layer in enumerate(layers):
-        layer.mlp = PooledMLP(pool, j)
-    return fetcher
+        if self.fetcher is not None:
+            self.fetcher.close()
 
 
 def sidp_engine(
     model: nn.Module,
-    fetcher: FetchScheduler,
+    pools: Pools,
     config: EngineConfig | None = None,
     *,
     mode: str = "auto",
@@ -270,7 +207,7 @@ def sidp_engine(
     was = ModelRunner(model, lockstep, weights=WAS)
     cas = ModelRunner(model, lockstep, kv=was.kv, weights=CAS, every_slot=True)  # (fixed-size row blocks)
     policy = SiDPPolicy(
-        fetcher,
+        pools,
         mode=mode,
         threshold=threshold,
         hysteresis=hysteresis,
@@ -278,9 +215,7 @@ def sidp_engine(
         max_prefill_tokens=config.max_prefill_tokens,
         admission=config.admission,
     )
-    engine = Engine(runners={"was": was, "cas": cas}, policy=policy, config=config)
-    engine.events.on("idle", lambda step, seqs: fetcher.pool.serve_idle(), layout="cas")  # an idle owner still serves
-    return engine
+    return Engine(runners={"was": was, "cas": cas}, policy=policy, config=config)
 
 
 # ---- the strategy -------------------------------------------------------------------------------
@@ -311,11 +246,13 @@ class SiDPStrategy(Strategy):
                 f"{self.threshold} and {self.hysteresis}"
             )
 
-    def dims(self, world_size: int) -> ParallelDims:
+    def dims(self, world_size: int, experts: bool = False) -> ParallelDims:
+        """One replica per rank; a mixture-of-experts model's experts over the replicas (``ep = dp``:
+        an owner per expert group)."""
         dp = self.dp or world_size
         if dp != world_size:
             raise ValueError(f"parallel.dp ({dp}) must equal the world size ({world_size}): one replica per rank")
-        return ParallelDims(dp=dp, world_size=world_size)
+        return ParallelDims(dp=dp, ep=dp if experts else 1, world_size=world_size)
 
     def check_args(self, config: EngineConfig) -> None:
         super().check_args(config)
@@ -327,14 +264,14 @@ class SiDPStrategy(Strategy):
 
     def build(self, path: str | os.PathLike, config: EngineConfig) -> Engine:
         self.check_args(config)
-        dims = self.dims(dist.get_world_size())
+        dims = self.dims(dist.get_world_size(), _has_experts(path))
         model = parallelize(path, dims, dtype=config.torch_dtype, allow_unused=config.allow_unused)
-        full_ffn = _ffn_bytes(model)
+        full_ffn = ffn_bytes(model)
         # default look-ahead: 2, but one slot fewer than the layers a rank fetches, so the pool
         # keeps less FFN per rank than replication and the freed bytes become KV (where it can)
         depth = self.prefetch_depth or max(1, min(2, _fetched_layers(model, dims.dp) - 1))
         slots = self.slots or max(depth, dims.dp - 1)
-        fetcher = pool_model(
+        pools = pool_model(
             model,
             list(range(dims.dp)),
             slots=slots,
@@ -343,30 +280,33 @@ class SiDPStrategy(Strategy):
         )
         update_info(model, replicated_ffn_bytes=full_ffn)
         self.profiled = self.threshold is None
+        if self.threshold is None and pools.fetcher is None:
+            raise ValueError(
+                f"parallel.threshold=null profiles b* on the dense FFN pool; {model.config.model_type} pools its "
+                "experts instead: give parallel.threshold (rows per replica above which WaS runs)"
+            )
         if self.threshold is None:
-            self.threshold = profile_threshold(fetcher)
+            self.threshold = profile_threshold(pools.fetcher)
         return sidp_engine(
             model,
-            fetcher,
-            self._kv(config, model, fetcher.pool),
+            pools,
+            self._kv(config, model, pools),
             mode=self.mode,
             threshold=self.threshold,
             hysteresis=self.hysteresis,
             interval=self.interval,
         )
 
-    def _kv(self, config: EngineConfig, model: nn.Module, pool: OwnerPool) -> EngineConfig:
+    def _kv(self, config: EngineConfig, model: nn.Module, pools: Pools) -> EngineConfig:
         """``config`` with a paged cache grown by the tokens the freed FFN bytes hold (the memory a
         replicated DP replica spends on FFN weights goes to KV instead); contiguous slots stay as
         asked."""
         if config.kv_block_size is None:
             return config
-        freed = parallel_info(model).replicated_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
-        cfg = model.config
+        freed = parallel_info(model).replicated_ffn_bytes - sum(pools.held_bytes(model))
+        cfg, size = model.config, model.model.embed_tokens.weight.element_size()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = (
-            2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * pool.slot_tensors[0][0].element_size()
-        )
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * size
         extra = torch.tensor(
             [max(freed, 0) // per_token // config.kv_block_size * config.kv_block_size], device=device_type()
         )
@@ -376,21 +316,23 @@ class SiDPStrategy(Strategy):
         return dataclasses.replace(config, kv_tokens=config.kv_tokens + extra)
 
     def summary(self, engine: Engine) -> dict:
-        pool, c = engine.policy.pool, engine.policy.fetcher.counters
-        fetched = torch.tensor([c.fetch_bytes], dtype=torch.float64, device=device_type())
+        pools = engine.policy.pools
+        fetched = torch.tensor([pools.fetched_bytes()], dtype=torch.float64, device=device_type())
         dist.all_reduce(fetched)
         info = parallel_info(engine.model)
-        freed = info.replicated_ffn_bytes - pool.ffn_bytes() - pool.slot_bytes()
+        held, slots = pools.held_bytes(engine.model)
+        freed = info.replicated_ffn_bytes - held - slots
+        readers = pools.fetcher.counters.max_concurrent_readers if pools.fetcher is not None else 0
         return {
             **engine.stats.summary(),
-            "ffn_bytes_per_rank": pool.ffn_bytes(),
-            "slot_bytes": pool.slot_bytes(),
+            "ffn_bytes_per_rank": held,
+            "slot_bytes": slots,
             "ffn_bytes_replicated": info.replicated_ffn_bytes,
             "kv_capacity_tokens": engine.kv.spec.capacity_tokens,
             "kv_tokens_asked": engine.kv.spec.capacity_tokens if info.kv_tokens_asked is None else info.kv_tokens_asked,
             "kv_tokens_gained": max(freed, 0) // kv_bytes_per_token(engine.kv.spec),
             "fetch_bytes": int(fetched.item()),
-            "max_concurrent_readers": c.max_concurrent_readers,
+            "max_concurrent_readers": readers,
             "mode": self.mode,
             "threshold": self.threshold,
             "threshold_profiled": getattr(self, "profiled", False),
@@ -417,12 +359,12 @@ def _gain_line(s: dict) -> str:
     return f"+{gained} KV tokens at equal memory (allocated with a paged cache: engine.kv_block_size, engine.kv_tokens)"
 
 
-def _ffn_bytes(model: nn.Module) -> int:
-    return sum(
-        p.to_local().numel() * p.to_local().element_size()
-        for layer in model.model.layers
-        for p in layer.mlp.parameters()
-    )
+def _has_experts(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint at ``path`` is a mixture-of-experts model (its config names experts)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_checkpoint(path))
+    return any(getattr(cfg, key, None) for key in ("num_experts", "num_local_experts"))
 
 
 def kv_bytes_per_token(spec) -> int:
