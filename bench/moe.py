@@ -108,7 +108,7 @@ def _step(args) -> None:
             x = torch.randn(1, mine, HIDDEN, generator=torch.Generator().manual_seed(tokens + dist.get_rank()))
             with torch.no_grad():
                 s = _timed(lambda: block(x), args.repeats)
-                sent, lower = _a2a_bytes(block, x) if dispatch else (tokens * HIDDEN * 4, tokens * HIDDEN * 4)
+                sent, lower = _a2a_bytes(block, x) if dispatch else (tokens * HIDDEN * 4, 0)
             totals = torch.tensor([s, sent, lower], dtype=torch.float64)
             dist.all_reduce(totals[:1], op=dist.ReduceOp.MAX)
             dist.all_reduce(totals[1:])
@@ -143,8 +143,9 @@ def _block(world: int, ep: int, dispatch: bool):
 
 def _a2a_bytes(block, x: torch.Tensor) -> tuple[int, int]:
     """This rank's all-to-all bytes sent in one forward of ``block`` (counted at
-    ``all_to_all_split``: counts, rows, expert ids, results back) and their lower bound: a token's
-    hidden vector to each other rank holding one of its experts, once, and one summed result back."""
+    ``all_to_all_split``: counts, rows, expert ids and weights, results back) and their lower
+    bound: a token's hidden vector to each other rank holding one of its experts, once, and one
+    summed result back."""
     import reshard.layers.moe as moe
 
     sent, original = [0], moe.all_to_all_split
@@ -171,12 +172,13 @@ def _a2a_bytes(block, x: torch.Tensor) -> tuple[int, int]:
 
 def _print_steps(rows: list, world: int) -> None:
     print(f"MoE block, {world} ranks: {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, expert inter {INTER}")
-    print("TP / EP: the tp group's tokens on every rank, one all-reduce (bytes: its payload per rank);")
+    print("TP / EP: the tp group's tokens on every rank, one all-reduce (bytes: its payload per rank, no bound);")
     print("DPxEP: each rank its tokens/world own tokens, all-to-all dispatch (bytes: sent by all ranks)")
     print(f"{'layout':>7} {'tokens':>7} {'ms':>8} {'comm bytes':>11} {'lower bound':>12} {'ratio':>6}")
     for layout, tokens, s, sent, lower in rows:
         ratio = f"{sent / lower:.2f}" if lower else "-"
-        print(f"{layout:>7} {tokens:>7} {s * 1e3:>8.2f} {int(sent):>11} {int(lower):>12} {ratio:>6}")
+        bound = f"{int(lower):>12}" if lower else f"{'-':>12}"
+        print(f"{layout:>7} {tokens:>7} {s * 1e3:>8.2f} {int(sent):>11} {bound} {ratio:>6}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ with the usual algorithms: ring all-reduce 2(p-1)/p x payload, all-to-all (p-1)/
 (its own chunk stays), ring all-gather (p-1) x payload. Token broadcasts (``dist.broadcast`` in
 ``agree_tokens``) are not counted.
 
+``--moe``: part 2 on a Qwen3-MoE of the built-in model's sizes (16 experts, top-4, expert MLP 176:
+Qwen3-30B-A3B's shape scaled down), Shift as SP x EP (experts over all ranks, tokens dispatched by
+all-to-all; its rows to other ranks counted exactly), the plain TP Engine with every expert split;
+part 1 is skipped.
+
 Part 2: the built-in tiny Llama, ``parallelize_shift(sp=--sp, tp=world/sp)``, one seeded bursty
 trace of phases ``[long, burst] x --cycles``: a long phase is one request with a ``--long-len``
 prompt, a burst is ``--burst-size`` requests with ``--burst-len`` prompts, all generating
@@ -87,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="timed traces per engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plain-tp", action="store_true", help="skip the plain TP Engine row")
+    p.add_argument("--moe", action="store_true", help="part 2 on a Qwen3-MoE-shaped model (SP x EP; part 1 skipped)")
     return p.parse_args(argv)
 
 
@@ -96,6 +102,8 @@ WIRE: dict[str, Callable[[int], float]] = {
     "all_to_all": lambda p: (p - 1) / p,
     "all_gather": lambda p: p - 1,
     "all_gather_last": lambda p: p - 1,
+    "all_gather_chunks": lambda p: p - 1,
+    "all_to_all_split": lambda p: 1.0,  # (wire: the rows to other ranks, counted exactly in _counted)
 }
 
 
@@ -125,7 +133,11 @@ def _counted(name: str, fn: Callable) -> Callable:
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
-            _ACTIVE[-1].add(name, a["x"], a["mesh"].size(a["axis"]))
+            x = a["x"]
+            if name == "all_to_all_split" and x.shape[0]:  # only the rows sent to other ranks
+                me = a["mesh"].get_local_rank(a["axis"])
+                x = x[: sum(n for i, n in enumerate(a["in_splits"]) if i != me)]
+            _ACTIVE[-1].add(name, x, a["mesh"].size(a["axis"]))
         return fn(*args, **kwargs)
 
     wrapped.__wrapped__ = fn
@@ -470,11 +482,26 @@ def token_check(runs: dict[str, list[TraceRun]]) -> str:
 
 
 # ---- main -------------------------------------------------------------------------------------
-def checkpoint() -> Path:
+MOE = dict(  # the built-in model's sizes with Qwen3-30B-A3B's MoE shape: 16 experts, top-4, narrow experts
+    vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=176,
+    mlp_only_layers=[], norm_topk_prob=True, initializer_range=0.05,
+)  # fmt: skip
+
+
+def checkpoint(moe: bool = False) -> Path:
+    """The built-in tiny Llama, or (``moe``) a Qwen3-MoE of its sizes; built by rank 0 once."""
+    from reshard.parallel.model.tiny_models import cached_checkpoint
+
+    def make() -> Path:
+        return (
+            cached_checkpoint("bench-shift-qwen3moe-seed0-v1", MOE, family="qwen3_moe") if moe else builtin_checkpoint()
+        )
+
     if dist.get_rank() == 0:
-        builtin_checkpoint()
+        make()
     dist.barrier()
-    return builtin_checkpoint()
+    return make()
 
 
 def main() -> None:
@@ -486,11 +513,11 @@ def main() -> None:
     try:
         from transformers import AutoConfig
 
-        path = checkpoint()
+        path = checkpoint(args.moe)
         cfg = AutoConfig.from_pretrained(path)
         install_counters()
         tokens = [int(t) for t in args.tokens.split(",")]
-        rows, same = part1(cfg, tokens, args.seed)
+        rows, same = part1(cfg, tokens, args.seed) if not args.moe else ([], True)
         trace = make_trace(args, cfg.vocab_size)
         runs = part2(path, args, trace)
         if rank == 0:
@@ -516,20 +543,13 @@ def print_report(
         f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
     print()
-    print(
-        f"Part 1: one layer (attention + MLP) forward, prefill of N tokens, fp32; hidden {cfg.hidden_size}, "
-        f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads x {head_dim}, "
-        f"MLP {cfg.intermediate_size}. Bytes per rank (same on all ranks: {'yes' if same else 'NO'})."
-    )
-    print("wire = ring all-reduce 2(p-1)/p, all-to-all (p-1)/p, all-gather (p-1) x payload")
-    print()
-    print(part1_table(rows))
-    scaling = scaling_table(rows)
-    if scaling:
-        print()
-        print("Scaling with degree (local tokens per rank = N / d; per-rank compute is proportional to it):")
-        print()
-        print(scaling)
+    if rows:
+        print_part1(cfg, rows, same, head_dim)
+    else:
+        print(
+            f"MoE model: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, expert MLP "
+            f"{cfg.moe_intermediate_size}, hidden {cfg.hidden_size}; experts over all {world} ranks (SP x EP)"
+        )
     print()
     n_req = sum(len(p) for p in make_trace(args, cfg.vocab_size))
     print(
@@ -547,6 +567,23 @@ def print_report(
     print()
     print(token_check(runs))
     print(f"\ntotal script time {seconds:.0f} s")
+
+
+def print_part1(cfg, rows: list[dict], same: bool, head_dim: int) -> None:
+    print(
+        f"Part 1: one layer (attention + MLP) forward, prefill of N tokens, fp32; hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads x {head_dim}, "
+        f"MLP {cfg.intermediate_size}. Bytes per rank (same on all ranks: {'yes' if same else 'NO'})."
+    )
+    print("wire = ring all-reduce 2(p-1)/p, all-to-all (p-1)/p, all-gather (p-1) x payload")
+    print()
+    print(part1_table(rows))
+    scaling = scaling_table(rows)
+    if scaling:
+        print()
+        print("Scaling with degree (local tokens per rank = N / d; per-rank compute is proportional to it):")
+        print()
+        print(scaling)
 
 
 if __name__ == "__main__":

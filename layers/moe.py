@@ -134,23 +134,26 @@ class GroupedExperts(nn.Module):
 
     def dispatched(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Data-parallel attention's MoE: ``x (T, D)`` is this rank's own tokens (``T`` may be 0:
-        an idle replica still takes part). Each (token, choice) pair travels to the rank holding
-        its expert in one all-to-all with exact splits (the counts exchanged first), is computed
-        there, and comes back by the reverse all-to-all; returns the whole ``(T, D)``."""
+        an idle replica still takes part). Each token travels once to each rank holding one of its
+        experts, with its choices there (expert ids, ``-1`` for the others, and weights), in one
+        all-to-all with exact splits (the counts exchanged first); that rank sums the token's
+        weighted outputs of its experts and sends the one row back by the reverse all-to-all
+        (the lower bound: one hidden row each way per (token, rank) pair). Returns ``(T, D)``."""
         mesh = self.gate_proj.device_mesh
         ep, per = mesh.size(0), self.num_experts // mesh.size(0)
-        token, slot = torch.nonzero(torch.ones_like(experts, dtype=torch.bool), as_tuple=True)  # (T*k,) pairs
-        expert = experts[token, slot]
-        order = torch.argsort(expert, stable=True)  # by expert, so by the rank holding it
-        token, slot, expert = token[order], slot[order], expert[order]
-        send = torch.bincount(expert // per, minlength=ep)  # (ep,) pairs to each rank
-        sends = send.tolist()
-        recvs = all_to_all_split(send, [1] * ep, [1] * ep, mesh, 0).tolist()  # pairs from each rank
-        w = weights[token, slot, None]  # (T*k, 1)
-        rows = all_to_all_split(self._input(x[token], w), recvs, sends, mesh, 0)  # (R, D)
-        local = all_to_all_split(expert, recvs, sends, mesh, 0) - self.local_experts.start  # (R,)
-        back = all_to_all_split(self.compute(rows, local), sends, recvs, mesh, 0)  # (T*k, D), send order
-        return torch.zeros_like(x).index_add_(0, token, self._output(back, w).to(x.dtype))
+        dest = experts // per  # (T, k) the rank holding each choice
+        hit = torch.zeros(x.shape[0], ep, dtype=torch.bool, device=x.device).scatter_(1, dest, True)  # (T, ep)
+        rank, token = torch.nonzero(hit.t(), as_tuple=True)  # (P,) pairs, by destination rank
+        there = dest[token] == rank[:, None]  # (P, k) the token's choices on that rank
+        ids = torch.where(there, experts[token], -1)  # (P, k)
+        w = torch.where(there, weights[token], torch.zeros_like(weights[token]))
+        sends = torch.bincount(rank, minlength=ep)
+        splits = sends.tolist()
+        recvs = all_to_all_split(sends, [1] * ep, [1] * ep, mesh, 0).tolist()  # pairs from each rank
+        rows = all_to_all_split(x[token], recvs, splits, mesh, 0)  # (R, D)
+        got = self(rows, all_to_all_split(w, recvs, splits, mesh, 0), all_to_all_split(ids, recvs, splits, mesh, 0))
+        back = all_to_all_split(got, splits, recvs, mesh, 0)  # (P, D), send order
+        return torch.zeros_like(x).index_add_(0, token, back)
 
     def compute(self, rows: torch.Tensor, local: torch.Tensor, whole: Weights | None = None) -> torch.Tensor:
         """Each row of ``rows (N, D)`` through this rank's expert ``local (N,)`` (its slice of
