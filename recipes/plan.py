@@ -7,18 +7,22 @@ processes, cached). Prints one ranking across techniques (every feasible static 
 pair, Shift, SiDP and DejaVu: :mod:`parallel.cost.techniques`) and
 writes ``plan.json`` and ``plan.png`` into Hydra's run directory. Layouts are in Seesaw's notation
 (``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of 1 omitted, one GPU = ``T1``; ``S``
-Ulysses SP; ``A->B`` = prefill in A, decode in B).
+Ulysses SP; ``E`` expert parallelism of a mixture-of-experts model, ``T8E4`` inside the tp group,
+``D8E8`` over data-parallel replicas, ``Shift S2T4E8|T8E8`` Shift's SP x EP, the experts over all 8
+GPUs in both modes; ``A->B`` = prefill in A, decode in B).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+from reshard.parallel.cost import moe
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.fit import EFFICIENCIES
-from reshard.parallel.cost.profiles import hardware, model, workload
+from reshard.parallel.cost.profiles import ModelShape, hardware, model, workload
 from reshard.parallel.cost.techniques import rank_all, with_latency
 from reshard.recipes.launch import hydra_main
 from reshard.recipes.plan_config import PlanConfig
@@ -30,13 +34,14 @@ def _say(line: str) -> None:
 
 def make_plan(cfg: PlanConfig) -> dict:
     """Everything the planner predicts for ``cfg`` (the content of ``plan.json``)."""
-    m, hw = model(cfg.model), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say))
+    m, hw = _model(cfg), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say))
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
     ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
     if cfg.rate is not None:
         ranked = with_latency(ranked, m, hw, w, cfg.rate)
     infeasible = {
-        c.notation: cost.infeasible_reason(m, hw, c, w.input_len + w.output_len) for c in cost.configs(cfg.num_gpus)
+        c.notation: cost.infeasible_reason(m, hw, c, w.input_len + w.output_len)
+        for c in cost.configs(cfg.num_gpus, experts=m.moe)
     }
     if not ranked:
         raise ValueError(f"no layout of {cfg.num_gpus} x {cfg.hardware} fits model {cfg.model!r}: {infeasible}")
@@ -61,6 +66,7 @@ def make_plan(cfg: PlanConfig) -> dict:
         "shift_threshold": models.shift_threshold(m, hw, cfg.num_gpus),
         "sidp_threshold": models.sidp_threshold(m, hw, cfg.num_gpus),
         "dejavu": models.dejavu_plan(m, hw, cfg.num_gpus, w),
+        "moe": moe.describe(m),
         "assumptions": {
             "memory_reserve": cost.MEMORY_RESERVE,
             "prefill_tokens": cost.PREFILL_TOKENS,
@@ -68,10 +74,20 @@ def make_plan(cfg: PlanConfig) -> dict:
     }
 
 
+def _model(cfg: PlanConfig) -> ModelShape:
+    """The model's shape, with ``expert_skew`` set on a MoE model (``ValueError`` on a dense one)."""
+    m = model(cfg.model)
+    if cfg.expert_skew == 1.0:
+        return m
+    if not m.moe:
+        raise ValueError(f"expert_skew ({cfg.expert_skew}) needs a mixture-of-experts model; {cfg.model!r} is dense")
+    return dataclasses.replace(m, expert_skew=cfg.expert_skew)
+
+
 def _phases(m, hw, num_gpus: int, w) -> dict:
     """Prompt tokens/s and generated tokens/s of each static layout in its phase alone."""
     out = {}
-    for c in cost.configs(num_gpus):
+    for c in cost.configs(num_gpus, experts=m.moe):
         pre, dec = cost.prefill_throughput(m, hw, c, w), cost.decode_throughput(m, hw, c, w)
         if pre > 0:
             out[c.notation] = {"prefill_tokens_per_s": pre, "decode_tokens_per_s": dec}
@@ -109,10 +125,18 @@ def _latency_cells(e: dict) -> str:
 
 
 def summary_lines(plan: dict) -> str:
-    s, d = plan["shift_threshold"], plan["dejavu"]
+    s, d, x = plan["shift_threshold"], plan["dejavu"], plan["moe"]
     best = ", ".join(f"{kind} {name}" for kind, name in plan["best_by_technique"].items())
+    experts = (
+        f"MoE: {x['total_params'] / 1e9:.1f}B parameters, {x['active_params'] / 1e9:.1f}B active per token; "
+        f"{x['experts']} experts, top-{x['experts_per_token']}{', a shared expert' if x['shared_expert'] else ''}, "
+        f"{x['moe_layers']} MoE layers; expert_skew {x['expert_skew']} (E: expert parallelism, Shift's SP x EP "
+        "included; SiDP not modelled)\n"
+        if x
+        else ""
+    )
     return (
-        f"best per technique: {best}\n"
+        f"{experts}best per technique: {best}\n"
         f"best static {plan['best_static']}, best Seesaw {plan['best_seesaw']} "
         f"(x{plan['seesaw_speedup'] or float('nan'):.2f}); Shift threshold {s['threshold']} tokens "
         f"({s['base']} vs {s['shift']}); SiDP b* {plan['sidp_threshold']}; "

@@ -18,6 +18,7 @@ class PlanConfig:
     efficiency: str = "datasheet"  # datasheet (peaks) | fitted (the factors fitted on the papers' numbers)
     rate: float | None = None  # online: requests/s arriving; ranks by TTFT + output_len x TPOT (null: offline)
     top: int = 20  # rows of the ranked table printed (plan.json holds all)
+    expert_skew: float = 1.0  # MoE: the busiest expert-parallel rank's routed tokens / the mean (1.0: even)
 
     def __post_init__(self) -> None:
         from reshard.parallel.cost.roofline import check_gpus
@@ -32,5 +33,7 @@ class PlanConfig:
             raise ValueError(f"efficiency must be one of {sorted(EFFICIENCIES)}, got {self.efficiency!r}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"rate must be > 0 requests/s or null, got {self.rate!r}")
+        if not self.expert_skew >= 1.0:
+            raise ValueError(f"expert_skew must be >= 1.0 (the busiest rank over the mean), got {self.expert_skew!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or null, got {self.max_batch!r}")

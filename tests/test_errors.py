@@ -244,16 +244,24 @@ def test_sidp_look_ahead_and_slots_beyond_the_layers_to_fetch_are_refused():
         check_slots(3, 2, prefetch_depth=2, peak_shifting=True, layers=4)
 
 
-def test_plan_refuses_mixture_of_experts_and_configs_that_are_not_json(tmp_path):
+def test_plan_refuses_moe_configs_of_unknown_families_by_name_and_configs_that_are_not_json(tmp_path):
     from reshard.recipes.plan import make_plan
 
-    mixtral = dict(
-        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+    phimoe = dict(
+        model_type="phimoe", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
         intermediate_size=14336, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
     )  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(mixtral))
-    with pytest.raises(ValueError, match=r"is a Mixture-of-Experts model \(num_local_experts=8\); the cost model has"):
-        make_plan(_compose("plan", [f"model={tmp_path}"]))
+    untyped = {k: v for k, v in phimoe.items() if k != "model_type"}
+    supported = r"\['llama4_text', 'mixtral', 'qwen2_moe', 'qwen3_moe'\]"
+    for folder, config, family in (("phimoe", phimoe, "'phimoe'"), ("untyped", untyped, "None")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+        refused = (
+            rf"^config.json of '.*{folder}' is a Mixture-of-Experts model \(num_local_experts=8\); the cost model "
+            rf"has MoE profiles for model_type in {supported}, and this config's model_type is {family}$"
+        )
+        with pytest.raises(ValueError, match=refused):
+            make_plan(_compose("plan", [f"model={tmp_path / folder}"]))
     bad = tmp_path / "broken.json"
     bad.write_text("{'hidden_size': 4096}")
     with pytest.raises(ValueError, match=r"^model '.*broken.json': .*broken.json is not a JSON config \(Expecting"):

@@ -220,3 +220,37 @@ DEJAVU_TABLE6: tuple[StreamRow, ...] = tuple(
         (1, 85.6, 82.5),
     )
 )
+
+
+@dataclass(frozen=True)
+class Ordering:
+    """A throughput ordering Shift's Fig. 14 shows for a mixture-of-experts model (8 x H200, FP8,
+    uniform inputs of 2k-128k tokens and 250 output tokens, peak combined tokens/s): ``above``
+    beats each of ``below``. ``base``: the (SP, TP) layout the paper ran Shift's base (and SP) in
+    (section 4.6, lines 812-819: Algorithm 1 for Qwen-30B-A3B's 4 KV heads over SP=8; Algorithm 2,
+    SP=4 x TP=2, for Llama-17B-16E, whose weights leave no KV room at SP=8)."""
+
+    model: str
+    above: str
+    below: tuple[str, ...]
+    base: str
+    source: str
+    hardware: str = "h200-fp8"
+    gpus: int = 8
+    output_len: int = 250
+    input_lens: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # Fig. 14's x axis
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}: {self.above} > {'/'.join(self.below)}"
+
+
+SHIFT_FIG14: tuple[Ordering, ...] = (
+    # lines 838-841: "Compared to TP, Shift parallelism shows excellent performance on both sparse
+    # models: Up to 50% higher throughput without increasing the latency."
+    Ordering("qwen3-30b-a3b-fp8", "Shift", ("TP",), "S8", f"{SHIFT}, Fig. 14, lines 838-841"),
+    Ordering("llama4-scout-fp8", "Shift", ("TP",), "S4T2", f"{SHIFT}, Fig. 14, lines 838-841"),
+    # lines 842-847: Qwen-30B-A3B "attains a much higher throughput (250k tokens/sec.) ... with DP,
+    # and the throughput suddenly drops either with TP and SP"
+    Ordering("qwen3-30b-a3b-fp8", "DP", ("TP", "SP", "Shift"), "S8", f"{SHIFT}, Fig. 14, lines 842-847"),
+)

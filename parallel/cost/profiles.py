@@ -49,7 +49,10 @@ class Hardware:
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer's shape (HF ``config.json`` names in comments); ``dtype_bytes``
-    per weight / KV element."""
+    per weight / KV element. A mixture-of-experts model (``experts > 0``) routes each token of the
+    layers in ``moe_layers`` to ``experts_per_token`` of ``experts`` FFNs of width
+    ``expert_intermediate`` (plus a shared expert of width ``shared_intermediate``, if any); its
+    other layers have a dense MLP of width ``intermediate`` (sizes: :mod:`parallel.cost.moe`)."""
 
     name: str
     layers: int  # num_hidden_layers
@@ -61,6 +64,16 @@ class ModelShape:
     vocab: int  # vocab_size
     dtype_bytes: int = 2
     tied_embeddings: bool = False  # tie_word_embeddings
+    experts: int = 0  # num_experts / num_local_experts: routed experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0  # num_experts_per_tok (top-k)
+    expert_intermediate: int = 0  # moe_intermediate_size (Mixtral, Llama 4: intermediate_size)
+    shared_intermediate: int = 0  # shared_expert_intermediate_size (Qwen2-MoE), intermediate_size (Llama 4)
+    moe_layers: tuple[int, ...] = ()  # decoder layers with a MoE FFN (the others: dense MLP of `intermediate`)
+    expert_skew: float = 1.0  # busiest EP rank's routed tokens / the mean: a routing property, 1.0 = even
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
 
 @dataclass(frozen=True)
@@ -187,7 +200,7 @@ HARDWARE: MappingProxyType[str, Hardware] = MappingProxyType(
 
 # ---- models (public HF config.json values; fp16/bf16 weights as the papers run them) ------------
 # Shift Parallelism's runs use FP8 weights and KV ("all FP8", ../shared/seeds/001_*.txt line 606)
-_FP8 = ("llama3-70b", "qwen3-32b")
+_FP8 = ("llama3-70b", "qwen3-32b", "qwen3-30b-a3b", "llama4-scout", "mixtral-8x7b")
 _PAPER_MODELS: tuple[ModelShape, ...] = (
     # Seesaw's "15B variety of LLaMA3" is elinas/Llama-3-15B-Instruct-zeroed; the paper gives no
     # shape. Assumed: Llama-3-8B's config.json with its 32 layers doubled to 64 by the passthrough
@@ -258,6 +271,53 @@ _PAPER_MODELS: tuple[ModelShape, ...] = (
         intermediate=25600,  # Qwen/Qwen3-32B config.json intermediate_size
         vocab=151936,  # Qwen/Qwen3-32B config.json vocab_size
         dtype_bytes=2,  # config.json torch_dtype bfloat16
+    ),
+    # mixture-of-experts (Shift's Table 4 has Qwen-30B-A3B and Llama-17B-16E; issue 37 adds Mixtral)
+    ModelShape(
+        name="qwen3-30b-a3b",
+        layers=48,  # Qwen/Qwen3-30B-A3B config.json num_hidden_layers
+        hidden=2048,  # Qwen/Qwen3-30B-A3B config.json hidden_size
+        heads=32,  # Qwen/Qwen3-30B-A3B config.json num_attention_heads
+        kv_heads=4,  # Qwen/Qwen3-30B-A3B config.json num_key_value_heads
+        head_dim=128,  # Qwen/Qwen3-30B-A3B config.json head_dim
+        intermediate=6144,  # Qwen/Qwen3-30B-A3B config.json intermediate_size (dense layers: none here)
+        vocab=151936,  # Qwen/Qwen3-30B-A3B config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16
+        experts=128,  # Qwen/Qwen3-30B-A3B config.json num_experts
+        experts_per_token=8,  # Qwen/Qwen3-30B-A3B config.json num_experts_per_tok
+        expert_intermediate=768,  # Qwen/Qwen3-30B-A3B config.json moe_intermediate_size
+        moe_layers=tuple(range(48)),  # config.json decoder_sparse_step 1, mlp_only_layers []: all 48
+    ),
+    ModelShape(
+        name="mixtral-8x7b",
+        layers=32,  # mistralai/Mixtral-8x7B-v0.1 config.json num_hidden_layers
+        hidden=4096,  # mistralai/Mixtral-8x7B-v0.1 config.json hidden_size
+        heads=32,  # mistralai/Mixtral-8x7B-v0.1 config.json num_attention_heads
+        kv_heads=8,  # mistralai/Mixtral-8x7B-v0.1 config.json num_key_value_heads
+        head_dim=128,  # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size / num_attention_heads
+        intermediate=14336,  # mistralai/Mixtral-8x7B-v0.1 config.json intermediate_size
+        vocab=32000,  # mistralai/Mixtral-8x7B-v0.1 config.json vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16
+        experts=8,  # mistralai/Mixtral-8x7B-v0.1 config.json num_local_experts
+        experts_per_token=2,  # mistralai/Mixtral-8x7B-v0.1 config.json num_experts_per_tok
+        expert_intermediate=14336,  # mistralai/Mixtral-8x7B-v0.1 config.json intermediate_size (per expert)
+        moe_layers=tuple(range(32)),  # Mixtral: every layer sparse
+    ),
+    ModelShape(
+        name="llama4-scout",
+        layers=48,  # meta-llama/Llama-4-Scout-17B-16E config.json text_config.num_hidden_layers
+        hidden=5120,  # meta-llama/Llama-4-Scout-17B-16E text_config.hidden_size
+        heads=40,  # meta-llama/Llama-4-Scout-17B-16E text_config.num_attention_heads
+        kv_heads=8,  # meta-llama/Llama-4-Scout-17B-16E text_config.num_key_value_heads
+        head_dim=128,  # meta-llama/Llama-4-Scout-17B-16E text_config.head_dim
+        intermediate=16384,  # meta-llama/Llama-4-Scout-17B-16E text_config.intermediate_size_mlp (dense: none)
+        vocab=202048,  # meta-llama/Llama-4-Scout-17B-16E text_config.vocab_size
+        dtype_bytes=2,  # config.json torch_dtype bfloat16
+        experts=16,  # meta-llama/Llama-4-Scout-17B-16E text_config.num_local_experts
+        experts_per_token=1,  # meta-llama/Llama-4-Scout-17B-16E text_config.num_experts_per_tok
+        expert_intermediate=8192,  # meta-llama/Llama-4-Scout-17B-16E text_config.intermediate_size
+        shared_intermediate=8192,  # Llama 4's shared expert is an MLP of intermediate_size (HF Llama4TextMoe)
+        moe_layers=tuple(range(48)),  # text_config.interleave_moe_layer_step 1: all 48 layers MoE
     ),
 )
 MODELS: MappingProxyType[str, ModelShape] = MappingProxyType(
@@ -337,19 +397,12 @@ _DTYPE_BYTES = MappingProxyType(
 )  # bytes per element (IEEE 754 / OCP FP8)
 
 
-# HF config keys that mark a Mixture-of-Experts FFN (Mixtral, Qwen2/3-MoE, DeepSeek, DBRX-style)
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
 def model_from_config(cfg: dict, *, name: str) -> ModelShape:
-    """The shape of an HF ``config.json`` dict (``text_config`` of multimodal configs is read)."""
+    """The shape of an HF ``config.json`` dict (``text_config`` of multimodal configs is read; the
+    experts of the MoE families in :data:`parallel.cost.moe.FAMILIES`)."""
+    from reshard.parallel.cost.moe import moe_fields
+
     cfg = cfg.get("text_config", cfg)
-    experts = ", ".join(f"{k}={cfg[k]}" for k in _EXPERT_KEYS if cfg.get(k))
-    if experts:
-        raise ValueError(
-            f"config.json of {name!r} is a Mixture-of-Experts model ({experts}); "
-            "the cost model has dense FFNs only and would count one expert's weights"
-        )
     missing = [
         k
         for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -357,6 +410,7 @@ def model_from_config(cfg: dict, *, name: str) -> ModelShape:
     ]
     if missing:
         raise ValueError(f"config.json of {name!r} lacks {missing}")
+    moe = moe_fields(cfg, name=name)  # {} for a dense model
     heads = cfg["num_attention_heads"]
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return ModelShape(
@@ -366,8 +420,9 @@ def model_from_config(cfg: dict, *, name: str) -> ModelShape:
         heads=heads,
         kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        intermediate=cfg["intermediate_size"],
         vocab=cfg["vocab_size"],
         dtype_bytes=_DTYPE_BYTES.get(dtype, 2),  # unknown torch_dtype: assumed 2 bytes (fp16/bf16)
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        intermediate=moe.pop("intermediate", cfg["intermediate_size"]),  # Llama 4: its dense layers' width
+        **moe,
     )

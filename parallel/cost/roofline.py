@@ -13,7 +13,12 @@ bytes the KV cache read (decode) or Q/K/V written (prefill). Communication:
   (Shift's Fig. 9: SP's TPOT exceeds DP's by ~10 ms over 160 all-to-alls at batch 1);
 - PP: one activation send per stage boundary and micro-batch, ``lat + bytes / bw``, plus the
   pipeline fill/drain bubble of prefill;
-- DP: nothing.
+- DP: nothing;
+- EP (mixture-of-experts layers, :mod:`parallel.cost.moe`): inside the TP group nothing beyond
+  TP's all-reduces; over data-parallel replicas a dispatch and a combine all-to-all per MoE layer;
+  Shift's SP x EP, in both modes, the two all-to-alls over all ``sp * tp`` GPUs and an all-gather of
+  the outputs over the GPUs that hold the same tokens, in place of the FFN's all-reduce (a shared
+  expert, full TP, keeps its all-reduce).
 
 Memory: weights / (TP * PP) (the first/last stage also holds the embedding / LM head) + KV must fit
 in ``(1 - MEMORY_RESERVE)`` of a GPU; the KV room decides the batch, the batch the throughput.
@@ -21,67 +26,106 @@ Workload throughput (Seesaw's offline setting): a batch that fills the decode la
 prefilled, then decoded for the mean output length at the mean context; generated tokens /
 seconds. A Seesaw pair prefills in layout A and decodes in layout B on the same GPUs and pays the
 weights moved A -> B and B -> A once per such batch: the movement core's lower bound
-(:func:`reshard.plan.lower_bound_bytes`) on :class:`reshard.Layout` objects of the model's
-parameters, spread over the GPUs' links. KV moves through Seesaw's CPU tier, overlapped (not
-charged). Units: seconds, bytes, tokens.
+(:mod:`parallel.cost.transitions`), spread over the GPUs' links. KV moves through Seesaw's CPU
+tier, overlapped (not charged). Units: seconds, bytes, tokens.
 
 Notation (Seesaw's): ``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of 1 omitted, a
-single GPU is ``T1``; ``S`` is Ulysses SP (Shift), ``A->B`` a Seesaw pair (prefill -> decode).
+single GPU is ``T1``; ``S`` is Ulysses SP (Shift), ``E`` expert parallelism (``T8E4``: experts over
+4 groups of the 8 tp ranks; ``D8E8``: over 8 data-parallel replicas; in a Shift row, ``S2T4E8|T8E8``,
+over all 8 GPUs in both modes, tokens by all-to-all), ``A->B`` a Seesaw pair (prefill -> decode).
+Seesaw's weight moves: :mod:`parallel.cost.transitions`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from functools import cache
-from types import MappingProxyType
 
-import torch
-from torch.distributed.tensor import Replicate, Shard
-
+from reshard.parallel.cost import moe
+from reshard.parallel.cost.collectives import all_reduce_time, all_to_all_time, roofline_time, send_time
+from reshard.parallel.cost.moe import embedding_params
 from reshard.parallel.cost.profiles import Hardware, ModelShape, Workload
+from reshard.parallel.cost.transitions import transition_bytes as transition_bytes  # re-exported
+from reshard.parallel.cost.transitions import transition_time
 from reshard.parallel.model.dims import layout_notation
 
 MEMORY_RESERVE = 0.10  # fraction of device memory kept free for activations, workspace, fragmentation
 PREFILL_TOKENS = 4096  # assumed tokens per prefill step (vLLM-style chunk), >= one whole prompt
-_DTYPES = MappingProxyType({1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32})
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of one layout: ``dp`` replicas of ``pp`` stages of ``sp * tp`` GPUs."""
+    """Degrees of one layout: ``dp`` replicas of ``pp`` stages of ``sp * tp`` GPUs; ``ep``: the
+    experts of MoE layers over ``ep`` groups of the tp ranks, or, with ``tp = pp = sp = 1``, over
+    the replicas (data-parallel attention, :attr:`dispatch`); ``shift_ep``: Shift's SP x EP, the
+    experts over all ``ep = sp * tp`` GPUs of one replica in both of its modes (the base
+    ``S{sp}T{tp}E{ep}`` and full TP ``T{ep}E{ep}``), tokens by all-to-all (:mod:`parallel.cost.moe`)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    ep: int = 1
+    shift_ep: bool = False
+
+    def __post_init__(self) -> None:
+        if self.shift_ep:
+            if self.ep != self.sp * self.tp or self.dp != 1 or self.pp != 1:
+                raise ValueError(
+                    f"Shift's SP x EP spreads the experts over all sp*tp GPUs of one replica: ep ({self.ep}) "
+                    f"must equal sp*tp ({self.sp * self.tp}) with dp and pp 1, in {self}"
+                )
+        elif self.ep > 1 and self.sp > 1:
+            raise ValueError(
+                f"sp ({self.sp}) x ep ({self.ep}): with SP the experts span all sp*tp ({self.sp * self.tp}) "
+                f"GPUs (Shift's SP x EP: S{self.sp}T{self.tp}E{self.sp * self.tp}, shift_ep=True), in {self}"
+            )
+        elif self.ep < 1 or (self.ep > 1 and self.tp % self.ep and not self.tp == self.sp == self.pp == 1):
+            raise ValueError(
+                f"ep ({self.ep}) must divide tp ({self.tp}) (experts in the tp group), or span the "
+                f"replicas with tp, pp and sp 1 (data-parallel attention), in {self}"
+            )
 
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.sp
 
     @property
+    def dispatch(self) -> bool:
+        """Tokens reach the experts by all-to-all: experts over data-parallel replicas, or Shift's
+        SP x EP (:attr:`shift_ep`)."""
+        return self.ep > 1 and (self.tp == 1 or self.shift_ep)
+
+    @property
     def replica(self) -> ParallelConfig:
-        """One data-parallel replica of this layout (a lone request runs on one)."""
-        return ParallelConfig(tp=self.tp, pp=self.pp, sp=self.sp)
+        """One data-parallel replica of this layout (a lone request runs on one; with
+        :attr:`dispatch` its experts stay spread over ``ep`` GPUs)."""
+        return ParallelConfig(tp=self.tp, pp=self.pp, sp=self.sp, ep=self.ep, shift_ep=self.shift_ep)
 
     @property
     def notation(self) -> str:
-        """``D2T2``, ``T4P2``, ``S2T2``; ``T1`` for one GPU."""
-        return layout_notation(dp=self.dp, sp=self.sp, tp=self.tp, pp=self.pp)
+        """``D2T2``, ``T4P2``, ``S2T2``, ``T8E4``, ``D8E8``, ``S2T4E8``; ``T1`` for one GPU."""
+        ep = f"E{self.ep}" if self.ep > 1 else ""
+        return layout_notation(dp=self.dp, sp=self.sp, tp=self.tp, pp=self.pp) + ep
 
 
 def parse_notation(text: str) -> ParallelConfig:
-    """``"D2P4"`` -> ``ParallelConfig(dp=2, pp=4)``; ``ValueError`` naming ``text`` otherwise."""
-    if not re.fullmatch(r"([DSTP]\d+)+", text):
-        raise ValueError(f"layout {text!r} is not in Seesaw notation (e.g. D2T2, T4P2, T1)")
-    degrees = {k: int(v) for k, v in re.findall(r"([DSTP])(\d+)", text)}
-    if len(degrees) != len(re.findall(r"[DSTP]", text)) or min(degrees.values()) < 1:
+    """``"D2P4"`` -> ``ParallelConfig(dp=2, pp=4)``, ``"T8E4"`` -> ``ParallelConfig(tp=8, ep=4)``,
+    ``"S2T4E8"`` -> Shift's SP x EP base (``shift_ep``); ``ValueError`` naming ``text`` otherwise."""
+    if not re.fullmatch(r"([DSTPE]\d+)+", text):
+        raise ValueError(f"layout {text!r} is not in Seesaw notation (e.g. D2T2, T4P2, T8E4, T1)")
+    degrees = {k: int(v) for k, v in re.findall(r"([DSTPE])(\d+)", text)}
+    if len(degrees) != len(re.findall(r"[DSTPE]", text)) or min(degrees.values()) < 1:
         raise ValueError(f"layout {text!r} repeats an axis or has a zero degree")
-    return ParallelConfig(
-        dp=degrees.get("D", 1), tp=degrees.get("T", 1), pp=degrees.get("P", 1), sp=degrees.get("S", 1)
-    )
+    get = degrees.get
+    shift = get("S", 1) > 1 and get("E", 1) > 1
+    cfg = ParallelConfig(dp=get("D", 1), tp=get("T", 1), pp=get("P", 1), sp=get("S", 1), ep=get("E", 1), shift_ep=shift)
+    if cfg.dispatch and not shift and cfg.ep != cfg.dp:
+        raise ValueError(f"layout {text!r}: experts over the replicas need ep ({cfg.ep}) == dp ({cfg.dp})")
+    return cfg
 
 
 def check_gpus(num_gpus: object) -> int:
@@ -90,27 +134,41 @@ def check_gpus(num_gpus: object) -> int:
     return num_gpus
 
 
-def configs(num_gpus: int) -> list[ParallelConfig]:
-    """Every ``D x T x P`` layout of ``num_gpus`` GPUs (powers of two)."""
+def configs(num_gpus: int, *, experts: bool = False) -> list[ParallelConfig]:
+    """Every ``D x T x P`` layout of ``num_gpus`` GPUs (powers of two); with ``experts`` also each
+    one's expert-parallel variants (``ep`` of 2..tp inside the tp group, and ``D{n}E{n}``)."""
     n = check_gpus(num_gpus)
     powers = [2**i for i in range(n.bit_length())]
-    return [ParallelConfig(dp=d, tp=t, pp=n // (d * t)) for d in powers for t in powers if n % (d * t) == 0]
+    out = [ParallelConfig(dp=d, tp=t, pp=n // (d * t)) for d in powers for t in powers if n % (d * t) == 0]
+    if not experts:
+        return out
+    ep = [dataclasses.replace(c, ep=e) for c in out for e in powers if 1 < e <= c.tp]
+    return out + ep + ([ParallelConfig(dp=n, ep=n)] if n > 1 else [])
 
 
 # ---- sizes ---------------------------------------------------------------------------------------
 def layer_params(m: ModelShape) -> int:
-    """Parameters of one decoder layer: q, k, v, o, gate, up, down and two norms."""
-    attn = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
-    return attn + 3 * m.hidden * m.intermediate + 2 * m.hidden
-
-
-def embedding_params(m: ModelShape) -> int:
-    """Embedding + LM head (one matrix when tied) + final norm."""
-    return m.vocab * m.hidden * (1 if m.tied_embeddings else 2) + m.hidden
+    """Parameters of one decoder layer (q, k, v, o, the FFN and two norms); of a MoE model the
+    mean over its layers, every expert counted (:func:`moe.model_params` has total and active)."""
+    return (moe.model_params(m) - embedding_params(m)) // m.layers
 
 
 def model_bytes(m: ModelShape) -> int:
-    return (m.layers * layer_params(m) + embedding_params(m)) * m.dtype_bytes
+    """All weights (every expert)."""
+    return moe.model_params(m) * m.dtype_bytes
+
+
+@cache
+def stage_mix(m: ModelShape, pp: int) -> tuple[tuple[int, int], ...]:
+    """``(dense, sparse)`` decoder layers of each of ``pp`` stages (near-equal contiguous blocks,
+    as :func:`parallel.model.layouts.stage_of_layer` places them)."""
+    from reshard.parallel.model.layouts import stage_of_layer
+
+    mix = [[0, 0] for _ in range(pp)]
+    sparse = set(m.moe_layers)
+    for layer in range(m.layers):
+        mix[stage_of_layer(layer, m.layers, pp)][layer in sparse] += 1
+    return tuple(map(tuple, mix))
 
 
 def kv_heads_per_gpu(m: ModelShape, cfg: ParallelConfig) -> float:
@@ -124,10 +182,12 @@ def kv_bytes_per_token(m: ModelShape, cfg: ParallelConfig) -> float:
 
 
 def weight_bytes_per_gpu(m: ModelShape, cfg: ParallelConfig) -> float:
-    """Weights of the largest stage on one GPU (TP-split; SP replicas hold the whole stage)."""
-    layers = math.ceil(m.layers / cfg.pp) * layer_params(m)
+    """Weights of the largest stage on one GPU (TP-split, experts over :func:`moe.expert_shards`;
+    SP replicas hold the whole stage but Shift's experts)."""
+    dense, sparse = (moe.layer_weight_bytes(m, cfg, sparse=s) for s in (False, True))
+    layers = max(d * dense + s * sparse for d, s in stage_mix(m, cfg.pp))
     ends = embedding_params(m) if cfg.pp == 1 else m.vocab * m.hidden + m.hidden
-    return (layers + ends) * m.dtype_bytes / cfg.tp
+    return layers + ends * m.dtype_bytes / cfg.tp
 
 
 def kv_capacity_tokens(m: ModelShape, hw: Hardware, cfg: ParallelConfig) -> float:
@@ -142,6 +202,8 @@ def infeasible_reason(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seq_len:
         return f"tp*sp ({cfg.tp * cfg.sp}) exceeds the attention heads ({m.heads})"
     if cfg.pp > m.layers:
         return f"pp ({cfg.pp}) exceeds the layers ({m.layers})"
+    if moe.ep_infeasible_reason(m, cfg):
+        return moe.ep_infeasible_reason(m, cfg)
     need = weight_bytes_per_gpu(m, cfg)
     if need > hw.memory * (1 - MEMORY_RESERVE):
         return f"weights {need / 1e9:.1f} GB per GPU exceed {(1 - MEMORY_RESERVE) * hw.memory / 1e9:.1f} GB usable"
@@ -150,53 +212,43 @@ def infeasible_reason(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seq_len:
     return None
 
 
-# ---- communication ---------------------------------------------------------------------------------
-def all_reduce_time(hw: Hardware, nbytes: float, n: int) -> float:
-    """All-reduce of ``nbytes`` over ``n`` GPUs: the faster of a ring (``2(n-1)`` latency hops,
-    bandwidth-optimal) and a tree / one-shot (``2 log2 n`` hops, the whole message each way), as
-    NCCL and vLLM's custom all-reduce pick by message size."""
-    if n == 1:
-        return 0.0
-    lat, bw = hw.comm("all_reduce")
-    ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
-    tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(n)) * lat
-    return min(ring, tree)
-
-
-def all_to_all_time(hw: Hardware, nbytes: float, n: int) -> float:
-    """All-to-all of ``nbytes`` per GPU (the ``(n-1)/n`` not kept) over ``n`` GPUs: ``n-1``
-    pairwise messages, each paying the link latency."""
-    if n == 1:
-        return 0.0
-    lat, bw = hw.comm("all_to_all")
-    return (n - 1) / n * nbytes / bw + (n - 1) * lat
-
-
-def send_time(hw: Hardware, nbytes: float) -> float:
-    lat, bw = hw.comm("send")
-    return lat + nbytes / bw
-
-
 # ---- one layer, one stage --------------------------------------------------------------------------
-def roofline_time(hw: Hardware, flops: float, nbytes: float) -> float:
-    return max(flops / hw.flops, nbytes / hw.mem_bw)
-
-
 def layer_time(
-    m: ModelShape, hw: Hardware, cfg: ParallelConfig, *, tokens: float, attn_flops: float, attn_bytes: float
+    m: ModelShape,
+    hw: Hardware,
+    cfg: ParallelConfig,
+    *,
+    tokens: float,
+    attn_flops: float,
+    attn_bytes: float,
+    sparse: bool = False,
 ) -> float:
     """Seconds of one decoder layer on one GPU for ``tokens`` tokens of a replica's micro-batch;
-    ``attn_flops`` / ``attn_bytes`` are the whole attention's (split here over ``tp * sp``)."""
+    ``attn_flops`` / ``attn_bytes`` are the whole attention's (split here over ``tp * sp``). A MoE
+    layer (``sparse``): attention, router and shared expert as a dense layer's linears, plus the
+    routed experts (:func:`moe.expert_time`: distinct experts read, skew, all-to-all, all-gather)
+    and the FFN's all-reduces as the layout does them (:func:`moe.ffn_all_reduces`)."""
     shards, e = cfg.tp * cfg.sp, m.dtype_bytes
-    acts = tokens * (4 * m.hidden + m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * m.intermediate) * e
-    linear = roofline_time(hw, 2 * layer_params(m) * tokens / shards, layer_params(m) * e / cfg.tp + acts / shards)
+    params = moe.layer_params(m, sparse=sparse) - (m.experts * moe.expert_params(m) if sparse else 0)
+    width = m.shared_intermediate if sparse else m.intermediate  # the FFN every token runs
+    acts = tokens * (4 * m.hidden + m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * width) * e
+    linear = roofline_time(hw, 2 * params * tokens / shards, params * e / cfg.tp + acts / shards)
     attn = roofline_time(hw, attn_flops / shards, attn_bytes / shards)
-    comm = 2 * all_reduce_time(hw, tokens / cfg.sp * m.hidden * e, cfg.tp)
+    reduces = 1 + moe.ffn_all_reduces(m, cfg, sparse=sparse)  # attention's, the FFN's
+    comm = reduces * all_reduce_time(hw, tokens / cfg.sp * m.hidden * e, cfg.tp)
     qkv = tokens / cfg.sp * m.head_dim * (m.heads + 2 * m.kv_heads) / cfg.tp * e
     comm += all_to_all_time(hw, qkv, cfg.sp) + all_to_all_time(
         hw, tokens / cfg.sp * m.head_dim * m.heads / cfg.tp * e, cfg.sp
     )
-    return linear + attn + comm
+    return linear + attn + comm + (moe.expert_time(m, hw, cfg, tokens) if sparse else 0.0)
+
+
+def stage_layers_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, **layer: float) -> float:
+    """Seconds of the slowest stage's decoder layers (dense and MoE layers as the stage holds
+    them, :func:`stage_mix`); ``layer``: :func:`layer_time`'s keywords."""
+    dense = layer_time(m, hw, cfg, **layer)
+    sparse = layer_time(m, hw, cfg, **layer, sparse=True) if m.moe else 0.0
+    return max(d * dense + s * sparse for d, s in stage_mix(m, cfg.pp))
 
 
 def head_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, rows: float) -> float:
@@ -211,23 +263,23 @@ def prefill_stage_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seqs: f
     tokens = seqs * seq_len
     flops = 2 * seqs * seq_len**2 * m.heads * m.head_dim
     qkv_bytes = tokens * m.head_dim * (m.heads + 2 * m.kv_heads) * m.dtype_bytes
-    layer = layer_time(m, hw, cfg, tokens=tokens, attn_flops=flops, attn_bytes=qkv_bytes)
-    return _stage(m, hw, cfg, layer, tokens, head_rows=seqs)
+    layers = stage_layers_time(m, hw, cfg, tokens=tokens, attn_flops=flops, attn_bytes=qkv_bytes)
+    return _stage(m, hw, cfg, layers, tokens, head_rows=seqs)
 
 
 def decode_stage_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seqs: float, context: float) -> float:
     """One stage on a decode micro-batch of ``seqs`` sequences at ``context`` tokens (reads the KV)."""
     flops = 4 * seqs * context * m.heads * m.head_dim
     kv_read = 2 * seqs * context * m.kv_heads * m.head_dim * m.dtype_bytes * max(1.0, cfg.tp * cfg.sp / m.kv_heads)
-    layer = layer_time(m, hw, cfg, tokens=seqs, attn_flops=flops, attn_bytes=kv_read)
-    return _stage(m, hw, cfg, layer, seqs, head_rows=seqs)
+    layers = stage_layers_time(m, hw, cfg, tokens=seqs, attn_flops=flops, attn_bytes=kv_read)
+    return _stage(m, hw, cfg, layers, seqs, head_rows=seqs)
 
 
-def _stage(m: ModelShape, hw: Hardware, cfg: ParallelConfig, layer: float, tokens: float, head_rows: float) -> float:
-    """A stage's layers, the LM head on the last stage (the bottleneck stage), one send and the
-    per-step overhead (``hw.step_overhead``: launches and scheduling, paid per micro-batch)."""
+def _stage(m: ModelShape, hw: Hardware, cfg: ParallelConfig, layers: float, tokens: float, head_rows: float) -> float:
+    """A stage's ``layers`` seconds, the LM head on the last stage (the bottleneck stage), one send
+    and the per-step overhead (``hw.step_overhead``: launches and scheduling, paid per micro-batch)."""
     send = send_time(hw, tokens * m.hidden * m.dtype_bytes) if cfg.pp > 1 else 0.0
-    return math.ceil(m.layers / cfg.pp) * layer + head_time(m, hw, cfg, head_rows) + send + hw.step_overhead
+    return layers + head_time(m, hw, cfg, head_rows) + send + hw.step_overhead
 
 
 # ---- phases of one replica -------------------------------------------------------------------------
@@ -332,73 +384,10 @@ def decode_throughput(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workl
     return 0.0 if e is None or e.batch == 0 else e.batch * w.output_len / e.decode_s
 
 
-# ---- Seesaw transitions through the movement core -----------------------------------------------------
-def _param_kinds(m: ModelShape) -> list[tuple[tuple[int, ...], int | None, int]]:
-    """(shape, TP shard dim or None, count) of each decoder-layer parameter kind (TP as layers/ shards it)."""
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    return [
-        ((q, m.hidden), 0, 1),
-        ((kv, m.hidden), 0, 2),
-        ((m.hidden, q), 1, 1),
-        ((m.intermediate, m.hidden), 0, 2),
-        ((m.hidden, m.intermediate), 1, 1),
-        ((m.hidden,), None, 2),
-    ]
-
-
-def _layout(cfg: ParallelConfig, stage: int, shape: tuple[int, ...], dim: int | None, dtype: torch.dtype):
-    """The :class:`reshard.Layout` of a parameter of ``stage`` under ``cfg``: a (dp, tp) mesh of
-    the ascending (dp, pp, tp) grid, replicated over dp, ``Shard(dim)`` (or replicated) over tp."""
-    from reshard import Layout
-
-    grid = torch.arange(cfg.gpus).view(cfg.dp, cfg.pp, cfg.tp)[:, stage, :].tolist()  # (dp, tp) ranks
-    placements = (Replicate(), Shard(dim) if dim is not None else Replicate())
-    return Layout(tuple(tuple(r) for r in grid), placements, shape, dtype)
-
-
-@cache
-def _lower_bound(
-    a: ParallelConfig, sa: int, b: ParallelConfig, sb: int, shape: tuple[int, ...], dim: int | None, dtype: torch.dtype
-) -> int:
-    from reshard.plan import lower_bound_bytes
-
-    return lower_bound_bytes(_layout(a, sa, shape, dim, dtype), _layout(b, sb, shape, dim, dtype))
-
-
-@cache
-def transition_bytes(m: ModelShape, a: ParallelConfig, b: ParallelConfig) -> int:
-    """Bytes the movement core must move to re-shard the weights from ``a`` to ``b`` (its lower
-    bound, summed over receiving GPUs); layers grouped by their (stage in a, stage in b)."""
-    from reshard.parallel.model.layouts import stage_of_layer
-
-    if a.gpus != b.gpus or a.sp > 1 or b.sp > 1:
-        raise ValueError(
-            f"Seesaw transitions need two D/T/P layouts of the same GPUs, got {a.notation} -> {b.notation}"
-        )
-    dtype = _DTYPES[m.dtype_bytes]
-    groups: dict[tuple[int, int], int] = {}
-    for layer in range(m.layers):
-        key = (stage_of_layer(layer, m.layers, a.pp), stage_of_layer(layer, m.layers, b.pp))
-        groups[key] = groups.get(key, 0) + 1
-    total = sum(
-        n * count * _lower_bound(a, sa, b, sb, shape, dim, dtype)
-        for (sa, sb), n in groups.items()
-        for shape, dim, count in _param_kinds(m)
-    )
-    ends = [(0, 0), (a.pp - 1, b.pp - 1)]  # embedding with the first stage, LM head with the last
-    return total + sum(_lower_bound(a, sa, b, sb, (m.vocab, m.hidden), 0, dtype) for sa, sb in ends)
-
-
-def transition_time(m: ModelShape, hw: Hardware, a: ParallelConfig, b: ParallelConfig) -> float:
-    """Seconds to move :func:`transition_bytes`, spread evenly over every GPU's link (assumed)."""
-    nbytes = transition_bytes(m, a, b)
-    return 0.0 if nbytes == 0 else send_time(hw, nbytes / a.gpus)
-
-
 def rank_layouts(
     m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, max_batch: int | None = None
 ) -> list[Estimate]:
     """Every feasible static layout and Seesaw pair of ``num_gpus`` GPUs, best first."""
-    cands = configs(num_gpus)
+    cands = configs(num_gpus, experts=m.moe)
     out = [estimate(m, hw, a, b, w, max_batch=max_batch) for a in cands for b in cands]
     return sorted((e for e in out if e is not None and e.batch > 0), key=lambda e: -e.tokens_per_s)

@@ -29,10 +29,24 @@ def step_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, tokens: float) -
     return ttft(m, hw, cfg, tokens)
 
 
+def shift_full(base: ParallelConfig) -> ParallelConfig:
+    """Shift's full-TP mode over ``base``'s GPUs, the experts of a MoE model where ``base`` holds them."""
+    return ParallelConfig(tp=base.gpus, ep=base.ep, shift_ep=base.shift_ep)
+
+
+def shift_layouts(m: ModelShape, sp: int, num_gpus: int) -> tuple[ParallelConfig, ParallelConfig]:
+    """Shift's base ``S{sp}T{n/sp}`` and full TP ``T{n}`` over ``n = num_gpus`` GPUs, as the engine
+    runs them: on a MoE model as SP x EP, the experts over all ``n`` GPUs in both modes
+    (``S{sp}T{n/sp}E{n}`` and ``T{n}E{n}``, ``shift_ep``)."""
+    base = ParallelConfig(sp=sp, tp=num_gpus // sp, ep=num_gpus if m.moe else 1, shift_ep=m.moe)
+    return base, shift_full(base)
+
+
 def shift_base(m: ModelShape, hw: Hardware, num_gpus: int) -> ParallelConfig | None:
-    """Shift's base layout: the largest SP degree (x TP for the rest) whose replicated weights fit."""
+    """Shift's base layout (:func:`shift_layouts`): the largest SP degree (x TP for the rest) whose
+    weights fit, replicated over SP (a MoE model's experts: spread over all GPUs)."""
     for sp in sorted((2**i for i in range(1, num_gpus.bit_length())), reverse=True):
-        cfg = ParallelConfig(sp=sp, tp=num_gpus // sp)
+        cfg = shift_layouts(m, sp, num_gpus)[0]
         if infeasible_reason(m, hw, cfg, 1) is None:
             return cfg
     return None
@@ -41,7 +55,7 @@ def shift_base(m: ModelShape, hw: Hardware, num_gpus: int) -> ParallelConfig | N
 def shift_threshold(m: ModelShape, hw: Hardware, num_gpus: int, *, limit: int = 1 << 20) -> dict:
     """The smallest token count per step where the SP base beats full TP (``threshold`` None when
     SP never wins below ``limit`` tokens or no SP layout fits)."""
-    base, full = shift_base(m, hw, check_gpus(num_gpus)), ParallelConfig(tp=num_gpus)
+    base, full = shift_base(m, hw, check_gpus(num_gpus)), shift_layouts(m, 1, num_gpus)[1]
     if base is None:
         return {"threshold": None, "base": None, "shift": full.notation, "reason": "no SP layout fits"}
 
@@ -77,7 +91,10 @@ def sidp_times(m: ModelShape, hw: Hardware, replicas: int, batch: float) -> tupl
 
 
 def sidp_threshold(m: ModelShape, hw: Hardware, replicas: int, *, limit: int = 1 << 20) -> float | None:
-    """``b*``: the smallest batch per replica where CaS stops beating WaS (``None`` below ``limit``)."""
+    """``b*``: the smallest batch per replica where CaS stops beating WaS (``None`` below ``limit``,
+    and for a MoE model, whose expert owner pool is not modelled)."""
+    if m.moe:
+        return None
 
     def cas_slower(b: int) -> bool:
         was, cas = sidp_times(m, hw, replicas, b)

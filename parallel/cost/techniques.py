@@ -9,7 +9,10 @@ free links, subtracted).
 - **static / seesaw**: :func:`roofline.rank_layouts` (every D x T x P layout and pair).
 - **shift**: for each Ulysses base ``S{sp}T{n/sp}``, the engine switches per batch to full TP
   ``T{n}`` when that is faster (the token threshold), over one KV cache (Shift's invariance);
-  the second, full-TP copy of the weights takes its memory out of the KV room.
+  the second, full-TP copy of the weights takes its memory out of the KV room. A MoE model runs
+  as SP x EP (:func:`technique_models.shift_layouts`): its routed experts are spread over all
+  ``n`` GPUs in one layout both modes use, so the copy leaves them out and a switch moves none of
+  them (:func:`transitions.expert_switch_bytes`, in the row's note).
 - **sidp**: ``n`` data-parallel replicas with the FFN weights in an owner pool (each GPU holds
   ``1/n`` of every layer's FFN plus a two-layer prefetch buffer); per layer the FFN runs as
   weight-as-a-service or compute-as-a-service, whichever :func:`technique_models.sidp_times` says is faster.
@@ -23,10 +26,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from reshard.parallel.cost import moe
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.profiles import Hardware, ModelShape, Workload
 from reshard.parallel.cost.roofline import ParallelConfig
+from reshard.parallel.cost.transitions import expert_switch_bytes
 
 
 def rank_all(m: ModelShape, hw: Hardware, n: int, w: Workload, *, max_batch: int | None = None) -> list[dict]:
@@ -67,27 +72,38 @@ def _static_row(e: cost.Estimate, m: ModelShape, hw: Hardware, w: Workload, max_
 # ---- Shift --------------------------------------------------------------------------------------------
 def shift_rows(m: ModelShape, hw: Hardware, n: int, w: Workload, max_batch: int | None = None) -> list[dict]:
     """One row per Ulysses base ``S{sp}T{n/sp}`` that fits beside its full-TP weight copy."""
-    full = ParallelConfig(tp=n)
-    rows = []
+    rows, room = [], shift_room(m, hw, n)
     for sp in (2**i for i in range(1, n.bit_length())):
-        base = ParallelConfig(sp=sp, tp=n // sp)
-        copy_hw = dataclasses.replace(
-            hw, memory=hw.memory - cost.weight_bytes_per_gpu(m, full) / (1 - cost.MEMORY_RESERVE)
-        )
-        if cost.infeasible_reason(m, copy_hw, base, w.input_len + w.output_len):
+        base, full = models.shift_layouts(m, sp, n)
+        if cost.infeasible_reason(m, room, base, w.input_len + w.output_len):
             continue
-        times = [_shift_times(m, h, base, full, w, max_batch, copy_hw) for h in (hw, _free_links(hw))]
+        times = [_shift_times(m, h, base, full, w, max_batch, room) for h in (hw, _free_links(hw))]
         (b, pre, dec), (_, pre0, dec0) = times
         if b > 0:
             name = f"Shift {base.notation}|{full.notation}"
-            rows.append(_row(name, "shift", b, pre, dec, 0.0, pre + dec - pre0 - dec0, w, "second weight copy counted"))
+            rows.append(_row(name, "shift", b, pre, dec, 0.0, pre + dec - pre0 - dec0, w, _shift_note(m, base, full)))
     return rows
+
+
+def _shift_note(m: ModelShape, base: ParallelConfig, full: ParallelConfig) -> str:
+    """What the row counts of memory, and (MoE) the expert bytes a switch moves (the lower bound)."""
+    if not m.moe:
+        return "second weight copy counted"
+    moved = expert_switch_bytes(m, base, full)
+    return f"second copy of all but the experts counted; experts over all {base.gpus} GPUs, {moved} bytes at a switch"
+
+
+def shift_copy_bytes(m: ModelShape, n: int) -> float:
+    """Per GPU, Shift's full-TP weight copy over ``n`` GPUs: the full-TP layout's weights less a
+    MoE model's routed experts, which both modes share (SP x EP)."""
+    full = models.shift_layouts(m, 1, n)[1]
+    experts = len(m.moe_layers) * m.experts * moe.expert_params(m) * m.dtype_bytes / moe.expert_shards(full)
+    return cost.weight_bytes_per_gpu(m, full) - experts
 
 
 def shift_room(m: ModelShape, hw: Hardware, n: int) -> Hardware:
     """``hw`` with the memory of Shift's full-TP weight copy over ``n`` GPUs taken out."""
-    copy = cost.weight_bytes_per_gpu(m, ParallelConfig(tp=n))
-    return dataclasses.replace(hw, memory=hw.memory - copy / (1 - cost.MEMORY_RESERVE))
+    return dataclasses.replace(hw, memory=hw.memory - shift_copy_bytes(m, n) / (1 - cost.MEMORY_RESERVE))
 
 
 def _shift_times(m, hw, base, full, w, max_batch, room_hw) -> tuple[int, float, float]:
@@ -109,8 +125,9 @@ def sidp_weight_bytes(m: ModelShape, n: int) -> float:
 
 
 def sidp_row(m: ModelShape, hw: Hardware, n: int, w: Workload, max_batch: int | None = None) -> dict | None:
-    """``n`` replicas sharing an FFN owner pool (``None`` on one GPU or when it does not fit)."""
-    if n < 2:
+    """``n`` replicas sharing an FFN owner pool (``None`` on one GPU, when it does not fit, or for a
+    MoE model: an owner pool of experts is not modelled)."""
+    if n < 2 or m.moe:
         return None
     room = hw.memory * (1 - cost.MEMORY_RESERVE) - sidp_weight_bytes(m, n)
     one = ParallelConfig()
@@ -194,9 +211,9 @@ def _online_layouts(row: dict) -> tuple[ParallelConfig, ParallelConfig] | None:
     if row["kind"] == "static":
         cfg = cost.parse_notation(row["layout"])
         return cfg, cfg
-    if row["kind"] == "shift":  # "Shift S2T2|T4"
-        base, full = row["layout"].split()[1].split("|")
-        return cost.parse_notation(base), cost.parse_notation(full)
+    if row["kind"] == "shift":  # "Shift S2T2|T4", "Shift S2T4E8|T8E8"
+        base = cost.parse_notation(row["layout"].split()[1].split("|")[0])
+        return base, models.shift_full(base)
     return None
 
 

@@ -16,10 +16,18 @@ from dataclasses import dataclass
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
-from reshard.parallel.cost.papers import VLLM_MAX_NUM_SEQS, LayoutWinner, Measured, Ratio, StreamRow, Trend
+from reshard.parallel.cost.papers import (
+    VLLM_MAX_NUM_SEQS,
+    LayoutWinner,
+    Measured,
+    Ordering,
+    Ratio,
+    StreamRow,
+    Trend,
+)
 from reshard.parallel.cost.profiles import Hardware, hardware, model, workload
 from reshard.parallel.cost.roofline import Estimate, ParallelConfig, rank_layouts
-from reshard.parallel.cost.techniques import shift_room
+from reshard.parallel.cost.techniques import shift_room, shift_rows
 
 
 @dataclass(frozen=True)
@@ -232,3 +240,36 @@ def winners_in_order(points: list[dict]) -> list[str]:
         if not order or order[-1] != p["best_static"]:
             order.append(p["best_static"])
     return order
+
+
+def fig14_rates(row: Ordering, input_len: int, eff: Efficiency) -> dict[str, float]:
+    """Peak combined tokens/s (input + output) of DP (``D{n}``), TP (``T{n}``), SP (the paper's
+    base) and Shift at saturation on ``row``'s model, as :func:`predict_measured` (Shift: its base,
+    with the KV room its full-TP weight copy takes); SP and Shift run the base as the engine does,
+    SP x EP with the experts over all ``n`` GPUs (:func:`technique_models.shift_layouts`).
+    ``Shift switching``: the planner's Shift row, each phase in the faster of the base and full TP
+    (:func:`techniques.shift_rows`)."""
+    m, hw, n = model(row.model), eff.apply(hardware(row.hardware)), row.gpus
+    w = workload("constant", input_len=input_len, output_len=row.output_len, requests=100_000)
+    base, full = models.shift_layouts(m, cost.parse_notation(row.base).sp, n)
+    combined = (input_len + row.output_len) / row.output_len
+    layouts = {"DP": ParallelConfig(dp=n), "TP": ParallelConfig(tp=n), "SP": base, "Shift": base}
+    out = {}
+    for name, cfg in layouts.items():
+        e = cost.estimate(m, shift_room(m, hw, n) if name == "Shift" else hw, cfg, cfg, w)
+        out[name] = 0.0 if e is None else e.tokens_per_s * combined
+    switching = [r for r in shift_rows(m, hw, n, w) if r["layout"] == f"Shift {base.notation}|{full.notation}"]
+    out["Shift switching"] = switching[0]["tokens_per_s"] * combined if switching else 0.0
+    return out
+
+
+def fig14_agreement(rows: Sequence[Ordering], eff: Efficiency) -> list[dict]:
+    """Per :class:`Ordering` row and input length: the model's rates and whether ``above`` beats
+    every technique in ``below`` (``agrees``)."""
+    out = []
+    for row in rows:
+        for n in row.input_lens:
+            rates = fig14_rates(row, n, eff)
+            agrees = all(rates[row.above] > rates[b] for b in row.below)
+            out.append({"claim": row.key, "input_len": n, "rates": rates, "agrees": agrees})
+    return out
