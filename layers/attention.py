@@ -97,6 +97,9 @@ class PositionScheme:
         return q, k
 
 
+ROPE = PositionScheme()  # every family but Llama 4: RoPE on every layer
+
+
 def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
@@ -126,7 +129,7 @@ class ParallelAttention(Redistributable, nn.Module):
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
         sliding_window: int | Chunked | None = None,
-        position_scheme: PositionScheme = PositionScheme(),
+        position_scheme: PositionScheme = ROPE,
         placements: Sequence[Placement] = (Shard(0),),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -198,7 +201,10 @@ class ParallelAttention(Redistributable, nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
-        q, k = self.position_scheme.apply(q, k, position_embeddings, lambda: _positions(t, attn_context, cache, self))
+        given = kwargs.get("token_positions")  # (the engine's runner: this rank's tokens' positions)
+        q, k = self.position_scheme.apply(
+            q, k, position_embeddings, lambda: given if given is not None else _positions(t, attn_context, cache, self)
+        )
         if attn_context is not None:
             out = attn_context.attend(self.layer_idx, q, k, v, scaling=self.scaling, window=self.sliding_window)
         else:

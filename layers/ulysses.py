@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from reshard.kv import Chunked
 from reshard.layers._comm import all_gather, all_to_all
-from reshard.layers.attention import AttentionContext, ParallelAttention, PositionScheme, apply_rope
+from reshard.layers.attention import ROPE, AttentionContext, ParallelAttention, PositionScheme
 from reshard.layers.linear import ParallelLinear
 from reshard.layers.norm import RMSNorm
 
@@ -87,7 +88,8 @@ class UlyssesAttention(ParallelAttention):
         o_bias: bool = False,
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
-        sliding_window: int | None = None,
+        sliding_window: int | Chunked | None = None,
+        position_scheme: PositionScheme = ROPE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -97,7 +99,7 @@ class UlyssesAttention(ParallelAttention):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_idx = layer_idx
-        self.sliding_window, self.position_scheme = sliding_window, PositionScheme()  # (Llama's RoPE)
+        self.sliding_window, self.position_scheme = sliding_window, position_scheme
         self.scaling = head_dim**-0.5
         self.meshes = meshes
         kw = dict(mesh=meshes.base, dtype=dtype, device=device)
@@ -155,11 +157,15 @@ class UlyssesAttention(ParallelAttention):
     ) -> tuple[torch.Tensor, None]:
         if not sequence_parallel:
             return super().forward(
-                hidden_states, position_embeddings, attention_mask, past_key_values, attn_context=attn_context
+                hidden_states, position_embeddings, attention_mask, past_key_values, attn_context=attn_context, **kwargs
             )
-        return self._forward_sp(hidden_states, position_embeddings, attn_context), None
+        return self._forward_sp(hidden_states, position_embeddings, attn_context, kwargs.get("token_positions")), None
 
-    def _forward_sp(self, x: torch.Tensor, position_embeddings, ctx: AttentionContext | None) -> torch.Tensor:
+    def _forward_sp(
+        self, x: torch.Tensor, position_embeddings, ctx: AttentionContext | None, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``positions``: this rank's tokens' (the runner's split of the step), for the position
+        scheme's query temperature; RoPE comes in ``position_embeddings``, already split."""
         b, t, _ = x.shape  # (1, N / sp, D): this rank's tokens
         assert b == 1, "SP mode runs on the flattened token batch (1, N, D)"
         q = self.q_proj(x).view(b, t, -1, self.head_dim)  # (1, Nl, Hq / tp, hd)
@@ -167,7 +173,7 @@ class UlyssesAttention(ParallelAttention):
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, position_embeddings)
+        q, k = self.position_scheme.apply(q, k, position_embeddings, lambda: positions)
         q, k, v = self._to_head_parallel(q[0], k[0], v[0])  # (N_pad, heads of my block, hd)
         n = int(ctx.positions.numel()) if ctx is not None else q.shape[0]
         if ctx is not None:

@@ -123,7 +123,8 @@ def test_ep2_x_tp2_ep4_dp_attention_x_ep4_dejavu_and_shift_on_four_ranks_equal_h
         assert per_family == [[e, e, e] for e in expected]  # (3 prompts on DP4: a replica idles)
     path = moe["qwen2_moe"]  # DejaVu: EP2 prompts, TP2 tokens; Shift SP2 x TP2, experts over the 4 ranks
     assert dist_harness.run(4, _dejavu_sides, path, 2, 1) == [expected[FAMILIES.index("qwen2_moe")]] * 4
-    assert dist_harness.run(4, _shift, path) == [(expected[FAMILIES.index("qwen2_moe")], 0)] * 4
+    for family in ("qwen2_moe", "llama4_text"):  # (Llama 4: its NoPE / chunked layers under Ulysses SP)
+        assert dist_harness.run(4, _shift, moe[family]) == [(expected[FAMILIES.index(family)], 0)] * 4
 
 
 def _shift(path: str) -> tuple[list[list[int]], int]:

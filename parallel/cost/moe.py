@@ -21,14 +21,15 @@ Expert parallelism (``ParallelConfig.ep``), as the engine runs it (``parallel.mo
   expert tensor parallel over ``tp / ep``; attention stays TP, every rank holds the group's tokens
   and the one all-reduce TP already pays sums the partial outputs, so no extra communication;
 - data-parallel attention (``ep == dp``, ``tp = pp = sp = 1``): each replica attends over its own
-  requests, the replicas' experts are one pool, and each MoE layer sends every (token, expert)
-  token to each rank holding one of its experts, once, and a summed row back, by all-to-all
+  requests, the replicas' experts are one pool, and each MoE layer sends every token to each
+  rank holding one of its experts, once, and a summed row back, by all-to-all
   (:func:`all_to_all_bytes_per_token`: about ``2 * hidden * dtype_bytes`` per other rank reached),
   costed as every all-to-all;
 - Shift's SP x EP (``shift_ep``, ``ep = sp * tp``; ``parallel.strategies.shift``): whole experts
   over all ``sp * tp`` GPUs, one layout for both modes (no full-TP copy of them, 0 bytes moved at a
   switch). Each GPU dispatches its ``1/ep`` share of the tokens it holds with its peers by
-  all-to-all over all ``ep`` GPUs (the same bytes per dispatched token), then the outputs are all-gathered over the GPUs holding the same tokens: the
+  all-to-all over all ``ep`` GPUs (the same bytes per dispatched token),
+  then the outputs are all-gathered over the GPUs holding the same tokens: the
   ``tp`` ranks of its sp shard in SP mode (``tokens / sp`` rows), all ``ep`` in full TP (all
   ``tokens``). This all-gather replaces the FFN's all-reduce; a shared expert, full TP like a
   dense FFN, keeps its own (:func:`ffn_all_reduces`).

@@ -378,7 +378,7 @@ class ModelRunner:
     def _layers(
         self, h: torch.Tensor, emb, pos: torch.Tensor, ctx: AttentionContext, hooks: LayerHooks | None
     ) -> torch.Tensor:
-        kw = dict(position_embeddings=emb, position_ids=pos, attn_context=ctx)
+        kw = dict(position_embeddings=emb, position_ids=pos, attn_context=ctx, token_positions=pos[0])
         if self.split is not None:
             kw["sequence_parallel"] = True
         if hooks is None:  # the fast path: nothing per layer

@@ -26,7 +26,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from reshard.layers.attention import PositionScheme
 from reshard.layers.moe import feed_forward
 from reshard.layers.ulysses import SHIFT_WEIGHTS, ShiftMeshes, UlyssesAttention
 from reshard.mesh import cached_mesh
@@ -65,11 +64,6 @@ class ShiftAttentionStyle:
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         cfg = ctx.config
-        if position_scheme(cfg, ctx.layer_idx) != PositionScheme():
-            raise ValueError(
-                f"strategy shift: {cfg.model_type}'s attention (NoPE layers, L2 q/k norm) is not built into "
-                "Ulysses attention yet; run it with strategy tp, seesaw or dejavu"
-            )
         return UlyssesAttention(
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -82,6 +76,7 @@ class ShiftAttentionStyle:
             qk_norm=hasattr(module, "q_norm"),
             rms_norm_eps=cfg.rms_norm_eps,
             sliding_window=_sliding_window(module, cfg, ctx.layer_idx),
+            position_scheme=position_scheme(cfg, ctx.layer_idx),
             **ctx.kw,
         )
 
@@ -94,6 +89,7 @@ def shift_plan() -> dict[str, ParallelStyle]:
         "model.embed_tokens": VocabParallel(BASE),
         "model.layers.*.self_attn": ShiftAttentionStyle(),
         "model.layers.*.mlp": FFNParallel(BASE),
+        "model.layers.*.feed_forward": FFNParallel(BASE),  # (Llama 4's name)
         "model.layers.*.input_layernorm": ReplicatedNorm(),
         "model.layers.*.post_attention_layernorm": ReplicatedNorm(),
         "model.norm": ReplicatedNorm(),
