@@ -172,7 +172,7 @@ def _a2a_bytes(block, x: torch.Tensor) -> tuple[int, int]:
 
 def _print_steps(rows: list, world: int) -> None:
     print(f"MoE block, {world} ranks: {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, expert inter {INTER}")
-    print("TP / EP: the tp group's tokens on every rank, one all-reduce (bytes: its payload, summed over ranks; no bound);")
+    print("TP / EP: the tp group's tokens on every rank, one all-reduce (bytes: its payload, summed over ranks)")
     print("DPxEP: each rank its tokens/world own tokens, all-to-all dispatch (bytes: sent by all ranks)")
     print(f"{'layout':>7} {'tokens':>7} {'ms':>8} {'comm bytes':>11} {'lower bound':>12} {'ratio':>6}")
     for layout, tokens, s, sent, lower in rows:

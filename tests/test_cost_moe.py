@@ -121,7 +121,9 @@ def test_expert_parallel_memory_divides_the_experts_over_ep():
 def test_all_to_all_bytes_per_token_and_their_time_over_the_link():
     m = MODELS["qwen3-30b-a3b"]
     ranks = 8 * (1 - (7 / 8) ** 8)  # distinct ranks a token's 8 uniform choices reach: 5.25
-    assert moe.all_to_all_bytes_per_token(m, 8) == pytest.approx(2 * 2048 * 2 * ranks * 7 / 8) == pytest.approx(37640.09)
+    assert (
+        moe.all_to_all_bytes_per_token(m, 8) == pytest.approx(2 * 2048 * 2 * ranks * 7 / 8) == pytest.approx(37640.09)
+    )
     assert moe.all_to_all_bytes_per_token(m, 1) == 0
     free = dataclasses.replace(H200, link_bw=math.inf, link_latency=0.0)
     d8e8, tokens = parse_notation("D8E8"), 64
@@ -192,7 +194,8 @@ def test_shift_holds_a_moe_models_experts_once_over_all_gpus_and_copies_the_rest
 
 def test_shift_moe_time_is_the_routed_share_plus_all_to_all_and_all_gather():
     """Each GPU runs 1/8 of the routed rows (times the skew) and dispatches 1/8 of the step's
-    tokens by all-to-all, once to each GPU holding one of its experts and one row back; the outputs are all-gathered over tp (SP mode, the sp
+    tokens by all-to-all, once to each GPU holding one of its experts and one row back; the
+    outputs are all-gathered over tp (SP mode, the sp
     shard's rows) or over all 8 GPUs (full TP); only a shared expert keeps an all-reduce."""
     m, tokens, e, k = MODELS["qwen3-30b-a3b"], 512, 2, 8
     base, full = models.shift_layouts(m, 2, 8)
