@@ -12,7 +12,7 @@ same submodule names, state-dict keys and forward signature. Two ways to run it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +53,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, emb) -> tuple[torch.Tensor, torch.Tensor]:
+RotaryEmbedding = tuple[torch.Tensor, torch.Tensor] | torch.Tensor  # (cos, sin), or Llama 4's complex freqs
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``(B, T, H, hd)`` q/k, with HF's arithmetic for the rotary module's output ``emb``:
     ``(cos, sin)`` each ``(B, T, hd)`` (Llama's rotate-half), or a complex ``freqs_cis (B, T, hd/2)``
     (Llama 4's, over interleaved pairs of the head dimension)."""
@@ -84,8 +87,11 @@ class PositionScheme:
     eps: float = 1e-6
     temperature: tuple[float, float] | None = None
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, emb, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``/``k (B, T, H, hd)``; ``positions()``: each token's position, ``(T,)``."""
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, emb: RotaryEmbedding, positions: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``/``k (B, T, H, hd)``; ``positions()``: each token's position, ``(T,)`` (called
+        only where the temperature needs it)."""
         if self.rope:
             q, k = apply_rope(q, k, emb)
         if self.l2_norm:
@@ -101,6 +107,7 @@ ROPE = PositionScheme()  # every family but Llama 4: RoPE on every layer
 
 
 def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's ``Llama4TextL2Norm``: ``x / rms(x)`` over the head dim in fp32, no weight."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 

@@ -9,9 +9,10 @@ attention). The weight source of the forward selects the mode, as for the dense 
   every token runs here (no activation moves). The gather of the next MoE layer is started when a
   layer's forward starts (on a process group of its own), so it runs under this layer's compute
   and the next attention: a prefetch one layer deep, two slots.
-- **CaS** (:data:`CAS`): each (token, expert) pair travels to its expert's owner by one all-to-all
-  with exact splits; the owner runs every rank's rows for its experts in one grouped GEMM and
-  sends them back (:meth:`GroupedExperts.dispatched`). A rank with no rows sends nothing.
+- **CaS** (:data:`CAS`): each token travels once to each owner of one of its experts by one
+  all-to-all with exact splits; the owner runs every rank's rows for its experts in one grouped
+  GEMM and sends back one summed row per token (:meth:`GroupedExperts.dispatched`). A rank with no
+  rows sends nothing.
 
 Every rank runs every MoE layer of every step in order (a rank without sequences through
 :meth:`PooledMoE.idle`), so the gathers and all-to-alls pair up.
@@ -45,7 +46,8 @@ class ExpertPool:
 
     def __init__(self, blocks: list[SparseMoE], ranks: list[int]) -> None:
         for block in blocks:
-            assert block.dispatch and block.experts.gate_proj.device_mesh.size(0) == len(ranks), "experts over ranks"
+            mesh = block.experts.gate_proj.device_mesh
+            assert block.dispatch and mesh.mesh.flatten().tolist() == list(ranks), "experts Shard(0) over the ranks"
         self.blocks, self.ranks = blocks, list(ranks)
         self.group = cached_group(self.ranks, purpose="sidp-experts")
         self.pending: dict[int, list[torch.Tensor]] = {}  # layer -> its gather in flight
@@ -66,7 +68,13 @@ class ExpertPool:
 
     def gathered(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """MoE layer ``k``'s experts whole, ``gate`` / ``up (E, I, D)``, ``down (E, D, I)``: waits
-        for its gather (started here if it was not) and starts layer ``k + 1``'s."""
+        for its gather (started here if it was not) and starts layer ``k + 1``'s. Layer 0 starts a
+        step: a gather left in flight by a step that failed part-way is waited for and dropped."""
+        if k == 0:
+            for stale in self.pending.values():
+                for t in stale:
+                    funcol.wait_tensor(t)
+            self.pending.clear()
         if k not in self.pending:
             self.pending[k] = self._start(k)
         elif k:

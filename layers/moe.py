@@ -99,7 +99,10 @@ class GroupedExperts(nn.Module):
         super().__init__()
         assert mesh.ndim == 2, f"experts live on an (ep, etp) mesh, got {mesh.ndim} axes"
         if num_experts % mesh.size(0) != 0:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by parallel.ep ({mesh.size(0)})")
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the ranks the experts are spread over "
+                f"({mesh.size(0)}: parallel.ep; sp * tp under Shift; dp under SiDP)"
+            )
         kw = dict(dtype=dtype, device=device)
         shape_in = (num_experts, intermediate_size, hidden_size)
         shape_out = (num_experts, hidden_size, intermediate_size)
@@ -140,6 +143,7 @@ class GroupedExperts(nn.Module):
         weighted outputs of its experts and sends the one row back by the reverse all-to-all
         (the lower bound: one hidden row each way per (token, rank) pair). Returns ``(T, D)``."""
         mesh = self.gate_proj.device_mesh
+        assert mesh.size(1) == 1, f"dispatched experts are whole on their rank, not split over {mesh.size(1)}"
         ep, per = mesh.size(0), self.num_experts // mesh.size(0)
         dest = experts // per  # (T, k) the rank holding each choice
         hit = torch.zeros(x.shape[0], ep, dtype=torch.bool, device=x.device).scatter_(1, dest, True)  # (T, ep)

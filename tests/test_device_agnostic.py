@@ -71,6 +71,9 @@ ALLOWED: dict[str, str] = {
     ),
     "reshard.mesh:rank_tensor": "rank grids are host metadata: DeviceMesh keeps its ranks on the CPU",
     "reshard.layout:Layout._strided_range": "a layout is a pure description: its index math runs on the host",
+    "reshard.parallel.cost.transitions:_layout": (
+        "the cost model plans transitions between layouts of GPUs it does not have: their rank grids are host metadata"
+    ),
     "reshard.kv.context:AttentionContext.build": (
         "a prefill's index math runs on the host from Python lists (no device sync for its sizes); "
         "every tensor it returns is moved to the cache's device"

@@ -109,8 +109,8 @@ def test_tp2_and_ep2_equal_hf_greedy_and_one_rank_sampled(moe, hf_reference, fam
     expected, sampled = hf_reference(moe[family], PROMPTS, NEW), _tokens(moe[family], 1, 1, sampled=True)
     for per_layout in dist_harness.run(2, _ranks, moe[family], [(2, 1), (2, 2), (1, 2)]):
         assert per_layout == [expected, expected, expected]  # TP2, EP2, DP-attention x EP2
-    for per_layout in dist_harness.run(2, _ranks, moe[family], [(2, 2)], sampled=True):
-        assert per_layout == [sampled]
+    for per_layout in dist_harness.run(2, _ranks, moe[family], [(2, 2), (1, 2)], sampled=True):
+        assert per_layout == [sampled, sampled]  # EP2, DP-attention x EP2
 
 
 def _families(paths: list[str], layouts: list[tuple[int, int]]) -> list[list[list[list[int]]]]:
@@ -138,7 +138,8 @@ def _shift(path: str) -> tuple[list[list[int]], int]:
 
 
 def test_a_skewed_routing_drops_no_token(skewed, hf_reference):
-    """Every token's experts on rank 1 (EP2): the tokens are still HF's (no capacity, no drop)."""
+    """Most tokens' experts on rank 1 (EP2, and data-parallel attention x EP2 where the all-to-alls'
+    splits are uneven): the tokens are still HF's (no capacity, no drop)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(skewed, dtype=torch.float32).eval()
@@ -146,8 +147,8 @@ def test_a_skewed_routing_drops_no_token(skewed, hf_reference):
         _, _, chosen = hf.model.layers[1].mlp.gate(hf.model.embed_tokens(torch.tensor(PROMPTS[0])))
     assert (chosen >= 4).float().mean() > 0.75  # the skew holds: most choices are rank 1's experts
     expected = hf_reference(skewed, PROMPTS, NEW)
-    for per_layout in dist_harness.run(2, _ranks, skewed, [(2, 2)]):
-        assert per_layout == [expected]
+    for per_layout in dist_harness.run(2, _ranks, skewed, [(2, 2), (1, 2)]):
+        assert per_layout == [expected, expected]  # EP2 in the tp group; DP-attention x EP2: uneven all-to-alls
 
 
 def test_a_missing_or_misshapen_expert_is_refused_by_name(moe, tmp_path):
@@ -182,13 +183,18 @@ def _strategies(path: str) -> dict[str, list | str]:
     from reshard.layers.weights import weight_copies
 
     out = {}
-    layouts = [("pp2", dict(strategy="tp", pp=2)), ("seesaw", {}), ("dejavu", {}), ("shift", dict(threshold=4))]
+    from reshard.parallel.strategies.seesaw.strategy import LayoutConfig
+
+    ep_to_tp = dict(strategy="seesaw", prefill=LayoutConfig(tp=2, ep=2), decode=LayoutConfig(tp=2))
+    layouts = [("pp2", dict(strategy="tp", pp=2)), ("seesaw", {}), ("seesaw_ep", ep_to_tp), ("dejavu", {})]
+    layouts.append(("shift", dict(threshold=4)))
+    layouts.append(("dp_ep_microbatches", dict(strategy="tp", tp=1, ep=2, num_microbatches=2)))
     for name, keys in layouts + [("sidp", dict(threshold=1.0))]:
         try:
             with LLM(path, strategy=keys.pop("strategy", name), max_seq_len=64, **keys) as llm:
                 out[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
-                if name == "seesaw":  # its transitions' weight bytes (experts included) and their lower bound
-                    out["moves"] = [(h.bytes, h.lower_bound_bytes) for h in llm.engine.policy.switch.history]
+                if name.startswith("seesaw"):  # its transitions' weight bytes (experts included), their lower bound
+                    out[f"{name}_moves"] = [(h.bytes, h.lower_bound_bytes) for h in llm.engine.policy.switch.history]
                 if name == "shift":  # its modes, bytes at switches, the KV storage seen, the full-TP copies
                     stats = llm.engine.stats
                     out["shift_stats"] = (stats.steps_by_mode, stats.switch_bytes, stats.kv_storage)
@@ -200,16 +206,21 @@ def _strategies(path: str) -> dict[str, list | str]:
 
 def test_pipeline_seesaw_dejavu_shift_sp_x_ep_and_sidp_run_moe(moe, hf_reference):
     """Pipeline stages, Seesaw (P2 prefill, T2 decode) and DejaVu's sides load the experts like the
-    tp plan: tokens equal HF; Seesaw's transitions move the expert tensors with the rest at the
-    lower bound. Shift SP x EP (SP2 prefill, TP2 decode, experts over both ranks in one layout):
+    tp plan: tokens equal HF; Seesaw's transitions (P2 prefill <-> T2 decode, and EP2 prefill:
+    whole experts per rank <-> T2 decode: every expert split) move the expert tensors with the rest
+    at the lower bound. Shift SP x EP (SP2 prefill, TP2 decode, experts over both ranks in one layout):
     tokens equal HF, 0 bytes at the switch, one KV storage, and no expert has a full-TP copy
     (only the dense layer 0's FFN and the attention do). SiDP with its expert pool (the dense layer
-    0 replicated): tokens equal HF."""
+    0 replicated): tokens equal HF. Micro-batches with the experts over the replicas (each replica
+    would split its tokens its own way, unpairing the all-to-alls): one line, not a hang."""
     path = moe["qwen3_moe"]
     expected = hf_reference(path, PROMPTS, NEW)
     for out in dist_harness.run(2, _strategies, path):
-        assert out["pp2"] == out["seesaw"] == out["dejavu"] == out["shift"] == out["sidp"] == expected
-        assert out["moves"] and all(moved == lower > 0 for moved, lower in out["moves"]), out["moves"]
+        assert (
+            out["pp2"] == out["seesaw"] == out["seesaw_ep"] == out["dejavu"] == out["shift"] == out["sidp"] == expected
+        )
+        for moves in (out["seesaw_moves"], out["seesaw_ep_moves"]):
+            assert moves and all(moved == lower > 0 for moved, lower in moves), moves
         steps, switch_bytes, kv_seen = out["shift_stats"]
         assert (
             steps["sp"] > 0
@@ -218,6 +229,7 @@ def test_pipeline_seesaw_dejavu_shift_sp_x_ep_and_sidp_run_moe(moe, hf_reference
             and kv_seen
             and kv_seen.count(kv_seen[0]) == len(kv_seen)
         )
+        assert out["dp_ep_microbatches"].startswith("engine.num_microbatches (2) must be 1 with the experts over the")
         assert out["shift_copies"] and not [k for k in out["shift_copies"] if "experts" in k or "layers.1.mlp" in k]
         assert any(k.startswith("model.layers.0.mlp.") for k in out["shift_copies"]), out["shift_copies"]
 
@@ -356,3 +368,29 @@ def test_sidp_expert_pool_runs_was_cas_and_auto_with_tokens_equal_hf(moe, hf_ref
             assert c["prefetched"] == steps["was"] * (r["layers"] - 1)
         assert out["was"]["summary"]["mode_steps"]["cas"] == out["cas"]["summary"]["mode_steps"]["was"] == 0
         assert out["auto"]["summary"]["mode_switches"] >= 1 and min(out["auto"]["summary"]["mode_steps"].values()) > 0
+
+
+def test_llama4_attention_equals_hf_at_every_position_and_each_of_its_variants_matters(moe):
+    """Prompt logits of a 20-token prompt through Llama 4 (layer 0: RoPE over interleaved pairs,
+    chunks of 8, so two chunk boundaries, and the L2 q/k norm; layer 1: NoPE, its queries' temperature
+    above 1 from position 3) equal HF's forward; without the chunking, the temperature or the L2
+    norm they do not (each variant is exercised, not only matched)."""
+    from transformers import AutoModelForCausalLM
+
+    from reshard import LLM
+    from reshard.layers.attention import PositionScheme
+
+    path, prompt = moe["llama4_text"], list(range(30, 50))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    with LLM(path, max_seq_len=64) as llm:
+        torch.testing.assert_close(llm.engine.prompt_logits([prompt])[0], want, atol=1e-4, rtol=1e-4)
+        first, nope = (layer.self_attn for layer in llm.engine.model.model.layers)
+        variants = [(first, "sliding_window", None), (nope, "position_scheme", PositionScheme(rope=False))]
+        for attn, field, value in [*variants, (first, "position_scheme", PositionScheme())]:
+            kept = getattr(attn, field)
+            setattr(attn, field, value)
+            changed = llm.engine.prompt_logits([prompt])[0]
+            setattr(attn, field, kept)
+            assert (changed - want).abs().max() > 1e-3, (field, value)

@@ -139,3 +139,13 @@ def seeded(requests: Seq[Request], seed: int | None, group: dist.ProcessGroup | 
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             seed = all_gather_objects(seed, group)[0]
     return resolve_seeds(requests, seed) if needs_seed(requests) else list(requests)
+
+
+def check_one_microbatch(config) -> None:
+    """Experts over the replicas pair every replica's MoE collectives, one forward per step each:
+    ``ValueError`` for micro-batches (each replica would split its own tokens its own way)."""
+    if config.num_microbatches not in (None, 1):
+        raise ValueError(
+            f"engine.num_microbatches ({config.num_microbatches}) must be 1 with the experts over the replicas "
+            "(data-parallel attention x EP, SiDP's expert pool): every replica runs one forward per step"
+        )

@@ -112,7 +112,7 @@ def position_scheme(cfg, layer_idx: int) -> PositionScheme:
         return PositionScheme()
     rope = bool(cfg.no_rope_layers[layer_idx])
     temperature = (cfg.attn_scale, cfg.floor_scale) if cfg.attn_temperature_tuning and not rope else None
-    return PositionScheme(rope, rope and cfg.use_qk_norm, cfg.rms_norm_eps, temperature)
+    return PositionScheme(rope=rope, l2_norm=rope and cfg.use_qk_norm, eps=cfg.rms_norm_eps, temperature=temperature)
 
 
 def kv_head_mesh(dims: ParallelDims, num_kv_heads: int, tp_mesh: DeviceMesh | None = None) -> DeviceMesh:
@@ -156,13 +156,16 @@ def tp_view(dims: ParallelDims, outer: int, names: tuple[str, str], tp_mesh: Dev
 @dataclass(frozen=True)
 class FFNParallel:
     """gate/up colwise, down rowwise: ``placements`` per axis of the module's mesh (default Shard(0)
-    over tp; ``Replicate()`` on an axis keeps the weights whole along it)."""
+    over tp; ``Replicate()`` on an axis keeps the weights whole along it). A sparse MoE block's
+    experts: ``experts="tp"`` on the tp group's ``(ep, etp)`` view (:func:`expert_mesh`),
+    ``"shift"`` over every rank of Shift's ``(sp, tp)`` base mesh (:func:`shift_token_replicas`)."""
 
     placements: tuple[Placement, ...] = TP
+    experts: str = "tp"
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         if hasattr(module, "experts"):  # a sparse MoE block (HF's, of any family)
-            return _moe(module, ctx, self.placements)
+            return _moe(module, ctx, self.placements, shift=self.experts == "shift")
         return SwiGLUMLP(
             module.gate_proj.in_features,
             module.gate_proj.out_features,
@@ -174,20 +177,14 @@ class FFNParallel:
         )
 
 
-def _moe(module: nn.Module, ctx: BuildContext, placements: tuple[Placement, ...] = TP) -> SparseMoE:
+def _moe(module: nn.Module, ctx: BuildContext, placements: tuple[Placement, ...], *, shift: bool) -> SparseMoE:
     """HF's sparse MoE block as :class:`SparseMoE` on the module's mesh: the router and the shared
-    expert's gate replicated, the shared expert an FFN of ``placements``. On a tp group: experts on
-    its ``(ep, etp)`` view (:func:`expert_mesh`). On Shift's ``(sp, tp)`` base mesh: experts over
-    all its ranks, tokens dispatched by all-to-all in both modes (:func:`shift_token_replicas`)."""
-    cfg, mesh = ctx.config, ctx.mesh
-    llama4 = hasattr(module, "router")  # Llama 4: sigmoid top-k router, experts scale their input
-    router = module.router if llama4 else module.gate
+    expert's gate replicated, the shared expert an FFN of ``placements``; the experts on the tp
+    group's ``(ep, etp)`` view, or (``shift``) over all ranks of Shift's base mesh with the tokens
+    dispatched by all-to-all in both modes. Llama 4's routing weight scales the expert's input."""
+    cfg, mesh, llama4 = ctx.config, ctx.mesh, ctx.config.model_type == "llama4_text"
     num_experts, hidden, intermediate = expert_shape(module.experts.gate_up_proj, llama4)
-    gate = TopKGate(
-        hidden, num_experts, router.top_k, mesh=mesh, renormalize=getattr(router, "norm_topk_prob", True),
-        cast_back=llama4 or hasattr(router, "norm_topk_prob"), scoring="sigmoid" if llama4 else "softmax", **ctx.kw,
-    )  # fmt: skip
-    shift = mesh.ndim == 2  # Shift's (sp, tp) base mesh
+    gate = _router(module, num_experts, hidden, mesh, ctx, llama4)
     experts = GroupedExperts(
         num_experts, hidden, intermediate, mesh=_shift_experts(mesh) if shift else expert_mesh(ctx.dims, mesh),
         hidden_act=cfg.hidden_act, scale_input=llama4, **ctx.kw,
@@ -201,12 +198,28 @@ def _moe(module: nn.Module, ctx: BuildContext, placements: tuple[Placement, ...]
     shared = getattr(module, "shared_expert", None)
     if shared is None:
         return SparseMoE(gate, experts, mesh, **kw)
-    mlp_kw = dict(mesh=mesh, hidden_act=cfg.hidden_act, placements=placements, **ctx.kw)
-    mlp = SwiGLUMLP(hidden, shared.gate_proj.out_features, **mlp_kw)
-    gated = (
-        None if llama4 else ParallelLinear(hidden, 1, False, mesh=mesh, placements=(Replicate(),) * mesh.ndim, **ctx.kw)
+    mlp = SwiGLUMLP(
+        hidden, shared.gate_proj.out_features, mesh=mesh, hidden_act=cfg.hidden_act, placements=placements, **ctx.kw
     )
+    whole = (Replicate(),) * mesh.ndim
+    gated = None if llama4 else ParallelLinear(hidden, 1, False, mesh=mesh, placements=whole, **ctx.kw)
     return SparseMoE(gate, experts, mesh, mlp, gated, **kw)
+
+
+def _router(module: nn.Module, num_experts: int, hidden: int, mesh: DeviceMesh, ctx: BuildContext, llama4: bool):
+    """The block's :class:`TopKGate`, replicated: Qwen's and Mixtral's softmax routers (``gate``;
+    ``norm_topk_prob``, Mixtral always renormalizing in fp32), Llama 4's sigmoid one (``router``)."""
+    router = module.router if llama4 else module.gate
+    return TopKGate(
+        hidden,
+        num_experts,
+        router.top_k,
+        mesh=mesh,
+        renormalize=getattr(router, "norm_topk_prob", True),
+        cast_back=llama4 or hasattr(router, "norm_topk_prob"),
+        scoring="sigmoid" if llama4 else "softmax",
+        **ctx.kw,
+    )
 
 
 def _shift_experts(base: DeviceMesh) -> DeviceMesh:

@@ -20,8 +20,9 @@ from reshard.sync import WeightSync
 def train_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: parameter}`` with tied parameters under each of their names, and transformers'
     fused experts split as our layers hold them (:func:`split_fused`)."""
-    transposed = experts_transposed(model.config) if hasattr(model, "config") else False
-    params = model.named_parameters(remove_duplicate=False)
+    params = list(model.named_parameters(remove_duplicate=False))
+    hf_fused = any(name.endswith(".experts.gate_up_proj") for name, _ in params)  # (not a model of our layers)
+    transposed = hf_fused and hasattr(model, "config") and experts_transposed(model.config)
     return dict(pair for name, t in params for pair in split_fused(name, t, transposed))
 
 

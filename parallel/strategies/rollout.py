@@ -161,6 +161,8 @@ def rollout_model(
     replicas; a MoE model's experts over ``ep`` groups) or ``"shift"`` (Shift parallelism, ``sp``
     x rest), in ``dtype`` (default the checkpoint's). Built on every rank of the job (collective);
     ranks outside ``ranks`` hold empty shards."""
+    if ep != 1 and layout != "tp":
+        raise ValueError(f"ep ({ep}) is the tp rollout layout's expert parallelism; layout {layout!r} has none")
     strategy = rollout_strategy(layout, tp=tp, sp=sp, pp=pp, ep=ep)
     config = EngineConfig(dtype=None if dtype is None else str(dtype).removeprefix("torch."))
     return strategy.build_model(path, rollout_dims(strategy, ranks), config)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from reshard.parallel.engine import Engine, EngineConfig, Strategy, register_strategy
+from reshard.parallel.engine.checks import check_one_microbatch
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.pipeline import build_model
@@ -64,5 +65,6 @@ class TPStrategy(Strategy):
         ``config.num_microbatches`` says otherwise; data-parallel attention with experts over the
         replicas: the replicas step in lockstep, their MoE layers exchange tokens every step)."""
         if parallel_info(model).dims.expert_dispatch:
+            check_one_microbatch(config)
             config = dataclasses.replace(config, replicas="lockstep")
         return Engine(model, config)

@@ -28,9 +28,11 @@ class LayoutConfig:
     dp: int | None = 1
     pp: int | None = 1
     tp: int | None = 1
+    ep: int = 1  # mixture-of-experts layers: experts over ep groups of the tp ranks (ep divides tp)
 
     def resolve(self, world: int, where: str) -> ParallelDims:
-        """Dims with the null degree filled in; ``ValueError`` unless they multiply to ``world``."""
+        """Dims with the null degree filled in; ``ValueError`` unless they multiply to ``world``,
+        or unless ``ep`` divides ``tp`` (the experts of a phase live in its tp groups)."""
         degrees = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         for axis, value in degrees.items():
             if value is not None and value < 1:
@@ -47,7 +49,9 @@ class LayoutConfig:
             raise ValueError(
                 f"{where}: dp({degrees['dp']}) * pp({degrees['pp']}) * tp({degrees['tp']}) != world size ({world})"
             )
-        return ParallelDims(**degrees, world_size=world)
+        if self.ep < 1 or degrees["tp"] % self.ep:
+            raise ValueError(f"{where}.ep ({self.ep}) must divide {where}.tp ({degrees['tp']}): experts in tp groups")
+        return ParallelDims(**degrees, ep=self.ep, world_size=world)
 
 
 @register_strategy("seesaw")

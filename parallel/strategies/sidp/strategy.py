@@ -38,6 +38,7 @@ from reshard.parallel.engine import (
     Strategy,
     register_strategy,
 )
+from reshard.parallel.engine.checks import check_one_microbatch
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info, update_info
@@ -265,6 +266,8 @@ class SiDPStrategy(Strategy):
     def build(self, path: str | os.PathLike, config: EngineConfig) -> Engine:
         self.check_args(config)
         dims = self.dims(dist.get_world_size(), _has_experts(path))
+        if dims.expert_dispatch:
+            check_one_microbatch(config)
         model = parallelize(path, dims, dtype=config.torch_dtype, allow_unused=config.allow_unused)
         full_ffn = ffn_bytes(model)
         # default look-ahead: 2, but one slot fewer than the layers a rank fetches, so the pool
