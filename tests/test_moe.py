@@ -119,8 +119,9 @@ def _families(paths: list[str], layouts: list[tuple[int, int]]) -> list[list[lis
 
 def test_ep2_x_tp2_ep4_dp_attention_x_ep4_dejavu_and_shift_on_four_ranks_equal_hf(moe, hf_reference):
     expected = [hf_reference(moe[f], PROMPTS, NEW) for f in FAMILIES]
-    for per_family in dist_harness.run(4, _families, [moe[f] for f in FAMILIES], [(4, 2), (4, 4), (1, 4)]):
-        assert per_family == [[e, e, e] for e in expected]  # (3 prompts on DP4: a replica idles)
+    layouts = [(4, 2), (4, 4), (1, 4), (2, 2)]  # EP2 x TP2, EP4, DP-attention x EP4, DP2 groups of EP2
+    for per_family in dist_harness.run(4, _families, [moe[f] for f in FAMILIES], layouts):
+        assert per_family == [[e] * 4 for e in expected]  # (3 prompts on DP4: a replica idles)
     path = moe["qwen2_moe"]  # DejaVu: EP2 prompts, TP2 tokens; Shift SP2 x TP2, experts over the 4 ranks
     assert dist_harness.run(4, _dejavu_sides, path, 2, 1) == [expected[FAMILIES.index("qwen2_moe")]] * 4
     for family in ("qwen2_moe", "llama4_text"):  # (Llama 4: its NoPE / chunked layers under Ulysses SP)
