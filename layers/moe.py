@@ -30,6 +30,7 @@ from transformers.activations import ACT2FN
 
 from reshard import empty_dtensor
 from reshard.layers._comm import all_gather_chunks, all_reduce, all_to_all_split
+from reshard.layers.grouped_gemm import check_backend, grouped_swiglu
 from reshard.layers.mlp import SwiGLUMLP
 from reshard.layers.weights import active_source
 from reshard.layout import chunk_range
@@ -82,7 +83,8 @@ class GroupedExperts(nn.Module):
     """The experts' SwiGLU weights as DTensors (see the module docstring); ``forward(x, weights,
     experts)`` returns this rank's partial sum of ``sum_k weights[:, k] * expert_k(x)`` (its
     experts, its slice of each): the caller all-reduces it over the mesh. ``scale_input`` (Llama
-    4): ``sum_k expert_k(weights[:, k] * x)``, the routing weight scales the expert's input."""
+    4): ``sum_k expert_k(weights[:, k] * x)``, the routing weight scales the expert's input.
+    ``backend``: the grouped GEMM's (:func:`reshard.layers.grouped_gemm.grouped_swiglu`)."""
 
     def __init__(
         self,
@@ -93,6 +95,7 @@ class GroupedExperts(nn.Module):
         mesh: DeviceMesh,
         hidden_act: str = "silu",
         scale_input: bool = False,
+        backend: str = "auto",
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -110,6 +113,7 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(empty_dtensor(shape_in, mesh, (Shard(0), Shard(1)), **kw))
         self.down_proj = nn.Parameter(empty_dtensor(shape_out, mesh, (Shard(0), Shard(2)), **kw))
         self.num_experts, self.act_fn, self.scale_input = num_experts, ACT2FN[hidden_act], scale_input
+        self.backend = check_backend(backend)
 
     @property
     def local_experts(self) -> range:
@@ -168,30 +172,10 @@ class GroupedExperts(nn.Module):
             gate, up, down = whole or (self.gate_proj.to_local(), self.up_proj.to_local(), self.down_proj.to_local())
             order = torch.argsort(local, stable=True)
             counts = torch.bincount(local, minlength=gate.shape[0])  # (E_local,)
-            out[order] = grouped_swiglu(rows[order], local[order], counts, gate, up, down, self.act_fn)
+            out[order] = grouped_swiglu(
+                rows[order], local[order], counts, gate, up, down, self.act_fn, backend=self.backend
+            )
         return out
-
-
-def grouped_swiglu(
-    x: torch.Tensor,
-    expert: torch.Tensor,
-    counts: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    act,
-) -> torch.Tensor:
-    """SwiGLU of each row of ``x (N, D)`` through its expert (``expert (N,)`` sorted ascending,
-    ``counts (E,)`` rows per expert) with stacked weights ``gate`` / ``up (E, I, D)``, ``down (E,
-    D, I)``: the rows are laid out per expert in a ``(E, C, D)`` block (``C`` the largest count,
-    short experts zero-padded) and go through three batched matmuls, one per projection."""
-    capacity = int(counts.max())
-    starts = torch.cumsum(counts, 0) - counts  # (E,)
-    pos = torch.arange(x.shape[0], device=x.device) - starts[expert]  # (N,) row within its expert
-    block = x.new_zeros(counts.shape[0], capacity, x.shape[1])  # (E, C, D)
-    block[expert, pos] = x
-    h = act(torch.bmm(block, gate.transpose(1, 2))) * torch.bmm(block, up.transpose(1, 2))  # (E, C, I)
-    return torch.bmm(h, down.transpose(1, 2))[expert, pos]  # (N, D)
 
 
 class SparseMoE(nn.Module):
