@@ -277,7 +277,9 @@ def test_a_moe_module_in_memory_is_copied_and_synced_after_a_training_step(moe):
 def _moe_sync(path: str, layout: str, tp: int, ep: int) -> dict:
     """FSDP2 (or HSDP) training model of ``path``, one Adam step, synced into an LLM of TP ``tp``
     and EP ``ep``: rollout tensors unlike the sliced full ones, bytes received and the lower bound,
-    tokens and HF's of the synced weights."""
+    tokens and HF's of the synced weights. Then a bf16 LLM of the same layout synced twice with
+    ``delta=True`` and ``verify=True``, the second after the experts alone changed: bitwise the
+    full tensors converted, the second sending less than the first."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -285,18 +287,30 @@ def _moe_sync(path: str, layout: str, tp: int, ep: int) -> dict:
     from reshard.parallel.model.weight_sync import model_sync, split_fused
     from tests.test_weight_sync import _full, _sliced_equal, _trained
 
+    transposed = "llama4" in path
     with LLM(path, tp=tp, ep=ep, max_seq_len=64) as llm:
         model, _ = _trained(path, list(range(dist.get_world_size())), layout=layout)
         sync = model_sync(model, llm.engine.model)
         stats = sync.sync(1)
-        full, transposed = _full(model), "llama4" in path
+        full = _full(model)
         bad = _sliced_equal(llm.engine.model, {k: v for n, t in full.items() for k, v in split_fused(n, t, transposed)})
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))]
+    with LLM(path, tp=tp, ep=ep, max_seq_len=64, dtype="bfloat16") as bf16:
+        delta = model_sync(model, bf16.engine.model, delta=True)
+        first = delta.sync(1, verify=True).bytes_received
+        with torch.no_grad():  # an update of the experts alone: the delta carries them, nothing else
+            for name, p in model.named_parameters():
+                if ".experts." in name:
+                    p.to_local().mul_(2.0)
+        second = delta.sync(2, verify=True).bytes_received
+        after = {k: v for n, t in _full(model).items() for k, v in split_fused(n, t, transposed)}
+        bad_delta = _sliced_equal(bf16.engine.model, after)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference.load_state_dict(full)
     return dict(
-        bad=bad, received=stats.bytes_received, lower=sync.lower_bound_bytes, tokens=tokens, ref=_greedy(reference)
-    )
+        bad=bad, received=stats.bytes_received, lower=sync.lower_bound_bytes, tokens=tokens, ref=_greedy(reference),
+        bad_delta=bad_delta, first=first, second=second, lower_bf16=delta.lower_bound_bytes,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -307,11 +321,15 @@ def _moe_sync(path: str, layout: str, tp: int, ep: int) -> dict:
 def test_rl_sync_of_experts_from_fsdp2_and_hsdp_is_bitwise_at_the_lower_bound(moe, family, layout, tp, ep):
     """FSDP2 shards the fused experts over dim 0 (the experts); their gate / up halves (Llama 4's
     input-major ones transposed) stay DTensors, so the planned sync moves exactly the bytes each
-    rank lacks: into EP2 x TP2 (each expert split over 2 ranks) and EP4, on 4 ranks."""
+    rank lacks: into EP2 x TP2 (each expert split over 2 ranks) and EP4, on 4 ranks; converted to
+    bf16 while packed and, after an update of the experts alone, as a delta, verified, bitwise."""
     results = dist_harness.run(4, _moe_sync, moe[family], layout, tp, ep)
     assert sum(r["received"] for r in results) == results[0]["lower"] > 0
+    assert results[0]["lower_bf16"] == results[0]["lower"] // 2  # converted while packed: bf16 bytes move
+    assert sum(r["first"] for r in results) >= results[0]["lower_bf16"]  # (a delta sync's first: dense + headers)
+    assert sum(r["second"] for r in results) < sum(r["first"] for r in results)  # a delta
     for r in results:
-        assert r["bad"] == [] and r["tokens"] == r["ref"]
+        assert r["bad"] == [] and r["tokens"] == r["ref"] and r["bad_delta"] == []
 
 
 def test_a_checkpoint_of_transformers_fused_experts_loads_as_the_hubs(moe, hf_reference, tmp_path):
