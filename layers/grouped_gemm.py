@@ -50,8 +50,9 @@ def grouped_swiglu(
     ``counts (E,)`` rows per expert) with stacked weights ``gate`` / ``up (E, I, D)``, ``down (E,
     D, I)``; returns ``(N, D)`` in ``x``'s order."""
     if _pick(backend, x) == "triton":
-        h = act(_triton_mm(x, counts, gate)) * _triton_mm(x, counts, up)  # (N, I)
-        return _triton_mm(h, counts, down)
+        tiles = _tiles(counts.tolist(), x.device)  # (one host read of the counts for the three GEMMs)
+        h = act(_triton_mm(x, tiles, gate)) * _triton_mm(x, tiles, up)  # (N, I)
+        return _triton_mm(h, tiles, down)
     capacity = int(counts.max())
     starts = torch.cumsum(counts, 0) - counts  # (E,)
     pos = torch.arange(x.shape[0], device=x.device) - starts[expert]  # (N,) row within its expert
@@ -84,10 +85,11 @@ def _kernel() -> Callable | None:
         return None
 
 
-def _triton_mm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``out[r] = x[r] @ w[e(r)]^T`` for expert-sorted rows ``x (M, K)`` and ``w (E, N, K)``."""
+def _triton_mm(x: torch.Tensor, tiles: tuple[torch.Tensor, ...], w: torch.Tensor) -> torch.Tensor:
+    """``out[r] = x[r] @ w[e(r)]^T`` for expert-sorted rows ``x (M, K)`` and ``w (E, N, K)``, over
+    the row ``tiles`` of :func:`_tiles`."""
     x, w = x.contiguous(), w.contiguous()
-    expert, start, end = _tiles(counts.tolist(), x.device)
+    expert, start, end = tiles
     out = x.new_empty(x.shape[0], w.shape[1])  # (M, N)
     if expert.numel():
         grid = (expert.numel(), triton_cdiv(w.shape[1], BLOCK_N))
