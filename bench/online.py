@@ -32,7 +32,9 @@ machine: under load a multi-rank job gets about one core and every layout looks 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -191,6 +193,7 @@ def main() -> None:
     p.add_argument("--sp", type=int, default=2, help="shift: Ulysses degree")
     p.add_argument("--budgets", type=ints, default=None, help="new tokens uniform over LO,HI (default: --new-tokens)")
     p.add_argument("--png", default=None, help="write PREFIX-<metric>.png plots")
+    p.add_argument("--json", default=None, help="write the figures to this file (bench/serve.py reads them)")
     args = fill_sizes(p.parse_args(), SIZES, SMALL)
     args.budgets = args.budgets or [args.new_tokens, args.new_tokens]
     dist.init_process_group("gloo")
@@ -215,6 +218,13 @@ def main() -> None:
         print("\n".join(["", *_overlap_lines(table, layouts)]), flush=True)
         if args.png:
             _plot(args.png, table, args)
+        if args.json:
+            keep = ("tokens", "phases", "units")
+            figures = {
+                x: {r: {k: v for k, v in f.items() if k not in keep} for (y, r), f in table.items() if y == x}
+                for x in layouts
+            }
+            Path(args.json).write_text(json.dumps(figures))
         print(f"\ncommand: {rerun_command('online.py', dist.get_world_size())}")
     dist.destroy_process_group()
 

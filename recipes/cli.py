@@ -3,6 +3,7 @@
     reshard generate [--nproc N] [hydra overrides]    the main job on N ranks (default 1)
     reshard generate --nnodes M --node-rank R --master-addr A --nproc N   one job on M machines (M x N ranks)
     reshard rollout  [--nproc N] [hydra overrides]    the RL rollout loop
+    reshard serve    [--nproc N] [--host H] [--port P] [overrides]   an OpenAI-compatible server (SIGTERM drains)
     reshard plan     [hydra overrides]                the cost model's ranking (one process)
     reshard generate --keys                           every key with its default
     reshard generate --check [--nproc N] [overrides]  check the config for N ranks, run nothing
@@ -33,9 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.recipes.exits import EXIT_INTERRUPTED, EXIT_USER, LAUNCHED_ENV, finished_so_far
+from reshard.recipes.exits import (
+    EXIT_INTERRUPTED,
+    EXIT_USER,
+    LAUNCHED_ENV,
+    finished_so_far,
+    signal_name,
+    story_lines,
+)
 
-RANKED_JOBS = ("generate", "rollout")
+RANKED_JOBS = ("generate", "rollout", "serve")
 JOBS = (*RANKED_JOBS, "plan")
 
 
@@ -48,10 +56,16 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
     p.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 (default 29500)")
+    p.add_argument("--host", help="serve: the address to listen on (serve.host, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="serve: the port (serve.port, default 8000; 0: any free one)")
     p.add_argument("--keys", action="store_true", help="print every config key with its default, one per line")
     p.add_argument("--check", action="store_true", help="check the config for --nproc ranks and exit (runs nothing)")
     p.add_argument("--max-restarts", type=int, default=0, help="whole-job restarts by torchrun, from scratch")
     args, overrides = p.parse_known_args(argv)
+    if (args.host is not None or args.port is not None) and args.job != "serve":
+        p.error(f"--host and --port are reshard serve's, not {args.job}'s")
+    given = {"serve.host": args.host, "serve.port": args.port}
+    overrides += [f"{k}={v}" for k, v in given.items() if v is not None]
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
         p.error(f"unrecognized option {unknown[0]!r} (Hydra overrides are key=value)")
@@ -94,6 +108,8 @@ def _main(argv: Sequence[str]) -> int:
     overrides = [*overrides, f"hydra.run.dir={run_dir}"]
     if args.job == "plan":
         return run_in_process(args.job, overrides, run_dir)
+    if args.job == "serve":
+        return serve(overrides, Nodes.of(args), run_dir, args.max_restarts)
     return launch(args.job, overrides, Nodes.of(args), run_dir, requests, args.max_restarts)
 
 
@@ -152,7 +168,7 @@ def check(job: str, overrides: Sequence[str], nproc: int) -> Any:
         cfg = schema.compose(job, overrides)
     except ValueError as e:
         raise ValueError(str(e) + did_you_mean(job, str(e), overrides)) from None
-    if job == "generate":
+    if job in ("generate", "serve"):
         cfg.fault.check_world(nproc)
         cfg.parallel.layouts(nproc)
         _check_model_path(cfg.model.path)
@@ -321,6 +337,37 @@ def launch(
     return 0
 
 
+def serve(overrides: Sequence[str], nodes: Nodes, run_dir: Path, max_restarts: int = 0) -> int:
+    """``reshard serve``: :func:`launch` on a thread of its own (torch's agent installs no signal
+    handlers off the main thread), so that SIGTERM and Ctrl-C here go to rank 0's process, named
+    in ``server.json``: SIGTERM drains the server (the job then ends, exit 0), Ctrl-C interrupts."""
+    import signal
+    import time
+
+    from reshard.background import Background
+
+    caught: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: caught.append(signum))
+    job = Background(lambda: launch("serve", overrides, nodes, run_dir, None, max_restarts), "reshard-agent", "serve")
+    sent = 0
+    while not job.done():
+        time.sleep(0.05)
+        pid = _server_pid(run_dir) if sent < len(caught) else None
+        for signum in caught[sent:] if pid else ():
+            os.kill(pid, signum)
+            sent += 1
+    return job.result()
+
+
+def _server_pid(run_dir: Path) -> int | None:
+    path = run_dir / "server.json"
+    try:
+        return json.loads(path.read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def _quiet(prefix: str) -> None:
     """Silence every logger under ``prefix`` (torch's set their own levels, so the parent's is not enough)."""
     for name in [prefix, *logging.Logger.manager.loggerDict]:
@@ -342,7 +389,7 @@ def failed(e: Exception, run_dir: Path) -> int:
     if EXIT_USER in codes.values():
         return EXIT_USER
     rank, code = min(codes.items()) if codes else (None, None)
-    how = f"killed by {_signal_name(code)}" if code is not None and code < 0 else f"exit status {code}, see above"
+    how = f"killed by {signal_name(code)}" if code is not None and code < 0 else f"exit status {code}, see above"
     done, finished = finished_so_far(run_dir)
     kept = f"; {done} finished requests kept in {finished.resolve()}" if done else ""
     print(f"error: rank {rank} failed ({how}){kept}", file=sys.stderr, flush=True)
@@ -364,56 +411,6 @@ def print_story(run_dir: Path) -> None:
     summary = json.loads(path.read_text()) if path.exists() else {}
     for line in story_lines(summary):
         print(line, flush=True)
-
-
-def story_lines(summary: dict) -> list[str]:
-    """What died and how the job came back, one line each: supervised deaths (``fault`` of a
-    ``fault.migrate`` run) and whole-job restarts (torchrun's, each from scratch)."""
-    lines, fault = [], summary.get("fault", {})
-    for d in fault.get("deaths", []):
-        how = "hung, killed" if d.get("hung") else _signal_name(d.get("exitcode"))
-        moved = _moved(d)
-        back = (
-            ""
-            if d.get("rejoined_s") is None
-            else f"; its group served again {d['rejoined_s'] - d['seen_s']:.1f} s later{_weights(fault, d)}"
-        )
-        lines.append(f"recovered: rank {d.get('rank')} died ({how}) at {d.get('died_s') or 0:.1f} s; {moved}{back}")
-    if summary.get("failures", 0) and "fault" not in summary:
-        lines.append(f"recovered: {summary['failures']} whole-job restart(s) after a rank failed, each from scratch")
-    return lines
-
-
-def _weights(fault: dict, death: dict) -> str:
-    """`` with group 0's weights`` when the dead rank's next generation took them from a live replica."""
-    if "endpoint" not in death:
-        return ""
-    generation = int(death["endpoint"].split(".")[1]) + 1
-    source = fault.get("weights_from", {}).get(str(death.get("rank")), {}).get(str(generation))
-    return f" with group {source[0].split('.')[0]}'s weights" if source and source[0] != "checkpoint" else ""
-
-
-def _moved(death: dict) -> str:
-    adopted, redone = len(death.get("adopted") or []), death.get("reprefilled_tokens") or 0
-    again = sum(a[-1] for a in death.get("adopted") or [])
-    if adopted:
-        own = (death.get("adopted_by") or "").split(".")[0] == death.get("endpoint", "").split(".")[0]
-        by = "its group's next generation (its supervisors kept their KV)" if own else "another group"
-        return f"{adopted} request(s) adopted with their KV by {by}, {again} token(s) computed again"
-    if redone:
-        return f"{len(death.get('resumed') or [])} request(s) prefilled again on live groups ({redone} tokens)"
-    return f"{len(death.get('resumed') or [])} request(s) waited for its respawn"
-
-
-def _signal_name(code: int | None) -> str:
-    import signal
-
-    if code is None or code >= 0:
-        return f"exit status {code}"
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
 
 
 def _remove_if_empty(run_dir: Path, code: int) -> int:

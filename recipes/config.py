@@ -225,12 +225,34 @@ def _is_kill(pair) -> bool:
 
 
 @dataclass
+class ServeConfig:
+    """``reshard serve``'s HTTP server (the generate job ignores it)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # the model clients name (null: the checkpoint directory's name)
+    max_waiting: int = 256  # accepted requests without a first token; more get 429 + Retry-After
+    retry_after_s: int = 1
+    grace_s: float = 30.0  # SIGTERM: running requests get this long to finish, then are cancelled
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"serve.port must be a port number in 0..65535, got {self.port}")
+        for key in ("max_waiting", "retry_after_s"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"serve.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"serve.grace_s must be >= 0 seconds, got {self.grace_s}")
+
+
+@dataclass
 class GenerateConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     # the registered strategy's config (a parallel.engine.Strategy dataclass; None: tp). Typed Any:
     # Hydra's ``parallel`` group puts the chosen strategy's schema here (conf/parallel/<name>.yaml)
     parallel: Any = None

@@ -14,3 +14,53 @@ def finished_so_far(run_dir: Path) -> tuple[int, Path]:
     """How many requests the run directory's :data:`FINISHED` file holds, and its path."""
     path = run_dir / FINISHED
     return (len(path.read_text().splitlines()) if path.exists() else 0), path
+
+
+def story_lines(summary: dict) -> list[str]:
+    """What died and how the job came back, one line each: supervised deaths (``fault`` of a
+    ``fault.migrate`` run) and whole-job restarts (torchrun's, each from scratch)."""
+    lines, fault = [], summary.get("fault", {})
+    for d in fault.get("deaths", []):
+        how = "hung, killed" if d.get("hung") else signal_name(d.get("exitcode"))
+        moved = _moved(d)
+        back = (
+            ""
+            if d.get("rejoined_s") is None
+            else f"; its group served again {d['rejoined_s'] - d['seen_s']:.1f} s later{_weights(fault, d)}"
+        )
+        lines.append(f"recovered: rank {d.get('rank')} died ({how}) at {d.get('died_s') or 0:.1f} s; {moved}{back}")
+    if summary.get("failures", 0) and "fault" not in summary:
+        lines.append(f"recovered: {summary['failures']} whole-job restart(s) after a rank failed, each from scratch")
+    return lines
+
+
+def _weights(fault: dict, death: dict) -> str:
+    """`` with group 0's weights`` when the dead rank's next generation took them from a live replica."""
+    if "endpoint" not in death:
+        return ""
+    generation = int(death["endpoint"].split(".")[1]) + 1
+    source = fault.get("weights_from", {}).get(str(death.get("rank")), {}).get(str(generation))
+    return f" with group {source[0].split('.')[0]}'s weights" if source and source[0] != "checkpoint" else ""
+
+
+def _moved(death: dict) -> str:
+    adopted, redone = len(death.get("adopted") or []), death.get("reprefilled_tokens") or 0
+    again = sum(a[-1] for a in death.get("adopted") or [])
+    if adopted:
+        own = (death.get("adopted_by") or "").split(".")[0] == death.get("endpoint", "").split(".")[0]
+        by = "its group's next generation (its supervisors kept their KV)" if own else "another group"
+        return f"{adopted} request(s) adopted with their KV by {by}, {again} token(s) computed again"
+    if redone:
+        return f"{len(death.get('resumed') or [])} request(s) prefilled again on live groups ({redone} tokens)"
+    return f"{len(death.get('resumed') or [])} request(s) waited for its respawn"
+
+
+def signal_name(code: int | None) -> str:
+    import signal
+
+    if code is None or code >= 0:
+        return f"exit status {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"

@@ -112,9 +112,11 @@ class _WholeErrorFile(ErrorHandler):
         os.replace(f"{file}.{os.getpid()}.tmp", file)
 
 
-def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
+def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = False) -> None:
     """Run ``run(config dataclass, run dir)`` under ``@hydra.main`` on every rank of the job. A user
-    error (a ``ValueError``, or a config that Hydra refuses) is one line on stderr and exit status 2."""
+    error (a ``ValueError``, or a config that Hydra refuses) is one line on stderr and exit status 2.
+    ``drains`` (a server): SIGTERM sets the event passed as ``run``'s third argument instead of
+    interrupting (the job drains and ends itself); Ctrl-C interrupts as in every job."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
@@ -126,7 +128,12 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
 
     stopping = threading.Event()  # set by SIGINT / SIGTERM before the KeyboardInterrupt they raise
 
+    drain = threading.Event()  # drains: set by SIGTERM
+
     def _stop(signum: int, frame: object) -> None:
+        if drains and signum == signal.SIGTERM:
+            drain.set()
+            return
         stopping.set()
         raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads), on SIGTERM too
 
@@ -134,7 +141,7 @@ def hydra_main(config_name: str, run: Callable[[Any, Path], None]) -> None:
     def _main(cfg: DictConfig) -> None:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
-            run(schema.to_dataclass(cfg), run_dir)
+            run(schema.to_dataclass(cfg), run_dir, *([drain] if drains else []))
         except ValueError as e:  # a user error: one line, not a traceback per rank
             _user_error(str(e))
         except KeyboardInterrupt:

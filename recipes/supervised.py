@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from reshard.parallel.engine import Strategy
 from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
+from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Completion, EngineStats
 from reshard.parallel.engine.router import Router
 from reshard.parallel.fault.donor import WeightDonor, take_weights
@@ -42,9 +44,11 @@ CHANNEL = "supervised"
 WARM = ("reshard.recipes.supervised", "reshard.parallel.strategies.tp", "transformers")  # a spare's imports
 
 
-def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
+def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path, site=None) -> dict:
     """Supervise this rank's engine until the router has every completion; rank 0 writes the
-    outputs. Returns the summary (rank 0; ``{}`` elsewhere)."""
+    outputs. Returns the summary (rank 0; ``{}`` elsewhere). ``site``: ``reshard serve``'s
+    (:class:`reshard.recipes.serve.Site`): the router takes the HTTP server's requests, until a
+    drain, and writes no outputs."""
     from reshard.recipes.prompts import build_requests
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -56,7 +60,6 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
     if rank == 0:
         if restart_count() == 0:
             (run_dir / "supervision.jsonl").unlink(missing_ok=True)  # the supervisors append their events
-        requests = build_requests(cfg, path, _vocab_size(path))
         channel.put("start", time.time())
         own = _supervision_store()  # the router's thread has a store client of its own
         generation = lambda g: int(own.get(f"gen/{g}"))  # noqa: E731
@@ -66,17 +69,23 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
         # one group of every rank (Seesaw, SiDP, Shift) takes each request as it arrives: its
         # policy need not report room
         routing = cfg.engine.routing if topology.groups > 1 else "round_robin"
-        router = Router(
-            routed, requests, topology, t0, routing, cfg.fault.migrate, generation,
-            kept=kept, keep=keep, die_after=die_after,
-        )  # fmt: skip
+        if site is None:
+            requests = build_requests(cfg, path, _vocab_size(path))
+            router = Router(
+                routed, requests, topology, t0, routing, cfg.fault.migrate, generation,
+                kept=kept, keep=keep, die_after=die_after,
+            )  # fmt: skip
+        else:
+            from reshard.recipes.serve import serving
+
+            router = serving(site, routed, topology, routing, migrate=cfg.fault.migrate, generation=generation)
     supervisor = Supervisor(
         store,
         rank,
         index,
         members,
         serve_child,
-        (cfg, str(path), channel.get("start")),
+        (cfg, str(path), channel.get("start"), site is not None),
         max_respawns=cfg.fault.max_respawns,
         warm_spare=cfg.fault.warm_spare,
         ready=lambda spec: channel.ready(f"ready/{spec.endpoint}"),
@@ -88,10 +97,10 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path) -> dict:
     )
     host = _host(topology, members, rank)
     dist.barrier()  # every supervisor set its group's generation (and hosts announced) before the router reads it
-    with router or contextlib.nullcontext(), host or contextlib.nullcontext():
-        supervisor.run()
+    with router or contextlib.nullcontext() as router, host or contextlib.nullcontext():
+        supervisor.run(stop_on=(signal.SIGINT,) if site is not None else (signal.SIGINT, signal.SIGTERM))
     dist.barrier()  # every child is done: its statistics are in the store
-    if rank != 0:
+    if rank != 0 or site is not None:
         return {}
     return _finish(cfg, run_dir, path, router, channel, store, time.time() - t0, topology.groups)
 
@@ -194,22 +203,26 @@ def _group_strategy(cfg: GenerateConfig, world: int, path: str) -> Strategy:
     return cfg.parallel.planned(path, world, _workload_shape(cfg))
 
 
-def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float) -> None:
+def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, streams: bool = False) -> None:
     """One engine child: its group's own process group (this generation's), the engine (its
     weights from a live replica when one serves, else the checkpoint), the journal, then serve
-    what the router hands this generation of the group."""
-    from reshard.recipes.prompts import stop_tokenizer
+    what the router hands this generation of the group. ``streams`` (a server's job): the
+    leader publishes each step's tokens, before the journal records them (a stream never
+    misses a token the journal resumes after)."""
+    from reshard.recipes.prompts import output_tokenizer, stop_tokenizer
 
     store = job_store(restart_count())
     _init_group(spec, store)
     world = int(os.environ["WORLD_SIZE"])
     topology = engine_group_of(cfg, world, spec.rank)[2]
     engine, source = _build_engine(cfg, spec, path, topology)
-    engine.tokenizer = stop_tokenizer(cfg, Path(path))
+    engine.tokenizer = output_tokenizer(Path(path)) if streams else stop_tokenizer(cfg, Path(path))
     group = engine.engine_group or GroupLayout(0, 1, spec.members)  # a strategy's one group of every rank
     assert group.index == spec.group and group.ranks == spec.members, (group, spec)
     supervision = _supervision_store()  # a client of its own: the process group waits on `store`
     channel = Channel(CHANNEL, store=supervision)
+    if streams and group.is_leader:
+        publish_tokens(engine, channel)
     hang, beat_s = cfg.fault.inject == "hang", cfg.fault.heartbeat_s / 2
     journal = GroupJournal(
         engine, channel, spec, _kill_step(cfg, spec), leader=group.is_leader, hang=hang, beat_s=beat_s

@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from reshard.parallel.engine.channel import Channel, GroupLayout, Handoff, Load
-from reshard.parallel.engine.request import Request
+from reshard.parallel.engine.channel import Cancel, Channel, GroupLayout, Handoff, Load
+from reshard.parallel.engine.request import Completion, Request, Sequence
 
 ADMIT = "_admitted"  # the key of the admission proposal in a step's agreed integers
 
@@ -158,7 +159,7 @@ class RoutedAdmission(Admission):
         self.read += count
         self.exhausted = None in values
         items = [v for v in values if v is not None]
-        self.taken += sum(v.open if isinstance(v, Handoff) else 1 for v in items)
+        self.taken += sum(v.open if isinstance(v, Handoff) else not isinstance(v, Cancel) for v in items)
         return items
 
     def wait_next(self) -> list[Request]:
@@ -189,6 +190,41 @@ class RoutedAdmission(Admission):
     def hand_off(self, handoff: Handoff) -> None:
         if self.layout.is_leader:
             self.channel.post(endpoint_of(handoff.target), handoff)
+
+
+def enqueue(queue: deque, requests: Seq[Request]) -> None:
+    """Queue ``requests`` as they arrive, except that a request resumed with KV held elsewhere
+    (``kv_source``: a migration) goes ahead of the fresh requests already queued: its KV waits in
+    a connector's mirror, and it has tokens out already (vLLM runs resumed requests first). Other
+    items (DejaVu's hand-offs, kept in their streams' order) are queued as they come."""
+
+    def fresh(item) -> bool:
+        return isinstance(item, Request) and not item.kv_source
+
+    for request in requests:
+        if isinstance(request, Request) and request.kv_source:
+            queue.insert(next((i for i, r in enumerate(queue) if fresh(r)), len(queue)), request)
+        else:
+            queue.append(request)
+
+
+def withdraw(queue: Seq, items: list, running: dict[int, Sequence], apply: bool) -> tuple[list, list[Completion]]:
+    """``items`` (what a group just took) less its :class:`Cancel` s, and the completions of the
+    requests they end now. Each cancellation ends its request: one still in ``queue`` leaves it,
+    completed as ``"abort"`` with no output; one ``running`` (request id -> its sequence) is
+    marked and ends at its next token (retired as any other: its KV freed). Every rank of the
+    group takes the same items at the same step, so every rank ends it at the same step. With
+    ``apply`` false (an in-flight pipeline, whose later stages never see the first stage's
+    admissions) cancellations are dropped and the request runs to its end."""
+    ended: list[Completion] = []
+    for cancel in [c for c in items if isinstance(c, Cancel)] if apply else ():
+        queued = next((r for r in queue if isinstance(r, Request) and r.id == cancel.id), None)
+        if queued is not None:
+            queue.remove(queued)
+            ended.append(Completion(queued.id, list(queued.prompt_ids), [], "abort"))
+        elif cancel.id in running:
+            running[cancel.id].cancelled = True
+    return [i for i in items if not isinstance(i, Cancel)], ended
 
 
 def endpoint_of(group: int, generation: int = 0) -> str:

@@ -1,6 +1,6 @@
 """The control plane of a job's engine groups: :class:`Channel`, pickled values in the job's
 ``torch.distributed`` store (a TCP key-value server every job already has), and the values that
-travel on it (:class:`GroupLayout`, :class:`Load`, :class:`Handoff`), and the job's
+travel on it (:class:`GroupLayout`, :class:`Load`, :class:`Handoff`, :class:`Cancel`), and the job's
 :class:`Topology`: which groups take new requests and where each group's KV goes.
 
 A group never joins a collective another group must join: what passes between groups, and
@@ -88,6 +88,14 @@ class Handoff:
     def open(self) -> int:
         """How many of its sequences the receiver still runs."""
         return self.finished.count(False)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Request ``id``'s client went away (posted to the group it was sent to): the group ends it
+    at its next step, ``"abort"``, and frees its KV."""
+
+    id: int
 
 
 def backoff(tries: int) -> float:

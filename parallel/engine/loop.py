@@ -26,7 +26,15 @@ from torch import nn
 from tqdm import tqdm
 
 from reshard.mesh import all_gather_objects
-from reshard.parallel.engine.admission import ADMIT, Admission, LocalAdmission, RoutedAdmission, endpoint_of
+from reshard.parallel.engine.admission import (
+    ADMIT,
+    Admission,
+    LocalAdmission,
+    RoutedAdmission,
+    endpoint_of,
+    enqueue,
+    withdraw,
+)
 from reshard.parallel.engine.agree import sample_emitting, sample_step
 from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.checks import (
@@ -54,22 +62,6 @@ from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import SamplingParams, fresh_seed
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.offload import release, restore
-
-
-def enqueue(queue: deque, requests: Seq[Request]) -> None:
-    """Queue ``requests`` as they arrive, except that a request resumed with KV held elsewhere
-    (``kv_source``: a migration) goes ahead of the fresh requests already queued: its KV waits in
-    a connector's mirror, and it has tokens out already (vLLM runs resumed requests first). Other
-    items (DejaVu's hand-offs, kept in their streams' order) are queued as they come."""
-
-    def fresh(item) -> bool:
-        return isinstance(item, Request) and not item.kv_source
-
-    for request in requests:
-        if isinstance(request, Request) and request.kv_source:
-            queue.insert(next((i for i, r in enumerate(queue) if fresh(r)), len(queue)), request)
-        else:
-            queue.append(request)
 
 
 class Engine:
@@ -133,6 +125,7 @@ class Engine:
         self.tokenizer = tokenizer  # a Hugging Face tokenizer: requests' stop strings are matched in its text
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
         self.connector = KVConnectors()  # where KV comes from besides computing it (a job adds them)
+        self._live: dict[int, Sequence] = {}  # request id -> its running sequence here (a cancel marks it)
         self.policy.setup(PolicyContext(layouts, self.stats, self._new_sequence, self.connector))
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
@@ -239,7 +232,7 @@ class Engine:
         # the loop still takes it (its KV must be received)
         while queue or not (admission.exhausted and len(done) + left == admission.taken):
             if not queue and len(done) + left == admission.taken:  # nothing queued or running: wait for more
-                enqueue(queue, admission.wait_next())
+                enqueue(queue, withdraw(queue, admission.wait_next(), self._live, False)[0])  # (a cancel: of none)
                 continue
             for step, output in self._advance(queue, admission):
                 left += self._settle(step, output, admission, queue, done, start)
@@ -282,12 +275,17 @@ class Engine:
         for handoff in self.policy.after_step(step, output) or ():
             admission.hand_off(handoff)
             left += handoff.open
+            for r in handoff.requests:
+                self._live.pop(r.id, None)
         finished = [seq for seq in step.seqs if seq.finish_reason is not None]
         for seq in finished:
             done[seq.request.id] = seq.completion(start)
             self.policy.retire(seq)
-        enqueue(queue, admission.take((output.agreed or {}).get(ADMIT, 0)))
-        admission.report(self.policy.load(queue), [done[seq.request.id] for seq in finished])
+            self._live.pop(seq.request.id, None)
+        items, ended = withdraw(queue, admission.take((output.agreed or {}).get(ADMIT, 0)), self._live, not self.flow)
+        done.update((c.id, c) for c in ended)
+        enqueue(queue, items)
+        admission.report(self.policy.load(queue), [done[seq.request.id] for seq in finished] + ended)
         return left
 
     def _serve_routed(self, requests: Seq[Request], bar: tqdm, seed: int | None) -> list[Completion]:
@@ -409,7 +407,8 @@ class Engine:
     def _new_sequence(self, request: Request) -> Sequence:
         tok = self.tokenizer
         decode = None if tok is None else functools.partial(tok.decode, skip_special_tokens=True)
-        return Sequence.of(request, self.eos_ids, self.vocab_size, decode=decode)
+        seq = self._live[request.id] = Sequence.of(request, self.eos_ids, self.vocab_size, decode=decode)
+        return seq
 
     def validate(self, requests: Seq[Request]) -> None:
         """``ValueError`` naming the request for what this engine cannot run

@@ -89,7 +89,7 @@ class Completion:
     id: int
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort" (cancelled: its client went away)
     timing: Timing | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, where the request asked (``logprobs``)
 
@@ -110,6 +110,7 @@ class Sequence:
     times: list[float] = field(default_factory=list)  # wall clock: first step began, first token, finished
     decode: Callable[[list[int]], str] | None = None  # token ids -> text (the request's stop strings)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, where the request asks
+    cancelled: bool = False  # set by the loop when its request is cancelled: it ends ("abort") at its next token
 
     @staticmethod
     def of(
@@ -165,7 +166,9 @@ class Sequence:
         self.output.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        if token in self.stop_ids or self._stop_string_ended():
+        if self.cancelled:
+            self.finish_reason = "abort"
+        elif token in self.stop_ids or self._stop_string_ended():
             self.finish_reason = "stop"
         elif len(self.output) >= self.request.sampling.max_new_tokens:
             self.finish_reason = "length"

@@ -41,38 +41,14 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from reshard.parallel.engine.admission import endpoint_of
-from reshard.parallel.engine.channel import Channel, Load, Topology, backoff
+from reshard.parallel.engine.channel import Cancel, Channel, Load, Topology, backoff
+from reshard.parallel.engine.inbox import Inbox
+from reshard.parallel.engine.migration import Migration, merged, prefill_only
 from reshard.parallel.engine.request import Completion, Request
 from reshard.parallel.fault.inject import die
 
 ROUTING = ("least_loaded", "round_robin", "longest_first")
 MIGRATE = ("kv", "reprefill", "none")
-
-
-@dataclasses.dataclass
-class Migration:
-    """What the router did when ``endpoint`` failed (``seen``: when it noticed, job clock).
-
-    Ordered facts, no clock (tests assert on them): ``order``, its place in
-    :attr:`Router.observed`; ``steps``, the steps every endpoint had journaled when the
-    router saw the death (the dead one's: every step it ran); ``steps_down``, the same in the
-    router's last count taken before it found the group's next generation ready (a count made
-    while the group was still down).
-    """
-
-    endpoint: str
-    seen: float
-    order: int = 0
-    steps: dict[str, int] = dataclasses.field(default_factory=dict)
-    steps_down: dict[str, int] = dataclasses.field(default_factory=dict)
-    resumed: list[int] = dataclasses.field(default_factory=list)  # request ids re-admitted with tokens so far
-    restarted: list[int] = dataclasses.field(default_factory=list)  # ... with none yet
-    completed: list[int] = dataclasses.field(default_factory=list)  # finished there, completed from the journal
-    reprefilled_tokens: int = 0  # generated tokens prefilled again (reprefill; kv: by the adopter, if it had to)
-    rejoined: float | None = None  # when the group's next generation was ready (job clock)
-    rejoined_order: int | None = None  # that observation's place in Router.observed
-    adopted_by: str | None = None  # migrate="kv": the endpoint that adopted its requests with their KV
-    tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # request id -> tokens it had generated
 
 
 class Router:
@@ -89,7 +65,9 @@ class Router:
     groups never fail); ``migrate``: what a failed generation's requests do; ``kept``:
     completions an earlier attempt of the job finished (not run again); ``keep(c)``: told of each
     completion as it arrives (so a lost router loses none); ``die_after``: fault injection,
-    SIGKILL this process (the router's) once that many requests have completed.
+    SIGKILL this process (the router's) once that many requests have completed. A server's
+    router also takes ``inbox``'s requests as they come (and ends once it is closed and they are
+    done) and hands ``on_tokens`` each step's new tokens (:mod:`reshard.parallel.engine.inbox`).
     """
 
     def __init__(
@@ -105,6 +83,8 @@ class Router:
         kept: Seq[Completion] = (),
         keep: Callable[[Completion], None] | None = None,
         die_after: int | None = None,
+        inbox: Inbox | None = None,
+        on_tokens: Callable[[list], None] | None = None,
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
@@ -137,6 +117,10 @@ class Router:
         self._read = 0  # ``done`` entries read
         self.error: BaseException | None = None
         self.stopped = threading.Event()  # set when rank 0 leaves the job's serving (also on an error)
+        self.inbox, self.on_tokens, self.closed = inbox, on_tokens, inbox is None  # closed: none will come
+        self.cancelled: set[int] = set()
+        self.loads: dict[str, Load] = {}  # a server's: each live endpoint's last published Load
+        self._tokens_read = 0
         self.thread = threading.Thread(target=self._run, name="reshard-router", daemon=True)
 
     def __enter__(self) -> Router:
@@ -153,17 +137,53 @@ class Router:
         """Collect, watch the groups' generations, place what arrived; ``all_done`` at the end."""
         try:
             tries = 0
-            while len(self.completions) < len(self.originals) and not self.stopped.is_set():
+            while not self._over() and not self.stopped.is_set():
+                self._intake()
                 self._collect()
                 if self.generation is not None:
                     self._watch()
                 tries = 0 if self._dispatch() else tries + 1
                 if tries:  # nothing handed out: look again soon, or when the next request arrives
                     time.sleep(self._pause(tries))
-            if len(self.completions) == len(self.originals):
+            if self._over():
                 self.channel.put("all_done", time.time())
         except BaseException as e:  # reported by __exit__ on rank 0; groups then time out by name
             self.error = e
+
+    def _over(self) -> bool:
+        """Every request completed, and no other will come."""
+        return self.closed and len(self.completions) == len(self.originals)
+
+    # ---- a server's requests ----------------------------------------------------------------------
+    def _intake(self) -> None:
+        """What the server's inbox got since the last look: requests (arrived now), cancellations."""
+        if self.inbox is None:
+            return
+        intake = self.inbox.take()
+        for r in intake.requests:
+            assert r.id not in self.originals, f"request id {r.id} submitted twice"
+            self.originals[r.id] = dataclasses.replace(r, arrival=time.time() - self.start)
+            self.pending.append(self.originals[r.id])
+        for rid in intake.cancelled:
+            self._cancel(rid)
+        self.closed = intake.closed
+        for e in self.groups + self.takers:  # what the server's metrics show of each group
+            if self.channel.ready(f"load/{e}"):
+                self.loads[e] = self.channel.get(f"load/{e}")
+
+    def _cancel(self, rid: int) -> None:
+        """Request ``rid``'s client went away: one not placed yet completes here (``"abort"``);
+        a placed one is cancelled at its group, which ends it at its next step and frees its KV
+        (one whose group died meanwhile is ended where it would have moved, :meth:`_continued`)."""
+        if rid in self.completions or rid not in self.originals:
+            return
+        self.cancelled.add(rid)
+        if rid in self.where:
+            self.channel.post(self.where[rid], Cancel(rid))
+            return
+        for waiting in (self.pending, self.handoffs, *self.held.values()):
+            waiting[:] = [r for r in waiting if r.id != rid]
+        self._complete(Completion(rid, list(self.originals[rid].prompt_ids), self.so_far.get(rid, []), "abort"))
 
     def _pause(self, tries: int) -> float:
         until = self._next_arrival() - time.time()
@@ -237,7 +257,7 @@ class Router:
 
     def _send(self, g: str, request: Request) -> None:
         if self.takers and int(g.split(".")[0]) in self.topology.entries:
-            request = _prefill_only(request)  # an entry of a disaggregated job: its first token, then a hand-off
+            request = prefill_only(request)  # an entry of a disaggregated job: its first token, then a hand-off
         self.channel.post(g, request)
         self.sent[g] += 1
         self.sent_tokens[g].append(len(request.prompt_ids) + request.sampling.max_new_tokens)
@@ -247,6 +267,10 @@ class Router:
     # ---- completions and hand-offs ----------------------------------------------------------------
     def _collect(self) -> None:
         """Completions published since the last look (a prefilled request's: its hand-off)."""
+        if self.on_tokens is not None:  # before the completions: a request's last tokens come first
+            for entry in self.channel.read_list("tokens", self._tokens_read):
+                self._tokens_read += 1
+                self.on_tokens(entry)
         for c in self.channel.read_list("done", self._read):
             self._read += 1
             source = self.where.pop(c.id, None)
@@ -267,7 +291,8 @@ class Router:
 
     def _finished(self, rid: int, output: Seq[int], reason: str | None) -> bool:
         """Whether request ``rid`` ended with ``output`` (a prefilled request's ``length`` is its hand-off)."""
-        return reason == "stop" or (reason is not None and len(output) >= self.originals[rid].sampling.max_new_tokens)
+        done = reason is not None and len(output) >= self.originals[rid].sampling.max_new_tokens
+        return reason in ("stop", "abort") or done
 
     def _hand_off(self, rid: int, tokens: Seq[int], source: str) -> None:
         """Request ``rid``, prefilled by entry ``source`` with ``tokens`` so far, to a taker: the
@@ -381,15 +406,15 @@ class Router:
         """Request ``rid`` continued after its tokens in the dead generation's journal
         (``(tokens, finish reason, first token time)``); None when the journal finished it."""
         tokens, reason, first = journaled
-        original, so_far = self.originals[rid], _merged(self.so_far.get(rid, []), tokens)
+        original, so_far = self.originals[rid], merged(self.so_far.get(rid, []), tokens)
         if first is not None and rid not in self.first_token:
             self.first_token[rid] = first - self.start
         prefilled = reason is not None and self.topology.takers and not self._finished(rid, so_far, reason)
         if prefilled:  # an entry of a disaggregated job ran it to its first token: its hand-off
             self._hand_off(rid, so_far, migration.endpoint)
             return None
-        if reason is not None:
-            self._complete(Completion(rid, list(original.prompt_ids), so_far, reason))
+        if reason is not None or rid in self.cancelled:  # (cancelled: its client is gone, it goes on nowhere)
+            self._complete(Completion(rid, list(original.prompt_ids), so_far, reason or "abort"))
             migration.completed.append(rid)
             return None
         if not so_far:
@@ -422,21 +447,3 @@ class Router:
         for request in self.held.pop(g, []):  # migrate="none": they waited for this generation
             self._send(endpoint, request)
         self._hand_out()
-
-
-def _prefill_only(request: Request) -> Request:
-    """``request`` as an entry of a disaggregated job runs it: up to its first token."""
-    first = dataclasses.replace(request.sampling, max_new_tokens=1, min_tokens=min(request.sampling.min_tokens, 1))
-    return dataclasses.replace(request, sampling=first)
-
-
-def _merged(before: list[int], tokens: dict[int, int]) -> list[int]:
-    """``before`` (a request's output known so far) with ``tokens`` (by output index) written in
-    and everything after the last of them dropped."""
-    if not tokens:
-        return list(before)
-    out = list(before[: max(tokens) + 1])
-    out += [0] * (max(tokens) + 1 - len(out))
-    for i, t in tokens.items():
-        out[i] = t
-    return out

@@ -120,12 +120,12 @@ class Supervisor:
         """The group's current generation, as the store holds it."""
         return int(self.store.get(self._gen_key))
 
-    def run(self) -> None:
+    def run(self, stop_on: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
         """Run children until one exits with status 0 (``RuntimeError`` after ``max_respawns``
-        replacements; ``KeyboardInterrupt`` / ``SystemExit`` on SIGINT / SIGTERM). Its SIGINT and
-        SIGTERM handlers are installed here, on the calling (main) thread, and the ones they
-        replaced are back when it returns or raises."""
-        previous = {s: signal.signal(s, self._stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        replacements; ``KeyboardInterrupt`` / ``SystemExit`` on the ``stop_on`` signals). Their
+        handlers are installed here, on the calling (main) thread, and the ones they replaced are
+        back when it returns or raises (a server leaves SIGTERM to its drain)."""
+        previous = {s: signal.signal(s, self._stop) for s in stop_on}
         try:
             generation = self.generation()
             while True:

@@ -1,0 +1,248 @@
+"""The HTTP server: OpenAI's endpoints over a :class:`~reshard.parallel.serve.front.Front`
+(FastAPI on uvicorn, as vLLM's and SGLang's servers), run by :class:`HttpServer` in a thread of
+its own (its event loop) of the process that runs the job's router.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent
+events, one per step that gave a choice tokens), ``GET /v1/models``, ``GET /health`` (503 while
+draining) and ``GET /metrics`` (Prometheus' text format).
+"""
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.parallel.serve.front import Front, Stream
+from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
+
+POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
+
+
+@dataclass(frozen=True)
+class Text:
+    """The checkpoint's tokenizer as the server uses it."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest("the checkpoint's tokenizer has no chat template: use /v1/completions", "messages")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(out)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def piece(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+class TextCursor:
+    """How much of one choice's text a stream has sent: text goes out as tokens land, short of
+    an incomplete character and of a possible stop string's start (held back until the choice
+    finishes); the final text is the offline job's (cut before the first stop string)."""
+
+    def __init__(self, text: Text, stops: tuple[str, ...]) -> None:
+        self.text, self.stops = text, stops
+        self.sent, self.tokens = "", 0
+
+    def advance(self, items: list[tuple[int, Any]], finish: str | None) -> tuple[str, list]:
+        """The new text and the new ``(token, logprobs)`` items since the last call."""
+        full = final_text(self.text, [t for t, _ in items], finish, self.stops)
+        if finish is None:
+            full = full.rstrip("\ufffd")
+            full = full[: len(full) - max(map(len, self.stops), default=1) + 1]
+        new = full[len(self.sent) :] if full.startswith(self.sent) else ""
+        self.sent += new
+        fresh, self.tokens = items[self.tokens :], len(items)
+        return new, fresh
+
+
+def final_text(text: Text, ids: list[int], finish: str | None, stops: tuple[str, ...]) -> str:
+    """``ids`` decoded (special tokens skipped), cut before the first stop string when one ended it."""
+    out = text.decode(ids)
+    found = [i for i in (out.find(s) for s in stops) if i >= 0] if finish == "stop" else []
+    return out[: min(found)] if found else out
+
+
+def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapping]) -> Any:
+    """The FastAPI application (``loads()``: each engine group's last :class:`Load`, for the metrics)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    app = FastAPI(title="reshard serve")
+
+    @app.exception_handler(BadRequest)
+    async def refused(request: Request, e: BadRequest) -> JSONResponse:
+        front.metrics.reject(e.status)
+        headers = {"Retry-After": str(front.limits.retry_after_s)} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "draining" if front.draining else "ok"}, 503 if front.draining else 200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": limits.model, "object": "model", "created": int(front.start), "owned_by": "reshard"}
+        return {"object": "list", "data": [{**card, "max_model_len": limits.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(front.metrics.render(loads()), media_type="text/plain; version=0.0.4")
+
+    async def handle(kind: str, request: Request):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"malformed JSON body: {e}") from None
+        parsed = parse(kind, body, limits, text.encode, text.chat)
+        front.loop = asyncio.get_running_loop()
+        streams = front.accept(parsed)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        if parsed.stream:
+            events = _events(front, text, parsed, streams, rid, limits.model)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if not await _finished(front, streams, request):
+            return JSONResponse({}, status_code=499)  # (nobody reads it: the client closed the request)
+        return JSONResponse(_whole(front, text, parsed, streams, rid, limits.model))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle("chat", request)
+
+    return app
+
+
+async def _finished(front: Front, streams: list[Stream], request) -> bool:
+    """Wait until every choice completed (True); a client that went away meanwhile cancels them (False)."""
+    wake = streams[0].wake
+    while any(s.completion is None for s in streams):
+        try:
+            await asyncio.wait_for(wake.wait(), POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                front.cancel(streams)
+                return False
+        wake.clear()
+    return True
+
+
+def _whole(front: Front, text: Text, parsed: Parsed, streams: list[Stream], rid: str, model: str) -> dict:
+    choices, timing = [], []
+    for s in streams:
+        c = s.completion
+        out = final_text(text, c.output_ids, c.finish_reason, parsed.stop)
+        lps = None if parsed.logprobs is None else logprobs_of(parsed.kind, c.output_ids, c.logprobs, text.piece)
+        choices.append(choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False))
+        timing.append(_timing(front, s))
+    body = envelope(parsed.kind, rid, model, choices, chunk=False)
+    body["usage"] = _usage(parsed, streams)
+    body["reshard_timing"] = timing  # an extension: each choice's milestones, wall clock
+    return body
+
+
+def _usage(parsed: Parsed, streams: list[Stream]) -> dict:
+    prompt = sum(map(len, parsed.prompts))
+    return usage(prompt, sum(len(s.completion.output_ids) for s in streams))
+
+
+def _timing(front: Front, s: Stream) -> dict:
+    """Request ``s``'s arrival at the server, and (job clock + start) when the engine began it,
+    sent its first token and finished it."""
+    t = s.completion.timing
+    marks = {} if t is None else {"started": t.started, "first_token": t.first_token, "finished": t.finished}
+    return {"arrival": s.arrival, **{k: front.start + v for k, v in marks.items()}}
+
+
+async def _events(
+    front: Front, text: Text, parsed: Parsed, streams: list[Stream], rid: str, model: str
+) -> AsyncIterator[str]:
+    """Server-sent events: each choice's new text as its tokens land, its finish reason, then
+    (``stream_options.include_usage``) the usage, then ``[DONE]``. A client that goes away
+    cancels the choices still running."""
+    cursors = {s.rid: TextCursor(text, parsed.stop) for s in streams}
+    wake, open_ = streams[0].wake, list(streams)
+    try:
+        if parsed.kind == "chat":  # the assistant's turn opens each choice (as OpenAI's first chunk)
+            first = [choice("chat", s.index, "", None, None, delta=True) for s in streams]
+            yield _sse(envelope("chat", rid, model, first, chunk=True))
+        while open_:
+            wake.clear()
+            for s in list(open_):
+                event = _advance(parsed, text, s, cursors[s.rid])
+                if event is not None:
+                    yield _sse(envelope(parsed.kind, rid, model, [event], chunk=True))
+                if s.completion is not None:
+                    open_.remove(s)
+            if open_:
+                await wake.wait()
+        if parsed.include_usage:
+            yield _sse({**envelope(parsed.kind, rid, model, [], chunk=True), "usage": _usage(parsed, streams)})
+        yield "data: [DONE]\n\n"
+    finally:
+        front.cancel(open_)  # (none left on a stream that ran to its end)
+
+
+def _advance(parsed: Parsed, text: Text, s: Stream, cursor: TextCursor) -> dict | None:
+    """Choice ``s``'s next event (None: nothing new to send)."""
+    finish = None if s.completion is None else s.completion.finish_reason
+    new, items = cursor.advance(s.ready(), finish)
+    if not items and finish is None:  # (a step's token whose text is held back still has its event)
+        return None
+    lps = None
+    if parsed.logprobs is not None and items:
+        lps = logprobs_of(parsed.kind, [t for t, _ in items], [lp for _, lp in items], text.piece, len(cursor.sent))
+    return choice(parsed.kind, s.index, new, finish, lps, delta=True)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on ``host:port`` in a thread of its own, started by ``with`` (once
+    it listens; ``ValueError`` naming the address when it cannot) and stopped, joined, on exit."""
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+        self.server, self.address = uvicorn.Server(config), f"{host}:{port}"
+        self.thread = threading.Thread(target=self.server.run, name="reshard-http", daemon=True)
+
+    def __enter__(self) -> "HttpServer":
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise ValueError(f"serve.host:serve.port = {self.address}: cannot listen there (in use?)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one the OS picked for port 0)."""
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()

@@ -1,0 +1,278 @@
+"""OpenAI's completions and chat completions, mapped onto the engine's requests.
+
+:func:`parse` turns a request body into :class:`Parsed` (the prompts' token ids and the
+engine's :class:`SamplingParams`); every field the engine cannot honour is a
+:class:`BadRequest` naming it, never ignored. The response builders return plain dicts in
+OpenAI's shapes (``text_completion``, ``chat.completion`` and their ``.chunk`` stream events).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from reshard.parallel.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+# fields either endpoint takes: OpenAI's, and vLLM's extras the sampler has
+COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty")
+COMMON += ("stream", "stream_options", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty")
+COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "logprobs"))
+CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs", "max_completion_tokens"))
+# fields whose value here means "off": accepted with that value, a 400 naming them with any other
+INERT = MappingProxyType(
+    {
+        "echo": (False,),
+        "best_of": (1,),
+        "suffix": (None, ""),
+        "logit_bias": (None, {}),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "functions": (None, []),
+        "parallel_tool_calls": (None,),
+        "response_format": (None, {"type": "text"}),
+        "store": (None, False),
+        "metadata": (None, {}),
+        "service_tier": (None, "auto", "default"),
+    }
+)
+
+
+class BadRequest(Exception):
+    """A request the server refuses: HTTP ``status`` and a message naming the value (``param``:
+    the field at fault, as OpenAI's error objects carry)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server checks a request against: the served model's name, context and vocabulary."""
+
+    model: str
+    max_seq_len: int
+    vocab_size: int
+    logprobs: bool = True  # whether log-probabilities can be asked (not across a migration)
+
+
+@dataclass
+class Parsed:
+    """A request body as the engine runs it: ``prompts[i]`` sampled ``n`` times with ``sampling``
+    (seeds ``seed``, ``seed + 1``, ... where given)."""
+
+    kind: str  # "completions" | "chat"
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top log-probabilities per token (None: none asked)
+    stop: tuple[str, ...] = field(default=())
+
+
+def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[int]], chat) -> Parsed:
+    """``body`` (the decoded JSON) of a ``kind`` request, checked; ``tokenize(text)`` and
+    ``chat(messages)`` give token ids."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_fields(kind, body)
+    if body.get("model") != limits.model:
+        raise BadRequest(
+            f"model {body.get('model')!r} does not exist; this server serves {limits.model!r}", "model", 404
+        )
+    prompts = _prompts(body, tokenize) if kind == "completions" else [_messages(body, chat)]
+    for ids in prompts:
+        _check_prompt(ids, limits)
+    n = _int(body, "n", 1, 1, MAX_N)
+    logprobs = _logprobs(kind, body)
+    if logprobs is not None and not limits.logprobs:
+        raise BadRequest(
+            "logprobs are not kept across a failure (a migration carries tokens): not served with fault.migrate",
+            "logprobs",
+        )
+    stop = _stop(body.get("stop"))
+    longest = max(map(len, prompts))
+    room = limits.max_seq_len - longest
+    default = 16 if kind == "completions" else room
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, key, default, 1, None)
+    if max_tokens > room:
+        raise BadRequest(
+            f"{key}={max_tokens} with a prompt of {longest} tokens exceeds the model's context of "
+            f"{limits.max_seq_len} tokens (at most {room} new tokens)",
+            key,
+        )
+    sampling = _sampling(body, max_tokens, logprobs, stop)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise BadRequest(f"stream_options must be {{'include_usage': bool}}, got {options!r}", "stream_options")
+    stream = _bool(body, "stream")
+    return Parsed(kind, prompts, sampling, n, stream, bool(options.get("include_usage")), logprobs, stop)
+
+
+def _check_fields(kind: str, body: dict) -> None:
+    for name, value in body.items():
+        if name in (CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS):
+            continue
+        if name in INERT and value in INERT[name]:
+            continue
+        what = f"with {value!r}" if name in INERT else "here"
+        raise BadRequest(f"unsupported field {name!r}: reshard serve cannot honour it {what}", name)
+
+
+def _prompts(body: dict, tokenize: Callable[[str], list[int]]) -> list[list[int]]:
+    """A prompt: a string, a list of strings, a token-id list or a list of them."""
+    p = body.get("prompt")
+    if isinstance(p, str) or (isinstance(p, list) and p and all(type(t) is int for t in p)):
+        p = [p]
+    if not (isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p)):
+        raise BadRequest(f"prompt must be a string, a token-id list or a list of either, got {p!r}"[:200], "prompt")
+    out = [tokenize(x) if isinstance(x, str) else x for x in p]
+    if any(not ids or not all(type(t) is int for t in ids) for ids in out):
+        raise BadRequest("prompt must not be empty and its token ids must be ints", "prompt")
+    return out
+
+
+def _messages(body: dict, chat) -> list[int]:
+    m = body.get("messages")
+    ok = isinstance(m, list) and m and all(isinstance(x, dict) and isinstance(x.get("content"), str) for x in m)
+    if not ok or not all(x.get("role") in ("system", "user", "assistant", "developer") for x in m):
+        raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': <text>}", "messages")
+    return chat([{"role": x["role"], "content": x["content"]} for x in m])
+
+
+def _check_prompt(ids: list[int], limits: Limits) -> None:
+    if len(ids) >= limits.max_seq_len:
+        raise BadRequest(
+            f"the prompt is {len(ids)} tokens; the model's context is {limits.max_seq_len} tokens "
+            "(a prompt must leave room for one new token)",
+            "prompt",
+        )
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is outside the vocabulary of {limits.vocab_size}", "prompt")
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> SamplingParams:
+    values = dict(
+        temperature=_num(body, "temperature", 1.0, 0, 2),  # OpenAI's default: sampled
+        top_p=_num(body, "top_p", 1.0, 0, 1),
+        top_k=_int(body, "top_k", 0, 0, None),
+        min_p=_num(body, "min_p", 0.0, 0, 1),
+        presence_penalty=_num(body, "presence_penalty", 0.0, -2, 2),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0, 0, None),
+        min_tokens=_int(body, "min_tokens", 0, 0, max_tokens),
+        ignore_eos=_bool(body, "ignore_eos"),
+        seed=_int(body, "seed", None, 0, 2**63 - 1),
+    )
+    try:
+        return SamplingParams(max_new_tokens=max_tokens, logprobs=logprobs, stop=stop, **values)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    if kind == "completions":
+        return _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top is not None:
+            raise BadRequest(f"top_logprobs={top} needs logprobs=true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def _stop(value) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else tuple(value or ())
+    if not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise BadRequest(
+            f"stop must be a string or a list of at most {MAX_STOP} non-empty strings, got {value!r}", "stop"
+        )
+    return stops
+
+
+def _int(body: dict, name: str, default, low: int, high: int | None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if type(v) is not int or v < low or (high is not None and v > high):
+        rng = f">= {low}" if high is None else f"in {low}..{high}"
+        raise BadRequest(f"{name} must be an integer {rng}, got {v!r}", name)
+    return v
+
+
+def _num(body: dict, name: str, default: float, low: float, high: float | None) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= low and (high is None or v <= high)):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise BadRequest(f"{name} must be a number {rng}, got {v!r}", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false, got {v!r}", name)
+    return bool(v)
+
+
+# ---- responses ------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
+def envelope(kind: str, rid: str, model: str, choices: list[dict], chunk: bool) -> dict:
+    """The object around ``choices``: a whole response or one stream event."""
+    obj = ("chat.completion" if kind == "chat" else "text_completion") + (".chunk" if chunk and kind == "chat" else "")
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+
+
+def choice(kind: str, index: int, text: str, finish: str | None, logprobs: dict | None, delta: bool) -> dict:
+    """One choice: a completion's ``text`` or a chat ``message`` (a stream's ``delta``)."""
+    out: dict[str, Any] = {"index": index}
+    if kind == "chat":
+        out["delta" if delta else "message"] = {"role": "assistant", "content": text}
+    else:
+        out["text"] = text
+    out["logprobs"], out["finish_reason"] = logprobs, _reason(finish)
+    return out
+
+
+def _reason(finish: str | None) -> str | None:
+    return None if finish is None else {"abort": "stop"}.get(finish, finish)
+
+
+def logprobs_of(kind: str, tokens: Sequence[int], lps: Sequence[TokenLogprobs], piece, offset: int = 0) -> dict:
+    """OpenAI's log-probability object of ``tokens`` (``piece(id)``: a token's text)."""
+    if kind == "chat":
+        content = []
+        for t, (lp, top) in zip(tokens, lps):
+            tops = [_entry(piece(i), p) for i, p in top]
+            content.append({**_entry(piece(t), lp), "top_logprobs": tops})
+        return {"content": content}
+    pieces = [piece(t) for t in tokens]
+    offsets = [offset + sum(map(len, pieces[:k])) for k in range(len(pieces))]
+    return {
+        "tokens": pieces,
+        "token_logprobs": [lp for lp, _ in lps],
+        "top_logprobs": [dict((piece(i), p) for i, p in top) for _, top in lps],
+        "text_offset": offsets,
+    }
+
+
+def _entry(text: str, lp: float) -> dict:
+    return {"token": text, "logprob": lp, "bytes": list(text.encode())}

@@ -1,0 +1,433 @@
+"""``reshard serve``: the official ``openai`` client and raw HTTP against a server on loopback.
+
+One server (``reshard serve --nproc 2``, two data-parallel engine groups) answers the module's
+tests in order; the last one drains it with SIGTERM. A second one, under ``fault.migrate=kv``,
+loses a rank while eight streams are open. Every strategy serves from the harness's ranks
+(:func:`reshard.recipes.serve.run_serve`, a client thread on rank 0). References: HF ``generate``
+(greedy) on the same token ids, decoded as the offline job decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests import dist_harness
+
+MODEL = "tiny"
+NEW = 12  # new tokens per request
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    run_dir: Path
+    log: Path
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Path:
+    """The built-in checkpoint (with its tokenizer and chat template)."""
+    from reshard.parallel.model.tiny_models import builtin_checkpoint
+
+    return builtin_checkpoint(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(served)
+
+
+def start_server(served: Path, run_dir: Path, extra: list[str]) -> Server:
+    log = run_dir.parent / f"{run_dir.name}.log"
+    args = ["serve", "--nproc", "2", "--port", "0", f"model.path={served}", f"serve.model_name={MODEL}"]
+    args += [*extra, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reshard.recipes.cli", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited {proc.returncode}:\n{log.read_text()}")
+        info = run_dir / "server.json"
+        url = json.loads(info.read_text()).get("url") if info.exists() else None
+        if url:
+            return Server(url, proc, run_dir, log)
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no server within 180 s:\n{log.read_text()}")
+
+
+def stop(server: Server) -> int:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def server(served, tmp_path_factory):
+    extra = ["parallel.tp=1", "engine.max_batch_size=4", "serve.max_waiting=12", "serve.grace_s=60"]
+    s = start_server(served, tmp_path_factory.mktemp("serve") / "run", extra)
+    yield s
+    stop(s)
+
+
+def reference(hf_reference, tokenizer, served: Path, ids: list[list[int]], new: int = NEW) -> list[str]:
+    """HF ``generate``'s greedy text for each prompt's token ids (special tokens skipped)."""
+    return [tokenizer.decode(out, skip_special_tokens=True) for out in hf_reference(str(served), ids, new)]
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+PROMPTS = ["Hello there", "The capital of", "one two three four five", "x"]
+
+
+def test_openai_client_completions_and_chat_streamed_and_not_equal_hf_generate(server, served, tokenizer, hf_reference):
+    client = server.client()
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    want = reference(hf_reference, tokenizer, served, ids)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=NEW, temperature=0)
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == want
+    assert whole.usage.prompt_tokens == sum(map(len, ids))
+    hf_tokens = hf_reference(str(served), ids, NEW)
+    assert whole.usage.completion_tokens == sum(map(len, hf_tokens))
+
+    for prompt, text in zip(PROMPTS[:2], want):
+        events = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, stream=True))
+        assert "".join(e.choices[0].text for e in events if e.choices) == text
+        assert len([e for e in events if e.choices and e.choices[0].text]) > 1  # token by token, not one blob
+
+    messages = [{"role": "user", "content": "Say something"}]
+    (chat_want,) = reference(hf_reference, tokenizer, served, [chat_ids(tokenizer, messages)])
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0)
+    assert chat.choices[0].message.content == chat_want
+    assert chat.usage.prompt_tokens == len(chat_ids(tokenizer, messages))
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=NEW,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    events = list(streamed)
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == chat_want
+    assert events[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason] == [
+        chat.choices[0].finish_reason
+    ]
+
+
+def test_logprobs_and_seeded_sampling_through_the_client(server):
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    args = dict(model=MODEL, prompt="Hello there", max_tokens=8, temperature=1.0, seed=7, n=2)
+    a, b = client.completions.create(**args), client.completions.create(**args)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: the same draws
+
+
+def _ask(server: Server, prompt: str, delay: float, out: dict, k: int) -> None:
+    time.sleep(delay)
+    sent = time.time()
+    stream = k % 2 == 0
+    if stream:
+        events = list(
+            server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, stream=True)
+        )
+        text, timing = "".join(e.choices[0].text for e in events if e.choices), None
+    else:
+        r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0)
+        text, timing = r.choices[0].text, r.model_extra["reshard_timing"][0]
+    out[k] = (sent, text, timing, time.time())
+
+
+def test_sixteen_poisson_clients_each_complete_equal_to_offline_and_none_starts_before_it_arrives(
+    server, served, tokenizer, hf_reference
+):
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps"]) for _ in range(rng.randint(1, 30)))]
+    prompts += [f"request {k} " * rng.randint(1, 8) for k in range(15)]
+    want = reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts])
+    gaps = [rng.expovariate(8.0) for _ in prompts]  # Poisson arrivals at 8 requests/s
+    arrivals = [sum(gaps[: k + 1]) for k in range(len(prompts))]
+    out: dict = {}
+    threads = [
+        threading.Thread(target=_ask, args=(server, p, a, out, k)) for k, (p, a) in enumerate(zip(prompts, arrivals))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert sorted(out) == list(range(16))
+    assert [out[k][1] for k in range(16)] == want
+    for sent, _, timing, received in (out[k] for k in range(1, 16, 2)):
+        marks = [sent, timing["arrival"], timing["started"], timing["first_token"], timing["finished"], received]
+        assert marks == sorted(marks), marks  # the engine began each request after the client sent it
+
+
+@pytest.mark.parametrize(
+    "body,status,match",
+    [
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens=100000 with a prompt of"),
+        ({"model": MODEL, "prompt": list(range(5, 600))}, 400, "the prompt is 595 tokens; the model's context is 512"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1}}, 400, "unsupported field 'logit_bias'"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "unsupported field 'best_of'"),
+        (
+            {"model": MODEL, "prompt": "hi", "temperature": "hot"},
+            400,
+            "temperature must be a number in \\[0, 2\\], got 'hot'",
+        ),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n must be an integer in 1..16, got 0"),
+        ({"model": MODEL, "prompt": [3, 99999]}, 400, "token id 99999 is outside the vocabulary"),
+        ("{not json", 400, "malformed JSON body"),
+    ],
+)
+def test_bad_requests_are_4xx_naming_the_value_and_the_server_keeps_serving(server, body, status, match):
+    import re
+
+    import httpx
+
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.url}/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert re.search(match, r.json()["error"]["message"]), r.json()
+    ok = httpx.post(f"{server.url}/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def _metric(server: Server, name: str) -> float:
+    import httpx
+
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    values = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    ]
+    return sum(values)
+
+
+def test_a_full_queue_is_429_with_retry_after(server):
+    import httpx
+
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=120) as http:
+        results: list = []
+
+        def one() -> None:
+            results.append(http.post(f"{server.url}/completions", json=body))
+
+        threads = [threading.Thread(target=one) for _ in range(30)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    codes = sorted(r.status_code for r in results)
+    assert set(codes) == {200, 429} and codes.count(200) >= 12, codes  # 8 run, up to 12 more wait
+    refused = next(r for r in results if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1" and "serve.max_waiting=12" in refused.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_kv(server):
+    import httpx
+
+    free = _metric(server, "reshard_kv_free_tokens")
+    aborted, generated = (
+        _metric(server, 'reshard_requests_finished_total{reason="abort"}'),
+        _metric(server, "reshard_generation_tokens_total"),
+    )
+    body = {
+        "model": MODEL,
+        "prompt": "a long one",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as r:
+        chunks = [line for line, _ in zip(r.iter_lines(), range(6)) if line]
+    assert len(chunks) >= 3  # it was streaming when the client left
+    deadline = time.monotonic() + 60
+    while _metric(server, 'reshard_requests_finished_total{reason="abort"}') == aborted and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, 'reshard_requests_finished_total{reason="abort"}') == aborted + 1
+    assert _metric(server, "reshard_generation_tokens_total") - generated < 400  # ended early
+    assert _metric(server, "reshard_kv_free_tokens") == free  # its KV is free again
+    assert _metric(server, "reshard_requests_running") == 0
+
+
+def test_sigterm_drains_running_requests_finish_new_ones_get_503_and_it_exits_0(
+    server, served, tokenizer, hf_reference
+):
+    """Last of the module's: the server ends here."""
+    import httpx
+
+    prompts = ["drain me", "and me too", "me three", "last"]
+    want = reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts], 30)
+    out: dict = {}
+
+    def one(k: int) -> None:
+        events = server.client().completions.create(
+            model=MODEL, prompt=prompts[k], max_tokens=30, temperature=0, stream=True
+        )
+        out[k] = "".join(e.choices[0].text for e in events if e.choices)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while _metric(server, "reshard_requests_running") < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.proc.send_signal(signal.SIGTERM)
+    while httpx.get(server.url.removesuffix("/v1") + "/health").status_code == 200:
+        time.sleep(0.02)
+    late = httpx.post(f"{server.url}/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+    assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    for t in threads:
+        t.join(120)
+    assert [out.get(k) for k in range(4)] == want  # every running request finished
+    assert server.proc.wait(120) == 0
+    log = server.log.read_text()
+    assert "drained:" in log and "0 cancelled" in log, log
+
+
+def test_dp_groups_with_migrate_kv_keep_eight_streams_through_a_rank_kill(served, tokenizer, hf_reference, tmp_path):
+    extra = [
+        "parallel.tp=1",
+        "engine.max_batch_size=8",
+        "fault.migrate=kv",
+        "fault.kill_at=[1,8]",
+        "fault.warm_spare=false",
+    ]
+    server = start_server(served, tmp_path / "run", extra)
+    try:
+        prompts = [f"stream {k} " * (k + 1) for k in range(8)]
+        want = reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts], 24)
+        out: dict = {}
+
+        def one(k: int) -> None:
+            events = server.client().completions.create(
+                model=MODEL, prompt=prompts[k], max_tokens=24, temperature=0, stream=True
+            )
+            out[k] = [e.choices[0].text for e in events if e.choices]
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert ["".join(out.get(k, [])) for k in range(8)] == want  # no token twice, none missing
+        events = [json.loads(line) for line in (server.run_dir / "supervision.jsonl").read_text().splitlines()]
+        assert any(e.get("event") == "exited" and e.get("rank") == 1 for e in events), events
+    finally:
+        assert stop(server) == 0
+
+
+# ---- every strategy, from the harness's ranks -------------------------------------------------------
+def _serve_and_ask(overrides: list[str], run_dir: str, prompts: list[str], messages: list) -> dict | None:
+    """On every rank: serve (``run_serve``); on rank 0 a client thread asks, then drains."""
+    import torch.distributed as dist
+
+    from reshard.recipes import schema
+    from reshard.recipes.serve import run_serve
+
+    cfg = schema.compose("serve", overrides)
+    drain, out = threading.Event(), {}
+    client = None
+    if dist.get_rank() == 0:
+        client = threading.Thread(target=_client, args=(Path(run_dir), prompts, messages, drain, out))
+        client.start()
+    try:
+        run_serve(cfg, Path(run_dir), drain)
+    finally:
+        drain.set()
+    if client is not None:
+        client.join(60)
+        return out
+    return None
+
+
+def _client(run_dir: Path, prompts: list[str], messages: list, drain: threading.Event, out: dict) -> None:
+    import openai
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not drain.is_set():
+            info = run_dir / "server.json"
+            url = json.loads(info.read_text()).get("url") if info.exists() else None
+            if url:
+                break
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=NEW, temperature=0)
+        out["texts"] = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+        events = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=NEW, temperature=0, stream=True
+        )
+        out["chat"] = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    except Exception as e:  # reported by the test
+        out["error"] = repr(e)
+    finally:
+        drain.set()
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["parallel=shift", "parallel.sp=2", "parallel.threshold=8"],
+        ["parallel=seesaw"],
+        ["parallel=sidp"],
+        ["parallel=dejavu"],
+    ],
+    ids=["shift", "seesaw", "sidp", "dejavu"],
+)
+def test_every_strategy_serves_through_the_openai_client(strategy, served, tokenizer, hf_reference, tmp_path):
+    messages = [{"role": "user", "content": "Say something"}]
+    prompts = PROMPTS[:3]
+    overrides = [f"model.path={served}", f"serve.model_name={MODEL}", "serve.port=0", *strategy]
+    out = dist_harness.run(2, _serve_and_ask, overrides, str(tmp_path / "run"), prompts, messages)[0]
+    assert "error" not in out, out["error"]
+    assert out["texts"] == reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts])
+    assert out["chat"] == reference(hf_reference, tokenizer, served, [chat_ids(tokenizer, messages)])[0]

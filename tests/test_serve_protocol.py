@@ -1,0 +1,116 @@
+"""The server's pieces without a server: OpenAI's fields onto the engine's, streamed text against
+the offline job's, and a cancellation inside an engine group."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from reshard.parallel.engine.admission import withdraw
+from reshard.parallel.engine.channel import Cancel
+from reshard.parallel.engine.request import Request, Sequence
+from reshard.parallel.engine.sampling import SamplingParams
+from reshard.parallel.serve.protocol import BadRequest, Limits, parse
+
+LIMITS = Limits("tiny", max_seq_len=64, vocab_size=100)
+
+
+def _parse(kind: str, **body):
+    tokenize = lambda text: [ord(c) % 100 for c in text]  # noqa: E731
+    chat = lambda messages: [1, 2, *tokenize(messages[-1]["content"])]  # noqa: E731
+    return parse(kind, {"model": "tiny", **body}, LIMITS, tokenize, chat)
+
+
+def test_openai_fields_map_onto_the_engines_sampling_params():
+    p = _parse(
+        "completions",
+        prompt=["ab", [5, 6, 7]],
+        max_tokens=9,
+        temperature=0.5,
+        top_p=0.9,
+        stop="xy",
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        logprobs=2,
+        n=3,
+        top_k=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert p.prompts == [[97, 98], [5, 6, 7]] and p.n == 3 and p.stream and p.include_usage
+    s = p.sampling
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (9, 0.5, 0.9, 4, 3)
+    assert (s.stop, s.presence_penalty, s.frequency_penalty, s.logprobs) == (("xy",), 0.5, -1.0, 2)
+    chat = _parse("chat", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=5, temperature=0)
+    assert chat.prompts == [[1, 2, 4, 5]] and chat.logprobs == 5 and chat.sampling.greedy
+    assert chat.sampling.max_new_tokens == 64 - 4  # chat's default: the rest of the context
+    assert _parse("completions", prompt="a").sampling.max_new_tokens == 16  # OpenAI's default
+    assert _parse("completions", prompt="a", echo=False, best_of=1, logit_bias={}).n == 1  # "off" values pass
+
+
+@pytest.mark.parametrize(
+    "kind,body,param,status",
+    [
+        ("completions", {"model": "other", "prompt": "a"}, "model", 404),
+        ("completions", {"prompt": "a", "max_tokens": 64}, "max_tokens", 400),
+        ("completions", {"prompt": list(range(64))}, "prompt", 400),
+        ("completions", {"prompt": "a", "suffix": "zz"}, "suffix", 400),
+        ("completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+        ("completions", {"prompt": "a", "logprobs": 21}, "logprobs", 400),
+        ("completions", {"prompt": "a", "messages": []}, "messages", 400),
+        ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs", 400),
+        ("chat", {"messages": [{"role": "robot", "content": "a"}]}, "messages", 400),
+        ("chat", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools", 400),
+        ("chat", {"messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream", 400),
+    ],
+)
+def test_a_field_the_engine_cannot_honour_is_refused_by_name(kind, body, param, status):
+    body = {"model": "tiny", **body}
+    with pytest.raises(BadRequest) as e:
+        parse(kind, body, LIMITS, lambda t: [1] * len(t), lambda m: [1, 2])
+    assert (e.value.param, e.value.status) == (param, status) and param in str(e.value)
+
+
+def test_logprobs_are_refused_where_a_migration_would_drop_them():
+    limits = Limits("tiny", 64, 100, logprobs=False)
+    with pytest.raises(BadRequest, match="logprobs are not kept across a failure"):
+        parse("completions", {"model": "tiny", "prompt": [1], "logprobs": 1}, limits, list, list)
+
+
+class _Chars:
+    """A tokenizer of one character per id (ids are code points)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_on_the_offline_text():
+    from reshard.parallel.serve.app import Text, TextCursor, final_text
+
+    text, stops = Text(_Chars()), ("STOP",)
+    out = [ord(c) for c in "hello STOP world"]
+    cursor, sent = TextCursor(text, stops), []
+    for k in range(1, 10):  # the engine ends the request at the token that completes "STOP"
+        new, items = cursor.advance([(t, None) for t in out[:k]], None)
+        sent.append(new)
+        assert len(items) == 1
+    assert "".join(sent) == "hello "  # "STO" could be a stop string's start: held back
+    new, _ = cursor.advance([(t, None) for t in out[:10]], "stop")
+    assert "".join(sent) + new == final_text(text, out[:10], "stop", stops) == "hello "
+
+
+def test_a_cancel_ends_a_queued_request_at_once_and_marks_a_running_one():
+    queued, running = Request(1, [5, 6], SamplingParams()), Request(2, [7], SamplingParams(max_new_tokens=9))
+    seq = Sequence.of(running, eos_ids=(0,))
+    queue = deque([queued])
+    items, ended = withdraw(queue, [Cancel(1), Cancel(2), Request(3, [1])], {2: seq}, apply=True)
+    assert [r.id for r in items] == [3] and not queue
+    assert [(c.id, c.output_ids, c.finish_reason) for c in ended] == [(1, [], "abort")]
+    assert seq.cancelled and seq.finish_reason is None
+    seq.append(4)  # its next token ends it
+    assert seq.finish_reason == "abort"
+    kept = deque([queued])
+    items, ended = withdraw(kept, [Cancel(1)], {}, apply=False)  # an in-flight pipeline: runs to its end
+    assert items == [] and ended == [] and list(kept) == [queued]
