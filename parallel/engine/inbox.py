@@ -37,25 +37,35 @@ class Inbox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._intake = Intake()
+        self._put = threading.Event()  # set by every put, cleared by take: the router sleeps on it
 
     def submit(self, request: Request) -> None:
         with self._lock:
             assert not self._intake.closed, f"request {request.id} submitted after the inbox closed"
             self._intake.requests.append(request)
+        self._put.set()
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
             self._intake.cancelled.append(request_id)
+        self._put.set()
 
     def close(self) -> None:
         with self._lock:
             self._intake.closed = True
+        self._put.set()
 
     def take(self) -> Intake:
         """Everything put since the last take (``closed`` stays set once set)."""
         with self._lock:
             out, self._intake = self._intake, Intake(closed=self._intake.closed)
+            self._put.clear()
         return out
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, less if something is put meanwhile (a new request is placed
+        at once, not after the router's backoff)."""
+        self._put.wait(seconds)
 
 
 def publish_tokens(engine, channel: Channel) -> None:

@@ -144,7 +144,7 @@ class Router:
                     self._watch()
                 tries = 0 if self._dispatch() else tries + 1
                 if tries:  # nothing handed out: look again soon, or when the next request arrives
-                    time.sleep(self._pause(tries))
+                    (self.inbox.wait if self.inbox is not None else time.sleep)(self._pause(tries))
             if self._over():
                 self.channel.put("all_done", time.time())
         except BaseException as e:  # reported by __exit__ on rank 0; groups then time out by name
