@@ -46,12 +46,21 @@ SIZES = {
     "nproc": 4,
 }
 SMALL = {**SIZES, "hidden": 64, "intermediate": 128, "layers": 2, "vocab": 512, "requests": 8, "rates": [2], "nproc": 2}
-LAYOUTS = {
-    "tp": [],
-    "dp-groups": ["parallel.tp=1"],
-    "shift": ["parallel=shift", "parallel.sp=2"],
-    "dejavu": ["parallel=dejavu"],  # prompts on half the ranks, tokens on the rest, a group per rank
-}
+LAYOUTS = ("tp", "dp-groups", "shift", "dejavu")
+
+
+def layout_overrides(layout: str, nproc: int) -> list[str]:
+    """The server's overrides for ``layout`` on ``nproc`` ranks (``bench/online.py``'s layouts)."""
+    half = nproc // 2  # dejavu: prompts on half the ranks, tokens on the rest, a group per rank
+    dejavu = ["parallel=dejavu", f"parallel.prompt_ranks={half}", f"parallel.prompt.dp={half}"]
+    return {
+        "tp": [],
+        "dp-groups": ["parallel.tp=1"],
+        "shift": ["parallel=shift", "parallel.sp=2"],
+        "dejavu": [*dejavu, f"parallel.token.dp={nproc - half}"],
+    }[layout]
+
+
 METRICS = ("ttft", "tpot", "latency", "normalized")
 
 
@@ -94,7 +103,8 @@ def start(layout: str, path: Path, args, run_dir: Path) -> tuple[subprocess.Pope
     max_len = args.prompt_lens[1] + args.budgets[1]
     cmd = [sys.executable, "-m", "reshard.recipes.cli", "serve", "--nproc", str(args.nproc), "--port", "0"]
     cmd += [f"model.path={path}", "serve.model_name=bench", f"engine.max_batch_size={args.batch}"]
-    cmd += [f"engine.max_seq_len={max_len}", "serve.max_waiting=100000", *LAYOUTS[layout], f"hydra.run.dir={run_dir}"]
+    cmd += [f"engine.max_seq_len={max_len}", "serve.max_waiting=100000", *layout_overrides(layout, args.nproc)]
+    cmd += [f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, stdout=(run_dir.parent / f"{layout}.log").open("w"), stderr=subprocess.STDOUT)
     while proc.poll() is None:
         info = run_dir / "server.json"
@@ -102,7 +112,8 @@ def start(layout: str, path: Path, args, run_dir: Path) -> tuple[subprocess.Pope
         if url:
             return proc, url
         time.sleep(0.2)
-    raise SystemExit(f"{layout}: the server exited {proc.returncode}; see {run_dir.parent / f'{layout}.log'}")
+    log = (run_dir.parent / f"{layout}.log").read_text()[-2000:]
+    raise SystemExit(f"{layout}: the server exited {proc.returncode}:\n{log}")
 
 
 async def one(http, url: str, start: float, arrival: float, prompt: list[int], budget: int) -> dict:
@@ -213,7 +224,8 @@ def main() -> None:
                 asyncio.run(load(url, workload(args, args.rates[0])[:2]))  # warm-up
                 for rate in args.rates:
                     results, seconds = asyncio.run(load(url, workload(args, rate)))
-                    table.setdefault((layout, "http"), {})[rate] = figures(results, seconds)
+                    table.setdefault((layout, "http"), {})[rate] = f = figures(results, seconds)
+                    print(line(layout, rate, "http", f, None), file=sys.stderr, flush=True)  # kept if a later one fails
             finally:
                 proc.send_signal(signal.SIGTERM)
                 assert proc.wait(300) == 0, f"{layout}: the server did not drain cleanly"

@@ -80,7 +80,7 @@ def run_serve(cfg: GenerateConfig, run_dir: Path, drain: threading.Event) -> dic
         check = lambda r: engine.validate([r])  # noqa: E731 - what the engine refuses, refused at the door
         server = serving(site, channel, topology, routing, check=check) if rank == 0 else contextlib.nullcontext()
         with server:
-            engine.serve_routed(channel, endpoint_of(group.index), layout=group)
+            engine.serve_routed(channel, endpoint_of(group.index), layout=group, keep=False)
     return {}
 
 

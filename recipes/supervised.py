@@ -241,7 +241,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, s
     if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group, or a
         mirror.wait_connected(starting=hands_off or topology.hosted)  # hosted group: once it is; its host always is)
     with engine:
-        engine.serve_routed(channel, spec.endpoint, beat=journal.beat, layout=group)
+        engine.serve_routed(channel, spec.endpoint, beat=journal.beat, layout=group, keep=not streams)
     channel.put(f"left/{spec.endpoint}", time.time())  # no mirror (or weight taker) waits for it any more
     for closing in (mirror, donor):
         if closing is not None:

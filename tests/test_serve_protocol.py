@@ -114,3 +114,40 @@ def test_a_cancel_ends_a_queued_request_at_once_and_marks_a_running_one():
     kept = deque([queued])
     items, ended = withdraw(kept, [Cancel(1)], {}, apply=False)  # an in-flight pipeline: runs to its end
     assert items == [] and ended == [] and list(kept) == [queued]
+
+
+def test_a_servers_router_places_cancels_and_forgets_and_ends_once_its_inbox_closes():
+    """The router with an inbox, against a store and a hand-written group: what it posts where."""
+    import time
+
+    import torch.distributed as dist
+
+    from reshard.parallel.engine.channel import Channel, Load, Topology
+    from reshard.parallel.engine.inbox import Inbox
+    from reshard.parallel.engine.request import Completion
+    from reshard.parallel.engine.router import Router
+
+    channel, inbox, kept = Channel("t", store=dist.HashStore()), Inbox(), []
+    channel.put("load/0.0", Load(4, 100, 0))
+
+    def posted(k: int):
+        deadline = time.monotonic() + 30
+        while not channel.ready(f"assign/0.0/{k}"):
+            assert time.monotonic() < deadline, f"nothing posted as assign/0.0/{k}"
+            time.sleep(0.01)
+        return channel.get(f"assign/0.0/{k}")
+
+    with Router(channel, [], Topology.ring(1), time.time(), "least_loaded", inbox=inbox, keep=kept.append) as router:
+        inbox.submit(Request(7, [1, 2], SamplingParams(max_new_tokens=3)))
+        assert posted(0).id == 7
+        inbox.cancel(7)
+        assert posted(1) == Cancel(7)  # to the group that runs it
+        channel.append("done", Completion(7, [1, 2], [5], "abort"))
+        inbox.submit(Request(8, [1], SamplingParams(max_new_tokens=2)))
+        assert posted(2).id == 8
+        channel.append("done", Completion(8, [1], [4, 4], "length"))
+        inbox.close()
+        router.thread.join(30)
+        assert not router.thread.is_alive() and channel.ready("all_done")
+    assert [(c.id, c.finish_reason) for c in kept] == [(7, "abort"), (8, "length")]
+    assert router.originals == {} and router.completions == {}  # a server's router keeps nothing done

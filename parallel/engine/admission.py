@@ -192,6 +192,23 @@ class RoutedAdmission(Admission):
             self.channel.post(endpoint_of(handoff.target), handoff)
 
 
+class Done(dict):
+    """A group's finished requests, by id (what its loop returns); ``keep=False`` (a server's,
+    which runs without end) counts them and keeps none."""
+
+    def __init__(self, keep: bool = True) -> None:
+        super().__init__()
+        self.keep, self.count = keep, 0
+
+    def __setitem__(self, rid: int, completion: Completion) -> None:
+        if self.keep:
+            super().__setitem__(rid, completion)
+        self.count += 1
+
+    def __len__(self) -> int:
+        return super().__len__() if self.keep else self.count
+
+
 def enqueue(queue: deque, requests: Seq[Request]) -> None:
     """Queue ``requests`` as they arrive, except that a request resumed with KV held elsewhere
     (``kv_source``: a migration) goes ahead of the fresh requests already queued: its KV waits in

@@ -29,6 +29,7 @@ from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.admission import (
     ADMIT,
     Admission,
+    Done,
     LocalAdmission,
     RoutedAdmission,
     endpoint_of,
@@ -194,6 +195,7 @@ class Engine:
         endpoint: str,
         beat: Callable[[], None] | None = None,
         layout: GroupLayout | None = None,
+        keep: bool = True,
     ) -> list[Completion]:
         """Serve this rank's engine group as ``endpoint`` of a supervised job (whose router runs
         in another process, :mod:`reshard.parallel.engine.router`): requests come from
@@ -201,14 +203,14 @@ class Engine:
         while it waits for requests (a heartbeat: idle is not hung). ``layout``: the group, when the
         engine is not one of several (a strategy's one group of every rank). Returns this group's
         completions (:meth:`generate` returns the whole job's, where every group lives to the
-        end)."""
+        end; ``keep=False``, a server's, which runs without end: none, each is only counted)."""
         layout = layout or self.engine_group
         assert layout is not None, "serve_routed runs an engine group: give its layout"
         self.ready()
         what = f"engine group {endpoint} waiting for the router's start time"
         channel.wait("start", what, self.group_timeout)
         admission = RoutedAdmission(channel, layout, None, self.group_timeout, endpoint=endpoint, beat=beat)
-        return list(self._serve(admission, channel.get("start")).values())
+        return list(self._serve(admission, channel.get("start"), Done(keep)).values())
 
     def ready(self, tags: Collection[str] = ("weights", "kv_cache"), check: bool = True) -> None:
         """Before serving: weights synced (``check``), what release_memory() freed of ``tags`` back."""
@@ -216,20 +218,19 @@ class Engine:
             parallel_info(runner.model).weight_version.check_ready()
         self._released = restore(self._released, tags)
 
-    def _serve(self, admission: Admission, start: float) -> dict:
+    def _serve(self, admission: Admission, start: float, done: Done | None = None) -> Done:
         """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
-        ``admission`` is exhausted and every request it handed over has finished. Every stage of
-        an in-flight pipeline runs it; a later stage's requests and steps come from the first
-        stage's notes (:class:`NotedSteps`)."""
+        ``admission`` is exhausted and every request it handed over has finished (in ``done``).
+        Every stage of an in-flight pipeline runs it; a later stage's requests and steps come
+        from the first stage's notes (:class:`NotedSteps`)."""
         if isinstance(self.policy, NotedSteps):
             admission = self.policy.admission()
         if self.flow is not None:
             self.flow.begin()
-        queue, done, left = deque(admission.initial()), {}, 0  # left: handed to another group
+        queue, left, done = deque(admission.initial()), 0, Done() if done is None else done  # left: handed on
         self.policy.start(queue)
         admission.report(self.policy.load(queue), [])
-        # a queued hand-off whose sequences all finished at their first token counts in no total:
-        # the loop still takes it (its KV must be received)
+        # a queued hand-off whose sequences all finished at their first token counts in no total: taken all the same
         while queue or not (admission.exhausted and len(done) + left == admission.taken):
             if not queue and len(done) + left == admission.taken:  # nothing queued or running: wait for more
                 enqueue(queue, withdraw(queue, admission.wait_next(), self._live, False)[0])  # (a cancel: of none)
@@ -267,7 +268,7 @@ class Engine:
         return landed
 
     def _settle(
-        self, step: Step, output: StepOutput, admission: Admission, queue: deque, done: dict, start: float
+        self, step: Step, output: StepOutput, admission: Admission, queue: deque, done: Done, start: float
     ) -> int:
         """After a step's tokens are appended: hand-offs, retire finished sequences, admit what the
         group agreed to; returns the sequences handed to another group."""
@@ -278,14 +279,15 @@ class Engine:
             for r in handoff.requests:
                 self._live.pop(r.id, None)
         finished = [seq for seq in step.seqs if seq.finish_reason is not None]
+        completions = [seq.completion(start) for seq in finished]
         for seq in finished:
-            done[seq.request.id] = seq.completion(start)
             self.policy.retire(seq)
             self._live.pop(seq.request.id, None)
         items, ended = withdraw(queue, admission.take((output.agreed or {}).get(ADMIT, 0)), self._live, not self.flow)
-        done.update((c.id, c) for c in ended)
+        for c in completions + ended:
+            done[c.id] = c
         enqueue(queue, items)
-        admission.report(self.policy.load(queue), [done[seq.request.id] for seq in finished] + ended)
+        admission.report(self.policy.load(queue), completions + ended)
         return left
 
     def _serve_routed(self, requests: Seq[Request], bar: tqdm, seed: int | None) -> list[Completion]:

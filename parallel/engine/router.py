@@ -6,17 +6,14 @@ Requests are placed once they have arrived (``routing``: least loaded, round rob
 first). Groups talk to the router through the job's store (:class:`Channel`): the router posts
 to ``assign/<endpoint>/<k>``, each group's leader publishes its :class:`Load` and appends every
 completion to ``done``; once every request has completed the router sets ``all_done`` and each
-group's leader ends its own input. An endpoint is ``<group>.<generation>``: a group that never
-fails is always generation 0.
+group's leader ends its own input. An endpoint is ``<group>.<generation>``.
 
 The job's :class:`Topology` names the entry groups (which take new requests) and where each
 group's KV goes:
 
-- **Hand-offs** (DejaVu under supervision, :meth:`Topology.disaggregated`): an entry (prompt
-  group) runs each request up to its first token; its completion there is handed, resumed with
-  ``kv_source`` naming the prompt group, to the token group that mirrors that prompt group's KV:
-  a hand-off is a migration whose source lives on. (DejaVu's unsupervised groups hand over
-  among themselves, :class:`Handoff`; the router sees their completions only.)
+- **Hand-offs** (DejaVu under supervision): an entry (prompt group) runs each request to its first
+  token, then it is resumed (``kv_source``: that group) on the token group that mirrors its KV: a
+  migration whose source lives on. (Unsupervised DejaVu groups hand over among themselves.)
 - **Failures** are router events: when a group's generation moves on (``generation(g)``, the
   supervisors' count in the store; a job without supervision has none), the dead generation's
   requests are rebuilt from its journal (:mod:`reshard.parallel.fault.journal`): a request that
@@ -273,6 +270,8 @@ class Router:
                 self.on_tokens(entry)
         for c in self.channel.read_list("done", self._read):
             self._read += 1
+            if c.id not in self.originals:  # completed, and forgotten, already (a server's router)
+                continue
             source = self.where.pop(c.id, None)
             if c.timing is not None and c.id not in self.first_token:
                 self.first_token[c.id] = c.timing.first_token
@@ -286,6 +285,8 @@ class Router:
     def _complete(self, c: Completion) -> None:
         self.completions[c.id] = c
         self.keep(c)
+        for kept in (self.completions, self.originals, self.first_token, self.so_far, self.routed) * bool(self.inbox):
+            kept.pop(c.id, None)  # a server's router (it runs without end) forgets what it handed on
         if self.die_after is not None and len(self.completions) >= self.die_after:
             die()  # fault injection: the router's process, with its supervisor's engine
 
