@@ -146,7 +146,7 @@ def test_openai_client_completions_and_chat_streamed_and_not_equal_hf_generate(s
     ]
 
 
-def test_logprobs_and_seeded_sampling_through_the_client(server):
+def test_logprobs_seeded_sampling_and_usage_of_several_choices(server):
     client = server.client()
     out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
@@ -165,6 +165,12 @@ def test_logprobs_and_seeded_sampling_through_the_client(server):
     args = dict(model=MODEL, prompt="Hello there", max_tokens=8, temperature=1.0, seed=7, n=2)
     a, b = client.completions.create(**args), client.completions.create(**args)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: the same draws
+    one, x = (client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in ("Hello", "x"))
+    two = client.completions.create(model=MODEL, prompt=["Hello", "x"], max_tokens=6, temperature=0, n=2)
+    texts = [c.text for c in sorted(two.choices, key=lambda c: c.index)]
+    assert texts == [one.choices[0].text] * 2 + [x.choices[0].text] * 2  # choice p * n + k
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens + x.usage.prompt_tokens  # each prompt once
+    assert two.usage.completion_tokens == 2 * (one.usage.completion_tokens + x.usage.completion_tokens)
 
 
 def _ask(server: Server, prompt: str, delay: float, out: dict, k: int) -> None:
@@ -296,6 +302,18 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_
     assert _metric(server, "reshard_generation_tokens_total") - generated < 400  # ended early
     assert _metric(server, "reshard_kv_free_tokens") == free  # its KV is free again
     assert _metric(server, "reshard_requests_running") == 0
+    generated = _metric(server, "reshard_generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):  # a client that does not stream, gone before its answer
+        httpx.post(f"{server.url}/completions", json={**body, "stream": False, "max_tokens": 480}, timeout=0.5)
+    deadline = time.monotonic() + 60
+    while (
+        _metric(server, 'reshard_requests_finished_total{reason="abort"}') == aborted + 1
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert _metric(server, 'reshard_requests_finished_total{reason="abort"}') == aborted + 2
+    assert _metric(server, "reshard_generation_tokens_total") - generated < 480
+    assert _metric(server, "reshard_kv_free_tokens") == free
 
 
 def test_sigterm_drains_running_requests_finish_new_ones_get_503_and_it_exits_0(
@@ -345,20 +363,25 @@ def test_dp_groups_with_migrate_kv_keep_eight_streams_through_a_rank_kill(served
     try:
         prompts = [f"stream {k} " * (k + 1) for k in range(8)]
         want = reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts], 24)
-        out: dict = {}
+        out, ends = {}, {}
 
         def one(k: int) -> None:
-            events = server.client().completions.create(
-                model=MODEL, prompt=prompts[k], max_tokens=24, temperature=0, stream=True
-            )
+            events = list(
+                server.client().completions.create(
+                    model=MODEL, prompt=prompts[k], max_tokens=24, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )  # fmt: skip
             out[k] = [e.choices[0].text for e in events if e.choices]
+            ends[k] = [(e.choices[0].finish_reason if e.choices else None, e.usage) for e in events[-2:]]
 
         threads = [threading.Thread(target=one, args=(k,)) for k in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(180)
-        assert ["".join(out.get(k, [])) for k in range(8)] == want  # no token twice, none missing
+        got = ["".join(out.get(k, [])) for k in range(8)]
+        assert got == want, (ends, server.log.read_text()[-3000:])  # no token twice, none missing
         events = [json.loads(line) for line in (server.run_dir / "supervision.jsonl").read_text().splitlines()]
         assert any(e.get("event") == "exited" and e.get("rank") == 1 for e in events), events
     finally:

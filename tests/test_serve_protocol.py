@@ -111,6 +111,9 @@ def test_a_cancel_ends_a_queued_request_at_once_and_marks_a_running_one():
     assert seq.cancelled and seq.finish_reason is None
     seq.append(4)  # its next token ends it
     assert seq.finish_reason == "abort"
+    late = Request(4, [1], SamplingParams())
+    items, ended = withdraw(deque(), [late, Cancel(4)], {}, apply=True)  # taken and cancelled at one step
+    assert items == [] and [(c.id, c.finish_reason) for c in ended] == [(4, "abort")]
     kept = deque([queued])
     items, ended = withdraw(kept, [Cancel(1)], {}, apply=False)  # an in-flight pipeline: runs to its end
     assert items == [] and ended == [] and list(kept) == [queued]

@@ -229,18 +229,24 @@ def withdraw(queue: Seq, items: list, running: dict[int, Sequence], apply: bool)
     """``items`` (what a group just took) less its :class:`Cancel` s, and the completions of the
     requests they end now. Each cancellation ends its request: one still in ``queue`` leaves it,
     completed as ``"abort"`` with no output; one ``running`` (request id -> its sequence) is
-    marked and ends at its next token (retired as any other: its KV freed). Every rank of the
+    marked and ends at its next token (retired as any other: its KV freed); one handed to another
+    group (DejaVu's unsupervised hand-offs) runs to its end there. Every rank of the
     group takes the same items at the same step, so every rank ends it at the same step. With
     ``apply`` false (an in-flight pipeline, whose later stages never see the first stage's
     admissions) cancellations are dropped and the request runs to its end."""
     ended: list[Completion] = []
+    items = list(items)
     for cancel in [c for c in items if isinstance(c, Cancel)] if apply else ():
-        queued = next((r for r in queue if isinstance(r, Request) and r.id == cancel.id), None)
-        if queued is not None:
-            queue.remove(queued)
-            ended.append(Completion(queued.id, list(queued.prompt_ids), [], "abort"))
-        elif cancel.id in running:
-            running[cancel.id].cancelled = True
+        for waiting in (queue, items):  # queued, or taken at this very step
+            queued = next((r for r in waiting if isinstance(r, Request) and r.id == cancel.id), None)
+            if queued is not None:
+                waiting.remove(queued)
+                running.pop(queued.id, None)  # (a sequence made for it while its KV was awaited)
+                ended.append(Completion(queued.id, list(queued.prompt_ids), [], "abort"))
+                break
+        else:
+            if cancel.id in running:
+                running[cancel.id].cancelled = True
     return [i for i in items if not isinstance(i, Cancel)], ended
 
 

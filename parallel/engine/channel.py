@@ -126,10 +126,10 @@ class Channel:
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
 
-    def post(self, group: int | str, value) -> None:
+    def post(self, group: int | str, value) -> int:
         """Append ``value`` to group ``group``'s input (``assign/<group>/<k>``, ``k`` counted
-        atomically: several parties may post to one group)."""
-        self.append(f"assign/{group}", value, count=f"count/{group}")
+        atomically: several parties may post to one group); returns ``k``."""
+        return self.append(f"assign/{group}", value, count=f"count/{group}")
 
     def append(self, name: str, value, count: str | None = None) -> int:
         """Add ``value`` to the list ``name`` (``<name>/<k>``; its length under ``count``,

@@ -1,10 +1,14 @@
-"""What the router records of a failed group (:class:`Migration`) and the request arithmetic of
-its moves (a prefill-only request of a disaggregated job's entry, a journal's tokens merged in)."""
+"""What the router records of a failed group (:class:`Migration`), the request arithmetic of
+its moves (a prefill-only request of a disaggregated job's entry, a journal's tokens merged in)
+and its count of the steps a group journaled."""
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
 
+from reshard.parallel.engine.channel import Channel
 from reshard.parallel.engine.request import Request
 
 
@@ -50,3 +54,19 @@ def merged(before: list[int], tokens: dict[int, int]) -> list[int]:
     for i, t in tokens.items():
         out[i] = t
     return out
+
+
+def count_steps(channel: Channel, endpoint: str, counted: dict[str, tuple[int, int]]) -> None:
+    """Count the steps appended to ``endpoint``'s journal since the last count (``counted``:
+    endpoint -> (bytes of its journal counted, steps in them), updated)."""
+    key = f"journal/{endpoint}"
+    if not channel.ready(key):
+        return
+    blob = channel.store.get(key)
+    done, steps = counted.get(endpoint, (0, 0))
+    stream = io.BytesIO(blob)
+    stream.seek(done)
+    while stream.tell() < len(blob):
+        pickle.load(stream)
+        steps += 1
+    counted[endpoint] = (len(blob), steps)

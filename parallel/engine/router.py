@@ -30,8 +30,6 @@ group's KV goes:
 from __future__ import annotations
 
 import dataclasses
-import io
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +38,7 @@ from collections.abc import Sequence as Seq
 from reshard.parallel.engine.admission import endpoint_of
 from reshard.parallel.engine.channel import Cancel, Channel, Load, Topology, backoff
 from reshard.parallel.engine.inbox import Inbox
-from reshard.parallel.engine.migration import Migration, merged, prefill_only
+from reshard.parallel.engine.migration import Migration, count_steps, merged, prefill_only
 from reshard.parallel.engine.request import Completion, Request
 from reshard.parallel.fault.inject import die
 
@@ -117,6 +115,7 @@ class Router:
         self.inbox, self.on_tokens, self.closed = inbox, on_tokens, inbox is None  # closed: none will come
         self.cancelled: set[int] = set()
         self.loads: dict[str, Load] = {}  # a server's: each live endpoint's last published Load
+        self.posted: dict[int, list[str]] = {}  # a server's: request id -> its assignments' keys
         self._tokens_read = 0
         self.thread = threading.Thread(target=self._run, name="reshard-router", daemon=True)
 
@@ -164,9 +163,8 @@ class Router:
         for rid in intake.cancelled:
             self._cancel(rid)
         self.closed = intake.closed
-        for e in self.groups + self.takers:  # what the server's metrics show of each group
-            if self.channel.ready(f"load/{e}"):
-                self.loads[e] = self.channel.get(f"load/{e}")
+        live = [e for e in self.groups + self.takers if self.channel.ready(f"load/{e}")]
+        self.loads = {e: self.channel.get(f"load/{e}") for e in live}  # what the server's metrics show
 
     def _cancel(self, rid: int) -> None:
         """Request ``rid``'s client went away: one not placed yet completes here (``"abort"``);
@@ -181,6 +179,14 @@ class Router:
         for waiting in (self.pending, self.handoffs, *self.held.values()):
             waiting[:] = [r for r in waiting if r.id != rid]
         self._complete(Completion(rid, list(self.originals[rid].prompt_ids), self.so_far.get(rid, []), "abort"))
+
+    def _forget(self, rid: int) -> None:
+        """A server's completed request: dropped here, its assignments deleted from the store
+        (every one was taken: by its group's every rank before it could finish, or by none, dead)."""
+        for kept in (self.completions, self.originals, self.first_token, self.so_far, self.routed):
+            kept.pop(rid, None)
+        self.cancelled.discard(rid)
+        self.channel.clear(self.posted.pop(rid, []))
 
     def _pause(self, tries: int) -> float:
         until = self._next_arrival() - time.time()
@@ -255,7 +261,9 @@ class Router:
     def _send(self, g: str, request: Request) -> None:
         if self.takers and int(g.split(".")[0]) in self.topology.entries:
             request = prefill_only(request)  # an entry of a disaggregated job: its first token, then a hand-off
-        self.channel.post(g, request)
+        k = self.channel.post(g, request)
+        if self.inbox is not None:
+            self.posted.setdefault(request.id, []).append(f"assign/{g}/{k}")
         self.sent[g] += 1
         self.sent_tokens[g].append(len(request.prompt_ids) + request.sampling.max_new_tokens)
         self.where[request.id] = g
@@ -266,9 +274,12 @@ class Router:
         """Completions published since the last look (a prefilled request's: its hand-off)."""
         if self.on_tokens is not None:  # before the completions: a request's last tokens come first
             for entry in self.channel.read_list("tokens", self._tokens_read):
+                self.channel.clear([f"tokens/{self._tokens_read}"])  # (read by none but this router)
                 self._tokens_read += 1
                 self.on_tokens(entry)
         for c in self.channel.read_list("done", self._read):
+            if self.inbox is not None:
+                self.channel.clear([f"done/{self._read}"])
             self._read += 1
             if c.id not in self.originals:  # completed, and forgotten, already (a server's router)
                 continue
@@ -285,8 +296,8 @@ class Router:
     def _complete(self, c: Completion) -> None:
         self.completions[c.id] = c
         self.keep(c)
-        for kept in (self.completions, self.originals, self.first_token, self.so_far, self.routed) * bool(self.inbox):
-            kept.pop(c.id, None)  # a server's router (it runs without end) forgets what it handed on
+        if self.inbox is not None:  # a server's router runs without end: it forgets what it handed on
+            self._forget(c.id)
         if self.die_after is not None and len(self.completions) >= self.die_after:
             die()  # fault injection: the router's process, with its supervisor's engine
 
@@ -300,6 +311,9 @@ class Router:
         one ``source`` streams its KV to if it is live, else the one with the most room (which
         prefills it again), else the first taker to come back."""
         o = self.originals[rid]
+        if rid in self.cancelled:  # its client went away while its prompt was prefilled: it ends here
+            self._complete(Completion(rid, list(o.prompt_ids), list(tokens), "abort"))
+            return
         self.so_far[rid] = list(tokens)
         self.handoffs.append(dataclasses.replace(o.resume(list(tokens)), kv_source=source))
         self._hand_out()
@@ -347,22 +361,8 @@ class Router:
         """The steps every endpoint has journaled: each group's current generation counted now,
         an earlier one as last counted (a dead generation's: every step it ran)."""
         for g, k in enumerate(self.generations):
-            self._count(endpoint_of(g, k))
+            count_steps(self.channel, endpoint_of(g, k), self._journaled)
         return {e: n for e, (_, n) in self._journaled.items()}
-
-    def _count(self, endpoint: str) -> None:
-        """Count the steps appended to ``endpoint``'s journal since the last count."""
-        key = f"journal/{endpoint}"
-        if not self.channel.ready(key):
-            return
-        blob = self.channel.store.get(key)
-        counted, steps = self._journaled.get(endpoint, (0, 0))
-        stream = io.BytesIO(blob)
-        stream.seek(counted)
-        while stream.tell() < len(blob):
-            pickle.load(stream)
-            steps += 1
-        self._journaled[endpoint] = (len(blob), steps)
 
     def _fail(self, g: int, generation: int) -> None:
         """Generation ``generation`` of group ``g`` died: its requests go on elsewhere."""

@@ -8,7 +8,9 @@ draining) and ``GET /metrics`` (Prometheus' text format).
 """
 
 import asyncio
+import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -20,6 +22,7 @@ from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
 
 POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,11 @@ class TextCursor:
         full = final_text(self.text, [t for t, _ in items], finish, self.stops)
         if finish is None:
             full = full.rstrip("\ufffd")
-            full = full[: len(full) - max(map(len, self.stops), default=1) + 1]
-        new = full[len(self.sent) :] if full.startswith(self.sent) else ""
+            full = full[: max(0, len(full) - max(map(len, self.stops), default=1) + 1)]
+        if not full.startswith(self.sent):  # (decoding is not prefix-stable here: nothing can be taken back)
+            LOG.warning("a stream's text so far %r is not a prefix of its text %r", self.sent[-40:], full[-40:])
+            self.sent = full[: len(self.sent)]
+        new = full[len(self.sent) :]
         self.sent += new
         fresh, self.tokens = items[self.tokens :], len(items)
         return new, fresh
@@ -126,16 +132,19 @@ def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapp
 
 
 async def _finished(front: Front, streams: list[Stream], request) -> bool:
-    """Wait until every choice completed (True); a client that went away meanwhile cancels them (False)."""
-    wake = streams[0].wake
+    """Wait until every choice completed (True); a client that went away meanwhile cancels them
+    (False; looked at every ``POLL_S``, whatever wakes the handler)."""
+    wake, loop = streams[0].wake, asyncio.get_running_loop()
+    look = loop.time() + POLL_S
     while any(s.completion is None for s in streams):
-        try:
-            await asyncio.wait_for(wake.wait(), POLL_S)
-        except asyncio.TimeoutError:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wake.wait(), max(0.0, look - loop.time()))
+        wake.clear()
+        if loop.time() >= look:
+            look = loop.time() + POLL_S
             if await request.is_disconnected():
                 front.cancel(streams)
                 return False
-        wake.clear()
     return True
 
 
@@ -181,10 +190,11 @@ async def _events(
         while open_:
             wake.clear()
             for s in list(open_):
-                event = _advance(parsed, text, s, cursors[s.rid])
+                completion = s.completion  # read once: the router's thread may set it any time
+                event = _advance(parsed, text, s, cursors[s.rid], completion)
                 if event is not None:
                     yield _sse(envelope(parsed.kind, rid, model, [event], chunk=True))
-                if s.completion is not None:
+                if completion is not None:
                     open_.remove(s)
             if open_:
                 await wake.wait()
@@ -195,15 +205,16 @@ async def _events(
         front.cancel(open_)  # (none left on a stream that ran to its end)
 
 
-def _advance(parsed: Parsed, text: Text, s: Stream, cursor: TextCursor) -> dict | None:
-    """Choice ``s``'s next event (None: nothing new to send)."""
-    finish = None if s.completion is None else s.completion.finish_reason
-    new, items = cursor.advance(s.ready(), finish)
+def _advance(parsed: Parsed, text: Text, s: Stream, cursor: TextCursor, completion) -> dict | None:
+    """Choice ``s``'s next event (None: nothing new to send), ``completion`` as last read."""
+    finish = None if completion is None else completion.finish_reason
+    new, items = cursor.advance(s.ready(completion), finish)
     if not items and finish is None:  # (a step's token whose text is held back still has its event)
         return None
     lps = None
     if parsed.logprobs is not None and items:
-        lps = logprobs_of(parsed.kind, [t for t, _ in items], [lp for _, lp in items], text.piece, len(cursor.sent))
+        offset = len(cursor.sent) - len(new)  # where this event's text begins in the choice's
+        lps = logprobs_of(parsed.kind, [t for t, _ in items], [lp for _, lp in items], text.piece, offset)
     return choice(parsed.kind, s.index, new, finish, lps, delta=True)
 
 

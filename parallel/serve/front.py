@@ -44,14 +44,14 @@ class Stream:
     index: int  # its choice index
     prompt_len: int
     arrival: float  # wall clock: accepted
+    streamed: bool  # its client reads tokens as they come (else: woken only by the completion)
     tokens: dict[int, tuple[int, object]] = field(default_factory=dict)  # output index -> (token, logprobs)
     completion: Completion | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def ready(self) -> list[tuple[int, object]]:
-        """Its output in order as far as it is known: the completion's, else the published
-        tokens up to the first gap."""
-        c = self.completion
+    def ready(self, c: Completion | None) -> list[tuple[int, object]]:
+        """Its output in order as far as it is known: the completion's (``c``, its completion as
+        the caller read it), else the published tokens up to the first gap."""
         if c is not None:
             lps = c.logprobs or [None] * len(c.output_ids)
             return list(zip(c.output_ids, lps))
@@ -80,10 +80,15 @@ class Front:
     def accept(self, parsed: Parsed) -> list[Stream]:
         """The streams of ``parsed``'s choices, their requests handed to the router; 503 while
         draining, 429 (``Retry-After``) when too many accepted requests wait for a first token."""
-        if self.draining:
-            raise BadRequest("the server is shutting down: it takes no new requests", None, 503)
+        count = len(parsed.prompts) * parsed.n
+        if count > self.limits.max_waiting:  # (never accepted: a 400, not a 429 to retry)
+            raise BadRequest(
+                f"{len(parsed.prompts)} prompt(s) x n={parsed.n} = {count} requests exceed serve.max_waiting="
+                f"{self.limits.max_waiting}",
+                "n",
+            )
         waiting = self.metrics.waiting
-        if waiting + len(parsed.prompts) * parsed.n > self.limits.max_waiting:
+        if waiting + count > self.limits.max_waiting:
             raise BadRequest(
                 f"{waiting} requests are waiting for a first token (serve.max_waiting={self.limits.max_waiting}); "
                 f"retry after {self.limits.retry_after_s} s",
@@ -103,14 +108,15 @@ class Front:
                 self.check(r)
             except ValueError as e:
                 raise BadRequest(str(e).replace(f"request {r.id}: ", "")) from None
-        streams, now, wake = [], time.time(), asyncio.Event()  # one event wakes the client's handler
-        for index, r in enumerate(requests):
-            stream = Stream(r.id, index, len(r.prompt_ids), now, wake=wake)
-            with self._lock:
+        now, wake = time.time(), asyncio.Event()  # one event wakes the client's handler
+        streams = [Stream(r.id, i, len(r.prompt_ids), now, parsed.stream, wake=wake) for i, r in enumerate(requests)]
+        with self._lock:  # a drain sets ``draining`` under it: no request gets in after the drain began
+            if self.draining:
+                raise BadRequest("the server is shutting down: it takes no new requests", None, 503)
+            for r, stream in zip(requests, streams):
                 self.streams[r.id] = stream
-            self.metrics.accepted(len(r.prompt_ids))
-            self.inbox.submit(r)
-            streams.append(stream)
+                self.metrics.accepted(len(r.prompt_ids))
+                self.inbox.submit(r)
         return streams
 
     def cancel(self, streams: list[Stream]) -> None:
@@ -131,7 +137,8 @@ class Front:
                 if not stream.tokens:
                     self.metrics.first_token(stream.rid)
                 stream.tokens[index] = (token, lps)
-                woken.append(stream)
+                if stream.streamed:
+                    woken.append(stream)
         self._wake(woken)
 
     def complete(self, c: Completion) -> None:
@@ -151,7 +158,8 @@ class Front:
     def drain(self, stopped: Callable[[], bool] = lambda: False) -> int:
         """Stop accepting (503), wait up to ``grace_s`` for every accepted request, cancel the rest,
         end the router's input. Returns how many were cancelled."""
-        self.draining = True
+        with self._lock:
+            self.draining = True
         deadline = time.monotonic() + self.limits.grace_s
         while self.streams and time.monotonic() < deadline and not stopped():
             time.sleep(0.05)

@@ -248,12 +248,8 @@ def choice(kind: str, index: int, text: str, finish: str | None, logprobs: dict 
         out["delta" if delta else "message"] = {"role": "assistant", "content": text}
     else:
         out["text"] = text
-    out["logprobs"], out["finish_reason"] = logprobs, _reason(finish)
+    out["logprobs"], out["finish_reason"] = logprobs, finish  # "abort": cancelled (a drain's grace ran out), as vLLM
     return out
-
-
-def _reason(finish: str | None) -> str | None:
-    return None if finish is None else {"abort": "stop"}.get(finish, finish)
 
 
 def logprobs_of(kind: str, tokens: Sequence[int], lps: Sequence[TokenLogprobs], piece, offset: int = 0) -> dict:
