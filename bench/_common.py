@@ -103,6 +103,15 @@ def bench_checkpoint(args, prefix: str):
 
     from reshard.parallel.model.tiny_models import cached_checkpoint
 
+    name, overrides = llama_sizes(args, prefix)
+    if dist.get_rank() == 0:
+        cached_checkpoint(name, overrides)
+    dist.barrier()
+    return cached_checkpoint(name, overrides)
+
+
+def llama_sizes(args, prefix: str) -> tuple[str, dict]:
+    """The cache name and config overrides of a seeded Llama of the sizes in ``args``."""
     overrides = {
         "vocab_size": args.vocab,
         "hidden_size": args.hidden,
@@ -117,10 +126,7 @@ def bench_checkpoint(args, prefix: str):
         f"{prefix}-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}"
         f"-kv{args.kv_heads}-v{args.vocab}-seed0-v1"
     )
-    if dist.get_rank() == 0:
-        cached_checkpoint(name, overrides)
-    dist.barrier()
-    return cached_checkpoint(name, overrides)
+    return name, overrides
 
 
 def reduce_scalar(x: float, op=None) -> float:

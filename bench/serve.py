@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import add_sizes, fill_sizes, parser, rerun_command
+from _common import add_sizes, fill_sizes, llama_sizes, parser, rerun_command
 
 SIZES = {
     "hidden": 256,
@@ -65,22 +65,11 @@ METRICS = ("ttft", "tpot", "latency", "normalized")
 
 
 def checkpoint(args) -> Path:
+    """The seeded Llama of ``args``' sizes, with a tokenizer (a server takes and returns text)."""
     from reshard.parallel.model.tiny_models import cached_checkpoint
 
-    overrides = {
-        "vocab_size": args.vocab,
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "max_position_embeddings": 2048,
-        "initializer_range": 0.02,
-    }
-    name = (
-        f"serve-llama-h{args.hidden}-i{args.intermediate}-l{args.layers}-a{args.heads}-kv{args.kv_heads}-v{args.vocab}"
-    )
-    return cached_checkpoint(f"{name}-seed0-v1", overrides, tokenizer=True)
+    name, overrides = llama_sizes(args, "serve")
+    return cached_checkpoint(name, overrides, tokenizer=True)
 
 
 def workload(args, rate: float) -> list[tuple[float, list[int], int]]:
