@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from reshard.background import Background
-from reshard.dtensor import wrap_local
+from reshard.dtensor import empty_dtensor, wrap_local
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, execute
 from reshard.layout import Layout
 from reshard.mesh import all_gather_objects, cached_group, device_type, let_go
@@ -45,6 +45,9 @@ def redistribute(
     with the same arguments; ``check`` (default) compares a hash of the plan on every rank first
     and raises ``ValueError`` naming the differing layouts instead of hanging.
 
+    A meta-device DTensor (FSDP2's initialization) comes back a meta DTensor in the destination
+    layout, as DTensor's does: no data, no collective (and no agreement check).
+
     A tensor that requires grad (under grad mode) is moved as ``DTensor.redistribute`` moves it
     for autograd: the output requires grad on every rank, and the backward moves the gradient
     back to the source's placements (a ``Partial`` axis as ``Replicate``). Both meshes must hold
@@ -55,6 +58,10 @@ def redistribute(
             f"redistribute moves DTensors; got a {type(t).__name__} (wrap a local shard "
             f"with reshard.wrap_local or distribute it first)"
         )
+    if _on_meta(t):  # FSDP2's meta initialization: the destination layout, no data, no collective (as DTensor's)
+        out = _meta_moved(t, *_target((mesh, placements)))
+        out = out if mesh.get_coordinate() is not None else None
+        return (out, CommStats()) if return_stats else out
     differentiate = t.requires_grad and torch.is_grad_enabled()
     if check:  # every rank agrees on the plan and on recording it (a refusal is then on every rank)
         _check_movable(t, mesh)
@@ -190,6 +197,37 @@ def _select(module: nn.Module, plan) -> tuple[list[str], list[DTensor], list[Tar
 def _move(
     tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, group=None, *, check: bool = True
 ) -> tuple[list[DTensor], CommStats]:
+    """``tensors`` moved to ``targets``: meta-device ones re-laid out where they are (no data),
+    the others in one coalesced transfer (when there are any: a move of meta tensors alone runs
+    no collective)."""
+    metas = [i for i, t in enumerate(tensors) if _on_meta(t)]
+    if not metas:
+        return _transfer(tensors, targets, bucket_bytes, group, check=check)
+    real = [i for i in range(len(tensors)) if i not in metas]
+    out = {i: _meta_moved(tensors[i], *_target(targets[i])) for i in metas}
+    stats = CommStats()
+    if real:
+        moved, stats = _transfer(
+            [tensors[i] for i in real], [targets[i] for i in real], bucket_bytes, group, check=check
+        )
+        out.update(zip(real, moved))
+    return [out[i] for i in range(len(tensors))], stats
+
+
+def _on_meta(t: DTensor) -> bool:
+    return t.to_local().device.type == "meta"
+
+
+def _meta_moved(t: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    """Meta DTensor ``t`` in ``placements`` on ``mesh``: this rank's box of the destination, on
+    the meta device (``ValueError`` for placements no layout takes); ``requires_grad`` kept."""
+    out = empty_dtensor(t.shape, mesh, placements, dtype=t.dtype, device="meta")
+    return out.requires_grad_(t.requires_grad)
+
+
+def _transfer(
+    tensors: Sequence[DTensor], targets: Sequence[Target], bucket_bytes, group=None, *, check: bool = True
+) -> tuple[list[DTensor], CommStats]:
     rank = dist.get_rank()
     plans, srcs = [], []
     for t, target in zip(tensors, targets):
@@ -210,11 +248,6 @@ def _move(
 
 def _check_movable(t: DTensor, mesh: DeviceMesh) -> None:
     """``ValueError``, on every rank before any collective, for a tensor no move can carry."""
-    if t.to_local().device.type == "meta":
-        raise ValueError(
-            f"cannot move a meta-device DTensor of shape {tuple(t.shape)}: it holds no data (materialize it "
-            "first, e.g. with to_empty and a load)"
-        )
     if mesh.device_type != t.device_mesh.device_type:
         raise ValueError(
             f"the source mesh is {t.device_mesh.device_type!r} and the destination mesh {mesh.device_type!r}: "

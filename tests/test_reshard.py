@@ -556,9 +556,7 @@ def _unmovable(case):
     from reshard.mesh import cached_mesh
 
     mesh = cached_mesh(torch.arange(dist.get_world_size()), ("x",))
-    if case == "meta":
-        t = DTensor.from_local(torch.empty(4, 4, device="meta"), mesh, (Replicate(),), run_check=False)
-    elif case == "partial-dst":
+    if case == "partial-dst":
         redistribute(slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)), mesh, (Partial(),))
     elif case == "partial-max":
         t = DTensor.from_local(torch.zeros(4, 4), mesh, (Partial("max"),), run_check=False)
@@ -574,7 +572,6 @@ def _unmovable(case):
 @pytest.mark.parametrize(
     "case,match",
     [
-        ("meta", r"cannot move a meta-device DTensor of shape \(4, 4\)"),
         ("partial-dst", r"ranks \[0, 1\][\s\S]*placements must be Shard or Replicate, got \(Partial\(sum\),\)"),
         ("partial-max", r"ranks \[0, 1\][\s\S]*Partial sources reduce with 'sum' or 'avg' only, got \['max'\]"),
         ("grad-on-one-rank", r"ranks \[0, 1\][\s\S]*different arguments[\s\S]*differentiate=True"),
@@ -584,6 +581,61 @@ def _unmovable(case):
 def test_tensors_no_move_can_carry_are_refused_before_any_collective(case, match):
     with pytest.raises(RuntimeError, match=match):
         dist_harness.run(2, _unmovable, case)
+
+
+def _meta_moves() -> list:
+    """Meta DTensors (FSDP2's initialization) moved as DTensor moves them: the destination layout
+    on the meta device, no data, no collective. Returns what differs from DTensor's."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from reshard import redistribute, redistribute_module
+    from reshard.mesh import cached_mesh
+
+    rank, wrong = dist.get_rank(), []
+    mesh, flipped = cached_mesh(torch.tensor([0, 1]), ("m",)), cached_mesh(torch.tensor([1, 0]), ("f",))
+    src = DTensor.from_local(torch.empty(5, 3, device="meta"), mesh, (Replicate(),), run_check=False)
+    src.requires_grad_()
+    for placements in ((Shard(0),), (Shard(1),), (Replicate(),), (Partial(),)):
+        ours = redistribute(src, mesh, placements)
+        same = (ours.shape, ours.placements, ours.to_local().shape, ours.requires_grad, ours.device.type)
+        if placements == (Partial(),):  # (DTensor's public redistribute keeps moves to Partial internal)
+            theirs = (src.shape, placements, src.shape, True, "meta")
+        else:
+            t = src.redistribute(mesh, placements)
+            theirs = (t.shape, t.placements, t.to_local().shape, True, "meta")
+        if same != theirs:
+            wrong.append((placements, same))
+    across = redistribute(redistribute(src, mesh, (Shard(0),)), flipped, (Shard(0),))  # rank 1 holds rows 0-2
+    if (across.to_local().shape, across.device.type) != (((2, 3), (3, 3))[rank], "meta"):
+        wrong.append(("across", across.to_local().shape))
+    if rank == 0:  # alone: a move that ran a collective would wait for rank 1 forever
+        alone = redistribute(src, mesh, (Shard(1),))
+        wrong += [] if alone.to_local().shape == (5, 2) else [("alone", alone.to_local().shape)]
+    with torch.device("meta"):
+        linear = nn.Linear(3, 4)
+    real = nn.Linear(3, 4)  # a meta tensor and a real one in one move: the real one's data moves
+    for m in (linear, real):
+        for name, p in list(m.named_parameters()):
+            setattr(m, name, nn.Parameter(DTensor.from_local(p.detach(), mesh, (Replicate(),), run_check=False)))
+    linear.real = real
+    before = real.weight.to_local().clone()
+    stats = redistribute_module(linear, lambda name, t: (mesh, (Shard(0),)))
+    shapes = [(n, p.device.type, tuple(p.to_local().shape)) for n, p in linear.named_parameters()]
+    expect = [
+        ("weight", "meta", (2, 3)),
+        ("bias", "meta", (2,)),
+        ("real.weight", "cpu", (2, 3)),
+        ("real.bias", "cpu", (2,)),
+    ]
+    if shapes != expect or not torch.equal(real.weight.to_local(), before[2 * rank : 2 * rank + 2]):
+        wrong.append(("module", shapes))
+    return wrong + ([] if stats.bytes_sent == 0 else [("bytes", stats.bytes_sent)])
+
+
+def test_meta_dtensors_move_as_dtensor_moves_them_without_data_or_a_collective():
+    assert dist_harness.run(2, _meta_moves) == [[], []]
 
 
 # ---- autograd: gradients equal DTensor.redistribute's ---------------------------------------------
