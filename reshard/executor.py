@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Partial
 
 from reshard.layout import Box, box_numel
 from reshard.mesh import device_type
@@ -179,6 +180,8 @@ def execute(
     for plan, o in zip(plans, outs):
         if o is not None and plan.reduce_op == "avg":
             o.div_(plan.num_contributions)
+        for n in _partition_divisors(plan) if o is not None else ():
+            o.div_(n)
     stats.seconds = time.perf_counter() - t0
     return outs, stats
 
@@ -192,15 +195,23 @@ def _check_out(plans: Sequence[Plan], out: Sequence[torch.Tensor | None], rank: 
             f"destination shard {None if o is None else tuple(o.shape)} != planned {shape}"
         )
         if o is not None and plan.reduce_op:
-            o.zero_()
+            o.fill_(identity(plan.reduce_op, o.dtype))
     return list(out)
 
 
 def _held_whole(plan: Plan, rank: int) -> bool:
-    """This rank already holds its whole destination box (one local piece, nothing to reduce)."""
+    """This rank already holds its whole destination box (one local piece, nothing to reduce
+    or divide)."""
     mine = [p for p in plan.pieces if p.dst == rank]
     whole = len(mine) == 1 and mine[0].local and mine[0].box == plan.dst.box(rank)
-    return whole and not plan.reduce_op and plan.src.dtype == plan.dst.dtype
+    return whole and not plan.reduce_op and plan.src.dtype == plan.dst.dtype and not _partition_divisors(plan)
+
+
+def _partition_divisors(plan: Plan) -> list[int]:
+    """A (non-Partial) source moved to Partial(sum) axes: each holder gets the full value, divided
+    by each such axis's size in mesh order (DTensor's ``Partial._partition_value``, axis by axis)."""
+    axes = [a for a, p in enumerate(plan.dst.placements) if isinstance(p, Partial) and p.reduce_op == "sum"]
+    return [plan.dst.grid.shape[a] for a in axes]
 
 
 def _src_slice(plan: Plan, src_local: torch.Tensor, rank: int) -> torch.Tensor:
@@ -212,8 +223,28 @@ def _alloc(plan: Plan, rank: int, device) -> torch.Tensor | None:
     shape = plan.dst.local_shape(rank)
     if shape is None:
         return None
-    make = torch.zeros if plan.reduce_op else torch.empty
-    return make(shape, dtype=plan.dst.dtype, device=device)
+    if plan.reduce_op:
+        return torch.full(shape, identity(plan.reduce_op, plan.dst.dtype), dtype=plan.dst.dtype, device=device)
+    return torch.empty(shape, dtype=plan.dst.dtype, device=device)
+
+
+def identity(op: str, dtype: torch.dtype) -> float | int:
+    """The value a reduction ``op`` starts from (what reducing it with ``x`` leaves ``x``)."""
+    if op in ("sum", "avg"):
+        return 0
+    if dtype.is_floating_point:
+        return -float("inf") if op == "max" else float("inf")
+    return torch.iinfo(dtype).min if op == "max" else torch.iinfo(dtype).max
+
+
+def reduce_into(target: torch.Tensor, data: torch.Tensor, op: str | None) -> None:
+    """``target`` op= ``data`` in place (``None``: a copy)."""
+    if op is None:
+        target.copy_(data)
+    elif op in ("sum", "avg"):
+        target.add_(data)
+    else:
+        (torch.maximum if op == "max" else torch.minimum)(target, data, out=target)
 
 
 def _run_round(
@@ -331,4 +362,4 @@ def _unpack(
         else:
             data = _typed(recv_bufs[p.src], offsets[p.src][it.order], it, plans)
         target = outs[it.plan][_local_slices(it.box, plan.dst.box(rank))]
-        target.add_(data) if plan.reduce_op else target.copy_(data)
+        reduce_into(target, data, plan.reduce_op)

@@ -40,7 +40,7 @@ class Plan:
     src: Layout
     dst: Layout
     pieces: tuple[Piece, ...]
-    reduce_op: str | None = None  # "sum" | "avg" when the source is Partial
+    reduce_op: str | None = None  # "sum" | "avg" | "max" | "min" when the source is Partial
     num_contributions: int = 1
     _itemsize: int = field(default=0, repr=False)
 
@@ -99,6 +99,9 @@ def contributions(layout: Layout) -> list[tuple[Box, list[int]]]:
     return list(items.values())
 
 
+REDUCE_OPS = ("sum", "avg", "max", "min")  # a Partial source's reductions (DTensor's reduce_op names)
+
+
 def _coords(shape) -> list[tuple[int, ...]]:
     return list(itertools.product(*map(range, shape)))
 
@@ -107,8 +110,10 @@ def _reduce_op(layout: Layout) -> str | None:
     ops = {p.reduce_op for p in layout.placements if isinstance(p, Partial)}
     if not ops:
         return None
-    if len(ops) > 1 or not ops <= {"sum", "avg"}:
-        raise ValueError(f"Partial sources reduce with 'sum' or 'avg' only, got {sorted(ops)}")
+    if len(ops) > 1 or not ops <= set(REDUCE_OPS):
+        raise ValueError(
+            f"Partial sources reduce with one of {list(REDUCE_OPS)} over all their partial axes, got {sorted(ops)}"
+        )
     return ops.pop()
 
 
@@ -124,8 +129,22 @@ def check_compatible(src: Layout, dst: Layout, cast: bool = False) -> None:
             f"a Partial source ({src.placements}) cannot change dtype on the way ({src.dtype} -> {dst.dtype}): "
             "its contributions would be reduced in the destination's precision"
         )
+    if dst.is_partial and src.is_partial:
+        raise ValueError(
+            f"a Partial source ({src.placements}) moves to Shard or Replicate placements, got {dst.placements}"
+        )
     if dst.is_partial:
-        raise ValueError(f"destination placements must be Shard or Replicate, got {dst.placements}")
+        _check_partition(dst)
+
+
+def _check_partition(dst: Layout) -> None:
+    """``ValueError`` for a Partial destination DTensor's rule cannot make of full values (its
+    ``_partition_value``: ``sum`` divides by the axis's size, ``avg`` / ``max`` / ``min`` keep)."""
+    for p in dst.placements:
+        if isinstance(p, Partial) and p.reduce_op not in REDUCE_OPS:
+            raise ValueError(f"a Partial destination reduces with one of {list(REDUCE_OPS)}, got {p}")
+        if isinstance(p, Partial) and p.reduce_op == "sum" and not dst.dtype.is_floating_point:
+            raise ValueError(f"a Partial(sum) destination divides its values: {dst.dtype} is not a floating dtype")
 
 
 @lru_cache(maxsize=4096)

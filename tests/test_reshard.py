@@ -51,8 +51,19 @@ def test_plan_rejects_mismatches():
     dtype_mismatch = "dtype mismatch: source torch.float32 vs destination torch.bfloat16"
     with pytest.raises(ValueError, match=re.escape(dtype_mismatch)):
         plan_transfer(a, Layout((0, 1), (Shard(0),), (4, 6), torch.bfloat16))
-    with pytest.raises(ValueError, match="destination placements must be Shard or Replicate"):
-        plan_transfer(a, Layout((0, 1), (Partial(),), (4, 6), torch.float32))
+    ints = Layout((0, 1), (Shard(0),), (4, 6), torch.int64)
+    with pytest.raises(ValueError, match=r"a Partial\(sum\) destination divides its values: torch.int64 is not"):
+        plan_transfer(ints, Layout((0, 1), (Partial(),), (4, 6), torch.int64))
+    partial = Layout((0, 1), (Partial(),), (4, 6), torch.float32)
+    with pytest.raises(ValueError, match=r"moves to Shard or Replicate placements, got \(Partial\(avg\),\)"):
+        plan_transfer(partial, Layout((0, 1), (Partial("avg"),), (4, 6), torch.float32))
+    mixed = Layout(((0,), (1,)), (Partial("max"), Partial("sum")), (4, 6), torch.float32)
+    with pytest.raises(ValueError, match=r"reduce with one of \['sum', 'avg', 'max', 'min'\] .* got \['max', 'sum'\]"):
+        plan_transfer(mixed, Layout(((0,), (1,)), (Replicate(), Replicate()), (4, 6), torch.float32))
+    assert (
+        plan_transfer(a, partial).bytes_moved
+        == plan_transfer(a, Layout((0, 1), (Replicate(),), (4, 6), torch.float32)).bytes_moved
+    )
 
 
 def test_a_casting_plan_moves_the_destination_dtype_and_refuses_what_cannot_convert():
@@ -556,10 +567,9 @@ def _unmovable(case):
     from reshard.mesh import cached_mesh
 
     mesh = cached_mesh(torch.arange(dist.get_world_size()), ("x",))
-    if case == "partial-dst":
-        redistribute(slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)), mesh, (Partial(),))
-    elif case == "partial-max":
-        t = DTensor.from_local(torch.zeros(4, 4), mesh, (Partial("max"),), run_check=False)
+    if case == "partial-to-partial":
+        t = DTensor.from_local(torch.zeros(4, 4), mesh, (Partial(),), run_check=False)
+        redistribute(t, mesh, (Partial("max"),))
     elif case == "grad-on-one-rank":  # rank 1's tensor does not require grad: both must refuse, not hang
         t = slice_to_dtensor(torch.zeros(4, 4), mesh, (Replicate(),)).requires_grad_(dist.get_rank() == 0)
     else:  # requires grad, moving from rank 0 alone to both ranks: no backward could run on rank 1
@@ -572,8 +582,7 @@ def _unmovable(case):
 @pytest.mark.parametrize(
     "case,match",
     [
-        ("partial-dst", r"ranks \[0, 1\][\s\S]*placements must be Shard or Replicate, got \(Partial\(sum\),\)"),
-        ("partial-max", r"ranks \[0, 1\][\s\S]*Partial sources reduce with 'sum' or 'avg' only, got \['max'\]"),
+        ("partial-to-partial", r"ranks \[0, 1\][\s\S]*moves to Shard or Replicate placements, got \(Partial\(max\),\)"),
         ("grad-on-one-rank", r"ranks \[0, 1\][\s\S]*different arguments[\s\S]*differentiate=True"),
         ("grad", r"differentiates moves within one set of ranks only; got a tensor that requires grad on ranks \[0\]"),
     ],
@@ -632,6 +641,70 @@ def _meta_moves() -> list:
     if shapes != expect or not torch.equal(real.weight.to_local(), before[2 * rank : 2 * rank + 2]):
         wrong.append(("module", shapes))
     return wrong + ([] if stats.bytes_sent == 0 else [("bytes", stats.bytes_sent)])
+
+
+def _max_min_moves() -> list:
+    """Partial(max) / Partial(min) sources: DTensor's own result bitwise on the same mesh, the
+    elementwise reduction across meshes; floats and ints. Returns what differs."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from reshard import redistribute
+    from reshard.layout import box_slices
+    from reshard.mesh import cached_mesh
+
+    rank, wrong = dist.get_rank(), []
+    mesh, flipped = cached_mesh(torch.tensor([0, 1]), ("m",)), cached_mesh(torch.tensor([1, 0]), ("f",))
+    for dtype in (torch.float32, torch.int64):
+        parts = [_contribution((5, 4), dtype, j) for j in range(2)]
+        for op, reduce in (("max", torch.maximum), ("min", torch.minimum)):
+            x = DTensor.from_local(parts[rank].clone(), mesh, (Partial(op),), run_check=False)
+            for dst in ((Replicate(),), (Shard(0),), (Shard(1),)):
+                ours, theirs = redistribute(x, mesh, dst).to_local(), x.redistribute(mesh, dst).to_local()
+                if not torch.equal(ours, theirs):
+                    wrong.append((dtype, op, dst))
+            across = redistribute(x, flipped, (Shard(0),))
+            box = Layout.of(flipped, (Shard(0),), (5, 4), dtype).box(rank)
+            if not torch.equal(across.to_local(), reduce(*parts)[box_slices(box)]):
+                wrong.append((dtype, op, "across"))
+    return wrong
+
+
+def _partial_destinations() -> list:
+    """Replicate / Shard -> Partial: DTensor's rule (``Partial._partition_value``: ``sum``
+    divides by the axis's size, the others keep the value) bitwise, on the same mesh and across
+    meshes, at the byte lower bound; reduced back, the full value. Returns what differs and
+    each move's (bytes this rank sent, lower bound over all ranks)."""
+    from reshard import redistribute, slice_to_dtensor
+    from reshard.mesh import cached_mesh
+
+    wrong, moved = [], []
+    mesh, flipped = cached_mesh(torch.tensor([0, 1]), ("m",)), cached_mesh(torch.tensor([1, 0]), ("f",))
+    full = _contribution((5, 4), torch.float32, 7).div(3)  # (not exact in binary: a division shows)
+    for src in ((Replicate(),), (Shard(0),), (Shard(1),)):
+        x = slice_to_dtensor(full, mesh, src)
+        for op in ("sum", "avg", "max", "min"):
+            for dst_mesh in (mesh, flipped):
+                out, stats = redistribute(x, dst_mesh, (Partial(op),), return_stats=True)
+                expect = Partial(op)._partition_value(full, dst_mesh, 0)  # DTensor's own rule
+                back = redistribute(out, dst_mesh, (Replicate(),)).to_local()
+                if not torch.equal(out.to_local(), expect) or out.placements != (Partial(op),):
+                    wrong.append((src, op, dst_mesh.mesh.tolist()))
+                moved.append((stats.bytes_sent, stats.lower_bound_bytes))
+                if not torch.allclose(back, full, rtol=0, atol=1e-6):
+                    wrong.append((src, op, "reduced back"))
+    return wrong, moved
+
+
+def test_replicate_and_shard_move_to_partial_destinations_by_dtensors_rule():
+    (wrong0, moved0), (wrong1, moved1) = dist_harness.run(2, _partial_destinations)
+    assert wrong0 == wrong1 == []
+    assert [a + b for (a, _), (b, _) in zip(moved0, moved1)] == [bound for _, bound in moved0]  # the lower bound
+    assert any(bound > 0 for _, bound in moved0)  # (a Shard source's moves send bytes)
+
+
+def test_partial_max_and_min_sources_reduce_as_dtensor_does_and_across_meshes():
+    assert dist_harness.run(2, _max_min_moves) == [[], []]
 
 
 def test_meta_dtensors_move_as_dtensor_moves_them_without_data_or_a_collective():
