@@ -703,6 +703,39 @@ def test_replicate_and_shard_move_to_partial_destinations_by_dtensors_rule():
     assert any(bound > 0 for _, bound in moved0)  # (a Shard source's moves send bytes)
 
 
+def _partial_destination_grads() -> list:
+    """Replicate -> Partial(op) through our move and through DTensor's own (its internal
+    ``Redistribute``, which its public API keeps for internal use): outputs and the gradients
+    of ``sum(y * w)`` (``w`` differing per rank) bitwise equal, placements too. Returns what differs."""
+    import torch.distributed as dist
+    from torch.distributed.tensor._redistribute import Redistribute
+
+    from reshard import redistribute, slice_to_dtensor
+    from reshard.mesh import cached_mesh
+
+    mesh, wrong = cached_mesh(torch.tensor([0, 1]), ("m",)), []
+    f64 = {"op_dtype": torch.float64, "out_dtype": torch.float64}
+    config = {**f64, "backward_options": dict(f64)}
+    full = _contribution((5, 4), torch.float64, 3).div(3)
+    w = torch.arange(1, 21, dtype=torch.float64).view(5, 4) * (dist.get_rank() + 1)
+    for op in ("sum", "avg", "max", "min"):
+        seen = []
+        for ours in (True, False):
+            x = slice_to_dtensor(full, mesh, (Replicate(),)).detach().requires_grad_()
+            dst = (Partial(op),)
+            y = redistribute(x, mesh, dst) if ours else Redistribute.apply(x, mesh, dst, False, config)
+            (y.to_local() * w).sum().backward()
+            seen.append((y.placements, y.to_local(), x.grad.placements, x.grad.to_local()))
+        (a, b) = seen
+        if a[0] != b[0] or a[2] != b[2] or not (torch.equal(a[1], b[1]) and torch.equal(a[3], b[3])):
+            wrong.append(op)
+    return wrong
+
+
+def test_gradients_through_a_move_to_partial_equal_dtensors():
+    assert dist_harness.run(2, _partial_destination_grads) == [[], []]
+
+
 def test_partial_max_and_min_sources_reduce_as_dtensor_does_and_across_meshes():
     assert dist_harness.run(2, _max_min_moves) == [[], []]
 
