@@ -42,7 +42,6 @@ class Stream:
 
     rid: int
     index: int  # its choice index
-    prompt_len: int
     arrival: float  # wall clock: accepted
     streamed: bool  # its client reads tokens as they come (else: woken only by the completion)
     tokens: dict[int, tuple[int, object]] = field(default_factory=dict)  # output index -> (token, logprobs)
@@ -109,7 +108,7 @@ class Front:
             except ValueError as e:
                 raise BadRequest(str(e).replace(f"request {r.id}: ", "")) from None
         now, wake = time.time(), asyncio.Event()  # one event wakes the client's handler
-        streams = [Stream(r.id, i, len(r.prompt_ids), now, parsed.stream, wake=wake) for i, r in enumerate(requests)]
+        streams = [Stream(r.id, i, now, parsed.stream, wake=wake) for i, r in enumerate(requests)]
         with self._lock:  # a drain sets ``draining`` under it: no request gets in after the drain began
             if self.draining:
                 raise BadRequest("the server is shutting down: it takes no new requests", None, 503)
@@ -135,7 +134,7 @@ class Front:
                 if stream is None or index in stream.tokens:  # done, or published before a migration
                     continue
                 if not stream.tokens:
-                    self.metrics.first_token(stream.rid)
+                    self.metrics.first_token()
                 stream.tokens[index] = (token, lps)
                 if stream.streamed:
                     woken.append(stream)

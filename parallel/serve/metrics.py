@@ -52,7 +52,7 @@ class Metrics:
             self.waiting += 1
             self.prompt_tokens += prompt_len
 
-    def first_token(self, rid: int) -> None:
+    def first_token(self) -> None:
         with self._lock:
             self.waiting -= 1
             self.running += 1
