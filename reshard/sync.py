@@ -113,6 +113,9 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         srcs, dsts = _exchange(_layouts(self.src), _layouts(self.dst))
         self.entries = match_layouts(srcs, dsts, allow_unused)
+        partial = next((e.key for e in self.entries if e.dst.is_partial), None)
+        if partial is not None:
+            raise ValueError(f"a weight sync writes whole values; destination {partial!r} is Partial")
         self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst, cast=True) for e in self.entries)
         self._baseline = _Baseline(self.entries, method) if method != "planned" else None
         self.schedule = Schedule.of(self.plans, bucket_bytes) if self._baseline is None else None

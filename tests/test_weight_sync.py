@@ -349,6 +349,28 @@ def test_sync_into_a_mesh_of_non_ascending_ranks():
     assert sum(r[2] for r in results) == 2 * 3 * 5 * 4  # each rank lacks half of its 6 x 5 box (fp32)
 
 
+def _partial_destination_job():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    from reshard import empty_dtensor
+    from reshard.sync import WeightSync
+
+    mesh = DeviceMesh("cpu", torch.tensor([0, 1]))
+    src = distribute_tensor(torch.zeros(4, 4), mesh, (Shard(0),), src_data_rank=None)
+    dst = empty_dtensor((4, 4), mesh, (Partial(),), dtype=torch.float32)
+    WeightSync({"w": src}, {"w": dst})
+
+
+def test_a_sync_into_a_partial_destination_is_refused_on_every_rank():
+    """A sync writes whole values (and a delta or baseline copy would not divide a Partial(sum)
+    destination), so a Partial destination is one clear error, not a silently doubled weight."""
+    with pytest.raises(
+        RuntimeError, match=r"ValueError: a weight sync writes whole values; destination 'w' is Partial"
+    ):
+        dist_harness.run(2, _partial_destination_job)
+
+
 def _overlapping_syncs(order: str):
     """A second sync issued while a background one is in flight waits for it: the bytes and
     the version label are the second's, every time (issue 23: once, both ranks ended labelled
