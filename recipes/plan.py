@@ -22,8 +22,9 @@ from reshard.parallel.cost import moe
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.fit import EFFICIENCIES
-from reshard.parallel.cost.profiles import ModelShape, hardware, model, workload
+from reshard.parallel.cost.profiles import Hardware, ModelShape, hardware, model, workload
 from reshard.parallel.cost.techniques import rank_all, with_latency
+from reshard.parallel.cost.topology import placement
 from reshard.recipes.launch import hydra_main
 from reshard.recipes.plan_config import PlanConfig
 
@@ -60,6 +61,7 @@ def make_plan(cfg: PlanConfig) -> dict:
         "best_seesaw": seesaw["layout"] if seesaw else None,
         "seesaw_speedup": seesaw["tokens_per_s"] / static["tokens_per_s"] if seesaw and static else None,
         "best_by_technique": {kind: r["layout"] for kind, r in best.items()},
+        "placement": _placements(hw, static, seesaw),
         "ranked": ranked,
         "phases": _phases(m, hw, cfg.num_gpus, w),
         "infeasible": {k: v for k, v in infeasible.items() if v},
@@ -72,6 +74,13 @@ def make_plan(cfg: PlanConfig) -> dict:
             "prefill_tokens": cost.PREFILL_TOKENS,
         },
     }
+
+
+def _placements(hw: Hardware, *rows: dict | None) -> dict:
+    """Where each layout of the best static and Seesaw rows puts its groups on ``hw``'s GPUs
+    (:func:`parallel.cost.topology.placement`), by layout."""
+    names = [name for r in rows if r for name in r["layout"].split("->")]
+    return {name: placement(cost.parse_notation(name), hw) for name in dict.fromkeys(names)}
 
 
 def _model(cfg: PlanConfig) -> ModelShape:
@@ -135,14 +144,25 @@ def summary_lines(plan: dict) -> str:
         if x
         else ""
     )
+    where = "; ".join(f"{name}: {_where(p)}" for name, p in plan["placement"].items())
     return (
         f"{experts}best per technique: {best}\n"
+        f"placed on {plan['hardware']}: {where}\n"
         f"best static {plan['best_static']}, best Seesaw {plan['best_seesaw']} "
         f"(x{plan['seesaw_speedup'] or float('nan'):.2f}); Shift threshold {s['threshold']} tokens "
         f"({s['base']} vs {s['shift']}); SiDP b* {plan['sidp_threshold']}; "
         f"DejaVu {d.get('D_p')} prompt + {d.get('D_t')} token GPUs "
         f"({'beats' if d.get('plan_pays') else 'does not beat'} the same GPUs without disaggregation)"
     )
+
+
+def _where(p: dict) -> str:
+    """``tp 0-3 | 4-7 in socket, pp across node``: a layout's tp groups and the level each traffic crosses."""
+    crossed = ", ".join(f"{axis} over {level}" for axis, level in p["crosses"].items() if level)
+    if len(p["tp_groups"][0]) == 1:
+        return crossed or "one GPU per replica"
+    groups = " | ".join(f"{g[0]}-{g[-1]}" for g in p["tp_groups"])
+    return f"tp groups {groups}" + (f" ({crossed})" if crossed else "")
 
 
 PHASES = (("prefill", "tab:blue"), ("decode", "tab:green"), ("comm", "tab:red"), ("transition", "tab:orange"))

@@ -14,8 +14,8 @@ class PlanConfig:
     input_len: float = 512.0  # constant workload: prompt tokens per request
     output_len: float = 512.0  # constant workload: generated tokens per request
     requests: int = 1000  # constant workload: requests in the job
-    max_batch: int | None = None  # cap on sequences per replica (null: KV capacity decides)
-    efficiency: str = "datasheet"  # datasheet (peaks) | fitted (the factors fitted on the papers' numbers)
+    max_batch: int | None = 256  # cap on sequences per replica, vLLM's max_num_seqs (null: KV capacity decides)
+    efficiency: str = "fitted"  # fitted (validated on the papers: bench/cost_vs_papers.py) | datasheet (peaks)
     rate: float | None = None  # online: requests/s arriving; ranks by TTFT + output_len x TPOT (null: offline)
     top: int = 20  # rows of the ranked table printed (plan.json holds all)
     expert_skew: float = 1.0  # MoE: the busiest expert-parallel rank's routed tokens / the mean (1.0: even)

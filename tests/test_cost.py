@@ -224,6 +224,116 @@ def test_dejavu_disaggregation_pays_only_when_inequality_5_holds(model_name, hw_
         assert not inequality  # one-token prompts: Y ~ t, it does not
 
 
+# ---- topology (issue 39) ------------------------------------------------------------------------------
+def test_a_collective_runs_at_the_level_of_the_topology_its_group_crosses():
+    """On g5.48xlarge (two sockets of 4 A10s) a group inside a socket talks at the GPU's PCIe link, a
+    group of all 8 at the slower socket link with two root complexes' latency; a machine without
+    a topology and a calibrated override keep one flat link."""
+    import dataclasses
+
+    from reshard.parallel.cost.collectives import all_reduce_time, all_to_all_time, send_time
+    from reshard.parallel.cost.topology import SOCKET_BW
+
+    hw, nbytes = hardware("a10-g5"), 4e6
+    inside, across = hw.topology
+    assert (inside.size, across.size) == (4, 8)
+    assert (across.bw, across.latency) == (min(hw.link_bw, SOCKET_BW), 2 * inside.latency)
+    assert all_reduce_time(hw, nbytes, 4) == pytest.approx(2 * 3 / 4 * nbytes / hw.link_bw + 6 * hw.link_latency)
+    ring, tree = 2 * 7 / 8 * nbytes / across.bw + 14 * across.latency, 2 * nbytes / across.bw + 6 * across.latency
+    assert all_reduce_time(hw, nbytes, 8) == pytest.approx(min(ring, tree))
+    assert all_to_all_time(hw, nbytes, 2, span=8) == pytest.approx(nbytes / 2 / across.bw + across.latency)
+    assert send_time(hw, nbytes) < send_time(hw, nbytes, 8)  # neighbours vs the two halves of the machine
+    flat = dataclasses.replace(hw, topology=())
+    ring, tree = 2 * 7 / 8 * nbytes / hw.link_bw + 14 * hw.link_latency, 2 * nbytes / hw.link_bw + 6 * hw.link_latency
+    assert all_reduce_time(flat, nbytes, 8) == pytest.approx(min(ring, tree))
+    tuned = dataclasses.replace(hw, collectives={"all_reduce": (1e-6, 1e9)})
+    assert tuned.comm("all_reduce", 8) == (1e-6, 1e9) and tuned.comm("send", 8) == (across.latency, across.bw)
+
+
+def test_layouts_are_placed_on_the_topology_and_pay_for_what_they_cross():
+    """TP groups are consecutive GPUs (the runtime's (dp, pp, sp, tp) grid): T4P2 keeps each tp group
+    in a socket and sends between stages across; T8's all-reduce crosses the sockets, so on two
+    sockets it decodes slower than on one flat link while D2T4, inside the sockets, does not change."""
+    import dataclasses
+
+    from reshard.parallel.cost.fit import Efficiency
+    from reshard.parallel.cost.topology import placement
+
+    hw = hardware("a10-g5")
+    assert placement(parse_notation("T4P2"), hw) == {
+        "tp_groups": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "crosses": {"tp": "socket", "sp": None, "pp": "node"},
+    }
+    assert placement(parse_notation("T8"), hw)["crosses"]["tp"] == "node"
+    assert placement(parse_notation("S2T4"), hw)["crosses"] == {"tp": "socket", "sp": "node", "pp": None}
+    assert placement(parse_notation("T4"), hardware("h100"))["crosses"]["tp"] == "link"
+    m, flat = model("llama2-70b"), dataclasses.replace(hw, topology=())
+    t8, d2t4 = parse_notation("T8"), parse_notation("D2T4")
+    assert cost.decode_step_time(m, hw, t8, 64, 1000) > cost.decode_step_time(m, flat, t8, 64, 1000)
+    assert cost.decode_step_time(m, hw, d2t4, 32, 1000) == cost.decode_step_time(m, flat, d2t4, 32, 1000)
+    slow = Efficiency(pcie=0.5, socket=0.25, latency=2.0).apply(hw)  # each level by its own link's factor
+    assert [lv.bw for lv in slow.topology] == [0.5 * hw.topology[0].bw, 0.25 * hw.topology[1].bw]
+    assert [lv.latency for lv in slow.topology] == [2.0 * lv.latency for lv in hw.topology]
+
+
+def test_a_seesaw_pair_pays_one_round_trip_per_cpu_tier_of_sequences():
+    """Seesaw transitions when its CPU KV tier (80 GiB per GPU) is full or empty (section 4.3): a
+    pair pays the weights A -> B -> A once per tier's worth of sequences, this batch's share of it."""
+    m, hw, w = model("codellama-34b"), hardware("a10-g5"), workload("arxiv")
+    a, b = parse_notation("D2P4"), parse_notation("D2T4")
+    e = cost.estimate(m, hw, a, b, w, max_batch=256)
+    tier = cost.cpu_tier_sequences(m, w, 8)
+    per_seq = 2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes * (w.input_len + w.output_len)
+    assert tier == min(w.requests, math.floor(cost.CPU_KV_PER_GPU * 8 / per_seq)) and tier > e.batch
+    trip = cost.transition_time(m, hw, a, b) + cost.transition_time(m, hw, b, a)
+    assert e.transition_s == pytest.approx(trip * e.batch / tier)
+
+
+def test_the_planners_defaults_are_the_validated_settings_row_by_row():
+    """``reshard plan`` with only a Fig. 10 row's model, machine, GPUs and workload ranks exactly as
+    the validation does (the fitted factors, vLLM's 256-sequence cap on static layouts): the table
+    a user sees is the one bench/cost_vs_papers.py validates. On the paper's machines, by their AWS
+    names too."""
+    from reshard.parallel.cost.fit import EFFICIENCIES
+    from reshard.parallel.cost.papers import SEESAW_FIG10, VLLM_MAX_NUM_SEQS
+    from reshard.parallel.cost.validate import check_winner
+    from reshard.recipes.plan import make_plan
+
+    defaults = _compose([])
+    assert (defaults.efficiency, defaults.max_batch) == ("fitted", VLLM_MAX_NUM_SEQS)
+    machine = {"a10-g5": "g5.48xlarge", "l4-g6": "g6.48xlarge"}
+    for row in SEESAW_FIG10:
+        plan = make_plan(
+            _compose([f"model={row.model}", f"hardware={machine[row.hardware]}", f"num_gpus={row.gpus}",
+                      f"workload={row.workload}"])
+        )  # fmt: skip
+        check = check_winner(row, EFFICIENCIES[defaults.efficiency])
+        assert (plan["best_static"], plan["best_seesaw"]) == (check.best_static.name, check.best_pair.name), row.key
+        assert plan["hardware"] == row.hardware
+
+
+def test_seesaw_fig10_with_the_default_settings_statics_and_pairs_on_each_half():
+    """With the planner's defaults on the paper's machines: the measured static within 10% of the
+    model's best in at least 9 of 12 rows (issue 39's goal); the measured pair within 5% in 5 of 12,
+    short of the goal of 8 (bench/RESULTS.md: no global factor set reaches both goals with the
+    H200 rows in the fit); the held-out L4 half on its own: 4 statics and 3 pairs of 6."""
+    from reshard.parallel.cost.fit import FITTED
+    from reshard.parallel.cost.papers import SEESAW_FIG10
+    from reshard.parallel.cost.validate import check_winner
+
+    checks = {row.key: check_winner(row, FITTED) for row in SEESAW_FIG10}
+
+    def counts(hw):
+        half = [c for c in checks.values() if c.row.hardware in hw]
+        return sum(c.static_ratio >= 0.9 for c in half), sum(c.pair_ratio >= 0.95 for c in half)
+
+    statics, pairs = counts({"a10-g5", "l4-g6"})
+    assert statics >= 9 and pairs >= 5
+    held_statics, held_pairs = counts({"l4-g6"})  # held out: the fit never saw these rows
+    assert held_statics >= 4 and held_pairs >= 3
+    assert checks["a10-g5 llama2-70b arxiv"].best_pair.name == "P8->T4P2"  # T4 groups inside a socket, not T8
+
+
 # ---- the recipe --------------------------------------------------------------------------------------
 def test_plan_recipe_end_to_end(tmp_path, capsys):
     from reshard.recipes.plan import run_plan
@@ -290,7 +400,7 @@ def test_calibration_sweep_gives_positive_finite_numbers(tmp_path):
 def test_only_the_named_global_efficiency_factors_can_be_fitted():
     from reshard.parallel.cost.fit import FITTABLE, Efficiency, fit
 
-    assert FITTABLE == ("compute", "memory", "pcie", "nvlink", "latency", "step_overhead")
+    assert FITTABLE == ("compute", "memory", "pcie", "nvlink", "socket", "latency", "step_overhead")
     with pytest.raises(ValueError, match=r"only global efficiency factors can be fitted, \[.*\]; got \['row_3_bias'\]"):
         fit(lambda eff, rows: 0.0, [], ["row_3_bias"])
     with pytest.raises(TypeError):
@@ -303,7 +413,8 @@ def test_the_fit_sees_only_its_half_and_a_held_out_change_does_not_move_it():
     from reshard.parallel.cost.papers import SEESAW_FIG10, SEESAW_FIG11
     from reshard.parallel.cost.validate import fit_half, winners_loss
 
-    grid = {**dict.fromkeys(("memory", "latency", "nvlink"), (1.0,)), "compute": (0.25, 0.5), "pcie": (0.4, 1.0)}
+    grid = {**dict.fromkeys(("memory", "latency", "nvlink", "socket"), (1.0,)), "compute": (0.25, 0.5)}
+    grid.update(pcie=(0.4, 1.0))
     grid.update(step_overhead=(0.0, 2e-3))
     seen = []
 
@@ -386,17 +497,21 @@ def test_dejavu_streaming_overhead_comes_from_the_link():
 
 def test_pair_ceiling_is_the_most_pairs_any_grid_point_reaches():
     """The ceiling diagnostic counts the rows within 5% at each grid point and keeps the best: on
-    a two-point grid it equals the larger of the two points' own counts, and names that point."""
+    the grid of every mix of two points' factors it equals the most any mix reaches (each counted
+    here on its own), and names the first point that reaches it."""
+    import itertools
+
     from reshard.parallel.cost.fit import FITTED, Efficiency
     from reshard.parallel.cost.papers import SEESAW_FIG10
     from reshard.parallel.cost.validate import pair_ceiling, pairs_within
 
     other = Efficiency(compute=1.0, memory=1.0, pcie=0.6, nvlink=0.5, latency=0.25, step_overhead=0.016)
-    counts = {e: pairs_within(e, SEESAW_FIG10) for e in (FITTED, other)}
-    grid = {name: tuple(dict.fromkeys(getattr(e, name) for e in counts)) for name in FITTED.as_dict()}
+    grid = {name: tuple(dict.fromkeys(getattr(e, name) for e in (FITTED, other))) for name in FITTED.as_dict()}
+    points = [Efficiency(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]
+    counts = [pairs_within(e, SEESAW_FIG10) for e in points]
     best, at = pair_ceiling(SEESAW_FIG10, grid)
-    assert best == max(counts.values()) and counts.get(at, pairs_within(at, SEESAW_FIG10)) == best
-    assert 0 < counts[FITTED] < best <= len(SEESAW_FIG10)
+    assert (best, at) == (max(counts), points[counts.index(max(counts))])
+    assert 0 < pairs_within(FITTED, SEESAW_FIG10) < best <= len(SEESAW_FIG10)
 
 
 def test_the_fitted_factors_are_the_fit_of_the_training_half_and_plan_can_use_them():

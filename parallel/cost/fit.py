@@ -33,15 +33,21 @@ class Efficiency:
     memory: float = 1.0  # achieved fraction of peak memory bandwidth
     pcie: float = 1.0  # achieved fraction of link bandwidth in collectives and sends over PCIe
     nvlink: float = 1.0  # the same over NVLink (and any other link)
+    socket: float = 1.0  # the same over the link between CPU sockets (a topology's "socket" level)
     latency: float = 1.0  # multiplier of the per-message link latency
     step_overhead: float = 0.0  # seconds per forward step of a stage
 
     def apply(self, hw: Hardware) -> Hardware:
         """``hw`` as it performs: peaks scaled, latency multiplied, the overhead set."""
-        link = self.pcie if hw.link == "pcie" else self.nvlink
+        link = self.link(hw.link)
         collectives = {k: (lat * self.latency, bw * link) for k, (lat, bw) in hw.collectives.items()}
+        levels = tuple(
+            dataclasses.replace(lv, bw=lv.bw * self.link(lv.kind), latency=lv.latency * self.latency)
+            for lv in hw.topology
+        )
         return dataclasses.replace(
             hw,
+            topology=levels,
             flops=hw.flops * self.compute,
             mem_bw=hw.mem_bw * self.memory,
             link_bw=hw.link_bw * link,
@@ -49,6 +55,10 @@ class Efficiency:
             collectives=collectives,
             step_overhead=self.step_overhead,
         )
+
+    def link(self, kind: str) -> float:
+        """The factor of a link of ``kind``: ``pcie``, ``socket``, or ``nvlink`` for any other."""
+        return {"pcie": self.pcie, "socket": self.socket}.get(kind, self.nvlink)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -58,18 +68,19 @@ FITTABLE = tuple(f.name for f in dataclasses.fields(Efficiency))
 
 # ``python bench/cost_vs_papers.py``'s fit on the A10 and H200 rows (bench/RESULTS.md, "Cost model
 # vs the papers"); ``recipes.plan efficiency=fitted`` uses it; a test re-fits around it
-FITTED = Efficiency(compute=0.35, memory=0.85, pcie=0.6, nvlink=0.25, latency=0.1, step_overhead=0.008)
+FITTED = Efficiency(compute=0.35, memory=1.0, pcie=1.0, nvlink=0.25, socket=0.25, latency=0.1, step_overhead=0.008)
 EFFICIENCIES = MappingProxyType({"datasheet": Efficiency(), "fitted": FITTED})
 
 # the values each factor may take (log-spaced; the overhead in seconds)
 GRID: MappingProxyType[str, tuple[float, ...]] = MappingProxyType(
     {
-        "compute": (0.15, 0.25, 0.35, 0.5, 0.7, 1.0),
+        "compute": (0.1, 0.15, 0.25, 0.35, 0.5, 0.7, 1.0),
         "memory": (0.4, 0.55, 0.7, 0.85, 1.0),
         "pcie": (0.15, 0.25, 0.4, 0.6, 1.0),
         "nvlink": (0.25, 0.5, 1.0),
+        "socket": (0.25, 0.5, 1.0),
         "latency": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
-        "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3),
+        "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3),
     }
 )
 

@@ -254,3 +254,39 @@ SHIFT_FIG14: tuple[Ordering, ...] = (
     # and the throughput suddenly drops either with TP and SP"
     Ordering("qwen3-30b-a3b-fp8", "DP", ("TP", "SP", "Shift"), "S8", f"{SHIFT}, Fig. 14, lines 842-847"),
 )
+
+
+SIDP = "SiDP, ../shared/seeds/002_ac3a9c59a31419dc.txt"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A qualitative result of SiDP's section 5.2 (its figures' numbers did not survive the text's
+    extraction): ``kind`` is ``tp_pp_below_tp`` (the best TP x PP layout below full TP),
+    ``sidp_above_static`` (SiDP above every static TP / PP / DP layout) or ``sidp_matches_dp`` (SiDP
+    within 10% of the best DP x TP layout), at ``input_len`` tokens per request; 8 x H200, the
+    engine's large fixed batch (no ``max_num_seqs`` cap, section 5.1)."""
+
+    kind: str
+    model: str
+    input_len: int
+    source: str
+    hardware: str = "h200"
+    gpus: int = 8
+    output_len: int = 256  # assumed: the paper gives only the workloads' average lengths, 1K / 2K / 4K
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} {self.input_len}: {self.kind}"
+
+
+# line 78: "a TP+PP baseline ... generally below TP in our single-node setting"; "at short sequences
+# (1K) ... SiDP closely matches its throughput"; "for memory-bound offline workloads, the
+# best-performing configuration with SiDP lies strictly above any TP/PP/DP combination" (4K).
+# Llama-3.1-70B has Llama-3-70B's shape (config.json); Qwen2.5-72B has no profile here.
+SIDP_CLAIMS: tuple[Claim, ...] = tuple(
+    Claim(kind, m, n, f"{SIDP}, section 5.2, line 78")
+    for m in ("qwen3-32b", "llama3-70b")
+    for kind, lens in (("tp_pp_below_tp", (1024, 4096)), ("sidp_matches_dp", (1024,)), ("sidp_above_static", (4096,)))
+    for n in lens
+)

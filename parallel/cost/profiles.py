@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from reshard.parallel.cost.topology import Level, two_sockets
+
 GB = 10**9  # vendors quote memory bandwidth and link bandwidth in decimal GB/s
 GiB = 2**30
 TFLOPS = 10**12  # vendors quote tensor throughput in decimal TFLOPS
@@ -27,8 +29,11 @@ class Hardware:
 
     ``memory`` bytes per device, ``mem_bw`` bytes/s (HBM/GDDR), ``flops`` dense fp16/bf16 FLOP/s,
     ``link_bw`` bytes/s per direction per device, ``link_latency`` seconds per message (per ring
-    hop). ``collectives`` optionally overrides ``(latency s, bandwidth B/s)`` per collective kind
-    (``all_reduce``, ``all_to_all``, ``send``), as a calibration measures them.
+    hop). ``topology``: the machine's :class:`Level` s, innermost first; a group of GPUs whose
+    aligned block spans ``span`` GPUs talks over the first level of at least that size (the last
+    beyond it), and a machine without one over ``link_bw`` / ``link_latency`` alone.
+    ``collectives`` optionally overrides ``(latency s, bandwidth B/s)`` per collective kind
+    (``all_reduce``, ``all_to_all``, ``send``), as a calibration measures them on its own group.
     """
 
     name: str
@@ -40,10 +45,22 @@ class Hardware:
     link_latency: float
     collectives: dict = field(default_factory=dict, compare=False, hash=False)
     step_overhead: float = 0.0  # seconds per forward step of a stage (launches, scheduling): 0 unless fitted
+    topology: tuple[Level, ...] = ()
 
-    def comm(self, kind: str) -> tuple[float, float]:
-        """``(latency s, bandwidth B/s)`` of collective ``kind``; the link's own without a fit."""
-        return tuple(self.collectives.get(kind, (self.link_latency, self.link_bw)))
+    def comm(self, kind: str, span: int = 1) -> tuple[float, float]:
+        """``(latency s, bandwidth B/s)`` of collective ``kind`` over a group of GPUs spanning an
+        aligned block of ``span``: a calibrated override, else the level it crosses, else the link."""
+        if kind in self.collectives:
+            return tuple(self.collectives[kind])
+        level = self.level(span)
+        return (self.link_latency, self.link_bw) if level is None else (level.latency, level.bw)
+
+    def level(self, span: int) -> Level | None:
+        """The innermost :class:`Level` whose blocks hold ``span`` GPUs (the outermost beyond them;
+        ``None`` without a topology)."""
+        if not self.topology:
+            return None
+        return next((lv for lv in self.topology if lv.size >= span), self.topology[-1])
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,7 @@ HARDWARE: MappingProxyType[str, Hardware] = MappingProxyType(
             link="pcie",
             link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
             link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+            topology=two_sockets(16 * GiB, PCIE_LATENCY),  # g5.48xlarge: see two_sockets
         ),
         "l4-g6": Hardware(
             name="l4-g6",
@@ -130,6 +148,7 @@ HARDWARE: MappingProxyType[str, Hardware] = MappingProxyType(
             link="pcie",
             link_bw=16 * GiB,  # Seesaw section 6.1: "PCIe 4.0 8x, providing 16 GiB/s bandwidth"
             link_latency=PCIE_LATENCY,  # assumed (see PCIE_LATENCY)
+            topology=two_sockets(16 * GiB, PCIE_LATENCY),  # g6.48xlarge: assumed as g5's (AWS gives no topology file)
         ),
         "a100-40g-pcie": Hardware(
             name="a100-40g-pcie",
@@ -196,6 +215,7 @@ HARDWARE: MappingProxyType[str, Hardware] = MappingProxyType(
         ),
     }
 )
+MACHINES = MappingProxyType({"g5.48xlarge": "a10-g5", "g6.48xlarge": "l4-g6"})  # by their AWS names (Seesaw 6.1)
 
 
 # ---- models (public HF config.json values; fp16/bf16 weights as the papers run them) ------------
@@ -371,8 +391,9 @@ def hardware(name: str, report: Callable[[str], None] = lambda line: None) -> Ha
         from reshard.parallel.cost.calibrate import this_machine
 
         return this_machine(report=report)
+    name = MACHINES.get(name, name)
     if name not in HARDWARE:
-        raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE) + ['this_machine']}")
+        raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE) + sorted(MACHINES) + ['this_machine']}")
     return HARDWARE[name]
 
 

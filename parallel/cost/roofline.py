@@ -54,6 +54,7 @@ from reshard.parallel.model.dims import layout_notation
 
 MEMORY_RESERVE = 0.10  # fraction of device memory kept free for activations, workspace, fragmentation
 PREFILL_TOKENS = 4096  # assumed tokens per prefill step (vLLM-style chunk), >= one whole prompt
+CPU_KV_PER_GPU = 80 * 2**30  # Seesaw section 6.1: "we allocate 80 GiB of CPU memory per GPU" (its KV tier)
 
 
 @dataclass(frozen=True)
@@ -237,8 +238,9 @@ def layer_time(
     reduces = 1 + moe.ffn_all_reduces(m, cfg, sparse=sparse)  # attention's, the FFN's
     comm = reduces * all_reduce_time(hw, tokens / cfg.sp * m.hidden * e, cfg.tp)
     qkv = tokens / cfg.sp * m.head_dim * (m.heads + 2 * m.kv_heads) / cfg.tp * e
-    comm += all_to_all_time(hw, qkv, cfg.sp) + all_to_all_time(
-        hw, tokens / cfg.sp * m.head_dim * m.heads / cfg.tp * e, cfg.sp
+    span = cfg.sp * cfg.tp  # an sp group's GPUs stride tp
+    comm += all_to_all_time(hw, qkv, cfg.sp, span) + all_to_all_time(
+        hw, tokens / cfg.sp * m.head_dim * m.heads / cfg.tp * e, cfg.sp, span
     )
     return linear + attn + comm + (moe.expert_time(m, hw, cfg, tokens) if sparse else 0.0)
 
@@ -277,8 +279,10 @@ def decode_stage_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, seqs: fl
 
 def _stage(m: ModelShape, hw: Hardware, cfg: ParallelConfig, layers: float, tokens: float, head_rows: float) -> float:
     """A stage's ``layers`` seconds, the LM head on the last stage (the bottleneck stage), one send
-    and the per-step overhead (``hw.step_overhead``: launches and scheduling, paid per micro-batch)."""
-    send = send_time(hw, tokens * m.hidden * m.dtype_bytes) if cfg.pp > 1 else 0.0
+    (over the slowest stage boundary: the stages of a replica span ``pp * sp * tp`` GPUs) and the
+    per-step overhead (``hw.step_overhead``: launches and scheduling, paid per micro-batch)."""
+    span = cfg.pp * cfg.sp * cfg.tp
+    send = send_time(hw, tokens * m.hidden * m.dtype_bytes, span) if cfg.pp > 1 else 0.0
     return layers + head_time(m, hw, cfg, head_rows) + send + hw.step_overhead
 
 
@@ -359,17 +363,42 @@ def estimate(
     max_batch: int | None = None,
 ) -> Estimate | None:
     """Throughput of prefilling in ``prefill`` and decoding in ``decode``; ``None`` if either does
-    not fit (the prefill layout needs room for one prompt: Seesaw keeps the rest in its CPU tier)."""
+    not fit (the prefill layout needs room for one prompt: Seesaw keeps the rest in its CPU tier).
+    ``max_batch`` caps a static layout's replicas (a serving engine's ``max_num_seqs``: vLLM's
+    256 in the papers' baselines); a Seesaw pair decodes with the GPU KV full, its CPU tier feeding
+    it (Seesaw section 4.3, "keeping GPU KV cache fully utilized"), so its batch is the decode
+    layout's KV room."""
     if infeasible_reason(m, hw, decode, w.input_len + w.output_len) or infeasible_reason(m, hw, prefill, w.input_len):
         return None
-    b = batch_per_replica(m, hw, decode, w, max_batch)
+    b = batch_per_replica(m, hw, decode, w, max_batch if prefill == decode else None)
+    return _estimate(m, hw, prefill, decode, w, b, decode_time(m, hw, decode, w, b))
+
+
+def decode_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload, batch: int) -> float:
+    """Seconds for each replica of ``cfg`` to generate ``w.output_len`` tokens for ``batch`` sequences
+    (at the mean context, ``input_len + output_len / 2``)."""
+    return w.output_len * decode_step_time(m, hw, cfg, batch, w.input_len + w.output_len / 2)
+
+
+def _estimate(
+    m: ModelShape, hw: Hardware, prefill: ParallelConfig, decode: ParallelConfig, w: Workload, b: int, dec: float
+) -> Estimate:
+    """:func:`estimate` of a feasible pair whose decode layout holds ``b`` sequences per replica
+    and decodes them in ``dec`` seconds."""
     total = b * decode.dp
     pre = prefill_time(m, hw, prefill, total / prefill.dp, w.input_len)
-    dec = w.output_len * decode_step_time(m, hw, decode, b, w.input_len + w.output_len / 2)
-    trans = (
-        0.0 if prefill == decode else transition_time(m, hw, prefill, decode) + transition_time(m, hw, decode, prefill)
-    )
+    trans = 0.0
+    if prefill != decode and total > 0:  # one round trip per CPU tier's worth of sequences, this batch's share
+        trip = transition_time(m, hw, prefill, decode) + transition_time(m, hw, decode, prefill)
+        trans = trip * total / max(total, cpu_tier_sequences(m, w, decode.gpus))
     return Estimate(prefill, decode, total, pre, dec, trans, total * w.output_len / (pre + dec + trans))
+
+
+def cpu_tier_sequences(m: ModelShape, w: Workload, gpus: int) -> int:
+    """Sequences between two Seesaw transitions: its tiered KV buffer prefills until the CPU tier
+    (:data:`CPU_KV_PER_GPU` per GPU) is full, then decodes them all (section 4.3), at most the job's."""
+    per_seq = kv_bytes_per_token(m, ParallelConfig()) * (w.input_len + w.output_len)
+    return min(w.requests, math.floor(CPU_KV_PER_GPU * gpus / per_seq))
 
 
 def prefill_throughput(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload) -> float:
@@ -389,5 +418,14 @@ def rank_layouts(
 ) -> list[Estimate]:
     """Every feasible static layout and Seesaw pair of ``num_gpus`` GPUs, best first."""
     cands = configs(num_gpus, experts=m.moe)
-    out = [estimate(m, hw, a, b, w, max_batch=max_batch) for a in cands for b in cands]
-    return sorted((e for e in out if e is not None and e.batch > 0), key=lambda e: -e.tokens_per_s)
+    prefills = [a for a in cands if not infeasible_reason(m, hw, a, w.input_len)]
+    decodes = [b for b in cands if not infeasible_reason(m, hw, b, w.input_len + w.output_len)]
+
+    def decoded(cfg: ParallelConfig, cap: int | None) -> tuple[int, float]:  # once per decode layout and cap
+        n = batch_per_replica(m, hw, cfg, w, cap)
+        return n, decode_time(m, hw, cfg, w, n)
+
+    static = {b: decoded(b, max_batch) for b in decodes}
+    pair = static if max_batch is None else {b: decoded(b, None) for b in decodes}
+    out = [(a, b, *(static if a == b else pair)[b]) for a in prefills for b in decodes]
+    return sorted((_estimate(m, hw, *e[:2], w, *e[2:]) for e in out if e[2] > 0), key=lambda e: -e.tokens_per_s)

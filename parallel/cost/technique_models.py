@@ -84,8 +84,8 @@ def sidp_times(m: ModelShape, hw: Hardware, replicas: int, batch: float) -> tupl
     activation bytes (there and back) and the owner runs one fused GEMM over all replicas' rows."""
     ffn = 3 * m.hidden * m.intermediate
     local = roofline_time(hw, 2 * ffn * batch, ffn * m.dtype_bytes)
-    was = max(send_time(hw, ffn * m.dtype_bytes), local)
-    ship = 2 * send_time(hw, batch * m.hidden * m.dtype_bytes)
+    was = max(send_time(hw, ffn * m.dtype_bytes, replicas), local)  # from an owner among all replicas
+    ship = 2 * send_time(hw, batch * m.hidden * m.dtype_bytes, replicas)
     cas = ship + roofline_time(hw, 2 * ffn * batch * replicas, ffn * m.dtype_bytes)
     return was, cas
 

@@ -44,7 +44,7 @@ def rank_all(m: ModelShape, hw: Hardware, n: int, w: Workload, *, max_batch: int
 
 def _free_links(hw: Hardware) -> Hardware:
     """``hw`` with communication free (infinite bandwidth, no latency)."""
-    return dataclasses.replace(hw, link_bw=math.inf, link_latency=0.0, collectives={})
+    return dataclasses.replace(hw, link_bw=math.inf, link_latency=0.0, collectives={}, topology=())
 
 
 def _row(name: str, kind: str, batch: int, prefill: float, decode: float, trans: float, comm: float, w, note=""):

@@ -120,6 +120,7 @@ def expert_switch_bytes(m: ModelShape, a: ParallelConfig, b: ParallelConfig) -> 
 
 
 def transition_time(m: ModelShape, hw: Hardware, a: ParallelConfig, b: ParallelConfig) -> float:
-    """Seconds to move :func:`transition_bytes`, spread evenly over every GPU's link (assumed)."""
+    """Seconds to move :func:`transition_bytes`, spread evenly over every GPU's link (assumed),
+    at the level of the topology that holds all of them."""
     nbytes = transition_bytes(m, a, b)
-    return 0.0 if nbytes == 0 else send_time(hw, nbytes / a.gpus)
+    return 0.0 if nbytes == 0 else send_time(hw, nbytes / a.gpus, a.gpus)

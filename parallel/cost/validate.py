@@ -18,6 +18,7 @@ from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
 from reshard.parallel.cost.papers import (
     VLLM_MAX_NUM_SEQS,
+    Claim,
     LayoutWinner,
     Measured,
     Ordering,
@@ -273,3 +274,24 @@ def fig14_agreement(rows: Sequence[Ordering], eff: Efficiency) -> list[dict]:
             agrees = all(rates[row.above] > rates[b] for b in row.below)
             out.append({"claim": row.key, "input_len": n, "rates": rates, "agrees": agrees})
     return out
+
+
+def check_claim(claim: Claim, eff: Efficiency) -> dict:
+    """The model's view of one SiDP :class:`Claim`: the tokens/s it compares and whether it holds."""
+    from reshard.parallel.cost.techniques import rank_all
+
+    m, hw = model(claim.model), eff.apply(hardware(claim.hardware))
+    w = workload("constant", input_len=claim.input_len, output_len=claim.output_len, requests=100_000)
+    rows = rank_all(m, hw, claim.gpus, w, max_batch=None)
+    statics = {r["layout"]: r["tokens_per_s"] for r in rows if r["kind"] == "static"}
+    sidp = next((r["tokens_per_s"] for r in rows if r["kind"] == "sidp"), 0.0)
+    tp_pp = max((v for k, v in statics.items() if "P" in k and "D" not in k), default=0.0)
+    dp_tp = max((v for k, v in statics.items() if "P" not in k and "D" in k), default=0.0)
+    values = {
+        "tp_pp_below_tp": {"TP x PP": tp_pp, f"T{claim.gpus}": statics.get(f"T{claim.gpus}", 0.0)},
+        "sidp_matches_dp": {"SiDP": sidp, "DP x TP": dp_tp},
+        "sidp_above_static": {"SiDP": sidp, "best static": max(statics.values(), default=0.0)},
+    }[claim.kind]
+    a, b = values.values()
+    holds = {"tp_pp_below_tp": a < b, "sidp_matches_dp": a >= 0.9 * b, "sidp_above_static": a > b}[claim.kind]
+    return {"claim": claim.key, "values": values, "holds": holds}

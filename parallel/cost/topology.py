@@ -1,0 +1,62 @@
+"""Where a machine's GPUs sit and where a layout puts its groups on them (:mod:`parallel.cost`).
+
+A :class:`Level` is a block of GPUs that reach each other over one path; a machine lists its levels
+innermost first (:attr:`parallel.cost.profiles.Hardware.topology`). A layout's ranks are the
+runtime's ascending ``(dp, pp, sp, tp)`` grid (:func:`reshard.parallel.model.dims.rank_grid`): a tp
+group is ``tp`` consecutive GPUs, an sp group strides ``tp`` and spans ``sp * tp``, a replica's
+stages span ``pp * sp * tp``. Each collective is costed at the level its group's block crosses
+(:mod:`parallel.cost.collectives`), its slowest link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reshard.parallel.cost.profiles import Hardware
+    from reshard.parallel.cost.roofline import ParallelConfig
+
+GB = 10**9
+SOCKET_BW = 16 * GB  # NVIDIA/nccl src/graph/topo.h "#define AMD_BW 16.0": NCCL's GB/s between two AMD sockets
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of a machine's topology: GPUs ``0..size-1``, ``size..2*size-1``, ... (aligned
+    blocks of ``size``) reach each other through it, and a message between two GPUs crosses the
+    innermost level whose block holds both. ``bw`` bytes/s per direction per GPU and ``latency``
+    seconds per message are the path's: its slowest link (a PCIe switch, a CPU socket's root
+    complex, the link between sockets, an NVLink domain)."""
+
+    name: str
+    size: int
+    kind: str  # "pcie" | "nvlink" | "socket" (the link between CPU sockets): which efficiency factor scales it
+    bw: float
+    latency: float
+
+
+def two_sockets(link_bw: float, link_latency: float) -> tuple[Level, ...]:
+    """An 8-GPU PCIe machine of two CPU sockets, 4 GPUs on each socket's root complex, no
+    peer-to-peer (AWS g5.48xlarge: aws/aws-ofi-nccl topology/g5.48xl-topo.xml puts GPUs 0-3 on
+    NUMA node 0 and 4-7 on node 1, commit 5baeddcf "G5.48xlarge has two NUMA nodes"; traffic goes
+    through host memory, NVIDIA/TensorRT-LLM#1034 "peer access is not supported"): GPUs of one
+    socket talk at their own link, a group across the sockets at the slower of it and the socket
+    link, paying two root complexes' latency (assumed)."""
+    return (
+        Level("socket", 4, "pcie", link_bw, link_latency),
+        Level("node", 8, "socket", min(link_bw, SOCKET_BW), 2 * link_latency),
+    )
+
+
+def placement(cfg: ParallelConfig, hw: Hardware) -> dict:
+    """Where ``cfg`` puts its groups on ``hw``: the GPUs of each tp group and, per kind of traffic
+    (tp all-reduce, sp all-to-all, the sends between stages), the level it crosses (``"link"``
+    on a machine without a topology, ``None`` where the layout has no such traffic)."""
+    spans = {"tp": (cfg.tp, cfg.tp), "sp": (cfg.sp, cfg.sp * cfg.tp), "pp": (cfg.pp, cfg.pp * cfg.sp * cfg.tp)}
+    levels = {}
+    for axis, (degree, span) in spans.items():
+        level = hw.level(span)
+        levels[axis] = None if degree == 1 else (level.name if level else "link")
+    groups = [list(range(start, start + cfg.tp)) for start in range(0, cfg.gpus, cfg.tp)]
+    return {"tp_groups": groups, "crosses": levels}
