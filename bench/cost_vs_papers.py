@@ -1,7 +1,7 @@
 """The cost model against the papers' published measurements: fitted on one half, predicted on the other.
 
 The validation table of all four papers in one command, from the repo root (single process, no GPU,
-about four minutes, most of it the fit):
+about six minutes, most of it the fit):
 
     python bench/cost_vs_papers.py        # --train a10-g5,h200-fp8 (default): the hardware whose rows are fitted
 
