@@ -146,6 +146,7 @@ def stream_table() -> list[str]:
 
 
 def fig14_table(eff: Efficiency) -> list[str]:
+    """Shift's Fig. 14 claims (MoE orderings) at each input length: the model's rates and whether each holds."""
     lines = ["| Shift Fig. 14 (MoE, 8 x H200 FP8), input | claim | model tokens/s | holds |", "|---|---|---|---|"]
     for a in fig14_agreement(SHIFT_FIG14, eff):
         rates = ", ".join(f"{k} {v:,.0f}" for k, v in a["rates"].items())
@@ -154,8 +155,9 @@ def fig14_table(eff: Efficiency) -> list[str]:
 
 
 def sidp_table(eff: Efficiency) -> list[str]:
+    """SiDP's qualitative claims (section 5.2): the model's two compared rates and whether the claim holds."""
     lines = ["| SiDP section 5.2 (8 x H200, bf16) | model tokens/s | holds |", "|---|---|---|"]
-    for c in map(lambda claim: check_claim(claim, eff), SIDP_CLAIMS):
+    for c in [check_claim(claim, eff) for claim in SIDP_CLAIMS]:
         values = ", ".join(f"{k} {v:,.0f}" for k, v in c["values"].items())
         lines.append(f"| {c['claim']} | {values} | {'yes' if c['holds'] else 'no'} |")
     return lines

@@ -157,8 +157,9 @@ def summary_lines(plan: dict) -> str:
 
 
 def _where(p: dict) -> str:
-    """``tp 0-3 | 4-7 in socket, pp across node``: a layout's tp groups and the level each traffic crosses."""
-    crossed = ", ".join(f"{axis} over {level}" for axis, level in p["crosses"].items() if level)
+    """``tp groups 0-3 | 4-7 (tp in-socket, pp cross-socket)``: a layout's tp groups and the outermost
+    level each kind of its traffic crosses."""
+    crossed = ", ".join(f"{axis} {level}" for axis, level in p["crosses"].items() if level)
     if len(p["tp_groups"][0]) == 1:
         return crossed or "one GPU per replica"
     groups = " | ".join(f"{g[0]}-{g[-1]}" for g in p["tp_groups"])

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 @dataclass
 class PlanConfig:
     model: str = "llama3-15b"  # a name in parallel.profiles.MODELS or a path to an HF config.json
-    hardware: str = "a10"  # a name in parallel.profiles.HARDWARE or this_machine (calibrated)
+    hardware: str = "g5.48xlarge"  # parallel.cost.profiles.HARDWARE or MACHINES (g5.48xlarge, ...) or this_machine
     num_gpus: int = 4  # a power of two
     workload: str = "arxiv"  # arxiv | sharegpt | constant
     input_len: float = 512.0  # constant workload: prompt tokens per request
     output_len: float = 512.0  # constant workload: generated tokens per request
     requests: int = 1000  # constant workload: requests in the job
-    max_batch: int | None = 256  # cap on sequences per replica, vLLM's max_num_seqs (null: KV capacity decides)
+    max_batch: int | None = 256  # static layouts' sequences per replica, vLLM's max_num_seqs (null: KV decides)
     efficiency: str = "fitted"  # fitted (validated on the papers: bench/cost_vs_papers.py) | datasheet (peaks)
     rate: float | None = None  # online: requests/s arriving; ranks by TTFT + output_len x TPOT (null: offline)
     top: int = 20  # rows of the ranked table printed (plan.json holds all)

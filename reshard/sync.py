@@ -86,8 +86,8 @@ class WeightSync:
 
     Collective: every rank of the world constructs it and calls :meth:`sync` / :meth:`start`.
     A name or shape mismatch, or dtypes that do not convert (a floating dtype converts to another
-    while it is packed: fp32 training weights into a bf16 rollout moves bf16 bytes), is a
-    ``ValueError`` on every rank, before anything moves.
+    while it is packed: fp32 training weights into a bf16 rollout moves bf16 bytes), or a Partial
+    destination (a sync writes whole values), is a ``ValueError`` on every rank, before anything moves.
     One sync at a time: a :meth:`sync` or :meth:`start` called while a background sync is in
     flight waits for it first (so the version label always names the bytes last written).
     """

@@ -102,7 +102,7 @@ def test_infeasible_layouts_are_excluded():
     from reshard.recipes.plan import make_plan
 
     with pytest.raises(ValueError, match=r"no layout of 1 x a10 fits model 'llama2-70b'"):
-        make_plan(_compose(["model=llama2-70b", "num_gpus=1"]))
+        make_plan(_compose(["model=llama2-70b", "hardware=a10", "num_gpus=1"]))
 
 
 @pytest.mark.parametrize(
@@ -227,53 +227,80 @@ def test_dejavu_disaggregation_pays_only_when_inequality_5_holds(model_name, hw_
 # ---- topology (issue 39) ------------------------------------------------------------------------------
 def test_a_collective_runs_at_the_level_of_the_topology_its_group_crosses():
     """On g5.48xlarge (two sockets of 4 A10s) a group inside a socket talks at the GPU's PCIe link, a
-    group of all 8 at the slower socket link with two root complexes' latency; a machine without
-    a topology and a calibrated override keep one flat link."""
+    group of all 8 through it and the socket link (the slower) with two root complexes' latency; a
+    machine without a topology and a calibrated override keep one flat link; a group larger than
+    the machine, or a level of an unknown kind, is a ValueError naming it."""
     import dataclasses
 
     from reshard.parallel.cost.collectives import all_reduce_time, all_to_all_time, send_time
-    from reshard.parallel.cost.topology import SOCKET_BW
+    from reshard.parallel.cost.topology import SOCKET_BW, Level
 
     hw, nbytes = hardware("a10-g5"), 4e6
     inside, across = hw.topology
-    assert (inside.size, across.size) == (4, 8)
-    assert (across.bw, across.latency) == (min(hw.link_bw, SOCKET_BW), 2 * inside.latency)
+    assert (inside.size, across.size, across.bw, across.latency) == (4, 8, SOCKET_BW, 2 * inside.latency)
+    lat, bw = hw.comm("all_reduce", 8)
+    assert (lat, bw) == (across.latency, min(hw.link_bw, SOCKET_BW)) and hw.comm("send", 3) == (
+        inside.latency,
+        hw.link_bw,
+    )
     assert all_reduce_time(hw, nbytes, 4) == pytest.approx(2 * 3 / 4 * nbytes / hw.link_bw + 6 * hw.link_latency)
-    ring, tree = 2 * 7 / 8 * nbytes / across.bw + 14 * across.latency, 2 * nbytes / across.bw + 6 * across.latency
-    assert all_reduce_time(hw, nbytes, 8) == pytest.approx(min(ring, tree))
-    assert all_to_all_time(hw, nbytes, 2, span=8) == pytest.approx(nbytes / 2 / across.bw + across.latency)
+    assert all_reduce_time(hw, nbytes, 8) == pytest.approx(
+        min(2 * 7 / 8 * nbytes / bw + 14 * lat, 2 * nbytes / bw + 6 * lat)
+    )
+    assert all_to_all_time(hw, nbytes, 2, span=8) == pytest.approx(nbytes / 2 / bw + lat)
     assert send_time(hw, nbytes) < send_time(hw, nbytes, 8)  # neighbours vs the two halves of the machine
     flat = dataclasses.replace(hw, topology=())
-    ring, tree = 2 * 7 / 8 * nbytes / hw.link_bw + 14 * hw.link_latency, 2 * nbytes / hw.link_bw + 6 * hw.link_latency
-    assert all_reduce_time(flat, nbytes, 8) == pytest.approx(min(ring, tree))
+    assert flat.comm("all_reduce", 8) == (hw.link_latency, hw.link_bw)
     tuned = dataclasses.replace(hw, collectives={"all_reduce": (1e-6, 1e9)})
-    assert tuned.comm("all_reduce", 8) == (1e-6, 1e9) and tuned.comm("send", 8) == (across.latency, across.bw)
+    assert tuned.comm("all_reduce", 8) == (1e-6, 1e9) and tuned.comm("send", 8) == (lat, bw)
+    with pytest.raises(ValueError, match=r"a10-g5 holds 8 GPUs; a group of 16 spans machines"):
+        hw.comm("all_reduce", 16)
+    with pytest.raises(ValueError, match=r"level 'x': kind must be one of \('pcie', 'nvlink', 'socket'\), got 'pcei'"):
+        Level("x", 4, "pcei", 1e9, 0.0)
 
 
 def test_layouts_are_placed_on_the_topology_and_pay_for_what_they_cross():
     """TP groups are consecutive GPUs (the runtime's (dp, pp, sp, tp) grid): T4P2 keeps each tp group
     in a socket and sends between stages across; T8's all-reduce crosses the sockets, so on two
-    sockets it decodes slower than on one flat link while D2T4, inside the sockets, does not change."""
+    sockets it decodes slower than on one flat link while D2T4, inside the sockets, does not
+    change. Each level is scaled by its own link's factor, and a path is never faster than its
+    inner levels, whatever the factors."""
     import dataclasses
+    import itertools
 
-    from reshard.parallel.cost.fit import Efficiency
+    from reshard.parallel.cost.fit import GRID, Efficiency
     from reshard.parallel.cost.topology import placement
 
     hw = hardware("a10-g5")
     assert placement(parse_notation("T4P2"), hw) == {
         "tp_groups": [[0, 1, 2, 3], [4, 5, 6, 7]],
-        "crosses": {"tp": "socket", "sp": None, "pp": "node"},
+        "crosses": {"tp": "in-socket", "sp": None, "pp": "cross-socket", "ep": None},
     }
-    assert placement(parse_notation("T8"), hw)["crosses"]["tp"] == "node"
-    assert placement(parse_notation("S2T4"), hw)["crosses"] == {"tp": "socket", "sp": "node", "pp": None}
+    assert placement(parse_notation("T8"), hw)["crosses"]["tp"] == "cross-socket"
+    assert placement(parse_notation("S2T4"), hw)["crosses"]["sp"] == "cross-socket"
+    assert placement(parse_notation("D8E8"), hw)["crosses"]["ep"] == "cross-socket"
     assert placement(parse_notation("T4"), hardware("h100"))["crosses"]["tp"] == "link"
     m, flat = model("llama2-70b"), dataclasses.replace(hw, topology=())
     t8, d2t4 = parse_notation("T8"), parse_notation("D2T4")
     assert cost.decode_step_time(m, hw, t8, 64, 1000) > cost.decode_step_time(m, flat, t8, 64, 1000)
     assert cost.decode_step_time(m, hw, d2t4, 32, 1000) == cost.decode_step_time(m, flat, d2t4, 32, 1000)
-    slow = Efficiency(pcie=0.5, socket=0.25, latency=2.0).apply(hw)  # each level by its own link's factor
+    slow = Efficiency(pcie=0.5, socket=0.25, latency=2.0).apply(hw)
     assert [lv.bw for lv in slow.topology] == [0.5 * hw.topology[0].bw, 0.25 * hw.topology[1].bw]
     assert [lv.latency for lv in slow.topology] == [2.0 * lv.latency for lv in hw.topology]
+    for pcie, socket in itertools.product(GRID["pcie"], GRID["socket"]):
+        scaled = Efficiency(pcie=pcie, socket=socket).apply(hw)
+        assert scaled.comm("all_reduce", 8)[1] <= scaled.comm("all_reduce", 4)[1]
+
+
+def test_the_ranking_is_one_estimate_per_pair():
+    """``rank_layouts`` (each decode layout costed once per cap) lists exactly what ``estimate``
+    gives pair by pair: static layouts capped at ``max_batch``, Seesaw pairs at their KV room."""
+    m, hw, w = model("codellama-34b"), hardware("l4-g6"), workload("sharegpt")
+    ranked = cost.rank_layouts(m, hw, 8, w, max_batch=256)
+    for e in ranked:
+        assert cost.estimate(m, hw, e.prefill, e.decode, w, max_batch=256) == e
+    assert {e.batch for e in ranked if e.prefill == e.decode} <= set(range(0, 256 * 8 + 1))
+    assert max(e.batch // e.decode.dp for e in ranked if e.prefill != e.decode) > 256
 
 
 def test_a_seesaw_pair_pays_one_round_trip_per_cpu_tier_of_sequences():
@@ -281,7 +308,7 @@ def test_a_seesaw_pair_pays_one_round_trip_per_cpu_tier_of_sequences():
     pair pays the weights A -> B -> A once per tier's worth of sequences, this batch's share of it."""
     m, hw, w = model("codellama-34b"), hardware("a10-g5"), workload("arxiv")
     a, b = parse_notation("D2P4"), parse_notation("D2T4")
-    e = cost.estimate(m, hw, a, b, w, max_batch=256)
+    e = cost.estimate(m, hw, a, b, w)
     tier = cost.cpu_tier_sequences(m, w, 8)
     per_seq = 2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes * (w.input_len + w.output_len)
     assert tier == min(w.requests, math.floor(cost.CPU_KV_PER_GPU * 8 / per_seq)) and tier > e.batch

@@ -33,7 +33,7 @@ class Efficiency:
     memory: float = 1.0  # achieved fraction of peak memory bandwidth
     pcie: float = 1.0  # achieved fraction of link bandwidth in collectives and sends over PCIe
     nvlink: float = 1.0  # the same over NVLink (and any other link)
-    socket: float = 1.0  # the same over the link between CPU sockets (a topology's "socket" level)
+    socket: float = 1.0  # the same over the link between CPU sockets (a topology level of kind "socket")
     latency: float = 1.0  # multiplier of the per-message link latency
     step_overhead: float = 0.0  # seconds per forward step of a stage
 
@@ -57,7 +57,8 @@ class Efficiency:
         )
 
     def link(self, kind: str) -> float:
-        """The factor of a link of ``kind``: ``pcie``, ``socket``, or ``nvlink`` for any other."""
+        """The factor of a link of ``kind``: ``pcie``, ``socket``, else ``nvlink`` (NVLink, a calibrated
+        machine's ``gloo``; a topology's level kinds are checked where the level is made)."""
         return {"pcie": self.pcie, "socket": self.socket}.get(kind, self.nvlink)
 
     def as_dict(self) -> dict[str, float]:

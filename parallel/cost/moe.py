@@ -244,8 +244,7 @@ def dispatch_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, tokens: floa
         return 0.0
     e, rows = m.dtype_bytes, ranks_reached(m.experts_per_token, cfg.ep)
     sent = tokens / cfg.ep if cfg.shift_ep else tokens  # tokens this GPU dispatches
-    span = cfg.gpus if cfg.tp == cfg.sp == cfg.pp == 1 else cfg.sp * cfg.tp  # over replicas, or one replica
-    a2a = 2 * all_to_all_time(hw, sent * rows * m.hidden * e, cfg.ep, span)  # dispatch + combine
+    a2a = 2 * all_to_all_time(hw, sent * rows * m.hidden * e, cfg.ep, cfg.spans["ep"][1])  # dispatch + combine
     return a2a + (all_gather_time(hw, tokens / cfg.sp * m.hidden * e, cfg.tp) if cfg.shift_ep else 0.0)
 
 

@@ -49,18 +49,27 @@ class Hardware:
 
     def comm(self, kind: str, span: int = 1) -> tuple[float, float]:
         """``(latency s, bandwidth B/s)`` of collective ``kind`` over a group of GPUs spanning an
-        aligned block of ``span``: a calibrated override, else the level it crosses, else the link."""
+        aligned block of ``span``: a calibrated override, else the path through every level up to
+        the one it crosses (the slowest bandwidth, the largest latency on it), else the link."""
         if kind in self.collectives:
             return tuple(self.collectives[kind])
-        level = self.level(span)
-        return (self.link_latency, self.link_bw) if level is None else (level.latency, level.bw)
+        path = self.path(span)
+        if not path:
+            return self.link_latency, self.link_bw
+        return max(lv.latency for lv in path), min(lv.bw for lv in path)
 
-    def level(self, span: int) -> Level | None:
-        """The innermost :class:`Level` whose blocks hold ``span`` GPUs (the outermost beyond them;
-        ``None`` without a topology)."""
+    def path(self, span: int) -> tuple[Level, ...]:
+        """The levels a group spanning ``span`` GPUs crosses, innermost first (``()`` without a
+        topology); ``ValueError`` for a group larger than the machine (no network is modelled)."""
         if not self.topology:
-            return None
-        return next((lv for lv in self.topology if lv.size >= span), self.topology[-1])
+            return ()
+        if span > self.topology[-1].size:
+            raise ValueError(
+                f"{self.name} holds {self.topology[-1].size} GPUs; a group of {span} spans machines, "
+                "whose network the cost model does not have"
+            )
+        inner = next(i for i, lv in enumerate(self.topology) if lv.size >= span)
+        return self.topology[: inner + 1]
 
 
 @dataclass(frozen=True)

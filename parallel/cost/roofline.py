@@ -101,6 +101,20 @@ class ParallelConfig:
         return self.ep > 1 and (self.tp == 1 or self.shift_ep)
 
     @property
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Per kind of traffic, ``(group size, GPUs its aligned block spans)`` on the ascending
+        ``(dp, pp, sp, tp)`` grid: a tp group is consecutive, an sp group strides ``tp``, a replica's
+        stages stride ``sp * tp``; the experts' all-to-all runs over the replicas (data-parallel
+        attention, :attr:`dispatch`) or inside one replica's ``sp * tp`` GPUs."""
+        ep_span = self.gpus if self.tp == self.sp == self.pp == 1 else self.sp * self.tp
+        return {
+            "tp": (self.tp, self.tp),
+            "sp": (self.sp, self.sp * self.tp),
+            "pp": (self.pp, self.pp * self.sp * self.tp),
+            "ep": (self.ep, ep_span),
+        }
+
+    @property
     def replica(self) -> ParallelConfig:
         """One data-parallel replica of this layout (a lone request runs on one; with
         :attr:`dispatch` its experts stay spread over ``ep`` GPUs)."""
@@ -238,7 +252,7 @@ def layer_time(
     reduces = 1 + moe.ffn_all_reduces(m, cfg, sparse=sparse)  # attention's, the FFN's
     comm = reduces * all_reduce_time(hw, tokens / cfg.sp * m.hidden * e, cfg.tp)
     qkv = tokens / cfg.sp * m.head_dim * (m.heads + 2 * m.kv_heads) / cfg.tp * e
-    span = cfg.sp * cfg.tp  # an sp group's GPUs stride tp
+    span = cfg.spans["sp"][1]
     comm += all_to_all_time(hw, qkv, cfg.sp, span) + all_to_all_time(
         hw, tokens / cfg.sp * m.head_dim * m.heads / cfg.tp * e, cfg.sp, span
     )
@@ -281,8 +295,7 @@ def _stage(m: ModelShape, hw: Hardware, cfg: ParallelConfig, layers: float, toke
     """A stage's ``layers`` seconds, the LM head on the last stage (the bottleneck stage), one send
     (over the slowest stage boundary: the stages of a replica span ``pp * sp * tp`` GPUs) and the
     per-step overhead (``hw.step_overhead``: launches and scheduling, paid per micro-batch)."""
-    span = cfg.pp * cfg.sp * cfg.tp
-    send = send_time(hw, tokens * m.hidden * m.dtype_bytes, span) if cfg.pp > 1 else 0.0
+    send = send_time(hw, tokens * m.hidden * m.dtype_bytes, cfg.spans["pp"][1]) if cfg.pp > 1 else 0.0
     return layers + head_time(m, hw, cfg, head_rows) + send + hw.step_overhead
 
 
@@ -370,8 +383,14 @@ def estimate(
     layout's KV room."""
     if infeasible_reason(m, hw, decode, w.input_len + w.output_len) or infeasible_reason(m, hw, prefill, w.input_len):
         return None
-    b = batch_per_replica(m, hw, decode, w, max_batch if prefill == decode else None)
+    b = batch_per_replica(m, hw, decode, w, batch_cap(prefill, decode, max_batch))
     return _estimate(m, hw, prefill, decode, w, b, decode_time(m, hw, decode, w, b))
+
+
+def batch_cap(prefill: ParallelConfig, decode: ParallelConfig, max_batch: int | None) -> int | None:
+    """The cap on a replica's sequences: ``max_batch`` for a static layout (the engine's
+    ``max_num_seqs``), none for a Seesaw pair (it decodes with the GPU KV full, fed by its CPU tier)."""
+    return max_batch if prefill == decode else None
 
 
 def decode_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload, batch: int) -> float:
@@ -421,11 +440,15 @@ def rank_layouts(
     prefills = [a for a in cands if not infeasible_reason(m, hw, a, w.input_len)]
     decodes = [b for b in cands if not infeasible_reason(m, hw, b, w.input_len + w.output_len)]
 
-    def decoded(cfg: ParallelConfig, cap: int | None) -> tuple[int, float]:  # once per decode layout and cap
-        n = batch_per_replica(m, hw, cfg, w, cap)
-        return n, decode_time(m, hw, cfg, w, n)
-
-    static = {b: decoded(b, max_batch) for b in decodes}
-    pair = static if max_batch is None else {b: decoded(b, None) for b in decodes}
-    out = [(a, b, *(static if a == b else pair)[b]) for a in prefills for b in decodes]
-    return sorted((_estimate(m, hw, *e[:2], w, *e[2:]) for e in out if e[2] > 0), key=lambda e: -e.tokens_per_s)
+    decoded = {}  # (decode layout, cap) -> (batch per replica, decode seconds), each computed once
+    out = []
+    for a in prefills:
+        for b in decodes:
+            cap = batch_cap(a, b, max_batch)
+            if (b, cap) not in decoded:
+                n = batch_per_replica(m, hw, b, w, cap)
+                decoded[b, cap] = n, decode_time(m, hw, b, w, n)
+            batch, seconds = decoded[b, cap]
+            if batch > 0:
+                out.append(_estimate(m, hw, a, b, w, batch, seconds))
+    return sorted(out, key=lambda e: -e.tokens_per_s)

@@ -10,6 +10,7 @@ another layout.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -285,8 +286,8 @@ def check_claim(claim: Claim, eff: Efficiency) -> dict:
     rows = rank_all(m, hw, claim.gpus, w, max_batch=None)
     statics = {r["layout"]: r["tokens_per_s"] for r in rows if r["kind"] == "static"}
     sidp = next((r["tokens_per_s"] for r in rows if r["kind"] == "sidp"), 0.0)
-    tp_pp = max((v for k, v in statics.items() if "P" in k and "D" not in k), default=0.0)
-    dp_tp = max((v for k, v in statics.items() if "P" not in k and "D" in k), default=0.0)
+    tp_pp = max((v for k, v in statics.items() if re.fullmatch(r"T\d+P\d+", k)), default=0.0)  # vLLM's TP+PP
+    dp_tp = max((v for k, v in statics.items() if re.fullmatch(r"D\d+(T\d+)?", k)), default=0.0)  # its DP (+TP)
     values = {
         "tp_pp_below_tp": {"TP x PP": tp_pp, f"T{claim.gpus}": statics.get(f"T{claim.gpus}", 0.0)},
         "sidp_matches_dp": {"SiDP": sidp, "DP x TP": dp_tp},
