@@ -332,11 +332,16 @@ def test_sigterm_drains_running_requests_finish_new_ones_get_503_and_it_exits_0(
         )
         out[k] = "".join(e.choices[0].text for e in events if e.choices)
 
+    finished_before = _metric(server, "reshard_requests_finished_total")  # the module's server served others
     threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while _metric(server, "reshard_requests_running") < 4 and time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # all four accepted, some still running (one may finish before the last starts)
+        running = _metric(server, "reshard_requests_running")
+        done = _metric(server, "reshard_requests_finished_total") - finished_before
+        if running >= 1 and running + done >= 4:
+            break
         time.sleep(0.02)
     server.proc.send_signal(signal.SIGTERM)
     while httpx.get(server.url.removesuffix("/v1") + "/health").status_code == 200:
