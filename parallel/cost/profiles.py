@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from reshard.parallel.cost.topology import Level, two_sockets
+from reshard.parallel.cost.topology import Level, crossed, two_sockets
 
 GB = 10**9  # vendors quote memory bandwidth and link bandwidth in decimal GB/s
 GiB = 2**30
@@ -59,17 +59,8 @@ class Hardware:
         return max(lv.latency for lv in path), min(lv.bw for lv in path)
 
     def path(self, span: int) -> tuple[Level, ...]:
-        """The levels a group spanning ``span`` GPUs crosses, innermost first (``()`` without a
-        topology); ``ValueError`` for a group larger than the machine (no network is modelled)."""
-        if not self.topology:
-            return ()
-        if span > self.topology[-1].size:
-            raise ValueError(
-                f"{self.name} holds {self.topology[-1].size} GPUs; a group of {span} spans machines, "
-                "whose network the cost model does not have"
-            )
-        inner = next(i for i, lv in enumerate(self.topology) if lv.size >= span)
-        return self.topology[: inner + 1]
+        """The levels a group spanning ``span`` GPUs crosses (:func:`parallel.cost.topology.crossed`)."""
+        return crossed(self.topology, span, self.name)
 
 
 @dataclass(frozen=True)

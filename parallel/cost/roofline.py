@@ -102,10 +102,8 @@ class ParallelConfig:
 
     @property
     def spans(self) -> dict[str, tuple[int, int]]:
-        """Per kind of traffic, ``(group size, GPUs its aligned block spans)`` on the ascending
-        ``(dp, pp, sp, tp)`` grid: a tp group is consecutive, an sp group strides ``tp``, a replica's
-        stages stride ``sp * tp``; the experts' all-to-all runs over the replicas (data-parallel
-        attention, :attr:`dispatch`) or inside one replica's ``sp * tp`` GPUs."""
+        """Per kind of traffic, ``(group size, GPUs its aligned block spans)`` on the ascending (dp, pp,
+        sp, tp) grid; the experts' all-to-all spans the replicas (:attr:`dispatch`) or one replica."""
         ep_span = self.gpus if self.tp == self.sp == self.pp == 1 else self.sp * self.tp
         return {
             "tp": (self.tp, self.tp),
@@ -388,14 +386,12 @@ def estimate(
 
 
 def batch_cap(prefill: ParallelConfig, decode: ParallelConfig, max_batch: int | None) -> int | None:
-    """The cap on a replica's sequences: ``max_batch`` for a static layout (the engine's
-    ``max_num_seqs``), none for a Seesaw pair (it decodes with the GPU KV full, fed by its CPU tier)."""
+    """``max_batch`` for a static layout (``max_num_seqs``), none for a pair (GPU KV full, fed by its CPU tier)."""
     return max_batch if prefill == decode else None
 
 
 def decode_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload, batch: int) -> float:
-    """Seconds for each replica of ``cfg`` to generate ``w.output_len`` tokens for ``batch`` sequences
-    (at the mean context, ``input_len + output_len / 2``)."""
+    """Seconds for a replica of ``cfg`` to give ``batch`` sequences ``w.output_len`` tokens (mean context)."""
     return w.output_len * decode_step_time(m, hw, cfg, batch, w.input_len + w.output_len / 2)
 
 

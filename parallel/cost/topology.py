@@ -46,6 +46,20 @@ class Level:
             )
 
 
+def crossed(levels: tuple[Level, ...], span: int, machine: str) -> tuple[Level, ...]:
+    """The ``levels`` a group spanning ``span`` GPUs crosses, innermost first (``()`` without a
+    topology); ``ValueError`` for a group larger than the machine (no network is modelled)."""
+    if not levels:
+        return ()
+    if span > levels[-1].size:
+        raise ValueError(
+            f"{machine} holds {levels[-1].size} GPUs; a group of {span} spans machines, "
+            "whose network the cost model does not have"
+        )
+    inner = next(i for i, lv in enumerate(levels) if lv.size >= span)
+    return levels[: inner + 1]
+
+
 def two_sockets(link_bw: float, link_latency: float) -> tuple[Level, ...]:
     """An 8-GPU PCIe machine of two CPU sockets, 4 GPUs on each socket's root complex, no
     peer-to-peer (AWS g5.48xlarge: aws/aws-ofi-nccl topology/g5.48xl-topo.xml puts GPUs 0-3 on
