@@ -39,6 +39,7 @@ from reshard.recipes.exits import (
     EXIT_USER,
     LAUNCHED_ENV,
     finished_so_far,
+    freeze_heap,
     signal_name,
     story_lines,
 )
@@ -83,6 +84,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command's exit status; Ctrl-C at any moment is one line and status 130 (once the
     ranks run, :func:`launch` says how many requests finished)."""
+    freeze_heap()
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ from reshard.recipes.exits import (  # noqa: F401 (public here too)
     FINISHED,
     LAUNCHED_ENV,
     finished_so_far,
+    freeze_heap,
 )
 
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
@@ -154,6 +155,7 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
     # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
     @functools.partial(record, error_handler=_WholeErrorFile())
     def _job() -> None:
+        freeze_heap()
         overrides = sys.argv[1:]
         schema.register(overrides)
         for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a launcher stopping the ranks

@@ -270,7 +270,8 @@ def _context(warm: tuple[str, ...]) -> mp.context.BaseContext:
     server is this process's child with no threads of its own; it exits when this process does
     and its children die with it (:func:`_die_with_parent`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", *warm])  # (no effect once the server runs)
+    # (no effect once the server runs); last, the module that freezes what the server imported
+    ctx.set_forkserver_preload(["__main__", *warm, "reshard.parallel.fault.frozen"])
     return ctx
 
 
