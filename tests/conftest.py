@@ -10,6 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+def pytest_collection_finish(session) -> None:
+    """The test modules' imports (torch, transformers) are never garbage: the session's cyclic
+    collections skip them from here on, as every rank's do (:func:`reshard.recipes.exits.freeze_heap`)."""
+    from reshard.recipes.exits import freeze_heap
+
+    freeze_heap()
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """Tiny seeded checkpoints per family, plus ``llama-multi``: the llama model in several files."""

@@ -205,6 +205,27 @@ def test_story_lines_tell_each_recovery_in_one_line():
     assert story_lines({"failures": 0}) == [] and story_lines({}) == []
 
 
+def test_a_process_that_freezes_its_heap_still_exits_through_its_handlers_with_every_object_frozen():
+    """``freeze_heap`` (every rank, the command): the objects alive at the call and, at exit,
+    those made after it are frozen before the final collections, and the ``atexit`` handlers
+    still run (this one was registered first, so it runs after the freeze). A supervisor's fork
+    server freezes what it imported by importing its last preload."""
+    ranks = (
+        "import atexit, gc\n"
+        "from reshard.recipes.exits import freeze_heap\n"
+        "atexit.register(lambda: print(gc.get_freeze_count() > at_call + 5000, flush=True))\n"
+        "freeze_heap()\n"
+        "at_call = gc.get_freeze_count()\n"
+        "print(at_call > 0, flush=True)\n"
+        "made_after = [[i] for i in range(10000)]\n"
+    )
+    server = "import gc\nimported = [[i] for i in range(10000)]\nimport reshard.parallel.fault.frozen\n"
+    server += "print(gc.get_freeze_count() > 10000, flush=True)\n"
+    for code in (ranks, server):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and set(proc.stdout.split()) == {"True"}, (proc.stdout, proc.stderr[-2000:])
+
+
 def test_a_sweep_key_is_refused_by_name_and_a_run_dir_is_honoured_as_given(tmp_path, capsys, monkeypatch):
     from reshard.recipes.cli import _run_dir, main
 
