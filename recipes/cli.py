@@ -316,6 +316,8 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from reshard.recipes.rank import BLOCKED_START
+
     _quiet("torch.distributed.elastic")  # our lines, not the agent's
     env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nodes.nproc > 1 else {})
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
@@ -329,7 +331,7 @@ def launch(
         **nodes.rendezvous(),
     )
     try:
-        elastic_launch(config, sys.executable)("-m", "reshard.recipes.rank", job, *overrides)
+        elastic_launch(config, sys.executable)("-S", "-c", BLOCKED_START, job, *overrides)
     except (KeyboardInterrupt, SignalException):
         print(interrupted_line(run_dir, requests), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

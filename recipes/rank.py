@@ -1,9 +1,14 @@
 """A rank's entry under the ``reshard`` launcher: ``python -m reshard.recipes.rank <job> [overrides]``.
 
-From its first instruction, before torch is imported (seconds), Ctrl-C or SIGTERM ends the rank at
-once and quietly: an import cut short has nothing to keep or clean up, and the launcher says the
-one line. The job's own handlers (:func:`reshard.recipes.launch.hydra_main`) take over once it
-starts. ``torchrun -m reshard.recipes.<job>`` runs the same jobs without this.
+The launcher starts it through :data:`BLOCKED_START`: a ``python -S`` (no ``site``, no ``.pth``
+imports) that blocks SIGINT and SIGTERM and replaces itself with this module's interpreter, which
+starts with both still blocked (a signal mask and pending signals survive ``exec``). A Ctrl-C
+while that interpreter imports ``site`` would otherwise be a "Fatal Python error" and a traceback
+per rank. From its first instruction, before torch is imported (seconds), Ctrl-C or SIGTERM (one
+that came during the start, held until now, included) ends the rank at once and quietly: an
+import cut short has nothing to keep or clean up, and the launcher says the one line. The job's
+own handlers (:func:`reshard.recipes.launch.hydra_main`) take over once it starts. ``torchrun -m
+reshard.recipes.<job>`` runs the same jobs without this.
 """
 
 from __future__ import annotations
@@ -15,14 +20,22 @@ import sys
 
 from reshard.recipes.exits import EXIT_INTERRUPTED
 
+STOPS = {signal.SIGINT, signal.SIGTERM}
+# ``python -S -c BLOCKED_START <job> [overrides]``: this module, started with STOPS blocked
+BLOCKED_START = (
+    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'reshard.recipes.rank', *sys.argv[1:]])"
+)
+
 
 def _leave(signum: int, frame: object) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
 def main() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOPS:
         signal.signal(signum, _leave)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # one held since the start is delivered now
     job = sys.argv.pop(1)  # the job's overrides follow, as its own entry reads them
     importlib.import_module(f"reshard.recipes.{job}").main()
 

@@ -284,6 +284,22 @@ def test_two_launchers_as_two_nodes_run_one_job_and_write_where_hydra_run_dir_sa
     assert not (tmp_path / "outputs").exists()  # no outputs/<date>/<time> beside the directory named
 
 
+def test_a_stop_held_through_a_ranks_start_ends_it_quietly_at_its_first_instruction():
+    """The launcher starts each rank with SIGINT and SIGTERM blocked (``rank.BLOCKED_START``): a
+    Ctrl-C during its interpreter's start (``site`` and its ``.pth`` imports) is held, not a
+    "Fatal Python error" per rank. Here one is pending before the start; the rank exits 130 at
+    its first instruction, with no output (the launcher says the one line)."""
+    from reshard.recipes.rank import BLOCKED_START
+
+    pending = (
+        "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
+        "os.kill(os.getpid(), signal.SIGINT); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    rank = [sys.executable, "-S", "-c", BLOCKED_START, "generate", "progress=false"]
+    proc = subprocess.run([sys.executable, "-c", pending, *rank], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "")
+
+
 @pytest.mark.parametrize("after", [1.0, 3.0, 8.0])
 def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_leaves_nothing(tmp_path, after):
     """Ctrl-C while the launcher imports (1 s), while it starts the ranks or they import (3 s),
