@@ -15,10 +15,15 @@ from pathlib import Path
 
 import pytest
 
+# a terminal's foreground job takes Ctrl-C: SIGINT at its default, whatever this process has (a
+# shell without job control starts a background command, pytest included, with SIGINT ignored,
+# and an ignored signal stays ignored through fork and exec)
+FOREGROUND = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+
 
 def _reshard(args: list[str], cwd: Path, **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "reshard.recipes.cli", *args],
+        [sys.executable, "-c", FOREGROUND, sys.executable, "-m", "reshard.recipes.cli", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
