@@ -20,7 +20,7 @@ import sys
 
 from reshard.recipes.exits import EXIT_INTERRUPTED
 
-STOPS = {signal.SIGINT, signal.SIGTERM}
+STOPS = (signal.SIGINT, signal.SIGTERM)
 # ``python -S -c BLOCKED_START <job> [overrides]``: this module, started with STOPS blocked
 BLOCKED_START = (
     "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}); "
