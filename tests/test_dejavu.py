@@ -1,6 +1,8 @@
 """DejaVu disaggregation on the engine core: prompt ranks stream KV layer by layer to token
 ranks (re-sharded on the way); tokens equal single-process HF generate."""
 
+import uuid
+
 import pytest
 
 from tests import dist_harness
@@ -8,13 +10,17 @@ from tests import dist_harness
 PROMPTS = [[5, 9, 11, 2, 7], [3, 4], list(range(20, 37)), [8] * 9, [100, 101, 102], [60, 61, 62, 63]]
 
 
-def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperature=0.0, prefill_sleep=0.0):
+def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperature=0.0, prefill_sleep=0.0, gate=None):
     """Tokens, the strategy's summary, the layouts it reports (as ``summary.json``'s ``parallel``),
     the layouts its engine's runners ran, and this rank's steps with its group's index: one
     ``[kind, begin, end]`` per step, ``begin``/``end`` the job-wide order of its ``step_begin`` /
     ``step_end`` events (an atomic counter in the job's store, shared by every rank: a smaller
     number happened first). ``prefill_sleep``: seconds every prefill step lasts longer (a bigger
-    model's prefill, inside its step), so that the other side has time to step meanwhile."""
+    model's prefill, inside its step), so that the other side has time to step meanwhile. ``gate``
+    (a key unique to the job): every prefill step after a prompt rank's first stays open until each
+    token rank has begun a decode step (at most ``GATE_S``), so that sides which run at the same
+    time always overlap, however the machine's load delays either side, and sides which do not
+    never do."""
     import time
 
     import torch.distributed as dist
@@ -35,6 +41,9 @@ def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperat
     engine.events.on("step_end", lambda step, seqs: steps[-1].__setitem__(2, order()))
     if prefill_sleep:
         engine.events.on("step_begin", lambda step, seqs: step.kind == "prefill" and time.sleep(prefill_sleep))
+    if gate is not None:
+        token_ranks = dist.get_world_size() - prompt_ranks
+        engine.events.on("step_begin", lambda step, seqs: _hold_open(step.kind, steps, store, gate, token_ranks))
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=20, seed=5)
     with engine:
         out = engine.generate([Request(i, p, params) for i, p in enumerate(PROMPTS)])
@@ -42,6 +51,22 @@ def _job(path, prompt, token, prompt_ranks, max_new, replicas="groups", temperat
     ran = {name: r.dims.describe() for name, r in engine.runners.items()}
     group = engine.engine_group.index if engine.engine_group else None
     return [c.output_ids for c in out], strategy.summary(engine), reported, ran, (group, steps)
+
+
+GATE_S = 60.0  # how long a gated prefill step waits for the token side (then the overlap check fails)
+
+
+def _hold_open(kind: str, steps: list, store, key: str, token_ranks: int) -> None:
+    """A token rank's first decode step counts itself at ``key``; a prompt rank's second and later
+    prefill steps wait for every token rank's count (``steps`` already holds the step beginning)."""
+    import time
+
+    if kind == "decode" and sum(s[0] == "decode" for s in steps) == 1:
+        store.add(key, 1)
+    elif kind == "prefill" and sum(s[0] == "prefill" for s in steps) > 1:
+        deadline = time.monotonic() + GATE_S
+        while store.add(key, 0) < token_ranks and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 def _side(ranks, **degrees) -> dict:
@@ -119,9 +144,12 @@ def test_sides_run_at_the_same_time_as_engine_groups(
 ):
     """The prompt and token sides are engine groups: tokens equal HF, and the engine's events show
     decode steps beginning on the token ranks while a prefill step is open on a prompt rank (each
-    prefill step made longer by a sleep, so that the token side has steps to begin meanwhile)."""
+    prompt rank's later prefill steps held open until every token rank has begun a decode step:
+    without the hold, a loaded machine sometimes delayed one token rank's first step past the last
+    prefill; sides stepping in one loop would wait the hold out and still fail)."""
     path = four_layer["llama"]
-    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, prefill_sleep=0.02, timeout=240)
+    gate = f"test_dejavu/gate/{uuid.uuid4().hex}"
+    results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, gate=gate, timeout=240)
     expected = hf_reference(path, PROMPTS, 6)
     for rank, (tokens, summary, _, _, (group, steps)) in enumerate(results):
         assert tokens == expected
