@@ -44,10 +44,12 @@ class VocabParallelEmbedding(Redistributable, nn.Module):
         )
 
     def _vocab_range(self) -> tuple[int, int]:
-        """This rank's rows, cached per weight object (the layout only changes with the weight)."""
-        key = id(self.weight)
+        """This rank's rows, cached per layout: the weight's mesh, placements and shape (never its
+        ``id``, which a weight moved in later can take over from a freed one)."""
+        w = self.weight
+        key = (w.device_mesh, tuple(w.placements), tuple(w.shape))
         if getattr(self, "_range_key", None) != key:
-            self._range = Layout.of_dtensor(self.weight).box(dist.get_rank())[0]
+            self._range = Layout.of_dtensor(w).box(dist.get_rank())[0]
             self._range_key = key
         return self._range
 

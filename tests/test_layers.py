@@ -124,6 +124,41 @@ def test_layer_matches_reference_and_round_trips(kind, world):
             assert torch.equal(weights_back[k], full[k])
 
 
+def _embedding_through_moves():
+    """A vocab-parallel embedding moved twice between forwards, twenty times: Shard(0) on the mesh
+    -> Replicate -> Shard(0) on the reversed mesh (every rank's vocab range changes) -> Replicate
+    -> Shard(0) on the mesh. The rows each rank looks up must follow the weight now in place: its
+    range was once cached under ``id(weight)``, which the weight two moves later took over in
+    this very sequence (3 of 20 forwards wrong on each rank; in CI, wrong logits after a TP2 x DP2
+    move)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from reshard import redistribute_module
+    from reshard.layers import VocabParallelEmbedding
+    from reshard.parallel.model.parallelize import copy_full_state
+
+    world = dist.get_world_size()
+    meshes = [DeviceMesh("cpu", torch.arange(world)), DeviceMesh("cpu", torch.arange(world).flip(0))]
+    torch.manual_seed(0)
+    ref, ids = nn.Embedding(50, 16), torch.randint(0, 50, (3, 7))
+    layer = VocabParallelEmbedding(50, 16, mesh=meshes[0])
+    copy_full_state(layer, {"weight": ref.weight.detach()})
+    exact = []
+    for step in range(20):
+        with torch.no_grad():
+            exact.append(torch.equal(layer(ids), ref(ids)))
+        here, there = meshes[step % 2], meshes[(step + 1) % 2]
+        redistribute_module(layer, {"weight": (here, (Replicate(),))})
+        redistribute_module(layer, {"weight": (there, (Shard(0),))})
+    return exact
+
+
+def test_embedding_follows_its_weight_through_every_move():
+    for exact in dist_harness.run(2, _embedding_through_moves):
+        assert all(exact), exact
+
+
 def _weight_selection():
     """A layer with an alternative source (its weight doubled): eager and compiled forwards follow
     the selection of the thread that runs them, and only for the enclosed forwards."""
