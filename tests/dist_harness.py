@@ -36,8 +36,12 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) prints every thread's Python stack to stderr
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)

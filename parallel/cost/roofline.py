@@ -23,11 +23,10 @@ bytes the KV cache read (decode) or Q/K/V written (prefill). Communication:
 Memory: weights / (TP * PP) (the first/last stage also holds the embedding / LM head) + KV must fit
 in ``(1 - MEMORY_RESERVE)`` of a GPU; the KV room decides the batch, the batch the throughput.
 Workload throughput (Seesaw's offline setting): a batch that fills the decode layout's KV is
-prefilled, then decoded for the mean output length at the mean context; generated tokens /
-seconds. A Seesaw pair prefills in layout A and decodes in layout B on the same GPUs and pays the
-weights moved A -> B and B -> A once per such batch: the movement core's lower bound
-(:mod:`parallel.cost.transitions`), spread over the GPUs' links. KV moves through Seesaw's CPU
-tier, overlapped (not charged). Units: seconds, bytes, tokens.
+prefilled, then decoded for the mean output length at the mean context; generated tokens / seconds.
+A Seesaw pair prefills in layout A a CPU tier's worth of such batches in one run, decodes them in
+layout B, and moves the weights A -> B -> A once per tier at the movement core's lower bound
+(:mod:`parallel.cost.transitions`); KV moves through the tier, overlapped. Units: s, bytes, tokens.
 
 Notation (Seesaw's): ``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of 1 omitted, a
 single GPU is ``T1``; ``S`` is Ulysses SP (Shift), ``E`` expert parallelism (``T8E4``: experts over
@@ -398,14 +397,15 @@ def decode_time(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload, b
 def _estimate(
     m: ModelShape, hw: Hardware, prefill: ParallelConfig, decode: ParallelConfig, w: Workload, b: int, dec: float
 ) -> Estimate:
-    """:func:`estimate` of a feasible pair whose decode layout holds ``b`` sequences per replica
-    and decodes them in ``dec`` seconds."""
+    """:func:`estimate` of a pair whose decode replicas hold ``b`` sequences each, decoded in ``dec``
+    seconds; a Seesaw pair prefills a CPU tier's worth in one run (one pipeline fill and drain) and
+    moves its weights A -> B -> A once per tier, each batch paying its share (section 4.3)."""
     total = b * decode.dp
-    pre = prefill_time(m, hw, prefill, total / prefill.dp, w.input_len)
-    trans = 0.0
-    if prefill != decode and total > 0:  # one round trip per CPU tier's worth of sequences, this batch's share
-        trip = transition_time(m, hw, prefill, decode) + transition_time(m, hw, decode, prefill)
-        trans = trip * total / max(total, cpu_tier_sequences(m, w, decode.gpus))
+    seesaw = prefill != decode and total > 0
+    tier = max(total, cpu_tier_sequences(m, w, decode.gpus)) if seesaw else total
+    pre = prefill_time(m, hw, prefill, tier / prefill.dp, w.input_len) * (total / tier if seesaw else 1.0)
+    trip = transition_time(m, hw, prefill, decode) + transition_time(m, hw, decode, prefill) if seesaw else 0.0
+    trans = trip * total / tier if seesaw else 0.0
     return Estimate(prefill, decode, total, pre, dec, trans, total * w.output_len / (pre + dec + trans))
 
 
