@@ -158,10 +158,6 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         freeze_heap()
         overrides = sys.argv[1:]
         schema.register(overrides)
-        if migrate_given(overrides):  # a supervised job: its children's fork server, before any thread or group
-            from reshard.recipes.supervised import fork_warm_server
-
-            fork_warm_server()
         for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a launcher stopping the ranks
             signal.signal(signum, _stop)
         sys.unraisablehook = functools.partial(_quiet_interrupt, sys.unraisablehook)
@@ -187,14 +183,6 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
             os._exit(EXIT_INTERRUPTED)
 
     _job()
-
-
-def migrate_given(overrides: list[str]) -> bool:
-    """Whether the command line makes the job supervised: its last ``fault.migrate`` override
-    (``+`` / ``++`` forms too) names a mode. A job supervised by its config file alone is not
-    seen here; its children start from the usual fresh fork server (slower, the same children)."""
-    values = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("fault.migrate=")]
-    return bool(values) and values[-1] not in ("null", "None", "~", "")
 
 
 def _quiet_interrupt(default: Callable, unraisable) -> None:

@@ -44,20 +44,6 @@ CHANNEL = "supervised"
 WARM = ("reshard.recipes.supervised", "reshard.parallel.strategies.tp", "transformers")  # a spare's imports
 
 
-def fork_warm_server() -> int | None:
-    """Import the children's modules (:data:`WARM`) here and fork this rank's fork server from
-    it (:func:`reshard.parallel.fault.zygote.fork_server_here`), so no child and no spare imports
-    them again; its pid, or ``None`` where the usual fresh server stays. Call it before the rank
-    joins its process group (one thread, no group to inherit)."""
-    import importlib
-
-    from reshard.parallel.fault.zygote import fork_server_here
-
-    for module in WARM:
-        importlib.import_module(module)
-    return fork_server_here()
-
-
 def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path, site=None) -> dict:
     """Supervise this rank's engine until the router has every completion; rank 0 writes the
     outputs. Returns the summary (rank 0; ``{}`` elsewhere). ``site``: ``reshard serve``'s
@@ -438,4 +424,4 @@ def _per_generation(cfg, channel: Channel, store, name: str) -> dict[int, dict[i
     return out
 
 
-__all__ = ["engine_group_of", "fork_warm_server", "run_supervised", "serve_child", "weights_digest"]
+__all__ = ["engine_group_of", "run_supervised", "serve_child", "weights_digest"]

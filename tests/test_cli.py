@@ -231,54 +231,6 @@ def test_a_process_that_freezes_its_heap_still_exits_through_its_handlers_with_e
         assert proc.returncode == 0 and set(proc.stdout.split()) == {"True"}, (proc.stdout, proc.stderr[-2000:])
 
 
-ZYGOTE = """
-import json, multiprocessing as mp
-from reshard.parallel.fault.zygote import fork_server_here
-
-json.MARK = 123  # set after json's import: a fork of this process has it, a fresh import has not
-server = fork_server_here()
-check = f"import json, os, sys; sys.exit(7 if getattr(json, 'MARK', 0) == 123 and os.getppid() == {server} else 3)"
-child = mp.get_context("forkserver").Process(target=exec, args=(check,))
-child.start()
-child.join()
-print(server, child.exitcode, fork_server_here())  # (the last: one server per process)
-"""
-
-
-def test_a_supervisors_fork_server_is_a_fork_of_its_rank_and_ends_with_it():
-    """``fork_server_here`` (a supervised rank, before its process group): the fork server is a
-    fork of the calling process, so its children have what the process imported (an attribute
-    set on a module after its import, which a fresh import would not have), are the server's
-    children and report their exit code through it; a second call starts nothing; the server
-    ends when the process does (nothing left running)."""
-    proc = subprocess.run([sys.executable, "-c", ZYGOTE], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    server, exitcode, again = proc.stdout.split()
-    assert int(server) > 0 and (exitcode, again) == ("7", "None")
-    stat = Path(f"/proc/{server}/stat")
-    deadline = time.monotonic() + 10
-    while stat.exists() and stat.read_text().split()[2] != "Z" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not stat.exists() or stat.read_text().split()[2] == "Z", stat.read_text()
-
-
-def test_a_fork_server_is_not_forked_beside_another_thread():
-    code = (
-        "import threading\nfrom reshard.parallel.fault.zygote import fork_server_here\n"
-        "stop = threading.Event()\nthreading.Thread(target=stop.wait).start()\n"
-        "print(fork_server_here())\nstop.set()\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert (proc.returncode, proc.stdout.strip()) == (0, "None"), proc.stderr[-2000:]
-
-
-def test_a_supervised_job_is_seen_on_its_command_line():
-    from reshard.recipes.launch import migrate_given
-
-    assert migrate_given(["a=1", "fault.migrate=kv"]) and migrate_given(["++fault.migrate=reprefill"])
-    assert not migrate_given(["fault.migrate=kv", "fault.migrate=null"]) and not migrate_given(["fault.kill_at=[0,3]"])
-
-
 def test_a_sweep_key_is_refused_by_name_and_a_run_dir_is_honoured_as_given(tmp_path, capsys, monkeypatch):
     from reshard.recipes.cli import _run_dir, main
 
