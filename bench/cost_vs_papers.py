@@ -12,7 +12,8 @@ two sockets of 4 GPUs each: :func:`parallel.cost.topology.two_sockets`).
 
 Rows: Seesaw's Fig. 10 (:data:`parallel.cost.papers.SEESAW_FIG10`): for each of A10 and L4 x
 15B / 34B / 70B x arxiv / sharegpt, the best static vLLM layout the authors measured and the
-Seesaw pair they ran. The model ranks every static layout and pair of the same GPUs; a row
+Seesaw pair they ran. The model ranks every static layout of the same GPUs and every pair that keeps
+dp (the paper's Seesaw re-shards only TP and PP, section 4.1); a row
 agrees when the measured winner's predicted throughput is within 10% (static) / 5% (pair) of the
 model's own best (issue 39's goals: 9 of 12 statics, 8 of 12 pairs). The paper's speedups
 (Seesaw over the best static: geometric mean 1.45x on A10, 1.29x on L4) are compared with the

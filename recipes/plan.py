@@ -37,7 +37,7 @@ def make_plan(cfg: PlanConfig) -> dict:
     """Everything the planner predicts for ``cfg`` (the content of ``plan.json``)."""
     m, hw = _model(cfg), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say))
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
-    ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch)
+    ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch, change_dp=cfg.seesaw_change_dp)
     if cfg.rate is not None:
         ranked = with_latency(ranked, m, hw, w, cfg.rate)
     infeasible = {
@@ -56,6 +56,7 @@ def make_plan(cfg: PlanConfig) -> dict:
         "num_gpus": cfg.num_gpus,
         "workload": {"name": w.name, "input_len": w.input_len, "output_len": w.output_len, "requests": w.requests},
         "rate": cfg.rate,
+        "seesaw_change_dp": cfg.seesaw_change_dp,
         "efficiency": {"name": cfg.efficiency, **EFFICIENCIES[cfg.efficiency].as_dict()},
         "best_static": static["layout"] if static else None,
         "best_seesaw": seesaw["layout"] if seesaw else None,
@@ -97,7 +98,7 @@ def _phases(m, hw, num_gpus: int, w) -> dict:
     """Prompt tokens/s and generated tokens/s of each static layout in its phase alone."""
     out = {}
     for c in cost.configs(num_gpus, experts=m.moe):
-        pre, dec = cost.prefill_throughput(m, hw, c, w), cost.decode_throughput(m, hw, c, w)
+        pre, dec = (cost.phase_throughput(m, hw, c, w, phase) for phase in ("prefill", "decode"))
         if pre > 0:
             out[c.notation] = {"prefill_tokens_per_s": pre, "decode_tokens_per_s": dec}
     return out
@@ -149,11 +150,16 @@ def summary_lines(plan: dict) -> str:
         f"{experts}best per technique: {best}\n"
         f"placed on {plan['hardware']}: {where}\n"
         f"best static {plan['best_static']}, best Seesaw {plan['best_seesaw']} "
-        f"(x{plan['seesaw_speedup'] or float('nan'):.2f}); Shift threshold {s['threshold']} tokens "
+        f"(x{plan['seesaw_speedup'] or float('nan'):.2f}{_pair_space(plan)}); "
+        f"Shift threshold {s['threshold']} tokens "
         f"({s['base']} vs {s['shift']}); SiDP b* {plan['sidp_threshold']}; "
         f"DejaVu {d.get('D_p')} prompt + {d.get('D_t')} token GPUs "
         f"({'beats' if d.get('plan_pays') else 'does not beat'} the same GPUs without disaggregation)"
     )
+
+
+def _pair_space(plan: dict) -> str:
+    return "" if plan["seesaw_change_dp"] else ", of the pairs that keep dp"
 
 
 def _where(p: dict) -> str:

@@ -15,6 +15,7 @@ class PlanConfig:
     output_len: float = 512.0  # constant workload: generated tokens per request
     requests: int = 1000  # constant workload: requests in the job
     max_batch: int | None = 256  # static layouts' sequences per replica, vLLM's max_num_seqs (null: KV decides)
+    seesaw_change_dp: bool = False  # also rank Seesaw pairs that change dp (D2P2->T4): unvalidated, no paper ran one
     efficiency: str = "fitted"  # fitted (validated on the papers: bench/cost_vs_papers.py) | datasheet (peaks)
     rate: float | None = None  # online: requests/s arriving; ranks by TTFT + output_len x TPOT (null: offline)
     top: int = 20  # rows of the ranked table printed (plan.json holds all)

@@ -32,7 +32,6 @@ Notation (Seesaw's): ``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of
 single GPU is ``T1``; ``S`` is Ulysses SP (Shift), ``E`` expert parallelism (``T8E4``: experts over
 4 groups of the 8 tp ranks; ``D8E8``: over 8 data-parallel replicas; in a Shift row, ``S2T4E8|T8E8``,
 over all 8 GPUs in both modes, tokens by all-to-all), ``A->B`` a Seesaw pair (prefill -> decode).
-Seesaw's weight moves: :mod:`parallel.cost.transitions`.
 """
 
 from __future__ import annotations
@@ -416,22 +415,20 @@ def cpu_tier_sequences(m: ModelShape, w: Workload, gpus: int) -> int:
     return min(w.requests, math.floor(CPU_KV_PER_GPU * gpus / per_seq))
 
 
-def prefill_throughput(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload) -> float:
-    """Prompt tokens / second of ``cfg`` over a KV-filling batch (0 when it does not fit)."""
-    e = estimate(m, hw, cfg, cfg, w)
-    return 0.0 if e is None or e.batch == 0 else e.batch * w.input_len / e.prefill_s
-
-
-def decode_throughput(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload) -> float:
-    """Generated tokens / second of ``cfg`` in the decode phase alone (0 when it does not fit)."""
-    e = estimate(m, hw, cfg, cfg, w)
-    return 0.0 if e is None or e.batch == 0 else e.batch * w.output_len / e.decode_s
+def phase_throughput(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload, phase: str) -> float:
+    """Prompt (``phase="prefill"``) or generated (``"decode"``) tokens / second of ``cfg`` in that
+    phase alone, over a KV-filling batch (0 when it does not fit)."""
+    e, tokens = estimate(m, hw, cfg, cfg, w), {"prefill": w.input_len, "decode": w.output_len}[phase]
+    return 0.0 if e is None or e.batch == 0 else e.batch * tokens / getattr(e, f"{phase}_s")
 
 
 def rank_layouts(
-    m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, max_batch: int | None = None
+    m: ModelShape, hw: Hardware, num_gpus: int, w: Workload, *, max_batch: int | None = None, change_dp: bool = False
 ) -> list[Estimate]:
-    """Every feasible static layout and Seesaw pair of ``num_gpus`` GPUs, best first."""
+    """Every feasible static layout and Seesaw pair of ``num_gpus`` GPUs, best first. A pair keeps
+    its replicas (``dp``), as Seesaw does (section 4.1: "we only dynamically adjust tensor and
+    pipeline parallelism"); ``change_dp`` adds the pairs that change ``dp`` (``D2P2->T4``: reshard
+    runs them, no paper measured them)."""
     cands = configs(num_gpus, experts=m.moe)
     prefills = [a for a in cands if not infeasible_reason(m, hw, a, w.input_len)]
     decodes = [b for b in cands if not infeasible_reason(m, hw, b, w.input_len + w.output_len)]
@@ -439,7 +436,7 @@ def rank_layouts(
     decoded = {}  # (decode layout, cap) -> (batch per replica, decode seconds), each computed once
     out = []
     for a in prefills:
-        for b in decodes:
+        for b in (b for b in decodes if change_dp or b.dp == a.dp):
             cap = batch_cap(a, b, max_batch)
             if (b, cap) not in decoded:
                 n = batch_per_replica(m, hw, b, w, cap)

@@ -6,7 +6,8 @@ with where the time goes: ``prefill_s``, ``decode_s``, ``transition_s`` (Seesaw'
 and ``comm_s``, the part of prefill + decode spent in collectives and sends (the same estimate with
 free links, subtracted).
 
-- **static / seesaw**: :func:`roofline.rank_layouts` (every D x T x P layout and pair).
+- **static / seesaw**: :func:`roofline.rank_layouts` (every D x T x P layout, and every pair that keeps
+  ``dp`` as Seesaw does, or any pair with ``change_dp``).
 - **shift**: for each Ulysses base ``S{sp}T{n/sp}``, the engine switches per batch to full TP
   ``T{n}`` when that is faster (the token threshold), over one KV cache (Shift's invariance);
   the second, full-TP copy of the weights takes its memory out of the KV room. A MoE model runs
@@ -34,9 +35,12 @@ from reshard.parallel.cost.roofline import ParallelConfig
 from reshard.parallel.cost.transitions import expert_switch_bytes
 
 
-def rank_all(m: ModelShape, hw: Hardware, n: int, w: Workload, *, max_batch: int | None = None) -> list[dict]:
-    """Every feasible row of every technique, best tokens/s first."""
-    rows = [_static_row(e, m, hw, w, max_batch) for e in cost.rank_layouts(m, hw, n, w, max_batch=max_batch)]
+def rank_all(
+    m: ModelShape, hw: Hardware, n: int, w: Workload, *, max_batch: int | None = None, change_dp: bool = False
+) -> list[dict]:
+    """Every feasible row of every technique, best tokens/s first (``change_dp``: :func:`roofline.rank_layouts`'s)."""
+    ranked = cost.rank_layouts(m, hw, n, w, max_batch=max_batch, change_dp=change_dp)
+    rows = [_static_row(e, m, hw, w, max_batch) for e in ranked]
     rows += shift_rows(m, hw, n, w, max_batch)
     rows += [r for r in (sidp_row(m, hw, n, w, max_batch), dejavu_row(m, hw, n, w)) if r is not None]
     return sorted(rows, key=lambda r: -r["tokens_per_s"])

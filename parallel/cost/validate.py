@@ -1,7 +1,8 @@
 """The cost model's predictions for published measurements (:mod:`parallel.cost.papers`).
 
 For a Seesaw Fig. 10 row the paper names the best static layout it measured and the Seesaw pair
-it ran; the model ranks every static layout and every pair of the same GPUs. A row agrees when
+it ran; the model ranks every static layout and every pair of the same GPUs that keeps ``dp`` (the
+paper's Seesaw re-shards only TP and PP, section 4.1). A row agrees when
 the measured winner's predicted throughput is close to the model's own best (the ratio
 ``measured / best`` near 1): a model that ranks the measured winner low would send a user to
 another layout.
