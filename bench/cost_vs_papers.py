@@ -1,7 +1,7 @@
 """The cost model against the papers' published measurements: fitted on one half, predicted on the other.
 
-The validation table of all four papers in one command, from the repo root (single process, no GPU,
-about six minutes, most of it the fit):
+The validation table of all four papers in one command, from the repo root (no GPU; the fit's grid
+search, most of the time, runs in one process per core: 411 s with ``--ceiling`` on 2 cores):
 
     python bench/cost_vs_papers.py        # --train a10-g5,h200-fp8 (default): the hardware whose rows are fitted
 
@@ -32,6 +32,7 @@ with the datasheet peaks (no fit) and with the fit, the fitted factors, the held
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from reshard.parallel.cost.fit import FITTED, Efficiency
@@ -73,7 +74,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also search the factors on all 12 Fig. 10 rows for the most pairs within 5%% (a diagnostic: 2 min)",
     )
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="grid search processes (default: one per core)")
     return p.parse_args()
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
 def rows_table(checks: list[WinnerCheck], train: str) -> list[str]:
@@ -199,7 +205,7 @@ def main() -> None:
     args = parse_args()
     t0, train = time.perf_counter(), args.train.split(",")
     rows = SEESAW_FIG10 + SEESAW_FIG11 + SHIFT_FIG9
-    fitted, loss = fit_half(rows, train)
+    fitted, loss = fit_half(rows, train, workers=args.workers, report=say)
     if fitted != FITTED:
         print(f"note: this fit, {fitted.as_dict()}, is not parallel.cost.fit.FITTED (the planner's default)")
     for label, eff in (("datasheet peaks, nothing fitted", Efficiency()), ("fitted (the planner's default)", fitted)):
@@ -220,7 +226,7 @@ def main() -> None:
         print("\n" + "\n".join(sidp_table(eff)))
     print("\n" + "\n".join(stream_table()))
     if args.ceiling:
-        best, eff = pair_ceiling(SEESAW_FIG10)
+        best, eff = pair_ceiling(SEESAW_FIG10, workers=args.workers, report=say)
         print(
             f"\nceiling (diagnostic, every Fig. 10 row searched at once, not a fit): at most {best} of "
             f"{len(SEESAW_FIG10)} measured pairs within 5% at any grid point, first at {eff.as_dict()}"

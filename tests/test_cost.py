@@ -490,6 +490,26 @@ def test_the_fit_sees_only_its_half_and_a_held_out_change_does_not_move_it():
         fit_half(rows, ["h100"])
 
 
+def test_the_grid_search_in_worker_processes_finds_what_one_process_finds():
+    """``workers=2`` spreads the grid over two spawned processes: the same point and loss as one
+    process, every point's loss in grid order, and a progress line per tenth, counts rising."""
+    from reshard.parallel.cost.fit import Efficiency, grid_losses
+    from reshard.parallel.cost.papers import SEESAW_FIG10
+    from reshard.parallel.cost.validate import fit_half, winners_loss
+
+    grid = {**dict.fromkeys(("memory", "latency", "nvlink", "socket"), (1.0,)), "compute": (0.25, 0.35, 0.5)}
+    grid.update(pcie=(0.4, 1.0), step_overhead=(0.0, 8e-3))
+    lines = []
+    serial = fit_half(SEESAW_FIG10, ["a10-g5"], grid=grid)
+    assert fit_half(SEESAW_FIG10, ["a10-g5"], grid=grid, workers=2, report=lines.append) == serial
+    done = [int(re.match(r"fit: (\d+) of 12 points, best loss so far \d+\.\d{3}$", line)[1]) for line in lines]
+    assert done == sorted(done) and done[-1] == 12 and len(done) == len(set(done))
+    points, rows = [Efficiency(compute=c) for c in (0.25, 0.35, 0.5)], SEESAW_FIG10[:2]
+    assert grid_losses(winners_loss, rows, points, workers=2) == [winners_loss(p, rows) for p in points]
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        grid_losses(winners_loss, SEESAW_FIG10, points, workers=0)
+
+
 def test_shift_fig9_ordering_of_dp_tp_sp_shift_is_reproduced_for_every_metric():
     """Shift's Fig. 9(c) (8 x H200, FP8): for TTFT, TPOT and peak throughput of both models,
     every pair of techniques the paper separates by more than 10% comes out in the same order

@@ -18,8 +18,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Sequence
+import multiprocessing
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from itertools import repeat
 from types import MappingProxyType
 
 from reshard.parallel.cost.profiles import Hardware
@@ -94,27 +97,70 @@ def check_names(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+Loss = Callable[[Efficiency, Sequence], float]
+Report = Callable[[str], None] | None
+
+
 def fit(
-    loss: Callable[[Efficiency, Sequence], float],
+    loss: Loss,
     rows: Sequence,
     names: Sequence[str] = FITTABLE,
     *,
     grid: dict[str, tuple[float, ...]] | None = None,
+    workers: int = 1,
+    report: Report = None,
 ) -> tuple[Efficiency, float]:
     """The :class:`Efficiency` minimising ``loss(efficiency, rows)`` over every combination of
     ``grid`` values of the factors ``names`` (the others stay at their defaults; ties keep the
-    first in grid order), and its loss. ``loss`` sees ``rows`` and nothing else."""
+    first in grid order), and its loss. ``loss`` sees ``rows`` and nothing else; ``workers`` and
+    ``report``: :func:`grid_losses`'s."""
     names, grid = check_names(names), grid or GRID
     missing = [n for n in names if n not in grid]
     if missing:
         raise ValueError(f"the grid has no values for {missing}; it has {sorted(grid)}")
+    points = [Efficiency(**dict(zip(names, values))) for values in itertools.product(*(grid[n] for n in names))]
     best, best_loss = Efficiency(), math.inf
-    for values in itertools.product(*(grid[n] for n in names)):
-        trial = Efficiency(**dict(zip(names, values)))
-        trial_loss = loss(trial, rows)
+    for trial, trial_loss in zip(points, grid_losses(loss, rows, points, workers=workers, report=report)):
         if trial_loss < best_loss - 1e-12:
             best, best_loss = trial, trial_loss
     return best, best_loss
+
+
+def grid_losses(
+    loss: Loss,
+    rows: Sequence,
+    points: Sequence[Efficiency],
+    *,
+    workers: int = 1,
+    report: Report = None,
+) -> list[float]:
+    """``loss(point, rows)`` of every point, in order: in this process, or with ``workers > 1`` in
+    that many spawned processes (``loss`` and ``rows`` must pickle: a module-level function);
+    ``report`` gets one line per tenth of the points done."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
+    size = max(1, min(500, len(points) // (4 * workers) or 1))
+    chunks = [points[i : i + size] for i in range(0, len(points), size)]
+    if workers == 1:
+        return _gather((_chunk_losses(loss, rows, c) for c in chunks), len(points), report)
+    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return _gather(pool.map(_chunk_losses, repeat(loss), repeat(rows), chunks), len(points), report)
+
+
+def _chunk_losses(loss: Loss, rows: Sequence, points: Sequence[Efficiency]) -> list[float]:
+    return [loss(p, rows) for p in points]
+
+
+def _gather(chunks: Iterable[list[float]], total: int, report: Report) -> list[float]:
+    """The chunks' losses in order, a line to ``report`` each time another tenth is done."""
+    out: list[float] = []
+    for chunk in chunks:
+        tenths = len(out) * 10 // max(total, 1)
+        out += chunk
+        if report is not None and len(out) * 10 // max(total, 1) > tenths:
+            report(f"fit: {len(out)} of {total} points, best loss so far {min(out):.3f}")
+    return out
 
 
 def log_ratio(best: float, got: float) -> float:

@@ -161,13 +161,19 @@ def pairs_within(eff: Efficiency, rows: Sequence[LayoutWinner]) -> int:
     return sum(check_winner(r, eff).pair_ratio >= 0.95 for r in rows)
 
 
+def pairs_missed(eff: Efficiency, rows: Sequence[LayoutWinner]) -> int:
+    """Minus :func:`pairs_within`: the loss :func:`pair_ceiling` minimises."""
+    return -pairs_within(eff, rows)
+
+
 def pair_ceiling(
-    rows: Sequence[LayoutWinner], grid: dict[str, tuple[float, ...]] | None = None
+    rows: Sequence[LayoutWinner], grid: dict[str, tuple[float, ...]] | None = None, **search
 ) -> tuple[int, Efficiency]:
     """A diagnostic, not a fit: the most ``rows`` any grid point of the global factors puts
     within 5% (searched on every row at once, so it bounds what fitting could reach without a
-    change to the model's structure), and the first point that does."""
-    eff, loss = fit(lambda e, rs: -pairs_within(e, rs), rows, grid=grid)
+    change to the model's structure), and the first point that does; ``search``: :func:`fit`'s
+    ``workers`` and ``report``."""
+    eff, loss = fit(pairs_missed, rows, grid=grid, **search)
     return int(-loss), eff
 
 
@@ -177,14 +183,15 @@ def fit_half(
     *,
     loss: Callable[[Efficiency, Sequence], float] = winners_loss,
     grid: dict[str, tuple[float, ...]] | None = None,
+    **search,
 ) -> tuple[Efficiency, float]:
     """:func:`parallel.cost.fit.fit` on the rows of the hardware named in ``train`` only (the
-    others are the held-out half: the fit never sees them)."""
+    others are the held-out half: the fit never sees them); ``search``: its ``workers`` and ``report``."""
     have = sorted({row_hardware(r) for r in rows})
     missing = sorted(set(train) - set(have))
     if missing:
         raise ValueError(f"no rows of hardware {missing} to fit on; rows have {have}")
-    return fit(loss, [r for r in rows if row_hardware(r) in train], grid=grid)
+    return fit(loss, [r for r in rows if row_hardware(r) in train], grid=grid, **search)
 
 
 def orderings(rows: Sequence[Measured], eff: Efficiency, gap: float = 1.10) -> list[dict]:
