@@ -508,6 +508,8 @@ def test_the_grid_search_in_worker_processes_finds_what_one_process_finds():
     assert grid_losses(winners_loss, rows, points, workers=2) == [winners_loss(p, rows) for p in points]
     with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
         grid_losses(winners_loss, SEESAW_FIG10, points, workers=0)
+    with pytest.raises(ValueError, match=r"to worker processes; <function .*<lambda>.* does not pickle"):
+        grid_losses(lambda e, rs: 0.0, rows, points, workers=2)
 
 
 def test_shift_fig9_ordering_of_dp_tp_sp_shift_is_reproduced_for_every_metric():

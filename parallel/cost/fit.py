@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import math
 import multiprocessing
+import pickle
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -139,6 +140,8 @@ def grid_losses(
     ``report`` gets one line per tenth of the points done."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
+    if workers > 1:
+        _check_pickles(loss, rows)
     size = max(1, min(500, len(points) // (4 * workers) or 1))
     chunks = [points[i : i + size] for i in range(0, len(points), size)]
     if workers == 1:
@@ -146,6 +149,15 @@ def grid_losses(
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
         return _gather(pool.map(_chunk_losses, repeat(loss), repeat(rows), chunks), len(points), report)
+
+
+def _check_pickles(loss: Loss, rows: Sequence) -> None:
+    """``ValueError`` naming ``loss`` when it or ``rows`` cannot reach a worker process."""
+    try:
+        pickle.dumps((loss, rows))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        msg = f"workers > 1 sends the loss and rows to worker processes; {loss!r} does not pickle: {e}"
+        raise ValueError(msg) from e
 
 
 def _chunk_losses(loss: Loss, rows: Sequence, points: Sequence[Efficiency]) -> list[float]:
