@@ -74,7 +74,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also search the factors on all 12 Fig. 10 rows for the most pairs within 5%% (a diagnostic: 2 min)",
     )
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="grid search processes (default: one per core)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="grid search processes (default: one per core)",
+    )
     return p.parse_args()
 
 

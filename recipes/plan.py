@@ -3,8 +3,9 @@
     python -m reshard.recipes.plan model=llama3-15b hardware=a10 num_gpus=4 workload=arxiv
 
 Single process (no torchrun); ``hardware=this_machine`` first calibrates this machine (2 gloo
-processes, cached). Prints one ranking across techniques (every feasible static layout and Seesaw
-pair, Shift, SiDP and DejaVu: :mod:`parallel.cost.techniques`) and
+processes, cached). Prints one ranking across techniques (every feasible static layout, Seesaw pair
+that keeps dp (any pair with ``seesaw_change_dp=true``), Shift, SiDP and DejaVu:
+:mod:`parallel.cost.techniques`) and
 writes ``plan.json`` and ``plan.png`` into Hydra's run directory. Layouts are in Seesaw's notation
 (``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of 1 omitted, one GPU = ``T1``; ``S``
 Ulysses SP; ``E`` expert parallelism of a mixture-of-experts model, ``T8E4`` inside the tp group,
@@ -159,6 +160,7 @@ def summary_lines(plan: dict) -> str:
 
 
 def _pair_space(plan: dict) -> str:
+    """The summary's note on which Seesaw pairs were ranked."""
     return "" if plan["seesaw_change_dp"] else ", of the pairs that keep dp"
 
 

@@ -143,6 +143,8 @@ def test_seesaw_decode_prefers_tp_prefill_prefers_pp_dp_on_pcie(hw_name, model_n
     for w in (workload("arxiv"), workload("sharegpt")):
         decode = {c.notation: cost.phase_throughput(m, hw, c, w, "decode") for c in cost.configs(4)}
         prefill = {c.notation: cost.phase_throughput(m, hw, c, w, "prefill") for c in cost.configs(4)}
+        with pytest.raises(ValueError, match="phase must be 'prefill' or 'decode', got 'both'"):
+            cost.phase_throughput(m, hw, ParallelConfig(tp=4), w, "both")
         if w.name == "arxiv":  # long contexts: the weights dominate less than the KV, TP4 decodes best
             assert max(decode, key=decode.get) == "T4"
         assert parse_notation(max(decode, key=decode.get)).tp > 1
@@ -508,7 +510,7 @@ def test_the_grid_search_in_worker_processes_finds_what_one_process_finds():
     assert grid_losses(winners_loss, rows, points, workers=2) == [winners_loss(p, rows) for p in points]
     with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
         grid_losses(winners_loss, SEESAW_FIG10, points, workers=0)
-    with pytest.raises(ValueError, match=r"to worker processes; <function .*<lambda>.* does not pickle"):
+    with pytest.raises(ValueError, match=r"processes; the loss <function .*<lambda>.* or its rows do not pickle"):
         grid_losses(lambda e, rs: 0.0, rows, points, workers=2)
 
 

@@ -137,12 +137,12 @@ def grid_losses(
 ) -> list[float]:
     """``loss(point, rows)`` of every point, in order: in this process, or with ``workers > 1`` in
     that many spawned processes (``loss`` and ``rows`` must pickle: a module-level function);
-    ``report`` gets one line per tenth of the points done."""
+    ``report`` gets a line when a chunk of points ends past another tenth of the grid."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     if workers > 1:
         _check_pickles(loss, rows)
-    size = max(1, min(500, len(points) // (4 * workers) or 1))
+    size = max(1, min(500, len(points) // (4 * workers)))
     chunks = [points[i : i + size] for i in range(0, len(points), size)]
     if workers == 1:
         return _gather((_chunk_losses(loss, rows, c) for c in chunks), len(points), report)
@@ -156,11 +156,14 @@ def _check_pickles(loss: Loss, rows: Sequence) -> None:
     try:
         pickle.dumps((loss, rows))
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        msg = f"workers > 1 sends the loss and rows to worker processes; {loss!r} does not pickle: {e}"
+        msg = (
+            f"workers > 1 sends the loss and rows to worker processes; the loss {loss!r} or its rows do not pickle: {e}"
+        )
         raise ValueError(msg) from e
 
 
 def _chunk_losses(loss: Loss, rows: Sequence, points: Sequence[Efficiency]) -> list[float]:
+    """One chunk of :func:`grid_losses` (in a worker process when there are several)."""
     return [loss(p, rows) for p in points]
 
 

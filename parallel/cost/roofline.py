@@ -32,6 +32,7 @@ Notation (Seesaw's): ``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of
 single GPU is ``T1``; ``S`` is Ulysses SP (Shift), ``E`` expert parallelism (``T8E4``: experts over
 4 groups of the 8 tp ranks; ``D8E8``: over 8 data-parallel replicas; in a Shift row, ``S2T4E8|T8E8``,
 over all 8 GPUs in both modes, tokens by all-to-all), ``A->B`` a Seesaw pair (prefill -> decode).
+Seesaw's weight moves: :mod:`parallel.cost.transitions`.
 """
 
 from __future__ import annotations
@@ -418,6 +419,8 @@ def cpu_tier_sequences(m: ModelShape, w: Workload, gpus: int) -> int:
 def phase_throughput(m: ModelShape, hw: Hardware, cfg: ParallelConfig, w: Workload, phase: str) -> float:
     """Prompt (``phase="prefill"``) or generated (``"decode"``) tokens / second of ``cfg`` in that
     phase alone, over a KV-filling batch (0 when it does not fit)."""
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
     e, tokens = estimate(m, hw, cfg, cfg, w), {"prefill": w.input_len, "decode": w.output_len}[phase]
     return 0.0 if e is None or e.batch == 0 else e.batch * tokens / getattr(e, f"{phase}_s")
 
@@ -436,7 +439,7 @@ def rank_layouts(
     decoded = {}  # (decode layout, cap) -> (batch per replica, decode seconds), each computed once
     out = []
     for a in prefills:
-        for b in (b for b in decodes if change_dp or b.dp == a.dp):
+        for b in (d for d in decodes if change_dp or d.dp == a.dp):
             cap = batch_cap(a, b, max_batch)
             if (b, cap) not in decoded:
                 n = batch_per_replica(m, hw, b, w, cap)

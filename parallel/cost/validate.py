@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
-from reshard.parallel.cost.fit import Efficiency, fit, log_ratio
+from reshard.parallel.cost.fit import Efficiency, Report, fit, log_ratio
 from reshard.parallel.cost.papers import (
     VLLM_MAX_NUM_SEQS,
     Claim,
@@ -167,13 +167,17 @@ def pairs_missed(eff: Efficiency, rows: Sequence[LayoutWinner]) -> int:
 
 
 def pair_ceiling(
-    rows: Sequence[LayoutWinner], grid: dict[str, tuple[float, ...]] | None = None, **search
+    rows: Sequence[LayoutWinner],
+    grid: dict[str, tuple[float, ...]] | None = None,
+    *,
+    workers: int = 1,
+    report: Report = None,
 ) -> tuple[int, Efficiency]:
     """A diagnostic, not a fit: the most ``rows`` any grid point of the global factors puts
     within 5% (searched on every row at once, so it bounds what fitting could reach without a
-    change to the model's structure), and the first point that does; ``search``: :func:`fit`'s
-    ``workers`` and ``report``."""
-    eff, loss = fit(pairs_missed, rows, grid=grid, **search)
+    change to the model's structure), and the first point that does; ``workers``, ``report``:
+    :func:`fit`'s."""
+    eff, loss = fit(pairs_missed, rows, grid=grid, workers=workers, report=report)
     return int(-loss), eff
 
 
@@ -183,15 +187,16 @@ def fit_half(
     *,
     loss: Callable[[Efficiency, Sequence], float] = winners_loss,
     grid: dict[str, tuple[float, ...]] | None = None,
-    **search,
+    workers: int = 1,
+    report: Report = None,
 ) -> tuple[Efficiency, float]:
     """:func:`parallel.cost.fit.fit` on the rows of the hardware named in ``train`` only (the
-    others are the held-out half: the fit never sees them); ``search``: its ``workers`` and ``report``."""
+    others are the held-out half: the fit never sees them); ``workers``, ``report``: its."""
     have = sorted({row_hardware(r) for r in rows})
     missing = sorted(set(train) - set(have))
     if missing:
         raise ValueError(f"no rows of hardware {missing} to fit on; rows have {have}")
-    return fit(loss, [r for r in rows if row_hardware(r) in train], grid=grid, **search)
+    return fit(loss, [r for r in rows if row_hardware(r) in train], grid=grid, workers=workers, report=report)
 
 
 def orderings(rows: Sequence[Measured], eff: Efficiency, gap: float = 1.10) -> list[dict]:
