@@ -23,7 +23,6 @@ import pickle
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from itertools import repeat
 from types import MappingProxyType
 
 from reshard.parallel.cost.profiles import Hardware
@@ -148,7 +147,8 @@ def grid_losses(
         return _gather((_chunk_losses(loss, rows, c) for c in chunks), len(points), report)
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return _gather(pool.map(_chunk_losses, repeat(loss), repeat(rows), chunks), len(points), report)
+        done = pool.map(_chunk_losses, itertools.repeat(loss), itertools.repeat(rows), chunks)
+        return _gather(done, len(points), report)
 
 
 def _check_pickles(loss: Loss, rows: Sequence) -> None:

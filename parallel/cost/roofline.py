@@ -32,7 +32,6 @@ Notation (Seesaw's): ``D`` data, ``T`` tensor, ``P`` pipeline degree, degrees of
 single GPU is ``T1``; ``S`` is Ulysses SP (Shift), ``E`` expert parallelism (``T8E4``: experts over
 4 groups of the 8 tp ranks; ``D8E8``: over 8 data-parallel replicas; in a Shift row, ``S2T4E8|T8E8``,
 over all 8 GPUs in both modes, tokens by all-to-all), ``A->B`` a Seesaw pair (prefill -> decode).
-Seesaw's weight moves: :mod:`parallel.cost.transitions`.
 """
 
 from __future__ import annotations
@@ -403,9 +402,10 @@ def _estimate(
     total = b * decode.dp
     seesaw = prefill != decode and total > 0
     tier = max(total, cpu_tier_sequences(m, w, decode.gpus)) if seesaw else total
-    pre = prefill_time(m, hw, prefill, tier / prefill.dp, w.input_len) * (total / tier if seesaw else 1.0)
+    share = total / tier if seesaw else 1.0  # this batch's share of a tier's prefill run and round trip
+    pre = prefill_time(m, hw, prefill, tier / prefill.dp, w.input_len) * share
     trip = transition_time(m, hw, prefill, decode) + transition_time(m, hw, decode, prefill) if seesaw else 0.0
-    trans = trip * total / tier if seesaw else 0.0
+    trans = trip * share
     return Estimate(prefill, decode, total, pre, dec, trans, total * w.output_len / (pre + dec + trans))
 
 

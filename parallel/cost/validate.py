@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
-from reshard.parallel.cost.fit import Efficiency, Report, fit, log_ratio
+from reshard.parallel.cost.fit import Efficiency, Loss, Report, fit, log_ratio
 from reshard.parallel.cost.papers import (
     VLLM_MAX_NUM_SEQS,
     Claim,
@@ -185,7 +185,7 @@ def fit_half(
     rows: Sequence[LayoutWinner | Ratio | Measured],
     train: Collection[str],
     *,
-    loss: Callable[[Efficiency, Sequence], float] = winners_loss,
+    loss: Loss = winners_loss,
     grid: dict[str, tuple[float, ...]] | None = None,
     workers: int = 1,
     report: Report = None,
