@@ -36,7 +36,7 @@ def _say(line: str) -> None:
 
 def make_plan(cfg: PlanConfig) -> dict:
     """Everything the planner predicts for ``cfg`` (the content of ``plan.json``)."""
-    m, hw = _model(cfg), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say))
+    m, hw = _model(cfg), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say), cfg.engine)
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
     ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch, change_dp=cfg.seesaw_change_dp)
     if cfg.rate is not None:
@@ -58,6 +58,7 @@ def make_plan(cfg: PlanConfig) -> dict:
         "workload": {"name": w.name, "input_len": w.input_len, "output_len": w.output_len, "requests": w.requests},
         "rate": cfg.rate,
         "seesaw_change_dp": cfg.seesaw_change_dp,
+        "engine": cfg.engine,
         "efficiency": {"name": cfg.efficiency, **EFFICIENCIES[cfg.efficiency].as_dict()},
         "best_static": static["layout"] if static else None,
         "best_seesaw": seesaw["layout"] if seesaw else None,

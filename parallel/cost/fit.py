@@ -5,8 +5,10 @@ latency, memory, from datasheets and model configs. Real systems reach a fractio
 :class:`Efficiency` is the short, named list of what may be fitted to account for that, each one
 global (the same for every model, layout, workload and row): achieved fractions of peak FLOP/s, of
 memory bandwidth and of link bandwidth in collectives (per link type: PCIe, NVLink), a multiplier
-of the per-message link latency, and a per-step overhead. Nothing else can be fitted (:func:`fit`
-refuses other names), so a fit cannot encode one row's answer.
+of the per-message link latency, and a per-step overhead per kind of serving engine (:data:`ENGINES`:
+the engine's CPU work between GPU steps, or overlapped with them; each paper's rows name the engine
+they ran on). Nothing else can be fitted (:func:`fit` refuses other names), so a fit cannot encode
+one row's answer.
 
 :func:`fit` searches those factors (every combination of a log grid) to minimise a loss over
 the *training* rows it is given, and sees nothing else: the held-out rows are predicted with the
@@ -38,10 +40,13 @@ class Efficiency:
     nvlink: float = 1.0  # the same over NVLink (and any other link)
     socket: float = 1.0  # the same over the link between CPU sockets (a topology level of kind "socket")
     latency: float = 1.0  # multiplier of the per-message link latency
-    step_overhead: float = 0.0  # seconds per forward step of a stage
+    step_overhead: float = 0.0  # seconds per forward step of a stage, in a "sync" engine (see ENGINES)
+    async_overhead: float = 0.0  # the same in an "async" engine
 
-    def apply(self, hw: Hardware) -> Hardware:
-        """``hw`` as it performs: peaks scaled, latency multiplied, the overhead set."""
+    def apply(self, hw: Hardware, engine: str = "sync") -> Hardware:
+        """``hw`` as it performs: peaks scaled, latency multiplied, the overhead of ``engine`` (one
+        of :data:`ENGINES`) set."""
+        check_engine(engine)
         link = self.link(hw.link)
         collectives = {k: (lat * self.latency, bw * link) for k, (lat, bw) in hw.collectives.items()}
         levels = tuple(
@@ -56,8 +61,15 @@ class Efficiency:
             link_bw=hw.link_bw * link,
             link_latency=hw.link_latency * self.latency,
             collectives=collectives,
-            step_overhead=self.step_overhead,
+            step_overhead=self.async_overhead if engine == "async" else self.step_overhead,
         )
+
+    def seen_by(self, engine: str) -> Efficiency:
+        """These factors with the other engine's overhead at 0: what a row measured on ``engine``
+        reads (two points that differ only in the other overhead cost it the same)."""
+        check_engine(engine)
+        other = "step_overhead" if engine == "async" else "async_overhead"
+        return dataclasses.replace(self, **{other: 0.0})
 
     def link(self, kind: str) -> float:
         """The factor of a link of ``kind``: ``pcie``, ``socket``, else ``nvlink`` (NVLink, a calibrated
@@ -70,9 +82,29 @@ class Efficiency:
 
 FITTABLE = tuple(f.name for f in dataclasses.fields(Efficiency))
 
+# The serving engine a measurement ran on: its per-step CPU work (scheduling, preparing inputs,
+# processing outputs) is software, not hardware, so each kind has its own fitted overhead.
+# "sync": the CPU work runs between GPU steps: vLLM 0.5 (vLLM's blog "vLLM v0.6.0: 2.7x Throughput
+# Improvement and 5x Latency Reduction", 2024-09-05, cited by Seesaw: on 0.5.3 scheduling took 29%
+# and the API server 33% of the time) and Seesaw's engine (section 5.1: one scheduler sending each
+# step to workers through shared queues): Seesaw's rows; reshard's loop (admit, step, sample, agree
+# on tokens between steps: parallel.engine.loop), so the planner's default. "async": the CPU work
+# overlaps the GPU step (vLLM >= 0.6's multi-step scheduling and async output processing, V1):
+# Shift's rows (vLLM v0.9.2) and SiDP's (vLLM 0.10.1).
+ENGINES = ("sync", "async")
+
+
+def check_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return engine
+
+
 # ``python bench/cost_vs_papers.py``'s fit on the A10 and H200 rows (bench/RESULTS.md, "Cost model
 # vs the papers"); ``recipes.plan efficiency=fitted`` uses it; a test re-fits around it
-FITTED = Efficiency(compute=0.35, memory=1.0, pcie=1.0, nvlink=0.25, socket=0.25, latency=0.1, step_overhead=0.008)
+FITTED = Efficiency(
+    compute=0.35, memory=1.0, pcie=1.0, nvlink=0.25, socket=0.25, latency=0.1, step_overhead=0.016, async_overhead=0.008
+)
 EFFICIENCIES = MappingProxyType({"datasheet": Efficiency(), "fitted": FITTED})
 
 # the values each factor may take (log-spaced; the overhead in seconds)
@@ -85,6 +117,7 @@ GRID: MappingProxyType[str, tuple[float, ...]] = MappingProxyType(
         "socket": (0.25, 0.5, 1.0),
         "latency": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
         "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3),
+        "async_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3),
     }
 )
 

@@ -14,6 +14,11 @@ SEESAW = "Seesaw (Su et al. 2025), ../shared/seeds/000_1b995ee7312ad9dc.txt"
 SHIFT = "Shift Parallelism (Snowflake 2025), ../shared/seeds/001_204e28c7c271ee4f.txt"
 DEJAVU = "DejaVu (Strati et al. 2024), ../shared/seeds/003_1c77894d1722ee85.txt"
 
+# The serving engine each paper measured on (parallel.cost.fit.ENGINES: its per-step overhead):
+# Seesaw's own engine (section 5.1) and its vLLM 0.5.4 baseline (line 967) do their CPU work between
+# GPU steps; Shift runs vLLM v0.9.2 (line 597) and SiDP vLLM 0.10.1 (line 73), which overlap it.
+SEESAW_ENGINE, SHIFT_ENGINE, SIDP_ENGINE = "sync", "async", "async"
+
 # Seesaw's baseline and implementation both run vLLM 0.5.4 (section 6.1, line 968), whose scheduler
 # holds at most max_num_seqs = 256 sequences per replica (vllm/engine/arg_utils.py, EngineArgs default)
 VLLM_MAX_NUM_SEQS = 256
@@ -31,6 +36,7 @@ class LayoutWinner:
     best_static: str
     seesaw_pair: str
     source: str
+    engine: str = SEESAW_ENGINE
 
     @property
     def key(self) -> str:
@@ -95,6 +101,7 @@ class Trend:
     static_winners: tuple[str, ...] = ("P8", "T2P4", "T4P2")
     seesaw_pair: str = "P8->T4P2"
     source: str = f"{SEESAW}, Fig. 13, lines 1204-1229"
+    engine: str = SEESAW_ENGINE
 
 
 SEESAW_FIG13 = Trend()
@@ -116,6 +123,7 @@ class Ratio:
     denominator: tuple[str, str]
     value: float
     source: str
+    engine: str = SEESAW_ENGINE
 
     @property
     def key(self) -> str:
@@ -153,6 +161,7 @@ class Measured:
     technique: str
     value: float
     source: str
+    engine: str = SHIFT_ENGINE
 
     @property
     def key(self) -> str:
@@ -239,6 +248,7 @@ class Ordering:
     gpus: int = 8
     output_len: int = 250
     input_lens: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # Fig. 14's x axis
+    engine: str = SHIFT_ENGINE
 
     @property
     def key(self) -> str:
@@ -274,6 +284,7 @@ class Claim:
     hardware: str = "h200"
     gpus: int = 8
     output_len: int = 256  # assumed: the paper gives only the workloads' average lengths, 1K / 2K / 4K
+    engine: str = SIDP_ENGINE
 
     @property
     def key(self) -> str:
