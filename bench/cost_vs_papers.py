@@ -1,7 +1,7 @@
 """The cost model against the papers' published measurements: fitted on one half, predicted on the other.
 
 The validation table of all four papers in one command, from the repo root (no GPU; the fit's grid
-search, most of the time, runs in one process per core: 411 s with ``--ceiling`` on 2 cores):
+search, most of the time, runs in one process per core: 462 s with ``--ceiling`` on 2 cores):
 
     python bench/cost_vs_papers.py        # --train a10-g5,h200-fp8 (default): the hardware whose rows are fitted
 
@@ -23,8 +23,9 @@ streaming time and the extra time past the prompt, against network bandwidth, no
 SiDP's qualitative claims (section 5.2) follow.
 
 Fit: :func:`parallel.cost.fit.fit` chooses the global :class:`parallel.cost.fit.Efficiency`
-factors (fractions of peak FLOP/s, of memory and of PCIe / NVLink bandwidth, a latency multiplier, a per-step
-overhead; nothing per row, model or layout) minimising the summed ``-log(ratio)`` over the
+factors (fractions of peak FLOP/s, of memory and of PCIe / NVLink / socket bandwidth, a latency multiplier,
+a per-step overhead for each kind of serving engine, :data:`parallel.cost.fit.ENGINES`, each paper's rows
+naming theirs; nothing per row, model or layout) minimising the summed ``-log(ratio)`` over the
 *training* hardware's rows only; the other hardware's rows are predictions. Printed: the rows
 with the datasheet peaks (no fit) and with the fit, the fitted factors, the held-out error.
 """

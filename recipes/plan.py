@@ -36,7 +36,7 @@ def _say(line: str) -> None:
 
 def make_plan(cfg: PlanConfig) -> dict:
     """Everything the planner predicts for ``cfg`` (the content of ``plan.json``)."""
-    m, hw = _model(cfg), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say), cfg.engine)
+    m, hw = _model(cfg), EFFICIENCIES[cfg.efficiency].apply(hardware(cfg.hardware, report=_say), engine=cfg.engine)
     w = workload(cfg.workload, input_len=cfg.input_len, output_len=cfg.output_len, requests=cfg.requests)
     ranked = rank_all(m, hw, cfg.num_gpus, w, max_batch=cfg.max_batch, change_dp=cfg.seesaw_change_dp)
     if cfg.rate is not None:
@@ -58,7 +58,7 @@ def make_plan(cfg: PlanConfig) -> dict:
         "workload": {"name": w.name, "input_len": w.input_len, "output_len": w.output_len, "requests": w.requests},
         "rate": cfg.rate,
         "seesaw_change_dp": cfg.seesaw_change_dp,
-        "engine": cfg.engine,
+        "engine": {"kind": cfg.engine, "step_overhead_s": hw.step_overhead},  # the overhead each step pays
         "efficiency": {"name": cfg.efficiency, **EFFICIENCIES[cfg.efficiency].as_dict()},
         "best_static": static["layout"] if static else None,
         "best_seesaw": seesaw["layout"] if seesaw else None,
@@ -123,6 +123,7 @@ def table(plan: dict, top: int) -> str:
     shown = len(plan["ranked"][:top])
     if shown < len(plan["ranked"]):
         rows.append(f"({shown} of {len(plan['ranked'])} feasible rows; plan.json has all; top=N shows more)")
+    rows.append(f"each step pays {plan['engine']['step_overhead_s'] * 1e3:.0f} ms ({plan['engine']['kind']} engine)")
     if online:
         rows.append(f"ranked by TTFT + {plan['workload']['output_len']:.0f} x TPOT at {plan['rate']} requests/s")
     return "\n".join(rows)
@@ -208,7 +209,8 @@ def plot(plan: dict, path: Path, top: int) -> None:
     ax.set_title(
         f"{model} on {plan['num_gpus']} x {plan['hardware']}, {w['name']} ({w['input_len']:.0f} in / "
         f"{w['output_len']:.0f} out)\ntop {len(rows)} of {len(plan['ranked'])} feasible layouts, "
-        f"{plan['efficiency']['name']} efficiencies",
+        f"{plan['efficiency']['name']} efficiencies, {plan['engine']['kind']} engine "
+        f"({plan['engine']['step_overhead_s'] * 1e3:.0f} ms a step)",
         fontsize=10,
     )
     fig.tight_layout()

@@ -17,7 +17,7 @@ class PlanConfig:
     max_batch: int | None = 256  # static layouts' sequences per replica, vLLM's max_num_seqs (null: KV decides)
     seesaw_change_dp: bool = False  # also rank Seesaw pairs that change dp (D2P2->T4): unvalidated, no paper ran one
     efficiency: str = "fitted"  # fitted (validated on the papers: bench/cost_vs_papers.py) | datasheet (peaks)
-    engine: str = "sync"  # CPU work between GPU steps (reshard's loop, vLLM 0.5) | async (overlapped: vLLM >= 0.6)
+    engine: str = "sync"  # sync: CPU work in the step loop (reshard's, vLLM 0.5) | async: beside it (vLLM V1)
     rate: float | None = None  # online: requests/s arriving; ranks by TTFT + output_len x TPOT (null: offline)
     top: int = 20  # rows of the ranked table printed (plan.json holds all)
     expert_skew: float = 1.0  # MoE: the busiest expert-parallel rank's routed tokens / the mean (1.0: even)
@@ -29,11 +29,11 @@ class PlanConfig:
         for key in ("input_len", "output_len", "requests", "top"):
             if not getattr(self, key) >= 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)!r}")
-        from reshard.parallel.cost.fit import EFFICIENCIES, check_engine
+        from reshard.parallel.cost.fit import EFFICIENCIES, overhead_of
 
         if self.efficiency not in EFFICIENCIES:
             raise ValueError(f"efficiency must be one of {sorted(EFFICIENCIES)}, got {self.efficiency!r}")
-        check_engine(self.engine)
+        overhead_of(self.engine)  # ValueError naming a kind of engine the model has no overhead for
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"rate must be > 0 requests/s or null, got {self.rate!r}")
         if not self.expert_skew >= 1.0:

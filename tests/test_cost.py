@@ -286,11 +286,11 @@ def test_layouts_are_placed_on_the_topology_and_pay_for_what_they_cross():
     t8, d2t4 = parse_notation("T8"), parse_notation("D2T4")
     assert cost.decode_step_time(m, hw, t8, 64, 1000) > cost.decode_step_time(m, flat, t8, 64, 1000)
     assert cost.decode_step_time(m, hw, d2t4, 32, 1000) == cost.decode_step_time(m, flat, d2t4, 32, 1000)
-    slow = Efficiency(pcie=0.5, socket=0.25, latency=2.0).apply(hw)
+    slow = Efficiency(pcie=0.5, socket=0.25, latency=2.0).apply(hw, engine="sync")
     assert [lv.bw for lv in slow.topology] == [0.5 * hw.topology[0].bw, 0.25 * hw.topology[1].bw]
     assert [lv.latency for lv in slow.topology] == [2.0 * lv.latency for lv in hw.topology]
     for pcie, socket in itertools.product(GRID["pcie"], GRID["socket"]):
-        scaled = Efficiency(pcie=pcie, socket=socket).apply(hw)
+        scaled = Efficiency(pcie=pcie, socket=socket).apply(hw, engine="sync")
         assert scaled.comm("all_reduce", 8)[1] <= scaled.comm("all_reduce", 4)[1]
 
 
@@ -332,12 +332,12 @@ def test_the_planners_defaults_are_the_validated_settings_row_by_row():
     a user sees is the one bench/cost_vs_papers.py validates. On the paper's machines, by their AWS
     names too."""
     from reshard.parallel.cost.fit import EFFICIENCIES
-    from reshard.parallel.cost.papers import SEESAW_FIG10, VLLM_MAX_NUM_SEQS
+    from reshard.parallel.cost.papers import SEESAW_ENGINE, SEESAW_FIG10, VLLM_MAX_NUM_SEQS
     from reshard.parallel.cost.validate import check_winner
     from reshard.recipes.plan import make_plan
 
     defaults = _compose([])
-    assert (defaults.efficiency, defaults.max_batch) == ("fitted", VLLM_MAX_NUM_SEQS)
+    assert (defaults.efficiency, defaults.max_batch, defaults.engine) == ("fitted", VLLM_MAX_NUM_SEQS, SEESAW_ENGINE)
     machine = {"a10-g5": "g5.48xlarge", "l4-g6": "g6.48xlarge"}
     for row in SEESAW_FIG10:
         plan = make_plan(
@@ -400,20 +400,19 @@ def test_plan_recipe_end_to_end(tmp_path, capsys):
 
 
 def test_each_paper_is_costed_with_the_step_overhead_of_the_engine_it_ran_on():
-    """Seesaw's rows (its engine and vLLM 0.5.4: CPU work between GPU steps) read ``step_overhead``,
-    Shift's (vLLM 0.9.2: overlapped) ``async_overhead``; a point that moves only the other engine's
-    overhead costs a row the same, and its cached loss is the loss computed afresh. The planner
-    plans for reshard's loop (``sync``) unless ``engine=async``; another engine is refused by name."""
+    """Seesaw's rows (its engine and vLLM 0.5.4, ``sync``) read ``sync_overhead``, Shift's (vLLM
+    0.9.2, ``async``) ``async_overhead``: a point that moves only the other engine's overhead costs a
+    row the same, and every row's cached loss is the loss computed afresh. An engine the model has no
+    overhead for is refused by name."""
     import dataclasses
 
     from reshard.parallel.cost.fit import FITTED
-    from reshard.parallel.cost.papers import SEESAW_FIG10, SHIFT_FIG9
+    from reshard.parallel.cost.papers import SEESAW_FIG10, SEESAW_FIG11, SHIFT_FIG9
     from reshard.parallel.cost.validate import _row_loss, check_winner, predict_measured, row_loss
-    from reshard.recipes.plan import make_plan
 
     hw = hardware("a10-g5")
-    assert FITTED.apply(hw).step_overhead == FITTED.step_overhead != FITTED.async_overhead
-    assert FITTED.apply(hw, "async").step_overhead == FITTED.async_overhead
+    assert FITTED.apply(hw, engine="sync").step_overhead == FITTED.sync_overhead != FITTED.async_overhead
+    assert FITTED.apply(hw, engine="async").step_overhead == FITTED.async_overhead
 
     def ratios(eff):
         return [(c.static_ratio, c.pair_ratio) for c in (check_winner(r, eff) for r in SEESAW_FIG10)]
@@ -421,23 +420,30 @@ def test_each_paper_is_costed_with_the_step_overhead_of_the_engine_it_ran_on():
     def shift(eff):
         return [predict_measured(r, eff) for r in SHIFT_FIG9]
 
-    sync_moved, async_moved = (dataclasses.replace(FITTED, **{k: 0.064}) for k in ("step_overhead", "async_overhead"))
+    sync_moved, async_moved = (dataclasses.replace(FITTED, **{k: 0.064}) for k in ("sync_overhead", "async_overhead"))
     assert ratios(async_moved) == ratios(FITTED) != ratios(sync_moved)
     assert shift(sync_moved) == shift(FITTED) != shift(async_moved)
-    winner, measured = SEESAW_FIG10[3], SHIFT_FIG9[4]  # a10 15B sharegpt; llama3-70b TPOT, DP
-    assert row_loss(winner, async_moved) == row_loss(winner, FITTED) != row_loss(winner, sync_moved)
-    assert row_loss(measured, sync_moved) == row_loss(measured, FITTED) != row_loss(measured, async_moved)
-    cached = row_loss(winner, sync_moved)
-    _row_loss.cache_clear()
-    assert row_loss(winner, sync_moved) == cached
+    rows = SEESAW_FIG10[:4] + SEESAW_FIG11[:2] + SHIFT_FIG9[::6]
+    for eff in (FITTED, sync_moved, async_moved, FITTED):  # FITTED again: from the cache
+        assert [row_loss(r, eff) for r in rows] == [_row_loss.__wrapped__(r, eff) for r in rows]
+    with pytest.raises(ValueError, match=r"engine must be one of \('sync', 'async'\), got 'batch'"):
+        FITTED.apply(hw, engine="batch")
+
+
+def test_the_plan_charges_the_overhead_of_the_engine_it_names():
+    """``reshard plan`` charges reshard's loop (``sync``, the kind Seesaw's rows ran on, so the table a
+    user sees is the validated one) unless ``engine=async``; plan.json and the table say which."""
+    from reshard.parallel.cost.fit import FITTED
+    from reshard.recipes.plan import make_plan, table
+
     keys = ["model=llama3-15b", "hardware=g5.48xlarge", "num_gpus=4", "workload=sharegpt"]
     sync, overlapped = make_plan(_compose(keys)), make_plan(_compose([*keys, "engine=async"]))
-    assert (sync["engine"], overlapped["engine"]) == ("sync", "async")
+    assert sync["engine"] == {"kind": "sync", "step_overhead_s": FITTED.sync_overhead}
+    assert overlapped["engine"] == {"kind": "async", "step_overhead_s": FITTED.async_overhead}
     assert overlapped["ranked"][0]["tokens_per_s"] > sync["ranked"][0]["tokens_per_s"]  # 8 ms a step, not 16
+    assert "each step pays 16 ms (sync engine)" in table(sync, 5)
     with pytest.raises(ValueError, match=r"engine must be one of \('sync', 'async'\), got 'turbo'"):
         _compose(["engine=turbo"])
-    with pytest.raises(ValueError, match=r"engine must be one of \('sync', 'async'\), got 'batch'"):
-        FITTED.apply(hw, "batch")
 
 
 def test_seesaw_pairs_keep_their_replicas_unless_the_plan_asks_for_more():
@@ -447,7 +453,7 @@ def test_seesaw_pairs_keep_their_replicas_unless_the_plan_asks_for_more():
     from reshard.parallel.cost.fit import EFFICIENCIES
     from reshard.recipes.plan import make_plan
 
-    m, hw, w = model("llama3-15b"), EFFICIENCIES["fitted"].apply(hardware("a10-g5")), workload("arxiv")
+    m, hw, w = model("llama3-15b"), EFFICIENCIES["fitted"].apply(hardware("a10-g5"), engine="sync"), workload("arxiv")
     kept, every = (cost.rank_layouts(m, hw, 4, w, max_batch=256, change_dp=c) for c in (False, True))
     pairs = {e.name: e for e in every if e.prefill != e.decode}
     same_dp = {n for n, e in pairs.items() if e.prefill.dp == e.decode.dp}
@@ -498,7 +504,7 @@ def test_calibration_sweep_gives_positive_finite_numbers(tmp_path):
 def test_only_the_named_global_efficiency_factors_can_be_fitted():
     from reshard.parallel.cost.fit import FITTABLE, Efficiency, fit
 
-    assert FITTABLE == ("compute", "memory", "pcie", "nvlink", "socket", "latency", "step_overhead", "async_overhead")
+    assert FITTABLE == ("compute", "memory", "pcie", "nvlink", "socket", "latency", "sync_overhead", "async_overhead")
     with pytest.raises(ValueError, match=r"only global efficiency factors can be fitted, \[.*\]; got \['row_3_bias'\]"):
         fit(lambda eff, rows: 0.0, [], ["row_3_bias"])
     with pytest.raises(TypeError):
@@ -513,7 +519,7 @@ def test_the_fit_sees_only_its_half_and_a_held_out_change_does_not_move_it():
 
     grid = {**dict.fromkeys(("memory", "latency", "nvlink", "socket"), (1.0,)), "compute": (0.25, 0.5)}
     grid.update(pcie=(0.4, 1.0))
-    grid.update(step_overhead=(0.0, 2e-3), async_overhead=(0.0,))
+    grid.update(sync_overhead=(0.0, 2e-3), async_overhead=(0.0,))
     seen = []
 
     def spy(eff, rows):
@@ -541,7 +547,7 @@ def test_the_grid_search_in_worker_processes_finds_what_one_process_finds():
     from reshard.parallel.cost.validate import fit_half, winners_loss
 
     grid = {**dict.fromkeys(("memory", "latency", "nvlink", "socket"), (1.0,)), "compute": (0.25, 0.35, 0.5)}
-    grid.update(pcie=(0.4, 1.0), step_overhead=(0.0, 8e-3), async_overhead=(0.0,))
+    grid.update(pcie=(0.4, 1.0), sync_overhead=(0.0, 8e-3), async_overhead=(0.0,))
     lines = []
     serial = fit_half(SEESAW_FIG10, ["a10-g5"], grid=grid)
     assert fit_half(SEESAW_FIG10, ["a10-g5"], grid=grid, workers=2, report=lines.append) == serial
@@ -625,7 +631,7 @@ def test_pair_ceiling_is_the_most_pairs_any_grid_point_reaches():
     from reshard.parallel.cost.papers import SEESAW_FIG10
     from reshard.parallel.cost.validate import pair_ceiling, pairs_within
 
-    other = Efficiency(compute=0.1, memory=0.55, pcie=0.6, nvlink=0.5, latency=0.25, step_overhead=0.008)
+    other = Efficiency(compute=0.1, memory=0.55, pcie=0.6, nvlink=0.5, latency=0.25, sync_overhead=0.008)
     names = [n for n in FITTED.as_dict() if n != "async_overhead"]  # Fig. 10's rows ran on a "sync" engine
     grid = {name: tuple(dict.fromkeys(getattr(e, name) for e in (FITTED, other))) for name in names}
     points = [Efficiency(**dict(zip(grid, values))) for values in itertools.product(*grid.values())]

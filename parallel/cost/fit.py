@@ -5,10 +5,10 @@ latency, memory, from datasheets and model configs. Real systems reach a fractio
 :class:`Efficiency` is the short, named list of what may be fitted to account for that, each one
 global (the same for every model, layout, workload and row): achieved fractions of peak FLOP/s, of
 memory bandwidth and of link bandwidth in collectives (per link type: PCIe, NVLink), a multiplier
-of the per-message link latency, and a per-step overhead per kind of serving engine (:data:`ENGINES`:
-the engine's CPU work between GPU steps, or overlapped with them; each paper's rows name the engine
-they ran on). Nothing else can be fitted (:func:`fit` refuses other names), so a fit cannot encode
-one row's answer.
+of the per-message link latency, and a per-step overhead, one per kind of serving engine
+(:data:`ENGINES`): an overhead is global across the rows measured on that kind of engine, and each
+paper's rows name theirs (:mod:`parallel.cost.papers`; with today's rows, in effect one per paper). Nothing else can be fitted (:func:`fit`
+refuses other names), so a fit cannot encode one row's answer.
 
 :func:`fit` searches those factors (every combination of a log grid) to minimise a loss over
 the *training* rows it is given, and sees nothing else: the held-out rows are predicted with the
@@ -40,13 +40,12 @@ class Efficiency:
     nvlink: float = 1.0  # the same over NVLink (and any other link)
     socket: float = 1.0  # the same over the link between CPU sockets (a topology level of kind "socket")
     latency: float = 1.0  # multiplier of the per-message link latency
-    step_overhead: float = 0.0  # seconds per forward step of a stage, in a "sync" engine (see ENGINES)
-    async_overhead: float = 0.0  # the same in an "async" engine
+    sync_overhead: float = 0.0  # seconds per forward step of a stage on a "sync" engine (ENGINES)
+    async_overhead: float = 0.0  # the same on an "async" engine
 
-    def apply(self, hw: Hardware, engine: str = "sync") -> Hardware:
-        """``hw`` as it performs: peaks scaled, latency multiplied, the overhead of ``engine`` (one
-        of :data:`ENGINES`) set."""
-        check_engine(engine)
+    def apply(self, hw: Hardware, *, engine: str) -> Hardware:
+        """``hw`` as it performs: peaks scaled, latency multiplied, ``hw.step_overhead`` the
+        overhead of ``engine`` (one of :data:`ENGINES`)."""
         link = self.link(hw.link)
         collectives = {k: (lat * self.latency, bw * link) for k, (lat, bw) in hw.collectives.items()}
         levels = tuple(
@@ -61,15 +60,14 @@ class Efficiency:
             link_bw=hw.link_bw * link,
             link_latency=hw.link_latency * self.latency,
             collectives=collectives,
-            step_overhead=self.async_overhead if engine == "async" else self.step_overhead,
+            step_overhead=getattr(self, overhead_of(engine)),
         )
 
     def seen_by(self, engine: str) -> Efficiency:
-        """These factors with the other engine's overhead at 0: what a row measured on ``engine``
-        reads (two points that differ only in the other overhead cost it the same)."""
-        check_engine(engine)
-        other = "step_overhead" if engine == "async" else "async_overhead"
-        return dataclasses.replace(self, **{other: 0.0})
+        """These factors with every other engine's overhead at 0: what a row measured on ``engine``
+        reads (two points that differ only in another engine's overhead cost it the same)."""
+        unread = {name: 0.0 for name in OVERHEADS.values() if name != overhead_of(engine)}
+        return dataclasses.replace(self, **unread)
 
     def link(self, kind: str) -> float:
         """The factor of a link of ``kind``: ``pcie``, ``socket``, else ``nvlink`` (NVLink, a calibrated
@@ -82,28 +80,37 @@ class Efficiency:
 
 FITTABLE = tuple(f.name for f in dataclasses.fields(Efficiency))
 
-# The serving engine a measurement ran on: its per-step CPU work (scheduling, preparing inputs,
-# processing outputs) is software, not hardware, so each kind has its own fitted overhead.
-# "sync": the CPU work runs between GPU steps: vLLM 0.5 (vLLM's blog "vLLM v0.6.0: 2.7x Throughput
-# Improvement and 5x Latency Reduction", 2024-09-05, cited by Seesaw: on 0.5.3 scheduling took 29%
-# and the API server 33% of the time) and Seesaw's engine (section 5.1: one scheduler sending each
-# step to workers through shared queues): Seesaw's rows; reshard's loop (admit, step, sample, agree
-# on tokens between steps: parallel.engine.loop), so the planner's default. "async": the CPU work
-# overlaps the GPU step (vLLM >= 0.6's multi-step scheduling and async output processing, V1):
-# Shift's rows (vLLM v0.9.2) and SiDP's (vLLM 0.10.1).
-ENGINES = ("sync", "async")
+# The kind of serving engine a measurement ran on, and the factor that holds its per-step overhead:
+# what a step costs beyond the roofline (the engine's CPU work per step: scheduling, preparing
+# inputs, processing outputs; and whatever else a step pays that the model lacks). That is
+# software, not hardware, so each kind has its own fitted value.
+# "sync": every per-step task runs in the step loop, between GPU steps, in one process: vLLM 0.5
+#   (Seesaw's baseline, 0.5.4; vLLM's blog "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
+#   Reduction", 2024-09-05, profiled 0.5.3 serving Llama 3 8B on one H100 online: scheduling 29% of
+#   the time, the API server 33%), Seesaw's 2024 engine (assumed: section 5.1 describes one scheduler
+#   sending each step to workers through shared queues, and no overlap of that work with the step),
+#   and reshard's loop (admit, policy, step, sample, agree on tokens, retire: parallel.engine.loop;
+#   its cost is not measured on a GPU here), so the planner's default.
+# "async": output processing and request intake run beside the step loop: vLLM V1 (the default
+#   engine from 0.8; vLLM's blog "vLLM V1: A Major Upgrade to vLLM's Core Architecture", 2025-01-27:
+#   the engine core's schedule-and-execute loop in its own process, tokenization, detokenization and
+#   streaming in another, a persistent batch): Shift's rows (vLLM v0.9.2) and SiDP's (vLLM 0.10.1).
+OVERHEADS = MappingProxyType({"sync": "sync_overhead", "async": "async_overhead"})
+ENGINES = tuple(OVERHEADS)
 
 
-def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
+def overhead_of(engine: str) -> str:
+    """The :class:`Efficiency` factor that holds ``engine``'s per-step overhead; ``ValueError``
+    naming ``engine`` when it is not one of :data:`ENGINES`."""
+    if engine not in OVERHEADS:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    return engine
+    return OVERHEADS[engine]
 
 
 # ``python bench/cost_vs_papers.py``'s fit on the A10 and H200 rows (bench/RESULTS.md, "Cost model
 # vs the papers"); ``recipes.plan efficiency=fitted`` uses it; a test re-fits around it
 FITTED = Efficiency(
-    compute=0.35, memory=1.0, pcie=1.0, nvlink=0.25, socket=0.25, latency=0.1, step_overhead=0.016, async_overhead=0.008
+    compute=0.35, memory=1.0, pcie=1.0, nvlink=0.25, socket=0.25, latency=0.1, sync_overhead=0.016, async_overhead=0.008
 )
 EFFICIENCIES = MappingProxyType({"datasheet": Efficiency(), "fitted": FITTED})
 
@@ -116,7 +123,7 @@ GRID: MappingProxyType[str, tuple[float, ...]] = MappingProxyType(
         "nvlink": (0.25, 0.5, 1.0),
         "socket": (0.25, 0.5, 1.0),
         "latency": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
-        "step_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3),
+        "sync_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3),
         "async_overhead": (0.0, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3),
     }
 )

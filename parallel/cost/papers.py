@@ -14,13 +14,14 @@ SEESAW = "Seesaw (Su et al. 2025), ../shared/seeds/000_1b995ee7312ad9dc.txt"
 SHIFT = "Shift Parallelism (Snowflake 2025), ../shared/seeds/001_204e28c7c271ee4f.txt"
 DEJAVU = "DejaVu (Strati et al. 2024), ../shared/seeds/003_1c77894d1722ee85.txt"
 
-# The serving engine each paper measured on (parallel.cost.fit.ENGINES: its per-step overhead):
-# Seesaw's own engine (section 5.1) and its vLLM 0.5.4 baseline (line 967) do their CPU work between
-# GPU steps; Shift runs vLLM v0.9.2 (line 597) and SiDP vLLM 0.10.1 (line 73), which overlap it.
+# The kind of serving engine each paper measured on (parallel.cost.fit.ENGINES, which says what the
+# kinds are): Seesaw ran its own engine (section 5.1) against vLLM 0.5.4 (line 967), Shift vLLM
+# v0.9.2 (line 597), SiDP vLLM 0.10.1 (line 73). The papers name the versions; the kinds are ours.
 SEESAW_ENGINE, SHIFT_ENGINE, SIDP_ENGINE = "sync", "async", "async"
 
-# Seesaw's baseline and implementation both run vLLM 0.5.4 (section 6.1, line 968), whose scheduler
-# holds at most max_num_seqs = 256 sequences per replica (vllm/engine/arg_utils.py, EngineArgs default)
+# Seesaw's baseline runs vLLM 0.5.4 (section 6.1, line 967; Seesaw reuses vLLM's model implementation,
+# line 970), whose scheduler holds at most max_num_seqs = 256 sequences per replica
+# (vllm/engine/arg_utils.py, EngineArgs default)
 VLLM_MAX_NUM_SEQS = 256
 
 
@@ -36,7 +37,7 @@ class LayoutWinner:
     best_static: str
     seesaw_pair: str
     source: str
-    engine: str = SEESAW_ENGINE
+    engine: str  # the kind of serving engine it ran on (parallel.cost.fit.ENGINES)
 
     @property
     def key(self) -> str:
@@ -51,7 +52,7 @@ def _fig10(hw: str, line: int, labels: list[tuple[str, str]]) -> list[LayoutWinn
     for i, (static, pair) in enumerate(labels):
         model, gpus = shapes[i % 3]
         data = "arxiv" if i < 3 else "sharegpt"
-        rows.append(LayoutWinner(hw, model, data, gpus, static, pair, f"{SEESAW}, Fig. 10, line {line}"))
+        rows.append(LayoutWinner(hw, model, data, gpus, static, pair, f"{SEESAW}, Fig. 10, line {line}", SEESAW_ENGINE))
     return rows
 
 
@@ -101,7 +102,7 @@ class Trend:
     static_winners: tuple[str, ...] = ("P8", "T2P4", "T4P2")
     seesaw_pair: str = "P8->T4P2"
     source: str = f"{SEESAW}, Fig. 13, lines 1204-1229"
-    engine: str = SEESAW_ENGINE
+    engine: str = SEESAW_ENGINE  # the kind of serving engine it ran on (parallel.cost.fit.ENGINES)
 
 
 SEESAW_FIG13 = Trend()
@@ -123,7 +124,7 @@ class Ratio:
     denominator: tuple[str, str]
     value: float
     source: str
-    engine: str = SEESAW_ENGINE
+    engine: str  # the kind of serving engine it ran on (parallel.cost.fit.ENGINES)
 
     @property
     def key(self) -> str:
@@ -135,11 +136,11 @@ def _fig11(workload: str, pcie_static: float, pcie_seesaw: float, nvlink_seesaw:
     """Fig. 11 (lines 1131-1143, text lines 1158-1171): LLaMA3-70B on eight A100s, normalized to
     vLLM on NVLink; the bars, in order, are vLLM and Seesaw on PCIe, then on NVLink."""
     src = f"{SEESAW}, Fig. 11"
-    pcie, nvl = "a100-40g-pcie", "a100-40g-nvlink"
+    pcie, nvl, model = "a100-40g-pcie", "a100-40g-nvlink", "llama3-70b"
     return [
-        Ratio("llama3-70b", workload, 8, (pcie, "static"), (nvl, "static"), pcie_static, src),
-        Ratio("llama3-70b", workload, 8, (pcie, "seesaw"), (pcie, "static"), pcie_seesaw / pcie_static, src),
-        Ratio("llama3-70b", workload, 8, (nvl, "seesaw"), (nvl, "static"), nvlink_seesaw, src),
+        Ratio(model, workload, 8, (pcie, "static"), (nvl, "static"), pcie_static, src, SEESAW_ENGINE),
+        Ratio(model, workload, 8, (pcie, "seesaw"), (pcie, "static"), pcie_seesaw / pcie_static, src, SEESAW_ENGINE),
+        Ratio(model, workload, 8, (nvl, "seesaw"), (nvl, "static"), nvlink_seesaw, src, SEESAW_ENGINE),
     ]
 
 
@@ -161,7 +162,7 @@ class Measured:
     technique: str
     value: float
     source: str
-    engine: str = SHIFT_ENGINE
+    engine: str  # the kind of serving engine it ran on (parallel.cost.fit.ENGINES)
 
     @property
     def key(self) -> str:
@@ -174,7 +175,7 @@ def _fig9(model: str, values: dict[str, tuple[float, float, float, float]]) -> l
     src = f"{SHIFT}, Fig. 9(c), line 698"
     techniques = ("DP", "TP", "SP", "Shift")
     return [
-        Measured("h200-fp8", model, 8, 4096, 250, metric, t, v, src)
+        Measured("h200-fp8", model, 8, 4096, 250, metric, t, v, src, SHIFT_ENGINE)
         for metric, row in values.items()
         for t, v in zip(techniques, row)
     ]
@@ -244,11 +245,11 @@ class Ordering:
     below: tuple[str, ...]
     base: str
     source: str
+    engine: str  # the kind of serving engine it ran on (parallel.cost.fit.ENGINES)
     hardware: str = "h200-fp8"
     gpus: int = 8
     output_len: int = 250
     input_lens: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # Fig. 14's x axis
-    engine: str = SHIFT_ENGINE
 
     @property
     def key(self) -> str:
@@ -258,11 +259,11 @@ class Ordering:
 SHIFT_FIG14: tuple[Ordering, ...] = (
     # lines 838-841: "Compared to TP, Shift parallelism shows excellent performance on both sparse
     # models: Up to 50% higher throughput without increasing the latency."
-    Ordering("qwen3-30b-a3b-fp8", "Shift", ("TP",), "S8", f"{SHIFT}, Fig. 14, lines 838-841"),
-    Ordering("llama4-scout-fp8", "Shift", ("TP",), "S4T2", f"{SHIFT}, Fig. 14, lines 838-841"),
+    Ordering("qwen3-30b-a3b-fp8", "Shift", ("TP",), "S8", f"{SHIFT}, Fig. 14, lines 838-841", SHIFT_ENGINE),
+    Ordering("llama4-scout-fp8", "Shift", ("TP",), "S4T2", f"{SHIFT}, Fig. 14, lines 838-841", SHIFT_ENGINE),
     # lines 842-847: Qwen-30B-A3B "attains a much higher throughput (250k tokens/sec.) ... with DP,
     # and the throughput suddenly drops either with TP and SP"
-    Ordering("qwen3-30b-a3b-fp8", "DP", ("TP", "SP", "Shift"), "S8", f"{SHIFT}, Fig. 14, lines 842-847"),
+    Ordering("qwen3-30b-a3b-fp8", "DP", ("TP", "SP", "Shift"), "S8", f"{SHIFT}, Fig. 14, lines 842-847", SHIFT_ENGINE),
 )
 
 
@@ -281,10 +282,10 @@ class Claim:
     model: str
     input_len: int
     source: str
+    engine: str  # the kind of serving engine it ran on (parallel.cost.fit.ENGINES)
     hardware: str = "h200"
     gpus: int = 8
     output_len: int = 256  # assumed: the paper gives only the workloads' average lengths, 1K / 2K / 4K
-    engine: str = SIDP_ENGINE
 
     @property
     def key(self) -> str:
@@ -296,7 +297,7 @@ class Claim:
 # best-performing configuration with SiDP lies strictly above any TP/PP/DP combination" (4K).
 # Llama-3.1-70B has Llama-3-70B's shape (config.json); Qwen2.5-72B has no profile here.
 SIDP_CLAIMS: tuple[Claim, ...] = tuple(
-    Claim(kind, m, n, f"{SIDP}, section 5.2, line 78")
+    Claim(kind, m, n, f"{SIDP}, section 5.2, line 78", SIDP_ENGINE)
     for m in ("qwen3-32b", "llama3-70b")
     for kind, lens in (("tp_pp_below_tp", (1024, 4096)), ("sidp_matches_dp", (1024,)), ("sidp_above_static", (4096,)))
     for n in lens

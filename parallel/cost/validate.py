@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
-from reshard.parallel.cost.fit import FITTABLE, Efficiency, Loss, Report, fit, log_ratio
+from reshard.parallel.cost.fit import FITTABLE, OVERHEADS, Efficiency, Loss, Report, fit, log_ratio, overhead_of
 from reshard.parallel.cost.papers import (
     VLLM_MAX_NUM_SEQS,
     Claim,
@@ -81,7 +81,7 @@ def why_behind(got: Estimate | None, best: Estimate) -> str:
 
 def check_winner(row: LayoutWinner, eff: Efficiency) -> WinnerCheck:
     """Rank every layout of the row's GPUs under ``eff`` and place the measured winners."""
-    hw = eff.apply(hardware(row.hardware), row.engine)
+    hw = eff.apply(hardware(row.hardware), engine=row.engine)
     ranked = rank_layouts(model(row.model), hw, row.gpus, workload(row.workload), max_batch=VLLM_MAX_NUM_SEQS)
     by_name = {e.name: e for e in ranked}
     statics = [e for e in ranked if e.prefill == e.decode]
@@ -90,12 +90,12 @@ def check_winner(row: LayoutWinner, eff: Efficiency) -> WinnerCheck:
 
 
 def best_of(
-    hw: str, kind: str, model_name: str, workload_name: str, gpus: int, eff: Efficiency, engine: str
+    hw: str, kind: str, model_name: str, workload_name: str, gpus: int, eff: Efficiency, *, engine: str
 ) -> Estimate:
-    """The model's best static layout (``kind="static"``) or Seesaw pair (``"seesaw"``), the step
-    overhead ``engine``'s."""
+    """The model's best static layout (``kind="static"``) or Seesaw pair (``"seesaw"``), each
+    step paying ``engine``'s overhead."""
     w = workload(workload_name)
-    hw_eff = eff.apply(hardware(hw), engine)
+    hw_eff = eff.apply(hardware(hw), engine=engine)
     ranked = rank_layouts(model(model_name), hw_eff, gpus, w, max_batch=VLLM_MAX_NUM_SEQS)
     return next(e for e in ranked if (e.prefill == e.decode) == (kind == "static"))
 
@@ -103,7 +103,7 @@ def best_of(
 def predict_ratio(row: Ratio, eff: Efficiency) -> float:
     """The model's value of a :class:`Ratio` row: best of the numerator's kind over the denominator's."""
     sides = (row.numerator, row.denominator)
-    num, den = (best_of(*side, row.model, row.workload, row.gpus, eff, row.engine) for side in sides)
+    num, den = (best_of(*side, row.model, row.workload, row.gpus, eff, engine=row.engine) for side in sides)
     return num.tokens_per_s / den.tokens_per_s
 
 
@@ -125,7 +125,7 @@ def predict_measured(row: Measured, eff: Efficiency) -> float:
     """The model's value of a :class:`Measured` row: TTFT / TPOT (ms) of one request at a time in
     the technique's prefill / decode layout, or the saturated combined tokens/s (Shift: its SP
     base at saturation, with the KV room its full-TP weight copy takes)."""
-    m, hw = model(row.model), eff.apply(hardware(row.hardware), row.engine)
+    m, hw = model(row.model), eff.apply(hardware(row.hardware), engine=row.engine)
     prefill, decode = technique_layouts(row.technique, row.gpus)
     context = row.input_len + row.output_len / 2
     if row.metric == "ttft_ms":
@@ -147,13 +147,16 @@ def row_hardware(row: LayoutWinner | Ratio | Measured) -> str:
 def row_loss(row: LayoutWinner | Ratio | Measured, eff: Efficiency) -> float:
     """A winner row: ``-log`` of both ratios (0 when the measured winners are the model's best).
     A ratio or a measured row: ``|log(predicted / published)|``. Grid points that differ only in
-    the overhead of the engine the row did not run on reuse one computation (a bounded cache: the
-    fit's grid puts such points next to each other)."""
+    the overhead of an engine the row did not run on reuse one computation (:func:`_row_loss`)."""
     return _row_loss(row, eff.seen_by(row.engine))
 
 
 @functools.lru_cache(maxsize=4096)
 def _row_loss(row: LayoutWinner | Ratio | Measured, eff: Efficiency) -> float:
+    """:func:`row_loss`, cached on the row and the factors it reads (frozen dataclasses, equal only
+    when every field is). Bounded: the fit's grid varies the overheads fastest (the last factors),
+    so repeats lie close together. It cannot see a change to what a row's cost reads besides its
+    fields (a profile file edited, ``this_machine`` recalibrated) in the same process."""
     if isinstance(row, LayoutWinner):
         return check_winner(row, eff).loss
     got = predict_ratio(row, eff) if isinstance(row, Ratio) else predict_measured(row, eff)
@@ -190,7 +193,8 @@ def pair_ceiling(
     within 5% (searched on every row at once, so it bounds what fitting could reach without a
     change to the model's structure), and the first point that does; ``workers``, ``report``:
     :func:`fit`'s."""
-    names = [n for n in FITTABLE if n != "async_overhead"]  # Fig. 10's rows ran on Seesaw's "sync" engine
+    read = {overhead_of(r.engine) for r in rows}  # the other engines' overheads stay 0: no row reads them
+    names = [n for n in FITTABLE if n in read or n not in OVERHEADS.values()]
     eff, loss = fit(pairs_missed, rows, names, grid=grid, workers=workers, report=report)
     return int(-loss), eff
 
@@ -247,7 +251,7 @@ def predict_stream(row: StreamRow) -> tuple[float, float]:
 def predict_trend(row: Trend, eff: Efficiency) -> list[dict]:
     """Per output length of a :class:`Trend`: the model's tokens/s of each static layout and of
     the Seesaw pair (vLLM's batch cap applied), and the best static."""
-    m, hw = model(row.model), eff.apply(hardware(row.hardware), row.engine)
+    m, hw = model(row.model), eff.apply(hardware(row.hardware), engine=row.engine)
     out = []
     for n in row.outputs:
         w = workload("constant", input_len=row.input_len, output_len=n, requests=500)
@@ -278,7 +282,7 @@ def fig14_rates(row: Ordering, input_len: int, eff: Efficiency) -> dict[str, flo
     SP x EP with the experts over all ``n`` GPUs (:func:`technique_models.shift_layouts`).
     ``Shift switching``: the planner's Shift row, each phase in the faster of the base and full TP
     (:func:`techniques.shift_rows`)."""
-    m, hw, n = model(row.model), eff.apply(hardware(row.hardware), row.engine), row.gpus
+    m, hw, n = model(row.model), eff.apply(hardware(row.hardware), engine=row.engine), row.gpus
     w = workload("constant", input_len=input_len, output_len=row.output_len, requests=100_000)
     base, full = models.shift_layouts(m, cost.parse_notation(row.base).sp, n)
     combined = (input_len + row.output_len) / row.output_len
@@ -308,7 +312,7 @@ def check_claim(claim: Claim, eff: Efficiency) -> dict:
     """The model's view of one SiDP :class:`Claim`: the tokens/s it compares and whether it holds."""
     from reshard.parallel.cost.techniques import rank_all
 
-    m, hw = model(claim.model), eff.apply(hardware(claim.hardware), claim.engine)
+    m, hw = model(claim.model), eff.apply(hardware(claim.hardware), engine=claim.engine)
     w = workload("constant", input_len=claim.input_len, output_len=claim.output_len, requests=100_000)
     rows = rank_all(m, hw, claim.gpus, w, max_batch=None)
     statics = {r["layout"]: r["tokens_per_s"] for r in rows if r["kind"] == "static"}
