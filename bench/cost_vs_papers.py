@@ -1,7 +1,7 @@
 """The cost model against the papers' published measurements: fitted on one half, predicted on the other.
 
 The validation table of all four papers in one command, from the repo root (no GPU; the fit's grid
-search, most of the time, runs in one process per core: 462 s with ``--ceiling`` on 2 cores):
+search, most of the time, runs in one process per core: about 450 s with ``--ceiling`` on 2 cores):
 
     python bench/cost_vs_papers.py        # --train a10-g5,h200-fp8 (default): the hardware whose rows are fitted
 

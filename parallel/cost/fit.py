@@ -7,8 +7,9 @@ global (the same for every model, layout, workload and row): achieved fractions 
 memory bandwidth and of link bandwidth in collectives (per link type: PCIe, NVLink), a multiplier
 of the per-message link latency, and a per-step overhead, one per kind of serving engine
 (:data:`ENGINES`): an overhead is global across the rows measured on that kind of engine, and each
-paper's rows name theirs (:mod:`parallel.cost.papers`; with today's rows, in effect one per paper). Nothing else can be fitted (:func:`fit`
-refuses other names), so a fit cannot encode one row's answer.
+paper's rows name theirs (:mod:`parallel.cost.papers`; with today's rows, in effect one per paper).
+Nothing else can be fitted (:func:`fit` refuses other names), so a fit cannot encode one row's
+answer.
 
 :func:`fit` searches those factors (every combination of a log grid) to minimise a loss over
 the *training* rows it is given, and sees nothing else: the held-out rows are predicted with the
