@@ -67,8 +67,8 @@ class Efficiency:
     def seen_by(self, engine: str) -> Efficiency:
         """These factors with every other engine's overhead at 0: what a row measured on ``engine``
         reads (two points that differ only in another engine's overhead cost it the same)."""
-        unread = {name: 0.0 for name in OVERHEADS.values() if name != overhead_of(engine)}
-        return dataclasses.replace(self, **unread)
+        read = overhead_of(engine)
+        return dataclasses.replace(self, **{name: 0.0 for name in OVERHEADS.values() if name != read})
 
     def link(self, kind: str) -> float:
         """The factor of a link of ``kind``: ``pcie``, ``socket``, else ``nvlink`` (NVLink, a calibrated
