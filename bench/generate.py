@@ -202,7 +202,7 @@ def bench_ours(path: Path, prompts: Tokens, args: argparse.Namespace) -> tuple[T
     engine = Engine(
         model, EngineConfig(max_batch_size=len(prompts), max_seq_len=args.prompt_len + args.new_tokens, compile=False)
     )
-    params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=())
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
 
     def run() -> Tokens:
         done = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
@@ -373,7 +373,7 @@ def bench_ours_realistic(
         ),
     )
     requests = [
-        Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
+        Request(i, p, SamplingParams(max_new_tokens=b, ignore_eos=True))
         for i, (p, b) in enumerate(zip(work.prompts, work.budgets))
     ]
     start: dict[str, float] = {}
@@ -446,7 +446,7 @@ def profile_generate(engine: Engine, work: Workload) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     requests = [
-        Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=()))
+        Request(i, p, SamplingParams(max_new_tokens=b, ignore_eos=True))
         for i, (p, b) in enumerate(zip(work.prompts, work.budgets))
     ]
     undo = _label_steps(engine)

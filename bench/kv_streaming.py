@@ -141,7 +141,7 @@ def requests(args, prompt_len: int, new_tokens: int) -> list[Request]:
         Request(
             i,
             torch.randint(0, args.vocab, (prompt_len,), generator=g).tolist(),
-            SamplingParams(max_new_tokens=new_tokens, stop_token_ids=()),
+            SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
         )
         for i in range(args.batch)
     ]

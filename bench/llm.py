@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     path = llama_100m_checkpoint()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     work = make_workload(args, hf.config.vocab_size)
-    params = [SamplingParams(max_new_tokens=b, stop_token_ids=()) for b in work.budgets]
+    params = [SamplingParams(max_new_tokens=b, ignore_eos=True) for b in work.budgets]
     for batch in args.batches:
         hf_tokens, hf_s = bench_hf_realistic(hf, work, batch, hf.config.pad_token_id or 0, args, tp=False)
         with LLM(path, max_batch_size=batch, max_seq_len=work.max_seq_len) as llm:

@@ -71,7 +71,7 @@ def _requests(args, rate: float):
     arrivals = poisson_arrivals(args.requests, rate, args.seed) if rate > 0 else [0.0] * args.requests
     budgets = torch.randint(args.budgets[0], args.budgets[1] + 1, (args.requests,), generator=gen).tolist()
     return [
-        Request(i, p, SamplingParams(max_new_tokens=b, stop_token_ids=[]), arrival=a)
+        Request(i, p, SamplingParams(max_new_tokens=b, ignore_eos=True), arrival=a)
         for i, (p, b, a) in enumerate(zip(prompts, budgets, arrivals))
     ]
 

@@ -54,7 +54,7 @@ def _requests(args):
     gen = torch.Generator().manual_seed(args.seed)
     lo, hi = args.prompt_lens
     lengths = torch.randint(lo, hi + 1, (args.requests,), generator=gen).tolist()
-    params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=[])
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     prompts = [torch.randint(3, args.vocab, (n,), generator=gen).tolist() for n in lengths]
     return [Request(i, p, params) for i, p in enumerate(prompts)]
 

@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
 
 def requests(n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[Request]:
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     return [Request(i, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params) for i in range(n)]
 
 

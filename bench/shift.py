@@ -329,7 +329,7 @@ def scaling_table(rows: list[dict]) -> str:
 def make_trace(args: argparse.Namespace, vocab_size: int) -> list[list[Request]]:
     """``[long, burst] x cycles`` phases of seeded random prompts (ids in ``[3, vocab)``)."""
     gen = torch.Generator().manual_seed(args.seed)
-    params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=())
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     phases, rid = [], 0
     for _ in range(args.cycles):
         for count, length in ((1, args.long_len), (args.burst_size, args.burst_len)):

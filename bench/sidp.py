@@ -219,7 +219,7 @@ def sweep_requests(args, world: int, b: int) -> list[Request]:
         Request(
             i,
             torch.randint(0, args.vocab, (args.prompt_len,), generator=g).tolist(),
-            SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=()),
+            SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True),
         )
         for i in range(world * b)
     ]
@@ -438,7 +438,7 @@ def tail_requests(args) -> list[Request]:
     for i in range(n):
         prompt = [rng.randrange(args.vocab) for _ in range(rng.randint(16, 64))]
         new = next(longs) if i in long_ids else rng.randint(4, 24)
-        reqs.append(Request(i, prompt, SamplingParams(max_new_tokens=new, stop_token_ids=())))
+        reqs.append(Request(i, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True)))
     return reqs
 
 

@@ -1,11 +1,14 @@
 """``reshard.LLM``: text in, text out, over any strategy's engine, in a plain process or under torchrun.
 
-The names are vLLM's (``LLM``, ``SamplingParams``, ``generate``, ``chat``, ``RequestOutput``), so a
-vLLM user reads the code at once; nothing of vLLM is imported. Every process of the job builds
-the same ``LLM`` and passes the same prompts to each call (checked: a difference is one
-``ValueError`` on every rank); every process gets every output. In a plain process the ``LLM``
-makes a one-rank process group of its own (and ends it in :meth:`close`); under torchrun it joins
-the job's. ``tp * pp`` ranks form one engine, the rest of the world its data-parallel replicas.
+The names and types are vLLM's (``LLM``, ``SamplingParams``, ``generate``, ``chat``,
+``RequestOutput``, ``Logprob``; :mod:`reshard.parallel.vllm_api` translates), so a vLLM script runs
+with its import changed; nothing of vLLM is imported. Every process of the job builds the same
+``LLM``. By default (``dp_prompts="shared"``) every process passes the same prompts to each call
+(checked: a difference is one ``ValueError`` on every rank) and gets every output; with
+``dp_prompts="local"`` each process passes its own and gets its own outputs (TRL's and verl's
+shape). In a plain process the ``LLM`` makes a one-rank process group of its own (and ends it in
+:meth:`close`); under torchrun it joins the job's. ``tp * pp`` ranks form one engine, the rest of
+the world its data-parallel replicas.
 
 A model already in memory (``LLM(model=module)``) is read, never changed: the engine builds its
 own layers from the module's config and copies the weights (the caller's parameters, ties,
@@ -16,49 +19,49 @@ after training steps, :meth:`LLM.load_weights` takes ``(name, tensor)`` pairs un
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from reshard.parallel.engine import Completion, Engine, EngineConfig, Request
-from reshard.parallel.engine.registry import make_strategy, strategy_class
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, call_seed
+from reshard.parallel.llm_setup import check_memory, check_share, configure, join_group, load_tokenizer
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.sources import experts_transposed
 from reshard.parallel.model.weight_sync import model_sync, rollout_tensors, split_fused
+from reshard.parallel.vllm_api import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    conversations,
+    cut_at_stop,
+    llm_options,
+    logprob_dicts,
+    prompt_input,
+    prompt_list,
+    stop_reason,
+)
 from reshard.sync import WeightSync
 
-Prompt = str | Sequence[int] | Sequence[dict] | dict  # text, token ids, chat messages, {"prompt_token_ids": ...}
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput"]
 LOAD_BUCKET_BYTES = 256 << 20  # load_weights: source bytes held at once before they are copied in
+DP_PROMPTS = ("shared", "local")  # every rank the same prompts | each rank its own
 
 
-@dataclass
-class CompletionOutput:
-    """One sample of a prompt (vLLM's ``CompletionOutput``)."""
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt as the engine takes it: its token ids, and its text where one was given."""
 
-    index: int  # which of the prompt's ``n`` samples
-    text: str | None  # decoded (special tokens skipped); None without a tokenizer
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
-    logprobs: list[TokenLogprobs] | None  # per token, where asked (SamplingParams.logprobs)
-
-
-@dataclass
-class RequestOutput:
-    """One prompt's outputs (vLLM's ``RequestOutput``)."""
-
-    prompt: str | None  # the text given (None: token ids)
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # where asked: None for the first token
+    text: str | None
+    ids: list[int]
 
 
 class LLM:
@@ -68,10 +71,18 @@ class LLM:
     or a dotted path); ``tp``, ``pp`` and any other strategy key (e.g. ``threshold`` for Shift)
     configure it (the ``tp`` strategy: ``tp=1`` by default, every process a data-parallel
     replica); engine keys (``max_batch_size``, ``max_seq_len``, ``kv_block_size``, ...) go to
-    :class:`EngineConfig`. ``dtype``: the weights' (``"bfloat16"``, ...; default the
-    checkpoint's or the module's). ``tokenizer``: for text (default the checkpoint's, if it has
-    one). ``seed``: this LLM's calls without a seed of their own take seeds from it in turn (None:
-    fresh ones from the OS).
+    :class:`EngineConfig`. vLLM's names are taken too (``tensor_parallel_size``,
+    ``pipeline_parallel_size``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``dtype="auto"``; both names of a pair: ``ValueError``). ``max_seq_len`` / ``max_model_len``
+    defaults to the model's ``max_position_embeddings`` (capped at 4096) and may not exceed it.
+    ``gpu_memory_utilization``: on CUDA, the share of the device's memory the weights and the KV
+    cache may take (checked after the build, ``ValueError`` naming both; the cache is sized by
+    ``max_num_seqs`` x ``max_model_len`` or ``kv_tokens``, not by this share); None or on CPU:
+    unchecked. ``dtype``: the weights' (``"bfloat16"``, ...; default the checkpoint's or the
+    module's). ``tokenizer``: for text (a tokenizer or its path; default the checkpoint's, if it
+    has one). ``seed``: this LLM's calls without a seed of their own take seeds from it in turn
+    (None: fresh ones from the OS). ``dp_prompts``: ``"shared"`` (every process passes the same
+    prompts and gets every output) or ``"local"`` (each its own prompts and outputs).
     """
 
     def __init__(
@@ -79,66 +90,90 @@ class LLM:
         model: str | os.PathLike | nn.Module,
         *,
         strategy: str = "tp",
-        tp: int | None = None,
-        pp: int | None = None,
         tokenizer=None,
-        dtype: str | None = None,
         seed: int | None = None,
+        dp_prompts: str = "shared",
+        gpu_memory_utilization: float | None = None,
         **options,
     ) -> None:
-        self.seed, self._calls, self._step = seed, 0, 0
-        self._owns_group = _join_group()
+        if dp_prompts not in DP_PROMPTS:
+            raise ValueError(f"LLM: dp_prompts must be one of {DP_PROMPTS}, got {dp_prompts!r}")
+        check_share(gpu_memory_utilization)
+        self.seed, self.dp_prompts, self._calls, self._step, self._requests = seed, dp_prompts, 0, 0, 0
+        self._owns_group = join_group()
         try:
-            degrees = {"tp": 1 if tp is None and strategy == "tp" else tp, "pp": pp}  # tp strategy: DP over processes
-            degrees = {k: v for k, v in degrees.items() if v is not None}
-            engine_keys, strategy_keys = _split_options(strategy, {**degrees, **options})
-            self.parallel = make_strategy({"strategy": strategy, **strategy_keys})
-            self.parallel.layouts(dist.get_world_size())  # ValueError naming the keys before anything loads
-            config = EngineConfig(dtype=dtype, **engine_keys)
+            self.parallel, config = configure(strategy, llm_options(options))
             if isinstance(model, nn.Module):
-                self.engine, self.tokenizer = self._from_module(model, config), tokenizer
+                self.engine, self.tokenizer = self._from_module(model, config), load_tokenizer(tokenizer, None)
             else:
                 path = resolve_checkpoint(model)
-                self.engine, self.tokenizer = self.parallel.build(path, config), tokenizer or _tokenizer_of(path)
+                self.engine, self.tokenizer = self.parallel.build(path, config), load_tokenizer(tokenizer, path)
+            check_memory(gpu_memory_utilization)
         except BaseException:
             self._end_group()
             raise
         self.engine.tokenizer = self.tokenizer  # (stop strings)
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's ``get_tokenizer``; None where the checkpoint ships none)."""
+        return self.tokenizer
+
     # ---- generation --------------------------------------------------------------------------
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         seed: int | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Every prompt's outputs, in order, on every rank. ``prompts``: one prompt or a list; a
-        prompt is a text, a list of token ids, a chat (a list of ``{"role", "content"}``
-        messages, rendered by the tokenizer's chat template) or ``{"prompt_token_ids": ids}``.
-        ``sampling_params``: one for all prompts or one per prompt (default: greedy, 16 tokens).
-        ``seed``: this call's; a sampled prompt without a seed of its own takes one from it and
-        its position in the call (None: the LLM's next, see ``LLM(seed=)``)."""
-        batch = _as_batch(prompts)
-        ids = [self._encode(p, i) for i, p in enumerate(batch)]
-        params = _per_prompt(sampling_params, len(batch))
-        requests = _requests(ids, params)
-        completions = self.engine.generate(requests, seed=self._call_seed(seed), progress=use_tqdm and _rank() == 0)
-        outputs = self._outputs(batch, ids, params, completions)
-        for out, prompt_logprobs in zip(outputs, self._prompt_logprobs(ids, params)):
-            out.prompt_logprobs = prompt_logprobs
-        return outputs
+        """Every prompt's outputs, in order (``dp_prompts="local"``: this process's prompts'). ``prompts``:
+        one prompt or a list; a prompt is a text, a list of token ids, ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}`` (vLLM's ``TextPrompt`` / ``TokensPrompt``); a chat goes to
+        :meth:`chat`. ``sampling_params``: one for all prompts or one per prompt (default: greedy,
+        16 tokens). ``seed``: this call's; a sampled prompt without a seed of its own takes one from
+        it and its position in the call (None: the LLM's next, see ``LLM(seed=)``)."""
+        inputs = [self._encode(prompt_input(p, i), i) for i, p in enumerate(prompt_list(prompts))]
+        return self._run(inputs, sampling_params, seed, use_tqdm)
 
     def chat(
         self,
-        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        messages,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        **kwargs,
+        *,
+        seed: int | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """:meth:`generate` for one conversation (a list of messages) or a list of them."""
-        one = bool(messages) and isinstance(messages[0], dict)
-        return self.generate([list(messages)] if one else [list(m) for m in messages], sampling_params, **kwargs)
+        """:meth:`generate` for one conversation (a list of ``{"role", "content"}`` messages) or a
+        list of them, rendered by the tokenizer's chat template (vLLM's ``chat`` arguments)."""
+        template = dict(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )
+        inputs = [self._render(chat, i, template) for i, chat in enumerate(conversations(messages))]
+        return self._run(inputs, sampling_params, seed, use_tqdm)
+
+    def _run(self, inputs: list[PromptInput], sampling_params, seed: int | None, use_tqdm: bool) -> list[RequestOutput]:
+        """The engine's outputs for ``inputs``; under ``dp_prompts="local"`` every process's inputs
+        run as one call and each process gets its own back."""
+        params = _per_prompt(sampling_params, len(inputs))
+        everyone = _all_gather((inputs, params)) if self.dp_prompts == "local" else [(inputs, params)]
+        first = sum(len(part) for part, _ in everyone[: _rank()]) if self.dp_prompts == "local" else 0
+        inputs, params = [x for part, _ in everyone for x in part], [p for _, part in everyone for p in part]
+        requests = _requests([x.ids for x in inputs], params)
+        warn_repeated_seeds(requests)
+        progress = use_tqdm and _rank() == 0
+        completions = self.engine.generate(requests, seed=self._call_seed(seed), progress=progress)
+        outputs = self._outputs(inputs, params, completions)
+        for out, prompt_logprobs in zip(outputs, self._prompt_logprobs([x.ids for x in inputs], params)):
+            out.prompt_logprobs = prompt_logprobs
+        return outputs[first : first + len(everyone[_rank()][0])] if self.dp_prompts == "local" else outputs
 
     def _call_seed(self, seed: int | None) -> int | None:
         """This call's seed: the one given, else the LLM's ``seed``'s next, else None (fresh)."""
@@ -147,58 +182,71 @@ class LLM:
             return seed
         return call_seed(self.seed, self._calls - 1)
 
-    def _encode(self, prompt: Prompt, index: int) -> list[int]:
-        """A prompt's token ids (``ValueError`` naming it where it is none of the forms)."""
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            prompt = list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str) or _is_chat(prompt):
-            if self.tokenizer is None:
-                kind = "text" if isinstance(prompt, str) else "a chat"
-                raise ValueError(
-                    f"prompt {index} is {kind} and this LLM has no tokenizer (its checkpoint ships none): "
-                    "pass LLM(..., tokenizer=) or token ids"
-                )
-            if isinstance(prompt, str):
-                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-            return list(_chat_ids(self.tokenizer, prompt, index))
-        if isinstance(prompt, Sequence) and all(type(t) is int for t in prompt):
-            return list(prompt)
-        raise ValueError(
-            f"prompt {index} must be a text, a list of token ids, a list of chat messages or "
-            f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__} {str(prompt)[:60]!r}"
-        )
+    def _encode(self, prompt: str | list[int], index: int) -> PromptInput:
+        """A text's or token ids' :class:`PromptInput` (``ValueError`` naming a text without a tokenizer)."""
+        if isinstance(prompt, list):
+            return PromptInput(None, prompt)
+        self._need_tokenizer(index, "text")
+        return PromptInput(prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
 
-    def _outputs(self, batch, ids, params, completions: list[Completion]) -> list[RequestOutput]:
+    def _render(self, messages: list[dict], index: int, template: dict) -> PromptInput:
+        """A conversation's :class:`PromptInput`: its text and ids through the chat template."""
+        self._need_tokenizer(index, "a chat")
+        if template["chat_template"] is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"conversation {index}: the tokenizer has no chat template (give chat_template=)")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template)
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template)
+        return PromptInput(text, list(ids))
+
+    def _need_tokenizer(self, index: int, kind: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"prompt {index} is {kind} and this LLM has no tokenizer (its checkpoint ships none): "
+                "pass LLM(..., tokenizer=) or token ids"
+            )
+
+    def _outputs(self, inputs: list[PromptInput], params, completions: list[Completion]) -> list[RequestOutput]:
         """The completions (``n`` per prompt, in order) as :class:`RequestOutput`, with text."""
         it, outputs = iter(completions), []
-        for prompt, prompt_ids, p in zip(batch, ids, params):
-            samples = [next(it) for _ in range(p.n)]
-            outs = [
-                CompletionOutput(j, self._decode(c.output_ids), c.output_ids, c.finish_reason, c.logprobs)
-                for j, c in enumerate(samples)
-            ]
-            outputs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outs))
+        for x, p in zip(inputs, params):
+            outs = [self._completion(j, next(it), p) for j in range(p.n)]
+            outputs.append(RequestOutput(str(self._requests), x.text, x.ids, None, outs))
+            self._requests += 1
         return outputs
+
+    def _completion(self, index: int, c: Completion, p: SamplingParams) -> CompletionOutput:
+        """One sample as vLLM's :class:`CompletionOutput`: text cut before its stop string (kept
+        with ``include_stop_str_in_output``), the reason it stopped, ``Logprob`` entries."""
+        full = self._decode(c.output_ids, p)
+        text = None if full is None else cut_at_stop(full, c.finish_reason, p.stop, p.include_stop_str_in_output)
+        logprobs = None if c.logprobs is None else logprob_dicts(c.output_ids, c.logprobs, self._piece(p))
+        cumulative = None if c.logprobs is None else sum(lp for lp, _ in c.logprobs)
+        reason = stop_reason(full, c.output_ids, c.finish_reason, p)
+        return CompletionOutput(index, text, c.output_ids, cumulative, logprobs, c.finish_reason, reason)
 
     def _prompt_logprobs(self, ids: list[list[int]], params: list[SamplingParams]) -> list[list | None]:
         """Per prompt that asks (``prompt_logprobs``): None for its first token, then each token's
-        :data:`TokenLogprobs` under the model given the tokens before it (raw log-softmax)."""
+        ``{token id: Logprob}`` under the model given the tokens before it (raw log-softmax)."""
         want = [i for i, p in enumerate(params) if p.prompt_logprobs is not None]
         out: list[list | None] = [None] * len(ids)
         for a in range(0, len(want), self.engine.max_batch_size):
             chunk = want[a : a + self.engine.max_batch_size]
             logits = _on_every_rank(self.engine.prompt_logits([ids[i] for i in chunk]))
             for i, x in zip(chunk, logits):
-                lp = torch.log_softmax(x.float(), -1)[:-1]  # (T - 1, V): position t predicts token t + 1
-                top = torch.topk(lp, params[i].prompt_logprobs, dim=-1)
-                picked = lp.gather(1, torch.tensor(ids[i][1:], device=lp.device)[:, None])[:, 0]
-                out[i] = [None] + [
-                    (float(p), tuple(zip(t.tolist(), v.tolist()))) for p, t, v in zip(picked, top.indices, top.values)
-                ]
+                out[i] = [None, *logprob_dicts(ids[i][1:], _prompt_rows(x, ids[i], params[i]), self._piece(params[i]))]
         return out
 
-    def _decode(self, token_ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _decode(self, token_ids: list[int], p: SamplingParams) -> str | None:
+        """The output's text (None without a tokenizer; "" with ``detokenize=False``, as vLLM's)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
+
+    def _piece(self, p: SamplingParams):
+        """One token's text for its ``Logprob`` (None: no text)."""
+        if self.tokenizer is None or not p.detokenize:
+            return None
+        return lambda token: self.tokenizer.decode([token])
 
     # ---- weights -----------------------------------------------------------------------------
     def _from_module(self, module: nn.Module, config: EngineConfig) -> Engine:
@@ -225,9 +273,12 @@ class LLM:
         self._sync(model_sync(getattr(module, "module", module), self._model()))
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = LOAD_BUCKET_BYTES
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = LOAD_BUCKET_BYTES,
     ) -> int:
-        """Copy ``(HF name, tensor)`` pairs into the engine in place: full tensors (every rank
+        """Copy a state dict or ``(HF name, tensor)`` pairs into the engine in place: full tensors (every rank
         the whole tensor: each copies its slice) or DTensors (moved at the lower bound). Streamed:
         at most ``bucket_bytes`` of source tensors are held before they are copied in (one
         tensor larger than that alone). Collective: every rank gives the same names in the same
@@ -236,7 +287,7 @@ class LLM:
         model = self._model()
         targets, bucket, size, copied = rollout_tensors(model), {}, 0, 0
         transposed = experts_transposed(model.config)
-        for name, tensor in (pair for n, t in weights for pair in split_fused(n, t, transposed)):
+        for name, tensor in (pair for n, t in _named_tensors(weights) for pair in split_fused(n, t, transposed)):
             bucket[name], size = tensor, size + tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
                 copied, bucket, size = copied + self._load_bucket(bucket, targets), {}, 0
@@ -305,61 +356,6 @@ class LLM:
         self.close()
 
 
-def _join_group() -> bool:
-    """Join torchrun's process group, or make a one-rank one in a plain process; whether this
-    call made it (its maker ends it)."""
-    if dist.is_initialized():
-        return False
-    from reshard.recipes.launch import collective_timeout
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, accelerate: env:// rendezvous
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=collective_timeout())
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return True
-
-
-def _split_options(strategy: str, options: dict) -> tuple[dict, dict]:
-    """``options`` as (engine keys, strategy keys); ``ValueError`` naming an unknown key (and the
-    nearest known one)."""
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "load_weights"}
-    strategy_fields = {f.name for f in dataclasses.fields(strategy_class(strategy))}
-    unknown = sorted(set(options) - engine_fields - strategy_fields)
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], sorted(engine_fields | strategy_fields), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(
-            f"LLM got {unknown[0]!r}{hint}: neither an engine key nor a key of strategy {strategy!r} "
-            f"({sorted(strategy_fields)})"
-        )
-    engine = {k: v for k, v in options.items() if k in engine_fields}
-    return engine, {k: v for k, v in options.items() if k not in engine_fields}
-
-
-def _as_batch(prompts) -> list:
-    """``prompts`` as a list of prompts (one prompt alone: a list of one)."""
-    if isinstance(prompts, (str, dict)) or _is_chat(prompts):
-        return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(type(t) is int for t in prompts):
-        return [prompts]
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {str(prompts)[:60]!r}")
-    return list(prompts)
-
-
-def _is_chat(prompt) -> bool:
-    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
-
-
-def _chat_ids(tokenizer, messages: Sequence[dict], index: int) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"prompt {index} is a chat and the tokenizer has no chat template")
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
-
-
 def _per_prompt(params, count: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams(max_new_tokens=16)] * count
@@ -382,13 +378,42 @@ def _requests(ids: list[list[int]], params: list[SamplingParams]) -> list[Reques
     return requests
 
 
-def _tokenizer_of(path: Path):
-    """The checkpoint's tokenizer, or None where it ships none."""
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
+def _named_tensors(weights) -> Iterator[tuple[str, torch.Tensor]]:
+    """``load_weights``' argument as ``(name, tensor)`` pairs; ``TypeError`` naming an item that is none."""
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    for i, item in enumerate(pairs):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(
+                f"LLM.load_weights takes a state dict or (name, tensor) pairs; item {i} is {type(item).__name__} "
+                f"{str(item)[:60]!r}"
+            )
+        if not isinstance(item[1], torch.Tensor):
+            raise TypeError(f"LLM.load_weights: {item[0]!r} is a {type(item[1]).__name__}, not a tensor")
+        yield item
 
-    return AutoTokenizer.from_pretrained(path)
+
+def warn_repeated_seeds(requests: Sequence[Request]) -> None:
+    """Warn (once per call site) where sampled requests share a prompt and a seed: their samples
+    will be identical (vLLM's meaning of a seed), e.g. a GRPO group given one seed."""
+    seeded = [r for r in requests if not r.sampling.greedy and r.sampling.seed is not None]
+    pairs = Counter((tuple(r.prompt_ids), r.sampling.seed) for r in seeded)
+    repeated = [(ids, seed, k) for (ids, seed), k in pairs.items() if k > 1]
+    if repeated:
+        ids, seed, k = repeated[0]
+        warnings.warn(
+            f"{k} sampled requests have the same prompt ({len(ids)} tokens) and the same seed {seed}: their samples "
+            "will be identical; give each its own seed, or none (the call's seed gives each request its own)",
+            stacklevel=4,
+        )
+
+
+def _prompt_rows(logits: torch.Tensor, ids: list[int], p: SamplingParams) -> list[TokenLogprobs]:
+    """``(T, V)`` logits of a prompt -> each of its tokens after the first as
+    :data:`TokenLogprobs` (its log-probability given the ones before it, and the top ones)."""
+    lp = torch.log_softmax(logits.float(), -1)[:-1]  # (T - 1, V): position t predicts token t + 1
+    top = torch.topk(lp, p.prompt_logprobs, dim=-1)
+    picked = lp.gather(1, torch.tensor(ids[1:], device=lp.device)[:, None])[:, 0]
+    return [(float(x), tuple(zip(t.tolist(), v.tolist()))) for x, t, v in zip(picked, top.indices, top.values)]
 
 
 def _all_gather(obj) -> list:

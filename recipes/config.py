@@ -66,7 +66,7 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0  # the job's: request i samples with seed (seed * 1_000_003 + i) % 2**63
-    stop_token_ids: Any = None  # a list of token ids that end a request (null: the model's EOS ids)
+    stop_token_ids: Any = None  # a list of token ids that end a request besides the model's EOS ids
     min_tokens: int = 0  # stop tokens are never sampled before this many new tokens (HF min_new_tokens)
     ignore_eos: bool = False  # the model's EOS ids do not end a request (stop_token_ids still do)
     stop: Any = None  # strings that end a request once its decoded output holds one (needs the checkpoint's tokenizer)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.model.dims import ParallelDims
+from reshard.parallel.vllm_api import cut_at_stop
 from reshard.recipes.config import GenerateConfig
 
 
@@ -159,15 +160,11 @@ class OutputFormat:
             out.update(prompt_index=c.id // self.n, sample=c.id % self.n)
         if self.tokenizer is not None:
             out["prompt"] = self.tokenizer.decode(c.prompt_ids)
-            out["output"] = self._cut(self.tokenizer.decode(c.output_ids, skip_special_tokens=True), c.finish_reason)
+            text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
+            out["output"] = cut_at_stop(text, c.finish_reason, self.stop or ())
         if c.logprobs is not None:  # per output token: [its logprob, [[id, logprob] of the top ones]]
             out["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in c.logprobs]
         return json.dumps(out) + "\n"
-
-    def _cut(self, text: str, reason: str) -> str:
-        """``text`` up to the first stop string in it (a request a stop string ended)."""
-        found = [i for i in (text.find(s) for s in self.stop or ()) if i >= 0] if reason == "stop" else []
-        return text[: min(found)] if found else text
 
 
 def print_summary(s: dict, strategy) -> None:

@@ -99,7 +99,7 @@ class RolloutJob:
 
     def _roll_out(self, prompts: list[list[int]], it: int) -> tuple[list[list[int]], int]:
         t = self.cfg.train
-        params = SamplingParams(temperature=t.temperature, max_new_tokens=t.max_new_tokens, stop_token_ids=())
+        params = SamplingParams(temperature=t.temperature, max_new_tokens=t.max_new_tokens, ignore_eos=True)
         outs, peak = None, 0
         if self.engine is not None:  # each iteration's call seed: its noise is its own
             requests = [Request(i, p, params) for i, p in enumerate(prompts)]

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING
 _HOMES = MappingProxyType(
     {
         "LLM": "reshard.parallel.llm",
+        "CompletionOutput": "reshard.parallel.vllm_api",
+        "Logprob": "reshard.parallel.vllm_api",
+        "RequestOutput": "reshard.parallel.vllm_api",
+        "TextPrompt": "reshard.parallel.vllm_api",
+        "TokensPrompt": "reshard.parallel.vllm_api",
         "SamplingParams": "reshard.parallel.engine.sampling",
         "MoveHandle": "reshard.api",
         "plan_for": "reshard.api",
@@ -39,13 +44,18 @@ __all__ = [
     "LLM",
     "AttentionContext",
     "CommStats",
+    "CompletionOutput",
     "KVCache",
     "KVLayout",
     "KVSpec",
     "Layout",
+    "Logprob",
     "MoveHandle",
     "Plan",
+    "RequestOutput",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "chunk_range",
     "empty_dtensor",
     "execute",
@@ -66,6 +76,7 @@ if TYPE_CHECKING:
     from reshard.layout import Layout, chunk_range
     from reshard.parallel.engine.sampling import SamplingParams
     from reshard.parallel.llm import LLM
+    from reshard.parallel.vllm_api import CompletionOutput, Logprob, RequestOutput, TextPrompt, TokensPrompt
     from reshard.plan import Plan, plan_transfer
 
 

@@ -45,6 +45,13 @@ def redistribute(
     with the same arguments; ``check`` (default) compares a hash of the plan on every rank first
     and raises ``ValueError`` naming the differing layouts instead of hanging.
 
+    A move to the layout ``t`` already has (same ranks, placements, shape and dtype; ``Partial``
+    ones too) moves nothing, as DTensor's: the output is a new DTensor over a view of ``t``'s local
+    tensor, and ``check``'s 8-byte agreement exchange is its only collective. A ``Partial`` source
+    moves to ``Shard``/``Replicate`` placements (reduced) or to placements that keep its
+    ``Partial`` axes as they are (each contribution moved unreduced, as DTensor keeps them).
+    The decision is :func:`reshard.plan.plan_transfer`'s, for module and background moves alike.
+
     A meta-device DTensor (FSDP2's initialization) comes back a meta DTensor in the destination
     layout, as DTensor's does: no data, no collective (and no agreement check).
 

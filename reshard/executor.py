@@ -209,7 +209,10 @@ def _held_whole(plan: Plan, rank: int) -> bool:
 
 def _partition_divisors(plan: Plan) -> list[int]:
     """A (non-Partial) source moved to Partial(sum) axes: each holder gets the full value, divided
-    by each such axis's size in mesh order (DTensor's ``Partial._partition_value``, axis by axis)."""
+    by each such axis's size in mesh order (DTensor's ``Partial._partition_value``, axis by axis).
+    None for a Partial source: its destination is either reduced or keeps its partial axes."""
+    if plan.src.is_partial:
+        return []
     axes = [a for a, p in enumerate(plan.dst.placements) if isinstance(p, Partial) and p.reduce_op == "sum"]
     return [plan.dst.grid.shape[a] for a in axes]
 

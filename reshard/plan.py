@@ -5,14 +5,18 @@ Source boxes of Shard/Replicate layouts partition the tensor (replicas hold iden
 every destination box splits into disjoint pieces, one per distinct source box it meets. A piece
 the destination already holds is a local copy; otherwise one holder sends it, chosen to spread the
 sending load. ``Partial`` sources hold one *contribution* per partial coordinate; every
-contribution is moved and the receiver reduces them.
+contribution is moved and the receiver reduces them, unless the destination keeps the source's
+partial axes (:func:`keeps_partial`): then each contribution moves as a plain tensor to the
+destination ranks of its partial coordinate and nothing is reduced. A move to the layout the
+tensor already has is the plainest case: every rank keeps what it holds (local pieces only, no
+bytes cross between ranks), for Partial layouts too, as ``DTensor.redistribute`` does.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import torch
@@ -40,7 +44,7 @@ class Plan:
     src: Layout
     dst: Layout
     pieces: tuple[Piece, ...]
-    reduce_op: str | None = None  # "sum" | "avg" | "max" | "min" when the source is Partial
+    reduce_op: str | None = None  # "sum" | "avg" | "max" | "min" when a Partial source is reduced
     num_contributions: int = 1
     _itemsize: int = field(default=0, repr=False)
 
@@ -129,12 +133,39 @@ def check_compatible(src: Layout, dst: Layout, cast: bool = False) -> None:
             f"a Partial source ({src.placements}) cannot change dtype on the way ({src.dtype} -> {dst.dtype}): "
             "its contributions would be reduced in the destination's precision"
         )
-    if dst.is_partial and src.is_partial:
+    if src.is_partial and dst.is_partial and not keeps_partial(src, dst):
+        axes = ", ".join(f"mesh axis {a} of size {n}: {p!r}" for a, n, p in _partial_axes(src))
         raise ValueError(
-            f"a Partial source ({src.placements}) moves to Shard or Replicate placements, got {dst.placements}"
+            f"a Partial source ({src.placements}) moves to Shard or Replicate placements, got {dst.placements} "
+            f"on a mesh of shape {tuple(dst.grid.shape)}; or to Partial placements that keep the source's "
+            f"Partial axes as they are ({axes}), such as the unchanged layout (which moves nothing)"
         )
-    if dst.is_partial:
+    if dst.is_partial and not src.is_partial:
         _check_partition(dst)
+
+
+def _partial_axes(layout: Layout) -> tuple[tuple[int, int, Partial], ...]:
+    """``(mesh axis, its size, placement)`` of every Partial axis of ``layout``."""
+    return tuple((a, layout.grid.shape[a], p) for a, p in enumerate(layout.placements) if isinstance(p, Partial))
+
+
+def keeps_partial(src: Layout, dst: Layout) -> bool:
+    """``True`` when ``src`` is Partial and ``dst`` has the same Partial placements on the same mesh
+    axes, of the same sizes (the other axes, and the ranks, may differ): contribution ``j`` then
+    moves unreduced to the destination ranks at partial index ``j``, as ``DTensor.redistribute``
+    keeps a Partial axis whose placement it is asked to keep. An unchanged Partial layout is one."""
+    return src.is_partial and _partial_axes(src) == _partial_axes(dst)
+
+
+def partial_index(layout: Layout, rank: int) -> int:
+    """Which contribution ``rank`` holds: its coordinates on the Partial axes, in mesh-axis order,
+    as one index (0 for a layout without Partial axes); ``rank`` must be on the mesh."""
+    coord = layout.coordinate(rank)
+    assert coord is not None, f"rank {rank} is not on the mesh {layout.ranks}"
+    index = 0
+    for axis, size, _ in _partial_axes(layout):
+        index = index * size + coord[axis]
+    return index
 
 
 def _check_partition(dst: Layout) -> None:
@@ -153,8 +184,25 @@ def plan_transfer(src: Layout, dst: Layout, cast: bool = False) -> Plan:
     disjoint). ``cast``: the dtypes may differ (both floating); the sender converts while packing,
     so the bytes moved are the destination dtype's."""
     check_compatible(src, dst, cast)
+    if keeps_partial(src, dst):
+        return Plan(src, dst, tuple(_kept_partial_pieces(src, dst)), None, 1, _itemsize(dst.dtype))
     pieces = assign_senders(contributions(src), [(rank, dst.box(rank)) for rank in dst.all_ranks])
     return Plan(src, dst, tuple(pieces), _reduce_op(src), _partial_count(src), _itemsize(dst.dtype))
+
+
+def _kept_partial_pieces(src: Layout, dst: Layout) -> list[Piece]:
+    """Pieces moving each contribution of ``src`` unreduced to the ``dst`` ranks at its partial
+    index (:func:`keeps_partial`): per contribution a plain move, so a rank that keeps its own
+    contribution's box copies it locally (an unchanged layout: local pieces only)."""
+    items = contributions(src)
+    index = [partial_index(src, holders[0]) for _, holders in items]
+    pieces = []
+    for j in range(_partial_count(src)):
+        mine = [i for i, k in enumerate(index) if k == j]
+        wanted = [(rank, dst.box(rank)) for rank in dst.all_ranks if partial_index(dst, rank) == j]
+        moved = assign_senders([items[i] for i in mine], wanted)
+        pieces += [replace(p, contribution=mine[p.contribution]) for p in moved]
+    return pieces
 
 
 def assign_senders(items: list[tuple[Box, list[int]]], wanted: list[tuple[int, Box]]) -> list[Piece]:
@@ -192,12 +240,16 @@ def lower_bound_bytes(src: Layout, dst: Layout) -> int:
     """Sum over destination ranks of what they need and do not hold, from boxes alone, in the
     destination's dtype.
 
-    A rank needs its destination box once per partial contribution and already holds the part of
-    it that overlaps its own source box (one contribution).
+    A rank needs its destination box once per partial contribution (once where the destination
+    keeps the partial axes) and already holds the part of it that overlaps its own source box (one
+    contribution: where the partial axes are kept, only if it is the contribution it needs).
     """
+    kept = keeps_partial(src, dst)
+    copies = 1 if kept else _partial_count(src)
     total = 0
     for rank in dst.all_ranks:
         dst_box, own = dst.box(rank), src.box(rank)
-        overlap = intersect(own, dst_box) if own is not None else None
-        total += _partial_count(src) * box_numel(dst_box) - (box_numel(overlap) if overlap else 0)
+        held = own is not None and (not kept or partial_index(src, rank) == partial_index(dst, rank))
+        overlap = intersect(own, dst_box) if held else None
+        total += copies * box_numel(dst_box) - (box_numel(overlap) if overlap is not None else 0)
     return total * _itemsize(dst.dtype)

@@ -142,7 +142,7 @@ def _admission(path, prompts, budgets, admission):
 
     engine = Engine(parallelize(path), EngineConfig(max_batch_size=2, max_seq_len=128, admission=admission))
     requests = [
-        Request(i, p, SamplingParams(max_new_tokens=n, stop_token_ids=()))
+        Request(i, p, SamplingParams(max_new_tokens=n, ignore_eos=True))
         for i, (p, n) in enumerate(zip(prompts, budgets))
     ]
     return [c.output_ids for c in engine.generate(requests)], engine.stats.decode_steps

@@ -39,6 +39,11 @@ def _hf_generate(model, prompt: list[int], new: int, **kw):
     return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
 
 
+def _sampled(sample) -> list[float]:
+    """A :class:`CompletionOutput`'s sampled tokens' log-probabilities (vLLM's ``Logprob`` dicts)."""
+    return [entry[t].logprob for t, entry in zip(sample.token_ids, sample.logprobs)]
+
+
 def test_llm_in_a_plain_process_takes_text_ids_and_chats_as_hf_generate(tokenized):
     from reshard import LLM, SamplingParams
 
@@ -46,24 +51,32 @@ def test_llm_in_a_plain_process_takes_text_ids_and_chats_as_hf_generate(tokenize
     chat = [{"role": "user", "content": "w7 w8 w9"}]
     with LLM(tokenized, max_seq_len=64) as llm:
         assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1  # its own group
-        outs = llm.generate(["w5 w9 w11", [40, 41, 42], chat], SamplingParams(max_new_tokens=NEW, logprobs=2))
-        chatted = llm.chat(chat, SamplingParams(max_new_tokens=NEW))
+        outs = llm.generate(["w5 w9 w11", [40, 41, 42]], SamplingParams(max_new_tokens=NEW, logprobs=2))
+        chatted = llm.chat(chat, SamplingParams(max_new_tokens=NEW, logprobs=2))
+        with pytest.raises(ValueError, match=r"prompt 1 must be .* \(a chat: give it to LLM.chat\)"):
+            llm.generate(["w5", chat])  # a chat given to generate is refused, never read as prompts
     assert not torch.distributed.is_initialized()  # the group it made ended with it
     tok = llm.tokenizer
     assert outs[0].prompt == "w5 w9 w11" and outs[0].prompt_token_ids == tok("w5 w9 w11")["input_ids"]
     assert outs[1].prompt is None and outs[1].prompt_token_ids == [40, 41, 42]
-    assert chatted[0].prompt_token_ids == outs[2].prompt_token_ids
-    for out in outs:
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert (
+        chatted[0].prompt == rendered
+        and chatted[0].prompt_token_ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    )
+    for out in outs + chatted:
         tokens, logits = _hf_generate(hf, out.prompt_token_ids, NEW)
         (sample,) = out.outputs
         assert sample.token_ids == tokens and sample.finish_reason in ("length", "stop")
         assert sample.text == tok.decode(tokens, skip_special_tokens=True)
         raw = torch.stack([torch.log_softmax(step.float(), -1) for step in logits])[: len(tokens)]  # (T, V)
-        ours = torch.tensor([lp for lp, _ in sample.logprobs])
+        ours = torch.tensor(_sampled(sample))
         torch.testing.assert_close(ours, raw.gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-5, rtol=0)
-        top = [[t for t, _ in top] for _, top in sample.logprobs]
-        assert top == raw.topk(2, -1).indices.tolist()
-    assert chatted[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+        top = [[t for t, lp in entry.items() if lp.rank is not None] for entry in sample.logprobs]
+        assert [sorted(t, key=lambda i, e=e: e[i].rank) for t, e in zip(top, sample.logprobs)] == raw.topk(
+            2, -1
+        ).indices.tolist()
+        assert sample.cumulative_logprob == pytest.approx(sum(_sampled(sample)))
 
 
 def test_prompt_logprobs_are_the_models_log_softmax_at_each_prompt_token(tokenized):
@@ -74,17 +87,18 @@ def test_prompt_logprobs_are_the_models_log_softmax_at_each_prompt_token(tokeniz
     with LLM(tokenized, max_seq_len=64, max_batch_size=1) as llm:  # (batches of one prompt)
         outs = llm.generate(prompts, [SamplingParams(max_new_tokens=2, prompt_logprobs=3), SamplingParams()])
     assert outs[1].prompt_logprobs is None
-    (first, *rest) = outs[0].prompt_logprobs
+    (first, *rest) = outs[0].prompt_logprobs  # per token: {its id: Logprob, the top 3's: Logprob}
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompts[0]])).logits[0, :-1].float(), -1)  # (T - 1, V)
     assert first is None and len(rest) == len(prompts[0]) - 1
     torch.testing.assert_close(
-        torch.tensor([lp for lp, _ in rest]),
+        torch.tensor([entry[t].logprob for t, entry in zip(prompts[0][1:], rest)]),
         ref.gather(1, torch.tensor(prompts[0][1:])[:, None])[:, 0],
         atol=1e-5,
         rtol=0,
     )
-    assert [[t for t, _ in top] for _, top in rest] == ref.topk(3, -1).indices.tolist()
+    ranked = [sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None) for entry in rest]
+    assert [[t for _, t in r] for r in ranked] == ref.topk(3, -1).indices.tolist()
 
 
 def test_processed_logprobs_are_the_distribution_sampled_from_as_hf_processors_make_it(tokenized):
@@ -127,7 +141,7 @@ def test_processed_logprobs_are_the_distribution_sampled_from_as_hf_processors_m
                     if mode == "processed":
                         x = processors(torch.tensor([prompt + tokens[:t]]), x)
                     ref.append(torch.log_softmax(x[0], -1)[tokens[t]])
-                ours = torch.tensor([lp for lp, _ in out.outputs[0].logprobs])
+                ours = torch.tensor(_sampled(out.outputs[0]))
                 torch.testing.assert_close(ours, torch.stack(ref), atol=1e-4, rtol=0)
                 assert mode == "raw" or all(torch.isfinite(ours))  # every sampled token kept by the processors
 

@@ -47,7 +47,7 @@ def _run_recipe_keeping_timings(overrides, run_dir):
         ("generation.temperature=-1", r"generation.temperature must be >= 0, got -1"),
         ("generation.top_p=1.5", r"generation.top_p must be in \(0, 1\], got 1.5"),
         (
-            "workload.prompt_len_max=600",
+            "workload.prompt_len_max=600 engine.max_seq_len=512",  # (null, the default: the model's, checked at run)
             r"workload.prompt_len_max \(600\) \+ generation.max_new_tokens \(32\) = 632 exceeds "
             r"engine.max_seq_len \(512\)",
         ),

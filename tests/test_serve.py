@@ -146,6 +146,33 @@ def test_openai_client_completions_and_chat_streamed_and_not_equal_hf_generate(s
     ]
 
 
+def _recipe_outputs(served: str, prompts_file: str, run_dir: str, stop: str) -> list[dict]:
+    """The generate recipe's ``outputs.jsonl`` lines for ``prompts_file`` with stop string ``stop``."""
+    from reshard.recipes.generate import run_generate
+    from reshard.recipes.schema import compose
+
+    overrides = [f"model.path={served}", f"workload.prompts_file={prompts_file}", "generation.max_new_tokens=12"]
+    run_generate(compose("generate", [*overrides, f"generation.stop=[{stop}]"]), Path(run_dir))
+    return [json.loads(line) for line in (Path(run_dir) / "outputs.jsonl").read_text().splitlines()]
+
+
+def test_a_stop_string_cuts_the_text_alike_in_llm_the_recipe_and_the_server(server, served, tmp_path):
+    """One prompt, one stop string its greedy output holds: ``LLM``'s text, the recipe's
+    ``output`` and the server's text are the same, cut before the stop string."""
+    from reshard import LLM, SamplingParams
+
+    prompt, stop = "The future of AI is", "ound"
+    with LLM(str(served), max_model_len=64) as llm:
+        (out,) = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop]))
+    (prompts_file := tmp_path / "prompts.jsonl").write_text(json.dumps(prompt) + "\n")
+    (line,) = dist_harness.run(1, _recipe_outputs, str(served), str(prompts_file), str(tmp_path / "run"), stop)[0]
+    client = server.client()
+    served_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop)
+    sample = out.outputs[0]
+    assert sample.finish_reason == "stop" and sample.stop_reason == stop and stop not in sample.text
+    assert sample.text == line["output"] == served_text.choices[0].text
+
+
 def test_logprobs_seeded_sampling_and_usage_of_several_choices(server):
     client = server.client()
     out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0, logprobs=2)

@@ -98,14 +98,23 @@ def _hf(path, prompt, **kw):
     return seq[0, len(prompt) :].tolist()
 
 
+def _eos_ids(path) -> list[int]:
+    from transformers import AutoConfig
+
+    eos = AutoConfig.from_pretrained(path).eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
 def test_stop_tokens_and_min_tokens_sample_as_hf_generate(checkpoints):
     """A stop id taken from the free-running output ends the request where HF's ``eos_token_id``
-    does; with ``min_tokens`` it is masked until then, as HF's ``min_new_tokens`` masks it."""
+    does (beside the model's own EOS: vLLM's meaning of ``stop_token_ids``); with ``min_tokens``
+    it is masked until then, as HF's ``min_new_tokens`` masks it."""
     from reshard.parallel import SamplingParams
 
     path, prompt = checkpoints["llama"], [5, 9, 11, 2, 7]
     free = _hf(path, prompt, max_new_tokens=12)
     stop = free[2]
+    eos = [stop, *_eos_ids(path)]  # stop_token_ids end a request besides the model's EOS ids
     params = [
         SamplingParams(max_new_tokens=12),
         SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)),
@@ -113,8 +122,8 @@ def test_stop_tokens_and_min_tokens_sample_as_hf_generate(checkpoints):
     ]
     got = dist_harness.run(1, _stop_job, path, prompt, params)[0]
     assert got[0] == (free, "length")
-    assert got[1] == (_hf(path, prompt, max_new_tokens=12, eos_token_id=[stop]), "stop") and len(got[1][0]) <= 3
-    masked = _hf(path, prompt, max_new_tokens=12, eos_token_id=[stop], min_new_tokens=5)
+    assert got[1] == (_hf(path, prompt, max_new_tokens=12, eos_token_id=eos), "stop") and len(got[1][0]) <= 3
+    masked = _hf(path, prompt, max_new_tokens=12, eos_token_id=eos, min_new_tokens=5)
     assert got[2][0] == masked and stop not in masked[:5] and masked != free
 
 

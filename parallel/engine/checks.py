@@ -52,7 +52,13 @@ def check_request(r: Request, *, vocab_size: int, max_seq_len: int, has_tokenize
         )
     bad = [t for t in r.prompt_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"request {r.id}: token ids {bad[:5]} outside vocab [0, {vocab_size})")
+        raise ValueError(f"request {r.id}: prompt token ids {bad[:5]} outside the vocabulary of {vocab_size} tokens")
+    stops = [t for t in r.sampling.stop_token_ids or () if not t < vocab_size]
+    if stops:
+        raise ValueError(
+            f"request {r.id}: stop_token_ids {stops[:5]} outside the vocabulary of {vocab_size} tokens "
+            "(they could never be sampled)"
+        )
 
 
 def _check_carried(r: Request, *, has_tokenizer: bool) -> None:
@@ -100,13 +106,15 @@ def _refuse(everyone: list[list[bytes]], ranks: Seq[int], requests: Seq[Request]
     if len(a) != len(b):
         raise ValueError(
             f"ranks passed different requests to generate: rank {ranks[0]} passed {len(a)}, rank "
-            f"{ranks[first]} passed {len(b)}; every rank of the engine must pass the same list"
+            f"{ranks[first]} passed {len(b)}; every rank of the engine must pass the same list (reshard.LLM(..., "
+            'dp_prompts="local"): each rank its own prompts)'
         )
     i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     raise ValueError(
         f"ranks passed different requests to generate: request {i} (id {requests[i].id!r} on rank "
         f"{dist.get_rank()}) differs between rank {ranks[0]} and rank {ranks[first]} (prompt, sampling or "
-        "arrival); every rank of the engine must pass the same list"
+        'arrival); every rank of the engine must pass the same list (reshard.LLM(..., dp_prompts="local"): each '
+        "rank its own prompts)"
     )
 
 

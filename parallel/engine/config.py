@@ -10,6 +10,7 @@ range and choice and names the key and value.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,8 +115,16 @@ class EngineConfig:
         return None if self.dtype is None else getattr(torch, self.dtype)
 
     def seq_len(self, model_config: Any) -> int:
-        """Positions per slot for a model of Hugging Face config ``model_config``."""
-        return self.max_seq_len or min(model_config.max_position_embeddings, MAX_DEFAULT_SEQ_LEN)
+        """Positions per slot for a model of Hugging Face config ``model_config`` (vLLM's
+        ``max_model_len``); ``ValueError`` naming both where ``max_seq_len`` runs past the model's
+        ``max_position_embeddings`` (positions it was never trained on: plausible, wrong tokens)."""
+        context = model_config.max_position_embeddings
+        if self.max_seq_len is not None and self.max_seq_len > context:
+            raise ValueError(
+                f"engine.max_seq_len (LLM's max_model_len) {self.max_seq_len} exceeds the model's context: its "
+                f"max_position_embeddings is {context}"
+            )
+        return self.max_seq_len or min(context, MAX_DEFAULT_SEQ_LEN)
 
 
 def _choices() -> dict[str, tuple]:
@@ -139,3 +148,17 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
         names = [c for c in choices if c is not None]
         null = " or None" if None in choices else ""
         raise ValueError(f"engine.{key} must be one of {names}{null}, got {value!r}")
+
+
+def refuse_moved_keys(given: dict) -> None:
+    """``TypeError`` for keyword arguments ``Engine`` no longer takes: one line pointing a key of
+    :class:`EngineConfig` (given as ``Engine(model, max_batch_size=...)``, the form before
+    ``EngineConfig``) to it."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    key = sorted(given)[0]
+    if key in fields:
+        raise TypeError(
+            f"Engine({key}={given[key]!r}) is a key of EngineConfig now: "
+            f"Engine(model, EngineConfig({key}={given[key]!r}))"
+        )
+    raise TypeError(f"Engine got an unexpected keyword argument {key!r}")

@@ -45,7 +45,7 @@ from reshard.parallel.engine.checks import (
     check_same_requests,
     seeded,
 )
-from reshard.parallel.engine.config import EngineConfig
+from reshard.parallel.engine.config import EngineConfig, refuse_moved_keys
 from reshard.parallel.engine.connector import KVConnectors
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
@@ -103,7 +103,10 @@ class Engine:
         host_tiers: Mapping | None = None,
         engine_group: GroupLayout | None = None,
         tokenizer=None,
+        **moved,
     ) -> None:
+        if moved:
+            refuse_moved_keys(moved)
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
         self.config = config = config if config is not None else EngineConfig()

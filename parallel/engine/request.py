@@ -30,6 +30,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.arrival >= 0:  # also refuses NaN
             raise ValueError(f"request {self.id}: arrival must be >= 0 seconds, got {self.arrival}")
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.id}: empty prompt (a request needs at least one token)")
         if not 0 <= self.resumed < len(self.prompt_ids):
             raise ValueError(
                 f"request {self.id}: resumed ({self.resumed}) must be >= 0 and below the prompt length "
@@ -126,9 +128,8 @@ class Sequence:
         if request.resumed and generator is not None:
             assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
             skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)
-        if stop is None:
-            stop = () if request.sampling.ignore_eos else eos_ids
-        return Sequence(request, generator, frozenset(stop), decode=decode)
+        eos = () if request.sampling.ignore_eos else eos_ids  # stop_token_ids end a request besides EOS (vLLM's)
+        return Sequence(request, generator, frozenset((*(stop or ()), *eos)), decode=decode)
 
     @property
     def banned(self) -> frozenset[int]:

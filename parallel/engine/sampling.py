@@ -12,6 +12,7 @@ position in the call (:func:`resolve_seeds`); a call without a seed draws a fres
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -27,19 +28,22 @@ TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+class SamplingFields:
+    """:class:`SamplingParams`' stored fields, one name each (construct :class:`SamplingParams`)."""
+
+    temperature: float = 0.0  # 0 = greedy (vLLM's default is 1.0: say temperature= to sample)
+    top_k: int = 0  # 0 = off (vLLM's -1 too)
     top_p: float = 1.0
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # vLLM's max_tokens (either name is taken; its default is 16)
     # this request's noise (None: one from its call's seed and its position in the call, a fresh
     # one per call where the call names none); ``n`` samples take seeds ``seed``, ``seed + 1``, ...
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS ids
+    # token ids that end the request besides the model's EOS ids (vLLM's meaning; a list or tuple)
+    stop_token_ids: tuple[int, ...] | None = None
     min_tokens: int = 0  # the stop tokens are masked (never sampled) until this many new tokens (HF min_new_tokens)
     ignore_eos: bool = False  # the model's EOS ids do not stop the request (stop_token_ids still do)
     # strings that end the request when the decoded output comes to hold one (HF ``stop_strings``;
-    # checked from ``min_tokens`` on; the engine needs a tokenizer)
+    # a string or a list; checked from ``min_tokens`` on; the engine needs a tokenizer)
     stop: tuple[str, ...] = ()
     # log-probabilities of each sampled token and of the ``logprobs`` most likely ones (None: off),
     # of the distribution ``logprobs_mode`` names: "raw" (log-softmax of the model's logits) or
@@ -54,18 +58,25 @@ class SamplingParams:
     n: int = 1  # samples of the prompt (reshard.LLM makes them n requests; the engine runs n=1 each)
     # reshard.LLM: each prompt token's log-probability under the model (raw) and the top this many
     prompt_logprobs: int | None = None
+    # the text of an output keeps the stop string that ended it (vLLM's; the tokens always do)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # the output text leaves special tokens out (vLLM's)
+    detokenize: bool = True  # False: no output text (token ids only; vLLM's)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _as_stops(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", _as_token_ids(self.stop_token_ids))
+        if self.top_k == -1:  # vLLM's and verl's "off"
+            object.__setattr__(self, "top_k", 0)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (type(value) is int and 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an int in 0..{MAX_LOGPROBS} or None, got {value!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (type(self.max_new_tokens) is int and self.max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.seed is not None and not (type(self.seed) is int and 0 <= self.seed < 2**63):
@@ -75,6 +86,12 @@ class SamplingParams:
         self._check_ranges()
 
     def _check_ranges(self) -> None:
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if type(self.top_k) is not int:
+            raise ValueError(f"top_k must be an int (0 or -1: off), got {self.top_k!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -90,6 +107,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2] (OpenAI's range), got {getattr(self, name)}")
 
     @property
+    def max_tokens(self) -> int:
+        """vLLM's name of :attr:`max_new_tokens`."""
+        return self.max_new_tokens
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -97,6 +119,42 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any penalty changes the logits."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class SamplingParams(SamplingFields):
+    """How a request samples, under vLLM's names (``max_tokens``, ``stop`` as a string or a list,
+    ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``top_k=-1``, ...)
+    or ours where we had one (``max_new_tokens``, HF's): either name of a pair is taken, both is
+    a ``ValueError``. Keyword arguments only. Defaults that differ from vLLM's: ``temperature``
+    0 (greedy; vLLM's 1.0) and ``max_tokens`` 32 (vLLM's 16)."""
+
+    def __init__(self, *, max_tokens: int | None = None, **fields) -> None:
+        if max_tokens is not None:
+            if "max_new_tokens" in fields:
+                raise ValueError(
+                    f"SamplingParams got max_tokens={max_tokens!r} and max_new_tokens={fields['max_new_tokens']!r}: "
+                    "they are one setting (vLLM's name and HF's), give one"
+                )
+            fields["max_new_tokens"] = max_tokens
+        super().__init__(**fields)
+
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _as_stops(stop) -> tuple[str, ...]:
+    """``stop`` (a string, or a list or tuple of them) as a tuple of non-empty strings."""
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+    return tuple(stops)
+
+
+def _as_token_ids(ids) -> tuple[int, ...]:
+    """``stop_token_ids`` (a list or tuple of ints >= 0) as a tuple."""
+    if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
+        raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {ids!r}")
+    return tuple(ids)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

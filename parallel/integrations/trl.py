@@ -6,9 +6,10 @@ one completion's token ids and the log-probability of each completion token unde
 distribution it was drawn from. :class:`RolloutFunc` builds one ``LLM`` from ``trainer.model`` at
 its first call (the trainer's processes form it: ``tp`` of them per engine, the rest data-parallel
 replicas), copies the weights in again whenever the trainer has stepped since (``sync_weights``:
-DDP, FSDP2 and plain modules), gathers every process's prompts into one call and hands each
-process back its own rows. Prompts are tokenized as TRL's own generation does (its chat template
-and ``chat_template_kwargs`` for conversations); sampling follows ``trainer.args`` (temperature,
+DDP, FSDP2 and plain modules) and generates each process's own prompts (``dp_prompts="local"``:
+one engine call over every process's prompts, each process handed back its own rows). Prompts
+are tokenized as TRL's own generation does (its chat template and ``chat_template_kwargs`` for
+conversations); sampling follows ``trainer.args`` (temperature,
 top-k / top-p / min-p, repetition penalty, ``max_completion_length``, ``generation_kwargs`` under
 vLLM's names); log-probabilities are ``processed`` (what TRL's vLLM path asks for), so TRL's
 importance-sampling correction compares like with like.
@@ -18,10 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from reshard.integrations import vllm_sampling
-from reshard.mesh import all_gather_objects
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.llm import LLM
 
@@ -41,21 +39,18 @@ class RolloutFunc:
         """Per prompt: ``prompt_ids``, ``completion_ids`` and ``logprobs`` (one float per token)."""
         self._sync(trainer)
         ids = [_prompt_ids(trainer, p) for p in prompts]
-        everyone = all_gather_objects(ids) if dist.get_world_size() > 1 else [ids]  # (the LLM joined or made the group)
-        first = sum(len(part) for part in everyone[: dist.get_rank()])
-        outs = self.llm.generate([p for part in everyone for p in part], _sampling(trainer.args))
-        mine = [o.outputs[0] for o in outs[first : first + len(ids)]]
+        mine = [o.outputs[0] for o in self.llm.generate(ids, _sampling(trainer.args))]  # (each process its own)
         return {
             "prompt_ids": ids,
             "completion_ids": [list(o.token_ids) for o in mine],
-            "logprobs": [[lp for lp, _ in o.logprobs] for o in mine],
+            "logprobs": [[entry[t].logprob for t, entry in zip(o.token_ids, o.logprobs)] for o in mine],
         }
 
     def _sync(self, trainer) -> None:
         """The engine with ``trainer.model``'s current weights (built at the first call)."""
         model, step = trainer.accelerator.unwrap_model(trainer.model), trainer.state.global_step
         if self.llm is None:
-            options = {"seed": trainer.args.seed, **self.options}
+            options = {"seed": trainer.args.seed, **self.options, "dp_prompts": "local"}
             self.llm = LLM(model, tokenizer=trainer.processing_class, **options)
         elif step != self.synced_step:
             self.llm.sync_weights(model)

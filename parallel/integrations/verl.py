@@ -70,7 +70,8 @@ class Rollout:
                 continue
             for (_, _, future), out in zip(batch, outs):
                 sample = out.outputs[0]
-                logprobs = None if sample.logprobs is None else [lp for lp, _ in sample.logprobs]
+                lps = sample.logprobs
+                logprobs = None if lps is None else [e[t].logprob for t, e in zip(sample.token_ids, lps)]
                 future.set_result(TokenOutput(sample.token_ids, logprobs, sample.finish_reason))
 
     async def update_weights(

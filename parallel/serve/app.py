@@ -20,6 +20,7 @@ from typing import Any
 
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
+from reshard.parallel.vllm_api import cut_at_stop
 
 POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
 LOG = logging.getLogger(__name__)
@@ -73,9 +74,7 @@ class TextCursor:
 
 def final_text(text: Text, ids: list[int], finish: str | None, stops: tuple[str, ...]) -> str:
     """``ids`` decoded (special tokens skipped), cut before the first stop string when one ended it."""
-    out = text.decode(ids)
-    found = [i for i in (out.find(s) for s in stops) if i >= 0] if finish == "stop" else []
-    return out[: min(found)] if found else out
+    return cut_at_stop(text.decode(ids), finish, stops)
 
 
 def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapping]) -> Any:

@@ -1,0 +1,227 @@
+"""vLLM's offline API in reshard's terms: one translation for every front end (``reshard.LLM``,
+``reshard serve``, the generate recipe, the TRL and verl adapters).
+
+- **Prompts**: a text, token ids, ``{"prompt": text}`` (vLLM's ``TextPrompt``) or
+  ``{"prompt_token_ids": ids}`` (``TokensPrompt``), alone or in a list; anything else is one
+  ``ValueError`` naming the prompt's index and what it got (:func:`prompt_input`), never read as
+  something else. Chats go through ``LLM.chat``.
+- **Names**: vLLM's engine arguments (``tensor_parallel_size``, ``max_model_len``, ...) as ours
+  (:func:`llm_options`); vLLM-named sampling dicts as :class:`SamplingParams` (:func:`vllm_sampling`).
+- **Outputs**: :class:`RequestOutput`, :class:`CompletionOutput` and :class:`Logprob` as vLLM's;
+  an output's text is cut before the stop string that ended it (:func:`cut_at_stop`, unless
+  ``include_stop_str_in_output``), alike in ``LLM``, the recipe's ``outputs.jsonl`` and the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TypedDict
+
+from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs
+
+
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt``: a text the tokenizer encodes."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt``: token ids as given."""
+
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability (vLLM's ``Logprob``): ``rank`` is its 1-based place in the
+    distribution where it is among the top ones reported (None where it is not: the sampled
+    token outside the top ``logprobs``); ``decoded_token`` its text (None without detokenizing)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's ``CompletionOutput``)."""
+
+    index: int  # which of the prompt's ``n`` samples
+    text: str | None  # decoded, cut before its stop string; "" with detokenize=False; None without a tokenizer
+    token_ids: list[int]
+    cumulative_logprob: float | None  # the sum of the sampled tokens' log-probabilities (where asked)
+    logprobs: list[dict[int, Logprob]] | None  # per token: the sampled one and the top ones (where asked)
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None: EOS)
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's outputs (vLLM's ``RequestOutput``)."""
+
+    request_id: str
+    prompt: str | None  # the text given, or a chat as rendered (None: token ids)
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # where asked: None for the first token
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+PROMPT_FORMS = "a text, a list of token ids, {'prompt': text} or {'prompt_token_ids': [ids]}"
+
+
+def prompt_list(prompts) -> list:
+    """``prompts`` as a list (one prompt alone: a list of one); ``ValueError`` for none."""
+    if isinstance(prompts, (str, Mapping)) or _is_token_ids(prompts):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {str(prompts)[:60]!r}")
+    return list(prompts)
+
+
+def prompt_input(prompt, index: int) -> str | list[int]:
+    """Prompt ``index`` as its text or its token ids; ``ValueError`` naming the index and what it
+    got for anything but :data:`PROMPT_FORMS` (a chat message: ``LLM.chat``), or an empty one."""
+    if isinstance(prompt, Mapping):
+        prompt = _from_dict(prompt, index)
+    if isinstance(prompt, Sequence) and len(prompt) == 0:
+        raise ValueError(f"prompt {index} is empty: a prompt needs at least one token")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return prompt if isinstance(prompt, str) else list(prompt)
+    chat = isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping)
+    hint = " (a chat: give it to LLM.chat)" if chat else ""
+    raise ValueError(f"prompt {index} must be {PROMPT_FORMS}; got {type(prompt).__name__} {str(prompt)[:60]!r}{hint}")
+
+
+def _from_dict(prompt: Mapping, index: int) -> str | list[int]:
+    """A ``TextPrompt`` or ``TokensPrompt``'s one value; ``ValueError`` for other keys."""
+    keys = sorted(prompt)
+    if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == ["prompt_token_ids"] and _is_token_ids(prompt["prompt_token_ids"]):
+        return prompt["prompt_token_ids"]
+    role = " (a chat message: give the chat to LLM.chat)" if "role" in prompt else ""
+    raise ValueError(
+        f"prompt {index} is a dict with keys {keys}{role}: a dict prompt is {{'prompt': text}} or "
+        f"{{'prompt_token_ids': [ids]}}; got {str(dict(prompt))[:60]!r}"
+    )
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and all(type(t) is int for t in x) and len(x) > 0
+
+
+def conversations(messages) -> list[list[dict]]:
+    """``LLM.chat``'s argument (one conversation, a list of messages, or a list of them) as a list
+    of conversations; ``ValueError`` naming the index of one that is not a list of messages."""
+    if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
+        messages = [messages]
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError(f"chat takes a conversation or a list of them, got {str(messages)[:60]!r}")
+    for i, chat in enumerate(messages):
+        ok = isinstance(chat, Sequence) and chat and all(isinstance(m, Mapping) and "role" in m for m in chat)
+        if not ok:
+            raise ValueError(
+                f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} messages, "
+                f"got {str(chat)[:60]!r}"
+            )
+    return [[dict(m) for m in chat] for chat in messages]
+
+
+# ---- names -----------------------------------------------------------------------------------
+# vLLM's engine arguments -> ours (LLM's keyword arguments and EngineConfig's keys)
+LLM_NAMES = MappingProxyType(
+    {
+        "tensor_parallel_size": "tp",
+        "pipeline_parallel_size": "pp",
+        "max_model_len": "max_seq_len",
+        "max_num_seqs": "max_batch_size",
+        "max_num_batched_tokens": "max_prefill_tokens",
+    }
+)
+
+
+def llm_options(given: Mapping) -> dict:
+    """``LLM``'s keyword arguments with vLLM's names as ours (``ValueError`` where both of a pair
+    are given); ``dtype="auto"`` is the checkpoint's (None)."""
+    out = {k: v for k, v in given.items() if k not in LLM_NAMES}
+    for theirs, ours in LLM_NAMES.items():
+        if given.get(theirs) is None:
+            continue
+        if given.get(ours) is not None:
+            raise ValueError(
+                f"LLM got {theirs}={given[theirs]!r} and {ours}={given[ours]!r}: they are one setting "
+                "(vLLM's name and reshard's), give one"
+            )
+        out[ours] = given[theirs]
+    if out.get("dtype") == "auto":
+        out["dtype"] = None
+    return out
+
+
+_SAMPLING = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"max_tokens"}
+
+
+def vllm_sampling(given: Mapping, where: str) -> SamplingParams:
+    """vLLM-named sampling keys (``max_tokens``, ``temperature``, ``top_k`` with -1 or None for
+    off, ``logprobs`` as a bool or a count, ``stop`` as a string or a list, ...) as
+    :class:`SamplingParams`; a key the engine cannot honour is a ``ValueError`` naming it and
+    ``where`` it came from (a request, a config)."""
+    unknown = sorted(set(given) - _SAMPLING)
+    if unknown:
+        raise ValueError(f"{where}: sampling parameter {unknown[0]!r} is not one reshard honours")
+    kw = dict(given)
+    if isinstance(kw.get("logprobs"), bool):
+        kw["logprobs"] = 0 if kw["logprobs"] else None
+    if "top_k" in kw and kw["top_k"] is None:  # TRL's "off"
+        kw["top_k"] = 0
+    if "min_p" in kw and kw["min_p"] is None:
+        kw["min_p"] = 0.0
+    return SamplingParams(**kw)
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+def cut_at_stop(text: str, finish_reason: str | None, stops: Sequence[str], include: bool = False) -> str:
+    """``text`` up to the first stop string in it where one ended the request (``finish_reason``
+    ``"stop"``), the stop string kept with ``include`` (vLLM's ``include_stop_str_in_output``)."""
+    found = sorted((i, s) for s in stops if (i := text.find(s)) >= 0) if finish_reason == "stop" else []
+    if not found:
+        return text
+    at, stop = found[0]
+    return text[: at + len(stop)] if include else text[:at]
+
+
+def stop_reason(text: str | None, token_ids: Sequence[int], finish_reason: str, params: SamplingParams):
+    """What ended a request (vLLM's ``stop_reason``): its stop string, or its last token where that
+    is one of ``stop_token_ids``; None for EOS and for a request that ran to its length."""
+    if finish_reason != "stop":
+        return None
+    if text is not None and any(s in text for s in params.stop):
+        return min(params.stop, key=lambda s: text.find(s) if s in text else len(text) + 1)
+    if token_ids and token_ids[-1] in (params.stop_token_ids or ()):
+        return token_ids[-1]
+    return None
+
+
+def logprob_dicts(
+    token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], piece: Callable[[int], str] | None
+) -> list[dict[int, Logprob]]:
+    """Per token, vLLM's ``{token id: Logprob}``: the sampled token first, then the top ones
+    (``piece(id)``: a token's text; None: no text)."""
+    out = []
+    for token, (lp, top) in zip(token_ids, logprobs):
+        ranks = {t: r for r, (t, _) in enumerate(top, start=1)}
+        entry = {token: _logprob(lp, ranks.get(token), token, piece)}
+        for rank, (t, value) in enumerate(top, start=1):
+            entry.setdefault(t, _logprob(value, rank, t, piece))
+        out.append(entry)
+    return out
+
+
+def _logprob(value: float, rank: int | None, token: int, piece: Callable[[int], str] | None) -> Logprob:
+    return Logprob(value, rank, None if piece is None else piece(token))

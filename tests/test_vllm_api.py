@@ -1,0 +1,228 @@
+"""A vLLM user's script on ``reshard.LLM``: vLLM's documented offline example with only its import
+changed (1 process and TP2 under torchrun), vLLM's prompt forms and names, ``Logprob`` objects,
+stop strings cut as vLLM cuts them, ``max_model_len`` from the model, data-parallel ranks with
+prompts of their own, and every input that is none of these refused in one line naming it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import dist_harness
+
+EXAMPLE = Path(__file__).parent / "examples" / "vllm_offline.py"
+STOPS = ("ound", "shout")  # the example's stop list
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory) -> str:
+    """The built-in checkpoint: a tiny Llama with a tokenizer and a chat template."""
+    from reshard.parallel.model.tiny_models import builtin_checkpoint
+
+    return str(builtin_checkpoint(tmp_path_factory.mktemp("builtin")))
+
+
+def _expected(hf_reference, tok, path: str, ids: list[int], new: int, stops=STOPS) -> tuple[list[int], str, str]:
+    """HF ``generate``'s greedy tokens up to the one whose text completes a stop string (where
+    one does), that text cut before it, and the finish reason."""
+    free = hf_reference(path, [ids], new)[0]
+    for k in range(1, len(free) + 1):
+        text = tok.decode(free[:k], skip_special_tokens=True)
+        found = [text.find(s) for s in stops if s in text]
+        if found:
+            return free[:k], text[: min(found)], "stop"
+    done = len(free) < new or free[-1] == tok.eos_token_id
+    return free, tok.decode(free, skip_special_tokens=True), "stop" if done else "length"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-process", "tp2-torchrun"])
+def test_vllms_offline_example_runs_with_only_the_import_changed(builtin, hf_reference, tmp_path, tp):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "seen.json"
+    launcher = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    done = subprocess.run([*launcher, str(EXAMPLE), builtin, str(tp), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    tok = AutoTokenizer.from_pretrained(builtin)
+    texts = ["Hello, my name is", "The capital of France is", None, "w5 w9 w11"]
+    assert [s["prompt"] for s in seen] == texts and [s["request_id"] for s in seen] == ["0", "1", "2", "3"]
+    for s, text in zip(seen, texts):
+        ids = tok(text or "The future of AI is")["input_ids"]
+        tokens, cut, reason = _expected(hf_reference, tok, builtin, ids, 12)
+        assert s["prompt_token_ids"] == ids and s["finished"]
+        assert (s["token_ids"], s["text"], s["finish_reason"]) == (tokens, cut, reason)
+        assert s["stop_reason"] == (
+            next(x for x in STOPS if x in tok.decode(tokens)) if cut != tok.decode(tokens) else None
+        )
+        lp, rank, piece = s["first_logprob"]
+        assert rank == 1 and piece == tok.decode([tokens[0]]) and lp <= 0  # greedy: the top token
+        assert s["cumulative_logprob"] <= lp + 1e-6
+    assert any(s["stop_reason"] is not None for s in seen)  # the stop list did cut one
+
+
+def test_text_prompt_dicts_are_prompts_and_anything_else_one_error(builtin, hf_reference):
+    from transformers import AutoTokenizer
+
+    from reshard import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(builtin)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(builtin, max_model_len=64) as llm:
+        outs = llm.generate([{"prompt": "Hello there"}, {"prompt": "one two"}], params)
+        single = llm.generate({"prompt_token_ids": [5, 9, 11]}, params)
+        bad = {
+            "prompt 1 is a dict with keys \\['text'\\]": [{"prompt": "a"}, {"text": "b"}],
+            "prompt 0 is a dict with keys \\['content', 'role'\\] \\(a chat message": [
+                {"role": "user", "content": "x"}
+            ],
+            "prompt 0 is a dict with keys \\['prompt', 'x'\\]": {"prompt": "a", "x": 1},
+            "prompt 0 must be .*got float": [1.5],
+            "prompt 1 is empty": ["ok", ""],
+            "prompt 0 is empty": [[]],
+            "prompt 0 must be .*got list": [[1, "2"]],
+        }
+        for message, prompts in bad.items():
+            with pytest.raises(ValueError, match=message):
+                llm.generate(prompts, params)
+    assert len(outs) == 2 and [o.prompt for o in outs] == ["Hello there", "one two"]
+    ids = [tok("Hello there")["input_ids"], tok("one two")["input_ids"]]
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference(builtin, ids, 6)
+    assert single[0].prompt is None and single[0].outputs[0].token_ids == hf_reference(builtin, [[5, 9, 11]], 6)[0]
+
+
+def test_sampling_params_take_vllms_names_and_refuse_what_is_not_a_number():
+    from reshard import SamplingParams
+
+    p = SamplingParams(max_tokens=7, stop="x", stop_token_ids=[3, 4], top_k=-1, skip_special_tokens=False)
+    assert (p.max_tokens, p.max_new_tokens, p.stop, p.stop_token_ids, p.top_k) == (7, 7, ("x",), (3, 4), 0)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b") and SamplingParams(max_new_tokens=5).max_tokens == 5
+    with pytest.raises(ValueError, match="max_tokens=3 and max_new_tokens=4"):
+        SamplingParams(max_tokens=3, max_new_tokens=4)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for value in (math.nan, math.inf, -math.inf):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number, got {value}"):
+                SamplingParams(**{name: value})
+    for bad, message in (
+        ({"stop": [1]}, "stop must be a string or a list"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**bad)
+
+
+def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
+    from reshard import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 and tp=1: they are one setting"):
+        LLM(builtin, tensor_parallel_size=1, tp=1)
+    with pytest.raises(
+        ValueError, match=r"max_model_len\) 1024 exceeds the model's context: its max_position_embeddings is 512"
+    ):
+        LLM(builtin, max_model_len=1024)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        LLM(builtin, gpu_memory_utilization=1.5)
+    with LLM(builtin, tensor_parallel_size=1, max_num_seqs=3, dtype="auto", gpu_memory_utilization=0.9) as llm:
+        assert llm.engine.max_seq_len == 512 and llm.engine.max_batch_size == 3  # the model's context by default
+        assert llm.get_tokenizer() is llm.tokenizer is not None
+        with pytest.raises(
+            ValueError, match=r"prompt length \(600\) \+ max_new_tokens \(4\) = 604 exceeds max_seq_len \(512\)"
+        ):
+            llm.generate([[5] * 600], SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match=r"stop_token_ids \[99999\] outside the vocabulary of \d+ tokens"):
+            llm.generate("Hello", SamplingParams(max_tokens=4, stop_token_ids=[99999]))
+
+
+def test_stop_strings_and_tokens_end_outputs_as_vllms_do(builtin, hf_reference):
+    """The text stops before the stop string (kept with ``include_stop_str_in_output``); the
+    tokens keep the one that completed it; ``stop_token_ids`` end a request beside EOS."""
+    from transformers import AutoTokenizer
+
+    from reshard import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(builtin)
+    ids = tok("w5 w9 w11")["input_ids"]
+    free = hf_reference(builtin, [ids], 10)[0]
+    whole = tok.decode(free, skip_special_tokens=True)
+    stop = tok.decode(free[3:4], skip_special_tokens=True).strip()  # a word the free output holds
+    tokens, cut, reason = _expected(hf_reference, tok, builtin, ids, 10, (stop,))
+    assert reason == "stop" and cut != whole
+    with LLM(builtin, max_model_len=64) as llm:
+        cut_out, kept, by_id = (
+            llm.generate([ids], SamplingParams(max_tokens=10, **kw))[0].outputs[0]
+            for kw in (
+                {"stop": stop},
+                {"stop": [stop], "include_stop_str_in_output": True},
+                {"stop_token_ids": [free[2]]},
+            )
+        )
+    assert (cut_out.token_ids, cut_out.text, cut_out.stop_reason) == (tokens, cut, stop)
+    assert kept.token_ids == tokens and kept.text == cut + stop
+    assert (by_id.token_ids, by_id.finish_reason, by_id.stop_reason) == (free[:3], "stop", free[2])
+
+
+def _local_prompts_job(path: str, tp: int):
+    """Each rank passes prompts of its own (a different count too); its outputs."""
+    import torch.distributed as dist
+
+    from reshard import LLM, SamplingParams
+
+    rank = dist.get_rank()
+    mine = [[5 + rank, 9, 11], [40, 41 + rank]] + [[7, 8, 9, 10]] * rank
+    with LLM(path, tp=tp, max_model_len=64, dp_prompts="local") as llm:
+        outs = llm.generate(mine, SamplingParams(max_tokens=6))
+    return mine, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_data_parallel_ranks_with_prompts_of_their_own_get_their_own_outputs(checkpoints, hf_reference, tp):
+    path = checkpoints["llama"]
+    per_rank = dist_harness.run(2, _local_prompts_job, path, tp)
+    assert [len(outs) for _, outs in per_rank] == [2, 3]
+    for prompts, outs in per_rank:
+        assert outs == hf_reference(path, prompts, 6)
+
+
+def test_a_repeated_prompt_and_seed_warns_and_old_engine_keywords_point_to_the_config(checkpoints):
+    from reshard import LLM, SamplingParams
+    from reshard.parallel import Engine
+
+    with LLM(checkpoints["llama"], max_model_len=64) as llm:
+        params = SamplingParams(max_tokens=3, temperature=1.0, seed=7)
+        with pytest.warns(UserWarning, match="2 sampled requests have the same prompt .* and the same seed 7"):
+            same = llm.generate([[5, 9, 11], [5, 9, 11]], params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # n samples of one prompt take seed, seed + 1: no warning
+            distinct = llm.generate([[5, 9, 11]], SamplingParams(max_tokens=3, temperature=1.0, seed=7, n=2))
+        assert same[0].outputs[0].token_ids == same[1].outputs[0].token_ids  # vLLM's meaning: identical samples
+        assert len(distinct[0].outputs) == 2
+        with pytest.raises(TypeError, match=r"Engine\(max_batch_size=4\) is a key of EngineConfig now"):
+            Engine(llm.engine.model, max_batch_size=4)
+
+
+def test_load_weights_takes_a_state_dict(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    from reshard import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32)
+    with LLM(checkpoints["llama"], max_model_len=64) as llm:
+        before = llm.generate([[5, 9, 11]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.mul_(1.5)
+        assert llm.load_weights(hf.state_dict()) > 0  # a mapping, the commonest thing to pass
+        after = llm.generate([[5, 9, 11]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+        with pytest.raises(TypeError, match="item 0 is str"):
+            llm.load_weights(["model.norm.weight"])
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([[5, 9, 11]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
+    assert after == want and after != before
