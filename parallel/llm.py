@@ -32,7 +32,14 @@ from torch import nn
 
 from reshard.parallel.engine import Completion, Engine, EngineConfig, Request
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, call_seed
-from reshard.parallel.llm_setup import check_memory, check_share, configure, join_group, load_tokenizer
+from reshard.parallel.llm_setup import (
+    check_memory,
+    check_same_arguments,
+    check_share,
+    configure,
+    join_group,
+    load_tokenizer,
+)
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.sources import experts_transposed
@@ -102,7 +109,10 @@ class LLM:
         self.seed, self.dp_prompts, self._calls, self._step, self._requests = seed, dp_prompts, 0, 0, 0
         self._owns_group = join_group()
         try:
-            self.parallel, config = configure(strategy, llm_options(options))
+            options = llm_options(options)
+            given = {"model": model, "strategy": strategy, "dp_prompts": dp_prompts, "seed": seed, **options}
+            check_same_arguments({k: v for k, v in given.items() if k != "tokenizer"})
+            self.parallel, config = configure(strategy, options)
             if isinstance(model, nn.Module):
                 self.engine, self.tokenizer = self._from_module(model, config), load_tokenizer(tokenizer, None)
             else:

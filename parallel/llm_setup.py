@@ -97,3 +97,31 @@ def check_memory(share: float | None) -> None:
             f"gpu_memory_utilization={share} allows {share * total / 2**30:.2f} GiB "
             "(lower max_num_seqs or max_model_len)"
         )
+
+
+def check_same_arguments(arguments: dict) -> None:
+    """``ValueError`` on every rank unless every rank built its ``LLM`` with the same ``arguments``
+    (the strategy, its degrees, engine keys, ...): ranks that disagree would wait in different
+    collectives until the timeout. One small all-gather, the first collective of the ``LLM``."""
+    if dist.get_world_size() == 1:
+        return
+    from reshard.mesh import all_gather_objects
+
+    everyone = all_gather_objects({k: _comparable(v) for k, v in arguments.items()})
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
+        if differ:
+            key = differ[0]
+            raise ValueError(
+                f"LLM: the ranks were given different arguments: {key}={first.get(key)} on rank 0, "
+                f"{key}={theirs.get(key)} on rank {rank}; every rank builds the same LLM"
+            )
+
+
+def _comparable(value) -> str:
+    """A value as ranks can compare it: a module by its class and config, anything else by repr."""
+    if isinstance(value, torch.nn.Module):
+        config = getattr(value, "config", None)
+        return f"{type(value).__name__}({config.to_json_string(use_diff=True) if config is not None else ''})"
+    return repr(value)
