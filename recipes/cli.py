@@ -2,6 +2,7 @@
 
     reshard generate [--nproc N] [hydra overrides]    the main job on N ranks (default 1)
     reshard generate --nnodes M --node-rank R --master-addr A --nproc N   one job on M machines (M x N ranks)
+                     [--master-port P] [--rdzv-timeout S]   (each node runs it; S: how long to wait for all)
     reshard rollout  [--nproc N] [hydra overrides]    the RL rollout loop
     reshard serve    [--nproc N] [--host H] [--port P] [overrides]   an OpenAI-compatible server (SIGTERM drains)
     reshard plan     [hydra overrides]                the cost model's ranking (one process)
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
+import errno
 import json
 import logging
 import os
@@ -32,7 +33,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from reshard.recipes.exits import (
     EXIT_INTERRUPTED,
@@ -43,6 +43,7 @@ from reshard.recipes.exits import (
     signal_name,
     story_lines,
 )
+from reshard.recipes.preflight import check, check_writable, keys_lines, total_requests
 
 RANKED_JOBS = ("generate", "rollout", "serve")
 JOBS = (*RANKED_JOBS, "plan")
@@ -57,6 +58,14 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
     p.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 (default 29500)")
+    p.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="--nnodes > 1: how long a node waits for the others (and node 0) to start before it fails "
+        "with one line naming the missing nodes (default 300)",
+    )
     p.add_argument("--host", help="serve: the address to listen on (serve.host, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="serve: the port (serve.port, default 8000; 0: any free one)")
     p.add_argument("--keys", action="store_true", help="print every config key with its default, one per line")
@@ -78,6 +87,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
     if not 0 < args.master_port < 65536:
         p.error(f"--master-port must be a port number in 1..65535, got {args.master_port}")
+    if not 0 < args.rdzv_timeout < float("inf"):
+        p.error(f"--rdzv-timeout must be a positive number of seconds, got {args.rdzv_timeout:g}")
     return args, overrides
 
 
@@ -98,6 +109,9 @@ def _main(argv: Sequence[str]) -> int:
         run_dir, overrides = _run_dir(overrides)
         cfg = check(args.job, overrides, args.nproc * args.nnodes)
         requests = total_requests(cfg)
+        if not (args.keys or args.check):  # (--check: the config alone; directories and ports are tried at run)
+            check_writable(f"hydra.run.dir {str(run_dir)!r}", run_dir)
+            Nodes.of(args).check()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER
@@ -139,150 +153,52 @@ class Nodes:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    rdzv_timeout: float = 300.0  # seconds a node waits for the others (--rdzv-timeout)
 
     @staticmethod
     def of(args: argparse.Namespace) -> Nodes:
-        return Nodes(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        return Nodes(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_timeout)
+
+    def check(self) -> None:
+        """``ValueError`` (one line) for a ``--master-addr`` that does not resolve and, on node 0,
+        a ``--master-port`` that cannot be listened on here: both tried, before anything starts.
+        One machine rendezvouses on a free local port: nothing to check."""
+        if self.nnodes == 1:
+            return
+        try:
+            socket.getaddrinfo(self.master_addr, self.master_port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ValueError(f"--master-addr {self.master_addr!r} does not resolve ({e.strerror})") from None
+        if self.node_rank == 0:
+            _check_port(self.master_port)
 
     def rendezvous(self) -> dict:
-        """``LaunchConfig``'s rendezvous keys."""
+        """``LaunchConfig``'s rendezvous keys; several nodes: :mod:`reshard.recipes.rendezvous`'s."""
         if self.nnodes == 1:
             return dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+        from reshard.recipes.rendezvous import BACKEND, register
+
+        register()
         return dict(
-            rdzv_backend="static",
+            rdzv_backend=BACKEND,
             rdzv_endpoint=f"{self.master_addr}:{self.master_port}",
-            rdzv_configs={"rank": self.node_rank},
+            rdzv_configs={"rank": self.node_rank, "timeout": self.rdzv_timeout},
         )
 
 
-# ---- before any rank starts -------------------------------------------------------------------
-def check(job: str, overrides: Sequence[str], nproc: int) -> Any:
-    """The job's config dataclass, checked as the ranks will check it (layouts and kills against
-    ``nproc`` ranks too); ``ValueError`` with one line naming the key otherwise."""
-    from reshard.recipes import schema
-    from reshard.recipes.launch import collective_timeout
-
-    bad = [o for o in overrides if "=" not in o and not o.startswith("~")]
-    if bad:
-        raise ValueError(f"{bad[0]!r} is not a key=value override")
-    collective_timeout()  # the environment's timeout, as every rank reads it
-    try:
-        cfg = schema.compose(job, overrides)
-    except ValueError as e:
-        raise ValueError(str(e) + did_you_mean(job, str(e), overrides)) from None
-    if job in ("generate", "serve"):
-        cfg.fault.check_world(nproc)
-        cfg.parallel.layouts(nproc)
-        _check_model_path(cfg.model.path)
-        _check_cache_dir(cfg.model.cache_dir)
-    if job == "rollout":
-        from reshard.parallel.strategies.rollout import RankSplit, rollout_dims, rollout_strategy
-
-        r = cfg.rollout
-        split = RankSplit.of(nproc, r.colocated, r.train_ranks)
-        rollout_dims(rollout_strategy(r.layout, tp=r.tp, sp=r.sp), split.rollout)
-        _check_task(cfg.train)
-    return cfg
-
-
-def _check_task(train) -> None:
-    """A ``train.reward`` that does not import, prompts that are not there: refused here (the ranks tokenize)."""
-    from reshard.recipes.rl_task import load_reward, load_rows
-
-    if train.reward is not None:
-        load_reward(train.reward)
-    if train.prompts_file is not None and not Path(train.prompts_file).is_file():
-        raise ValueError(f"train.prompts_file {train.prompts_file!r} is not a file")
-    if train.prompts_dataset is not None:
-        load_rows(train.prompts_dataset, train.prompts_split)
-
-
-def _check_cache_dir(cache_dir: str | None) -> None:
-    """``ValueError`` for a ``model.cache_dir`` the ranks could not write (the built-in checkpoint
-    is made there)."""
-    if cache_dir is None:
-        return
-    existing = next(p for p in (Path(cache_dir).expanduser(), *Path(cache_dir).expanduser().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"model.cache_dir {cache_dir!r} cannot be written ({str(existing)!r} is not a writable directory)"
-        )
-
-
-def _check_model_path(path: str | None) -> None:
-    """``ValueError`` for a ``model.path`` that names a local directory (``/``, ``.``, ``~``)
-    which is not a checkpoint: missing, without ``config.json``, or one that is not JSON. (A hub
-    id, ``org/name``, resolves on the ranks.)"""
-    if path is None or not str(path).startswith(("/", ".", "~")):
-        return
-    directory = Path(path).expanduser()
-    if not directory.is_dir():
-        raise ValueError(f"model.path {path!r} is not a directory (a checkpoint directory or a hub id org/name)")
-    config = directory / "config.json"
-    try:
-        json.loads(config.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"model.path {path!r} has no config.json: not an HF checkpoint directory") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model.path {path!r}: its config.json is not JSON ({e})") from None
-
-
-def did_you_mean(job: str, message: str, overrides: Sequence[str]) -> str:
-    """`` (did you mean 'engine.max_batch_size'?)`` when ``message`` refuses a key that is close to
-    one the job has; else ``""``."""
-    key = message.split(":", 1)[0]
-    if "not in" not in message:
-        return ""
-    keys = all_keys(job, overrides)
-    if "." not in key:  # a top-level name: the sections and keys at the top
-        keys = sorted({k.split(".", 1)[0] for k in keys})
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def all_keys(job: str, overrides: Sequence[str]) -> list[str]:
-    """Every full key of the job's config (with the ``parallel=`` strategy the overrides chose)."""
-    return [k for k, _ in flat_defaults(job, overrides)]
-
-
-def flat_defaults(job: str, overrides: Sequence[str]) -> list[tuple[str, Any]]:
-    """``(full key, default)`` of the job's config, depth first."""
-    import dataclasses
-
-    from reshard.recipes import schema
-
-    groups = [o for o in overrides if o.split("=", 1)[0] == "parallel"]
-    cfg = schema.compose(job, groups)
-
-    def walk(node: Any, path: str) -> list[tuple[str, Any]]:
-        if not dataclasses.is_dataclass(node):
-            return [(path, node)]
-        return [kv for f in dataclasses.fields(node) for kv in walk(getattr(node, f.name), f"{path}{f.name}.")]
-
-    return [(k.rstrip("."), v) for k, v in walk(cfg, "")]
-
-
-def keys_lines(job: str, overrides: Sequence[str]) -> list[str]:
-    """One line per key: ``engine.max_batch_size = 8``."""
-    return [f"{key} = {json.dumps(value, default=repr)}" for key, value in flat_defaults(job, overrides)]
-
-
-def total_requests(cfg: Any) -> int | None:
-    """How many requests a generate job runs (``None`` for jobs without requests); a prompts file
-    that does not exist or is not UTF-8 is a ``ValueError`` naming it."""
-    from reshard.recipes.prompts import _prompt_lines
-
-    w = getattr(cfg, "workload", None)
-    if w is None or not hasattr(w, "num_requests"):
-        return None
-    if w.prompts_file is None:
-        return w.num_requests * cfg.generation.n
-    path = Path(w.prompts_file)
-    if path.is_dir():
-        raise ValueError(f"workload.prompts_file {str(path)!r} is a directory; give a JSONL file")
-    if not path.is_file():
-        raise ValueError(f"workload.prompts_file {str(path)!r} does not exist")
-    return len(_prompt_lines(path)) * cfg.generation.n
+def _check_port(port: int) -> None:
+    """``ValueError`` unless ``port`` can be bound on every address here, as node 0's store binds it
+    (with ``SO_REUSEADDR``, as the store does: a finished job's connections in TIME_WAIT are no conflict)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            how = "is in use on this machine" if e.errno == errno.EADDRINUSE else "cannot be listened on here"
+            raise ValueError(
+                f"--master-port {port} {how} ({e.strerror}); node 0 hosts the rendezvous there: "
+                f"stop what holds it or choose another port on every node"
+            ) from None
 
 
 def new_run_dir() -> Path:
@@ -317,6 +233,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from reshard.recipes.rank import BLOCKED_START
+    from reshard.recipes.rendezvous import NodesMissing
 
     _quiet("torch.distributed.elastic")  # our lines, not the agent's
     env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nodes.nproc > 1 else {})
@@ -337,6 +254,9 @@ def launch(
         return EXIT_INTERRUPTED
     except ChildFailedError as e:
         return _remove_if_empty(run_dir, failed(e, run_dir))
+    except NodesMissing as e:  # no rank started
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return _remove_if_empty(run_dir, 1)
     print_story(run_dir)
     return 0
 

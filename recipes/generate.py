@@ -58,8 +58,6 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     _inject_failure(cfg, engine)
     load_seconds = time.perf_counter() - t0
     requests = build_requests(cfg, path, engine.model.config.vocab_size)
-    if cfg.compile and _rank() == 0:
-        print(compile_notice(), flush=True)
     t1 = time.perf_counter()
     with engine:
         completions = engine.generate(requests, progress=cfg.progress and _rank() == 0)
@@ -69,15 +67,6 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
         write_outputs(run_dir, completions, summary, cfg.parallel, fmt)
         keep.unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary
-
-
-def compile_notice() -> str:
-    """What ``compile=true`` is about to do, said before the first (slow) compiled step."""
-    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "Inductor's default cache")
-    return (
-        "compiling the decode step at its first calls (a first run on this machine can take minutes; "
-        f"compiled code is cached in {where}, so later runs start faster)"
-    )
 
 
 def _workload_shape(cfg: GenerateConfig) -> WorkloadShape:

@@ -1,6 +1,6 @@
 """Plan a deployment we cannot test here, from the cost model (:mod:`parallel.cost`).
 
-    python -m reshard.recipes.plan model=llama3-15b hardware=a10 num_gpus=4 workload=arxiv
+    python -m reshard.recipes.plan model=llama3-15b hardware=g5.48xlarge num_gpus=4 workload=arxiv
 
 Single process (no torchrun); ``hardware=this_machine`` first calibrates this machine (2 gloo
 processes, cached). Prints one ranking across techniques (every feasible static layout, Seesaw pair
@@ -23,7 +23,7 @@ from reshard.parallel.cost import moe
 from reshard.parallel.cost import roofline as cost
 from reshard.parallel.cost import technique_models as models
 from reshard.parallel.cost.fit import EFFICIENCIES
-from reshard.parallel.cost.profiles import Hardware, ModelShape, hardware, model, workload
+from reshard.parallel.cost.profiles import HARDWARE, MACHINES, Hardware, ModelShape, hardware, model, workload
 from reshard.parallel.cost.techniques import rank_all, with_latency
 from reshard.parallel.cost.topology import placement
 from reshard.recipes.launch import hydra_main
@@ -77,6 +77,24 @@ def make_plan(cfg: PlanConfig) -> dict:
             "prefill_tokens": cost.PREFILL_TOKENS,
         },
     }
+
+
+def hardware_note(name: str) -> str | None:
+    """One line when ``hardware=name`` is a datasheet card without socket topology while a paper's
+    machine of the same GPU has one (``a10`` -> ``a10-g5``, the g5.48xlarge); else ``None``."""
+    name = MACHINES.get(name, name)
+    if name not in HARDWARE or HARDWARE[name].topology:
+        return None
+    twin = next((k for k, hw in HARDWARE.items() if hw.topology and k.startswith(f"{name}-")), None)
+    if twin is None:
+        return None
+    levels, aws = HARDWARE[twin].topology, {v: k for k, v in MACHINES.items()}.get(twin)
+    inner, whole = levels[0].size, levels[-1].size
+    machine = f"hardware={aws} (= {twin})" if aws else f"hardware={twin}"
+    return (
+        f"note: hardware={name} has no socket topology (one flat link between any two GPUs); the Seesaw "
+        f"paper's machine is {machine}: {whole} GPUs, {whole // inner} sockets of {inner}"
+    )
 
 
 def _placements(hw: Hardware, *rows: dict | None) -> dict:
@@ -235,7 +253,9 @@ def run_plan(cfg: PlanConfig, run_dir: Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     plot(plan, run_dir / "plan.png", cfg.top)
-    print(table(plan, cfg.top), summary_lines(plan), f"outputs written to {run_dir.resolve()}", sep="\n", flush=True)
+    note = hardware_note(cfg.hardware)
+    lines = [table(plan, cfg.top), summary_lines(plan), *([note] if note else [])]
+    print(*lines, f"outputs written to {run_dir.resolve()}", sep="\n", flush=True)
     return plan
 
 

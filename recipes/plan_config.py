@@ -8,7 +8,10 @@ from dataclasses import dataclass
 @dataclass
 class PlanConfig:
     model: str = "llama3-15b"  # a name in parallel.profiles.MODELS or a path to an HF config.json
-    hardware: str = "g5.48xlarge"  # parallel.cost.profiles.HARDWARE or MACHINES (g5.48xlarge, ...) or this_machine
+    # the Seesaw paper's machines, 8 GPUs in two sockets of 4: g5.48xlarge (= a10-g5), g6.48xlarge (= l4-g6);
+    # the papers' a100-40g-pcie, a100-40g-nvlink, h200-fp8; datasheet cards with one flat link, no socket
+    # topology: a10, l4, a100-40g, a100-80g, h100, h200 (parallel.cost.profiles.HARDWARE); or this_machine
+    hardware: str = "g5.48xlarge"
     num_gpus: int = 4  # a power of two
     workload: str = "arxiv"  # arxiv | sharegpt | constant
     input_len: float = 512.0  # constant workload: prompt tokens per request

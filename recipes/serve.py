@@ -15,6 +15,7 @@ the run directory. SIGTERM drains: new requests get 503, those accepted finish (
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import threading
@@ -36,6 +37,7 @@ from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import hydra_main
 
 SERVER_FILE = "server.json"  # rank 0's pid and, once it listens, the server's URL
+HTTP_PACKAGES = ("fastapi", "uvicorn")  # the HTTP side's imports (base dependencies in pyproject.toml)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ def run_serve(cfg: GenerateConfig, run_dir: Path, drain: threading.Event) -> dic
     """Serve until drained (SIGTERM); every rank returns ``{}``."""
     from reshard.recipes.generate import _model_path, _workload_shape
 
+    check_http_packages()  # every rank: a rank that cannot serve fails as its peers do
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg.fault.check_world(world)
     if rank == 0:
@@ -82,6 +85,25 @@ def run_serve(cfg: GenerateConfig, run_dir: Path, drain: threading.Event) -> dic
         with server:
             engine.serve_routed(channel, endpoint_of(group.index), layout=group, keep=False)
     return {}
+
+
+def check_http_packages() -> None:
+    """``ValueError`` (one line naming the pip command) unless FastAPI and uvicorn import here (an
+    install from before they were base dependencies lacks them)."""
+    missing = [name for name in HTTP_PACKAGES if not _imports(name)]
+    if missing:
+        raise ValueError(
+            f"reshard serve needs {' and '.join(missing)}, which this Python cannot import: reinstall reshard "
+            f"(`pip install -e .` in its repository) or run `pip install 'fastapi>=0.110' 'uvicorn>=0.29'`"
+        )
+
+
+def _imports(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
 
 
 def _call_name() -> str:

@@ -52,7 +52,7 @@ def test_each_reshard_command_checks(words):
 
 
 def test_the_torchrun_command_checks_for_its_world():
-    from reshard.recipes.cli import check
+    from reshard.recipes.preflight import check
 
     [words] = [c for c in SHELL if c[0] == "torchrun"]
     flags = dict(zip(words[1::2], words[2::2]))

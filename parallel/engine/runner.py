@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -43,6 +44,7 @@ from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.layouts import stage_of_layer
 
+log = logging.getLogger(__name__)
 REPLICAS = ("lockstep", "groups")
 KV_LEN_BUCKET = 128  # a compiled decode step attends over a multiple of this many positions
 
@@ -151,18 +153,27 @@ class ModelRunner:
 
     def _compiled_body(self) -> Callable:
         """The decode body compiled once per shape; CUDA graphs on a GPU (static shapes and buffers).
-        Calls that compiled a graph add their wall time to :attr:`compile_seconds`."""
+        Calls that compiled a graph add their wall time to :attr:`compile_seconds`; rank 0 logs
+        (INFO) a line before the first call and one after each call that compiled, with its time."""
         graphs_on = self.device.type == "cuda"
         body = torch.compile(self._body, mode="reduce-overhead" if graphs_on else None)
+        said = not _logs_progress()
 
         def timed(*args, **kwargs):
+            nonlocal said
             if graphs_on:  # the step writes the KV cache in place: static inputs, or no CUDA graph at all
                 for t in (*self.kv.k, *self.kv.v):
                     torch._dynamo.mark_static_address(t)
+            if not said:
+                log.info("compiling the decode step (%s)", _compile_cache_note())
             graphs, t0 = _graphs_compiled(), time.perf_counter()
             out = body(*args, **kwargs)
             if _graphs_compiled() != graphs:
                 self.compile_seconds += time.perf_counter() - t0
+                if _logs_progress():
+                    what = "the decode step" if not said else "the decode step for a new shape"
+                    log.info("compiled %s in %.1f s", what, time.perf_counter() - t0)
+            said = True
             return out
 
         return timed
@@ -425,6 +436,18 @@ def _positive(name: str, value: int) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
+
+
+def _logs_progress() -> bool:
+    """Whether this process logs compile progress: rank 0, or a process outside any group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _compile_cache_note() -> str:
+    """Where the compiled code is cached, and what a first run costs."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return f"a first run on this machine can take minutes; cached afterwards in {cache_dir()}"
 
 
 def _graphs_compiled() -> int:

@@ -17,8 +17,14 @@ from reshard.parallel.model.checkpoint import CheckpointReader, resolve_checkpoi
 from reshard.parallel.model.dims import ParallelDims, device_type
 from reshard.parallel.model.info import LoadStats, ParallelInfo
 from reshard.parallel.model.plans import BuildContext, MeshOf, ParallelStyle, tp_plan
-from reshard.parallel.model.sources import checkpoint_source, experts_transposed
-from reshard.parallel.model.weight_sync import split_fused
+from reshard.parallel.model.sources import (
+    Source,
+    check_expert_count,
+    checkpoint_source,
+    config_experts,
+    experts_transposed,
+)
+from reshard.parallel.model.weight_sync import split_fused, train_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "llama4_text")
 
@@ -29,6 +35,17 @@ def check_architecture(config) -> None:
         raise ValueError(
             f"unsupported architecture {name!r} (model_type {config.model_type!r}); "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def check_ep(config, dims: ParallelDims) -> None:
+    """``ValueError`` when ``dims.ep`` splits the experts of a model that has none (a dense model
+    would otherwise ignore it)."""
+    if dims.ep > 1 and not config_experts(config):
+        name = (config.architectures or [config.model_type])[0]
+        raise ValueError(
+            f"ep ({dims.ep}) splits a mixture-of-experts model's experts over ranks, but {name} "
+            f"(model_type {config.model_type!r}) has no experts: leave ep at 1"
         )
 
 
@@ -55,8 +72,9 @@ def parallelize(
     the mesh each module lives on (default: this rank's tp mesh; a pipeline stage's tp mesh, where a
     rank reads only its stage's slices; Shift's ``(sp, tp)`` base mesh). ``load_weights=False``
     (from a path) leaves the parameters uninitialized. Every checkpoint tensor's shape and dtype is
-    checked against the parameter it fills before anything is read; checkpoint tensors the model
-    does not use are an error unless ``allow_unused``.
+    checked against the parameter it fills before any mesh is made (the first collective: a bad
+    checkpoint fails on every rank alike, none left waiting); checkpoint tensors the model does not
+    use are an error unless ``allow_unused``.
     """
     dims = dims if dims is not None else ParallelDims.from_world(tp=_world_size())
     plan = plan if plan is not None else tp_plan()
@@ -75,10 +93,16 @@ def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True, 
     directory = resolve_checkpoint(path)
     config = AutoConfig.from_pretrained(directory)
     check_architecture(config)
+    check_ep(config, dims)
     reader = CheckpointReader(directory) if load_weights else None  # (a config alone builds unloaded)
-    model = _skeleton(config, dims, plan, dtype or _config_dtype(config), mesh_of)
+    dtype = dtype or _config_dtype(config)
+    model = _meta_model(config, dtype)
+    if reader is not None:  # every tensor checked against the model before the first collective
+        check_expert_count(directory, config, reader)
+        sources = check_checkpoint(train_tensors(model), config, reader, allow_unused=allow_unused)
+    _swap_modules(model, plan, BuildContext(config, dims, dtype, device_type(), mesh_of=mesh_of))
     if reader is not None:
-        _load(model, reader, allow_unused=allow_unused)
+        _read(model, reader, sources)
     _rebuild_rotary(model, device_type())
     stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory)) if reader else LoadStats(0, 0)
     model.parallel_info = ParallelInfo(dims, stats)
@@ -88,17 +112,23 @@ def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True, 
 def _skeleton(config, dims, plan, dtype: torch.dtype, mesh_of) -> nn.Module:
     """The HF model of ``config`` built on the meta device with the ``plan``'s modules swapped for
     our layers (their parameters allocated, unread)."""
+    model = _meta_model(config, dtype)
+    _swap_modules(model, plan, BuildContext(config, dims, dtype, device_type(), mesh_of=mesh_of))
+    return model
+
+
+def _meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """The HF model of ``config`` on the meta device (no collective: no mesh yet)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    _swap_modules(model, plan, BuildContext(config, dims, dtype, device_type(), mesh_of=mesh_of))
-    return model
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
 def _parallelize_module(module: nn.Module, dims, plan, mesh_of=None, inplace=False) -> nn.Module:
     """Our model of ``module``'s weights; ``inplace``: ``module`` itself, its modules swapped."""
     check_architecture(module.config)
+    check_ep(module.config, dims)
     transposed = experts_transposed(module.config)
     full = {k: v.detach() for name, t in module.state_dict().items() for k, v in split_fused(name, t, transposed)}
     dtype = next(iter(full.values())).dtype
@@ -156,18 +186,29 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, allow_unused: 
     """Read this rank's boxes of every parameter of ``model`` (built with ``load_weights=False``)
     from the checkpoint at ``path``; rank-local, no collective."""
     reader = CheckpointReader(resolve_checkpoint(path))
-    _load(model, reader, allow_unused=allow_unused)
+    params = dict(model.named_parameters())
+    _read(model, reader, check_checkpoint(params, model.config, reader, allow_unused=allow_unused))
 
 
-def _load(model: nn.Module, reader: CheckpointReader, *, allow_unused: bool) -> None:
-    """Copy each rank's box of every parameter from the checkpoint into its local shard, after
-    checking every tensor's shape and dtype and that the checkpoint holds nothing unused."""
-    params, cfg = dict(model.named_parameters()), model.config
-    tied, transposed = bool(getattr(cfg, "tie_word_embeddings", False)), experts_transposed(cfg)
+def check_checkpoint(
+    params: Mapping[str, torch.Tensor], config, reader: CheckpointReader, *, allow_unused: bool
+) -> dict[str, Source]:
+    """Where each of ``params`` (our layers' names, global shapes: a model of them, or an HF
+    model's :func:`train_tensors`) comes from in ``reader``'s checkpoint, after checking every
+    tensor's shape and dtype and that the checkpoint holds nothing unused (``ValueError`` naming
+    the first tensor that does not fit). Rank-local, no collective."""
+    tied, transposed = bool(getattr(config, "tie_word_embeddings", False)), experts_transposed(config)
     sources = {name: checkpoint_source(name, tuple(p.shape), reader, tied, transposed) for name, p in params.items()}
-    for name, param in params.items():
-        sources[name].check(reader, tuple(param.shape), param.dtype, name)
+    for name, p in params.items():
+        sources[name].check(reader, tuple(p.shape), p.dtype, name)
     _check_unused(reader, {k for source in sources.values() for k in source.keys}, allow_unused)
+    return sources
+
+
+def _read(model: nn.Module, reader: CheckpointReader, sources: Mapping[str, Source]) -> None:
+    """Copy each rank's box of every parameter from its checked ``sources`` into its local shard."""
+    params = dict(model.named_parameters())
+    assert params.keys() == sources.keys(), sorted(params.keys() ^ sources.keys())
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, param in params.items():
         box = Layout.of_dtensor(param).box(rank)

@@ -11,7 +11,10 @@ or transformers' fused ``mlp.experts.gate_up_proj (E, 2I, D)`` (gate rows first,
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
@@ -23,6 +26,46 @@ from reshard.parallel.model.checkpoint import CheckpointReader
 EXPERT_TENSORS = MappingProxyType(
     {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2")}
 )
+
+# config.json's names for the routed experts of a MoE layer (Qwen's hub configs, Mixtral / Llama 4 and
+# transformers 5's saves, DeepSeek): transformers maps them onto one attribute, the last one read wins
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def config_experts(config) -> int:
+    """The routed experts per MoE layer of the model ``config`` builds (0: a dense model)."""
+    return max((v for k in EXPERT_COUNT_KEYS if isinstance(v := getattr(config, k, None), int)), default=0)
+
+
+def check_expert_count(directory: Path, config, reader: CheckpointReader) -> None:
+    """``ValueError`` naming the declared count, the built one and the files' when ``config.json``
+    declares an expert count (under any of its names) that the model ``config`` builds does not
+    have: transformers silently keeps the last of two keys that disagree."""
+    raw = json.loads((directory / "config.json").read_text())
+    raw = raw.get("text_config", raw)
+    built = config_experts(config)
+    for key in EXPERT_COUNT_KEYS:
+        declared = raw.get(key)
+        if isinstance(declared, int) and declared != getattr(config, key, declared):
+            raise ValueError(
+                f"config.json in {directory} declares {key} = {declared} experts, but the model transformers "
+                f"builds from it has {built} ({_other_keys(raw, key)}) and the safetensors hold "
+                f"{files_experts(reader)} per MoE layer: make config.json's expert counts agree"
+            )
+
+
+def _other_keys(raw: dict, key: str) -> str:
+    return ", ".join(f"{k} = {raw[k]}" for k in EXPERT_COUNT_KEYS if k != key and k in raw) or "its default"
+
+
+def files_experts(reader: CheckpointReader) -> int | str:
+    """How many experts a MoE layer of ``reader``'s checkpoint holds: the per-expert tensors'
+    highest index + 1, else the fused ``gate_up_proj``'s dim 0 (``"none"`` in a dense checkpoint)."""
+    indices = {int(m.group(1)) for k in reader if (m := re.search(r"\.experts\.(\d+)\.", k))}
+    if indices:
+        return max(indices) + 1
+    fused = next((k for k in reader if k.endswith(".experts.gate_up_proj")), None)
+    return reader.spec(fused)[0][0] if fused else "none"
 
 
 def experts_transposed(config) -> bool:
@@ -99,6 +142,14 @@ def _experts(
         if any(k in reader for k in keys):
             missing = [k for k in keys if k not in reader]
             if missing:
-                raise ValueError(f"checkpoint at {reader.directory} lacks expert tensor {missing[0]!r} (for {name!r})")
+                raise ValueError(
+                    f"checkpoint at {reader.directory} lacks expert tensor {missing[0]!r} (for {name!r})"
+                    + _fewer_experts(len(keys), len(keys) - len(missing), keys[-len(missing) :] == tuple(missing))
+                )
             return Source(keys, stacked=True)
     raise ValueError(f"parameter {name!r}: no per-expert or fused expert tensors of {block} in {reader.directory}")
+
+
+def _fewer_experts(declared: int, held: int, tail: bool) -> str:
+    """The missing-expert message's end when the checkpoint holds only the first experts."""
+    return f": config.json declares {declared} experts, the checkpoint holds {held} (0..{held - 1})" if tail else ""

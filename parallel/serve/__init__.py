@@ -1,7 +1,7 @@
 """``reshard serve``'s HTTP side: OpenAI's protocol (:mod:`.protocol`), the front end between the
 HTTP handlers and the job's router (:mod:`.front`), the metrics (:mod:`.metrics`) and the FastAPI
-application with its uvicorn thread (:mod:`.app`). FastAPI and uvicorn are imported when a server
-is built (``pip install reshard[serve]``)."""
+application with its uvicorn thread (:mod:`.app`). FastAPI and uvicorn (base dependencies) are
+imported when a server is built."""
 
 from reshard.parallel.serve.app import HttpServer, Text, build_app
 from reshard.parallel.serve.front import Front, ServeLimits, Stream
