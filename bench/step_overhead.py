@@ -1,0 +1,100 @@
+"""Host work per decode step: ms per generated token of our engine (default settings) against HF
+``generate`` and a bare HF forward (one token per sequence through a ``DynamicCache``), on a model
+whose arithmetic is ~0 (the tiny Llama: hidden 64, 2 layers), 1 process, B sequences at once.
+
+    python bench/step_overhead.py [--batch-sizes 1,8,32,128] [--new-tokens 128] [--prompt-len 16] [--repeats 3]
+
+Each figure is the median over ``--repeats`` runs, the three interleaved per repeat; per token =
+wall time / new tokens (one prefill step included for ours and HF ``generate``, not for the bare
+forward). Run it in a session of its own (``setsid``) on a quiet machine: this kernel shares CPU
+between sessions whatever their nice value.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_sizes, fill_sizes, med, parser, rerun_command
+
+DEFAULTS = {"batch_sizes": [1, 8, 32, 128], "new_tokens": 128, "prompt_len": 16, "repeats": 3}
+SMALL = {"batch_sizes": [1, 8], "new_tokens": 16, "prompt_len": 8, "repeats": 1}
+
+
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
+
+
+def ours(engine, prompts: list[list[int]], new: int) -> float:
+    """Seconds per new token of ``Engine.generate`` (greedy, EOS ignored)."""
+    from reshard.parallel import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
+    return (time.perf_counter() - t0) / new
+
+
+def hf_generate(model, prompts: list[list[int]], new: int) -> float:
+    """Seconds per new token of HF ``generate`` (greedy, no EOS)."""
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return (time.perf_counter() - t0) / new
+
+
+def bare_forward(model, prompts: list[list[int]], new: int) -> float:
+    """Seconds per decode step of the HF model called by hand: one token per sequence, its cache."""
+    from transformers import DynamicCache
+
+    ids, cache = torch.tensor(prompts), DynamicCache()
+    with torch.no_grad():
+        logits = model(ids, cache=cache, use_cache=True).logits
+        t0 = time.perf_counter()
+        for _ in range(new):
+            logits = model(logits[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+    return (time.perf_counter() - t0) / new
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__)
+    add_sizes(p, DEFAULTS, SMALL)
+    args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from reshard.parallel import Engine, EngineConfig, parallelize
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
+
+    torch.set_num_threads(2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    path = make_tiny_checkpoint("llama", Path(tempfile.mkdtemp(prefix="step-overhead-")) / "tiny")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    print(f"# {rerun_command('step_overhead.py', one_thread=False, argv=argv)}")
+    print(f"{'B':>5} {'ours ms':>9} {'HF gen ms':>10} {'bare ms':>8} {'ours/HF':>8} {'ours/bare':>10}")
+    for batch in args.batch_sizes:
+        prompts = _prompts(batch, args.prompt_len, hf.config.vocab_size)
+        config = EngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens)
+        engine = Engine(parallelize(str(path)), config)
+        ours(engine, prompts, 2)  # warm-up
+        times: dict[str, list[float]] = {"ours": [], "hf": [], "bare": []}
+        for _ in range(args.repeats):
+            times["ours"].append(ours(engine, prompts, args.new_tokens))
+            times["hf"].append(hf_generate(hf, prompts, args.new_tokens))
+            times["bare"].append(bare_forward(hf, prompts, args.new_tokens))
+        o, h, b = (1e3 * med(times[k]) for k in ("ours", "hf", "bare"))
+        print(f"{batch:>5} {o:>9.2f} {h:>10.2f} {b:>8.2f} {o / h:>8.2f} {o / b:>10.2f}", flush=True)
+        engine.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
