@@ -56,13 +56,18 @@ def tokenizer(served):
 
 
 def start_server(served: Path, run_dir: Path, extra: list[str]) -> Server:
+    args = ["--nproc", "2", f"model.path={served}", f"serve.model_name={MODEL}", *extra]
+    return launch_server(run_dir, args)
+
+
+def launch_server(run_dir: Path, args: list[str], env: dict | None = None) -> Server:
+    """``reshard serve --port 0 ARGS`` writing into ``run_dir``, once it says where it listens."""
     log = run_dir.parent / f"{run_dir.name}.log"
-    args = ["serve", "--nproc", "2", "--port", "0", f"model.path={served}", f"serve.model_name={MODEL}"]
-    args += [*extra, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "reshard.recipes.cli", *args],
+        [sys.executable, "-m", "reshard.recipes.cli", "serve", "--port", "0", *args, f"hydra.run.dir={run_dir}"],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
+        env=env,
         start_new_session=True,
     )
     deadline = time.monotonic() + 180

@@ -10,15 +10,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 
 from tests.test_readme import _blocks, _commands
-from tests.test_serve import Server, stop
+from tests.test_serve import launch_server, stop
 
 NEW = 6
 
@@ -47,30 +45,6 @@ def test_the_first_setup_command_installs_the_server_packages_as_base_requiremen
     assert script.value == "reshard.recipes.cli:entry"  # the command the tests below run
 
 
-def _start(run_dir: Path, env: dict) -> Server:
-    """``reshard serve --nproc 1`` on the default model (built under ``env``'s ``RESHARD_CACHE``)."""
-    log = run_dir.parent / f"{run_dir.name}.log"
-    args = ["serve", "--nproc", "1", "--port", "0", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reshard.recipes.cli", *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited {proc.returncode}:\n{log.read_text()}")
-        info = run_dir / "server.json"
-        url = json.loads(info.read_text()).get("url") if info.exists() else None
-        if url:
-            return Server(url, proc, run_dir, log)
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"no server within 180 s:\n{log.read_text()}")
-
-
 def _complete(url: str, body: dict) -> dict:
     request = urllib.request.Request(
         f"{url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -86,7 +60,7 @@ def test_reshard_serve_nproc_1_on_the_default_model_answers_a_completion(tmp_pat
     from reshard.parallel.model.tiny_models import BUILTIN_NAME
 
     env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    server = _start(tmp_path / "run", env)
+    server = launch_server(tmp_path / "run", ["--nproc", "1"], env)  # the default model, built under env's cache
     try:
         body = {"model": BUILTIN_NAME, "prompt": "Hello there", "max_tokens": NEW, "temperature": 0}
         out = _complete(server.url, body)
