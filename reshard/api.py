@@ -23,7 +23,7 @@ from reshard.background import Background
 from reshard.dtensor import empty_dtensor, wrap_local
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, execute
 from reshard.layout import Layout
-from reshard.mesh import all_gather_objects, cached_group, device_type, let_go
+from reshard.mesh import all_gather_objects, cached_group, collective_exit_wait, device_type, let_go
 from reshard.plan import Plan, plan_transfer
 
 Target = tuple[DeviceMesh, Sequence[Placement]]
@@ -161,7 +161,12 @@ class MoveHandle:
 
     def __init__(self, module, names, tensors, targets, bucket_bytes, group) -> None:
         self._module, self._names = module, names
-        self._job = Background(lambda: _move(tensors, targets, bucket_bytes, group), "reshard-move", "background move")
+        self._job = Background(
+            lambda: _move(tensors, targets, bucket_bytes, group),
+            "reshard-move",
+            "background move",
+            exit_wait=collective_exit_wait(),
+        )
 
     def done(self) -> bool:
         return self._job.done()

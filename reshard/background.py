@@ -3,6 +3,7 @@ order for its owner's life (:class:`Worker`); results and errors are handed to t
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable
@@ -11,13 +12,24 @@ from typing import Any
 
 
 class Background:
-    """Runs ``fn()`` on a daemon thread named ``name``; :meth:`result` joins it."""
+    """Runs ``fn()`` on a daemon thread named ``name``; :meth:`result` joins it.
 
-    def __init__(self, fn: Callable[[], Any], name: str, what: str) -> None:
+    ``exit_wait``: if the interpreter exits while the call runs (an error raised on the caller's
+    thread ends the script), its exit waits up to this many seconds for the call first (``None``:
+    it does not wait). A call that communicates needs it: a daemon thread still inside the
+    backend when the interpreter finalizes is ended there and the process aborts after printing
+    the error (``terminate called without an active exception``, SIGABRT); its peers, whose own
+    exits wait the same way, finish the call with it.
+    """
+
+    def __init__(self, fn: Callable[[], Any], name: str, what: str, *, exit_wait: float | None = None) -> None:
         self.what = what
         self._value: Any = None
         self._error: BaseException | None = None
+        self._exit_wait = exit_wait
         self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        if exit_wait is not None:
+            atexit.register(self._join_at_exit)  # unregistered by result()
         self._thread.start()
 
     def _run(self, fn: Callable[[], Any]) -> None:
@@ -25,6 +37,9 @@ class Background:
             self._value = fn()
         except BaseException as e:  # re-raised by result() on the caller's thread
             self._error = e
+
+    def _join_at_exit(self) -> None:
+        self._thread.join(self._exit_wait)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -34,6 +49,8 @@ class Background:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"{self.what} did not finish within {timeout} s")
+        if self._exit_wait is not None:
+            atexit.unregister(self._join_at_exit)
         if self._error is not None:
             raise self._error
         return self._value

@@ -90,6 +90,15 @@ def job_timeout() -> datetime.timedelta | None:
         return None
 
 
+def collective_exit_wait() -> float:
+    """How long an exit waits for a background thread inside a collective: the job's collective
+    timeout (a collective stuck on a peer that never answers fails by then; torch's default where
+    the backend does not say), and a minute more."""
+    from torch.distributed.constants import default_pg_timeout
+
+    return (job_timeout() or default_pg_timeout).total_seconds() + 60.0
+
+
 def from_rank0(fn: Callable[[], T]) -> T:
     """``fn()`` computed on rank 0 alone and sent to every rank (collective over the job); an
     exception it raises is raised on every rank."""
@@ -138,6 +147,31 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
     return [pickle.loads(data) for data in objects]
 
 
+def all_gather_checked(obj: object, error: str | None, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (:func:`all_gather_objects`), once every rank's check is known: a
+    check only some ranks can make (``error``: this rank's one-line message, ``None`` if it found
+    nothing) becomes the same one-line ``ValueError`` on every rank, each message once with the
+    ranks that gave it, so no rank raises while the others wait in a collective."""
+    everyone = all_gather_objects((error, obj if error is None else None), group)
+    failed: dict[str, list[int]] = {}
+    for rank, (message, _) in zip(group_ranks(group), everyone):
+        if message is not None:
+            failed.setdefault(message, []).append(rank)
+    if failed:
+        raise ValueError("; ".join(f"{m} ({_ranks(ranks)})" for m, ranks in list(failed.items())[:3]))
+    return [o for _, o in everyone]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def group_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
+    """The global ranks of ``group`` (default: the job's) in its rank order, the order of its
+    all-gathers' results."""
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
+
 def _all_gather_pickles(data: bytes, group, exchanged: list[torch.Tensor]) -> list[bytes]:
     """Every rank's ``data``: two all-gathers (sizes, then the bytes padded to the longest); the
     tensors they used are appended to ``exchanged`` and referenced nowhere else."""
@@ -155,11 +189,13 @@ def _all_gather_pickles(data: bytes, group, exchanged: list[torch.Tensor]) -> li
 
 
 __all__ = [
+    "all_gather_checked",
     "all_gather_objects",
     "cached_group",
     "cached_mesh",
     "device_type",
     "from_rank0",
+    "group_ranks",
     "job_timeout",
     "let_go",
     "rank_tensor",

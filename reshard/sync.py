@@ -21,7 +21,6 @@ then broadcast from the first source rank to every destination rank, as OpenRLHF
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,10 +29,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from reshard.background import Background
+from reshard.baselines import Baseline
 from reshard.delta import INT_OF_SIZE, DeltaCache, check_chunks, execute_delta
 from reshard.executor import DEFAULT_BUCKET_BYTES, CommStats, Schedule, execute
-from reshard.layout import Box, Layout, box_slices, nested_tuple
-from reshard.mesh import all_gather_objects, cached_group, device_type, rank_tensor
+from reshard.layout import Box, Layout, nested_tuple
+from reshard.mesh import all_gather_checked, cached_group, collective_exit_wait, device_type, group_ranks
 from reshard.plan import Plan, plan_transfer
 
 SYNC_METHODS = ("planned", "full_tensor", "broadcast")
@@ -49,9 +49,10 @@ class WeightVersion:
     def check_ready(self) -> None:
         """``RuntimeError`` while a sync is being applied (or one failed half-way)."""
         if self.pending is not None:
+            over = "the loaded weights" if self.step is None else f"step {self.step}"
             raise RuntimeError(
-                f"the weights are half-synced: step {self.pending} is being written over "
-                f"step {self.step}; wait for the sync (or re-run a failed one) before generating"
+                f"the weights are half-synced: step {self.pending} is being written over {over}; "
+                "wait for the sync (or re-run a failed one) before generating"
             )
 
 
@@ -87,9 +88,12 @@ class WeightSync:
     Collective: every rank of the world constructs it and calls :meth:`sync` / :meth:`start`.
     A name or shape mismatch, or dtypes that do not convert (a floating dtype converts to another
     while it is packed: fp32 training weights into a bf16 rollout moves bf16 bytes), or a Partial
-    destination (a sync writes whole values), is a ``ValueError`` on every rank, before anything moves.
+    destination (a sync writes whole values), is a ``ValueError`` on every rank, before anything moves;
+    so are arguments the ranks give differently (``method``, ``bucket_bytes``, ...) or that one rank
+    alone gets wrong, and a step that is not the same int on every rank.
     One sync at a time: a :meth:`sync` or :meth:`start` called while a background sync is in
-    flight waits for it first (so the version label always names the bytes last written).
+    flight waits for it first (so the version label always names the bytes last written);
+    :meth:`close` (or leaving a ``with`` block) waits for it too.
     """
 
     def __init__(
@@ -103,21 +107,18 @@ class WeightSync:
         allow_unused: bool = False,
         delta: bool = False,
     ) -> None:
-        if method not in SYNC_METHODS:
-            raise ValueError(f"weight sync method must be one of {SYNC_METHODS}, got {method!r}")
-        if delta and method != "planned":
-            raise ValueError(f"a delta sync runs the planned method only, got method={method!r}")
         self.src, self.dst = dict(src or {}), dict(dst or {})
         self.version = version
         self.method = method
         self.bucket_bytes = bucket_bytes
-        srcs, dsts = _exchange(_layouts(self.src), _layouts(self.dst))
+        arguments = {"method": method, "bucket_bytes": bucket_bytes, "allow_unused": allow_unused, "delta": delta}
+        srcs, dsts = _exchange(self.src, self.dst, arguments)
         self.entries = match_layouts(srcs, dsts, allow_unused)
         partial = next((e.key for e in self.entries if e.dst.is_partial), None)
         if partial is not None:
             raise ValueError(f"a weight sync writes whole values; destination {partial!r} is Partial")
         self.plans: tuple[Plan, ...] = tuple(plan_transfer(e.src, e.dst, cast=True) for e in self.entries)
-        self._baseline = _Baseline(self.entries, method) if method != "planned" else None
+        self._baseline = Baseline(self.entries, method) if method != "planned" else None
         self.schedule = Schedule.of(self.plans, bucket_bytes) if self._baseline is None else None
         self._delta = DeltaCache() if delta else None
         if delta and any(p.reduce_op for p in self.plans):
@@ -138,8 +139,10 @@ class WeightSync:
         (``verify``: then :meth:`verify` what was written)."""
         self._wait_running()
         self._check_step(step, None)
+        self._mark(pending=step)
         with self._lock:
-            stats = self._apply(step, None)
+            stats = self._apply(None)
+        self._mark(step=step)
         if verify:
             self.verify()
         return stats
@@ -176,13 +179,32 @@ class WeightSync:
     def start(self, step: int) -> SyncHandle:
         """:meth:`sync` on a background thread over its own process group. The source tensors
         must not change until :meth:`SyncHandle.wait` returns (a forward and backward may run,
-        an optimizer step may not); the destination refuses to generate until then."""
+        an optimizer step may not); the destination refuses to generate until then, on every
+        rank alike (however far each rank's thread got). If the script ends first (an error on
+        the caller's thread), the process waits for the sync before it exits (its peers' exits
+        do the same), so it ends with that error, never an abort inside the backend."""
         if self._baseline is not None:
             raise ValueError(f"the {self.method!r} baseline runs synchronously only; use sync()")
         self._wait_running()
         self._check_step(step, self._background)
+        self._mark(pending=step)  # refuse to generate from the moment the sync is started
         self._running = SyncHandle(self, step)
         return self._running
+
+    def close(self) -> None:
+        """Wait for the background sync in flight, if any (raising its error): before the
+        process groups it uses are destroyed."""
+        self._wait_running()
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            self.close()
+        except Exception:
+            if kind is None:  # an error already leaving the block stays the one reported
+                raise
 
     def _wait_running(self) -> None:
         """Wait for the background sync in flight (every rank alike: each waits for its own)."""
@@ -190,14 +212,23 @@ class WeightSync:
         if running is not None:
             running.wait()
 
-    def _apply_locked(self, step: int, group) -> CommStats:
+    def _apply_locked(self, group) -> CommStats:
         with self._lock:
-            return self._apply(step, group)
+            return self._apply(group)
 
     # ---- internals --------------------------------------------------------------------------
-    def _apply(self, step: int, group) -> CommStats:
-        if self.version is not None:
-            self.version.pending = step
+    def _mark(self, *, pending: int | None = None, step: int | None = None) -> None:
+        """On the caller's thread (the same moment on every rank): the destination's version is
+        ``pending`` (being written) or, once written, ``step``."""
+        if self.version is None:
+            return
+        if pending is not None:
+            self.version.pending = pending
+        else:
+            self.version.step, self.version.pending = step, None
+
+    def _apply(self, group) -> CommStats:
+        """Write the destination (on the caller's thread or a background sync's)."""
         srcs = [_local(self.src.get(e.source), e.src) for e in self.entries]
         outs = [_local(self.dst.get(e.key), e.dst) for e in self.entries]
         if self._baseline is not None:
@@ -207,47 +238,54 @@ class WeightSync:
             stats = execute_delta(self.schedule, srcs, outs, self._delta, group)
         else:
             _, stats = execute(self.schedule, srcs, out=outs, group=group)
-        if self.version is not None:
-            self.version.step, self.version.pending = step, None
         return stats
 
     def _check_step(self, step: int, group) -> None:
-        """Every rank must sync the same step (one small all-gather): a ``ValueError`` naming both.
-        The same all-gather spreads a delta cache's invalidation: if any rank dropped its cache,
-        every rank drops its own (the next sync is dense everywhere)."""
-        if type(step) is not int:
-            raise ValueError(f"step must be an int, got {step!r}")
-        world = dist.get_world_size(group)
-        invalid = int(self._delta is not None and self._delta.invalid)
-        mine = torch.tensor([step, invalid], dtype=torch.long, device=device_type())
-        steps = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(steps, mine, group=group)
-        if self._delta is not None and any(int(s[1]) for s in steps):
+        """Every rank must sync the same step, an int: one small all-gather of every rank's step
+        and its own check, then the same ``ValueError`` on every rank naming the values and ranks
+        (a step only some ranks get wrong, say an optimizer's tensor step on the trainers, never
+        leaves the others waiting in the sync's collectives). The same all-gather spreads a delta
+        cache's invalidation: if any rank dropped its cache, every rank drops its own (the next
+        sync is dense everywhere)."""
+        error = None if type(step) is int else f"step must be an int, got {_one_line(step)}"
+        invalid = self._delta is not None and self._delta.invalid
+        everyone = dict(zip(group_ranks(group), all_gather_checked((step, invalid), error, group)))
+        if self._delta is not None and any(inv for _, inv in everyone.values()):
             self._delta.clear()
-        values = [int(s[0]) for s in steps]
-        if len(set(values)) > 1:
-            other = next(r for r, v in enumerate(values) if v != values[0])
+        (first, (value, _)), *_ = everyone.items()
+        other = next((r for r, (v, _) in everyone.items() if v != value), None)
+        if other is not None:
             raise ValueError(
-                f"ranks sync different steps: rank 0 step {values[0]} vs rank {other} step {values[other]}"
+                f"ranks sync different steps: rank {first} step {value} vs rank {other} step {everyone[other][0]}"
             )
 
 
+def _one_line(value: object) -> str:
+    """``value``'s type and repr on one line, cut to 60 characters (a tensor's repr spans lines)."""
+    text = " ".join(repr(value).split())
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
 class SyncHandle:
-    """A sync running in the background; :meth:`wait` returns its stats or raises its error."""
+    """A sync running in the background; :meth:`wait` returns its stats or raises its error, and
+    marks the destination synced (on the caller's thread, the same moment on every rank)."""
 
     def __init__(self, sync: WeightSync, step: int) -> None:
-        self.step = step
-        if sync.version is not None:
-            sync.version.pending = step  # refuse to generate from the moment the sync is started
+        self.step, self._sync = step, sync
         self._job = Background(
-            lambda: sync._apply_locked(step, sync._background), "reshard-sync", f"weight sync of step {step}"
+            lambda: sync._apply_locked(sync._background),
+            "reshard-sync",
+            f"weight sync of step {step}",
+            exit_wait=collective_exit_wait(),
         )
 
     def done(self) -> bool:
         return self._job.done()
 
     def wait(self, timeout: float | None = None) -> CommStats:
-        return self._job.result(timeout)
+        stats = self._job.result(timeout)
+        self._sync._mark(step=self.step)
+        return stats
 
 
 # ---- layouts: exchanged once, matched by name, checked by shape and dtype -----------------------
@@ -262,10 +300,45 @@ def _layouts(tensors: Mapping[str, torch.Tensor]) -> dict[str, Layout]:
     }
 
 
-def _exchange(src: dict[str, Layout], dst: dict[str, Layout]) -> tuple[dict[str, Layout], dict[str, Layout]]:
-    """Every rank's layouts, merged: the same on every rank afterwards."""
-    everyone = all_gather_objects((dist.get_rank(), src, dst))  # a mismatch raises on every rank next
-    return (merge_layouts([(r, s) for r, s, _ in everyone]), merge_layouts([(r, d) for r, _, d in everyone]))
+def _exchange(
+    src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], arguments: dict
+) -> tuple[dict[str, Layout], dict[str, Layout]]:
+    """Every rank's layouts, merged: the same on every rank afterwards (a mismatch raises on
+    every rank next). The same all-gather agrees on what one rank can check alone (its
+    ``arguments`` and tensors) and that every rank gave the same ``arguments``: one
+    ``ValueError`` on every rank otherwise, never a rank left waiting in a collective."""
+    error = _argument_error(arguments) or _tensor_error("src", src) or _tensor_error("dst", dst)
+    layouts = (_layouts(src), _layouts(dst)) if error is None else None
+    shown = {k: repr(v) for k, v in arguments.items()}
+    everyone = dict(zip(group_ranks(), all_gather_checked((shown, layouts), error)))
+    (first, (given, _)), *_ = everyone.items()
+    for rank, (theirs, _) in everyone.items():
+        key = next((k for k in given if theirs[k] != given[k]), None)
+        if key is not None:
+            raise ValueError(
+                f"ranks built the WeightSync with different arguments: {key}={given[key]} on rank {first} "
+                f"vs {key}={theirs[key]} on rank {rank}"
+            )
+    reports = [(r, layouts) for r, (_, layouts) in everyone.items()]
+    return merge_layouts([(r, s) for r, (s, _) in reports]), merge_layouts([(r, d) for r, (_, d) in reports])
+
+
+def _argument_error(arguments: dict) -> str | None:
+    """What is wrong with a :class:`WeightSync`'s ``arguments`` (one line), or ``None``."""
+    method, delta = arguments["method"], arguments["delta"]
+    if method not in SYNC_METHODS:
+        return f"weight sync method must be one of {SYNC_METHODS}, got {method!r}"
+    if delta and method != "planned":
+        return f"a delta sync runs the planned method only, got method={method!r}"
+    return None
+
+
+def _tensor_error(side: str, tensors: dict) -> str | None:
+    """The first entry of ``tensors`` that is no tensor (one line), or ``None``."""
+    bad = next((name for name, t in tensors.items() if not isinstance(t, torch.Tensor)), None)
+    if bad is None:
+        return None
+    return f"WeightSync {side}[{bad!r}] must be a tensor, got {_one_line(tensors[bad])}"
 
 
 def merge_layouts(reports: list[tuple[int, dict[str, Layout]]]) -> dict[str, Layout]:
@@ -376,70 +449,3 @@ def _local(t: torch.Tensor | None, layout: Layout) -> torch.Tensor | None:
         return None
     t = t.data if isinstance(t, torch.nn.Parameter) else t
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-class _Baseline:
-    """The common ways, for comparison: each parameter gathered whole (``full_tensor()``) on the
-    source ranks, broadcast from the first source rank to destination ranks that lack it
-    (``full_tensor``: ranks outside the source; ``broadcast``: every destination rank), sliced."""
-
-    def __init__(self, entries: list[SyncEntry], method: str) -> None:
-        self.entries, self.method = entries, method
-        self.needy = [self._needy(e) for e in entries]
-        self.groups = {ranks: cached_group(rank_tensor(ranks)) for ranks in sorted(set(self.needy)) if len(ranks) > 1}
-
-    def _needy(self, e: SyncEntry) -> tuple[int, ...]:
-        """Root first, then the ranks the root broadcasts to."""
-        root = e.src.all_ranks[0]
-        holders = set(e.src.all_ranks) if self.method == "full_tensor" else {root}
-        return (root,) + tuple(sorted(set(e.dst.all_ranks) - holders))
-
-    def run(self, src: Mapping[str, torch.Tensor], outs: list[torch.Tensor | None]) -> CommStats:
-        t0, rank = time.perf_counter(), dist.get_rank()
-        stats = CommStats()
-        for e, needy, out in zip(self.entries, self.needy, outs):
-            full, allocated = self._gather(src.get(e.source), e, stats)
-            if rank in needy and len(needy) > 1:
-                if full is None:
-                    full, allocated = torch.empty(e.src.shape, dtype=e.src.dtype, device=out.device), True
-                if rank != needy[0]:
-                    stats.bytes_received += _nbytes(e.src)
-                dist.broadcast(full, src=needy[0], group=self.groups[needy])
-            if out is not None:
-                out.copy_(full[box_slices(e.dst.box(rank))])
-            if allocated:  # a whole-tensor buffer this rank did not hold before
-                stats.peak_extra_bytes = max(stats.peak_extra_bytes, full.numel() * full.element_size())
-            stats.planned_bytes += _gathered_bytes(e.src) + (len(needy) - 1) * _nbytes(e.src)
-        stats.rounds, stats.seconds = len(self.entries), time.perf_counter() - t0
-        return stats
-
-    def _gather(self, t: torch.Tensor | None, e: SyncEntry, stats: CommStats) -> tuple[torch.Tensor | None, bool]:
-        """The whole tensor on a source rank (``full_tensor()``), and whether it is a new buffer."""
-        rank = dist.get_rank()
-        if t is None or e.src.box(rank) is None:
-            return None, False
-        t = _plain(t)
-        if not isinstance(t, DTensor):
-            return t, False
-        stats.bytes_received += _nbytes(e.src) - _box_bytes(e.src.box(rank), e.src)
-        return t.full_tensor(), True
-
-
-def _plain(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.data if isinstance(t, torch.nn.Parameter) else t
-
-
-def _nbytes(layout: Layout) -> int:
-    return _box_bytes(tuple((0, n) for n in layout.shape), layout)
-
-
-def _box_bytes(box, layout: Layout) -> int:
-    n = torch.empty((), dtype=layout.dtype).element_size()
-    for lo, hi in box:
-        n *= hi - lo
-    return n
-
-
-def _gathered_bytes(layout: Layout) -> int:
-    """Bytes an all-gather of the whole tensor delivers to every holder of a shard of it."""
-    return sum(_nbytes(layout) - _box_bytes(layout.box(r), layout) for r in layout.all_ranks)
