@@ -38,9 +38,9 @@ from reshard.recipes.exits import (
     EXIT_INTERRUPTED,
     EXIT_USER,
     LAUNCHED_ENV,
+    failed,
     finished_so_far,
     freeze_heap,
-    signal_name,
     story_lines,
 )
 from reshard.recipes.preflight import check, check_writable, keys_lines, total_requests
@@ -303,21 +303,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def failed(e: Exception, run_dir: Path) -> int:
-    """The exit status of a job whose ranks failed: 2 when a rank reported a user error (its line is
-    printed already), else 1 with a line naming the first rank that failed, how, and where the
-    requests that finished before it are."""
-    codes = {rank: f.exitcode for rank, f in getattr(e, "failures", {}).items()}
-    if EXIT_USER in codes.values():
-        return EXIT_USER
-    rank, code = min(codes.items()) if codes else (None, None)
-    how = f"killed by {signal_name(code)}" if code is not None and code < 0 else f"exit status {code}, see above"
-    done, finished = finished_so_far(run_dir)
-    kept = f"; {done} finished requests kept in {finished.resolve()}" if done else ""
-    print(f"error: rank {rank} failed ({how}){kept}", file=sys.stderr, flush=True)
-    return 1
 
 
 def interrupted_line(run_dir: Path, requests: int | None) -> str:

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
+import signal
+import sys
 from pathlib import Path
 
 LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
 EXIT_USER, EXIT_INTERRUPTED = 2, 130  # a user error; Ctrl-C (128 + SIGINT, as a shell reports it)
 FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
+RANKS_LOG = "ranks.log"  # in the run directory: the tracebacks of ranks and engines that did not say them
+# how a rank that was stopped ends: Ctrl-C, the launcher's SIGTERM once another rank failed (caught:
+# 130, or not yet: the signal), or a peer's failure that cut its collective short (130)
+STOPPED = (EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT)
 
 
 def freeze_heap() -> None:
@@ -29,12 +36,53 @@ def finished_so_far(run_dir: Path) -> tuple[int, Path]:
     return (len(path.read_text().splitlines()) if path.exists() else 0), path
 
 
+def append_ranks_log(run_dir: Path, head: str, text: str) -> Path:
+    """Append ``text`` under a ``--- head`` line to the run directory's :data:`RANKS_LOG`, in one
+    write (another rank's entry does not cut into it); returns the log's path."""
+    path = run_dir / RANKS_LOG
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"--- {head}\n{text}".encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def root_cause(failures: dict) -> tuple[int, object] | None:
+    """``(rank, failure)`` of the failure that ended a job, of torch's per-rank ``ProcessFailure``s
+    (``ChildFailedError.failures``, in the order its agent saw the ranks end): the earliest that is
+    not a rank stopped afterwards (:data:`STOPPED`), the first seen on a tie (its timestamps are
+    whole seconds); the earliest of all if every rank was stopped. None when there is none."""
+    ended = list(failures.items())
+    causes = [(rank, f) for rank, f in ended if f.exitcode not in STOPPED] or ended
+    return min(causes, key=lambda item: item[1].timestamp) if causes else None
+
+
+def failed(e: Exception, run_dir: Path) -> int:
+    """The exit status of a job whose ranks failed (``e``: torch's ``ChildFailedError``): 2 when a
+    rank reported a user error (its line is printed already), else 1 with a line naming the rank
+    that failed first (:func:`root_cause`: not one stopped after it), how, and where the requests
+    that finished before it are."""
+    failures = getattr(e, "failures", {})
+    if any(f.exitcode == EXIT_USER for f in failures.values()):
+        return EXIT_USER
+    rank, failure = root_cause(failures) or (None, None)
+    code = None if failure is None else failure.exitcode
+    how = f"killed by {signal_name(code)}" if code is not None and code < 0 else f"exit status {code}, see above"
+    done, finished = finished_so_far(run_dir)
+    kept = f"; {done} finished requests kept in {finished.resolve()}" if done else ""
+    print(f"error: rank {rank} failed ({how}){kept}", file=sys.stderr, flush=True)
+    return 1
+
+
 def story_lines(summary: dict) -> list[str]:
     """What died and how the job came back, one line each: supervised deaths (``fault`` of a
     ``fault.migrate`` run) and whole-job restarts (torchrun's, each from scratch)."""
     lines, fault = [], summary.get("fault", {})
     for d in fault.get("deaths", []):
         how = "hung, killed" if d.get("hung") else signal_name(d.get("exitcode"))
+        if not d.get("hung") and (d.get("exitcode") or 0) > 0:  # an exception ended it: its traceback is kept
+            how += f", its traceback in {RANKS_LOG}"
         moved = _moved(d)
         back = (
             ""
@@ -69,8 +117,6 @@ def _moved(death: dict) -> str:
 
 
 def signal_name(code: int | None) -> str:
-    import signal
-
     if code is None or code >= 0:
         return f"exit status {code}"
     try:

@@ -1,5 +1,6 @@
 """What every recipe shares: the process group (torchrun or alone), a deadline on collectives,
-Hydra under torchrun (one run dir, written by rank 0) and user errors reported as one line."""
+Hydra under torchrun (one run dir, written by rank 0) and a failure reported as one line, by the
+rank that failed first (the others' tracebacks go to the run directory's ``ranks.log``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import signal
 import socket
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,12 +26,19 @@ from reshard.recipes.exits import (  # noqa: F401 (public here too)
     EXIT_USER,
     FINISHED,
     LAUNCHED_ENV,
+    append_ranks_log,
     finished_so_far,
     freeze_heap,
 )
 
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads a failed rank's exception
+FAILED_KEY = "reshard/failed"  # in the process group's store: how many ranks of the job have failed
+# the first rank to raise waits this long for a stop before it says its error: a stop means the
+# launcher saw a peer end first (killed, crashed: a rank that raised nothing, whose death cut this
+# rank's collective short); it comes within the agent's poll (0.1 s)
+ROOT_GRACE_S = 1.0
+STOP_WAIT_S = 30.0  # a rank cut short by another's failure waits this long for the launcher to stop it
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -85,15 +95,16 @@ def hydra_rank_overrides(argv: list[str]) -> list[str]:
     return extra
 
 
-def report_once(message: str) -> None:
-    """Print ``message`` on stderr from the first rank of the job that gets here; the other ranks,
-    which usually found the same error, stay quiet. Counted in the process group's store, so
-    nothing is left on disk."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
-        if store.add("reshard/user-error", 1) > 1:
-            return
-    print(message, file=sys.stderr, flush=True)
+def first_failure() -> bool:
+    """Whether this rank is the first of its job to fail: counted in the process group's store (the
+    rendezvous store every rank shares, so nothing is left on disk). Alone, or with the store gone
+    (its launcher ended), True."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return True
+    try:
+        return dist.distributed_c10d._get_default_store().add(FAILED_KEY, 1) == 1
+    except RuntimeError:  # (torch's DistError is one)
+        return True
 
 
 class _WholeErrorFile(ErrorHandler):
@@ -115,9 +126,12 @@ class _WholeErrorFile(ErrorHandler):
 
 def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = False) -> None:
     """Run ``run(config dataclass, run dir)`` under ``@hydra.main`` on every rank of the job. A user
-    error (a ``ValueError``, or a config that Hydra refuses) is one line on stderr and exit status 2.
-    ``drains`` (a server): SIGTERM sets the event passed as ``run``'s third argument instead of
-    interrupting (the job drains and ends itself); Ctrl-C interrupts as in every job."""
+    error (a ``ValueError``, or a config that Hydra refuses) is one line on stderr and exit status 2;
+    another exception one line naming it and where its traceback is, exit status 1 (:func:`_failed`:
+    only the rank that failed first says it). ``drains`` (a server): SIGTERM to rank 0, which the
+    launcher forwards it to, sets the event passed as ``run``'s third argument instead of
+    interrupting (the job drains and ends itself); on another rank it is the launcher stopping the
+    job, and Ctrl-C interrupts, as in every job."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
@@ -128,11 +142,14 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
     from reshard.recipes import schema
 
     stopping = threading.Event()  # set by SIGINT / SIGTERM before the KeyboardInterrupt they raise
-
-    drain = threading.Event()  # drains: set by SIGTERM
+    failing = threading.Event()  # set once this rank handles a failure: a stop only sets `stopping`
+    drain = threading.Event()  # drains: set by SIGTERM on rank 0
 
     def _stop(signum: int, frame: object) -> None:
-        if drains and signum == signal.SIGTERM:
+        if failing.is_set():  # on its way out already: the stop is the launcher's, ending the job
+            stopping.set()
+            return
+        if drains and signum == signal.SIGTERM and os.environ.get("RANK", "0") == "0":
             drain.set()
             return
         stopping.set()
@@ -143,14 +160,15 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
             run(schema.to_dataclass(cfg), run_dir, *([drain] if drains else []))
-        except ValueError as e:  # a user error: one line, not a traceback per rank
-            _user_error(str(e))
         except KeyboardInterrupt:
             _interrupted(run_dir)
-        except Exception:  # a collective cut short by a peer that stopped first: the same interruption
-            if stopping.is_set():
+        except Exception as e:
+            if stopping.is_set():  # a collective cut short by a peer that stopped first: the same interruption
                 _interrupted(run_dir)
-            raise
+            failing.set()
+            if isinstance(e, ValueError):  # a user error: one line, not a traceback per rank
+                raise SystemExit(_user_error(str(e), stopping)) from None
+            raise SystemExit(_failed(e, run_dir, stopping)) from None
 
     # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
     @functools.partial(record, error_handler=_WholeErrorFile())
@@ -164,25 +182,69 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         init_distributed()
         sys.argv += hydra_rank_overrides(overrides)
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
-        interrupted = False
+        code = 0
         try:
             _main()
         except (HydraException, OmegaConfBaseException) as e:
-            _user_error(schema.one_line(e, schema.overrides_given(overrides)))
+            failing.set()
+            code = _user_error(schema.one_line(e, schema.overrides_given(overrides)), stopping)
         except KeyboardInterrupt:
-            interrupted = True
+            code = EXIT_INTERRUPTED
         except SystemExit as e:
-            interrupted = e.code == EXIT_INTERRUPTED
-            if not interrupted:
-                raise
+            code = e.code if isinstance(e.code, int) or e.code is None else 1
         finally:
             dist.destroy_process_group()
-        if interrupted:  # cleaned up above; skip the C++ teardown's report of the collective cut short
-            sys.stdout.flush()
+        if code:  # cleaned up above; skip the C++ teardown (a collective cut short, a backend's thread
+            sys.stdout.flush()  # still alive: "terminate called without an active exception")
             sys.stderr.flush()
-            os._exit(EXIT_INTERRUPTED)
+            os._exit(code)
 
     _job()
+
+
+def _user_error(message: str, stopped: threading.Event) -> int:
+    """The exit status of a rank whose job raised a user error: the job's first failure prints
+    ``error: <message>`` (2); a later one says nothing and leaves once stopped (:func:`_later`)."""
+    if not first_failure():
+        return _later(stopped)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USER
+
+
+def _failed(e: Exception, run_dir: Path, stopped: threading.Event) -> int:
+    """The exit status of a rank whose job raised ``e`` (called in its ``except`` block): its
+    traceback goes to the run directory's ``ranks.log``. The job's first failure prints one line
+    naming it and the log (1) and records it for torchrun's report; a rank cut short by another's
+    failure says nothing (:func:`_later`) -- a later failure, or the first to raise when the
+    launcher stops it within :data:`ROOT_GRACE_S` (a peer ended before it without raising)."""
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    first = first_failure() and not _stopped_within(ROOT_GRACE_S, stopped)
+    how = "failed first" if first else "stopped after another rank failed"
+    log = append_ranks_log(run_dir, f"rank {rank} (pid {os.getpid()}): {how}", traceback.format_exc())
+    if not first:
+        return _later(stopped)
+    _WholeErrorFile().record_exception(e)
+    said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    said = said if ranks == 1 or said.startswith(f"rank {rank}: ") else f"rank {rank}: {said}"
+    print(f"error: {said} ({type(e).__name__}; its traceback in {log})", file=sys.stderr, flush=True)
+    return 1
+
+
+def _later(stopped: threading.Event) -> int:
+    """A rank that failed after another: exit status 130 (stopped) once the launcher stops the job
+    (or after :data:`STOP_WAIT_S`), so that the launcher sees the first failure end first."""
+    _stopped_within(STOP_WAIT_S, stopped)
+    return EXIT_INTERRUPTED
+
+
+def _stopped_within(seconds: float, stopped: threading.Event) -> bool:
+    """Whether ``stopped`` is set within ``seconds`` (at once alone: no launcher stops a lone rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return stopped.is_set()
+    deadline = time.monotonic() + seconds
+    while not stopped.is_set() and time.monotonic() < deadline:
+        time.sleep(0.02)  # (SIGTERM's handler, run between two sleeps, sets it)
+    return stopped.is_set()
 
 
 def _quiet_interrupt(default: Callable, unraisable) -> None:
@@ -200,8 +262,3 @@ def _interrupted(run_dir: Path) -> None:
         where = f", kept in {finished.resolve()}" if done else ""
         print(f"interrupted: {done} requests finished{where}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED) from None
-
-
-def _user_error(message: str) -> None:
-    report_once(f"error: {message}")
-    raise SystemExit(EXIT_USER) from None

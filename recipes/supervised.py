@@ -37,6 +37,7 @@ from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, group_store
 from reshard.parallel.model.parallelize import load_checkpoint
 from reshard.parallel.strategies.tp import TPStrategy
 from reshard.recipes.config import GenerateConfig
+from reshard.recipes.exits import RANKS_LOG
 from reshard.recipes.fault_report import fault_summary
 from reshard.recipes.launch import collective_timeout
 
@@ -58,8 +59,9 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path, site=None) ->
     router = None
     t0 = time.time()
     if rank == 0:
-        if restart_count() == 0:
-            (run_dir / "supervision.jsonl").unlink(missing_ok=True)  # the supervisors append their events
+        if restart_count() == 0:  # the supervisors append their events and their children's last words
+            (run_dir / "supervision.jsonl").unlink(missing_ok=True)
+            (run_dir / RANKS_LOG).unlink(missing_ok=True)
         channel.put("start", time.time())
         own = _supervision_store()  # the router's thread has a store client of its own
         generation = lambda g: int(own.get(f"gen/{g}"))  # noqa: E731
@@ -94,6 +96,7 @@ def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path, site=None) ->
         done=lambda: channel.ready("all_done"),
         silent=lambda spec: silent_for(channel, spec.endpoint),
         hung_after=cfg.fault.hung_after_s,  # the group's leader beats twice a heartbeat period
+        recovered_log=run_dir / RANKS_LOG,  # the tracebacks of children the job goes on without
     )
     host = _host(topology, members, rank)
     dist.barrier()  # every supervisor set its group's generation (and hosts announced) before the router reads it

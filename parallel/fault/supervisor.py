@@ -25,11 +25,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
 POLL_S = 0.05  # how often a supervisor looks at its child and its group's generation
 PEER_GRACE_S = 1.0  # a child that raised is a peer's casualty if its group moves on within this
+REPLACED_GRACE_S = 0.25  # a child whose group moved on may end on its own within this before it is killed
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,12 @@ class Supervisor:
     respawned). ``silent(spec)``: seconds since the child's group last showed life (None: not
     yet); a child silent for more than ``hung_after`` seconds is killed as hung (a death like
     any other). ``failures``: the deaths this supervisor saw.
+
+    A child's traceback (an exception ended it) comes to its supervisor, which appends it to
+    ``recovered_log`` (the run directory's log of ranks' tracebacks; stderr without one), whether
+    the group goes on without that child (a peer's casualty, a death it respawns) or the supervisor
+    gives up (a start-up error, more than ``max_respawns`` deaths): then its ``RuntimeError``
+    names the child's error in one line.
     """
 
     def __init__(
@@ -97,6 +105,7 @@ class Supervisor:
         done: Callable[[], bool] | None = None,
         silent: Callable[[ChildSpec], float | None] | None = None,
         hung_after: float = float("inf"),
+        recovered_log: Path | None = None,
     ) -> None:
         self.store, self.rank, self.group, self.members = store, rank, group, tuple(members)
         self.target, self.args, self.max_respawns = target, args, max_respawns
@@ -105,11 +114,13 @@ class Supervisor:
         self.log = log or (lambda event: None)
         self.done = done or (lambda: False)
         self.silent, self.hung_after, self._hung = silent or (lambda spec: None), hung_after, False
+        self.recovered_log = recovered_log
         self.served = False  # some child of this rank became ready
         self.failures: list[Failure] = []
         self.respawns = 0
         self._stopping = False
         self._child: mp.process.BaseProcess | None = None
+        self._running: _Spare | None = None  # the process self._child runs in, and its pipe
         store.compare_set(self._gen_key, "", "0")  # the first member to get here starts the count
 
     @property
@@ -129,30 +140,40 @@ class Supervisor:
         try:
             generation = self.generation()
             while True:
-                code = self._run_child(ChildSpec(self.rank, self.group, self.members, generation))
+                spec = ChildSpec(self.rank, self.group, self.members, generation)
+                code = self._run_child(spec)
+                said = self._running.close()
                 if code == 0:
                     return
                 if not self.served and code is not None:  # a start-up error, not a failure to recover from
+                    where = self._keep(spec, said, f"failed before it could serve (exit code {code})")
                     raise RuntimeError(
-                        f"rank {self.rank}: its engine failed before it could serve (exit code {code}; its "
-                        "error is printed above); nothing is respawned"
+                        f"rank {self.rank}: its engine failed before it could serve ({_how(code, said, where)}); "
+                        "nothing is respawned"
                     )
+                if self.respawns >= self.max_respawns:
+                    self._give_up(spec, code, said)
                 generation = self._next_generation(generation, code)
+                how = "replaced after its group's peer died" if code is None else f"died (exit code {code}), respawned"
+                self._keep(spec, said, how)
         finally:
             for s, handler in previous.items():  # None: installed outside Python, not reinstallable
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
             self._kill(spare=True)
+            if self._running is not None:
+                self._running.close()
 
     def _run_child(self, spec: ChildSpec) -> int | None:
         """Start ``spec``'s child (in the warm spare if there is one) and wait: its exit code, or
         None when the group moved on without it (it was killed here). Once the child is
         ``ready``, a spare is started for the next generation (``warm_spare``)."""
         spare, self._spare = self._spare or _Spare(f"reshard-rank{self.rank}", self.warm), None
-        self._child = spare.assign(self.target, spec, self.args)
+        self._running, self._child = spare, spare.assign(self.target, spec, self.args)
         self._event("started", spec, warm=spare.warmed_at is not None)  # warm: imports were done
         ready = False
         while True:
             self._child.join(POLL_S)
+            spare.listen()  # (a child sending a long traceback waits for it)
             if self._stopping:
                 raise KeyboardInterrupt
             code = self._child.exitcode
@@ -162,8 +183,9 @@ class Supervisor:
                 self._event("exited", spec, code=code)
                 return code
             if self.generation() > spec.generation:
+                self._await_end(spare, REPLACED_GRACE_S)  # a peer's casualty is raising: its traceback comes
                 self._kill()
-                self._event("replaced", spec)
+                self._event("replaced", spec, code=self._child.exitcode)  # (1: it raised; -9: killed here)
                 return None
             if not ready and self.ready(spec):
                 ready = self.served = True
@@ -177,6 +199,16 @@ class Supervisor:
             if self.warm_spare and self._spare is None and ready:
                 self._spare = _Spare(f"reshard-spare{self.rank}", self.warm)
                 self._event("spare", spec, spare=self._spare.process.pid)
+
+    def _await_end(self, spare: _Spare, seconds: float) -> None:
+        """Wait up to ``seconds`` for the child to exit, taking what it says meanwhile
+        (``KeyboardInterrupt`` on a stop signal, as :meth:`_run_child`)."""
+        deadline = time.monotonic() + seconds
+        while self._child.exitcode is None and time.monotonic() < deadline:
+            self._child.join(POLL_S)
+            spare.listen()
+            if self._stopping:
+                raise KeyboardInterrupt
 
     def _is_hung(self, spec: ChildSpec) -> bool:
         """Kill the child if its group has been silent too long (whether it was)."""
@@ -199,6 +231,40 @@ class Supervisor:
             time.sleep(POLL_S)
         return False
 
+    def _keep(self, spec: ChildSpec, said: str, how: str) -> str:
+        """What ``spec``'s child said on its way out (its traceback), to :attr:`recovered_log` under
+        a line naming it and ``how`` it ended (stderr without a log); returns where it went: ``in
+        ranks.log`` or ``above`` ("" when it said nothing)."""
+        if not said:
+            return ""
+        if self.recovered_log is None:
+            _print(said)
+            return "above"
+        head = f"--- rank {self.rank}, engine group {spec.endpoint} (pid {self._child.pid}): {how}\n"
+        fd = os.open(self.recovered_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (head + said).encode())  # one write: the other ranks' entries do not cut into it
+        finally:
+            os.close(fd)
+        return f"in {self.recovered_log.name}"
+
+    def _give_up(self, spec: ChildSpec, code: int | None, said: str) -> None:
+        """Record the child's end like any death, keep what it said and raise the ``RuntimeError``
+        that ends this rank: its group may not be respawned again (``max_respawns``). A child
+        stopped after a peer's death (``code`` None) raises :data:`PEER_GRACE_S` later, so that the
+        rank whose engine died is the job's first failure."""
+        self._next_generation(spec.generation, code, respawn=False)
+        where = self._keep(spec, said, "its group may not be respawned again")
+        if code is None:
+            time.sleep(PEER_GRACE_S)
+            ended = "its engine was stopped after a peer's engine died"
+        else:
+            ended = f"last {_how(code, said, where)}"
+        raise RuntimeError(
+            f"rank {self.rank}: engine group {self.group} failed {self.respawns + 1} times, more than "
+            f"fault.max_respawns ({self.max_respawns}); {ended}"
+        )
+
     def _event(self, what: str, spec: ChildSpec, **extra) -> None:
         self.log(
             {
@@ -211,10 +277,10 @@ class Supervisor:
             }
         )
 
-    def _next_generation(self, generation: int, code: int | None) -> int:
+    def _next_generation(self, generation: int, code: int | None, *, respawn: bool = True) -> int:
         """After a child ended without success: record its death (``code`` not None), move the
         group's generation on (once per generation, whichever member gets there first) and
-        return the generation to start next."""
+        return the generation to start next (``respawn``: one respawn more is counted)."""
         if code is not None:
             failure = Failure(self.rank, self.group, generation, code, time.time(), hung=self._hung)
             self._hung = False
@@ -222,12 +288,7 @@ class Supervisor:
             k = self.store.add("failures", 1) - 1
             self.store.set(f"failure/{k}", pickle.dumps(failure))
             self.store.compare_set(self._gen_key, str(generation), str(generation + 1))
-        self.respawns += 1
-        if self.respawns > self.max_respawns:
-            raise RuntimeError(
-                f"rank {self.rank}: engine group {self.group} failed {self.respawns} times, more than "
-                f"fault.max_respawns ({self.max_respawns}); last exit code {code}"
-            )
+        self.respawns += respawn
         return self.generation()
 
     def _stop(self, signum: int, frame) -> None:
@@ -244,7 +305,8 @@ class Supervisor:
 
 class _Spare:
     """A child process started ahead of need: it imports ``warm`` (modules) and waits for its
-    work, so a respawn skips the imports (seconds of a child's start)."""
+    work, so a respawn skips the imports (seconds of a child's start). Its pipe stays open while
+    it works: its traceback comes back that way (:meth:`listen`)."""
 
     def __init__(self, name: str, warm: tuple[str, ...]) -> None:
         ctx = _context(warm)
@@ -253,6 +315,7 @@ class _Spare:
         self.process.start()
         self.started_at = time.time()
         self.warmed_at: float | None = None  # set when it is handed work after its imports
+        self.said = ""  # the traceback its work ended with, as far as it came
         theirs.close()
 
     def assign(self, target: Callable, spec: ChildSpec, args: tuple) -> mp.process.BaseProcess:
@@ -260,8 +323,21 @@ class _Spare:
         if self.conn.poll():  # its imports are done
             self.warmed_at = float(self.conn.recv())
         self.conn.send((target, spec, args))
-        self.conn.close()
         return self.process
+
+    def listen(self) -> None:
+        """Take what the child sent so far (its traceback; its imports' time, sent after the work
+        came, is dropped)."""
+        with contextlib.suppress(EOFError, OSError):  # it ended, or was killed mid-message
+            while self.conn.poll():
+                message = self.conn.recv()
+                self.said += message if isinstance(message, str) else ""
+
+    def close(self) -> str:
+        """Close the pipe once the child ended (or was killed); returns what it said."""
+        self.listen()
+        self.conn.close()
+        return self.said
 
 
 def _context(warm: tuple[str, ...]) -> mp.context.BaseContext:
@@ -291,8 +367,7 @@ def _spare_main(conn, warm: tuple[str, ...]) -> None:
             target, spec, args = conn.recv()
         except EOFError:  # the supervisor ended without using it
             return
-        conn.close()
-        _child_main(target, spec, args)
+        _child_main(target, spec, args, conn)
     finally:  # (a child's end is os._exit: only a spare that was not used gets here)
         signal.signal(signal.SIGINT, signal.SIG_DFL if replaced is None else replaced)
 
@@ -303,9 +378,10 @@ def failures(store: dist.Store) -> list[Failure]:
     return [pickle.loads(store.get(f"failure/{k}")) for k in range(count)]
 
 
-def _child_main(target: Callable, spec: ChildSpec, args: tuple) -> None:
-    """Run ``target``; an exception is a traceback and exit status 1 (not a hang). SIGUSR1 prints
-    every thread's stack (a child that seems stuck)."""
+def _child_main(target: Callable, spec: ChildSpec, args: tuple, conn) -> None:
+    """Run ``target``; an exception is a traceback, sent to the supervisor over ``conn`` (which
+    decides where it goes; stderr when it is gone), and exit status 1 (not a hang). SIGUSR1
+    prints every thread's stack on stderr (a child that seems stuck)."""
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -317,13 +393,36 @@ def _child_main(target: Callable, spec: ChildSpec, args: tuple) -> None:
     except BaseException:
         import traceback
 
-        traceback.print_exc(file=sys.stderr)
+        said = traceback.format_exc()
+        try:
+            conn.send(said)
+        except OSError:  # the supervisor is gone
+            _print(said)
         code = 1
     finally:
         faulthandler.unregister(signal.SIGUSR1)  # the handler it replaced is back
+        conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no teardown: threads blocked on links to dead peers stay where they are
+
+
+def _how(code: int, said: str, where: str) -> str:
+    """``exit code 1: ValueError: ...; its traceback in ranks.log`` (a child that raised; ``where``
+    its traceback went), or ``exit code -9 (SIGKILL)``: how a child ended, in a few words."""
+    if code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"exit code {code}"
+    last = said.strip().splitlines()[-1] if said.strip() else ""
+    return f"exit code {code}" + (f": {last}; its traceback {where}" if last else "")
+
+
+def _print(said: str) -> None:
+    """``said`` (a child's traceback) on stderr."""
+    sys.stderr.write(said)
+    sys.stderr.flush()
 
 
 def _die_with_parent() -> None:
