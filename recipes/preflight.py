@@ -69,7 +69,7 @@ def _check_cache_dir(model: Any, name: str) -> None:
 
     if model.path is not None:
         return
-    directory = Path(model.cache_dir) if model.cache_dir else default_cache_dir()  # as the ranks read it
+    directory = (Path(model.cache_dir) if model.cache_dir else default_cache_dir()).expanduser()  # as the ranks read it
     if not (directory / name / "config.json").exists():
         what = f"model.cache_dir {model.cache_dir!r}" if model.cache_dir else f"the cache directory {str(directory)!r}"
         check_writable(what, directory)

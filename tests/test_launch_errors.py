@@ -199,3 +199,16 @@ def test_a_compiled_decode_step_says_when_it_compiles_and_how_long_it_took_on_ra
     ), rank0
     assert re.match(r"^compiled the decode step in \d+\.\d s$", rank0[1]), rank0
     assert all(re.match(r"^compiled the decode step for a new shape in \d+\.\d s$", m) for m in rank0[2:]), rank0
+
+
+def test_a_cache_dir_under_home_is_the_home_for_the_check_and_the_ranks(tmp_path, monkeypatch):
+    """``model.cache_dir='~/models'`` (quoted for Hydra) is the home's ``models`` (as a shell reads it), for the
+    launcher's write check and for the ranks that build the checkpoint: never a ``./~`` folder."""
+    from reshard.parallel.model.tiny_models import BUILTIN_NAME, builtin_checkpoint
+    from reshard.recipes.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--check", "model.cache_dir='~/models'"]) == 0
+    assert builtin_checkpoint("~/models") == tmp_path / "home" / "models" / BUILTIN_NAME
+    assert (tmp_path / "home" / "models" / BUILTIN_NAME / "config.json").exists() and not (tmp_path / "~").exists()

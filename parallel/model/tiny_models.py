@@ -142,7 +142,7 @@ def cached_checkpoint(
     Written to a temporary directory and renamed into place, so an interrupted run leaves no
     half-written checkpoint behind.
     """
-    target = Path(cache_dir or default_cache_dir()) / name
+    target = Path(cache_dir or default_cache_dir()).expanduser() / name  # ("~/models": the home, as a shell)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
