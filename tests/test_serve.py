@@ -169,6 +169,7 @@ def test_a_stop_string_cuts_the_text_alike_in_llm_the_recipe_and_the_server(serv
     prompt, stop = "The future of AI is", "ound"
     with LLM(str(served), max_model_len=64) as llm:
         (out,) = llm.generate(prompt, SamplingParams(max_tokens=12, stop=[stop]))
+        (kept,) = llm.generate(prompt, SamplingParams(max_tokens=12, stop=stop, include_stop_str_in_output=True))
     (prompts_file := tmp_path / "prompts.jsonl").write_text(json.dumps(prompt) + "\n")
     (line,) = dist_harness.run(1, _recipe_outputs, str(served), str(prompts_file), str(tmp_path / "run"), stop)[0]
     client = server.client()
@@ -176,6 +177,11 @@ def test_a_stop_string_cuts_the_text_alike_in_llm_the_recipe_and_the_server(serv
     sample = out.outputs[0]
     assert sample.finish_reason == "stop" and sample.stop_reason == stop and stop not in sample.text
     assert sample.text == line["output"] == served_text.choices[0].text
+    extra = {"include_stop_str_in_output": True}  # vLLM's extra field: the text keeps the stop string, alike
+    served_kept = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop, extra_body=extra
+    )
+    assert kept.outputs[0].text == served_kept.choices[0].text == sample.text + stop
 
 
 def test_logprobs_seeded_sampling_and_usage_of_several_choices(server):

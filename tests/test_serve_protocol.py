@@ -48,6 +48,11 @@ def test_openai_fields_map_onto_the_engines_sampling_params():
     assert chat.sampling.max_new_tokens == 64 - 4  # chat's default: the rest of the context
     assert _parse("completions", prompt="a").sampling.max_new_tokens == 16  # OpenAI's default
     assert _parse("completions", prompt="a", echo=False, best_of=1, logit_bias={}).n == 1  # "off" values pass
+    vllm = _parse(
+        "completions", prompt="a", stop_token_ids=[7, 9], include_stop_str_in_output=True, skip_special_tokens=False
+    ).sampling  # vLLM's extras, with reshard.LLM's meaning
+    assert (vllm.stop_token_ids, vllm.include_stop_str_in_output, vllm.skip_special_tokens) == ((7, 9), True, False)
+    assert _parse("completions", prompt="a").sampling.skip_special_tokens  # (the default: skipped)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +69,8 @@ def test_openai_fields_map_onto_the_engines_sampling_params():
         ("chat", {"messages": [{"role": "robot", "content": "a"}]}, "messages", 400),
         ("chat", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools", 400),
         ("chat", {"messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream", 400),
+        ("completions", {"prompt": "a", "stop_token_ids": [100]}, "stop_token_ids", 400),  # outside the vocabulary
+        ("completions", {"prompt": "a", "include_stop_str_in_output": 1}, "include_stop_str_in_output", 400),
     ],
 )
 def test_a_field_the_engine_cannot_honour_is_refused_by_name(kind, body, param, status):
@@ -89,16 +96,18 @@ class _Chars:
 def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_on_the_offline_text():
     from reshard.parallel.serve.app import Text, TextCursor, final_text
 
-    text, stops = Text(_Chars()), ("STOP",)
+    text, sampling = Text(_Chars()), SamplingParams(stop="STOP")
     out = [ord(c) for c in "hello STOP world"]
-    cursor, sent = TextCursor(text, stops), []
+    cursor, sent = TextCursor(text, sampling), []
     for k in range(1, 10):  # the engine ends the request at the token that completes "STOP"
         new, items = cursor.advance([(t, None) for t in out[:k]], None)
         sent.append(new)
         assert len(items) == 1
     assert "".join(sent) == "hello "  # "STO" could be a stop string's start: held back
     new, _ = cursor.advance([(t, None) for t in out[:10]], "stop")
-    assert "".join(sent) + new == final_text(text, out[:10], "stop", stops) == "hello "
+    assert "".join(sent) + new == final_text(text, out[:10], "stop", sampling) == "hello "
+    kept = SamplingParams(stop="STOP", include_stop_str_in_output=True)  # vLLM's: the text keeps it
+    assert final_text(text, out[:10], "stop", kept) == "hello STOP"
 
 
 def test_a_cancel_ends_a_queued_request_at_once_and_marks_a_running_one():

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
 from reshard.parallel.vllm_api import cut_at_stop
@@ -41,8 +42,8 @@ class Text:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(out)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def piece(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -51,18 +52,18 @@ class Text:
 class TextCursor:
     """How much of one choice's text a stream has sent: text goes out as tokens land, short of
     an incomplete character and of a possible stop string's start (held back until the choice
-    finishes); the final text is the offline job's (cut before the first stop string)."""
+    finishes); the final text is the offline job's (:func:`final_text`)."""
 
-    def __init__(self, text: Text, stops: tuple[str, ...]) -> None:
-        self.text, self.stops = text, stops
+    def __init__(self, text: Text, sampling: SamplingParams) -> None:
+        self.text, self.sampling = text, sampling
         self.sent, self.tokens = "", 0
 
     def advance(self, items: list[tuple[int, Any]], finish: str | None) -> tuple[str, list]:
         """The new text and the new ``(token, logprobs)`` items since the last call."""
-        full = final_text(self.text, [t for t, _ in items], finish, self.stops)
+        full = final_text(self.text, [t for t, _ in items], finish, self.sampling)
         if finish is None:
             full = full.rstrip("\ufffd")
-            full = full[: max(0, len(full) - max(map(len, self.stops), default=1) + 1)]
+            full = full[: max(0, len(full) - max(map(len, self.sampling.stop), default=1) + 1)]
         if not full.startswith(self.sent):  # (decoding is not prefix-stable here: nothing can be taken back)
             LOG.warning("a stream's text so far %r is not a prefix of its text %r", self.sent[-40:], full[-40:])
             self.sent = full[: len(self.sent)]
@@ -72,9 +73,11 @@ class TextCursor:
         return new, fresh
 
 
-def final_text(text: Text, ids: list[int], finish: str | None, stops: tuple[str, ...]) -> str:
-    """``ids`` decoded (special tokens skipped), cut before the first stop string when one ended it."""
-    return cut_at_stop(text.decode(ids), finish, stops)
+def final_text(text: Text, ids: list[int], finish: str | None, sampling: SamplingParams) -> str:
+    """``ids`` decoded (special tokens skipped unless ``skip_special_tokens=False``), cut before the
+    stop string that ended it (kept with ``include_stop_str_in_output``): ``reshard.LLM``'s text."""
+    decoded = text.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
+    return cut_at_stop(decoded, finish, sampling.stop, sampling.include_stop_str_in_output)
 
 
 def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapping]) -> Any:
@@ -151,7 +154,7 @@ def _whole(front: Front, text: Text, parsed: Parsed, streams: list[Stream], rid:
     choices, timing = [], []
     for s in streams:
         c = s.completion
-        out = final_text(text, c.output_ids, c.finish_reason, parsed.stop)
+        out = final_text(text, c.output_ids, c.finish_reason, parsed.sampling)
         lps = None if parsed.logprobs is None else logprobs_of(parsed.kind, c.output_ids, c.logprobs, text.piece)
         choices.append(choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False))
         timing.append(_timing(front, s))
@@ -180,7 +183,7 @@ async def _events(
     """Server-sent events: each choice's new text as its tokens land, its finish reason, then
     (``stream_options.include_usage``) the usage, then ``[DONE]``. A client that goes away
     cancels the choices still running."""
-    cursors = {s.rid: TextCursor(text, parsed.stop) for s in streams}
+    cursors = {s.rid: TextCursor(text, parsed.sampling) for s in streams}
     wake, open_ = streams[0].wake, list(streams)
     try:
         if parsed.kind == "chat":  # the assistant's turn opens each choice (as OpenAI's first chunk)

@@ -21,6 +21,7 @@ MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 # fields either endpoint takes: OpenAI's, and vLLM's extras the sampler has
 COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty")
 COMMON += ("stream", "stream_options", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty")
+COMMON += ("stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")  # vLLM's, as reshard.LLM's
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "logprobs"))
 CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs", "max_completion_tokens"))
 # fields whose value here means "off": accepted with that value, a 400 naming them with any other
@@ -112,7 +113,7 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
             f"{limits.max_seq_len} tokens (at most {room} new tokens)",
             key,
         )
-    sampling = _sampling(body, max_tokens, logprobs, stop)
+    sampling = _sampling(body, max_tokens, logprobs, stop, _stop_ids(body, limits.vocab_size))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise BadRequest(f"stream_options must be {{'include_usage': bool}}, got {options!r}", "stream_options")
@@ -163,7 +164,9 @@ def _check_prompt(ids: list[int], limits: Limits) -> None:
         raise BadRequest(f"token id {bad[0]} is outside the vocabulary of {limits.vocab_size}", "prompt")
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> SamplingParams:
+def _sampling(
+    body: dict, max_tokens: int, logprobs: int | None, stop: tuple[str, ...], stop_ids: tuple[int, ...] | None
+) -> SamplingParams:
     values = dict(
         temperature=_num(body, "temperature", 1.0, 0, 2),  # OpenAI's default: sampled
         top_p=_num(body, "top_p", 1.0, 0, 1),
@@ -175,11 +178,25 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, stop: tuple[str
         min_tokens=_int(body, "min_tokens", 0, 0, max_tokens),
         ignore_eos=_bool(body, "ignore_eos"),
         seed=_int(body, "seed", None, 0, 2**63 - 1),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        skip_special_tokens=body.get("skip_special_tokens") is None or _bool(body, "skip_special_tokens"),
     )
     try:
-        return SamplingParams(max_new_tokens=max_tokens, logprobs=logprobs, stop=stop, **values)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop, stop_token_ids=stop_ids, **values)
     except ValueError as e:
         raise BadRequest(str(e)) from None
+
+
+def _stop_ids(body: dict, vocab_size: int) -> tuple[int, ...] | None:
+    """vLLM's ``stop_token_ids``: token ids that end a choice besides EOS (None: none given)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise BadRequest(
+            f"stop_token_ids must be a list of token ids in 0..{vocab_size - 1}, got {ids!r}"[:200], "stop_token_ids"
+        )
+    return tuple(ids)
 
 
 def _logprobs(kind: str, body: dict) -> int | None:
