@@ -172,9 +172,10 @@ class LLM:
     def _run(self, inputs: list[PromptInput], sampling_params, seed: int | None, use_tqdm: bool) -> list[RequestOutput]:
         """The engine's outputs for ``inputs``; under ``dp_prompts="local"`` every process's inputs
         run as one call and each process gets its own back."""
-        params = _per_prompt(sampling_params, len(inputs))
-        everyone = _all_gather((inputs, params)) if self.dp_prompts == "local" else [(inputs, params)]
-        first = sum(len(part) for part, _ in everyone[: _rank()]) if self.dp_prompts == "local" else 0
+        params, count = _per_prompt(sampling_params, len(inputs)), len(inputs)
+        local = self.dp_prompts == "local"
+        everyone = _all_gather((inputs, params)) if local else [(inputs, params)]
+        first = sum(len(part) for part, _ in everyone[: _rank() if local else 0])  # where this rank's begin
         inputs, params = [x for part, _ in everyone for x in part], [p for _, part in everyone for p in part]
         requests = _requests([x.ids for x in inputs], params)
         warn_repeated_seeds(requests)
@@ -183,7 +184,7 @@ class LLM:
         outputs = self._outputs(inputs, params, completions)
         for out, prompt_logprobs in zip(outputs, self._prompt_logprobs([x.ids for x in inputs], params)):
             out.prompt_logprobs = prompt_logprobs
-        return outputs[first : first + len(everyone[_rank()][0])] if self.dp_prompts == "local" else outputs
+        return outputs[first : first + count]
 
     def _call_seed(self, seed: int | None) -> int | None:
         """This call's seed: the one given, else the LLM's ``seed``'s next, else None (fresh)."""
