@@ -291,7 +291,8 @@ def test_ranks_passing_different_prompts_get_one_error_each(tokenized, hf_refere
 
 def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_streamed(checkpoints, hf_reference):
     """verl's rollout surface over one LLM, driven as verl drives it: many ``generate`` calls in
-    flight at once (asyncio) become batches; ``update_weights`` streams ``(name, tensor)`` pairs;
+    flight at once (asyncio), added to the engine core as they come (later ones join running ones);
+    ``update_weights`` streams ``(name, tensor)`` pairs;
     ``release`` / ``resume`` around a training step. Tokens equal HF's, before and after."""
     import asyncio
 
@@ -307,12 +308,17 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
         assert [p.to_local().untyped_storage().nbytes() for p in llm.engine.model.parameters()] == [0] * len(held)
         llm.resume()
         first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], None)]
-        batches, generate, freed = [], llm.generate, []
-        llm.generate = lambda ps, params: batches.append(len(ps)) or generate(ps, params)  # count the batches
+        steps, freed = [], []
+        llm.generate = None  # the rollout adds requests to the engine core and steps it: no generate call
+        llm.engine.events.on("step_agreed", lambda index, step, tokens: steps.append({s.request.id for s in step.seqs}))
         rollout = Rollout(llm)
 
         async def serve():
-            outs = await asyncio.gather(*[rollout.generate(p, greedy, f"req-{i}") for i, p in enumerate(prompts)])
+            asking = lambda ps: [asyncio.create_task(rollout.generate(p, greedy, f"req-{p[0]}")) for p in ps]  # noqa: E731
+            first = asking(prompts[:2])
+            while not steps:  # the first two run; the others come while they do
+                await asyncio.sleep(0.001)
+            outs = await asyncio.gather(*first, *asking(prompts[2:]))
             await rollout.release()  # KV freed, weights moved to host: their device storages hold nothing
             freed.extend(p.to_local().untyped_storage().nbytes() for p in llm.engine.model.parameters())
             model = _hf(path)
@@ -327,7 +333,9 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
             return outs, again, model
 
         outs, again, model = asyncio.run(serve())
-    assert batches == [4, 2, 4, 2]  # six requests in flight, at most max_batch_size (4) per engine call
+    # six requests in flight: four run at once (max_batch_size), the others join as slots free up
+    assert max(map(len, steps)) == 4 and set().union(*steps) == set(range(12))
+    assert any(step & {0, 1} and step & {2, 3} for step in steps)  # a batcher would run them after
     assert freed and set(freed) == {0} and first == hf_reference(path, prompts[:2], 16)
     assert [o.token_ids for o in outs] == hf_reference(path, prompts, NEW)
     assert all(len(o.log_probs) == len(o.token_ids) and o.finish_reason in ("length", "stop") for o in outs)

@@ -2,6 +2,7 @@
 
 from reshard.parallel.engine.agree import agree_tokens, sample_step
 from reshard.parallel.engine.config import EngineConfig
+from reshard.parallel.engine.core import CoreOutput, EngineCore, RequestStatus
 from reshard.parallel.engine.events import EngineEvents, LayerHooks
 from reshard.parallel.engine.loop import Engine
 from reshard.parallel.engine.policy import (
@@ -29,8 +30,10 @@ from reshard.parallel.engine.splits import StageLink, TokenSplit, split_ranges
 __all__ = [
     "Completion",
     "ContinuousBatching",
+    "CoreOutput",
     "Engine",
     "EngineConfig",
+    "EngineCore",
     "EngineEvents",
     "EngineStats",
     "LayerHooks",
@@ -40,6 +43,7 @@ __all__ = [
     "PolicyContext",
     "Replica",
     "Request",
+    "RequestStatus",
     "RunnerInfo",
     "Sequence",
     "SlotPool",

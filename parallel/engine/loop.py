@@ -30,11 +30,8 @@ from reshard.parallel.engine.admission import (
     ADMIT,
     Admission,
     Done,
-    LocalAdmission,
     RoutedAdmission,
     endpoint_of,
-    enqueue,
-    withdraw,
 )
 from reshard.parallel.engine.agree import sample_emitting, sample_step
 from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
@@ -47,6 +44,7 @@ from reshard.parallel.engine.checks import (
 )
 from reshard.parallel.engine.config import EngineConfig, refuse_moved_keys
 from reshard.parallel.engine.connector import KVConnectors
+from reshard.parallel.engine.core import EngineCore
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
 from reshard.parallel.engine.policy import (
@@ -145,9 +143,8 @@ class Engine:
         if self.flow is not None and not self.flow.first:
             return NotedSteps(layout, self.flow.notes)
         batching, c = ContinuousBatching if self.flow is None else InflightBatching, self.config
-        return batching(
-            layout, max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk
-        )
+        kw = dict(max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk)
+        return batching(layout, **kw) if self.flow is not None else batching(layout, preempt=True, **kw)
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property
@@ -186,8 +183,10 @@ class Engine:
         self.ready()
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
             if self.engine_group is None:
-                start = time.time()
-                done = self._serve(LocalAdmission(requests, start, self._leads_group(), bar), start)
+                core = EngineCore(self, progress=bar)
+                for request in requests:
+                    core.add_request(request)
+                done = core.run()
                 return [done[r.id] for r in requests]
             return self._serve_routed(requests, bar, seed)
 
@@ -213,36 +212,13 @@ class Engine:
         what = f"engine group {endpoint} waiting for the router's start time"
         channel.wait("start", what, self.group_timeout)
         admission = RoutedAdmission(channel, layout, None, self.group_timeout, endpoint=endpoint, beat=beat)
-        return list(self._serve(admission, channel.get("start"), Done(keep)).values())
+        return list(EngineCore(self, admission, start=channel.get("start"), done=Done(keep)).run().values())
 
     def ready(self, tags: Collection[str] = ("weights", "kv_cache"), check: bool = True) -> None:
         """Before serving: weights synced (``check``), what release_memory() freed of ``tags`` back."""
         for runner in self.runners.values() if check else ():
             parallel_info(runner.model).weight_version.check_ready()
         self._released = restore(self._released, tags)
-
-    def _serve(self, admission: Admission, start: float, done: Done | None = None) -> Done:
-        """The loop: admit -> policy -> step -> agree (tokens and admissions) -> retire, until
-        ``admission`` is exhausted and every request it handed over has finished (in ``done``).
-        Every stage of an in-flight pipeline runs it; a later stage's requests and steps come
-        from the first stage's notes (:class:`NotedSteps`)."""
-        if isinstance(self.policy, NotedSteps):
-            admission = self.policy.admission()
-        if self.flow is not None:
-            self.flow.begin()
-        queue, left, done = deque(admission.initial()), 0, Done() if done is None else done  # left: handed on
-        self.policy.start(queue)
-        admission.report(self.policy.load(queue), [])
-        # a queued hand-off whose sequences all finished at their first token counts in no total: taken all the same
-        while queue or not (admission.exhausted and len(done) + left == admission.taken):
-            if not queue and len(done) + left == admission.taken:  # nothing queued or running: wait for more
-                enqueue(queue, withdraw(queue, admission.wait_next(), self._live, False)[0])  # (a cancel: of none)
-                continue
-            for step, output in self._advance(queue, admission):
-                left += self._settle(step, output, admission, queue, done, start)
-        if self.flow is not None:
-            self.flow.finish()
-        return done
 
     def _advance_drained(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
         """The steps that finished next: the policy's next step, run to its agreed tokens."""
@@ -270,29 +246,6 @@ class Engine:
         self._launch(step)
         return landed
 
-    def _settle(
-        self, step: Step, output: StepOutput, admission: Admission, queue: deque, done: Done, start: float
-    ) -> int:
-        """After a step's tokens are appended: hand-offs, retire finished sequences, admit what the
-        group agreed to; returns the sequences handed to another group."""
-        left = 0
-        for handoff in self.policy.after_step(step, output) or ():
-            admission.hand_off(handoff)
-            left += handoff.open
-            for r in handoff.requests:
-                self._live.pop(r.id, None)
-        finished = [seq for seq in step.seqs if seq.finish_reason is not None]
-        completions = [seq.completion(start) for seq in finished]
-        for seq in finished:
-            self.policy.retire(seq)
-            self._live.pop(seq.request.id, None)
-        items, ended = withdraw(queue, admission.take((output.agreed or {}).get(ADMIT, 0)), self._live, not self.flow)
-        for c in completions + ended:
-            done[c.id] = c
-        enqueue(queue, items)
-        admission.report(self.policy.load(queue), completions + ended)
-        return left
-
     def _serve_routed(self, requests: Seq[Request], bar: tqdm, seed: int | None) -> list[Completion]:
         """This rank's group serves what the router (a thread on rank 0) hands it; then every
         rank gathers every group's completions and counters."""
@@ -313,7 +266,7 @@ class Engine:
             router = Router(channel, requests, Topology(len(entries), entries), start, self.routing)
         with router or contextlib.nullcontext():
             admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, self.group_timeout)
-            done = self._serve(admission, start)
+            done = EngineCore(self, admission, start=start).run()
         mine = (list(done.values()), self.stats) if group.is_leader else None
         everyone = all_gather_objects(mine, group.job)
         if router is not None:

@@ -29,6 +29,7 @@ it returns, and what happened comes back as data.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -132,7 +133,9 @@ class SlotPool:
 
     Slots are handed out alternating over the replicas, so replicas stay balanced. With a paged
     cache a sequence also takes the blocks for all its tokens (prompt + ``max_new_tokens``) at
-    admission, so it never runs out mid-generation, and gives them back when it finishes.
+    admission, so it never runs out mid-generation, and gives them back when it finishes; with
+    ``grows`` (a scheduler that preempts) it takes its prompt's blocks at admission and one more
+    block as its tokens reach it (:meth:`grow`), as vLLM's block manager does.
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class SlotPool:
         num_blocks: int | None = None,
         block_size: int | None = None,
         stats: EngineStats | None = None,
+        grows: bool = False,
     ) -> None:
         self.per = slots_per_replica
         self.block_size = block_size
@@ -152,13 +156,28 @@ class SlotPool:
         ]
         self.num_blocks = num_blocks
         self.free_blocks = [list(reversed(range(num_blocks))) for _ in range(replicas)] if num_blocks else None
+        self.grows = grows and self.free_blocks is not None
 
     def __len__(self) -> int:
         return len(self.free)
 
     def blocks_needed(self, request: Request) -> int:
-        tokens = len(request.prompt_ids) + request.sampling.max_new_tokens
+        """Blocks a request takes at admission: its prompt's (growing), else its whole sequence's."""
+        tokens = len(request.prompt_ids) + (0 if self.grows else request.sampling.max_new_tokens)
         return -(-tokens // self.block_size) if self.block_size else 0
+
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for ``seq``'s first ``tokens`` positions, taken from its replica's free blocks;
+        False (nothing taken) where too few are free."""
+        more = -(-tokens // self.block_size) - len(seq.blocks)
+        pool = self.free_blocks[seq.replica]
+        if more > len(pool):
+            return False
+        seq.blocks += [pool.pop() for _ in range(max(more, 0))]
+        if self.stats is not None and more > 0:
+            self.stats.kv_blocks_allocated += more
+            self.stats.kv_blocks_peak = max(self.stats.kv_blocks_peak, self.num_blocks - len(pool))
+        return True
 
     def can_take(self, request: Request, within: range | None = None) -> bool:
         """A free slot (in ``within``, slots of the first replica, if given), and on its replica
@@ -266,6 +285,11 @@ class Policy:
     def retire(self, seq: Sequence) -> None:
         """``seq`` finished: release what it holds."""
 
+    def is_running(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds KV here between steps and :meth:`retire` may end it now (an
+        abort frees its KV at once; where False, it ends at its next token)."""
+        return False
+
     def room(self) -> tuple[int, int] | None:
         """(free slots, free KV tokens) for new requests, for a router that places them by load
         (``None``: the policy does not say; a router then only round-robins to it)."""
@@ -302,6 +326,13 @@ class ContinuousBatching(Policy):
     long prompt does not stall the others' next tokens. ``None``: the runner does not mix (no
     chunking, pipeline stages, micro-batch swapping): newly admitted whole prompts make a step of
     their own, alternating with steps of decode tokens.
+
+    ``preempt`` (paged caches): a sequence takes KV blocks as its tokens need them; when a step's
+    tokens need more blocks than are free, the newest running request of that replica is
+    preempted: its KV given back, queued first again as a request resumed after the tokens it has
+    (:meth:`Request.resume`: recomputed, its seeded draws replayed, so its tokens equal an
+    unpreempted run's). Off: each request takes every block it can need at admission and waits
+    for them.
     """
 
     def __init__(
@@ -311,6 +342,7 @@ class ContinuousBatching(Policy):
         max_prefill_tokens: int = 4096,
         admission: str = "fifo",
         prefill_chunk: int | None = None,
+        preempt: bool = False,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -322,6 +354,9 @@ class ContinuousBatching(Policy):
         self.max_prefill_tokens = max_prefill_tokens
         self.admission = admission
         self.prefill_chunk = prefill_chunk
+        self.preempt = preempt
+        self.running: dict[int, Sequence] = {}  # request id -> its sequence, in admission order
+        self.held: dict[int, Sequence] = {}  # a preempted request's last sequence (its logprobs and times)
 
     @property
     def initial_layout(self) -> str | None:
@@ -344,14 +379,20 @@ class ContinuousBatching(Policy):
             num_blocks=spec and spec.num_blocks,
             block_size=spec and spec.block_size,
             stats=self.stats,
+            grows=self.preempt,
         )
-        self.running: dict[int, Sequence] = {}
+        self.running = {}
+        self.held = {}
         self._prefilled = False  # the last step fed whole prompts (whole-prompt steps alternate)
 
     def validate(self, requests: Seq[Request]) -> None:
         check_fits(requests, self.runner_info[self.layout].kv)
 
     def next_step(self, queue: deque) -> Step:
+        step = self._next_step(queue)
+        return self._reserve(step, queue) if self.slots.grows else step
+
+    def _next_step(self, queue: deque) -> Step:
         if self.prefill_chunk is not None:
             return self._budget_step(queue)
         if queue and self._fits(queue[0]) and not (self._prefilled and self.running):
@@ -389,7 +430,45 @@ class ContinuousBatching(Policy):
             self.connector.load(seq, matched)
             seq.num_computed_tokens = matched
         self.running[seq.request.id] = seq
+        earlier = self.held.pop(seq.request.id, None)
+        if earlier is not None:  # a preempted request runs again: what it had goes on
+            seq.logprobs, seq.times = earlier.logprobs, earlier.times
         return seq
+
+    def _reserve(self, step: Step, queue: deque) -> Step:
+        """Blocks for every token ``step`` writes; where its replica has too few free, the newest
+        running request there is preempted (this step's own included, which then leaves it)."""
+        kept = []
+        for seq, n in zip(step.seqs, step.num_tokens):
+            while self.is_running(seq) and not self._grow(seq, seq.num_computed_tokens + n):
+                self._preempt(self._newest(seq.replica), queue)
+            if self.is_running(seq):
+                kept.append((seq, n))
+        if len(kept) == len(step.seqs):
+            return step
+        assert kept, "a step's oldest request fits its replica's cache alone (check_fits)"
+        return self._step([s for s, _ in kept], [n for _, n in kept])
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """``seq``'s blocks cover ``tokens`` positions; this rank's cache table follows."""
+        held = len(seq.blocks)
+        if not self.slots.grow(seq, tokens):
+            return False
+        info = self.runner_info[self.layout]
+        if len(seq.blocks) > held and info.kv is not None and seq.replica == info.replica.rank:
+            info.kv.assign(seq.slot, seq.blocks)
+        return True
+
+    def _newest(self, replica: int) -> Sequence:
+        return next(s for s in reversed(self.running.values()) if s.replica == replica)
+
+    def _preempt(self, seq: Sequence, queue: deque) -> None:
+        """``seq`` gives its slot and blocks back and is queued first, to be computed again."""
+        self.retire(seq)
+        request = seq.request.resume(seq.output) if seq.output else seq.request
+        queue.appendleft(dataclasses.replace(request, preempted=True))
+        self.held[request.id] = seq
+        self.stats.preemptions += 1
 
     def _admit(self, queue: deque, within: range | None = None) -> list[Sequence]:
         """Queued requests into free slots (of ``within`` only, if given) up to the prefill budget."""
@@ -434,3 +513,6 @@ class ContinuousBatching(Policy):
     def retire(self, seq: Sequence) -> None:
         self.running.pop(seq.request.id)
         self.slots.give(seq)
+
+    def is_running(self, seq: Sequence) -> bool:
+        return self.running.get(seq.request.id) is seq

@@ -26,6 +26,8 @@ class Request:
     # where this request's KV may be (a failed or prefilling group's endpoint): a KV connector
     # that holds it supplies it (:mod:`reshard.parallel.engine.connector`); "": nowhere
     kv_source: str = ""
+    # queued again by its scheduler, whose KV went to older requests (recomputed when it runs)
+    preempted: bool = False
 
     def __post_init__(self) -> None:
         if not self.arrival >= 0:  # also refuses NaN
@@ -242,6 +244,7 @@ class EngineStats:
     kv_blocks_allocated: int = 0  # paged KV: blocks handed to sequences (all replicas)
     kv_blocks_freed: int = 0  # ... and returned when they finished
     kv_blocks_peak: int = 0  # most blocks in use at once in one replica
+    preemptions: int = 0  # running requests whose KV went to older ones (computed again later)
 
     @property
     def mean_decode_batch(self) -> float:

@@ -5,8 +5,8 @@ token-in / token-out ``generate`` per request (each with its own sampling parame
 many in flight at once), ``update_weights`` from a generator of ``(HF name, tensor)`` pairs, and
 ``release`` / ``resume`` of the engine's memory around training. :class:`Rollout` gives that
 surface over one ``LLM`` in one process (a data-parallel replica, as verl places its servers):
-requests that arrive while a batch runs wait and go together in the next one (a batching front
-end, as an inference server's), so concurrency becomes batch size. verl itself is not imported:
+each request is added to the engine's core as it arrives and runs from the next step on, beside
+those already running, so concurrency becomes batch size. verl itself is not imported:
 verl 0.9.1 (read from its wheel) requires ``transformers<5.11``, ray, wandb and tensorboard, so
 installing it beside the transformers reshard is tested with would downgrade it; the methods keep
 ``BaseRollout``'s names and arguments (``update_weights``' ``wire_format`` included).
@@ -15,13 +15,16 @@ installing it beside the transformers reshard is tested with would downgrade it;
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from reshard.integrations import vllm_sampling
-from reshard.parallel.engine.sampling import SamplingParams
+from reshard.parallel.engine.checks import seeded
+from reshard.parallel.engine.core import EngineCore
+from reshard.parallel.engine.request import Completion, Request
 from reshard.parallel.llm import LLM
 
 
@@ -36,43 +39,65 @@ class TokenOutput:
 
 class Rollout:
     """verl's rollout surface over ``llm`` (an :class:`LLM` of one process). Every method is a
-    coroutine; ``generate`` calls made while a batch runs form the next batch, in arrival order.
+    coroutine; each ``generate`` call is a request added to the engine's
+    :class:`reshard.parallel.engine.core.EngineCore`, which one task steps while any is
+    unfinished: a request that arrives while others run joins them at the next step (continuous
+    batching; at most ``max_batch_size`` run at once, the rest wait for a slot).
     """
 
-    def __init__(self, llm: LLM, *, max_batch: int | None = None) -> None:
-        self.llm, self.max_batch = llm, max_batch or llm.engine.max_batch_size
-        self._waiting: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self._arrived: list[tuple[Request, asyncio.Future]] = []
+        self._waiting: dict[int, asyncio.Future] = {}  # request id -> its caller's future
+        self._ids = itertools.count()
         self._running: asyncio.Task | None = None
-        self._lock = asyncio.Lock()  # one engine call at a time: batches, weight updates, release
+        self._lock = asyncio.Lock()  # one user of the engine at a time: steps, weight updates, release
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict, request_id: str) -> TokenOutput:
         """``prompt_ids``' completion under ``sampling_params`` (verl's dict: ``max_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ...); ``request_id``
         only names it (its noise comes from its seed, or a fresh one)."""
+        params = vllm_sampling(sampling_params, f"request {request_id}")
+        if params.n != 1:
+            raise ValueError(f"request {request_id}: n={params.n}; verl sends one request per sample (n=1)")
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append((list(prompt_ids), vllm_sampling(sampling_params, f"request {request_id}"), future))
+        request = seeded([Request(next(self._ids), list(prompt_ids), params)], None, None)[0]
+        self._arrived.append((request, future))
         if self._running is None or self._running.done():
-            self._running = asyncio.create_task(self._drain())
+            self._running = asyncio.create_task(self._drive())
         return await future
 
-    async def _drain(self) -> None:
-        """Run what waits, a batch at a time, until nothing does."""
-        while self._waiting:
-            batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
+    async def _drive(self) -> None:
+        """Step the engine while a request is unfinished, adding those that arrived before each step."""
+        async with self._lock:
+            self.llm.engine.ready()
+            core = EngineCore(self.llm.engine)
+            while self._arrived or core.has_unfinished():
+                self._add(core)
+                try:
+                    outputs = await asyncio.to_thread(core.step)
+                except Exception as e:  # every request in the engine gets the error
+                    self._fail(e)
+                    return
+                for out in outputs:
+                    if out.finished:
+                        self._waiting.pop(out.request_id).set_result(_token_output(out.completion))
+
+    def _add(self, core: EngineCore) -> None:
+        """The requests that arrived, into the engine (one refused gets its error, alone)."""
+        arrived, self._arrived = self._arrived, []
+        for request, future in arrived:
             try:
-                async with self._lock:
-                    outs = await asyncio.to_thread(
-                        self.llm.generate, [p for p, _, _ in batch], [s for _, s, _ in batch]
-                    )
-            except Exception as e:  # every request of the batch gets the error
-                for _, _, future in batch:
-                    future.set_exception(e)
+                core.add_request(request)
+            except ValueError as e:
+                future.set_exception(e)
                 continue
-            for (_, _, future), out in zip(batch, outs):
-                sample = out.outputs[0]
-                lps = sample.logprobs
-                logprobs = None if lps is None else [e[t].logprob for t, e in zip(sample.token_ids, lps)]
-                future.set_result(TokenOutput(sample.token_ids, logprobs, sample.finish_reason))
+            self._waiting[request.id] = future
+
+    def _fail(self, error: Exception) -> None:
+        for future in [*self._waiting.values(), *(f for _, f in self._arrived)]:
+            future.set_exception(error)
+        self._waiting, self._arrived = {}, []
 
     async def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], wire_format: str = "named_tensors", **kwargs
@@ -94,3 +119,9 @@ class Rollout:
         """Take back what ``tags`` names (verl's ``"weights"``, ``"kv_cache"``; None: both)."""
         async with self._lock:
             self.llm.resume(("weights", "kv_cache") if tags is None else tags)
+
+
+def _token_output(c: Completion) -> TokenOutput:
+    """A finished request as verl's ``TokenOutput``."""
+    logprobs = None if c.logprobs is None else [lp for lp, _ in c.logprobs]
+    return TokenOutput(c.output_ids, logprobs, c.finish_reason)

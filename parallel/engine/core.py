@@ -1,0 +1,288 @@
+"""``EngineCore``: one engine group's requests, taken in and stepped one step at a time.
+
+Every front end drives an engine group the same way, vLLM v1's ``EngineCore`` way: add requests,
+then step until nothing is unfinished (``Engine.generate``, ``LLM``, ``reshard serve``'s groups, the
+verl adapter, a supervised child, DejaVu's token side: all run :meth:`EngineCore.step`).
+
+- :meth:`EngineCore.add_request` queues a request (every rank of the group adds the same requests
+  in the same order, as every rank calls ``generate`` with the same list); a request with a KV
+  source waits for its KV (``WAITING_FOR_KV``) before it runs.
+- :meth:`EngineCore.abort` ends requests between steps: a queued one leaves the queue, a running
+  one gives its KV slot and blocks back at once (``FINISHED_ABORTED``).
+- :meth:`EngineCore.step` runs the policy's next step (or, with nothing to run, waits for the
+  next request) and returns what each request gained: :class:`CoreOutput` s.
+
+Where requests come from is an :class:`reshard.parallel.engine.admission.Admission`: the requests
+added here (:class:`Intake`), or a routed group's channel. A request's status is where it is:
+queued (``WAITING``, ``WAITING_FOR_KV``, or ``PREEMPTED`` when the scheduler gave its KV back to
+an older request), running in the policy, or finished; :meth:`EngineCore.status` reads it there,
+so there is one source of truth for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from reshard.parallel.engine.admission import ADMIT, Admission, Done, LocalAdmission, enqueue, withdraw
+from reshard.parallel.engine.channel import Cancel
+from reshard.parallel.engine.inflight import NotedSteps
+from reshard.parallel.engine.policy import Step, StepOutput
+from reshard.parallel.engine.request import NO_TOKEN, Completion, Request
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is (vLLM's ``RequestStatus``)."""
+
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # queued with a KV source (a hand-off, a migration)
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # queued again: its KV went to older requests; recomputed when it runs
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @staticmethod
+    def of_finish(reason: str) -> RequestStatus:
+        """The status of a completion's ``finish_reason`` (``"stop"`` | ``"length"`` | ``"abort"``)."""
+        return _FINISHED[reason]
+
+
+_FINISHED = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class CoreOutput:
+    """What one request gained in one :meth:`EngineCore.step`: its new tokens and its status
+    after the step; a finished request's :class:`Completion` rides along."""
+
+    request_id: int
+    new_token_ids: list[int]
+    status: RequestStatus
+    completion: Completion | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+
+class Intake(LocalAdmission):
+    """The requests given to :meth:`EngineCore.add_request` (the same on every rank of the
+    group): offline ones are admitted at the first step, later ones at the step after they are
+    added, requests with an ``arrival`` time once it has passed on the leader's clock."""
+
+    def __init__(self, start: float, leader: bool, progress=None) -> None:
+        super().__init__([], start, leader, progress)
+        self.exhausted = True
+
+    def add(self, request: Request) -> None:
+        """Queue ``request`` after every request that arrives no later than it."""
+        arrivals = [r.arrival for r in self.requests[self.taken :]]
+        self.requests.insert(self.taken + bisect.bisect_right(arrivals, request.arrival), request)
+        self.online = self.online or request.arrival > 0
+        self.exhausted = False
+
+    def remove(self, request_id: int) -> Request | None:
+        """Drop a request not handed to the loop yet (an abort); None if there is none."""
+        index = next((i for i, r in enumerate(self.requests[self.taken :]) if r.id == request_id), None)
+        if index is None:
+            return None
+        request = self.requests.pop(self.taken + index)
+        self.exhausted = self.taken == len(self.requests)
+        return request
+
+
+class EngineCore:
+    """One engine group's request loop, a step at a time (see the module docstring).
+
+    ``engine``: the :class:`reshard.parallel.engine.loop.Engine` whose runners and policy run
+    the steps; ``admission``: where requests come from (default: an :class:`Intake` of the
+    requests added here); ``start``: the wall clock the requests' arrival times and timings count
+    from; ``done``: where finished requests are kept (a server's keeps none, only counts them).
+    """
+
+    def __init__(
+        self,
+        engine,
+        admission: Admission | None = None,
+        *,
+        start: float | None = None,
+        done: Done | None = None,
+        progress=None,
+    ) -> None:
+        self.engine = engine
+        self.start = time.time() if start is None else start
+        self.intake = Intake(self.start, engine._leads_group(), progress) if admission is None else admission
+        if isinstance(engine.policy, NotedSteps):  # a later pipeline stage: its requests come in the first's notes
+            self.intake = engine.policy.admission()
+        self.queue: deque = deque()
+        self.done = Done() if done is None else done
+        self.left = 0  # sequences handed on to other groups
+        self.aborts: list[int] = []
+        self.started = False
+
+    # ---- the API --------------------------------------------------------------------------------
+    def add_request(self, request: Request, kv_source: str | None = None) -> None:
+        """Queue ``request`` (``kv_source``: the endpoint whose KV it may resume from)."""
+        assert isinstance(self.intake, Intake), "a routed group's requests come from its router"
+        if kv_source is not None:
+            request = dataclasses.replace(request, kv_source=kv_source)
+        self.engine.validate([request])
+        self.intake.add(request)
+
+    def abort(self, request_ids: Iterable[int]) -> None:
+        """End ``request_ids`` before the next step (every rank aborts the same ids between the
+        same steps). An unknown or finished id is ignored."""
+        self.aborts.extend(request_ids)
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued or running, or may still come (a routed group's input)."""
+        handed = len(self.done) + self.left == self.intake.taken
+        return bool(self.queue) or bool(self.aborts) or not (self.intake.exhausted and handed)
+
+    @torch.inference_mode()
+    def step(self) -> list[CoreOutput]:
+        """One step of the policy (or, with nothing queued or running, a wait for the next
+        request): the tokens each request gained and the requests that finished."""
+        if not self.started:
+            self._begin()
+        outputs = self._apply_aborts()
+        if not self.queue and len(self.done) + self.left == self.intake.taken:
+            taken = self.intake.wait_next()
+            items, ended = withdraw(self.queue, taken, self.engine._live, False)  # (a cancel: of none)
+            enqueue(self.queue, items)
+            return outputs + self._ended(ended)
+        for step, output in self.engine._advance(self.queue, self.intake):
+            outputs += self._settle(step, output)
+        if not self.has_unfinished():
+            self._finish()
+        return outputs
+
+    def status(self, request_id: int) -> RequestStatus | None:
+        """Where ``request_id`` is now (None: not known to this group)."""
+        if request_id in self.done:
+            return RequestStatus.of_finish(self.done[request_id].finish_reason)
+        if request_id in self.engine._live and self.engine.policy.is_running(self.engine._live[request_id]):
+            return RequestStatus.RUNNING
+        queued = [r for r in self.queue if isinstance(r, Request) and r.id == request_id]
+        queued += [r for r in getattr(self.intake, "requests", ())[self.intake.taken :] if r.id == request_id]
+        return _waiting(queued[0]) if queued else None
+
+    def run(self) -> Done:
+        """Step until nothing is unfinished; every finished request, by id."""
+        while self.has_unfinished():
+            self.step()
+        return self.done
+
+    # ---- the loop's parts -----------------------------------------------------------------------
+    def _begin(self) -> None:
+        """Before the first step: the offline requests queued, the policy started, the load told."""
+        self.started = True
+        if self.engine.flow is not None:
+            self.engine.flow.begin()
+        enqueue(self.queue, self.intake.initial())
+        self.engine.policy.start(self.queue)
+        self.intake.report(self.engine.policy.load(self.queue), [])
+
+    def _finish(self) -> None:
+        """Nothing is left: an in-flight pipeline's stages stop together."""
+        if self.engine.flow is not None:
+            self.engine.flow.finish()
+        self.started = False
+
+    def _settle(self, step: Step, output: StepOutput) -> list[CoreOutput]:
+        """After a step's tokens are appended: hand-offs, retire finished sequences, admit what the
+        group agreed to; what each request gained."""
+        engine = self.engine
+        for handoff in engine.policy.after_step(step, output) or ():
+            self.intake.hand_off(handoff)
+            self.left += handoff.open
+            for r in handoff.requests:
+                engine._live.pop(r.id, None)
+        outputs = _gained(step, output.tokens)
+        finished = [seq for seq in step.seqs if seq.finish_reason is not None]
+        completions = [seq.completion(self.start) for seq in finished]
+        for seq in finished:
+            engine.policy.retire(seq)
+            engine._live.pop(seq.request.id, None)
+        taken = self.intake.take((output.agreed or {}).get(ADMIT, 0))
+        items, ended = withdraw(self.queue, taken, engine._live, engine.flow is None)
+        ended += self._end_cancelled()
+        for c in completions + ended:
+            self.done[c.id] = c
+        enqueue(self.queue, items)
+        self.intake.report(engine.policy.load(self.queue), completions + ended)
+        return _marked(outputs, completions) + self._ended(ended)
+
+    def _apply_aborts(self) -> list[CoreOutput]:
+        """The aborts asked for since the last step: a request not taken yet, queued or running ends now."""
+        ids, self.aborts = self.aborts, []
+        ended = []
+        for rid in ids:
+            request = self.intake.remove(rid) if isinstance(self.intake, Intake) else None
+            if request is not None:
+                ended.append(Completion(rid, list(request.prompt_ids), [], "abort"))
+        cancels = [Cancel(rid) for rid in ids]
+        _, withdrawn = withdraw(self.queue, cancels, self.engine._live, self.engine.flow is None)
+        ended += withdrawn + self._end_cancelled()
+        for c in ended:
+            self.done[c.id] = c
+        self.intake.report(None, ended)
+        return self._ended(ended)
+
+    def _end_cancelled(self) -> list[Completion]:
+        """Cancelled running sequences the policy can end between steps: their KV back now."""
+        ended = []
+        for seq in [s for s in self.engine._live.values() if s.cancelled]:
+            if self.engine.flow is None and self.engine.policy.is_running(seq):
+                seq.finish_reason = "abort"
+                self.engine.policy.retire(seq)
+                self.engine._live.pop(seq.request.id)
+                ended.append(seq.completion(self.start))
+        return ended
+
+    def _ended(self, completions: list[Completion]) -> list[CoreOutput]:
+        return [CoreOutput(c.id, [], RequestStatus.of_finish(c.finish_reason), c) for c in completions]
+
+
+def _gained(step: Step, tokens: list[int]) -> dict[int, list[int]]:
+    """Request id -> the tokens its sequence gained in ``step`` (none for a short prompt chunk)."""
+    gained: dict[int, list[int]] = {}
+    for seq, token in zip(step.seqs, tokens):
+        new = gained.setdefault(seq.request.id, [])
+        if token != NO_TOKEN:
+            new.append(token)
+    return gained
+
+
+def _marked(gained: dict[int, list[int]], completions: list[Completion]) -> list[CoreOutput]:
+    """One output per request of the step, the finished ones with their completions."""
+    by_id = {c.id: c for c in completions}
+    outputs = []
+    for rid, tokens in gained.items():
+        c = by_id.get(rid)
+        status = RequestStatus.RUNNING if c is None else RequestStatus.of_finish(c.finish_reason)
+        outputs.append(CoreOutput(rid, tokens, status, c))
+    return outputs
+
+
+def _waiting(request: Request) -> RequestStatus:
+    """A queued request's status."""
+    if request.preempted:
+        return RequestStatus.PREEMPTED
+    return RequestStatus.WAITING_FOR_KV if request.kv_source else RequestStatus.WAITING

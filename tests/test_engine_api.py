@@ -1,0 +1,187 @@
+"""``EngineCore``: ``add_request`` / ``abort`` / ``step``, request statuses, preemption under KV pressure.
+
+References: HF ``generate`` (greedy), the same requests through ``Engine.generate`` without
+pressure (sampled), and the cache's own block and slot counts before and after.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests import dist_harness
+from tests.test_generate import MAX_NEW, _prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine(path, **config):
+    from reshard.parallel import Engine, EngineConfig, parallelize
+
+    return Engine(parallelize(path), EngineConfig(**{"max_batch_size": 4, "max_seq_len": 128, **config}))
+
+
+def _requests(prompts, max_new=MAX_NEW, temperature=0.0):
+    from reshard.parallel import Request, SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=40, seed=7)
+    return [Request(i, p, params) for i, p in enumerate(prompts)]
+
+
+def _stream(core) -> tuple[dict, dict, list]:
+    """Step ``core`` to the end: each request's tokens as they came, its final status, every status seen."""
+    tokens, final, seen = {}, {}, []
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            seen.append(out.status)
+            if out.finished:
+                final[out.request_id] = (out.status, out.completion.output_ids)
+    return tokens, final, seen
+
+
+def _core_job(path, prompts):
+    from reshard.parallel.engine.core import EngineCore, RequestStatus
+
+    engine = _engine(path)
+    core = EngineCore(engine)
+    requests = _requests(prompts)
+    for r in requests[:3]:
+        core.add_request(r)
+    before = [core.status(r.id) for r in requests[:3]]
+    first = core.step()  # the first step: every request added so far admitted and prefilled
+    for r in requests[3:]:  # added while the first ones run
+        core.add_request(r)
+    after_first = [core.status(r.id) for r in requests]
+    tokens, final, _ = _stream(core)
+    for out in first:
+        tokens[out.request_id] = out.new_token_ids + tokens.get(out.request_id, [])
+    assert all(s is RequestStatus.WAITING for s in before), before
+    assert after_first[:3] == [RequestStatus.RUNNING] * 3 and after_first[3] is RequestStatus.WAITING, after_first
+    return [tokens[r.id] for r in requests], [final[r.id] for r in requests], core.status(0)
+
+
+def test_add_request_and_step_stream_the_tokens_of_hf_generate(checkpoints, hf_reference):
+    """Requests added before and after the first step; the tokens each step returns, joined,
+    equal HF ``generate`` and the completion; every request ends FINISHED_LENGTH."""
+    from reshard.parallel.engine.core import RequestStatus
+
+    path, prompts = checkpoints["llama"], _prompts()
+    streamed, final, status = dist_harness.run(1, _core_job, path, prompts)[0]
+    assert streamed == hf_reference(path, prompts, MAX_NEW)
+    assert [output for _, output in final] == streamed
+    assert {s for s, _ in final} == {RequestStatus.FINISHED_LENGTH} and status is RequestStatus.FINISHED_LENGTH
+
+
+def _abort_job(path, prompts, paged):
+    from reshard.parallel.engine.core import EngineCore, RequestStatus
+
+    config = dict(prefill_chunk=4, max_prefill_tokens=8)
+    if paged:
+        config.update(kv_block_size=8, kv_tokens=256)
+    engine = _engine(path, **config)
+    core = EngineCore(engine)
+    for r in _requests(prompts):
+        core.add_request(r)
+    core.step()
+    policy = engine.policy
+    in_prefill = [s for s in policy.running.values() if s.num_computed_tokens < s.prompt_len]
+    assert in_prefill, "a long prompt is still in its chunks after one step"
+    core.abort([in_prefill[0].request.id])
+    out = core.step()
+    aborted = [o for o in out if o.request_id == in_prefill[0].request.id]
+    for _ in range(3):
+        core.step()
+    decoding = next(s for s in policy.running.values() if s.output)
+    core.abort([decoding.request.id, 99])  # 99: unknown, ignored
+    out = core.step()
+    aborted += [o for o in out if o.request_id == decoding.request.id]
+    _, final, _ = _stream(core)
+    free_blocks = None if not paged else [len(b) for b in policy.slots.free_blocks]
+    statuses = [o.status is RequestStatus.FINISHED_ABORTED and o.finished for o in aborted]
+    return dict(
+        statuses=statuses,
+        aborted=[o.request_id for o in aborted],
+        kept_output=len(aborted[1].completion.output_ids),
+        slots=len(policy.slots),
+        free_blocks=free_blocks,
+        num_blocks=engine.kv.spec.num_blocks,
+        others={rid: out for rid, (_, out) in final.items()},
+    )
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_abort_mid_prefill_and_mid_decode_frees_the_kv_at_once(checkpoints, hf_reference, paged):
+    """``abort`` of a request in its prompt chunks and of one decoding: each ends at that step
+    FINISHED_ABORTED, its slot (and blocks) back at once; the other requests equal HF."""
+    path, prompts = checkpoints["llama"], _prompts()
+    r = dist_harness.run(1, _abort_job, path, prompts, paged)[0]
+    assert r["statuses"] == [True, True] and len(r["aborted"]) == 2
+    assert r["kept_output"] > 0  # the decoding one keeps what it had
+    assert r["slots"] == 4
+    if paged:
+        assert r["free_blocks"] == [r["num_blocks"]]
+    reference = hf_reference(path, prompts, MAX_NEW)
+    others = {i: reference[i] for i in range(len(prompts)) if i not in r["aborted"]}
+    assert {i: r["others"][i] for i in others} == others
+
+
+def _pressure_job(path, prompts, sampled):
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, parallelize
+    from reshard.parallel.engine.core import EngineCore, RequestStatus
+
+    world = dist.get_world_size()
+    model = parallelize(path, ParallelDims(tp=world, world_size=world))
+    requests = _requests(prompts, max_new=24, temperature=0.8 if sampled else 0.0)
+    roomy = Engine(model, EngineConfig(max_batch_size=8, max_seq_len=128))
+    expected = [c.output_ids for c in roomy.generate(requests)]
+    # every request alone fits; the batch needs twice the cache's blocks
+    need = sum(-(-(len(r.prompt_ids) + 24) // 4) for r in requests)
+    tight = Engine(model, EngineConfig(max_batch_size=8, max_seq_len=128, kv_block_size=4, kv_tokens=4 * (need // 2)))
+    core = EngineCore(tight)
+    for r in requests:
+        core.add_request(r)
+    final, preempted = {}, set()
+    while core.has_unfinished():
+        final.update({o.request_id: o.completion.output_ids for o in core.step() if o.finished})
+        preempted |= {r.id for r in requests if core.status(r.id) is RequestStatus.PREEMPTED}
+    s = tight.stats
+    return dict(
+        same=[final[r.id] for r in requests] == expected,
+        preemptions=s.preemptions,
+        allocated=s.kv_blocks_allocated,
+        freed=s.kv_blocks_freed,
+        free=[len(b) for b in tight.policy.slots.free_blocks],
+        blocks=tight.kv.spec.num_blocks,
+        preempted=len(preempted),
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "tp2"])
+def test_kv_pressure_preempts_the_newest_and_tokens_equal_an_unpressured_run(checkpoints, hf_reference, world):
+    """A paged cache holding half the batch: requests are preempted (counted), recomputed later,
+    and every request's tokens (greedy and seeded sampling) equal a run with room for all; every
+    block is back at the end."""
+    path, prompts = checkpoints["llama"], _prompts(8)
+    for sampled in (False, True):
+        for r in dist_harness.run(world, _pressure_job, path, prompts, sampled):
+            assert r["same"], sampled
+            assert r["preemptions"] >= r["preempted"] > 0
+            assert r["allocated"] == r["freed"] and r["free"] == [r["blocks"]]
+
+
+def test_every_loop_runs_through_the_engine_core():
+    """No front end steps the engine another way: the engine's step (``_advance``) is called only
+    by ``EngineCore.step``, and ``Engine`` has no loop of its own left (``_serve``, ``_settle``)."""
+    callers, loops = [], []
+    for path in [*(ROOT / "parallel").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "_advance":
+                callers.append(str(path.relative_to(ROOT)))
+            looped = isinstance(node, ast.FunctionDef) and node.name in ("_serve", "_settle")
+            if looped and path.parent.name == "engine":
+                loops.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert callers == ["parallel/engine/core.py"], callers
+    assert loops == ["parallel/engine/core.py:_settle"], loops
