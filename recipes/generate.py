@@ -157,6 +157,7 @@ def _kv_summary(engine: Engine) -> dict:
             blocks_allocated=s.kv_blocks_allocated,
             blocks_freed=s.kv_blocks_freed,
             blocks_peak=s.kv_blocks_peak,
+            preemptions=s.preemptions,
         )
     return out
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from reshard.parallel.engine import Strategy
 from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Completion, EngineStats
@@ -35,7 +34,6 @@ from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, group_store_prefix
 from reshard.parallel.model.parallelize import load_checkpoint
-from reshard.parallel.strategies.tp import TPStrategy
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.exits import RANKS_LOG
 from reshard.recipes.fault_report import fault_summary
@@ -146,64 +144,11 @@ def _kept_finished(run_dir: Path, n: int) -> tuple[list[Completion], Callable[[C
 
 def engine_group_of(cfg: GenerateConfig, world: int, rank: int) -> tuple[int, tuple[int, ...], Topology]:
     """This rank's engine group under ``fault.migrate``: its index, its ranks and the job's
-    :class:`Topology` (``ValueError`` for a layout supervision does not take)."""
-    tp, topology = _supervised_layout(cfg, world)
-    index = rank // tp
-    return index, tuple(range(index * tp, (index + 1) * tp)), topology
-
-
-def _supervised_layout(cfg: GenerateConfig, world: int) -> tuple[int, Topology]:
-    """Ranks per group and the topology: the ``tp`` strategy's data-parallel groups (of
-    ``pp x tp`` ranks), or DejaVu's prompt and token groups (of ``tp`` ranks, alike on both
-    sides: an entry's KV lands on a taker's rank of the same position)."""
-    strategy, migrate = cfg.parallel, cfg.fault.migrate
-    if strategy.name == "dejavu":
-        prompt, token = strategy.sides(world)
-        if (prompt.tp, prompt.pp) != (token.tp, token.pp) or prompt.pp > 1:
-            raise ValueError(
-                f"fault.migrate={migrate} runs DejaVu's sides as groups of one layout without pipeline stages: "
-                f"parallel.prompt is tp={prompt.tp} pp={prompt.pp}, parallel.token tp={token.tp} pp={token.pp}"
-            )
-        return prompt.tp, Topology.disaggregated(prompt.dp, token.dp)
-    if strategy.name != "tp":  # Seesaw, SiDP, Shift: one group of every rank, restarted whole in the job
-        why = _unhosted(strategy, world) if migrate == "kv" else None
-        if why is not None:
-            raise ValueError(
-                "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the "
-                f"group's next generation; parallel.strategy={strategy.name!r} {why} "
-                "(use fault.migrate=reprefill or none)"
-            )
-        return world, Topology.lockstep(hosted=migrate == "kv")
-    dims = strategy.dims(world)
-    if dims.pp > 1 and migrate == "kv":
-        raise ValueError(
-            f"fault.migrate=kv adopts KV on every rank of a group in its step, which a pipeline's later stages "
-            f"do not take; parallel.pp={dims.pp} (use fault.migrate=reprefill or none)"
-        )
-    if dims.dp == 1:  # one group of every rank: its supervisors keep its KV (kv)
-        return dims.tp * dims.pp, Topology.lockstep(hosted=migrate == "kv")
-    return dims.tp * dims.pp, Topology.ring(dims.dp)
-
-
-def _unhosted(strategy: Strategy, world: int) -> str | None:
-    """Why the supervisors cannot keep this lockstep strategy's KV for its next generation (None: they can)."""
-    if strategy.name == "sidp":
-        return "runs a replica per rank"
-    if strategy.name == "seesaw":
-        decode = strategy.layouts(world)["decode"]
-        if decode.dp > 1 or decode.pp > 1:  # a mirror agrees per group, and adopts on every rank in its step
-            return f"decodes in {decode.dp} replicas x {decode.pp} pipeline stages (parallel.decode.dp/pp must be 1)"
-    return None
-
-
-def _group_strategy(cfg: GenerateConfig, world: int, path: str) -> Strategy:
-    """What builds each group's engine: the tp strategy's (DejaVu's sides are its groups), or
-    the strategy itself, planned, for one group of every rank."""
-    from reshard.recipes.generate import _workload_shape
-
-    if cfg.parallel.name == "dejavu":
-        return TPStrategy(tp=_supervised_layout(cfg, world)[0])
-    return cfg.parallel.planned(path, world, _workload_shape(cfg))
+    :class:`Topology` (the strategy's :meth:`Strategy.supervised_layout`; ``ValueError`` for a
+    layout supervision does not take)."""
+    size, topology = cfg.parallel.supervised_layout(world, cfg.fault.migrate)
+    index = rank // size
+    return index, tuple(range(index * size, (index + 1) * size)), topology
 
 
 def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, streams: bool = False) -> None:
@@ -233,7 +178,8 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, s
     report = (lambda a: channel.append("adoptions", (*a, spec.endpoint))) if group.is_leader else None
     mirror = _mirror(cfg, engine, spec, report, topology)
     position = spec.members.index(spec.rank)
-    donor = WeightDonor(engine.runner.model, _supervision_store, spec.endpoint, position) if _replicas(cfg) else None
+    replicas = cfg.parallel.replica_groups  # this rank gives a respawned group its weights
+    donor = WeightDonor(engine.runner.model, _supervision_store, spec.endpoint, position) if replicas else None
     channel.put(f"digest/{spec.rank}.{spec.generation}", weights_digest(engine))
     channel.put(f"weights_from/{spec.rank}.{spec.generation}", source)  # (where, seconds to build with them)
     channel.put(f"ready/{spec.endpoint}", time.time())
@@ -254,28 +200,24 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, s
     dist.destroy_process_group()
 
 
-def _replicas(cfg: GenerateConfig) -> bool:
-    """Whether the job's groups are replicas of one layout (the ``tp`` strategy's groups; DejaVu's
-    sides, alike by construction), whose ranks can give a respawned group its weights."""
-    return cfg.parallel.name in ("tp", "dejavu")
-
-
 def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Topology) -> tuple:
     """This child's engine and where its weights came from, with the seconds that took: a live
     replica's endpoint (a respawned group, while another group serves; ``fault.respawn_weights``),
     else ``"checkpoint"``."""
+    from reshard.recipes.generate import _workload_shape
+
     config = cfg.engine_config()
     world, store = int(os.environ["WORLD_SIZE"]), _supervision_store()
     position = spec.members.index(spec.rank)
     others = (_live_endpoint(store, g, position) for g in range(topology.groups) if g != spec.group)
     live = [e for e in others if e]
-    wanted = spec.generation > 0 and cfg.fault.respawn_weights == "replica" and _replicas(cfg)
+    wanted = spec.generation > 0 and cfg.fault.respawn_weights == "replica" and cfg.parallel.replica_groups
     donor = live[0] if wanted and live else None
     t0 = time.perf_counter()
+    strategy = cfg.parallel.group_strategy(path, world, _workload_shape(cfg))  # what builds this group's engine
     if donor is None:
-        engine = _group_strategy(cfg, world, path).build(path, config)
-        return engine, ("checkpoint", time.perf_counter() - t0)
-    engine = _group_strategy(cfg, world, path).build(path, dataclasses.replace(config, load_weights=False))
+        return strategy.build(path, config), ("checkpoint", time.perf_counter() - t0)
+    engine = strategy.build(path, dataclasses.replace(config, load_weights=False))
     group = int(donor.split(".")[0])
     gone = lambda: _live_endpoint(store, group, position) != donor  # noqa: E731 - it died or finished
     if take_weights(engine.runner.model, _supervision_store, donor, spec.endpoint, position, gone):

@@ -25,7 +25,9 @@ def _generate(path, prompts, *, chunk, temperature=0.0, paged=False, dp=1, repli
 
     kv = {"kv_block_size": 8, "kv_tokens": 256} if paged else {}
     model = parallelize(path, ParallelDims.from_world(dp=dp) if dp > 1 else None)
-    engine = Engine(model, EngineConfig(max_batch_size=3, max_seq_len=64, prefill_chunk=chunk, replicas=replicas, **kv))
+    # chunk None: whole prompts, in steps of their own
+    config = dict(prefill_chunk=chunk, chunked_prefill=chunk is not None, replicas=replicas, **kv)
+    engine = Engine(model, EngineConfig(max_batch_size=3, max_seq_len=64, **config))
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_k=40, top_p=0.9, seed=7)
     rode = []
     engine.events.on("step_ready", lambda index, step: rode.append(_decodes_beside_chunk(step)))

@@ -119,7 +119,8 @@ def _hooked(path, prompts, zero_last_layer):
     on("layer_after", lambda i, h, ctx: h * 0 if zero_last_layer and i == last else events.append(("after", i)))
     requests = [Request(i, p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts)]
     tokens = [c.output_ids for c in engine.generate(requests)]
-    return tokens, events, engine.stats.prefill_steps + engine.stats.decode_steps, runner.layer_ids
+    s = engine.stats
+    return tokens, events, s.prefill_steps + s.mixed_steps + s.decode_steps, runner.layer_ids
 
 
 def test_layer_and_step_events_fire_in_order_and_can_replace_hidden_states(checkpoints, hf_reference):

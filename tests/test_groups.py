@@ -28,7 +28,7 @@ def _grouped(path, prompts, max_new, *, routing="least_loaded", arrivals=None, t
     model = parallelize(path, ParallelDims.from_world(dp=dist.get_world_size()))
     engine = Engine(model, EngineConfig(max_batch_size=2, max_seq_len=128, routing=routing, replicas=replicas))
     completions = engine.generate(_requests(prompts, max_new, arrivals, temperature))
-    steps = [s.prefill_steps + s.decode_steps for s in engine.group_stats]
+    steps = [s.prefill_steps + s.mixed_steps + s.decode_steps for s in engine.group_stats]
     return [c.output_ids for c in completions], steps, [c.timing for c in completions], engine.engine_group
 
 

@@ -63,11 +63,15 @@ class EngineConfig:
     """A pipeline layout's schedule: ``"inflight"`` (micro-batches stay in flight across steps) or
     ``"drain"`` (every step drains the pipeline); None: in flight wherever it runs (one layout,
     the default policy, replicas as groups), else drained."""
+    chunked_prefill: bool = True
+    """One token budget per step (vLLM's ``enable_chunked_prefill``): prompts take tokens beside
+    the running sequences' decode tokens, in steps that mix both, a prompt longer than the budget
+    in chunks. It runs where the runner mixes (the default policy without pipeline stages or
+    ``kv_swap``); elsewhere, and with False, whole prompts run in steps of their own."""
     prefill_chunk: int | None = None
-    """Chunked prefill (vLLM's ``long_prefill_token_threshold``): a prompt gets at most this many
-    tokens per step, beside the running sequences' decode tokens and other prompts' tokens, under
-    ``max_prefill_tokens``; None: whole prompts, in steps of their own. Needs the default policy,
-    no ``kv_swap`` and no pipeline stages."""
+    """Chunked prefill's cap (vLLM's ``long_prefill_token_threshold``): a prompt gets at most this
+    many tokens per step; None: up to ``max_prefill_tokens``. Needs ``chunked_prefill``, the
+    default policy, no ``kv_swap`` and no pipeline stages."""
     num_microbatches: int | None = None
     """Pipeline micro-batches per step; None: one per pipeline stage (the model's ``pp`` degree;
     1 without stages)."""
@@ -90,6 +94,11 @@ class EngineConfig:
     (a respawned group takes them from a live replica)."""
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk is not None and not self.chunked_prefill:
+            raise ValueError(
+                f"engine.prefill_chunk ({self.prefill_chunk}) caps chunked prefill, which engine.chunked_prefill=False "
+                "turns off: give one of them"
+            )
         if (self.kv_block_size is None) != (self.kv_tokens is None):
             raise ValueError(
                 f"engine.kv_block_size and engine.kv_tokens go together, got {self.kv_block_size} and {self.kv_tokens}"

@@ -139,10 +139,12 @@ class EngineCore:
     # ---- the API --------------------------------------------------------------------------------
     def add_request(self, request: Request, kv_source: str | None = None) -> None:
         """Queue ``request`` (``kv_source``: the endpoint whose KV it may resume from)."""
-        assert isinstance(self.intake, Intake), "a routed group's requests come from its router"
         if kv_source is not None:
             request = dataclasses.replace(request, kv_source=kv_source)
         self.engine.validate([request])
+        if isinstance(self.engine.policy, NotedSteps):  # a later pipeline stage runs what the first stage notes
+            return
+        assert isinstance(self.intake, Intake), "a routed group's requests come from its router"
         self.intake.add(request)
 
     def abort(self, request_ids: Iterable[int]) -> None:
@@ -166,9 +168,10 @@ class EngineCore:
             taken = self.intake.wait_next()
             items, ended = withdraw(self.queue, taken, self.engine._live, False)  # (a cancel: of none)
             enqueue(self.queue, items)
-            return outputs + self._ended(ended)
-        for step, output in self.engine._advance(self.queue, self.intake):
-            outputs += self._settle(step, output)
+            outputs += self._ended(ended)
+        else:
+            for step, output in self.engine._advance(self.queue, self.intake):
+                outputs += self._settle(step, output)
         if not self.has_unfinished():
             self._finish()
         return outputs

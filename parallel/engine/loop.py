@@ -144,7 +144,9 @@ class Engine:
             return NotedSteps(layout, self.flow.notes)
         batching, c = ContinuousBatching if self.flow is None else InflightBatching, self.config
         kw = dict(max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk)
-        return batching(layout, **kw) if self.flow is not None else batching(layout, preempt=True, **kw)
+        if self.flow is not None:
+            return batching(layout, **kw)
+        return batching(layout, mixed=c.chunked_prefill and self.runners[layout].mixes, preempt=True, **kw)
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property

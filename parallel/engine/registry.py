@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from reshard.parallel.engine.channel import Topology
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.loop import Engine
 from reshard.parallel.model.dims import ParallelDims
@@ -105,6 +106,37 @@ class Strategy:
         The default: chunked prefill only where :meth:`check_prefill_chunk` allows it."""
         if config.prefill_chunk is not None:
             self.check_prefill_chunk(config.prefill_chunk)
+
+    # ---- supervision (``fault.migrate``): the engine groups the supervisors run --------------------
+    def supervised_layout(self, world: int, migrate: str) -> tuple[int, Topology]:
+        """Ranks per engine group and the :class:`Topology` of a supervised job under ``migrate``
+        (``ValueError`` for a layout supervision does not take). The default: one group of every
+        rank, restarted whole in the job, whose supervisors keep its KV under ``kv`` unless
+        :meth:`unhosted_reason` says why they cannot."""
+        why = self.unhosted_reason(world) if migrate == "kv" else None
+        if why is not None:
+            raise ValueError(
+                "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the "
+                f"group's next generation; parallel.strategy={self.name!r} {why} "
+                "(use fault.migrate=reprefill or none)"
+            )
+        return world, Topology.lockstep(hosted=migrate == "kv")
+
+    def unhosted_reason(self, world: int) -> str | None:
+        """Why the supervisors cannot keep this lockstep strategy's KV for its next generation,
+        as the end of a sentence naming the strategy (None, the default: they can)."""
+        return None
+
+    def group_strategy(self, path: str | os.PathLike, world: int, workload: WorkloadShape) -> Strategy:
+        """What builds each supervised engine group's engine (collective, like :meth:`planned`).
+        The default: this strategy, planned, for its one group of every rank."""
+        return self.planned(path, world, workload)
+
+    @property
+    def replica_groups(self) -> bool:
+        """Whether a supervised job's engine groups are replicas of one layout, whose ranks can
+        give a respawned group its weights (the default: no, a single group)."""
+        return False
 
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """``ValueError`` naming the values if this strategy cannot run chunked prefill of

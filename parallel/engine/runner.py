@@ -214,6 +214,12 @@ class ModelRunner:
             self.kv.attach(layer.self_attn.kv_layout, f"model.layers.{i}.self_attn")
 
     @property
+    def mixes(self) -> bool:
+        """Whether a step may mix prompt tokens and decode tokens (:meth:`_mixed`): no pipeline
+        stages, no micro-batch swapping, no row exchange between replicas."""
+        return self.link is None and self.swap is None and self.split is None
+
+    @property
     def has_logits(self) -> bool:
         """Whether this rank computes logits (the last pipeline stage)."""
         return self.link is None or self.link.is_last
@@ -252,7 +258,7 @@ class ModelRunner:
         ``num_computed_tokens``; a prompt, a prompt chunk, or its last output token) and attends
         causally over its cached KV and them: one flat ``(sum(num_tokens),)`` batch, one
         micro-batch, eager."""
-        assert self.link is None and self.swap is None and self.split is None, "the engine refuses these"
+        assert self.mixes, "the engine refuses these"
         if self.kv.spec.paged:  # a sequence's first tokens bring its blocks
             for s in seqs:
                 if s.num_computed_tokens == 0:

@@ -158,14 +158,15 @@ class FFNParallel:
     """gate/up colwise, down rowwise: ``placements`` per axis of the module's mesh (default Shard(0)
     over tp; ``Replicate()`` on an axis keeps the weights whole along it). A sparse MoE block's
     experts: ``experts="tp"`` on the tp group's ``(ep, etp)`` view (:func:`expert_mesh`),
-    ``"shift"`` over every rank of Shift's ``(sp, tp)`` base mesh (:func:`shift_token_replicas`)."""
+    ``"token_replicas"`` over every rank of an ``(sp, tp)`` base mesh whose tp ranks hold the same
+    tokens (Shift's: :func:`shift_token_replicas`)."""
 
     placements: tuple[Placement, ...] = TP
     experts: str = "tp"
 
     def build(self, module: nn.Module, ctx: BuildContext) -> nn.Module:
         if hasattr(module, "experts"):  # a sparse MoE block (HF's, of any family)
-            return _moe(module, ctx, self.placements, shift=self.experts == "shift")
+            return _moe(module, ctx, self.placements, shift=self.experts == "token_replicas")
         return SwiGLUMLP(
             module.gate_proj.in_features,
             module.gate_proj.out_features,

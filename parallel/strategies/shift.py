@@ -88,8 +88,8 @@ def shift_plan() -> dict[str, ParallelStyle]:
     return {
         "model.embed_tokens": VocabParallel(BASE),
         "model.layers.*.self_attn": ShiftAttentionStyle(),
-        "model.layers.*.mlp": FFNParallel(BASE, experts="shift"),
-        "model.layers.*.feed_forward": FFNParallel(BASE, experts="shift"),  # (Llama 4's name)
+        "model.layers.*.mlp": FFNParallel(BASE, experts="token_replicas"),
+        "model.layers.*.feed_forward": FFNParallel(BASE, experts="token_replicas"),  # (Llama 4's name)
         "model.layers.*.input_layernorm": ReplicatedNorm(),
         "model.layers.*.post_attention_layernorm": ReplicatedNorm(),
         "model.norm": ReplicatedNorm(),

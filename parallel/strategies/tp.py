@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from reshard.parallel.engine import Engine, EngineConfig, Strategy, register_strategy
+from reshard.parallel.engine.channel import Topology
 from reshard.parallel.engine.checks import check_one_microbatch
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info
@@ -45,6 +46,24 @@ class TPStrategy(Strategy):
                 f"equal the data-parallel replicas ({dp}) with parallel.tp=1 (data-parallel attention)"
             )
         return ParallelDims(dp=dp, pp=self.pp, tp=tp, ep=self.ep, world_size=world_size)
+
+    def supervised_layout(self, world: int, migrate: str) -> tuple[int, Topology]:
+        """The data-parallel groups, of ``pp x tp`` ranks each: a ring of them, or one group of
+        every rank whose supervisors keep its KV (``kv``; a pipeline's later stages take none)."""
+        dims = self.dims(world)
+        if dims.pp > 1 and migrate == "kv":
+            raise ValueError(
+                f"fault.migrate=kv adopts KV on every rank of a group in its step, which a pipeline's later stages "
+                f"do not take; parallel.pp={dims.pp} (use fault.migrate=reprefill or none)"
+            )
+        if dims.dp == 1:
+            return dims.tp * dims.pp, Topology.lockstep(hosted=migrate == "kv")
+        return dims.tp * dims.pp, Topology.ring(dims.dp)
+
+    @property
+    def replica_groups(self) -> bool:
+        """The data-parallel groups are replicas of one layout."""
+        return True
 
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """Chunked prefill runs in one pipeline stage (the mixed step is one eager micro-batch)."""

@@ -25,9 +25,10 @@ from reshard.parallel.engine import (
     ModelRunner,
     Strategy,
     WorkloadShape,
+    make_strategy,
     register_strategy,
 )
-from reshard.parallel.engine.channel import GroupLayout
+from reshard.parallel.engine.channel import GroupLayout, Topology
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.pipeline import build_model
@@ -273,6 +274,26 @@ class DejaVuStrategy(Strategy):
         """The prompt side (the first ``prompt_ranks`` ranks) and the token side (the rest)."""
         prompt, token = self.sides(world_size)
         return {"prompt": prompt, "token": token}
+
+    def supervised_layout(self, world: int, migrate: str) -> tuple[int, Topology]:
+        """The prompt and the token groups, of ``tp`` ranks each, alike on both sides (an entry's
+        KV lands on a taker's rank of the same position), without pipeline stages."""
+        prompt, token = self.sides(world)
+        if (prompt.tp, prompt.pp) != (token.tp, token.pp) or prompt.pp > 1:
+            raise ValueError(
+                f"fault.migrate={migrate} runs DejaVu's sides as groups of one layout without pipeline stages: "
+                f"parallel.prompt is tp={prompt.tp} pp={prompt.pp}, parallel.token tp={token.tp} pp={token.pp}"
+            )
+        return prompt.tp, Topology.disaggregated(prompt.dp, token.dp)
+
+    def group_strategy(self, path: str | os.PathLike, world: int, workload: WorkloadShape) -> Strategy:
+        """The tp strategy over each side's group of ``tp`` ranks."""
+        return make_strategy({"strategy": "tp", "tp": self.sides(world)[0].tp})
+
+    @property
+    def replica_groups(self) -> bool:
+        """The sides' groups are replicas of one layout (:meth:`supervised_layout` holds them to it)."""
+        return True
 
     def check_args(self, config: EngineConfig) -> None:
         super().check_args(config)

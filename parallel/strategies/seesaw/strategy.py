@@ -102,6 +102,13 @@ class SeesawStrategy(Strategy):
             "decode": self.decode.resolve(world_size, "parallel.decode"),
         }
 
+    def unhosted_reason(self, world: int) -> str | None:
+        """A mirror agrees per group and adopts on every rank in its step: decode in one TP layout."""
+        decode = self.layouts(world)["decode"]
+        if decode.dp > 1 or decode.pp > 1:
+            return f"decodes in {decode.dp} replicas x {decode.pp} pipeline stages (parallel.decode.dp/pp must be 1)"
+        return None
+
     def check_args(self, config: EngineConfig) -> None:
         super().check_args(config)
         check_microbatches(config, self.num_microbatches)

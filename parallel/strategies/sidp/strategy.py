@@ -255,6 +255,10 @@ class SiDPStrategy(Strategy):
             raise ValueError(f"parallel.dp ({dp}) must equal the world size ({world_size}): one replica per rank")
         return ParallelDims(dp=dp, ep=dp if experts else 1, world_size=world_size)
 
+    def unhosted_reason(self, world: int) -> str | None:
+        """A replica per rank: the supervisors keep one lockstep group's KV."""
+        return "runs a replica per rank"
+
     def check_args(self, config: EngineConfig) -> None:
         super().check_args(config)
         if config.compile:
