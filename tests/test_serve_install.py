@@ -15,7 +15,7 @@ from importlib import metadata
 
 import pytest
 
-from tests.test_readme import _blocks, _commands
+from tests.test_readme import README, blocks, commands
 from tests.test_serve import launch_server, stop
 
 NEW = 6
@@ -29,7 +29,7 @@ def _base_requirements() -> set[str]:
 
 def _first_setup_command() -> list[list[str]]:
     """The README's first set-up command, split at ``&&``."""
-    return _commands(_blocks("bash")[0])
+    return commands(blocks(README, "bash")[0])
 
 
 def test_the_first_setup_command_installs_the_server_packages_as_base_requirements():
