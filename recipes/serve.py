@@ -140,7 +140,7 @@ def serving(
     tokenizer = tokenizer_of(site.path)
     name = s.model_name or site.path.name
     limits = Limits(name, _max_seq_len(cfg, site.path), tokenizer_vocab(site.path), logprobs=generation is None)
-    app = build_app(front, limits, Text(tokenizer), lambda: dict(router.loads))
+    app = build_app(front, limits, Text(tokenizer), lambda: dict(router.server.loads))
     closing = threading.Event()
     with router, HttpServer(app, s.host, s.port) as http:
         url = f"http://{s.host}:{http.port}/v1"

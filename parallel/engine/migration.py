@@ -1,14 +1,19 @@
 """What the router records of a failed group (:class:`Migration`), the request arithmetic of
-its moves (a prefill-only request of a disaggregated job's entry, a journal's tokens merged in)
-and its count of the steps a group journaled."""
+its moves (a prefill-only request of a disaggregated job's entry, a journal's tokens merged in),
+its count of the steps each group journaled (:class:`StepCount`), and a disaggregated job's
+hand-offs (:class:`Handoffs`): a request moving from the prompt group that ran it to its first
+token to a token group, a migration whose source lives on."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import pickle
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 
-from reshard.parallel.engine.channel import Channel
+from reshard.parallel.engine.admission import endpoint_of
+from reshard.parallel.engine.channel import Channel, Topology
 from reshard.parallel.engine.request import Request
 
 
@@ -37,6 +42,22 @@ class Migration:
     adopted_by: str | None = None  # migrate="kv": the endpoint that adopted its requests with their KV
     tokens: dict[int, int] = dataclasses.field(default_factory=dict)  # request id -> tokens it had generated
 
+    def continued(self, original: Request, so_far: list[int]) -> Request:
+        """``original`` going on elsewhere after ``so_far``, its output when the endpoint died:
+        restarted (no token yet) or resumed after them."""
+        if not so_far:
+            self.restarted.append(original.id)
+            return original
+
+        self.resumed.append(original.id)
+        self.tokens[original.id] = len(so_far)
+        return original.resume(so_far)
+
+
+def group_of(endpoint: str) -> int:
+    """The engine group of ``endpoint`` (``<group>.<generation>``)."""
+    return int(endpoint.split(".")[0])
+
 
 def prefill_only(request: Request) -> Request:
     """``request`` as an entry of a disaggregated job runs it: up to its first token."""
@@ -56,17 +77,93 @@ def merged(before: list[int], tokens: dict[int, int]) -> list[int]:
     return out
 
 
-def count_steps(channel: Channel, endpoint: str, counted: dict[str, tuple[int, int]]) -> None:
-    """Count the steps appended to ``endpoint``'s journal since the last count (``counted``:
-    endpoint -> (bytes of its journal counted, steps in them), updated)."""
-    key = f"journal/{endpoint}"
-    if not channel.ready(key):
-        return
-    blob = channel.store.get(key)
-    done, steps = counted.get(endpoint, (0, 0))
-    stream = io.BytesIO(blob)
-    stream.seek(done)
-    while stream.tell() < len(blob):
-        pickle.load(stream)
-        steps += 1
-    counted[endpoint] = (len(blob), steps)
+class StepCount:
+    """The steps each endpoint has journaled, counted as its journal grows: each count reads
+    only what was appended since the last (the router counts while groups are down)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.counted: dict[str, tuple[int, int]] = {}  # endpoint -> (bytes of its journal counted, steps in them)
+
+    def count(self, endpoints: Iterable[str]) -> dict[str, int]:
+        """The steps every endpoint ever counted has journaled, ``endpoints`` counted again now
+        (one left out keeps its last count: a dead generation's, every step it ran)."""
+        for endpoint in endpoints:
+            self._count(endpoint)
+        return {e: steps for e, (_, steps) in self.counted.items()}
+
+    def _count(self, endpoint: str) -> None:
+        """Count the steps appended to ``endpoint``'s journal since its last count."""
+        key = f"journal/{endpoint}"
+        if not self.channel.ready(key):
+            return
+
+        blob = self.channel.store.get(key)
+        done, steps = self.counted.get(endpoint, (0, 0))
+        stream = io.BytesIO(blob)
+        stream.seek(done)
+        while stream.tell() < len(blob):
+            pickle.load(stream)
+            steps += 1
+        self.counted[endpoint] = (len(blob), steps)
+
+
+class Handoffs:
+    """A disaggregated job's hand-offs (DejaVu under supervision): each request an entry (a
+    prompt group) ran to its first token goes on at a taker (a token group), resumed with
+    ``kv_source`` naming the entry. ``kv`` (``migrate="kv"``): a request goes to the taker that
+    mirrors its entry's KV, else to the one its entry streams to; that one down, to the taker
+    with the most room (which prefills it again).
+    """
+
+    def __init__(self, channel: Channel, topology: Topology, kv: bool) -> None:
+        self.channel, self.topology, self.kv = channel, topology, kv
+        self.waiting: list[Request] = []  # resumed from an entry's KV, waiting for a live taker
+        self.capacity: dict[str, int] = {}  # taker endpoint -> its slots (see _slots)
+
+    def add(self, original: Request, tokens: Seq[int], source: str) -> None:
+        """``original``, run by entry ``source`` to ``tokens``, waits for a taker."""
+        resumed = original.resume(list(tokens))
+        self.waiting.append(dataclasses.replace(resumed, kv_source=source))
+
+    def taker_for(
+        self,
+        request: Request,
+        takers: Seq[str],
+        generations: Seq[int],
+        room: Callable[[str], tuple[int, int] | None],
+    ) -> str:
+        """The live taker (one of ``takers``) for a waiting ``request``; ``room(e)``: endpoint
+        ``e``'s free (slots, KV tokens), None if it has not said."""
+        mirror = self.topology.successor(group_of(request.kv_source), self.kv)
+        paired = endpoint_of(mirror, generations[mirror])
+        if paired in takers:
+            return paired
+
+        rooms = {e: room(e) or (0, 0) for e in takers}
+        return max(rooms, key=lambda e: rooms[e][1])
+
+    def blocked(self, entry: str, takers: Seq[str], generations: Seq[int], where: dict[int, str]) -> bool:
+        """Whether ``entry`` may take no new request: the taker it streams to is down (its
+        prompts' KV would have nowhere to go) or has a backlog of twice its slots (prompt
+        groups run ahead of token groups no further than their mirrors hold). ``where``:
+        request id -> the endpoint it runs at."""
+        taker = self.topology.successor(group_of(entry), kv=False)
+        endpoint = endpoint_of(taker, generations[taker])
+        slots = self._slots(endpoint)
+        if endpoint not in takers:
+            return True
+        return slots is not None and self._backlog(taker, where) >= 2 * slots
+
+    def _slots(self, taker: str) -> int | None:
+        """A taker's slots: the most it ever reported free (None: it has not reported)."""
+        if self.channel.ready(f"load/{taker}"):
+            free = self.channel.get(f"load/{taker}").free_slots
+            self.capacity[taker] = max(self.capacity.get(taker, 0), free)
+        return self.capacity.get(taker)
+
+    def _backlog(self, taker: int, where: dict[int, str]) -> int:
+        """Requests at group ``taker``, or at the entries that stream to it, not yet finished."""
+        entries = self.topology.entries
+        upstream = {g for g in entries if self.topology.successor(g, kv=False) == taker} | {taker}
+        return sum(group_of(e) in upstream for e in where.values())

@@ -1,30 +1,42 @@
-"""The job's router: one thread (rank 0's; under supervision, rank 0's supervisor's, which
-outlives every engine) that places each request on an engine group, collects every completion,
-hands a prefilled request on to a token group, and moves a failed group's requests.
+"""The job's router: one thread (rank 0's; under supervision, rank 0's supervisor's,
+which outlives every engine) that places each request on an engine group, collects
+every completion, hands a prefilled request on to a token group, and moves a failed
+group's requests.
 
-Requests are placed once they have arrived (``routing``: least loaded, round robin or longest
-first). Groups talk to the router through the job's store (:class:`Channel`): the router posts
-to ``assign/<endpoint>/<k>``, each group's leader publishes its :class:`Load` and appends every
-completion to ``done``; once every request has completed the router sets ``all_done`` and each
-group's leader ends its own input. An endpoint is ``<group>.<generation>``.
+Requests are placed once they have arrived (``routing``: least loaded, round robin
+or longest first). Groups talk to the router through the job's store
+(:class:`Channel`): the router posts to ``assign/<endpoint>/<k>``, each group's
+leader publishes its :class:`Load` and appends every completion to ``done``; once
+every request has completed the router sets ``all_done`` and each group's leader
+ends its own input. An endpoint is ``<group>.<generation>``.
 
-The job's :class:`Topology` names the entry groups (which take new requests) and where each
-group's KV goes:
+The job's :class:`Topology` names the entry groups (which take new requests) and
+where each group's KV goes:
 
-- **Hand-offs** (DejaVu under supervision): an entry (prompt group) runs each request to its first
-  token, then it is resumed (``kv_source``: that group) on the token group that mirrors its KV: a
-  migration whose source lives on. (Unsupervised DejaVu groups hand over among themselves.)
-- **Failures** are router events: when a group's generation moves on (``generation(g)``, the
-  supervisors' count in the store; a job without supervision has none), the dead generation's
-  requests are rebuilt from its journal (:mod:`reshard.parallel.fault.journal`): a request that
-  finished there is completed from the journal; the others are re-admitted with prompt + tokens
-  so far (:meth:`Request.resume`; a seeded generator skips the draws already made, so tokens
-  equal a failure-free run's). With ``migrate="reprefill"`` they go to any live group at once;
-  with ``"none"`` they wait for their own group's next generation; with ``"kv"`` they go to the
-  group that mirrors the dead one's KV (or, for a lockstep group, to its next generation, with
-  its supervisors' mirrors), resumed with ``kv_source`` naming it: the engine's KV connector
-  supplies what landed. The router stops handing the dead group work and takes it back once
-  its new generation is ready. A dead prompt group's prompts are prefilled again by another.
+- **Hand-offs** (DejaVu under supervision): an entry (prompt group) runs each
+  request to its first token, then it is resumed (``kv_source``: that group) on the
+  token group that mirrors its KV: a migration whose source lives on. (Unsupervised
+  DejaVu groups hand over among themselves.)
+- **Failures** are router events: when a group's generation moves on
+  (``generation(g)``, the supervisors' count in the store; a job without supervision
+  has none), the dead generation's requests are rebuilt from its journal
+  (:mod:`reshard.parallel.fault.journal`): a request that finished there is
+  completed from the journal; the others are re-admitted with prompt + tokens so far
+  (:meth:`Request.resume`; a seeded generator skips the draws already made, so
+  tokens equal a failure-free run's). With ``migrate="reprefill"`` they go to any
+  live group at once; with ``"none"`` they wait for their own group's next
+  generation; with ``"kv"`` they go to the group that mirrors the dead one's KV (or,
+  for a lockstep group, to its next generation, with its supervisors' mirrors),
+  resumed with ``kv_source`` naming it: the engine's KV connector supplies what
+  landed. The router stops handing the dead group work and takes it back once its
+  new generation is ready. A dead prompt group's prompts are prefilled again by
+  another.
+
+The router places requests and watches the groups. What it keeps of each request
+(completions read from ``done``) is its :class:`~reshard.parallel.engine.ledger.Ledger`;
+a server's inbox, token relay and store clean-up, its
+:class:`~reshard.parallel.engine.intake.ServerIntake`; a failure's record, the steps
+journaled and the hand-offs' choices are in :mod:`reshard.parallel.engine.migration`.
 """
 
 from __future__ import annotations
@@ -38,9 +50,10 @@ from collections.abc import Sequence as Seq
 from reshard.parallel.engine.admission import endpoint_of
 from reshard.parallel.engine.channel import Cancel, Channel, Load, Topology, backoff
 from reshard.parallel.engine.inbox import Inbox
-from reshard.parallel.engine.migration import Migration, count_steps, merged, prefill_only
+from reshard.parallel.engine.intake import ServerIntake
+from reshard.parallel.engine.ledger import Ledger
+from reshard.parallel.engine.migration import Handoffs, Migration, StepCount, group_of, prefill_only
 from reshard.parallel.engine.request import Completion, Request
-from reshard.parallel.fault.inject import die
 
 ROUTING = ("least_loaded", "round_robin", "longest_first")
 MIGRATE = ("kv", "reprefill", "none")
@@ -50,19 +63,17 @@ class Router:
     """The job's router (see the module docstring), a thread started and joined by ``with``.
 
     ``routing``: ``"least_loaded"`` (the group with the most free KV tokens, estimated from its
-    last published :class:`Load` minus what was handed to it since; a request waits in the router
-    until some group has a free slot for it), ``"round_robin"`` (request ``i`` to group
-    ``i % groups`` on arrival) or ``"longest_first"`` (least loaded, the arrived request with the
-    most prompt + new tokens first). Requests are hashed to no group in particular: tokens do not
-    depend on where a request runs (each request's sampling generator is its own).
+    last published :class:`Load` minus what was handed to it since; a request waits in the
+    router until some group has a free slot for it), ``"round_robin"`` (request ``i`` to group
+    ``i % groups`` on arrival) or ``"longest_first"`` (least loaded, the arrived request with
+    the most prompt + new tokens first). Requests are hashed to no group in particular: tokens
+    do not depend on where a request runs (each request's sampling generator is its own).
 
     ``generation(g)``: group ``g``'s current generation (None: a job without supervision, whose
-    groups never fail); ``migrate``: what a failed generation's requests do; ``kept``:
-    completions an earlier attempt of the job finished (not run again); ``keep(c)``: told of each
-    completion as it arrives (so a lost router loses none); ``die_after``: fault injection,
-    SIGKILL this process (the router's) once that many requests have completed. A server's
-    router also takes ``inbox``'s requests as they come (and ends once it is closed and they are
-    done) and hands ``on_tokens`` each step's new tokens (:mod:`reshard.parallel.engine.inbox`).
+    groups never fail); ``migrate``: what a failed generation's requests do; ``kept``,
+    ``keep`` and ``die_after``: see :class:`Ledger`. A server's router also takes ``inbox``'s
+    requests as they come (and ends once it is closed and they are done) and hands
+    ``on_tokens`` each step's new tokens (:class:`ServerIntake`).
     """
 
     def __init__(
@@ -81,42 +92,34 @@ class Router:
         inbox: Inbox | None = None,
         on_tokens: Callable[[list], None] | None = None,
     ) -> None:
-        if routing not in ROUTING:
-            raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
-        if migrate not in MIGRATE:
-            raise ValueError(f"fault.migrate must be one of {MIGRATE}, got {migrate!r}")
-        self.channel, self.topology, self.start, self.routing = channel, topology, start, routing
-        self.migrate, self.generation = migrate, generation
-        self.originals = {r.id: r for r in requests}
-        self.completions: dict[int, Completion] = {c.id: c for c in kept}
-        self.kept = len(self.completions)
-        self.pending = sorted((r for r in requests if r.id not in self.completions), key=lambda r: r.arrival)
-        self.groups = [endpoint_of(g) for g in topology.entries]  # the live entries' endpoints
-        self.takers = [endpoint_of(g) for g in topology.takers]  # the live takers' endpoints
-        self.sent = dict.fromkeys(self.groups + self.takers, 0)
+        _check(routing, migrate, inbox, on_tokens)
+        self.channel, self.topology, self.start = channel, topology, start
+        self.routing, self.migrate, self.generation = routing, migrate, generation
+
+        self.server = None if inbox is None else ServerIntake(channel, inbox, start, on_tokens)
+        self.book = Ledger(requests, kept, keep=keep, die_after=die_after, server=self.server)
+        self.closed = inbox is None  # no request will come but those given
+        self.pending = self.book.unfinished()  # waiting to be placed, earliest arrival first
+
+        # placement: the live entries' and takers' endpoints, what each was sent
+        self.groups = [endpoint_of(g) for g in topology.entries]
+        self.takers = [endpoint_of(g) for g in topology.takers]
         self.sent_tokens: dict[str, list[int]] = {e: [] for e in self.groups + self.takers}
-        self.handoffs: list[Request] = []  # resumed from an entry's KV, waiting for a live taker
-        self.capacity: dict[str, int] = {}  # taker endpoint -> its slots (see _slots)
-        self.generations = [0] * topology.groups
         self.where: dict[int, str] = {}  # request id -> the endpoint it was last sent to
-        self.so_far: dict[int, list[int]] = {}  # request id -> its output before that endpoint
-        self.first_token: dict[int, float] = {}  # request id -> job-clock time of its first token (journaled)
-        self.held: dict[int, list[Request]] = {}  # group -> requests waiting for its next generation
-        self.keep, self.die_after = keep or (lambda c: None), die_after
+        self.handoffs = Handoffs(channel, topology, kv=migrate == "kv")
+
+        # failures: each group's generation, what waits for one, what the router saw
+        self.generations = [0] * topology.groups
+        self.held: dict[int, list[Request]] = {}  # group -> requests for its next generation
         self.migrations: list[Migration] = []
         # ("died" | "ready", endpoint) in the order the router saw them: tests check what happened
         # between two of them (the steps journaled meanwhile, see Migration), never how long it took
         self.observed: list[tuple[str, str]] = []
-        self._journaled: dict[str, tuple[int, int]] = {}  # endpoint -> (bytes of its journal counted, steps in them)
-        self.routed: dict[int, list[str]] = {}  # request id -> every endpoint it was sent to
-        self._read = 0  # ``done`` entries read
+        self.journal = StepCount(channel)
+
         self.error: BaseException | None = None
-        self.stopped = threading.Event()  # set when rank 0 leaves the job's serving (also on an error)
-        self.inbox, self.on_tokens, self.closed = inbox, on_tokens, inbox is None  # closed: none will come
-        self.cancelled: set[int] = set()
-        self.loads: dict[str, Load] = {}  # a server's: each live endpoint's last published Load
-        self.posted: dict[int, list[str]] = {}  # a server's: request id -> its assignments' keys
-        self._tokens_read = 0
+        # set when rank 0 leaves the job's serving (also on an error)
+        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="reshard-router", daemon=True)
 
     def __enter__(self) -> Router:
@@ -129,6 +132,28 @@ class Router:
         if self.error is not None and exc[0] is None:
             raise RuntimeError(f"the router failed: {self.error}") from self.error
 
+    # ---- the book of requests, as callers read it ---------------------------------------------
+    @property
+    def originals(self) -> dict[int, Request]:
+        """Request id -> every request the router knows of (a server's: those not yet done)."""
+        return self.book.originals
+
+    @property
+    def completions(self) -> dict[int, Completion]:
+        """Request id -> its completion (a server's router forgets them once handed on)."""
+        return self.book.completions
+
+    @property
+    def kept(self) -> int:
+        """How many completions an earlier attempt of the job finished."""
+        return self.book.kept
+
+    @property
+    def routed(self) -> dict[int, list[str]]:
+        """Request id -> every endpoint it was sent to."""
+        return self.book.routed
+
+    # ---- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
         """Collect, watch the groups' generations, place what arrived; ``all_done`` at the end."""
         try:
@@ -138,9 +163,12 @@ class Router:
                 self._collect()
                 if self.generation is not None:
                     self._watch()
+
                 tries = 0 if self._dispatch() else tries + 1
                 if tries:  # nothing handed out: look again soon, or when the next request arrives
-                    (self.inbox.wait if self.inbox is not None else time.sleep)(self._pause(tries))
+                    wait = self.server.wait if self.server is not None else time.sleep
+                    wait(self._pause(tries))
+
             if self._over():
                 self.channel.put("all_done", time.time())
         except BaseException as e:  # reported by __exit__ on rank 0; groups then time out by name
@@ -148,51 +176,44 @@ class Router:
 
     def _over(self) -> bool:
         """Every request completed, and no other will come."""
-        return self.closed and len(self.completions) == len(self.originals)
+        return self.book.over(self.closed)
 
-    # ---- a server's requests ----------------------------------------------------------------------
+    def _pause(self, tries: int) -> float:
+        """How long to wait after ``tries`` looks that placed nothing (at most until the next
+        request arrives)."""
+        until = self._next_arrival() - time.time()
+        return min(backoff(tries), until) if until > 0 else backoff(tries)
+
+    # ---- a server's requests --------------------------------------------------------------
     def _intake(self) -> None:
-        """What the server's inbox got since the last look: requests (arrived now), cancellations."""
-        if self.inbox is None:
+        """A server's: what its inbox got since the last look (requests, cancellations)."""
+        if self.server is None:
             return
-        intake = self.inbox.take()
+
+        intake = self.server.take(self.groups + self.takers)
         for r in intake.requests:
-            assert r.id not in self.originals, f"request id {r.id} submitted twice"
-            self.originals[r.id] = dataclasses.replace(r, arrival=time.time() - self.start)
-            self.pending.append(self.originals[r.id])
+            self.book.arrive(r)
+            self.pending.append(r)
         for rid in intake.cancelled:
             self._cancel(rid)
         self.closed = intake.closed
-        live = [e for e in self.groups + self.takers if self.channel.ready(f"load/{e}")]
-        self.loads = {e: self.channel.get(f"load/{e}") for e in live}  # what the server's metrics show
 
     def _cancel(self, rid: int) -> None:
         """Request ``rid``'s client went away: one not placed yet completes here (``"abort"``);
         a placed one is cancelled at its group, which ends it at its next step and frees its KV
         (one whose group died meanwhile is ended where it would have moved, :meth:`_continued`)."""
-        if rid in self.completions or rid not in self.originals:
+        if not self.book.cancel(rid):
             return
-        self.cancelled.add(rid)
+
         if rid in self.where:
             self.channel.post(self.where[rid], Cancel(rid))
             return
-        for waiting in (self.pending, self.handoffs, *self.held.values()):
+
+        for waiting in (self.pending, self.handoffs.waiting, *self.held.values()):
             waiting[:] = [r for r in waiting if r.id != rid]
-        self._complete(Completion(rid, list(self.originals[rid].prompt_ids), self.so_far.get(rid, []), "abort"))
+        self.book.abort(rid)
 
-    def _forget(self, rid: int) -> None:
-        """A server's completed request: dropped here, its assignments deleted from the store
-        (every one was taken: by its group's every rank before it could finish, or by none, dead)."""
-        for kept in (self.completions, self.originals, self.first_token, self.so_far, self.routed):
-            kept.pop(rid, None)
-        self.cancelled.discard(rid)
-        self.channel.clear(self.posted.pop(rid, []))
-
-    def _pause(self, tries: int) -> float:
-        until = self._next_arrival() - time.time()
-        return min(backoff(tries), until) if until > 0 else backoff(tries)
-
-    # ---- placement --------------------------------------------------------------------------------
+    # ---- placement --------------------------------------------------------------------------
     def _next_arrival(self) -> float:
         """Wall-clock time of the earliest request not yet arrived (``inf``: all have)."""
         now = time.time() - self.start
@@ -205,6 +226,7 @@ class Router:
         arrived = [r for r in self.pending if r.arrival <= now]
         if self.routing == "longest_first":
             arrived.sort(key=lambda r: -(len(r.prompt_ids) + r.sampling.max_new_tokens))
+
         handed = False
         for r in arrived:
             g = self._choose(r)
@@ -220,10 +242,13 @@ class Router:
         if not self.groups:
             return None
         if self.routing == "round_robin":
-            return self.groups[sum(self.sent.values()) % len(self.groups)]
+            sent = sum(len(tokens) for tokens in self.sent_tokens.values())
+            return self.groups[sent % len(self.groups)]
+
         room = {g: self._room(g) for g in self.groups}
         if None in room.values():  # a group has not said how much room it has: wait for it to start
             return None
+
         need = len(request.prompt_ids) + request.sampling.max_new_tokens
         fits = [g for g, (slots, tokens) in room.items() if slots >= 1 and tokens >= need]
         return max(fits, key=lambda g: room[g][1]) if fits else None
@@ -235,98 +260,57 @@ class Router:
         (prompt groups run ahead of token groups no further than their mirrors hold)."""
         if not self.channel.ready(f"load/{g}"):
             return None
+
         load: Load = self.channel.get(f"load/{g}")
         since = self.sent_tokens[g][load.taken :]
         room = load.free_slots - len(since), load.free_tokens - sum(since)
         if not self.takers or g in self.takers:
             return room
-        taker = self.topology.successor(int(g.split(".")[0]), kv=False)
-        endpoint = endpoint_of(taker, self.generations[taker])
-        slots = self._slots(endpoint)
-        if endpoint not in self.takers or (slots is not None and self._backlog(taker) >= 2 * slots):
-            return (0, 0)
-        return room
-
-    def _slots(self, taker: str) -> int | None:
-        """A taker's slots: the most it ever reported free (None: it has not reported)."""
-        if self.channel.ready(f"load/{taker}"):
-            self.capacity[taker] = max(self.capacity.get(taker, 0), self.channel.get(f"load/{taker}").free_slots)
-        return self.capacity.get(taker)
-
-    def _backlog(self, taker: int) -> int:
-        """Requests at group ``taker``, or at the entries that stream to it, not yet finished."""
-        upstream = {g for g in self.topology.entries if self.topology.successor(g, kv=False) == taker} | {taker}
-        return sum(int(e.split(".")[0]) in upstream for e in self.where.values())
+        return (0, 0) if self.handoffs.blocked(g, self.takers, self.generations, self.where) else room
 
     def _send(self, g: str, request: Request) -> None:
-        if self.takers and int(g.split(".")[0]) in self.topology.entries:
-            request = prefill_only(request)  # an entry of a disaggregated job: its first token, then a hand-off
+        """Post ``request`` to endpoint ``g`` (an entry of a disaggregated job runs it to its
+        first token only, then hands it off) and count it there."""
+        if self.takers and group_of(g) in self.topology.entries:
+            request = prefill_only(request)
+
         k = self.channel.post(g, request)
-        if self.inbox is not None:
-            self.posted.setdefault(request.id, []).append(f"assign/{g}/{k}")
-        self.sent[g] += 1
+        self.book.sent(request.id, g, f"assign/{g}/{k}")
         self.sent_tokens[g].append(len(request.prompt_ids) + request.sampling.max_new_tokens)
         self.where[request.id] = g
-        self.routed.setdefault(request.id, []).append(g)
 
-    # ---- completions and hand-offs ----------------------------------------------------------------
+    # ---- completions and hand-offs ------------------------------------------------------------
     def _collect(self) -> None:
-        """Completions published since the last look (a prefilled request's: its hand-off)."""
-        if self.on_tokens is not None:  # before the completions: a request's last tokens come first
-            for entry in self.channel.read_list("tokens", self._tokens_read):
-                self.channel.clear([f"tokens/{self._tokens_read}"])  # (read by none but this router)
-                self._tokens_read += 1
-                self.on_tokens(entry)
-        for c in self.channel.read_list("done", self._read):
-            if self.inbox is not None:
-                self.channel.clear([f"done/{self._read}"])
-            self._read += 1
-            if c.id not in self.originals:  # completed, and forgotten, already (a server's router)
-                continue
+        """Completions published since the last look (a prefilled request's: its hand-off); a
+        server's streamed tokens first (a request's last tokens come before its completion)."""
+        if self.server is not None:
+            self.server.relay()
+
+        for c in self.book.collect(self.channel):
             source = self.where.pop(c.id, None)
-            if c.timing is not None and c.id not in self.first_token:
-                self.first_token[c.id] = c.timing.first_token
-            if self.topology.takers and not self._finished(c.id, c.output_ids, c.finish_reason):
+            if self.topology.takers and not self.book.finished(c.id, c.output_ids, c.finish_reason):
                 self._hand_off(c.id, c.output_ids, source)
-                continue
-            if c.timing is not None:  # migrated or handed off: its first token came earlier
-                c.timing = dataclasses.replace(c.timing, first_token=self.first_token[c.id])
-            self._complete(c)
-
-    def _complete(self, c: Completion) -> None:
-        self.completions[c.id] = c
-        self.keep(c)
-        if self.inbox is not None:  # a server's router runs without end: it forgets what it handed on
-            self._forget(c.id)
-        if self.die_after is not None and len(self.completions) >= self.die_after:
-            die()  # fault injection: the router's process, with its supervisor's engine
-
-    def _finished(self, rid: int, output: Seq[int], reason: str | None) -> bool:
-        """Whether request ``rid`` ended with ``output`` (a prefilled request's ``length`` is its hand-off)."""
-        done = reason is not None and len(output) >= self.originals[rid].sampling.max_new_tokens
-        return reason in ("stop", "abort") or done
+            else:
+                self.book.complete(c)
 
     def _hand_off(self, rid: int, tokens: Seq[int], source: str) -> None:
-        """Request ``rid``, prefilled by entry ``source`` with ``tokens`` so far, to a taker: the
-        one ``source`` streams its KV to if it is live, else the one with the most room (which
-        prefills it again), else the first taker to come back."""
-        o = self.originals[rid]
-        if rid in self.cancelled:  # its client went away while its prompt was prefilled: it ends here
-            self._complete(Completion(rid, list(o.prompt_ids), list(tokens), "abort"))
+        """Request ``rid``, prefilled by entry ``source`` with ``tokens`` so far, to a taker
+        (:meth:`Handoffs.taker_for`); one whose client went away meanwhile ends here."""
+        if rid in self.book.cancelled:
+            self.book.abort(rid, tokens)
             return
-        self.so_far[rid] = list(tokens)
-        self.handoffs.append(dataclasses.replace(o.resume(list(tokens)), kv_source=source))
+
+        self.book.so_far[rid] = list(tokens)
+        self.handoffs.add(self.originals[rid], tokens, source)
         self._hand_out()
 
     def _hand_out(self) -> None:
-        while self.handoffs and self.takers:
-            request = self.handoffs.pop(0)
-            mirror = self.topology.successor(int(request.kv_source.split(".")[0]), self.migrate == "kv")
-            paired = endpoint_of(mirror, self.generations[mirror])
-            rooms = {e: self._room(e) or (0, 0) for e in self.takers}
-            self._send(paired if paired in self.takers else max(rooms, key=lambda e: rooms[e][1]), request)
+        """Send the waiting hand-offs on, while some taker is live."""
+        while self.handoffs.waiting and self.takers:
+            request = self.handoffs.waiting.pop(0)
+            self._send(self.handoffs.taker_for(request, self.takers, self.generations, self._room), request)
 
-    # ---- failures -----------------------------------------------------------------------------------
+    # ---- failures ---------------------------------------------------------------------------
     def _watch(self) -> None:
         """Groups whose generation moved on: migrate the old one's requests; groups whose new
         generation is ready: route to it again. While a group is down, the steps journaled are
@@ -340,6 +324,7 @@ class Router:
                 self._collect()  # whatever the dead generation published before it died
                 self._fail(g, known)
                 self.generations[g] = current
+
             endpoint = endpoint_of(g, self.generations[g])
             if ("ready", endpoint) in self.observed:
                 continue
@@ -348,9 +333,14 @@ class Router:
                 if endpoint not in self.groups + self.takers:
                     self._rejoin(g, endpoint, order)
             elif steps is not None:
-                for m in self.migrations:
-                    if m.endpoint.split(".")[0] == str(g) and m.rejoined is None and m.order < before:
-                        m.steps_down = steps
+                self._still_down(g, steps, before)
+
+    def _still_down(self, g: int, steps: dict[str, int], before: int) -> None:
+        """Group ``g``'s next generation is not ready yet: ``steps``, counted while it was down,
+        are its migrations' ``steps_down`` (those observed before this pass)."""
+        for m in self.migrations:
+            if group_of(m.endpoint) == g and m.rejoined is None and m.order < before:
+                m.steps_down = steps
 
     def _observe(self, what: str, endpoint: str) -> int:
         """Record that the router saw ``endpoint`` die or become ready; returns its place."""
@@ -360,36 +350,46 @@ class Router:
     def _steps(self) -> dict[str, int]:
         """The steps every endpoint has journaled: each group's current generation counted now,
         an earlier one as last counted (a dead generation's: every step it ran)."""
-        for g, k in enumerate(self.generations):
-            count_steps(self.channel, endpoint_of(g, k), self._journaled)
-        return {e: n for e, (_, n) in self._journaled.items()}
+        return self.journal.count(endpoint_of(g, k) for g, k in enumerate(self.generations))
 
     def _fail(self, g: int, generation: int) -> None:
         """Generation ``generation`` of group ``g`` died: its requests go on elsewhere."""
-        from reshard.parallel.fault.journal import read_journal, tokens_by_request  # (the fault layer imports this one)
-
         dead = endpoint_of(g, generation)
         for live in (self.groups, self.takers):
             if dead in live:
                 live.remove(dead)
+
         steps = self._steps()  # self.generations still names the dead one: its every step
         migration = Migration(dead, time.time() - self.start, self._observe("died", dead), steps, dict(steps))
         self.migrations.append(migration)
-        journal = tokens_by_request(read_journal(self.channel, dead))
-        moved = []
-        for rid in [r for r, e in self.where.items() if e == dead]:
+        self._move(g, self._rebuilt(migration), migration)
+
+    def _rebuilt(self, migration: Migration) -> list[Request]:
+        """The dead endpoint's requests, rebuilt from its journal: those to continue elsewhere
+        (the others completed or handed off, :meth:`_continued`)."""
+        # (imported here: the fault layer imports this module)
+        from reshard.parallel.fault.journal import read_journal, tokens_by_request
+
+        journal = tokens_by_request(read_journal(self.channel, migration.endpoint))
+        there = [rid for rid, e in self.where.items() if e == migration.endpoint]
+        for rid in there:
             del self.where[rid]
-            request = self._continued(rid, journal.get(rid, ({}, None, None)), migration)
-            if request is not None:
-                moved.append(request)
-        if self.migrate == "kv" and self.topology.hosted:  # its supervisors keep its KV for its next generation
+
+        moved = [self._continued(rid, journal.get(rid, ({}, None, None)), migration) for rid in there]
+        return [r for r in moved if r is not None]
+
+    def _move(self, g: int, moved: list[Request], migration: Migration) -> None:
+        """Where dead group ``g``'s continued requests go, by ``migrate``: held for its next
+        generation, adopted by the group that mirrors its KV, or placed again."""
+        if self.migrate == "kv" and self.topology.hosted:
+            # its supervisors keep its KV for its next generation
             host = endpoint_of(self.topology.host)
             kept = [dataclasses.replace(r, kv_source=host) if r.resumed else r for r in moved]
             self.held.setdefault(g, []).extend(kept)
         elif self.migrate == "none":
             self.held.setdefault(g, []).extend(moved)
         elif self.migrate == "kv" and (holder := self._holder(g)) is not None:
-            self._adopt(moved, dead, holder, migration)
+            self._adopt(moved, holder, migration)
         else:  # reprefill (or no live group holds its KV)
             migration.reprefilled_tokens += sum(r.resumed for r in moved)
             self.pending[:0] = moved  # arrived already: ahead of the rest
@@ -400,6 +400,7 @@ class Router:
         h = self.topology.successor(g, kv=True)
         if h is None or (g in self.topology.entries and self.takers):
             return None
+
         endpoint = endpoint_of(h, self.generations[h])
         return endpoint if endpoint in self.groups + self.takers else None
 
@@ -407,44 +408,50 @@ class Router:
         """Request ``rid`` continued after its tokens in the dead generation's journal
         (``(tokens, finish reason, first token time)``); None when the journal finished it."""
         tokens, reason, first = journaled
-        original, so_far = self.originals[rid], merged(self.so_far.get(rid, []), tokens)
-        if first is not None and rid not in self.first_token:
-            self.first_token[rid] = first - self.start
-        prefilled = reason is not None and self.topology.takers and not self._finished(rid, so_far, reason)
-        if prefilled:  # an entry of a disaggregated job ran it to its first token: its hand-off
+        so_far = self.book.journaled(rid, tokens, None if first is None else first - self.start)
+        if reason is not None and self.topology.takers and not self.book.finished(rid, so_far, reason):
+            # an entry of a disaggregated job ran it to its first token: its hand-off
             self._hand_off(rid, so_far, migration.endpoint)
             return None
-        if reason is not None or rid in self.cancelled:  # (cancelled: its client is gone, it goes on nowhere)
-            self._complete(Completion(rid, list(original.prompt_ids), so_far, reason or "abort"))
+
+        # finished there, or cancelled (its client is gone: it goes on nowhere)
+        if reason is not None or rid in self.book.cancelled:
+            prompt = list(self.originals[rid].prompt_ids)
+            self.book.complete(Completion(rid, prompt, so_far, reason or "abort"))
             migration.completed.append(rid)
             return None
-        if not so_far:
-            migration.restarted.append(rid)
-            return original
-        self.so_far[rid] = so_far
-        migration.resumed.append(rid)
-        migration.tokens[rid] = len(so_far)
-        return original.resume(so_far)
+        return migration.continued(self.originals[rid], so_far)
 
-    def _adopt(self, moved: list[Request], dead: str, holder: str, migration: Migration) -> None:
+    def _adopt(self, moved: list[Request], holder: str, migration: Migration) -> None:
         """``migrate="kv"``: the dead endpoint's requests to ``holder``, which mirrors its KV (a
         request with no token yet is routed as any other)."""
         for request in moved:
             if request.resumed == 0:
                 self.pending.insert(0, request)
                 continue
-            self._send(holder, dataclasses.replace(request, kv_source=dead))
+            self._send(holder, dataclasses.replace(request, kv_source=migration.endpoint))
             migration.adopted_by = holder
 
     def _rejoin(self, g: int, endpoint: str, order: int) -> None:
-        """Group ``g``'s new generation ``endpoint`` is ready (observation ``order``): route to it."""
+        """Group ``g``'s new generation ``endpoint`` is ready (observation ``order``): route
+        to it."""
         (self.groups if g in self.topology.entries else self.takers).append(endpoint)
-        self.sent.setdefault(endpoint, 0)
         self.sent_tokens.setdefault(endpoint, [])
         for m in self.migrations:
-            if m.endpoint.split(".")[0] == str(g) and m.rejoined is None:
+            if group_of(m.endpoint) == g and m.rejoined is None:
                 m.rejoined, m.rejoined_order = time.time() - self.start, order
                 m.adopted_by = endpoint if self.topology.hosted and self.migrate == "kv" else m.adopted_by
+
         for request in self.held.pop(g, []):  # migrate="none": they waited for this generation
             self._send(endpoint, request)
         self._hand_out()
+
+
+def _check(routing: str, migrate: str, inbox: Inbox | None, on_tokens: Callable | None) -> None:
+    """Refuse a router's arguments that name no choice, or stream tokens with no server."""
+    if routing not in ROUTING:
+        raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
+    if migrate not in MIGRATE:
+        raise ValueError(f"fault.migrate must be one of {MIGRATE}, got {migrate!r}")
+    if on_tokens is not None and inbox is None:
+        raise ValueError("on_tokens streams a server's tokens: pass its inbox too")
