@@ -335,6 +335,12 @@ class LLM:
             )
         return self.engine.model
 
+    def reset_prefix_cache(self) -> None:
+        """Share no prompt KV computed so far with later requests (vLLM's ``reset_prefix_cache``).
+        Weights written through :meth:`sync_weights` / :meth:`load_weights` drop it already; call
+        it after changing the weights any other way."""
+        self.engine.reset_prefix_cache()
+
     # ---- memory and lifetime -------------------------------------------------------------------
     def release(self, weights: bool = False) -> int:
         """Free the KV cache (e.g. while the same ranks train) and, with ``weights``, move the

@@ -158,6 +158,8 @@ def _kv_summary(engine: Engine) -> dict:
             blocks_freed=s.kv_blocks_freed,
             blocks_peak=s.kv_blocks_peak,
             preemptions=s.preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
     return out
 

@@ -182,6 +182,10 @@ def print_summary(s: dict, strategy) -> None:
     )
     if ph.get("compile"):
         print(f"  compile {ph['compile']:.1f} s (first decode calls; not counted as decode)", flush=True)
+    kv = s.get("kv", {})
+    if kv.get("prefix_cache_queries"):
+        hits, queries = kv["prefix_cache_hits"], kv["prefix_cache_queries"]
+        print(f"  prefix cache {hits / queries:.1%} of {queries} prompt tokens hit (computed once)", flush=True)
     for line in strategy.report(s) if strategy is not None else ():
         print("  " + line, flush=True)
 

@@ -45,6 +45,7 @@ class WeightVersion:
 
     step: int | None = None
     pending: int | None = None
+    writes: int = 0  # writes begun so far (a cache of KV computed under these weights is stale after one)
 
     def check_ready(self) -> None:
         """``RuntimeError`` while a sync is being applied (or one failed half-way)."""
@@ -224,6 +225,7 @@ class WeightSync:
             return
         if pending is not None:
             self.version.pending = pending
+            self.version.writes += 1
         else:
             self.version.step, self.version.pending = step, None
 

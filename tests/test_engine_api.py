@@ -97,7 +97,7 @@ def _abort_job(path, prompts, paged):
     out = core.step()
     aborted += [o for o in out if o.request_id == decoding.request.id]
     _, final, _ = _stream(core)
-    free_blocks = None if not paged else [len(b) for b in policy.slots.free_blocks]
+    free_blocks = None if not paged else [policy.slots.available(0)]  # (free, or cached for later prompts)
     statuses = [o.status is RequestStatus.FINISHED_ABORTED and o.finished for o in aborted]
     return dict(
         statuses=statuses,
@@ -153,7 +153,7 @@ def _pressure_job(path, prompts, sampled):
         preemptions=s.preemptions,
         allocated=s.kv_blocks_allocated,
         freed=s.kv_blocks_freed,
-        free=[len(b) for b in tight.policy.slots.free_blocks],
+        free=[tight.policy.slots.available(r) for r in range(len(tight.policy.slots.free_blocks))],
         blocks=tight.kv.spec.num_blocks,
         preempted=len(preempted),
     )

@@ -68,6 +68,11 @@ class EngineConfig:
     the running sequences' decode tokens, in steps that mix both, a prompt longer than the budget
     in chunks. It runs where the runner mixes (the default policy without pipeline stages or
     ``kv_swap``); elsewhere, and with False, whole prompts run in steps of their own."""
+    prefix_caching: bool = True
+    """Share the KV of prompts' common prefixes (vLLM's automatic prefix caching): full blocks of
+    a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later
+    requests (``n`` samples and a chat's next turn compute their prompt once); dropped whenever
+    the weights are written. Runs with chunked prefill in the default policy."""
     prefill_chunk: int | None = None
     """Chunked prefill's cap (vLLM's ``long_prefill_token_threshold``): a prompt gets at most this
     many tokens per step; None: up to ``max_prefill_tokens``. Needs ``chunked_prefill``, the

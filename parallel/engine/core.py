@@ -163,6 +163,7 @@ class EngineCore:
         request): the tokens each request gained and the requests that finished."""
         if not self.started:
             self._begin()
+        self.engine.check_weights()
         outputs = self._apply_aborts()
         if not self.queue and len(self.done) + self.left == self.intake.taken:
             taken = self.intake.wait_next()

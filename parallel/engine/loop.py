@@ -134,6 +134,8 @@ class Engine:
         self.group_stats: list = []  # every group's counters after a routed generate
         self.routed_calls = 0  # routed generates so far: each call's store keys have a prefix of their own
         self._released: list = []  # caches and weights freed by release_memory(), restored by ready()
+        self._weights_seen: tuple = ()  # (version, writes) of every runner's weights at the last look
+        self._prefix_resets = 0
         self.steps_done = 0
 
     def _default_policy(self) -> Policy:
@@ -146,7 +148,8 @@ class Engine:
         kw = dict(max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk)
         if self.flow is not None:
             return batching(layout, **kw)
-        return batching(layout, mixed=c.chunked_prefill and self.runners[layout].mixes, preempt=True, **kw)
+        mixed = c.chunked_prefill and self.runners[layout].mixes  # (a cached prefix is a prompt's first chunk)
+        return batching(layout, mixed=mixed, preempt=True, prefix_caching=c.prefix_caching and mixed, **kw)
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property
@@ -221,6 +224,21 @@ class Engine:
         for runner in self.runners.values() if check else ():
             parallel_info(runner.model).weight_version.check_ready()
         self._released = restore(self._released, tags)
+        self.check_weights()
+
+    def check_weights(self) -> None:
+        """Where any runner's weights were written since the last look, no cached prefix is
+        shared any more (its KV is of the old weights)."""
+        seen = tuple((id(v), v.writes) for v in (parallel_info(r.model).weight_version for r in self.runners.values()))
+        if seen != self._weights_seen:
+            self._weights_seen = seen
+            self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Share no KV computed so far with later requests (vLLM's ``reset_prefix_cache``): the
+        engine calls it itself when weights are written, the cache freed or overwritten."""
+        self._prefix_resets += 1
+        self.policy.reset_prefix_cache(self._prefix_resets)
 
     def _advance_drained(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
         """The steps that finished next: the policy's next step, run to its agreed tokens."""
@@ -387,6 +405,7 @@ class Engine:
         if not 0 < len(prompts) <= self.max_batch_size:
             raise ValueError(f"prompt_logits takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
         self.validate([Request(i, list(p), SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)])
+        self.reset_prefix_cache()  # (it writes blocks from 0 on)
         return self.runner.prompt_logits(prompts)
 
     def release_memory(self, weights: bool = False) -> int:
@@ -395,6 +414,7 @@ class Engine:
         caches = [kv for kv in {id(r.kv): r.kv for r in self.runners.values()}.values() if kv.allocated]
         models = [r.model for r in self.runners.values()] if weights else []
         freed, self._released = release(caches, models, self._released)
+        self.reset_prefix_cache()
         return freed
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from reshard.kv import KVCache
 from reshard.parallel.engine.channel import Load
 from reshard.parallel.engine.connector import KVConnector
+from reshard.parallel.engine.prefix import WAIT
 from reshard.parallel.engine.request import EngineStats, Request, Sequence, batch_kind
 from reshard.parallel.engine.runner import Replica
 from reshard.parallel.engine.slots import SlotPool, check_fits
@@ -182,6 +183,10 @@ class Policy:
         abort frees its KV at once; where False, it ends at its next token)."""
         return False
 
+    def reset_prefix_cache(self, version: int) -> None:
+        """The KV its cache holds is stale (weights of ``version`` now, or the cache overwritten
+        or freed): no cached prefix may be shared any more."""
+
     def room(self) -> tuple[int, int] | None:
         """(free slots, free KV tokens) for new requests, for a router that places them by load
         (``None``: the policy does not say; a router then only round-robins to it)."""
@@ -236,6 +241,7 @@ class ContinuousBatching(Policy):
         prefill_chunk: int | None = None,
         mixed: bool = False,
         preempt: bool = False,
+        prefix_caching: bool = False,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -249,6 +255,8 @@ class ContinuousBatching(Policy):
         self.prefill_chunk = prefill_chunk
         self.mixed = mixed or prefill_chunk is not None
         self.preempt = preempt
+        self.prefix_caching = prefix_caching  # (with preempt, paged: engine/prefix.py)
+        self.slots: SlotPool | None = None
         self.running: dict[int, Sequence] = {}  # request id -> its sequence, in admission order
         self.held: dict[int, Sequence] = {}  # a preempted request's last sequence (its logprobs and times)
 
@@ -265,18 +273,27 @@ class ContinuousBatching(Policy):
             ordered = sorted(queue, key=lambda r: -r.sampling.max_new_tokens)
             queue.clear()
             queue.extend(ordered)
+        if self.slots is None or not self.slots.idle():  # (an idle pool goes on: its cached prefixes too)
+            self.slots = self._pool()
+        self.running = {}
+        self.held = {}
+
+    def _pool(self) -> SlotPool:
         info = self.runner_info[self.layout]
         spec = info.kv.spec if info.kv is not None else None  # None: a rank outside the layout (its books only)
-        self.slots = SlotPool(
+        return SlotPool(
             info.max_batch_size,
             info.replica.size,
             num_blocks=spec and spec.num_blocks,
             block_size=spec and spec.block_size,
             stats=self.stats,
             grows=self.preempt,
+            prefix=self.prefix_caching,
         )
-        self.running = {}
-        self.held = {}
+
+    def reset_prefix_cache(self, version: int) -> None:
+        if self.slots is not None:
+            self.slots.reset_prefix(version)
         self._prefilled = False  # the last step fed whole prompts (whole-prompt steps alternate)
 
     def validate(self, requests: Seq[Request]) -> None:
@@ -314,15 +331,18 @@ class ContinuousBatching(Policy):
         engine's connector supplies loaded (its ``num_computed_tokens``); None, the head left
         queued, while that KV is awaited (every rank alike: the connector agrees)."""
         seq = self.new_sequence(queue[0])
-        self.slots.take(seq, within)
-        matched = self.connector.matched_tokens(seq)
-        if matched is None:
+        shared = self.slots.take(seq, within)
+        matched = None if shared == WAIT else self.connector.matched_tokens(seq)
+        if matched is None:  # (its KV awaited, or cached blocks it would share still being computed)
             self.slots.give(seq)
             return None
         queue.popleft()
         if matched:
             self.connector.load(seq, matched)
             seq.num_computed_tokens = matched
+        elif shared:  # its prompt's first tokens are in cached blocks: their table rows before its first step
+            seq.num_computed_tokens = shared
+            self._assign(seq)
         self.running[seq.request.id] = seq
         earlier = self.held.pop(seq.request.id, None)
         if earlier is not None:  # a preempted request runs again: what it had goes on
@@ -348,10 +368,20 @@ class ContinuousBatching(Policy):
         held = len(seq.blocks)
         if not self.slots.grow(seq, tokens):
             return False
-        info = self.runner_info[self.layout]
-        if len(seq.blocks) > held and info.kv is not None and seq.replica == info.replica.rank:
-            info.kv.assign(seq.slot, seq.blocks)
+        if len(seq.blocks) > held:
+            self._assign(seq)
         return True
+
+    def _assign(self, seq: Sequence) -> None:
+        """This rank's cache table row of ``seq``'s slot: its blocks (where this rank holds its replica)."""
+        info = self.runner_info[self.layout]
+        if info.kv is not None and seq.replica == info.replica.rank:
+            info.kv.assign(seq.slot, seq.blocks)
+
+    def after_step(self, step: Step, output: StepOutput) -> None:
+        """The step's computed blocks may be shared now (prefix caching)."""
+        for seq, n in zip(step.seqs, step.num_tokens):
+            self.slots.computed(seq, seq.num_computed_tokens - n)
 
     def _newest(self, replica: int) -> Sequence:
         return next(s for s in reversed(self.running.values()) if s.replica == replica)

@@ -115,6 +115,7 @@ class Sequence:
     decode: Callable[[list[int]], str] | None = None  # token ids -> text (the request's stop strings)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, where the request asks
     cancelled: bool = False  # set by the loop when its request is cancelled: it ends ("abort") at its next token
+    block_keys: list[int] = field(default_factory=list)  # prefix cache: keys of its full blocks (engine/prefix.py)
 
     @staticmethod
     def of(
@@ -245,6 +246,8 @@ class EngineStats:
     kv_blocks_freed: int = 0  # ... and returned when they finished
     kv_blocks_peak: int = 0  # most blocks in use at once in one replica
     preemptions: int = 0  # running requests whose KV went to older ones (computed again later)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # ... of them whose KV cached blocks held (not computed)
 
     @property
     def mean_decode_batch(self) -> float:

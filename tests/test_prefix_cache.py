@@ -1,0 +1,170 @@
+"""Prefix caching: full KV blocks shared by the tokens they hold (``engine/prefix.py``).
+
+References: the same requests with ``prefix_caching=False`` and HF ``generate``; the prompt
+tokens each step computes (``step_ready``) against the distinct prompts' tokens; the pool's
+block counts before and after.
+"""
+
+import pytest
+import torch
+
+from tests import dist_harness
+
+BLOCK = 4
+PAGED = {"kv_block_size": BLOCK, "kv_tokens": 512, "max_batch_size": 8, "max_seq_len": 96}
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _samples(prompts, n, max_new=8, temperature=0.0):
+    """``n`` requests per prompt, sample ``j`` seeded ``7 + j`` (as ``LLM`` expands ``n``)."""
+    from reshard.parallel import Request, SamplingParams
+
+    requests = []
+    for p in prompts:
+        for j in range(n):
+            params = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=40, seed=7 + j)
+            requests.append(Request(len(requests), p, params))
+    return requests
+
+
+def _prompt_tokens_computed(engine) -> list[int]:
+    """A counter of the prompt tokens every step feeds (those before each sequence's prompt end)."""
+    fed = [0]
+
+    def ready(index, step) -> None:
+        fed[0] += sum(max(0, min(n, s.prompt_len - s.num_computed_tokens)) for s, n in zip(step.seqs, step.num_tokens))
+
+    engine.events.on("step_ready", ready)
+    return fed
+
+
+def _run(model, requests, **config):
+    from reshard.parallel import Engine, EngineConfig
+
+    engine = Engine(model, EngineConfig(**{**PAGED, **config}))
+    fed = _prompt_tokens_computed(engine)
+    tokens = [c.output_ids for c in engine.generate(requests)]
+    slots = engine.policy.slots
+    return dict(
+        tokens=tokens,
+        fed=fed[0],
+        queries=engine.stats.prefix_cache_queries,
+        hits=engine.stats.prefix_cache_hits,
+        balanced=engine.stats.kv_blocks_allocated == engine.stats.kv_blocks_freed,
+        idle=slots.idle(),
+    )
+
+
+def _samples_job(path, prompts, n, temperature):
+    import torch.distributed as dist
+
+    from reshard.parallel import ParallelDims, parallelize
+
+    world = dist.get_world_size()
+    model = parallelize(path, ParallelDims(tp=world, world_size=world))
+    requests = _samples(prompts, n, temperature=temperature)
+    return {"on": _run(model, requests), "off": _run(model, requests, prefix_caching=False)}
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "tp2"])
+def test_n_samples_compute_their_prompt_once_and_equal_the_uncached_run(checkpoints, hf_reference, world):
+    """n = 1 and n = 8 over two prompts, greedy and seeded sampling: the same tokens with the
+    cache on and off (greedy: HF's); with n = 8 the prompt tokens computed are each distinct
+    prompt's once plus, per other sample, its last partial block (never shared)."""
+    path = checkpoints["llama"]
+    prompts = [_prompt(23, 1), _prompt(17, 2)]
+    expected = hf_reference(path, prompts, 8)
+    for n in (1, 8):
+        for temperature in (0.0, 0.8):
+            for rank in dist_harness.run(world, _samples_job, path, prompts, n, temperature):
+                on, off = rank["on"], rank["off"]
+                assert on["tokens"] == off["tokens"], (n, temperature)
+                if temperature == 0.0:
+                    assert on["tokens"] == [t for t in expected for _ in range(n)]
+                assert off["fed"] == n * sum(map(len, prompts)) and off["hits"] == 0
+                tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
+                assert on["fed"] == sum(map(len, prompts)) + (n - 1) * tails, (n, on["fed"])
+                assert on["hits"] == (n - 1) * sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+                assert on["queries"] == n * sum(map(len, prompts))
+                assert on["balanced"] and on["idle"]
+
+
+def _system_prompt_job(path):
+    from reshard.parallel import parallelize
+
+    system = _prompt(20, 3)
+    prompts = [system + _prompt(5 + i, 10 + i) for i in range(4)]
+    out = _run(parallelize(path), _samples(prompts, 1))
+    out["reference"] = _run(parallelize(path), _samples(prompts, 1), prefix_caching=False)["tokens"]
+    out["lengths"] = [len(p) for p in prompts]
+    return out
+
+
+def test_a_shared_system_prompt_is_computed_once(checkpoints):
+    """Four requests that share a 20-token system prompt: its five blocks are computed once."""
+    r = dist_harness.run(1, _system_prompt_job, checkpoints["llama"])[0]
+    assert r["tokens"] == r["reference"]
+    assert r["fed"] == sum(r["lengths"]) - 3 * 20 and r["hits"] == 3 * 20
+
+
+def _changed(path):
+    """The checkpoint's HF model with every weight times 0.8."""
+    from tests.test_llm import _hf
+
+    model = _hf(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.8)
+    return model.eval()
+
+
+def _weights_job(path):
+    from reshard import LLM
+
+    prompt = _prompt(30, 4)
+    with LLM(path, max_seq_len=96, kv_block_size=BLOCK, kv_tokens=256) as llm:
+        first = llm.generate([prompt])[0].outputs[0].token_ids
+        again = llm.generate([prompt])[0].outputs[0].token_ids
+        hits = llm.engine.stats.prefix_cache_hits
+        llm.load_weights(_changed(path).state_dict())
+        after = llm.generate([prompt])[0].outputs[0].token_ids
+        hits_after = llm.engine.stats.prefix_cache_hits
+        llm.generate([prompt])
+        hits_repeat = llm.engine.stats.prefix_cache_hits
+    return dict(first=first, again=again, hits=hits, after=after, hits_after=hits_after, hits_repeat=hits_repeat)
+
+
+def test_weights_written_drop_the_cache(checkpoints, hf_reference):
+    """A prompt computed, computed again from the cache (a hit), then the weights changed
+    through ``load_weights``: the same prompt gives the new weights' HF tokens, with no hit; the
+    next call hits again (under the new weights)."""
+    from tests.test_llm import _hf_generate
+
+    path = checkpoints["llama"]
+    r = dist_harness.run(1, _weights_job, path)[0]
+    prompt = _prompt(30, 4)
+    assert r["first"] == r["again"] == hf_reference(path, [prompt], 16)[0] and r["hits"] > 0
+    assert r["after"] == _hf_generate(_changed(path), prompt, 16)[0] != r["first"]
+    assert r["hits_after"] == r["hits"] < r["hits_repeat"]
+
+
+def _eviction_job(path):
+    from reshard.parallel import parallelize
+
+    model = parallelize(path)
+    prompts = [_prompt(13 + i % 5, 20 + i) for i in range(24)]  # ~24 x 4 full blocks > the pool's 40
+    requests = _samples(prompts, 1, max_new=6)
+    tight = dict(kv_tokens=40 * BLOCK, max_batch_size=4)
+    out = [_run(model, requests, **tight), _run(model, requests[::-1], **tight)]
+    return out, _run(model, requests, prefix_caching=False)["tokens"]
+
+
+def test_more_prefixes_than_blocks_evict_and_leak_nothing(checkpoints):
+    """24 distinct prompts through a pool of 40 blocks (every block cached at some point, most
+    evicted): the same tokens as without the cache, and every block back at the end."""
+    (forward, backward), reference = dist_harness.run(1, _eviction_job, checkpoints["llama"])[0]
+    assert forward["tokens"] == reference and backward["tokens"] == reference[::-1]
+    assert forward["balanced"] and forward["idle"] and backward["balanced"] and backward["idle"]
