@@ -1,0 +1,102 @@
+"""A GRPO-shaped rollout with the prefix cache on and off: prompts of 256-512 tokens, ``n``
+samples each, 16-64 new tokens, one process, a paged cache (the tiny Llama widened to a model
+whose prefill costs something on this CPU).
+
+    python bench/prefix_cache.py [--prompts 8] [--n 8] [--new-tokens 32] [--repeats 3] [--small]
+
+Each figure is the median over ``--repeats`` runs, on and off interleaved; the tokens of both
+are checked equal. ``prefill s``: the seconds of steps that fed prompt tokens (prefill and mixed
+steps); ``computed``: prompt tokens computed over prompt tokens asked. Run it in a session of its
+own (``setsid``) on a quiet machine: this kernel shares CPU between sessions.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_sizes, bench_checkpoint, fill_sizes, med, parser, rerun_command
+
+DEFAULTS = {
+    "prompts": 8,
+    "n": 8,
+    "new_tokens": 32,
+    "repeats": 3,
+    "hidden": 256,
+    "intermediate": 688,
+    "layers": 4,
+    "heads": 8,
+    "kv_heads": 4,
+    "vocab": 4096,
+}
+SMALL = {**DEFAULTS, "prompts": 2, "n": 4, "new_tokens": 8, "repeats": 1}
+BLOCK = 16
+
+
+def _requests(args) -> list:
+    """``n`` seeded samples (temperature 0.8) of each prompt; prompts of 256-512 tokens."""
+    from reshard.parallel import Request, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    requests = []
+    for _ in range(args.prompts):
+        prompt = torch.randint(3, args.vocab, (int(torch.randint(256, 513, (1,), generator=g)),), generator=g)
+        for j in range(args.n):
+            params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.8, seed=j, ignore_eos=True)
+            requests.append(Request(len(requests), prompt.tolist(), params))
+    return requests
+
+
+def _run(engine, requests) -> tuple[float, float, float, list]:
+    """(seconds, prefill seconds, prompt tokens computed / asked, tokens) of one ``generate``."""
+    s = engine.stats
+    before = (s.prefill_seconds + s.mixed_seconds, s.prefill_tokens + s.mixed_tokens, s.decode_tokens)
+    t0 = time.perf_counter()
+    tokens = [c.output_ids for c in engine.generate(requests)]
+    seconds = time.perf_counter() - t0
+    fed = s.prefill_tokens + s.mixed_tokens - before[1]
+    asked = sum(len(r.prompt_ids) for r in requests)
+    return seconds, s.prefill_seconds + s.mixed_seconds - before[0], fed / asked, tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__)
+    add_sizes(p, DEFAULTS, SMALL)
+    args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, parallelize
+
+    torch.set_num_threads(2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = parallelize(str(bench_checkpoint(args, "prefix")))
+    requests = _requests(args)
+    longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens
+    slots = min(len(requests), 32)
+    config = dict(max_batch_size=slots, max_seq_len=longest, kv_block_size=BLOCK, kv_tokens=slots * longest)
+    engines = {on: Engine(model, EngineConfig(**config, prefix_caching=on)) for on in (True, False)}
+    print(f"# {rerun_command('prefix_cache.py', one_thread=False, argv=argv)}")
+    print(f"# {len(requests)} requests ({args.prompts} prompts x n={args.n}), {slots} slots, blocks of {BLOCK}")
+    runs: dict[bool, list] = {True: [], False: []}
+    for _ in range(args.repeats):
+        for on in (True, False):
+            engines[on].reset_prefix_cache()  # every run computes its prompts from scratch
+            runs[on].append(_run(engines[on], requests))
+    assert runs[True][0][3] == runs[False][0][3], "the prefix cache changed the tokens"
+    new = len(requests) * args.new_tokens
+    print(f"{'cache':>6} {'tokens/s':>9} {'seconds':>8} {'prefill s':>10} {'computed':>9}")
+    for on in (True, False):
+        seconds, prefill, computed = med([r[0] for r in runs[on]]), med([r[1] for r in runs[on]]), runs[on][0][2]
+        name = "on" if on else "off"
+        print(f"{name:>6} {new / seconds:>9.1f} {seconds:>8.2f} {prefill:>10.2f} {computed:>9.1%}")
+    speedup = med([r[0] for r in runs[False]]) / med([r[0] for r in runs[True]])
+    print(f"on/off: {speedup:.2f}x tokens/s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
