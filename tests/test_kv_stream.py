@@ -186,7 +186,8 @@ def _token_stream_job(path, where, tmp):
     from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = Engine(parallelize(path), EngineConfig(max_batch_size=3, max_seq_len=48))
+    # whole-prompt steps and decode steps: the phases a token stream mirrors (DejaVu's steps)
+    engine = Engine(parallelize(path), EngineConfig(max_batch_size=3, max_seq_len=48, chunked_prefill=False))
     src = world_layouts(engine.kv)
     if where == "peer":  # rank r mirrors rank r - 1's heads (the ring of DejaVu's replication)
         dst = {r: src[(r - 1) % world] for r in range(world)}

@@ -168,3 +168,27 @@ def test_more_prefixes_than_blocks_evict_and_leak_nothing(checkpoints):
     (forward, backward), reference = dist_harness.run(1, _eviction_job, checkpoints["llama"])[0]
     assert forward["tokens"] == reference and backward["tokens"] == reference[::-1]
     assert forward["balanced"] and forward["idle"] and backward["balanced"] and backward["idle"]
+
+
+def _groups_job(path, prompts, n):
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, parallelize
+    from reshard.parallel.engine.request import EngineStats
+
+    model = parallelize(path, ParallelDims.from_world(dp=dist.get_world_size()))
+    engine = Engine(model, EngineConfig(**PAGED))
+    tokens = [c.output_ids for c in engine.generate(_samples(prompts, n))]
+    return tokens, EngineStats.total(engine.group_stats).prefix_cache_hits
+
+
+def test_data_parallel_groups_get_the_requests_whose_prefix_they_hold(checkpoints, hf_reference):
+    """Two engine groups, two prompts of 40 tokens x 4 samples, all arrived at once: the router
+    sends each prompt's samples to the group it sent the prompt to first, so each prompt is
+    computed once in the job (the groups' hits count 3 samples x 9 shared blocks per prompt;
+    spread by load alone, a prompt's samples would compute it in both groups)."""
+    path = checkpoints["llama"]
+    prompts = [_prompt(40, 31), _prompt(40, 32)]
+    tokens, hits = dist_harness.run(2, _groups_job, path, prompts, 4)[0]
+    assert tokens == [t for t in hf_reference(path, prompts, 8) for _ in range(4)]
+    assert hits == 2 * 3 * (39 // BLOCK) * BLOCK

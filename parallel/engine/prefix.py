@@ -22,6 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence as Seq
 
+ROUTE_BLOCK = 16  # tokens per key of the router's record of prefixes (whatever the groups' block size)
+ROUTE_KEYS = 1 << 16  # keys the router keeps per group (least recently sent dropped first)
+
 WAIT = -1  # a match that runs into a block still being computed: the request waits for it
 
 
@@ -129,3 +132,35 @@ class PrefixCache:
         if key is not None:
             del self.blocks[replica][key]
         self.pending[replica].discard(block)
+
+
+class PrefixRoutes:
+    """Which prompt prefixes each engine group was sent (SGLang's cache-aware routing): the
+    router sends a request to the group that was sent the longest run of its prompt's first
+    blocks, load permitting, where that group has most likely cached their KV."""
+
+    def __init__(self) -> None:
+        self.sent: defaultdict[str, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        self.routed = 0  # requests placed by a prefix some group had been sent
+
+    def keys(self, prompt: Seq[int]) -> list[int]:
+        """Keys of the prompt's full blocks of :data:`ROUTE_BLOCK` tokens, each its prefix's."""
+        keys, parent = [], 0
+        for i in range(len(prompt) // ROUTE_BLOCK):
+            parent = hash((parent, tuple(prompt[i * ROUTE_BLOCK : (i + 1) * ROUTE_BLOCK])))
+            keys.append(parent)
+        return keys
+
+    def matched(self, group: str, keys: list[int]) -> int:
+        """How many of ``keys``, from the first, ``group`` was sent."""
+        seen = self.sent[group]
+        return next((i for i, key in enumerate(keys) if key not in seen), len(keys))
+
+    def record(self, group: str, keys: list[int]) -> None:
+        """``group`` was sent a prompt of ``keys``."""
+        seen = self.sent[group]
+        for key in keys:
+            seen[key] = None
+            seen.move_to_end(key)
+        while len(seen) > ROUTE_KEYS:
+            seen.popitem(last=False)

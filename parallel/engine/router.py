@@ -53,6 +53,7 @@ from reshard.parallel.engine.inbox import Inbox
 from reshard.parallel.engine.intake import ServerIntake
 from reshard.parallel.engine.ledger import Ledger
 from reshard.parallel.engine.migration import Handoffs, Migration, StepCount, group_of, prefill_only
+from reshard.parallel.engine.prefix import PrefixRoutes
 from reshard.parallel.engine.request import Completion, Request
 
 ROUTING = ("least_loaded", "round_robin", "longest_first")
@@ -107,6 +108,7 @@ class Router:
         self.sent_tokens: dict[str, list[int]] = {e: [] for e in self.groups + self.takers}
         self.where: dict[int, str] = {}  # request id -> the endpoint it was last sent to
         self.handoffs = Handoffs(channel, topology, kv=migrate == "kv")
+        self.prefixes = PrefixRoutes()  # which prompt prefixes each entry was sent
 
         # failures: each group's generation, what waits for one, what the router saw
         self.generations = [0] * topology.groups
@@ -251,7 +253,12 @@ class Router:
 
         need = len(request.prompt_ids) + request.sampling.max_new_tokens
         fits = [g for g, (slots, tokens) in room.items() if slots >= 1 and tokens >= need]
-        return max(fits, key=lambda g: room[g][1]) if fits else None
+        if not fits:
+            return None
+        keys = self.prefixes.keys(request.prompt_ids)  # the most of its prefix first, then the most room
+        best = max(fits, key=lambda g: (self.prefixes.matched(g, keys), room[g][1]))
+        self.prefixes.routed += self.prefixes.matched(best, keys) > 0
+        return best
 
     def _room(self, g: str) -> tuple[int, int] | None:
         """(free slots, free KV tokens) of endpoint ``g``, less what it was handed since it last
@@ -275,6 +282,7 @@ class Router:
             request = prefill_only(request)
 
         k = self.channel.post(g, request)
+        self.prefixes.record(g, self.prefixes.keys(request.prompt_ids))
         self.book.sent(request.id, g, f"assign/{g}/{k}")
         self.sent_tokens[g].append(len(request.prompt_ids) + request.sampling.max_new_tokens)
         self.where[request.id] = g

@@ -301,6 +301,11 @@ class TokenStream:
         streamed (KV that reached the cache outside a step, e.g. a swap-in); ``incoming``: the
         sequences whose entries arrive here, where they are not ``seqs`` (another data-parallel
         replica's)."""
+        if phase not in ("prefill", "decode"):
+            raise ValueError(
+                f"TokenStream streams whole-prompt and decode steps, got a {phase!r} step "
+                "(run the engine with chunked_prefill=False)"
+            )
         incoming = seqs if incoming is None else incoming
         if self.recv_cache is not None and self.recv_cache.spec.paged:
             for s in incoming:
