@@ -497,3 +497,36 @@ def test_every_strategy_serves_through_the_openai_client(strategy, served, token
     assert "error" not in out, out["error"]
     assert out["texts"] == reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts])
     assert out["chat"] == reference(hf_reference, tokenizer, served, [chat_ids(tokenizer, messages)])[0]
+
+
+def _prefix_hits(server: Server) -> int:
+    """Prompt tokens the server's prefix caches held so far (``/metrics``, every group)."""
+    import httpx
+
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    lines = [line for line in text.splitlines() if line.startswith("reshard_prefix_cache_hits_total{")]
+    return sum(int(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_a_chats_second_turn_hits_the_first_turns_blocks(served, tokenizer, hf_reference, tmp_path):
+    """A paged cache: a chat's second turn (the first turn's prompt and answer, then a new
+    message) finds the first turn's blocks cached (``/metrics``), and its answer equals HF's."""
+    extra = ["parallel.tp=1", "engine.max_batch_size=2", "engine.kv_block_size=4", "engine.kv_tokens=1024"]
+    args = ["--nproc", "1", f"model.path={served}", f"serve.model_name={MODEL}", *extra]
+    server = launch_server(tmp_path / "run", args)
+    try:
+        client = server.client()
+        first = [{"role": "user", "content": "Tell me about the sea and the ships on it"}]
+        answer = client.chat.completions.create(model=MODEL, messages=first, max_tokens=NEW, temperature=0)
+        before = _prefix_hits(server)
+        second = [*first, {"role": "assistant", "content": answer.choices[0].message.content}]
+        second.append({"role": "user", "content": "And then?"})
+        reply = client.chat.completions.create(model=MODEL, messages=second, max_tokens=NEW, temperature=0)
+        after = _prefix_hits(server)
+    finally:
+        assert stop(server) == 0
+    ids, earlier = chat_ids(tokenizer, second), chat_ids(tokenizer, first)
+    shared = next((i for i, (a, b) in enumerate(zip(ids, earlier)) if a != b), len(earlier))
+    assert shared >= 8, shared  # the template renders the first turn as the second's beginning
+    assert after - before >= shared // 4 * 4 > 0, (before, after, shared)
+    assert reply.choices[0].message.content == reference(hf_reference, tokenizer, served, [ids])[0]

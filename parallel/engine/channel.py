@@ -64,6 +64,8 @@ class Load:
     free_slots: int
     free_tokens: int
     taken: int
+    prefix_queries: int = 0  # prompt tokens looked up in its prefix cache so far
+    prefix_hits: int = 0  # ... of them its cache held
 
 
 @dataclass(frozen=True)

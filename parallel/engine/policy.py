@@ -198,7 +198,8 @@ class Policy:
         if room is None:
             return None
         need = sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in queue if isinstance(r, Request))
-        return Load(room[0] - len(queue), room[1] - need, 0)
+        s = self.stats
+        return Load(room[0] - len(queue), room[1] - need, 0, s.prefix_cache_queries, s.prefix_cache_hits)
 
     def close(self) -> None:
         """Release threads and shared memory (not collective)."""

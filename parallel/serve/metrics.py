@@ -12,6 +12,10 @@ from collections.abc import Mapping
 from reshard.parallel.engine.channel import Load
 from reshard.parallel.engine.request import Completion
 
+PREFIX_COUNTERS = (  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+    ("reshard_prefix_cache_queries_total", "prefix_queries", "prompt tokens looked up in the prefix cache"),
+    ("reshard_prefix_cache_hits_total", "prefix_hits", "prompt tokens the prefix cache held"),
+)
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -101,6 +105,9 @@ class Metrics:
             "# TYPE reshard_kv_free_slots gauge",
         ]
         lines += [f'reshard_kv_free_slots{{group="{g}"}} {load.free_slots}' for g, load in sorted(loads.items())]
+        for name, field, what in PREFIX_COUNTERS:
+            lines += [f"# HELP {name} {what} per engine group", f"# TYPE {name} counter"]
+            lines += [f'{name}{{group="{g}"}} {getattr(load, field)}' for g, load in sorted(loads.items())]
         return "\n".join(lines) + "\n"
 
 
