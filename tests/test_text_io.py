@@ -294,3 +294,16 @@ def test_the_default_job_takes_text_chats_and_stop_strings_with_the_builtin_toke
     first = json.loads((run2 / "outputs.jsonl").read_text().splitlines()[0])
     assert first["finish_reason"] == "stop" and stop not in first["output"]
     assert out[0]["output"].startswith(first["output"])
+
+
+def test_n_samples_share_their_prompt_in_a_paged_recipe_run(checkpoints, tmp_path):
+    """generation.n=3 on a paged cache: summary.json counts every prompt token queried and the
+    two later samples' shared full blocks as hits (the prompt computed once per prompt)."""
+    sampled = ["generation.temperature=0.9", "generation.n=3", "workload.num_requests=2"]
+    paged = ["engine.kv_block_size=4", "engine.kv_tokens=512", "generation.max_new_tokens=6", "progress=false"]
+    dist_harness.run(1, _run_recipe, [f"model.path={checkpoints['llama']}", *sampled, *paged], str(tmp_path / "run"))
+    kv = json.loads((tmp_path / "run" / "summary.json").read_text())["kv"]
+    out = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    prompts = [o["prompt_ids"] for o in out if o["sample"] == 0]
+    assert kv["prefix_cache_queries"] == 3 * sum(map(len, prompts))
+    assert kv["prefix_cache_hits"] == 2 * sum((len(p) - 1) // 4 * 4 for p in prompts) > 0
