@@ -185,3 +185,38 @@ def test_every_loop_runs_through_the_engine_core():
                 loops.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert callers == ["parallel/engine/core.py"], callers
     assert loops == ["parallel/engine/core.py:_settle"], loops
+
+
+def _abort_preempted_job(path, prompts):
+    from reshard.parallel import Engine, EngineConfig, parallelize
+    from reshard.parallel.engine.core import EngineCore, RequestStatus
+
+    model = parallelize(path)
+    requests = _requests(prompts, max_new=24)
+    expected = [c.output_ids for c in Engine(model, EngineConfig(max_batch_size=8, max_seq_len=128)).generate(requests)]
+    need = sum(-(-(len(r.prompt_ids) + 24) // 4) for r in requests)
+    tight = Engine(model, EngineConfig(max_batch_size=8, max_seq_len=128, kv_block_size=4, kv_tokens=4 * (need // 2)))
+    core = EngineCore(tight)
+    for r in requests:
+        core.add_request(r)
+    victim = None
+    while victim is None and core.has_unfinished():
+        core.step()
+        queued = [r for r in core.queue if core.status(r.id) is RequestStatus.PREEMPTED and r.resumed]
+        victim = queued[0] if queued else None
+    assert victim is not None, "a request was preempted after it had tokens"
+    core.abort([victim.id])
+    (out,) = [o for o in core.step() if o.request_id == victim.id]
+    original = requests[victim.id]
+    return out.status, out.completion.prompt_ids == original.prompt_ids, out.completion.output_ids, expected[victim.id]
+
+
+def test_aborting_a_preempted_request_returns_its_prompt_and_the_tokens_it_had(checkpoints):
+    """A request preempted after some tokens (queued again with them in its prompt) and then
+    aborted: its completion splits them back out (its prompt as given, its tokens so far)."""
+    from reshard.parallel.engine.core import RequestStatus
+
+    run = dist_harness.run(1, _abort_preempted_job, checkpoints["llama"], _prompts(8))
+    status, same_prompt, output, expected = run[0]
+    assert status is RequestStatus.FINISHED_ABORTED and same_prompt
+    assert 0 < len(output) < len(expected) and output == expected[: len(output)]

@@ -240,7 +240,8 @@ class EngineCore:
         for rid in ids:
             request = self.intake.remove(rid) if isinstance(self.intake, Intake) else None
             if request is not None:
-                ended.append(Completion(rid, list(request.prompt_ids), [], "abort"))
+                cut = len(request.prompt_ids) - request.resumed
+                ended.append(Completion(rid, request.prompt_ids[:cut], request.prompt_ids[cut:], "abort"))
         cancels = [Cancel(rid) for rid in ids]
         _, withdrawn = withdraw(self.queue, cancels, self.engine._live, self.engine.flow is None)
         ended += withdrawn + self._end_cancelled()
