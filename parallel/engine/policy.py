@@ -278,6 +278,7 @@ class ContinuousBatching(Policy):
             self.slots = self._pool()
         self.running = {}
         self.held = {}
+        self._prefilled = False  # the last step fed whole prompts (whole-prompt steps alternate)
 
     def _pool(self) -> SlotPool:
         info = self.runner_info[self.layout]
@@ -295,7 +296,6 @@ class ContinuousBatching(Policy):
     def reset_prefix_cache(self, version: int) -> None:
         if self.slots is not None:
             self.slots.reset_prefix(version)
-        self._prefilled = False  # the last step fed whole prompts (whole-prompt steps alternate)
 
     def validate(self, requests: Seq[Request]) -> None:
         check_fits(requests, self.runner_info[self.layout].kv)
