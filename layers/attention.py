@@ -56,12 +56,43 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 RotaryEmbedding = tuple[torch.Tensor, torch.Tensor] | torch.Tensor  # (cos, sin), or Llama 4's complex freqs
 
 
+class RopeTables(tuple):
+    """A step's rotary ``(cos, sin)``, each ``(B, T, hd)`` (a tuple, as HF's rotary module gives
+    it), with what rotate-half RoPE multiplies by made once for all the step's layers: ``cos``
+    and ``signed_sin``, ``(B, T, 1, hd)``, the latter ``sin`` with its first half negated.
+
+    ``rotate_half(x) * sin`` is ``x.roll(hd / 2) * signed_sin`` bit for bit (a sign moves
+    exactly between factors): per layer and q or k, a roll and three ops instead of seven.
+    """
+
+    def __new__(cls, emb: tuple[torch.Tensor, torch.Tensor]) -> RopeTables:
+        tables = super().__new__(cls, emb)
+        cos, sin = emb
+        half = sin.shape[-1] // 2
+        tables.cos = cos.unsqueeze(2)  # (B, T, 1, hd)
+        tables.signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        return tables
+
+    @classmethod
+    def of(cls, emb: RotaryEmbedding) -> RotaryEmbedding:
+        """A rotary module's output for a step's layers: ``(cos, sin)`` as tables (eager; a
+        compiled step's graph fuses the ops anyway), anything else (Llama 4's) as it is."""
+        if isinstance(emb, tuple) and len(emb) == 2 and not torch.compiler.is_compiling():
+            return cls(emb)
+        return emb
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``(B, T, H, hd)`` q/k, with HF's arithmetic for the rotary module's output ``emb``:
-    ``(cos, sin)`` each ``(B, T, hd)`` (Llama's rotate-half), or a complex ``freqs_cis (B, T, hd/2)``
-    (Llama 4's, over interleaved pairs of the head dimension)."""
+    ``(cos, sin)`` each ``(B, T, hd)`` (Llama's rotate-half; as :class:`RopeTables`, made once per
+    step), or a complex ``freqs_cis (B, T, hd/2)`` (Llama 4's, over interleaved pairs of the head
+    dimension)."""
     if isinstance(emb, torch.Tensor):
         return _rope_pairs(q, emb), _rope_pairs(k, emb)
+    if isinstance(emb, RopeTables):
+        half = q.shape[-1] // 2
+        cos, sin = emb.cos, emb.signed_sin
+        return q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
     cos, sin = emb[0].unsqueeze(2), emb[1].unsqueeze(2)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
@@ -205,7 +236,7 @@ class ParallelAttention(Redistributable, nn.Module):
         q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim)  # (B, T, Hq_local, hd)
         k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim)  # (B, T, Hkv_local, hd)
         v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if "q_norm" in self._modules:  # (not hasattr: a module's missing attribute raises, every step)
             q, k = self.q_norm(q), self.k_norm(k)
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
         given = kwargs.get("token_positions")  # (the engine's runner: this rank's tokens' positions)

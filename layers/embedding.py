@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
 from reshard import Layout, empty_dtensor
-from reshard.layers._base import Redistributable, Targets
+from reshard.layers._base import Redistributable, Targets, local_tensor
 from reshard.layers._comm import all_reduce
 
 
@@ -39,26 +39,30 @@ class VocabParallelEmbedding(Redistributable, nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
+        self._lookup_of = None  # (mesh, placements, shape, lookup) of the table last looked up in
         self.weight = nn.Parameter(
             empty_dtensor((num_embeddings, embedding_dim), mesh, tuple(placements), dtype=dtype, device=device)
         )
 
-    def _vocab_range(self) -> tuple[int, int]:
-        """This rank's rows, cached per layout: the weight's mesh, placements and shape (never its
-        ``id``, which a weight moved in later can take over from a freed one)."""
-        w = self.weight
-        key = (w.device_mesh, tuple(w.placements), tuple(w.shape))
-        if getattr(self, "_range_key", None) != key:
-            self._range = Layout.of_dtensor(w).box(dist.get_rank())[0]
-            self._range_key = key
-        return self._range
+    def _lookup(self) -> tuple[int, int, list[int]]:
+        """This rank's rows ``[lo, hi)`` and the mesh axes a lookup is summed over (sharded, more
+        than one rank), cached per layout: the weight's mesh, placements and shape, held (never
+        its ``id``, which a weight moved in later can take over from a freed one)."""
+        w, held = self.weight, self._lookup_of
+        mesh, placements, shape = w.device_mesh, w.placements, w.shape
+        if held is not None and held[0] is mesh and held[1] is placements and held[2] == shape:
+            return held[3]
+        axes = [i for i, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(i) > 1]
+        lo, hi = Layout.of_dtensor(w).box(dist.get_rank())[0] if axes else (0, self.num_embeddings)
+        if not torch.compiler.is_compiling():  # (a compiled graph guards on what it read instead)
+            self._lookup_of = (mesh, placements, shape, (lo, hi, axes))
+        return lo, hi, axes
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight.to_local()
-        axes = [i for i, p in enumerate(self.weight.placements) if isinstance(p, Shard)]
-        if not axes:
+        w = local_tensor(self.weight)
+        lo, hi, axes = self._lookup()
+        if not axes:  # this rank holds the whole table
             return F.embedding(input_ids, w)
-        lo, hi = self._vocab_range()
         inside = (input_ids >= lo) & (input_ids < hi)
         local_ids = torch.where(inside, input_ids - lo, torch.zeros_like(input_ids))
         out = F.embedding(local_ids, w) * inside.unsqueeze(-1).to(w.dtype)

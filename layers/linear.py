@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from reshard import Layout, empty_dtensor, redistribute, wrap_local
-from reshard.layers._base import Redistributable, Targets
+from reshard.layers._base import Redistributable, Targets, local_tensor
 from reshard.layers._comm import all_gather_last, reduce_output, replicated_input
 from reshard.layers.weights import LinearWeights, StaticWeights, WeightSource, active_source
 
@@ -66,6 +66,7 @@ class ParallelLinear(Redistributable, nn.Module):
             empty_dtensor((out_features, in_features), mesh, placements, dtype=dtype, device=device)
         )
         self.sources: dict[str, WeightSource] = {}
+        self._plan_of = None  # (placements, mesh, plan) of the weight last computed with (see _plan)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(
@@ -82,23 +83,40 @@ class ParallelLinear(Redistributable, nn.Module):
         return _style(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = x.reshape(-1, x.shape[-1])  # 2-D GEMM: CPU kernels are far slower on (1, N, D) inputs
+        # One 2-D GEMM either way: ATen flattens a contiguous (1, N, D) input itself (no reshape and
+        # view per call), any other is flattened here (its batched matmul is far slower on CPU).
+        shape = None if x.is_contiguous() else x.shape
+        if shape is not None:
+            x = x.reshape(-1, shape[-1])
         weight, bias, grad_axes = self.active_weights()
-        w, b = weight.to_local(), bias.to_local() if bias is not None else None
-        axes = _shard_axes(weight)
-        if _style(weight) == "rowwise":
+        w, b = local_tensor(weight), local_tensor(bias) if bias is not None else None
+        style, axes, reduced = self._plan(weight)
+        if style == "rowwise":
             y = F.linear(x, w)
-            for axis in axes:
+            for axis in reduced:  # (a size-1 axis sums nothing)
                 y = reduce_output(y, weight.device_mesh, axis)
             y = y if b is None else y + b
         else:
-            for axis in axes if grad_axes == "sharded" else range(weight.device_mesh.ndim):
-                x = replicated_input(x, weight.device_mesh, axis)
+            if torch.is_grad_enabled():  # (the marks only route the backward's gradients)
+                for axis in axes if grad_axes == "sharded" else range(weight.device_mesh.ndim):
+                    x = replicated_input(x, weight.device_mesh, axis)
             y = F.linear(x, w, b)
-            if axes and self.gather_output:
+            if reduced and self.gather_output:  # (a size-1 axis gathers nothing)
                 y = all_gather_last(y, weight.device_mesh, self.out_features, _shard_axis(weight))
-        return y.view(*lead, y.shape[-1])
+        return y if shape is None else y.view(*shape[:-1], y.shape[-1])
+
+    def _plan(self, weight: DTensor) -> tuple[str, list[int], list[int]]:
+        """``weight``'s style, its sharded mesh axes and those of them of more than one rank (a
+        rowwise output is summed over them, a gathered colwise one gathered), kept while its
+        placements and mesh stay the same objects (held: never freed and their ids taken over)."""
+        placements, mesh, held = weight.placements, weight.device_mesh, self._plan_of
+        if held is not None and held[0] is placements and held[1] is mesh:
+            return held[2]
+        axes = _shard_axes(weight)
+        plan = (_style(weight), axes, [a for a in axes if mesh.size(a) > 1])
+        if not torch.compiler.is_compiling():  # (a compiled graph guards on what it read instead)
+            self._plan_of = (placements, mesh, plan)
+        return plan
 
     # ---- alternative weights (Shift parallelism's full-TP layout, ...) ------------------------
     def add_source(

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from reshard import empty_dtensor
-from reshard.layers._base import Redistributable, Targets
+from reshard.layers._base import Redistributable, Targets, local_tensor
 
 
 class RMSNorm(Redistributable, nn.Module):
@@ -33,11 +33,12 @@ class RMSNorm(Redistributable, nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """HF's arithmetic, op for op (so bit for bit), with no op where a cast is to its own dtype."""
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight.to_local() * hidden_states.to(input_dtype)
+        x = hidden_states if input_dtype == torch.float32 else hidden_states.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * variance.add_(self.variance_epsilon).rsqrt_()  # (the fresh mean, in place)
+        return local_tensor(self.weight) * (x if input_dtype == torch.float32 else x.to(input_dtype))
 
     def redistribute_targets(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Targets:
         """The (small) weight takes ``placements``; the forward needs it whole (Replicate)."""

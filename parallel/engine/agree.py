@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from reshard.parallel.engine.request import NO_TOKEN, Sequence
-from reshard.parallel.engine.sampling import TokenLogprobs, sample_tokens, skip_draws, token_logprobs, unpack_logprobs
+from reshard.parallel.engine.sampling import (
+    Row,
+    TokenLogprobs,
+    sample_tokens,
+    skip_draws,
+    token_logprobs,
+    unpack_logprobs,
+)
 from reshard.parallel.model.dims import device_type
 
 
@@ -56,6 +64,9 @@ def sample_step(
     has logits and skips the draw elsewhere, so generators stay in step across layouts. The
     log-probabilities travel, as fp32 bit patterns, in the tokens' one all-reduce.
     """
+    if logits is not None and is_source and _alone_with(mine, seqs, group):  # nothing to agree on
+        tokens, logprobs = read_payload(seqs, sample_payload(seqs, logits))
+        return tokens, {k: int(extras[k]) for k in sorted(extras or {})}, logprobs
     index = {id(s): i for i, s in enumerate(seqs)}
     tokens = torch.zeros(len(seqs), dtype=torch.long)
     source = torch.zeros(len(seqs), dtype=torch.bool)
@@ -80,6 +91,14 @@ def sample_step(
     return agreed.tolist(), dict(zip(keys, sums[: len(keys)].tolist())), logprobs
 
 
+def _alone_with(mine: list[Sequence], seqs: list[Sequence], group: dist.ProcessGroup | None) -> bool:
+    """Whether this rank is the whole of ``group`` (default: the job) and ran every sequence
+    (``mine`` is ``seqs``, in order): its samples and integers are what the sum would leave."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        return False
+    return mine is seqs or (len(mine) == len(seqs) and all(map(operator.is_, mine, seqs)))
+
+
 def logprob_rows(seqs: list[Sequence]) -> tuple[list[int], int]:
     """The indices of ``seqs`` whose requests ask for log-probabilities and the width ``W = 1 + 2k``
     of their rows (``k``: the most top log-probabilities one asks for)."""
@@ -91,6 +110,8 @@ def _unpack_rows(seqs: list[Sequence], want: list[int], width: int, bits: torch.
     """``bits`` ``(len(want) * width,)`` int64 holding fp32 bit patterns -> each sequence's
     :data:`TokenLogprobs` (None where it asks for none; all None when ``want`` is empty)."""
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+    if not want:
+        return logprobs
     rows = bits.int().view(torch.float32).view(len(want), width).tolist()
     for i, row in zip(want, rows):
         logprobs[i] = unpack_logprobs(row, seqs[i].request.sampling.logprobs)
@@ -114,7 +135,9 @@ def _sample(seqs: list[Sequence], logits: torch.Tensor, width: int) -> tuple[tor
     ``width`` (``1 + 2k``), every row's ``(B, W)`` log-probabilities of the distribution its
     request's ``logprobs_mode`` names (None without)."""
     params = [s.request.sampling for s in seqs]
-    tokens, processed = sample_tokens(logits, params, [s.generator for s in seqs], [s.row for s in seqs])
+    empty = Row()  # (a row reads its sequence's tokens for penalties and min_tokens' bans only)
+    rows = [s.row if p.penalized or p.min_tokens else empty for s, p in zip(seqs, params)]
+    tokens, processed = sample_tokens(logits, params, [s.generator for s in seqs], rows)
     if not width:
         return tokens, None
     return tokens, token_logprobs(logits, processed, tokens, (width - 1) // 2, params)

@@ -32,6 +32,7 @@ from torch import nn
 
 from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
 from reshard.kv.swap import MicrobatchSwap, PrefillSwap
+from reshard.layers.attention import RopeTables
 from reshard.layers.moe import feed_forward
 from reshard.layers.weights import use_weights
 from reshard.mesh import cached_group
@@ -327,17 +328,22 @@ class ModelRunner:
                 ranges.append((a, b))
         edges = None if self.swap is None else self.swap.decode(ranges, self.decode_inputs.positions, kv_len)
         out = self._stages(
-            [(x, ctx, None if self.compiled else rows) for x, ctx, rows in batches], self._decode_body, edges, layers
+            [(x, ctx, None if isinstance(rows, range) else rows) for x, ctx, rows in batches],
+            self._decode_body,
+            edges,
+            layers,
         )
         if out is None:
             return None
         in_order = sorted(range(len(by_slot)), key=by_slot.__getitem__)  # seqs' order, from slot order
-        return out[torch.tensor([keep[j] for j in in_order], device=out.device)]
+        picked = [keep[j] for j in in_order]  # (every row, in seqs' order: the logits as they are)
+        return out if picked == list(range(len(out))) else out[torch.tensor(picked, device=out.device)]
 
     def _decode_batch(self, a: int, b: int, kv_len: int, active: list[int], index: int = 0):
-        """(ids, context, rows) of slots ``[a, b)``: every row when compiled (masks built outside
-        the graph), else the active rows, padded to a GEMM-friendly count for the LM head. With
-        swapping, the slots are read and written in the device region of micro-batch ``index``."""
+        """(ids, context, rows) of slots ``[a, b)``: every row (a ``range``: no gather) when compiled
+        (masks built outside the graph) or every slot runs, else the active rows, padded to a
+        GEMM-friendly count for the LM head. With swapping, the slots are read and written in the
+        device region of micro-batch ``index``."""
         ctx = self.decode_inputs.context(a, b, kv_len)
         if self.swap is not None:
             base = self.swap.base(index)
@@ -345,6 +351,7 @@ class ModelRunner:
         if self.compiled:
             for window in {layer.self_attn.sliding_window for layer in self.layers}:
                 ctx.mask(window)
+        if self.compiled or len(active) == b - a:
             return self.decode_inputs.ids[a:b], ctx, range(b - a)
         rows = active + active[-1:] * (_row_bucket(len(active), b - a) - len(active))
         return self.decode_inputs.ids[a:b], ctx, torch.tensor(rows, device=self.device)
@@ -384,7 +391,7 @@ class ModelRunner:
         else:
             h = x
         pos = (self.split.local(positions) if self.split is not None else positions)[None]
-        h = self._layers(h, m.rotary_emb(h, pos), pos, ctx, layers)
+        h = self._layers(h, RopeTables.of(m.rotary_emb(h, pos)), pos, ctx, layers)
         if not self.has_logits:
             return h
         if self.split is not None:

@@ -135,38 +135,56 @@ class DecodeInputs:
     """Persistent per-slot inputs of a decode step over every slot of ``kv`` (updated in place).
 
     Slot ``i`` reads token ``ids[i]`` at position ``positions[i]``; an idle slot is pointed at the
-    cache's scratch column, so its (wasted) write touches nothing any sequence reads.
+    cache's scratch column, so its (wasted) write touches nothing any sequence reads. ``ids`` and
+    ``positions`` are the rows of one buffer, written whole from a host copy once per step; a
+    contiguous cache's storage rows and columns are the slot ids and positions themselves.
     """
 
     def __init__(self, kv: KVCache, device: torch.device | str) -> None:
         n = kv.spec.num_slots
         self.kv, self.device = kv, device
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.full((n,), kv.spec.scratch, dtype=torch.long, device=device)
+        self._host = [[0] * n, [kv.spec.scratch] * n]  # ids, positions: what the device buffer holds
+        self._buffer = torch.tensor(self._host, dtype=torch.long, device=device)  # (2, n)
+        self.ids, self.positions = self._buffer[0], self._buffer[1]
         self.slot_ids = torch.arange(n, device=device)
-        self.rows, self.cols = self.slot_ids.clone(), self.positions.clone()
+        self.rows, self.cols = self.slot_ids, self.positions  # (contiguous: where each slot's K/V goes)
+        if kv.spec.paged:  # (rows and columns from the block table, per step)
+            self.rows, self.cols = self.slot_ids.clone(), self.positions.clone()
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def update(self, slots: Sequence[int], ids: Sequence[int], positions: Sequence[int]) -> None:
-        """The step's running sequences: ``ids[j]`` at ``positions[j]`` in slot ``slots[j]``."""
-        values = torch.tensor([list(slots), list(ids), list(positions)], dtype=torch.long, device=self.device)
-        self.positions.fill_(self.kv.spec.scratch)
-        self.ids[values[0]] = values[1]
-        self.positions[values[0]] = values[2]
-        rows, cols = self.kv.locate(self.slot_ids, self.positions)
-        self.rows.copy_(rows)
-        self.cols.copy_(cols)
+        """The step's running sequences: ``ids[j]`` at ``positions[j]`` in slot ``slots[j]`` (every
+        other slot keeps its id and goes to the scratch position)."""
+        host_ids, host_positions = self._host[0], [self.kv.spec.scratch] * len(self._host[1])
+        for slot, token, position in zip(slots, ids, positions):
+            host_ids[slot], host_positions[slot] = token, position
+        self._host[1] = host_positions
+        self._buffer.copy_(torch.tensor(self._host, dtype=torch.long, device=self.device))
+        if self.kv.spec.paged:
+            rows, cols = self.kv.locate(self.slot_ids, self.positions)
+            self.rows.copy_(rows)
+            self.cols.copy_(cols)
 
     def context(self, start: int, stop: int, kv_len: int) -> AttentionContext:
         """The view of slots ``[start, stop)`` attending over ``kv_len`` cached positions."""
-        positions = self.positions[start:stop]
+        if (start, stop) not in self._views:  # views of the buffers: a step's values, read in place
+            positions = self.positions[start:stop]
+            self._views[start, stop] = (
+                self.slot_ids[start:stop],
+                positions,
+                self.rows[start:stop],
+                self.cols[start:stop],
+                positions[:, None],
+            )
+        token_slots, positions, rows, cols, query_positions = self._views[start, stop]
         return AttentionContext(
             kv=self.kv,
             slots=slice(start, stop),
-            token_slots=self.slot_ids[start:stop],
+            token_slots=token_slots,
             positions=positions,
-            rows=self.rows[start:stop],
-            cols=self.cols[start:stop],
-            query_positions=positions[:, None],
+            rows=rows,
+            cols=cols,
+            query_positions=query_positions,
             gather=None,
             valid=None,
             kv_len=kv_len,
