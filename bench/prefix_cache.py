@@ -6,8 +6,9 @@ whose prefill costs something on this CPU).
 
 Each figure is the median over ``--repeats`` runs, on and off interleaved; the tokens of both
 are checked equal. ``prefill s``: the seconds of steps that fed prompt tokens (prefill and mixed
-steps); ``computed``: prompt tokens computed over prompt tokens asked. Run it in a session of its
-own (``setsid``) on a quiet machine: this kernel shares CPU between sessions.
+steps, decode tokens riding in them included); ``computed``: prompt tokens computed over prompt
+tokens asked. Run it in a session of its own (``setsid``) on a quiet machine: this kernel shares
+CPU between sessions.
 """
 
 from __future__ import annotations
@@ -54,13 +55,12 @@ def _requests(args) -> list:
 def _run(engine, requests) -> tuple[float, float, float, list]:
     """(seconds, prefill seconds, prompt tokens computed / asked, tokens) of one ``generate``."""
     s = engine.stats
-    before = (s.prefill_seconds + s.mixed_seconds, s.prefill_tokens + s.mixed_tokens, s.decode_tokens)
+    before, computed = s.prefill_seconds + s.mixed_seconds, s.prompt_tokens_computed
     t0 = time.perf_counter()
     tokens = [c.output_ids for c in engine.generate(requests)]
     seconds = time.perf_counter() - t0
-    fed = s.prefill_tokens + s.mixed_tokens - before[1]
     asked = sum(len(r.prompt_ids) for r in requests)
-    return seconds, s.prefill_seconds + s.mixed_seconds - before[0], fed / asked, tokens
+    return seconds, s.prefill_seconds + s.mixed_seconds - before, (s.prompt_tokens_computed - computed) / asked, tokens
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -160,6 +160,7 @@ def _kv_summary(engine: Engine) -> dict:
             preemptions=s.preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            prompt_tokens_computed=s.prompt_tokens_computed,
         )
     return out
 

@@ -1,8 +1,8 @@
 """Prefix caching: full KV blocks shared by the tokens they hold (``engine/prefix.py``).
 
 References: the same requests with ``prefix_caching=False`` and HF ``generate``; the prompt
-tokens each step computes (``step_ready``) against the distinct prompts' tokens; the pool's
-block counts before and after.
+tokens the steps computed (``EngineStats.prompt_tokens_computed``) against the distinct prompts'
+tokens; the pool's block counts before and after.
 """
 
 import pytest
@@ -30,27 +30,15 @@ def _samples(prompts, n, max_new=8, temperature=0.0):
     return requests
 
 
-def _prompt_tokens_computed(engine) -> list[int]:
-    """A counter of the prompt tokens every step feeds (those before each sequence's prompt end)."""
-    fed = [0]
-
-    def ready(index, step) -> None:
-        fed[0] += sum(max(0, min(n, s.prompt_len - s.num_computed_tokens)) for s, n in zip(step.seqs, step.num_tokens))
-
-    engine.events.on("step_ready", ready)
-    return fed
-
-
 def _run(model, requests, **config):
     from reshard.parallel import Engine, EngineConfig
 
     engine = Engine(model, EngineConfig(**{**PAGED, **config}))
-    fed = _prompt_tokens_computed(engine)
     tokens = [c.output_ids for c in engine.generate(requests)]
     slots = engine.policy.slots
     return dict(
         tokens=tokens,
-        fed=fed[0],
+        fed=engine.stats.prompt_tokens_computed,
         queries=engine.stats.prefix_cache_queries,
         hits=engine.stats.prefix_cache_hits,
         balanced=engine.stats.kv_blocks_allocated == engine.stats.kv_blocks_freed,

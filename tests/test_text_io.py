@@ -307,3 +307,4 @@ def test_n_samples_share_their_prompt_in_a_paged_recipe_run(checkpoints, tmp_pat
     prompts = [o["prompt_ids"] for o in out if o["sample"] == 0]
     assert kv["prefix_cache_queries"] == 3 * sum(map(len, prompts))
     assert kv["prefix_cache_hits"] == 2 * sum((len(p) - 1) // 4 * 4 for p in prompts) > 0
+    assert kv["prompt_tokens_computed"] == kv["prefix_cache_queries"] - kv["prefix_cache_hits"]

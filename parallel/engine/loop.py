@@ -327,13 +327,15 @@ class Engine:
     def _record(self, step: Step, tokens: list[int], started: float, t0: float, logprobs: list | None = None) -> None:
         """Append a step's agreed tokens (and their log-probabilities, where asked) to its
         sequences; count it; tell the listeners."""
-        now = time.time()
+        now, prompt = time.time(), 0
         for seq, token, fed, lp in zip(step.seqs, tokens, step.num_tokens, logprobs or [None] * len(tokens)):
+            prompt += max(0, min(fed, seq.prompt_len - seq.num_computed_tokens))
             seq.num_computed_tokens += fed
             if token != NO_TOKEN:  # a prompt chunk short of the prompt's end emits nothing
                 seq.append(token, lp)
             record_times(seq, started, now, emitted=token != NO_TOKEN)
         self.stats.add_step(step.kind, len(step.seqs), step.total_tokens, time.perf_counter() - t0)
+        self.stats.prompt_tokens_computed += prompt
         self.events.fire("step_agreed", self.steps_done, step, tokens)
         self.steps_done += 1
 

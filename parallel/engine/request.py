@@ -246,6 +246,7 @@ class EngineStats:
     kv_blocks_freed: int = 0  # ... and returned when they finished
     kv_blocks_peak: int = 0  # most blocks in use at once in one replica
     preemptions: int = 0  # running requests whose KV went to older ones (computed again later)
+    prompt_tokens_computed: int = 0  # prompt tokens whose KV steps computed (not a prefix cache's, not a connector's)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # ... of them whose KV cached blocks held (not computed)
 
