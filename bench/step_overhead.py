@@ -3,11 +3,13 @@
 whose arithmetic is ~0 (the tiny Llama: hidden 64, 2 layers), 1 process, B sequences at once.
 
     python bench/step_overhead.py [--batch-sizes 1,8,32,128] [--new-tokens 128] [--prompt-len 16] [--repeats 3]
+                                  [--kv-block-size 16]
 
 Each figure is the median over ``--repeats`` runs, the three interleaved per repeat; per token =
 wall time / new tokens (one prefill step included for ours and HF ``generate``, not for the bare
-forward). Run it in a session of its own (``setsid``) on a quiet machine: this kernel shares CPU
-between sessions whatever their nice value.
+forward). ``--kv-block-size``: our engine on a paged cache of that block size (holding every
+sequence whole), else contiguous slots. Run it in a session of its own (``setsid``) on a quiet
+machine: this kernel shares CPU between sessions whatever their nice value.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def bare_forward(model, prompts: list[list[int]], new: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     add_sizes(p, DEFAULTS, SMALL)
+    p.add_argument("--kv-block-size", type=int, default=None, help="a paged cache of this block size")
     args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -82,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'B':>5} {'ours ms':>9} {'HF gen ms':>10} {'bare ms':>8} {'ours/HF':>8} {'ours/bare':>10}")
     for batch in args.batch_sizes:
         prompts = _prompts(batch, args.prompt_len, hf.config.vocab_size)
-        config = EngineConfig(max_batch_size=batch, max_seq_len=args.prompt_len + args.new_tokens)
+        length = args.prompt_len + args.new_tokens
+        paged = {} if args.kv_block_size is None else {"kv_block_size": args.kv_block_size, "kv_tokens": batch * length}
+        config = EngineConfig(max_batch_size=batch, max_seq_len=length, **paged)
         engine = Engine(parallelize(str(path)), config)
         ours(engine, prompts, 2)  # warm-up
         times: dict[str, list[float]] = {"ours": [], "hf": [], "bare": []}
