@@ -14,6 +14,7 @@ takes exactly that many. A group with nothing to run waits for exactly its next 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime
 import time
@@ -62,9 +63,10 @@ class Admission:
 
 
 class LocalAdmission(Admission):
-    """One group owns ``requests``; ``start`` is the job's wall-clock start (``time.time()``) and
-    a request is admitted ``request.arrival`` seconds after it. Offline (every arrival 0): all
-    at once, before the first step."""
+    """One group owns ``requests`` and those :meth:`add` ed later (the same on every rank);
+    ``start`` is the job's wall-clock start (``time.time()``) and a request is admitted
+    ``request.arrival`` seconds after it. Offline (every arrival 0): all at once, before the
+    first step; one added later, at the step after."""
 
     def __init__(self, requests: Seq[Request], start: float, leader: bool, progress=None) -> None:
         self.requests = sorted(requests, key=lambda r: r.arrival)  # stable: request order within a time
@@ -72,6 +74,23 @@ class LocalAdmission(Admission):
         self.leader = leader
         self.online = any(r.arrival > 0 for r in self.requests)
         self.progress = progress
+        self.exhausted = not self.requests
+
+    def add(self, request: Request) -> None:
+        """Queue ``request`` after every request not taken yet that arrives no later than it."""
+        arrivals = [r.arrival for r in self.requests[self.taken :]]
+        self.requests.insert(self.taken + bisect.bisect_right(arrivals, request.arrival), request)
+        self.online = self.online or request.arrival > 0
+        self.exhausted = False
+
+    def remove(self, request_id: int) -> Request | None:
+        """Drop a request not taken yet (an abort); None if there is none."""
+        index = next((i for i, r in enumerate(self.requests[self.taken :]) if r.id == request_id), None)
+        if index is None:
+            return None
+        request = self.requests.pop(self.taken + index)
+        self.exhausted = self.taken == len(self.requests)
+        return request
 
     def initial(self) -> list[Request]:
         return [] if self.online else self._next(len(self.requests))

@@ -13,7 +13,7 @@ verl adapter, a supervised child, DejaVu's token side: all run :meth:`EngineCore
   next request) and returns what each request gained: :class:`CoreOutput` s.
 
 Where requests come from is an :class:`reshard.parallel.engine.admission.Admission`: the requests
-added here (:class:`Intake`), or a routed group's channel. A request's status is where it is:
+added here (a ``LocalAdmission``), or a routed group's channel. A request's status is where it is:
 queued (``WAITING``, ``WAITING_FOR_KV``, or ``PREEMPTED`` when the scheduler gave its KV back to
 an older request), running in the policy, or finished; :meth:`EngineCore.status` reads it there,
 so there is one source of truth for it.
@@ -21,7 +21,6 @@ so there is one source of truth for it.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import enum
 import time
@@ -81,37 +80,11 @@ class CoreOutput:
         return self.status.finished
 
 
-class Intake(LocalAdmission):
-    """The requests given to :meth:`EngineCore.add_request` (the same on every rank of the
-    group): offline ones are admitted at the first step, later ones at the step after they are
-    added, requests with an ``arrival`` time once it has passed on the leader's clock."""
-
-    def __init__(self, start: float, leader: bool, progress=None) -> None:
-        super().__init__([], start, leader, progress)
-        self.exhausted = True
-
-    def add(self, request: Request) -> None:
-        """Queue ``request`` after every request that arrives no later than it."""
-        arrivals = [r.arrival for r in self.requests[self.taken :]]
-        self.requests.insert(self.taken + bisect.bisect_right(arrivals, request.arrival), request)
-        self.online = self.online or request.arrival > 0
-        self.exhausted = False
-
-    def remove(self, request_id: int) -> Request | None:
-        """Drop a request not handed to the loop yet (an abort); None if there is none."""
-        index = next((i for i, r in enumerate(self.requests[self.taken :]) if r.id == request_id), None)
-        if index is None:
-            return None
-        request = self.requests.pop(self.taken + index)
-        self.exhausted = self.taken == len(self.requests)
-        return request
-
-
 class EngineCore:
     """One engine group's request loop, a step at a time (see the module docstring).
 
     ``engine``: the :class:`reshard.parallel.engine.loop.Engine` whose runners and policy run
-    the steps; ``admission``: where requests come from (default: an :class:`Intake` of the
+    the steps; ``admission``: where requests come from (default: a ``LocalAdmission`` of the
     requests added here); ``start``: the wall clock the requests' arrival times and timings count
     from; ``done``: where finished requests are kept (a server's keeps none, only counts them).
     """
@@ -127,7 +100,9 @@ class EngineCore:
     ) -> None:
         self.engine = engine
         self.start = time.time() if start is None else start
-        self.intake = Intake(self.start, engine._leads_group(), progress) if admission is None else admission
+        if admission is None:  # the requests added here
+            admission = LocalAdmission([], self.start, engine._leads_group(), progress)
+        self.intake = admission
         if isinstance(engine.policy, NotedSteps):  # a later pipeline stage: its requests come in the first's notes
             self.intake = engine.policy.admission()
         self.queue: deque = deque()
@@ -144,7 +119,7 @@ class EngineCore:
         self.engine.validate([request])
         if isinstance(self.engine.policy, NotedSteps):  # a later pipeline stage runs what the first stage notes
             return
-        assert isinstance(self.intake, Intake), "a routed group's requests come from its router"
+        assert isinstance(self.intake, LocalAdmission), "a routed group's requests come from its router"
         self.intake.add(request)
 
     def abort(self, request_ids: Iterable[int]) -> None:
@@ -238,7 +213,7 @@ class EngineCore:
         ids, self.aborts = self.aborts, []
         ended = []
         for rid in ids:
-            request = self.intake.remove(rid) if isinstance(self.intake, Intake) else None
+            request = self.intake.remove(rid) if isinstance(self.intake, LocalAdmission) else None
             if request is not None:
                 cut = len(request.prompt_ids) - request.resumed
                 ended.append(Completion(rid, request.prompt_ids[:cut], request.prompt_ids[cut:], "abort"))
