@@ -5,6 +5,8 @@ Run from the repo root:
 
     OMP_NUM_THREADS=2 python bench/trl_grpo.py                            # 1 process: TRL vs reshard
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 bench/trl_grpo.py   # 2: TRL vs reshard DP2 vs TP2
+    OMP_NUM_THREADS=2 python bench/trl_grpo.py --sides trl,reshard-dp,reshard-paged,reshard-cached
+                                              # the prefix cache: a paged cache with it off and on
 
 A seeded Llama (hidden 768, 8 layers, 12/4 heads, MLP 2048, vocab 4096: 69.2M parameters, fp32) with
 the built-in byte-level BPE tokenizer and chat template; chat prompts of made-up words; per process
@@ -31,6 +33,11 @@ from generate import LLAMA_100M
 
 MODEL = {**LLAMA_100M, "vocab_size": 4096}  # bench/generate.py's Llama with the built-in tokenizer's vocab
 MODEL_NAME = "bench-llama-69m-bpe-seed0-v1"
+# reshard's rollout on a paged cache (16-token blocks, 1024 tokens a slot), the prefix cache off and on
+PAGED = {
+    "reshard-paged": {"kv_block_size": 16, "kv_tokens": 64 * 1024, "prefix_caching": False},
+    "reshard-cached": {"kv_block_size": 16, "kv_tokens": 64 * 1024, "prefix_caching": True},
+}
 
 
 def main() -> None:
@@ -74,7 +81,8 @@ def _side(path: str, side: str, world: int, args) -> dict:
             times["step"].append(time.perf_counter() - times["begin"])
 
     times = {"step": [], "generate": [], "sync": [], "tokens": []}
-    rollout = None if side == "trl" else Timed(tp=2 if side == "reshard-tp" else 1, max_batch_size=64)
+    options = {"tp": 2 if side == "reshard-tp" else 1, "max_batch_size": 64, **PAGED.get(side, {})}
+    rollout = None if side == "trl" else Timed(**options)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -121,13 +129,13 @@ def _over_ranks(x: float, total: bool) -> float:
 
 def _report(results: dict, world: int, args) -> None:
     print(f"\nGRPO step, {world} process(es), {args.batch} completions per process, <= {args.new} tokens:")
-    print(f"{'side':<12} {'step s':>8} {'generate s':>11} {'sync s':>8} {'gen tok/s':>10} {'step vs trl':>12}")
+    print(f"{'side':<14} {'step s':>8} {'generate s':>11} {'sync s':>8} {'gen tok/s':>10} {'step vs trl':>12}")
     base = med(results["trl"]["step"]) if "trl" in results else float("nan")
     for side, r in results.items():
         sync = med(r["sync"]) if r["sync"] else 0.0
         rate = sum(r["tokens"]) / sum(r["generate"]) if r["generate"] else float("nan")
         step = med(r["step"])
-        print(f"{side:<12} {step:>8.3f} {med(r['generate']):>11.3f} {sync:>8.3f} {rate:>10.1f} {base / step:>11.2f}x")
+        print(f"{side:<14} {step:>8.3f} {med(r['generate']):>11.3f} {sync:>8.3f} {rate:>10.1f} {base / step:>11.2f}x")
     print(f"command: {rerun_command('trl_grpo.py', world if world > 1 else None, one_thread=world > 1)}")
 
 
