@@ -163,3 +163,17 @@ def test_a_servers_router_places_cancels_and_forgets_and_ends_once_its_inbox_clo
         assert not router.thread.is_alive() and channel.ready("all_done")
     assert [(c.id, c.finish_reason) for c in kept] == [(7, "abort"), (8, "length")]
     assert router.originals == {} and router.completions == {}  # a server's router keeps nothing done
+
+
+def test_a_router_that_would_stream_tokens_without_a_server_is_refused_by_name():
+    """``on_tokens`` relays a server's tokens: without the server's inbox it is one line."""
+    import torch.distributed as dist
+
+    from reshard.parallel.engine.channel import Channel, Topology
+    from reshard.parallel.engine.router import Router
+
+    channel, one = Channel("refused", store=dist.HashStore()), Topology.lockstep(hosted=False)
+    with pytest.raises(ValueError, match=r"^on_tokens streams a server's tokens: pass its inbox too$"):
+        Router(channel, [], one, 0.0, on_tokens=lambda tokens: None)
+    with pytest.raises(ValueError, match=r"^routing must be one of \('least_loaded', 'round_robin', 'longest_first'\)"):
+        Router(channel, [], one, 0.0, routing="nearest")
