@@ -34,11 +34,14 @@ def _run(model, requests, **config):
     from reshard.parallel import Engine, EngineConfig
 
     engine = Engine(model, EngineConfig(**{**PAGED, **config}))
+    steps = []
+    engine.events.on("step_ready", lambda index, step: steps.append({s.request.id for s in step.seqs}))
     tokens = [c.output_ids for c in engine.generate(requests)]
     slots = engine.policy.slots
     return dict(
         tokens=tokens,
         fed=engine.stats.prompt_tokens_computed,
+        first=steps[0],
         queries=engine.stats.prefix_cache_queries,
         hits=engine.stats.prefix_cache_hits,
         balanced=engine.stats.kv_blocks_allocated == engine.stats.kv_blocks_freed,
@@ -77,6 +80,8 @@ def test_n_samples_compute_their_prompt_once_and_equal_the_uncached_run(checkpoi
                 assert on["fed"] == sum(map(len, prompts)) + (n - 1) * tails, (n, on["fed"])
                 assert on["hits"] == (n - 1) * sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
                 assert on["queries"] == n * sum(map(len, prompts))
+                # each prompt's first sample in the first step: the others wait for its blocks, not the queue
+                assert on["first"] == {0, n}, on["first"]
                 assert on["balanced"] and on["idle"]
 
 

@@ -407,15 +407,25 @@ class ContinuousBatching(Policy):
             admitted.append(seq)
         return admitted
 
+    def _admit_fitting(self, queue: deque) -> None:
+        """Queued requests into free slots, in order, while they fit. One whose cached prefix is
+        still being computed stays queued in its place and those behind it may go (``n`` samples
+        of several prompts: every prompt's first sample in one step, the others at the next)."""
+        waiting = []
+        while queue and self._fits(queue[0]):
+            if self._take(queue) is None:
+                if not self.slots.shares_pending(queue[0]):
+                    break  # (its KV awaited from a connector: the head waits)
+                waiting.append(queue.popleft())
+        queue.extendleft(reversed(waiting))
+
     def _budget_step(self, queue: deque) -> Step:
         """Admit what fits; every running sequence past its prompt gets one token, then prompts
         get at most ``prefill_chunk`` tokens each, in admission order, while the budget lasts."""
-        while queue and self._fits(queue[0]) and self._take(queue) is not None:
-            pass
+        self._admit_fitting(queue)
         if not self.running and queue:  # the head awaits its KV and nothing runs: wait, ask again
             self.connector.wait_for(queue[0])
-            while queue and self._fits(queue[0]) and self._take(queue) is not None:
-                pass
+            self._admit_fitting(queue)
         running = list(self.running.values())
         decoding = sum(s.num_computed_tokens >= s.prompt_len for s in running)
         budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size - decoding

@@ -122,6 +122,12 @@ class SlotPool:
                 self.prefix.key(seq.replica, seq.blocks[j], key, pending=False)
             keys += new
 
+    def shares_pending(self, request: Request) -> bool:
+        """Whether ``request`` would share cached blocks still being computed (it waits for them)."""
+        i = self._next_free(None)
+        replica = 0 if i is None else self.free[i] // self.per
+        return self.prefix is not None and self._shared(request, replica, self._keys(request)) == WAIT
+
     def reset_prefix(self, version: int) -> None:
         """Cached KV is of other weights (``version``) or overwritten: none is shared any more."""
         if self.prefix is not None:
