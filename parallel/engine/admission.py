@@ -261,8 +261,7 @@ def withdraw(queue: Seq, items: list, running: dict[int, Sequence], apply: bool)
             if queued is not None:
                 waiting.remove(queued)
                 running.pop(queued.id, None)  # (a sequence made for it while its KV was awaited)
-                cut = len(queued.prompt_ids) - queued.resumed  # (a resumed request's earlier output is in its prompt)
-                ended.append(Completion(queued.id, queued.prompt_ids[:cut], queued.prompt_ids[cut:], "abort"))
+                ended.append(queued.aborted())
                 break
         else:
             if cancel.id in running:

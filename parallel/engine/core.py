@@ -55,14 +55,8 @@ class RequestStatus(enum.Enum):
     @staticmethod
     def of_finish(reason: str) -> RequestStatus:
         """The status of a completion's ``finish_reason`` (``"stop"`` | ``"length"`` | ``"abort"``)."""
-        return _FINISHED[reason]
-
-
-_FINISHED = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
-}
+        names = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH", "abort": "FINISHED_ABORTED"}
+        return RequestStatus[names[reason]]
 
 
 @dataclass(frozen=True)
@@ -159,7 +153,8 @@ class EngineCore:
         if request_id in self.engine._live and self.engine.policy.is_running(self.engine._live[request_id]):
             return RequestStatus.RUNNING
         queued = [r for r in self.queue if isinstance(r, Request) and r.id == request_id]
-        queued += [r for r in getattr(self.intake, "requests", ())[self.intake.taken :] if r.id == request_id]
+        if isinstance(self.intake, LocalAdmission):  # added, not taken yet
+            queued += [r for r in self.intake.requests[self.intake.taken :] if r.id == request_id]
         return _waiting(queued[0]) if queued else None
 
     def run(self) -> Done:
@@ -215,8 +210,7 @@ class EngineCore:
         for rid in ids:
             request = self.intake.remove(rid) if isinstance(self.intake, LocalAdmission) else None
             if request is not None:
-                cut = len(request.prompt_ids) - request.resumed
-                ended.append(Completion(rid, request.prompt_ids[:cut], request.prompt_ids[cut:], "abort"))
+                ended.append(request.aborted())
         cancels = [Cancel(rid) for rid in ids]
         _, withdrawn = withdraw(self.queue, cancels, self.engine._live, self.engine.flow is None)
         ended += withdrawn + self._end_cancelled()

@@ -28,6 +28,16 @@ ROUTE_KEYS = 1 << 16  # keys the router keeps per group (least recently sent dro
 WAIT = -1  # a match that runs into a block still being computed: the request waits for it
 
 
+def block_keys(tokens: Seq[int], block_size: int, count: int, parent: int, first: int = 0) -> list[int]:
+    """Keys of full blocks ``first .. first + count - 1`` of ``tokens``: each
+    ``hash((its parent's key, its tokens))``, block ``first - 1``'s key being ``parent``."""
+    keys = []
+    for i in range(first, first + count):
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        keys.append(parent)
+    return keys
+
+
 class PrefixCache:
     """Keys, reference counts and idle blocks of every replica's pool (``free``: the pool's free
     lists, shared with its :class:`reshard.parallel.engine.slots.SlotPool`)."""
@@ -45,11 +55,7 @@ class PrefixCache:
     def chain(self, tokens: Seq[int], count: int, parent: int | None = None, first: int = 0) -> list[int]:
         """Keys of full blocks ``first .. first + count - 1`` of ``tokens`` (``parent``: the key
         of block ``first - 1``; the root for block 0)."""
-        keys, parent, bs = [], self.root if parent is None else parent, self.block_size
-        for i in range(first, first + count):
-            parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
-            keys.append(parent)
-        return keys
+        return block_keys(tokens, self.block_size, count, self.root if parent is None else parent, first)
 
     def match(self, replica: int, keys: list[int]) -> list[int] | int:
         """Blocks of the longest cached run of ``keys`` from the first; :data:`WAIT` if that run
@@ -123,10 +129,6 @@ class PrefixCache:
             self.pending[replica].clear()
         self.root = hash(("reshard.prefix", version))
 
-    def cached(self, replica: int) -> int:
-        """Idle cached blocks (evictable)."""
-        return len(self.idle[replica])
-
     def _unkey(self, replica: int, block: int) -> None:
         key = self.keys[replica].pop(block, None)
         if key is not None:
@@ -145,11 +147,7 @@ class PrefixRoutes:
 
     def keys(self, prompt: Seq[int]) -> list[int]:
         """Keys of the prompt's full blocks of :data:`ROUTE_BLOCK` tokens, each its prefix's."""
-        keys, parent = [], 0
-        for i in range(len(prompt) // ROUTE_BLOCK):
-            parent = hash((parent, tuple(prompt[i * ROUTE_BLOCK : (i + 1) * ROUTE_BLOCK])))
-            keys.append(parent)
-        return keys
+        return block_keys(prompt, ROUTE_BLOCK, len(prompt) // ROUTE_BLOCK, parent=0)
 
     def matched(self, group: str, keys: list[int]) -> int:
         """How many of ``keys``, from the first, ``group`` was sent."""

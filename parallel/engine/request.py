@@ -40,6 +40,12 @@ class Request:
                 f"({len(self.prompt_ids)})"
             )
 
+    def aborted(self) -> Completion:
+        """This request ended before it ran again: its prompt as given and, resumed, the output it
+        had (which rides at its prompt's end)."""
+        cut = len(self.prompt_ids) - self.resumed
+        return Completion(self.id, self.prompt_ids[:cut], self.prompt_ids[cut:], "abort")
+
     def resume(self, output: list[int]) -> Request:
         """This request continued after ``output`` (its tokens so far): prompt and output are
         prefilled, ``max_new_tokens`` counts what is left (``output`` must leave some)."""

@@ -58,6 +58,8 @@ class SlotPool:
         """Blocks for ``seq``'s first ``tokens`` positions, taken from its replica's free blocks;
         False (nothing taken) where too few are free."""
         more = -(-tokens // self.block_size) - len(seq.blocks)
+        if more <= 0:  # (most steps: the last block has room)
+            return True
         if more > self.available(seq.replica):
             return False
         seq.blocks += self._new_blocks(seq.replica, more)
@@ -113,6 +115,8 @@ class SlotPool:
         if self.prefix is None:
             return
         bs, full = self.block_size, seq.num_computed_tokens // self.block_size
+        if full == before // bs:  # (most decode steps: no block filled)
+            return
         self.prefix.computed(seq.replica, seq.blocks[before // bs : full])
         keys = seq.block_keys
         if full > len(keys):
