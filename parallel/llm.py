@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reshard.mesh import end_groups
 from reshard.parallel.engine import Completion, Engine, EngineConfig, Request
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, call_seed
 from reshard.parallel.llm_setup import (
@@ -363,7 +364,7 @@ class LLM:
 
     def _end_group(self) -> None:
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            end_groups()
         self._owns_group = False
 
     def __enter__(self) -> LLM:

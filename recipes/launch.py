@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from reshard.mesh import end_groups
 from reshard.recipes.exits import (  # noqa: F401 (public here too)
     EXIT_INTERRUPTED,
     EXIT_USER,
@@ -193,7 +194,7 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) or e.code is None else 1
         finally:
-            dist.destroy_process_group()
+            end_groups()
         if code:  # cleaned up above; skip the C++ teardown (a collective cut short, a backend's thread
             sys.stdout.flush()  # still alive: "terminate called without an active exception")
             sys.stderr.flush()

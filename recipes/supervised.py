@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from reshard.mesh import end_groups
 from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Completion, EngineStats
@@ -197,7 +198,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, s
             closing.close()
     if group.is_leader:
         channel.put(f"stats/{spec.endpoint}", engine.stats)
-    dist.destroy_process_group()
+    end_groups()
 
 
 def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Topology) -> tuple:

@@ -76,13 +76,15 @@ def _collective_main(rank: int, port: int, repeats: int) -> None:
     """One of the 2 calibration processes; rank 0 prints the timings as JSON."""
     import torch.distributed as dist
 
+    from reshard.mesh import end_groups
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     out = {
         kind: [_time_collective(kind, n, rank, repeats) for n in (SMALL, LARGE)]
         for kind in ("all_reduce", "all_to_all", "send")
     }
-    dist.destroy_process_group()
+    end_groups()
     if rank == 0:
         print(json.dumps(out), flush=True)
 
