@@ -220,14 +220,31 @@ class KVCache:
         kc[rows, :, cols] = k
         vc[rows, :, cols] = v
 
-    def read(self, layer: int, slots: torch.Tensor | slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, slots: torch.Tensor | slice, length: int, index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``(len(slots), num_heads, length, head_dim)``: views for a slice of contiguous
-        slots, copies otherwise (paged: the slots' blocks gathered in table order)."""
+        slots, copies otherwise (paged: the slots' positions gathered through the block table,
+        by ``index`` from :meth:`read_index`, which a step computes once for all its layers)."""
         kc, vc = self.layer(layer)
         if not self.spec.paged:
             return kc[slots, :, :length], vc[slots, :, :length]
-        index = self.table[slots, : self.spec.blocks_for(length)]  # (B, nb)
-        return _gather_blocks(kc, index, length), _gather_blocks(vc, index, length)
+        index = self.read_index(slots, length) if index is None else index
+        shape = (-1, self.spec.num_heads, length, self.spec.head_dim)
+        return _take(kc, index).view(shape), _take(vc, index).view(shape)
+
+    def read_index(self, slots: torch.Tensor | slice, length: int) -> torch.Tensor | None:
+        """Paged: the flat index ``(B * num_heads * length,)`` into a layer's storage viewed as
+        ``(num_blocks * num_heads * block_size, head_dim)`` rows that :meth:`read` gathers, in
+        ``(B, H, length)`` order; None for a contiguous cache (it reads views)."""
+        if not self.spec.paged:
+            return None
+        bs, h = self.spec.block_size, self.spec.num_heads
+        positions = torch.arange(length, device=self.table.device)
+        blocks = self.table[slots][:, positions // bs]  # (B, length)
+        heads = torch.arange(h, device=self.table.device)
+        rows = (blocks[:, None, :] * h + heads[None, :, None]) * bs + (positions % bs)[None, None, :]  # (B, H, length)
+        return rows.view(-1)
 
     def read_slot(self, layer: int, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``(num_heads, num_tokens, head_dim)`` of one slot's first positions."""
@@ -251,11 +268,7 @@ class KVCache:
         self.write(layer, rows, cols, k.transpose(0, 1).to(self.device), v.transpose(0, 1).to(self.device))
 
 
-def _gather_blocks(storage: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
-    """The blocks ``index`` ``(B, nb)`` of ``storage`` as ``(B, H, length, hd)``, in table order:
-    one indexed copy straight into the head-major order (no second copy for a transpose)."""
-    b, nb = index.shape
-    _, h, bs, hd = storage.shape
-    heads = torch.arange(h, device=index.device)
-    blocks = storage[index[:, None, :], heads[None, :, None]]  # (B, H, nb, bs, hd)
-    return blocks.view(b, h, nb * bs, hd)[:, :, :length]
+def _take(storage: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a layer's paged ``storage`` ``(num_blocks, H, block_size, hd)`` viewed as
+    ``(num_blocks * H * block_size, hd)``: one indexed copy, ``(len(index), hd)``."""
+    return storage.view(-1, storage.shape[-1]).index_select(0, index)

@@ -47,6 +47,7 @@ class AttentionContext:
     kv_len: int
     single_token: bool = False
     _masks: dict = field(default_factory=dict)
+    _index: list = field(default_factory=list)  # [the paged cache's read index], once computed
 
     @staticmethod
     def build(
@@ -97,6 +98,13 @@ class AttentionContext:
             allowed[..., 0] |= ~self.valid  # padded query rows see one key: no NaN
         return allowed.unsqueeze(1)
 
+    def read_index(self) -> torch.Tensor | None:
+        """The cache's gather index for this step's reads (:meth:`KVCache.read_index`), computed
+        once for every layer (None: a contiguous cache reads views)."""
+        if not self._index:
+            self._index.append(self.kv.read_index(self.slots, self.kv_len))
+        return self._index[0]
+
     def attend(
         self,
         layer: int,
@@ -112,7 +120,7 @@ class AttentionContext:
         Returns ``(1, N, Hq, hd)``.
         """
         self.kv.write(layer, self.rows, self.cols, k[0], v[0])
-        keys, values = self.kv.read(layer, self.slots, self.kv_len)  # (B, Hkv, L, hd)
+        keys, values = self.kv.read(layer, self.slots, self.kv_len, self.read_index())  # (B, Hkv, L, hd)
         if self.single_token:
             qp = q[0].unsqueeze(2)  # (B, Hq, 1, hd)
         else:
