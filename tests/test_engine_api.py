@@ -73,10 +73,10 @@ def test_add_request_and_step_stream_the_tokens_of_hf_generate(checkpoints, hf_r
     assert {s for s, _ in final} == {RequestStatus.FINISHED_LENGTH} and status is RequestStatus.FINISHED_LENGTH
 
 
-def _abort_job(path, prompts, paged):
+def _abort_job(path, prompts, paged, ahead):
     from reshard.parallel.engine.core import EngineCore, RequestStatus
 
-    config = dict(prefill_chunk=4, max_prefill_tokens=8)
+    config = dict(prefill_chunk=4, max_prefill_tokens=8, async_scheduling=ahead)
     if paged:
         config.update(kv_block_size=8, kv_tokens=256)
     engine = _engine(path, **config)
@@ -110,12 +110,14 @@ def _abort_job(path, prompts, paged):
     )
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async-scheduling"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_abort_mid_prefill_and_mid_decode_frees_the_kv_at_once(checkpoints, hf_reference, paged):
+def test_abort_mid_prefill_and_mid_decode_frees_the_kv_at_once(checkpoints, hf_reference, paged, ahead):
     """``abort`` of a request in its prompt chunks and of one decoding: each ends at that step
-    FINISHED_ABORTED, its slot (and blocks) back at once; the other requests equal HF."""
+    FINISHED_ABORTED, its slot (and blocks) back at once; the other requests equal HF (with
+    async scheduling too: an aborted request leaves the step scheduled ahead)."""
     path, prompts = checkpoints["llama"], _prompts()
-    r = dist_harness.run(1, _abort_job, path, prompts, paged)[0]
+    r = dist_harness.run(1, _abort_job, path, prompts, paged, ahead)[0]
     assert r["statuses"] == [True, True] and len(r["aborted"]) == 2
     assert r["kept_output"] > 0  # the decoding one keeps what it had
     assert r["slots"] == 4
@@ -173,17 +175,18 @@ def test_kv_pressure_preempts_the_newest_and_tokens_equal_an_unpressured_run(che
 
 
 def test_every_loop_runs_through_the_engine_core():
-    """No front end steps the engine another way: the engine's step (``_advance``) is called only
-    by ``EngineCore.step``, and ``Engine`` has no loop of its own left (``_serve``, ``_settle``)."""
+    """No front end steps the engine another way: the engine's steps (``_advance``, and
+    ``_advance_ahead`` with async scheduling) are called only by ``EngineCore.step``, and
+    ``Engine`` has no loop of its own left (``_serve``, ``_settle``)."""
     callers, loops = [], []
     for path in [*(ROOT / "parallel").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "_advance":
-                callers.append(str(path.relative_to(ROOT)))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("_advance", "_advance_ahead"):
+                callers.append(f"{path.relative_to(ROOT)}:{node.func.attr}")
             looped = isinstance(node, ast.FunctionDef) and node.name in ("_serve", "_settle")
             if looped and path.parent.name == "engine":
                 loops.append(f"{path.relative_to(ROOT)}:{node.name}")
-    assert callers == ["parallel/engine/core.py"], callers
+    assert sorted(callers) == ["parallel/engine/core.py:_advance", "parallel/engine/core.py:_advance_ahead"], callers
     assert loops == ["parallel/engine/core.py:_settle"], loops
 
 

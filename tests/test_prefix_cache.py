@@ -185,3 +185,32 @@ def test_data_parallel_groups_get_the_requests_whose_prefix_they_hold(checkpoint
     tokens, hits = dist_harness.run(2, _groups_job, path, prompts, 4)[0]
     assert tokens == [t for t in hf_reference(path, prompts, 8) for _ in range(4)]
     assert hits == 2 * 3 * (39 // BLOCK) * BLOCK
+
+
+def _sidp_job(path, prompts, n, mode):
+    from reshard.parallel.engine import EngineConfig, make_strategy
+
+    runs = {}
+    for cached in (True, False):
+        strategy = make_strategy({"strategy": "sidp", "mode": mode, "interval": 2})
+        engine = strategy.build(path, EngineConfig(**PAGED, prefix_caching=cached))
+        tokens = [c.output_ids for c in engine.generate(_samples(prompts, n))]
+        runs[cached] = dict(tokens=tokens, fed=engine.stats.prompt_tokens_computed, hits=engine.stats.prefix_cache_hits)
+        engine.close()
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["was", "cas"])
+def test_sidp_samples_compute_their_prompt_once(checkpoints, hf_reference, mode):
+    """SiDP (two replicas sharing an FFN owner pool) takes the same batching path as the default
+    policy: with n = 4 each prompt is computed once plus the other samples' last partial blocks,
+    and the tokens equal the uncached run and HF's."""
+    path = checkpoints["llama"]
+    prompts = [_prompt(23, 1), _prompt(17, 2)]
+    expected = [t for t in hf_reference(path, prompts, 8) for _ in range(4)]
+    for rank in dist_harness.run(2, _sidp_job, path, prompts, 4, mode):
+        on, off = rank[True], rank[False]
+        assert on["tokens"] == off["tokens"] == expected
+        assert off["fed"] == 4 * sum(map(len, prompts)) and off["hits"] == 0
+        tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
+        assert on["fed"] == sum(map(len, prompts)) + 3 * tails and on["hits"] > 0

@@ -73,6 +73,13 @@ class EngineConfig:
     a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later
     requests (``n`` samples and a chat's next turn compute their prompt once); dropped whenever
     the weights are written. Runs with chunked prefill in the default policy."""
+    async_scheduling: bool | None = None
+    """Schedule step n+1 while step n computes (vLLM's ``async_scheduling``): the policy admits
+    and budgets the next step right after this step's forward is launched, before its tokens are
+    sampled and agreed; the next step's inputs are built once they are, and a sequence that
+    finished meanwhile leaves it. Tokens are the same on or off. None: on where the device is
+    CUDA (where the forward runs asynchronously to the host); it runs with chunked prefill in
+    the default policy without KV connectors, and steps as usual elsewhere."""
     prefill_chunk: int | None = None
     """Chunked prefill's cap (vLLM's ``long_prefill_token_threshold``): a prompt gets at most this
     many tokens per step; None: up to ``max_prefill_tokens``. Needs ``chunked_prefill``, the

@@ -33,7 +33,7 @@ import torch
 from reshard.parallel.engine.admission import ADMIT, Admission, Done, LocalAdmission, enqueue, withdraw
 from reshard.parallel.engine.channel import Cancel
 from reshard.parallel.engine.inflight import NotedSteps
-from reshard.parallel.engine.policy import Step, StepOutput
+from reshard.parallel.engine.policy import Ahead, Step, StepOutput
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request
 
 
@@ -104,6 +104,7 @@ class EngineCore:
         self.left = 0  # sequences handed on to other groups
         self.aborts: list[int] = []
         self.started = False
+        self.ahead: Ahead | None = None  # async scheduling: the step scheduled while the last one computed
 
     # ---- the API --------------------------------------------------------------------------------
     def add_request(self, request: Request, kv_source: str | None = None) -> None:
@@ -132,7 +133,8 @@ class EngineCore:
         request): the tokens each request gained and the requests that finished."""
         if not self.started:
             self._begin()
-        self.engine.check_weights()
+        if self.engine.check_weights() and self.ahead is not None:  # what it admitted matched the old weights' KV
+            self.engine.policy.unschedule(self.ahead, self.queue)
         outputs = self._apply_aborts()
         if not self.queue and len(self.done) + self.left == self.intake.taken:
             taken = self.intake.wait_next()
@@ -140,7 +142,7 @@ class EngineCore:
             enqueue(self.queue, items)
             outputs += self._ended(ended)
         else:
-            for step, output in self.engine._advance(self.queue, self.intake):
+            for step, output in self._next_steps():
                 outputs += self._settle(step, output)
         if not self.has_unfinished():
             self._finish()
@@ -173,11 +175,19 @@ class EngineCore:
         self.engine.policy.start(self.queue)
         self.intake.report(self.engine.policy.load(self.queue), [])
 
+    def _next_steps(self) -> list[tuple[Step, StepOutput]]:
+        """The engine's next steps, the next one scheduled ahead where scheduling is asynchronous."""
+        if not self.engine.schedules_ahead():
+            return self.engine._advance(self.queue, self.intake)
+        done, self.ahead = self.engine._advance_ahead(self.queue, self.intake, self.ahead)
+        return done
+
     def _finish(self) -> None:
         """Nothing is left: an in-flight pipeline's stages stop together."""
         if self.engine.flow is not None:
             self.engine.flow.finish()
         self.started = False
+        self.ahead = None  # (it holds no request: every one finished)
 
     def _settle(self, step: Step, output: StepOutput) -> list[CoreOutput]:
         """After a step's tokens are appended: hand-offs, retire finished sequences, admit what the

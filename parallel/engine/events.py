@@ -9,6 +9,8 @@ steps the first stage notes).
 ============== ========================== ==================================================================
 event          listener                   when
 ============== ========================== ==================================================================
+step_scheduled ``fn(step)``                the policy made a step (async scheduling: while the one before it
+                                          computes, before that one's tokens are agreed)
 step_ready     ``fn(index, step)``        the step's layout is entered and its moves made; it runs next
 step_begin     ``fn(step, seqs)``         this rank starts computing ``seqs``, its replica's share [layout]
 layer_before   ``fn(i, hidden, ctx)``     before layer ``i`` (``hidden`` ``(1, N, D)``); a returned tensor
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-STEP_EVENTS = ("step_ready", "step_agreed")
+STEP_EVENTS = ("step_scheduled", "step_ready", "step_agreed")
 LAYOUT_EVENTS = ("step_begin", "layer_before", "layer_after", "step_end", "idle")
 EVENTS = STEP_EVENTS + LAYOUT_EVENTS
 

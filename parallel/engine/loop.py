@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from reshard.mesh import all_gather_objects
+from reshard.mesh import all_gather_objects, device_type
 from reshard.parallel.engine.admission import (
     ADMIT,
     Admission,
@@ -48,12 +48,14 @@ from reshard.parallel.engine.core import EngineCore
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
 from reshard.parallel.engine.policy import (
+    Ahead,
     ContinuousBatching,
     Policy,
     PolicyContext,
     RunnerInfo,
     Step,
     StepOutput,
+    batching_options,
 )
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request, Sequence, eos_ids, record_times
 from reshard.parallel.engine.router import Router
@@ -144,12 +146,11 @@ class Engine:
         layout = next(iter(self.runners))
         if self.flow is not None and not self.flow.first:
             return NotedSteps(layout, self.flow.notes)
-        batching, c = ContinuousBatching if self.flow is None else InflightBatching, self.config
-        kw = dict(max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk)
         if self.flow is not None:
-            return batching(layout, **kw)
-        mixed = c.chunked_prefill and self.runners[layout].mixes  # (a cached prefix is a prompt's first chunk)
-        return batching(layout, mixed=mixed, preempt=True, prefix_caching=c.prefix_caching and mixed, **kw)
+            c = self.config
+            kw = dict(max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk)
+            return InflightBatching(layout, **kw)
+        return ContinuousBatching(layout, **batching_options(self.config, [self.runners[layout]]))
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property
@@ -226,13 +227,15 @@ class Engine:
         self._released = restore(self._released, tags)
         self.check_weights()
 
-    def check_weights(self) -> None:
+    def check_weights(self) -> bool:
         """Where any runner's weights were written since the last look, no cached prefix is
-        shared any more (its KV is of the old weights)."""
+        shared any more (its KV is of the old weights); returns whether they were."""
         seen = tuple((id(v), v.writes) for v in (parallel_info(r.model).weight_version for r in self.runners.values()))
-        if seen != self._weights_seen:
-            self._weights_seen = seen
-            self.reset_prefix_cache()
+        if seen == self._weights_seen:
+            return False
+        self._weights_seen = seen
+        self.reset_prefix_cache()
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Share no KV computed so far with later requests (vLLM's ``reset_prefix_cache``): the
@@ -242,10 +245,41 @@ class Engine:
 
     def _advance_drained(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
         """The steps that finished next: the policy's next step, run to its agreed tokens."""
-        step = self.policy.next_step(queue)
+        step = self._scheduled(self.policy.next_step(queue))
         output = self._run(step, {ADMIT: admission.proposal(), **self.connector.agree()})
         self.connector.agreed(output.agreed or {})
         return [(step, output)]
+
+    def schedules_ahead(self) -> bool:
+        """Whether steps are scheduled one ahead (``EngineConfig.async_scheduling``; None: where
+        the device is CUDA): with the default policy's token budget, drained, no KV connectors."""
+        on = self.config.async_scheduling
+        on = device_type() == "cuda" if on is None else on
+        return on and self.flow is None and self.policy.schedules_ahead and not self.connector.members
+
+    def _advance_ahead(
+        self, queue: deque, admission: Admission, ahead: Ahead | None
+    ) -> tuple[list[tuple[Step, StepOutput]], Ahead]:
+        """Async scheduling: run the step scheduled during the last one (the first: scheduled
+        now) and, once its forward is launched, schedule the next one; then agree on this one's
+        tokens. Returns the step run and the step scheduled ahead."""
+        step = self._scheduled(self.policy.next_step(queue)) if ahead is None else self.policy.confirm(ahead, queue)
+        extras = {ADMIT: admission.proposal(), **self.connector.agree()}
+        runner = self._prepare(step, self.steps_done)
+        started, t0 = time.time(), time.perf_counter()
+        mine, logits = self._forward(step, runner)
+        emits = step.emits()  # (read before its positions move on)
+        prompt = self._advance_positions(step)
+        nxt = self.policy.ahead(queue)  # (on an asynchronous device, while the forward computes)
+        self._scheduled(nxt.step)
+        tokens, agreed, logprobs = self._sample(step, runner, mine, logits, emits, extras)
+        self._append(step, tokens, started, t0, logprobs, prompt)
+        self.connector.agreed(agreed or {})
+        return [(step, StepOutput(tokens, agreed=agreed))], nxt
+
+    def _scheduled(self, step: Step) -> Step:
+        self.events.fire("step_scheduled", step)
+        return step
 
     def _advance_inflight(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
         """In-flight pipeline: on the last stage, the step it sampled landed at once; else the
@@ -256,6 +290,8 @@ class Engine:
         if flow.flights and flow.flights[0].sampled_here:
             return [self._land(admission)]
         step = self.policy.next_step(queue) if len(flow.flights) < self.runner.num_microbatches else None
+        if step is not None:
+            self._scheduled(step)
         if step is None:
             # nothing to land with no step to run: a later stage whose first stage has stopped
             assert flow.flights or isinstance(self.policy, NotedSteps), "no step and nothing in flight"
@@ -325,12 +361,24 @@ class Engine:
         return runner
 
     def _record(self, step: Step, tokens: list[int], started: float, t0: float, logprobs: list | None = None) -> None:
-        """Append a step's agreed tokens (and their log-probabilities, where asked) to its
-        sequences; count it; tell the listeners."""
-        now, prompt = time.time(), 0
-        for seq, token, fed, lp in zip(step.seqs, tokens, step.num_tokens, logprobs or [None] * len(tokens)):
+        """Move a step's sequences past the positions it computed, then append its tokens."""
+        self._append(step, tokens, started, t0, logprobs, self._advance_positions(step))
+
+    def _advance_positions(self, step: Step) -> int:
+        """The step's sequences hold its positions' KV now; returns the prompt tokens it computed."""
+        prompt = 0
+        for seq, fed in zip(step.seqs, step.num_tokens):
             prompt += max(0, min(fed, seq.prompt_len - seq.num_computed_tokens))
             seq.num_computed_tokens += fed
+        return prompt
+
+    def _append(
+        self, step: Step, tokens: list[int], started: float, t0: float, logprobs: list | None, prompt: int
+    ) -> None:
+        """Append a step's agreed tokens (and their log-probabilities, where asked) to its
+        sequences; count it (``prompt``: the prompt tokens it computed); tell the listeners."""
+        now = time.time()
+        for seq, token, lp in zip(step.seqs, tokens, logprobs or [None] * len(tokens)):
             if token != NO_TOKEN:  # a prompt chunk short of the prompt's end emits nothing
                 seq.append(token, lp)
             record_times(seq, started, now, emitted=token != NO_TOKEN)
@@ -356,20 +404,30 @@ class Engine:
         return flight.step, StepOutput(tokens, agreed={ADMIT: admission.proposal()})
 
     def _computed(self, step: Step, runner: ModelRunner, extras: dict) -> tuple[list[int], dict, list]:
-        here = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if s.replica == runner.replica.rank]
-        mine, logits = [s for s, _ in here], None
-        if mine:
-            self.events.fire("step_begin", step, mine, layout=step.layout)
-            logits = runner.run(mine, [n for _, n in here], self.events.layers(step.layout))
-            self.connector.save(step, mine)
-            self.events.fire("step_end", step, mine, layout=step.layout)
-        else:  # (a replica without sequences still joins its layers' collectives: MoE dispatch)
+        mine, logits = self._forward(step, runner)
+        return self._sample(step, runner, mine, logits, step.emits(), extras)
+
+    def _forward(self, step: Step, runner: ModelRunner) -> tuple[list[Sequence], torch.Tensor | None]:
+        """This rank's share of the step computed: its sequences and their logits (None: none here)."""
+        mine = [s for s in step.seqs if s.replica == runner.replica.rank]
+        if not mine:  # (a replica without sequences still joins its layers' collectives: MoE dispatch)
             self.events.fire("idle", step, mine, layout=step.layout)
             runner.idle()
+            return mine, None
+        here = [n for s, n in zip(step.seqs, step.num_tokens) if s.replica == runner.replica.rank]
+        self.events.fire("step_begin", step, mine, layout=step.layout)
+        logits = runner.run(mine, here, self.events.layers(step.layout))
+        self.connector.save(step, mine)
+        self.events.fire("step_end", step, mine, layout=step.layout)
+        return mine, logits
+
+    def _sample(
+        self, step: Step, runner: ModelRunner, mine: list, logits: torch.Tensor | None, emits: list[bool], extras: dict
+    ) -> tuple[list[int], dict, list]:
+        """The step's tokens (where ``emits``), the same on every rank, with the agreed sums."""
         group = self.group if self.group is not None else runner.group
         # the policy's, the admissions, the connectors' (a callable is read now, after the compute)
         agree = {k: v() if callable(v) else v for k, v in {**step.agree, **extras}.items()}
-        emits = step.emits()
         if all(emits):
             return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
         return sample_emitting(step.seqs, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)

@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 
 from reshard.kv import KVCache
 from reshard.parallel.engine.channel import Load
+from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.engine.prefix import WAIT
 from reshard.parallel.engine.request import EngineStats, Request, Sequence, batch_kind
-from reshard.parallel.engine.runner import Replica
+from reshard.parallel.engine.runner import ModelRunner, Replica
 from reshard.parallel.engine.slots import SlotPool, check_fits
 
 ADMISSION = ("fifo", "longest_first")
@@ -88,6 +89,15 @@ class Step:
         """Whether each sequence gets a token this step (read before it is recorded): all but a
         prompt chunk that stops short of the prompt's end."""
         return [s.num_computed_tokens + n >= s.prompt_len for s, n in zip(self.seqs, self.num_tokens)]
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A step scheduled while the one before it computed (async scheduling), and the sequences
+    its scheduling admitted."""
+
+    step: Step
+    admitted: list[Sequence]
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,8 @@ class Policy:
 
     def retire(self, seq: Sequence) -> None:
         """``seq`` finished: release what it holds."""
+
+    schedules_ahead = False  # whether ahead / confirm / unschedule run (async scheduling)
 
     def is_running(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds KV here between steps and :meth:`retire` may end it now (an
@@ -451,3 +463,51 @@ class ContinuousBatching(Policy):
 
     def is_running(self, seq: Sequence) -> bool:
         return self.running.get(seq.request.id) is seq
+
+    # ---- async scheduling: the next step scheduled while this one computes ---------------------
+    @property
+    def schedules_ahead(self) -> bool:  # type: ignore[override]
+        """The token-budget path of this class itself (a subclass that adds to its steps does not)."""
+        return self.mixed and type(self).next_step is ContinuousBatching.next_step
+
+    def ahead(self, queue: deque) -> Ahead:
+        """The next step, scheduled once this step's positions count as computed and before its
+        tokens are known: admissions and the token budget (blocks are reserved at :meth:`confirm`)."""
+        before = set(self.running)
+        step = self._next_step(queue)
+        return Ahead(step, [s for s in step.seqs if s.request.id not in before])
+
+    def confirm(self, ahead: Ahead, queue: deque) -> Step:
+        """The step scheduled ahead, once the last step's tokens are recorded and its finished
+        sequences retired: less the sequences that ended since (finished, aborted), with blocks
+        for every token it writes (preempting as :meth:`next_step` does)."""
+        step = ahead.step
+        kept = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if self.is_running(s)]
+        if len(kept) < len(step.seqs):
+            step = self._step([s for s, _ in kept], [n for _, n in kept])
+        return self._reserve(step, queue) if self.slots.grows else step
+
+    def unschedule(self, ahead: Ahead, queue: deque) -> None:
+        """The weights changed after ``ahead`` was scheduled: the requests it admitted go back to
+        the head of the queue, in order (a cached prefix they matched is of the old weights)."""
+        for seq in reversed([s for s in ahead.admitted if self.is_running(s)]):
+            self.retire(seq)
+            if seq.request.preempted:  # what it had before its preemption goes on when it runs
+                self.held[seq.request.id] = seq
+            queue.appendleft(seq.request)
+
+
+def batching_options(config: EngineConfig, runners: Seq[ModelRunner]) -> dict:
+    """:class:`ContinuousBatching`'s options from an engine ``config``, for a policy whose steps
+    run on ``runners``: the token budget and admission order; chunked prefill where every runner
+    can mix prompt and decode tokens in a step; preemption; the prefix cache (a cached prefix is a
+    prompt's first chunk, so it needs mixed steps)."""
+    mixed = config.chunked_prefill and all(r.mixes for r in runners)
+    return dict(
+        max_prefill_tokens=config.max_prefill_tokens,
+        admission=config.admission,
+        prefill_chunk=config.prefill_chunk,
+        mixed=mixed,
+        preempt=True,
+        prefix_caching=config.prefix_caching and mixed,
+    )

@@ -68,7 +68,7 @@ class SlotPool:
     def can_take(self, request: Request, within: range | None = None) -> bool:
         """A free slot (in ``within``, slots of the first replica, if given), and on its replica
         enough free blocks for the whole sequence (less the cached blocks it shares)."""
-        i = self._next_free(within)
+        i = self._next_free(within, request)
         if i is None:
             return False
         if self.free_blocks is None:
@@ -78,17 +78,25 @@ class SlotPool:
         shared = [] if shared == WAIT else shared  # (it waits for them: take says so)
         return self.available(replica, shared) >= self.blocks_needed(request) - len(shared)
 
-    def _next_free(self, within: range | None) -> int | None:
-        """Index into :attr:`free` of the slot :meth:`take` hands out next (None: none)."""
-        if within is None:
-            return len(self.free) - 1 if self.free else None
-        return next((i for i in reversed(range(len(self.free))) if self.free[i] in within), None)
+    def _next_free(self, within: range | None, request: Request | None = None) -> int | None:
+        """Index into :attr:`free` of the slot :meth:`take` hands out next (None: none): the last
+        free one (in ``within``: slots of the first replica, if given); with a prefix cache over
+        several replicas, the last free one of the replica holding most of ``request``'s prompt
+        (cached, or being computed: it waits there), as the router places requests over groups."""
+        free = [i for i in reversed(range(len(self.free))) if within is None or self.free[i] in within]
+        if not free or request is None or self.prefix is None or len(self.free_blocks) == 1:
+            return free[0] if free else None
+        keys, held = self._keys(request), {}
+        for replica in {self.free[i] // self.per for i in free}:
+            shared = self._shared(request, replica, keys)
+            held[replica] = len(keys) + 1 if shared == WAIT else len(shared)
+        return max(free, key=lambda i: held[self.free[i] // self.per])  # (ties: the usual order)
 
     def take(self, seq: Sequence, within: range | None = None) -> int:
         """A slot (and, paged, the blocks) for ``seq``; returns how many of its prompt's tokens
         cached blocks hold (its KV from there on is computed), or :data:`WAIT` (the slot only:
         give it back) where the blocks it would share are still being computed."""
-        i = self._next_free(within)
+        i = self._next_free(within, seq.request)
         assert i is not None, f"no free slot in {within}"
         seq.replica, seq.slot = divmod(self.free.pop(i), self.per)
         if self.free_blocks is None:
@@ -128,7 +136,7 @@ class SlotPool:
 
     def shares_pending(self, request: Request) -> bool:
         """Whether ``request`` would share cached blocks still being computed (it waits for them)."""
-        i = self._next_free(None)
+        i = self._next_free(None, request)
         replica = 0 if i is None else self.free[i] // self.per
         return self.prefix is not None and self._shared(request, replica, self._keys(request)) == WAIT
 

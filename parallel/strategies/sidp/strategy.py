@@ -39,6 +39,7 @@ from reshard.parallel.engine import (
     register_strategy,
 )
 from reshard.parallel.engine.checks import check_one_microbatch
+from reshard.parallel.engine.policy import batching_options
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info, update_info
@@ -103,10 +104,9 @@ class SiDPPolicy(ContinuousBatching):
         threshold: float,
         hysteresis: float,
         interval: int,
-        max_prefill_tokens: int = 4096,
-        admission: str = "fifo",
+        **batching,
     ) -> None:
-        super().__init__("was", max_prefill_tokens=max_prefill_tokens, admission=admission)
+        super().__init__("was", **batching)
         self.pools, self.pool, self.fetcher = pools, pools.dense, pools.fetcher
         self.fixed = None if mode == "auto" else (WAS if mode == "was" else CAS)
         self.threshold = threshold
@@ -177,6 +177,7 @@ class SiDPPolicy(ContinuousBatching):
 
     def after_step(self, step: Step, output: StepOutput) -> None:
         """The pool's step ends; the group's agreed proposal is the mode at the next decision."""
+        super().after_step(step, output)  # (the step's computed blocks may be shared)
         if self.fetcher is not None:
             self.fetcher.end_step()
         if step.agree:
@@ -201,8 +202,8 @@ def sidp_engine(
 ) -> Engine:
     """The loop over a :func:`pool_model` model with runners ``"was"`` and ``"cas"`` sharing one
     KV cache (``config``'s; the replicas share every step, whatever ``config.replicas`` says: the
-    policy splits each step over them); ``config``'s ``max_prefill_tokens`` and ``admission`` go
-    to :class:`SiDPPolicy`."""
+    policy splits each step over them); ``config``'s batching options (the token budget, chunked
+    prefill, the prefix cache: :func:`batching_options`) go to :class:`SiDPPolicy`."""
     config = config if config is not None else EngineConfig()
     lockstep = dataclasses.replace(config, replicas="lockstep")
     was = ModelRunner(model, lockstep, weights=WAS)
@@ -213,8 +214,7 @@ def sidp_engine(
         threshold=threshold,
         hysteresis=hysteresis,
         interval=interval,
-        max_prefill_tokens=config.max_prefill_tokens,
-        admission=config.admission,
+        **batching_options(config, [was, cas]),
     )
     return Engine(runners={"was": was, "cas": cas}, policy=policy, config=config)
 
