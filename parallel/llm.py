@@ -79,8 +79,11 @@ class LLM:
     or a dotted path); ``tp``, ``pp`` and any other strategy key (e.g. ``threshold`` for Shift)
     configure it (the ``tp`` strategy: ``tp=1`` by default, every process a data-parallel
     replica); engine keys (``max_batch_size``, ``max_seq_len``, ``kv_block_size``, ...) go to
-    :class:`EngineConfig`. vLLM's names are taken too (``tensor_parallel_size``,
-    ``pipeline_parallel_size``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    :class:`EngineConfig`. The ``tp`` strategy's KV cache is paged (blocks of 16, holding what
+    contiguous slots would), as vLLM's is, so prefix caching runs: ``n`` samples and a chat's next
+    turn compute their prompt once (``kv_block_size=None``: contiguous slots). vLLM's names are
+    taken too (``tensor_parallel_size``, ``pipeline_parallel_size``, ``max_model_len``,
+    ``max_num_seqs``, ``max_num_batched_tokens``,
     ``dtype="auto"``; both names of a pair: ``ValueError``). ``max_seq_len`` / ``max_model_len``
     defaults to the model's ``max_position_embeddings`` (capped at 4096) and may not exceed it.
     ``gpu_memory_utilization``: on CUDA, the share of the device's memory the weights and the KV

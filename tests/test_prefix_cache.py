@@ -214,3 +214,33 @@ def test_sidp_samples_compute_their_prompt_once(checkpoints, hf_reference, mode)
         assert off["fed"] == 4 * sum(map(len, prompts)) and off["hits"] == 0
         tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
         assert on["fed"] == sum(map(len, prompts)) + 3 * tails and on["hits"] > 0
+
+
+def _llm_default_job(path):
+    from reshard import LLM, SamplingParams
+
+    params = SamplingParams(n=8, temperature=0.8, max_tokens=8)
+    runs = {}
+    for name, cache in (("default", {}), ("contiguous", {"kv_block_size": None})):
+        with LLM(path, max_model_len=96, seed=0, **cache) as llm:
+            samples = llm.generate([_prompt(30, 4)], params)[0].outputs
+            stats = llm.engine.stats
+            runs[name] = dict(
+                paged=llm.engine.kv.spec.paged,
+                tokens=[s.token_ids for s in samples],
+                fed=stats.prompt_tokens_computed,
+                hits=stats.prefix_cache_hits,
+            )
+    return runs
+
+
+def test_llm_computes_n_samples_prompt_once_by_default(checkpoints):
+    """``LLM`` with no cache keys runs a paged cache (blocks of 16) and so the prefix cache: n = 8
+    samples of a 30-token prompt compute it once plus 7 last partial blocks (14 tokens each), and
+    sample what contiguous slots (``kv_block_size=None``, every sample its whole prompt) do."""
+    r = dist_harness.run(1, _llm_default_job, checkpoints["llama"])[0]
+    default, contiguous = r["default"], r["contiguous"]
+    assert default["paged"] and not contiguous["paged"]
+    assert default["tokens"] == contiguous["tokens"] and len(set(map(tuple, default["tokens"]))) > 1
+    assert contiguous["fed"] == 8 * 30 and contiguous["hits"] == 0
+    assert default["fed"] == 30 + 7 * 14 and default["hits"] == 7 * 16

@@ -51,8 +51,8 @@ class EngineConfig:
     """A paged KV cache: positions per block (with ``kv_tokens``); None: contiguous slots of
     ``max_seq_len`` positions."""
     kv_tokens: int | None = None
-    """A paged KV cache: tokens per replica (with ``kv_block_size``); admission waits for free
-    blocks."""
+    """A paged KV cache: tokens per replica (with ``kv_block_size``); None: the memory contiguous
+    slots would take, ``max_batch_size`` x ``max_seq_len`` rounded up to whole blocks."""
     replicas: str = "groups"
     """Data-parallel replicas: ``"groups"``, each an engine group that steps on its own, fed by a
     router; ``"lockstep"``, the replicas share every step (as fault tolerance's journal needs)."""
@@ -111,9 +111,9 @@ class EngineConfig:
                 f"engine.prefill_chunk ({self.prefill_chunk}) caps chunked prefill, which engine.chunked_prefill=False "
                 "turns off: give one of them"
             )
-        if (self.kv_block_size is None) != (self.kv_tokens is None):
+        if self.kv_tokens is not None and self.kv_block_size is None:
             raise ValueError(
-                f"engine.kv_block_size and engine.kv_tokens go together, got {self.kv_block_size} and {self.kv_tokens}"
+                f"engine.kv_tokens ({self.kv_tokens}) sizes a paged KV cache: give engine.kv_block_size too"
             )
         for key in _COUNTS:
             value = getattr(self, key)
@@ -134,6 +134,14 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype | None:
         """:attr:`dtype` as a ``torch.dtype`` (None: the checkpoint's)."""
         return None if self.dtype is None else getattr(torch, self.dtype)
+
+    def paged_tokens(self, seq_len: int) -> int | None:
+        """A paged cache's tokens per replica for slots of ``seq_len`` positions (None: contiguous)."""
+        if self.kv_block_size is None:
+            return None
+        if self.kv_tokens is not None:
+            return self.kv_tokens
+        return self.max_batch_size * -(-seq_len // self.kv_block_size) * self.kv_block_size
 
     def seq_len(self, model_config: Any) -> int:
         """Positions per slot for a model of Hugging Face config ``model_config`` (vLLM's

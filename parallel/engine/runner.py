@@ -104,7 +104,7 @@ class ModelRunner:
         every_slot: bool = False,
     ) -> None:
         config = config if config is not None else EngineConfig()
-        kv_block_size, kv_tokens, compile = config.kv_block_size, config.kv_tokens, config.compile
+        kv_block_size, compile = config.kv_block_size, config.compile
         self.model, self.dims = model, dims if dims is not None else parallel_info(model).dims
         self.max_batch_size = _positive("max_batch_size", config.max_batch_size)
         self.max_seq_len = _positive("max_seq_len", config.seq_len(model.config))
@@ -132,6 +132,7 @@ class ModelRunner:
         self.compiled = compile
         self.every_slot = compile or every_slot  # (compiled: fixed shapes)
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
+        kv_tokens = config.paged_tokens(self.max_seq_len)
         self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
         self.swap = self._micro_batch_swap(kv_block_size) if config.kv_swap else None
         self._attach_layers()
@@ -191,8 +192,6 @@ class ModelRunner:
         return StageLink(coord[1], peers, self.model.config.hidden_size, dtype, self.device)
 
     def _kv_spec(self, block_size: int | None, tokens: int | None) -> KVSpec:
-        if (block_size is None) != (tokens is None):
-            raise ValueError(f"a paged KV cache needs kv_block_size and kv_tokens, got {block_size} and {tokens}")
         if block_size is not None and not 0 < block_size <= tokens:
             raise ValueError(f"kv_block_size ({block_size}) must be in 1..kv_tokens ({tokens})")
         attn = self.layers[0].self_attn

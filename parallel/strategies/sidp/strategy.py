@@ -319,8 +319,9 @@ class SiDPStrategy(Strategy):
         )
         dist.all_reduce(extra, op=dist.ReduceOp.MIN)  # every replica admits by the same pool size
         extra = int(extra.item())
-        update_info(model, kv_tokens_asked=config.kv_tokens, kv_tokens_added=extra)
-        return dataclasses.replace(config, kv_tokens=config.kv_tokens + extra)
+        asked = config.paged_tokens(config.seq_len(model.config))
+        update_info(model, kv_tokens_asked=asked, kv_tokens_added=extra)
+        return dataclasses.replace(config, kv_tokens=asked + extra)
 
     def summary(self, engine: Engine) -> dict:
         pools = engine.policy.pools
