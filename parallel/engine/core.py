@@ -137,6 +137,7 @@ class EngineCore:
             self.engine.policy.unschedule(self.ahead, self.queue)
         outputs = self._apply_aborts()
         if not self.queue and len(self.done) + self.left == self.intake.taken:
+            self.ahead = None  # (nothing runs: a step scheduled ahead holds no request)
             taken = self.intake.wait_next()
             items, ended = withdraw(self.queue, taken, self.engine._live, False)  # (a cancel: of none)
             enqueue(self.queue, items)

@@ -12,7 +12,6 @@ through its connectors (:mod:`parallel.engine.connector`), the rest through :att
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import time
@@ -25,19 +24,17 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from reshard.mesh import all_gather_objects, device_type
+from reshard.mesh import device_type
 from reshard.parallel.engine.admission import (
     ADMIT,
     Admission,
     Done,
     RoutedAdmission,
-    endpoint_of,
 )
 from reshard.parallel.engine.agree import sample_emitting, sample_step
-from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
+from reshard.parallel.engine.channel import Channel, GroupLayout
 from reshard.parallel.engine.checks import (
     check_chunked,
-    check_posted_requests,
     check_requests,
     check_same_requests,
     seeded,
@@ -58,9 +55,9 @@ from reshard.parallel.engine.policy import (
     batching_options,
 )
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request, Sequence, eos_ids, record_times
-from reshard.parallel.engine.router import Router
+from reshard.parallel.engine.routed import generate_routed
 from reshard.parallel.engine.runner import ModelRunner
-from reshard.parallel.engine.sampling import SamplingParams, fresh_seed
+from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.offload import release, restore
 
@@ -194,7 +191,7 @@ class Engine:
                     core.add_request(request)
                 done = core.run()
                 return [done[r.id] for r in requests]
-            return self._serve_routed(requests, bar, seed)
+            return generate_routed(self, requests, bar, seed)
 
     @torch.inference_mode()
     def serve_routed(
@@ -301,36 +298,6 @@ class Engine:
             self.policy.check(step)
         self._launch(step)
         return landed
-
-    def _serve_routed(self, requests: Seq[Request], bar: tqdm, seed: int | None) -> list[Completion]:
-        """This rank's group serves what the router (a thread on rank 0) hands it; then every
-        rank gathers every group's completions and counters."""
-        group = self.engine_group
-        channel = Channel(f"{group.channel}/call{self.routed_calls}")  # every rank counts its calls alike
-        self.routed_calls += 1
-        ranks = dist.get_process_group_ranks(group.job or dist.group.WORLD)
-        if dist.get_rank() == min(ranks):  # the call's fresh seed (where it names none), then its start
-            channel.put("seed", fresh_seed() if seed is None else seed)
-            channel.put("start", time.time())
-        channel.wait("start", f"engine group {group.index} waiting for the router's start time", self.group_timeout)
-        requests = seeded(requests, channel.get("seed"), None)
-        check_posted_requests(requests, channel, ranks, self.group_timeout)
-        start = channel.get("start")
-        router = None
-        if dist.get_rank() == min(ranks):  # the entries only: the other groups take what entries hand them
-            entries = group.entry_groups
-            router = Router(channel, requests, Topology(len(entries), entries), start, self.routing)
-        with router or contextlib.nullcontext():
-            admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, self.group_timeout)
-            done = EngineCore(self, admission, start=start).run()
-        mine = (list(done.values()), self.stats) if group.is_leader else None
-        everyone = all_gather_objects(mine, group.job)
-        if router is not None:
-            channel.clear(channel.job_keys([endpoint_of(g) for g in range(group.count)]))
-        dist.barrier(group=group.job)  # no rank starts another call before the keys are gone
-        self.group_stats = [stats for _, stats in filter(None, everyone)]
-        by_id = {c.id: c for completions, _ in filter(None, everyone) for c in completions}
-        return [by_id[r.id] for r in requests]
 
     def _leads_group(self) -> bool:
         """Whether this rank is the first of the ranks that agree on steps (it proposes admissions)."""

@@ -1,0 +1,51 @@
+"""``Engine.generate`` over several engine groups: a router on the entry groups' first rank hands
+each group its requests; every rank gathers every group's completions at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence as Seq
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from reshard.mesh import all_gather_objects
+from reshard.parallel.engine.admission import RoutedAdmission, endpoint_of
+from reshard.parallel.engine.channel import Channel, Topology
+from reshard.parallel.engine.checks import check_posted_requests, seeded
+from reshard.parallel.engine.core import EngineCore
+from reshard.parallel.engine.request import Completion, Request
+from reshard.parallel.engine.router import Router
+from reshard.parallel.engine.sampling import fresh_seed
+
+
+def generate_routed(engine, requests: Seq[Request], bar: tqdm, seed: int | None) -> list[Completion]:
+    """This rank's group (``engine.engine_group``) serves what the router (a thread on the job's
+    first rank) hands it; then every rank gathers every group's completions and counters."""
+    group = engine.engine_group
+    channel = Channel(f"{group.channel}/call{engine.routed_calls}")  # every rank counts its calls alike
+    engine.routed_calls += 1
+    ranks = dist.get_process_group_ranks(group.job or dist.group.WORLD)
+    first = dist.get_rank() == min(ranks)
+    if first:  # the call's fresh seed (where it names none), then its start
+        channel.put("seed", fresh_seed() if seed is None else seed)
+        channel.put("start", time.time())
+    channel.wait("start", f"engine group {group.index} waiting for the router's start time", engine.group_timeout)
+    requests = seeded(requests, channel.get("seed"), None)
+    check_posted_requests(requests, channel, ranks, engine.group_timeout)
+    start = channel.get("start")
+    router = None
+    if first:  # the entries only: the other groups take what entries hand them
+        entries = group.entry_groups
+        router = Router(channel, requests, Topology(len(entries), entries), start, engine.routing)
+    with router or contextlib.nullcontext():
+        admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, engine.group_timeout)
+        done = EngineCore(engine, admission, start=start).run()
+    everyone = all_gather_objects((list(done.values()), engine.stats) if group.is_leader else None, group.job)
+    if router is not None:
+        channel.clear(channel.job_keys([endpoint_of(g) for g in range(group.count)]))
+    dist.barrier(group=group.job)  # no rank starts another call before the keys are gone
+    engine.group_stats = [stats for _, stats in filter(None, everyone)]
+    by_id = {c.id: c for completions, _ in filter(None, everyone) for c in completions}
+    return [by_id[r.id] for r in requests]
