@@ -88,12 +88,13 @@ def workload(args, rate: float) -> list[tuple[float, list[int], int]]:
 
 
 # ---- the server and the client ------------------------------------------------------------------------
-def start(layout: str, path: Path, args, run_dir: Path) -> tuple[subprocess.Popen, str]:
+def start(layout: str, path: Path, args, run_dir: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """A server of ``layout`` (``extra``: more overrides) and its URL once it listens."""
     max_len = args.prompt_lens[1] + args.budgets[1]
     cmd = [sys.executable, "-m", "reshard.recipes.cli", "serve", "--nproc", str(args.nproc), "--port", "0"]
     cmd += [f"model.path={path}", "serve.model_name=bench", f"engine.max_batch_size={args.batch}"]
     cmd += [f"engine.max_seq_len={max_len}", "serve.max_waiting=100000", *layout_overrides(layout, args.nproc)]
-    cmd += [f"hydra.run.dir={run_dir}"]
+    cmd += [f"hydra.run.dir={run_dir}", *extra]
     proc = subprocess.Popen(cmd, stdout=(run_dir.parent / f"{layout}.log").open("w"), stderr=subprocess.STDOUT)
     while proc.poll() is None:
         info = run_dir / "server.json"

@@ -101,11 +101,13 @@ def _weights_job(path):
         core.add_request(Request(1, prompt, SamplingParams(max_new_tokens=16)))
         while 1 not in llm.engine.policy.running:  # taken at a step's agreement, admitted by the next one scheduled
             core.step()
-        ahead = [s.request.id for s in core.ahead.admitted]
+        ahead = [s.request.id for s in core.ahead.step.seqs if not s.output]  # admitted by the step ahead
         shared = llm.engine.policy.running[1].num_computed_tokens  # the cached prompt's blocks it shares
+        hits_before = llm.engine.stats.prefix_cache_hits - shared
         llm.load_weights(_changed(path).state_dict())
         done = core.run()
-    return dict(ahead=ahead, shared=shared, tokens=done[1].output_ids)
+        hits = llm.engine.stats.prefix_cache_hits
+    return dict(ahead=ahead, shared=shared, tokens=done[1].output_ids, hits=hits, hits_before=hits_before)
 
 
 def test_weights_written_after_a_step_was_scheduled_ahead_drop_what_it_admitted(checkpoints):
@@ -117,4 +119,5 @@ def test_weights_written_after_a_step_was_scheduled_ahead_drop_what_it_admitted(
     path = checkpoints["llama"]
     r = dist_harness.run(1, _weights_job, path)[0]
     assert r["ahead"] == [1] and r["shared"] > 0  # admitted ahead, matching the old weights' blocks
+    assert r["hits"] == r["hits_before"]  # (the undone match is not counted)
     assert r["tokens"] == _hf_generate(_changed(path), _prompt(30, 4), 16)[0]

@@ -223,3 +223,35 @@ def test_aborting_a_preempted_request_returns_its_prompt_and_the_tokens_it_had(c
     status, same_prompt, output, expected = run[0]
     assert status is RequestStatus.FINISHED_ABORTED and same_prompt
     assert 0 < len(output) < len(expected) and output == expected[: len(output)]
+
+
+def _abort_untaken_job(path, ahead):
+    from reshard.parallel.engine.core import EngineCore, RequestStatus
+
+    engine = _engine(path, kv_block_size=4, kv_tokens=64, async_scheduling=ahead)
+    core = EngineCore(engine)
+    first, second = _requests([[5, 6, 7], [8, 9]], max_new=10)
+    core.add_request(first)
+    core.step()
+    core.add_request(second)
+    status = core.status(second.id)
+    core.abort([second.id])  # before the group took it
+    aborted = core.step()
+    done = core.run()
+    return dict(
+        status=status,
+        aborted=[(o.request_id, o.status is RequestStatus.FINISHED_ABORTED) for o in aborted if o.finished],
+        done=sorted(done),
+        first=len(done[first.id].output_ids),
+        running=len(engine.policy.running),
+    )
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async-scheduling"])
+def test_aborting_a_request_not_taken_yet_leaves_the_running_ones_to_finish(checkpoints, ahead):
+    """A request added and aborted before the group took it ends FINISHED_ABORTED at once; the
+    request already running still runs to its end (the core counted the aborted one as one of
+    the requests it took, and stopped with the other still running)."""
+    r = dist_harness.run(1, _abort_untaken_job, checkpoints["llama"], ahead)[0]
+    assert r["aborted"] == [(1, True)] and r["done"] == [0, 1]
+    assert r["first"] == 10 and r["running"] == 0

@@ -177,3 +177,42 @@ def test_the_default_slots_leave_a_kv_gain_and_the_report_says_it(four_layer):
     for gained, capacity, lines in dist_harness.run(2, _default_gain_job, four_layer["llama"]):
         assert gained > 0 and capacity > 64
         assert f"+{gained} KV tokens, allocated (64 asked -> {capacity})" in lines[1]
+
+
+def _busy_prompts() -> list[list[int]]:
+    """Twelve seeded prompts of 10-29 tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(3, 250, (int(torch.randint(10, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(12)
+    ]
+
+
+def _chunked_job(path, mode):
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine import EngineConfig, make_strategy
+
+    strategy = make_strategy({"strategy": "sidp", "mode": mode, "threshold": 1.0, "interval": 2})
+    # 16 tokens asked (SiDP adds what the freed FFN bytes hold): too few blocks for 4 slots of 30 new tokens
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, kv_block_size=4, kv_tokens=16)
+    engine = strategy.build(path, config)
+    reqs = [Request(i, p, SamplingParams(max_new_tokens=30)) for i, p in enumerate(_busy_prompts())]
+    tokens = [c.output_ids for c in engine.generate(reqs)]
+    s = engine.stats
+    steps = s.prefill_steps + s.decode_steps + s.mixed_steps
+    return dict(tokens=tokens, modes=len(s.modes), steps=steps, mixed=s.mixed_steps, preemptions=s.preemptions)
+
+
+@pytest.mark.parametrize("mode", ["was", "cas"])
+def test_prompt_chunks_beside_decodes_and_preemption_equal_hf(four_layer, hf_reference, mode):
+    """SiDP on the token budget (8 tokens a step: prompt chunks beside decode tokens, a replica
+    whose share is decode tokens only decoding every slot) and a paged cache too small for its
+    batch (preemption): HF's tokens, in CaS too (the owner sizes each replica's rows by that
+    replica's own share), and one mode decision per step run."""
+    path = four_layer["llama"]
+    expected = hf_reference(path, _busy_prompts(), 30)
+    for r in dist_harness.run(2, _chunked_job, path, mode, timeout=240):
+        assert r["tokens"] == expected
+        assert r["mixed"] > 0 and r["preemptions"] > 0
+        assert r["modes"] == r["steps"]

@@ -102,6 +102,7 @@ class EngineCore:
         self.queue: deque = deque()
         self.done = Done() if done is None else done
         self.left = 0  # sequences handed on to other groups
+        self.dropped = 0  # requests aborted before the group took them (done, never taken)
         self.aborts: list[int] = []
         self.started = False
         self.ahead: Ahead | None = None  # async scheduling: the step scheduled while the last one computed
@@ -124,8 +125,11 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or may still come (a routed group's input)."""
-        handed = len(self.done) + self.left == self.intake.taken
-        return bool(self.queue) or bool(self.aborts) or not (self.intake.exhausted and handed)
+        return bool(self.queue) or bool(self.aborts) or not (self.intake.exhausted and self._settled())
+
+    def _settled(self) -> bool:
+        """Whether every request the group took has finished here or left for another group."""
+        return len(self.done) - self.dropped + self.left == self.intake.taken
 
     @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
@@ -133,10 +137,10 @@ class EngineCore:
         request): the tokens each request gained and the requests that finished."""
         if not self.started:
             self._begin()
-        if self.engine.check_weights() and self.ahead is not None:  # what it admitted matched the old weights' KV
-            self.engine.policy.unschedule(self.ahead, self.queue)
+        if self.engine.check_weights():  # requests admitted onto the old weights' cached KV start again
+            self.engine.policy.requeue_unstarted(self.queue)
         outputs = self._apply_aborts()
-        if not self.queue and len(self.done) + self.left == self.intake.taken:
+        if not self.queue and self._settled():
             self.ahead = None  # (nothing runs: a step scheduled ahead holds no request)
             taken = self.intake.wait_next()
             items, ended = withdraw(self.queue, taken, self.engine._live, False)  # (a cancel: of none)
@@ -222,6 +226,7 @@ class EngineCore:
             request = self.intake.remove(rid) if isinstance(self.intake, LocalAdmission) else None
             if request is not None:
                 ended.append(request.aborted())
+                self.dropped += 1
         cancels = [Cancel(rid) for rid in ids]
         _, withdrawn = withdraw(self.queue, cancels, self.engine._live, self.engine.flow is None)
         ended += withdrawn + self._end_cancelled()

@@ -128,7 +128,11 @@ class Policy:
     def retire(self, seq: Sequence) -> None:
         """``seq`` finished: release what it holds."""
 
-    schedules_ahead = False  # whether ahead / confirm / unschedule run (async scheduling)
+    schedules_ahead = False  # whether ahead / confirm run (async scheduling)
+
+    def requeue_unstarted(self, queue: deque) -> None:
+        """The weights changed: a request admitted onto cached KV that no step has run yet goes
+        back to the queue (policies with a prefix cache)."""
 
     def is_running(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds KV here between steps and :meth:`retire` may end it now (an
@@ -212,6 +216,7 @@ class ContinuousBatching(Policy):
         self.slots: SlotPool | None = None
         self.running: dict[int, Sequence] = {}  # request id -> its sequence, in admission order
         self.held: dict[int, Sequence] = {}  # a preempted request's last sequence (its logprobs and times)
+        self.unstarted: dict[int, Sequence] = {}  # admitted onto cached blocks, no step run yet
 
     @property
     def initial_layout(self) -> str | None:
@@ -230,6 +235,7 @@ class ContinuousBatching(Policy):
             self.slots = self._pool()
         self.running = {}
         self.held = {}
+        self.unstarted = {}
         self._prefilled = False  # the last step fed whole prompts (whole-prompt steps alternate)
 
     def _pool(self) -> SlotPool:
@@ -296,6 +302,7 @@ class ContinuousBatching(Policy):
         elif shared:  # its prompt's first tokens are in cached blocks: their table rows before its first step
             seq.num_computed_tokens = shared
             self._assign(seq)
+            self.unstarted[seq.request.id] = seq
         self.running[seq.request.id] = seq
         earlier = self.held.pop(seq.request.id, None)
         if earlier is not None:  # a preempted request runs again: what it had goes on
@@ -314,7 +321,7 @@ class ContinuousBatching(Policy):
         if len(kept) == len(step.seqs):
             return step
         assert kept, "a step's oldest request fits its replica's cache alone (check_fits)"
-        return self._step([s for s, _ in kept], [n for _, n in kept])
+        return _less(step, kept)
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         """``seq``'s blocks cover ``tokens`` positions; this rank's cache table follows."""
@@ -335,6 +342,7 @@ class ContinuousBatching(Policy):
         """The step's computed blocks may be shared now (prefix caching)."""
         for seq, n in zip(step.seqs, step.num_tokens):
             self.slots.computed(seq, seq.num_computed_tokens - n)
+            self.unstarted.pop(seq.request.id, None)
 
     def _newest(self, replica: int) -> Sequence:
         return next(s for s in reversed(self.running.values()) if s.replica == replica)
@@ -413,9 +421,7 @@ class ContinuousBatching(Policy):
     def ahead(self, queue: deque) -> Ahead:
         """The next step, scheduled once this step's positions count as computed and before its
         tokens are known: admissions and the token budget (blocks are reserved at :meth:`confirm`)."""
-        before = set(self.running)
-        step = self._next_step(queue)
-        return Ahead(step, [s for s in step.seqs if s.request.id not in before])
+        return Ahead(self._next_step(queue))
 
     def confirm(self, ahead: Ahead, queue: deque) -> Step:
         """The step scheduled ahead, once the last step's tokens are recorded and its finished
@@ -424,17 +430,20 @@ class ContinuousBatching(Policy):
         step = ahead.step
         kept = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if self.is_running(s)]
         if len(kept) < len(step.seqs):
-            step = self._step([s for s, _ in kept], [n for _, n in kept])
+            step = _less(step, kept)
         return self._reserve(step, queue) if self.slots.grows else step
 
-    def unschedule(self, ahead: Ahead, queue: deque) -> None:
-        """The weights changed after ``ahead`` was scheduled: the requests it admitted go back to
-        the head of the queue, in order (a cached prefix they matched is of the old weights)."""
-        for seq in reversed([s for s in ahead.admitted if self.is_running(s)]):
+    def requeue_unstarted(self, queue: deque) -> None:
+        """The weights changed: requests admitted onto cached blocks that no step has run yet
+        (an admission without budget left, or by a step scheduled ahead) go back to the head of
+        the queue, in order, and match again under the new weights' cache."""
+        for seq in reversed([s for s in self.unstarted.values() if self.is_running(s)]):
+            self.slots.unask(seq)
             self.retire(seq)
             if seq.request.preempted:  # what it had before its preemption goes on when it runs
                 self.held[seq.request.id] = seq
             queue.appendleft(seq.request)
+        self.unstarted = {}
 
 
 def batching_options(config: EngineConfig, runners: Seq[ModelRunner]) -> dict:
@@ -451,3 +460,9 @@ def batching_options(config: EngineConfig, runners: Seq[ModelRunner]) -> dict:
         preempt=True,
         prefix_caching=config.prefix_caching and mixed,
     )
+
+
+def _less(step: Step, kept: list[tuple[Sequence, int]]) -> Step:
+    """``step`` with only the ``(sequence, tokens)`` pairs ``kept``: its layout, moves and
+    agreement as chosen (a policy's ``layout_for`` is asked once per step)."""
+    return dataclasses.replace(step, seqs=[s for s, _ in kept], num_tokens=[n for _, n in kept])

@@ -117,6 +117,13 @@ class SlotPool:
             self.stats.prefix_cache_hits += len(shared) * self.block_size
         return len(shared) * self.block_size
 
+    def unask(self, seq: Sequence) -> None:
+        """``seq``'s admission is undone before it ran (it is admitted again later): its prefix-cache
+        query is not counted twice, nor the hits it gives back."""
+        if self.stats is not None and self.prefix is not None:
+            self.stats.prefix_cache_queries -= seq.prompt_len
+            self.stats.prefix_cache_hits -= seq.num_computed_tokens
+
     def computed(self, seq: Sequence, before: int) -> None:
         """``seq``'s KV is computed up to its ``num_computed_tokens`` (from ``before``): its full
         blocks there may be shared; blocks its decode filled are cached too."""

@@ -56,11 +56,10 @@ class Step:
 
 @dataclass(frozen=True)
 class Ahead:
-    """A step scheduled while the one before it computed (async scheduling), and the sequences
-    its scheduling admitted."""
+    """A step scheduled while the one before it computed (async scheduling), run once that one's
+    tokens are recorded (:meth:`reshard.parallel.engine.policy.ContinuousBatching.confirm`)."""
 
     step: Step
-    admitted: list[Sequence]
 
 
 @dataclass(frozen=True)

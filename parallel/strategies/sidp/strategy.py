@@ -40,6 +40,7 @@ from reshard.parallel.engine import (
 )
 from reshard.parallel.engine.checks import check_one_microbatch
 from reshard.parallel.engine.policy import batching_options
+from reshard.parallel.engine.request import batch_kind
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info, update_info
@@ -125,7 +126,7 @@ class SiDPPolicy(ContinuousBatching):
         next decision, agreed with the step's tokens."""
         step = super().next_step(queue)
         mode = WAS if step.layout == "was" else CAS
-        begin = BeginStep(tuple(self._rows(step.kind, self._tokens(step.seqs, step.num_tokens))), mode)
+        begin = BeginStep(tuple(self._rows(step.seqs, step.num_tokens)), mode)
         agree = {} if self.fixed is not None else {PROPOSES_CAS: int(self._proposal() == CAS)}
         return dataclasses.replace(step, moves=(*step.moves, begin), agree=agree)
 
@@ -145,14 +146,18 @@ class SiDPPolicy(ContinuousBatching):
             tokens[s.replica] += n
         return tokens
 
-    def _rows(self, kind: str, tokens: list[int]) -> list[int]:
-        """FFN input rows of each replica: its tokens, or, for a step of decode tokens (the
-        runner's decode runs all slots), every slot of its cache -- 0 for a replica without
-        sequences (a dummy step)."""
-        if kind != "decode":
-            return tokens
+    def _rows(self, seqs: list, num_tokens: list[int]) -> list[int]:
+        """FFN input rows of each replica: its tokens, or, where its share of the step is decode
+        tokens only (its runner's decode runs all slots), every slot of its cache -- 0 for a
+        replica without sequences (a dummy step). Each replica's runner picks its path from its
+        own share (:func:`batch_kind`: a mixed step's decode-only replica decodes), so these do."""
         slots = self.runner_info["was"].max_batch_size
-        return [slots if t else 0 for t in tokens]
+        rows = []
+        for g in range(self.pools.G):
+            mine = [(s, n) for s, n in zip(seqs, num_tokens) if s.replica == g]
+            kind = batch_kind([s for s, _ in mine], [n for _, n in mine])
+            rows.append(slots if kind == "decode" else sum(n for _, n in mine))
+        return rows
 
     def _proposal(self) -> str:
         """This rank's mode for the live sequences per replica (either phase)."""
