@@ -1,6 +1,6 @@
 """Multi-turn chat sessions through ``reshard serve``: TTFT per turn with the prefix cache on and off.
 
-    python bench/serve_chat.py                      # 4 sessions x 4 turns, a 384-token system prompt, 1 rank
+    python bench/serve_chat.py                      # 4 sessions x 4 turns, a 200-word system prompt, 1 rank
     python bench/serve_chat.py --sessions 8 --turns 6 --nproc 2
 
 A server is started twice on ``bench/serve.py``'s seeded Llama (with a tokenizer), a paged cache
@@ -26,7 +26,7 @@ from pathlib import Path
 from _common import add_sizes, fill_sizes, med, parser, rerun_command
 from serve import SIZES, checkpoint, start
 
-CHAT = {**SIZES, "sessions": 4, "turns": 4, "system_len": 384, "user_len": 24, "reply": 16, "nproc": 1}
+CHAT = {**SIZES, "sessions": 4, "turns": 4, "system_len": 200, "user_len": 24, "reply": 16, "nproc": 1}
 
 
 def words(count: int, seed: int, vocab: int) -> str:
@@ -98,8 +98,8 @@ def main() -> None:
     p = parser(__doc__)
     add_sizes(p, CHAT)
     args = fill_sizes(p.parse_args(), CHAT)
-    # tokens of the longest prompt: a word is up to 4 tokens, a reply's text may re-tokenize longer
-    longest = 4 * (args.system_len + args.turns * args.user_len + 32) + 3 * args.turns * args.reply
+    # tokens of the longest prompt: a word is up to 5 tokens, a reply's text may re-tokenize longer
+    longest = 5 * (args.system_len + args.turns * args.user_len + 32) + 3 * args.turns * args.reply
     args.prompt_lens, args.budgets = [0, longest], [0, args.reply]  # (bench/serve.py's start sizes slots by them)
     path = checkpoint(args)
     with tempfile.TemporaryDirectory() as tmp:
