@@ -407,6 +407,7 @@ class ContinuousBatching(Policy):
 
     def retire(self, seq: Sequence) -> None:
         self.running.pop(seq.request.id)
+        self.unstarted.pop(seq.request.id, None)
         self.slots.give(seq)
 
     def is_running(self, seq: Sequence) -> bool:
