@@ -101,7 +101,7 @@ def _weights_job(path):
         core.add_request(Request(1, prompt, SamplingParams(max_new_tokens=16)))
         while 1 not in llm.engine.policy.running:  # taken at a step's agreement, admitted by the next one scheduled
             core.step()
-        ahead = [s.request.id for s in core.ahead.step.seqs if not s.output]  # admitted by the step ahead
+        ahead = [s.request.id for s in core.ahead.seqs if not s.output]  # admitted by the step ahead
         shared = llm.engine.policy.running[1].num_computed_tokens  # the cached prompt's blocks it shares
         hits_before = llm.engine.stats.prefix_cache_hits - shared
         llm.load_weights(_changed(path).state_dict())

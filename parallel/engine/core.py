@@ -33,7 +33,7 @@ import torch
 from reshard.parallel.engine.admission import ADMIT, Admission, Done, LocalAdmission, enqueue, withdraw
 from reshard.parallel.engine.channel import Cancel
 from reshard.parallel.engine.inflight import NotedSteps
-from reshard.parallel.engine.policy import Ahead, Step, StepOutput
+from reshard.parallel.engine.policy import Step, StepOutput
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request
 
 
@@ -105,7 +105,7 @@ class EngineCore:
         self.dropped = 0  # requests aborted before the group took them (done, never taken)
         self.aborts: list[int] = []
         self.started = False
-        self.ahead: Ahead | None = None  # async scheduling: the step scheduled while the last one computed
+        self.ahead: Step | None = None  # async scheduling: the step scheduled while the last one computed
 
     # ---- the API --------------------------------------------------------------------------------
     def add_request(self, request: Request, kv_source: str | None = None) -> None:

@@ -45,7 +45,6 @@ from reshard.parallel.engine.core import EngineCore
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
 from reshard.parallel.engine.policy import (
-    Ahead,
     ContinuousBatching,
     Policy,
     PolicyContext,
@@ -255,8 +254,8 @@ class Engine:
         return on and self.flow is None and self.policy.schedules_ahead and not self.connector.members
 
     def _advance_ahead(
-        self, queue: deque, admission: Admission, ahead: Ahead | None
-    ) -> tuple[list[tuple[Step, StepOutput]], Ahead]:
+        self, queue: deque, admission: Admission, ahead: Step | None
+    ) -> tuple[list[tuple[Step, StepOutput]], Step]:
         """Async scheduling: run the step scheduled during the last one (the first: scheduled
         now) and, once its forward is launched, schedule the next one; then agree on this one's
         tokens. Returns the step run and the step scheduled ahead."""
@@ -268,7 +267,7 @@ class Engine:
         emits = step.emits()  # (read before its positions move on)
         prompt = self._advance_positions(step)
         nxt = self.policy.ahead(queue)  # (on an asynchronous device, while the forward computes)
-        self._scheduled(nxt.step)
+        self._scheduled(nxt)
         tokens, agreed, logprobs = self._sample(step, runner, mine, logits, emits, extras)
         self._append(step, tokens, started, t0, logprobs, prompt)
         self.connector.agreed(agreed or {})

@@ -43,7 +43,7 @@ from reshard.parallel.engine.prefix import WAIT
 from reshard.parallel.engine.request import EngineStats, Request, Sequence
 from reshard.parallel.engine.runner import ModelRunner, Replica
 from reshard.parallel.engine.slots import SlotPool, check_fits
-from reshard.parallel.engine.step import Ahead, Move, Step, StepOutput
+from reshard.parallel.engine.step import Move, Step, StepOutput
 
 ADMISSION = ("fifo", "longest_first")
 
@@ -419,16 +419,15 @@ class ContinuousBatching(Policy):
         """The token-budget path of this class itself (a subclass that adds to its steps does not)."""
         return self.mixed and type(self).next_step is ContinuousBatching.next_step
 
-    def ahead(self, queue: deque) -> Ahead:
+    def ahead(self, queue: deque) -> Step:
         """The next step, scheduled once this step's positions count as computed and before its
         tokens are known: admissions and the token budget (blocks are reserved at :meth:`confirm`)."""
-        return Ahead(self._next_step(queue))
+        return self._next_step(queue)
 
-    def confirm(self, ahead: Ahead, queue: deque) -> Step:
+    def confirm(self, step: Step, queue: deque) -> Step:
         """The step scheduled ahead, once the last step's tokens are recorded and its finished
         sequences retired: less the sequences that ended since (finished, aborted), with blocks
         for every token it writes (preempting as :meth:`next_step` does)."""
-        step = ahead.step
         kept = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if self.is_running(s)]
         if len(kept) < len(step.seqs):
             step = _less(step, kept)

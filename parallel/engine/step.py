@@ -1,6 +1,6 @@
-"""A step as plain data: what a policy returns (:class:`Step`, the :class:`Move` s it names, an
-:class:`Ahead` step scheduled while the one before it computes) and what the engine tells it
-back (:class:`StepOutput`). :mod:`reshard.parallel.engine.policy` states the contract."""
+"""A step as plain data: what a policy returns (:class:`Step`, the :class:`Move` s it names) and
+what the engine tells it back (:class:`StepOutput`). :mod:`reshard.parallel.engine.policy` states
+the contract."""
 
 from __future__ import annotations
 
@@ -52,14 +52,6 @@ class Step:
         """Whether each sequence gets a token this step (read before it is recorded): all but a
         prompt chunk that stops short of the prompt's end."""
         return [s.num_computed_tokens + n >= s.prompt_len for s, n in zip(self.seqs, self.num_tokens)]
-
-
-@dataclass(frozen=True)
-class Ahead:
-    """A step scheduled while the one before it computed (async scheduling), run once that one's
-    tokens are recorded (:meth:`reshard.parallel.engine.policy.ContinuousBatching.confirm`)."""
-
-    step: Step
 
 
 @dataclass(frozen=True)
