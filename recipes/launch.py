@@ -143,6 +143,7 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
     from reshard.recipes import schema
 
     stopping = threading.Event()  # set by SIGINT / SIGTERM before the KeyboardInterrupt they raise
+    terminated = threading.Event()  # set by SIGTERM: the launcher stopping the job (a peer failed, or Ctrl-C)
     failing = threading.Event()  # set once this rank handles a failure: a stop only sets `stopping`
     drain = threading.Event()  # drains: set by SIGTERM on rank 0
 
@@ -154,6 +155,8 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
             drain.set()
             return
         stopping.set()
+        if signum == signal.SIGTERM:
+            terminated.set()
         raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads), on SIGTERM too
 
     @hydra.main(version_base=None, config_path="../conf", config_name=config_name)
@@ -161,8 +164,12 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
             run(schema.to_dataclass(cfg), run_dir, *([drain] if drains else []))
-        except KeyboardInterrupt:
-            _interrupted(run_dir)
+        except KeyboardInterrupt as stop:
+            raising = _raising_when_stopped(stop)
+            if raising is None or not terminated.is_set():
+                _interrupted(run_dir)
+            failing.set()  # the launcher stopped it while its own error unwound: that error's traceback is kept
+            raise SystemExit(_failed(raising, run_dir, stopping)) from None
         except Exception as e:
             if stopping.is_set():  # a collective cut short by a peer that stopped first: the same interruption
                 _interrupted(run_dir)
@@ -253,6 +260,15 @@ def _quiet_interrupt(default: Callable, unraisable) -> None:
     garbage collector) is the interruption already under way: not printed as "Exception ignored"."""
     if not isinstance(unraisable.exc_value, KeyboardInterrupt):
         default(unraisable)
+
+
+def _raising_when_stopped(stop: KeyboardInterrupt) -> Exception | None:
+    """The error this rank was raising when a stop interrupted it (a collective cut short by a
+    peer's death, unwinding through ``finally`` blocks when the launcher's SIGTERM came), if any."""
+    cause = stop.__context__
+    while cause is not None and not isinstance(cause, Exception):
+        cause = cause.__context__
+    return cause
 
 
 def _interrupted(run_dir: Path) -> None:

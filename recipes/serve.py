@@ -160,9 +160,9 @@ def _watch(drain: threading.Event, front, router: Router, closing: threading.Eve
     """Wait for SIGTERM (``drain``), then drain the front end; returns the requests it cancelled
     (0 when the job ends otherwise: ``closing``, or the router gone)."""
     while not drain.wait(0.1):
-        if closing.is_set() or not router.thread.is_alive():
+        if closing.is_set() or router.ended:
             return 0
-    return front.drain(stopped=lambda: closing.is_set() or not router.thread.is_alive())
+    return front.drain(stopped=lambda: closing.is_set() or router.ended)
 
 
 def announce(run_dir: Path, url: str | None) -> None:

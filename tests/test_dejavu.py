@@ -1,6 +1,7 @@
 """DejaVu disaggregation on the engine core: prompt ranks stream KV layer by layer to token
 ranks (re-sharded on the way); tokens equal single-process HF generate."""
 
+import re
 import uuid
 
 import pytest
@@ -174,6 +175,42 @@ def test_groups_sample_as_lockstep_sides_do(four_layer):
     grouped = dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 6, temperature=0.8)
     lockstep = dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 6, replicas="lockstep", temperature=0.8)
     assert grouped[0][0] == grouped[1][0] == lockstep[0][0]
+
+
+def _job_adding(*args, **kwargs):
+    """``_job``'s tokens and summary, and each ``EngineCore.add_request`` call that names a KV
+    source: ``(request id, kv_source)``."""
+    from reshard.parallel.engine.core import EngineCore
+
+    added, original = [], EngineCore.add_request
+
+    def add_request(core, request, kv_source=None):
+        if kv_source is not None:
+            added.append((request.id, kv_source))
+        return original(core, request, kv_source)
+
+    EngineCore.add_request = add_request
+    try:
+        tokens, summary, *_ = _job(*args, **kwargs)
+    finally:
+        EngineCore.add_request = original
+    return tokens, summary, added
+
+
+def test_a_token_group_takes_each_handoff_as_requests_added_with_their_kv_source(four_layer, hf_reference):
+    """A hand-off reaches its token group as ``EngineCore.add_request`` calls, one per request that
+    runs on past its first token, each naming its hand-off (``"<prompt group>:<tag>"``) as KV
+    source; the prompt group adds none. Tokens equal HF's."""
+    path = four_layer["llama"]
+    expected = hf_reference(path, PROMPTS, 6)
+    (prompt_tokens, _, prompt_added), (tokens, summary, added) = dist_harness.run(
+        2, _job_adding, path, {"tp": 1}, {"tp": 1}, 1, 6, timeout=120
+    )
+    assert tokens == prompt_tokens == expected
+    assert prompt_added == []
+    assert sorted(rid for rid, _ in added) == [i for i, t in enumerate(expected) if len(t) > 1]
+    assert all(re.fullmatch(r"0:\d+", source) for _, source in added), added
+    assert summary["handoffs_loaded"] == len(added)
 
 
 def test_planner_chooses_the_split_the_sides_accept():

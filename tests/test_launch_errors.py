@@ -56,10 +56,10 @@ def test_another_node_facing_a_port_that_never_answers_gives_up_at_the_rendezvou
         held.bind(("127.0.0.1", 0))
         held.listen()  # accepts connections, never answers
         port = held.getsockname()[1]
-        p = _node(1, 2, port, 5, tmp_path)
+        p = _node(1, 2, port, 2, tmp_path)
         lines = _ended(p)
     assert p.returncode == 1 and len(lines) == 1, lines
-    assert lines[0].startswith(f"error: 127.0.0.1:{port} did not answer as node 0's rendezvous within 5 s"), lines
+    assert lines[0].startswith(f"error: 127.0.0.1:{port} did not answer as node 0's rendezvous within 2 s"), lines
 
 
 @pytest.mark.timeout(120)
@@ -75,12 +75,12 @@ def test_a_node_that_never_comes_is_awaited_aloud_then_one_line_and_nothing_left
     """``--nnodes 2`` with node 0 alone: it waited silently (900 s); now a line while waiting and one
     error at ``--rdzv-timeout``, no rank started, no process or shared memory left."""
     shm_before, port = _shm(), _free_port()
-    p = _node(0, 2, port, 5, tmp_path)
+    p = _node(0, 2, port, 2, tmp_path)
     lines = _ended(p)
     assert p.returncode == 1, lines
     assert lines == [
-        f"waiting for 1 more node(s) at 127.0.0.1:{port} (--rdzv-timeout 5 s)...",
-        f"error: 1 of 2 nodes did not join within 5 s: no --node-rank 1 at 127.0.0.1:{port} (start each on its "
+        f"waiting for 1 more node(s) at 127.0.0.1:{port} (--rdzv-timeout 2 s)...",
+        f"error: 1 of 2 nodes did not join within 2 s: no --node-rank 1 at 127.0.0.1:{port} (start each on its "
         f"machine with the same --master-addr and --master-port, or raise --rdzv-timeout)",
     ]
     assert _running_in(tmp_path) == [] and _shm() <= shm_before
@@ -90,12 +90,12 @@ def test_a_node_that_never_comes_is_awaited_aloud_then_one_line_and_nothing_left
 @pytest.mark.timeout(120)
 def test_a_node_waiting_for_node_0_says_so_and_gives_up_in_one_line(tmp_path):
     port = _free_port()
-    p = _node(1, 2, port, 5, tmp_path)
+    p = _node(1, 2, port, 2, tmp_path)
     lines = _ended(p)
     assert p.returncode == 1, lines
-    assert lines[0] == f"waiting for node 0 at 127.0.0.1:{port} (--rdzv-timeout 5 s)..."
+    assert lines[0] == f"waiting for node 0 at 127.0.0.1:{port} (--rdzv-timeout 2 s)..."
     assert lines[1:] == [
-        f"error: node 0 did not answer at 127.0.0.1:{port} within 5 s (start it with --node-rank 0 and the "
+        f"error: node 0 did not answer at 127.0.0.1:{port} within 2 s (start it with --node-rank 0 and the "
         f"same --master-addr and --master-port, or raise --rdzv-timeout)"
     ]
 
@@ -107,12 +107,12 @@ def test_every_node_that_came_ends_with_the_same_line_when_one_never_comes(tmp_p
     port = _free_port()
     first = _node(0, 3, port, 120, tmp_path)
     assert first.stdout.readline().startswith("waiting for 2 more node(s)")  # node 0's store is up
-    second = _node(1, 3, port, 5, tmp_path)
+    second = _node(1, 3, port, 3, tmp_path)
     rest0, lines1 = _ended(first), _ended(second)
-    error = f"error: 1 of 3 nodes did not join within 5 s: no --node-rank 2 at 127.0.0.1:{port} "
+    error = f"error: 1 of 3 nodes did not join within 3 s: no --node-rank 2 at 127.0.0.1:{port} "
     assert (first.returncode, second.returncode) == (1, 1), (rest0, lines1)
     assert len(rest0) == 1 and rest0[0].startswith(error), rest0
-    assert lines1 == [f"waiting for 1 more node(s) at 127.0.0.1:{port} (--rdzv-timeout 5 s)...", rest0[0]]
+    assert lines1 == [f"waiting for 1 more node(s) at 127.0.0.1:{port} (--rdzv-timeout 3 s)...", rest0[0]]
 
 
 def _unwritable_dir() -> Path:

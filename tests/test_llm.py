@@ -230,17 +230,27 @@ def _equals_hf(llm, model, prompts, params) -> None:
 
 
 def _llm_ranks(path: str, tp: int, prompts_of_rank):
-    """An LLM over the harness's ranks (``tp`` of them per engine); each rank's outputs."""
+    """An LLM over the harness's ranks (``tp`` of them per engine); each rank's outputs of two
+    calls, and the router threads alive after each call (their idents) that were not before."""
+    import threading
+
     import torch.distributed as dist
 
     from reshard import LLM, SamplingParams
 
+    def routers() -> set[int]:
+        return {t.ident for t in threading.enumerate() if t.name == "reshard-router"}
+
+    before, seen, outputs = routers(), [], []
     llm = LLM(path, tp=tp, max_seq_len=64)
     try:
-        outs = llm.generate(prompts_of_rank(dist.get_rank()), SamplingParams(max_new_tokens=NEW, logprobs=1))
-        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs) for o in outs]
+        for _ in range(2):
+            outs = llm.generate(prompts_of_rank(dist.get_rank()), SamplingParams(max_new_tokens=NEW, logprobs=1))
+            outputs.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs) for o in outs])
+            seen.append(routers() - before)
     finally:
         llm.close()
+    return outputs, seen, routers() - before
 
 
 def _same_prompts(rank: int):
@@ -251,8 +261,15 @@ def _same_prompts(rank: int):
 def test_llm_under_torchrun_tp2_and_dp2_equals_hf(tokenized, hf_reference, tp):
     from transformers import AutoTokenizer
 
-    per_rank = dist_harness.run(2, _llm_ranks, tokenized, tp, _same_prompts)
+    results = dist_harness.run(2, _llm_ranks, tokenized, tp, _same_prompts)
+    per_rank = [outputs[0] for outputs, _, _ in results]
+    # a second call gives the same tokens and text (its prompts cached: log-probabilities within fp noise)
+    assert all([o[:2] for o in outputs[0]] == [o[:2] for o in outputs[1]] for outputs, _, _ in results)
     assert per_rank[0] == per_rank[1]  # every rank gets every output
+    # dp2: rank 0 routes both calls on one router thread, the engine's, gone at close; tp2 has one group, no router
+    (seen0, left0), (seen1, left1) = [(seen, left) for _, seen, left in results]
+    assert seen1 == [set(), set()] and left0 == left1 == set()
+    assert len(seen0[0]) == (0 if tp == 2 else 1) and seen0[1] == seen0[0], seen0
     tok = AutoTokenizer.from_pretrained(tokenized)
     ids = [tok("w5 w9 w11")["input_ids"], [40, 41, 42, 43], [7, 8]]
     assert [t for t, _, _ in per_rank[0]] == hf_reference(tokenized, ids, NEW)

@@ -178,7 +178,7 @@ class RoutedAdmission(Admission):
         self.read += count
         self.exhausted = None in values
         items = [v for v in values if v is not None]
-        self.taken += sum(v.open if isinstance(v, Handoff) else not isinstance(v, Cancel) for v in items)
+        self.taken += sum(isinstance(v, Request) for v in items)  # (a hand-off's are added with their KV source)
         return items
 
     def wait_next(self) -> list[Request]:
@@ -230,16 +230,11 @@ class Done(dict):
 
 def enqueue(queue: deque, requests: Seq[Request]) -> None:
     """Queue ``requests`` as they arrive, except that a request resumed with KV held elsewhere
-    (``kv_source``: a migration) goes ahead of the fresh requests already queued: its KV waits in
-    a connector's mirror, and it has tokens out already (vLLM runs resumed requests first). Other
-    items (DejaVu's hand-offs, kept in their streams' order) are queued as they come."""
-
-    def fresh(item) -> bool:
-        return isinstance(item, Request) and not item.kv_source
-
+    (``kv_source``: a migration, a hand-off) goes ahead of the fresh requests already queued: its
+    KV waits in a connector, and it has tokens out already (vLLM runs resumed requests first)."""
     for request in requests:
-        if isinstance(request, Request) and request.kv_source:
-            queue.insert(next((i for i, r in enumerate(queue) if fresh(r)), len(queue)), request)
+        if request.kv_source:
+            queue.insert(next((i for i, r in enumerate(queue) if not r.kv_source), len(queue)), request)
         else:
             queue.append(request)
 

@@ -4,7 +4,9 @@ v1's ``KVConnector``, a scheduler half and a worker half).
 A request that resumes elsewhere (a migration after its group failed, a hand-off from a prompt
 group to a token group) is an ordinary :class:`reshard.parallel.engine.request.Request`: its
 tokens so far are in its prompt (:meth:`Request.resume`) and ``kv_source`` names where its KV
-may be. The scheduler (the policy) gives it a slot and asks the engine's connector
+may be; it enters its group as any request does, through ``EngineCore.add_request`` with that
+KV source (a hand-off's requests are those :meth:`KVConnector.receive` resumes). The scheduler
+(the policy) gives it a slot and asks the engine's connector
 
 - :meth:`KVConnector.matched_tokens`: how many of its first positions' KV the connector can
   supply (the same answer on every rank of the group: a connector agrees over the group before
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.request import Request, Sequence
 
 
@@ -56,6 +59,20 @@ class KVConnector:
         Every rank of the group calls it at the same point (the policy's state is the same on
         every rank), so a connector whose ranks each block until their share is in may count it
         in on every rank at once; otherwise a step's agreement tells them."""
+
+    def receive(self, handoff: Handoff) -> list[tuple[Request, str]] | None:
+        """``handoff`` reached this group: its requests that run on, resumed, each with the KV
+        source to add it with (None: this connector takes no hand-offs)."""
+        return None
+
+    def arriving(self) -> bool:
+        """Whether KV is still on its way that no queued request awaits (a hand-off whose
+        sequences all finished at their first token): the group lands it before it ends."""
+        return False
+
+    def land_arriving(self) -> None:
+        """Nothing is queued or running: block until what :meth:`arriving` names has landed (every
+        rank of the group at the same point)."""
 
     def load(self, seq: Sequence, num_tokens: int) -> None:
         """Write the KV of ``seq``'s first ``num_tokens`` positions into its slot (this rank's share)."""
@@ -101,6 +118,21 @@ class KVConnectors(KVConnector):
     def wait_for(self, request: Request) -> None:
         for c in self.members:
             c.wait_for(request)
+
+    def receive(self, handoff: Handoff) -> list[tuple[Request, str]]:
+        """The first member that takes ``handoff``'s answer."""
+        for c in self.members:
+            resumed = c.receive(handoff)
+            if resumed is not None:
+                return resumed
+        raise ValueError(f"engine group {handoff.target} has no KV connector for group {handoff.source}'s hand-offs")
+
+    def arriving(self) -> bool:
+        return any(c.arriving() for c in self.members)
+
+    def land_arriving(self) -> None:
+        for c in self.members:
+            c.land_arriving()
 
     def load(self, seq: Sequence, num_tokens: int) -> None:
         """Load through the connector that matched ``seq``."""

@@ -6,7 +6,9 @@ verl adapter, a supervised child, DejaVu's token side: all run :meth:`EngineCore
 
 - :meth:`EngineCore.add_request` queues a request (every rank of the group adds the same requests
   in the same order, as every rank calls ``generate`` with the same list); a request with a KV
-  source waits for its KV (``WAITING_FOR_KV``) before it runs.
+  source (a request resumed from a hand-off: the group's connector receives a hand-off that
+  reaches it and names each of its requests' source) waits for its KV (``WAITING_FOR_KV``)
+  before it runs.
 - :meth:`EngineCore.abort` ends requests between steps: a queued one leaves the queue, a running
   one gives its KV slot and blocks back at once (``FINISHED_ABORTED``).
 - :meth:`EngineCore.step` runs the policy's next step (or, with nothing to run, waits for the
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from reshard.parallel.engine.admission import ADMIT, Admission, Done, LocalAdmission, enqueue, withdraw
-from reshard.parallel.engine.channel import Cancel
+from reshard.parallel.engine.channel import Cancel, Handoff
 from reshard.parallel.engine.inflight import NotedSteps
 from reshard.parallel.engine.policy import Step, StepOutput
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request
@@ -103,17 +105,24 @@ class EngineCore:
         self.done = Done() if done is None else done
         self.left = 0  # sequences handed on to other groups
         self.dropped = 0  # requests aborted before the group took them (done, never taken)
+        self.resumed = 0  # requests added with a KV source (queued at once, never taken)
         self.aborts: list[int] = []
         self.started = False
         self.ahead: Step | None = None  # async scheduling: the step scheduled while the last one computed
 
     # ---- the API --------------------------------------------------------------------------------
     def add_request(self, request: Request, kv_source: str | None = None) -> None:
-        """Queue ``request`` (``kv_source``: the endpoint whose KV it may resume from)."""
+        """Queue ``request``. ``kv_source``: where its KV may come from (a connector's key: a
+        hand-off's, a mirror's); such a request resumes work begun elsewhere, so it is queued at
+        once (ahead of fresh requests), whatever its arrival time."""
         if kv_source is not None:
             request = dataclasses.replace(request, kv_source=kv_source)
         self.engine.validate([request])
         if isinstance(self.engine.policy, NotedSteps):  # a later pipeline stage runs what the first stage notes
+            return
+        if kv_source is not None:
+            enqueue(self.queue, [request])
+            self.resumed += 1
             return
         assert isinstance(self.intake, LocalAdmission), "a routed group's requests come from its router"
         self.intake.add(request)
@@ -125,11 +134,13 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or may still come (a routed group's input)."""
-        return bool(self.queue) or bool(self.aborts) or not (self.intake.exhausted and self._settled())
+        waiting = bool(self.queue) or bool(self.aborts) or self.engine.connector.arriving()
+        return waiting or not (self.intake.exhausted and self._settled())
 
     def _settled(self) -> bool:
-        """Whether every request the group took has finished here or left for another group."""
-        return len(self.done) - self.dropped + self.left == self.intake.taken
+        """Whether every request the group took or was added with a KV source has finished here
+        or left for another group."""
+        return len(self.done) - self.dropped + self.left == self.intake.taken + self.resumed
 
     @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
@@ -142,9 +153,10 @@ class EngineCore:
         outputs = self._apply_aborts()
         if not self.queue and self._settled():
             self.ahead = None  # (nothing runs: a step scheduled ahead holds no request)
+            self.engine.connector.land_arriving()  # (KV streamed for sequences that finished before)
             taken = self.intake.wait_next()
             items, ended = withdraw(self.queue, taken, self.engine._live, False)  # (a cancel: of none)
-            enqueue(self.queue, items)
+            self._accept(items)
             outputs += self._ended(ended)
         else:
             for step, output in self._next_steps():
@@ -191,6 +203,7 @@ class EngineCore:
         """Nothing is left: an in-flight pipeline's stages stop together."""
         if self.engine.flow is not None:
             self.engine.flow.finish()
+        self.engine.policy.finish()
         self.started = False
         self.ahead = None  # (it holds no request: every one finished)
 
@@ -214,9 +227,19 @@ class EngineCore:
         ended += self._end_cancelled()
         for c in completions + ended:
             self.done[c.id] = c
-        enqueue(self.queue, items)
+        self._accept(items)
         self.intake.report(engine.policy.load(self.queue), completions + ended)
         return _marked(outputs, completions) + self._ended(ended)
+
+    def _accept(self, items: list) -> None:
+        """What the group took: requests queued; a hand-off (``Handoff``) received by the
+        group's connector, its requests added with their KV source."""
+        for item in items:
+            if isinstance(item, Handoff):
+                for request, source in self.engine.connector.receive(item):
+                    self.add_request(request, kv_source=source)
+            else:
+                enqueue(self.queue, [item])
 
     def _apply_aborts(self) -> list[CoreOutput]:
         """The aborts asked for since the last step: a request not taken yet, queued or running ends now."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from reshard.background import Worker
 from reshard.mesh import device_type
 from reshard.parallel.engine.admission import (
     ADMIT,
@@ -131,6 +132,7 @@ class Engine:
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
         self.group_stats: list = []  # every group's counters after a routed generate
         self.routed_calls = 0  # routed generates so far: each call's store keys have a prefix of their own
+        self._router_worker: Worker | None = None  # the thread routed calls' routers run on (the job's first rank)
         self._released: list = []  # caches and weights freed by release_memory(), restored by ready()
         self._weights_seen: tuple = ()  # (version, writes) of every runner's weights at the last look
         self._prefix_resets = 0
@@ -443,9 +445,20 @@ class Engine:
         self.reset_prefix_cache()
         return freed
 
+    def router_worker(self) -> Worker:
+        """The thread this rank's routed ``generate`` calls run their routers on, one for the
+        engine's life: a call starts no thread of its own."""
+        if self._router_worker is None:
+            self._router_worker = Worker("reshard-router")
+        return self._router_worker
+
     def close(self) -> None:
-        """Release the policy's threads and shared memory (not collective; safe on error paths)."""
+        """Release the policy's and the router's threads and shared memory (not collective; safe
+        on error paths)."""
         self.policy.close()
+        if self._router_worker is not None:
+            self._router_worker.close(timeout=5.0)
+            self._router_worker = None
 
     def __enter__(self) -> Engine:
         return self

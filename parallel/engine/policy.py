@@ -157,6 +157,10 @@ class Policy:
         s = self.stats
         return Load(room[0] - len(queue), room[1] - need, 0, s.prefix_cache_queries, s.prefix_cache_hits)
 
+    def finish(self) -> None:
+        """Nothing is queued, running or arriving any more (the end of a ``generate`` call or of
+        a group's input): the policy's last counts."""
+
     def close(self) -> None:
         """Release threads and shared memory (not collective)."""
 

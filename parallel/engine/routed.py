@@ -1,5 +1,6 @@
-"""``Engine.generate`` over several engine groups: a router on the entry groups' first rank hands
-each group its requests; every rank gathers every group's completions at the end."""
+"""``Engine.generate`` over several engine groups: a router on the entry groups' first rank (on the
+engine's router thread, one for its life) hands each group its requests; every rank gathers every
+group's completions at the end."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from reshard.parallel.engine.sampling import fresh_seed
 
 
 def generate_routed(engine, requests: Seq[Request], bar: tqdm, seed: int | None) -> list[Completion]:
-    """This rank's group (``engine.engine_group``) serves what the router (a thread on the job's
-    first rank) hands it; then every rank gathers every group's completions and counters."""
+    """This rank's group (``engine.engine_group``) serves what the router (on the job's first
+    rank's router thread) hands it; then every rank gathers every group's completions and counters."""
     group = engine.engine_group
     channel = Channel(f"{group.channel}/call{engine.routed_calls}")  # every rank counts its calls alike
     engine.routed_calls += 1
@@ -38,7 +39,8 @@ def generate_routed(engine, requests: Seq[Request], bar: tqdm, seed: int | None)
     router = None
     if first:  # the entries only: the other groups take what entries hand them
         entries = group.entry_groups
-        router = Router(channel, requests, Topology(len(entries), entries), start, engine.routing)
+        topology = Topology(len(entries), entries)
+        router = Router(channel, requests, topology, start, engine.routing, worker=engine.router_worker())
     with router or contextlib.nullcontext():
         admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, engine.group_timeout)
         done = EngineCore(engine, admission, start=start).run()

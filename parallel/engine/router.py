@@ -46,7 +46,9 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 
+from reshard.background import Worker
 from reshard.parallel.engine.admission import endpoint_of
 from reshard.parallel.engine.channel import Cancel, Channel, Load, Topology, backoff
 from reshard.parallel.engine.inbox import Inbox
@@ -61,7 +63,9 @@ MIGRATE = ("kv", "reprefill", "none")
 
 
 class Router:
-    """The job's router (see the module docstring), a thread started and joined by ``with``.
+    """The job's router (see the module docstring), run on a thread by ``with`` until every
+    request completed: ``worker``'s (an engine's, which runs each routed ``generate`` call's
+    router in turn: a call starts no thread), else a thread of its own.
 
     ``routing``: ``"least_loaded"`` (the group with the most free KV tokens, estimated from its
     last published :class:`Load` minus what was handed to it since; a request waits in the
@@ -92,6 +96,7 @@ class Router:
         die_after: int | None = None,
         inbox: Inbox | None = None,
         on_tokens: Callable[[list], None] | None = None,
+        worker: Worker | None = None,
     ) -> None:
         _check(routing, migrate, inbox, on_tokens)
         self.channel, self.topology, self.start = channel, topology, start
@@ -122,17 +127,27 @@ class Router:
         self.error: BaseException | None = None
         # set when rank 0 leaves the job's serving (also on an error)
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="reshard-router", daemon=True)
+        self.worker, self.owns_worker = worker, worker is None
+        self.running: Future | None = None
 
     def __enter__(self) -> Router:
-        self.thread.start()
+        if self.worker is None:
+            self.worker = Worker("reshard-router")
+        self.running = self.worker.submit(self._run)
         return self
 
     def __exit__(self, *exc) -> None:
         self.stopped.set()  # a router still waiting for room (groups gone) stops looking
-        self.thread.join()
+        self.running.result()
+        if self.owns_worker:
+            self.worker.close()
         if self.error is not None and exc[0] is None:
             raise RuntimeError(f"the router failed: {self.error}") from self.error
+
+    @property
+    def ended(self) -> bool:
+        """Whether its loop has ended (every request completed, stopped, or failed)."""
+        return self.running is not None and self.running.done()
 
     # ---- the book of requests, as callers read it ---------------------------------------------
     @property

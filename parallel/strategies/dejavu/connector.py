@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from reshard.kv import KVCache
@@ -35,8 +36,9 @@ class Incoming:
 
 class StreamedKV(KVConnector):
     """The token group's connector over its ``streamers`` (prompt group -> streamer from that
-    group's ranks to this group's). A hand-off (:meth:`expect`) posts its streams into staging
-    slots and names its open requests' ``kv_source`` ``"<prompt group>:<tag>"``; such a request
+    group's ranks to this group's). A hand-off (:meth:`receive`) posts its streams into staging
+    slots (once they are free) and names its open requests' ``kv_source`` ``"<prompt
+    group>:<tag>"``, with which the group adds them (``EngineCore.add_request``); such a request
     matches all but its last position (its prompt; its first token is fed by its first step) once
     every one of the ``group_size`` ranks reported its share landed with a step's tokens
     (:meth:`agree`), and awaits KV until then. ``cache``: this rank's token cache (its layout:
@@ -59,23 +61,17 @@ class StreamedKV(KVConnector):
             self.staging, slots = KVCache(spec, device=cache.device), spec.num_slots
         assert slots is not None, "a rank outside the token layout names the staging slots"
         self.free = list(reversed(range(slots)))
+        self.unposted: deque = deque()  # (kv_source, hand-off, open request ids) waiting for staging slots
         self.incoming: dict[str, Incoming] = {}  # kv_source -> its hand-off's streams
         self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its times and logprobs so far
         self.bytes, self.wait_seconds = 0, 0.0  # received; spent waiting with nothing else to run
         self.loads = 0  # sequences supplied
 
-    def expect(self, handoff: Handoff) -> list[Request] | None:
-        """Post ``handoff``'s streams; its requests that run on, resumed after their tokens so far
-        (None: too few free staging slots now)."""
-        if len(self.free) < len(handoff.requests):
-            return None
+    def receive(self, handoff: Handoff) -> list[tuple[Request, str]]:
+        """Book ``handoff`` (its streams are posted once the staging cache has a slot for each of
+        its sequences, hand-offs in the order they came); its requests that run on, resumed after
+        their tokens so far, each with the hand-off's key ``"<prompt group>:<tag>"`` as KV source."""
         key = f"{handoff.source}:{handoff.tag}"
-        slots = {r.id: self.free.pop() for r in handoff.requests}
-        spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in handoff.requests]
-        streams = [  # layer by layer, in the order the prompt side flushes them
-            self.streamers[handoff.source].stream_in(self.staging, spans, layers=[layer], tag=handoff.tag)
-            for layer in (range(self.num_layers) if self.staging is not None else ())
-        ]
         n = len(handoff.requests)
         times, logprobs = handoff.times or ((),) * n, handoff.logprobs or ((),) * n
         rows = [
@@ -83,19 +79,38 @@ class StreamedKV(KVConnector):
             for row, done in zip(zip(handoff.requests, handoff.tokens, times, logprobs), handoff.finished)
             if not done
         ]
-        self.incoming[key] = Incoming(slots, streams, {r.id for r, *_ in rows})
         self.marks.update((r.id, (marks, lps)) for r, _, marks, lps in rows)
-        return [dataclasses.replace(r.resume(list(tokens)), kv_source=key) for r, tokens, *_ in rows]
+        self.unposted.append((key, handoff, {r.id for r, *_ in rows}))
+        self._post_ready()
+        return [(r.resume(list(tokens)), key) for r, tokens, *_ in rows]
 
-    def carried(self, rid: int) -> tuple[tuple, tuple]:
+    def _post_ready(self) -> None:
+        """Post the booked hand-offs' streams, oldest first, while the staging cache has room."""
+        while self.unposted and len(self.free) >= len(self.unposted[0][1].requests):
+            key, handoff, open_ids = self.unposted.popleft()
+            slots = {r.id: self.free.pop() for r in handoff.requests}
+            spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in handoff.requests]
+            streams = [  # layer by layer, in the order the prompt side flushes them
+                self.streamers[handoff.source].stream_in(self.staging, spans, layers=[layer], tag=handoff.tag)
+                for layer in (range(self.num_layers) if self.staging is not None else ())
+            ]
+            self.incoming[key] = Incoming(slots, streams, open_ids)
+
+    def carried(self, rid: int) -> tuple[tuple, tuple] | None:
         """Request ``rid``'s wall-clock marks and log-probabilities from its prompt group (its
-        first token's), once: its sequence continues them."""
-        return self.marks.pop(rid)
+        first token's), once, when it first runs: its sequence continues them (None after that)."""
+        return self.marks.pop(rid, None)
 
     # ---- scheduler half -------------------------------------------------------------------------------
     def matched_tokens(self, seq: Sequence) -> int | None:
-        incoming = self.incoming.get(seq.request.kv_source)
-        if incoming is None:
+        """Its prompt (all but its last position) once its hand-off landed; 0 for a request this
+        connector holds no KV of (one preempted after it loaded, its staged prompt now shorter
+        than its sequence: it is computed again)."""
+        key = seq.request.kv_source
+        if any(k == key for k, *_ in self.unposted):
+            return None
+        incoming = self.incoming.get(key)
+        if incoming is None or seq.request.id not in incoming.open:
             return 0
         return seq.prompt_len - 1 if incoming.landed else None
 
@@ -110,15 +125,25 @@ class StreamedKV(KVConnector):
                 inc.landed = True
                 self._release(key)
 
-    def wait_for(self, request: Request | None = None) -> None:
-        """Block until this rank's share of ``request``'s hand-off (None: the oldest awaited)
-        landed; then it has landed on every rank (each blocks at this point for its own share)."""
-        key = (
-            request.kv_source
-            if request is not None
-            else next((k for k, i in self.incoming.items() if not i.landed), None)
-        )
+    def wait_for(self, request: Request) -> None:
+        """Block until this rank's share of ``request``'s hand-off landed (then it has landed on
+        every rank: each blocks at this point for its own share); hand-offs booked before it
+        land first where it waits for their staging slots."""
+        key = request.kv_source
+        while any(k == key for k, *_ in self.unposted):
+            older = next((k for k, i in self.incoming.items() if not i.landed), None)
+            assert older is not None, f"hand-off {key} waits for staging slots no landing frees"
+            self.land(older)
         self.land(key)
+
+    def arriving(self) -> bool:
+        return bool(self.unposted) or any(not i.landed for i in self.incoming.values())
+
+    def land_arriving(self) -> None:
+        """Land every posted hand-off, oldest first (and those posted as their slots come back)."""
+        while (key := next((k for k, i in self.incoming.items() if not i.landed), None)) is not None:
+            self.land(key)
+        assert not self.unposted, "hand-offs still wait for staging slots held by sequences that wait"
 
     def land(self, key: str | None) -> None:
         """Block until this rank's share of hand-off ``key`` landed (see :meth:`wait_for`)."""
@@ -160,6 +185,7 @@ class StreamedKV(KVConnector):
         if incoming.landed and not incoming.open:
             self.free.extend(incoming.slots.values())
             del self.incoming[key]
+            self._post_ready()
 
     def close(self) -> None:
         for streamer in self.streamers.values():

@@ -7,6 +7,7 @@ movement goes through the stream plan (:mod:`reshard.kv.stream`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -66,7 +67,8 @@ class LockstepSides(Policy):
     """Both sides in one loop, every step over the whole job: a prompt step (the prompt side's
     ranks prefill, streaming each layer's KV out) alternates with token steps while both have
     work. A prefilled prompt's hand-off goes straight to the token side's connector, as a token
-    group's does: its requests resume awaiting KV until it landed on every rank (the ranks
+    group's does: its requests resume (in the token side's queue, which this policy keeps beside
+    the job's queue of prompts) awaiting KV until it landed on every rank (the ranks
     outside the token layout count theirs landed at once), so a hand-off is one path whether the
     sides are groups or not. The prompt side admits no more prompts than the token side has
     slots left (as when each request held a token slot from its admission)."""
@@ -92,18 +94,19 @@ class LockstepSides(Policy):
     def start(self, queue) -> None:
         self.prompt.start(queue)
         self.token.start(deque())
+        self.resumed: deque = deque()  # the token side's queue: the hand-offs' requests, resumed
         self._prefilled = False  # the last step was a prompt step
 
     def next_step(self, queue) -> Step:
         """A prompt step while the token side has slots its waiting requests leave free (and the
         connector staging slots), alternating with token steps; else a token step."""
         token = self.token
-        room = min(len(token.streamed.free), len(token.slots) - len(token.waiting))
-        if queue and room > 0 and not (self._prefilled and (token.running or token.waiting)):
+        room = min(len(token.streamed.free), len(token.slots) - len(self.resumed))
+        if queue and room > 0 and not (self._prefilled and (token.running or self.resumed)):
             self._prefilled = True
             return self.prompt.next_step(queue, limit=room)
         self._prefilled = False
-        return token.next_step(deque())
+        return token.next_step(self.resumed)
 
     def after_step(self, step: Step, output: StepOutput) -> None:
         """A prompt step's hand-off to the token side's connector (its fetches posted now); one
@@ -111,7 +114,8 @@ class LockstepSides(Policy):
         if step.layout != "prompt":
             return
         for handoff in self.prompt.after_step(step, output):
-            self.token.waiting.extend(self.token.streamed.expect(handoff))
+            received = self.token.streamed.receive(handoff)
+            self.resumed.extend(dataclasses.replace(request, kv_source=key) for request, key in received)
             if not handoff.open:
                 self.token.streamed.land(f"{handoff.source}:{handoff.tag}")
         self.token.count()
@@ -119,6 +123,9 @@ class LockstepSides(Policy):
     def retire(self, seq) -> None:
         if self.token.running.get(seq.request.id) is seq:
             self.token.retire(seq)
+
+    def finish(self) -> None:
+        self.token.finish()
 
     def close(self) -> None:
         self.prompt.close()
@@ -205,10 +212,11 @@ class PromptSide(Policy):
 
 
 class TokenSide(ContinuousBatching):
-    """A token group: each hand-off's requests that run on, resumed after their first token, wait
-    (awaiting KV) until their prompt's KV landed on every rank of the group through the group's
-    connector (:class:`StreamedKV`, which this policy owns), then take token slots as they free
-    up and decode; with nothing to decode, the oldest hand-off's KV is waited for."""
+    """A token group: each hand-off's requests that run on are added to the group resumed after
+    their first token, their hand-off as KV source (``EngineCore.add_request``; the group's
+    connector, :class:`StreamedKV`, which this policy owns, receives the hand-off); they await KV
+    until their prompt's KV landed on every rank of the group, then take token slots as they free
+    up and decode."""
 
     stats_cls = DejaVuStats
 
@@ -220,21 +228,13 @@ class TokenSide(ContinuousBatching):
         super().setup(ctx)
         ctx.connector.add(self.streamed)
 
-    def start(self, queue) -> None:
-        super().start(queue)
-        self.waiting: deque = deque()  # resumed requests, in hand-off order
-
     def next_step(self, queue) -> Step:
-        while queue and (requests := self.streamed.expect(queue[0])) is not None:
-            queue.popleft()
-            self.waiting.extend(requests)
-        if not self.waiting and not self.running:  # a hand-off whose sequences all finished at their first token
-            self.streamed.wait_for()
-            step = self._step([], [])
-        else:
-            step = super().next_step(self.waiting)
+        step = super().next_step(queue)
         self.count()
         return step
+
+    def finish(self) -> None:
+        self.count()  # (KV landed after the last step: hand-offs whose sequences all finished)
 
     def count(self) -> None:
         """The connector's counters into the group's stats."""
@@ -244,13 +244,10 @@ class TokenSide(ContinuousBatching):
     def _take(self, queue, within=None):
         """The waiting head into a slot with its KV; it continues its prompt group's marks and log-probabilities."""
         seq = super()._take(queue, within)
-        if seq is not None:
-            times, logprobs = self.streamed.carried(seq.request.id)
-            seq.times, seq.logprobs = list(times), list(logprobs)
+        carried = None if seq is None else self.streamed.carried(seq.request.id)
+        if carried is not None:
+            seq.times, seq.logprobs = list(carried[0]), list(carried[1])
         return seq
-
-    def load(self, queue):
-        return super().load(self.waiting)
 
     def close(self) -> None:
         self.streamed.close()
