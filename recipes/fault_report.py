@@ -100,7 +100,7 @@ def fault_summary(
         # (source, request id, output tokens whose KV came, positions computed again); the others were prefilled again
         "hand_offs": [a[:4] for a in adoptions if int(a[0].split(".")[0]) in entries],
         "ready_s": ready,
-        "served_by": {rid: eps for rid, eps in sorted(router.routed.items())},
+        "served_by": {rid: eps for rid, eps in sorted(router.book.routed.items())},
         "observed": [list(o) for o in router.observed],  # ("died" | "ready", endpoint), as the router saw them
         "weights_digest": digests,  # rank -> generation -> digest
         "journal_steps": {e: len(t) for e, t in journals.items()},

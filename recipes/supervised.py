@@ -333,13 +333,13 @@ def _finish(cfg, run_dir: Path, path: Path, router: Router, channel: Channel, st
     from reshard.recipes.prompts import output_tokenizer
     from reshard.recipes.report import OutputFormat, write_outputs
 
-    completions = [router.completions[rid] for rid in sorted(router.completions)]
+    completions = [router.book.completions[rid] for rid in sorted(router.book.completions)]
     endpoints = [f"{g}.{k}" for g in range(groups) for k in range(int(store.get(f"gen/{g}")) + 1)]
     stats = EngineStats.total([channel.get(f"stats/{e}") for e in endpoints if channel.ready(f"stats/{e}")])
     summary = _summary(cfg, path, completions, stats, seconds, groups)
     digests, adoptions = _per_generation(cfg, channel, store, "digest"), channel.read_list("adoptions")
     summary["fault"] = fault_summary(router, channel, store, endpoints, digests, adoptions)
-    summary["fault"]["kept_from_earlier_attempts"] = router.kept
+    summary["fault"]["kept_from_earlier_attempts"] = router.book.kept
     # rank -> generation -> [where its weights came from: "checkpoint" or a live replica's endpoint,
     # seconds its engine took to build with them]
     summary["fault"]["weights_from"] = _per_generation(cfg, channel, store, "weights_from")

@@ -482,7 +482,8 @@ def test_the_router_continues_a_dead_generations_requests_from_its_journal():
         router._watch()
         (m,) = router.migrations
         assert (m.endpoint, m.resumed, m.completed, m.restarted) == ("1.0", [0], [1], [2])
-        assert router.completions[1].output_ids == [21, 22, 23] and router.completions[1].finish_reason == "length"
+        done = router.book.completions[1]
+        assert done.output_ids == [21, 22, 23] and done.finish_reason == "length"
         waiting = router.pending if migrate == "reprefill" else router.held[1]
         resumed, restarted = waiting
         assert resumed.prompt_ids == [5, 5, 5, 11, 12] and resumed.resumed == 2
@@ -529,7 +530,7 @@ def test_the_router_hands_a_prefilled_request_to_the_token_group_its_prompt_grou
     for rid, token in ((0, 40), (1, 41), (2, 42)):
         channel.append("done", Completion(rid, [7] * 4, [token], "length"))
     router._collect()
-    assert list(router.completions) == [1]  # its one token was all it wanted
+    assert list(router.book.completions) == [1]  # its one token was all it wanted
     handed = [channel.get(f"assign/2.0/{k}") for k in range(2)]
     assert [(m.id, m.prompt_ids, m.resumed, m.kv_source, m.sampling.max_new_tokens) for m in handed] == [
         (0, [7] * 4 + [40], 1, "1.0", 4),  # its first token is output; 4 more to come

@@ -159,10 +159,10 @@ def test_a_servers_router_places_cancels_and_forgets_and_ends_once_its_inbox_clo
         assert posted(2).id == 8
         channel.append("done", Completion(8, [1], [4, 4], "length"))
         inbox.close()
-        router.thread.join(30)
-        assert not router.thread.is_alive() and channel.ready("all_done")
+        router.running.result(timeout=30)  # its loop ends by itself once the inbox is closed and all is done
+        assert router.ended and channel.ready("all_done")
     assert [(c.id, c.finish_reason) for c in kept] == [(7, "abort"), (8, "length")]
-    assert router.originals == {} and router.completions == {}  # a server's router keeps nothing done
+    assert router.book.originals == {} and router.book.completions == {}  # a server's router keeps nothing done
 
 
 def test_a_router_that_would_stream_tokens_without_a_server_is_refused_by_name():

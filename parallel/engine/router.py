@@ -103,6 +103,7 @@ class Router:
         self.routing, self.migrate, self.generation = routing, migrate, generation
 
         self.server = None if inbox is None else ServerIntake(channel, inbox, start, on_tokens)
+        # what it keeps of each request (callers read its originals, completions, kept and routed)
         self.book = Ledger(requests, kept, keep=keep, die_after=die_after, server=self.server)
         self.closed = inbox is None  # no request will come but those given
         self.pending = self.book.unfinished()  # waiting to be placed, earliest arrival first
@@ -148,27 +149,6 @@ class Router:
     def ended(self) -> bool:
         """Whether its loop has ended (every request completed, stopped, or failed)."""
         return self.running is not None and self.running.done()
-
-    # ---- the book of requests, as callers read it ---------------------------------------------
-    @property
-    def originals(self) -> dict[int, Request]:
-        """Request id -> every request the router knows of (a server's: those not yet done)."""
-        return self.book.originals
-
-    @property
-    def completions(self) -> dict[int, Completion]:
-        """Request id -> its completion (a server's router forgets them once handed on)."""
-        return self.book.completions
-
-    @property
-    def kept(self) -> int:
-        """How many completions an earlier attempt of the job finished."""
-        return self.book.kept
-
-    @property
-    def routed(self) -> dict[int, list[str]]:
-        """Request id -> every endpoint it was sent to."""
-        return self.book.routed
 
     # ---- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -324,7 +304,7 @@ class Router:
             return
 
         self.book.so_far[rid] = list(tokens)
-        self.handoffs.add(self.originals[rid], tokens, source)
+        self.handoffs.add(self.book.originals[rid], tokens, source)
         self._hand_out()
 
     def _hand_out(self) -> None:
@@ -439,11 +419,11 @@ class Router:
 
         # finished there, or cancelled (its client is gone: it goes on nowhere)
         if reason is not None or rid in self.book.cancelled:
-            prompt = list(self.originals[rid].prompt_ids)
+            prompt = list(self.book.originals[rid].prompt_ids)
             self.book.complete(Completion(rid, prompt, so_far, reason or "abort"))
             migration.completed.append(rid)
             return None
-        return migration.continued(self.originals[rid], so_far)
+        return migration.continued(self.book.originals[rid], so_far)
 
     def _adopt(self, moved: list[Request], holder: str, migration: Migration) -> None:
         """``migrate="kv"``: the dead endpoint's requests to ``holder``, which mirrors its KV (a
