@@ -15,6 +15,7 @@ the run directory. SIGTERM drains: new requests get 503, those accepted finish (
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -73,8 +74,6 @@ def run_serve(cfg: GenerateConfig, run_dir: Path, drain: threading.Event) -> dic
     engine.tokenizer = tokenizer_of(path)
     group = engine.engine_group or GroupLayout(0, 1, tuple(range(world)))  # a lockstep strategy: one group
     channel = Channel(_call_name())
-    if group.is_leader:
-        publish_tokens(engine, channel)
     if rank == 0:
         channel.put("start", time.time())
     topology = Topology(len(group.entry_groups), group.entry_groups)
@@ -82,7 +81,10 @@ def run_serve(cfg: GenerateConfig, run_dir: Path, drain: threading.Event) -> dic
     with engine:
         check = lambda r: engine.validate([r])  # noqa: E731 - what the engine refuses, refused at the door
         server = serving(site, channel, topology, routing, check=check) if rank == 0 else contextlib.nullcontext()
-        with server:
+        with server as router:
+            if group.is_leader:  # each step's tokens to the front end: straight to it where it is this process's
+                to_router = functools.partial(channel.append, "tokens")
+                publish_tokens(engine, to_router if router is None else router.server.on_tokens)
             engine.serve_routed(channel, endpoint_of(group.index), layout=group, keep=False)
     return {}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -171,7 +172,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, s
     supervision = _supervision_store()  # a client of its own: the process group waits on `store`
     channel = Channel(CHANNEL, store=supervision)
     if streams and group.is_leader:
-        publish_tokens(engine, channel)
+        publish_tokens(engine, functools.partial(channel.append, "tokens"))
     hang, beat_s = cfg.fault.inject == "hang", cfg.fault.heartbeat_s / 2
     journal = GroupJournal(
         engine, channel, spec, _kill_step(cfg, spec), leader=group.is_leader, hang=hang, beat_s=beat_s

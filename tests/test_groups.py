@@ -104,9 +104,10 @@ def test_group_whose_router_is_gone_fails_by_name(checkpoints):
 
 
 def test_a_wait_gives_up_only_after_its_timeout(monkeypatch):
-    """``Channel.wait`` on a clock of the test's own (each sleep moves it on): it looks, sleeps,
-    looks again, and raises at its first look past the deadline, naming the limit; every look
-    before found nothing. The order of its looks and the deadline, not the wall clock."""
+    """``Channel.wait`` on a clock of the test's own (each sleep, and each wait for its bell, moves
+    it on): it looks, waits, looks again, and raises at its first look past the deadline, naming
+    the limit; every look before found nothing. The order of its looks and the deadline, not the
+    wall clock."""
     import datetime
     import types
 
@@ -119,6 +120,7 @@ def test_a_wait_gives_up_only_after_its_timeout(monkeypatch):
     monkeypatch.setattr(control, "time", clock)
     looks = []
     channel = control.Channel("t", store=dist.HashStore())
+    channel.bell = types.SimpleNamespace(wait=clock.sleep, clear=lambda: None)  # (never rung)
     with pytest.raises(RuntimeError, match=r"^waiting for start: nothing arrived within 2 s"):
         channel.wait("start", "waiting for start", datetime.timedelta(seconds=2), poll=lambda: looks.append(now[0]))
     assert len(looks) > 1 and looks[0] == 1000.0 and max(looks) <= 1002.0 < now[0], looks

@@ -432,27 +432,36 @@ def test_dp_groups_with_migrate_kv_keep_eight_streams_through_a_rank_kill(served
 
 
 # ---- every strategy, from the harness's ranks -------------------------------------------------------
-def _serve_and_ask(overrides: list[str], run_dir: str, prompts: list[str], messages: list) -> dict | None:
-    """On every rank: serve (``run_serve``); on rank 0 a client thread asks, then drains."""
+def _serve_and_ask(overrides: list[str], run_dir: str, prompts: list[str], messages: list) -> tuple[dict | None, int]:
+    """On every rank: serve (``run_serve``); on rank 0 a client thread asks, then drains. Rank 0's
+    client's answers, and how many steps' tokens this rank sent through the store's ``tokens`` list."""
     import torch.distributed as dist
 
+    from reshard.parallel.engine.channel import Channel
     from reshard.recipes import schema
     from reshard.recipes.serve import run_serve
 
     cfg = schema.compose("serve", overrides)
-    drain, out = threading.Event(), {}
+    drain, out, appended = threading.Event(), {}, []
     client = None
     if dist.get_rank() == 0:
         client = threading.Thread(target=_client, args=(Path(run_dir), prompts, messages, drain, out))
         client.start()
+    append = Channel.append
+
+    def counted(channel, name, value, count=None):
+        appended.extend([name] if name == "tokens" else [])
+        return append(channel, name, value, count)
+
+    Channel.append = counted
     try:
         run_serve(cfg, Path(run_dir), drain)
     finally:
+        Channel.append = append
         drain.set()
     if client is not None:
         client.join(60)
-        return out
-    return None
+    return (out if client is not None else None), len(appended)
 
 
 def _client(run_dir: Path, prompts: list[str], messages: list, drain: threading.Event, out: dict) -> None:
@@ -493,8 +502,11 @@ def test_every_strategy_serves_through_the_openai_client(strategy, served, token
     messages = [{"role": "user", "content": "Say something"}]
     prompts = PROMPTS[:3]
     overrides = [f"model.path={served}", f"serve.model_name={MODEL}", "serve.port=0", *strategy]
-    out = dist_harness.run(2, _serve_and_ask, overrides, str(tmp_path / "run"), prompts, messages)[0]
+    (out, sent0), (_, sent1) = dist_harness.run(2, _serve_and_ask, overrides, str(tmp_path / "run"), prompts, messages)
     assert "error" not in out, out["error"]
+    # rank 0 (the router's process) leads a group: its tokens reach the front end with no store hop;
+    # DejaVu's token group leads from rank 1, through the store
+    assert sent0 == 0 and (sent1 > 0) == (strategy == ["parallel=dejavu"]), (sent0, sent1)
     assert out["texts"] == reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts])
     assert out["chat"] == reference(hf_reference, tokenizer, served, [chat_ids(tokenizer, messages)])[0]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -24,6 +25,9 @@ from reshard.mesh import job_timeout
 from reshard.parallel.engine.request import Request
 
 POLL_S = (0.0005, 0.02)  # a waiting party looks at the store again after this, doubling up to that
+# a group waiting for its next request looks at most this long apart: the request's first step waits
+# for the group's last rank to see it (one store look each, cheap beside the router's round of looks)
+WAIT_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,10 @@ class Cancel:
     id: int
 
 
-def backoff(tries: int) -> float:
+def backoff(tries: int, most: float = POLL_S[1]) -> float:
     """Seconds to sleep before looking again, after ``tries`` looks found nothing (polling the
-    store costs a round trip and the CPU the ranks compute on: back off)."""
-    return min(POLL_S[0] * 2 ** min(tries, 30), POLL_S[1])  # (2**tries overflows a float past 1023)
+    store costs a round trip and the CPU the ranks compute on: back off, up to ``most``)."""
+    return min(POLL_S[0] * 2 ** min(tries, 30), most)  # (2**tries overflows a float past 1023)
 
 
 class Channel:
@@ -115,6 +119,9 @@ class Channel:
     def __init__(self, name: str, store: dist.Store | None = None) -> None:
         store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.store = dist.PrefixStore(f"reshard/{name}/", store)
+        # rung by every append through this object: a party of this process waiting on it (rank 0's
+        # group, its router's) looks at once, not after its backoff; parties elsewhere poll the store
+        self.bell = threading.Event()
 
     def put(self, key: str, value) -> None:
         self.store.set(key, pickle.dumps(value))
@@ -138,7 +145,13 @@ class Channel:
         default ``<name>/count``); returns its index ``k``."""
         k = self.store.add(count or f"{name}/count", 1) - 1
         self.put(f"{name}/{k}", value)
+        self.bell.set()
         return k
+
+    def idle(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, less if something is appended through this object meanwhile."""
+        self.bell.wait(seconds)
+        self.bell.clear()  # (whoever woke looks at the store next: a ring for another key costs a look)
 
     def read_list(self, name: str, start: int = 0) -> list:
         """The values of list ``name`` from index ``start`` that are in (see :meth:`append`: its
@@ -168,7 +181,8 @@ class Channel:
     def wait(
         self, key: str, what: str, timeout: datetime.timedelta | None = None, poll: Callable[[], None] | None = None
     ) -> None:
-        """Poll until ``key`` is set; ``RuntimeError`` naming ``what`` after ``timeout`` (default:
+        """Poll until ``key`` is set (at least every :data:`WAIT_POLL_S`; at once when it is
+        appended through this object); ``RuntimeError`` naming ``what`` after ``timeout`` (default:
         the job's collective timeout), so a group whose peer is gone fails instead of hanging.
         ``poll()`` runs at every look (a heartbeat: waiting is not hanging)."""
         limit = (timeout or job_timeout() or datetime.timedelta(minutes=30)).total_seconds()
@@ -179,7 +193,7 @@ class Channel:
                 raise RuntimeError(f"{what}: nothing arrived within {limit:g} s (is the router's rank 0 gone?)")
             if poll is not None:
                 poll()
-            time.sleep(backoff(tries))
+            self.idle(backoff(tries, WAIT_POLL_S))
             tries += 1
 
 

@@ -4,17 +4,18 @@ before their requests complete.
 - :class:`Inbox`: what a front end (``reshard serve``'s HTTP server) hands the job's router:
   new requests, cancellations (a client went away) and the end of the input (a drain). Thread
   safe: the front end's thread puts, the router's thread takes.
-- :func:`publish_tokens`: an engine group's leader appends each step's new tokens to the
-  channel's ``tokens`` list, which the router reads for the front end (a stream sends a token
-  the step it is agreed, not when its request completes).
+- :func:`publish_tokens`: an engine group's leader sends each step's new tokens to the front end:
+  through the channel's ``tokens`` list, which the router reads, or straight to it where the router
+  lives in the leader's process (a stream sends a token the step it is agreed, not when its
+  request completes).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reshard.parallel.engine.channel import Channel
 from reshard.parallel.engine.request import NO_TOKEN, Request
 
 # one step's new tokens of one group: (request id, output index, token id, its TokenLogprobs or None)
@@ -68,11 +69,12 @@ class Inbox:
         self._put.wait(seconds)
 
 
-def publish_tokens(engine, channel: Channel) -> None:
-    """On this rank (an engine group's leader): after every step, append its new tokens to
-    ``channel``'s ``tokens`` list as one entry, a list of :data:`StreamedToken`. The output index
-    counts a resumed request's earlier output (a migrated or handed-off request's tokens keep
-    their indices wherever it continues)."""
+def publish_tokens(engine, send: Callable[[list], None]) -> None:
+    """On this rank (an engine group's leader): after every step, ``send`` its new tokens as one
+    entry, a list of :data:`StreamedToken` (``functools.partial(channel.append, "tokens")``: to the
+    router through the store; the front end's own ``tokens`` where the router lives in this
+    process, no store hop). The output index counts a resumed request's earlier output (a migrated
+    or handed-off request's tokens keep their indices wherever it continues)."""
 
     def hook(index: int, step, tokens: list[int]) -> None:
         new = [
@@ -81,6 +83,6 @@ def publish_tokens(engine, channel: Channel) -> None:
             if t != NO_TOKEN
         ]
         if new:
-            channel.append("tokens", new)
+            send(new)
 
     engine.events.on("step_agreed", hook)

@@ -163,7 +163,7 @@ class Router:
 
                 tries = 0 if self._dispatch() else tries + 1
                 if tries:  # nothing handed out: look again soon, or when the next request arrives
-                    wait = self.server.wait if self.server is not None else time.sleep
+                    wait = self.server.wait if self.server is not None else self.channel.idle
                     wait(self._pause(tries))
 
             if self._over():
