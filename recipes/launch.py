@@ -15,7 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -165,11 +165,7 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         try:
             run(schema.to_dataclass(cfg), run_dir, *([drain] if drains else []))
         except KeyboardInterrupt as stop:
-            raising = _raising_when_stopped(stop)
-            if raising is None or not terminated.is_set():
-                _interrupted(run_dir)
-            failing.set()  # the launcher stopped it while its own error unwound: that error's traceback is kept
-            raise SystemExit(_failed(raising, run_dir, stopping)) from None
+            _stopped(stop, run_dir, stopping, failing, by_launcher=terminated.is_set())
         except Exception as e:
             if stopping.is_set():  # a collective cut short by a peer that stopped first: the same interruption
                 _interrupted(run_dir)
@@ -262,13 +258,20 @@ def _quiet_interrupt(default: Callable, unraisable) -> None:
         default(unraisable)
 
 
-def _raising_when_stopped(stop: KeyboardInterrupt) -> Exception | None:
-    """The error this rank was raising when a stop interrupted it (a collective cut short by a
-    peer's death, unwinding through ``finally`` blocks when the launcher's SIGTERM came), if any."""
-    cause = stop.__context__
-    while cause is not None and not isinstance(cause, Exception):
-        cause = cause.__context__
-    return cause
+def _stopped(
+    stop: KeyboardInterrupt, run_dir: Path, stopping: threading.Event, failing: threading.Event, *, by_launcher: bool
+) -> NoReturn:
+    """A stop interrupted the job (called in its ``except`` block): exit 130 with no traceback
+    (:func:`_interrupted`), unless the launcher's SIGTERM (``by_launcher``) came while this rank's
+    own error unwound through ``finally`` blocks (a collective cut short by a peer's death): that
+    error's traceback is kept in ``ranks.log`` as a later failure's (:func:`_failed`)."""
+    raising = stop.__context__
+    while raising is not None and not isinstance(raising, Exception):
+        raising = raising.__context__
+    if raising is None or not by_launcher:
+        _interrupted(run_dir)
+    failing.set()
+    raise SystemExit(_failed(raising, run_dir, stopping)) from None
 
 
 def _interrupted(run_dir: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from reshard.kv import KVCache
@@ -61,7 +60,8 @@ class StreamedKV(KVConnector):
             self.staging, slots = KVCache(spec, device=cache.device), spec.num_slots
         assert slots is not None, "a rank outside the token layout names the staging slots"
         self.free = list(reversed(range(slots)))
-        self.unposted: deque = deque()  # (kv_source, hand-off, open request ids) waiting for staging slots
+        # kv_source -> (its hand-off, its open request ids): booked, waiting for staging slots, oldest first
+        self.unposted: dict[str, tuple[Handoff, set[int]]] = {}
         self.incoming: dict[str, Incoming] = {}  # kv_source -> its hand-off's streams
         self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its times and logprobs so far
         self.bytes, self.wait_seconds = 0, 0.0  # received; spent waiting with nothing else to run
@@ -80,14 +80,16 @@ class StreamedKV(KVConnector):
             if not done
         ]
         self.marks.update((r.id, (marks, lps)) for r, _, marks, lps in rows)
-        self.unposted.append((key, handoff, {r.id for r, *_ in rows}))
+        self.unposted[key] = (handoff, {r.id for r, *_ in rows})
         self._post_ready()
         return [(r.resume(list(tokens)), key) for r, tokens, *_ in rows]
 
     def _post_ready(self) -> None:
         """Post the booked hand-offs' streams, oldest first, while the staging cache has room."""
-        while self.unposted and len(self.free) >= len(self.unposted[0][1].requests):
-            key, handoff, open_ids = self.unposted.popleft()
+        for key, (handoff, open_ids) in list(self.unposted.items()):
+            if len(self.free) < len(handoff.requests):
+                return  # (a later hand-off waits behind it)
+            del self.unposted[key]
             slots = {r.id: self.free.pop() for r in handoff.requests}
             spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in handoff.requests]
             streams = [  # layer by layer, in the order the prompt side flushes them
@@ -103,11 +105,10 @@ class StreamedKV(KVConnector):
 
     # ---- scheduler half -------------------------------------------------------------------------------
     def matched_tokens(self, seq: Sequence) -> int | None:
-        """Its prompt (all but its last position) once its hand-off landed; 0 for a request this
-        connector holds no KV of (one preempted after it loaded, its staged prompt now shorter
-        than its sequence: it is computed again)."""
+        """Its prompt (all but its last position) once its hand-off landed; 0 for a request whose
+        staged KV this connector no longer holds (loaded once already: it is computed again)."""
         key = seq.request.kv_source
-        if any(k == key for k, *_ in self.unposted):
+        if key in self.unposted:
             return None
         incoming = self.incoming.get(key)
         if incoming is None or seq.request.id not in incoming.open:
@@ -130,7 +131,7 @@ class StreamedKV(KVConnector):
         every rank: each blocks at this point for its own share); hand-offs booked before it
         land first where it waits for their staging slots."""
         key = request.kv_source
-        while any(k == key for k, *_ in self.unposted):
+        while key in self.unposted:
             older = next((k for k, i in self.incoming.items() if not i.landed), None)
             assert older is not None, f"hand-off {key} waits for staging slots no landing frees"
             self.land(older)
