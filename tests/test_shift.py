@@ -8,7 +8,7 @@ from tests.test_generate import MAX_NEW, _prompts
 from tests.tolerance import assert_close_reduced, hf_prompt_kv
 
 
-def _shift_generate(path, sp, tp, threshold, prompts, max_new, *, copy=True, snapshot_kv=False):
+def _shift_generate(path, sp, tp, threshold, prompts, max_new, *, copy=True, snapshot_kv=False, chunked=True):
     import torch.distributed as dist
 
     from reshard.parallel import EngineConfig, ParallelDims, Request, SamplingParams
@@ -16,7 +16,8 @@ def _shift_generate(path, sp, tp, threshold, prompts, max_new, *, copy=True, sna
 
     dims = ParallelDims(sp=sp, tp=tp, world_size=dist.get_world_size())
     model = parallelize_shift(path, dims, shift_weights="copy" if copy else "slice")
-    engine = shift_engine(model, EngineConfig(max_batch_size=4, max_seq_len=128), threshold=threshold)
+    config = EngineConfig(max_batch_size=4, max_seq_len=128, chunked_prefill=chunked)
+    engine = shift_engine(model, config, threshold=threshold)
     assert engine.runners["sp"].kv is engine.runners["tp"].kv  # one cache for both modes
     lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     requests = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
@@ -31,11 +32,13 @@ def _shift_generate(path, sp, tp, threshold, prompts, max_new, *, copy=True, sna
 @pytest.mark.parametrize("sp,tp", [(2, 2), (4, 1)])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_shift_tokens_match_hf_with_switches(checkpoints, hf_reference, family, sp, tp):
+    """Whole-prompt steps alternating with decode steps (``chunked_prefill=False``)."""
     path, prompts = checkpoints[family], _prompts()
     lengths = [MAX_NEW, 3, MAX_NEW, 5, MAX_NEW, 7]  # early finishers shrink the batch below the threshold
     expected = [t[:n] for t, n in zip(hf_reference(path, prompts, MAX_NEW), lengths)]
     # threshold 3: prefills and 4-request decode steps run SP, decode steps of <= 3 requests run TP
-    for tokens, stats, pointers, _ in dist_harness.run(sp * tp, _shift_generate, path, sp, tp, 3, prompts, lengths):
+    run = dist_harness.run(sp * tp, _shift_generate, path, sp, tp, 3, prompts, lengths, chunked=False)
+    for tokens, stats, pointers, _ in run:
         assert tokens == expected
         assert stats.steps_by_mode["sp"] > 0 and stats.steps_by_mode["tp"] > 0
         assert stats.mode_switches >= 2
@@ -101,3 +104,52 @@ def test_compiled_shift_decode_matches_eager_in_both_modes(checkpoints):
     for out in dist_harness.run(2, _shift_compiled, checkpoints["llama"], prompts, lengths, timeout=500):
         assert out[True][0] == out[False][0]
         assert out[True][1] == out[False][1] and min(out[True][1].values()) > 0
+
+
+def _shift_cached(path, sp, tp, n, temperature):
+    """n samples of two prompts on a paged cache, prefix cache on and off, prompts chunked by a
+    budget of 8 tokens a step: tokens, prompt tokens computed, hits and each step's (mode, kind)."""
+    import torch.distributed as dist
+
+    from reshard.parallel import EngineConfig, ParallelDims
+    from reshard.parallel.strategies.shift import parallelize_shift, shift_engine
+    from tests.test_prefix_cache import BLOCK, PAGED, _prompt, _samples
+
+    model = parallelize_shift(path, ParallelDims(sp=sp, tp=tp, world_size=dist.get_world_size()))
+    requests = _samples([_prompt(23, 1), _prompt(17, 2)], n, temperature=temperature)
+    out = {}
+    for cached in (True, False):
+        config = EngineConfig(**PAGED, max_prefill_tokens=8, prefix_caching=cached)
+        assert config.kv_block_size == BLOCK
+        engine = shift_engine(model, config, threshold=3)
+        steps = []
+        engine.events.on("step_ready", lambda index, step, seen=steps: seen.append((step.layout, step.kind)))
+        tokens = [c.output_ids for c in engine.generate(requests)]
+        s = engine.stats
+        out[cached] = dict(tokens=tokens, fed=s.prompt_tokens_computed, hits=s.prefix_cache_hits, steps=steps)
+    return out
+
+
+@pytest.mark.parametrize("family,sp,tp", [("llama", 2, 1), ("qwen3", 2, 2)])
+def test_shift_mixes_prompt_chunks_and_decodes_and_caches_prefixes(checkpoints, hf_reference, family, sp, tp):
+    """The default path: a token budget of 8 cuts prompts into chunks that share steps with
+    decodes, in SP mode (over 3 tokens) and TP mode; on a paged cache, n = 8 samples compute
+    their prompt once. Tokens equal the uncached run's (greedy: HF's) for n = 1 and 8, greedy
+    and seeded sampling; prompt tokens computed are each prompt's once plus, per other sample,
+    its last partial block."""
+    from tests.test_prefix_cache import BLOCK, _prompt
+
+    path = checkpoints[family]
+    prompts = [_prompt(23, 1), _prompt(17, 2)]
+    expected = hf_reference(path, prompts, 8)
+    tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
+    for n, temperature in ((1, 0.0), (8, 0.0), (8, 0.8)):
+        for rank in dist_harness.run(sp * tp, _shift_cached, path, sp, tp, n, temperature):
+            on, off = rank[True], rank[False]
+            assert on["tokens"] == off["tokens"], (n, temperature)
+            if temperature == 0.0:
+                assert on["tokens"] == [t for t in expected for _ in range(n)]
+            assert off["fed"] == n * sum(map(len, prompts)) and off["hits"] == 0
+            assert on["fed"] == sum(map(len, prompts)) + (n - 1) * tails, (n, on["fed"])
+            for run in (on, off):
+                assert ("sp", "mixed") in run["steps"] and any(mode == "tp" for mode, _ in run["steps"]), run["steps"]

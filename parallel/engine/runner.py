@@ -216,8 +216,9 @@ class ModelRunner:
     @property
     def mixes(self) -> bool:
         """Whether a step may mix prompt tokens and decode tokens (:meth:`_mixed`): no pipeline
-        stages, no micro-batch swapping, no row exchange between replicas."""
-        return self.link is None and self.swap is None and self.split is None
+        stages, no micro-batch swapping (a Ulysses token split mixes: its attention reads the
+        step's flat batch through the same context)."""
+        return self.link is None and self.swap is None
 
     @property
     def has_logits(self) -> bool:

@@ -39,6 +39,7 @@ from reshard.parallel.engine import (
     TokenSplit,
     register_strategy,
 )
+from reshard.parallel.engine.policy import batching_options
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info, update_info
 from reshard.parallel.model.parallelize import parallelize
@@ -224,10 +225,12 @@ class ShiftPolicy(ContinuousBatching):
 
     stats_cls = ShiftStats
 
-    def __init__(self, threshold: int, *, max_prefill_tokens: int = 4096, admission: str = "fifo") -> None:
+    def __init__(self, threshold: int, **batching) -> None:
+        """``batching``: :class:`ContinuousBatching`'s options (the token budget, admission,
+        mixed steps, preemption, the prefix cache)."""
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
-        super().__init__("sp", max_prefill_tokens=max_prefill_tokens, admission=admission)
+        super().__init__("sp", **batching)
         self.threshold = threshold
 
     @property
@@ -250,12 +253,14 @@ class ShiftPolicy(ContinuousBatching):
 def shift_engine(model: nn.Module, config: EngineConfig | None = None, *, threshold: int) -> Engine:
     """The loop over ``model`` (from :func:`parallelize_shift`) with runners ``"sp"`` (tokens
     split over sp, base weights) and ``"tp"`` (all tokens, shift weights) sharing one KV cache
-    (``config``'s; its ``max_prefill_tokens`` and ``admission`` go to :class:`ShiftPolicy`)."""
+    (``config``'s; its batching options go to :class:`ShiftPolicy`: the token budget, mixed
+    prompt and decode tokens in a step, the prefix cache on a paged cache,
+    :func:`batching_options`)."""
     config = config if config is not None else EngineConfig()
     dims = parallel_info(model).dims
     sp = ModelRunner(model, config, dims=dims, split=TokenSplit(base_mesh(dims), 0))
     tp = ModelRunner(model, config, dims=dims, kv=sp.kv, weights=SHIFT_WEIGHTS)
-    policy = ShiftPolicy(threshold, max_prefill_tokens=config.max_prefill_tokens, admission=config.admission)
+    policy = ShiftPolicy(threshold, **batching_options(config, [sp, tp]))
     return Engine(runners={"sp": sp, "tp": tp}, policy=policy, config=config)
 
 
