@@ -3,6 +3,11 @@ samples each, 16-64 new tokens, one process, a paged cache (the tiny Llama widen
 whose prefill costs something on this CPU).
 
     python bench/prefix_cache.py [--prompts 8] [--n 8] [--new-tokens 32] [--repeats 3] [--small]
+    torchrun --standalone --nproc-per-node 2 bench/prefix_cache.py --shift-sp 2 [--threshold 64]
+
+``--shift-sp``: Shift parallelism over the torchrun ranks (Ulysses SP of that degree x TP of the
+rest, steps of more than ``--threshold`` tokens in SP mode, the others full TP), one paged cache
+for both modes.
 
 Each figure is the median over ``--repeats`` runs, on and off interleaved; the tokens of both
 are checked equal. ``prefill s``: the seconds of steps that fed prompt tokens (prefill and mixed
@@ -63,24 +68,47 @@ def _run(engine, requests) -> tuple[float, float, float, list]:
     return seconds, s.prefill_seconds + s.mixed_seconds - before, (s.prompt_tokens_computed - computed) / asked, tokens
 
 
+def _engines(args, config: dict) -> dict:
+    """Cache on and off: one process's engine, or Shift's over the torchrun ranks."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, parallelize
+    from reshard.parallel.strategies.shift import parallelize_shift, shift_engine
+
+    path = str(bench_checkpoint(args, "prefix"))
+    if args.shift_sp is None:
+        model = parallelize(path)
+        return {on: Engine(model, EngineConfig(**config, prefix_caching=on)) for on in (True, False)}
+    world = dist.get_world_size()
+    model = parallelize_shift(path, ParallelDims(sp=args.shift_sp, tp=world // args.shift_sp, world_size=world))
+    return {
+        on: shift_engine(model, EngineConfig(**config, prefix_caching=on), threshold=args.threshold)
+        for on in (True, False)
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     add_sizes(p, DEFAULTS, SMALL)
+    p.add_argument("--shift-sp", type=int, default=None, help="Shift parallelism, this SP degree (under torchrun)")
+    p.add_argument("--threshold", type=int, default=64, help="Shift: steps of more tokens run SP")
     args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
     import torch.distributed as dist
 
-    from reshard.parallel import Engine, EngineConfig, parallelize
-
-    torch.set_num_threads(2)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model = parallelize(str(bench_checkpoint(args, "prefix")))
+    torch.set_num_threads(2 if args.shift_sp is None else 1)
+    if args.shift_sp is None:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo")
     requests = _requests(args)
     longest = max(len(r.prompt_ids) for r in requests) + args.new_tokens
     slots = min(len(requests), 32)
     config = dict(max_batch_size=slots, max_seq_len=longest, kv_block_size=BLOCK, kv_tokens=slots * longest)
-    engines = {on: Engine(model, EngineConfig(**config, prefix_caching=on)) for on in (True, False)}
-    print(f"# {rerun_command('prefix_cache.py', one_thread=False, argv=argv)}")
-    print(f"# {len(requests)} requests ({args.prompts} prompts x n={args.n}), {slots} slots, blocks of {BLOCK}")
+    engines = _engines(args, config)
+    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
+    world = None if args.shift_sp is None else dist.get_world_size()
+    say(f"# {rerun_command('prefix_cache.py', world, one_thread=False, argv=argv)}")
+    say(f"# {len(requests)} requests ({args.prompts} prompts x n={args.n}), {slots} slots, blocks of {BLOCK}")
     runs: dict[bool, list] = {True: [], False: []}
     for _ in range(args.repeats):
         for on in (True, False):
@@ -88,13 +116,13 @@ def main(argv: list[str] | None = None) -> None:
             runs[on].append(_run(engines[on], requests))
     assert runs[True][0][3] == runs[False][0][3], "the prefix cache changed the tokens"
     new = len(requests) * args.new_tokens
-    print(f"{'cache':>6} {'tokens/s':>9} {'seconds':>8} {'prefill s':>10} {'computed':>9}")
+    say(f"{'cache':>6} {'tokens/s':>9} {'seconds':>8} {'prefill s':>10} {'computed':>9}")
     for on in (True, False):
         seconds, prefill, computed = med([r[0] for r in runs[on]]), med([r[1] for r in runs[on]]), runs[on][0][2]
         name = "on" if on else "off"
-        print(f"{name:>6} {new / seconds:>9.1f} {seconds:>8.2f} {prefill:>10.2f} {computed:>9.1%}")
+        say(f"{name:>6} {new / seconds:>9.1f} {seconds:>8.2f} {prefill:>10.2f} {computed:>9.1%}")
     speedup = med([r[0] for r in runs[False]]) / med([r[0] for r in runs[True]])
-    print(f"on/off: {speedup:.2f}x tokens/s", flush=True)
+    say(f"on/off: {speedup:.2f}x tokens/s", flush=True)
     dist.destroy_process_group()
 
 
