@@ -81,3 +81,52 @@ def test_balanced_stages_give_the_last_stage_fewer_layers():
         balanced_stages(big_head, 9)
     with pytest.raises(ValueError, match=r"stages \(4, 0\) must give each of the pp\(2\) stages >= 1 layer"):
         ParallelDims(pp=2, world_size=2, stages=(4, 0))
+
+
+def _pp_cached(path, dims_kw, n, temperature):
+    """n samples of two prompts through a drained pipeline on a paged cache, prefix cache on and
+    off, prompts chunked by a budget of 8 tokens a step: tokens, prompt tokens computed, hits and
+    each step's kind."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+    from tests.test_prefix_cache import PAGED, _prompt, _samples
+
+    model = parallelize_pipeline(path, ParallelDims(**dims_kw, world_size=dist.get_world_size()))
+    requests = _samples([_prompt(23, 1), _prompt(17, 2)], n, temperature=temperature)
+    out = {}
+    for cached in (True, False):
+        config = EngineConfig(**PAGED, max_prefill_tokens=8, prefix_caching=cached, pipeline="drain")
+        engine = Engine(model, config)
+        kinds = []
+        engine.events.on("step_ready", lambda index, step, seen=kinds: seen.append(step.kind))
+        tokens = [c.output_ids for c in engine.generate(requests)]
+        s = engine.stats
+        out[cached] = dict(tokens=tokens, fed=s.prompt_tokens_computed, hits=s.prefix_cache_hits, kinds=kinds)
+    return out
+
+
+@pytest.mark.parametrize("dims_kw", [{"pp": 2}, {"pp": 2, "tp": 2}], ids=["P2", "T2P2"])
+def test_a_drained_pipeline_mixes_steps_and_caches_prefixes(four_layer, hf_reference, dims_kw):
+    """A drained pipeline on the token budget: prompt chunks share steps with decode tokens (two
+    micro-batches of sequences through the stages), and on a paged cache n = 8 samples compute
+    their prompt once. Tokens equal the uncached run's (greedy: HF's) for n = 1 and 8, greedy and
+    seeded sampling; prompt tokens computed are each prompt's once plus, per other sample, its
+    last partial block."""
+    from tests.test_prefix_cache import BLOCK, _prompt
+
+    path = four_layer["llama"]
+    prompts = [_prompt(23, 1), _prompt(17, 2)]
+    expected = hf_reference(path, prompts, 8)
+    tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
+    ranks = dims_kw["pp"] * dims_kw.get("tp", 1)
+    for n, temperature in ((1, 0.0), (8, 0.0), (8, 0.8)):
+        for rank in dist_harness.run(ranks, _pp_cached, path, dims_kw, n, temperature):
+            on, off = rank[True], rank[False]
+            assert on["tokens"] == off["tokens"], (n, temperature)
+            if temperature == 0.0:
+                assert on["tokens"] == [t for t in expected for _ in range(n)]
+            assert off["fed"] == n * sum(map(len, prompts)) and off["hits"] == 0
+            assert on["fed"] == sum(map(len, prompts)) + (n - 1) * tails, (n, on["fed"])
+            assert "mixed" in on["kinds"] and "mixed" in off["kinds"]

@@ -66,8 +66,9 @@ class EngineConfig:
     chunked_prefill: bool = True
     """One token budget per step (vLLM's ``enable_chunked_prefill``): prompts take tokens beside
     the running sequences' decode tokens, in steps that mix both, a prompt longer than the budget
-    in chunks. It runs where the runner mixes (the default policy without pipeline stages or
-    ``kv_swap``); elsewhere, and with False, whole prompts run in steps of their own."""
+    in chunks. It runs where the runner mixes (no ``kv_swap``) and the policy takes the engine's
+    batching options (the default policy, Shift's, SiDP's; not an in-flight pipeline's); elsewhere,
+    and with False, whole prompts run in steps of their own."""
     prefix_caching: bool = True
     """Share the KV of prompts' common prefixes (vLLM's automatic prefix caching): full blocks of
     a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later

@@ -141,10 +141,10 @@ class Strategy:
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """``ValueError`` naming the values if this strategy cannot run chunked prefill of
         ``prefill_chunk`` tokens (checked with the job config, before anything loads). The
-        default: it cannot (its policy feeds whole prompts)."""
+        default: it cannot (its policy takes no cap per prompt)."""
         raise ValueError(
             f"engine.prefill_chunk ({prefill_chunk}) runs on the tp strategy's continuous batching; "
-            f"parallel.strategy {self.name!r} feeds whole prompts (set engine.prefill_chunk=null)"
+            f"parallel.strategy {self.name!r} takes no cap per prompt (set engine.prefill_chunk=null)"
         )
 
 

@@ -215,10 +215,10 @@ class ModelRunner:
 
     @property
     def mixes(self) -> bool:
-        """Whether a step may mix prompt tokens and decode tokens (:meth:`_mixed`): no pipeline
-        stages, no micro-batch swapping (a Ulysses token split mixes: its attention reads the
-        step's flat batch through the same context)."""
-        return self.link is None and self.swap is None
+        """Whether a step may mix prompt tokens and decode tokens (:meth:`_mixed`): no micro-batch
+        swapping. A Ulysses token split cuts the step's flat batch, and pipeline stages pass it on
+        as one micro-batch (a drained pipeline's steps; an in-flight one schedules its own)."""
+        return self.swap is None
 
     @property
     def has_logits(self) -> bool:
@@ -257,8 +257,8 @@ class ModelRunner:
     def _mixed(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
         """Sequence ``i`` feeds its tokens at positions ``c .. c + num_tokens[i] - 1`` (``c``: its
         ``num_computed_tokens``; a prompt, a prompt chunk, or its last output token) and attends
-        causally over its cached KV and them: one flat ``(sum(num_tokens),)`` batch, one
-        micro-batch, eager."""
+        causally over its cached KV and them: flat ``(sum(num_tokens),)`` batches, the sequences
+        cut into ``num_microbatches`` ranges (pipeline stages overlap them), eager."""
         assert self.mixes, "the engine refuses these"
         if self.kv.spec.paged:  # a sequence's first tokens bring its blocks
             for s in seqs:
@@ -268,10 +268,13 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in seqs]
         fed = [(s.request.prompt_ids + s.output)[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
         assert [len(f) for f in fed] == num_tokens, "a count runs past the sequence's tokens (policy bug)"
-        ids = torch.tensor([t for f in fed for t in f], device=self.device)  # (N,)
-        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], starts, num_tokens)
-        rows = torch.tensor(list(itertools.accumulate(num_tokens)), device=self.device) - 1  # each last token
-        return self._stages([(ids, ctx, rows)], self._body, None, layers)
+        batches = []
+        for a, b in split_ranges(len(seqs), self.num_microbatches):
+            ids = torch.tensor([t for f in fed[a:b] for t in f], device=self.device)  # (N_ab,)
+            ctx = AttentionContext.build(self.kv, [s.slot for s in seqs[a:b]], starts[a:b], num_tokens[a:b])
+            rows = torch.tensor(list(itertools.accumulate(num_tokens[a:b])), device=self.device) - 1  # each last token
+            batches.append((ids, ctx, rows))
+        return self._stages(batches, self._body, None, layers)
 
     def _prefill(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
         if self.kv.spec.paged:  # the blocks the policy gave each sequence
