@@ -134,3 +134,47 @@ def test_inflight_refuses_what_it_cannot_run(four_layer):
         "engine.pipeline must be one of ['inflight', 'drain'] or None, got 'overlap'"
     )
     assert "one rank per stage (tp=1, sp=1), got tp=2" in dist_harness.run(4, _refused, path, "inflight", 2)[0]
+
+
+def _budget_runs(path, prompts, lengths):
+    """PP2 in flight on a token budget of 8 (prompts in chunks beside decodes) and with whole
+    prompts (``chunked_prefill=False``), greedy and seeded; each run's step kinds on this stage."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+
+    model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
+    out = {}
+    for chunked in (True, False):
+        config = EngineConfig(max_batch_size=4, max_seq_len=64, max_prefill_tokens=8, chunked_prefill=chunked)
+        engine = Engine(model, config)
+        assert engine.flow is not None  # in flight
+        for temperature in (0.0, 0.9):
+            kinds = []
+            engine.events.on("step_ready", lambda index, step, seen=kinds: seen.append(step.kind))
+            done = engine.generate(_requests(prompts, lengths, temperature=temperature))
+            out[chunked, temperature] = ([c.output_ids for c in done], kinds, engine.flow.record.peak)
+    return out
+
+
+def test_inflight_micro_batches_take_prompt_chunks_beside_decodes(four_layer, hf_reference):
+    """The token budget in flight: each micro-batch's step gives its running sequences their
+    decode token and its prompts up to 8 tokens, so prompts of 17-29 tokens run in chunks beside
+    decodes (early finishers free slots for the queue). Greedy tokens equal HF's; seeded samples
+    equal the whole-prompt run's; every stage runs the same steps, two micro-batches in flight."""
+    from tests.test_prefix_cache import _prompt
+
+    path = four_layer["llama"]
+    prompts = [_prompt(17 + 2 * i, 30 + i) for i in range(7)]
+    lengths = [8, 3, 8, 2, 8, 5, 8]
+    expected = [t[:n] for t, n in zip(hf_reference(path, prompts, 8), lengths)]
+    results = dist_harness.run(2, _budget_runs, path, prompts, lengths)
+    first = results[0]
+    for chunked in (True, False):
+        assert first[chunked, 0.0][0] == expected, chunked
+        assert first[chunked, 0.0][2] == 2  # the first stage kept both micro-batches in flight
+    assert first[True, 0.9][0] == first[False, 0.9][0] != first[True, 0.0][0]
+    assert "mixed" in first[True, 0.0][1] and "mixed" not in first[False, 0.0][1]
+    for stage in results[1:]:  # every stage: the same tokens and the same steps
+        assert {k: v[:2] for k, v in stage.items()} == {k: v[:2] for k, v in first.items()}

@@ -67,13 +67,14 @@ class EngineConfig:
     """One token budget per step (vLLM's ``enable_chunked_prefill``): prompts take tokens beside
     the running sequences' decode tokens, in steps that mix both, a prompt longer than the budget
     in chunks. It runs where the runner mixes (no ``kv_swap``) and the policy takes the engine's
-    batching options (the default policy, Shift's, SiDP's; not an in-flight pipeline's); elsewhere,
-    and with False, whole prompts run in steps of their own."""
+    batching options (the default policy, an in-flight pipeline's per micro-batch, Shift's,
+    SiDP's); elsewhere, and with False, whole prompts run in steps of their own."""
     prefix_caching: bool = True
     """Share the KV of prompts' common prefixes (vLLM's automatic prefix caching): full blocks of
     a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later
     requests (``n`` samples and a chat's next turn compute their prompt once); dropped whenever
-    the weights are written. Runs with chunked prefill in the default policy."""
+    the weights are written. Runs with chunked prefill in the default policy (not in an
+    in-flight pipeline), Shift's and SiDP's."""
     async_scheduling: bool | None = None
     """Schedule step n+1 while step n computes (vLLM's ``async_scheduling``): the policy admits
     and budgets the next step right after this step's forward is launched, before its tokens are

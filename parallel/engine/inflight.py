@@ -39,7 +39,7 @@ import torch.distributed as dist
 from reshard.parallel.engine.admission import Admission
 from reshard.parallel.engine.agree import payload_size, read_payload, sample_payload
 from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step, check_fits
-from reshard.parallel.engine.request import Request, Sequence
+from reshard.parallel.engine.request import NO_TOKEN, Request, Sequence
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.splits import split_ranges
 
@@ -52,29 +52,29 @@ KINDS = ("stop", "new", "running")  # a note's kind on the wire
 @dataclass(frozen=True)
 class StepNote:
     """What a later stage needs to run one micro-batch's step: each sequence's request id, KV
-    slot, computed tokens and tokens to compute; for new sequences (a step of whole prompts) their
-    requests (and paged blocks)."""
+    slot, computed tokens and tokens to compute; for the sequences new to the later stages (their
+    first step: nothing computed yet) their requests (and paged blocks), in step order."""
 
-    kind: str  # "new": every sequence is new to the later stages | "running": none is | "stop"
+    kind: str  # "new": some sequence is new to the later stages | "running": none is | "stop"
     ids: tuple[int, ...] = ()
     slots: tuple[int, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()
     num_tokens: tuple[int, ...] = ()
-    requests: tuple[Request, ...] = ()  # new: each sequence's request
-    blocks: tuple[tuple[int, ...], ...] = ()  # new, on a paged cache: each sequence's blocks
+    requests: tuple[Request, ...] = ()  # each new sequence's request
+    blocks: tuple[tuple[int, ...], ...] = ()  # on a paged cache: each new sequence's blocks
 
     @staticmethod
     def of(step: Step) -> StepNote:
         seqs = step.seqs
-        new = all(s.num_computed_tokens == 0 for s in seqs)  # in-flight steps: whole prompts or decodes
+        new = [s for s in seqs if s.num_computed_tokens == 0]  # (an in-flight admission loads no KV)
         return StepNote(
             "new" if new else "running",
             tuple(s.request.id for s in seqs),
             tuple(s.slot for s in seqs),
             tuple(s.num_computed_tokens for s in seqs),
             tuple(step.num_tokens),
-            tuple(s.request for s in seqs) if new else (),
-            tuple(tuple(s.blocks) for s in seqs) if new else (),
+            tuple(s.request for s in new),
+            tuple(tuple(s.blocks) for s in new),
         )
 
 
@@ -196,11 +196,15 @@ class BatchQueue:
         if self.first:
             self.notes.send(StepNote.of(step))
         logits = self.runner.run(step.seqs, step.num_tokens, layers)
+        emitting, rows = _emitting(step)  # (a prompt chunk short of its prompt's end samples nothing)
         if logits is None:  # not the last stage: (B + R * W,) tokens and log-probabilities come from it
-            payload = torch.empty(payload_size(step.seqs), dtype=torch.long, device=self.runner.device)
-            work = dist.irecv(payload, self.last, tag=TOKEN_TAG)
+            payload = torch.empty(payload_size(emitting), dtype=torch.long, device=self.runner.device)
+            work = dist.irecv(payload, self.last, tag=TOKEN_TAG) if emitting else None
         else:
-            payload, work = self._send(sample_payload(step.seqs, logits)), None
+            payload, work = torch.empty(0, dtype=torch.long), None  # (every sequence a chunk short of its end)
+            if emitting:
+                picked = logits if len(rows) == len(step.seqs) else logits[torch.tensor(rows, device=logits.device)]
+                payload = self._send(sample_payload(emitting, picked))
         self.record.overlapped += bool(self.flights)
         self.flights.append(Flight(step, payload, work, launched, clock))
         self.record.peak = max(self.record.peak, len(self.flights))
@@ -223,12 +227,20 @@ class BatchQueue:
         return held[-1] + 1 if held else 0
 
     def land(self) -> tuple[Flight, list[int], list]:
-        """The oldest step, its tokens and log-probabilities (waits for the last stage's send)."""
+        """The oldest step, its tokens and log-probabilities (waits for the last stage's send):
+        :data:`NO_TOKEN` and None for a prompt chunk short of its prompt's end."""
         assert self.flights, "nothing in flight to land"
         flight = self.flights.popleft()
         if flight.work is not None:
             flight.work.wait()
-        return (flight, *read_payload(flight.step.seqs, flight.payload))
+        emitting, rows = _emitting(flight.step)
+        tokens, logprobs = read_payload(emitting, flight.payload)
+        if len(rows) == len(flight.step.seqs):
+            return flight, tokens, logprobs
+        out, lps = [NO_TOKEN] * len(flight.step.seqs), [None] * len(flight.step.seqs)
+        for i, token, lp in zip(rows, tokens, logprobs):
+            out[i], lps[i] = token, lp
+        return flight, out, lps
 
     def finish(self) -> None:
         """Every step landed: the first stage sends ``"stop"`` down; every send completes."""
@@ -285,11 +297,14 @@ class NotedSteps(Policy):
         return Step(self._sequences(note), list(note.num_tokens), self.layout)
 
     def _sequences(self, note: StepNote) -> list[Sequence]:
-        """This stage's sequences of ``note`` (made for new ones)."""
-        for request, slot, blocks in zip(note.requests, note.slots, note.blocks):
-            seq = self.new_sequence(request)
-            seq.slot, seq.blocks = slot, list(blocks)
-            self.slots[slot] = seq
+        """This stage's sequences of ``note`` (made for the new ones, those with nothing computed)."""
+        fresh = zip(note.requests, note.blocks)
+        for slot, computed in zip(note.slots, note.num_computed_tokens):
+            if computed == 0:
+                request, blocks = next(fresh)
+                seq = self.new_sequence(request)
+                seq.slot, seq.blocks = slot, list(blocks)
+                self.slots[slot] = seq
         return [self.slots[slot] for slot in note.slots]
 
     def check(self, step: Step) -> None:
@@ -325,6 +340,12 @@ class _NotedAdmission(Admission):
         return []
 
 
+def _emitting(step: Step) -> tuple[list[Sequence], list[int]]:
+    """The sequences of ``step`` that get a token (read before it is recorded) and their indices."""
+    rows = [i for i, e in enumerate(step.emits()) if e]
+    return [step.seqs[i] for i in rows], rows
+
+
 def _note_capacity(runner: ModelRunner) -> int:
     """The most sequences one micro-batch holds: its slot range."""
     return max(b - a for a, b in split_ranges(runner.max_batch_size, runner.num_microbatches))
@@ -333,7 +354,12 @@ def _note_capacity(runner: ModelRunner) -> int:
 class InflightBatching(ContinuousBatching):
     """Continuous batching per pipeline micro-batch: micro-batch ``k`` admits into and decodes
     the slots of range ``k``; :meth:`next_step` returns the next step of a micro-batch that is
-    not in flight (round robin), or None when every one with work is in flight."""
+    not in flight (round robin), or None when every one with work is in flight. Mixed (the
+    token budget, :class:`ContinuousBatching`'s ``mixed``): a micro-batch's step gives its
+    running sequences their decode token and its prompts tokens while the budget lasts, prompt
+    chunks beside decodes; else whole-prompt steps and decode steps alternate per micro-batch.
+    Blocks are taken whole at admission (no preemption: a sequence in flight on other stages
+    keeps its blocks), so the prefix cache is off."""
 
     def start(self, queue: deque) -> None:
         super().start(queue)
@@ -359,6 +385,9 @@ class InflightBatching(ContinuousBatching):
 
     def _flight_step(self, k: int, queue: deque) -> Step | None:
         slots = self.flights[k]
+        if self.mixed:
+            step = self._budget_step(queue, slots)
+            return step if step.seqs else None
         running = [s for s in self.running.values() if s.slot in slots]
         if queue and self._fits(queue[0], slots) and not (self.prefilled[k] and running):
             seqs, self.prefilled[k] = self._admit(queue, slots), True
@@ -369,6 +398,7 @@ class InflightBatching(ContinuousBatching):
         return Step(running, [1] * len(running), self.layout)
 
     def after_step(self, step: Step, output) -> None:
+        super().after_step(step, output)
         self.busy.discard(self.flight_of(step))
 
 

@@ -144,10 +144,9 @@ class Engine:
         layout = next(iter(self.runners))
         if self.flow is not None and not self.flow.first:
             return NotedSteps(layout, self.flow.notes)
-        if self.flow is not None:
-            c = self.config
-            kw = dict(max_prefill_tokens=c.max_prefill_tokens, admission=c.admission, prefill_chunk=c.prefill_chunk)
-            return InflightBatching(layout, **kw)
+        if self.flow is not None:  # (no preemption in flight: blocks are taken whole, no prefix cache)
+            options = batching_options(self.config, [self.runners[layout]])
+            return InflightBatching(layout, **{**options, "preempt": False, "prefix_caching": False})
         return ContinuousBatching(layout, **batching_options(self.config, [self.runners[layout]]))
 
     # ---- what the active layout holds ------------------------------------------------------------

@@ -371,26 +371,28 @@ class ContinuousBatching(Policy):
             admitted.append(seq)
         return admitted
 
-    def _admit_fitting(self, queue: deque) -> None:
-        """Queued requests into free slots, in order, while they fit. One whose cached prefix is
-        still being computed stays queued in its place and those behind it may go (``n`` samples
-        of several prompts: every prompt's first sample in one step, the others at the next)."""
+    def _admit_fitting(self, queue: deque, within: range | None = None) -> None:
+        """Queued requests into free slots (of ``within`` only, if given), in order, while they
+        fit. One whose cached prefix is still being computed stays queued in its place and those
+        behind it may go (``n`` samples of several prompts: every prompt's first sample in one
+        step, the others at the next)."""
         waiting = []
-        while queue and self._fits(queue[0]):
-            if self._take(queue) is None:
+        while queue and self._fits(queue[0], within):
+            if self._take(queue, within) is None:
                 if not self.slots.shares_pending(queue[0]):
                     break  # (its KV awaited from a connector: the head waits)
                 waiting.append(queue.popleft())
         queue.extendleft(reversed(waiting))
 
-    def _budget_step(self, queue: deque) -> Step:
+    def _budget_step(self, queue: deque, within: range | None = None) -> Step:
         """Admit what fits; every running sequence past its prompt gets one token, then prompts
-        get at most ``prefill_chunk`` tokens each, in admission order, while the budget lasts."""
-        self._admit_fitting(queue)
+        get at most ``prefill_chunk`` tokens each, in admission order, while the budget lasts.
+        ``within``: only the sequences of those slots (an in-flight pipeline's micro-batch)."""
+        self._admit_fitting(queue, within)
         if not self.running and queue:  # the head awaits its KV and nothing runs: wait, ask again
             self.connector.wait_for(queue[0])
-            self._admit_fitting(queue)
-        running = list(self.running.values())
+            self._admit_fitting(queue, within)
+        running = [s for s in self.running.values() if within is None or s.slot in within]
         decoding = sum(s.num_computed_tokens >= s.prompt_len for s in running)
         budget = self.max_prefill_tokens * self.runner_info[self.layout].replica.size - decoding
         seqs, num_tokens = [], []

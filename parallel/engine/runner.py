@@ -257,24 +257,34 @@ class ModelRunner:
     def _mixed(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
         """Sequence ``i`` feeds its tokens at positions ``c .. c + num_tokens[i] - 1`` (``c``: its
         ``num_computed_tokens``; a prompt, a prompt chunk, or its last output token) and attends
-        causally over its cached KV and them: flat ``(sum(num_tokens),)`` batches, the sequences
-        cut into ``num_microbatches`` ranges (pipeline stages overlap them), eager."""
+        causally over its cached KV and them: one flat ``(sum(num_tokens),)`` batch per
+        micro-batch slot range the sequences occupy (pipeline stages overlap them; an in-flight
+        step is one range), eager."""
         assert self.mixes, "the engine refuses these"
         if self.kv.spec.paged:  # a sequence's first tokens bring its blocks
             for s in seqs:
                 if s.num_computed_tokens == 0:
                     assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
                     self.kv.assign(s.slot, s.blocks)
+        ranges = split_ranges(self.max_batch_size, self.num_microbatches)
+        parts = [[i for i, s in enumerate(seqs) if a <= s.slot < b] for a, b in ranges]  # seqs by slot range
+        parts = [part for part in parts if part]
+        order = [i for part in parts for i in part]
+        batches = [self._mixed_batch([seqs[i] for i in part], [num_tokens[i] for i in part]) for part in parts]
+        out = self._stages(batches, self._body, None, layers)
+        if out is None or order == sorted(order):
+            return out
+        return out[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=out.device)]  # seqs' order
+
+    def _mixed_batch(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
+        """(ids ``(N,)``, context, each sequence's last row) of one flat batch of a mixed step."""
         starts = [s.num_computed_tokens for s in seqs]
         fed = [(s.request.prompt_ids + s.output)[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
         assert [len(f) for f in fed] == num_tokens, "a count runs past the sequence's tokens (policy bug)"
-        batches = []
-        for a, b in split_ranges(len(seqs), self.num_microbatches):
-            ids = torch.tensor([t for f in fed[a:b] for t in f], device=self.device)  # (N_ab,)
-            ctx = AttentionContext.build(self.kv, [s.slot for s in seqs[a:b]], starts[a:b], num_tokens[a:b])
-            rows = torch.tensor(list(itertools.accumulate(num_tokens[a:b])), device=self.device) - 1  # each last token
-            batches.append((ids, ctx, rows))
-        return self._stages(batches, self._body, None, layers)
+        ids = torch.tensor([t for f in fed for t in f], device=self.device)  # (N,)
+        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], starts, num_tokens)
+        rows = torch.tensor(list(itertools.accumulate(num_tokens)), device=self.device) - 1  # each last token
+        return ids, ctx, rows
 
     def _prefill(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
         if self.kv.spec.paged:  # the blocks the policy gave each sequence
