@@ -67,24 +67,21 @@ def load_tokenizer(given, path: Path | None):
     return AutoTokenizer.from_pretrained(path)
 
 
-LLM_BLOCK_SIZE = 16  # LLM's KV cache: paged (vLLM's block size), so prefix caching runs by default
-
-
 def configure(strategy: str, options: dict) -> tuple[object, EngineConfig]:
     """The strategy and the engine's config from ``LLM``'s keyword arguments (ours: vLLM's are
     translated by :func:`llm_options`); ``ValueError`` naming a bad key before anything loads.
-    The tp strategy without pipeline stages runs a paged KV cache of :data:`LLM_BLOCK_SIZE`
-    unless the cache's keys are given (``kv_block_size=None``: contiguous slots)."""
+    Unless the cache's keys are given (``kv_block_size=None``: contiguous slots), the KV cache is
+    the strategy's default (``Strategy.default_kv_block_size``: paged where it caches prefixes)."""
     if options.get("tp") is None and strategy == "tp":
         options["tp"] = 1  # the tp strategy: every process a data-parallel replica
     cache_given = {"kv_block_size", "kv_tokens"} & options.keys() or options.get("kv_swap")
-    if strategy == "tp" and options.get("pp") in (None, 1) and not cache_given:
-        options["kv_block_size"] = LLM_BLOCK_SIZE  # (its tokens: the contiguous slots' memory)
     options = {k: v for k, v in options.items() if v is not None or k not in ("tp", "pp")}
     dtype = options.pop("dtype", None)
     engine_keys, strategy_keys = _split_options(strategy, options)
     parallel = make_strategy({"strategy": strategy, **strategy_keys})
     parallel.layouts(dist.get_world_size())
+    if not cache_given:  # (its tokens: the contiguous slots' memory)
+        engine_keys["kv_block_size"] = parallel.default_kv_block_size()
     return parallel, EngineConfig(dtype=dtype, **engine_keys)
 
 

@@ -30,6 +30,7 @@ from reshard.recipes.plan_config import PlanConfig
 from reshard.recipes.rollout_config import RolloutJobConfig
 
 CONFIG_MODULE = "reshard.conf"
+BLOCK_SIZE_RESOLVER = "reshard.default_kv_block_size"  # conf/generate.yaml's engine.kv_block_size
 JOBS = MappingProxyType({"generate": GenerateConfig, "rollout": RolloutJobConfig, "plan": PlanConfig})
 # lines of an OmegaConf/Hydra message that are not the reason
 _NOT_REASON = ("full_key:", "object_type=", "reference_type=", "To append", "Error merging override")
@@ -37,7 +38,9 @@ _NOT_REASON = ("full_key:", "object_type=", "reference_type=", "To append", "Err
 
 def register(overrides: Sequence[str] = ()) -> None:
     """Store the job schemas and every registered strategy's (a strategy named by its dotted
-    module path in a ``parallel=`` override is imported, and so registered, first)."""
+    module path in a ``parallel=`` override is imported, and so registered, first); register the
+    resolvers the YAMLs name."""
+    OmegaConf.register_new_resolver(BLOCK_SIZE_RESOLVER, _default_kv_block_size, replace=True)
     store = ConfigStore.instance()
     for name, cls in JOBS.items():
         store.store(name=f"{name}_schema", node=cls)
@@ -50,6 +53,19 @@ def register(overrides: Sequence[str] = ()) -> None:
         store.store(group="parallel", name=f"{name}_schema", node=cls)
         if not resources.files(CONFIG_MODULE).joinpath("parallel", f"{name}.yaml").is_file():
             store.store(group="parallel", name=name, node=cls)
+
+
+def _default_kv_block_size(*, _root_: DictConfig) -> int | None:
+    """``engine.kv_block_size`` left unset: the job's strategy's default (a paged cache where its
+    engine caches prefixes, ``Strategy.default_kv_block_size``), contiguous slots with
+    ``engine.kv_swap``. An override, ``null`` included, replaces it."""
+    if _root_.engine.kv_swap:
+        return None
+    try:
+        strategy = to_dataclass(_root_.parallel, prefix="parallel.")
+    except ValueError:  # (a bad parallel section: its own conversion names the key)
+        return None
+    return strategy.default_kv_block_size()
 
 
 def compose(job: str, overrides: Sequence[str] = ()) -> Any:

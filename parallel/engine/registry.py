@@ -38,10 +38,20 @@ class WorkloadShape:
     batch: int  # sequences per step (the engine's max_batch_size)
 
 
+PAGED_BLOCK_SIZE = 16  # a paged KV cache's block when a strategy pages by default (vLLM's block size)
+
+
 class Strategy:
     """Base of a strategy's config dataclass (validate fields in ``__post_init__``)."""
 
     name: ClassVar[str] = ""
+
+    def default_kv_block_size(self) -> int | None:
+        """The KV cache's block size when the job gives none (``engine.kv_block_size`` unset,
+        ``LLM(...)`` without it): a paged cache of :data:`PAGED_BLOCK_SIZE` where this strategy's
+        engine caches prefixes, so ``n`` samples and chat turns compute their prompt once; the
+        default, None: contiguous slots."""
+        return None
 
     def planned(self, path: str | os.PathLike, world_size: int, workload: WorkloadShape) -> Strategy:
         """This config with what it left to a planner filled in (collective: every rank calls it and

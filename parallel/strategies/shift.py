@@ -40,6 +40,7 @@ from reshard.parallel.engine import (
     register_strategy,
 )
 from reshard.parallel.engine.policy import batching_options
+from reshard.parallel.engine.registry import PAGED_BLOCK_SIZE
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info, update_info
 from reshard.parallel.model.parallelize import parallelize
@@ -291,6 +292,10 @@ class ShiftStrategy(Strategy):
         if self.sp * tp != world_size:
             raise ValueError(f"parallel.sp ({self.sp}) x parallel.tp ({tp}) must equal the world size ({world_size})")
         return ParallelDims(sp=self.sp, tp=tp, world_size=world_size)
+
+    def default_kv_block_size(self) -> int | None:
+        """Paged: both modes share one paged cache and its prefix cache."""
+        return PAGED_BLOCK_SIZE
 
     def layouts(self, world_size: int) -> dict[str, ParallelDims]:
         """Big steps in the base layout (``sp`` x ``tp``), small ones in full TP over the same ranks."""

@@ -16,6 +16,7 @@ from torch import nn
 from reshard.parallel.engine import Engine, EngineConfig, Strategy, register_strategy
 from reshard.parallel.engine.channel import Topology
 from reshard.parallel.engine.checks import check_one_microbatch
+from reshard.parallel.engine.registry import PAGED_BLOCK_SIZE
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.pipeline import build_model
@@ -64,6 +65,10 @@ class TPStrategy(Strategy):
     def replica_groups(self) -> bool:
         """The data-parallel groups are replicas of one layout."""
         return True
+
+    def default_kv_block_size(self) -> int | None:
+        """Paged without pipeline stages (whose default, in-flight micro-batches, caches no prefix)."""
+        return PAGED_BLOCK_SIZE if self.pp == 1 else None
 
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
         """Chunked prefill runs in one pipeline stage (the mixed step is one eager micro-batch)."""
