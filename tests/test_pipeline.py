@@ -83,10 +83,10 @@ def test_balanced_stages_give_the_last_stage_fewer_layers():
         ParallelDims(pp=2, world_size=2, stages=(4, 0))
 
 
-def _pp_cached(path, dims_kw, n, temperature):
-    """n samples of two prompts through a drained pipeline on a paged cache, prefix cache on and
-    off, prompts chunked by a budget of 8 tokens a step: tokens, prompt tokens computed, hits and
-    each step's kind."""
+def _pp_cached(path, dims_kw, n, temperature, pipeline):
+    """n samples of two prompts through a pipeline (``pipeline``: drained or in flight) on a paged
+    cache, prefix cache on and off, prompts chunked by a budget of 8 tokens a step: tokens, prompt
+    tokens computed, hits and each step's kind."""
     import torch.distributed as dist
 
     from reshard.parallel import Engine, EngineConfig, ParallelDims
@@ -97,7 +97,7 @@ def _pp_cached(path, dims_kw, n, temperature):
     requests = _samples([_prompt(23, 1), _prompt(17, 2)], n, temperature=temperature)
     out = {}
     for cached in (True, False):
-        config = EngineConfig(**PAGED, max_prefill_tokens=8, prefix_caching=cached, pipeline="drain")
+        config = EngineConfig(**PAGED, max_prefill_tokens=8, prefix_caching=cached, pipeline=pipeline)
         engine = Engine(model, config)
         kinds = []
         engine.events.on("step_ready", lambda index, step, seen=kinds: seen.append(step.kind))
@@ -107,13 +107,18 @@ def _pp_cached(path, dims_kw, n, temperature):
     return out
 
 
-@pytest.mark.parametrize("dims_kw", [{"pp": 2}, {"pp": 2, "tp": 2}], ids=["P2", "T2P2"])
-def test_a_drained_pipeline_mixes_steps_and_caches_prefixes(four_layer, hf_reference, dims_kw):
-    """A drained pipeline on the token budget: prompt chunks share steps with decode tokens (two
-    micro-batches of sequences through the stages), and on a paged cache n = 8 samples compute
-    their prompt once. Tokens equal the uncached run's (greedy: HF's) for n = 1 and 8, greedy and
-    seeded sampling; prompt tokens computed are each prompt's once plus, per other sample, its
-    last partial block."""
+@pytest.mark.parametrize(
+    "dims_kw,pipeline",
+    [({"pp": 2}, "drain"), ({"pp": 2, "tp": 2}, "drain"), ({"pp": 2}, "inflight")],
+    ids=["P2", "T2P2", "P2-inflight"],
+)
+def test_a_pipeline_mixes_steps_and_caches_prefixes(four_layer, hf_reference, dims_kw, pipeline):
+    """A pipeline on the token budget: prompt chunks share steps with decode tokens (drained: two
+    micro-batches of sequences through the stages; in flight: each micro-batch's own steps), and
+    on a paged cache n = 8 samples compute their prompt once (in flight, the first stage's notes
+    carry a new sequence's cached blocks to the later stage). Tokens equal the uncached run's
+    (greedy: HF's) for n = 1 and 8, greedy and seeded sampling, on every stage; prompt tokens
+    computed are each prompt's once plus, per other sample, its last partial block."""
     from tests.test_prefix_cache import BLOCK, _prompt
 
     path = four_layer["llama"]
@@ -122,7 +127,10 @@ def test_a_drained_pipeline_mixes_steps_and_caches_prefixes(four_layer, hf_refer
     tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
     ranks = dims_kw["pp"] * dims_kw.get("tp", 1)
     for n, temperature in ((1, 0.0), (8, 0.0), (8, 0.8)):
-        for rank in dist_harness.run(ranks, _pp_cached, path, dims_kw, n, temperature):
+        first, *later = dist_harness.run(ranks, _pp_cached, path, dims_kw, n, temperature, pipeline)
+        for rank in later:  # (in flight, the first stage admits: its counters are the job's)
+            assert [rank[c]["tokens"] for c in (True, False)] == [first[c]["tokens"] for c in (True, False)]
+        for rank in [first] if pipeline == "inflight" else [first, *later]:
             on, off = rank[True], rank[False]
             assert on["tokens"] == off["tokens"], (n, temperature)
             if temperature == 0.0:

@@ -73,8 +73,8 @@ class EngineConfig:
     """Share the KV of prompts' common prefixes (vLLM's automatic prefix caching): full blocks of
     a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later
     requests (``n`` samples and a chat's next turn compute their prompt once); dropped whenever
-    the weights are written. Runs with chunked prefill in the default policy (not in an
-    in-flight pipeline), Shift's and SiDP's."""
+    the weights are written. Runs with chunked prefill in the default policy (an in-flight
+    pipeline's too), Shift's and SiDP's."""
     async_scheduling: bool | None = None
     """Schedule step n+1 while step n computes (vLLM's ``async_scheduling``): the policy admits
     and budgets the next step right after this step's forward is launched, before its tokens are

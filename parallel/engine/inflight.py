@@ -53,28 +53,33 @@ KINDS = ("stop", "new", "running")  # a note's kind on the wire
 class StepNote:
     """What a later stage needs to run one micro-batch's step: each sequence's request id, KV
     slot, computed tokens and tokens to compute; for the sequences new to the later stages (their
-    first step: nothing computed yet) their requests (and paged blocks), in step order."""
+    first step) their index in the step, requests and paged blocks (a new sequence may start past
+    a cached prefix: its blocks hold it on every stage)."""
 
     kind: str  # "new": some sequence is new to the later stages | "running": none is | "stop"
     ids: tuple[int, ...] = ()
     slots: tuple[int, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()
     num_tokens: tuple[int, ...] = ()
+    new: tuple[int, ...] = ()  # indices of the new sequences
     requests: tuple[Request, ...] = ()  # each new sequence's request
     blocks: tuple[tuple[int, ...], ...] = ()  # on a paged cache: each new sequence's blocks
 
     @staticmethod
-    def of(step: Step) -> StepNote:
+    def of(step: Step, noted: set[int]) -> StepNote:
+        """``step``'s note; ``noted``: the request ids earlier notes carried (updated)."""
         seqs = step.seqs
-        new = [s for s in seqs if s.num_computed_tokens == 0]  # (an in-flight admission loads no KV)
+        new = tuple(i for i, s in enumerate(seqs) if s.request.id not in noted)
+        noted.update(seqs[i].request.id for i in new)
         return StepNote(
             "new" if new else "running",
             tuple(s.request.id for s in seqs),
             tuple(s.slot for s in seqs),
             tuple(s.num_computed_tokens for s in seqs),
             tuple(step.num_tokens),
-            tuple(s.request for s in new),
-            tuple(tuple(s.blocks) for s in new),
+            new,
+            tuple(seqs[i].request for i in new),
+            tuple(tuple(seqs[i].blocks) for i in new),
         )
 
 
@@ -94,7 +99,7 @@ class NoteLink:
         completes only once the receiver has posted its receive: a blocking send would hold this
         stage until the next one finished its current micro-batch)."""
         assert self.next is not None and len(note.ids) <= self.capacity, (len(note.ids), self.capacity)
-        extra = pickle.dumps((note.requests, note.blocks)) if note.kind == "new" else b""
+        extra = pickle.dumps((note.new, note.requests, note.blocks)) if note.kind == "new" else b""
         pad = [0] * (self.capacity - len(note.ids))
         fields = [*note.ids, *pad, *note.slots, *pad, *note.num_computed_tokens, *pad, *note.num_tokens, *pad]
         head = [KINDS.index(note.kind), len(note.ids), len(extra), *fields]  # (3 + 4 * capacity,)
@@ -120,12 +125,12 @@ class NoteLink:
         code, n, size = values[:3]
         c = self.capacity
         fields = [tuple(values[3 + k * c : 3 + k * c + n]) for k in range(4)]  # ids, slots, computed, counts
-        requests, blocks = (), ()
+        new, requests, blocks = (), (), ()
         if size:
             payload = torch.empty(size, dtype=torch.uint8, device=self.device)
             dist.recv(payload, self.prev, tag=NOTE_TAG)
-            requests, blocks = pickle.loads(payload.cpu().numpy().tobytes())
-        return StepNote(KINDS[code], *fields, requests, blocks)
+            new, requests, blocks = pickle.loads(payload.cpu().numpy().tobytes())
+        return StepNote(KINDS[code], *fields, new, requests, blocks)
 
 
 @dataclass
@@ -181,6 +186,7 @@ class BatchQueue:
         self.notes = NoteLink(prev, nxt, _note_capacity(runner), runner.device)
         self.first, self.last, self.others = link.is_first, link.peers[-1], link.peers[:-1]
         self.flights: deque[Flight] = deque()
+        self.noted: set[int] = set()  # the first stage: request ids its notes carried this generate
         self.sent: deque[tuple[dist.Work, torch.Tensor]] = deque()  # token sends (last stage), with buffers
         self.record = PipelineRecord()
         self._t0 = self._busy0 = 0.0
@@ -188,20 +194,21 @@ class BatchQueue:
     def begin(self) -> None:
         """A new ``generate``: clear the record."""
         self.record = PipelineRecord()
+        self.noted = set()
         self._t0, self._busy0 = time.perf_counter(), self.runner.busy_seconds
 
     def launch(self, step: Step, layers=None) -> None:
         """Run this stage's part of ``step`` (the first stage notes it down the stages first)."""
         launched, clock = time.time(), time.perf_counter()
         if self.first:
-            self.notes.send(StepNote.of(step))
+            self.notes.send(StepNote.of(step, self.noted))
         logits = self.runner.run(step.seqs, step.num_tokens, layers)
         emitting, rows = _emitting(step)  # (a prompt chunk short of its prompt's end samples nothing)
         if logits is None:  # not the last stage: (B + R * W,) tokens and log-probabilities come from it
             payload = torch.empty(payload_size(emitting), dtype=torch.long, device=self.runner.device)
             work = dist.irecv(payload, self.last, tag=TOKEN_TAG) if emitting else None
         else:
-            payload, work = torch.empty(0, dtype=torch.long), None  # (every sequence a chunk short of its end)
+            payload, work = torch.empty(0, dtype=torch.long, device=self.runner.device), None  # (no token)
             if emitting:
                 picked = logits if len(rows) == len(step.seqs) else logits[torch.tensor(rows, device=logits.device)]
                 payload = self._send(sample_payload(emitting, picked))
@@ -297,14 +304,15 @@ class NotedSteps(Policy):
         return Step(self._sequences(note), list(note.num_tokens), self.layout)
 
     def _sequences(self, note: StepNote) -> list[Sequence]:
-        """This stage's sequences of ``note`` (made for the new ones, those with nothing computed)."""
-        fresh = zip(note.requests, note.blocks)
-        for slot, computed in zip(note.slots, note.num_computed_tokens):
-            if computed == 0:
-                request, blocks = next(fresh)
-                seq = self.new_sequence(request)
-                seq.slot, seq.blocks = slot, list(blocks)
-                self.slots[slot] = seq
+        """This stage's sequences of ``note`` (made for the new ones; one past a cached prefix
+        has its cache table row written now, as the first stage's admission wrote its own)."""
+        kv = self.runner_info[self.layout].kv
+        for i, request, blocks in zip(note.new, note.requests, note.blocks):
+            seq = self.new_sequence(request)
+            seq.slot, seq.blocks, seq.num_computed_tokens = note.slots[i], list(blocks), note.num_computed_tokens[i]
+            if seq.num_computed_tokens:
+                kv.assign(seq.slot, seq.blocks)
+            self.slots[seq.slot] = seq
         return [self.slots[slot] for slot in note.slots]
 
     def check(self, step: Step) -> None:
@@ -359,7 +367,8 @@ class InflightBatching(ContinuousBatching):
     running sequences their decode token and its prompts tokens while the budget lasts, prompt
     chunks beside decodes; else whole-prompt steps and decode steps alternate per micro-batch.
     Blocks are taken whole at admission (no preemption: a sequence in flight on other stages
-    keeps its blocks), so the prefix cache is off."""
+    keeps its blocks); on a paged cache with the prefix cache a request starts past the cached
+    blocks its prompt shares (its note carries them to the later stages)."""
 
     def start(self, queue: deque) -> None:
         super().start(queue)

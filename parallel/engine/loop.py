@@ -144,10 +144,10 @@ class Engine:
         layout = next(iter(self.runners))
         if self.flow is not None and not self.flow.first:
             return NotedSteps(layout, self.flow.notes)
-        if self.flow is not None:  # (no preemption in flight: blocks are taken whole, no prefix cache)
-            options = batching_options(self.config, [self.runners[layout]])
-            return InflightBatching(layout, **{**options, "preempt": False, "prefix_caching": False})
-        return ContinuousBatching(layout, **batching_options(self.config, [self.runners[layout]]))
+        options = batching_options(self.config, [self.runners[layout]])
+        if self.flow is not None:  # (no preemption in flight: a sequence takes its blocks whole)
+            return InflightBatching(layout, **{**options, "preempt": False})
+        return ContinuousBatching(layout, **options)
 
     # ---- what the active layout holds ------------------------------------------------------------
     @property

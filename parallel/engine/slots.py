@@ -19,7 +19,7 @@ class SlotPool:
     admission, so it never runs out mid-generation, and gives them back when it finishes; with
     ``grows`` (a scheduler that preempts) it takes its prompt's blocks at admission and one more
     block as its tokens reach it (:meth:`grow`), as vLLM's block manager does. With ``prefix``
-    (growing only) full blocks are cached by the tokens they hold and shared
+    (paged) full blocks are cached by the tokens they hold and shared
     (:class:`reshard.parallel.engine.prefix.PrefixCache`).
     """
 
@@ -43,7 +43,7 @@ class SlotPool:
         self.num_blocks = num_blocks
         self.free_blocks = [list(reversed(range(num_blocks))) for _ in range(replicas)] if num_blocks else None
         self.grows = grows and self.free_blocks is not None
-        self.prefix = PrefixCache(self.free_blocks, block_size) if prefix and self.grows else None
+        self.prefix = PrefixCache(self.free_blocks, block_size) if prefix and self.free_blocks is not None else None
         self.slots = slots_per_replica * replicas
 
     def __len__(self) -> int:
