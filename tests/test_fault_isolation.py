@@ -125,7 +125,10 @@ def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, refe
     shm = _shm()
     # four engine groups of one rank; each rank's engine is SIGKILLed at a decode step, in turn
     kills = "fault.kill_at=[[0,3],[1,40],[2,80],[3,120]]"
-    tokens, summary, events = _run(tmp_path, [*DP4_LONG, "fault.migrate=kv", kills], 4)
+    # contiguous slots, as the kill steps were placed for: the outages then span several steps of
+    # the other groups (a paged group's steps are slower; its migrations are the paged test's below)
+    contiguous = "engine.kv_block_size=null"
+    tokens, summary, events = _run(tmp_path, [*DP4_LONG, contiguous, "fault.migrate=kv", kills], 4)
     assert _gone(events) and _shm() <= shm  # every process of the job ended, nothing left in /dev/shm
     assert tokens == expected
     assert summary["failures"] == 0  # torchrun never restarted the job
