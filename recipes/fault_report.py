@@ -5,6 +5,7 @@ happened, never how long it took)."""
 
 from __future__ import annotations
 
+from reshard.parallel.engine.admission import Endpoint
 from reshard.parallel.engine.channel import Channel
 from reshard.parallel.engine.router import Migration, Router
 from reshard.parallel.fault.journal import read_journal
@@ -26,8 +27,8 @@ def _outage(router: Router, m: Migration, entries: dict) -> dict:
     rejoined = m.rejoined_order is not None
     end = m.rejoined_order if rejoined else len(router.observed)
     upto = m.steps_down if rejoined else {e: len(js) for e, js in entries.items()}
-    group = m.endpoint.split(".")[0]
-    others = [e for e in entries if e.split(".")[0] != group and died.get(e, never) > m.order]
+    group = Endpoint(m.endpoint).group
+    others = [e for e in entries if Endpoint(e).group != group and died.get(e, never) > m.order]
     adopter = entries.get(m.adopted_by, [])[m.steps.get(m.adopted_by, 0) :]
     journaled = {t[0] for entry in adopter for t in entry.tokens}
     return {
@@ -98,7 +99,7 @@ def fault_summary(
         "deaths": deaths,
         # DejaVu: prefilled requests adopted with their prompt group's KV by a token group
         # (source, request id, output tokens whose KV came, positions computed again); the others were prefilled again
-        "hand_offs": [a[:4] for a in adoptions if int(a[0].split(".")[0]) in entries],
+        "hand_offs": [a[:4] for a in adoptions if Endpoint(a[0]).group in entries],
         "ready_s": ready,
         "served_by": {rid: eps for rid, eps in sorted(router.book.routed.items())},
         "observed": [list(o) for o in router.observed],  # ("died" | "ready", endpoint), as the router saw them

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.mesh import end_groups
+from reshard.parallel.engine.admission import Endpoint
 from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Completion, EngineStats
@@ -220,7 +221,7 @@ def _build_engine(cfg: GenerateConfig, spec: ChildSpec, path: str, topology: Top
     if donor is None:
         return strategy.build(path, config), ("checkpoint", time.perf_counter() - t0)
     engine = strategy.build(path, dataclasses.replace(config, load_weights=False))
-    group = int(donor.split(".")[0])
+    group = Endpoint(donor).group
     gone = lambda: _live_endpoint(store, group, position) != donor  # noqa: E731 - it died or finished
     if take_weights(engine.runner.model, _supervision_store, donor, spec.endpoint, position, gone):
         return engine, (donor, time.perf_counter() - t0)

@@ -162,3 +162,20 @@ def test_polling_backs_off_to_its_cap_however_long_it_waits():
     # an idle group polls for hours: 2**tries once overflowed a float after 1024 looks
     assert backoff(0) == POLL_S[0] and backoff(3) == 8 * POLL_S[0]
     assert backoff(1024) == backoff(10**6) == POLL_S[1]
+
+
+def test_an_endpoint_is_text_with_typed_parts():
+    """The router's name for a group's generation: a ``str`` (stores, journals and summary.json
+    carry it as text, and it keys the same dict entries as its text) with its group and
+    generation read once, and a name of another form refused in one line naming it."""
+    import json
+
+    from reshard.parallel.engine.admission import Endpoint, endpoint_of
+
+    e = endpoint_of(3, 2)
+    assert e == "3.2" and (e.group, e.generation) == (3, 2) and {"3.2": 1}[e] == 1
+    assert json.loads(json.dumps({"served_by": [e]})) == {"served_by": ["3.2"]}
+    assert Endpoint(json.loads(json.dumps(e))).group == 3
+    for bad in ("0:7", "checkpoint", "1.", ".1", "a.b"):
+        with pytest.raises(ValueError, match=r"an endpoint is '<group>.<generation>' \(two integers\), got"):
+            Endpoint(bad)

@@ -1,5 +1,6 @@
 """The engine core: one request loop, one model runner, one event interface, policies, a strategy registry."""
 
+from reshard.parallel.engine.admission import Endpoint
 from reshard.parallel.engine.agree import agree_tokens, sample_step
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.core import CoreOutput, EngineCore, RequestStatus
@@ -31,6 +32,7 @@ __all__ = [
     "Completion",
     "ContinuousBatching",
     "CoreOutput",
+    "Endpoint",
     "Engine",
     "EngineConfig",
     "EngineCore",

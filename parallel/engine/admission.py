@@ -264,6 +264,30 @@ def withdraw(queue: Seq, items: list, running: dict[int, Sequence], apply: bool)
     return [i for i in items if not isinstance(i, Cancel)], ended
 
 
-def endpoint_of(group: int, generation: int = 0) -> str:
+class Endpoint(str):
+    """The router's name for one generation of an engine group, ``"<group>.<generation>"``: a
+    ``str`` (stores, journals and ``summary.json`` carry it as text) whose parts are read here,
+    not split apart at each use. ``Endpoint(text)`` checks the form (``ValueError`` naming it)."""
+
+    __slots__ = ()
+
+    def __new__(cls, text: str) -> Endpoint:
+        group, dot, generation = text.partition(".")
+        if not (group.isdigit() and dot and generation.isdigit()):
+            raise ValueError(f"an endpoint is '<group>.<generation>' (two integers), got {text!r}")
+        return super().__new__(cls, text)
+
+    @property
+    def group(self) -> int:
+        """The engine group's index in the job."""
+        return int(self.partition(".")[0])
+
+    @property
+    def generation(self) -> int:
+        """The group's life: 0 for its first, one more per respawn."""
+        return int(self.partition(".")[2])
+
+
+def endpoint_of(group: int, generation: int = 0) -> Endpoint:
     """The router's name for generation ``generation`` of engine group ``group``."""
-    return f"{group}.{generation}"
+    return Endpoint(f"{group}.{generation}")

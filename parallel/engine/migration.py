@@ -12,7 +12,7 @@ import pickle
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
-from reshard.parallel.engine.admission import endpoint_of
+from reshard.parallel.engine.admission import Endpoint, endpoint_of
 from reshard.parallel.engine.channel import Channel, Topology
 from reshard.parallel.engine.request import Request
 
@@ -56,7 +56,7 @@ class Migration:
 
 def group_of(endpoint: str) -> int:
     """The engine group of ``endpoint`` (``<group>.<generation>``)."""
-    return int(endpoint.split(".")[0])
+    return Endpoint(endpoint).group
 
 
 def prefill_only(request: Request) -> Request:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -37,6 +36,7 @@ from reshard.layers.moe import feed_forward
 from reshard.layers.weights import use_weights
 from reshard.mesh import cached_group
 from reshard.parallel.engine.channel import GroupLayout
+from reshard.parallel.engine.compiled import CompiledBody
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.events import LayerHooks
 from reshard.parallel.engine.request import Sequence, batch_kind
@@ -45,7 +45,6 @@ from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.layouts import stage_of_layer
 
-log = logging.getLogger(__name__)
 REPLICAS = ("lockstep", "groups")
 KV_LEN_BUCKET = 128  # a compiled decode step attends over a multiple of this many positions
 
@@ -137,8 +136,7 @@ class ModelRunner:
         self.swap = self._micro_batch_swap(kv_block_size) if config.kv_swap else None
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
-        self.compile_seconds = 0.0  # wall time of the decode calls that compiled a graph (in the decode phase)
-        self._decode_body = self._compiled_body() if compile else self._body
+        self._decode_body = CompiledBody(self._body, self.device, self._kv_tensors) if compile else self._body
         self.busy_seconds = 0.0  # wall time in this stage's forward bodies (not in receives or sends)
 
     def _micro_batch_swap(self, block_size: int | None) -> MicrobatchSwap:
@@ -153,32 +151,14 @@ class ModelRunner:
         self.kv = KVCache(dataclasses.replace(host, num_slots=2 * per), device=self.device)
         return MicrobatchSwap(KVCache(host, device="cpu"), self.kv, per)
 
-    def _compiled_body(self) -> Callable:
-        """The decode body compiled once per shape; CUDA graphs on a GPU (static shapes and buffers).
-        Calls that compiled a graph add their wall time to :attr:`compile_seconds`; rank 0 logs
-        (INFO) a line before the first call and one after each call that compiled, with its time."""
-        graphs_on = self.device.type == "cuda"
-        body = torch.compile(self._body, mode="reduce-overhead" if graphs_on else None)
-        said = not _logs_progress()
+    @property
+    def compile_seconds(self) -> float:
+        """Wall time of the decode calls that compiled a graph (0 when eager)."""
+        return self._decode_body.seconds if isinstance(self._decode_body, CompiledBody) else 0.0
 
-        def timed(*args, **kwargs):
-            nonlocal said
-            if graphs_on:  # the step writes the KV cache in place: static inputs, or no CUDA graph at all
-                for t in (*self.kv.k, *self.kv.v):
-                    torch._dynamo.mark_static_address(t)
-            if not said:
-                log.info("compiling the decode step (%s)", _compile_cache_note())
-            graphs, t0 = _graphs_compiled(), time.perf_counter()
-            out = body(*args, **kwargs)
-            if _graphs_compiled() != graphs:
-                self.compile_seconds += time.perf_counter() - t0
-                if _logs_progress():
-                    what = "the decode step" if not said else "the decode step for a new shape"
-                    log.info("compiled %s in %.1f s", what, time.perf_counter() - t0)
-            said = True
-            return out
-
-        return timed
+    def _kv_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The cache's K and V tensors, which a step writes in place."""
+        return (*self.kv.k, *self.kv.v)
 
     # ---- layout ---------------------------------------------------------------------------------
     def _stage_layers(self, stage: int) -> list[int]:
@@ -462,22 +442,3 @@ def _positive(name: str, value: int) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
-
-
-def _logs_progress() -> bool:
-    """Whether this process logs compile progress: rank 0, or a process outside any group."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _compile_cache_note() -> str:
-    """Where the compiled code is cached, and what a first run costs."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return f"a first run on this machine can take minutes; cached afterwards in {cache_dir()}"
-
-
-def _graphs_compiled() -> int:
-    """Graphs Dynamo has compiled in this process (its own counter; private, read-only)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from reshard.kv import KVCache
 from reshard.kv.scatter import Packing
 from reshard.kv.stream_plan import Span, kv_box
-from reshard.parallel.engine import Engine
+from reshard.parallel.engine import Endpoint, Engine
 from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.fault.link import Link, Links
 from reshard.plan import Piece
@@ -309,7 +309,7 @@ class KVMirror(KVConnector):
     def _start_receiver(self, source: str, g: int) -> None:
         landing = Landing(self.cache.spec, self.slots, self.cache.device)
         with self.lock:
-            older = [e for e in self.mirrors if e.split(".")[0] == str(g)]
+            older = [e for e in self.mirrors if Endpoint(e).group == g]
             for old in older[:-1]:  # group g's last dead generation's stays until adopted
                 del self.mirrors[old]
             self.mirrors[source] = landing
@@ -395,7 +395,7 @@ class KVMirror(KVConnector):
     def _bound(self, request) -> float:
         """How long ``request`` may await its KV: :data:`HANDOFF_WAIT_S`, or :data:`REPLAY_WAIT_S`
         from a source that ends its stream (its END settles it sooner)."""
-        ends = request.kv_source.split(".")[0] in {str(g) for g in self.peers.ends}
+        ends = Endpoint(request.kv_source).group in self.peers.ends
         return REPLAY_WAIT_S if ends else HANDOFF_WAIT_S
 
     def _settled(self, request, need: int) -> bool:
