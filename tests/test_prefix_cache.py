@@ -30,6 +30,19 @@ def _samples(prompts, n, max_new=8, temperature=0.0):
     return requests
 
 
+def check_computed_once(on: dict, off: dict, prompts, expected, n: int, temperature: float) -> None:
+    """A run with the prefix cache (``on``) against one without (``off``), each ``{"tokens",
+    "fed", "hits"}`` for ``n`` samples of each of ``prompts``: the same tokens (greedy: HF's
+    ``expected``); without, every prompt token computed and no hit; with, each prompt computed
+    once plus, per other sample, its last partial block (never shared)."""
+    assert on["tokens"] == off["tokens"], (n, temperature)
+    if temperature == 0.0:
+        assert on["tokens"] == [t for t in expected for _ in range(n)]
+    assert off["fed"] == n * sum(map(len, prompts)) and off["hits"] == 0
+    tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
+    assert on["fed"] == sum(map(len, prompts)) + (n - 1) * tails, (n, on["fed"])
+
+
 def _run(model, requests, **config):
     from reshard.parallel import Engine, EngineConfig
 
@@ -72,12 +85,7 @@ def test_n_samples_compute_their_prompt_once_and_equal_the_uncached_run(checkpoi
         for temperature in (0.0, 0.8):
             for rank in dist_harness.run(world, _samples_job, path, prompts, n, temperature):
                 on, off = rank["on"], rank["off"]
-                assert on["tokens"] == off["tokens"], (n, temperature)
-                if temperature == 0.0:
-                    assert on["tokens"] == [t for t in expected for _ in range(n)]
-                assert off["fed"] == n * sum(map(len, prompts)) and off["hits"] == 0
-                tails = sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in prompts)
-                assert on["fed"] == sum(map(len, prompts)) + (n - 1) * tails, (n, on["fed"])
+                check_computed_once(on, off, prompts, expected, n, temperature)
                 assert on["hits"] == (n - 1) * sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
                 assert on["queries"] == n * sum(map(len, prompts))
                 # each prompt's first sample in the first step: the others wait for its blocks, not the queue
