@@ -178,3 +178,44 @@ def test_inflight_micro_batches_take_prompt_chunks_beside_decodes(four_layer, hf
     assert "mixed" in first[True, 0.0][1] and "mixed" not in first[False, 0.0][1]
     for stage in results[1:]:  # every stage: the same tokens and the same steps
         assert {k: v[:2] for k, v in stage.items()} == {k: v[:2] for k, v in first.items()}
+
+
+def _written_in_flight(path, prompt, write):
+    """PP2 in flight on a paged prefix cache: ``prompt`` once, then four greedy samples of it,
+    which start past its cached blocks; with ``write``, the weights are written (the same values)
+    on every stage right after the first step of the samples is scheduled, while it is in flight."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
+    from reshard.parallel.model.info import parallel_info
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+    from tests.test_prefix_cache import PAGED
+
+    model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
+    engine = Engine(model, EngineConfig(**PAGED))
+    engine.generate([Request(0, prompt, SamplingParams(max_new_tokens=4))])
+    written = []
+
+    def on_scheduled(step):
+        if write and not written:
+            parallel_info(model).weight_version.writes += 1  # (what a sync does to the version)
+            written.append(step.kind)
+
+    engine.events.on("step_scheduled", on_scheduled)
+    samples = [Request(1 + i, prompt, SamplingParams(max_new_tokens=6)) for i in range(4)]
+    return [c.output_ids for c in engine.generate(samples)], engine.stats.prefix_cache_hits
+
+
+def test_weights_written_while_a_cached_prefix_step_is_in_flight(four_layer, hf_reference):
+    """A step of requests that started past a cached prefix is in flight when the weights are
+    written: those requests keep their slots and blocks and run on (only requests not yet in a
+    step are queued again); every stage's tokens equal HF's and the run without the write."""
+    from tests.test_prefix_cache import _prompt
+
+    path, prompt = four_layer["llama"], _prompt(23, 5)
+    (expected,) = hf_reference(path, [prompt], 6)
+    written = dist_harness.run(2, _written_in_flight, path, prompt, True)
+    quiet = dist_harness.run(2, _written_in_flight, path, prompt, False)
+    assert quiet[0][1] > 0  # the samples did start past the cached blocks
+    for (tokens, _), (calm, _) in zip(written, quiet):
+        assert tokens == calm == [expected] * 4

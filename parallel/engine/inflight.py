@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,11 +67,12 @@ class StepNote:
     blocks: tuple[tuple[int, ...], ...] = ()  # on a paged cache: each new sequence's blocks
 
     @staticmethod
-    def of(step: Step, noted: set[int]) -> StepNote:
-        """``step``'s note; ``noted``: the request ids earlier notes carried (updated)."""
+    def of(step: Step, noted: weakref.WeakValueDictionary) -> StepNote:
+        """``step``'s note; ``noted``: the sequences earlier notes carried, by ``id`` (updated; a
+        sequence leaves it once nothing holds it, and a request admitted again is a new one)."""
         seqs = step.seqs
-        new = tuple(i for i, s in enumerate(seqs) if s.request.id not in noted)
-        noted.update(seqs[i].request.id for i in new)
+        new = tuple(i for i, s in enumerate(seqs) if noted.get(id(s)) is not s)
+        noted.update((id(seqs[i]), seqs[i]) for i in new)
         return StepNote(
             "new" if new else "running",
             tuple(s.request.id for s in seqs),
@@ -186,7 +188,7 @@ class BatchQueue:
         self.notes = NoteLink(prev, nxt, _note_capacity(runner), runner.device)
         self.first, self.last, self.others = link.is_first, link.peers[-1], link.peers[:-1]
         self.flights: deque[Flight] = deque()
-        self.noted: set[int] = set()  # the first stage: request ids its notes carried this generate
+        self.noted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the first stage's noted sequences
         self.sent: deque[tuple[dist.Work, torch.Tensor]] = deque()  # token sends (last stage), with buffers
         self.record = PipelineRecord()
         self._t0 = self._busy0 = 0.0
@@ -194,7 +196,7 @@ class BatchQueue:
     def begin(self) -> None:
         """A new ``generate``: clear the record."""
         self.record = PipelineRecord()
-        self.noted = set()
+        self.noted.clear()
         self._t0, self._busy0 = time.perf_counter(), self.runner.busy_seconds
 
     def launch(self, step: Step, layers=None) -> None:
@@ -389,6 +391,8 @@ class InflightBatching(ContinuousBatching):
             if step is not None:
                 self.busy.add(k)
                 self.turn = (k + 1) % n
+                for seq in step.seqs:  # launched now, in flight on later stages: never queued again
+                    self.unstarted.pop(seq.request.id, None)
                 return step
         return None
 

@@ -197,7 +197,7 @@ class ModelRunner:
     def mixes(self) -> bool:
         """Whether a step may mix prompt tokens and decode tokens (:meth:`_mixed`): no micro-batch
         swapping. A Ulysses token split cuts the step's flat batch, and pipeline stages pass it on
-        as one micro-batch (a drained pipeline's steps; an in-flight one schedules its own)."""
+        one micro-batch slot range at a time (an in-flight step is one range)."""
         return self.swap is None
 
     @property
@@ -246,10 +246,12 @@ class ModelRunner:
                 if s.num_computed_tokens == 0:
                     assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
                     self.kv.assign(s.slot, s.blocks)
-        ranges = split_ranges(self.max_batch_size, self.num_microbatches)
-        parts = [[i for i, s in enumerate(seqs) if a <= s.slot < b] for a, b in ranges]  # seqs by slot range
-        parts = [part for part in parts if part]
+        parts = [list(range(len(seqs)))]  # one flat batch; a pipeline's by micro-batch slot range
+        if self.link is not None:
+            ranges = split_ranges(self.max_batch_size, self.num_microbatches)
+            parts = [part for a, b in ranges if (part := [i for i, s in enumerate(seqs) if a <= s.slot < b])]
         order = [i for part in parts for i in part]
+        assert len(order) == len(seqs), "a sequence's slot lies outside the cache's (policy bug)"
         batches = [self._mixed_batch([seqs[i] for i in part], [num_tokens[i] for i in part]) for part in parts]
         out = self._stages(batches, self._body, None, layers)
         if out is None or order == sorted(order):
