@@ -4,9 +4,10 @@
     python bench/figures.py --out /tmp/figs    # somewhere else
 
 Every number comes from ``bench/RESULTS.md`` (the tables each bench printed, recorded with their
-command, machine and commit) or from a plot a bench wrote itself (``bench/serve.py --png``); nothing
-is typed in here. Each figure names the section of ``RESULTS.md`` it reads, so a rerun that
-replaces a table there is one command away from the docs: rerun this script.
+command, machine and commit) or from a plot a bench or a run wrote itself (``bench/serve.py --png``,
+an online run's ``latency.png``); nothing is typed in here. Each figure names the section of
+``RESULTS.md`` it reads, so a rerun that replaces a table there is one command away from the docs:
+rerun this script.
 """
 
 from __future__ import annotations
@@ -169,7 +170,13 @@ def serve_latency(_text: str, _plt, out: Path) -> Path:
     return Path(shutil.copyfile(ROOT / "bench" / "serve-latency.png", out / "serve-latency.png"))
 
 
-FIGURES: tuple[Callable, ...] = (engine_vs_hf, shift, seesaw, sidp, rl_sync, online, serve_latency)
+def online_run(_text: str, _plt, out: Path) -> Path:
+    """The ``latency.png`` an online run of ``reshard generate`` wrote into its run directory, kept
+    as ``bench/online-run-latency.png`` (its command is in ``bench/RESULTS.md``)."""
+    return Path(shutil.copyfile(ROOT / "bench" / "online-run-latency.png", out / "online-run-latency.png"))
+
+
+FIGURES: tuple[Callable, ...] = (engine_vs_hf, shift, seesaw, sidp, rl_sync, online, serve_latency, online_run)
 
 
 # ---- drawing -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -55,8 +55,10 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def init_distributed() -> None:
-    """Join torchrun's process group (NCCL with CUDA, else gloo); alone, a 1-rank group."""
+def init_distributed(fork_server: Sequence[str] | None = None) -> None:
+    """Join torchrun's process group (NCCL with CUDA, else gloo); alone, a 1-rank group.
+    ``fork_server`` (a supervised rank's modules to preload): fork the rank's fork server first,
+    while the rank has no threads of its own (:func:`reshard.parallel.fault.fork_server.fork_server`)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -64,6 +66,10 @@ def init_distributed() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if fork_server is not None:  # (with the environment its children read set)
+        from reshard.parallel.fault.fork_server import fork_server as fork
+
+        fork(fork_server)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -125,6 +131,18 @@ class _WholeErrorFile(ErrorHandler):
         os.replace(f"{file}.{os.getpid()}.tmp", file)
 
 
+def _supervised_preload(overrides: Sequence[str]) -> tuple[str, ...] | None:
+    """What a supervised rank's fork server preloads (the rank forks it before its process group),
+    or None where the overrides set no ``fault.migrate``. A guess from the command line: a server
+    forked in vain ends with the rank, one not forked is started by multiprocessing when asked."""
+    given = dict(o.split("=", 1) for o in overrides if "=" in o)
+    if given.get("fault.migrate", "null") in ("null", ""):
+        return None
+    from reshard.recipes.supervised import fork_server_preload
+
+    return fork_server_preload(overrides)
+
+
 def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = False) -> None:
     """Run ``run(config dataclass, run dir)`` under ``@hydra.main`` on every rank of the job. A user
     error (a ``ValueError``, or a config that Hydra refuses) is one line on stderr and exit status 2;
@@ -183,7 +201,7 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a launcher stopping the ranks
             signal.signal(signum, _stop)
         sys.unraisablehook = functools.partial(_quiet_interrupt, sys.unraisablehook)
-        init_distributed()
+        init_distributed(fork_server=_supervised_preload(overrides))
         sys.argv += hydra_rank_overrides(overrides)
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
         code = 0

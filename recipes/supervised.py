@@ -18,7 +18,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -191,7 +191,8 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, s
         channel.put(spec_key(spec.endpoint, position), (mirror.cache.spec, mirror.cache.layout))
     hands_off = spec.group in topology.entries and bool(topology.takers)  # a prompt group
     if mirror is not None:  # serve mirrored from the first step when the next group is up (a prompt group, or a
-        mirror.wait_connected(starting=hands_off or topology.hosted)  # hosted group: once it is; its host always is)
+        starting = hands_off or topology.hosted  # hosted group: once it is; its host always is)
+        mirror.wait_connected(starting=starting, done=lambda: channel.ready("all_done"))
     with engine:
         engine.serve_routed(channel, spec.endpoint, beat=journal.beat, layout=group, keep=not streams)
     channel.put(f"left/{spec.endpoint}", time.time())  # no mirror (or weight taker) waits for it any more
@@ -319,8 +320,27 @@ def _model_modules(path: Path) -> tuple[str, ...]:
     """The transformers modules the checkpoint's model class lives in (a spare imports them)."""
     from transformers import AutoConfig
 
-    kind = AutoConfig.from_pretrained(path).model_type.replace("-", "_")
+    return _family_modules(AutoConfig.from_pretrained(path).model_type)
+
+
+def _family_modules(model_type: str) -> tuple[str, ...]:
+    kind = model_type.replace("-", "_")
     return ("transformers.models.auto.modeling_auto", f"transformers.models.{kind}.modeling_{kind}")
+
+
+def fork_server_preload(overrides: Sequence[str]) -> tuple[str, ...]:
+    """What a supervised rank's fork server imports, forked before the job's config is composed
+    (:func:`reshard.recipes.launch.init_distributed`): :data:`WARM` and the modules of the model
+    the overrides name (a local checkpoint's ``config.json``; without ``model.path``, the built-in
+    Llama). A guess: a child imports what it lacks itself."""
+    given = dict(o.split("=", 1) for o in overrides if "=" in o)
+    config = Path(given.get("model.path", "")).expanduser() / "config.json"
+    if "model.path" not in given:
+        return (*WARM, *_family_modules("llama"))
+    if config.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return (*WARM, *_family_modules(json.loads(config.read_text())["model_type"]))
+    return WARM
 
 
 def _vocab_size(path: Path) -> int:
@@ -372,4 +392,4 @@ def _per_generation(cfg, channel: Channel, store, name: str) -> dict[int, dict[i
     return out
 
 
-__all__ = ["engine_group_of", "run_supervised", "serve_child", "weights_digest"]
+__all__ = ["engine_group_of", "fork_server_preload", "run_supervised", "serve_child", "weights_digest"]

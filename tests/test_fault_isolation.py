@@ -397,6 +397,47 @@ def test_ctrl_c_stops_every_supervisor_child_and_spare(tmp_path):
     assert not (tmp_path / "run" / "outputs.jsonl").exists()
 
 
+_FORKED = """
+import multiprocessing as mp, os, sys
+sys.path.insert(0, sys.argv[1])
+import marker  # counts its imports in imports.txt
+from reshard.parallel.fault.fork_server import fork_server
+
+forked = fork_server(["marker"])
+again = fork_server(["marker"])
+server = mp.forkserver._forkserver._forkserver_pid
+child = mp.get_context("forkserver").Process(target=marker.report, args=(sys.argv[1],))
+child.start()
+child.join()
+same = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
+print(forked, again, server, child.exitcode, same)
+"""
+
+
+@pytest.mark.skipif(__import__("torch").version.cuda is not None, reason="a CUDA build starts its server afresh")
+def test_a_rank_forks_its_fork_server_with_its_imports_and_the_server_ends_with_it(tmp_path):
+    """The server is forked from the rank (its command line is the rank's, not multiprocessing's
+    ``python -c``), its child runs with the rank's imports (imported once, by the rank), and the
+    server ends when the rank does."""
+    (tmp_path / "marker.py").write_text(
+        "import os, sys\n"
+        "open(os.path.join(os.path.dirname(__file__), 'imports.txt'), 'a').write(f'{os.getpid()}\\n')\n"
+        "def report(d):\n"
+        "    open(os.path.join(d, 'child.txt'), 'w').write(f'{os.getppid()} {\"marker\" in sys.modules}')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", _FORKED, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    forked, again, server, code, same_command = proc.stdout.split()
+    assert (forked, again, code, same_command) == ("True", "False", "0", "True")
+    assert (tmp_path / "child.txt").read_text() == f"{server} True"  # forked by the server, marker loaded
+    assert len((tmp_path / "imports.txt").read_text().split()) == 1  # by the rank alone
+    for _ in range(100):  # the rank has ended: the server sees its alive pipe close and ends
+        if _state(int(server)) == "Z":
+            break
+        time.sleep(0.05)
+    assert _state(int(server)) == "Z"
+
+
 def test_supervised_settings_are_checked():
     from reshard.recipes.config import FaultConfig
 

@@ -2,7 +2,8 @@
 for its ranks (the launcher's ``--check``: keys, values and layouts, without starting the job),
 every other command names what exists (a bench script and its flags, a test file, an extra of
 ``pyproject.toml``), the test command is the one CI runs, and every Python block runs on the 2
-ranks it is written for. ``tests/test_docs.py`` applies the same checks to ``docs/``."""
+ranks it is written for (and, where it says so, as ``python example.py``: one plain process).
+``tests/test_docs.py`` applies the same checks to ``docs/``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import contextlib
 import io
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +175,17 @@ def test_each_python_block_runs_on_two_ranks(index):
     assert "--nproc-per-node 2" in code.splitlines()[0]  # each block says how it is run
     outputs = dist_harness.run(2, run_block, code, timeout=240)
     assert len(outputs) == 2
+
+
+@pytest.mark.parametrize(
+    "index", [i for i, b in enumerate(blocks(README, "python")) if "python example.py" in b.split("\n")[0]]
+)
+def test_each_block_that_says_so_runs_as_a_plain_process(tmp_path, index):
+    """``python example.py``: no launcher, no process group made beforehand (LLM makes its own
+    one-rank group and ends it)."""
+    (tmp_path / "example.py").write_text(blocks(README, "python")[index])
+    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("print(" in blocks(README, "python")[index]) == bool(proc.stdout.strip()), proc.stdout
+    said = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
+    assert not said, proc.stderr[-3000:]  # (transformers' from_pretrained shows its progress)

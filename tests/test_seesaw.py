@@ -366,3 +366,45 @@ def test_seesaw_with_a_paged_decode_cache_matches_hf(four_layer, hf_reference):
         2, _paged_tokens, path, LAYOUTS["P2-T2"], prompts, MAX_NEW
     ):
         assert tokens == expected and allocated == freed > 0 and capacity == 96
+
+
+def _samples(path, layouts, prompts, n, max_new, temperature):
+    """``n`` samples of each prompt (request ``i * n + j``, seeds differing), through Seesaw and
+    through a static TP engine; Seesaw's prompt tokens computed and what its tier holds after."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
+
+    def params(i, j):  # the first sample of prompt 1 ends at its prefill, its siblings go on
+        return SamplingParams(max_new_tokens=1 if (i, j) == (1, 0) else max_new, temperature=temperature, seed=10 + j)
+
+    requests = [Request(i * n + j, p, params(i, j)) for i, p in enumerate(prompts) for j in range(n)]
+    engine = _seesaw(path, layouts)
+    seesaw = [c.output_ids for c in engine.generate(requests)]
+    tiered = engine.policy.tiered
+    left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of, engine.policy.siblings)
+    fed = engine.stats.prompt_tokens_computed
+    engine.close()
+    static = Engine(
+        parallelize(path, _dims(dist.get_world_size(), dict(tp=2))),
+        EngineConfig(max_batch_size=3, max_seq_len=128, prefix_caching=False),
+    )
+    return seesaw, [c.output_ids for c in static.generate(requests)], fed, left
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_n_samples_of_a_prompt_are_prefilled_once_and_share_its_tier_kv(four_layer, hf_reference, temperature):
+    """GRPO's shape: 4 samples per prompt. Each prompt is computed once in the prefill layout;
+    the other samples load its KV from the CPU tier but for the last prompt token, which their
+    first decode step feeds. Tokens equal a static TP engine's without sharing (and HF's when
+    greedy), and the tier is empty after."""
+    path, prompts, n = four_layer["llama"], _prompts(3), 4
+    expected = hf_reference(path, prompts, 6)
+    for seesaw, static, fed, left in dist_harness.run(2, _samples, path, LAYOUTS["P2-T2"], prompts, n, 6, temperature):
+        assert seesaw == static
+        if temperature == 0.0:
+            assert seesaw == [e[: 1 if (i, j) == (1, 0) else 6] for i, e in enumerate(expected) for j in range(n)]
+        # each prompt once, each sibling its last token, and each first sample that runs on its
+        # prefill's token (which ends a resumed request's prompt): all but prompt 1's
+        assert fed == sum(map(len, prompts)) + (n - 1) * len(prompts) + len(prompts) - 1
+        assert left == ({}, {}, {}, {})

@@ -101,6 +101,7 @@ def entries(job: str, overrides: list[str]) -> list[tuple[str, str, str, str]]:
     from reshard.recipes import schema
 
     yaml_notes = _yaml_notes(job, overrides)
+    derived = {k for k, v in _yaml_values(job).items() if v.startswith("${") and k in yaml_notes}
     notes: dict[type, dict[str, str]] = {}
     out = []
 
@@ -111,6 +112,8 @@ def entries(job: str, overrides: list[str]) -> list[tuple[str, str, str, str]]:
                 walk(value, f"{path}{spec.name}.")
                 continue
             note = _note(type(node), spec.name, notes) or yaml_notes.get(path + spec.name, "")
+            if path + spec.name in derived:  # the value shown is the default strategy's
+                note = f"{note} Default: {yaml_notes[path + spec.name]}".strip()
             out.append((path + spec.name, json.dumps(value, default=repr), str(spec.type), note))
 
     walk(schema.compose(job, overrides), "")
@@ -217,19 +220,29 @@ def _yaml_notes(job: str, overrides: list[str]) -> dict[str, str]:
     return notes
 
 
+def _yaml_values(job: str) -> dict[str, str]:
+    """Full key -> its value as written in ``conf/<job>.yaml`` (an interpolation is resolved when
+    the config is composed: by the strategy chosen)."""
+    return {key: value for key, (value, _) in _yaml_lines(ROOT / "conf" / f"{job}.yaml", "").items()}
+
+
 def _yaml_comments(path: Path, prefix: str) -> dict[str, str]:
+    return {key: comment for key, (_, comment) in _yaml_lines(path, prefix).items() if comment}
+
+
+def _yaml_lines(path: Path, prefix: str) -> dict[str, tuple[str, str]]:
+    """Full key -> (its value as written, the comment on its line) in the YAML file ``path``."""
     if not path.is_file():
         return {}
-    notes, stack = {}, []
+    lines, stack = {}, []
     for line in path.read_text().splitlines():
         match = re.match(r"^( *)([A-Za-z_]\w*):(.*?)(?:#\s?(.*))?$", line)
         if match is None:
             continue
-        indent, name, _value, comment = match.groups()
+        indent, name, value, comment = match.groups()
         stack = [s for s in stack if s[0] < len(indent)] + [(len(indent), name)]
-        if comment:
-            notes[prefix + ".".join(s[1] for s in stack)] = comment.strip()
-    return notes
+        lines[prefix + ".".join(s[1] for s in stack)] = (value.strip(), (comment or "").strip())
+    return lines
 
 
 # ---- the API reference ---------------------------------------------------------------------------

@@ -229,17 +229,20 @@ class KVMirror(KVConnector):
             if self.outbox is not outbox or self.stopping.is_set():
                 return
 
-    def wait_connected(self, timeout: float = 60.0, *, starting: bool = False) -> bool:
+    def wait_connected(
+        self, timeout: float = 60.0, *, starting: bool = False, done: Callable[[], bool] = lambda: False
+    ) -> bool:
         """Wait until the live sources' mirrors exist (a request resumed from one must not find
         none and be prefilled whole) and this rank's KV has a live mirror, if the successor group
-        is up (or, with ``starting``, until it is: a prompt group's hand-offs need it); whether it
-        has one. A group should not serve unmirrored when it need not."""
+        is up (or, with ``starting``, until it is: a prompt group's hand-offs need it, unless
+        ``done()``: the job has nothing left to serve, and a successor that left comes back no
+        more); whether it has one. A group should not serve unmirrored when it need not."""
         store, deadline = self.connect(), time.monotonic() + timeout
         self.watched.wait(timeout)  # a request resumed from a live source finds its mirror
         while self.peers.successor is not None and time.monotonic() < deadline:
             if self.connected.wait(0.05):
                 return True
-            if not starting and self.peers.endpoint(store, self.peers.successor) is None:
+            if (not starting or done()) and self.peers.endpoint(store, self.peers.successor) is None:
                 return False
         return self.connected.is_set()
 

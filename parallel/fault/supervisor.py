@@ -343,8 +343,10 @@ class _Spare:
 def _context(warm: tuple[str, ...]) -> mp.context.BaseContext:
     """How children start: forked from this process's fork server, which imported the main
     module and ``warm`` once (a spawned child imports torch anew: seconds of CPU each). The
-    server is this process's child with no threads of its own; it exits when this process does
-    and its children die with it (:func:`_die_with_parent`)."""
+    server is this process's child with no threads of its own, forked from it before its process
+    group where the launcher could (:mod:`reshard.parallel.fault.fork_server`: then the preload
+    below is the server's already); it exits when this process does and its children die with
+    it (:func:`_die_with_parent`)."""
     ctx = mp.get_context("forkserver")
     # (no effect once the server runs); last, the module that freezes what the server imported
     ctx.set_forkserver_preload(["__main__", *warm, "reshard.parallel.fault.frozen"])

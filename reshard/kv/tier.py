@@ -102,9 +102,12 @@ class CPUKVTier:
             self.pool[first + layer, 1, h0:h1, a:b].copy_(_to_host(v))
         return 2 * cache.spec.num_layers * (h1 - h0) * num_tokens * cache.spec.head_dim * _itemsize(self.spec.dtype)
 
-    def swap_in(self, cache: KVCache, slot: int, request_id: int) -> int:
-        """Copy the request's KV for this cache's layers and head range into ``slot``; returns its tokens."""
+    def swap_in(self, cache: KVCache, slot: int, request_id: int, num_tokens: int | None = None) -> int:
+        """Copy the request's KV (its first ``num_tokens`` positions; None: all) for this cache's
+        layers and head range into ``slot``; returns its tokens."""
         a, b = self.ranges[request_id]
+        b = b if num_tokens is None else a + num_tokens
+        assert b <= self.ranges[request_id][1], (request_id, num_tokens, self.ranges[request_id])
         h0, h1 = _heads(cache, self.spec)
         first = cache.spec.first_layer
         for layer in range(cache.spec.num_layers):

@@ -64,32 +64,52 @@ class SeesawStats(EngineStats):
 
 class TierKV(KVConnector):
     """The CPU tier as a KV connector of the decode side: a request resumed from :data:`TIER`
-    matches its prompt (every position but the first token, which its first decode step feeds);
-    :meth:`load` copies this rank's layers and head range of it into the decode slot, on the ranks
-    of the sequence's decode replica, and frees its tier tokens on every rank. The policy makes
-    the tier whole on every rank before a decode step admits from it, so the answer is never
-    "awaiting". ``decode``: the decode layout's runner; ``slot_of``: request id -> the decode
-    slot it was loaded into (this rank's replica)."""
+    matches its prompt (every position but the first token, which its first decode step feeds),
+    and a sibling (a request whose prompt equals one prefilled beside it: :meth:`share`) every
+    position of the prompt but its last, which its first decode step feeds to sample its first
+    token; :meth:`load` copies this rank's layers and head range of it into the decode slot, on
+    the ranks of the sequence's decode replica, and frees the tier tokens on every rank once no
+    sequence is left to load them. The policy makes the tier whole on every rank before a decode
+    step admits from it, so the answer is never "awaiting". ``decode``: the decode layout's
+    runner; ``slot_of``: request id -> the decode slot it was loaded into (this rank's replica)."""
 
     def __init__(self, tier: CPUKVTier, decode, stats: SeesawStats) -> None:
         self.tier, self.decode, self.stats = tier, decode, stats
         self.slot_of: dict[int, int] = {}
+        self.entry_of: dict[int, int] = {}  # a sibling's request id -> the request whose tier KV it loads
+        self.holders: dict[int, int] = {}  # a shared tier entry's request id -> the loads it awaits
+
+    def share(self, leader: int, siblings: list[int], *, leader_loads: bool) -> None:
+        """``siblings`` load ``leader``'s prompt KV from the tier (and ``leader``, where it
+        decodes on): its entry is freed after the last of them."""
+        self.entry_of.update(dict.fromkeys(siblings, leader))
+        self.holders[leader] = len(siblings) + leader_loads
+
+    def release(self, entry: int) -> None:
+        """One holder of ``entry`` is done with it (loaded, or finished at its prefill without
+        siblings); the last frees its tier tokens."""
+        left = self.holders.pop(entry, 1) - 1
+        if left:
+            self.holders[entry] = left
+        else:
+            self.tier.free(entry)
 
     def matched_tokens(self, seq: Sequence) -> int | None:
         return seq.prompt_len - 1 if seq.request.kv_source == TIER else 0
 
     def load(self, seq: Sequence, num_tokens: int) -> None:
         rid, kv = seq.request.id, self.decode.kv
+        entry = self.entry_of.pop(rid, rid)
         if seq.replica == self.decode.replica.rank:
             t0 = time.perf_counter()
             if kv.spec.paged:  # the slot's blocks before the load writes them
                 kv.assign(seq.slot, list(seq.blocks))
-            loaded = self.tier.swap_in(kv, seq.slot, rid)
+            loaded = self.tier.swap_in(kv, seq.slot, entry, num_tokens)
             assert loaded == num_tokens, (rid, loaded, num_tokens)
             self.slot_of[rid] = seq.slot
             self.stats.swap_in_tokens += loaded
             self.stats.swap_seconds += time.perf_counter() - t0
-        self.tier.free(rid)
+        self.release(entry)
 
 
 class SeesawPolicy(ContinuousBatching):
@@ -155,6 +175,7 @@ class SeesawPolicy(ContinuousBatching):
         super().start(queue)
         self.buffered: deque[Request] = deque()  # resumed requests waiting for a decode slot
         self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its prefill's times and logprobs
+        self.siblings: dict[int, list[Request]] = {}  # a request in a prefill step -> those its prompt serves
 
     def next_step(self, queue: deque) -> Step:
         """The scheduler's phase; its layout is that phase's (a transition when it is not the
@@ -214,6 +235,7 @@ class SeesawPolicy(ContinuousBatching):
         slots, budget = self.prefill.max_batch_size * dp, self.max_prefill_tokens * dp
         target = self.scheduler.buffer_target(self._snapshot(queue)) - len(self.buffered)
         batch: list[Sequence] = []
+        prompts: dict[tuple[int, ...], int] = {}  # the batch's prompts -> the request that computes each
         while queue and len(batch) < min(slots, target):
             n = len(queue[0].prompt_ids)
             if (batch and n > budget) or not self.tier.can_fit(n):
@@ -222,7 +244,18 @@ class SeesawPolicy(ContinuousBatching):
             self.tier.allocate(request.id, n)
             budget -= n
             batch.append(self.new_sequence(request))
+            prompts.setdefault(tuple(request.prompt_ids), request.id)
+            self._take_siblings(queue, prompts)
         return batch
+
+    def _take_siblings(self, queue: deque, prompts: dict[tuple[int, ...], int]) -> None:
+        """The queue's head requests whose prompt (of two tokens or more) one of the batch's
+        computes: they take no prefill slot and load that request's prompt KV from the tier for
+        their first decode step (``n`` samples of a prompt prefilled once)."""
+        while (
+            queue and len(queue[0].prompt_ids) > 1 and (leader := prompts.get(tuple(queue[0].prompt_ids))) is not None
+        ):
+            self.siblings.setdefault(leader, []).append(queue.popleft())
 
     def _take_prefill_slots(self, seqs: list[Sequence]) -> None:
         while len(self._prefill_free) < len(seqs):
@@ -240,7 +273,12 @@ class SeesawPolicy(ContinuousBatching):
             if s.finish_reason is None:
                 self.marks[s.request.id] = (tuple(s.times), tuple(s.logprobs))
                 self.buffered.append(dataclasses.replace(s.request.resume(s.output), kv_source=TIER))
-        jobs = [(s.slot, s.request.id, s.prompt_len) for s in mine if s.finish_reason is None]
+            siblings = self.siblings.pop(s.request.id, [])
+            if siblings:
+                self.tiered.share(s.request.id, [r.id for r in siblings], leader_loads=s.finish_reason is None)
+                self.buffered.extend(dataclasses.replace(r, kv_source=TIER) for r in siblings)
+        kept = [s for s in mine if s.finish_reason is None or s.request.id in self.tiered.holders]
+        jobs = [(s.slot, s.request.id, s.prompt_len) for s in kept]
         self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
 
     def _wait_swap_outs(self, *, everything: bool) -> None:
@@ -274,7 +312,7 @@ class SeesawPolicy(ContinuousBatching):
     def retire(self, seq: Sequence) -> None:
         if self.running.get(seq.request.id) is seq:
             super().retire(seq)
-        else:  # finished at its prefill
+        elif seq.request.id not in self.tiered.holders:  # finished at its prefill (its siblings free its KV)
             self.tier.free(seq.request.id)
 
     def close(self) -> None:
