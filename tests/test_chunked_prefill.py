@@ -174,7 +174,6 @@ def _refusals(path) -> list[str]:
     model = parallelize(path)
     cases = [
         (dict(prefill_chunk=0), None),
-        (dict(prefill_chunk=4, kv_swap=True, num_microbatches=2), None),
         (dict(prefill_chunk=4), ContinuousBatching("main")),
     ]
     messages = []
@@ -186,9 +185,8 @@ def _refusals(path) -> list[str]:
 
 
 def test_chunked_refusals_name_the_values(checkpoints):
-    zero, swap, policy = dist_harness.run(1, _refusals, checkpoints["llama"])[0]
-    assert "prefill_chunk must be >= 1" in zero and "got 0" in zero
-    assert "prefill_chunk (4)" in swap and "kv_swap (True)" in swap
+    zero, policy = dist_harness.run(1, _refusals, checkpoints["llama"])[0]  # (with kv_swap it runs:
+    assert "prefill_chunk must be >= 1" in zero and "got 0" in zero  # tests/test_microbatch_swap.py)
     assert "prefill_chunk (4)" in policy and "ContinuousBatching" in policy
 
 

@@ -19,7 +19,7 @@ PROMPTS = [
 ]
 
 
-def _job(path, pp, swap):
+def _job(path, pp, swap, chunked=True, prefill_chunk=None):
     import torch.distributed as dist
 
     from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
@@ -27,24 +27,43 @@ def _job(path, pp, swap):
 
     world = dist.get_world_size()
     model = parallelize_pipeline(path, ParallelDims(pp=pp, tp=world // pp, world_size=world))
-    engine = Engine(model, EngineConfig(max_batch_size=8, max_seq_len=64, num_microbatches=4, kv_swap=swap))
+    config = EngineConfig(
+        max_batch_size=8,
+        max_seq_len=64,
+        num_microbatches=4,
+        kv_swap=swap,
+        chunked_prefill=chunked,
+        max_prefill_tokens=16,
+        prefill_chunk=prefill_chunk,
+    )
+    engine = Engine(model, config)
     out = engine.generate([Request(i, p, SamplingParams(max_new_tokens=7)) for i, p in enumerate(PROMPTS)])
     runner = engine.runner
     host = runner.swap.host.spec.bytes if swap else runner.kv.spec.bytes
     moved = (runner.swap.bytes_in, runner.swap.bytes_out) if swap else (0, 0)
-    return [c.output_ids for c in out], runner.kv.spec.bytes, host, moved
+    return [c.output_ids for c in out], runner.kv.spec.bytes, host, moved, engine.stats.mixed_steps
 
 
 @pytest.mark.parametrize("world,pp", [(1, 1), (2, 2)])
 def test_swapping_two_of_four_microbatches_gives_the_same_tokens(four_layer, hf_reference, world, pp):
+    """On the token budget (a 16-token budget: prompts in chunks beside decode tokens), each
+    mixed step's micro-batches swapped in and out around them; and in whole-prompt steps."""
     path = four_layer["llama"]
     expected = hf_reference(path, PROMPTS, 7)
     resident = dist_harness.run(world, _job, path, pp, False)
     swapped = dist_harness.run(world, _job, path, pp, True)
-    for (tokens, device, _, _), (swap_tokens, swap_device, host, (bytes_in, bytes_out)) in zip(resident, swapped):
+    for (tokens, device, _, _, mixed), (swap_tokens, swap_device, host, (bytes_in, bytes_out), swap_mixed) in zip(
+        resident, swapped
+    ):
         assert tokens == swap_tokens == expected
+        assert swap_mixed > 0 and mixed > 0  # mixed steps, swapped (pipeline stages: drained with swapping)
         assert swap_device * 2 == device == host  # room for 2 of 4 micro-batches on the device
         assert bytes_in > 0 and bytes_out > 0
+    for tokens, _, _, _, mixed in dist_harness.run(world, _job, path, pp, True, False):
+        assert tokens == expected and mixed == 0  # engine.chunked_prefill=false: whole-prompt steps
+    if pp == 1:  # (pipeline stages refuse a chunk cap)
+        for tokens, _, _, _, mixed in dist_harness.run(world, _job, path, pp, True, True, 4):
+            assert tokens == expected and mixed > swap_mixed  # at most 4 tokens of a prompt a step
 
 
 def _bad_job(path):

@@ -66,9 +66,10 @@ class EngineConfig:
     chunked_prefill: bool = True
     """One token budget per step (vLLM's ``enable_chunked_prefill``): prompts take tokens beside
     the running sequences' decode tokens, in steps that mix both, a prompt longer than the budget
-    in chunks. It runs where the runner mixes (no ``kv_swap``) and the policy takes the engine's
-    batching options (the default policy, an in-flight pipeline's per micro-batch, Shift's,
-    SiDP's); elsewhere, and with False, whole prompts run in steps of their own."""
+    in chunks. It runs where the policy takes the engine's batching options (the default policy,
+    an in-flight pipeline's per micro-batch, Shift's, SiDP's; with ``kv_swap`` too, each
+    micro-batch's slots swapped in around it); elsewhere, and with False, whole prompts run in
+    steps of their own."""
     prefix_caching: bool = True
     """Share the KV of prompts' common prefixes (vLLM's automatic prefix caching): full blocks of
     a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later
@@ -85,7 +86,7 @@ class EngineConfig:
     prefill_chunk: int | None = None
     """Chunked prefill's cap (vLLM's ``long_prefill_token_threshold``): a prompt gets at most this
     many tokens per step; None: up to ``max_prefill_tokens``. Needs ``chunked_prefill``, the
-    default policy, no ``kv_swap`` and no pipeline stages."""
+    default policy and no pipeline stages."""
     num_microbatches: int | None = None
     """Pipeline micro-batches per step; None: one per pipeline stage (the model's ``pp`` degree;
     1 without stages)."""
@@ -126,10 +127,6 @@ class EngineConfig:
         if self.group_timeout is not None and not self.group_timeout > 0:
             raise ValueError(
                 f"engine.group_timeout must be > 0 seconds (None: the collective timeout), got {self.group_timeout}"
-            )
-        if self.prefill_chunk is not None and self.kv_swap:
-            raise ValueError(
-                f"engine.prefill_chunk ({self.prefill_chunk}) cannot be combined with engine.kv_swap ({self.kv_swap})"
             )
 
     @property

@@ -195,10 +195,11 @@ class ModelRunner:
 
     @property
     def mixes(self) -> bool:
-        """Whether a step may mix prompt tokens and decode tokens (:meth:`_mixed`): no micro-batch
-        swapping. A Ulysses token split cuts the step's flat batch, and pipeline stages pass it on
-        one micro-batch slot range at a time (an in-flight step is one range)."""
-        return self.swap is None
+        """Whether a step may mix prompt tokens and decode tokens (:meth:`_mixed`): always. A
+        Ulysses token split cuts the step's flat batch; pipeline stages pass it on, and micro-batch
+        swapping brings it in, one micro-batch slot range at a time (an in-flight step is one
+        range)."""
+        return True
 
     @property
     def has_logits(self) -> bool:
@@ -240,31 +241,40 @@ class ModelRunner:
         causally over its cached KV and them: one flat ``(sum(num_tokens),)`` batch per
         micro-batch slot range the sequences occupy (pipeline stages overlap them; an in-flight
         step is one range), eager."""
-        assert self.mixes, "the engine refuses these"
         if self.kv.spec.paged:  # a sequence's first tokens bring its blocks
             for s in seqs:
                 if s.num_computed_tokens == 0:
                     assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
                     self.kv.assign(s.slot, s.blocks)
-        parts = [list(range(len(seqs)))]  # one flat batch; a pipeline's by micro-batch slot range
-        if self.link is not None:
+        ranges = [(0, self.max_batch_size)]  # one flat batch; by micro-batch slot range with stages or swapping
+        if self.link is not None or self.swap is not None:
             ranges = split_ranges(self.max_batch_size, self.num_microbatches)
-            parts = [part for a, b in ranges if (part := [i for i, s in enumerate(seqs) if a <= s.slot < b])]
+            ranges = [(a, b) for a, b in ranges if any(a <= s.slot < b for s in seqs)]
+        parts = [[i for i, s in enumerate(seqs) if a <= s.slot < b] for a, b in ranges]
         order = [i for part in parts for i in part]
         assert len(order) == len(seqs), "a sequence's slot lies outside the cache's (policy bug)"
-        batches = [self._mixed_batch([seqs[i] for i in part], [num_tokens[i] for i in part]) for part in parts]
-        out = self._stages(batches, self._body, None, layers)
+        rows = [0 if self.swap is None else self.swap.base(j) - a for j, (a, _) in enumerate(ranges)]
+        batches = [
+            self._mixed_batch([seqs[i] for i in part], [num_tokens[i] for i in part], row)
+            for part, row in zip(parts, rows)
+        ]
+        edges = None
+        if self.swap is not None:  # each micro-batch's slots come in, what it wrote goes home
+            written = [[(seqs[i].slot, seqs[i].num_computed_tokens, num_tokens[i]) for i in part] for part in parts]
+            edges = self.swap.mixed(ranges, written)
+        out = self._stages(batches, self._body, edges, layers)
         if out is None or order == sorted(order):
             return out
         return out[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=out.device)]  # seqs' order
 
-    def _mixed_batch(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
-        """(ids ``(N,)``, context, each sequence's last row) of one flat batch of a mixed step."""
+    def _mixed_batch(self, seqs: list[Sequence], num_tokens: list[int], row: int = 0) -> tuple:
+        """(ids ``(N,)``, context, each sequence's last row) of one flat batch of a mixed step;
+        ``row``: a sequence's cache row less its slot (swapping: its micro-batch's device region)."""
         starts = [s.num_computed_tokens for s in seqs]
         fed = [(s.request.prompt_ids + s.output)[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
         assert [len(f) for f in fed] == num_tokens, "a count runs past the sequence's tokens (policy bug)"
         ids = torch.tensor([t for f in fed for t in f], device=self.device)  # (N,)
-        ctx = AttentionContext.build(self.kv, [s.slot for s in seqs], starts, num_tokens)
+        ctx = AttentionContext.build(self.kv, [s.slot + row for s in seqs], starts, num_tokens)
         rows = torch.tensor(list(itertools.accumulate(num_tokens)), device=self.device) - 1  # each last token
         return ids, ctx, rows
 

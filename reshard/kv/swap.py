@@ -78,14 +78,25 @@ class MicrobatchSwap:
             hv[rows, :, pos] = dv[dev_rows, :, dev_pos].to(host)
         self.bytes_out += 2 * len(self.host.k) * (b - a) * self._row_bytes(1)
 
+    def mixed(self, ranges: Sequence[tuple[int, int]], written: Sequence[Sequence[tuple[int, int, int]]]) -> MixedSwap:
+        """The swap schedule of one mixed step over host slot ``ranges`` (its micro-batches);
+        ``written[i]``: ``(slot, start, count)`` of each sequence of micro-batch ``i``, which
+        reads positions ``[0, start)`` and writes ``[start, start + count)``."""
+        return MixedSwap(self, list(ranges), [list(w) for w in written])
+
     def store_prompts(self, i: int, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Prompts a prefill micro-batch wrote at rows ``base(i)..`` -> their host ``slots``."""
+        self.store(i, [(j, slot, 0, n) for j, (slot, n) in enumerate(zip(slots, lengths))])
+
+    def store(self, i: int, entries: Sequence[tuple[int, int, int, int]]) -> None:
+        """``(row, slot, start, count)``: positions ``[start, start + count)`` micro-batch ``i``
+        wrote at row ``base(i) + row`` of the device -> host ``slot``."""
         r = self.base(i)
         for (hk, hv), (dk, dv) in zip(self._layers(self.host), self._layers(self.device)):
-            for j, (slot, n) in enumerate(zip(slots, lengths)):
-                hk[slot, :, :n].copy_(dk[r + j, :, :n])
-                hv[slot, :, :n].copy_(dv[r + j, :, :n])
-        self.bytes_out += 2 * len(self.host.k) * sum(self._row_bytes(n) for n in lengths)
+            for row, slot, c, n in entries:
+                hk[slot, :, c : c + n].copy_(dk[r + row, :, c : c + n])
+                hv[slot, :, c : c + n].copy_(dv[r + row, :, c : c + n])
+        self.bytes_out += 2 * len(self.host.k) * sum(self._row_bytes(n) for *_, n in entries)
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(_in_inference_mode, fn, *args)
@@ -131,6 +142,43 @@ class DecodeSwap:
             self._next.result()
         last = len(self.ranges) - 1
         self.swap.swap_out(last, *self.ranges[last], self.positions)
+
+
+class MixedSwap:
+    """One mixed step's swaps, driven like :class:`DecodeSwap`: micro-batch ``i``'s slots come in
+    (the positions its sequences read) before it computes, and the entries it wrote go home
+    while the next one computes."""
+
+    def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]], written: list[list[tuple[int, int, int]]]):
+        self.swap = swap
+        self.ranges = ranges
+        self.written = written
+        self._next: Future | None = None
+
+    def before(self, i: int) -> None:
+        if i == 0:
+            self._swap_in(0)
+        else:
+            self._next.result()
+        self._next = self.swap.submit(self._around, i)
+
+    def _swap_in(self, i: int) -> None:
+        self.swap.swap_in(i, *self.ranges[i], max(start for _, start, _ in self.written[i]))
+
+    def _store(self, i: int) -> None:
+        a = self.ranges[i][0]
+        self.swap.store(i, [(slot - a, slot, start, count) for slot, start, count in self.written[i]])
+
+    def _around(self, i: int) -> None:
+        if i > 0:
+            self._store(i - 1)
+        if i + 1 < len(self.ranges):
+            self._swap_in(i + 1)
+
+    def finish(self) -> None:
+        if self._next is not None:
+            self._next.result()
+        self._store(len(self.ranges) - 1)
 
 
 class PrefillSwap:
