@@ -408,3 +408,44 @@ def test_n_samples_of_a_prompt_are_prefilled_once_and_share_its_tier_kv(four_lay
         # prefill's token (which ends a resumed request's prompt): all but prompt 1's
         assert fed == sum(map(len, prompts)) + (n - 1) * len(prompts) + len(prompts) - 1
         assert left == ({}, {}, {}, {})
+
+
+def _samples_across_a_weight_write(path, layouts, prompts, n):
+    """The samples of ``_samples`` (greedy) through ``EngineCore``, the weights' version bumped
+    (as a sync does) once the first prefill step ran: the siblings not loaded yet then."""
+    from reshard.parallel import EngineCore, Request, SamplingParams
+    from reshard.parallel.model.info import parallel_info
+
+    engine = _seesaw(path, layouts)
+    core = EngineCore(engine)
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            core.add_request(Request(i * n + j, p, SamplingParams(max_new_tokens=6)))
+    outputs = core.step()
+    waiting = [r.id for r in engine.policy.buffered if r.id in engine.policy.tiered.entry_of]
+    parallel_info(engine.runners["decode"].model).weight_version.writes += 1
+    while core.has_unfinished():
+        outputs += core.step()
+    tokens = {}
+    for out in outputs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    tiered = engine.policy.tiered
+    left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of)
+    fed = engine.stats.prompt_tokens_computed
+    engine.close()
+    return [tokens[k] for k in sorted(tokens)], waiting, fed, left
+
+
+def test_siblings_not_loaded_when_the_weights_change_are_prefilled_anew(four_layer, hf_reference):
+    """A sibling takes its prompt's KV from the tier only under the weights it was computed with:
+    after a write, those still waiting go back to the queue and are prefilled again (more prompt
+    tokens computed), with the same tokens here (the version moved, not the values)."""
+    path, prompts, n = four_layer["llama"], _prompts(3), 4
+    expected = hf_reference(path, prompts, 6)
+    once = sum(map(len, prompts)) + (n - 1) * len(prompts) + len(prompts)  # without the write
+    for tokens, waiting, fed, left in dist_harness.run(
+        2, _samples_across_a_weight_write, path, LAYOUTS["P2-T2"], prompts, n
+    ):
+        assert tokens == [e for e in expected for _ in range(n)]
+        assert waiting and fed > once  # siblings waited at the write, and were computed again
+        assert left == ({}, {}, {})

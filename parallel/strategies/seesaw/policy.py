@@ -306,6 +306,17 @@ class SeesawPolicy(ContinuousBatching):
             seq.times, seq.logprobs = list(times), list(logprobs)
         return seq
 
+    def requeue_unstarted(self, queue: deque) -> None:
+        """The weights changed: a sibling not loaded yet would take its prompt's KV of the old
+        weights from the tier; it goes back to the head of the queue (prefilled anew), as the
+        decode side's unstarted requests do."""
+        super().requeue_unstarted(queue)
+        stale = [r for r in self.buffered if r.id in self.tiered.entry_of]
+        for request in reversed(stale):
+            self.buffered.remove(request)
+            self.tiered.release(self.tiered.entry_of.pop(request.id))
+            queue.appendleft(dataclasses.replace(request, kv_source=""))
+
     def load(self, queue):
         return super().load([*queue, *self.buffered])
 
