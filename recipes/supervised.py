@@ -44,6 +44,7 @@ from reshard.recipes.launch import collective_timeout
 
 CHANNEL = "supervised"
 WARM = ("reshard.recipes.supervised", "reshard.parallel.strategies.tp", "transformers")  # a spare's imports
+FROZEN = "reshard.parallel.fault.frozen"  # a fork server's last import (gc.freeze)
 
 
 def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path, site=None) -> dict:
@@ -335,12 +336,13 @@ def fork_server_preload(overrides: Sequence[str]) -> tuple[str, ...]:
     Llama). A guess: a child imports what it lacks itself."""
     given = dict(o.split("=", 1) for o in overrides if "=" in o)
     config = Path(given.get("model.path", "")).expanduser() / "config.json"
+    model: tuple[str, ...] = ()
     if "model.path" not in given:
-        return (*WARM, *_family_modules("llama"))
-    if config.is_file():
+        model = _family_modules("llama")
+    elif config.is_file():
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            return (*WARM, *_family_modules(json.loads(config.read_text())["model_type"]))
-    return WARM
+            model = _family_modules(json.loads(config.read_text())["model_type"])
+    return (*WARM, *model, FROZEN)  # last: the collector skips what the server imported
 
 
 def _vocab_size(path: Path) -> int:

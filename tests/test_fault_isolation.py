@@ -414,7 +414,10 @@ print(forked, again, server, child.exitcode, same)
 """
 
 
-@pytest.mark.skipif(__import__("torch").version.cuda is not None, reason="a CUDA build starts its server afresh")
+@pytest.mark.skipif(
+    __import__("torch").version.cuda is not None or __import__("torch").version.hip is not None,
+    reason="a CUDA or ROCm build starts its server afresh",
+)
 def test_a_rank_forks_its_fork_server_with_its_imports_and_the_server_ends_with_it(tmp_path):
     """The server is forked from the rank (its command line is the rank's, not multiprocessing's
     ``python -c``), its child runs with the rank's imports (imported once, by the rank), and the
@@ -436,6 +439,21 @@ def test_a_rank_forks_its_fork_server_with_its_imports_and_the_server_ends_with_
             break
         time.sleep(0.05)
     assert _state(int(server)) == "Z"
+
+
+def test_the_fork_server_preloads_what_the_command_line_names(tmp_path):
+    """Only a supervised job's ranks fork a server; it preloads the model's modules (from the
+    checkpoint's config.json; without model.path, the built-in Llama's), then freezes them."""
+    from reshard.recipes.launch import _supervised_preload
+    from reshard.recipes.supervised import FROZEN, WARM
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert _supervised_preload([]) is None and _supervised_preload(["fault.migrate=null"]) is None
+    llama = _supervised_preload(["fault.migrate=kv"])
+    assert llama[: len(WARM)] == WARM and "transformers.models.llama.modeling_llama" in llama and llama[-1] == FROZEN
+    qwen2 = _supervised_preload(["fault.migrate=none", f"model.path={tmp_path}"])
+    assert "transformers.models.qwen2.modeling_qwen2" in qwen2 and qwen2[-1] == FROZEN
+    assert _supervised_preload(["fault.migrate=kv", "model.path=org/on-the-hub"]) == (*WARM, FROZEN)
 
 
 def test_supervised_settings_are_checked():

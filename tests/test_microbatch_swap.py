@@ -75,3 +75,24 @@ def _bad_job(path):
 def test_swapping_needs_micro_batches(checkpoints):
     with pytest.raises(RuntimeError, match=r"kv_swap needs num_microbatches >= 2 \(got 1\)"):
         dist_harness.run(1, _bad_job, checkpoints["llama"])
+
+
+def _connector_refused(path):
+    from reshard.parallel import Engine, EngineConfig, parallelize
+    from reshard.parallel.engine.connector import KVConnector
+
+    class Elsewhere(KVConnector):  # a connector that would load KV into the device regions
+        pass
+
+    engine = Engine(parallelize(path), EngineConfig(max_batch_size=4, num_microbatches=2, kv_swap=True))
+    with pytest.raises(ValueError) as err:
+        engine.connector.add(Elsewhere())
+    return str(err.value)
+
+
+def test_a_swapping_engine_refuses_a_kv_connector_naming_both(checkpoints):
+    (message,) = dist_harness.run(1, _connector_refused, checkpoints["llama"])
+    assert message == (
+        "a KV connector (Elsewhere) cannot load into this engine: "
+        "engine.kv_swap=True keeps the KV of layout 'main' in host memory"
+    )

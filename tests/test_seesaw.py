@@ -449,3 +449,39 @@ def test_siblings_not_loaded_when_the_weights_change_are_prefilled_anew(four_lay
         assert tokens == [e for e in expected for _ in range(n)]
         assert waiting and fed > once  # siblings waited at the write, and were computed again
         assert left == ({}, {}, {})
+
+
+def _abort_waiting(path, layouts, prompts, n):
+    """``n`` greedy samples of each prompt through ``EngineCore``; after the first prefill step,
+    one sibling and one resumed first sample, both waiting for a decode slot, are aborted."""
+    from reshard.parallel import EngineCore, Request, SamplingParams
+
+    engine = _seesaw(path, layouts)
+    core = EngineCore(engine)
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            core.add_request(Request(i * n + j, p, SamplingParams(max_new_tokens=6)))
+    outputs = core.step()
+    policy = engine.policy
+    sibling = next(r.id for r in policy.buffered if r.id in policy.tiered.entry_of)
+    leader = next(r.id for r in policy.buffered if r.id not in policy.tiered.entry_of)
+    core.abort([sibling, leader])
+    while core.has_unfinished():
+        outputs += core.step()
+    tokens, status = {}, {}
+    for out in outputs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        status[out.request_id] = out.status.name
+    left = (dict(policy.tier.ranges), policy.tiered.holders, policy.tiered.entry_of)
+    engine.close()
+    return (sibling, leader), tokens, status, left
+
+
+def test_aborting_requests_that_wait_for_a_decode_slot_ends_them_and_frees_their_tier_kv(four_layer, hf_reference):
+    path, prompts, n = four_layer["llama"], _prompts(3), 4
+    expected = hf_reference(path, prompts, 6)
+    for aborted, tokens, status, left in dist_harness.run(2, _abort_waiting, path, LAYOUTS["P2-T2"], prompts, n):
+        assert [status[rid] for rid in aborted] == ["FINISHED_ABORTED"] * 2
+        for rid in set(tokens) - set(aborted):
+            assert tokens[rid] == expected[rid // n] and status[rid] == "FINISHED_LENGTH", rid
+        assert left == ({}, {}, {})  # the aborted ones' holds on the tier went with them

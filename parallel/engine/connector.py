@@ -90,11 +90,15 @@ class KVConnectors(KVConnector):
     """The engine's connectors, asked in order: the first that matches a sequence (or awaits
     its KV) supplies it; every one saves every step."""
 
-    def __init__(self) -> None:
+    def __init__(self, refused: str | None = None) -> None:
         self.members: list[KVConnector] = []
         self._supplier: dict[int, KVConnector] = {}  # request id -> the member that matched it
+        self.refused = refused  # why this engine takes no connector (None: it takes them)
 
     def add(self, connector: KVConnector) -> None:
+        if self.refused is not None:
+            name = type(connector).__name__
+            raise ValueError(f"a KV connector ({name}) cannot load into this engine: {self.refused}")
         self.members.append(connector)
 
     def matched_tokens(self, seq: Sequence) -> int | None:

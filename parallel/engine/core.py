@@ -250,6 +250,9 @@ class EngineCore:
             if request is not None:
                 ended.append(request.aborted())
                 self.dropped += 1
+        for request in self.engine.policy.withdraw(set(ids)):  # waiting in the policy's own queues
+            self.engine._live.pop(request.id, None)
+            ended.append(request.aborted())
         cancels = [Cancel(rid) for rid in ids]
         _, withdrawn = withdraw(self.queue, cancels, self.engine._live, self.engine.flow is None)
         ended += withdrawn + self._end_cancelled()

@@ -134,6 +134,11 @@ class Policy:
         """The weights changed: a request admitted onto cached KV that no step has run yet goes
         back to the queue (policies with a prefix cache)."""
 
+    def withdraw(self, request_ids: set[int]) -> list[Request]:
+        """The requests of ``request_ids`` waiting in this policy's own queues (not the engine's),
+        taken out with whatever they hold here: an abort ends them now. None by default."""
+        return []
+
     def is_running(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds KV here between steps and :meth:`retire` may end it now (an
         abort frees its KV at once; where False, it ends at its next token)."""

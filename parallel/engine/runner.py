@@ -133,6 +133,11 @@ class ModelRunner:
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
         kv_tokens = config.paged_tokens(self.max_seq_len)
         self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
+        if config.kv_swap and kv is not None:
+            raise ValueError(
+                "kv_swap needs a KV cache of the runner's own; this one shares its cache with another "
+                "layout (Shift's modes, SiDP's replicas)"
+            )
         self.swap = self._micro_batch_swap(kv_block_size) if config.kv_swap else None
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)

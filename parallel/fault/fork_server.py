@@ -16,6 +16,7 @@ import inspect
 import os
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 from multiprocessing import connection, forkserver, resource_tracker, util
 
@@ -41,6 +42,8 @@ def fork_server(preload: Sequence[str] = ()) -> bool:
         os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w has: this process
+    sys.stdout.flush()  # (what is buffered would be printed again by the server's children)
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         _serve(listener.fileno(), alive_r, alive_w, tuple(preload))

@@ -317,6 +317,17 @@ class SeesawPolicy(ContinuousBatching):
             self.tiered.release(self.tiered.entry_of.pop(request.id))
             queue.appendleft(dataclasses.replace(request, kv_source=""))
 
+    def withdraw(self, request_ids: set[int]) -> list[Request]:
+        """Requests waiting for a decode slot (resumed after their prefill, or siblings), with
+        their hold on the tier's KV."""
+        gone = [r for r in self.buffered if r.id in request_ids]
+        for request in gone:
+            self.buffered.remove(request)
+            self.marks.pop(request.id, None)
+            if request.kv_source == TIER:
+                self.tiered.release(self.tiered.entry_of.pop(request.id, request.id))
+        return gone
+
     def load(self, queue):
         return super().load([*queue, *self.buffered])
 
