@@ -9,6 +9,7 @@ is read as a view (no gathered copy) and the step's shapes never change.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ class AttentionContext:
     valid: torch.Tensor | None  # (B, Tq) bool; None if single_token
     kv_len: int
     single_token: bool = False
+    parts: list = field(default_factory=list)  # [(a context, (n,) its tokens' flat indices)]: attended apart
     _masks: dict = field(default_factory=dict)
     _index: list = field(default_factory=list)  # [the paged cache's read index], once computed
 
@@ -53,7 +55,23 @@ class AttentionContext:
     def build(
         kv: KVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], *, kv_len: int | None = None
     ) -> AttentionContext:
-        """Sequence ``i`` writes ``lengths[i]`` tokens at positions ``starts[i]...`` of slot ``slots[i]``."""
+        """Sequence ``i`` writes ``lengths[i]`` tokens at positions ``starts[i]...`` of slot
+        ``slots[i]``. A step that mixes one-token sequences (decodes) with longer ones (prompt
+        chunks) attends the two apart: the decodes are not padded to the longest chunk's queries."""
+        ctx = AttentionContext._build(kv, slots, starts, lengths, kv_len=kv_len)
+        ones = [i for i, n in enumerate(lengths) if n == 1]
+        if kv_len is None and 0 < len(ones) < len(lengths):
+            first = list(itertools.accumulate(lengths, initial=0))
+            for group in (ones, [i for i, n in enumerate(lengths) if n != 1]):
+                part = AttentionContext._build(kv, *([seq[i] for i in group] for seq in (slots, starts, lengths)))
+                index = [t for i in group for t in range(first[i], first[i] + lengths[i])]
+                ctx.parts.append((part, torch.tensor(index, device=ctx.positions.device)))
+        return ctx
+
+    @staticmethod
+    def _build(
+        kv: KVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], *, kv_len: int | None = None
+    ) -> AttentionContext:
         device = kv.k[0].device
         lengths_t = torch.tensor(lengths, dtype=torch.long)
         starts_t = torch.tensor(starts, dtype=torch.long)
@@ -120,6 +138,17 @@ class AttentionContext:
         Returns ``(1, N, Hq, hd)``.
         """
         self.kv.write(layer, self.rows, self.cols, k[0], v[0])
+        if not self.parts:
+            return self._attend_cached(layer, q, scaling=scaling, window=window)
+        out = torch.empty_like(q)  # (1, N, Hq, hd)
+        for part, index in self.parts:
+            out[0, index] = part._attend_cached(layer, q[:, index], scaling=scaling, window=window)[0]
+        return out
+
+    def _attend_cached(
+        self, layer: int, q: torch.Tensor, *, scaling: float, window: int | Chunked | None
+    ) -> torch.Tensor:
+        """``q`` ``(1, N, Hq, hd)`` over the cache as it holds this step's K/V; ``(1, N, Hq, hd)``."""
         keys, values = self.kv.read(layer, self.slots, self.kv_len, self.read_index())  # (B, Hkv, L, hd)
         if self.single_token:
             qp = q[0].unsqueeze(2)  # (B, Hq, 1, hd)
