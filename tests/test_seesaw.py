@@ -410,18 +410,25 @@ def test_n_samples_of_a_prompt_are_prefilled_once_and_share_its_tier_kv(four_lay
         assert left == ({}, {}, {}, {})
 
 
-def _samples_across_a_weight_write(path, layouts, prompts, n):
-    """The samples of ``_samples`` (greedy) through ``EngineCore``, the weights' version bumped
-    (as a sync does) once the first prefill step ran: the siblings not loaded yet then."""
+def _first_prefill_step(path, layouts, prompts, n):
+    """A Seesaw engine and its ``EngineCore`` holding ``n`` greedy samples of each prompt
+    (request ``i * n + j``), stepped once (the first prefill step); with that step's outputs."""
     from reshard.parallel import EngineCore, Request, SamplingParams
-    from reshard.parallel.model.info import parallel_info
 
     engine = _seesaw(path, layouts)
     core = EngineCore(engine)
     for i, p in enumerate(prompts):
         for j in range(n):
             core.add_request(Request(i * n + j, p, SamplingParams(max_new_tokens=6)))
-    outputs = core.step()
+    return engine, core, core.step()
+
+
+def _samples_across_a_weight_write(path, layouts, prompts, n):
+    """The samples of ``_samples`` (greedy) through ``EngineCore``, the weights' version bumped
+    (as a sync does) once the first prefill step ran: the siblings not loaded yet then."""
+    from reshard.parallel.model.info import parallel_info
+
+    engine, core, outputs = _first_prefill_step(path, layouts, prompts, n)
     waiting = [r.id for r in engine.policy.buffered if r.id in engine.policy.tiered.entry_of]
     parallel_info(engine.runners["decode"].model).weight_version.writes += 1
     while core.has_unfinished():
@@ -454,14 +461,7 @@ def test_siblings_not_loaded_when_the_weights_change_are_prefilled_anew(four_lay
 def _abort_waiting(path, layouts, prompts, n):
     """``n`` greedy samples of each prompt through ``EngineCore``; after the first prefill step,
     one sibling and one resumed first sample, both waiting for a decode slot, are aborted."""
-    from reshard.parallel import EngineCore, Request, SamplingParams
-
-    engine = _seesaw(path, layouts)
-    core = EngineCore(engine)
-    for i, p in enumerate(prompts):
-        for j in range(n):
-            core.add_request(Request(i * n + j, p, SamplingParams(max_new_tokens=6)))
-    outputs = core.step()
+    engine, core, outputs = _first_prefill_step(path, layouts, prompts, n)
     policy = engine.policy
     sibling = next(r.id for r in policy.buffered if r.id in policy.tiered.entry_of)
     leader = next(r.id for r in policy.buffered if r.id not in policy.tiered.entry_of)

@@ -112,62 +112,24 @@ class MicrobatchSwap:
         self._pool.shutdown(wait=True)
 
 
-class DecodeSwap:
-    """One decode step's swaps, driven by the runner around each micro-batch it computes."""
+class RangeSwaps:
+    """One step's swaps over its micro-batches' host slot ``ranges``, driven by the runner around
+    each micro-batch it computes: micro-batch ``i``'s KV comes into its region before it computes
+    (:meth:`_swap_in`), and while it computes one background thread sends ``i - 1``'s new entries
+    home (:meth:`_store`) and then brings ``i + 1``'s in (the region ``i - 1`` left)."""
 
-    def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]], positions, kv_len: int) -> None:
+    def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]]) -> None:
         self.swap = swap
         self.ranges = ranges
-        self.positions = positions
-        self.kv_len = kv_len
         self._next: Future | None = None
 
     def before(self, i: int) -> None:
         """Micro-batch ``i`` is about to compute: its KV is in place; start the next swaps."""
         if i == 0:
-            self.swap.swap_in(0, *self.ranges[0], self.kv_len)
-        else:
-            self._next.result()
-        self._next = self.swap.submit(self._around, i)
-
-    def _around(self, i: int) -> None:
-        if i > 0:
-            self.swap.swap_out(i - 1, *self.ranges[i - 1], self.positions)
-        if i + 1 < len(self.ranges):
-            self.swap.swap_in(i + 1, *self.ranges[i + 1], self.kv_len)
-
-    def finish(self) -> None:
-        """After the last micro-batch: its new entries go home too."""
-        if self._next is not None:
-            self._next.result()
-        last = len(self.ranges) - 1
-        self.swap.swap_out(last, *self.ranges[last], self.positions)
-
-
-class MixedSwap:
-    """One mixed step's swaps, driven like :class:`DecodeSwap`: micro-batch ``i``'s slots come in
-    (the positions its sequences read) before it computes, and the entries it wrote go home
-    while the next one computes."""
-
-    def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]], written: list[list[tuple[int, int, int]]]):
-        self.swap = swap
-        self.ranges = ranges
-        self.written = written
-        self._next: Future | None = None
-
-    def before(self, i: int) -> None:
-        if i == 0:
             self._swap_in(0)
         else:
             self._next.result()
         self._next = self.swap.submit(self._around, i)
-
-    def _swap_in(self, i: int) -> None:
-        self.swap.swap_in(i, *self.ranges[i], max(start for _, start, _ in self.written[i]))
-
-    def _store(self, i: int) -> None:
-        a = self.ranges[i][0]
-        self.swap.store(i, [(slot - a, slot, start, count) for slot, start, count in self.written[i]])
 
     def _around(self, i: int) -> None:
         if i > 0:
@@ -176,9 +138,48 @@ class MixedSwap:
             self._swap_in(i + 1)
 
     def finish(self) -> None:
+        """After the last micro-batch: its new entries go home too."""
         if self._next is not None:
             self._next.result()
         self._store(len(self.ranges) - 1)
+
+    def _swap_in(self, i: int) -> None:
+        raise NotImplementedError
+
+    def _store(self, i: int) -> None:
+        raise NotImplementedError
+
+
+class DecodeSwap(RangeSwaps):
+    """A decode step's: every slot of a range reads ``kv_len`` positions and writes one, at its
+    entry of ``positions``."""
+
+    def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]], positions, kv_len: int) -> None:
+        super().__init__(swap, ranges)
+        self.positions = positions
+        self.kv_len = kv_len
+
+    def _swap_in(self, i: int) -> None:
+        self.swap.swap_in(i, *self.ranges[i], self.kv_len)
+
+    def _store(self, i: int) -> None:
+        self.swap.swap_out(i, *self.ranges[i], self.positions)
+
+
+class MixedSwap(RangeSwaps):
+    """A mixed step's: ``written[i]``, ``(slot, start, count)`` of each sequence of micro-batch
+    ``i``, which reads positions ``[0, start)`` and writes ``[start, start + count)``."""
+
+    def __init__(self, swap: MicrobatchSwap, ranges: list[tuple[int, int]], written: list[list[tuple[int, int, int]]]):
+        super().__init__(swap, ranges)
+        self.written = written
+
+    def _swap_in(self, i: int) -> None:
+        self.swap.swap_in(i, *self.ranges[i], max(start for _, start, _ in self.written[i]))
+
+    def _store(self, i: int) -> None:
+        a = self.ranges[i][0]
+        self.swap.store(i, [(slot - a, slot, start, count) for slot, start, count in self.written[i]])
 
 
 class PrefillSwap:

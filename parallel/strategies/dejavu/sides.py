@@ -43,6 +43,7 @@ class AbsentRunner:
         self.replica = Replica(dims.dp, -1)
         self.is_source = False
         self.kv = None
+        self.swap = None  # (no KV here to swap)
         self.engine_group = None  # a rank outside a lockstep side's layout is in no group of it
 
     def idle(self) -> None:
