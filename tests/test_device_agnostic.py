@@ -74,7 +74,7 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.cost.transitions:_layout": (
         "the cost model plans transitions between layouts of GPUs it does not have: their rank grids are host metadata"
     ),
-    "reshard.kv.context:AttentionContext.build": (
+    "reshard.kv.context:AttentionContext._build": (
         "a prefill's index math runs on the host from Python lists (no device sync for its sizes); "
         "every tensor it returns is moved to the cache's device"
     ),
