@@ -95,6 +95,16 @@ class KVConnectors(KVConnector):
         self._supplier: dict[int, KVConnector] = {}  # request id -> the member that matched it
         self.refused = refused  # why this engine takes no connector (None: it takes them)
 
+    @classmethod
+    def of(cls, runners: Mapping) -> KVConnectors:
+        """An engine's connectors, given its runners (layout name -> runner): none where a runner
+        swaps micro-batches (a connector's KV would land in its device regions instead of its
+        host cache)."""
+        swapping = [name for name, r in runners.items() if r.swap is not None]
+        if not swapping:
+            return cls()
+        return cls(f"engine.kv_swap=True keeps the KV of layout {swapping[0]!r} in host memory")
+
     def add(self, connector: KVConnector) -> None:
         if self.refused is not None:
             name = type(connector).__name__

@@ -125,11 +125,7 @@ class Engine:
         self.stats = self.policy.stats_cls()
         self.tokenizer = tokenizer  # a Hugging Face tokenizer: requests' stop strings are matched in its text
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
-        # where KV comes from besides computing it (a job adds them); none where it would land in
-        # a swapping runner's device regions instead of its host cache
-        swapping = [name for name, r in self.runners.items() if r.swap is not None]
-        why = f"engine.kv_swap=True keeps the KV of layout {swapping[0]!r} in host memory" if swapping else None
-        self.connector = KVConnectors(refused=why)
+        self.connector = KVConnectors.of(self.runners)  # where KV comes from besides computing it (a job adds them)
         self._live: dict[int, Sequence] = {}  # request id -> its running sequence here (a cancel marks it)
         self.policy.setup(PolicyContext(layouts, self.stats, self._new_sequence, self.connector))
         self.active: str | None = self.policy.initial_layout

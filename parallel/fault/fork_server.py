@@ -30,7 +30,7 @@ def fork_server(preload: Sequence[str] = ()) -> bool:
     listener and the alive pipe, or with a CUDA or ROCm build of torch (then multiprocessing
     starts one itself when first asked)."""
     server = forkserver._forkserver
-    if server._forkserver_pid is not None or set(inspect.signature(forkserver.main).parameters) != _MAIN_PARAMETERS:
+    if server._forkserver_pid is not None or tuple(inspect.signature(forkserver.main).parameters) != _MAIN_PARAMETERS:
         return False
     if torch.version.cuda is not None or torch.version.hip is not None:  # a fork of a process that
         return False  # touched the driver cannot use the device: the server starts afresh there
@@ -55,7 +55,7 @@ def fork_server(preload: Sequence[str] = ()) -> bool:
 
 # forkserver.main's parameters in the Pythons whose server this forks (3.10 to 3.12); a later
 # one's (an authentication key's pipe) leaves the server to multiprocessing
-_MAIN_PARAMETERS = {"listener_fd", "alive_r", "preload", "main_path", "sys_path"}
+_MAIN_PARAMETERS = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: tuple[str, ...]) -> None:
