@@ -144,7 +144,8 @@ def _job_stats(engine: Engine):
 
 
 def _kv_summary(engine: Engine) -> dict:
-    """The KV cache's capacity (tokens per replica) and, paged, its block counts."""
+    """The KV cache's capacity (tokens per replica), paged, its block counts, and the prefix
+    cache's figures where prompts were looked up."""
     kv = next((r.kv for r in engine.runners.values() if r.kv is not None), None)
     if kv is None:
         return {}
@@ -158,6 +159,9 @@ def _kv_summary(engine: Engine) -> dict:
             blocks_freed=s.kv_blocks_freed,
             blocks_peak=s.kv_blocks_peak,
             preemptions=s.preemptions,
+        )
+    if spec.paged or s.prefix_cache_queries:  # (a contiguous cache's prompts shared: DejaVu's)
+        out.update(
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             prompt_tokens_computed=s.prompt_tokens_computed,

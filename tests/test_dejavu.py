@@ -170,6 +170,117 @@ def test_sides_run_at_the_same_time_as_engine_groups(
         assert _began_during(prompt_steps, token_steps) == _began_during(token_steps, prompt_steps) == 0
 
 
+def _samples(path, replicas, n, temperature):
+    """``n`` samples of each of ``PROMPTS`` (request ``i * n + j``, seeds differing; the first
+    sample of prompt 1 ends at its first token, its siblings go on) through DejaVu's two sides,
+    and through a static TP engine over the same ranks. Returns both's tokens, DejaVu's summary,
+    the prompt tokens each request fed on the prompt side (``{id: tokens}``, rank 0), the
+    prefix-cache figures and the token side's staging books after (rank 1)."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
+    from reshard.parallel.model.dims import ParallelDims
+    from reshard.recipes.schema import strategy_config
+
+    def params(i, j):
+        return SamplingParams(max_new_tokens=1 if (i, j) == (1, 0) else 6, temperature=temperature, seed=10 + j)
+
+    requests = [Request(i * n + j, p, params(i, j)) for i, p in enumerate(PROMPTS) for j in range(n)]
+    strategy = strategy_config({"strategy": "dejavu", "prompt_ranks": 1})
+    engine = strategy.build(path, EngineConfig(max_batch_size=4, max_seq_len=64, replicas=replicas))
+    fed = {}
+    engine.events.on(
+        "step_begin",
+        lambda step, seqs: step.layout == "prompt" and fed.update(zip([s.request.id for s in step.seqs], step.num_tokens)),
+    )
+    with engine:
+        tokens = [c.output_ids for c in engine.generate(requests)]
+    streamed = engine.policy.token.streamed if replicas == "lockstep" else getattr(engine.policy, "streamed", None)
+    staged = None if streamed is None else (len(streamed.free), streamed.incoming, streamed.unposted)
+    cached = (engine.stats.prefix_cache_queries, engine.stats.prefix_cache_hits)
+    summary = strategy.summary(engine)
+    dims = ParallelDims(tp=dist.get_world_size(), world_size=dist.get_world_size())
+    static = Engine(parallelize(path, dims), EngineConfig(max_batch_size=4, max_seq_len=64, prefix_caching=False))
+    return tokens, [c.output_ids for c in static.generate(requests)], summary, fed, cached, staged
+
+
+@pytest.mark.parametrize("replicas,temperature", [("groups", 0.0), ("groups", 0.9), ("lockstep", 0.9)])
+def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, replicas, temperature):
+    """GRPO's shape: 4 samples of each prompt. The prompt side computes each prompt once: a
+    sample beside it in its step streams with it (the token side feeds its last position), a
+    later one feeds only its last token where the prompt's KV stayed and streams it again.
+    Tokens equal a static TP engine's (and HF's, greedy); the bytes streamed are the prompts
+    streamed; every staging slot is free after."""
+    from transformers import AutoConfig
+
+    path, n = four_layer["llama"], 4
+    c = AutoConfig.from_pretrained(path)
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    expected = hf_reference(path, PROMPTS, 6)
+    results = dist_harness.run(2, _samples, path, replicas, n, temperature, timeout=180)
+    (_, _, _, fed, cached, _), (_, _, _, _, _, staged) = results
+    for tokens, static, summary, *_ in results:
+        assert tokens == static
+        if temperature == 0.0:
+            assert tokens == [e[: 1 if (i, j) == (1, 0) else 6] for i, e in enumerate(expected) for j in range(n)]
+        assert summary["streamed_bytes"] == per_token * sum(len(PROMPTS[rid // n]) for rid in fed)
+        assert summary["handoffs_loaded"] == n * len(PROMPTS) - 1  # all but prompt 1's first sample
+    again = [rid for rid, k in fed.items() if k == 1]  # fed their last prompt token, streamed again
+    for i, prompt in enumerate(PROMPTS):  # each prompt computed once; its other samples fed 1 token or none
+        computed = [rid for rid in range(i * n, i * n + n) if fed.get(rid) == len(prompt)]
+        assert len(computed) == 1 and all(fed.get(rid, 1) == 1 for rid in range(i * n, i * n + n) if rid not in computed)
+    if replicas == "lockstep":  # (a step hands off no more than the token side has room for: the rest come later)
+        assert again, fed
+    queries = n * sum(map(len, PROMPTS))
+    assert cached == (queries, queries - sum(map(len, PROMPTS)) - (n - 1) * len(PROMPTS))
+    assert staged == (4, {}, {})
+
+
+def _samples_across_a_weight_write(path, n, write):
+    """``n`` greedy samples of ``PROMPTS[:2]`` through lockstep DejaVu's ``EngineCore`` (2 token
+    slots: a prompt step hands off 2 requests at most), the prompt side's weights' version bumped
+    after the first step where ``write`` (as a sync does): tokens, and the prompt tokens each
+    request fed on the prompt side."""
+    from reshard.parallel import EngineConfig, EngineCore, Request, SamplingParams
+    from reshard.parallel.model.info import parallel_info
+    from reshard.recipes.schema import strategy_config
+
+    strategy = strategy_config({"strategy": "dejavu", "prompt_ranks": 1})
+    engine = strategy.build(path, EngineConfig(max_batch_size=2, max_seq_len=64, replicas="lockstep"))
+    fed = {}
+    engine.events.on(
+        "step_begin",
+        lambda step, seqs: step.layout == "prompt" and fed.update(zip([s.request.id for s in step.seqs], step.num_tokens)),
+    )
+    core = EngineCore(engine)
+    for i, p in enumerate(PROMPTS[:2]):
+        for j in range(n):
+            core.add_request(Request(i * n + j, p, SamplingParams(max_new_tokens=4)))
+    outputs = core.step()
+    if write:
+        parallel_info(engine.runners["prompt"].model).weight_version.writes += 1
+    while core.has_unfinished():
+        outputs += core.step()
+    tokens = {}
+    for out in outputs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.close()
+    return [tokens[k] for k in sorted(tokens)], fed
+
+
+def test_a_prompt_retained_across_a_weight_write_is_computed_anew(four_layer, hf_reference):
+    """A prompt's KV stays on the prompt side for its later samples only under the weights it was
+    computed with: without a write, prompt 0's later samples feed one token; after one, the next
+    computes the whole prompt again (the same tokens here: the version moved, not the values)."""
+    path, n = four_layer["llama"], 4
+    expected = hf_reference(path, PROMPTS[:2], 4)
+    for write in (False, True):
+        tokens, fed = dist_harness.run(2, _samples_across_a_weight_write, path, n, write)[0]
+        assert tokens == [e for e in expected for _ in range(n)]
+        full = [rid for rid in range(n) if fed.get(rid) == len(PROMPTS[0])]
+        assert full == ([0, 2] if write else [0]), fed
+
+
 def test_groups_sample_as_lockstep_sides_do(four_layer):
     path = four_layer["qwen3"]
     grouped = dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 6, temperature=0.8)

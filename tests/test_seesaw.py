@@ -383,7 +383,7 @@ def _samples(path, layouts, prompts, n, max_new, temperature):
     seesaw = [c.output_ids for c in engine.generate(requests)]
     tiered = engine.policy.tiered
     left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of, engine.policy.siblings)
-    fed = engine.stats.prompt_tokens_computed
+    fed = engine.stats.prompt_tokens_computed, engine.stats.prefix_cache_queries, engine.stats.prefix_cache_hits
     engine.close()
     static = Engine(
         parallelize(path, _dims(dist.get_world_size(), dict(tp=2))),
@@ -406,7 +406,9 @@ def test_n_samples_of_a_prompt_are_prefilled_once_and_share_its_tier_kv(four_lay
             assert seesaw == [e[: 1 if (i, j) == (1, 0) else 6] for i, e in enumerate(expected) for j in range(n)]
         # each prompt once, each sibling its last token, and each first sample that runs on its
         # prefill's token (which ends a resumed request's prompt): all but prompt 1's
-        assert fed == sum(map(len, prompts)) + (n - 1) * len(prompts) + len(prompts) - 1
+        assert fed[0] == sum(map(len, prompts)) + (n - 1) * len(prompts) + len(prompts) - 1
+        # every sample's prompt looked up; each sibling a hit of all but its last token
+        assert fed[1:] == (n * sum(map(len, prompts)), (n - 1) * sum(len(p) - 1 for p in prompts))
         assert left == ({}, {}, {}, {})
 
 

@@ -310,6 +310,20 @@ def test_n_samples_share_their_prompt_in_a_paged_recipe_run(checkpoints, tmp_pat
     assert kv["prompt_tokens_computed"] == kv["prefix_cache_queries"] - kv["prefix_cache_hits"]
 
 
+def test_n_samples_share_their_prompt_in_a_dejavu_recipe_run(checkpoints, tmp_path):
+    """generation.n=3 on DejaVu's contiguous caches: summary.json counts each prompt's later
+    samples as hits of all but its last token (the prompt computed once on the prompt side)."""
+    sampled = ["generation.temperature=0.9", "generation.n=3", "workload.num_requests=2", "parallel=dejavu"]
+    rest = ["generation.max_new_tokens=6", "progress=false"]
+    dist_harness.run(2, _run_recipe, [f"model.path={checkpoints['llama']}", *sampled, *rest], str(tmp_path / "run"))
+    kv = json.loads((tmp_path / "run" / "summary.json").read_text())["kv"]
+    out = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    prompts = [o["prompt_ids"] for o in out if o["sample"] == 0]
+    assert kv["paged"] is False and len(out) == 6
+    assert kv["prefix_cache_queries"] == 3 * sum(map(len, prompts))
+    assert kv["prefix_cache_hits"] == 2 * sum(len(p) - 1 for p in prompts) > 0
+
+
 def test_the_main_job_pages_its_cache_and_shares_prompts_by_default(checkpoints, tmp_path):
     """``engine.kv_block_size`` unset: the tp strategy's paged cache of 16-token blocks, so
     generation.n=3's later samples hit their prompt's full blocks; ``engine.kv_block_size=null``

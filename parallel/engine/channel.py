@@ -89,6 +89,11 @@ class Handoff:
     finished: tuple[bool, ...]
     times: tuple[tuple[float, ...], ...] = ()
     logprobs: tuple[tuple, ...] = ()  # each sequence's TokenLogprobs so far (its request asked for them)
+    leaders: tuple[int, ...] = ()
+
+    def streamed(self) -> list[int]:
+        """Indices of the requests whose KV streams (in the stream's order)."""
+        return [i for i in range(len(self.requests)) if not self.leaders or self.leaders[i] == i]
 
     @property
     def open(self) -> int:

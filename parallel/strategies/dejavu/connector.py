@@ -21,10 +21,10 @@ from reshard.parallel.engine.request import Request, Sequence
 @dataclass
 class Incoming:
     """One hand-off's prompt KV on its way into the staging cache: each of its sequences' staging
-    slot, the streams (one per layer, in the order the prompt side flushes them), the sequences
-    that run on (the others finished at their first token: their KV streams all the same, in the
-    stream's order), whether every rank of the group has its share (``landed``) and whether this
-    rank unpacked it."""
+    slot (a sibling's: its prompt's), the streams (one per layer, in the order the prompt side
+    flushes them), the sequences that run on (the others finished at their first token: their KV
+    streams all the same, in the stream's order), whether every rank of the group has its share
+    (``landed``) and whether this rank unpacked it."""
 
     slots: dict[int, int]
     streams: list[StreamIn]
@@ -87,11 +87,14 @@ class StreamedKV(KVConnector):
     def _post_ready(self) -> None:
         """Post the booked hand-offs' streams, oldest first, while the staging cache has room."""
         for key, (handoff, open_ids) in list(self.unposted.items()):
-            if len(self.free) < len(handoff.requests):
+            streamed = [handoff.requests[i] for i in handoff.streamed()]
+            if len(self.free) < len(streamed):
                 return  # (a later hand-off waits behind it)
             del self.unposted[key]
-            slots = {r.id: self.free.pop() for r in handoff.requests}
-            spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in handoff.requests]
+            slots = {r.id: self.free.pop() for r in streamed}
+            for r, leader in zip(handoff.requests, handoff.leaders):  # a sibling: its prompt's slot
+                slots.setdefault(r.id, slots[handoff.requests[leader].id])
+            spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in streamed]
             streams = [  # layer by layer, in the order the prompt side flushes them
                 self.streamers[handoff.source].stream_in(self.staging, spans, layers=[layer], tag=handoff.tag)
                 for layer in (range(self.num_layers) if self.staging is not None else ())
@@ -184,7 +187,7 @@ class StreamedKV(KVConnector):
         """A landed hand-off none of whose sequences waits any more gives its staging slots back."""
         incoming = self.incoming[key]
         if incoming.landed and not incoming.open:
-            self.free.extend(incoming.slots.values())
+            self.free.extend(dict.fromkeys(incoming.slots.values()))  # (siblings share their prompt's)
             del self.incoming[key]
             self._post_ready()
 

@@ -243,6 +243,7 @@ class SeesawPolicy(ContinuousBatching):
             request = queue.popleft()
             self.tier.allocate(request.id, n)
             budget -= n
+            self.stats.prefix_cache_queries += n
             batch.append(self.new_sequence(request))
             prompts.setdefault(tuple(request.prompt_ids), request.id)
             self._take_siblings(queue, prompts)
@@ -256,6 +257,9 @@ class SeesawPolicy(ContinuousBatching):
             queue and len(queue[0].prompt_ids) > 1 and (leader := prompts.get(tuple(queue[0].prompt_ids))) is not None
         ):
             self.siblings.setdefault(leader, []).append(queue.popleft())
+            n = len(self.siblings[leader][-1].prompt_ids)  # (a hit of all but its last token)
+            self.stats.prefix_cache_queries += n
+            self.stats.prefix_cache_hits += n - 1
 
     def _take_prefill_slots(self, seqs: list[Sequence]) -> None:
         while len(self._prefill_free) < len(seqs):
