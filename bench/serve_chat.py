@@ -2,6 +2,7 @@
 
     python bench/serve_chat.py                      # 4 sessions x 4 turns, a 200-word system prompt, 1 rank
     python bench/serve_chat.py --sessions 8 --turns 6 --nproc 2
+    python bench/serve_chat.py --layout dejavu --nproc 2   # DejaVu's prompt side keeps prompts (contiguous)
 
 A server is started twice on ``bench/serve.py``'s seeded Llama (with a tokenizer), a paged cache
 of 16-token blocks (``engine.kv_block_size=16``), once with ``engine.prefix_caching=true`` and
@@ -11,7 +12,9 @@ earlier turn's user words and the reply the server streamed) and ``--user-len`` 
 reply is ``--reply`` tokens (greedy, EOS ignored), streamed from ``/v1/completions``. At the client:
 TTFT of each turn (request sent -> its first token's event), median over the sessions; from
 ``/metrics``: the prompt tokens the prefix cache was asked for and held. Later turns resend the
-conversation, so with the cache they compute only the new words. Measure on a quiet machine.
+conversation, so with the cache they compute only the new words. ``--layout``: one of
+``bench/serve.py``'s layouts (``dejavu``: contiguous caches, its prompt side keeps computed
+prompts in their slots; no ``engine.kv_block_size``). Measure on a quiet machine.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from pathlib import Path
 
 from _common import add_sizes, fill_sizes, med, parser, rerun_command
-from serve import SIZES, checkpoint, start
+from serve import LAYOUTS, SIZES, checkpoint, start
 
 CHAT = {**SIZES, "sessions": 4, "turns": 4, "system_len": 200, "user_len": 24, "reply": 16, "nproc": 1}
 
@@ -84,9 +87,10 @@ def counters(url: str) -> tuple[float, float]:
 def run(cached: bool, path: Path, args, tmp: Path) -> tuple[list[list[float]], tuple[float, float]]:
     """Every session's TTFTs and the server's counters, the prefix cache on or off."""
     name = f"cache-{'on' if cached else 'off'}-{time.monotonic_ns()}"
-    extra = ("engine.kv_block_size=16", f"engine.prefix_caching={str(cached).lower()}")
+    paged = () if args.layout == "dejavu" else ("engine.kv_block_size=16",)  # (DejaVu's caches are contiguous)
+    extra = (*paged, f"engine.prefix_caching={str(cached).lower()}")
     extra += (f"workload.prompt_len_max={args.prompt_lens[1]}", f"generation.max_new_tokens={args.reply}")
-    proc, url = start("tp", path, args, tmp / name, extra)
+    proc, url = start(args.layout, path, args, tmp / name, extra)
     try:
         return asyncio.run(sessions(url, args)), counters(url)
     finally:
@@ -97,6 +101,7 @@ def run(cached: bool, path: Path, args, tmp: Path) -> tuple[list[list[float]], t
 def main() -> None:
     p = parser(__doc__)
     add_sizes(p, CHAT)
+    p.add_argument("--layout", default="tp", choices=LAYOUTS, help="the server's layout (bench/serve.py's)")
     args = fill_sizes(p.parse_args(), CHAT)
     # tokens of the longest prompt: a word is up to 5 tokens, a reply's text may re-tokenize longer
     longest = 5 * (args.system_len + args.turns * args.user_len + 32) + 3 * args.turns * args.reply

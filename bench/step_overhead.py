@@ -3,13 +3,14 @@
 whose arithmetic is ~0 (the tiny Llama: hidden 64, 2 layers), 1 process, B sequences at once.
 
     python bench/step_overhead.py [--batch-sizes 1,8,32,128] [--new-tokens 128] [--prompt-len 16] [--repeats 3]
-                                  [--kv-block-size 16] [--async-scheduling]
+                                  [--kv-block-size 16] [--async-scheduling] [--compile]
 
 Each figure is the median over ``--repeats`` runs, the three interleaved per repeat; per token =
 wall time / new tokens (one prefill step included for ours and HF ``generate``, not for the bare
 forward). ``--kv-block-size``: our engine on a paged cache of that block size (holding every
 sequence whole), else contiguous slots. ``--async-scheduling``: step n+1 scheduled while step n
-computes (on this CPU the forward is synchronous: this shows its cost, not its gain). Run it in
+computes (on this CPU the forward is synchronous: this shows its cost, not its gain).
+``--compile``: our decode step compiled (``EngineConfig.compile``; the warm-up call compiles). Run it in
 a session of its own (``setsid``) on a quiet machine: this kernel shares CPU between sessions
 whatever their nice value.
 """
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     add_sizes(p, DEFAULTS, SMALL)
     p.add_argument("--kv-block-size", type=int, default=None, help="a paged cache of this block size")
     p.add_argument("--async-scheduling", action="store_true", help="schedule step n+1 while step n computes")
+    p.add_argument("--compile", action="store_true", help="our decode step compiled (the warm-up pays the compile)")
     args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -90,9 +92,15 @@ def main(argv: list[str] | None = None) -> None:
         prompts = _prompts(batch, args.prompt_len, hf.config.vocab_size)
         length = args.prompt_len + args.new_tokens
         paged = {} if args.kv_block_size is None else {"kv_block_size": args.kv_block_size, "kv_tokens": batch * length}
-        config = EngineConfig(max_batch_size=batch, max_seq_len=length, async_scheduling=args.async_scheduling, **paged)
+        config = EngineConfig(
+            max_batch_size=batch,
+            max_seq_len=length,
+            async_scheduling=args.async_scheduling,
+            compile=args.compile,
+            **paged,
+        )
         engine = Engine(parallelize(str(path)), config)
-        ours(engine, prompts, 2)  # warm-up
+        ours(engine, prompts, args.new_tokens if args.compile else 2)  # warm-up (compiled: every shape the runs take)
         times: dict[str, list[float]] = {"ours": [], "hf": [], "bare": []}
         for _ in range(args.repeats):
             times["ours"].append(ours(engine, prompts, args.new_tokens))

@@ -170,7 +170,7 @@ def test_sides_run_at_the_same_time_as_engine_groups(
         assert _began_during(prompt_steps, token_steps) == _began_during(token_steps, prompt_steps) == 0
 
 
-def _samples(path, replicas, n, temperature):
+def _samples(path, replicas, n, temperature, share=True):
     """``n`` samples of each of ``PROMPTS`` (request ``i * n + j``, seeds differing; the first
     sample of prompt 1 ends at its first token, its siblings go on) through DejaVu's two sides,
     and through a static TP engine over the same ranks. Returns both's tokens, DejaVu's summary,
@@ -187,11 +187,14 @@ def _samples(path, replicas, n, temperature):
 
     requests = [Request(i * n + j, p, params(i, j)) for i, p in enumerate(PROMPTS) for j in range(n)]
     strategy = strategy_config({"strategy": "dejavu", "prompt_ranks": 1})
-    engine = strategy.build(path, EngineConfig(max_batch_size=4, max_seq_len=64, replicas=replicas))
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, replicas=replicas, prefix_caching=share)
+    engine = strategy.build(path, config)
     fed = {}
     engine.events.on(
         "step_begin",
-        lambda step, seqs: step.layout == "prompt" and fed.update(zip([s.request.id for s in step.seqs], step.num_tokens)),
+        lambda step, seqs: (
+            step.layout == "prompt" and fed.update(zip([s.request.id for s in step.seqs], step.num_tokens))
+        ),
     )
     with engine:
         tokens = [c.output_ids for c in engine.generate(requests)]
@@ -228,12 +231,24 @@ def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, repli
     again = [rid for rid, k in fed.items() if k == 1]  # fed their last prompt token, streamed again
     for i, prompt in enumerate(PROMPTS):  # each prompt computed once; its other samples fed 1 token or none
         computed = [rid for rid in range(i * n, i * n + n) if fed.get(rid) == len(prompt)]
-        assert len(computed) == 1 and all(fed.get(rid, 1) == 1 for rid in range(i * n, i * n + n) if rid not in computed)
+        assert len(computed) == 1 and all(
+            fed.get(rid, 1) == 1 for rid in range(i * n, i * n + n) if rid not in computed
+        )
     if replicas == "lockstep":  # (a step hands off no more than the token side has room for: the rest come later)
         assert again, fed
     queries = n * sum(map(len, PROMPTS))
     assert cached == (queries, queries - sum(map(len, PROMPTS)) - (n - 1) * len(PROMPTS))
     assert staged == (4, {}, {})
+
+
+def test_n_samples_with_prefix_caching_off_are_each_computed_whole(four_layer):
+    """``prefix_caching=False``: every sample computes and streams its whole prompt, and the
+    tokens are those of the cache on (a static TP engine's)."""
+    path, n = four_layer["llama"], 2
+    results = dist_harness.run(2, _samples, path, "groups", n, 0.9, False)
+    for tokens, static, _, _, cached, _ in results:
+        assert tokens == static and cached == (0, 0)
+    assert results[0][3] == {i * n + j: len(p) for i, p in enumerate(PROMPTS) for j in range(n)}  # rank 0: prompts
 
 
 def _samples_across_a_weight_write(path, n, write):
@@ -250,7 +265,9 @@ def _samples_across_a_weight_write(path, n, write):
     fed = {}
     engine.events.on(
         "step_begin",
-        lambda step, seqs: step.layout == "prompt" and fed.update(zip([s.request.id for s in step.seqs], step.num_tokens)),
+        lambda step, seqs: (
+            step.layout == "prompt" and fed.update(zip([s.request.id for s in step.seqs], step.num_tokens))
+        ),
     )
     core = EngineCore(engine)
     for i, p in enumerate(PROMPTS[:2]):
@@ -279,6 +296,57 @@ def test_a_prompt_retained_across_a_weight_write_is_computed_anew(four_layer, hf
         assert tokens == [e for e in expected for _ in range(n)]
         full = [rid for rid in range(n) if fed.get(rid) == len(PROMPTS[0])]
         assert full == ([0, 2] if write else [0]), fed
+
+
+SYSTEM = [(7 * i) % 200 + 3 for i in range(40)]  # a 40-token prompt two turns and a request share
+
+
+def _turns(path, replicas, prompt=None):
+    """Three ``generate`` calls on one DejaVu engine: a first turn (``SYSTEM`` + 4 tokens); its
+    next turn (the first's prompt and output + 5 tokens) beside a request sharing the first 30
+    tokens; the next turn again after a write of the weights. Tokens of each call and the prompt
+    tokens each request fed on the prompt side."""
+    from reshard.parallel import EngineConfig, Request, SamplingParams
+    from reshard.parallel.model.info import parallel_info
+    from reshard.recipes.schema import strategy_config
+
+    sides = {"prompt": prompt or {}, "prompt_ranks": 2 if prompt else 1}
+    strategy = strategy_config({"strategy": "dejavu", **sides})
+    engine = strategy.build(path, EngineConfig(max_batch_size=4, max_seq_len=96, replicas=replicas))
+    fed = {}
+    engine.events.on(
+        "step_begin",
+        lambda step, seqs: (
+            step.layout == "prompt" and fed.update(zip([s.request.id for s in step.seqs], step.num_tokens))
+        ),
+    )
+    params = SamplingParams(max_new_tokens=6)
+    first = [*SYSTEM, 11, 12, 13, 14]
+    (turn1,) = [c.output_ids for c in engine.generate([Request(0, first, params)])]
+    second = [*first, *turn1, 21, 22, 23, 24, 25]
+    other = [*SYSTEM[:30], 31, 32, 33]
+    turn2 = [c.output_ids for c in engine.generate([Request(1, second, params), Request(2, other, params)])]
+    parallel_info(engine.runners["prompt"].model).weight_version.writes += 1
+    turn3 = [c.output_ids for c in engine.generate([Request(3, second, params)])]
+    engine.close()
+    return (first, second, other), [turn1, *turn2, *turn3], fed
+
+
+@pytest.mark.parametrize(
+    "replicas,world,prompt", [("groups", 2, None), ("lockstep", 2, None), ("groups", 3, {"pp": 2})]
+)
+def test_a_chats_next_turn_computes_only_what_the_prompt_side_did_not_keep(
+    four_layer, hf_reference, replicas, world, prompt
+):
+    """A prompt's KV stays in its prompt-side slot across calls: the next turn (its prompt and
+    output, and more) computes only the rest, a request sharing 30 of its tokens only what
+    follows them (copied into a slot of its own); after a write of the weights, the next turn
+    is computed whole (a prompt side of two pipeline stages too). Tokens equal HF's."""
+    path = four_layer["llama"]
+    (prompts, tokens, fed), *_ = dist_harness.run(world, _turns, path, replicas, prompt, timeout=180)
+    first, second, other = prompts
+    assert tokens == hf_reference(path, [first, second, other, second], 6)
+    assert fed == {0: len(first), 1: len(second) - len(first), 2: len(other) - 30, 3: len(second)}
 
 
 def test_groups_sample_as_lockstep_sides_do(four_layer):

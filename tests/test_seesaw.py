@@ -368,7 +368,7 @@ def test_seesaw_with_a_paged_decode_cache_matches_hf(four_layer, hf_reference):
         assert tokens == expected and allocated == freed > 0 and capacity == 96
 
 
-def _samples(path, layouts, prompts, n, max_new, temperature):
+def _samples(path, layouts, prompts, n, max_new, temperature, share=True):
     """``n`` samples of each prompt (request ``i * n + j``, seeds differing), through Seesaw and
     through a static TP engine; Seesaw's prompt tokens computed and what its tier holds after."""
     import torch.distributed as dist
@@ -379,7 +379,7 @@ def _samples(path, layouts, prompts, n, max_new, temperature):
         return SamplingParams(max_new_tokens=1 if (i, j) == (1, 0) else max_new, temperature=temperature, seed=10 + j)
 
     requests = [Request(i * n + j, p, params(i, j)) for i, p in enumerate(prompts) for j in range(n)]
-    engine = _seesaw(path, layouts)
+    engine = _seesaw(path, layouts, prefix_caching=share)
     seesaw = [c.output_ids for c in engine.generate(requests)]
     tiered = engine.policy.tiered
     left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of, engine.policy.siblings)
@@ -392,24 +392,28 @@ def _samples(path, layouts, prompts, n, max_new, temperature):
     return seesaw, [c.output_ids for c in static.generate(requests)], fed, left
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_n_samples_of_a_prompt_are_prefilled_once_and_share_its_tier_kv(four_layer, hf_reference, temperature):
+@pytest.mark.parametrize("temperature,share", [(0.0, True), (0.9, True), (0.9, False)])
+def test_n_samples_of_a_prompt_are_prefilled_once_and_share_its_tier_kv(four_layer, hf_reference, temperature, share):
     """GRPO's shape: 4 samples per prompt. Each prompt is computed once in the prefill layout;
     the other samples load its KV from the CPU tier but for the last prompt token, which their
     first decode step feeds. Tokens equal a static TP engine's without sharing (and HF's when
     greedy), and the tier is empty after."""
     path, prompts, n = four_layer["llama"], _prompts(3), 4
     expected = hf_reference(path, prompts, 6)
-    for seesaw, static, fed, left in dist_harness.run(2, _samples, path, LAYOUTS["P2-T2"], prompts, n, 6, temperature):
+    runs = dist_harness.run(2, _samples, path, LAYOUTS["P2-T2"], prompts, n, 6, temperature, share)
+    for seesaw, static, fed, left in runs:
         assert seesaw == static
+        assert left == ({}, {}, {}, {})
         if temperature == 0.0:
             assert seesaw == [e[: 1 if (i, j) == (1, 0) else 6] for i, e in enumerate(expected) for j in range(n)]
+        if not share:  # (prefix_caching=False) every sample prefilled whole, then its prefill's token fed
+            assert fed == (n * sum(map(len, prompts)) + n * len(prompts) - 1, 0, 0)
+            continue
         # each prompt once, each sibling its last token, and each first sample that runs on its
         # prefill's token (which ends a resumed request's prompt): all but prompt 1's
         assert fed[0] == sum(map(len, prompts)) + (n - 1) * len(prompts) + len(prompts) - 1
         # every sample's prompt looked up; each sibling a hit of all but its last token
         assert fed[1:] == (n * sum(map(len, prompts)), (n - 1) * sum(len(p) - 1 for p in prompts))
-        assert left == ({}, {}, {}, {})
 
 
 def _first_prefill_step(path, layouts, prompts, n):

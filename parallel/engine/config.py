@@ -75,7 +75,9 @@ class EngineConfig:
     a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later
     requests (``n`` samples and a chat's next turn compute their prompt once); dropped whenever
     the weights are written. Runs with chunked prefill in the default policy (an in-flight
-    pipeline's too), Shift's and SiDP's."""
+    pipeline's too), Shift's and SiDP's. On contiguous caches, Seesaw and DejaVu share whole
+    prompts instead: ``n`` samples of a prompt computed once, and DejaVu's prompt side keeps
+    computed prompts in their slots for later requests that begin the same way."""
     async_scheduling: bool | None = None
     """Schedule step n+1 while step n computes (vLLM's ``async_scheduling``): the policy admits
     and budgets the next step right after this step's forward is launched, before its tokens are

@@ -24,7 +24,8 @@ model's prediction; after the run it turns the measured prompt and token step ti
 ``D_p`` / ``D_t`` it would choose next time, reported in ``summary.json``.
 """
 
-from reshard.parallel.strategies.dejavu.sides import DejaVuStats, LockstepSides, PromptSide, TokenSide
+from reshard.parallel.strategies.dejavu.prompt import PromptSide
+from reshard.parallel.strategies.dejavu.sides import DejaVuStats, LockstepSides, TokenSide
 from reshard.parallel.strategies.dejavu.strategy import (
     DejaVuStrategy,
     SideConfig,

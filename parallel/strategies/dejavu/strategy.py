@@ -33,13 +33,8 @@ from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.pipeline import build_model
 from reshard.parallel.strategies.dejavu.connector import StreamedKV
-from reshard.parallel.strategies.dejavu.sides import (
-    AbsentRunner,
-    DejaVuStats,
-    LockstepSides,
-    PromptSide,
-    TokenSide,
-)
+from reshard.parallel.strategies.dejavu.prompt import PromptSide
+from reshard.parallel.strategies.dejavu.sides import AbsentRunner, DejaVuStats, LockstepSides, TokenSide
 
 
 def dejavu_groups_engine(
@@ -69,7 +64,7 @@ def dejavu_groups_engine(
     streamers = _streamers(layouts, groups, index, entries)
     if side == "prompt":
         tokens = [g for g in range(len(groups)) if g not in entries]
-        policy = PromptSide(streamers, index, tokens, config.max_prefill_tokens)
+        policy = PromptSide(streamers, index, tokens, config.max_prefill_tokens, share=config.prefix_caching)
     else:
         token_runner = runners["token"]
         streamed = StreamedKV(streamers, token_runner.kv, token.config.num_hidden_layers, len(groups[index]))
@@ -135,7 +130,7 @@ def dejavu_engine(
     }
     plan = plan_stream(world_layouts(runners["prompt"].kv), world_layouts(runners["token"].kv))
     streamer, token_runner = KVStreamer(plan), runners["token"]
-    prompt_side = PromptSide({1: streamer}, 0, [1], config.max_prefill_tokens)
+    prompt_side = PromptSide({1: streamer}, 0, [1], config.max_prefill_tokens, share=config.prefix_caching)
     streamed = StreamedKV(
         {0: streamer},
         token_runner.kv,

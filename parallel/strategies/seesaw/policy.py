@@ -134,8 +134,10 @@ class SeesawPolicy(ContinuousBatching):
         *,
         scheduler: str = "transition_minimizing",
         max_prefill_tokens: int = 4096,
+        share_prompts: bool = True,
     ) -> None:
         super().__init__("decode", max_prefill_tokens=max_prefill_tokens)
+        self.share_prompts = share_prompts  # n samples of a prompt prefilled once (prefix_caching)
         self.switch = switch
         self.tier = tier
         self.scheduler = make_scheduler(scheduler)
@@ -243,7 +245,7 @@ class SeesawPolicy(ContinuousBatching):
             request = queue.popleft()
             self.tier.allocate(request.id, n)
             budget -= n
-            self.stats.prefix_cache_queries += n
+            self.stats.prefix_cache_queries += n if self.share_prompts else 0
             batch.append(self.new_sequence(request))
             prompts.setdefault(tuple(request.prompt_ids), request.id)
             self._take_siblings(queue, prompts)
@@ -254,7 +256,10 @@ class SeesawPolicy(ContinuousBatching):
         computes: they take no prefill slot and load that request's prompt KV from the tier for
         their first decode step (``n`` samples of a prompt prefilled once)."""
         while (
-            queue and len(queue[0].prompt_ids) > 1 and (leader := prompts.get(tuple(queue[0].prompt_ids))) is not None
+            self.share_prompts
+            and queue
+            and len(queue[0].prompt_ids) > 1
+            and (leader := prompts.get(tuple(queue[0].prompt_ids))) is not None
         ):
             self.siblings.setdefault(leader, []).append(queue.popleft())
             n = len(self.siblings[leader][-1].prompt_ids)  # (a hit of all but its last token)
@@ -380,7 +385,13 @@ def seesaw_engine(
     cfg, kv = switch.models["decode"].config, runners["decode"].kv.spec
     spec = TierSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, kv.head_dim, cpu_kv_budget, kv.dtype)
     tier = map_shared("reshard-kv", lambda path: CPUKVTier(spec, path))
-    policy = SeesawPolicy(switch, tier, scheduler=scheduler, max_prefill_tokens=config.max_prefill_tokens)
+    policy = SeesawPolicy(
+        switch,
+        tier,
+        scheduler=scheduler,
+        max_prefill_tokens=config.max_prefill_tokens,
+        share_prompts=config.prefix_caching,
+    )
     # prefill KV reaches the decode cache only through the tier
     return Engine(runners=runners, policy=policy, config=config, host_tiers={"prefill": tier})
 

@@ -1,0 +1,91 @@
+"""A DejaVu prompt group's prompts kept in their slots after their step (:class:`RetainedPrompts`):
+a later request whose prompt begins the same way computes only the rest. The prompt side's cache
+is contiguous, so prompts are matched whole or by their longest common prefix, not by blocks
+(the paged cache's :mod:`reshard.parallel.engine.prefix`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from reshard.parallel.engine.request import Sequence
+from reshard.parallel.engine.step import Move
+
+MIN_SHARED = 16  # common prefix worth a step of reused prompts (its KV copied to another slot)
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """How a request starts from a retained prompt ``source``: its first ``shared`` positions'
+    KV is that prompt's; ``same``: the prompts are equal (the request takes the slot over)."""
+
+    source: tuple[int, ...]
+    shared: int
+    same: bool
+
+
+@dataclass(frozen=True)
+class CopyPrefix(Move):
+    """Copy the first ``tokens`` positions of slot ``src`` into slot ``dst``, every layer this
+    rank holds, before the step runs."""
+
+    src: int
+    dst: int
+    tokens: int
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class RetainedPrompts:
+    """Retained prompts, least recently used first: prompt -> the sequence that computed it (its
+    slot holds the prompt's KV, every position)."""
+
+    def __init__(self) -> None:
+        self.by_prompt: OrderedDict[tuple[int, ...], Sequence] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.by_prompt)
+
+    def match(self, prompt: Seq[int]) -> Reuse | None:
+        """The retained prompt sharing the most of ``prompt`` (all but its last position at
+        most: that one is fed, for its logits); None where none shares :data:`MIN_SHARED`
+        tokens and none is the same prompt."""
+        usable = []
+        for source in self.by_prompt:
+            shared = min(common_prefix(prompt, source), len(prompt) - 1)
+            same = source == tuple(prompt)
+            if (same and shared > 0) or shared >= MIN_SHARED:
+                usable.append(Reuse(source, shared, same))
+        return max(usable, key=lambda r: (r.shared, r.same), default=None)
+
+    def slot_of(self, prompt: tuple[int, ...]) -> int:
+        """The slot of retained ``prompt``, now the most recently used."""
+        self.by_prompt.move_to_end(prompt)
+        return self.by_prompt[prompt].slot
+
+    def take(self, prompt: tuple[int, ...]) -> Sequence:
+        """Retained ``prompt``'s sequence, no longer retained (its slot passes to the caller)."""
+        return self.by_prompt.pop(prompt)
+
+    def keep(self, seq: Sequence) -> bool:
+        """Retain ``seq``'s prompt (of two tokens or more, not retained already); whether it was."""
+        prompt = tuple(seq.request.prompt_ids)
+        if len(prompt) < 2 or prompt in self.by_prompt:
+            return False
+        self.by_prompt[prompt] = seq
+        return True
+
+    def evict(self, busy: set[tuple[int, ...]] = frozenset()) -> Sequence | None:
+        """The least recently used retained prompt not in ``busy``, no longer retained (None: none)."""
+        prompt = next((p for p in self.by_prompt if p not in busy), None)
+        return None if prompt is None else self.by_prompt.pop(prompt)
+
+    def clear(self) -> list[Sequence]:
+        """Every retained prompt's sequence, none retained any more."""
+        seqs = list(self.by_prompt.values())
+        self.by_prompt.clear()
+        return seqs
