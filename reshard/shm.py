@@ -40,7 +40,22 @@ def map_file(path: str | os.PathLike, nbytes: int, *, shared: bool = True) -> to
     """
     if nbytes == 0:  # nothing to map (mmap refuses zero bytes)
         return torch.empty(0, dtype=torch.uint8)
+    if shared:
+        _grow(path, nbytes)
     return torch.from_file(str(path), shared=shared, size=nbytes, dtype=torch.uint8)
+
+
+def _grow(path: str | os.PathLike, nbytes: int) -> None:
+    """Create the file at ``path`` if missing and make it at least ``nbytes`` long (zeros past
+    its end). ``torch.from_file`` grows a short file itself, but then writes a zero byte at its
+    offset 0: over the first byte another process already wrote, where several map one new file
+    at once."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)  # (a file another process grew meanwhile keeps its size and bytes)
+    finally:
+        os.close(fd)
 
 
 # ---- creation without a name --------------------------------------------------------------------

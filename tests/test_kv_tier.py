@@ -67,7 +67,22 @@ def _reshard_through_tier(path: str):
 
 def test_kv_swapped_out_in_tp4_reads_back_in_tp2(tmp_path):
     results = dist_harness.run(4, _reshard_through_tier, str(tmp_path / "tier.bin"))
-    assert all(all(r) for r in results)
+    assert all(all(r) for r in results), results  # (per rank: each request read back equal)
+
+
+def test_mapping_a_short_file_keeps_its_bytes(tmp_path):
+    """``map_file`` grows a short (or missing) file with zeros past its end and keeps every byte
+    it held: ``torch.from_file`` alone zeroes the first byte when it grows a file, which once
+    erased a head's first KV entry that another rank had written while mapping the same new tier
+    file (this test's TP4 -> TP2 case, on a loaded machine)."""
+    from reshard.shm import map_file
+
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes([7]) * 10)
+    mapped = map_file(path, 100)
+    assert mapped[:10].tolist() == [7] * 10 and mapped[10:].tolist() == [0] * 90
+    assert path.stat().st_size == 100
+    assert map_file(tmp_path / "new.bin", 16).tolist() == [0] * 16
 
 
 def test_allocator_first_fit_and_limits(tmp_path):

@@ -80,9 +80,9 @@ class PromptSide(Policy):
         while (
             queue
             and self._taking(admitted) != limit
-            and (len(self.slots) or self._evict(set()))
             and self.retained.match(queue[0].prompt_ids) is None
             and (not admitted or len(queue[0].prompt_ids) <= budget)
+            and (len(self.slots) or self._evict(set()))
         ):
             admitted.append(self._admit(queue.popleft(), prompts, 0))
             self.slots.take(admitted[-1])
