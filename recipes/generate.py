@@ -159,13 +159,10 @@ def _kv_summary(engine: Engine) -> dict:
             blocks_freed=s.kv_blocks_freed,
             blocks_peak=s.kv_blocks_peak,
             preemptions=s.preemptions,
-        )
-    if spec.paged or s.prefix_cache_queries:  # (a contiguous cache's prompts shared: DejaVu's)
-        out.update(
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
             prompt_tokens_computed=s.prompt_tokens_computed,
         )
+    if spec.paged or s.prefix_cache_queries:  # (contiguous caches' prompts shared whole: Seesaw's, DejaVu's)
+        out.update(prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
     return out
 
 

@@ -301,7 +301,7 @@ def test_a_prompt_retained_across_a_weight_write_is_computed_anew(four_layer, hf
 SYSTEM = [(7 * i) % 200 + 3 for i in range(40)]  # a 40-token prompt two turns and a request share
 
 
-def _turns(path, replicas, prompt=None):
+def _turns(path, replicas, prompt=None, slots=4):
     """Three ``generate`` calls on one DejaVu engine: a first turn (``SYSTEM`` + 4 tokens); its
     next turn (the first's prompt and output + 5 tokens) beside a request sharing the first 30
     tokens; the next turn again after a write of the weights. Tokens of each call and the prompt
@@ -312,7 +312,7 @@ def _turns(path, replicas, prompt=None):
 
     sides = {"prompt": prompt or {}, "prompt_ranks": 2 if prompt else 1}
     strategy = strategy_config({"strategy": "dejavu", **sides})
-    engine = strategy.build(path, EngineConfig(max_batch_size=4, max_seq_len=96, replicas=replicas))
+    engine = strategy.build(path, EngineConfig(max_batch_size=slots, max_seq_len=96, replicas=replicas))
     fed = {}
     engine.events.on(
         "step_begin",
@@ -333,17 +333,19 @@ def _turns(path, replicas, prompt=None):
 
 
 @pytest.mark.parametrize(
-    "replicas,world,prompt", [("groups", 2, None), ("lockstep", 2, None), ("groups", 3, {"pp": 2})]
+    "replicas,world,prompt,slots",
+    [("groups", 2, None, 4), ("lockstep", 2, None, 4), ("lockstep", 2, None, 1), ("groups", 3, {"pp": 2}, 4)],
 )
 def test_a_chats_next_turn_computes_only_what_the_prompt_side_did_not_keep(
-    four_layer, hf_reference, replicas, world, prompt
+    four_layer, hf_reference, replicas, world, prompt, slots
 ):
     """A prompt's KV stays in its prompt-side slot across calls: the next turn (its prompt and
     output, and more) computes only the rest, a request sharing 30 of its tokens only what
     follows them (copied into a slot of its own); after a write of the weights, the next turn
-    is computed whole (a prompt side of two pipeline stages too). Tokens equal HF's."""
+    is computed whole (a prompt side of two pipeline stages too; with one slot each takes the
+    kept prompt's slot over, as there is no other to copy into). Tokens equal HF's."""
     path = four_layer["llama"]
-    (prompts, tokens, fed), *_ = dist_harness.run(world, _turns, path, replicas, prompt, timeout=180)
+    (prompts, tokens, fed), *_ = dist_harness.run(world, _turns, path, replicas, prompt, slots, timeout=180)
     first, second, other = prompts
     assert tokens == hf_reference(path, [first, second, other, second], 6)
     assert fed == {0: len(first), 1: len(second) - len(first), 2: len(other) - 30, 3: len(second)}

@@ -69,6 +69,7 @@ class PromptSide(Policy):
         reuse = bool(queue) and self.retained.match(queue[0].prompt_ids) is not None
         moves: list[Move] = []
         admitted = self._reuse(queue, limit, moves) if reuse else self._compute(queue, limit)
+        assert admitted or not queue or limit == 0, "a prompt step admitted none of a queue (policy bug)"
         self._prefilling, self._passes, self._streams_at_end = admitted, {}, reuse
         counts = [s.prompt_len - s.num_computed_tokens for s in admitted]
         return Step(admitted, counts, "prompt", moves=tuple(moves))
@@ -96,16 +97,18 @@ class PromptSide(Policy):
 
         One whose prompt equals the retained one takes its slot over. Any other takes a free slot
         (the least recently used retained prompt no request of the step reads evicted, if need
-        be), the shared prefix copied into it before the step."""
+        be), the shared prefix copied into it before the step; where there is none, the step's
+        first takes the retained prompt's slot over (which then keeps the new prompt)."""
         budget, admitted, prompts, busy = self.max_prefill_tokens, [], {}, set()
         while queue and self._taking(admitted) != limit:
             reuse = self.retained.match(queue[0].prompt_ids)
             if reuse is None or (admitted and len(queue[0].prompt_ids) - reuse.shared > budget):
                 break
-            if not reuse.same and not (len(self.slots) or self._evict(busy | {reuse.source})):
-                break
+            over = reuse.same or not (len(self.slots) or self._evict(busy | {reuse.source}))
+            if over and admitted and not reuse.same:
+                break  # (no slot for it: the next step)
             seq = self._admit(queue.popleft(), prompts, reuse.shared)
-            if reuse.same:
+            if over:
                 seq.replica, seq.slot = 0, self.retained.take(reuse.source).slot
             else:
                 self.slots.take(seq)
