@@ -334,7 +334,7 @@ def _turns(path, replicas, prompt=None, slots=4):
 
 @pytest.mark.parametrize(
     "replicas,world,prompt,slots",
-    [("groups", 2, None, 4), ("lockstep", 2, None, 4), ("lockstep", 2, None, 1), ("groups", 3, {"pp": 2}, 4)],
+    [("groups", 2, None, 4), ("lockstep", 2, None, 4), ("lockstep", 2, None, 1), ("groups", 4, {"pp": 2}, 4)],
 )
 def test_a_chats_next_turn_computes_only_what_the_prompt_side_did_not_keep(
     four_layer, hf_reference, replicas, world, prompt, slots
