@@ -162,9 +162,9 @@ class PromptSide(Policy):
     def _count(self, request: Request, shared: int | None) -> None:
         """The prefix-cache figures: ``shared`` positions not computed (None: a sibling's, all but
         its last)."""
-        n = len(request.prompt_ids)
         if not self.share:
             return
+        n = len(request.prompt_ids)
         self.stats.prefix_cache_queries += n
         self.stats.prefix_cache_hits += n - 1 if shared is None else shared
 
