@@ -66,9 +66,10 @@ class PromptSide(Policy):
         from a retained prompt, such requests (at most ``limit`` requests in all, siblings
         counted)."""
         self._siblings: dict[int, list[Request]] = {}  # a prompt's request in the step -> its siblings
-        reuse = bool(queue) and self.retained.match(queue[0].prompt_ids) is not None
         moves: list[Move] = []
-        admitted = self._reuse(queue, limit, moves) if reuse else self._compute(queue, limit)
+        admitted = self._reuse(queue, limit, moves)  # (none where the head starts from no retained prompt)
+        reuse = bool(admitted)
+        admitted = admitted or self._compute(queue, limit)
         assert admitted or not queue or limit == 0, "a prompt step admitted none of a queue (policy bug)"
         self._prefilling, self._passes, self._streams_at_end = admitted, {}, reuse
         counts = [s.prompt_len - s.num_computed_tokens for s in admitted]
@@ -98,7 +99,8 @@ class PromptSide(Policy):
         One whose prompt equals the retained one takes its slot over. Any other takes a free slot
         (the least recently used retained prompt no request of the step reads evicted, if need
         be), the shared prefix copied into it before the step; where there is none, the step's
-        first takes the retained prompt's slot over (which then keeps the new prompt)."""
+        first takes the retained prompt's slot over (which then keeps the new prompt). So where
+        the head starts from a retained prompt, at least the head is admitted."""
         budget, admitted, prompts, busy = self.max_prefill_tokens, [], {}, set()
         while queue and self._taking(admitted) != limit:
             reuse = self.retained.match(queue[0].prompt_ids)
