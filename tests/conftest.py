@@ -18,6 +18,16 @@ def pytest_collection_finish(session) -> None:
     freeze_heap()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def reshard_cache(tmp_path_factory) -> Path:
+    """The session's ``RESHARD_CACHE``, which every job and process pool inherits: the first job
+    that needs the built-in checkpoint makes it there and the others read it (making it takes a
+    rank seconds of CPU). A test whose subject is the making names a cache of its own."""
+    root = tmp_path_factory.mktemp("reshard-cache")
+    os.environ["RESHARD_CACHE"] = str(root)
+    return root
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """Tiny seeded checkpoints per family, plus ``llama-multi``: the llama model in several files."""

@@ -18,7 +18,7 @@ COMMON = ["progress=false", "workload.num_requests=6", "workload.prompt_len_max=
 
 
 def _launch(tmp_path, name, overrides, restarts=0, world=2):
-    env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         "-m",
@@ -56,8 +56,7 @@ def reference(tmp_path_factory):
         key = (world, tuple(overrides))
         if key not in _REFERENCES:
             run_dir = tmp_path_factory.mktemp("ref")
-            cache = f"model.cache_dir={run_dir / 'cache'}"
-            dist_harness.run(world, _run_recipe, [*COMMON, *overrides, cache], str(run_dir))
+            dist_harness.run(world, _run_recipe, [*COMMON, *overrides], str(run_dir))
             lines = (run_dir / "outputs.jsonl").read_text().splitlines()
             _REFERENCES[key] = [json.loads(line)["output_ids"] for line in lines]
         return _REFERENCES[key]

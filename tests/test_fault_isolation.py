@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
         key = (world, tuple(overrides))
         if key not in _REFERENCES:
             run_dir = tmp_path_factory.mktemp("ref")
-            dist_harness.run(world, _run_recipe, [*overrides, f"model.cache_dir={run_dir / 'cache'}"], str(run_dir))
+            dist_harness.run(world, _run_recipe, overrides, str(run_dir))
             lines = (run_dir / "outputs.jsonl").read_text().splitlines()
             _REFERENCES[key] = [json.loads(line)["output_ids"] for line in lines]
         return _REFERENCES[key]
@@ -58,15 +58,15 @@ def _command(tmp_path, overrides, world, restarts=0):
     ]  # fmt: skip
 
 
-def _env(tmp_path):
-    return {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _run(tmp_path, overrides, world, restarts=0):
     """A supervised job; its tokens, summary and supervisors' events. ``--max-restarts 0`` (by
     default): a failure that reached torchrun would end the job."""
     proc = subprocess.run(
-        _command(tmp_path, overrides, world, restarts), cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+        _command(tmp_path, overrides, world, restarts), cwd=tmp_path, env=_env(), capture_output=True,
         text=True, timeout=220,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_each_rank_killed_in_turn_its_requests_move_with_their_kv(tmp_path, refe
     assert any(eps[-1].endswith(".1") for eps in served_by.values()), served_by
     # each respawned engine holds the checkpoint's weights, bit for bit, taken from a live replica
     # (through a link of their own) where one served, else read from the checkpoint
-    (digest,) = dist_harness.run(1, _checkpoint_digest, _builtin(tmp_path))
+    (digest,) = dist_harness.run(1, _checkpoint_digest, _builtin())
     digests = summary["fault"]["weights_digest"]  # a respawn the job no longer needed may not have loaded
     assert sum("1" in digests[str(r)] for r in range(4)) >= 2, digests
     assert {d for per_rank in digests.values() for d in per_rank.values()} == {digest}
@@ -181,9 +181,11 @@ def _moved_with_kv(deaths, served_by, every: int, groups: int) -> None:
     assert checked, deaths
 
 
-def _builtin(tmp_path) -> str:
-    """The built-in checkpoint the job created under its ``RESHARD_CACHE``."""
-    return str(next((tmp_path / "cache").rglob("config.json")).parent)
+def _builtin() -> str:
+    """The built-in checkpoint the jobs read from the session's ``RESHARD_CACHE``."""
+    from reshard.parallel.model.tiny_models import builtin_checkpoint
+
+    return str(builtin_checkpoint())
 
 
 def test_a_tensor_parallel_group_restarts_together_its_requests_adopted_shard_by_shard(tmp_path, reference):
@@ -382,7 +384,7 @@ def test_ctrl_c_stops_every_supervisor_child_and_spare(tmp_path):
     shm = _shm()
     overrides = [*COMMON, "parallel.tp=1", "workload.num_requests=400", "generation.max_new_tokens=64"]
     proc = subprocess.Popen(
-        _command(tmp_path, [*overrides, "fault.migrate=reprefill"], 2), cwd=tmp_path, env=_env(tmp_path),
+        _command(tmp_path, [*overrides, "fault.migrate=reprefill"], 2), cwd=tmp_path, env=_env(),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     log = tmp_path / "run" / "supervision.jsonl"
@@ -494,15 +496,14 @@ def test_kv_for_sidp_or_in_pipelines_is_refused(tmp_path):
             "decodes in 2 replicas x 1 pipeline stages (parallel.decode.dp/pp must be 1)",
         ),
     ]
-    cache = f"model.cache_dir={tmp_path / 'cache'}"
     for strategy, layout, why in refused:
-        overrides = [*BASE, f"parallel={strategy}", *layout, "fault.migrate=kv", cache]
+        overrides = [*BASE, f"parallel={strategy}", *layout, "fault.migrate=kv"]
         for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
             assert message == (
                 "fault.migrate=kv keeps each rank's KV cache of one lockstep group in its supervisors for the group's "
                 f"next generation; parallel.strategy={strategy!r} {why} (use fault.migrate=reprefill or none)"
             )
-    overrides = [*BASE, "parallel.pp=2", "fault.migrate=kv", f"model.cache_dir={tmp_path / 'cache'}"]
+    overrides = [*BASE, "parallel.pp=2", "fault.migrate=kv"]
     for message in dist_harness.run(2, _refused, overrides, str(tmp_path)):
         assert message.startswith("fault.migrate=kv adopts KV on every rank of a group") and "parallel.pp=2" in message
 

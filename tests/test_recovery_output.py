@@ -36,7 +36,6 @@ def test_a_recovered_kill_prints_its_story_and_the_survivors_traceback_goes_to_t
     # it, fails with "Connection closed/reset by peer" and is replaced with it
     args = ["generate", "--nproc", "2", "parallel.tp=2", "fault.migrate=kv", "fault.kill_at=[1,5]"]
     args += ["fault.warm_spare=false", "progress=false", "workload.num_requests=8", "generation.max_new_tokens=16"]
-    args += [f"model.cache_dir={tmp_path / 'cache'}"]
     p = _reshard(args, tmp_path)
     out, _ = p.communicate(timeout=220)
     lines = _lines(out)

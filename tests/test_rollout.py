@@ -20,7 +20,7 @@ def _compose(overrides):
 
 def test_default_run_learns_and_syncs_at_the_lower_bound(tmp_path):
     """The no-argument job on 4 ranks: reward of the last 5 iterations >= first 5 + 0.3."""
-    env = {**os.environ, "RESHARD_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         "-m",
@@ -154,7 +154,7 @@ def test_a_task_of_its_own_prompts_file_and_reward_function(tmp_path, source):
         Dataset.from_list(lines).save_to_disk(str(prompts))
     overrides = [
         f"train.{source}={prompts}", "train.reward=tests.test_rollout:answer_reward", "train.iterations=3",
-        "train.prompts=2", "train.group_size=2", "progress=false", f"model.cache_dir={tmp_path / 'cache'}",
+        "train.prompts=2", "train.group_size=2", "progress=false",
     ]  # fmt: skip
     metrics = dist_harness.run(2, _run, overrides, str(tmp_path / "run"))[0]
     calls = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line)[0] == 0]
