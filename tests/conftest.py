@@ -20,11 +20,15 @@ def pytest_collection_finish(session) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def reshard_cache(tmp_path_factory) -> Path:
-    """The session's ``RESHARD_CACHE``, which every job and process pool inherits: the first job
-    that needs the built-in checkpoint makes it there and the others read it (making it takes a
-    rank seconds of CPU). A test whose subject is the making names a cache of its own."""
+    """The session's ``RESHARD_CACHE``, which every job and process pool inherits, holding the
+    built-in checkpoint: made once here, read by every job (making it takes a rank seconds of CPU,
+    and its writer's progress bar would be in the job's output). A test whose subject is the
+    making names a cache of its own."""
+    from reshard.parallel.model.tiny_models import builtin_checkpoint
+
     root = tmp_path_factory.mktemp("reshard-cache")
     os.environ["RESHARD_CACHE"] = str(root)
+    builtin_checkpoint(root)
     return root
 
 

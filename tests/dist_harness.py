@@ -1,13 +1,18 @@
 """Multi-rank test harness: pools of real gloo processes, reused across tests.
 
 ``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank of a pool of ``world_size``
-spawned processes (one pool per world size, created on first use) and returns the per-rank
+processes (one pool per world size, created on first use) and returns the per-rank
 results in rank order. ``fn`` must be importable (a module-level function). A failure on any rank
 raises with that rank's traceback, a rank whose process is gone with its exit code (at once: its
 peers would wait for it); a job that does not finish within ``timeout`` seconds (a hung
 collective) raises ``TimeoutError``. After a timeout or any failure other than a ``ValueError`` on
 the failing ranks, the pool is killed and the next job gets a fresh one, so one broken test never
 poisons the next.
+
+A pool's processes are forked from multiprocessing's fork server, which imported :data:`PRELOAD`
+once: a spawned process imported torch and the library anew, seconds of CPU each (a session
+starts some twenty). Each starts with the environment of the process that made its pool, as a
+spawned one would.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.multiprocessing as mp
 JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 DEATH_POLL_S = 0.5  # how often a job's wait looks for a rank whose process is gone
+PRELOAD = ["torch", "torch.distributed", "transformers", "reshard.parallel"]
 
 
 def _free_port() -> int:
@@ -35,7 +41,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, env: dict[str, str], tasks, results) -> None:
     import faulthandler
 
     import torch
@@ -43,6 +49,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
     faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) prints every thread's Python stack to stderr
 
+    os.environ.clear()  # the fork server's, from when it started: the pool's maker's instead
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -62,14 +70,15 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 class WorkerPool:
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # (no effect once the server runs)
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.healthy = True
-        port = _free_port()
+        port, env = _free_port(), dict(os.environ)
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, env, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
