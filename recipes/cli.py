@@ -27,12 +27,15 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reshard.recipes.exits import (
     EXIT_INTERRUPTED,
@@ -96,11 +99,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command's exit status; Ctrl-C at any moment is one line and status 130 (once the
     ranks run, :func:`launch` says how many requests finished)."""
     freeze_heap()
+    seen, previous = _note_interrupts()
     try:
         return _main(sys.argv[1:] if argv is None else argv)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not (isinstance(e, KeyboardInterrupt) or seen):
+            raise
         print("interrupted: before any rank started (nothing ran)", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _note_interrupts() -> tuple[list[int], Any]:
+    """SIGINT raises ``KeyboardInterrupt``, as Python's own handler does, and is noted in the list
+    returned (with the handler it replaced): an import that a Ctrl-C cuts short can fail with
+    another error, which is still the interrupt (numpy's half-made module raised a
+    ``RecursionError`` once). Nothing changes off the main thread or where SIGINT is handled
+    otherwise or ignored."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        return seen, None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return seen, None
+
+    def note(signum: int, frame) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    return seen, signal.signal(signal.SIGINT, note)
 
 
 def _main(argv: Sequence[str]) -> int:
@@ -265,7 +293,6 @@ def serve(overrides: Sequence[str], nodes: Nodes, run_dir: Path, max_restarts: i
     """``reshard serve``: :func:`launch` on a thread of its own (torch's agent installs no signal
     handlers off the main thread), so that SIGTERM and Ctrl-C here go to rank 0's process, named
     in ``server.json``: SIGTERM drains the server (the job then ends, exit 0), Ctrl-C interrupts."""
-    import signal
     import time
 
     from reshard.background import Background

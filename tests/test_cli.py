@@ -3,6 +3,7 @@ Ctrl-C, a recovered failure), one run directory per job and nothing left behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -321,6 +322,31 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_leaves_nothing(tmp_pat
     time.sleep(0.5)
     assert _running_in(tmp_path) == [] and _shm() <= shm_before
     assert all(list(d.iterdir()) for d in _run_dirs(tmp_path))  # a run directory left holds what finished
+
+
+def _cut_short_by_a_ctrl_c(argv) -> int:
+    """A launcher's start-up whose import a Ctrl-C cut short and which then failed with another
+    error, as numpy's half-made module did (a ``RecursionError``, in a run under heavy load)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    raise RecursionError("maximum recursion depth exceeded")
+
+
+def test_a_ctrl_c_that_an_import_turns_into_another_error_is_still_one_line(monkeypatch, capsys):
+    from reshard.recipes import cli
+
+    monkeypatch.setattr(cli, "_main", _cut_short_by_a_ctrl_c)
+    assert cli.main(["generate"]) == 130
+    assert capsys.readouterr().err == "interrupted: before any rank started (nothing ran)\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler it replaced, back
+    monkeypatch.setattr(cli, "_main", lambda argv: _raise(RecursionError("not interrupted")))
+    with pytest.raises(RecursionError, match="not interrupted"):  # without a Ctrl-C, the error is the error
+        cli.main(["generate"])
+
+
+def _raise(error: BaseException) -> int:
+    raise error
 
 
 def _running_in(cwd: Path) -> list[int]:
