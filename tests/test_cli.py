@@ -333,7 +333,16 @@ def _cut_short_by_a_ctrl_c(argv) -> int:
     raise RecursionError("maximum recursion depth exceeded")
 
 
-def test_a_ctrl_c_that_an_import_turns_into_another_error_is_still_one_line(monkeypatch, capsys):
+@pytest.fixture
+def default_sigint():
+    """SIGINT handled by Python's own handler, as in a launcher's process (a test before may have
+    left another in this one), and the handler found restored after."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
+def test_a_ctrl_c_that_an_import_turns_into_another_error_is_still_one_line(monkeypatch, capsys, default_sigint):
     from reshard.recipes import cli
 
     monkeypatch.setattr(cli, "_main", _cut_short_by_a_ctrl_c)
