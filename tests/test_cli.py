@@ -335,8 +335,8 @@ def _cut_short_by_a_ctrl_c(argv) -> int:
 
 @pytest.fixture
 def default_sigint():
-    """SIGINT handled by Python's own handler, as in a launcher's process (a test before may have
-    left another in this one), and the handler found restored after."""
+    """SIGINT handled by Python's own handler, as in a launcher's process (pytest run as a shell's
+    background job starts with SIGINT ignored), and the handler found restored after."""
     found = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, found)
