@@ -25,8 +25,12 @@ def freeze_heap() -> None:
     ``generate`` run after its imports) and, at exit, every object alive then (its final passes
     over torch's and transformers' objects: 1.18 -> 0.17 s from the end of ``import
     reshard.recipes.generate`` to the exit). Objects made later are collected as before;
-    reference counting, ``atexit`` handlers and ``finally`` blocks run as before."""
+    reference counting, ``atexit`` handlers and ``finally`` blocks run as before. The collector
+    runs again from here: a job started as ``python -m reshard.recipes.<job>`` imported with it
+    paused (:mod:`reshard.recipes`)."""
     gc.freeze()
+    gc.enable()
+    atexit.unregister(gc.freeze)  # (once, however often it is called)
     atexit.register(gc.freeze)
 
 

@@ -44,7 +44,8 @@ from reshard.recipes.launch import collective_timeout
 
 CHANNEL = "supervised"
 WARM = ("reshard.recipes.supervised", "reshard.parallel.strategies.tp", "transformers")  # a spare's imports
-FROZEN = "reshard.parallel.fault.frozen"  # a fork server's last import (gc.freeze)
+PAUSED = "reshard.parallel.fault.paused"  # a fork server's first import (the collector paused)
+FROZEN = "reshard.parallel.fault.frozen"  # its last (gc.freeze, the collector resumed)
 
 
 def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path, site=None) -> dict:
@@ -342,7 +343,7 @@ def fork_server_preload(overrides: Sequence[str]) -> tuple[str, ...]:
     elif config.is_file():
         with contextlib.suppress(ValueError, KeyError, TypeError):
             model = _family_modules(json.loads(config.read_text())["model_type"])
-    return (*WARM, *model, FROZEN)  # last: the collector skips what the server imported
+    return (PAUSED, *WARM, *model, FROZEN)  # the collector skips what the server imported
 
 
 def _vocab_size(path: Path) -> int:

@@ -1,7 +1,10 @@
+import gc
 import os
 from pathlib import Path
 
 import pytest
+
+gc.disable()  # the test modules' imports without the cyclic collector, resumed once they are collected
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "reshard" / "inductor"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,7 +15,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 def pytest_collection_finish(session) -> None:
     """The test modules' imports (torch, transformers) are never garbage: the session's cyclic
-    collections skip them from here on, as every rank's do (:func:`reshard.recipes.exits.freeze_heap`)."""
+    collections skip them from here on, as every rank's do (:func:`reshard.recipes.exits.freeze_heap`,
+    which resumes the collector paused above)."""
     from reshard.recipes.exits import freeze_heap
 
     freeze_heap()

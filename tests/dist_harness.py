@@ -32,7 +32,11 @@ import torch.multiprocessing as mp
 JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 DEATH_POLL_S = 0.5  # how often a job's wait looks for a rank whose process is gone
-PRELOAD = ["torch", "torch.distributed", "transformers", "reshard.parallel"]
+# the collector paused for the imports, which are then frozen (as a supervised rank's server does)
+PRELOAD = [
+    "reshard.parallel.fault.paused", "torch", "torch.distributed", "transformers", "reshard.parallel",
+    "reshard.parallel.fault.frozen",
+]  # fmt: skip
 
 
 def _free_port() -> int:

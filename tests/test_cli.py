@@ -4,6 +4,7 @@ Ctrl-C, a recovered failure), one run directory per job and nothing left behind.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
@@ -230,6 +231,27 @@ def test_a_process_that_freezes_its_heap_still_exits_through_its_handlers_with_e
     for code in (ranks, server):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and set(proc.stdout.split()) == {"True"}, (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_jobs_imports_run_with_the_collector_paused_and_the_job_with_it_running(capsys):
+    """``python -m reshard.recipes.<job>`` (Python holds ``"-m"`` in ``sys.argv[0]`` while it finds
+    the module) imports with the cyclic collector paused, and ``freeze_heap`` (a job's first step)
+    resumes it; a program that imports the package keeps it running; a supervisor's fork server
+    pauses it for its preload and resumes it with the preload frozen; the command resumes it
+    whichever way it ends."""
+    from reshard.recipes.cli import main
+
+    job = "import gc, sys\nsys.argv[0] = '-m'\nimport reshard.recipes\nprint(not gc.isenabled())\n"
+    job += "from reshard.recipes.exits import freeze_heap\nfreeze_heap()\nprint(gc.isenabled())\n"
+    program = "import gc, reshard.recipes.exits\nprint(gc.isenabled())\n"
+    server = "import gc, reshard.parallel.fault.paused\nprint(not gc.isenabled())\n"
+    server += "import reshard.parallel.fault.frozen\nprint(gc.isenabled() and gc.get_freeze_count() > 0)\n"
+    for code in (job, program, server):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and set(proc.stdout.split()) == {"True"}, (code, proc.stdout, proc.stderr[-2000:])
+    assert main(["generate", "engine.max_batch_size=0"]) == 2 and gc.isenabled()
+    assert capsys.readouterr().err.startswith("error: ")
+    assert main(["generate", "--check"]) == 0 and gc.isenabled()
 
 
 def test_a_sweep_key_is_refused_by_name_and_a_run_dir_is_honoured_as_given(tmp_path, capsys, monkeypatch):

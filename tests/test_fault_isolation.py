@@ -445,17 +445,19 @@ def test_a_rank_forks_its_fork_server_with_its_imports_and_the_server_ends_with_
 
 def test_the_fork_server_preloads_what_the_command_line_names(tmp_path):
     """Only a supervised job's ranks fork a server; it preloads the model's modules (from the
-    checkpoint's config.json; without model.path, the built-in Llama's), then freezes them."""
+    checkpoint's config.json; without model.path, the built-in Llama's) with the collector
+    paused, then freezes them and resumes it."""
     from reshard.recipes.launch import _supervised_preload
-    from reshard.recipes.supervised import FROZEN, WARM
+    from reshard.recipes.supervised import FROZEN, PAUSED, WARM
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert _supervised_preload([]) is None and _supervised_preload(["fault.migrate=null"]) is None
     llama = _supervised_preload(["fault.migrate=kv"])
-    assert llama[: len(WARM)] == WARM and "transformers.models.llama.modeling_llama" in llama and llama[-1] == FROZEN
+    assert llama[: len(WARM) + 1] == (PAUSED, *WARM) and "transformers.models.llama.modeling_llama" in llama
+    assert llama[-1] == FROZEN
     qwen2 = _supervised_preload(["fault.migrate=none", f"model.path={tmp_path}"])
-    assert "transformers.models.qwen2.modeling_qwen2" in qwen2 and qwen2[-1] == FROZEN
-    assert _supervised_preload(["fault.migrate=kv", "model.path=org/on-the-hub"]) == (*WARM, FROZEN)
+    assert "transformers.models.qwen2.modeling_qwen2" in qwen2 and qwen2[0] == PAUSED and qwen2[-1] == FROZEN
+    assert _supervised_preload(["fault.migrate=kv", "model.path=org/on-the-hub"]) == (PAUSED, *WARM, FROZEN)
 
 
 def test_supervised_settings_are_checked():

@@ -348,8 +348,10 @@ def _context(warm: tuple[str, ...]) -> mp.context.BaseContext:
     below is the server's already); it exits when this process does and its children die with
     it (:func:`_die_with_parent`)."""
     ctx = mp.get_context("forkserver")
-    # (no effect once the server runs); last, the module that freezes what the server imported
-    ctx.set_forkserver_preload(["__main__", *warm, "reshard.parallel.fault.frozen"])
+    # (no effect once the server runs); around the imports, the modules that pause the
+    # collector and freeze what the server imported
+    paused, frozen = "reshard.parallel.fault.paused", "reshard.parallel.fault.frozen"
+    ctx.set_forkserver_preload(["__main__", paused, *warm, frozen])
     return ctx
 
 
