@@ -1,4 +1,4 @@
-"""What every drop-in layer shares: ``redistribute()`` through the movement core."""
+"""What every drop-in layer shares: ``redistribute()`` through the movement core, HF's activations."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ from reshard import CommStats, redistribute_module
 from reshard.executor import DEFAULT_BUCKET_BYTES
 
 Targets = dict[str, tuple[DeviceMesh, tuple[Placement, ...]]]
+
+
+def activation(name: str) -> torch.nn.Module:
+    """HF's activation ``name`` (a config's ``hidden_act``), as its models build it. transformers
+    is imported here, when a layer is built, not with this package: a process that only reads
+    configs (the ``reshard`` command's checks before any rank starts) is spared its second of CPU."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 def prefixed(prefix: str, targets: Targets) -> Targets:

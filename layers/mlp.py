@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
-from transformers.activations import ACT2FN
 
-from reshard.layers._base import Redistributable, Targets, prefixed
+from reshard.layers._base import Redistributable, Targets, activation, prefixed
 from reshard.layers.linear import ParallelLinear
 
 
@@ -42,7 +41,7 @@ class SwiGLUMLP(Redistributable, nn.Module):
         self.gate_proj = ParallelLinear(hidden_size, intermediate_size, bias, placements=up, **kw)
         self.up_proj = ParallelLinear(hidden_size, intermediate_size, bias, placements=up, **kw)
         self.down_proj = ParallelLinear(intermediate_size, hidden_size, bias, placements=down, **kw)
-        self.act_fn = ACT2FN[hidden_act]
+        self.act_fn = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate_proj, self.up_proj, self.down_proj, self.act_fn)

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from transformers.activations import ACT2FN
 
 from reshard import empty_dtensor
+from reshard.layers._base import activation
 from reshard.layers._comm import all_gather_chunks, all_reduce, all_to_all_split
 from reshard.layers.grouped_gemm import check_backend, grouped_swiglu
 from reshard.layers.mlp import SwiGLUMLP
@@ -112,7 +112,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(empty_dtensor(shape_in, mesh, (Shard(0), Shard(1)), **kw))
         self.up_proj = nn.Parameter(empty_dtensor(shape_in, mesh, (Shard(0), Shard(1)), **kw))
         self.down_proj = nn.Parameter(empty_dtensor(shape_out, mesh, (Shard(0), Shard(2)), **kw))
-        self.num_experts, self.act_fn, self.scale_input = num_experts, ACT2FN[hidden_act], scale_input
+        self.num_experts, self.act_fn, self.scale_input = num_experts, activation(hidden_act), scale_input
         self.backend = check_backend(backend)
 
     @property
