@@ -3,7 +3,7 @@
 while its peer had refused it. Each run must end with one ``error:`` line naming the tensor and
 exit status 2 within ``--timeout`` seconds; prints each run's outcome and the counts.
 
-    python bench/bad_inputs_loop.py --runs 20 [--timeout 120] [--keep DIR]
+    python bench/bad_inputs_loop.py --runs 20 [--timeout 120] [--keep DIR] [--checkpoint DIR]
 """
 
 from __future__ import annotations
@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> Counter:
     p.add_argument("--runs", type=int, default=20, help="how many runs (default 20)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a run may take before it counts as hung")
     p.add_argument("--keep", type=Path, help="build the checkpoint and run directories here (default: a temp dir)")
+    p.add_argument("--checkpoint", type=Path, help="one misshapen_expert_checkpoint made before: used, none built")
     args = p.parse_args(argv)
     root = args.keep or Path(tempfile.mkdtemp(prefix="bad-inputs-"))
-    checkpoint = misshapen_expert_checkpoint(root / "checkpoint")
+    checkpoint = args.checkpoint or misshapen_expert_checkpoint(root / "checkpoint")
     counts: Counter = Counter()
     for i in range(args.runs):
         outcome = run_once(checkpoint, root / f"run{i}", args.timeout)

@@ -140,10 +140,12 @@ def test_ep_on_a_dense_model_in_memory_is_refused():
 
 
 @pytest.mark.timeout(420)
-def test_reshard_generate_refuses_a_misshapen_expert_under_ep2_in_one_line_each_run(tmp_path):
-    """The bench loop (``python bench/bad_inputs_loop.py --runs 20`` for the issue's count), twice."""
+def test_reshard_generate_refuses_a_misshapen_expert_under_ep2_in_one_line_each_run(bad, tmp_path):
+    """The bench loop (``python bench/bad_inputs_loop.py --runs 20`` for the issue's count), twice,
+    on the module's misshapen checkpoint (the loop's own ``misshapen_expert_checkpoint`` made it)."""
+    loop = [sys.executable, str(ROOT / "bench" / "bad_inputs_loop.py"), "--checkpoint", bad["misshapen"]]
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bad_inputs_loop.py"), "--runs", "2", "--timeout", "150"],
+        [*loop, "--runs", "2", "--timeout", "150"],
         capture_output=True,
         text=True,
         timeout=400,
