@@ -227,3 +227,24 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path):
         ValueError, match=r"model.safetensors is not a safetensors file \(its header is not a JSON object\)"
     ):
         CheckpointReader(tmp_path)
+
+
+def test_the_librarys_own_saves_and_loads_show_no_transformers_bars(tmp_path, capfd):
+    """Making a tiny checkpoint and the rollout trainer's load print none of transformers' progress
+    bars (one per rank: a second voice in a job's output), and leave its bars as they were."""
+    from transformers.utils import logging as hf_logging
+
+    from reshard.parallel.model.tiny_models import make_tiny_checkpoint
+    from reshard.parallel.strategies.rollout import _load_train
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        path = make_tiny_checkpoint("llama", tmp_path / "sharded", seed=0, max_shard_size="40KB")
+        assert len(list(path.glob("*.safetensors"))) > 1  # (transformers' writer bar counts shards)
+        _load_train(path)
+        err = capfd.readouterr().err
+        assert "Writing model shards" not in err and "Loading weights" not in err, err
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

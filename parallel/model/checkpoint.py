@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
 
@@ -29,6 +31,22 @@ DTYPES = MappingProxyType(
         "BOOL": torch.bool,
     }
 )
+
+
+@contextlib.contextmanager
+def hf_bars_off() -> Iterator[None]:
+    """transformers' progress bars off inside (its "Writing model shards" and "Loading weights",
+    one per rank, around the library's own saves and loads of tiny checkpoints: the job's output
+    is its own lines), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:

@@ -18,6 +18,8 @@ from types import MappingProxyType
 
 import torch
 
+from reshard.parallel.model.checkpoint import hf_bars_off
+
 FAMILY_DEFAULTS = MappingProxyType(
     {
         "llama": dict(num_key_value_heads=2),
@@ -113,7 +115,8 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    with hf_bars_off():
+        model.save_pretrained(path, safe_serialization=True, **kwargs)
     return Path(path)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from reshard.mesh import cached_mesh, rank_tensor
 from reshard.parallel.engine import Engine, EngineConfig, Strategy, registered, strategy_class
+from reshard.parallel.model.checkpoint import hf_bars_off
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.model.info import parallel_info
 
@@ -114,7 +115,8 @@ def _train_mesh(ranks: Sequence[int], layout: str, inner: int):
 def _load_train(path: str | os.PathLike) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    with hf_bars_off():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
 
 
 def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
