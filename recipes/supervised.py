@@ -31,6 +31,7 @@ from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Completion, EngineStats
 from reshard.parallel.engine.router import Router
 from reshard.parallel.fault.donor import WeightDonor, take_weights
+from reshard.parallel.fault.fork_server import frozen_preload
 from reshard.parallel.fault.host import MirrorHost, spec_key
 from reshard.parallel.fault.journal import GroupJournal, silent_for
 from reshard.parallel.fault.mirror import KVMirror, Peers
@@ -44,8 +45,6 @@ from reshard.recipes.launch import collective_timeout
 
 CHANNEL = "supervised"
 WARM = ("reshard.recipes.supervised", "reshard.parallel.strategies.tp", "transformers")  # a spare's imports
-PAUSED = "reshard.parallel.fault.paused"  # a fork server's first import (the collector paused)
-FROZEN = "reshard.parallel.fault.frozen"  # its last (gc.freeze, the collector resumed)
 
 
 def run_supervised(cfg: GenerateConfig, run_dir: Path, path: Path, site=None) -> dict:
@@ -343,7 +342,7 @@ def fork_server_preload(overrides: Sequence[str]) -> tuple[str, ...]:
     elif config.is_file():
         with contextlib.suppress(ValueError, KeyError, TypeError):
             model = _family_modules(json.loads(config.read_text())["model_type"])
-    return (PAUSED, *WARM, *model, FROZEN)  # the collector skips what the server imported
+    return frozen_preload((*WARM, *model))
 
 
 def _vocab_size(path: Path) -> int:

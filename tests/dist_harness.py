@@ -29,14 +29,13 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from reshard.parallel.fault.fork_server import frozen_preload
+
 JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 DEATH_POLL_S = 0.5  # how often a job's wait looks for a rank whose process is gone
-# the collector paused for the imports, which are then frozen (as a supervised rank's server does)
-PRELOAD = [
-    "reshard.parallel.fault.paused", "torch", "torch.distributed", "transformers", "reshard.parallel",
-    "reshard.parallel.fault.frozen",
-]  # fmt: skip
+# imported with the collector paused, then frozen (as a supervised rank's server does)
+PRELOAD = list(frozen_preload(["torch", "torch.distributed", "transformers", "reshard.parallel"]))
 
 
 def _free_port() -> int:

@@ -447,8 +447,9 @@ def test_the_fork_server_preloads_what_the_command_line_names(tmp_path):
     """Only a supervised job's ranks fork a server; it preloads the model's modules (from the
     checkpoint's config.json; without model.path, the built-in Llama's) with the collector
     paused, then freezes them and resumes it."""
+    from reshard.parallel.fault.fork_server import FROZEN, PAUSED
     from reshard.recipes.launch import _supervised_preload
-    from reshard.recipes.supervised import FROZEN, PAUSED, WARM
+    from reshard.recipes.supervised import WARM
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert _supervised_preload([]) is None and _supervised_preload(["fault.migrate=null"]) is None

@@ -22,6 +22,15 @@ from multiprocessing import connection, forkserver, resource_tracker, util
 
 import torch
 
+PAUSED = "reshard.parallel.fault.paused"  # a preload's first import: the cyclic collector paused
+FROZEN = "reshard.parallel.fault.frozen"  # its last: what it imported frozen, the collector resumed
+
+
+def frozen_preload(modules: Sequence[str]) -> tuple[str, ...]:
+    """A fork server's preload of ``modules``: imported with the cyclic collector paused, then
+    frozen (never garbage: the server's final collection and its children's skip them)."""
+    return (PAUSED, *modules, FROZEN)
+
 
 def fork_server(preload: Sequence[str] = ()) -> bool:
     """Fork multiprocessing's fork server from this process, with ``preload`` (modules) imported

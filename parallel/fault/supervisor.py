@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from reshard.parallel.fault.fork_server import frozen_preload
+
 POLL_S = 0.05  # how often a supervisor looks at its child and its group's generation
 PEER_GRACE_S = 1.0  # a child that raised is a peer's casualty if its group moves on within this
 REPLACED_GRACE_S = 0.25  # a child whose group moved on may end on its own within this before it is killed
@@ -348,10 +350,7 @@ def _context(warm: tuple[str, ...]) -> mp.context.BaseContext:
     below is the server's already); it exits when this process does and its children die with
     it (:func:`_die_with_parent`)."""
     ctx = mp.get_context("forkserver")
-    # (no effect once the server runs); around the imports, the modules that pause the
-    # collector and freeze what the server imported
-    paused, frozen = "reshard.parallel.fault.paused", "reshard.parallel.fault.frozen"
-    ctx.set_forkserver_preload(["__main__", paused, *warm, frozen])
+    ctx.set_forkserver_preload(["__main__", *frozen_preload(warm)])  # (no effect once the server runs)
     return ctx
 
 
