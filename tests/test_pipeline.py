@@ -132,3 +132,43 @@ def test_a_pipeline_mixes_steps_and_caches_prefixes(four_layer, hf_reference, di
         for rank in [first] if pipeline == "inflight" else [first, *later]:
             check_computed_once(rank[True], rank[False], prompts, expected, n, temperature)
             assert "mixed" in rank[True]["kinds"] and "mixed" in rank[False]["kinds"]
+
+
+def _drained_microbatches(path, chunked):
+    """Three prompts through a drained P2 (8 slots, 2 micro-batches; the prompts take slots 0-2,
+    one slot range; chunked: 8 prompt tokens a step): each step's kind, its sequences and how
+    often this stage ran its first layer."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims, Request, SamplingParams
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+
+    model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
+    config = EngineConfig(
+        num_microbatches=2, max_batch_size=8, max_seq_len=128, chunked_prefill=chunked, pipeline="drain"
+    )
+    if chunked:
+        config = dataclasses.replace(config, max_prefill_tokens=8)
+    engine = Engine(model, config)
+    steps, first = [], engine.runner.layer_ids[0]
+    engine.events.on("step_begin", lambda step, seqs: steps.append([step.kind, len(seqs), 0]))
+    engine.events.on("layer_before", lambda i, h, ctx: steps[-1].__setitem__(2, steps[-1][2] + (i == first)))
+    requests = [Request(i, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(_prompts()[:3])]
+    return [c.output_ids for c in engine.generate(requests)], steps
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompts", "mixed"])
+def test_a_drained_pipeline_cuts_every_prompt_step_into_its_micro_batches(four_layer, hf_reference, chunked):
+    """Whole-prompt steps and mixed steps take the runner's one flat-batch path, which cuts a
+    drained pipeline's step into ``num_microbatches`` parts by sequence (so the stages overlap)
+    even where every sequence sits in one micro-batch's slot range; tokens equal HF's."""
+    path = four_layer["llama"]
+    expected = hf_reference(path, _prompts()[:3], 6)
+    for tokens, steps in dist_harness.run(2, _drained_microbatches, path, chunked):
+        assert tokens == expected
+        prompt_steps = [(n, calls) for kind, n, calls in steps if kind != "decode"]
+        assert prompt_steps and {k for k, *_ in steps} >= ({"prefill"} if not chunked else {"mixed"})
+        assert all(calls == min(2, n) for n, calls in prompt_steps), steps
+        assert any(n >= 2 for n, _ in prompt_steps), steps

@@ -117,7 +117,7 @@ class BatchQueue:
         launched, clock = time.time(), time.perf_counter()
         if self.first:
             self.notes.send(StepNote.of(step, self.noted))
-        logits = self.runner.run(step.seqs, step.num_tokens, layers)
+        logits = self.runner.run(step.seqs, step.num_tokens, layers, microbatches=1)
         emitting, rows = _emitting(step)  # (a prompt chunk short of its prompt's end samples nothing)
         if logits is None:  # not the last stage: (B + R * W,) tokens and log-probabilities come from it
             payload = torch.empty(payload_size(emitting), dtype=torch.long, device=self.runner.device)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reshard.kv import AttentionContext, DecodeInputs, KVCache, KVSpec
-from reshard.kv.swap import MicrobatchSwap, PrefillSwap
+from reshard.kv.swap import MicrobatchSwap
 from reshard.layers.attention import RopeTables
 from reshard.layers.moe import feed_forward
 from reshard.layers.weights import use_weights
@@ -213,13 +213,20 @@ class ModelRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None = None) -> torch.Tensor | None:
+    def run(
+        self,
+        seqs: list[Sequence],
+        num_tokens: list[int],
+        layers: LayerHooks | None = None,
+        microbatches: int | None = None,
+    ) -> torch.Tensor | None:
         """One step of ``seqs`` (this replica's, at least one): sequence ``i`` computes
         ``num_tokens[i]`` tokens at its positions ``num_computed_tokens ..`` (its whole prompt, a
         chunk of it, or its last output token); ``layers``: listeners called around every layer of
-        this stage. The path follows from the counts (:func:`batch_kind`): decode tokens only ->
-        the persistent-buffer decode step; every whole prompt from 0 -> prefill; else one flat
-        batch over each sequence's cached KV and its new tokens.
+        this stage; ``microbatches``: how many micro-batches the step's sequences are cut into on a
+        pipeline (default ``num_microbatches``; an in-flight step is one). Decode tokens only
+        (:func:`batch_kind`) take the persistent-buffer decode step; every other step, whole prompts
+        included, is one flat batch per micro-batch (:meth:`_mixed`).
 
         Returns fp32 logits ``(len(seqs), vocab)`` in ``seqs``' order on the last stage (of each
         sequence's last fed token), else None.
@@ -229,7 +236,7 @@ class ModelRunner:
         with use_weights(self.weights):
             if kind == "decode":
                 return self._decode(seqs, layers)
-            return self._prefill(seqs, layers) if kind == "prefill" else self._mixed(seqs, num_tokens, layers)
+            return self._mixed(seqs, num_tokens, layers, microbatches or self.num_microbatches)
 
     @torch.inference_mode()
     def idle(self) -> None:
@@ -240,37 +247,47 @@ class ModelRunner:
                 if hasattr(feed_forward(layer), "idle"):
                     feed_forward(layer).idle()
 
-    def _mixed(self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None) -> torch.Tensor | None:
+    def _mixed(
+        self, seqs: list[Sequence], num_tokens: list[int], layers: LayerHooks | None, microbatches: int
+    ) -> torch.Tensor | None:
         """Sequence ``i`` feeds its tokens at positions ``c .. c + num_tokens[i] - 1`` (``c``: its
-        ``num_computed_tokens``; a prompt, a prompt chunk, or its last output token) and attends
-        causally over its cached KV and them: one flat ``(sum(num_tokens),)`` batch per
-        micro-batch slot range the sequences occupy (pipeline stages overlap them; an in-flight
-        step is one range), eager."""
+        ``num_computed_tokens``; a whole prompt, a prompt chunk, or its last output token) and
+        attends causally over its cached KV and them: one flat ``(sum(num_tokens),)`` batch per
+        micro-batch (:meth:`_parts`; pipeline stages overlap them), eager."""
         if self.kv.spec.paged:  # a sequence's first tokens bring its blocks
             for s in seqs:
                 if s.num_computed_tokens == 0:
                     assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
                     self.kv.assign(s.slot, s.blocks)
-        ranges = [(0, self.max_batch_size)]  # one flat batch; by micro-batch slot range with stages or swapping
-        if self.link is not None or self.swap is not None:
-            ranges = split_ranges(self.max_batch_size, self.num_microbatches)
-            ranges = [(a, b) for a, b in ranges if any(a <= s.slot < b for s in seqs)]
-        parts = [[i for i, s in enumerate(seqs) if a <= s.slot < b] for a, b in ranges]
+        parts, ranges = self._parts(seqs, microbatches)
         order = [i for part in parts for i in part]
-        assert len(order) == len(seqs), "a sequence's slot lies outside the cache's (policy bug)"
-        rows = [0 if self.swap is None else self.swap.base(j) - a for j, (a, _) in enumerate(ranges)]
+        assert sorted(order) == list(range(len(seqs))), "a sequence's slot lies outside the cache's (policy bug)"
+        rows = [0] * len(parts) if ranges is None else [self.swap.base(j) - a for j, (a, _) in enumerate(ranges)]
         batches = [
             self._mixed_batch([seqs[i] for i in part], [num_tokens[i] for i in part], row)
             for part, row in zip(parts, rows)
         ]
         edges = None
-        if self.swap is not None:  # each micro-batch's slots come in, what it wrote goes home
+        if ranges is not None:  # each micro-batch's slots come in, what it wrote goes home
             written = [[(seqs[i].slot, seqs[i].num_computed_tokens, num_tokens[i]) for i in part] for part in parts]
             edges = self.swap.mixed(ranges, written)
         out = self._stages(batches, self._body, edges, layers)
         if out is None or order == sorted(order):
             return out
         return out[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=out.device)]  # seqs' order
+
+    def _parts(self, seqs: list[Sequence], microbatches: int) -> tuple[list[list[int]], list | None]:
+        """A step's micro-batches as indices into ``seqs``, in slot order, and (swapping) the host
+        slot range each one's device region holds, else None. Swapping: one micro-batch per slot
+        range the sequences occupy; a pipeline: ``microbatches`` near-equal parts; else one."""
+        by_slot = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        if self.swap is None:
+            k = 1 if self.link is None else microbatches
+            return [by_slot[a:b] for a, b in split_ranges(len(seqs), k)], None
+        ranges = split_ranges(self.max_batch_size, self.num_microbatches)
+        parts = [[i for i in by_slot if a <= seqs[i].slot < b] for a, b in ranges]
+        kept = [j for j, part in enumerate(parts) if part]
+        return [parts[j] for j in kept], [ranges[j] for j in kept]
 
     def _mixed_batch(self, seqs: list[Sequence], num_tokens: list[int], row: int = 0) -> tuple:
         """(ids ``(N,)``, context, each sequence's last row) of one flat batch of a mixed step;
@@ -282,36 +299,6 @@ class ModelRunner:
         ctx = AttentionContext.build(self.kv, [s.slot + row for s in seqs], starts, num_tokens)
         rows = torch.tensor(list(itertools.accumulate(num_tokens)), device=self.device) - 1  # each last token
         return ids, ctx, rows
-
-    def _prefill(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
-        if self.kv.spec.paged:  # the blocks the policy gave each sequence
-            for s in seqs:
-                assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
-                self.kv.assign(s.slot, s.blocks)
-        lengths = [s.prompt_len for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.request.prompt_ids], device=self.device)
-        offsets = list(itertools.accumulate(lengths, initial=0))
-        batches, ranges = [], self._prefill_ranges(len(seqs))
-        for i, (a, b) in enumerate(ranges):
-            slots = (
-                [s.slot for s in seqs[a:b]]
-                if self.swap is None
-                else list(range(self.swap.base(i), self.swap.base(i) + b - a))
-            )
-            ctx = AttentionContext.build(self.kv, slots, [0] * (b - a), lengths[a:b])
-            rows = torch.tensor(offsets[a + 1 : b + 1], device=self.device) - offsets[a] - 1
-            batches.append((ids[offsets[a] : offsets[b]], ctx, rows))
-        edges = (
-            None
-            if self.swap is None
-            else PrefillSwap(self.swap, [([s.slot for s in seqs[a:b]], lengths[a:b]) for a, b in ranges])
-        )
-        return self._stages(batches, self._body, edges, layers)
-
-    def _prefill_ranges(self, n: int) -> list[tuple[int, int]]:
-        """Prefill micro-batches; with swapping, none larger than a device region."""
-        parts = self.num_microbatches if self.swap is None else max(self.num_microbatches, -(-n // self.swap.per))
-        return split_ranges(n, parts)
 
     def _decode(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
         """The slots in ``num_microbatches`` ranges (each cut to the slots its running sequences

@@ -84,10 +84,6 @@ class MicrobatchSwap:
         reads positions ``[0, start)`` and writes ``[start, start + count)``."""
         return MixedSwap(self, list(ranges), [list(w) for w in written])
 
-    def store_prompts(self, i: int, slots: Sequence[int], lengths: Sequence[int]) -> None:
-        """Prompts a prefill micro-batch wrote at rows ``base(i)..`` -> their host ``slots``."""
-        self.store(i, [(j, slot, 0, n) for j, (slot, n) in enumerate(zip(slots, lengths))])
-
     def store(self, i: int, entries: Sequence[tuple[int, int, int, int]]) -> None:
         """``(row, slot, start, count)``: positions ``[start, start + count)`` micro-batch ``i``
         wrote at row ``base(i) + row`` of the device -> host ``slot``."""
@@ -180,28 +176,6 @@ class MixedSwap(RangeSwaps):
     def _store(self, i: int) -> None:
         a = self.ranges[i][0]
         self.swap.store(i, [(slot - a, slot, start, count) for slot, start, count in self.written[i]])
-
-
-class PrefillSwap:
-    """One prefill step's swaps: micro-batch ``i`` wrote its prompts into region ``i % 2``; they
-    go to their host slots before the region is used again (micro-batch ``i + 2``)."""
-
-    def __init__(self, swap: MicrobatchSwap, groups: list[tuple[list[int], list[int]]]) -> None:
-        self.swap = swap
-        self.groups = groups
-        self._pending = None
-
-    def before(self, i: int) -> None:
-        if i > 0:  # the previous micro-batch computed: store it while this one computes
-            if self._pending is not None:
-                self._pending.result()
-            self._pending = self.swap.submit(self.swap.store_prompts, i - 1, *self.groups[i - 1])
-
-    def finish(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-        last = len(self.groups) - 1
-        self.swap.store_prompts(last, *self.groups[last])
 
 
 def _in_inference_mode(fn, *args):
