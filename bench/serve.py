@@ -58,6 +58,7 @@ def layout_overrides(layout: str, nproc: int) -> list[str]:
         "dp-groups": ["parallel.tp=1"],
         "shift": ["parallel=shift", "parallel.sp=2"],
         "dejavu": [*dejavu, f"parallel.token.dp={nproc - half}"],
+        "seesaw": ["parallel=seesaw"],  # (bench/serve_chat.py's; the strategy's default layouts)
     }[layout]
 
 

@@ -3,6 +3,7 @@
     python bench/serve_chat.py                      # 4 sessions x 4 turns, a 200-word system prompt, 1 rank
     python bench/serve_chat.py --sessions 8 --turns 6 --nproc 2
     python bench/serve_chat.py --layout dejavu --nproc 2   # DejaVu's prompt side keeps prompts (contiguous)
+    python bench/serve_chat.py --layout seesaw --nproc 2   # Seesaw's CPU tier keeps prompts
 
 A server is started twice on ``bench/serve.py``'s seeded Llama (with a tokenizer), a paged cache
 of 16-token blocks (``engine.kv_block_size=16``), once with ``engine.prefix_caching=true`` and
@@ -14,7 +15,7 @@ TTFT of each turn (request sent -> its first token's event), median over the ses
 ``/metrics``: the prompt tokens the prefix cache was asked for and held. Later turns resend the
 conversation, so with the cache they compute only the new words. ``--layout``: one of
 ``bench/serve.py``'s layouts (``dejavu``: contiguous caches, its prompt side keeps computed
-prompts in their slots; no ``engine.kv_block_size``). Measure on a quiet machine.
+prompts in their slots; no ``engine.kv_block_size``; ``seesaw``: its CPU tier keeps them). Measure on a quiet machine.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def run(cached: bool, path: Path, args, tmp: Path) -> tuple[list[list[float]], t
 def main() -> None:
     p = parser(__doc__)
     add_sizes(p, CHAT)
-    p.add_argument("--layout", default="tp", choices=LAYOUTS, help="the server's layout (bench/serve.py's)")
+    p.add_argument(
+        "--layout", default="tp", choices=(*LAYOUTS, "seesaw"), help="the server's layout (bench/serve.py's)"
+    )
     args = fill_sizes(p.parse_args(), CHAT)
     # tokens of the longest prompt: a word is up to 5 tokens, a reply's text may re-tokenize longer
     longest = 5 * (args.system_len + args.turns * args.user_len + 32) + 3 * args.turns * args.reply

@@ -355,26 +355,23 @@ def test_a_retained_prompt_matches_by_its_longest_common_prefix():
     """The prompt side's lookup: the same prompt (all but its last position shared), else the
     kept prompt sharing the most leading tokens, at least 16; the least recently used is evicted
     first, never one the step reads."""
-    from types import SimpleNamespace
 
-    from reshard.parallel.strategies.dejavu.retained import RetainedPrompts, Reuse, common_prefix
-
-    def seq(prompt, slot):
-        return SimpleNamespace(request=SimpleNamespace(prompt_ids=list(prompt)), slot=slot)
+    from reshard.parallel.engine.retained import RetainedPrompts, Reuse, common_prefix
 
     base = tuple(range(3, 43))
     kept = RetainedPrompts()
-    assert kept.keep(seq(base, 0)) and kept.keep(seq(base[:20] + (1, 2), 1)) and not kept.keep(seq(base, 2))
-    assert not kept.keep(seq((5,), 3))  # (one token: nothing to share)
+    assert kept.keep(base, 0) and kept.keep(base[:20] + (1, 2), 1) and not kept.keep(base, 2)
+    assert not kept.keep((5,), 3)  # (one token: nothing to share)
     assert common_prefix(base, base[:20] + (1,)) == 20 and common_prefix((), base) == 0
     assert kept.match(list(base)) == Reuse(base, 39, True)
     assert kept.match([*base, 7, 8]) == Reuse(base, 40, False)  # a next turn
     assert kept.match([*base[:25], 9]) == Reuse(base, 25, False)  # the longest of the two
     assert kept.match([*base[:15], 9, 9]) is None  # (15 shared: not worth a step of its own)
     assert kept.match([*base[:20], 1, 2]) == Reuse(base[:20] + (1, 2), 21, True)
-    assert kept.slot_of(base) == 0  # (now the most recently used)
-    assert kept.evict({base[:20] + (1, 2)}).slot == 0 and kept.evict({base[:20] + (1, 2)}) is None
-    assert [s.slot for s in kept.clear()] == [1] and len(kept) == 0
+    assert kept.use(base) == 0  # (now the most recently used)
+    assert kept.handles() == [1, 0]
+    assert kept.evict({base[:20] + (1, 2)}) == 0 and kept.evict({base[:20] + (1, 2)}) is None
+    assert kept.clear() == [1] and len(kept) == 0
 
 
 def test_groups_sample_as_lockstep_sides_do(four_layer):

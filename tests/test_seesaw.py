@@ -381,7 +381,8 @@ def _samples(path, layouts, prompts, n, max_new, temperature, share=True):
     requests = [Request(i * n + j, p, params(i, j)) for i, p in enumerate(prompts) for j in range(n)]
     engine = _seesaw(path, layouts, prefix_caching=share)
     seesaw = [c.output_ids for c in engine.generate(requests)]
-    tiered = engine.policy.tiered
+    tiered, kept = engine.policy.tiered, sorted(engine.policy.tier.ranges)  # (retained prompts)
+    engine.reset_prefix_cache()  # (as a weight write does: what is retained goes)
     left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of, engine.policy.siblings)
     fed = engine.stats.prompt_tokens_computed, engine.stats.prefix_cache_queries, engine.stats.prefix_cache_hits
     engine.close()
@@ -389,7 +390,7 @@ def _samples(path, layouts, prompts, n, max_new, temperature, share=True):
         parallelize(path, _dims(dist.get_world_size(), dict(tp=2))),
         EngineConfig(max_batch_size=3, max_seq_len=128, prefix_caching=False),
     )
-    return seesaw, [c.output_ids for c in static.generate(requests)], fed, left
+    return seesaw, [c.output_ids for c in static.generate(requests)], fed, left, kept
 
 
 @pytest.mark.parametrize("temperature,share", [(0.0, True), (0.9, True), (0.9, False)])
@@ -397,13 +398,15 @@ def test_n_samples_of_a_prompt_are_prefilled_once_and_share_its_tier_kv(four_lay
     """GRPO's shape: 4 samples per prompt. Each prompt is computed once in the prefill layout;
     the other samples load its KV from the CPU tier but for the last prompt token, which their
     first decode step feeds. Tokens equal a static TP engine's without sharing (and HF's when
-    greedy), and the tier is empty after."""
+    greedy); after, the tier holds only retained prompts (none without sharing), and nothing once
+    the prefix cache is reset."""
     path, prompts, n = four_layer["llama"], _prompts(3), 4
     expected = hf_reference(path, prompts, 6)
     runs = dist_harness.run(2, _samples, path, LAYOUTS["P2-T2"], prompts, n, 6, temperature, share)
-    for seesaw, static, fed, left in runs:
+    for seesaw, static, fed, left, kept in runs:
         assert seesaw == static
         assert left == ({}, {}, {}, {})
+        assert all(k[0] == "retained" for k in kept) and (len(kept) > 0) == share, kept
         if temperature == 0.0:
             assert seesaw == [e[: 1 if (i, j) == (1, 0) else 6] for i, e in enumerate(expected) for j in range(n)]
         if not share:  # (prefix_caching=False) every sample prefilled whole, then its prefill's token fed
@@ -443,6 +446,7 @@ def _samples_across_a_weight_write(path, layouts, prompts, n):
     for out in outputs:
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     tiered = engine.policy.tiered
+    engine.reset_prefix_cache()
     left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of)
     fed = engine.stats.prompt_tokens_computed
     engine.close()
@@ -478,6 +482,7 @@ def _abort_waiting(path, layouts, prompts, n):
     for out in outputs:
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         status[out.request_id] = out.status.name
+    engine.reset_prefix_cache()
     left = (dict(policy.tier.ranges), policy.tiered.holders, policy.tiered.entry_of)
     engine.close()
     return (sibling, leader), tokens, status, left
@@ -490,4 +495,60 @@ def test_aborting_requests_that_wait_for_a_decode_slot_ends_them_and_frees_their
         assert [status[rid] for rid in aborted] == ["FINISHED_ABORTED"] * 2
         for rid in set(tokens) - set(aborted):
             assert tokens[rid] == expected[rid // n] and status[rid] == "FINISHED_LENGTH", rid
-        assert left == ({}, {}, {})  # the aborted ones' holds on the tier went with them
+        assert left == ({}, {}, {})  # the aborted ones' holds on the tier went with them (the rest once reset)
+
+
+def _calls_through_the_tier(path, layouts, calls):
+    """One Seesaw engine, ``generate`` once per entry of ``calls`` (a list of prompts, greedy, 6
+    new tokens each; ``"scale"``: every weight times 0.8 in place, written as a sync writes):
+    each call's tokens and its (prompt tokens computed, prefix-cache queries, hits); what the
+    tier holds after, and once the prefix cache is reset."""
+    from reshard.parallel.model.info import parallel_info
+
+    engine, out = _seesaw(path, layouts), []
+    for prompts in calls:
+        if prompts == "scale":
+            model = engine.runners[engine.policy.switch.active].model  # (the layout holding the weights)
+            with torch.inference_mode():  # (moved weights are inference tensors)
+                for p in model.parameters():
+                    p.to_local().mul_(0.8)
+            parallel_info(model).weight_version.writes += 1
+            continue
+        s = engine.stats
+        before = (s.prompt_tokens_computed, s.prefix_cache_queries, s.prefix_cache_hits)
+        tokens = [c.output_ids for c in engine.generate(_requests(prompts, [6] * len(prompts)))]
+        s = engine.stats
+        after = (s.prompt_tokens_computed, s.prefix_cache_queries, s.prefix_cache_hits)
+        out.append((tokens, tuple(b - a for a, b in zip(before, after))))
+    kept = sorted(engine.policy.tier.ranges)
+    engine.reset_prefix_cache()
+    tiered = engine.policy.tiered
+    left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of, tiered.matched)
+    engine.close()
+    return out, kept, left
+
+
+def test_the_tier_keeps_prompts_for_later_calls_until_the_weights_change(four_layer, hf_reference):
+    """Seesaw's CPU tier as a prefix cache across calls: a prompt computed in one call is kept in
+    the tier after its loads. In the next call the same prompt and a chat's next turn (the prompt
+    plus 3 tokens) skip the prefill layout: they load it from the tier and compute only the last
+    prompt token and the 3 new ones in the decode layout; a new prompt is prefilled (its first
+    token then fed). After a weight write the same prompt gives the new weights' HF tokens with no
+    hit. Tokens equal HF's throughout; nothing is left once the prefix cache is reset."""
+    from tests.test_llm import _hf_generate
+    from tests.test_prefix_cache import _changed
+
+    path = four_layer["llama"]
+    a, b, c = _prompts(4)[1], _prompts(4)[2], _prompts(6)[5]  # 23, 9 and 14 tokens
+    turn = [*a, 7, 8, 9]
+    calls = [[a, b], [a, turn, c], "scale", [a]]
+    expected = [hf_reference(path, [a, b], 6), hf_reference(path, [a, turn, c], 6)]
+    changed = _hf_generate(_changed(path), a, 6)[0]
+    for out, kept, left in dist_harness.run(2, _calls_through_the_tier, path, LAYOUTS["P2-T2"], calls):
+        (first, fed1), (second, fed2), (third, fed3) = out
+        assert [first, second] == expected and third == [changed] != [expected[0][0]]
+        assert fed1 == (len(a) + len(b) + 2, len(a) + len(b), 0)  # (each prefill's token fed to decode)
+        assert fed2 == (1 + 3 + len(c) + 1, len(a) + len(turn) + len(c), (len(a) - 1) + len(a))
+        assert fed3 == (len(a) + 1, len(a), 0)  # the weights changed: no hit
+        assert kept and all(k[0] == "retained" for k in kept), kept
+        assert left == ({}, {}, {}, {})

@@ -11,6 +11,7 @@ another where a request lives; callers order writes before reads with a barrier.
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class CPUKVTier:
     def __init__(self, spec: TierSpec, path: str | os.PathLike) -> None:
         self.spec = spec
         self.remap(path)
-        self.ranges: dict[int, tuple[int, int]] = {}  # request id -> [start, stop) tokens
+        self.ranges: dict[Hashable, tuple[int, int]] = {}  # entry (a request id) -> [start, stop) tokens
 
     def remap(self, path: str | os.PathLike) -> None:
         """Hold the KV in the shared-memory file ``path`` from now on (created if missing; an
@@ -84,8 +85,13 @@ class CPUKVTier:
         self.ranges[request_id] = (start, start + num_tokens)
         return self.ranges[request_id]
 
-    def free(self, request_id: int) -> None:
+    def free(self, request_id: Hashable) -> None:
         self.ranges.pop(request_id)
+
+    def rename(self, entry: Hashable, new: Hashable) -> None:
+        """The KV of ``entry`` is ``new``'s from now on (kept past its request: a retained prompt)."""
+        assert new not in self.ranges, (entry, new)
+        self.ranges[new] = self.ranges.pop(entry)
 
     def swap_out(self, cache: KVCache, slot: int, request_id: int, num_tokens: int) -> int:
         """Copy ``num_tokens`` of ``slot`` (this rank's layers and KV heads) into the tier.
@@ -102,7 +108,7 @@ class CPUKVTier:
             self.pool[first + layer, 1, h0:h1, a:b].copy_(_to_host(v))
         return 2 * cache.spec.num_layers * (h1 - h0) * num_tokens * cache.spec.head_dim * _itemsize(self.spec.dtype)
 
-    def swap_in(self, cache: KVCache, slot: int, request_id: int, num_tokens: int | None = None) -> int:
+    def swap_in(self, cache: KVCache, slot: int, request_id: Hashable, num_tokens: int | None = None) -> int:
         """Copy the request's KV (its first ``num_tokens`` positions; None: all) for this cache's
         layers and head range into ``slot``; returns its tokens."""
         a, b = self.ranges[request_id]

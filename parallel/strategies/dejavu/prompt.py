@@ -10,9 +10,9 @@ from reshard.kv.stream_plan import Span
 from reshard.parallel.engine import Policy, SlotPool, Step, StepOutput
 from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.request import Request, Sequence
+from reshard.parallel.engine.retained import CopyPrefix, RetainedPrompts
 from reshard.parallel.engine.splits import split_ranges
 from reshard.parallel.engine.step import Move
-from reshard.parallel.strategies.dejavu.retained import CopyPrefix, RetainedPrompts
 from reshard.parallel.strategies.dejavu.sides import DejaVuStats
 
 
@@ -58,7 +58,7 @@ class PromptSide(Policy):
     def start(self, queue) -> None:
         """A new call: every slot free but the retained prompts'."""
         self.slots = SlotPool(self.runner_info["prompt"].max_batch_size, 1)
-        for seq in self.retained.by_prompt.values():
+        for seq in self.retained.handles():
             self.slots.free.remove(seq.slot)
 
     def next_step(self, queue, limit: int | None = None) -> Step:
@@ -114,7 +114,7 @@ class PromptSide(Policy):
                 seq.replica, seq.slot = 0, self.retained.take(reuse.source).slot
             else:
                 self.slots.take(seq)
-                moves.append(CopyPrefix(self.retained.slot_of(reuse.source), seq.slot, reuse.shared))
+                moves.append(CopyPrefix(self.retained.use(reuse.source).slot, seq.slot, reuse.shared))
                 busy.add(reuse.source)
             seq.num_computed_tokens = reuse.shared
             admitted.append(seq)
@@ -199,7 +199,7 @@ class PromptSide(Policy):
         if self._streams_at_end and self.runner_info["prompt"].kv is not None:
             self._stream(step.seqs, self._layers())
         for seq in step.seqs:
-            if not (self.share and self.retained.keep(seq)):
+            if not (self.share and self.retained.keep(tuple(seq.request.prompt_ids), seq)):
                 self.slots.give(seq)
         self.outgoing = [job for job in self.outgoing if not job.done()]
         handoff = self._handoff(step.seqs)

@@ -4,6 +4,7 @@
   transitions;
 - ``schedulers.py``: when to switch (transition-minimizing, prefill- or decode-prioritizing);
 - ``policy.py``: :class:`SeesawPolicy` over the one engine loop, the CPU KV tier swaps;
+- ``tier_kv.py``: :class:`TierKV`, the tier as the decode side's KV connector and prefix cache;
 - ``strategy.py``: the ``seesaw`` strategy config and its engine.
 """
 

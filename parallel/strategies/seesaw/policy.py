@@ -4,8 +4,9 @@ KV cache never moves rank to rank: prefill swaps it out into the CPU tier
 (:class:`reshard.kv.CPUKVTier`) under the prefill layout; a prefilled request then resumes after
 its first token with ``kv_source`` naming the tier, and the decode side (continuous batching in
 the decode layout) admits it as any request whose KV lives elsewhere: the engine's connector, here
-:class:`TierKV`, loads each rank's own head range of it from the tier into its decode slot, so the
-load re-shards it. A request that comes back with KV from another connector (a respawn's mirror,
+:class:`TierKV` (``tier_kv.py``), loads each rank's own head range of it from the tier into its
+decode slot, so the load re-shards it; a prompt loaded stays in the tier for later requests that
+share it (the tier as a prefix cache). A request that comes back with KV from another connector (a respawn's mirror,
 ``fault.migrate=kv``) is admitted the same way. A transition is a step whose layout is the other
 phase's: the weights move in :meth:`SeesawPolicy.on_switch`; the KV caches change over when the
 policy picks the phase (before a decode step admits from the tier, every rank's swap-outs are in).
@@ -32,13 +33,11 @@ from reshard.parallel.engine import (
     Step,
     StepOutput,
 )
-from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.engine.request import Request
 from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_scheduler
 from reshard.parallel.strategies.seesaw.switch import PHASES, LayoutSwitch, TransitionStats
+from reshard.parallel.strategies.seesaw.tier_kv import TIER, TierKV
 from reshard.shm import map_shared
-
-TIER = "seesaw-tier"  # the kv_source of a prefilled request whose prompt KV is in the CPU tier
 
 
 # ---- the engine: a policy on the one loop ---------------------------------------------------------
@@ -60,56 +59,6 @@ class SeesawStats(EngineStats):
         self.reshard_lower_bound_bytes += t.lower_bound_bytes
         self.reshard_seconds += t.seconds
         self.history.append(t)
-
-
-class TierKV(KVConnector):
-    """The CPU tier as a KV connector of the decode side: a request resumed from :data:`TIER`
-    matches its prompt (every position but the first token, which its first decode step feeds),
-    and a sibling (a request whose prompt equals one prefilled beside it: :meth:`share`) every
-    position of the prompt but its last, which its first decode step feeds to sample its first
-    token; :meth:`load` copies this rank's layers and head range of it into the decode slot, on
-    the ranks of the sequence's decode replica, and frees the tier tokens on every rank once no
-    sequence is left to load them. The policy makes the tier whole on every rank before a decode
-    step admits from it, so the answer is never "awaiting". ``decode``: the decode layout's
-    runner; ``slot_of``: request id -> the decode slot it was loaded into (this rank's replica)."""
-
-    def __init__(self, tier: CPUKVTier, decode, stats: SeesawStats) -> None:
-        self.tier, self.decode, self.stats = tier, decode, stats
-        self.slot_of: dict[int, int] = {}
-        self.entry_of: dict[int, int] = {}  # a sibling's request id -> the request whose tier KV it loads
-        self.holders: dict[int, int] = {}  # a shared tier entry's request id -> the loads it awaits
-
-    def share(self, leader: int, siblings: list[int], *, leader_loads: bool) -> None:
-        """``siblings`` load ``leader``'s prompt KV from the tier (and ``leader``, where it
-        decodes on): its entry is freed after the last of them."""
-        self.entry_of.update(dict.fromkeys(siblings, leader))
-        self.holders[leader] = len(siblings) + leader_loads
-
-    def release(self, entry: int) -> None:
-        """One holder of ``entry`` is done with it (loaded, or finished at its prefill without
-        siblings); the last frees its tier tokens."""
-        left = self.holders.pop(entry, 1) - 1
-        if left:
-            self.holders[entry] = left
-        else:
-            self.tier.free(entry)
-
-    def matched_tokens(self, seq: Sequence) -> int | None:
-        return seq.prompt_len - 1 if seq.request.kv_source == TIER else 0
-
-    def load(self, seq: Sequence, num_tokens: int) -> None:
-        rid, kv = seq.request.id, self.decode.kv
-        entry = self.entry_of.pop(rid, rid)
-        if seq.replica == self.decode.replica.rank:
-            t0 = time.perf_counter()
-            if kv.spec.paged:  # the slot's blocks before the load writes them
-                kv.assign(seq.slot, list(seq.blocks))
-            loaded = self.tier.swap_in(kv, seq.slot, entry, num_tokens)
-            assert loaded == num_tokens, (rid, loaded, num_tokens)
-            self.slot_of[rid] = seq.slot
-            self.stats.swap_in_tokens += loaded
-            self.stats.swap_seconds += time.perf_counter() - t0
-        self.release(entry)
 
 
 class SeesawPolicy(ContinuousBatching):
@@ -150,7 +99,7 @@ class SeesawPolicy(ContinuousBatching):
         self.decode.kv.release()  # allocated when the first decode step is chosen
         self._kv_phase = "prefill"  # the phase whose KV cache is allocated
         self._prefill_free = list(range(self.prefill.max_batch_size - 1, -1, -1))
-        self.tiered = TierKV(self.tier, self.decode, self.stats)
+        self.tiered = TierKV(self.tier, self.decode, self.stats, retain=self.share_prompts)
         ctx.connector.add(self.tiered)
 
     @property
@@ -187,11 +136,22 @@ class SeesawPolicy(ContinuousBatching):
         for request in [r for r in queue if r.resumed and r.kv_source]:
             queue.remove(request)
             self.buffered.append(request)
+        self._take_reused(queue)
         phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
         return self._prefill_step(queue) if phase == "prefill" else self._decode_step()
 
+    def _take_reused(self, queue: deque) -> None:
+        """The queue's head requests whose prompt starts as a retained one does (the tier's
+        prefix cache, :meth:`TierKV.reuse`) skip the prefill layout: they wait for the decode
+        side, which loads the shared positions from the tier and computes the rest."""
+        while queue and not queue[0].kv_source and (shared := self.tiered.reuse(queue[0])):
+            request = queue.popleft()
+            self.stats.prefix_cache_queries += len(request.prompt_ids)
+            self.stats.prefix_cache_hits += shared
+            self.buffered.append(dataclasses.replace(request, kv_source=TIER))
+
     def _snapshot(self, queue: deque) -> SchedState:
-        fits = bool(queue) and self.tier.can_fit(len(queue[0].prompt_ids))
+        fits = bool(queue) and self.tiered.make_room(len(queue[0].prompt_ids))
         free = len(self.slots) if not self.buffered or self.slots.can_take(self.buffered[0]) else 0
         return SchedState(
             queued=len(queue),
@@ -239,8 +199,9 @@ class SeesawPolicy(ContinuousBatching):
         batch: list[Sequence] = []
         prompts: dict[tuple[int, ...], int] = {}  # the batch's prompts -> the request that computes each
         while queue and len(batch) < min(slots, target):
-            n = len(queue[0].prompt_ids)
-            if (batch and n > budget) or not self.tier.can_fit(n):
+            self._take_reused(queue)
+            n = len(queue[0].prompt_ids) if queue else 0
+            if not queue or (batch and n > budget) or not self.tiered.make_room(n):
                 break
             request = queue.popleft()
             self.tier.allocate(request.id, n)
@@ -286,6 +247,9 @@ class SeesawPolicy(ContinuousBatching):
             if siblings:
                 self.tiered.share(s.request.id, [r.id for r in siblings], leader_loads=s.finish_reason is None)
                 self.buffered.extend(dataclasses.replace(r, kv_source=TIER) for r in siblings)
+        for s in step.seqs:  # (every rank's books: the tier is one)
+            if s.finish_reason is None or s.request.id in self.tiered.holders:
+                self.tiered.computed(s.request.id, s.request)
         kept = [s for s in mine if s.finish_reason is None or s.request.id in self.tiered.holders]
         jobs = [(s.slot, s.request.id, s.prompt_len) for s in kept]
         self._swap_outs.append((self.swapper.swap_out(self.prefill.kv, jobs), [s.slot for s in mine]))
@@ -323,8 +287,14 @@ class SeesawPolicy(ContinuousBatching):
         stale = [r for r in self.buffered if r.id in self.tiered.entry_of]
         for request in reversed(stale):
             self.buffered.remove(request)
-            self.tiered.release(self.tiered.entry_of.pop(request.id))
+            self.tiered.drop(request.id)
             queue.appendleft(dataclasses.replace(request, kv_source=""))
+
+    def reset_prefix_cache(self, version: int) -> None:
+        """The weights were written: the decode cache's blocks and the tier's retained prompts
+        match no request any more."""
+        super().reset_prefix_cache(version)
+        self.tiered.reset()
 
     def withdraw(self, request_ids: set[int]) -> list[Request]:
         """Requests waiting for a decode slot (resumed after their prefill, or siblings), with
@@ -334,7 +304,7 @@ class SeesawPolicy(ContinuousBatching):
             self.buffered.remove(request)
             self.marks.pop(request.id, None)
             if request.kv_source == TIER:
-                self.tiered.release(self.tiered.entry_of.pop(request.id, request.id))
+                self.tiered.drop(request.id)
         return gone
 
     def load(self, queue):

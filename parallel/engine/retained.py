@@ -1,14 +1,15 @@
-"""A DejaVu prompt group's prompts kept in their slots after their step (:class:`RetainedPrompts`):
-a later request whose prompt begins the same way computes only the rest. The prompt side's cache
-is contiguous, so prompts are matched whole or by their longest common prefix, not by blocks
-(the paged cache's :mod:`reshard.parallel.engine.prefix`)."""
+"""Computed prompts kept whole after their step (:class:`RetainedPrompts`), where a contiguous
+cache or a tier holds them: a later request whose prompt begins the same way computes only the
+rest. Prompts are matched whole or by their longest common prefix, not by blocks (the paged
+cache's :mod:`reshard.parallel.engine.prefix`). Two callers: a DejaVu prompt group's prompts in
+their slots, and Seesaw's prompts in its CPU tier."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from reshard.parallel.engine.request import Sequence
 from reshard.parallel.engine.step import Move
 
 MIN_SHARED = 16  # common prefix worth a step of reused prompts (its KV copied to another slot)
@@ -48,13 +49,13 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 class RetainedPrompts:
-    """Retained prompts, least recently used first: prompt -> the sequence that computed it (its
-    slot holds the prompt's KV, every position). Those of :data:`MIN_SHARED` tokens or more are
-    also indexed by their first :data:`MIN_SHARED`, so a lookup compares only prompts that can
-    share that many (a dict lookup where none does)."""
+    """Retained prompts, least recently used first: prompt -> where its KV is (the caller's
+    handle: a slot's sequence, a tier entry), every position. Those of :data:`MIN_SHARED` tokens
+    or more are also indexed by their first :data:`MIN_SHARED`, so a lookup compares only prompts
+    that can share that many (a dict lookup where none does)."""
 
     def __init__(self) -> None:
-        self.by_prompt: OrderedDict[tuple[int, ...], Sequence] = OrderedDict()
+        self.by_prompt: OrderedDict[tuple[int, ...], Hashable] = OrderedDict()
         self.by_head: dict[tuple[int, ...], dict[tuple[int, ...], None]] = {}  # first MIN_SHARED -> prompts
 
     def __len__(self) -> int:
@@ -74,37 +75,42 @@ class RetainedPrompts:
                 best = Reuse(source, shared, False)
         return best
 
-    def slot_of(self, prompt: tuple[int, ...]) -> int:
-        """The slot of retained ``prompt``, now the most recently used."""
+    def use(self, prompt: tuple[int, ...]) -> Hashable:
+        """Retained ``prompt``'s handle, the prompt now the most recently used."""
         self.by_prompt.move_to_end(prompt)
-        return self.by_prompt[prompt].slot
+        return self.by_prompt[prompt]
 
-    def take(self, prompt: tuple[int, ...]) -> Sequence:
-        """Retained ``prompt``'s sequence, no longer retained (its slot passes to the caller)."""
+    def take(self, prompt: tuple[int, ...]) -> Hashable:
+        """Retained ``prompt``'s handle, no longer retained (what it names passes to the caller)."""
         heads = self.by_head.get(prompt[:MIN_SHARED], {})
         heads.pop(prompt, None)
         if not heads:
             self.by_head.pop(prompt[:MIN_SHARED], None)
         return self.by_prompt.pop(prompt)
 
-    def keep(self, seq: Sequence) -> bool:
-        """Retain ``seq``'s prompt (of two tokens or more, not retained already); whether it was."""
-        prompt = tuple(seq.request.prompt_ids)
+    def keep(self, prompt: tuple[int, ...], handle: Hashable) -> bool:
+        """Retain ``prompt`` (of two tokens or more, not retained already) with ``handle``;
+        whether it was."""
         if len(prompt) < 2 or prompt in self.by_prompt:
             return False
-        self.by_prompt[prompt] = seq
+        self.by_prompt[prompt] = handle
         if len(prompt) >= MIN_SHARED:
             self.by_head.setdefault(prompt[:MIN_SHARED], {})[prompt] = None
         return True
 
-    def evict(self, busy: set[tuple[int, ...]] = frozenset()) -> Sequence | None:
-        """The least recently used retained prompt not in ``busy``, no longer retained (None: none)."""
+    def evict(self, busy: set[tuple[int, ...]] = frozenset()) -> Hashable | None:
+        """The least recently used retained prompt not in ``busy``, no longer retained: its
+        handle (None: none)."""
         prompt = next((p for p in self.by_prompt if p not in busy), None)
         return None if prompt is None else self.take(prompt)
 
-    def clear(self) -> list[Sequence]:
-        """Every retained prompt's sequence, none retained any more."""
-        seqs = list(self.by_prompt.values())
+    def handles(self) -> list[Hashable]:
+        """Every retained prompt's handle, least recently used first."""
+        return list(self.by_prompt.values())
+
+    def clear(self) -> list[Hashable]:
+        """Every retained prompt's handle, none retained any more."""
+        handles = self.handles()
         self.by_prompt.clear()
         self.by_head.clear()
-        return seqs
+        return handles
