@@ -37,32 +37,41 @@ class EngineConfig:
 
     max_batch_size: int = 8
     """KV-cache slots per data-parallel replica: sequences that run at once."""
+
     max_seq_len: int | None = None
     """Prompt + generated tokens per slot; None: the model's ``max_position_embeddings``, capped at
     4096 (:meth:`seq_len`)."""
+
     max_prefill_tokens: int = 4096
     """The step's token budget per replica (vLLM's ``max_num_batched_tokens``): the default
     policy gives running sequences their decode token first, then prompts tokens while it lasts
     (a whole prompt larger than it still runs, alone in its step)."""
+
     admission: str = "fifo"
     """The default policy's admission order: ``"fifo"`` or ``"longest_first"`` (largest
     ``max_new_tokens`` first); strategies with a scheduler of their own ignore it."""
+
     kv_block_size: int | None = None
     """A paged KV cache: positions per block (with ``kv_tokens``); None: contiguous slots of
     ``max_seq_len`` positions."""
+
     kv_tokens: int | None = None
     """A paged KV cache: tokens per replica (with ``kv_block_size``); None: the memory contiguous
     slots would take, ``max_batch_size`` x ``max_seq_len`` rounded up to whole blocks."""
+
     replicas: str = "groups"
     """Data-parallel replicas: ``"groups"``, each an engine group that steps on its own, fed by a
     router; ``"lockstep"``, the replicas share every step (as fault tolerance's journal needs)."""
+
     routing: str = "least_loaded"
     """How the router places requests on engine groups: ``"least_loaded"`` (most free KV tokens),
     ``"round_robin"`` or ``"longest_first"``."""
+
     pipeline: str | None = None
     """A pipeline layout's schedule: ``"inflight"`` (micro-batches stay in flight across steps) or
     ``"drain"`` (every step drains the pipeline); None: in flight wherever it runs (one layout,
     the default policy, replicas as groups), else drained."""
+
     chunked_prefill: bool = True
     """One token budget per step (vLLM's ``enable_chunked_prefill``): prompts take tokens beside
     the running sequences' decode tokens, in steps that mix both, a prompt longer than the budget
@@ -70,14 +79,17 @@ class EngineConfig:
     an in-flight pipeline's per micro-batch, Shift's, SiDP's; with ``kv_swap`` too, each
     micro-batch's slots swapped in around it); elsewhere, and with False, whole prompts run in
     steps of their own."""
+
     prefix_caching: bool = True
     """Share the KV of prompts' common prefixes (vLLM's automatic prefix caching): full blocks of
     a paged cache (``kv_block_size``) are cached by the tokens they hold and reused by later
     requests (``n`` samples and a chat's next turn compute their prompt once); dropped whenever
     the weights are written. Runs with chunked prefill in the default policy (an in-flight
     pipeline's too), Shift's and SiDP's. On contiguous caches, Seesaw and DejaVu share whole
-    prompts instead: ``n`` samples of a prompt computed once, and DejaVu's prompt side keeps
-    computed prompts in their slots for later requests that begin the same way."""
+    prompts instead: ``n`` samples of a prompt computed once, and DejaVu's prompt side (in its
+    slots) and Seesaw's CPU tier keep computed prompts for later requests that begin the same
+    way."""
+
     async_scheduling: bool | None = None
     """Schedule step n+1 while step n computes (vLLM's ``async_scheduling``): the policy admits
     and budgets the next step right after this step's forward is launched, before its tokens are
@@ -85,27 +97,35 @@ class EngineConfig:
     finished meanwhile leaves it. Tokens are the same on or off. None: on where the device is
     CUDA (where the forward runs asynchronously to the host); it runs with chunked prefill in
     the default policy without KV connectors, and steps as usual elsewhere."""
+
     prefill_chunk: int | None = None
     """Chunked prefill's cap (vLLM's ``long_prefill_token_threshold``): a prompt gets at most this
     many tokens per step; None: up to ``max_prefill_tokens``. Needs ``chunked_prefill``, the
     default policy and no pipeline stages."""
+
     num_microbatches: int | None = None
     """Pipeline micro-batches per step; None: one per pipeline stage (the model's ``pp`` degree;
     1 without stages)."""
+
     kv_swap: bool = False
     """Micro-batch swapping (DejaVu): every slot's KV lives in host memory and the device holds
     two micro-batches' worth. Needs ``num_microbatches >= 2``, a contiguous cache and no
     ``compile``."""
+
     compile: bool = False
     """``torch.compile`` the decode step (static shapes, a few graphs)."""
+
     dtype: str | None = None
     """The weights' dtype when a strategy loads a checkpoint: ``"float32"``, ``"bfloat16"`` or
     ``"float16"`` (:attr:`torch_dtype`); None: the checkpoint's."""
+
     group_timeout: float | None = None
     """Seconds an engine group waits for the router before it fails naming what it waited for;
     None: the job's collective timeout."""
+
     allow_unused: bool = False
     """Load a checkpoint that holds tensors the model does not use."""
+
     load_weights: bool = True
     """False: a strategy building one layout leaves the parameters unread, for the caller to fill
     (a respawned group takes them from a live replica)."""

@@ -106,33 +106,43 @@ class Engine:
             refuse_moved_keys(moved)
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
+
         self.config = config = config if config is not None else EngineConfig()
         if config.prefill_chunk is not None:  # before any runner (and so any collective) exists
             check_chunked(config.prefill_chunk, model=model, policy=policy)
         self.runners = dict(runners) if runners is not None else {"main": ModelRunner(model, config)}
         self.routing = config.routing
         self.group_timeout = None if config.group_timeout is None else datetime.timedelta(seconds=config.group_timeout)
+
         custom = policy is not None or config.replicas == "lockstep"
         inflight = use_inflight(config.pipeline, self.runners, custom_policy=custom)
         # an in-flight pipeline's batch queue, on every stage (None: every step drains)
         self.flow = BatchQueue(next(iter(self.runners.values()))) if inflight else None
         self._advance = self._advance_drained if self.flow is None else self._advance_inflight
         self.policy = policy or self._default_policy()
+
         cfg = next(iter(self.runners.values())).model.config
         self.vocab_size, self.eos_ids = cfg.vocab_size, eos_ids(cfg.eos_token_id)
         self.group, self.host_tiers = group, dict(host_tiers or {})
         self.events = EngineEvents()
         self.stats = self.policy.stats_cls()
-        self.tokenizer = tokenizer  # a Hugging Face tokenizer: requests' stop strings are matched in its text
+        # a Hugging Face tokenizer: requests' stop strings are matched in its text
+        self.tokenizer = tokenizer
+
         layouts = {name: RunnerInfo.of(r) for name, r in self.runners.items()}
-        self.connector = KVConnectors.of(self.runners)  # where KV comes from besides computing it (a job adds them)
-        self._live: dict[int, Sequence] = {}  # request id -> its running sequence here (a cancel marks it)
+        # where KV comes from besides computing it (a job adds them)
+        self.connector = KVConnectors.of(self.runners)
+        # request id -> its running sequence here (a cancel marks it)
+        self._live: dict[int, Sequence] = {}
         self.policy.setup(PolicyContext(layouts, self.stats, self._new_sequence, self.connector))
         self.active: str | None = self.policy.initial_layout
         self.engine_group = engine_group or next(iter(self.runners.values())).engine_group  # None: one group
+
         self.group_stats: list = []  # every group's counters after a routed generate
-        self.routed_calls = 0  # routed generates so far: each call's store keys have a prefix of their own
-        self._router_worker: Worker | None = None  # the thread routed calls' routers run on (the job's first rank)
+        # routed generates so far: each call's store keys have a prefix of their own
+        self.routed_calls = 0
+        # the thread routed calls' routers run on (the job's first rank)
+        self._router_worker: Worker | None = None
         self._released: list = []  # caches and weights freed by release_memory(), restored by ready()
         self._weights_seen: tuple = ()  # (version, writes) of every runner's weights at the last look
         self._prefix_resets = 0
@@ -144,6 +154,7 @@ class Engine:
         layout = next(iter(self.runners))
         if self.flow is not None and not self.flow.first:
             return NotedSteps(layout, self.flow.notes)
+
         options = batching_options(self.config, [self.runners[layout]])
         if self.flow is not None:  # (no preemption in flight: a sequence takes its blocks whole)
             return InflightBatching(layout, **{**options, "preempt": False})
@@ -172,7 +183,13 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, requests: Seq[Request], *, seed: int | None = None, progress: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        requests: Seq[Request],
+        *,
+        seed: int | None = None,
+        progress: bool = False,
+    ) -> list[Completion]:
         """Run all ``requests`` (the same list on every rank) to completion; returns every
         completion, in request order, on every rank. A sampled request without a seed of its own
         takes one from ``seed`` and its position in ``requests`` (None: a fresh seed per call).
@@ -184,6 +201,7 @@ class Engine:
             requests = seeded(requests, seed, self.agreement_group())
         self.validate(requests)
         self.ready()
+
         with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
             if self.engine_group is None:
                 core = EngineCore(self, progress=bar)
@@ -212,6 +230,7 @@ class Engine:
         layout = layout or self.engine_group
         assert layout is not None, "serve_routed runs an engine group: give its layout"
         self.ready()
+
         what = f"engine group {endpoint} waiting for the router's start time"
         channel.wait("start", what, self.group_timeout)
         admission = RoutedAdmission(channel, layout, None, self.group_timeout, endpoint=endpoint, beat=beat)
@@ -262,6 +281,7 @@ class Engine:
         tokens. Returns the step run and the step scheduled ahead."""
         step = self._scheduled(self.policy.next_step(queue)) if ahead is None else self.policy.confirm(ahead, queue)
         extras = {ADMIT: admission.proposal(), **self.connector.agree()}
+
         runner = self._prepare(step, self.steps_done)
         started, t0 = time.time(), time.perf_counter()
         mine, logits = self._forward(step, runner)
@@ -269,6 +289,7 @@ class Engine:
         prompt = self._advance_positions(step)
         nxt = self.policy.ahead(queue)  # (on an asynchronous device, while the forward computes)
         self._scheduled(nxt)
+
         tokens, agreed, logprobs = self._sample(step, runner, mine, logits, emits, extras)
         self._append(step, tokens, started, t0, logprobs, prompt)
         self.connector.agreed(agreed or {})
@@ -286,6 +307,7 @@ class Engine:
         flow = self.flow
         if flow.flights and flow.flights[0].sampled_here:
             return [self._land(admission)]
+
         step = self.policy.next_step(queue) if len(flow.flights) < self.runner.num_microbatches else None
         if step is not None:
             self._scheduled(step)
@@ -293,6 +315,7 @@ class Engine:
             # nothing to land with no step to run: a later stage whose first stage has stopped
             assert flow.flights or isinstance(self.policy, NotedSteps), "no step and nothing in flight"
             return [self._land(admission)] if flow.flights else []
+
         landed = [self._land(admission) for _ in range(flow.holding(step))]
         if isinstance(self.policy, NotedSteps):
             self.policy.check(step)
@@ -327,7 +350,14 @@ class Engine:
         self.events.fire("step_ready", index, step)
         return runner
 
-    def _record(self, step: Step, tokens: list[int], started: float, t0: float, logprobs: list | None = None) -> None:
+    def _record(
+        self,
+        step: Step,
+        tokens: list[int],
+        started: float,
+        t0: float,
+        logprobs: list | None = None,
+    ) -> None:
         """Move a step's sequences past the positions it computed, then append its tokens."""
         self._append(step, tokens, started, t0, logprobs, self._advance_positions(step))
 
@@ -345,10 +375,12 @@ class Engine:
         """Append a step's agreed tokens (and their log-probabilities, where asked) to its
         sequences; count it (``prompt``: the prompt tokens it computed); tell the listeners."""
         now = time.time()
+
         for seq, token, lp in zip(step.seqs, tokens, logprobs or [None] * len(tokens)):
             if token != NO_TOKEN:  # a prompt chunk short of the prompt's end emits nothing
                 seq.append(token, lp)
             record_times(seq, started, now, emitted=token != NO_TOKEN)
+
         self.stats.add_step(step.kind, len(step.seqs), step.total_tokens, time.perf_counter() - t0)
         self.stats.prompt_tokens_computed += prompt
         self.events.fire("step_agreed", self.steps_done, step, tokens)
@@ -381,6 +413,7 @@ class Engine:
             self.events.fire("idle", step, mine, layout=step.layout)
             runner.idle()
             return mine, None
+
         here = [n for s, n in zip(step.seqs, step.num_tokens) if s.replica == runner.replica.rank]
         self.events.fire("step_begin", step, mine, layout=step.layout)
         logits = runner.run(mine, here, self.events.layers(step.layout))
@@ -389,12 +422,19 @@ class Engine:
         return mine, logits
 
     def _sample(
-        self, step: Step, runner: ModelRunner, mine: list, logits: torch.Tensor | None, emits: list[bool], extras: dict
+        self,
+        step: Step,
+        runner: ModelRunner,
+        mine: list,
+        logits: torch.Tensor | None,
+        emits: list[bool],
+        extras: dict,
     ) -> tuple[list[int], dict, list]:
         """The step's tokens (where ``emits``), the same on every rank, with the agreed sums."""
         group = self.group if self.group is not None else runner.group
         # the policy's, the admissions, the connectors' (a callable is read now, after the compute)
         agree = {k: v() if callable(v) else v for k, v in {**step.agree, **extras}.items()}
+
         if all(emits):
             return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
         return sample_emitting(step.seqs, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)

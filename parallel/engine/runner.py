@@ -7,13 +7,13 @@ range (runners may share one, e.g. Shift's two modes). Outside the runner nothin
 ``model.model.*``. The engine hands each step the layout's layer listeners
 (:class:`reshard.parallel.engine.events.LayerHooks`, or None: no per-layer work at all).
 
-A step is "these sequences, this many tokens each" (:meth:`ModelRunner.run`); the runner picks
-its path from the counts. A batch of decode tokens only runs every slot of the cache (idle slots
-write the cache's scratch column), so the cache is read as a view, the step's inputs live in
-persistent buffers updated in place, and the shapes never change (a compiled decode step is one
-graph). Whole prompts from position 0 run as prefill (micro-batched, swapped where asked);
-anything else attends over each sequence's cached KV plus its new tokens. Host and device
-synchronize only when the sampled tokens are read.
+A step is "these sequences, this many tokens each" (:meth:`ModelRunner.run`), and the runner
+has two paths. A batch of decode tokens only runs every slot of the cache (idle slots write the
+cache's scratch column), so the cache is read as a view, the step's inputs live in persistent
+buffers updated in place, and the shapes never change (a compiled decode step is one graph).
+Every other step (whole prompts, prompt chunks, prompt tokens beside decode tokens) is one flat
+batch of tokens per micro-batch, each sequence attending over its cached KV plus its new tokens.
+Host and device synchronize only when the sampled tokens are read.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def replica_groups(dims: ParallelDims, replica: int) -> tuple[dist.ProcessGroup,
     grid = rank_grid(dims)
     groups = [cached_group(grid[r], purpose="engine-group") for r in range(dims.dp)]
     ranks = tuple(grid[replica].flatten().tolist())
-    return groups[replica], GroupLayout(replica, dims.dp, ranks, channel=f"groups-{dims.ranks[0]}", job=dims.group())
+    layout = GroupLayout(replica, dims.dp, ranks, channel=f"groups-{dims.ranks[0]}", job=dims.group())
+    return groups[replica], layout
 
 
 class ModelRunner:
@@ -108,6 +109,7 @@ class ModelRunner:
         self.max_batch_size = _positive("max_batch_size", config.max_batch_size)
         self.max_seq_len = _positive("max_seq_len", config.seq_len(model.config))
         self.num_microbatches = _positive("num_microbatches", config.num_microbatches or self.dims.pp)
+
         coord = self.dims.world_mesh().get_coordinate()  # (dp, pp, sp, tp)
         if coord is None:
             raise ValueError(
@@ -120,6 +122,7 @@ class ModelRunner:
         if config.replicas == "groups" and self.dims.dp > 1:
             self.group, self.engine_group = replica_groups(self.dims, coord[0])
             self.replica = Replica()
+
         self.layer_ids = self._stage_layers(coord[1])
         self.layers = [model.model.layers[i] for i in self.layer_ids]
         self.device = next(self.layers[0].parameters()).to_local().device
@@ -128,20 +131,27 @@ class ModelRunner:
             raise ValueError("a token split (sequence parallelism) cannot be combined with pipeline stages")
         self.split = split
         self.weights = weights
+
         self.compiled = compile
         self.every_slot = compile or every_slot  # (compiled: fixed shapes)
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
+
         kv_tokens = config.paged_tokens(self.max_seq_len)
-        self.kv = kv if kv is not None else KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
         if config.kv_swap and kv is not None:
             raise ValueError(
                 "kv_swap needs a KV cache of the runner's own; this one shares its cache with another "
                 "layout (Shift's modes, SiDP's replicas)"
             )
+        self.kv = kv
+        if kv is None:
+            self.kv = KVCache(self._kv_spec(kv_block_size, kv_tokens), device=self.device)
         self.swap = self._micro_batch_swap(kv_block_size) if config.kv_swap else None
+
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
-        self._decode_body = CompiledBody(self._body, self.device, self._kv_tensors) if compile else self._body
+        self._decode_body = self._body
+        if compile:
+            self._decode_body = CompiledBody(self._body, self.device, self._kv_tensors)
         self.busy_seconds = 0.0  # wall time in this stage's forward bodies (not in receives or sends)
 
     def _micro_batch_swap(self, block_size: int | None) -> MicrobatchSwap:
@@ -151,6 +161,7 @@ class ModelRunner:
                 f"kv_swap needs num_microbatches >= 2 (got {self.num_microbatches}), a contiguous "
                 f"cache (kv_block_size {block_size}) and eager decode (compile {self.compiled})"
             )
+
         per = -(-self.max_batch_size // self.num_microbatches)
         host = self.kv.spec
         self.kv = KVCache(dataclasses.replace(host, num_slots=2 * per), device=self.device)
@@ -259,31 +270,39 @@ class ModelRunner:
                 if s.num_computed_tokens == 0:
                     assert s.blocks, f"request {s.request.id} reached a paged cache without blocks (policy bug)"
                     self.kv.assign(s.slot, s.blocks)
+
         parts, ranges = self._parts(seqs, microbatches)
         order = [i for part in parts for i in part]
         assert sorted(order) == list(range(len(seqs))), "a sequence's slot lies outside the cache's (policy bug)"
-        rows = [0] * len(parts) if ranges is None else [self.swap.base(j) - a for j, (a, _) in enumerate(ranges)]
+        rows = [0] * len(parts)  # (swapping: a sequence's cache row less its slot)
+        if ranges is not None:
+            rows = [self.swap.base(j) - a for j, (a, _) in enumerate(ranges)]
         batches = [
             self._mixed_batch([seqs[i] for i in part], [num_tokens[i] for i in part], row)
             for part, row in zip(parts, rows)
         ]
+
         edges = None
         if ranges is not None:  # each micro-batch's slots come in, what it wrote goes home
             written = [[(seqs[i].slot, seqs[i].num_computed_tokens, num_tokens[i]) for i in part] for part in parts]
             edges = self.swap.mixed(ranges, written)
         out = self._stages(batches, self._body, edges, layers)
+
         if out is None or order == sorted(order):
             return out
-        return out[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=out.device)]  # seqs' order
+        back = sorted(range(len(order)), key=order.__getitem__)  # seqs' order, from the parts'
+        return out[torch.tensor(back, device=out.device)]
 
     def _parts(self, seqs: list[Sequence], microbatches: int) -> tuple[list[list[int]], list | None]:
         """A step's micro-batches as indices into ``seqs``, in slot order, and (swapping) the host
         slot range each one's device region holds, else None. Swapping: one micro-batch per slot
         range the sequences occupy; a pipeline: ``microbatches`` near-equal parts; else one."""
         by_slot = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+
         if self.swap is None:
             k = 1 if self.link is None else microbatches
             return [by_slot[a:b] for a, b in split_ranges(len(seqs), k)], None
+
         ranges = split_ranges(self.max_batch_size, self.num_microbatches)
         parts = [[i for i in by_slot if a <= seqs[i].slot < b] for a, b in ranges]
         kept = [j for j, part in enumerate(parts) if part]
@@ -295,9 +314,11 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in seqs]
         fed = [(s.request.prompt_ids + s.output)[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
         assert [len(f) for f in fed] == num_tokens, "a count runs past the sequence's tokens (policy bug)"
+
         ids = torch.tensor([t for f in fed for t in f], device=self.device)  # (N,)
         ctx = AttentionContext.build(self.kv, [s.slot + row for s in seqs], starts, num_tokens)
-        rows = torch.tensor(list(itertools.accumulate(num_tokens)), device=self.device) - 1  # each last token
+        ends = list(itertools.accumulate(num_tokens))
+        rows = torch.tensor(ends, device=self.device) - 1  # each sequence's last token
         return ids, ctx, rows
 
     def _decode(self, seqs: list[Sequence], layers: LayerHooks | None) -> torch.Tensor | None:
@@ -308,9 +329,11 @@ class ModelRunner:
         slots = [seqs[i].slot for i in by_slot]
         positions = [seqs[i].num_computed_tokens for i in by_slot]
         self.decode_inputs.update(slots, [seqs[i].last_token for i in by_slot], positions)
+
         kv_len = max(positions) + 1
         if self.compiled:  # a few shapes (graphs), not one per step
             kv_len = min(-(-kv_len // KV_LEN_BUCKET) * KV_LEN_BUCKET, self.kv.spec.max_seq_len + 1)
+
         batches = []  # keep: the rows of the concatenated logits that are seqs' (by slot)
         keep = []
         ranges = []
@@ -323,7 +346,10 @@ class ModelRunner:
                 batches.append(self._decode_batch(a, b, kv_len, active, len(ranges)))
                 keep += [offset + i for i in (active if self.compiled else range(len(active)))]
                 ranges.append((a, b))
-        edges = None if self.swap is None else self.swap.decode(ranges, self.decode_inputs.positions, kv_len)
+
+        edges = None
+        if self.swap is not None:
+            edges = self.swap.decode(ranges, self.decode_inputs.positions, kv_len)
         out = self._stages(
             [(x, ctx, None if isinstance(rows, range) else rows) for x, ctx, rows in batches],
             self._decode_body,
@@ -332,6 +358,7 @@ class ModelRunner:
         )
         if out is None:
             return None
+
         in_order = sorted(range(len(by_slot)), key=by_slot.__getitem__)  # seqs' order, from slot order
         picked = [keep[j] for j in in_order]  # (every row, in seqs' order: the logits as they are)
         return out if picked == list(range(len(out))) else out[torch.tensor(picked, device=out.device)]
@@ -345,9 +372,11 @@ class ModelRunner:
         if self.swap is not None:
             base = self.swap.base(index)
             ctx.kv, ctx.slots, ctx.rows = self.kv, slice(base, base + b - a), ctx.rows - a + base
+
         if self.compiled:
             for window in {layer.self_attn.sliding_window for layer in self.layers}:
                 ctx.mask(window)
+
         if self.compiled or len(active) == b - a:
             return self.decode_inputs.ids[a:b], ctx, range(b - a)
         rows = active + active[-1:] * (_row_bucket(len(active), b - a) - len(active))
@@ -360,6 +389,7 @@ class ModelRunner:
         ``edges`` (micro-batch swapping) is told before each micro-batch and after the last;
         ``layers``: the step's layer listeners."""
         outs, sends = [], []
+
         for i, (ids, ctx, rows) in enumerate(batches):
             x = ids if self.link is None or self.link.is_first else self.link.recv(ids.numel())
             if edges is not None:
@@ -371,6 +401,7 @@ class ModelRunner:
                 outs.append(out)
             else:
                 sends.append(self.link.send(out))
+
         if edges is not None:
             edges.finish()
         for work in sends:
@@ -387,10 +418,12 @@ class ModelRunner:
             h = m.embed_tokens((self.split.local(x) if self.split is not None else x)[None])  # (1, N, D)
         else:
             h = x
+
         pos = (self.split.local(positions) if self.split is not None else positions)[None]
         h = self._layers(h, RopeTables.of(m.rotary_emb(h, pos)), pos, ctx, layers)
         if not self.has_logits:
             return h
+
         if self.split is not None:
             h = self.split.gather(h, positions.numel())
         h = h if rows is None else h[:, rows]
@@ -402,10 +435,12 @@ class ModelRunner:
         kw = dict(position_embeddings=emb, position_ids=pos, attn_context=ctx, token_positions=pos[0])
         if self.split is not None:
             kw["sequence_parallel"] = True
+
         if hooks is None:  # the fast path: nothing per layer
             for layer in self.layers:
                 h = layer(h, **kw)
             return h
+
         for i, layer in zip(self.layer_ids, self.layers):
             h = hooks.apply(hooks.before, i, h, ctx)
             h = layer(h, **kw)
@@ -425,6 +460,7 @@ class ModelRunner:
                 )
             for slot, (a, b) in enumerate(itertools.pairwise(starts)):
                 self.kv.assign(slot, list(range(a, b)))
+
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         ctx = AttentionContext.build(self.kv, list(range(len(prompts))), [0] * len(prompts), lengths)
         with use_weights(self.weights):
