@@ -255,3 +255,31 @@ def test_aborting_a_request_not_taken_yet_leaves_the_running_ones_to_finish(chec
     r = dist_harness.run(1, _abort_untaken_job, checkpoints["llama"], ahead)[0]
     assert r["aborted"] == [(1, True)] and r["done"] == [0, 1]
     assert r["first"] == 10 and r["running"] == 0
+
+
+def _added_mid_step_job(path, prompts):
+    """Request 0 runs; request 1 is added while step 2 computes (a ``step_end`` listener): the
+    steps each request ran in, by index, and the tokens."""
+    from reshard.parallel.engine.core import EngineCore
+
+    engine = _engine(path)
+    core = EngineCore(engine)
+    first, late = _requests(prompts[:2])
+    steps, ran = [], {}
+    engine.events.on("step_ready", lambda index, step: steps.append(index))
+    engine.events.on("step_begin", lambda step, seqs: ran.update({steps[-1]: [s.request.id for s in seqs]}))
+    engine.events.on("step_end", lambda step, seqs: core.add_request(late) if steps[-1] == 2 else None)
+    core.add_request(first)
+    tokens, _, _ = _stream(core)
+    return ran, [tokens[0], tokens[1]]
+
+
+def test_a_request_added_while_a_step_computes_runs_in_the_next_step(checkpoints, hf_reference):
+    """The leader reads the admission proposal once a step has computed, just before its token
+    agreement: a request that comes while step 2 computes is prefilled in step 3 (before: step 4,
+    a whole step of its time to first token). Tokens equal HF's."""
+    path, prompts = checkpoints["llama"], _prompts(2)
+    ran, tokens = dist_harness.run(1, _added_mid_step_job, path, prompts)[0]
+    assert tokens == hf_reference(path, prompts, MAX_NEW)
+    assert min(i for i, ids in ran.items() if 1 in ids) == 3, ran
+    assert all(ids == [0] for i, ids in ran.items() if i < 3), ran

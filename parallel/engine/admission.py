@@ -3,7 +3,9 @@
 What a group admits is read by every rank of the group at the same step, so the group stays in
 step without a message of its own: its leader (first rank) proposes how many new requests it can
 see, the proposal rides on the step's one token all-reduce (``Step.agree``), and every rank then
-takes exactly that many. A group with nothing to run waits for exactly its next request.
+takes exactly that many. The leader counts them once the step has computed, just before that
+all-reduce, so a request that arrives while a step computes runs in the next one. A group with
+nothing to run waits for exactly its next request.
 
 - :class:`LocalAdmission`: one group owns the whole request list (lockstep strategies, a
   single replica). Offline, everything is admitted at the start (the loop as it always was);
@@ -66,7 +68,7 @@ class LocalAdmission(Admission):
     """One group owns ``requests`` and those :meth:`add` ed later (the same on every rank);
     ``start`` is the job's wall-clock start (``time.time()``) and a request is admitted
     ``request.arrival`` seconds after it. Offline (every arrival 0): all at once, before the
-    first step; one added later, at the step after."""
+    first step; one added later (or arriving) while a step computes, at the step after it."""
 
     def __init__(self, requests: Seq[Request], start: float, leader: bool, progress=None) -> None:
         self.requests = sorted(requests, key=lambda r: r.arrival)  # stable: request order within a time

@@ -262,7 +262,8 @@ class Engine:
     def _advance_drained(self, queue: deque, admission: Admission) -> list[tuple[Step, StepOutput]]:
         """The steps that finished next: the policy's next step, run to its agreed tokens."""
         step = self._scheduled(self.policy.next_step(queue))
-        output = self._run(step, {ADMIT: admission.proposal(), **self.connector.agree()})
+        # (the proposal is read once the step computed: what arrived meanwhile joins the next step)
+        output = self._run(step, {ADMIT: admission.proposal, **self.connector.agree()})
         self.connector.agreed(output.agreed or {})
         return [(step, output)]
 
@@ -280,7 +281,7 @@ class Engine:
         now) and, once its forward is launched, schedule the next one; then agree on this one's
         tokens. Returns the step run and the step scheduled ahead."""
         step = self._scheduled(self.policy.next_step(queue)) if ahead is None else self.policy.confirm(ahead, queue)
-        extras = {ADMIT: admission.proposal(), **self.connector.agree()}
+        extras = {ADMIT: admission.proposal, **self.connector.agree()}  # (read after the forward)
 
         runner = self._prepare(step, self.steps_done)
         started, t0 = time.time(), time.perf_counter()
