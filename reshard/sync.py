@@ -20,6 +20,7 @@ then broadcast from the first source rank to every destination rank, as OpenRLHF
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -131,8 +132,10 @@ class WeightSync:
         self._running: SyncHandle | None = None  # the background sync in flight, if any
         self._lock = threading.Lock()  # held while a sync writes (callers on several threads)
 
-    @property
+    @functools.cached_property
     def lower_bound_bytes(self) -> int:
+        """Bytes the destination ranks need and do not hold, over every plan (fixed once planned:
+        read at every sync's statistics)."""
         return sum(p.lower_bound_bytes for p in self.plans)
 
     def sync(self, step: int, *, verify: bool = False) -> CommStats:
