@@ -533,7 +533,8 @@ def test_the_tier_keeps_prompts_for_later_calls_until_the_weights_change(four_la
     the tier after its loads. In the next call the same prompt and a chat's next turn (the prompt
     plus 3 tokens) skip the prefill layout: they load it from the tier and compute only the last
     prompt token and the 3 new ones in the decode layout; a new prompt is prefilled (its first
-    token then fed). After a weight write the same prompt gives the new weights' HF tokens with no
+    token then fed), as is one that shares 16 tokens but has more than that left. After a weight
+    write the same prompt gives the new weights' HF tokens with no
     hit. Tokens equal HF's throughout; nothing is left once the prefix cache is reset."""
     from tests.test_llm import _hf_generate
     from tests.test_prefix_cache import _changed
@@ -541,14 +542,60 @@ def test_the_tier_keeps_prompts_for_later_calls_until_the_weights_change(four_la
     path = four_layer["llama"]
     a, b, c = _prompts(4)[1], _prompts(4)[2], _prompts(6)[5]  # 23, 9 and 14 tokens
     turn = [*a, 7, 8, 9]
-    calls = [[a, b], [a, turn, c], "scale", [a]]
-    expected = [hf_reference(path, [a, b], 6), hf_reference(path, [a, turn, c], 6)]
+    short = [*a[:16], *range(100, 120)]  # 16 shared, 20 more: prefilled (more left than shared)
+    calls = [[a, b], [a, turn, c], [short], "scale", [a]]
+    expected = [hf_reference(path, p, 6) for p in ([a, b], [a, turn, c], [short])]
     changed = _hf_generate(_changed(path), a, 6)[0]
     for out, kept, left in dist_harness.run(2, _calls_through_the_tier, path, LAYOUTS["P2-T2"], calls):
-        (first, fed1), (second, fed2), (third, fed3) = out
-        assert [first, second] == expected and third == [changed] != [expected[0][0]]
+        (first, fed1), (second, fed2), (third, fed3), (fourth, fed4) = out
+        assert [first, second, third] == expected and fourth == [changed] != [expected[0][0]]
         assert fed1 == (len(a) + len(b) + 2, len(a) + len(b), 0)  # (each prefill's token fed to decode)
         assert fed2 == (1 + 3 + len(c) + 1, len(a) + len(turn) + len(c), (len(a) - 1) + len(a))
-        assert fed3 == (len(a) + 1, len(a), 0)  # the weights changed: no hit
+        assert fed3 == (len(short) + 1, len(short), 0)
+        assert fed4 == (len(a) + 1, len(a), 0)  # the weights changed: no hit
         assert kept and all(k[0] == "retained" for k in kept), kept
         assert left == ({}, {}, {}, {})
+
+
+def _abort_before_the_swap_out(path, layouts, prompts):
+    """Greedy requests through ``EngineCore``, every swap-out into the tier slowed by 0.3 s; after
+    the first prefill step, while its swap-outs are still running, the first request (waiting for a
+    decode slot) is aborted. Its status, the others' tokens and what the tier holds after a reset."""
+    import time
+
+    from reshard.parallel import EngineCore
+
+    engine = _seesaw(path, layouts)
+    tier, swap_out = engine.policy.tier, engine.policy.tier.swap_out
+
+    def slow(*args):
+        time.sleep(0.3)
+        return swap_out(*args)
+
+    tier.swap_out = slow
+    core = EngineCore(engine)
+    for r in _requests(prompts, [6] * len(prompts)):
+        core.add_request(r)
+    outputs = core.step()
+    core.abort([0])
+    while core.has_unfinished():
+        outputs += core.step()
+    tokens, status = {}, {}
+    for out in outputs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        status[out.request_id] = out.status.name
+    engine.reset_prefix_cache()
+    left = (dict(tier.ranges), engine.policy.tiered.holders, engine.policy.tiered.entry_of)
+    engine.close()
+    return status, tokens, left
+
+
+def test_aborting_a_request_whose_prompt_is_still_going_out_to_the_tier_keeps_the_tier_whole(four_layer, hf_reference):
+    """An aborted request's prompt may be kept in the tier for later requests: it is kept (or
+    freed) only once its swap-out is written, so the tier's books stay the same on every rank and
+    nothing is left once the prefix cache is reset. The others' tokens equal HF's."""
+    path, prompts = four_layer["llama"], _prompts(3)
+    expected = hf_reference(path, prompts, 6)
+    for status, tokens, left in dist_harness.run(2, _abort_before_the_swap_out, path, LAYOUTS["P2-T2"], prompts):
+        assert status[0] == "FINISHED_ABORTED" and [tokens[i] for i in (1, 2)] == expected[1:], (status, tokens)
+        assert left == ({}, {}, {})

@@ -285,8 +285,13 @@ class SeesawPolicy(ContinuousBatching):
         decode side's unstarted requests do."""
         super().requeue_unstarted(queue)
         stale = [r for r in self.buffered if r.id in self.tiered.entry_of]
+        if stale:
+            self._wait_swap_outs(everything=True)  # (a hold it drops may free or keep an entry: written first)
         for request in reversed(stale):
             self.buffered.remove(request)
+            # its prefix-cache query and hit are counted again when it is admitted anew
+            self.stats.prefix_cache_queries -= len(request.prompt_ids)
+            self.stats.prefix_cache_hits -= self.tiered.matched.get(request.id, len(request.prompt_ids) - 1)
             self.tiered.drop(request.id)
             queue.appendleft(dataclasses.replace(request, kv_source=""))
 
@@ -300,6 +305,8 @@ class SeesawPolicy(ContinuousBatching):
         """Requests waiting for a decode slot (resumed after their prefill, or siblings), with
         their hold on the tier's KV."""
         gone = [r for r in self.buffered if r.id in request_ids]
+        if any(r.kv_source == TIER for r in gone):
+            self._wait_swap_outs(everything=True)  # (a hold it drops may free or keep an entry: written first)
         for request in gone:
             self.buffered.remove(request)
             self.marks.pop(request.id, None)

@@ -5,9 +5,10 @@ request resumed after its first token, and its siblings (requests of the same pr
 beside it). Once the last of them has loaded it, the prompt stays in the tier, retained (least
 recently used first, :class:`reshard.parallel.engine.retained.RetainedPrompts`), until a new
 prompt needs its tokens or the weights are written. A later request whose prompt is the same, or
-shares at least 16 leading tokens with it (a chat's next turn, a shared system prompt), skips the
-prefill layout: it goes to the decode side, loads the shared positions from the tier and computes
-only the rest there.
+shares at least 16 leading tokens with it and at least half its prompt (a chat's next turn, a
+long shared system prompt), skips the prefill layout: it goes to the decode side, loads the shared
+positions from the tier and computes only the rest there. An entry is retained or freed only
+once its swap-out is written (the policy waits for it before a waiting request drops its hold).
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ class TierKV(KVConnector):
 
     def reuse(self, request: Request) -> int:
         """Start ``request`` from the retained prompt sharing the most of its prompt: the
-        positions it loads from the tier (0: none shares enough; it is prefilled)."""
+        positions it loads from the tier (0: it is prefilled, in the prefill layout, where none
+        shares enough, or where more of its prompt would be left to compute in the decode layout
+        than it shares)."""
         match = self.retained.match(request.prompt_ids) if self.retain and len(self.retained) else None
-        if match is None:
+        if match is None or len(request.prompt_ids) - match.shared > match.shared:
             return 0
         entry = self.retained.use(match.source)
         self.entry_of[request.id] = entry
