@@ -11,7 +11,7 @@ another where a request lives; callers order writes before reads with a barrier.
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,13 +59,14 @@ class CPUKVTier:
     def free_tokens(self) -> int:
         return self.spec.capacity_tokens - sum(b - a for a, b in self.ranges.values())
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether :meth:`allocate` of ``num_tokens`` would succeed now."""
-        return self._first_fit(num_tokens) + num_tokens <= self.spec.capacity_tokens
+    def can_fit(self, num_tokens: int, without: Collection[Hashable] = ()) -> bool:
+        """Whether :meth:`allocate` of ``num_tokens`` would succeed now (``without``: once those
+        entries were freed)."""
+        return self._first_fit(num_tokens, without) + num_tokens <= self.spec.capacity_tokens
 
-    def _first_fit(self, num_tokens: int) -> int:
+    def _first_fit(self, num_tokens: int, without: Collection[Hashable] = ()) -> int:
         start = 0
-        for a, b in sorted(self.ranges.values()):
+        for a, b in sorted(r for e, r in self.ranges.items() if e not in without):
             if a - start >= num_tokens:
                 break
             start = max(start, b)

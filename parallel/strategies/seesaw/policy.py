@@ -151,7 +151,7 @@ class SeesawPolicy(ContinuousBatching):
             self.buffered.append(dataclasses.replace(request, kv_source=TIER))
 
     def _snapshot(self, queue: deque) -> SchedState:
-        fits = bool(queue) and self.tiered.make_room(len(queue[0].prompt_ids))
+        fits = bool(queue) and self.tiered.could_fit(len(queue[0].prompt_ids))
         free = len(self.slots) if not self.buffered or self.slots.can_take(self.buffered[0]) else 0
         return SchedState(
             queued=len(queue),

@@ -43,11 +43,16 @@ class TierKV(KVConnector):
     def __init__(self, tier: CPUKVTier, decode, stats: SeesawStats, *, retain: bool = True) -> None:
         self.tier, self.decode, self.stats, self.retain = tier, decode, stats, retain
         self.slot_of: dict[int, int] = {}
-        self.entry_of: dict[int, object] = {}  # a request id -> the tier entry it loads (not its own)
-        self.holders: dict[object, int] = {}  # a shared tier entry -> the loads it awaits
-        self.matched: dict[int, int] = {}  # a request started from a retained prompt -> positions shared
-        self.prompts: dict[object, tuple[int, ...]] = {}  # an entry computed under the current weights -> prompt
-        self.retained = RetainedPrompts()  # prompt -> its retained entry, ("retained", n)
+        # a request id -> the tier entry it loads (where not its own)
+        self.entry_of: dict[int, object] = {}
+        # a shared tier entry -> the loads it awaits
+        self.holders: dict[object, int] = {}
+        # a request started from a retained prompt -> the positions it shares
+        self.matched: dict[int, int] = {}
+        # an entry computed under the current weights -> its prompt
+        self.prompts: dict[object, tuple[int, ...]] = {}
+        # prompt -> its retained entry, ("retained", n)
+        self.retained = RetainedPrompts()
         self._keys = itertools.count()
 
     def share(self, leader: int, siblings: list[int], *, leader_loads: bool) -> None:
@@ -67,7 +72,9 @@ class TierKV(KVConnector):
         positions it loads from the tier (0: it is prefilled, in the prefill layout, where none
         shares enough, or where more of its prompt would be left to compute in the decode layout
         than it shares)."""
-        match = self.retained.match(request.prompt_ids) if self.retain and len(self.retained) else None
+        if not (self.retain and len(self.retained)):
+            return 0
+        match = self.retained.match(request.prompt_ids)
         if match is None or len(request.prompt_ids) - match.shared > match.shared:
             return 0
         entry = self.retained.use(match.source)
@@ -88,6 +95,7 @@ class TierKV(KVConnector):
         if isinstance(entry, tuple) and prompt is not None:  # a retained entry: it stays
             self.prompts[entry] = prompt
         elif prompt is not None and self.retained.keep(prompt, key := ("retained", next(self._keys))):
+            # the request's entry outlives it, under a key no request id takes
             self.tier.rename(entry, key)
             self.prompts[key] = prompt
         else:
@@ -99,12 +107,22 @@ class TierKV(KVConnector):
         self.matched.pop(request_id, None)
         self.release(self.entry_of.pop(request_id, request_id))
 
+    def could_fit(self, num_tokens: int) -> bool:
+        """Whether the tier would fit ``num_tokens`` once the retained prompts no request holds
+        were evicted (nothing is evicted: :meth:`make_room` does that when a prompt takes them)."""
+        busy = self._held_prompts()
+        evictable = [e for p, e in self.retained.by_prompt.items() if p not in busy]
+        return self.tier.can_fit(num_tokens, evictable)
+
+    def _held_prompts(self) -> set[tuple[int, ...]]:
+        """Prompts of the entries a request still holds (it loads them): never evicted."""
+        return {p for e, p in self.prompts.items() if e in self.holders}
+
     def make_room(self, num_tokens: int) -> bool:
         """Whether the tier fits ``num_tokens`` now, retained prompts no request holds evicted
         (least recently used first) until it does."""
         while not self.tier.can_fit(num_tokens):
-            busy = {p for e, p in self.prompts.items() if e in self.holders}  # (a request loads them)
-            entry = self.retained.evict(busy)
+            entry = self.retained.evict(self._held_prompts())
             if entry is None:
                 return False
             del self.prompts[entry]
