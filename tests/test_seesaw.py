@@ -476,6 +476,13 @@ def _abort_waiting(path, layouts, prompts, n):
     sibling = next(r.id for r in policy.buffered if r.id in policy.tiered.entry_of)
     leader = next(r.id for r in policy.buffered if r.id not in policy.tiered.entry_of)
     core.abort([sibling, leader])
+    return (sibling, leader), *_to_the_end(engine, core, outputs)
+
+
+def _to_the_end(engine, core, outputs):
+    """Step ``core`` until nothing is unfinished: each request's tokens and last status
+    (``outputs``: those of the steps before), and what the tier holds once the prefix cache is
+    reset (then the engine is closed)."""
     while core.has_unfinished():
         outputs += core.step()
     tokens, status = {}, {}
@@ -483,9 +490,10 @@ def _abort_waiting(path, layouts, prompts, n):
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         status[out.request_id] = out.status.name
     engine.reset_prefix_cache()
-    left = (dict(policy.tier.ranges), policy.tiered.holders, policy.tiered.entry_of)
+    tiered = engine.policy.tiered
+    left = (dict(engine.policy.tier.ranges), tiered.holders, tiered.entry_of)
     engine.close()
-    return (sibling, leader), tokens, status, left
+    return tokens, status, left
 
 
 def test_aborting_requests_that_wait_for_a_decode_slot_ends_them_and_frees_their_tier_kv(four_layer, hf_reference):
@@ -578,15 +586,7 @@ def _abort_before_the_swap_out(path, layouts, prompts):
         core.add_request(r)
     outputs = core.step()
     core.abort([0])
-    while core.has_unfinished():
-        outputs += core.step()
-    tokens, status = {}, {}
-    for out in outputs:
-        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        status[out.request_id] = out.status.name
-    engine.reset_prefix_cache()
-    left = (dict(tier.ranges), engine.policy.tiered.holders, engine.policy.tiered.entry_of)
-    engine.close()
+    tokens, status, left = _to_the_end(engine, core, outputs)
     return status, tokens, left
 
 
