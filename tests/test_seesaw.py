@@ -576,9 +576,9 @@ def _abort_before_the_swap_out(path, layouts, prompts):
     engine = _seesaw(path, layouts)
     tier, swap_out = engine.policy.tier, engine.policy.tier.swap_out
 
-    def slow(*args):
+    def slow(*args, **kwargs):
         time.sleep(0.3)
-        return swap_out(*args)
+        return swap_out(*args, **kwargs)
 
     tier.swap_out = slow
     core = EngineCore(engine)

@@ -24,9 +24,10 @@ class KVSwapper:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-swap")
 
     def swap_out(self, cache: KVCache, jobs: Sequence[tuple[int, int, int]]) -> Future:
-        """Copy ``(slot, request id, tokens)`` of ``cache`` into the tier; the future gives bytes."""
+        """Copy ``(slot, request id, tokens)`` of ``cache`` into the tier entries the caller made;
+        the future gives bytes (and raises where an entry was freed before its copy ran)."""
         jobs = list(jobs)
-        return self._pool.submit(lambda: sum(self.tier.swap_out(cache, *job) for job in jobs))
+        return self._pool.submit(lambda: sum(self.tier.swap_out(cache, *job, allocate=False) for job in jobs))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -94,13 +94,17 @@ class CPUKVTier:
         assert new not in self.ranges, (entry, new)
         self.ranges[new] = self.ranges.pop(entry)
 
-    def swap_out(self, cache: KVCache, slot: int, request_id: int, num_tokens: int) -> int:
-        """Copy ``num_tokens`` of ``slot`` (this rank's layers and KV heads) into the tier.
+    def swap_out(self, cache: KVCache, slot: int, request_id: int, num_tokens: int, *, allocate: bool = True) -> int:
+        """Copy ``num_tokens`` of ``slot`` (this rank's layers and KV heads) into the tier, into
+        the request's entry (made now if it has none and ``allocate``; a background swap-out
+        passes False: an entry freed before its copy ran is a caller's bug, not a new entry).
 
         A cache on a device is staged through a pinned buffer (shared memory cannot be pinned).
         Returns the bytes written.
         """
-        a, b = self.ranges.get(request_id) or self.allocate(request_id, num_tokens)
+        held = self.ranges.get(request_id)
+        assert held is not None or allocate, f"request {request_id}'s tier entry was freed before its swap-out ran"
+        a, b = held or self.allocate(request_id, num_tokens)
         h0, h1 = _heads(cache, self.spec)
         first = cache.spec.first_layer
         for layer in range(cache.spec.num_layers):
