@@ -6,10 +6,11 @@ its first token with ``kv_source`` naming the tier, and the decode side (continu
 the decode layout) admits it as any request whose KV lives elsewhere: the engine's connector, here
 :class:`TierKV` (``tier_kv.py``), loads each rank's own head range of it from the tier into its
 decode slot, so the load re-shards it; a prompt loaded stays in the tier for later requests that
-share it (the tier as a prefix cache). A request that comes back with KV from another connector (a respawn's mirror,
-``fault.migrate=kv``) is admitted the same way. A transition is a step whose layout is the other
-phase's: the weights move in :meth:`SeesawPolicy.on_switch`; the KV caches change over when the
-policy picks the phase (before a decode step admits from the tier, every rank's swap-outs are in).
+share it (the tier as a prefix cache). A request that comes back with KV from another connector
+(a respawn's mirror, ``fault.migrate=kv``) is admitted the same way. A transition is a step whose
+layout is the other phase's: the weights move in :meth:`SeesawPolicy.on_switch`; the KV caches
+change over when the policy picks the phase (before a decode step admits from the tier, every
+rank's swap-outs are in).
 """
 
 from __future__ import annotations
