@@ -4,10 +4,13 @@ whose prefill costs something on this CPU).
 
     python bench/prefix_cache.py [--prompts 8] [--n 8] [--new-tokens 32] [--repeats 3] [--small]
     torchrun --standalone --nproc-per-node 2 bench/prefix_cache.py --shift-sp 2 [--threshold 64]
+    torchrun --standalone --nproc-per-node 2 bench/prefix_cache.py --dejavu
 
 ``--shift-sp``: Shift parallelism over the torchrun ranks (Ulysses SP of that degree x TP of the
 rest, steps of more than ``--threshold`` tokens in SP mode, the others full TP), one paged cache
-for both modes.
+for both modes. ``--dejavu``: DejaVu over the torchrun ranks (one prompt rank, the others
+tokens, each side an engine group; contiguous caches), an engine built for each run (two at
+once would share their streams' keys); ``streamed``: prompt positions streamed to the token side.
 
 Each figure is the median over ``--repeats`` runs, on and off interleaved; the tokens of both
 are checked equal. ``prefill s``: the seconds of steps that fed prompt tokens (prefill and mixed
@@ -57,15 +60,30 @@ def _requests(args) -> list:
     return requests
 
 
-def _run(engine, requests) -> tuple[float, float, float, list]:
-    """(seconds, prefill seconds, prompt tokens computed / asked, tokens) of one ``generate``."""
+def _run(engine, requests) -> tuple[float, float, float, list, int]:
+    """(seconds, prefill seconds, prompt tokens computed / asked, tokens, prompt positions streamed:
+    DejaVu's, else 0) of one ``generate`` (this rank's group's figures)."""
     s = engine.stats
     before, computed = s.prefill_seconds + s.mixed_seconds, s.prompt_tokens_computed
     t0 = time.perf_counter()
     tokens = [c.output_ids for c in engine.generate(requests)]
     seconds = time.perf_counter() - t0
     asked = sum(len(r.prompt_ids) for r in requests)
-    return seconds, s.prefill_seconds + s.mixed_seconds - before, (s.prompt_tokens_computed - computed) / asked, tokens
+    streamed = sum(getattr(g, "streamed_tokens", 0) for g in engine.group_stats)
+    prefill = s.prefill_seconds + s.mixed_seconds - before
+    return seconds, prefill, (s.prompt_tokens_computed - computed) / asked, tokens, streamed
+
+
+def _dejavu_run(args, config: dict, on: bool, requests) -> tuple:
+    """:func:`_run` on a DejaVu engine built for it (prefix caching ``on``), closed after."""
+    from reshard.parallel import EngineConfig
+    from reshard.recipes.schema import strategy_config
+
+    strategy = strategy_config({"strategy": "dejavu", "prompt_ranks": 1})
+    config = {k: v for k, v in config.items() if k not in ("kv_block_size", "kv_tokens")}
+    engine = strategy.build(str(bench_checkpoint(args, "prefix")), EngineConfig(**config, prefix_caching=on))
+    with engine:
+        return _run(engine, requests)
 
 
 def _engines(args, config: dict) -> dict:
@@ -76,6 +94,8 @@ def _engines(args, config: dict) -> dict:
     from reshard.parallel.strategies.shift import parallelize_shift, shift_engine
 
     path = str(bench_checkpoint(args, "prefix"))
+    if args.dejavu:
+        return {}  # (one per run: _dejavu_run)
     if args.shift_sp is None:
         model = parallelize(path)
         return {on: Engine(model, EngineConfig(**config, prefix_caching=on)) for on in (True, False)}
@@ -92,11 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     add_sizes(p, DEFAULTS, SMALL)
     p.add_argument("--shift-sp", type=int, default=None, help="Shift parallelism, this SP degree (under torchrun)")
     p.add_argument("--threshold", type=int, default=64, help="Shift: steps of more tokens run SP")
+    p.add_argument("--dejavu", action="store_true", help="DejaVu over the torchrun ranks (1 prompt rank)")
     args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
     import torch.distributed as dist
 
-    torch.set_num_threads(2 if args.shift_sp is None else 1)
-    if args.shift_sp is None:
+    one_process = args.shift_sp is None and not args.dejavu
+    torch.set_num_threads(2 if one_process else 1)
+    if one_process:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group("gloo")
@@ -106,21 +128,25 @@ def main(argv: list[str] | None = None) -> None:
     config = dict(max_batch_size=slots, max_seq_len=longest, kv_block_size=BLOCK, kv_tokens=slots * longest)
     engines = _engines(args, config)
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
-    world = None if args.shift_sp is None else dist.get_world_size()
+    world = None if one_process else dist.get_world_size()
     say(f"# {rerun_command('prefix_cache.py', world, one_thread=False, argv=argv)}")
-    say(f"# {len(requests)} requests ({args.prompts} prompts x n={args.n}), {slots} slots, blocks of {BLOCK}")
+    cache = "contiguous slots" if args.dejavu else f"blocks of {BLOCK}"
+    say(f"# {len(requests)} requests ({args.prompts} prompts x n={args.n}), {slots} slots, {cache}")
     runs: dict[bool, list] = {True: [], False: []}
     for _ in range(args.repeats):
         for on in (True, False):
+            if args.dejavu:
+                runs[on].append(_dejavu_run(args, config, on, requests))
+                continue
             engines[on].reset_prefix_cache()  # every run computes its prompts from scratch
             runs[on].append(_run(engines[on], requests))
     assert runs[True][0][3] == runs[False][0][3], "the prefix cache changed the tokens"
     new = len(requests) * args.new_tokens
-    say(f"{'cache':>6} {'tokens/s':>9} {'seconds':>8} {'prefill s':>10} {'computed':>9}")
+    say(f"{'cache':>6} {'tokens/s':>9} {'seconds':>8} {'prefill s':>10} {'computed':>9} {'streamed':>9}")
     for on in (True, False):
         seconds, prefill, computed = med([r[0] for r in runs[on]]), med([r[1] for r in runs[on]]), runs[on][0][2]
         name = "on" if on else "off"
-        say(f"{name:>6} {new / seconds:>9.1f} {seconds:>8.2f} {prefill:>10.2f} {computed:>9.1%}")
+        say(f"{name:>6} {new / seconds:>9.1f} {seconds:>8.2f} {prefill:>10.2f} {computed:>9.1%} {runs[on][0][4]:>9}")
     speedup = med([r[0] for r in runs[False]]) / med([r[0] for r in runs[True]])
     say(f"on/off: {speedup:.2f}x tokens/s", flush=True)
     dist.destroy_process_group()

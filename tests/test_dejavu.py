@@ -199,7 +199,9 @@ def _samples(path, replicas, n, temperature, share=True):
     with engine:
         tokens = [c.output_ids for c in engine.generate(requests)]
     streamed = engine.policy.token.streamed if replicas == "lockstep" else getattr(engine.policy, "streamed", None)
-    staged = None if streamed is None else (len(streamed.free), streamed.incoming, streamed.unposted)
+    staged = (
+        None if streamed is None else (len(streamed.free), len(streamed.kept), streamed.incoming, streamed.unposted)
+    )
     cached = (engine.stats.prefix_cache_queries, engine.stats.prefix_cache_hits)
     summary = strategy.summary(engine)
     dims = ParallelDims(tp=dist.get_world_size(), world_size=dist.get_world_size())
@@ -211,9 +213,10 @@ def _samples(path, replicas, n, temperature, share=True):
 def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, replicas, temperature):
     """GRPO's shape: 4 samples of each prompt. The prompt side computes each prompt once: a
     sample beside it in its step streams with it (the token side feeds its last position), a
-    later one feeds only its last token where the prompt's KV stayed and streams it again.
-    Tokens equal a static TP engine's (and HF's, greedy); the bytes streamed are the prompts
-    streamed; every staging slot is free after."""
+    later one feeds only its last token where the prompt's KV stayed, and streams nothing: the
+    token side kept the prompt from its first hand-off and copies it. Tokens equal a static TP
+    engine's (and HF's, greedy); the bytes streamed are each prompt's once; after, every staging
+    slot is free but those of the 4 prompts the token side keeps (one per token slot)."""
     from transformers import AutoConfig
 
     path, n = four_layer["llama"], 4
@@ -226,8 +229,10 @@ def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, repli
         assert tokens == static
         if temperature == 0.0:
             assert tokens == [e[: 1 if (i, j) == (1, 0) else 6] for i, e in enumerate(expected) for j in range(n)]
-        assert summary["streamed_bytes"] == per_token * sum(len(PROMPTS[rid // n]) for rid in fed)
+        assert summary["streamed_bytes"] == per_token * sum(map(len, PROMPTS))
+        assert summary["kept_tokens_reused"] == sum(len(PROMPTS[rid // n]) for rid in fed) - sum(map(len, PROMPTS))
         assert summary["handoffs_loaded"] == n * len(PROMPTS) - 1  # all but prompt 1's first sample
+        assert summary["kept_misses"] == 0
     again = [rid for rid, k in fed.items() if k == 1]  # fed their last prompt token, streamed again
     for i, prompt in enumerate(PROMPTS):  # each prompt computed once; its other samples fed 1 token or none
         computed = [rid for rid in range(i * n, i * n + n) if fed.get(rid) == len(prompt)]
@@ -238,7 +243,7 @@ def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, repli
         assert again, fed
     queries = n * sum(map(len, PROMPTS))
     assert cached == (queries, queries - sum(map(len, PROMPTS)) - (n - 1) * len(PROMPTS))
-    assert staged == (4, {}, {})
+    assert staged == (4, 4, {}, {})
 
 
 def test_n_samples_with_prefix_caching_off_are_each_computed_whole(four_layer):
@@ -301,11 +306,12 @@ def test_a_prompt_retained_across_a_weight_write_is_computed_anew(four_layer, hf
 SYSTEM = [(7 * i) % 200 + 3 for i in range(40)]  # a 40-token prompt two turns and a request share
 
 
-def _turns(path, replicas, prompt=None, slots=4):
+def _turns(path, replicas, prompt=None, slots=4, forget=False):
     """Three ``generate`` calls on one DejaVu engine: a first turn (``SYSTEM`` + 4 tokens); its
     next turn (the first's prompt and output + 5 tokens) beside a request sharing the first 30
-    tokens; the next turn again after a write of the weights. Tokens of each call and the prompt
-    tokens each request fed on the prompt side."""
+    tokens; the next turn again after a write of the weights. Tokens of each call, the prompt
+    tokens each request fed on the prompt side and the summary. ``forget`` (lockstep): after
+    the first call the token side drops what it kept, as a respawned token group would."""
     from reshard.parallel import EngineConfig, Request, SamplingParams
     from reshard.parallel.model.info import parallel_info
     from reshard.recipes.schema import strategy_config
@@ -323,13 +329,17 @@ def _turns(path, replicas, prompt=None, slots=4):
     params = SamplingParams(max_new_tokens=6)
     first = [*SYSTEM, 11, 12, 13, 14]
     (turn1,) = [c.output_ids for c in engine.generate([Request(0, first, params)])]
+    streamed = engine.policy.token.streamed if forget else None
+    for kept in list(streamed.kept) if forget else ():
+        streamed._drop(kept)
     second = [*first, *turn1, 21, 22, 23, 24, 25]
     other = [*SYSTEM[:30], 31, 32, 33]
     turn2 = [c.output_ids for c in engine.generate([Request(1, second, params), Request(2, other, params)])]
     parallel_info(engine.runners["prompt"].model).weight_version.writes += 1
     turn3 = [c.output_ids for c in engine.generate([Request(3, second, params)])]
+    summary = strategy.summary(engine)
     engine.close()
-    return (first, second, other), [turn1, *turn2, *turn3], fed
+    return (first, second, other), [turn1, *turn2, *turn3], fed, summary
 
 
 @pytest.mark.parametrize(
@@ -343,12 +353,30 @@ def test_a_chats_next_turn_computes_only_what_the_prompt_side_did_not_keep(
     output, and more) computes only the rest, a request sharing 30 of its tokens only what
     follows them (copied into a slot of its own); after a write of the weights, the next turn
     is computed whole (a prompt side of two pipeline stages too; with one slot each takes the
-    kept prompt's slot over, as there is no other to copy into). Tokens equal HF's."""
+    kept prompt's slot over, as there is no other to copy into). Tokens equal HF's. The token
+    side keeps what was streamed to it: the next turn and the request sharing 30 tokens stream
+    only what follows the kept prompt; after the write, the whole prompt streams again."""
     path = four_layer["llama"]
-    (prompts, tokens, fed), *_ = dist_harness.run(world, _turns, path, replicas, prompt, slots, timeout=180)
+    (prompts, tokens, fed, summary), *_ = dist_harness.run(world, _turns, path, replicas, prompt, slots, timeout=180)
     first, second, other = prompts
     assert tokens == hf_reference(path, [first, second, other, second], 6)
     assert fed == {0: len(first), 1: len(second) - len(first), 2: len(other) - 30, 3: len(second)}
+    streamed = len(first) + (len(second) - len(first)) + (len(other) - 30) + len(second)
+    assert summary["streamed_tokens"] == streamed
+    assert summary["kept_tokens_reused"] == len(first) + 30 and summary["kept_misses"] == 0
+
+
+def test_a_next_turn_whose_kept_prompt_the_token_side_lost_computes_it_there(four_layer, hf_reference):
+    """The token side no longer holds the prompt the next turn's hand-off copies from (as after a
+    respawn): those requests compute their prompts on the token side, and the tokens still equal
+    HF's. The prompt side computes as it would have."""
+    path = four_layer["llama"]
+    (prompts, tokens, fed, summary), _ = dist_harness.run(2, _turns, path, "lockstep", None, 4, True, timeout=180)
+    first, second, other = prompts
+    assert tokens == hf_reference(path, [first, second, other, second], 6)
+    assert fed == {0: len(first), 1: len(second) - len(first), 2: len(other) - 30, 3: len(second)}  # (as ever)
+    assert summary["kept_misses"] == 2 and summary["kept_tokens_reused"] == 0  # (turn 2's two requests)
+    assert summary["handoffs_loaded"] == 2  # (turn 1's and turn 3's)
 
 
 def test_a_retained_prompt_matches_by_its_longest_common_prefix():
@@ -494,3 +522,72 @@ def test_prompts_that_finish_at_their_first_token_are_still_received(four_layer,
         for tokens, summary, *_ in dist_harness.run(2, _job, path, {"tp": 1}, {"tp": 1}, 1, 1, replicas, timeout=120):
             assert tokens == expected
             assert summary["streamed_bytes"] > 0
+
+
+def test_a_prompt_groups_lease_book_shares_keeps_and_drops_least_recently_used_first():
+    """The prompt side's book of what a token group keeps for it: a hand-off's prompts match
+    the prompts kept before it (the longest common prefix, at least 16 tokens or the whole
+    prompt), then are kept (a prompt kept already keeps its serial) and the least recently
+    used go past the capacity; a reset (the weights written) shares nothing kept before."""
+    from reshard.parallel.strategies.dejavu.lease import NONE, Lease, LeaseBook
+
+    a, b, short = tuple(range(3, 43)), (*range(3, 23), 7, 7), (5, 6, 7)
+    book = LeaseBook(2)
+    assert book.plan([a, short]) == Lease(0, (NONE, NONE), (1, 2), ())
+    assert book.plan([a, b]) == Lease(0, ((1, 40), (1, 20)), (-1, 3), (2,))  # (a read: short goes)
+    assert book.plan([(5, 6, 7), a[:15] + (9,)]) == Lease(0, (NONE, NONE), (4, 5), (1, 3))
+    book.reset(7)
+    assert book.plan([short]) == Lease(7, ((-1, 0),), (6,), ())
+    assert book.plan([(5, 6)]) == Lease(7, ((6, 2),), (7,), ())  # (a short prompt shared whole)
+
+
+def _handoff(tag, requests, lease, source=0):
+    from reshard.parallel.engine.channel import Handoff
+
+    n = len(requests)
+    return Handoff(source, 1, tag, tuple(requests), ((1,),) * n, (False,) * n, lease=lease)
+
+
+def test_a_token_groups_kept_prompts_follow_the_lease_and_a_missing_one_is_computed_there():
+    """The token side's books (a rank outside the token layout keeps the same ones): a kept
+    prompt's staging slot stays taken after its request loaded; a hand-off copying from it
+    receives only the rest, and waits to post until the kept prompt landed; a kept prompt of
+    another epoch, other tokens or not held at all (a respawned token group) is a miss: that
+    request's KV is not supplied (it computes its prompt here) and nothing leaks."""
+    import dataclasses
+
+    from reshard.parallel.engine.request import Request, SamplingParams, Sequence
+    from reshard.parallel.strategies.dejavu.connector import StreamedKV
+    from reshard.parallel.strategies.dejavu.lease import NONE, Lease
+
+    def seq(key, rid):
+        resumed, source = next(x for x in received[key] if x[0].id == rid)
+        return Sequence(dataclasses.replace(resumed, kv_source=source), None, frozenset(), slot=0)
+
+    kv, received = StreamedKV({}, None, 2, 1, slots=2, kept=2), {}
+    params = SamplingParams(max_new_tokens=4)
+    a, b = list(range(3, 43)), [*range(3, 43), 50, 51]
+    received["0:0"] = kv.receive(_handoff(0, [Request(0, a, params)], Lease(1, (NONE,), (1,), ())))
+    received["0:1"] = kv.receive(_handoff(1, [Request(1, b, params)], Lease(1, ((1, 40),), (2,), ())))
+    assert list(kv.incoming) == ["0:0"] and list(kv.unposted) == ["0:1"]  # (a's KV is still arriving)
+    assert kv.matched_tokens(seq("0:0", 0)) is None
+    kv.land("0:0")  # (and 0:1 posts: it copies a's 40 positions, receives 2)
+    assert (kv.positions, kv.reused, list(kv.incoming)) == (42, 40, ["0:0", "0:1"])
+    assert kv.matched_tokens(seq("0:0", 0)) == 40
+    kv.load(seq("0:0", 0), 40)
+    assert sorted(kv.free) == [2, 3] and set(kv.kept) == {(0, 1), (0, 2)}  # (request 0's slot kept: prompt a)
+    other = Request(2, [*range(4, 24), 9, 9], params)  # (not a's first 20 tokens: a miss)
+    stale = Request(3, b, params)  # (epoch 1's prompt b, asked for in epoch 2: a miss)
+    received["0:2"] = kv.receive(_handoff(2, [other], Lease(1, ((1, 20),), (3,), (1,))))
+    received["0:3"] = kv.receive(_handoff(3, [stale], Lease(2, ((2, 42),), (-1,), ())))
+    kv.land("0:1")
+    assert kv.matched_tokens(seq("0:2", 2)) == 0 and kv.matched_tokens(seq("0:3", 3)) == 0
+    assert kv.misses == 2 and kv.kept == {}  # (epoch 2 drops what epoch 1 kept; request 3's prompt was kept already)
+    kv.land("0:2")
+    kv.land("0:3")
+    kv.load(seq("0:1", 1), 42)
+    assert (sorted(kv.free), kv.incoming, kv.unposted) == ([0, 1, 2, 3], {}, {})
+    gone = Request(4, a, params)  # (a serial this group never kept: a respawned token group's books)
+    received["0:4"] = kv.receive(_handoff(4, [gone], Lease(2, ((9, 40),), (-1,), ())))
+    kv.land("0:4")
+    assert kv.matched_tokens(seq("0:4", 4)) == 0 and kv.misses == 3 and len(kv.free) == 4

@@ -90,6 +90,7 @@ class Handoff:
     times: tuple[tuple[float, ...], ...] = ()
     logprobs: tuple[tuple, ...] = ()  # each sequence's TokenLogprobs so far (its request asked for them)
     leaders: tuple[int, ...] = ()
+    lease: object = None  # DejaVu: the token group's kept prompts for it (dejavu.lease.Lease; None: none)
 
     def streamed(self) -> list[int]:
         """Indices of the requests whose KV streams (in the stream's order)."""

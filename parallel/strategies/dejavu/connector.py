@@ -1,7 +1,9 @@
 """A DejaVu token group's KV connector: each hand-off's prompt KV, streamed layer by layer from the
 prompt group that prefilled it, lands in a staging cache of the connector's; a request resumed
 from that hand-off is copied into its token slot when the policy admits it (vLLM v1's
-``KVConnector``: :mod:`reshard.parallel.engine.connector`)."""
+``KVConnector``: :mod:`reshard.parallel.engine.connector`). The staging cache also keeps the
+prompts each prompt group leases there (:mod:`.lease`): a later hand-off copies their prefixes
+instead of receiving them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from reshard.kv.stream_plan import Span
 from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.engine.request import Request, Sequence
+from reshard.parallel.strategies.dejavu.lease import NONE, Lease
+
+WAIT = "wait"  # a kept prompt a hand-off copies from is still arriving: the hand-off waits to post
+MISS = "miss"  # ... is not here whole (a respawned token group): its request computes its prompt
 
 
 @dataclass
@@ -33,6 +39,19 @@ class Incoming:
     unpacked: bool = False
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A prompt kept for its prompt group (:mod:`.lease`): its staging slot, its tokens, the
+    prompt group's epoch it was computed in, the hand-off that streamed it, and whether its slot
+    holds every position (not so where a prefix it was to copy was missing)."""
+
+    slot: int
+    prompt: tuple[int, ...]
+    epoch: int
+    key: str
+    whole: bool
+
+
 class StreamedKV(KVConnector):
     """The token group's connector over its ``streamers`` (prompt group -> streamer from that
     group's ranks to this group's). A hand-off (:meth:`receive`) posts its streams into staging
@@ -41,9 +60,11 @@ class StreamedKV(KVConnector):
     matches all but its last position (its prompt; its first token is fed by its first step) once
     every one of the ``group_size`` ranks reported its share landed with a step's tokens
     (:meth:`agree`), and awaits KV until then. ``cache``: this rank's token cache (its layout:
-    layers and heads); the staging cache has as many slots, contiguous. ``cache=None``: a rank
-    of the group outside the token layout (lockstep sides, where the group is the job): it keeps
-    the same books over ``slots`` staging slots, receives nothing and counts its share landed."""
+    layers and heads); the staging cache has as many slots, contiguous, and ``kept`` more for
+    the prompts the prompt groups lease here (every prompt group's together). ``cache=None``: a
+    rank of the group outside the token layout (lockstep sides, where the group is the job): it
+    keeps the same books over ``slots`` staging slots, receives nothing and counts its share
+    landed."""
 
     def __init__(
         self,
@@ -52,20 +73,28 @@ class StreamedKV(KVConnector):
         num_layers: int,
         group_size: int,
         slots: int | None = None,
+        kept: int = 0,
     ) -> None:
         self.streamers, self.cache, self.num_layers, self.group_size = streamers, cache, num_layers, group_size
         self.staging = None
         if cache is not None:
-            spec = dataclasses.replace(cache.spec, block_size=None, num_blocks=None)
-            self.staging, slots = KVCache(spec, device=cache.device), spec.num_slots
+            slots = cache.spec.num_slots
+            spec = dataclasses.replace(cache.spec, num_slots=slots + kept, block_size=None, num_blocks=None)
+            self.staging = KVCache(spec, device=cache.device)
         assert slots is not None, "a rank outside the token layout names the staging slots"
-        self.free = list(reversed(range(slots)))
+        self.free = list(reversed(range(slots + kept)))
+        self.capacity = kept  # prompts kept at most (a respawned prompt group's serials start again)
+        self.kept: dict[tuple[int, int], Kept] = {}  # (prompt group, serial) -> its kept prompt, oldest first
+        self.epochs: dict[int, int] = {}  # prompt group -> the epoch of its last hand-off posted
         # kv_source -> (its hand-off, its open request ids): booked, waiting for staging slots, oldest first
         self.unposted: dict[str, tuple[Handoff, set[int]]] = {}
         self.incoming: dict[str, Incoming] = {}  # kv_source -> its hand-off's streams
         self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its times and logprobs so far
         self.bytes, self.wait_seconds = 0, 0.0  # received; spent waiting with nothing else to run
         self.loads = 0  # sequences supplied
+        self.positions = 0  # prompt positions streamed here (counted as posted)
+        self.reused = 0  # prompt positions copied from kept prompts instead of received
+        self.misses = 0  # sequences whose kept prefix was not here: computed on this group
 
     def receive(self, handoff: Handoff) -> list[tuple[Request, str]]:
         """Book ``handoff`` (its streams are posted once the staging cache has a slot for each of
@@ -85,21 +114,90 @@ class StreamedKV(KVConnector):
         return [(r.resume(list(tokens)), key) for r, tokens, *_ in rows]
 
     def _post_ready(self) -> None:
-        """Post the booked hand-offs' streams, oldest first, while the staging cache has room."""
+        """Post the booked hand-offs' streams, oldest first, while the staging cache has room and
+        the kept prompts they copy from have landed."""
         for key, (handoff, open_ids) in list(self.unposted.items()):
             streamed = [handoff.requests[i] for i in handoff.streamed()]
-            if len(self.free) < len(streamed):
+            lease = handoff.lease or Lease(0, (NONE,) * len(streamed), (-1,) * len(streamed), ())
+            sources = [self._source(handoff.source, lease.epoch, r, ref) for r, ref in zip(streamed, lease.shared)]
+            if WAIT in sources or len(self.free) < len(streamed):
                 return  # (a later hand-off waits behind it)
             del self.unposted[key]
             slots = {r.id: self.free.pop() for r in streamed}
+            missed = self._copy_prefixes(streamed, slots, sources, lease)
             for r, leader in zip(handoff.requests, handoff.leaders):  # a sibling: its prompt's slot
                 slots.setdefault(r.id, slots[handoff.requests[leader].id])
-            spans = [Span(r.id, slots[r.id], 0, len(r.prompt_ids)) for r in streamed]
+                if handoff.requests[leader].id in missed:
+                    missed.add(r.id)
+            spans = [
+                Span(r.id, slots[r.id], n, len(r.prompt_ids))
+                for r, (_, n) in zip(streamed, lease.shared)
+                if n < len(r.prompt_ids)
+            ]
             streams = [  # layer by layer, in the order the prompt side flushes them
                 self.streamers[handoff.source].stream_in(self.staging, spans, layers=[layer], tag=handoff.tag)
-                for layer in (range(self.num_layers) if self.staging is not None else ())
+                for layer in (range(self.num_layers) if self.staging is not None and spans else ())
             ]
-            self.incoming[key] = Incoming(slots, streams, open_ids)
+            self.positions += sum(span.stop - span.start for span in spans)
+            self.incoming[key] = Incoming(slots, streams, open_ids - missed)
+            self._follow(handoff.source, lease, streamed, slots, missed, key)
+
+    def _source(self, group: int, epoch: int, request: Request, ref: tuple[int, int]) -> Kept | str | None:
+        """The kept prompt ``request``'s first ``ref[1]`` positions copy from (None: none; :data:`WAIT`:
+        it has not landed yet; :data:`MISS`: it is not here whole, of that epoch and those tokens)."""
+        serial, n = ref
+        if serial < 0:
+            return None
+        kept = self.kept.get((group, serial))
+        if kept is None or not kept.whole or kept.epoch != epoch or kept.prompt[:n] != tuple(request.prompt_ids[:n]):
+            return MISS
+        arriving = self.incoming.get(kept.key)
+        return WAIT if arriving is not None and not arriving.landed else kept
+
+    def _copy_prefixes(self, streamed: list[Request], slots: dict, sources: list, lease: Lease) -> set[int]:
+        """Each shared prefix into its request's staging slot, from the kept prompt's; the ids of
+        the requests whose kept prompt was missing (they compute their prompts here)."""
+        missed = set()
+        for r, source, (_, n) in zip(streamed, sources, lease.shared):
+            if source == MISS:
+                missed.add(r.id)
+                self.misses += 1
+            elif source is not None:
+                self.reused += n
+                for layer in self._staged_layers():
+                    self.staging.write_slot(layer, slots[r.id], *self.staging.read_slot(layer, source.slot, n))
+        return missed
+
+    def _staged_layers(self) -> range:
+        """The layers this rank stages (none outside the token layout)."""
+        if self.staging is None:
+            return range(0)
+        return range(self.staging.spec.first_layer, self.staging.spec.first_layer + self.staging.spec.num_layers)
+
+    def _follow(self, group: int, lease: Lease, streamed: list[Request], slots: dict, missed: set, key: str) -> None:
+        """Keep and free what prompt group ``group``'s hand-off ``key`` says; a new epoch frees
+        what it kept before. Past :attr:`capacity`, the oldest kept prompt goes (only where the
+        books differ: a prompt group respawned)."""
+        if self.epochs.setdefault(group, lease.epoch) != lease.epoch:
+            self.epochs[group] = lease.epoch
+            for k in [k for k in self.kept if k[0] == group]:
+                self._drop(k)
+        for r, serial in zip(streamed, lease.keep):
+            if serial >= 0:
+                self._drop((group, serial))
+                self.kept[(group, serial)] = Kept(
+                    slots[r.id], tuple(r.prompt_ids), lease.epoch, key, r.id not in missed
+                )
+        for serial in lease.drop:
+            self._drop((group, serial))
+        while len(self.kept) > self.capacity:
+            self._drop(next(iter(self.kept)))
+
+    def _drop(self, k: tuple[int, int]) -> None:
+        """Keep prompt ``k`` no longer: its slot is free now, or once its hand-off is released."""
+        kept = self.kept.pop(k, None)
+        if kept is not None and kept.key not in self.incoming:
+            self.free.append(kept.slot)
 
     def carried(self, rid: int) -> tuple[tuple, tuple] | None:
         """Request ``rid``'s wall-clock marks and log-probabilities from its prompt group (its
@@ -128,6 +226,7 @@ class StreamedKV(KVConnector):
                 self._unpack(inc)
                 inc.landed = True
                 self._release(key)
+        self._post_ready()  # (hand-offs that copy from kept prompts that just landed)
 
     def wait_for(self, request: Request) -> None:
         """Block until this rank's share of ``request``'s hand-off landed (then it has landed on
@@ -157,6 +256,7 @@ class StreamedKV(KVConnector):
             self.incoming[key].landed = True
             self.wait_seconds += time.perf_counter() - t0
             self._release(key)
+            self._post_ready()
 
     def _unpack(self, incoming: Incoming) -> None:
         if not incoming.unpacked:
@@ -184,10 +284,12 @@ class StreamedKV(KVConnector):
             self.cache.write_slot(layer, seq.slot, *self.staging.read_slot(layer, src, num_tokens))
 
     def _release(self, key: str) -> None:
-        """A landed hand-off none of whose sequences waits any more gives its staging slots back."""
+        """A landed hand-off none of whose sequences waits any more gives its staging slots back,
+        but those of the prompts kept."""
         incoming = self.incoming[key]
         if incoming.landed and not incoming.open:
-            self.free.extend(dict.fromkeys(incoming.slots.values()))  # (siblings share their prompt's)
+            kept = {k.slot for k in self.kept.values() if k.key == key}
+            self.free.extend(s for s in dict.fromkeys(incoming.slots.values()) if s not in kept)  # (siblings share)
             del self.incoming[key]
             self._post_ready()
 

@@ -13,6 +13,7 @@ from reshard.parallel.engine.request import Request, Sequence
 from reshard.parallel.engine.retained import CopyPrefix, RetainedPrompts
 from reshard.parallel.engine.splits import split_ranges
 from reshard.parallel.engine.step import Move
+from reshard.parallel.strategies.dejavu.lease import NONE, LeaseBook
 from reshard.parallel.strategies.dejavu.sides import DejaVuStats
 
 
@@ -31,7 +32,9 @@ class PromptSide(Policy):
       ``generate`` calls too). A later request with the same prompt takes the slot over and feeds
       only its last prompt token; one that shares a long prefix with it (a chat's next turn) has
       the prefix copied into a slot of its own and computes the rest. Such steps stream their
-      prompts whole at their end (:meth:`after_step`), not layer by layer.
+      prompts at their end (:meth:`after_step`), not layer by layer.
+    - A token group keeps the prompts streamed to it (:mod:`.lease`, ``kept`` per token group):
+      a prompt that begins with one it keeps streams only what follows.
 
     ``share=False`` (``EngineConfig.prefix_caching``): every request computes its whole prompt.
     """
@@ -39,7 +42,13 @@ class PromptSide(Policy):
     stats_cls = DejaVuStats
 
     def __init__(
-        self, streamers: dict, group: int, token_groups: list[int], max_prefill_tokens: int, share: bool = True
+        self,
+        streamers: dict,
+        group: int,
+        token_groups: list[int],
+        max_prefill_tokens: int,
+        share: bool = True,
+        kept: int = 0,
     ) -> None:
         self.streamers = streamers  # token group -> streamer from this group's ranks to that group's
         self.share = share  # prompts shared at all (EngineConfig.prefix_caching)
@@ -50,6 +59,7 @@ class PromptSide(Policy):
         self.steps = 0
         self.retained = RetainedPrompts()
         self.slots: SlotPool | None = None
+        self.leases = {t: LeaseBook(kept if share else 0) for t in token_groups}  # what each token group keeps
 
     @property
     def initial_layout(self) -> str:
@@ -72,6 +82,7 @@ class PromptSide(Policy):
         admitted = admitted or self._compute(queue, limit)
         assert admitted or not queue or limit == 0, "a prompt step admitted none of a queue (policy bug)"
         self._prefilling, self._passes, self._streams_at_end = admitted, {}, reuse
+        self._plan_stream(admitted)
         counts = [s.prompt_len - s.num_computed_tokens for s in admitted]
         return Step(admitted, counts, "prompt", moves=tuple(moves))
 
@@ -183,21 +194,30 @@ class PromptSide(Policy):
         self._passes[layer] = self._passes.get(layer, 0) + 1
         if self._passes[layer] < len(split_ranges(len(self._prefilling), self.runner_info["prompt"].num_microbatches)):
             return
-        self._stream(self._prefilling, [layer])
+        self._stream([layer])
 
-    def _stream(self, seqs: list[Sequence], layers: list[int]) -> None:
-        """``seqs``' prompt KV, layer by layer, to this step's token group."""
-        spans = [Span(s.request.id, s.slot, 0, s.prompt_len) for s in seqs]
+    def _plan_stream(self, seqs: list[Sequence]) -> None:
+        """What of ``seqs``' prompts this step streams: each but the prefix its token group keeps
+        (:class:`.lease.LeaseBook`; ``self._lease`` goes with the hand-off)."""
+        book = self.leases[self.target]
+        self._lease = book.plan([tuple(s.request.prompt_ids) for s in seqs]) if book.capacity else None
+        shared = self._lease.shared if self._lease is not None else [NONE] * len(seqs)
+        self._spans = [
+            Span(s.request.id, s.slot, n, s.prompt_len) for s, (_, n) in zip(seqs, shared) if n < s.prompt_len
+        ]
+
+    def _stream(self, layers: list[int]) -> None:
+        """The step's planned prompt positions (``self._spans``), layer by layer, to its token group."""
         kv = self.runner_info["prompt"].kv
         streamer = self.streamers[self.target]
-        for layer in layers:
-            self.outgoing += streamer.stream_out(kv, spans, layers=[layer], tag=self.steps)
+        for layer in layers if self._spans else ():
+            self.outgoing += streamer.stream_out(kv, self._spans, layers=[layer], tag=self.steps)
 
     def after_step(self, step: Step, output: StepOutput) -> list[Handoff]:
         """The step's hand-off: its requests (in the stream's order), then their siblings; its
         prompts retained. A step of reused prompts streams them now, every layer."""
         if self._streams_at_end and self.runner_info["prompt"].kv is not None:
-            self._stream(step.seqs, self._layers())
+            self._stream(self._layers())
         for seq in step.seqs:
             if not (self.share and self.retained.keep(tuple(seq.request.prompt_ids), seq)):
                 self.slots.give(seq)
@@ -221,6 +241,7 @@ class PromptSide(Policy):
             tuple(tuple(s.times) for s in seqs) + blank,
             tuple(tuple(s.logprobs) for s in seqs) + blank,
             leaders=(*range(len(seqs)), *(i for i, _ in shared)) if shared else (),
+            lease=self._lease,
         )
 
     def _layers(self) -> list[int]:
@@ -233,6 +254,8 @@ class PromptSide(Policy):
         for seq in self.retained.clear():
             if self.slots is not None:
                 self.slots.give(seq)
+        for book in self.leases.values():
+            book.reset(version)
 
     def room(self) -> tuple[int, int]:
         """Free slots, retained ones counted (a new prompt takes one)."""

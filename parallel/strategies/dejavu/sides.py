@@ -54,12 +54,18 @@ class DejaVuStats(EngineStats):
     streamed_bytes: int = 0  # prompt KV received by the token ranks (all ranks, summed at the end)
     stream_wait_seconds: float = 0.0  # token ranks waiting for prompt KV before decoding
     handoffs_loaded: int = 0  # requests a token group's KV connector supplied with their prompt KV
+    streamed_tokens: int = 0  # prompt positions streamed to the token groups (not their bytes: every rank alike)
+    kept_tokens_reused: int = 0  # prompt positions a token group copied from prompts it kept, not streamed
+    kept_misses: int = 0  # requests whose kept prefix a token group no longer held (computed there)
 
     def summary(self) -> dict:
         return {
             "streamed_bytes": self.streamed_bytes,
             "stream_wait_seconds": self.stream_wait_seconds,
             "handoffs_loaded": self.handoffs_loaded,
+            "streamed_tokens": self.streamed_tokens,
+            "kept_tokens_reused": self.kept_tokens_reused,
+            "kept_misses": self.kept_misses,
         }
 
 
@@ -169,6 +175,7 @@ class TokenSide(ContinuousBatching):
         """The connector's counters into the group's stats."""
         s, kv = self.stats, self.streamed
         s.streamed_bytes, s.stream_wait_seconds, s.handoffs_loaded = kv.bytes, kv.wait_seconds, kv.loads
+        s.streamed_tokens, s.kept_tokens_reused, s.kept_misses = kv.positions, kv.reused, kv.misses
 
     def _take(self, queue, within=None):
         """The waiting head into a slot with its KV; it continues its prompt group's marks and log-probabilities."""

@@ -64,10 +64,11 @@ def dejavu_groups_engine(
     streamers = _streamers(layouts, groups, index, entries)
     if side == "prompt":
         tokens = [g for g in range(len(groups)) if g not in entries]
-        policy = PromptSide(streamers, index, tokens, config.max_prefill_tokens, share=config.prefix_caching)
+        policy = PromptSide(streamers, index, tokens, config.max_prefill_tokens, config.prefix_caching, _kept(config))
     else:
         token_runner = runners["token"]
-        streamed = StreamedKV(streamers, token_runner.kv, token.config.num_hidden_layers, len(groups[index]))
+        kept = _kept(config) * len(streamers)  # (every prompt group's)
+        streamed = StreamedKV(streamers, token_runner.kv, token.config.num_hidden_layers, len(groups[index]), kept=kept)
         policy = TokenSide(streamed)
     engine = Engine(runners=runners, policy=policy, config=config, group=pgs[index], engine_group=layout)
     if side == "prompt":
@@ -130,13 +131,14 @@ def dejavu_engine(
     }
     plan = plan_stream(world_layouts(runners["prompt"].kv), world_layouts(runners["token"].kv))
     streamer, token_runner = KVStreamer(plan), runners["token"]
-    prompt_side = PromptSide({1: streamer}, 0, [1], config.max_prefill_tokens, share=config.prefix_caching)
+    prompt_side = PromptSide({1: streamer}, 0, [1], config.max_prefill_tokens, config.prefix_caching, _kept(config))
     streamed = StreamedKV(
         {0: streamer},
         token_runner.kv,
         token.config.num_hidden_layers,
         dist.get_world_size(),
         token_runner.max_batch_size,
+        kept=_kept(config),
     )
     policy = LockstepSides(prompt_side, TokenSide(streamed))
     # tokens are agreed over the whole job: both layouts take part in every step
@@ -144,6 +146,12 @@ def dejavu_engine(
     if runners["prompt"].kv is not None:
         engine.events.on("layer_after", prompt_side.stream_layer, layout="prompt")
     return engine
+
+
+def _kept(config: EngineConfig) -> int:
+    """Prompts a token group keeps for each prompt group (:mod:`.lease`): as many as it has
+    slots, where prompts are shared at all (``prefix_caching``)."""
+    return config.max_batch_size if config.prefix_caching else 0
 
 
 def _runner(model: nn.Module, dims: ParallelDims, config: EngineConfig):
@@ -325,6 +333,9 @@ class DejaVuStrategy(Strategy):
             "streamed_bytes": int(streamed),
             "stream_wait_seconds": s.stream_wait_seconds,
             "handoffs_loaded": s.handoffs_loaded,
+            "streamed_tokens": s.streamed_tokens,
+            "kept_tokens_reused": s.kept_tokens_reused,
+            "kept_misses": s.kept_misses,
             "dejavu_plan": plan.as_dict(),
         }
 
@@ -332,7 +343,8 @@ class DejaVuStrategy(Strategy):
         plan = s["dejavu_plan"]
         verdict = "would pay" if plan["plan_pays"] else "would not pay"
         return [
-            f"dejavu: streamed {s['streamed_bytes'] / (1 << 20):.1f} MiB of prompt KV; on this run's step times the "
+            f"dejavu: streamed {s['streamed_tokens']} positions of prompt KV ({s['kept_tokens_reused']} more copied "
+            f"from prompts the token side kept); on this run's step times the "
             f"appendix-D planner splits {plan['D']} ranks as {plan['D_p']} prompt + {plan['D_t']} token, which "
             f"{verdict} against the same ranks without disaggregation (I_dis {plan['I_dis']:.3g} vs I_c "
             f"{plan['I_c']:.3g}; the ideal real split {'would' if plan['pays'] else 'would not'})"
