@@ -591,3 +591,35 @@ def test_a_token_groups_kept_prompts_follow_the_lease_and_a_missing_one_is_compu
     received["0:4"] = kv.receive(_handoff(4, [gone], Lease(2, ((9, 40),), (-1,), ())))
     kv.land("0:4")
     assert kv.matched_tokens(seq("0:4", 4)) == 0 and kv.misses == 3 and len(kv.free) == 4
+
+
+def _two_prompt_groups(path, n):
+    """Greedy ``n`` samples of ``PROMPTS``, twice, through two prompt groups and one token group
+    (2 token slots): tokens of each call, the summary and the token group's staging books."""
+    from reshard.parallel import EngineConfig, Request, SamplingParams
+    from reshard.recipes.schema import strategy_config
+
+    requests = [
+        Request(i * n + j, p, SamplingParams(max_new_tokens=6)) for i, p in enumerate(PROMPTS) for j in range(n)
+    ]
+    strategy = strategy_config({"strategy": "dejavu", "prompt_ranks": 2, "prompt": {"dp": 2}})
+    engine = strategy.build(path, EngineConfig(max_batch_size=2, max_seq_len=64, replicas="groups"))
+    with engine:
+        calls = [[c.output_ids for c in engine.generate(requests)] for _ in range(2)]
+    kv = getattr(engine.policy, "streamed", None)
+    staged = None if kv is None else (len(kv.free), sorted(group for group, _ in kv.kept), kv.incoming, kv.unposted)
+    return calls, strategy.summary(engine), staged
+
+
+def test_two_prompt_groups_each_keep_their_own_prompts_at_one_token_group(four_layer, hf_reference):
+    """Two prompt groups stream to one token group, which keeps prompts for each apart (their
+    serials are their own): tokens equal HF's in both calls, no kept prompt is missed, and some
+    prompt positions are copied instead of received; after, every staging slot is free but the
+    kept prompts' (2 token slots: 2 kept per prompt group)."""
+    path, n = four_layer["llama"], 3
+    expected = [e for e in hf_reference(path, PROMPTS, 6) for _ in range(n)]
+    results = dist_harness.run(3, _two_prompt_groups, path, n, timeout=180)
+    for calls, summary, _ in results:
+        assert calls == [expected, expected]
+        assert summary["kept_misses"] == 0 and summary["kept_tokens_reused"] > 0
+    assert results[2][2] == (2, [0, 0, 1, 1], {}, {})  # (2 + 4 staging slots on the token rank)
