@@ -92,14 +92,20 @@ def test_disaggregated_generation_equals_hf(
     four_layer, hf_reference, world, prompt, token, prompt_ranks, layouts, replicas
 ):
     """Tokens equal HF; every request that ran on past its first token resumed on the token side
-    through its KV connector, whether the sides are engine groups or step in one loop."""
+    through its KV connector, whether the sides are engine groups or step in one loop; every
+    prompt's KV streamed once, its bytes summed over the token side's ranks."""
+    from transformers import AutoConfig
+
     path = four_layer["llama"]
+    c = AutoConfig.from_pretrained(path)
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
     results = dist_harness.run(world, _job, path, prompt, token, prompt_ranks, 6, replicas, timeout=240)
     expected = hf_reference(path, PROMPTS, 6)
     for tokens, summary, reported, ran, _ in results:
         assert reported == ran == layouts  # summary.json's "parallel": the sides the engine ran
         assert tokens == expected
-        assert summary["streamed_bytes"] > 0
+        assert summary["streamed_tokens"] == sum(map(len, PROMPTS))
+        assert summary["streamed_bytes"] == per_token * sum(map(len, PROMPTS))
         assert summary["handoffs_loaded"] == sum(len(t) > 1 for t in expected)
         plan = summary["dejavu_plan"]
         assert plan["D_p"] + plan["D_t"] == world

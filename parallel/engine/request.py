@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -236,7 +237,10 @@ def _decodes(seq: Sequence) -> bool:
 
 @dataclass
 class EngineStats:
-    """Counters of the loop over all replicas (identical on every rank); strategies extend it."""
+    """Counters of the loop over all replicas (identical on every rank); strategies extend it.
+    ``per_rank``: the fields that are this rank's share instead (a group's figure sums its ranks')."""
+
+    per_rank: ClassVar[tuple[str, ...]] = ()
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -281,6 +285,12 @@ class EngineStats:
     def summary(self) -> dict:
         """Keys a strategy adds to ``summary.json`` (none for the base counters)."""
         return {}
+
+    def with_ranks(self, ranks: list[EngineStats]) -> EngineStats:
+        """These counters (a group leader's) with each :attr:`per_rank` field summed over the
+        group's ``ranks``' stats."""
+        sums = {name: sum(getattr(r, name) for r in ranks) for name in self.per_rank}
+        return dataclasses.replace(self, **sums)
 
     @classmethod
     def total(cls, groups: list[EngineStats]) -> EngineStats:

@@ -44,10 +44,15 @@ def generate_routed(engine, requests: Seq[Request], bar: tqdm, seed: int | None)
     with router or contextlib.nullcontext():
         admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, engine.group_timeout)
         done = EngineCore(engine, admission, start=start).run()
-    everyone = all_gather_objects((list(done.values()), engine.stats) if group.is_leader else None, group.job)
+    mine = (group.index, list(done.values()) if group.is_leader else None, engine.stats)
+    everyone = all_gather_objects(mine, group.job)  # (every rank's stats: some fields are its share)
     if router is not None:
         channel.clear(channel.job_keys([endpoint_of(g) for g in range(group.count)]))
     dist.barrier(group=group.job)  # no rank starts another call before the keys are gone
-    engine.group_stats = [stats for _, stats in filter(None, everyone)]
-    by_id = {c.id: c for completions, _ in filter(None, everyone) for c in completions}
+    engine.group_stats = [  # (a leader's, its per-rank fields summed over its group)
+        stats.with_ranks([s for g, _, s in everyone if g == index])
+        for index, done, stats in everyone
+        if done is not None
+    ]
+    by_id = {c.id: c for _, completions, _ in everyone for c in completions or ()}
     return [by_id[r.id] for r in requests]

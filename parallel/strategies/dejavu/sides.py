@@ -51,7 +51,8 @@ class AbsentRunner:
 
 @dataclass
 class DejaVuStats(EngineStats):
-    streamed_bytes: int = 0  # prompt KV received by the token ranks (all ranks, summed at the end)
+    per_rank = ("streamed_bytes",)
+    streamed_bytes: int = 0  # prompt KV this rank received (a group's figure sums its ranks')
     stream_wait_seconds: float = 0.0  # token ranks waiting for prompt KV before decoding
     handoffs_loaded: int = 0  # requests a token group's KV connector supplied with their prompt KV
     streamed_tokens: int = 0  # prompt positions streamed to the token groups (not their bytes: every rank alike)
