@@ -222,7 +222,7 @@ def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, repli
     later one feeds only its last token where the prompt's KV stayed, and streams nothing: the
     token side kept the prompt from its first hand-off and copies it. Tokens equal a static TP
     engine's (and HF's, greedy); the bytes streamed are each prompt's once; after, every staging
-    slot is free but those of the 4 prompts the token side keeps (one per token slot)."""
+    slot is free but that of the one prompt the token side keeps (a quarter of its 4 slots)."""
     from transformers import AutoConfig
 
     path, n = four_layer["llama"], 4
@@ -239,7 +239,9 @@ def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, repli
         assert summary["kept_tokens_reused"] == sum(len(PROMPTS[rid // n]) for rid in fed) - sum(map(len, PROMPTS))
         assert summary["handoffs_loaded"] == n * len(PROMPTS) - 1  # all but prompt 1's first sample
         assert summary["kept_misses"] == 0
-    again = [rid for rid, k in fed.items() if k == 1]  # fed their last prompt token, streamed again
+    again = [
+        rid for rid, k in fed.items() if k == 1
+    ]  # fed their last prompt token (their KV copied from the kept prompt)
     for i, prompt in enumerate(PROMPTS):  # each prompt computed once; its other samples fed 1 token or none
         computed = [rid for rid in range(i * n, i * n + n) if fed.get(rid) == len(prompt)]
         assert len(computed) == 1 and all(
@@ -249,7 +251,7 @@ def test_n_samples_of_a_prompt_are_computed_once(four_layer, hf_reference, repli
         assert again, fed
     queries = n * sum(map(len, PROMPTS))
     assert cached == (queries, queries - sum(map(len, PROMPTS)) - (n - 1) * len(PROMPTS))
-    assert staged == (4, 4, {}, {})
+    assert staged == (4, 1, {}, {})
 
 
 def test_n_samples_with_prefix_caching_off_are_each_computed_whole(four_layer):
@@ -547,19 +549,21 @@ def test_a_prompt_groups_lease_book_shares_keeps_and_drops_least_recently_used_f
     assert book.plan([(5, 6)]) == Lease(7, ((6, 2),), (7,), ())  # (a short prompt shared whole)
 
 
-def _handoff(tag, requests, lease, source=0):
+def _handoff(tag, requests, lease, leaders=()):
     from reshard.parallel.engine.channel import Handoff
 
     n = len(requests)
-    return Handoff(source, 1, tag, tuple(requests), ((1,),) * n, (False,) * n, lease=lease)
+    return Handoff(0, 1, tag, tuple(requests), ((1,),) * n, (False,) * n, leaders=leaders, lease=lease)
 
 
 def test_a_token_groups_kept_prompts_follow_the_lease_and_a_missing_one_is_computed_there():
     """The token side's books (a rank outside the token layout keeps the same ones): a kept
-    prompt's staging slot stays taken after its request loaded; a hand-off copying from it
-    receives only the rest, and waits to post until the kept prompt landed; a kept prompt of
-    another epoch, other tokens or not held at all (a respawned token group) is a miss: that
-    request's KV is not supplied (it computes its prompt here) and nothing leaks."""
+    prompt's staging slot stays taken after its request loaded; a hand-off copying from it posts
+    at once, receives only the rest and copies the kept prefix when it is unpacked (the kept
+    prompt's hand-off unpacked first); a kept prompt dropped while a copy from it waits keeps its
+    slot until the copy is made. A kept prompt of another epoch, other tokens or not held at all
+    (a respawned token group) is a miss: that request's KV, and its siblings', is not supplied
+    (they compute their prompt here). Nothing leaks."""
     import dataclasses
 
     from reshard.parallel.engine.request import Request, SamplingParams, Sequence
@@ -570,33 +574,37 @@ def test_a_token_groups_kept_prompts_follow_the_lease_and_a_missing_one_is_compu
         resumed, source = next(x for x in received[key] if x[0].id == rid)
         return Sequence(dataclasses.replace(resumed, kv_source=source), None, frozenset(), slot=0)
 
-    kv, received = StreamedKV({}, None, 2, 1, slots=2, kept=2), {}
-    params = SamplingParams(max_new_tokens=4)
-    a, b = list(range(3, 43)), [*range(3, 43), 50, 51]
+    kv, received, params = StreamedKV({}, None, 2, 1, slots=2, kept=2), {}, SamplingParams(max_new_tokens=4)
+    a, b, c = list(range(3, 43)), [*range(3, 43), 50, 51], [*range(3, 23), 7, 7]
     received["0:0"] = kv.receive(_handoff(0, [Request(0, a, params)], Lease(1, (NONE,), (1,), ())))
     received["0:1"] = kv.receive(_handoff(1, [Request(1, b, params)], Lease(1, ((1, 40),), (2,), ())))
-    assert list(kv.incoming) == ["0:0"] and list(kv.unposted) == ["0:1"]  # (a's KV is still arriving)
-    assert kv.matched_tokens(seq("0:0", 0)) is None
-    kv.land("0:0")  # (and 0:1 posts: it copies a's 40 positions, receives 2)
-    assert (kv.positions, kv.reused, list(kv.incoming)) == (42, 40, ["0:0", "0:1"])
+    assert list(kv.incoming) == ["0:0", "0:1"] and kv.unposted == {}  # (0:1 receives 2 positions)
+    assert (kv.positions, kv.reused, +kv.pins) == (42, 40, {0: 1})  # (a's slot 0 pinned for the copy)
+    kv.land("0:1")  # (0:0 unpacked first: a's positions are there to copy)
+    assert kv.incoming["0:0"].unpacked and not +kv.pins and kv.matched_tokens(seq("0:0", 0)) is None
+    kv.land("0:0")
     assert kv.matched_tokens(seq("0:0", 0)) == 40
     kv.load(seq("0:0", 0), 40)
     assert sorted(kv.free) == [2, 3] and set(kv.kept) == {(0, 1), (0, 2)}  # (request 0's slot kept: prompt a)
-    other = Request(2, [*range(4, 24), 9, 9], params)  # (not a's first 20 tokens: a miss)
-    stale = Request(3, b, params)  # (epoch 1's prompt b, asked for in epoch 2: a miss)
-    received["0:2"] = kv.receive(_handoff(2, [other], Lease(1, ((1, 20),), (3,), (1,))))
-    received["0:3"] = kv.receive(_handoff(3, [stale], Lease(2, ((2, 42),), (-1,), ())))
-    kv.land("0:1")
-    assert kv.matched_tokens(seq("0:2", 2)) == 0 and kv.matched_tokens(seq("0:3", 3)) == 0
-    assert kv.misses == 2 and kv.kept == {}  # (epoch 2 drops what epoch 1 kept; request 3's prompt was kept already)
+    received["0:2"] = kv.receive(_handoff(2, [Request(2, c, params)], Lease(1, ((1, 20),), (3,), (1,))))
+    assert 0 not in kv.free and set(kv.kept) == {(0, 2), (0, 3)}  # (a dropped, its slot pinned)
     kv.land("0:2")
+    assert 0 in kv.free  # (the copy made)
+    other = [Request(5, [*range(4, 24), 9, 9], params), Request(6, [*range(4, 24), 9, 9], params)]
+    received["0:3"] = kv.receive(_handoff(3, other, Lease(1, ((3, 20),), (4,), ()), leaders=(0, 0)))
+    stale = Request(7, b, params)  # (epoch 1's prompt b, asked for in epoch 2)
+    received["0:4"] = kv.receive(_handoff(4, [stale], Lease(2, ((2, 42),), (-1,), ())))
     kv.land("0:3")
-    kv.load(seq("0:1", 1), 42)
-    assert (sorted(kv.free), kv.incoming, kv.unposted) == ([0, 1, 2, 3], {}, {})
-    gone = Request(4, a, params)  # (a serial this group never kept: a respawned token group's books)
-    received["0:4"] = kv.receive(_handoff(4, [gone], Lease(2, ((9, 40),), (-1,), ())))
     kv.land("0:4")
-    assert kv.matched_tokens(seq("0:4", 4)) == 0 and kv.misses == 3 and len(kv.free) == 4
+    assert [kv.matched_tokens(seq(k, rid)) for k, rid in (("0:3", 5), ("0:3", 6), ("0:4", 7))] == [0, 0, 0]
+    assert kv.misses == 3 and kv.kept == {}  # (other's first 20 tokens are not c's; epoch 2 drops epoch 1's)
+    kv.load(seq("0:1", 1), 42)
+    kv.load(seq("0:2", 2), 22)
+    assert (sorted(kv.free), kv.incoming, kv.unposted) == ([0, 1, 2, 3], {}, {})
+    gone = Request(8, a, params)  # (a serial this group never kept: a respawned token group's books)
+    received["0:5"] = kv.receive(_handoff(5, [gone], Lease(2, ((9, 40),), (-1,), ())))
+    kv.land("0:5")
+    assert kv.matched_tokens(seq("0:5", 8)) == 0 and kv.misses == 4 and len(kv.free) == 4
 
 
 def _two_prompt_groups(path, n):
@@ -621,11 +629,11 @@ def test_two_prompt_groups_each_keep_their_own_prompts_at_one_token_group(four_l
     """Two prompt groups stream to one token group, which keeps prompts for each apart (their
     serials are their own): tokens equal HF's in both calls, no kept prompt is missed, and some
     prompt positions are copied instead of received; after, every staging slot is free but the
-    kept prompts' (2 token slots: 2 kept per prompt group)."""
+    kept prompts' (2 token slots: 1 kept per prompt group)."""
     path, n = four_layer["llama"], 3
     expected = [e for e in hf_reference(path, PROMPTS, 6) for _ in range(n)]
     results = dist_harness.run(3, _two_prompt_groups, path, n, timeout=180)
     for calls, summary, _ in results:
         assert calls == [expected, expected]
         assert summary["kept_misses"] == 0 and summary["kept_tokens_reused"] > 0
-    assert results[2][2] == (2, [0, 0, 1, 1], {}, {})  # (2 + 4 staging slots on the token rank)
+    assert results[2][2] == (2, [0, 1], {}, {})  # (2 + 2 staging slots on the token rank: 1 kept per group)

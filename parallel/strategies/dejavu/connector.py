@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from reshard.kv import KVCache
@@ -20,23 +21,7 @@ from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.engine.request import Request, Sequence
 from reshard.parallel.strategies.dejavu.lease import NONE, Lease
 
-WAIT = "wait"  # a kept prompt a hand-off copies from is still arriving: the hand-off waits to post
-MISS = "miss"  # ... is not here whole (a respawned token group): its request computes its prompt
-
-
-@dataclass
-class Incoming:
-    """One hand-off's prompt KV on its way into the staging cache: each of its sequences' staging
-    slot (a sibling's: its prompt's), the streams (one per layer, in the order the prompt side
-    flushes them), the sequences that run on (the others finished at their first token: their KV
-    streams all the same, in the stream's order), whether every rank of the group has its share
-    (``landed``) and whether this rank unpacked it."""
-
-    slots: dict[int, int]
-    streams: list[StreamIn]
-    open: set[int]
-    landed: bool = False
-    unpacked: bool = False
+MISS = "miss"  # a kept prompt a hand-off copies from is not here whole: its request computes its prompt
 
 
 @dataclass(frozen=True)
@@ -50,6 +35,23 @@ class Kept:
     epoch: int
     key: str
     whole: bool
+
+
+@dataclass
+class Incoming:
+    """One hand-off's prompt KV on its way into the staging cache: each of its sequences' staging
+    slot (a sibling's: its prompt's), the streams (one per layer, in the order the prompt side
+    flushes them), the sequences that run on (the others finished at their first token: their KV
+    streams all the same, in the stream's order), whether every rank of the group has its share
+    (``landed``) and whether this rank unpacked it; ``copies``: the kept prefixes it copies when
+    it is unpacked, ``(its slot, the kept prompt, positions)``."""
+
+    slots: dict[int, int]
+    streams: list[StreamIn]
+    open: set[int]
+    copies: list[tuple[int, Kept, int]]
+    landed: bool = False
+    unpacked: bool = False
 
 
 class StreamedKV(KVConnector):
@@ -86,6 +88,7 @@ class StreamedKV(KVConnector):
         self.capacity = kept  # prompts kept at most (a respawned prompt group's serials start again)
         self.kept: dict[tuple[int, int], Kept] = {}  # (prompt group, serial) -> its kept prompt, oldest first
         self.epochs: dict[int, int] = {}  # prompt group -> the epoch of its last hand-off posted
+        self.pins: Counter[int] = Counter()  # staging slot -> copies from it not made yet
         # kv_source -> (its hand-off, its open request ids): booked, waiting for staging slots, oldest first
         self.unposted: dict[str, tuple[Handoff, set[int]]] = {}
         self.incoming: dict[str, Incoming] = {}  # kv_source -> its hand-off's streams
@@ -114,21 +117,21 @@ class StreamedKV(KVConnector):
         return [(r.resume(list(tokens)), key) for r, tokens, *_ in rows]
 
     def _post_ready(self) -> None:
-        """Post the booked hand-offs' streams, oldest first, while the staging cache has room and
-        the kept prompts they copy from have landed."""
+        """Post the booked hand-offs' streams, oldest first, while the staging cache has room;
+        the kept prefixes they copy are copied when they are unpacked."""
         for key, (handoff, open_ids) in list(self.unposted.items()):
             streamed = [handoff.requests[i] for i in handoff.streamed()]
-            lease = handoff.lease or Lease(0, (NONE,) * len(streamed), (-1,) * len(streamed), ())
-            sources = [self._source(handoff.source, lease.epoch, r, ref) for r, ref in zip(streamed, lease.shared)]
-            if WAIT in sources or len(self.free) < len(streamed):
+            if len(self.free) < len(streamed):
                 return  # (a later hand-off waits behind it)
             del self.unposted[key]
+            lease = handoff.lease or Lease(0, (NONE,) * len(streamed), (-1,) * len(streamed), ())
             slots = {r.id: self.free.pop() for r in streamed}
-            missed = self._copy_prefixes(streamed, slots, sources, lease)
+            copies, missed = self._plan_copies(handoff.source, lease, streamed, slots)
             for r, leader in zip(handoff.requests, handoff.leaders):  # a sibling: its prompt's slot
                 slots.setdefault(r.id, slots[handoff.requests[leader].id])
                 if handoff.requests[leader].id in missed:
                     missed.add(r.id)
+            self.misses += len(missed)
             spans = [
                 Span(r.id, slots[r.id], n, len(r.prompt_ids))
                 for r, (_, n) in zip(streamed, lease.shared)
@@ -139,34 +142,23 @@ class StreamedKV(KVConnector):
                 for layer in (range(self.num_layers) if self.staging is not None and spans else ())
             ]
             self.positions += sum(span.stop - span.start for span in spans)
-            self.incoming[key] = Incoming(slots, streams, open_ids - missed)
+            self.incoming[key] = Incoming(slots, streams, open_ids - missed, copies)
             self._follow(handoff.source, lease, streamed, slots, missed, key)
 
-    def _source(self, group: int, epoch: int, request: Request, ref: tuple[int, int]) -> Kept | str | None:
-        """The kept prompt ``request``'s first ``ref[1]`` positions copy from (None: none; :data:`WAIT`:
-        it has not landed yet; :data:`MISS`: it is not here whole, of that epoch and those tokens)."""
-        serial, n = ref
-        if serial < 0:
-            return None
-        kept = self.kept.get((group, serial))
-        if kept is None or not kept.whole or kept.epoch != epoch or kept.prompt[:n] != tuple(request.prompt_ids[:n]):
-            return MISS
-        arriving = self.incoming.get(kept.key)
-        return WAIT if arriving is not None and not arriving.landed else kept
-
-    def _copy_prefixes(self, streamed: list[Request], slots: dict, sources: list, lease: Lease) -> set[int]:
-        """Each shared prefix into its request's staging slot, from the kept prompt's; the ids of
-        the requests whose kept prompt was missing (they compute their prompts here)."""
-        missed = set()
-        for r, source, (_, n) in zip(streamed, sources, lease.shared):
-            if source == MISS:
+    def _plan_copies(self, group: int, lease: Lease, streamed: list[Request], slots: dict) -> tuple[list, set[int]]:
+        """The kept prefixes ``streamed`` copy (their kept prompts' slots pinned until then), and
+        the ids of the requests whose kept prompt is not here whole, of that epoch and those
+        tokens (a respawned token group's books): they compute their prompts here."""
+        copies, missed = [], set()
+        for r, (serial, n) in zip(streamed, lease.shared):
+            kept = self.kept.get((group, serial)) if serial >= 0 else None
+            if serial >= 0 and not _holds(kept, lease.epoch, r.prompt_ids[:n]):
                 missed.add(r.id)
-                self.misses += 1
-            elif source is not None:
+            elif kept is not None:
+                copies.append((slots[r.id], kept, n))
+                self.pins[kept.slot] += 1
                 self.reused += n
-                for layer in self._staged_layers():
-                    self.staging.write_slot(layer, slots[r.id], *self.staging.read_slot(layer, source.slot, n))
-        return missed
+        return copies, missed
 
     def _staged_layers(self) -> range:
         """The layers this rank stages (none outside the token layout)."""
@@ -194,9 +186,10 @@ class StreamedKV(KVConnector):
             self._drop(next(iter(self.kept)))
 
     def _drop(self, k: tuple[int, int]) -> None:
-        """Keep prompt ``k`` no longer: its slot is free now, or once its hand-off is released."""
+        """Keep prompt ``k`` no longer: its slot is free now, or once its hand-off is released
+        and no copy from it waits."""
         kept = self.kept.pop(k, None)
-        if kept is not None and kept.key not in self.incoming:
+        if kept is not None and kept.key not in self.incoming and not self.pins[kept.slot]:
             self.free.append(kept.slot)
 
     def carried(self, rid: int) -> tuple[tuple, tuple] | None:
@@ -226,7 +219,7 @@ class StreamedKV(KVConnector):
                 self._unpack(inc)
                 inc.landed = True
                 self._release(key)
-        self._post_ready()  # (hand-offs that copy from kept prompts that just landed)
+        self._post_ready()  # (slots freed by the copies just made)
 
     def wait_for(self, request: Request) -> None:
         """Block until this rank's share of ``request``'s hand-off landed (then it has landed on
@@ -259,9 +252,27 @@ class StreamedKV(KVConnector):
             self._post_ready()
 
     def _unpack(self, incoming: Incoming) -> None:
-        if not incoming.unpacked:
-            self.bytes += sum(stream.wait() for stream in incoming.streams)
-            incoming.unpacked = True
+        """This rank's share of ``incoming`` into staging: its kept prefixes copied (each kept
+        prompt's own hand-off unpacked first), its streams waited for."""
+        if incoming.unpacked:
+            return
+        for dst, kept, n in incoming.copies:
+            if kept.key in self.incoming:
+                self._unpack(self.incoming[kept.key])
+            for layer in self._staged_layers():
+                self.staging.write_slot(layer, dst, *self.staging.read_slot(layer, kept.slot, n))
+            self._unpin(kept)
+        self.bytes += sum(stream.wait() for stream in incoming.streams)
+        incoming.unpacked = True
+
+    def _unpin(self, kept: Kept) -> None:
+        """A copy from ``kept`` was made: its slot is free now if nothing keeps or fills it."""
+        self.pins[kept.slot] -= 1
+        if self.pins[kept.slot] or kept.key in self.incoming:
+            return
+        del self.pins[kept.slot]
+        if all(k.slot != kept.slot for k in self.kept.values()):
+            self.free.append(kept.slot)
 
     # ---- worker half ----------------------------------------------------------------------------------
     def load(self, seq: Sequence, num_tokens: int) -> None:
@@ -288,14 +299,19 @@ class StreamedKV(KVConnector):
         but those of the prompts kept."""
         incoming = self.incoming[key]
         if incoming.landed and not incoming.open:
-            kept = {k.slot for k in self.kept.values() if k.key == key}
-            self.free.extend(s for s in dict.fromkeys(incoming.slots.values()) if s not in kept)  # (siblings share)
+            held = {k.slot for k in self.kept.values() if k.key == key} | {s for s, n in self.pins.items() if n}
+            self.free.extend(s for s in dict.fromkeys(incoming.slots.values()) if s not in held)  # (siblings share)
             del self.incoming[key]
             self._post_ready()
 
     def close(self) -> None:
         for streamer in self.streamers.values():
             streamer.close()
+
+
+def _holds(kept: Kept | None, epoch: int, tokens: list[int]) -> bool:
+    """Whether ``kept`` holds the KV of ``tokens`` (its first positions) under weights ``epoch``."""
+    return kept is not None and kept.whole and kept.epoch == epoch and kept.prompt[: len(tokens)] == tuple(tokens)
 
 
 def _arrived(streams: list[StreamIn]) -> int:

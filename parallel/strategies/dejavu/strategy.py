@@ -148,10 +148,15 @@ def dejavu_engine(
     return engine
 
 
+KEPT_SHARE = 4  # a token group keeps one prompt per this many of its slots for each prompt group
+
+
 def _kept(config: EngineConfig) -> int:
-    """Prompts a token group keeps for each prompt group (:mod:`.lease`): as many as it has
-    slots, where prompts are shared at all (``prefix_caching``)."""
-    return config.max_batch_size if config.prefix_caching else 0
+    """Prompts a token group keeps for each prompt group (:mod:`.lease`), where prompts are shared
+    at all (``prefix_caching``): a quarter of its slots (rounded up; their staging slots are
+    memory beside its cache), so ``n`` samples of the prompts a batch holds (``n`` >= 4) and as
+    many chat sessions stream each prompt once."""
+    return -(-config.max_batch_size // KEPT_SHARE) if config.prefix_caching else 0
 
 
 def _runner(model: nn.Module, dims: ParallelDims, config: EngineConfig):
