@@ -387,6 +387,40 @@ def test_a_next_turn_whose_kept_prompt_the_token_side_lost_computes_it_there(fou
     assert summary["handoffs_loaded"] == 2  # (turn 1's and turn 3's)
 
 
+def _released(path):
+    """A lockstep DejaVu chat's first turn, ``release_memory()`` and ``ready()``, then its next
+    turn: the bytes freed against this rank's caches (its token cache and staging cache, its
+    prompt cache), what the token side kept after the release, both turns' tokens and the
+    summary."""
+    from reshard.parallel import EngineConfig, Request, SamplingParams
+    from reshard.recipes.schema import strategy_config
+
+    strategy = strategy_config({"strategy": "dejavu", "prompt_ranks": 1})
+    engine = strategy.build(path, EngineConfig(max_batch_size=4, max_seq_len=96, replicas="lockstep"))
+    streamed, params = engine.policy.token.streamed, SamplingParams(max_new_tokens=6)
+    first = [*SYSTEM, 11, 12, 13, 14]
+    (turn1,) = [c.output_ids for c in engine.generate([Request(0, first, params)])]
+    caches = [kv for kv in (*(r.kv for r in engine.runners.values()), streamed.staging) if kv is not None]
+    freed, held = engine.release_memory(), (len(streamed.kept), [kv.allocated for kv in caches])
+    engine.ready()
+    second = [*first, *turn1, 21, 22, 23]
+    (turn2,) = [c.output_ids for c in engine.generate([Request(1, second, params)])]
+    summary = strategy.summary(engine)
+    engine.close()
+    return freed - sum(kv.spec.bytes for kv in caches), held, (first, second), [turn1, turn2], summary
+
+
+def test_release_memory_frees_the_token_sides_staging_and_what_it_kept(four_layer, hf_reference):
+    """``release_memory()`` frees the token side's staging cache with its KV caches (every byte
+    of this rank's caches), and the token side keeps no prompt after it; after ``ready()`` the
+    next turn streams its whole prompt again, and the tokens equal HF's."""
+    path = four_layer["llama"]
+    for freed_less, held, prompts, tokens, summary in dist_harness.run(2, _released, path, timeout=180):
+        assert freed_less == 0 and held == (0, [False] * len(held[1]))
+        assert tokens == hf_reference(path, list(prompts), 6)
+        assert summary["streamed_tokens"] == sum(map(len, prompts)) and summary["kept_tokens_reused"] == 0
+
+
 def test_a_retained_prompt_matches_by_its_longest_common_prefix():
     """The prompt side's lookup: the same prompt (all but its last position shared), else the
     kept prompt sharing the most leading tokens, at least 16; the least recently used is evicted

@@ -82,6 +82,11 @@ class KVConnector:
         """This rank computed ``seqs`` (its share of ``step``; positions not yet counted in
         ``num_computed_tokens``): keep what the step wrote, if this connector keeps KV."""
 
+    def caches(self) -> list:
+        """KV caches this connector owns (freed and restored with the engine's:
+        ``Engine.release_memory`` / ``Engine.ready``)."""
+        return []
+
     def close(self) -> None:
         """Release threads and links (not collective; safe on an error path)."""
 
@@ -143,6 +148,9 @@ class KVConnectors(KVConnector):
 
     def arriving(self) -> bool:
         return any(c.arriving() for c in self.members)
+
+    def caches(self) -> list:
+        return [kv for c in self.members for kv in c.caches()]
 
     def land_arriving(self) -> None:
         for c in self.members:

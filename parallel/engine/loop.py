@@ -59,7 +59,7 @@ from reshard.parallel.engine.routed import generate_routed
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.info import parallel_info
-from reshard.parallel.model.offload import release, restore
+from reshard.parallel.model.offload import allocated_caches, release, restore
 
 
 class Engine:
@@ -477,9 +477,10 @@ class Engine:
         return self.runner.prompt_logits(prompts)
 
     def release_memory(self, weights: bool = False) -> int:
-        """Free every runner's KV cache (e.g. while the same ranks train) and, with ``weights``, move
-        the weights to host; returns the device bytes freed. :meth:`ready` re-acquires them."""
-        caches = [kv for kv in {id(r.kv): r.kv for r in self.runners.values()}.values() if kv.allocated]
+        """Free every runner's KV cache and its connectors' (e.g. while the same ranks train) and,
+        with ``weights``, move the weights to host; returns the device bytes freed. :meth:`ready`
+        re-acquires them."""
+        caches = allocated_caches([*(r.kv for r in self.runners.values()), *self.connector.caches()])
         models = [r.model for r in self.runners.values()] if weights else []
         freed, self._released = release(caches, models, self._released)
         self.reset_prefix_cache()

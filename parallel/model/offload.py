@@ -49,6 +49,11 @@ class HostWeights:
         self.saved = []
 
 
+def allocated_caches(caches: list) -> list:
+    """The distinct allocated KV caches among ``caches`` (None: a layout this rank is outside)."""
+    return [kv for kv in {id(kv): kv for kv in caches if kv is not None}.values() if kv.allocated]
+
+
 def release(caches: list, models: list[nn.Module], held: list) -> tuple[int, list]:
     """Free ``caches`` (KV caches: ``release()`` / ``restore()``) and move ``models``' weights to
     host (none: weights stay); returns the device bytes freed and ``held`` with what was freed."""

@@ -304,6 +304,15 @@ class StreamedKV(KVConnector):
             del self.incoming[key]
             self._post_ready()
 
+    def caches(self) -> list:
+        return [self.staging] if self.staging is not None else []
+
+    def forget(self) -> None:
+        """Keep no prompt any more (the staging cache is freed or the weights written): the
+        hand-offs that copy from one compute their prompts here."""
+        for k in list(self.kept):
+            self._drop(k)
+
     def close(self) -> None:
         for streamer in self.streamers.values():
             streamer.close()
