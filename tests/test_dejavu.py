@@ -319,7 +319,7 @@ def _turns(path, replicas, prompt=None, slots=4, forget=False):
     next turn (the first's prompt and output + 5 tokens) beside a request sharing the first 30
     tokens; the next turn again after a write of the weights. Tokens of each call, the prompt
     tokens each request fed on the prompt side and the summary. ``forget`` (lockstep): after
-    the first call the token side drops what it kept, as a respawned token group would."""
+    the first call the token side drops what it kept, as books that disagree would have it."""
     from reshard.parallel import EngineConfig, Request, SamplingParams
     from reshard.parallel.model.info import parallel_info
     from reshard.recipes.schema import strategy_config
@@ -375,8 +375,8 @@ def test_a_chats_next_turn_computes_only_what_the_prompt_side_did_not_keep(
 
 
 def test_a_next_turn_whose_kept_prompt_the_token_side_lost_computes_it_there(four_layer, hf_reference):
-    """The token side no longer holds the prompt the next turn's hand-off copies from (as after a
-    respawn): those requests compute their prompts on the token side, and the tokens still equal
+    """The token side no longer holds the prompt the next turn's hand-off copies from (books that
+    disagree): those requests compute their prompts on the token side, and the tokens still equal
     HF's. The prompt side computes as it would have."""
     path = four_layer["llama"]
     (prompts, tokens, fed, summary), _ = dist_harness.run(2, _turns, path, "lockstep", None, 4, True, timeout=180)
@@ -596,7 +596,7 @@ def test_a_token_groups_kept_prompts_follow_the_lease_and_a_missing_one_is_compu
     at once, receives only the rest and copies the kept prefix when it is unpacked (the kept
     prompt's hand-off unpacked first); a kept prompt dropped while a copy from it waits keeps its
     slot until the copy is made. A kept prompt of another epoch, other tokens or not held at all
-    (a respawned token group) is a miss: that request's KV, and its siblings', is not supplied
+    (books that disagree) is a miss: that request's KV, and its siblings', is not supplied
     (they compute their prompt here). Nothing leaks."""
     import dataclasses
 
@@ -635,7 +635,7 @@ def test_a_token_groups_kept_prompts_follow_the_lease_and_a_missing_one_is_compu
     kv.load(seq("0:1", 1), 42)
     kv.load(seq("0:2", 2), 22)
     assert (sorted(kv.free), kv.incoming, kv.unposted) == ([0, 1, 2, 3], {}, {})
-    gone = Request(8, a, params)  # (a serial this group never kept: a respawned token group's books)
+    gone = Request(8, a, params)  # (a serial this group never kept: books that disagree)
     received["0:5"] = kv.receive(_handoff(5, [gone], Lease(2, ((9, 40),), (-1,), ())))
     kv.land("0:5")
     assert kv.matched_tokens(seq("0:5", 8)) == 0 and kv.misses == 4 and len(kv.free) == 4

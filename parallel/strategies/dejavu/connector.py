@@ -85,7 +85,7 @@ class StreamedKV(KVConnector):
             self.staging = KVCache(spec, device=cache.device)
         assert slots is not None, "a rank outside the token layout names the staging slots"
         self.free = list(reversed(range(slots + kept)))
-        self.capacity = kept  # prompts kept at most (a respawned prompt group's serials start again)
+        self.capacity = kept  # prompts kept at most (the prompt groups' books keep within it)
         self.kept: dict[tuple[int, int], Kept] = {}  # (prompt group, serial) -> its kept prompt, oldest first
         self.epochs: dict[int, int] = {}  # prompt group -> the epoch of its last hand-off posted
         self.pins: Counter[int] = Counter()  # staging slot -> copies from it not made yet
@@ -148,7 +148,7 @@ class StreamedKV(KVConnector):
     def _plan_copies(self, group: int, lease: Lease, streamed: list[Request], slots: dict) -> tuple[list, set[int]]:
         """The kept prefixes ``streamed`` copy (their kept prompts' slots pinned until then), and
         the ids of the requests whose kept prompt is not here whole, of that epoch and those
-        tokens (a respawned token group's books): they compute their prompts here."""
+        tokens (books that disagree): they compute their prompts here."""
         copies, missed = [], set()
         for r, (serial, n) in zip(streamed, lease.shared):
             kept = self.kept.get((group, serial)) if serial >= 0 else None
@@ -169,7 +169,7 @@ class StreamedKV(KVConnector):
     def _follow(self, group: int, lease: Lease, streamed: list[Request], slots: dict, missed: set, key: str) -> None:
         """Keep and free what prompt group ``group``'s hand-off ``key`` says; a new epoch frees
         what it kept before. Past :attr:`capacity`, the oldest kept prompt goes (only where the
-        books differ: a prompt group respawned)."""
+        books disagree)."""
         if self.epochs.setdefault(group, lease.epoch) != lease.epoch:
             self.epochs[group] = lease.epoch
             for k in [k for k in self.kept if k[0] == group]:

@@ -15,8 +15,8 @@ The plan travels in the hand-off (:class:`Lease`). The token group's connector
 (:class:`reshard.parallel.strategies.dejavu.connector.StreamedKV`) copies each shared prefix
 from the kept prompt's staging slot, receives the rest, then keeps and frees as told. It checks
 every kept prompt it copies from: the same weights (the prompt group's prefix-cache epoch), the
-same leading tokens, every position present. Where one fails (a token group respawned with
-empty books), that request computes its prompt on the token group instead: slower, never wrong.
+same leading tokens, every position present. Where one fails (books that disagree),
+that request computes its prompt on the token group instead: slower, never wrong.
 """
 
 from __future__ import annotations
