@@ -641,6 +641,26 @@ def test_a_token_groups_kept_prompts_follow_the_lease_and_a_missing_one_is_compu
     assert kv.matched_tokens(seq("0:5", 8)) == 0 and kv.misses == 4 and len(kv.free) == 4
 
 
+def test_a_handoff_that_repeats_an_old_key_frees_the_kept_prompt_it_drops():
+    """A prompt group whose steps count from 0 again (respawned: its hand-offs' keys repeat) and
+    whose new epoch drops what the token side kept for it: the kept prompt's slot is free at once
+    (the new hand-off of that key does not hold it), so no staging slot leaks."""
+    import dataclasses
+
+    from reshard.parallel.engine.request import Request, SamplingParams, Sequence
+    from reshard.parallel.strategies.dejavu.connector import StreamedKV
+    from reshard.parallel.strategies.dejavu.lease import NONE, Lease
+
+    kv, params = StreamedKV({}, None, 2, 1, slots=1, kept=1), SamplingParams(max_new_tokens=4)
+    for rid, epoch in ((0, 1), (1, 5)):
+        ((resumed, source),) = kv.receive(
+            _handoff(0, [Request(rid, list(range(3, 43)), params)], Lease(epoch, (NONE,), (1,), ()))
+        )
+        kv.land(source)
+        kv.load(Sequence(dataclasses.replace(resumed, kv_source=source), None, frozenset(), slot=0), 40)
+    assert (sorted(kv.free), [k.slot for k in kv.kept.values()]) == ([0], [1])
+
+
 def _two_prompt_groups(path, n):
     """Greedy ``n`` samples of ``PROMPTS``, twice, through two prompt groups and one token group
     (2 token slots): tokens of each call, the summary and the token group's staging books."""

@@ -82,9 +82,9 @@ class KVConnector:
         """This rank computed ``seqs`` (its share of ``step``; positions not yet counted in
         ``num_computed_tokens``): keep what the step wrote, if this connector keeps KV."""
 
-    def caches(self) -> list:
-        """KV caches this connector owns (freed and restored with the engine's:
-        ``Engine.release_memory`` / ``Engine.ready``)."""
+    def released_caches(self) -> list:
+        """The KV caches this connector owns, which the engine frees now (``Engine.release_memory``;
+        ``Engine.ready`` restores them zeroed): it holds nothing in them any more."""
         return []
 
     def close(self) -> None:
@@ -149,8 +149,8 @@ class KVConnectors(KVConnector):
     def arriving(self) -> bool:
         return any(c.arriving() for c in self.members)
 
-    def caches(self) -> list:
-        return [kv for c in self.members for kv in c.caches()]
+    def released_caches(self) -> list:
+        return [kv for c in self.members for kv in c.released_caches()]
 
     def land_arriving(self) -> None:
         for c in self.members:

@@ -480,7 +480,7 @@ class Engine:
         """Free every runner's KV cache and its connectors' (e.g. while the same ranks train) and,
         with ``weights``, move the weights to host; returns the device bytes freed. :meth:`ready`
         re-acquires them."""
-        caches = allocated_caches([*(r.kv for r in self.runners.values()), *self.connector.caches()])
+        caches = allocated_caches([*(r.kv for r in self.runners.values()), *self.connector.released_caches()])
         models = [r.model for r in self.runners.values()] if weights else []
         freed, self._released = release(caches, models, self._released)
         self.reset_prefix_cache()

@@ -131,7 +131,7 @@ class StreamedKV(KVConnector):
                 slots.setdefault(r.id, slots[handoff.requests[leader].id])
                 if handoff.requests[leader].id in missed:
                     missed.add(r.id)
-            self.misses += len(missed)
+            self.misses += len(missed & open_ids)  # (not those that finished at their first token)
             spans = [
                 Span(r.id, slots[r.id], n, len(r.prompt_ids))
                 for r, (_, n) in zip(streamed, lease.shared)
@@ -189,7 +189,7 @@ class StreamedKV(KVConnector):
         """Keep prompt ``k`` no longer: its slot is free now, or once its hand-off is released
         and no copy from it waits."""
         kept = self.kept.pop(k, None)
-        if kept is not None and kept.key not in self.incoming and not self.pins[kept.slot]:
+        if kept is not None and not self._filling(kept) and not self.pins[kept.slot]:
             self.free.append(kept.slot)
 
     def carried(self, rid: int) -> tuple[tuple, tuple] | None:
@@ -257,7 +257,7 @@ class StreamedKV(KVConnector):
         if incoming.unpacked:
             return
         for dst, kept, n in incoming.copies:
-            if kept.key in self.incoming:
+            if self._filling(kept):
                 self._unpack(self.incoming[kept.key])
             for layer in self._staged_layers():
                 self.staging.write_slot(layer, dst, *self.staging.read_slot(layer, kept.slot, n))
@@ -268,7 +268,7 @@ class StreamedKV(KVConnector):
     def _unpin(self, kept: Kept) -> None:
         """A copy from ``kept`` was made: its slot is free now if nothing keeps or fills it."""
         self.pins[kept.slot] -= 1
-        if self.pins[kept.slot] or kept.key in self.incoming:
+        if self.pins[kept.slot] or self._filling(kept):
             return
         del self.pins[kept.slot]
         if all(k.slot != kept.slot for k in self.kept.values()):
@@ -299,19 +299,23 @@ class StreamedKV(KVConnector):
         but those of the prompts kept."""
         incoming = self.incoming[key]
         if incoming.landed and not incoming.open:
-            held = {k.slot for k in self.kept.values() if k.key == key} | {s for s, n in self.pins.items() if n}
+            held = {k.slot for k in self.kept.values()} | {s for s, n in self.pins.items() if n}
             self.free.extend(s for s in dict.fromkeys(incoming.slots.values()) if s not in held)  # (siblings share)
             del self.incoming[key]
             self._post_ready()
 
-    def caches(self) -> list:
-        return [self.staging] if self.staging is not None else []
-
-    def forget(self) -> None:
-        """Keep no prompt any more (the staging cache is freed or the weights written): the
-        hand-offs that copy from one compute their prompts here."""
+    def released_caches(self) -> list:
+        """The staging cache (where this rank stages): the engine frees it now, so no prompt is
+        kept any more (on every rank alike); hand-offs that copy from one compute their prompts
+        here."""
         for k in list(self.kept):
             self._drop(k)
+        return [self.staging] if self.staging is not None else []
+
+    def _filling(self, kept: Kept) -> bool:
+        """Whether the hand-off that streamed ``kept`` still holds its slot (it is incoming)."""
+        incoming = self.incoming.get(kept.key)
+        return incoming is not None and kept.slot in incoming.slots.values()
 
     def close(self) -> None:
         for streamer in self.streamers.values():

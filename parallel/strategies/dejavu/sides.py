@@ -172,11 +172,6 @@ class TokenSide(ContinuousBatching):
     def finish(self) -> None:
         self.count()  # (KV landed after the last step: hand-offs whose sequences all finished)
 
-    def reset_prefix_cache(self, version: int) -> None:
-        """Also no prompt kept in staging is copied from any more (its KV freed, or of other weights)."""
-        super().reset_prefix_cache(version)
-        self.streamed.forget()
-
     def count(self) -> None:
         """The connector's counters into the group's stats."""
         s, kv = self.stats, self.streamed
