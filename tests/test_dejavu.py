@@ -661,6 +661,24 @@ def test_a_handoff_that_repeats_an_old_key_frees_the_kept_prompt_it_drops():
     assert (sorted(kv.free), [k.slot for k in kv.kept.values()]) == ([0], [1])
 
 
+def test_releasing_staging_while_handoffs_arrive_is_refused_in_one_line():
+    """``release_memory()`` after a failed call, with a hand-off still arriving: refused, naming
+    it, before anything is freed or forgotten (its KV would land in freed memory)."""
+    from reshard.parallel.engine.channel import Handoff
+    from reshard.parallel.engine.request import Request, SamplingParams
+    from reshard.parallel.strategies.dejavu.connector import StreamedKV
+    from reshard.parallel.strategies.dejavu.lease import NONE, Lease
+
+    kv = StreamedKV({}, None, 2, 1, slots=2, kept=1)
+    request = Request(0, list(range(3, 43)), SamplingParams(max_new_tokens=1))  # (it ends at its first token)
+    kv.receive(Handoff(0, 1, 0, (request,), ((1,),), (True,), lease=Lease(1, (NONE,), (1,), ())))
+    with pytest.raises(RuntimeError, match=r"release_memory\(\) while DejaVu hand-offs \['0:0'\] still arrive"):
+        kv.released_caches()
+    assert list(kv.kept) == [(0, 1)] and list(kv.incoming) == ["0:0"]
+    kv.land("0:0")  # (landed, nothing waits for it: released)
+    assert kv.released_caches() == [] and kv.kept == {} and sorted(kv.free) == [0, 1, 2]
+
+
 def _two_prompt_groups(path, n):
     """Greedy ``n`` samples of ``PROMPTS``, twice, through two prompt groups and one token group
     (2 token slots): tokens of each call, the summary and the token group's staging books."""

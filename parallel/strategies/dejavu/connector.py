@@ -307,7 +307,14 @@ class StreamedKV(KVConnector):
     def released_caches(self) -> list:
         """The staging cache (where this rank stages): the engine frees it now, so no prompt is
         kept any more (on every rank alike); hand-offs that copy from one compute their prompts
-        here."""
+        here. ``RuntimeError`` while hand-offs still arrive (only after a failed ``generate``):
+        their KV would land in freed memory."""
+        if self.incoming or self.unposted:
+            arriving = sorted({*self.incoming, *self.unposted})
+            raise RuntimeError(
+                f"release_memory() while DejaVu hand-offs {arriving} still arrive at this token group "
+                "(a generate call failed?): their KV would be lost; build a new engine"
+            )
         for k in list(self.kept):
             self._drop(k)
         return [self.staging] if self.staging is not None else []
