@@ -568,8 +568,8 @@ def test_prompts_that_finish_at_their_first_token_are_still_received(four_layer,
 
 def test_a_prompt_groups_lease_book_shares_keeps_and_drops_least_recently_used_first():
     """The prompt side's book of what a token group keeps for it: a hand-off's prompts match
-    the prompts kept before it (the longest common prefix, at least 16 tokens or the whole
-    prompt), then are kept (a prompt kept already keeps its serial) and the least recently
+    the prompts kept before it (the same prompt, whole, or the longest common prefix of at least
+    16 tokens), then are kept (a prompt kept already keeps its serial) and the least recently
     used go past the capacity; a reset (the weights written) shares nothing kept before."""
     from reshard.parallel.strategies.dejavu.lease import NONE, Lease, LeaseBook
 
@@ -580,7 +580,7 @@ def test_a_prompt_groups_lease_book_shares_keeps_and_drops_least_recently_used_f
     assert book.plan([(5, 6, 7), a[:15] + (9,)]) == Lease(0, (NONE, NONE), (4, 5), (1, 3))
     book.reset(7)
     assert book.plan([short]) == Lease(7, ((-1, 0),), (6,), ())
-    assert book.plan([(5, 6)]) == Lease(7, ((6, 2),), (7,), ())  # (a short prompt shared whole)
+    assert book.plan([short, (5, 6)]) == Lease(7, ((6, 3), NONE), (-1, 7), ())  # (short: the same prompt only)
 
 
 def _handoff(tag, requests, lease, leaders=()):

@@ -61,6 +61,9 @@ class RetainedPrompts:
     def __len__(self) -> int:
         return len(self.by_prompt)
 
+    def __contains__(self, prompt: tuple[int, ...]) -> bool:
+        return prompt in self.by_prompt
+
     def match(self, prompt: list[int] | tuple[int, ...]) -> Reuse | None:
         """The retained prompt sharing the most of ``prompt`` (all but its last position at
         most: that one is fed, for its logits); None where none shares :data:`MIN_SHARED`

@@ -6,9 +6,9 @@ The prompt group decides and the token group follows. Per token group, a prompt 
 book of the prompts it left there (:class:`LeaseBook`, least recently used first, at most
 ``capacity``). For each hand-off it plans (:meth:`LeaseBook.plan`):
 
-- each streamed prompt's longest common prefix with a kept prompt (at least
-  :data:`~reshard.parallel.engine.retained.MIN_SHARED` tokens, or the whole prompt), whose
-  positions it does not stream;
+- each streamed prompt's longest common prefix with a kept prompt (the same prompt, or at least
+  :data:`~reshard.parallel.engine.retained.MIN_SHARED` tokens: the retained-prompt lookup,
+  :class:`~reshard.parallel.engine.retained.RetainedPrompts`), whose positions it does not stream;
 - which of the hand-off's prompts the token group keeps, and which kept prompts it frees.
 
 The plan travels in the hand-off (:class:`Lease`). The token group's connector
@@ -21,10 +21,9 @@ that request computes its prompt on the token group instead: slower, never wrong
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
-from reshard.parallel.engine.retained import MIN_SHARED, common_prefix
+from reshard.parallel.engine.retained import RetainedPrompts
 
 NONE = (-1, 0)  # a streamed prompt that starts from no kept prompt: (serial, shared positions)
 
@@ -45,11 +44,12 @@ class Lease:
 
 
 class LeaseBook:
-    """The prompts one prompt group keeps at one token group, least recently used first."""
+    """The prompts one prompt group keeps at one token group, least recently used first (the
+    retained-prompt lookup, each prompt's handle its serial)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.kept: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prompt -> its serial
+        self.kept = RetainedPrompts()  # prompt -> its serial
         self.serial = 0  # serials handed out (a serial names one kept prompt, never reused)
         self.epoch = 0
 
@@ -57,33 +57,30 @@ class LeaseBook:
         """The lease of a hand-off streaming ``prompts`` (in the stream's order): matches against
         the prompts kept before it (a prompt of the same hand-off lands with it), then keeps."""
         shared = tuple(self._match(p) for p in prompts)
-        by_serial = {s: p for p, s in self.kept.items()}
-        for serial, _ in shared:
-            if serial >= 0:
-                self.kept.move_to_end(by_serial[serial])  # (read now: kept longest)
         keep = tuple(self._keep(p) for p in prompts)
         drop = []
         while len(self.kept) > self.capacity:
-            drop.append(self.kept.popitem(last=False)[1])
+            drop.append(self.kept.evict())
         return Lease(self.epoch, shared, keep, tuple(drop))
 
     def _match(self, prompt: tuple[int, ...]) -> tuple[int, int]:
-        """The kept prompt sharing the most leading tokens with ``prompt``, and how many; at least
-        ``MIN_SHARED`` or all of ``prompt`` (:data:`NONE` otherwise)."""
-        best = NONE
-        for kept, serial in self.kept.items():
-            n = common_prefix(kept, prompt)
-            if n > best[1]:
-                best = (serial, n)
-        return best if best[1] >= min(MIN_SHARED, len(prompt)) else NONE
+        """The kept prompt sharing the most leading tokens with ``prompt`` (now the most recently
+        used) and how many: all of it where it is the same prompt, else at least ``MIN_SHARED``
+        (:data:`NONE`: none)."""
+        reuse = self.kept.match(prompt)
+        if reuse is None:
+            return NONE
+        return self.kept.use(reuse.source), len(prompt) if reuse.same else reuse.shared
 
     def _keep(self, prompt: tuple[int, ...]) -> int:
-        """Keep ``prompt`` (the most recently used); its new serial, -1 where it was kept already."""
+        """Keep ``prompt`` (the most recently used); its new serial, -1 where it is not kept anew
+        (kept already, or of one token: nothing to share)."""
         if prompt in self.kept:
-            self.kept.move_to_end(prompt)
+            self.kept.use(prompt)
+            return -1
+        if not self.kept.keep(prompt, self.serial + 1):
             return -1
         self.serial += 1
-        self.kept[prompt] = self.serial
         return self.serial
 
     def reset(self, epoch: int) -> None:
