@@ -204,3 +204,46 @@ def test_weight_source_follows_the_forwards_thread_and_compiled_guards():
         assert thread_source is None  # another thread does not inherit the selection
         torch.testing.assert_close(thread_out, own, rtol=1e-5, atol=1e-5)
         assert nested == ["alt", None, "alt"] and after is None
+
+
+def _collectives_by_mode():
+    """The functional collectives a TP MLP's forward calls (row-parallel all-reduce) and its
+    outputs, once without gradients (eager inference: c10d's own collective, none of these) and
+    once with a gradient flowing (the functional, autograd-carrying one), beside the unsharded
+    MLP's outputs and the weights' gradients."""
+    from unittest import mock
+
+    from reshard.layers import _comm
+    from reshard.parallel.model.parallelize import copy_full_state
+
+    mesh = _mesh()
+    layer, ref, x = _build("mlp", mesh)
+    copy_full_state(layer, {k: v.detach().clone() for k, v in ref.state_dict().items()})
+    calls = []
+    real = _comm.funcol.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return real(*args, **kwargs)
+
+    with mock.patch.object(_comm.funcol, "all_reduce", counted):
+        with torch.no_grad():
+            x_before = x.clone()
+            eager, eager_ref = layer(x), ref(x)
+            untouched = torch.equal(x, x_before)
+        eager_calls = len(calls)
+        trained = layer(x)
+        trained.sum().backward()
+    ref(x).sum().backward()
+    grads = (layer.down_proj.weight.grad.full_tensor(), ref.down_proj.weight.grad)
+    outputs = (eager, eager_ref), (trained.detach(), ref(x).detach())
+    return eager_calls, len(calls) - eager_calls, *outputs, grads, untouched
+
+
+def test_an_eager_inference_forward_sums_with_c10d_and_a_trained_one_with_the_functional_collective():
+    for eager_calls, trained_calls, eager, trained, grads, untouched in dist_harness.run(2, _collectives_by_mode):
+        assert eager_calls == 0 and trained_calls == 1  # (the MLP's one row-parallel all-reduce)
+        torch.testing.assert_close(*eager)
+        torch.testing.assert_close(*trained)
+        torch.testing.assert_close(*grads)
+        assert untouched  # the in-place sum wrote the partial output, never the layer's input
