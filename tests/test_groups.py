@@ -179,3 +179,27 @@ def test_an_endpoint_is_text_with_typed_parts():
     for bad in ("0:7", "checkpoint", "1.", ".1", "a.b"):
         with pytest.raises(ValueError, match=r"an endpoint is '<group>.<generation>' \(two integers\), got"):
             Endpoint(bad)
+
+
+def test_a_leader_puts_its_load_in_the_store_only_when_it_changed(monkeypatch):
+    """Each step's report puts the group's :class:`Load` in the store, a round trip on the step's
+    path, only when it differs from the last one put (its free room or the assignments taken):
+    the router reads the same value either way."""
+    import torch.distributed as dist
+
+    from reshard.parallel.engine import channel as control
+    from reshard.parallel.engine.admission import RoutedAdmission
+
+    monkeypatch.setattr(control.dist, "get_rank", lambda group=None: 0)  # (the group's leader)
+    channel, puts = control.Channel("t", store=dist.HashStore()), []
+    put = channel.put
+    monkeypatch.setattr(channel, "put", lambda key, value: (puts.append((key, value)), put(key, value))[1])
+    admission = RoutedAdmission(channel, control.GroupLayout(0, 1, (0,)))
+    for free in (4, 4, 3, 3, 3, 4):
+        admission.report(control.Load(free, 100 * free, 0), [])
+    admission.taken += 1  # an assignment taken into its queue
+    admission.report(control.Load(4, 400, 0), [])
+    assert [(key, load.free_slots, load.taken) for key, load in puts] == [
+        ("load/0.0", 4, 0), ("load/0.0", 3, 0), ("load/0.0", 4, 0), ("load/0.0", 4, 1),
+    ]  # fmt: skip
+    assert channel.get("load/0.0") == control.Load(4, 400, 1)

@@ -159,6 +159,7 @@ class RoutedAdmission(Admission):
         return f"assign/{self.endpoint}/{k}"
 
     read = 0  # assignment keys read (requests, hand-offs and the ``None`` that ends the input)
+    published: Load | None = None  # the leader's last published load (a store round trip each)
 
     def proposal(self) -> int:
         if not self.layout.is_leader or self.exhausted:
@@ -198,8 +199,10 @@ class RoutedAdmission(Admission):
     def report(self, load: Load | None, finished: list) -> None:
         if not self.layout.is_leader:
             return
-        if load is not None:
-            self.channel.put(f"load/{self.endpoint}", dataclasses.replace(load, taken=self.taken))
+        load = None if load is None else dataclasses.replace(load, taken=self.taken)
+        if load is not None and load != self.published:  # (the same as the last: the router has it)
+            self.channel.put(f"load/{self.endpoint}", load)
+            self.published = load
         for completion in finished:
             self.channel.append("done", completion)
         if finished:

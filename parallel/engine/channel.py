@@ -62,8 +62,8 @@ class GroupLayout:
 
 @dataclass(frozen=True)
 class Load:
-    """What a group's leader publishes after each step: its free room and how many of its
-    assignments it has taken into its queue."""
+    """What a group's leader publishes after a step that changed it: its free room and how many
+    of its assignments it has taken into its queue."""
 
     free_slots: int
     free_tokens: int
