@@ -27,6 +27,10 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: int = 0) -> torch.Tensor
     return x
 
 
+# c10d's gather into one tensor (older torch names it ``all_gather_into_tensor``, deprecated in 2.13)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _eager(x: torch.Tensor) -> bool:
     """Whether a collective on ``x`` may be c10d's own: not traced, and no gradient to carry."""
     return not torch.compiler.is_compiling() and not _training(x)
@@ -38,7 +42,7 @@ def _gather(x: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     if not _eager(x):
         return funcol.wait_tensor(funcol.all_gather_single(x, 0, (mesh, axis)))
     out = x.new_empty((mesh.size(axis) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=mesh.get_group(axis))
+    _ALL_GATHER(out, x, group=mesh.get_group(axis))
     return out
 
 
