@@ -208,8 +208,11 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
         try:
             _main()
         except (HydraException, OmegaConfBaseException) as e:
-            failing.set()
-            code = _user_error(schema.one_line(e, schema.overrides_given(overrides)), stopping)
+            if stopping.is_set():  # a stop landing in Hydra's composition, which OmegaConf wraps: not a user error
+                code = EXIT_INTERRUPTED
+            else:
+                failing.set()
+                code = _user_error(schema.one_line(e, schema.overrides_given(overrides)), stopping)
         except KeyboardInterrupt:
             code = EXIT_INTERRUPTED
         except SystemExit as e:

@@ -34,6 +34,7 @@ from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Request
 from reshard.parallel.engine.router import Router
+from reshard.parallel.model.checkpoint import config_value
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import hydra_main
 
@@ -186,16 +187,12 @@ def tokenizer_of(path: Path):
 
 
 def tokenizer_vocab(path: Path) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path).vocab_size
+    return int(config_value(path, "vocab_size"))
 
 
 def _max_seq_len(cfg: GenerateConfig, path: Path) -> int:
     """The context a request must fit in: ``engine.max_seq_len``, else the model's."""
-    from transformers import AutoConfig
-
-    return cfg.engine.max_seq_len or AutoConfig.from_pretrained(path).max_position_embeddings
+    return cfg.engine.max_seq_len or int(config_value(path, "max_position_embeddings"))
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from reshard.parallel.fault.journal import GroupJournal, silent_for
 from reshard.parallel.fault.mirror import KVMirror, Peers
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, group_store_prefix
+from reshard.parallel.model.checkpoint import config_value
 from reshard.parallel.model.parallelize import load_checkpoint
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.exits import RANKS_LOG
@@ -319,9 +320,7 @@ def _event_log(path: Path):
 
 def _model_modules(path: Path) -> tuple[str, ...]:
     """The transformers modules the checkpoint's model class lives in (a spare imports them)."""
-    from transformers import AutoConfig
-
-    return _family_modules(AutoConfig.from_pretrained(path).model_type)
+    return _family_modules(str(config_value(path, "model_type")))
 
 
 def _family_modules(model_type: str) -> tuple[str, ...]:
@@ -346,9 +345,7 @@ def fork_server_preload(overrides: Sequence[str]) -> tuple[str, ...]:
 
 
 def _vocab_size(path: Path) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path).vocab_size
+    return int(config_value(path, "vocab_size"))
 
 
 def _finish(cfg, run_dir: Path, path: Path, router: Router, channel: Channel, store, seconds, groups) -> dict:

@@ -248,3 +248,29 @@ def test_the_librarys_own_saves_and_loads_show_no_transformers_bars(tmp_path, ca
         assert hf_logging.is_progress_bar_enabled()
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def test_a_config_key_is_read_from_the_file_and_asked_of_autoconfig_only_where_the_file_lacks_it(
+    checkpoints, tmp_path, monkeypatch
+):
+    """``config_value``: what the supervisor and the server read (model type, vocabulary, context)
+    equals ``AutoConfig``'s, read without it; a key the file lacks is ``AutoConfig``'s default."""
+    import transformers
+
+    from reshard.parallel.model.checkpoint import config_value
+
+    keys = ("model_type", "vocab_size", "max_position_embeddings")
+    expected = {f: transformers.AutoConfig.from_pretrained(p) for f, p in checkpoints.items()}
+    asked = []
+    real = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path: asked.append(path) or real(path))
+    for family, path in checkpoints.items():
+        assert {k: config_value(path, k) for k in keys} == {k: getattr(expected[family], k) for k in keys}
+    assert asked == []  # every key was in the file
+    shutil.copytree(checkpoints["llama"], tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(config))
+    default = transformers.LlamaConfig().max_position_embeddings
+    assert config_value(tmp_path / "llama", "max_position_embeddings") == default != 0
+    assert asked == [tmp_path / "llama"]

@@ -62,6 +62,18 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     return _from_hub(str(path_or_id))
 
 
+def config_value(directory: str | os.PathLike, key: str) -> object:
+    """A top-level ``key`` of the checkpoint's ``config.json``, read without transformers:
+    ``AutoConfig`` imports every model family's configuration module first (seconds of CPU in a
+    process that needs one number). Where the file lacks the key, ``AutoConfig``'s attribute
+    (its defaults and aliases) is the answer."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return json.loads((Path(directory) / "config.json").read_text())[key]
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(directory), key)
+
+
 def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
