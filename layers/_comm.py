@@ -46,7 +46,9 @@ def _gather(x: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     return out
 
 
-def _exchange(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, mesh, axis: int):
+def _exchange(
+    x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, mesh: DeviceMesh, axis: int
+) -> torch.Tensor:
     """All-to-all along dim 0 of contiguous ``x`` over ``axis`` (``None`` splits: equal ones)."""
     if not _eager(x):
         return funcol.wait_tensor(funcol.all_to_all_single(x, out_splits, in_splits, (mesh, axis)))

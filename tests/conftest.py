@@ -13,28 +13,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-# Modules whose tests watch /dev/shm (nothing left after a job) or make named files there: they
-# run on one worker, one after another, so that no test sees another's files
-SHM = {
-    "test_cli",
-    "test_failure_output",
-    "test_fault_isolation",
-    "test_kv_transport",
-    "test_launch_errors",
-    "test_seesaw",
-}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Work units of ``pytest -n 2 --dist loadgroup`` (``pyproject.toml``): a module's tests run
-    on one worker, in order (its module fixtures, its reference runs and the harness's process
-    pools are made once), and :data:`SHM`'s modules share one worker. Most tests wait on
-    processes (a job's start-up, a peer, a heartbeat): one test keeps about one of two cores busy."""
-    for item in items:
-        module = item.path.stem
-        item.add_marker(pytest.mark.xdist_group("shm" if module in SHM else module))
-
-
 def pytest_collection_finish(session) -> None:
     """The test modules' imports (torch, transformers) are never garbage: the session's cyclic
     collections skip them from here on, as every rank's do (:func:`reshard.recipes.exits.freeze_heap`,
