@@ -134,6 +134,9 @@ class FaultConfig:
     hung_after_s: float = 30.0
     inject: str = "kill"  # what kill_at does: kill (SIGKILL) | hang (stop for good, heartbeats too)
     replicate_every: int = 1  # fault.migrate=kv: the most positions per sequence a failure computes again
+    # a request handed on with its KV (fault.migrate=kv; DejaVu's prompt -> token groups) awaits KV
+    # still on its way from a live group at most this long, then computes its prompt again
+    handoff_wait_s: float = 2.0
     # supervised ranks (each engine a child of the process torchrun watches, respawned in the job)
     # and where a failed engine group's requests go: kv (the next group, which mirrors its KV,
     # adopts them and decodes on) | reprefill (any live group, prompt + tokens so far prefilled
@@ -154,6 +157,8 @@ class FaultConfig:
                 f"fault.heartbeat_s must be >= {MIN_HEARTBEAT_S} s (each engine group's leader beats through the job's "
                 f"store once a period: shorter periods spend the ranks' time on it), got {self.heartbeat_s}"
             )
+        if not self.handoff_wait_s > 0:
+            raise ValueError(f"fault.handoff_wait_s must be > 0 seconds, got {self.handoff_wait_s}")
         if not self.hung_after_s > self.heartbeat_s:
             raise ValueError(
                 f"fault.hung_after_s must exceed fault.heartbeat_s ({self.heartbeat_s}), got {self.hung_after_s}"

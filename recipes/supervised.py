@@ -255,7 +255,14 @@ def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topo
     hands_off = spec.group in topology.entries and topology.takers  # each prompt's KV leaves after its step
     every = 1 if hands_off else cfg.fault.replicate_every
     return KVMirror(
-        engine, _supervision_store, spec.endpoint, peers, every=every, group=engine.agreement_group(), report=report
+        engine,
+        _supervision_store,
+        spec.endpoint,
+        peers,
+        every=every,
+        group=engine.agreement_group(),
+        report=report,
+        handoff_wait_s=cfg.fault.handoff_wait_s,
     )
 
 

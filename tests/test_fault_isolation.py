@@ -234,7 +234,9 @@ def _prefilled_then_decoded(served_by, prompt_groups=(0, 1)) -> bool:
 
 def test_dejavu_token_rank_killed_its_requests_move_with_their_kv_to_the_other_token_group(tmp_path, reference):
     expected = reference(DEJAVU, 4)  # unsupervised DejaVu: prompt and token groups, KV streamed
-    tokens, summary, events = _run(tmp_path, [*DEJAVU, "fault.migrate=kv", "fault.kill_at=[3,6]"], 4)
+    # a hand-off awaits its KV up to fault.handoff_wait_s: long enough for a machine under any load
+    waits = "fault.handoff_wait_s=60"
+    tokens, summary, events = _run(tmp_path, [*DEJAVU, "fault.migrate=kv", "fault.kill_at=[3,6]", waits], 4)
     assert tokens == expected and summary["failures"] == 0
     fault = summary["fault"]
     assert _prefilled_then_decoded(fault["served_by"]), fault["served_by"]
@@ -470,6 +472,8 @@ def test_supervised_settings_are_checked():
         FaultConfig(migrate="reprefill", replicate=True)
     with pytest.raises(ValueError, match=re.escape("fault.max_respawns must be an int >= 0, got -1")):
         FaultConfig(migrate="none", max_respawns=-1)
+    with pytest.raises(ValueError, match=re.escape("fault.handoff_wait_s must be > 0 seconds, got 0")):
+        FaultConfig(migrate="kv", handoff_wait_s=0)
     from reshard.parallel.strategies.dejavu import DejaVuStrategy, SideConfig
     from reshard.recipes.config import GenerateConfig
     from reshard.recipes.supervised import engine_group_of

@@ -45,7 +45,7 @@ from reshard.parallel.fault.link import Link, Links
 from reshard.plan import Piece
 
 WATCH_S = 0.05  # how often a mirror looks for its peers' generations
-HANDOFF_WAIT_S = 2.0  # longest a request awaits KV still on its way from a live source
+HANDOFF_WAIT_S = 2.0  # longest a request awaits KV still on its way from a live source (by default)
 REPLAY_WAIT_S = 60.0  # ... from a source that ends its stream (a supervisors' host replays it whole, then END)
 CLOSE_S = 1.0  # longest close() waits for the links' threads (a peer that leaves ends them)
 END = None  # a message's metadata that ends its stream: nothing more comes from that source
@@ -134,7 +134,8 @@ class KVMirror(KVConnector):
     the adopter compute again (see :attr:`cadence`); ``group``: the engine
     group's process group (adoption agrees on lengths over it); ``report(adoption)``: told of
     each adoption as it happens (:attr:`adopted`'s entries); ``slots``: a source's mirror slots
-    per slot of this rank's cache (hand-offs wait there until adopted). It owns its watcher
+    per slot of this rank's cache (hand-offs wait there until adopted); ``handoff_wait_s``: the
+    longest a request awaits KV still on its way from a live source. It owns its watcher
     thread, its links and their threads, ended by :meth:`close` (or leaving a ``with`` block).
     """
 
@@ -149,10 +150,12 @@ class KVMirror(KVConnector):
         group=None,
         report: Callable[[tuple], None] | None = None,
         slots: int = 2,
+        handoff_wait_s: float = HANDOFF_WAIT_S,
     ) -> None:
         runner = engine.runners[engine.policy.kv_layout or next(iter(engine.runners))]
         self.engine, self.cache, self.connect, self.me, self.peers = engine, runner.kv, connect, me, peers
         self.every, self.group, self.vocab = every, group, engine.vocab_size
+        self.handoff_wait_s = handoff_wait_s
         self.piece = Piece(0, 1, kv_box(self.cache.layout))
         self.slots = slots * self.cache.spec.num_slots
         self.mirrors: dict[str, Landing] = {}  # source endpoint -> its mirror
@@ -396,10 +399,10 @@ class KVMirror(KVConnector):
         self.report(self.adopted[-1])
 
     def _bound(self, request) -> float:
-        """How long ``request`` may await its KV: :data:`HANDOFF_WAIT_S`, or :data:`REPLAY_WAIT_S`
+        """How long ``request`` may await its KV: :attr:`handoff_wait_s`, or :data:`REPLAY_WAIT_S`
         from a source that ends its stream (its END settles it sooner)."""
         ends = Endpoint(request.kv_source).group in self.peers.ends
-        return REPLAY_WAIT_S if ends else HANDOFF_WAIT_S
+        return REPLAY_WAIT_S if ends else self.handoff_wait_s
 
     def _settled(self, request, need: int) -> bool:
         """Whether ``request``'s KV landed whole, or will land no further (its source closed)."""
