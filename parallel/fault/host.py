@@ -26,8 +26,9 @@ import torch.distributed as dist
 from reshard.kv.scatter import Packing
 from reshard.kv.stream_plan import Span, kv_box
 from reshard.parallel.engine.channel import Channel
+from reshard.parallel.fault.landing import Landing, land
 from reshard.parallel.fault.link import Link, Links
-from reshard.parallel.fault.mirror import CLOSE_S, END, WATCH_S, Landing, land
+from reshard.parallel.fault.mirror import CLOSE_S, END, WATCH_S
 from reshard.plan import Piece
 
 log = logging.getLogger(__name__)

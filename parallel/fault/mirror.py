@@ -6,13 +6,14 @@ Rank ``i`` of an engine group streams the KV entries it writes to rank ``i`` of 
 group (the same position: the same layers and heads, since the groups are replicas of one
 layout; which group follows which is the job's
 :class:`reshard.parallel.engine.channel.Topology`), which keeps them in a mirror per source
-(:class:`Landing`: contiguous slots of its own, each request's slot and landed length). Groups
-do not step together, so each message names what it carries (request ids, slots, token ranges)
-and the receiver unpacks it as it lands, on a thread of its own. Each direction is a two-rank
-process group of its own per pair of generations (:class:`Link`), so a respawned peer never
-meets the old one's connections; the mirror owns its links and their threads and closes them in
-:meth:`KVMirror.close`. A failure recomputes at most ``every`` tokens per sequence:
-messages of ``(every + 1) // 2`` steps' entries, one in flight (:attr:`KVMirror.cadence`).
+(:class:`reshard.parallel.fault.landing.Landing`: contiguous slots of its own, each request's
+slot and landed length). Groups do not step together, so each message names what it carries
+(request ids, slots, token ranges) and the receiver unpacks it as it lands, on a thread of its
+own. Each direction is a two-rank process group of its own per pair of generations
+(:class:`Link`), so a respawned peer never meets the old one's connections; the mirror owns its
+links and their threads and closes them in :meth:`KVMirror.close`. A failure recomputes at most
+``every`` tokens per sequence: messages of ``(every + 1) // 2`` steps' entries, one in flight
+(:attr:`KVMirror.cadence`).
 
 The mirror is the engine's KV connector (:mod:`reshard.parallel.engine.connector`): a
 migrated or handed-off request is resumed (its tokens so far in its prompt) with ``kv_source``
@@ -26,7 +27,6 @@ live sequence whole again.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -41,6 +41,7 @@ from reshard.kv.scatter import Packing
 from reshard.kv.stream_plan import Span, kv_box
 from reshard.parallel.engine import Endpoint, Engine
 from reshard.parallel.engine.connector import KVConnector
+from reshard.parallel.fault.landing import Landing, land
 from reshard.parallel.fault.link import Link, Links
 from reshard.plan import Piece
 
@@ -64,61 +65,6 @@ class Peers:
     sources: tuple[int, ...]
     endpoint: Callable[[dist.Store, int], str | None]  # (a store client, group) -> its live endpoint
     ends: tuple[int, ...] = ()  # sources whose stream ends with END (hosts): awaited up to REPLAY_WAIT_S
-
-
-class Landing:
-    """One source endpoint's mirror on this rank: a contiguous cache of ``slots`` slots (and a
-    scratch slot for what cannot be placed), each request's slot and landed length. A request
-    takes a free slot when its KV first arrives (from position 0); with none free, the request
-    written least recently gives up its own (a finished sequence is never written again)."""
-
-    def __init__(self, spec, slots: int, device) -> None:
-        spec = dataclasses.replace(spec, num_slots=slots + 1, block_size=None, num_blocks=None)
-        self.cache = KVCache(spec, device=device)
-        self.scratch = slots
-        self.index: dict[int, list[int]] = {}  # request id -> [slot, positions landed]; oldest write first
-        self.free = list(range(slots))
-        self.closed = False  # its sender is gone: nothing more will land
-
-    def place(self, spans: list[Span]) -> list[Span]:
-        """``spans`` (the sender's slots) in this mirror's slots; a span that does not continue
-        what landed (a request first seen mid-way) goes to the scratch slot."""
-        out = []
-        for sp in spans:
-            entry = self.index.pop(sp.key, None)
-            if sp.start == 0:
-                entry = entry or [self._take(), 0]
-            elif entry is None or entry[1] != sp.start:  # its whole resend places it
-                if entry is not None:
-                    self.index[sp.key] = entry
-                out.append(Span(sp.key, self.scratch, sp.start, sp.stop))
-                continue
-            entry[1] = sp.stop
-            self.index[sp.key] = entry  # now the most recently written
-            out.append(Span(sp.key, entry[0], sp.start, sp.stop))
-        return out
-
-    def _take(self) -> int:
-        if self.free:
-            return self.free.pop()
-        oldest = next(iter(self.index))
-        return self.index.pop(oldest)[0]
-
-    def release(self, key: int) -> None:
-        if key in self.index:
-            self.free.append(self.index.pop(key)[0])
-
-    def landed(self, key: int) -> tuple[int, int]:
-        """``(slot, positions landed)`` of request ``key`` (``(-1, 0)``: none)."""
-        slot, landed = self.index.get(key, (-1, 0))
-        return slot, landed
-
-
-def land(landing: Landing, piece: Piece, spans: list[Span], data: torch.Tensor) -> None:
-    """Unpack one message (``spans`` of its sender's slots, packed over ``piece``) into ``landing``."""
-    packing = Packing.of(landing.cache, [piece], landing.place(spans))
-    assert packing.nbytes == data.numel(), (packing.nbytes, data.numel())
-    packing.unpack(data.to(landing.cache.device))
 
 
 class KVMirror(KVConnector):
