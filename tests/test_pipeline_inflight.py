@@ -219,3 +219,49 @@ def test_weights_written_while_a_cached_prefix_step_is_in_flight(four_layer, hf_
     assert quiet[0][1] > 0  # the samples did start past the cached blocks
     for (tokens, _), (calm, _) in zip(written, quiet):
         assert tokens == calm == [expected] * 4
+
+
+def _pressed_in_flight(path, prompts):
+    """PP2 in flight on a paged cache holding half the batch's blocks, chunked and whole-prompt
+    steps, greedy and seeded, against the same engine with room for all: each run's tokens, its
+    preemptions, whether every block came back, and the step that ran each preempted request's
+    recomputation; the last three on the first stage only."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims
+    from reshard.parallel.engine.inflight import InflightBatching
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+
+    model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
+    need = sum(-(-(len(p) + 24) // 4) for p in prompts)  # every request's blocks, whole
+    out = {}
+    for chunked in (True, False):
+        base = dict(max_batch_size=8, max_seq_len=128, kv_block_size=4, chunked_prefill=chunked)
+        roomy = Engine(model, EngineConfig(**base, kv_tokens=4 * need))
+        tight = Engine(model, EngineConfig(**base, kv_tokens=4 * (need // 2)))
+        assert tight.flow is not None  # in flight
+        for temperature in (0.0, 0.9):
+            requests = _requests(prompts, 24, temperature=temperature)
+            expected = [c.output_ids for c in roomy.generate(requests)]
+            before = tight.stats.preemptions
+            tokens = [c.output_ids for c in tight.generate(requests)]
+            first = isinstance(tight.policy, InflightBatching)  # (a later stage's is NotedSteps)
+            back = tight.policy.slots.available(0) == tight.kv.spec.num_blocks if first else None
+            out[chunked, temperature] = (tokens, expected, tight.stats.preemptions - before, back)
+    return out
+
+
+def test_kv_pressure_in_flight_preempts_and_tokens_equal_an_unpressured_run(four_layer, hf_reference):
+    """An in-flight pipeline on a paged cache holding half the batch: blocks are taken as tokens
+    need them (the notes carry them to the later stage); requests are preempted (counted) and
+    recomputed; every stage's tokens, greedy and seeded, equal the run with room for all (greedy:
+    HF's), chunked or whole-prompt steps; every block is back at the end."""
+    path, prompts = four_layer["llama"], _prompts(8)
+    expected = hf_reference(path, prompts, 24)
+    first, later = dist_harness.run(2, _pressed_in_flight, path, prompts)
+    for (chunked, temperature), (tokens, roomy, preemptions, back) in first.items():
+        assert tokens == roomy, (chunked, temperature)
+        assert preemptions > 0 and back, (chunked, temperature, preemptions, back)
+        if temperature == 0.0:
+            assert tokens == expected, chunked
+    assert {k: v[:2] for k, v in later.items()} == {k: v[:2] for k, v in first.items()}

@@ -28,7 +28,6 @@ stage's layers of a step, land its tokens):
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch.distributed as dist
 
 from reshard.parallel.engine.admission import Admission
 from reshard.parallel.engine.agree import payload_size, read_payload, sample_payload
-from reshard.parallel.engine.notes import NoteLink, StepNote
+from reshard.parallel.engine.notes import NotedSequences, NoteLink, StepNote
 from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step, check_fits
 from reshard.parallel.engine.request import NO_TOKEN, Request, Sequence
 from reshard.parallel.engine.runner import ModelRunner
@@ -101,7 +100,7 @@ class BatchQueue:
         self.notes = NoteLink(prev, nxt, _note_capacity(runner), runner.device)
         self.first, self.last, self.others = link.is_first, link.peers[-1], link.peers[:-1]
         self.flights: deque[Flight] = deque()
-        self.noted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the first stage's noted sequences
+        self.noted = NotedSequences()  # (the first stage's)
         self.sent: deque[tuple[dist.Work, torch.Tensor]] = deque()  # token sends (last stage), with buffers
         self.record = PipelineRecord()
         self._t0 = self._busy0 = 0.0
@@ -178,7 +177,9 @@ class BatchQueue:
 
 class NotedSteps(Policy):
     """A later stage's policy: the steps the first stage notes, in note order (forwarded to the
-    next stage as they arrive); sequences made for new requests at their noted slots and blocks.
+    next stage as they arrive); sequences made for new requests at their noted slots, with the
+    blocks the notes carry. A request the first stage preempted comes again as a new one: its
+    sequence goes on from the last one's log-probabilities and times, as the first stage's does.
     :meth:`admission` is where its loop's requests come from: the notes too."""
 
     def __init__(self, layout: str, notes: NoteLink) -> None:
@@ -186,6 +187,7 @@ class NotedSteps(Policy):
         self.pending: StepNote | None = None
         self.noted: StepNote | None = None  # the note of the last step handed out
         self.slots: dict[int, Sequence] = {}  # slot -> this stage's sequence in it
+        self.live: dict[int, Sequence] = {}  # request id -> its last sequence here, until it finishes
         self.taken, self.stopped = 0, False
 
     @property
@@ -197,7 +199,7 @@ class NotedSteps(Policy):
 
     def start(self, queue: deque) -> None:
         assert not queue, "a later stage's requests come in notes"
-        self.slots, self.taken, self.stopped = {}, 0, False
+        self.slots, self.live, self.taken, self.stopped = {}, {}, 0, False
 
     def receive(self) -> None:
         """Wait for the next note (forwarding it down first)."""
@@ -206,7 +208,7 @@ class NotedSteps(Policy):
         if self.notes.next is not None:
             self.notes.send(note)
         self.stopped = note.kind == "stop"
-        self.taken += len(note.requests)
+        self.taken += sum(r.id not in self.live for r in note.requests)  # (not one preempted after a note)
         self.pending = None if self.stopped else note
 
     def next_step(self, queue: deque) -> Step | None:
@@ -219,16 +221,23 @@ class NotedSteps(Policy):
         return Step(self._sequences(note), list(note.num_tokens), self.layout)
 
     def _sequences(self, note: StepNote) -> list[Sequence]:
-        """This stage's sequences of ``note`` (made for the new ones; one past a cached prefix
-        has its cache table row written now, as the first stage's admission wrote its own)."""
-        kv = self.runner_info[self.layout].kv
-        for i, request, blocks in zip(note.new, note.requests, note.blocks):
+        """This stage's sequences of ``note`` (made for the new ones); the blocks it carries
+        given to theirs, with the cache table rows of those past their first positions (a
+        cached prefix, a grown sequence) written now, as the first stage wrote its own."""
+        for i, request in zip(note.new, note.requests):
             seq = self.new_sequence(request)
-            seq.slot, seq.blocks, seq.num_computed_tokens = note.slots[i], list(blocks), note.num_computed_tokens[i]
-            if seq.num_computed_tokens:
-                kv.assign(seq.slot, seq.blocks)
-            self.slots[seq.slot] = seq
-        return [self.slots[slot] for slot in note.slots]
+            seq.slot, seq.num_computed_tokens = note.slots[i], note.num_computed_tokens[i]
+            earlier = self.live.get(request.id)
+            if earlier is not None:  # preempted on the first stage: what it had goes on
+                seq.logprobs, seq.times = earlier.logprobs, earlier.times
+            self.slots[seq.slot] = self.live[request.id] = seq
+        seqs = [self.slots[slot] for slot in note.slots]
+        kv = self.runner_info[self.layout].kv
+        for i, blocks in zip(note.tables, note.blocks):
+            seqs[i].blocks = list(blocks)
+            if seqs[i].num_computed_tokens:
+                kv.assign(seqs[i].slot, seqs[i].blocks)
+        return seqs
 
     def check(self, step: Step) -> None:
         """Before ``step`` (the last noted) runs, once the steps holding its sequences landed:
@@ -239,6 +248,8 @@ class NotedSteps(Policy):
     def retire(self, seq: Sequence) -> None:
         if self.slots.get(seq.slot) is seq:  # a new sequence may hold its slot already
             del self.slots[seq.slot]
+        if self.live.get(seq.request.id) is seq:
+            del self.live[seq.request.id]
 
     def admission(self) -> Admission:
         return _NotedAdmission(self)
@@ -281,9 +292,11 @@ class InflightBatching(ContinuousBatching):
     token budget, :class:`ContinuousBatching`'s ``mixed``): a micro-batch's step gives its
     running sequences their decode token and its prompts tokens while the budget lasts, prompt
     chunks beside decodes; else whole-prompt steps and decode steps alternate per micro-batch.
-    Blocks are taken whole at admission (no preemption: a sequence in flight on other stages
-    keeps its blocks); on a paged cache with the prefix cache a request starts past the cached
-    blocks its prompt shares (its note carries them to the later stages)."""
+    On a paged cache a sequence takes blocks as its tokens need them (its notes carry them to
+    the later stages); where too few are free, the newest running request is preempted, as the
+    drained scheduler does, once no stage still computes it: while its micro-batch is in flight,
+    this one waits for it to land. With the prefix cache a request starts past the cached blocks
+    its prompt shares."""
 
     def start(self, queue: deque) -> None:
         super().start(queue)
@@ -310,10 +323,16 @@ class InflightBatching(ContinuousBatching):
         return None
 
     def _flight_step(self, k: int, queue: deque) -> Step | None:
+        """Micro-batch ``k``'s next step, with blocks for every token it writes (None: no work
+        now; a step whose blocks wait for another micro-batch to land)."""
+        step = self._budget_step(queue, self.flights[k]) if self.mixed else self._phase_step(k, queue)
+        if step is not None and self.slots.grows:
+            step = self._reserve(step, queue)
+        return step if step is not None and step.seqs else None
+
+    def _phase_step(self, k: int, queue: deque) -> Step | None:
+        """Whole prompts or decode tokens of micro-batch ``k``, alternating."""
         slots = self.flights[k]
-        if self.mixed:
-            step = self._budget_step(queue, slots)
-            return step if step.seqs else None
         running = [s for s in self.running.values() if s.slot in slots]
         if queue and self._fits(queue[0], slots) and not (self.prefilled[k] and running):
             seqs, self.prefilled[k] = self._admit(queue, slots), True
@@ -322,6 +341,10 @@ class InflightBatching(ContinuousBatching):
             return None
         self.prefilled[k] = False
         return Step(running, [1] * len(running), self.layout)
+
+    def _preemptible(self, seq: Sequence) -> bool:
+        """Not while ``seq``'s micro-batch is in flight: a later stage may still compute it."""
+        return not any(seq.slot in self.flights[k] for k in self.busy)
 
     def after_step(self, step: Step, output) -> None:
         super().after_step(step, output)

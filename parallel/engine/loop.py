@@ -156,8 +156,8 @@ class Engine:
             return NotedSteps(layout, self.flow.notes)
 
         options = batching_options(self.config, [self.runners[layout]])
-        if self.flow is not None:  # (no preemption in flight: a sequence takes its blocks whole)
-            return InflightBatching(layout, **{**options, "preempt": False})
+        if self.flow is not None:
+            return InflightBatching(layout, **options)
         return ContinuousBatching(layout, **options)
 
     # ---- what the active layout holds ------------------------------------------------------------

@@ -269,7 +269,7 @@ class ContinuousBatching(Policy):
 
     def next_step(self, queue: deque) -> Step:
         step = self._next_step(queue)
-        return self._reserve(step, queue) if self.slots.grows else step
+        return self._reserved(step, queue) if self.slots.grows else step
 
     def _next_step(self, queue: deque) -> Step:
         if self.mixed:
@@ -318,19 +318,33 @@ class ContinuousBatching(Policy):
             seq.logprobs, seq.times = earlier.logprobs, earlier.times
         return seq
 
-    def _reserve(self, step: Step, queue: deque) -> Step:
+    def _reserve(self, step: Step, queue: deque) -> Step | None:
         """Blocks for every token ``step`` writes; where its replica has too few free, the newest
-        running request there is preempted (this step's own included, which then leaves it)."""
+        running request there is preempted (this step's own included, which then leave it).
+        None where that request may not give its blocks back yet (:meth:`_preemptible`)."""
         kept = []
         for seq, n in zip(step.seqs, step.num_tokens):
             while self.is_running(seq) and not self._grow(seq, seq.num_computed_tokens + n):
-                self._preempt(self._newest(seq.replica), queue)
+                newest = self._newest(seq.replica)
+                if not self._preemptible(newest):
+                    return None
+                self._preempt(newest, queue)
             if self.is_running(seq):
                 kept.append((seq, n))
-        if len(kept) == len(step.seqs):
-            return step
-        assert kept, "a step's oldest request fits its replica's cache alone (check_fits)"
-        return _less(step, kept)
+        return step if len(kept) == len(step.seqs) else kept_step(step, kept)
+
+    def _reserved(self, step: Step, queue: deque) -> Step:
+        """``step`` with its blocks (:meth:`_reserve`), of which every running request may be preempted."""
+        reserved = self._reserve(step, queue)
+        assert reserved is not None and (reserved.seqs or not step.seqs), (
+            "a step's oldest request fits its replica's cache alone (check_fits)"
+        )
+        return reserved
+
+    def _preemptible(self, seq: Sequence) -> bool:
+        """Whether running ``seq`` may give its blocks back now: always (no step computes it
+        between steps; a pipeline whose steps overlap says otherwise)."""
+        return True
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         """``seq``'s blocks cover ``tokens`` positions; this rank's cache table follows."""
@@ -441,8 +455,8 @@ class ContinuousBatching(Policy):
         for every token it writes (preempting as :meth:`next_step` does)."""
         kept = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if self.is_running(s)]
         if len(kept) < len(step.seqs):
-            step = _less(step, kept)
-        return self._reserve(step, queue) if self.slots.grows else step
+            step = kept_step(step, kept)
+        return self._reserved(step, queue) if self.slots.grows else step
 
     def requeue_unstarted(self, queue: deque) -> None:
         """The weights changed: requests admitted onto cached blocks that no step has run yet
@@ -473,7 +487,7 @@ def batching_options(config: EngineConfig, runners: Seq[ModelRunner]) -> dict:
     )
 
 
-def _less(step: Step, kept: list[tuple[Sequence, int]]) -> Step:
+def kept_step(step: Step, kept: list[tuple[Sequence, int]]) -> Step:
     """``step`` with only the ``(sequence, tokens)`` pairs ``kept``: its layout, moves and
     agreement as chosen (a policy's ``layout_for`` is asked once per step)."""
     return dataclasses.replace(step, seqs=[s for s, _ in kept], num_tokens=[n for _, n in kept])

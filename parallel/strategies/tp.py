@@ -67,8 +67,7 @@ class TPStrategy(Strategy):
         return True
 
     def default_kv_block_size(self) -> int | None:
-        """Paged without pipeline stages (a pipeline pages where it is given ``engine.kv_block_size``:
-        in flight, a sequence takes its blocks whole at admission)."""
+        """Paged without pipeline stages (a pipeline pages where it is given ``engine.kv_block_size``)."""
         return PAGED_BLOCK_SIZE if self.pp == 1 else None
 
     def check_prefill_chunk(self, prefill_chunk: int) -> None:
