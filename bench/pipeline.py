@@ -13,7 +13,10 @@ A seeded Llama of ``--hidden``/``--layers``/... (built once into the cache dir) 
   drains the pipeline (the loop before in-flight micro-batches);
 * ``pp-inflight``: the same pipeline with micro-batches in flight across steps;
 * ``pp-inflight-balanced``: in flight, with fewer layers on the last stage, which also runs the LM
-  head and sampling (:func:`balanced_stages`).
+  head and sampling (:func:`balanced_stages`);
+* ``pp-inflight-paged``: in flight on a paged cache (blocks of 16) of ``--kv-tokens`` tokens
+  (default: what the contiguous slots hold): a sequence takes blocks as its tokens need them and
+  the newest request is preempted when they run out (the preemptions are printed).
 
 Every layout holds ``W * --batch`` sequences at once and every rank computes ``1/W`` of the
 model's FLOPs per token, so a full pipeline would match the replicas. Per layout: output tokens/s
@@ -45,7 +48,7 @@ SIZES = {
     "seed": 0,
 }
 SMALL = {**SIZES, "hidden": 128, "intermediate": 256, "layers": 4, "vocab": 1024, "requests": 8, "new_tokens": 16}
-LAYOUTS = ("dp-groups", "pp-drain", "pp-inflight", "pp-inflight-balanced")
+LAYOUTS = ("dp-groups", "pp-drain", "pp-inflight", "pp-inflight-balanced", "pp-inflight-paged")
 
 
 def _requests(args):
@@ -75,9 +78,10 @@ def _engine(path: str, layout: str, args):
 
         stages = balanced_stages(AutoConfig.from_pretrained(path), world)
     model = parallelize_pipeline(path, ParallelDims(pp=world, world_size=world, stages=stages))
-    pipeline = layout.removeprefix("pp-").removesuffix("-balanced")
+    pipeline = layout.removeprefix("pp-").removesuffix("-balanced").removesuffix("-paged")
+    paged = dict(kv_block_size=16, kv_tokens=args.kv_tokens) if layout.endswith("-paged") else {}
     config = EngineConfig(
-        max_batch_size=world * args.batch, max_seq_len=max_len, num_microbatches=world, pipeline=pipeline
+        max_batch_size=world * args.batch, max_seq_len=max_len, num_microbatches=world, pipeline=pipeline, **paged
     )
     return Engine(model, config)
 
@@ -104,6 +108,7 @@ def main() -> None:
     p = parser(__doc__)
     add_sizes(p, SIZES, SMALL)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {LAYOUTS}")
+    p.add_argument("--kv-tokens", type=int, default=None, help="pp-inflight-paged's cache (default: the slots')")
     args = fill_sizes(p.parse_args(), SIZES, SMALL)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -117,6 +122,7 @@ def main() -> None:
         runs = [_run(engine, requests) for _ in range(args.repeats)]
         best = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]  # the median run
         table[layout] = {**best, "idle": _idle_by_rank(best["idle"]), "tok_s": med([r["tok_s"] for r in runs])}
+        table[layout]["preemptions"] = engine.stats.preemptions
     outputs = [[c.output_ids for c in table[x]["tokens"]] for x in layouts]
     if dist.get_rank() == 0:
         world = dist.get_world_size()
@@ -128,6 +134,8 @@ def main() -> None:
             idle = " ".join(f"{x:.2f}" for x in r["idle"])
             ratio = r["tok_s"] / base["tok_s"]
             print(f"{layout:21s} {r['tok_s']:8.1f} tok/s  {ratio:5.2f}x dp-groups  idle by rank/stage: {idle}")
+            if layout.endswith("-paged"):
+                print(f"{'':21s} preemptions over its {args.repeats + 1} runs: {r['preemptions']}")
         if "pp-drain" in table and "pp-inflight" in table:
             print(f"in flight vs drained: {table['pp-inflight']['tok_s'] / table['pp-drain']['tok_s']:.2f}x")
         print(f"\ncommand: {rerun_command('pipeline.py', world)}")
