@@ -5,12 +5,15 @@ whose prefill costs something on this CPU).
     python bench/prefix_cache.py [--prompts 8] [--n 8] [--new-tokens 32] [--repeats 3] [--small]
     torchrun --standalone --nproc-per-node 2 bench/prefix_cache.py --shift-sp 2 [--threshold 64]
     torchrun --standalone --nproc-per-node 2 bench/prefix_cache.py --dejavu
+    torchrun --standalone --nproc-per-node 2 bench/prefix_cache.py --pp
 
 ``--shift-sp``: Shift parallelism over the torchrun ranks (Ulysses SP of that degree x TP of the
 rest, steps of more than ``--threshold`` tokens in SP mode, the others full TP), one paged cache
 for both modes. ``--dejavu``: DejaVu over the torchrun ranks (one prompt rank, the others
 tokens, each side an engine group; contiguous caches), an engine built for each run (two at
 once would share their streams' keys); ``streamed``: prompt positions streamed to the token side.
+``--pp``: a pipeline of the torchrun ranks, micro-batches in flight; besides the paged cache on and
+off, a third row runs contiguous slots (a pipeline's default cache).
 
 Each figure is the median over ``--repeats`` runs, on and off interleaved; the tokens of both
 are checked equal. ``prefill s``: the seconds of steps that fed prompt tokens (prefill and mixed
@@ -44,6 +47,7 @@ DEFAULTS = {
 }
 SMALL = {**DEFAULTS, "prompts": 2, "n": 4, "new_tokens": 8, "repeats": 1}
 BLOCK = 16
+CONTIGUOUS = "contig"  # --pp's third row: contiguous slots
 
 
 def _requests(args) -> list:
@@ -96,6 +100,15 @@ def _engines(args, config: dict) -> dict:
     path = str(bench_checkpoint(args, "prefix"))
     if args.dejavu:
         return {}  # (one per run: _dejavu_run)
+    if args.pp:
+        from reshard.parallel.model.pipeline import parallelize_pipeline
+
+        world = dist.get_world_size()
+        model = parallelize_pipeline(path, ParallelDims(pp=world, world_size=world))
+        config = {**config, "num_microbatches": world}
+        contiguous = {k: v for k, v in config.items() if k not in ("kv_block_size", "kv_tokens")}
+        engines = {on: Engine(model, EngineConfig(**config, prefix_caching=on)) for on in (True, False)}
+        return {**engines, CONTIGUOUS: Engine(model, EngineConfig(**contiguous))}
     if args.shift_sp is None:
         model = parallelize(path)
         return {on: Engine(model, EngineConfig(**config, prefix_caching=on)) for on in (True, False)}
@@ -113,10 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shift-sp", type=int, default=None, help="Shift parallelism, this SP degree (under torchrun)")
     p.add_argument("--threshold", type=int, default=64, help="Shift: steps of more tokens run SP")
     p.add_argument("--dejavu", action="store_true", help="DejaVu over the torchrun ranks (1 prompt rank)")
+    p.add_argument("--pp", action="store_true", help="a pipeline of the torchrun ranks, in flight")
     args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
     import torch.distributed as dist
 
-    one_process = args.shift_sp is None and not args.dejavu
+    one_process = args.shift_sp is None and not args.dejavu and not args.pp
     torch.set_num_threads(2 if one_process else 1)
     if one_process:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -132,23 +146,26 @@ def main(argv: list[str] | None = None) -> None:
     say(f"# {rerun_command('prefix_cache.py', world, one_thread=False, argv=argv)}")
     cache = "contiguous slots" if args.dejavu else f"blocks of {BLOCK}"
     say(f"# {len(requests)} requests ({args.prompts} prompts x n={args.n}), {slots} slots, {cache}")
-    runs: dict[bool, list] = {True: [], False: []}
+    kinds = [True, False] + ([CONTIGUOUS] if args.pp else [])
+    runs: dict = {on: [] for on in kinds}
     for _ in range(args.repeats):
-        for on in (True, False):
+        for on in kinds:
             if args.dejavu:
                 runs[on].append(_dejavu_run(args, config, on, requests))
                 continue
             engines[on].reset_prefix_cache()  # every run computes its prompts from scratch
             runs[on].append(_run(engines[on], requests))
-    assert runs[True][0][3] == runs[False][0][3], "the prefix cache changed the tokens"
+    assert all(runs[on][0][3] == runs[True][0][3] for on in kinds), "the prefix cache changed the tokens"
     new = len(requests) * args.new_tokens
     say(f"{'cache':>6} {'tokens/s':>9} {'seconds':>8} {'prefill s':>10} {'computed':>9} {'streamed':>9}")
-    for on in (True, False):
+    for on in kinds:
         seconds, prefill, computed = med([r[0] for r in runs[on]]), med([r[1] for r in runs[on]]), runs[on][0][2]
-        name = "on" if on else "off"
+        name = on if on == CONTIGUOUS else "on" if on else "off"
         say(f"{name:>6} {new / seconds:>9.1f} {seconds:>8.2f} {prefill:>10.2f} {computed:>9.1%} {runs[on][0][4]:>9}")
     speedup = med([r[0] for r in runs[False]]) / med([r[0] for r in runs[True]])
     say(f"on/off: {speedup:.2f}x tokens/s", flush=True)
+    if args.pp:
+        say(f"on/contiguous: {med([r[0] for r in runs[CONTIGUOUS]]) / med([r[0] for r in runs[True]]):.2f}x tokens/s")
     dist.destroy_process_group()
 
 

@@ -324,20 +324,24 @@ def test_n_samples_share_their_prompt_in_a_dejavu_recipe_run(checkpoints, tmp_pa
     assert kv["prefix_cache_hits"] == 2 * sum(len(p) - 1 for p in prompts) > 0
 
 
-def test_the_main_job_pages_its_cache_and_shares_prompts_by_default(checkpoints, tmp_path):
-    """``engine.kv_block_size`` unset: the tp strategy's paged cache of 16-token blocks, so
-    generation.n=3's later samples hit their prompt's full blocks; ``engine.kv_block_size=null``
-    (contiguous slots, no prefix cache) gives the same outputs with no hit."""
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "PP2-in-flight"])
+def test_the_main_job_pages_its_cache_and_shares_prompts_by_default(checkpoints, tmp_path, ranks):
+    """``engine.kv_block_size`` unset: the tp strategy's paged cache of 16-token blocks (pipeline
+    stages included), so generation.n=3's later samples hit their prompt's full blocks;
+    ``engine.kv_block_size=null`` (contiguous slots, no prefix cache) gives the same outputs with
+    no hit."""
     from reshard.recipes.schema import compose
 
     sampled = ["generation.temperature=0.9", "generation.n=3", "workload.num_requests=2", "progress=false"]
     lengths = ["workload.prompt_len_min=40", "workload.prompt_len_max=60", "generation.max_new_tokens=6"]
-    base = [f"model.path={checkpoints['llama']}", *sampled, *lengths]
+    stages = [f"parallel.pp={ranks}"] if ranks > 1 else []
+    base = [f"model.path={checkpoints['llama']}", *sampled, *lengths, *stages]
     assert compose("generate", base).engine.kv_block_size == 16
-    assert compose("generate", [*base, "parallel=dejavu"]).engine.kv_block_size is None  # streams contiguous KV
+    if not stages:
+        assert compose("generate", [*base, "parallel=dejavu"]).engine.kv_block_size is None  # streams contiguous KV
     runs = {}
     for name, extra in (("default", []), ("contiguous", ["engine.kv_block_size=null"])):
-        dist_harness.run(1, _run_recipe, [*base, *extra], str(tmp_path / name))
+        dist_harness.run(ranks, _run_recipe, [*base, *extra], str(tmp_path / name))
         kv = json.loads((tmp_path / name / "summary.json").read_text())["kv"]
         out = [json.loads(line) for line in (tmp_path / name / "outputs.jsonl").read_text().splitlines()]
         runs[name] = kv, [o["output_ids"] for o in out], [o["prompt_ids"] for o in out if o["sample"] == 0]
