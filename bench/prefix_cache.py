@@ -13,7 +13,7 @@ for both modes. ``--dejavu``: DejaVu over the torchrun ranks (one prompt rank, t
 tokens, each side an engine group; contiguous caches), an engine built for each run (two at
 once would share their streams' keys); ``streamed``: prompt positions streamed to the token side.
 ``--pp``: a pipeline of the torchrun ranks, micro-batches in flight; besides the paged cache on and
-off, a third row runs contiguous slots (a pipeline's default cache).
+off, a third row runs contiguous slots (a pipeline's default cache before 2026-11-30).
 
 Each figure is the median over ``--repeats`` runs, on and off interleaved; the tokens of both
 are checked equal. ``prefill s``: the seconds of steps that fed prompt tokens (prefill and mixed

@@ -4,7 +4,11 @@ The launcher starts it through :data:`BLOCKED_START`: a ``python -S`` (no ``site
 imports) that blocks SIGINT and SIGTERM and replaces itself with this module's interpreter, which
 starts with both still blocked (a signal mask and pending signals survive ``exec``). A Ctrl-C
 while that interpreter imports ``site`` would otherwise be a "Fatal Python error" and a traceback
-per rank. From its first instruction, before torch is imported (seconds), Ctrl-C or SIGTERM (one
+per rank. It also asks for SIGTERM when the launcher dies (Linux's parent-death signal, which
+survives ``exec`` too), or exits at once where the launcher is gone already: torch's agent starts
+each rank in a session of its own, so a Ctrl-C that reaches the launcher while it is still starting
+them (before the agent holds every rank it started) left a rank running on, unseen, after the
+launcher had exited. From its first instruction, before torch is imported (seconds), Ctrl-C or SIGTERM (one
 that came during the start, held until now, included) ends the rank at once and quietly: an
 import cut short has nothing to keep or clean up, and the launcher says the one line. The job's
 own handlers (:func:`reshard.recipes.launch.hydra_main`) take over once it starts. ``torchrun -m
@@ -21,9 +25,14 @@ import sys
 from reshard.recipes.exits import EXIT_INTERRUPTED
 
 STOPS = (signal.SIGINT, signal.SIGTERM)
-# ``python -S -c BLOCKED_START <job> [overrides]``: this module, started with STOPS blocked
+# ``python -S -c BLOCKED_START <job> [overrides]``: this module, started with STOPS blocked and
+# SIGTERM due when its parent (the launcher) dies: ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` on Linux;
+# a parent gone before that (the rank now a child of init) ends it
 BLOCKED_START = (
     "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}); "
+    "linux = sys.platform.startswith('linux'); "
+    "linux and __import__('ctypes').CDLL(None).prctl(1, signal.SIGTERM); "
+    "linux and os.getppid() == 1 and os._exit(130); "
     "os.execv(sys.executable, [sys.executable, '-m', 'reshard.recipes.rank', *sys.argv[1:]])"
 )
 

@@ -346,6 +346,36 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_leaves_nothing(tmp_pat
     assert all(list(d.iterdir()) for d in _run_dirs(tmp_path))  # a run directory left holds what finished
 
 
+def test_ranks_end_when_their_launcher_dies(tmp_path):
+    """A launcher gone while its ranks generate (as one is when a Ctrl-C reached it while torch's
+    agent was still starting ranks, each in a session of its own, so that the agent never held
+    them) takes its ranks with it: each gets SIGTERM (the parent-death signal ``BLOCKED_START``
+    asks for) and stops. Past their start the ranks use no store the launcher holds, so without
+    it they would generate on for minutes; here no process is left, nothing in /dev/shm, and the
+    launcher's output pipe, which they share, closes."""
+    shm_before = _shm()
+    args = ["generate", "--nproc", "2", "workload.num_requests=5000", "generation.max_new_tokens=64", "progress=false"]
+    p = _reshard(args, tmp_path)  # (a job of minutes)
+    try:
+        deadline = time.monotonic() + 120
+        while not _finished_some(tmp_path) and time.monotonic() < deadline:  # the ranks generate
+            time.sleep(0.2)
+        assert _finished_some(tmp_path), "no request finished"
+        os.kill(p.pid, signal.SIGKILL)
+        p.communicate(timeout=30)  # (the ranks hold the pipe until they end)
+        time.sleep(0.5)
+        assert _running_in(tmp_path) == [] and _shm() <= shm_before
+    finally:  # (a failure leaves no rank generating on beside the rest of the suite)
+        for pid in _running_in(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _finished_some(cwd: Path) -> bool:
+    """Whether a run directory under ``cwd`` has a request in its ``finished.jsonl``."""
+    return any(path.stat().st_size > 0 for d in _run_dirs(cwd) for path in d.glob("finished.jsonl"))
+
+
 def _cut_short_by_a_ctrl_c(argv) -> int:
     """A launcher's start-up whose import a Ctrl-C cut short and which then failed with another
     error, as numpy's half-made module did (a ``RecursionError``, in a run under heavy load)."""

@@ -235,7 +235,7 @@ class NotedSteps(Policy):
         kv = self.runner_info[self.layout].kv
         for i, blocks in zip(note.tables, note.blocks):
             seqs[i].blocks = list(blocks)
-            if seqs[i].num_computed_tokens:
+            if note.num_computed_tokens[i]:  # (the first stage's count: a middle stage's may lag, its step not landed)
                 kv.assign(seqs[i].slot, seqs[i].blocks)
         return seqs
 
