@@ -221,8 +221,8 @@ def test_weights_written_while_a_cached_prefix_step_is_in_flight(four_layer, hf_
         assert tokens == calm == [expected] * 4
 
 
-def _pressed_in_flight(path, prompts, pp):
-    """``pp`` stages in flight on a paged cache holding half the batch's blocks, chunked and
+def _pressed_in_flight(path, prompts, pp, pipeline):
+    """``pp`` stages (``pipeline``: in flight, or drained) on a paged cache holding half the batch's blocks, chunked and
     whole-prompt steps, greedy and seeded (with each token's log-probability), against the same
     engine with room for all: each run's tokens and log-probabilities, its preemptions and
     whether every block came back (the last two on the first stage only)."""
@@ -231,7 +231,7 @@ def _pressed_in_flight(path, prompts, pp):
     import torch.distributed as dist
 
     from reshard.parallel import Engine, EngineConfig, ParallelDims
-    from reshard.parallel.engine.inflight import InflightBatching
+    from reshard.parallel.engine.policy import ContinuousBatching
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     model = parallelize_pipeline(path, ParallelDims(pp=pp, world_size=dist.get_world_size()))
@@ -239,32 +239,35 @@ def _pressed_in_flight(path, prompts, pp):
     out = {}
     for chunked in (True, False):
         base = dict(max_batch_size=8, max_seq_len=128, kv_block_size=4, chunked_prefill=chunked, num_microbatches=pp)
+        base["pipeline"] = pipeline
         roomy = Engine(model, EngineConfig(**base, kv_tokens=4 * need))
         tight = Engine(model, EngineConfig(**base, kv_tokens=4 * (need // 2)))
-        assert tight.flow is not None  # in flight
+        assert (tight.flow is not None) == (pipeline == "inflight")
         for temperature in (0.0, 0.9):
             requests = _requests(prompts, 24, temperature=temperature)
             requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, logprobs=1)) for r in requests]
             expected = [(c.output_ids, c.logprobs) for c in roomy.generate(requests)]
             before = tight.stats.preemptions
             got = [(c.output_ids, c.logprobs) for c in tight.generate(requests)]
-            first = isinstance(tight.policy, InflightBatching)  # (a later stage's is NotedSteps)
+            first = isinstance(tight.policy, ContinuousBatching)  # (a later in-flight stage's is NotedSteps)
             back = tight.policy.slots.available(0) == tight.kv.spec.num_blocks if first else None
             out[chunked, temperature] = (got, expected, tight.stats.preemptions - before, back)
     return out
 
 
-@pytest.mark.parametrize("pp", [2, 3], ids=["PP2", "PP3"])
-def test_kv_pressure_in_flight_preempts_and_tokens_equal_an_unpressured_run(four_layer, hf_reference, pp):
+@pytest.mark.parametrize(
+    "pp,pipeline", [(2, "inflight"), (3, "inflight"), (2, "drain")], ids=["PP2", "PP3", "PP2-drained"]
+)
+def test_kv_pressure_in_flight_preempts_and_tokens_equal_an_unpressured_run(four_layer, hf_reference, pp, pipeline):
     """An in-flight pipeline on a paged cache holding half the batch: blocks are taken as tokens
     need them (the notes carry them to the later stages, a middle stage's included, whose own
     count lags the first stage's); requests are preempted (counted) and recomputed; every stage's
     tokens, greedy and seeded, equal the run with room for all (greedy: HF's), chunked or
     whole-prompt steps, and so do the log-probabilities (those before a preemption carried over on
-    every stage); every block is back at the end."""
+    every stage); every block is back at the end. A drained pipeline preempts as one stage does."""
     path, prompts = four_layer["llama"], _prompts(8)  # (a 40-token prompt: its first decode takes a block)
     expected = hf_reference(path, prompts, 24)
-    first, *later = dist_harness.run(pp, _pressed_in_flight, path, prompts, pp)
+    first, *later = dist_harness.run(pp, _pressed_in_flight, path, prompts, pp, pipeline)
     for (chunked, temperature), (got, roomy, preemptions, back) in first.items():
         assert [t for t, _ in got] == [t for t, _ in roomy], (chunked, temperature)
         for (_, lps), (_, want) in zip(got, roomy):
