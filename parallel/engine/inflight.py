@@ -328,18 +328,21 @@ class InflightBatching(ContinuousBatching):
         step = self._budget_step(queue, self.flights[k]) if self.mixed else self._phase_step(k, queue)
         if step is not None and self.slots.grows:
             step = self._reserve(step, queue)
-        return step if step is not None and step.seqs else None
+        if step is None or not step.seqs:
+            return None
+        if not self.mixed:  # (a decode step that waited for blocks still goes before new prompts)
+            self.prefilled[k] = step.kind != "decode"
+        return step
 
     def _phase_step(self, k: int, queue: deque) -> Step | None:
         """Whole prompts or decode tokens of micro-batch ``k``, alternating."""
         slots = self.flights[k]
         running = [s for s in self.running.values() if s.slot in slots]
         if queue and self._fits(queue[0], slots) and not (self.prefilled[k] and running):
-            seqs, self.prefilled[k] = self._admit(queue, slots), True
+            seqs = self._admit(queue, slots)
             return Step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs], self.layout)
         if not running:
             return None
-        self.prefilled[k] = False
         return Step(running, [1] * len(running), self.layout)
 
     def _preemptible(self, seq: Sequence) -> bool:
