@@ -42,6 +42,7 @@ from reshard.recipes.exits import (
     EXIT_INTERRUPTED,
     EXIT_USER,
     LAUNCHED_ENV,
+    LAUNCHER_PID_ENV,
     failed,
     finished_so_far,
     freeze_heap,
@@ -270,6 +271,7 @@ def launch(
     _quiet("torch.distributed.elastic")  # our lines, not the agent's
     env = {LAUNCHED_ENV: "1"} | ({"OMP_NUM_THREADS": "1"} if nodes.nproc > 1 else {})
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # (the ranks' parent: each ends if it is gone)
     config = LaunchConfig(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
+LAUNCHER_PID_ENV = "RESHARD_LAUNCHER_PID"  # the ``reshard`` command's pid, its ranks' parent (recipes/rank.py)
 EXIT_USER, EXIT_INTERRUPTED = 2, 130  # a user error; Ctrl-C (128 + SIGINT, as a shell reports it)
 FINISHED = "finished.jsonl"  # each request, as it finishes, in the run directory (kept if the job dies)
 RANKS_LOG = "ranks.log"  # in the run directory: the tracebacks of ranks and engines that did not say them

@@ -4,8 +4,9 @@ The launcher starts it through :data:`BLOCKED_START`: a ``python -S`` (no ``site
 imports) that blocks SIGINT and SIGTERM and replaces itself with this module's interpreter, which
 starts with both still blocked (a signal mask and pending signals survive ``exec``). A Ctrl-C
 while that interpreter imports ``site`` would otherwise be a "Fatal Python error" and a traceback
-per rank. It also asks for SIGTERM when the launcher dies (Linux's parent-death signal, which
-survives ``exec`` too), or exits at once where the launcher is gone already: torch's agent starts
+per rank. It also asks for SIGINT when the launcher dies (Linux's parent-death signal, which
+survives ``exec`` too: the rank stops as at a Ctrl-C), or exits at once where the launcher is gone
+already (its parent is not the launcher whose pid :data:`LAUNCHER_PID_ENV` names): torch's agent starts
 each rank in a session of its own, so a Ctrl-C that reaches the launcher while it is still starting
 them (before the agent holds every rank it started) left a rank running on, unseen, after the
 launcher had exited. From its first instruction, before torch is imported (seconds), Ctrl-C or SIGTERM (one
@@ -22,17 +23,19 @@ import os
 import signal
 import sys
 
-from reshard.recipes.exits import EXIT_INTERRUPTED
+from reshard.recipes.exits import EXIT_INTERRUPTED, LAUNCHER_PID_ENV
 
 STOPS = (signal.SIGINT, signal.SIGTERM)
 # ``python -S -c BLOCKED_START <job> [overrides]``: this module, started with STOPS blocked and
-# SIGTERM due when its parent (the launcher) dies: ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` on Linux;
-# a parent gone before that (the rank now a child of init) ends it
+# SIGINT due when its parent (the launcher) dies: ``prctl(PR_SET_PDEATHSIG, SIGINT)`` on Linux; a
+# parent gone before that (the rank's parent no longer the launcher whose pid the environment
+# names) ends it
 BLOCKED_START = (
     "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}); "
     "linux = sys.platform.startswith('linux'); "
-    "linux and __import__('ctypes').CDLL(None).prctl(1, signal.SIGTERM); "
-    "linux and os.getppid() == 1 and os._exit(130); "
+    "linux and __import__('ctypes').CDLL(None).prctl(1, signal.SIGINT); "
+    f"launcher = os.environ.get({LAUNCHER_PID_ENV!r}); "
+    "launcher and os.getppid() != int(launcher) and os._exit(130); "
     "os.execv(sys.executable, [sys.executable, '-m', 'reshard.recipes.rank', *sys.argv[1:]])"
 )
 

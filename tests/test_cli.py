@@ -349,10 +349,10 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_leaves_nothing(tmp_pat
 def test_ranks_end_when_their_launcher_dies(tmp_path):
     """A launcher gone while its ranks generate (as one is when a Ctrl-C reached it while torch's
     agent was still starting ranks, each in a session of its own, so that the agent never held
-    them) takes its ranks with it: each gets SIGTERM (the parent-death signal ``BLOCKED_START``
-    asks for) and stops. Past their start the ranks use no store the launcher holds, so without
-    it they would generate on for minutes; here no process is left, nothing in /dev/shm, and the
-    launcher's output pipe, which they share, closes."""
+    them) takes its ranks with it: each gets SIGINT (the parent-death signal ``BLOCKED_START``
+    asks for) and stops as at a Ctrl-C. Past their start a ``generate`` job's ranks use no store
+    the launcher holds, so without it they would generate on for minutes; here no process is
+    left, nothing in /dev/shm, and the launcher's output pipe, which they share, closes."""
     shm_before = _shm()
     args = ["generate", "--nproc", "2", "workload.num_requests=5000", "generation.max_new_tokens=64", "progress=false"]
     p = _reshard(args, tmp_path)  # (a job of minutes)
@@ -369,6 +369,23 @@ def test_ranks_end_when_their_launcher_dies(tmp_path):
         for pid in _running_in(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rank_whose_launcher_is_gone_before_it_starts_exits_at_once():
+    """``BLOCKED_START`` compares its parent with the launcher's pid the environment names: a rank
+    whose parent is another (the launcher died before the parent-death signal was set, and the
+    rank was adopted) exits 130 at once, saying nothing; one whose parent is the launcher goes on
+    to its job (here one that does not exist: an import error), whatever the launcher's pid (a
+    container's launcher is pid 1)."""
+    from reshard.recipes.exits import LAUNCHER_PID_ENV
+    from reshard.recipes.rank import BLOCKED_START
+
+    rank = [sys.executable, "-S", "-c", BLOCKED_START, "no_such_job"]
+    for launcher, code in ((os.getpid() + 1_000_000, 130), (os.getpid(), 1)):
+        env = {**os.environ, LAUNCHER_PID_ENV: str(launcher)}
+        proc = subprocess.run(rank, capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == code, (launcher, proc.stderr)
+        assert ("No module named 'reshard.recipes.no_such_job'" in proc.stderr) == (code == 1), proc.stderr
 
 
 def _finished_some(cwd: Path) -> bool:

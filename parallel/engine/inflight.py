@@ -325,25 +325,29 @@ class InflightBatching(ContinuousBatching):
     def _flight_step(self, k: int, queue: deque) -> Step | None:
         """Micro-batch ``k``'s next step, with blocks for every token it writes (None: no work
         now; a step whose blocks wait for another micro-batch to land)."""
-        step = self._budget_step(queue, self.flights[k]) if self.mixed else self._phase_step(k, queue)
+        prompts = None
+        if self.mixed:
+            step = self._budget_step(queue, self.flights[k])
+        else:
+            step, prompts = self._phase_step(k, queue)
         if step is not None and self.slots.grows:
             step = self._reserve(step, queue)
         if step is None or not step.seqs:
             return None
-        if not self.mixed:  # (a decode step that waited for blocks still goes before new prompts)
-            self.prefilled[k] = step.kind != "decode"
+        if prompts is not None:  # (a decode step that waited for blocks still goes before new prompts)
+            self.prefilled[k] = prompts
         return step
 
-    def _phase_step(self, k: int, queue: deque) -> Step | None:
-        """Whole prompts or decode tokens of micro-batch ``k``, alternating."""
+    def _phase_step(self, k: int, queue: deque) -> tuple[Step | None, bool]:
+        """Whole prompts or decode tokens of micro-batch ``k``, alternating; whether it feeds prompts."""
         slots = self.flights[k]
         running = [s for s in self.running.values() if s.slot in slots]
         if queue and self._fits(queue[0], slots) and not (self.prefilled[k] and running):
             seqs = self._admit(queue, slots)
-            return Step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs], self.layout)
+            return Step(seqs, [s.prompt_len - s.num_computed_tokens for s in seqs], self.layout), True
         if not running:
-            return None
-        return Step(running, [1] * len(running), self.layout)
+            return None, False
+        return Step(running, [1] * len(running), self.layout), False
 
     def _preemptible(self, seq: Sequence) -> bool:
         """Not while ``seq``'s micro-batch is in flight: a later stage may still compute it."""
