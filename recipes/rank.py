@@ -4,15 +4,19 @@ The launcher starts it through :data:`BLOCKED_START`: a ``python -S`` (no ``site
 imports) that blocks SIGINT and SIGTERM and replaces itself with this module's interpreter, which
 starts with both still blocked (a signal mask and pending signals survive ``exec``). A Ctrl-C
 while that interpreter imports ``site`` would otherwise be a "Fatal Python error" and a traceback
-per rank. It also asks for SIGINT when the launcher dies (Linux's parent-death signal, which
-survives ``exec`` too: the rank stops as at a Ctrl-C), or exits at once where the launcher is gone
-already (its parent is not the launcher whose pid :data:`LAUNCHER_PID_ENV` names): torch's agent starts
-each rank in a session of its own, so a Ctrl-C that reaches the launcher while it is still starting
-them (before the agent holds every rank it started) left a rank running on, unseen, after the
-launcher had exited. From its first instruction, before torch is imported (seconds), Ctrl-C or SIGTERM (one
-that came during the start, held until now, included) ends the rank at once and quietly: an
-import cut short has nothing to keep or clean up, and the launcher says the one line. The job's
-own handlers (:func:`reshard.recipes.launch.hydra_main`) take over once it starts. ``torchrun -m
+per rank.
+
+It also asks for SIGINT when the launcher dies (Linux's parent-death signal, which survives
+``exec`` too: the rank stops as at a Ctrl-C), and exits at once where the launcher is gone
+already (its parent is not the launcher whose pid :data:`LAUNCHER_PID_ENV` names). torch's agent
+starts each rank in a session of its own, so a Ctrl-C that reached the launcher while it was still
+starting them (before the agent held every rank it started) left a rank running on, unseen,
+after the launcher had exited.
+
+From its first instruction, before torch is imported (seconds), Ctrl-C or SIGTERM (one that came
+during the start, held until now, included) ends the rank at once and quietly: an import cut
+short has nothing to keep or clean up, and the launcher says the one line. The job's own handlers
+(:func:`reshard.recipes.launch.hydra_main`) take over once it starts. ``torchrun -m
 reshard.recipes.<job>`` runs the same jobs without this.
 """
 

@@ -362,7 +362,7 @@ def test_ranks_end_when_their_launcher_dies(tmp_path):
             time.sleep(0.2)
         assert _finished_some(tmp_path), "no request finished"
         os.kill(p.pid, signal.SIGKILL)
-        p.communicate(timeout=30)  # (the ranks hold the pipe until they end)
+        p.communicate(timeout=60)  # (the ranks hold the pipe until they end)
         time.sleep(0.5)
         assert _running_in(tmp_path) == [] and _shm() <= shm_before
     finally:  # (a failure leaves no rank generating on beside the rest of the suite)

@@ -331,7 +331,7 @@ class ContinuousBatching(Policy):
                 self._preempt(newest, queue)
             if self.is_running(seq):
                 kept.append((seq, n))
-        return step if len(kept) == len(step.seqs) else kept_step(step, kept)
+        return step if len(kept) == len(step.seqs) else _less(step, kept)
 
     def _reserved(self, step: Step, queue: deque) -> Step:
         """``step`` with its blocks (:meth:`_reserve`), of which every running request may be preempted."""
@@ -455,7 +455,7 @@ class ContinuousBatching(Policy):
         for every token it writes (preempting as :meth:`next_step` does)."""
         kept = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if self.is_running(s)]
         if len(kept) < len(step.seqs):
-            step = kept_step(step, kept)
+            step = _less(step, kept)
         return self._reserved(step, queue) if self.slots.grows else step
 
     def requeue_unstarted(self, queue: deque) -> None:
@@ -487,7 +487,7 @@ def batching_options(config: EngineConfig, runners: Seq[ModelRunner]) -> dict:
     )
 
 
-def kept_step(step: Step, kept: list[tuple[Sequence, int]]) -> Step:
+def _less(step: Step, kept: list[tuple[Sequence, int]]) -> Step:
     """``step`` with only the ``(sequence, tokens)`` pairs ``kept``: its layout, moves and
     agreement as chosen (a policy's ``layout_for`` is asked once per step)."""
     return dataclasses.replace(step, seqs=[s for s, _ in kept], num_tokens=[n for _, n in kept])
