@@ -169,7 +169,7 @@ def test_one_step_of_fresh_half_prefilled_and_decoding_requests_tp2(checkpoints,
 
 def _refusals(path) -> list[str]:
     from reshard.parallel import Engine, EngineConfig, parallelize
-    from reshard.parallel.engine.policy import ContinuousBatching
+    from reshard.parallel.engine.batching import ContinuousBatching
 
     model = parallelize(path)
     cases = [

@@ -231,7 +231,7 @@ def _pressed_in_flight(path, prompts, pp, pipeline):
     import torch.distributed as dist
 
     from reshard.parallel import Engine, EngineConfig, ParallelDims
-    from reshard.parallel.engine.policy import ContinuousBatching
+    from reshard.parallel.engine.batching import ContinuousBatching
     from reshard.parallel.model.pipeline import parallelize_pipeline
 
     model = parallelize_pipeline(path, ParallelDims(pp=pp, world_size=dist.get_world_size()))
@@ -277,3 +277,94 @@ def test_kv_pressure_in_flight_preempts_and_tokens_equal_an_unpressured_run(four
             assert [t for t, _ in got] == expected, chunked
     for stage in later:  # the same tokens and log-probabilities on every stage
         assert {k: v[:2] for k, v in stage.items()} == {k: v[:2] for k, v in first.items()}
+
+
+def _aborted_in_flight(path, prompts, pp, plans, kv_tokens):
+    """``pp`` in-flight stages, each rank stepping its own :class:`EngineCore`. Per cache
+    (contiguous, ``plans[None]``; paged, ``plans[4]``: blocks of 4, ``kv_tokens`` of them) the ids
+    of ``plan[i]`` are aborted before core step ``i`` (every rank makes the same calls; a later
+    stage's are ignored, the first stage's notes say what ends there). Per cache:
+    each request's final status and tokens, what each aborted request was doing on this stage
+    when it was aborted, and what this stage still holds at the end."""
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims
+    from reshard.parallel.engine.batching import ContinuousBatching
+    from reshard.parallel.engine.core import EngineCore
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+
+    model = parallelize_pipeline(path, ParallelDims(pp=pp, world_size=dist.get_world_size()))
+    out = {}
+    for blocks, plan in plans.items():
+        paged = {} if blocks is None else dict(kv_block_size=blocks, kv_tokens=kv_tokens)
+        config = EngineConfig(max_batch_size=4, max_seq_len=128, num_microbatches=pp, max_prefill_tokens=8, **paged)
+        engine = Engine(model, config)
+        core = EngineCore(engine)
+        for r in _requests(prompts, 24):
+            core.add_request(r)
+        first = isinstance(engine.policy, ContinuousBatching)
+        final, seen, i = {}, {}, 0
+        while core.has_unfinished():
+            for rid in plan.get(i, ()):
+                seen[rid] = _doing(engine, core, rid) if first else None
+            core.abort(plan.get(i, ()))
+            final.update({o.request_id: (o.status.name, o.completion.output_ids) for o in core.step() if o.finished})
+            i += 1
+        policy = engine.policy
+        if first:
+            held = (len(policy.running), len(policy.slots), policy.slots.available(0) if blocks else None)
+        else:
+            held = (len(policy.live), len(policy.slots), len(policy.ending))
+        done = {rid: (c.finish_reason, c.output_ids) for rid, c in core.done.items()}
+        out[blocks] = dict(final=final, seen=seen, held=held, done=done, preemptions=engine.stats.preemptions)
+    return out
+
+
+def _doing(engine, core, rid) -> str:
+    """What request ``rid`` does on the first stage now: ``"prefill"`` (running, in its prompt's
+    chunks), ``"decode"`` or ``"decode-in-flight"`` (its micro-batch's step not landed),
+    ``"preempted"`` (queued again with tokens) or its status's name."""
+    from reshard.parallel.engine.core import RequestStatus
+
+    policy, status = engine.policy, core.status(rid)
+    seq = policy.running.get(rid)
+    if status is RequestStatus.RUNNING and seq is not None:
+        phase = "prefill" if seq.num_computed_tokens < seq.prompt_len else "decode"
+        return phase if policy._preemptible(seq) else f"{phase}-in-flight"
+    queued = [r for r in core.queue if r.id == rid]
+    return "preempted" if status is RequestStatus.PREEMPTED and queued and queued[0].resumed else status.name
+
+
+ABORTS = {  # per cache, core step -> ids aborted before it (what each is doing then: asserted below)
+    None: {2: [6], 7: [0], 10: [1], 12: [2]},
+    4: {2: [6], 34: [3], 37: [0], 38: [1]},  # a paged cache of 96 tokens: request 3 preempted by then
+}
+
+
+@pytest.mark.parametrize("pp", [2, 3], ids=["PP2", "PP3"])
+def test_abort_in_flight_ends_the_request_on_every_stage_and_frees_its_kv(four_layer, hf_reference, pp):
+    """``abort`` on an in-flight pipeline: of a request still queued, one in its prompt's chunks,
+    one decoding between its steps (it ends at once), one whose micro-batch is in flight (it ends
+    at that step's token) and one preempted with tokens (queued again). Each ends
+    FINISHED_ABORTED with the tokens it had (HF's, cut short); the first stage's notes end it on
+    every later stage with as many tokens (a middle stage's included); every other request equals
+    HF; no stage holds a slot, block or sequence at the end."""
+    path, prompts = four_layer["llama"], _prompts(8)
+    expected = hf_reference(path, prompts, 24)
+    first, *later = dist_harness.run(pp, _aborted_in_flight, path, prompts, pp, ABORTS, 96)
+    doing = [d for run in first.values() for d in run["seen"].values()]
+    assert {"WAITING", "decode", "decode-in-flight", "preempted"} <= set(doing), doing
+    assert any(d.startswith("prefill") for d in doing), doing
+    for blocks, run in first.items():
+        aborted = {rid for ids in ABORTS[blocks].values() for rid in ids}
+        for rid, (status, tokens) in run["final"].items():
+            cut = rid in aborted
+            assert status == ("FINISHED_ABORTED" if cut else "FINISHED_LENGTH"), (blocks, rid, status)
+            assert tokens == (expected[rid][: len(tokens)] if cut else expected[rid]), (blocks, rid)
+        assert sorted(run["final"]) == list(range(8)) and run["held"] == (0, 4, 24 if blocks else None)
+        never_noted = {rid for rid, d in run["seen"].items() if d == "WAITING"}
+        for stage in later:
+            here = stage[blocks]
+            assert here["done"] == {k: v for k, v in run["done"].items() if k not in never_noted}, blocks
+            assert here["held"] == (0, 0, 0), (blocks, here["held"])
+    assert first[4]["preemptions"] > 0

@@ -282,9 +282,14 @@ def test_bad_requests_are_4xx_naming_the_value_and_the_server_keeps_serving(serv
 
 
 def _metric(server: Server, name: str) -> float:
+    return _metric_at(server.url, name)
+
+
+def _metric_at(url: str, name: str) -> float:
+    """``name`` summed over its labels, from the ``/metrics`` of the server at ``url``."""
     import httpx
 
-    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    text = httpx.get(url.removesuffix("/v1") + "/metrics").text
     values = [
         float(line.split()[-1])
         for line in text.splitlines()
@@ -546,3 +551,78 @@ def test_a_chats_second_turn_hits_the_first_turns_blocks(served, tokenizer, hf_r
     assert shared >= 8, shared  # the template renders the first turn as the second's beginning
     assert after - before >= shared // 4 * 4 > 0, (before, after, shared)
     assert reply.choices[0].message.content == reference(hf_reference, tokenizer, served, [ids])[0]
+
+
+def _serve_and_disconnect(overrides: list[str], run_dir: str, prompts: list[str]) -> dict | None:
+    """On every rank: serve (``run_serve``); on rank 0 a client streams a long request and goes
+    away after a few chunks, then asks for ``prompts`` whole, then drains. What rank 0's client saw."""
+    import torch.distributed as dist
+
+    from reshard.recipes import schema
+    from reshard.recipes.serve import run_serve
+
+    drain, out = threading.Event(), {}
+    client = None
+    if dist.get_rank() == 0:
+        client = threading.Thread(target=_disconnecting_client, args=(Path(run_dir), prompts, drain, out))
+        client.start()
+    try:
+        run_serve(schema.compose("serve", overrides), Path(run_dir), drain)
+    finally:
+        drain.set()
+    if client is not None:
+        client.join(60)
+    return out if client is not None else None
+
+
+def _disconnecting_client(run_dir: Path, prompts: list[str], drain: threading.Event, out: dict) -> None:
+    import httpx
+    import openai
+
+    aborted = 'reshard_requests_finished_total{reason="abort"}'
+    try:
+        url = _wait_for_url(run_dir, drain)
+        out["free"] = _metric_at(url, "reshard_kv_free_tokens")
+        body = {"model": MODEL, "prompt": "a long one", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/completions", json={**body, "temperature": 0}, timeout=60) as r:
+            out["chunks"] = len([line for line, _ in zip(r.iter_lines(), range(6)) if line])
+        deadline = time.monotonic() + 60
+        while _metric_at(url, aborted) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out["aborted"] = _metric_at(url, aborted)
+        out["generated"] = _metric_at(url, "reshard_generation_tokens_total")
+        out["free_after"] = _metric_at(url, "reshard_kv_free_tokens")
+        out["running"] = _metric_at(url, "reshard_requests_running")
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=NEW, temperature=0)
+        out["texts"] = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    except Exception as e:  # reported by the test
+        out["error"] = repr(e)
+    finally:
+        drain.set()
+
+
+def _wait_for_url(run_dir: Path, drain: threading.Event) -> str:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not drain.is_set():
+        info = run_dir / "server.json"
+        url = json.loads(info.read_text()).get("url") if info.exists() else None
+        if url:
+            return url
+        time.sleep(0.1)
+    raise TimeoutError(f"no server.json url in {run_dir}")
+
+
+def test_an_in_flight_pipeline_serves_and_a_client_gone_mid_stream_is_aborted(
+    served, tokenizer, hf_reference, tmp_path
+):
+    """``parallel.pp=2`` serves in flight: a client that leaves mid-stream cancels its request,
+    which the first stage aborts and its notes end on the second (``/metrics``: one abort, fewer
+    tokens than asked, the KV free again, nothing running); the next answers equal HF's."""
+    prompts = PROMPTS[:2]
+    overrides = [f"model.path={served}", f"serve.model_name={MODEL}", "serve.port=0", "parallel.pp=2"]
+    out, _ = dist_harness.run(2, _serve_and_disconnect, overrides, str(tmp_path / "run"), prompts)
+    assert "error" not in out, out["error"]
+    assert out["chunks"] >= 3 and out["aborted"] == 1 and out["generated"] < 200, out
+    assert out["free_after"] == out["free"] and out["running"] == 0, out
+    assert out["texts"] == reference(hf_reference, tokenizer, served, [tokenizer(p)["input_ids"] for p in prompts])

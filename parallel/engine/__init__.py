@@ -2,20 +2,12 @@
 
 from reshard.parallel.engine.admission import Endpoint
 from reshard.parallel.engine.agree import agree_tokens, sample_step
+from reshard.parallel.engine.batching import ContinuousBatching
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.core import CoreOutput, EngineCore, RequestStatus
 from reshard.parallel.engine.events import EngineEvents, LayerHooks
 from reshard.parallel.engine.loop import Engine
-from reshard.parallel.engine.policy import (
-    ContinuousBatching,
-    Move,
-    Policy,
-    PolicyContext,
-    RunnerInfo,
-    SlotPool,
-    Step,
-    StepOutput,
-)
+from reshard.parallel.engine.policy import Move, Policy, PolicyContext, RunnerInfo, Step, StepOutput
 from reshard.parallel.engine.registry import (
     Strategy,
     WorkloadShape,
@@ -26,6 +18,7 @@ from reshard.parallel.engine.registry import (
 )
 from reshard.parallel.engine.request import Completion, EngineStats, Request, Sequence
 from reshard.parallel.engine.runner import ModelRunner, Replica
+from reshard.parallel.engine.slots import SlotPool
 from reshard.parallel.engine.splits import StageLink, TokenSplit, split_ranges
 
 __all__ = [

@@ -244,18 +244,19 @@ def enqueue(queue: deque, requests: Seq[Request]) -> None:
             queue.append(request)
 
 
-def withdraw(queue: Seq, items: list, running: dict[int, Sequence], apply: bool) -> tuple[list, list[Completion]]:
+def withdraw(queue: Seq, items: list, running: dict[int, Sequence]) -> tuple[list, list[Completion]]:
     """``items`` (what a group just took) less its :class:`Cancel` s, and the completions of the
     requests they end now. Each cancellation ends its request: one still in ``queue`` leaves it,
     completed as ``"abort"`` with no output; one ``running`` (request id -> its sequence) is
-    marked and ends at its next token (retired as any other: its KV freed); one handed to another
-    group (DejaVu's unsupervised hand-offs) runs to its end there. Every rank of the
-    group takes the same items at the same step, so every rank ends it at the same step. With
-    ``apply`` false (an in-flight pipeline, whose later stages never see the first stage's
-    admissions) cancellations are dropped and the request runs to its end."""
+    marked: the engine ends it between steps where its policy can
+    (:meth:`~reshard.parallel.engine.policy.Policy.ends_now`), else at its next token (retired as
+    any other: its KV freed); one handed to another group (DejaVu's unsupervised hand-offs) runs
+    to its end there. Every rank of the group takes the same items at the same step, so every
+    rank ends it at the same step (an in-flight pipeline's later stages, which never see the
+    first stage's admissions, at the step its notes say)."""
     ended: list[Completion] = []
     items = list(items)
-    for cancel in [c for c in items if isinstance(c, Cancel)] if apply else ():
+    for cancel in [c for c in items if isinstance(c, Cancel)]:
         for waiting in (queue, items):  # queued, or taken at this very step
             queued = next((r for r in waiting if isinstance(r, Request) and r.id == cancel.id), None)
             if queued is not None:

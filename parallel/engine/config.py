@@ -179,8 +179,8 @@ class EngineConfig:
 
 def _choices() -> dict[str, tuple]:
     """The keys that take one of a few names, and those names (each owned by its module)."""
+    from reshard.parallel.engine.batching import ADMISSION
     from reshard.parallel.engine.inflight import PIPELINES
-    from reshard.parallel.engine.policy import ADMISSION
     from reshard.parallel.engine.router import ROUTING
     from reshard.parallel.engine.runner import REPLICAS
 

@@ -34,7 +34,7 @@ import torch
 
 from reshard.parallel.engine.admission import ADMIT, Admission, Done, LocalAdmission, enqueue, withdraw
 from reshard.parallel.engine.channel import Cancel, Handoff
-from reshard.parallel.engine.inflight import NotedSteps
+from reshard.parallel.engine.notes import NotedSteps
 from reshard.parallel.engine.policy import Step, StepOutput
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request
 
@@ -129,8 +129,10 @@ class EngineCore:
 
     def abort(self, request_ids: Iterable[int]) -> None:
         """End ``request_ids`` before the next step (every rank aborts the same ids between the
-        same steps). An unknown or finished id is ignored."""
-        self.aborts.extend(request_ids)
+        same steps). An unknown or finished id is ignored. A later pipeline stage ignores them:
+        it ends what the first stage's notes say it aborted."""
+        if not isinstance(self.engine.policy, NotedSteps):
+            self.aborts.extend(request_ids)
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or may still come (a routed group's input)."""
@@ -155,7 +157,8 @@ class EngineCore:
             self.ahead = None  # (nothing runs: a step scheduled ahead holds no request)
             self.engine.connector.land_arriving()  # (KV streamed for sequences that finished before)
             taken = self.intake.wait_next()
-            items, ended = withdraw(self.queue, taken, self.engine._live, False)  # (a cancel: of none)
+            items, ended = withdraw(self.queue, taken, self.engine._live)
+            self._done(ended)
             self._accept(items)
             outputs += self._ended(ended)
         else:
@@ -223,10 +226,9 @@ class EngineCore:
             engine.policy.retire(seq)
             engine._live.pop(seq.request.id, None)
         taken = self.intake.take((output.agreed or {}).get(ADMIT, 0))
-        items, ended = withdraw(self.queue, taken, engine._live, engine.flow is None)
+        items, ended = withdraw(self.queue, taken, engine._live)
         ended += self._end_cancelled()
-        for c in completions + ended:
-            self.done[c.id] = c
+        self._done(completions + ended)
         self._accept(items)
         self.intake.report(engine.policy.load(self.queue), completions + ended)
         return _marked(outputs, completions) + self._ended(ended)
@@ -254,10 +256,9 @@ class EngineCore:
             self.engine._live.pop(request.id, None)
             ended.append(request.aborted())
         cancels = [Cancel(rid) for rid in ids]
-        _, withdrawn = withdraw(self.queue, cancels, self.engine._live, self.engine.flow is None)
+        _, withdrawn = withdraw(self.queue, cancels, self.engine._live)
         ended += withdrawn + self._end_cancelled()
-        for c in ended:
-            self.done[c.id] = c
+        self._done(ended)
         self.intake.report(None, ended)
         return self._ended(ended)
 
@@ -265,12 +266,20 @@ class EngineCore:
         """Cancelled running sequences the policy can end between steps: their KV back now."""
         ended = []
         for seq in [s for s in self.engine._live.values() if s.cancelled]:
-            if self.engine.flow is None and self.engine.policy.is_running(seq):
+            if self.engine.policy.ends_now(seq):
                 seq.finish_reason = "abort"
                 self.engine.policy.retire(seq)
                 self.engine._live.pop(seq.request.id)
                 ended.append(seq.completion(self.start))
         return ended
+
+    def _done(self, completions: list[Completion]) -> None:
+        """``completions`` finished here; an in-flight pipeline's first stage notes its aborts
+        to the later stages."""
+        for c in completions:
+            self.done[c.id] = c
+        if self.engine.flow is not None:
+            self.engine.flow.aborted(completions)
 
     def _ended(self, completions: list[Completion]) -> list[CoreOutput]:
         return [CoreOutput(c.id, [], RequestStatus.of_finish(c.finish_reason), c) for c in completions]

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reshard.parallel.engine.admission import Admission
 from reshard.parallel.engine.agree import payload_size, read_payload, sample_payload
-from reshard.parallel.engine.notes import NotedSequences, NoteLink, StepNote
-from reshard.parallel.engine.policy import ContinuousBatching, Policy, Step, check_fits
-from reshard.parallel.engine.request import NO_TOKEN, Request, Sequence
+from reshard.parallel.engine.batching import ContinuousBatching
+from reshard.parallel.engine.notes import NotedSequences, NotedSteps, NoteLink, StepNote
+from reshard.parallel.engine.policy import Policy, Step
+from reshard.parallel.engine.request import NO_TOKEN, Completion, Sequence
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.splits import split_ranges
 
@@ -101,21 +101,31 @@ class BatchQueue:
         self.first, self.last, self.others = link.is_first, link.peers[-1], link.peers[:-1]
         self.flights: deque[Flight] = deque()
         self.noted = NotedSequences()  # (the first stage's)
+        self.unnoted: list[tuple[int, int]] = []  # (the first stage's) aborts its next note carries
         self.sent: deque[tuple[dist.Work, torch.Tensor]] = deque()  # token sends (last stage), with buffers
         self.record = PipelineRecord()
         self._t0 = self._busy0 = 0.0
+
+    def policy(self, layout: str, options: dict) -> Policy:
+        """This stage's policy over ``layout``: the first stage schedules (:class:`InflightBatching`,
+        with :class:`ContinuousBatching`'s ``options``); a later stage runs the steps its notes
+        carry (:class:`NotedSteps`)."""
+        if self.first:
+            return InflightBatching(layout, **options)
+        return NotedSteps(layout, self.notes)
 
     def begin(self) -> None:
         """A new ``generate``: clear the record."""
         self.record = PipelineRecord()
         self.noted.clear()
+        self.unnoted = []
         self._t0, self._busy0 = time.perf_counter(), self.runner.busy_seconds
 
     def launch(self, step: Step, layers=None) -> None:
         """Run this stage's part of ``step`` (the first stage notes it down the stages first)."""
         launched, clock = time.time(), time.perf_counter()
         if self.first:
-            self.notes.send(StepNote.of(step, self.noted))
+            self.notes.send(StepNote.of(step, self.noted, self._take_unnoted()))
         logits = self.runner.run(step.seqs, step.num_tokens, layers, microbatches=1)
         emitting, rows = _emitting(step)  # (a prompt chunk short of its prompt's end samples nothing)
         if logits is None:  # not the last stage: (B + R * W,) tokens and log-probabilities come from it
@@ -139,6 +149,16 @@ class BatchQueue:
         while self.sent and self.sent[0][0].is_completed():
             self.sent.popleft()
         return payload
+
+    def aborted(self, completions: list[Completion]) -> None:
+        """Requests that just finished here: on the first stage, those aborted go in its next
+        note (or its ``"stop"``), each with the tokens it had generated."""
+        if self.first:
+            self.unnoted += [(c.id, len(c.output_ids)) for c in completions if c.finish_reason == "abort"]
+
+    def _take_unnoted(self) -> tuple[tuple[int, int], ...]:
+        taken, self.unnoted = tuple(self.unnoted), []
+        return taken
 
     def holding(self, step: Step) -> int:
         """How many of the oldest flights must land before ``step`` runs: up to the newest one
@@ -167,111 +187,12 @@ class BatchQueue:
         """Every step landed: the first stage sends ``"stop"`` down; every send completes."""
         assert not self.flights, f"{len(self.flights)} micro-batches still in flight"
         if self.first:
-            self.notes.send(StepNote("stop"))
+            self.notes.send(StepNote("stop", aborted=self._take_unnoted()))
         self.notes.flush()
         while self.sent:
             self.sent.popleft()[0].wait()
         self.record.wall = time.perf_counter() - self._t0
         self.record.busy = self.runner.busy_seconds - self._busy0
-
-
-class NotedSteps(Policy):
-    """A later stage's policy: the steps the first stage notes, in note order (forwarded to the
-    next stage as they arrive); sequences made for new requests at their noted slots, with the
-    blocks the notes carry. A request the first stage preempted comes again as a new one: its
-    sequence goes on from the last one's log-probabilities and times, as the first stage's does.
-    :meth:`admission` is where its loop's requests come from: the notes too."""
-
-    def __init__(self, layout: str, notes: NoteLink) -> None:
-        self.layout, self.notes = layout, notes
-        self.pending: StepNote | None = None
-        self.noted: StepNote | None = None  # the note of the last step handed out
-        self.slots: dict[int, Sequence] = {}  # slot -> this stage's sequence in it
-        self.live: dict[int, Sequence] = {}  # request id -> its last sequence here, until it finishes
-        self.taken, self.stopped = 0, False
-
-    @property
-    def initial_layout(self) -> str | None:
-        return self.layout
-
-    def validate(self, requests) -> None:
-        check_fits(requests, self.runner_info[self.layout].kv)  # as the first stage refuses them
-
-    def start(self, queue: deque) -> None:
-        assert not queue, "a later stage's requests come in notes"
-        self.slots, self.live, self.taken, self.stopped = {}, {}, 0, False
-
-    def receive(self) -> None:
-        """Wait for the next note (forwarding it down first)."""
-        assert self.pending is None and not self.stopped
-        note = self.notes.recv()
-        if self.notes.next is not None:
-            self.notes.send(note)
-        self.stopped = note.kind == "stop"
-        self.taken += sum(r.id not in self.live for r in note.requests)  # (not one preempted after a note)
-        self.pending = None if self.stopped else note
-
-    def next_step(self, queue: deque) -> Step | None:
-        if self.pending is None and not self.stopped:
-            self.receive()
-        note, self.pending = self.pending, None
-        if note is None:
-            return None
-        self.noted = note
-        return Step(self._sequences(note), list(note.num_tokens), self.layout)
-
-    def _sequences(self, note: StepNote) -> list[Sequence]:
-        """This stage's sequences of ``note`` (made for the new ones); the blocks it carries
-        given to theirs, with the cache table rows of those past their first positions (a
-        cached prefix, a grown sequence) written now, as the first stage wrote its own."""
-        for i, request in zip(note.new, note.requests):
-            seq = self.new_sequence(request)
-            seq.slot, seq.num_computed_tokens = note.slots[i], note.num_computed_tokens[i]
-            earlier = self.live.get(request.id)
-            if earlier is not None:  # preempted on the first stage: what it had goes on
-                seq.logprobs, seq.times = earlier.logprobs, earlier.times
-            self.slots[seq.slot] = self.live[request.id] = seq
-        seqs = [self.slots[slot] for slot in note.slots]
-        kv = self.runner_info[self.layout].kv
-        for i, blocks in zip(note.tables, note.blocks):
-            seqs[i].blocks = list(blocks)
-            if note.num_computed_tokens[i]:  # (the first stage's count: a middle stage's may lag, its step not landed)
-                kv.assign(seqs[i].slot, seqs[i].blocks)
-        return seqs
-
-    def check(self, step: Step) -> None:
-        """Before ``step`` (the last noted) runs, once the steps holding its sequences landed:
-        this stage's sequences are where the first stage's were when it noted the step."""
-        here = [(s.request.id, s.num_computed_tokens) for s in step.seqs]
-        assert here == list(zip(self.noted.ids, self.noted.num_computed_tokens)), (here, self.noted)
-
-    def retire(self, seq: Sequence) -> None:
-        if self.slots.get(seq.slot) is seq:  # a new sequence may hold its slot already
-            del self.slots[seq.slot]
-        if self.live.get(seq.request.id) is seq:
-            del self.live[seq.request.id]
-
-    def admission(self) -> Admission:
-        return _NotedAdmission(self)
-
-
-class _NotedAdmission(Admission):
-    """A later stage's requests: those of the notes (taken as they are noted)."""
-
-    def __init__(self, steps: NotedSteps) -> None:
-        self.steps = steps
-
-    @property
-    def taken(self) -> int:
-        return self.steps.taken
-
-    @property
-    def exhausted(self) -> bool:
-        return self.steps.stopped
-
-    def wait_next(self) -> list[Request]:
-        self.steps.receive()
-        return []
 
 
 def _emitting(step: Step) -> tuple[list[Sequence], list[int]]:
@@ -352,6 +273,11 @@ class InflightBatching(ContinuousBatching):
     def _preemptible(self, seq: Sequence) -> bool:
         """Not while ``seq``'s micro-batch is in flight: a later stage may still compute it."""
         return not any(seq.slot in self.flights[k] for k in self.busy)
+
+    def ends_now(self, seq: Sequence) -> bool:
+        """An aborted running ``seq`` ends between steps unless its micro-batch is in flight
+        (then at the step's token); the next note tells the later stages."""
+        return self.is_running(seq) and self._preemptible(seq)
 
     def after_step(self, step: Step, output) -> None:
         super().after_step(step, output)

@@ -33,6 +33,7 @@ from reshard.parallel.engine.admission import (
     RoutedAdmission,
 )
 from reshard.parallel.engine.agree import sample_emitting, sample_step
+from reshard.parallel.engine.batching import ContinuousBatching, batching_options
 from reshard.parallel.engine.channel import Channel, GroupLayout
 from reshard.parallel.engine.checks import (
     check_chunked,
@@ -44,16 +45,8 @@ from reshard.parallel.engine.config import EngineConfig, refuse_moved_keys
 from reshard.parallel.engine.connector import KVConnectors
 from reshard.parallel.engine.core import EngineCore
 from reshard.parallel.engine.events import EngineEvents
-from reshard.parallel.engine.inflight import BatchQueue, InflightBatching, NotedSteps, use_inflight
-from reshard.parallel.engine.policy import (
-    ContinuousBatching,
-    Policy,
-    PolicyContext,
-    RunnerInfo,
-    Step,
-    StepOutput,
-    batching_options,
-)
+from reshard.parallel.engine.inflight import BatchQueue, use_inflight
+from reshard.parallel.engine.policy import Policy, PolicyContext, RunnerInfo, Step, StepOutput
 from reshard.parallel.engine.request import NO_TOKEN, Completion, Request, Sequence, eos_ids, record_times
 from reshard.parallel.engine.routed import generate_routed
 from reshard.parallel.engine.runner import ModelRunner
@@ -152,12 +145,9 @@ class Engine:
         """Continuous batching over the first runner, by the config (in flight: see ``pipeline``;
         a later stage of an in-flight pipeline runs the steps the first stage notes)."""
         layout = next(iter(self.runners))
-        if self.flow is not None and not self.flow.first:
-            return NotedSteps(layout, self.flow.notes)
-
         options = batching_options(self.config, [self.runners[layout]])
         if self.flow is not None:
-            return InflightBatching(layout, **options)
+            return self.flow.policy(layout, options)
         return ContinuousBatching(layout, **options)
 
     # ---- what the active layout holds ------------------------------------------------------------
@@ -314,11 +304,12 @@ class Engine:
             self._scheduled(step)
         if step is None:
             # nothing to land with no step to run: a later stage whose first stage has stopped
-            assert flow.flights or isinstance(self.policy, NotedSteps), "no step and nothing in flight"
+            stopped = not flow.first and self.policy.only_aborted_left()
+            assert flow.flights or stopped, "no step, nothing in flight, and requests that will not end"
             return [self._land(admission)] if flow.flights else []
 
         landed = [self._land(admission) for _ in range(flow.holding(step))]
-        if isinstance(self.policy, NotedSteps):
+        if not flow.first:
             self.policy.check(step)
         self._launch(step)
         return landed

@@ -39,7 +39,7 @@ from reshard.parallel.engine import (
     TokenSplit,
     register_strategy,
 )
-from reshard.parallel.engine.policy import batching_options
+from reshard.parallel.engine.batching import batching_options
 from reshard.parallel.engine.registry import PAGED_BLOCK_SIZE
 from reshard.parallel.model.dims import ParallelDims, rank_grid
 from reshard.parallel.model.info import parallel_info, update_info

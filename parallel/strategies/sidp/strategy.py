@@ -38,8 +38,8 @@ from reshard.parallel.engine import (
     Strategy,
     register_strategy,
 )
+from reshard.parallel.engine.batching import batching_options
 from reshard.parallel.engine.checks import check_one_microbatch
-from reshard.parallel.engine.policy import batching_options
 from reshard.parallel.engine.request import batch_kind
 from reshard.parallel.model.checkpoint import resolve_checkpoint
 from reshard.parallel.model.dims import ParallelDims
