@@ -34,8 +34,11 @@ from reshard.parallel.fault.fork_server import frozen_preload
 JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 DEATH_POLL_S = 0.5  # how often a job's wait looks for a rank whose process is gone
+# the test models' Hugging Face modules (a rank builds its model from them: a second or two of
+# imports, once per process otherwise)
+FAMILIES = [f"transformers.models.{f}.modeling_{f}" for f in ("llama", "qwen2", "qwen3", "mistral")]
 # imported with the collector paused, then frozen (as a supervised rank's server does)
-PRELOAD = list(frozen_preload(["torch", "torch.distributed", "transformers", "reshard.parallel"]))
+PRELOAD = list(frozen_preload(["torch", "torch.distributed", "transformers", "reshard.parallel", *FAMILIES]))
 
 
 def _free_port() -> int:
