@@ -613,14 +613,16 @@ def _wait_for_url(run_dir: Path, drain: threading.Event) -> str:
     raise TimeoutError(f"no server.json url in {run_dir}")
 
 
-def test_an_in_flight_pipeline_serves_and_a_client_gone_mid_stream_is_aborted(
-    served, tokenizer, hf_reference, tmp_path
+@pytest.mark.parametrize("strategy", [["parallel.pp=2"], ["parallel=dejavu"]], ids=["pp2-in-flight", "dejavu"])
+def test_a_client_gone_mid_stream_is_aborted_where_its_request_runs(
+    strategy, served, tokenizer, hf_reference, tmp_path
 ):
-    """``parallel.pp=2`` serves in flight: a client that leaves mid-stream cancels its request,
-    which the first stage aborts and its notes end on the second (``/metrics``: one abort, fewer
-    tokens than asked, the KV free again, nothing running); the next answers equal HF's."""
+    """A client that leaves mid-stream cancels its request where it runs by then: on an in-flight
+    pipeline the first stage aborts it and its notes end it on the second; under DejaVu the prompt
+    group that handed it on passes the cancel to the token group (``/metrics``: one abort, fewer
+    tokens than asked, the KV free again, nothing running). The next answers equal HF's."""
     prompts = PROMPTS[:2]
-    overrides = [f"model.path={served}", f"serve.model_name={MODEL}", "serve.port=0", "parallel.pp=2"]
+    overrides = [f"model.path={served}", f"serve.model_name={MODEL}", "serve.port=0", *strategy]
     out, _ = dist_harness.run(2, _serve_and_disconnect, overrides, str(tmp_path / "run"), prompts)
     assert "error" not in out, out["error"]
     assert out["chunks"] >= 3 and out["aborted"] == 1 and out["generated"] < 200, out

@@ -113,19 +113,17 @@ def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_on_the_offlin
 def test_a_cancel_ends_a_queued_request_at_once_and_marks_a_running_one():
     queued, running = Request(1, [5, 6], SamplingParams()), Request(2, [7], SamplingParams(max_new_tokens=9))
     seq = Sequence.of(running, eos_ids=(0,))
-    queue = deque([queued])
-    items, ended = withdraw(queue, [Cancel(1), Cancel(2), Request(3, [1])], {2: seq}, apply=True)
-    assert [r.id for r in items] == [3] and not queue
+    other = Request(3, [1], SamplingParams())
+    queue = deque([queued, other])
+    ended = withdraw(queue, [1, 2, 99], {2: seq})  # 99: unknown, ignored
+    assert list(queue) == [other]
     assert [(c.id, c.output_ids, c.finish_reason) for c in ended] == [(1, [], "abort")]
     assert seq.cancelled and seq.finish_reason is None
     seq.append(4)  # its next token ends it
     assert seq.finish_reason == "abort"
-    late = Request(4, [1], SamplingParams())
-    items, ended = withdraw(deque(), [late, Cancel(4)], {}, apply=True)  # taken and cancelled at one step
-    assert items == [] and [(c.id, c.finish_reason) for c in ended] == [(4, "abort")]
-    kept = deque([queued])
-    items, ended = withdraw(kept, [Cancel(1)], {}, apply=False)  # an in-flight pipeline: runs to its end
-    assert items == [] and ended == [] and list(kept) == [queued]
+    resumed = Request(4, [1], SamplingParams(max_new_tokens=5)).resume([7, 8])  # preempted after two tokens
+    ended = withdraw(deque([resumed]), [4], {})
+    assert [(c.id, c.prompt_ids, c.output_ids, c.finish_reason) for c in ended] == [(4, [1], [7, 8], "abort")]
 
 
 def test_a_servers_router_places_cancels_and_forgets_and_ends_once_its_inbox_closes():

@@ -21,7 +21,7 @@ import dataclasses
 import datetime
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 from reshard.parallel.engine.channel import Cancel, Channel, GroupLayout, Handoff, Load
@@ -136,7 +136,12 @@ class RoutedAdmission(Admission):
     ``endpoint``: the router's name for this group, ``<index>.<generation>`` (default generation
     0; a supervised group's names its own, :class:`reshard.parallel.fault.supervisor.ChildSpec`);
     ``beat()``: called while it waits for requests (a supervised group's heartbeat).
+
+    A cancellation of a request this group handed to another (DejaVu's prompt group) is passed on
+    to that group, whose requests the router does not see move.
     """
+
+    HANDED = 65536  # the most hand-offs remembered (a cancel for an older one is dropped)
 
     def __init__(
         self,
@@ -154,6 +159,7 @@ class RoutedAdmission(Admission):
         self.timeout = timeout
         self.endpoint = endpoint_of(layout.index) if endpoint is None else endpoint
         self.ended = False  # the leader posted the None that ends the input
+        self.handed: dict[int, int] = {}  # request id -> the group it was handed to, oldest first
 
     def _key(self, k: int) -> str:
         return f"assign/{self.endpoint}/{k}"
@@ -180,9 +186,16 @@ class RoutedAdmission(Admission):
         values = [self.channel.get(self._key(self.read + i)) for i in range(count)]
         self.read += count
         self.exhausted = None in values
-        items = [v for v in values if v is not None]
+        items = [v for v in values if v is not None and not self._passed_on(v)]
         self.taken += sum(isinstance(v, Request) for v in items)  # (a hand-off's are added with their KV source)
         return items
+
+    def _passed_on(self, item) -> bool:
+        """Whether ``item`` cancels a request handed on from here: the leader posts it there."""
+        target = self.handed.get(item.id) if isinstance(item, Cancel) else None
+        if target is not None and self.layout.is_leader:
+            self.channel.post(endpoint_of(target), item)
+        return target is not None
 
     def wait_next(self) -> list[Request]:
         if self.exhausted:
@@ -214,6 +227,9 @@ class RoutedAdmission(Admission):
     def hand_off(self, handoff: Handoff) -> None:
         if self.layout.is_leader:
             self.channel.post(endpoint_of(handoff.target), handoff)
+        self.handed.update((r.id, handoff.target) for r in handoff.requests)
+        for rid in list(self.handed)[: max(0, len(self.handed) - self.HANDED)]:
+            del self.handed[rid]
 
 
 class Done(dict):
@@ -244,30 +260,24 @@ def enqueue(queue: deque, requests: Seq[Request]) -> None:
             queue.append(request)
 
 
-def withdraw(queue: Seq, items: list, running: dict[int, Sequence]) -> tuple[list, list[Completion]]:
-    """``items`` (what a group just took) less its :class:`Cancel` s, and the completions of the
-    requests they end now. Each cancellation ends its request: one still in ``queue`` leaves it,
-    completed as ``"abort"`` with no output; one ``running`` (request id -> its sequence) is
-    marked: the engine ends it between steps where its policy can
-    (:meth:`~reshard.parallel.engine.policy.Policy.ends_now`), else at its next token (retired as
-    any other: its KV freed); one handed to another group (DejaVu's unsupervised hand-offs) runs
-    to its end there. Every rank of the group takes the same items at the same step, so every
-    rank ends it at the same step (an in-flight pipeline's later stages, which never see the
+def withdraw(queue: Seq, request_ids: Iterable[int], running: dict[int, Sequence]) -> list[Completion]:
+    """End requests ``request_ids``; the completions of those that end now. One still in
+    ``queue`` leaves it, completed as ``"abort"`` (a resumed one with the output it had); one
+    ``running`` (request id -> its sequence) is marked: the engine ends it between steps where its
+    policy can (:meth:`~reshard.parallel.engine.policy.Policy.ends_now`), else at its next token
+    (retired as any other: its KV freed). An unknown id is ignored. Every rank of a group ends the
+    same ids between the same steps (an in-flight pipeline's later stages, which never see the
     first stage's admissions, at the step its notes say)."""
     ended: list[Completion] = []
-    items = list(items)
-    for cancel in [c for c in items if isinstance(c, Cancel)]:
-        for waiting in (queue, items):  # queued, or taken at this very step
-            queued = next((r for r in waiting if isinstance(r, Request) and r.id == cancel.id), None)
-            if queued is not None:
-                waiting.remove(queued)
-                running.pop(queued.id, None)  # (a sequence made for it while its KV was awaited)
-                ended.append(queued.aborted())
-                break
-        else:
-            if cancel.id in running:
-                running[cancel.id].cancelled = True
-    return [i for i in items if not isinstance(i, Cancel)], ended
+    for rid in request_ids:
+        queued = next((r for r in queue if isinstance(r, Request) and r.id == rid), None)
+        if queued is not None:
+            queue.remove(queued)
+            running.pop(rid, None)  # (a sequence made for it while its KV was awaited)
+            ended.append(queued.aborted())
+        elif rid in running:
+            running[rid].cancelled = True
+    return ended
 
 
 class Endpoint(str):

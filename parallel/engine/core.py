@@ -156,11 +156,7 @@ class EngineCore:
         if not self.queue and self._settled():
             self.ahead = None  # (nothing runs: a step scheduled ahead holds no request)
             self.engine.connector.land_arriving()  # (KV streamed for sequences that finished before)
-            taken = self.intake.wait_next()
-            items, ended = withdraw(self.queue, taken, self.engine._live)
-            self._done(ended)
-            self._accept(items)
-            outputs += self._ended(ended)
+            self._accept(self.intake.wait_next())
         else:
             for step, output in self._next_steps():
                 outputs += self._settle(step, output)
@@ -225,21 +221,22 @@ class EngineCore:
         for seq in finished:
             engine.policy.retire(seq)
             engine._live.pop(seq.request.id, None)
-        taken = self.intake.take((output.agreed or {}).get(ADMIT, 0))
-        items, ended = withdraw(self.queue, taken, engine._live)
-        ended += self._end_cancelled()
+        ended = self._end_cancelled()
         self._done(completions + ended)
-        self._accept(items)
+        self._accept(self.intake.take((output.agreed or {}).get(ADMIT, 0)))
         self.intake.report(engine.policy.load(self.queue), completions + ended)
         return _marked(outputs, completions) + self._ended(ended)
 
     def _accept(self, items: list) -> None:
         """What the group took: requests queued; a hand-off (``Handoff``) received by the
-        group's connector, its requests added with their KV source."""
+        group's connector, its requests added with their KV source; a cancellation (``Cancel``)
+        aborted before the next step, wherever its request waits or runs by then."""
         for item in items:
             if isinstance(item, Handoff):
                 for request, source in self.engine.connector.receive(item):
                     self.add_request(request, kv_source=source)
+            elif isinstance(item, Cancel):
+                self.abort([item.id])
             else:
                 enqueue(self.queue, [item])
 
@@ -255,11 +252,9 @@ class EngineCore:
         for request in self.engine.policy.withdraw(set(ids)):  # waiting in the policy's own queues
             self.engine._live.pop(request.id, None)
             ended.append(request.aborted())
-        cancels = [Cancel(rid) for rid in ids]
-        _, withdrawn = withdraw(self.queue, cancels, self.engine._live)
-        ended += withdrawn + self._end_cancelled()
+        ended += withdraw(self.queue, ids, self.engine._live) + self._end_cancelled()
         self._done(ended)
-        self.intake.report(None, ended)
+        self.intake.report(self.engine.policy.load(self.queue) if ended else None, ended)  # (their KV is free)
         return self._ended(ended)
 
     def _end_cancelled(self) -> list[Completion]:
