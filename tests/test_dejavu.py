@@ -709,3 +709,30 @@ def test_two_prompt_groups_each_keep_their_own_prompts_at_one_token_group(four_l
         assert calls == [expected, expected]
         assert summary["kept_misses"] == 0 and summary["kept_tokens_reused"] > 0
     assert results[2][2] == (2, [0, 1], {}, {})  # (2 + 2 staging slots on the token rank: 1 kept per group)
+
+
+def test_aborted_requests_awaiting_their_kv_give_their_handoffs_staging_slots_back():
+    """The token side's books when requests waiting for their KV are aborted (``forget``): one of
+    a posted hand-off (its sibling still loads), the only one of a hand-off still waiting for
+    staging slots. Each hand-off's slots come back once it landed and no request of it waits."""
+    import dataclasses
+
+    from reshard.parallel.engine.request import Request, SamplingParams, Sequence
+    from reshard.parallel.strategies.dejavu.connector import StreamedKV
+
+    kv, params = StreamedKV({}, None, 2, 1, slots=2), SamplingParams(max_new_tokens=4)
+    pair = kv.receive(
+        _handoff(0, [Request(0, list(range(3, 43)), params), Request(1, list(range(5, 45)), params)], None)
+    )
+    ((late, late_key),) = kv.receive(_handoff(1, [Request(2, list(range(7, 47)), params)], None))
+    assert list(kv.incoming) == ["0:0"] and list(kv.unposted) == ["0:1"] and kv.free == []
+    (first, key), (second, _) = pair
+    kv.forget(dataclasses.replace(first, kv_source=key))
+    kv.forget(dataclasses.replace(late, kv_source=late_key))
+    kv.land("0:0")
+    assert kv.free == [] and list(kv.unposted) == ["0:1"]  # (request 1 still waits for its KV)
+    kv.load(Sequence(dataclasses.replace(second, kv_source=key), None, frozenset(), slot=0), 40)
+    assert list(kv.incoming) == ["0:1"] and kv.unposted == {}  # (0:0's slots back: 0:1 posted into them)
+    kv.land("0:1")
+    assert (sorted(kv.free), kv.incoming, kv.unposted) == ([0, 1], {}, {})
+    assert set(kv.marks) == {1}  # (the aborted ones' times are gone; request 1's are its sequence's to take)

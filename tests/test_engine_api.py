@@ -283,3 +283,46 @@ def test_a_request_added_while_a_step_computes_runs_in_the_next_step(checkpoints
     assert tokens == hf_reference(path, prompts, MAX_NEW)
     assert min(i for i, ids in ran.items() if 1 in ids) == 3, ran
     assert all(ids == [0] for i, ids in ran.items() if i < 3), ran
+
+
+def _abort_awaiting_kv_job(path):
+    from reshard.parallel.engine.connector import KVConnector
+    from reshard.parallel.engine.core import EngineCore, RequestStatus
+
+    class Awaited(KVConnector):
+        """Supplies nothing and never has a request's KV in: it waits (records what is forgotten)."""
+
+        def __init__(self) -> None:
+            self.forgotten: list[tuple[int, str]] = []
+
+        def matched_tokens(self, seq):
+            return None if seq.request.kv_source == "later" else 0
+
+        def forget(self, request):
+            self.forgotten.append((request.id, request.kv_source))
+
+    engine = _engine(path)
+    connector = Awaited()
+    engine.connector.add(connector)
+    core = EngineCore(engine)
+    waiting, fresh = _requests([[5, 6, 7], [8, 9]], max_new=4)
+    core.add_request(waiting, kv_source="later")
+    core.add_request(fresh)
+    core.step()
+    status = core.status(waiting.id)
+    core.abort([waiting.id])
+    ended = [(o.request_id, o.status) for o in core.step() if o.finished]
+    done = core.run()
+    return status, ended, connector.forgotten, len(done[fresh.id].output_ids), RequestStatus
+
+
+def test_aborting_a_request_that_awaits_its_kv_tells_the_connector(checkpoints):
+    """A request added with a KV source that never arrives waits (WAITING_FOR_KV) while another
+    runs; aborting it ends it FINISHED_ABORTED and tells the connector, which gives back what it
+    held for it (DejaVu: the hand-off's staging slots); the other request finishes."""
+    status, ended, forgotten, fresh_tokens, statuses = dist_harness.run(
+        1, _abort_awaiting_kv_job, checkpoints["llama"]
+    )[0]
+    assert status is statuses.WAITING_FOR_KV
+    assert ended == [(0, statuses.FINISHED_ABORTED)] and forgotten == [(0, "later")]
+    assert fresh_tokens == 4

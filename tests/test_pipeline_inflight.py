@@ -283,9 +283,11 @@ def _aborted_in_flight(path, prompts, pp, plans, kv_tokens):
     """``pp`` in-flight stages, each rank stepping its own :class:`EngineCore`. Per cache
     (contiguous, ``plans[None]``; paged, ``plans[4]``: blocks of 4, ``kv_tokens`` of them) the ids
     of ``plan[i]`` are aborted before core step ``i`` (every rank makes the same calls; a later
-    stage's are ignored, the first stage's notes say what ends there). Per cache:
-    each request's final status and tokens, what each aborted request was doing on this stage
-    when it was aborted, and what this stage still holds at the end."""
+    stage's are ignored, the first stage's notes say what ends there). On the contiguous cache the
+    first stage also aborts the last request left, once it runs alone: no step is noted after it,
+    so only the ``"stop"`` note tells the later stages. Per cache: each request's final status
+    and tokens, what each aborted request was doing on the first stage when it was aborted
+    (``"last"``: that one), and what this stage still holds at the end."""
     import torch.distributed as dist
 
     from reshard.parallel import Engine, EngineConfig, ParallelDims
@@ -300,14 +302,21 @@ def _aborted_in_flight(path, prompts, pp, plans, kv_tokens):
         config = EngineConfig(max_batch_size=4, max_seq_len=128, num_microbatches=pp, max_prefill_tokens=8, **paged)
         engine = Engine(model, config)
         core = EngineCore(engine)
-        for r in _requests(prompts, 24):
+        lengths = [24] * len(prompts) if blocks else [24] * (len(prompts) - 1) + [40]  # (the last runs alone)
+        for r in _requests(prompts, lengths):
             core.add_request(r)
         first = isinstance(engine.policy, ContinuousBatching)
         final, seen, i = {}, {}, 0
         while core.has_unfinished():
-            for rid in plan.get(i, ()):
+            ids = list(plan.get(i, ()))
+            for rid in ids:
                 seen[rid] = _doing(engine, core, rid) if first else None
-            core.abort(plan.get(i, ()))
+            left = [r for r in range(len(prompts)) if r not in final]
+            alone = engine.policy.running.get(left[0]) if first and len(left) == 1 else None
+            if blocks is None and alone is not None and len(alone.generated) < 36 and "last" not in seen.values():
+                ids.append(left[0])
+                seen[left[0]] = "last"
+            core.abort(ids)
             final.update({o.request_id: (o.status.name, o.completion.output_ids) for o in core.step() if o.finished})
             i += 1
         policy = engine.policy
@@ -345,22 +354,24 @@ ABORTS = {  # per cache, core step -> ids aborted before it (what each is doing 
 def test_abort_in_flight_ends_the_request_on_every_stage_and_frees_its_kv(four_layer, hf_reference, pp):
     """``abort`` on an in-flight pipeline: of a request still queued, one in its prompt's chunks,
     one decoding between its steps (it ends at once), one whose micro-batch is in flight (it ends
-    at that step's token) and one preempted with tokens (queued again). Each ends
+    at that step's token), one preempted with tokens (queued again) and the last one left (only
+    the ``"stop"`` note carries its abort). Each ends
     FINISHED_ABORTED with the tokens it had (HF's, cut short); the first stage's notes end it on
     every later stage with as many tokens (a middle stage's included); every other request equals
     HF; no stage holds a slot, block or sequence at the end."""
     path, prompts = four_layer["llama"], _prompts(8)
-    expected = hf_reference(path, prompts, 24)
+    expected = hf_reference(path, prompts, 40)  # (24 tokens each, the contiguous run's last one 40)
     first, *later = dist_harness.run(pp, _aborted_in_flight, path, prompts, pp, ABORTS, 96)
     doing = [d for run in first.values() for d in run["seen"].values()]
-    assert {"WAITING", "decode", "decode-in-flight", "preempted"} <= set(doing), doing
+    assert {"WAITING", "decode", "decode-in-flight", "preempted", "last"} <= set(doing), doing
     assert any(d.startswith("prefill") for d in doing), doing
     for blocks, run in first.items():
-        aborted = {rid for ids in ABORTS[blocks].values() for rid in ids}
+        aborted = set(run["seen"])
         for rid, (status, tokens) in run["final"].items():
             cut = rid in aborted
             assert status == ("FINISHED_ABORTED" if cut else "FINISHED_LENGTH"), (blocks, rid, status)
-            assert tokens == (expected[rid][: len(tokens)] if cut else expected[rid]), (blocks, rid)
+            want = 40 if blocks is None and rid == len(prompts) - 1 else 24
+            assert tokens == expected[rid][: len(tokens)] and (cut or len(tokens) == want), (blocks, rid)
         assert sorted(run["final"]) == list(range(8)) and run["held"] == (0, 4, 24 if blocks else None)
         never_noted = {rid for rid, d in run["seen"].items() if d == "WAITING"}
         for stage in later:

@@ -228,8 +228,8 @@ class RoutedAdmission(Admission):
         if self.layout.is_leader:
             self.channel.post(endpoint_of(handoff.target), handoff)
         self.handed.update((r.id, handoff.target) for r in handoff.requests)
-        for rid in list(self.handed)[: max(0, len(self.handed) - self.HANDED)]:
-            del self.handed[rid]
+        while len(self.handed) > self.HANDED:
+            del self.handed[next(iter(self.handed))]
 
 
 class Done(dict):

@@ -288,6 +288,12 @@ class ContinuousBatching(Policy):
     def is_running(self, seq: Sequence) -> bool:
         return self.running.get(seq.request.id) is seq
 
+    def withdraw(self, request_ids: set[int]) -> list[Request]:
+        """None waits here; a preempted request aborted while queued leaves what it had."""
+        for rid in request_ids:
+            self.held.pop(rid, None)
+        return []
+
     # ---- async scheduling: the next step scheduled while this one computes ---------------------
     @property
     def schedules_ahead(self) -> bool:  # type: ignore[override]

@@ -65,6 +65,10 @@ class KVConnector:
         source to add it with (None: this connector takes no hand-offs)."""
         return None
 
+    def forget(self, request: Request) -> None:
+        """``request``, added with this connector's KV source, ended before its KV was loaded (an
+        abort): what it holds here goes back (its KV still lands, awaited by no one)."""
+
     def arriving(self) -> bool:
         """Whether KV is still on its way that no queued request awaits (a hand-off whose
         sequences all finished at their first token): the group lands it before it ends."""
@@ -145,6 +149,10 @@ class KVConnectors(KVConnector):
             if resumed is not None:
                 return resumed
         raise ValueError(f"engine group {handoff.target} has no KV connector for group {handoff.source}'s hand-offs")
+
+    def forget(self, request: Request) -> None:
+        for c in self.members:
+            c.forget(request)
 
     def arriving(self) -> bool:
         return any(c.arriving() for c in self.members)

@@ -10,7 +10,9 @@ verl adapter, a supervised child, DejaVu's token side: all run :meth:`EngineCore
   reaches it and names each of its requests' source) waits for its KV (``WAITING_FOR_KV``)
   before it runs.
 - :meth:`EngineCore.abort` ends requests between steps: a queued one leaves the queue, a running
-  one gives its KV slot and blocks back at once (``FINISHED_ABORTED``).
+  one gives its KV slot and blocks back at once (``FINISHED_ABORTED``), or, where a step of it is
+  still computing (an in-flight pipeline's micro-batch), at that step's token. A cancellation a
+  routed group takes is an abort.
 - :meth:`EngineCore.step` runs the policy's next step (or, with nothing to run, waits for the
   next request) and returns what each request gained: :class:`CoreOutput` s.
 
@@ -252,7 +254,10 @@ class EngineCore:
         for request in self.engine.policy.withdraw(set(ids)):  # waiting in the policy's own queues
             self.engine._live.pop(request.id, None)
             ended.append(request.aborted())
+        sourced = [r for r in self.queue if isinstance(r, Request) and r.id in ids and r.kv_source is not None]
         ended += withdraw(self.queue, ids, self.engine._live) + self._end_cancelled()
+        for request in sourced:  # (its KV awaited: what the connector holds for it goes back)
+            self.engine.connector.forget(request)
         self._done(ended)
         self.intake.report(self.engine.policy.load(self.queue) if ended else None, ended)  # (their KV is free)
         return self._ended(ended)

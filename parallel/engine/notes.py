@@ -274,5 +274,6 @@ class _NotedAdmission(Admission):
         return self.steps.stopped
 
     def wait_next(self) -> list[Request]:
-        self.steps.receive()
+        if not self.steps.stopped:  # (stopped: the last aborts it carried just ended here)
+            self.steps.receive()
         return []

@@ -121,7 +121,7 @@ class Sequence:
     times: list[float] = field(default_factory=list)  # wall clock: first step began, first token, finished
     decode: Callable[[list[int]], str] | None = None  # token ids -> text (the request's stop strings)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, where the request asks
-    cancelled: bool = False  # set by the loop when its request is cancelled: it ends ("abort") at its next token
+    cancelled: bool = False  # set by the loop when its request is cancelled: its next token ends it ("abort")
     block_keys: list[int] = field(default_factory=list)  # prefix cache: keys of its full blocks (engine/prefix.py)
 
     @staticmethod
@@ -177,12 +177,12 @@ class Sequence:
         self.output.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        if self.cancelled:
-            self.finish_reason = "abort"
-        elif token in self.stop_ids or self._stop_string_ended():
+        if token in self.stop_ids or self._stop_string_ended():
             self.finish_reason = "stop"
         elif len(self.output) >= self.request.sampling.max_new_tokens:
             self.finish_reason = "length"
+        elif self.cancelled:  # (a token that ends it anyway says so: every stage of a pipeline sees it)
+            self.finish_reason = "abort"
 
     def _stop_string_ended(self) -> bool:
         """Whether the newest token completed one of the request's stop strings: one ends in the

@@ -232,6 +232,17 @@ class StreamedKV(KVConnector):
             self.land(older)
         self.land(key)
 
+    def forget(self, request: Request) -> None:
+        """An aborted request of a hand-off here: no longer open (its hand-off's staging slots go
+        back once the rest are loaded and it landed)."""
+        key = request.kv_source
+        self.marks.pop(request.id, None)
+        if key in self.unposted:
+            self.unposted[key][1].discard(request.id)
+        elif key in self.incoming:
+            self.incoming[key].open.discard(request.id)
+            self._release(key)
+
     def arriving(self) -> bool:
         return bool(self.unposted) or any(not i.landed for i in self.incoming.values())
 

@@ -305,6 +305,7 @@ class SeesawPolicy(ContinuousBatching):
     def withdraw(self, request_ids: set[int]) -> list[Request]:
         """Requests waiting for a decode slot (resumed after their prefill, or siblings), with
         their hold on the tier's KV."""
+        super().withdraw(request_ids)
         gone = [r for r in self.buffered if r.id in request_ids]
         if any(r.kv_source == TIER for r in gone):
             self._wait_swap_outs(everything=True)  # (a hold it drops may free or keep an entry: written first)
