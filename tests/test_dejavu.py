@@ -736,3 +736,45 @@ def test_aborted_requests_awaiting_their_kv_give_their_handoffs_staging_slots_ba
     kv.land("0:1")
     assert (sorted(kv.free), kv.incoming, kv.unposted) == ([0, 1], {}, {})
     assert set(kv.marks) == {1}  # (the aborted ones' times are gone; request 1's are its sequence's to take)
+
+
+def _abort_resumed(path):
+    from reshard.parallel import Request, SamplingParams
+    from reshard.parallel.engine import EngineConfig
+    from reshard.parallel.engine.core import EngineCore
+    from reshard.recipes.schema import strategy_config
+
+    strategy = strategy_config({"strategy": "dejavu", "prompt_ranks": 1})
+    engine = strategy.build(path, EngineConfig(max_batch_size=2, max_seq_len=64, replicas="lockstep"))
+    core = EngineCore(engine)
+    for i, p in enumerate(PROMPTS):
+        core.add_request(Request(i, p, SamplingParams(max_new_tokens=6)))
+    core.step()  # (the policy starts)
+    while not engine.policy.resumed and core.has_unfinished():
+        core.step()
+    aborted = sorted(r.id for r in engine.policy.resumed)  # (the same books on every rank)
+    core.abort(aborted)
+    done = core.run()
+    streamed = engine.policy.token.streamed
+    staged = (len(streamed.free), streamed.incoming, streamed.unposted)
+    return (
+        aborted,
+        {rid: (c.finish_reason, c.output_ids) for rid, c in done.items()},
+        staged,
+        len(engine.policy.token.slots),
+    )
+
+
+def test_a_lockstep_token_side_aborts_requests_that_wait_for_a_slot_or_their_kv(four_layer, hf_reference):
+    """Lockstep sides: requests handed to the token side and waiting there (for a slot or their
+    KV) are aborted: each ends "abort" with the token it had (HF's first), its hand-off's staging
+    slots come back, and the other requests equal HF."""
+    path = four_layer["llama"]
+    expected = hf_reference(path, PROMPTS, 6)
+    for aborted, done, (free, incoming, unposted), slots in dist_harness.run(2, _abort_resumed, path):
+        assert aborted and sorted(done) == list(range(len(PROMPTS)))
+        for rid, (reason, tokens) in done.items():
+            cut = rid in aborted
+            assert reason == ("abort" if cut else "length") and tokens == expected[rid][: len(tokens)], rid
+            assert cut or len(tokens) == 6, rid
+        assert (free, incoming, unposted) == (slots, {}, {})

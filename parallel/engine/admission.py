@@ -20,7 +20,7 @@ import bisect
 import dataclasses
 import datetime
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
@@ -159,7 +159,7 @@ class RoutedAdmission(Admission):
         self.timeout = timeout
         self.endpoint = endpoint_of(layout.index) if endpoint is None else endpoint
         self.ended = False  # the leader posted the None that ends the input
-        self.handed: dict[int, int] = {}  # request id -> the group it was handed to, oldest first
+        self.handed: OrderedDict[int, int] = OrderedDict()  # request id -> the group it was handed to, oldest first
 
     def _key(self, k: int) -> str:
         return f"assign/{self.endpoint}/{k}"
@@ -229,7 +229,7 @@ class RoutedAdmission(Admission):
             self.channel.post(endpoint_of(handoff.target), handoff)
         self.handed.update((r.id, handoff.target) for r in handoff.requests)
         while len(self.handed) > self.HANDED:
-            del self.handed[next(iter(self.handed))]
+            self.handed.popitem(last=False)
 
 
 class Done(dict):

@@ -251,12 +251,13 @@ class EngineCore:
             if request is not None:
                 ended.append(request.aborted())
                 self.dropped += 1
-        for request in self.engine.policy.withdraw(set(ids)):  # waiting in the policy's own queues
+        withdrawn = self.engine.policy.withdraw(set(ids))  # waiting in the policy's own queues
+        for request in withdrawn:
             self.engine._live.pop(request.id, None)
             ended.append(request.aborted())
-        sourced = [r for r in self.queue if isinstance(r, Request) and r.id in ids and r.kv_source is not None]
+        withdrawn += [r for r in self.queue if isinstance(r, Request) and r.id in ids]
         ended += withdraw(self.queue, ids, self.engine._live) + self._end_cancelled()
-        for request in sourced:  # (its KV awaited: what the connector holds for it goes back)
+        for request in [r for r in withdrawn if r.kv_source]:  # (its KV awaited: the connector's hold goes back)
             self.engine.connector.forget(request)
         self._done(ended)
         self.intake.report(self.engine.policy.load(self.queue) if ended else None, ended)  # (their KV is free)

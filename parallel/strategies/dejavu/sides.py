@@ -19,6 +19,7 @@ from reshard.parallel.engine import (
     EngineConfig,
     EngineStats,
     Policy,
+    Request,
     Step,
     StepOutput,
 )
@@ -130,6 +131,17 @@ class LockstepSides(Policy):
     def retire(self, seq) -> None:
         if self.token.running.get(seq.request.id) is seq:
             self.token.retire(seq)
+
+    def withdraw(self, request_ids: set[int]) -> list[Request]:
+        """Requests resumed on the token side that wait for a slot or their KV (the engine tells
+        the connector, which gives their hand-off's staging back)."""
+        gone = [r for r in self.resumed if r.id in request_ids]
+        for request in gone:
+            self.resumed.remove(request)
+        return gone + self.token.withdraw(request_ids)
+
+    def is_running(self, seq) -> bool:
+        return self.token.is_running(seq)
 
     def make(self, move) -> None:
         self.prompt.make(move)  # (the prompt side's prefix copies: only it names moves)
