@@ -477,13 +477,7 @@ def _client(run_dir: Path, prompts: list[str], messages: list, drain: threading.
     import openai
 
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not drain.is_set():
-            info = run_dir / "server.json"
-            url = json.loads(info.read_text()).get("url") if info.exists() else None
-            if url:
-                break
-            time.sleep(0.1)
+        url = _wait_for_url(run_dir, drain)
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=NEW, temperature=0)
         out["texts"] = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
@@ -603,6 +597,7 @@ def _disconnecting_client(run_dir: Path, prompts: list[str], drain: threading.Ev
 
 
 def _wait_for_url(run_dir: Path, drain: threading.Event) -> str:
+    """The URL the server in ``run_dir`` writes to ``server.json`` once it listens (at most 120 s)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not drain.is_set():
         info = run_dir / "server.json"
