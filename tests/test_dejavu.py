@@ -753,12 +753,14 @@ def _abort_resumed(path):
     while not engine.policy.resumed and core.has_unfinished():
         core.step()
     aborted = sorted(r.id for r in engine.policy.resumed)  # (the same books on every rank)
+    waiting = {core.status(rid).name for rid in aborted}  # (the token side's own queue)
     core.abort(aborted)
     done = core.run()
     streamed = engine.policy.token.streamed
     staged = (len(streamed.free), streamed.incoming, streamed.unposted)
     return (
         aborted,
+        waiting,
         {rid: (c.finish_reason, c.output_ids) for rid, c in done.items()},
         staged,
         len(engine.policy.token.slots),
@@ -767,12 +769,13 @@ def _abort_resumed(path):
 
 def test_a_lockstep_token_side_aborts_requests_that_wait_for_a_slot_or_their_kv(four_layer, hf_reference):
     """Lockstep sides: requests handed to the token side and waiting there (for a slot or their
-    KV) are aborted: each ends "abort" with the token it had (HF's first), its hand-off's staging
-    slots come back, and the other requests equal HF."""
+    KV) read ``WAITING_FOR_KV``; aborted, each ends "abort" with the token it had (HF's first),
+    its hand-off's staging slots come back, and the other requests equal HF."""
     path = four_layer["llama"]
     expected = hf_reference(path, PROMPTS, 6)
-    for aborted, done, (free, incoming, unposted), slots in dist_harness.run(2, _abort_resumed, path):
-        assert aborted and sorted(done) == list(range(len(PROMPTS)))
+    for aborted, waiting, done, (free, incoming, unposted), slots in dist_harness.run(2, _abort_resumed, path):
+        assert aborted and waiting == {"WAITING_FOR_KV"}
+        assert sorted(done) == list(range(len(PROMPTS)))
         for rid, (reason, tokens) in done.items():
             cut = rid in aborted
             assert reason == ("abort" if cut else "length") and tokens == expected[rid][: len(tokens)], rid

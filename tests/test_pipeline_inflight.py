@@ -1,6 +1,8 @@
 """Pipelines that stay full: micro-batches in flight across decode steps (PP2, PP4) vs HF
 ``generate`` and vs the drained pipeline; one harness launch per pipeline depth."""
 
+import time
+
 import pytest
 
 from tests import dist_harness
@@ -342,6 +344,76 @@ def _doing(engine, core, rid) -> str:
         return phase if policy._preemptible(seq) else f"{phase}-in-flight"
     queued = [r for r in core.queue if r.id == rid]
     return "preempted" if status is RequestStatus.PREEMPTED and queued and queued[0].resumed else status.name
+
+
+def _aborted_before_idle(path, prompts):
+    """PP2 in flight, each rank stepping its own :class:`EngineCore`: request 0 runs alone and is
+    aborted at core step 3; request 1 comes only once the first stage, idle meanwhile, hears from
+    the later stage that request 0 ended there (or after 20 s). Per stage: the final status and
+    tokens of each request, whether the first stage heard (first stage) or how many requests the
+    later stage had been noted when request 0 ended there (later stage), and what it holds."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from reshard.parallel import Engine, EngineConfig, ParallelDims
+    from reshard.parallel.engine.admission import LocalAdmission
+    from reshard.parallel.engine.batching import ContinuousBatching
+    from reshard.parallel.engine.core import EngineCore
+    from reshard.parallel.model.pipeline import parallelize_pipeline
+
+    store = dist.distributed_c10d._get_default_store()
+
+    class AfterTheLaterStage(LocalAdmission):
+        """The late request taken once the later stage ended request 0 (a server's next client)."""
+
+        heard = None
+
+        def wait_next(self):
+            if self.taken == 1 and self.heard is None:  # (request 0 taken and ended: request 1 waits)
+                try:
+                    store.wait(["ended"], datetime.timedelta(seconds=20))
+                    self.heard = True
+                except Exception:  # (the store's timeout: the later stage still holds request 0)
+                    self.heard = False
+            return self._next(1)
+
+    model = parallelize_pipeline(path, ParallelDims(pp=2, world_size=dist.get_world_size()))
+    engine = Engine(model, EngineConfig(max_batch_size=4, max_seq_len=128, num_microbatches=2))
+    first = isinstance(engine.policy, ContinuousBatching)
+    admission = AfterTheLaterStage([], time.time(), engine._leads_group())
+    core = EngineCore(engine, admission)
+    for r in _requests(prompts[:2], [24, 8], arrivals=[0.0, 3600.0]):  # (request 1 only through wait_next)
+        core.add_request(r)
+    final, seen, i = {}, None, 0
+    while core.has_unfinished():
+        core.abort([0] if i == 3 else [])
+        for o in core.step():
+            if o.finished:
+                final[o.request_id] = (o.status.name, o.completion.output_ids)
+                if o.request_id == 0 and not first:
+                    seen = engine.policy.taken
+                    store.set("ended", "1")
+        i += 1
+    policy = engine.policy
+    held = (len(policy.running), len(policy.slots)) if first else (len(policy.live), len(policy.slots))
+    return final, admission.heard if first else seen, held
+
+
+def test_an_idle_first_stage_notes_its_aborts_at_once(four_layer, hf_reference):
+    """A request aborted on an in-flight pipeline whose first stage then waits for requests (a
+    server between clients): the first stage sends its abort down in a note of its own, so the
+    later stage ends it and frees its KV before the next request comes (not when that request's
+    step is noted). Request 0 ends FINISHED_ABORTED with the same tokens (HF's, cut short) on both
+    stages; request 1 equals HF; no stage holds a sequence at the end."""
+    path, prompts = four_layer["llama"], _prompts(2)
+    expected = hf_reference(path, prompts, 24)
+    (final, heard, held), (later_final, noted, later_held) = dist_harness.run(2, _aborted_before_idle, path, prompts)
+    assert heard is True and noted == 1  # the later stage ended it before request 1 was noted
+    status, tokens = final[0]
+    assert status == "FINISHED_ABORTED" and 0 < len(tokens) < 24 and tokens == expected[0][: len(tokens)]
+    assert final[1] == ("FINISHED_LENGTH", expected[1][:8]) and later_final == final
+    assert held == (0, 4) and later_held == (0, 0)
 
 
 ABORTS = {  # per cache, core step -> ids aborted before it (what each is doing then: asserted below)

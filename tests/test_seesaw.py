@@ -475,8 +475,9 @@ def _abort_waiting(path, layouts, prompts, n):
     policy = engine.policy
     sibling = next(r.id for r in policy.buffered if r.id in policy.tiered.entry_of)
     leader = next(r.id for r in policy.buffered if r.id not in policy.tiered.entry_of)
+    waiting = [core.status(rid).name for rid in (sibling, leader)]  # (the policy's own queue)
     core.abort([sibling, leader])
-    return (sibling, leader), *_to_the_end(engine, core, outputs)
+    return (sibling, leader), waiting, *_to_the_end(engine, core, outputs)
 
 
 def _to_the_end(engine, core, outputs):
@@ -499,7 +500,9 @@ def _to_the_end(engine, core, outputs):
 def test_aborting_requests_that_wait_for_a_decode_slot_ends_them_and_frees_their_tier_kv(four_layer, hf_reference):
     path, prompts, n = four_layer["llama"], _prompts(3), 4
     expected = hf_reference(path, prompts, 6)
-    for aborted, tokens, status, left in dist_harness.run(2, _abort_waiting, path, LAYOUTS["P2-T2"], prompts, n):
+    runs = dist_harness.run(2, _abort_waiting, path, LAYOUTS["P2-T2"], prompts, n)
+    for aborted, waiting, tokens, status, left in runs:
+        assert waiting == ["WAITING_FOR_KV"] * 2  # their KV in the tier, waiting for a decode slot
         assert [status[rid] for rid in aborted] == ["FINISHED_ABORTED"] * 2
         for rid in set(tokens) - set(aborted):
             assert tokens[rid] == expected[rid // n] and status[rid] == "FINISHED_LENGTH", rid

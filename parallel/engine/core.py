@@ -156,9 +156,8 @@ class EngineCore:
             self.engine.policy.requeue_unstarted(self.queue)
         outputs = self._apply_aborts()
         if not self.queue and self._settled():
-            self.ahead = None  # (nothing runs: a step scheduled ahead holds no request)
-            self.engine.connector.land_arriving()  # (KV streamed for sequences that finished before)
-            self._accept(self.intake.wait_next())
+            if not outputs:  # (what the aborts ended is returned now, not after the wait)
+                self._idle()
         else:
             for step, output in self._next_steps():
                 outputs += self._settle(step, output)
@@ -172,7 +171,8 @@ class EngineCore:
             return RequestStatus.of_finish(self.done[request_id].finish_reason)
         if request_id in self.engine._live and self.engine.policy.is_running(self.engine._live[request_id]):
             return RequestStatus.RUNNING
-        queued = [r for r in self.queue if isinstance(r, Request) and r.id == request_id]
+        waiting = (*self.queue, *self.engine.policy.waiting())  # (the engine's queue, the policy's own)
+        queued = [r for r in waiting if isinstance(r, Request) and r.id == request_id]
         if isinstance(self.intake, LocalAdmission):  # added, not taken yet
             queued += [r for r in self.intake.requests[self.intake.taken :] if r.id == request_id]
         return _waiting(queued[0]) if queued else None
@@ -192,6 +192,15 @@ class EngineCore:
         enqueue(self.queue, self.intake.initial())
         self.engine.policy.start(self.queue)
         self.intake.report(self.engine.policy.load(self.queue), [])
+
+    def _idle(self) -> None:
+        """Nothing queued or running: wait for the next request (an in-flight pipeline's first
+        stage notes its aborts down first, so the later stages free those sequences now)."""
+        self.ahead = None  # (nothing runs: a step scheduled ahead holds no request)
+        self.engine.connector.land_arriving()  # (KV streamed for sequences that finished before)
+        if self.engine.flow is not None:
+            self.engine.flow.note_aborts()
+        self._accept(self.intake.wait_next())
 
     def _next_steps(self) -> list[tuple[Step, StepOutput]]:
         """The engine's next steps, the next one scheduled ahead where scheduling is asynchronous."""

@@ -22,7 +22,8 @@ stage's layers of a step, land its tokens):
   right after its activations (in the order the last stage issues the matching operations, as
   NCCL needs); no stage waits in a cycle. A later stage lands a step's tokens before it runs the
   next step of the same sequences.
-- The loop ends with a ``"stop"`` note down the stages.
+- The loop ends with a ``"stop"`` note down the stages. Aborts ride on the next note; a first
+  stage about to wait for requests sends them in a note of their own (``"abort"``).
 """
 
 from __future__ import annotations
@@ -155,6 +156,13 @@ class BatchQueue:
         note (or its ``"stop"``), each with the tokens it had generated."""
         if self.first:
             self.unnoted += [(c.id, len(c.output_ids)) for c in completions if c.finish_reason == "abort"]
+
+    def note_aborts(self) -> None:
+        """On the first stage, about to wait for requests with nothing in flight: the aborts not
+        noted yet go down now in a note of their own (``"abort"``), so the later stages free those
+        sequences at once, not when the next request's step is noted."""
+        if self.first and self.unnoted and not self.flights:
+            self.notes.send(StepNote("abort", aborted=self._take_unnoted()))
 
     def _take_unnoted(self) -> tuple[tuple[int, int], ...]:
         taken, self.unnoted = tuple(self.unnoted), []

@@ -19,7 +19,7 @@ from reshard.parallel.engine.request import Request, Sequence
 from reshard.parallel.engine.slots import check_fits
 
 NOTE_TAG = 1  # P2P tags: activations use 0 (StageLink), tokens 2
-KINDS = ("stop", "step")  # a note's kind on the wire
+KINDS = ("stop", "step", "abort")  # a note's kind on the wire
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class StepNote:
     aborted since its last note, each with the tokens it had generated (vLLM's
     ``finished_req_ids``): a later stage ends its sequence once it holds as many."""
 
-    kind: str  # "step" | "stop" (the loop's end: it carries only aborts)
+    # "step" | "stop" (the loop's end) | "abort" (an idle first stage's); the last two carry only aborts
+    kind: str
     ids: tuple[int, ...] = ()
     slots: tuple[int, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()
@@ -185,7 +186,7 @@ class NotedSteps(Policy):
         self.stopped = note.kind == "stop"
         self.taken += sum(r.id not in self.live for r in note.requests)  # (not one preempted after a note)
         self._abort(note.aborted)
-        self.pending = None if self.stopped else note
+        self.pending = note if note.kind == "step" else None
 
     def _abort(self, aborted: tuple[tuple[int, int], ...]) -> None:
         """The first stage aborted these requests (each with the tokens it had generated): each

@@ -133,6 +133,11 @@ class Policy:
         taken out with whatever they hold here: an abort ends them now. None by default."""
         return []
 
+    def waiting(self) -> Seq[Request]:
+        """The requests waiting in this policy's own queues (not the engine's), which a request's
+        status reads. None by default."""
+        return ()
+
     def is_running(self, seq: Sequence) -> bool:
         """Whether ``seq`` holds KV here between steps and :meth:`retire` may end it now (an
         abort frees its KV at once; where False, it ends at its next token)."""

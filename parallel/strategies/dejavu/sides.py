@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,6 +140,10 @@ class LockstepSides(Policy):
         for request in gone:
             self.resumed.remove(request)
         return gone + self.token.withdraw(request_ids)
+
+    def waiting(self) -> Seq[Request]:
+        """The requests resumed on the token side that wait for a slot or their KV."""
+        return (*self.resumed, *self.token.waiting())
 
     def is_running(self, seq) -> bool:
         return self.token.is_running(seq)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
@@ -315,6 +316,10 @@ class SeesawPolicy(ContinuousBatching):
             if request.kv_source == TIER:
                 self.tiered.drop(request.id)
         return gone
+
+    def waiting(self) -> Seq[Request]:
+        """The requests waiting for a decode slot, their KV in the tier (resumed, or siblings)."""
+        return (*self.buffered, *super().waiting())
 
     def load(self, queue):
         return super().load([*queue, *self.buffered])
