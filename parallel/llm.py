@@ -19,6 +19,7 @@ after training steps, :meth:`LLM.load_weights` takes ``(name, tensor)`` pairs un
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import warnings
@@ -50,9 +51,9 @@ from reshard.parallel.vllm_api import (
     Logprob,
     RequestOutput,
     conversations,
-    cut_at_stop,
     llm_options,
     logprob_dicts,
+    output_text,
     prompt_input,
     prompt_list,
     stop_reason,
@@ -181,7 +182,7 @@ class LLM:
         everyone = _all_gather((inputs, params)) if local else [(inputs, params)]
         first = sum(len(part) for part, _ in everyone[: _rank() if local else 0])  # where this rank's begin
         inputs, params = [x for part, _ in everyone for x in part], [p for _, part in everyone for p in part]
-        requests = _requests([x.ids for x in inputs], params)
+        requests = _requests([x.ids for x in inputs], params, self.engine.max_seq_len)
         warn_repeated_seeds(requests)
         progress = use_tqdm and _rank() == 0
         completions = self.engine.generate(requests, seed=self._call_seed(seed), progress=progress)
@@ -232,11 +233,12 @@ class LLM:
     def _completion(self, index: int, c: Completion, p: SamplingParams) -> CompletionOutput:
         """One sample as vLLM's :class:`CompletionOutput`: text cut before its stop string (kept
         with ``include_stop_str_in_output``), the reason it stopped, ``Logprob`` entries."""
-        full = self._decode(c.output_ids, p)
-        text = None if full is None else cut_at_stop(full, c.finish_reason, p.stop, p.include_stop_str_in_output)
+        decode = self._decoder(p)
+        text, stop = (None, None) if decode is None else output_text(decode, c.output_ids, c.finish_reason, p)
+        text = "" if self.tokenizer is not None and not p.detokenize else text  # (vLLM's, without text)
         logprobs = None if c.logprobs is None else logprob_dicts(c.output_ids, c.logprobs, self._piece(p))
         cumulative = None if c.logprobs is None else sum(lp for lp, _ in c.logprobs)
-        reason = stop_reason(full, c.output_ids, c.finish_reason, p)
+        reason = stop_reason(stop, c.output_ids, c.finish_reason, self._primary_eos())
         return CompletionOutput(index, text, c.output_ids, cumulative, logprobs, c.finish_reason, reason)
 
     def _prompt_logprobs(self, ids: list[list[int]], params: list[SamplingParams]) -> list[list | None]:
@@ -251,11 +253,17 @@ class LLM:
                 out[i] = [None, *logprob_dicts(ids[i][1:], _prompt_rows(x, ids[i], params[i]), self._piece(params[i]))]
         return out
 
-    def _decode(self, token_ids: list[int], p: SamplingParams) -> str | None:
-        """The output's text (None without a tokenizer; "" with ``detokenize=False``, as vLLM's)."""
-        if self.tokenizer is None:
+    def _primary_eos(self) -> int | None:
+        """The EOS id whose stop has no ``stop_reason`` (vLLM's: the tokenizer's, else the model's)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return next(iter(self.engine.eos_ids), None) if eos is None else eos
+
+    def _decoder(self, p: SamplingParams):
+        """Token ids -> an output's text (None without a tokenizer or with ``detokenize=False``:
+        no text, "" in the latter, as vLLM's)."""
+        if self.tokenizer is None or not p.detokenize:
             return None
-        return self.tokenizer.decode(token_ids, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
+        return functools.partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens)
 
     def _piece(self, p: SamplingParams):
         """One token's text for its ``Logprob`` (None: no text)."""
@@ -387,14 +395,16 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
     return list(params)
 
 
-def _requests(ids: list[list[int]], params: list[SamplingParams]) -> list[Request]:
+def _requests(ids: list[list[int]], params: list[SamplingParams], max_seq_len: int) -> list[Request]:
     """``n`` requests per prompt, ids their positions in the call; sample ``j`` of a prompt with a
-    seed of its own samples with ``seed + j``."""
+    seed of its own samples with ``seed + j``; ``max_tokens=None``: up to ``max_seq_len`` (vLLM's)."""
     requests = []
     for prompt, p in zip(ids, params):
+        room = max(1, max_seq_len - len(prompt)) if p.max_new_tokens is None else p.max_new_tokens
         for j in range(p.n):
             seed = None if p.seed is None else (p.seed + j) % 2**63
-            sampling = dataclasses.replace(p, n=1, seed=seed, prompt_logprobs=None)  # (prompt logprobs: ours)
+            # (prompt logprobs: reshard.LLM's, not the engine's)
+            sampling = dataclasses.replace(p, n=1, seed=seed, prompt_logprobs=None, max_new_tokens=room)
             requests.append(Request(len(requests), list(prompt), sampling))
     return requests
 

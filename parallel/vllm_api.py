@@ -8,8 +8,9 @@
 - **Names**: vLLM's engine arguments (``tensor_parallel_size``, ``max_model_len``, ...) as ours
   (:func:`llm_options`); vLLM-named sampling dicts as :class:`SamplingParams` (:func:`vllm_sampling`).
 - **Outputs**: :class:`RequestOutput`, :class:`CompletionOutput` and :class:`Logprob` as vLLM's;
-  an output's text is cut before the stop string that ended it (:func:`cut_at_stop`, unless
-  ``include_stop_str_in_output``), alike in ``LLM``, the recipe's ``outputs.jsonl`` and the server.
+  an output's text is cut before the stop string that ended it, and leaves out the stop token
+  that ended it (:func:`output_text`, unless ``include_stop_str_in_output``), alike in ``LLM``,
+  the recipe's ``outputs.jsonl`` and the server.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TypedDict
 
+from reshard.parallel.engine.request import new_text_start
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -130,7 +132,27 @@ def conversations(messages) -> list[list[dict]]:
                 f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} messages, "
                 f"got {str(chat)[:60]!r}"
             )
-    return [[dict(m) for m in chat] for chat in messages]
+    return [
+        [{**m, "content": message_text(m.get("content"), i, j)} for j, m in enumerate(chat)]
+        for i, chat in enumerate(messages)
+    ]
+
+
+def message_text(content, conversation: int, message: int) -> str:
+    """A chat message's content as text, as vLLM's "string" content format renders it: a string as
+    it is, a list of ``{"type": "text", "text": ...}`` parts joined by newlines; ``ValueError``
+    naming the message for anything else (reshard runs text models: no image parts)."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    if parts and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
+    ):
+        return "\n".join(p["text"] for p in parts)
+    raise ValueError(
+        f"conversation {conversation}, message {message}: content must be a text or a list of "
+        f"{{'type': 'text', 'text': ...}} parts, got {str(content)[:60]!r}"
+    )
 
 
 # ---- names -----------------------------------------------------------------------------------
@@ -142,14 +164,25 @@ LLM_NAMES = MappingProxyType(
         "max_model_len": "max_seq_len",
         "max_num_seqs": "max_batch_size",
         "max_num_batched_tokens": "max_prefill_tokens",
+        "enable_prefix_caching": "prefix_caching",
+        "enable_chunked_prefill": "chunked_prefill",
     }
 )
+# vLLM's engine arguments with nothing to do here: the values taken (any: None)
+LLM_NOOPS = MappingProxyType({"trust_remote_code": None, "generation_config": "auto", "disable_log_stats": None})
 
 
 def llm_options(given: Mapping) -> dict:
     """``LLM``'s keyword arguments with vLLM's names as ours (``ValueError`` where both of a pair
-    are given); ``dtype="auto"`` is the checkpoint's (None)."""
-    out = {k: v for k, v in given.items() if k not in LLM_NAMES}
+    are given); ``dtype="auto"`` is the checkpoint's (None); ``enforce_eager=True`` no compiled
+    step; ``trust_remote_code`` (reshard builds the model families it knows) and
+    ``disable_log_stats`` do nothing, ``generation_config`` is ``"auto"`` (the checkpoint's file)."""
+    out = {k: v for k, v in given.items() if k not in LLM_NAMES and k not in LLM_NOOPS and k != "enforce_eager"}
+    for name, taken in LLM_NOOPS.items():
+        if taken is not None and given.get(name, taken) != taken:
+            raise ValueError(f"LLM: {name}={given[name]!r} is not one reshard honours (only {taken!r})")
+    if given.get("enforce_eager"):  # (vLLM's eager-only: no compiled step)
+        out["compile"] = False
     for theirs, ours in LLM_NAMES.items():
         if given.get(theirs) is None:
             continue
@@ -186,26 +219,50 @@ def vllm_sampling(given: Mapping, where: str) -> SamplingParams:
 
 
 # ---- outputs ---------------------------------------------------------------------------------
-def cut_at_stop(text: str, finish_reason: str | None, stops: Sequence[str], include: bool = False) -> str:
-    """``text`` up to the first stop string in it where one ended the request (``finish_reason``
-    ``"stop"``), the stop string kept with ``include`` (vLLM's ``include_stop_str_in_output``)."""
-    found = sorted((i, s) for s in stops if (i := text.find(s)) >= 0) if finish_reason == "stop" else []
-    if not found:
-        return text
-    at, stop = found[0]
-    return text[: at + len(stop)] if include else text[:at]
+def output_text(
+    decode: Callable[[list[int]], str], ids: Sequence[int], finish_reason: str | None, params: SamplingParams
+) -> tuple[str, str | None]:
+    """vLLM's text of an output's token ``ids`` and the stop string that ended it (None: none did).
+    The text is cut before that string (kept with ``include_stop_str_in_output``). An output a
+    stop token ended (EOS, ``stop_token_ids``) leaves that token's text out unless
+    ``include_stop_str_in_output``, as vLLM's detokenizer does."""
+    if finish_reason != "stop" or not ids:
+        return decode(list(ids)), None
+    found = ended_by_string(decode, ids, params)
+    if found is None:  # a stop token ended it
+        return decode(list(ids if params.include_stop_str_in_output else ids[:-1])), None
+    stop, at = found
+    text = decode(list(ids))
+    return (text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]), stop
 
 
-def stop_reason(text: str | None, token_ids: Sequence[int], finish_reason: str, params: SamplingParams):
-    """What ended a request (vLLM's ``stop_reason``): its stop string, or its last token where that
-    is one of ``stop_token_ids``; None for EOS and for a request that ran to its length."""
+def ended_by_string(
+    decode: Callable[[list[int]], str], ids: Sequence[int], params: SamplingParams
+) -> tuple[str, int] | None:
+    """The stop string the last of ``ids`` completed and where it begins in ``decode(ids)``, or
+    None. As vLLM checks them: only past ``min_tokens`` tokens, only a string that ends in the text
+    the last token added, the first of ``params.stop`` that does."""
+    if not params.stop or len(ids) <= params.min_tokens:
+        return None
+    text, before = decode(list(ids)), decode(list(ids[:-1]))
+    start = new_text_start(text, before)
+    for stop in params.stop:
+        at = text.find(stop, max(0, start - len(stop) + 1))
+        if at >= 0:
+            return stop, at
+    return None
+
+
+def stop_reason(stop: str | None, token_ids: Sequence[int], finish_reason: str, eos: int | None):
+    """What ended a request (vLLM's ``stop_reason``): its stop string (``stop``, from
+    :func:`output_text`), else the stop token that ended it (a ``stop_token_ids`` entry, an EOS id
+    of the generation config's); None for the tokenizer's EOS (``eos``) and for a request that
+    did not stop."""
     if finish_reason != "stop":
         return None
-    if text is not None and any(s in text for s in params.stop):
-        return min(params.stop, key=lambda s: text.find(s) if s in text else len(text) + 1)
-    if token_ids and token_ids[-1] in (params.stop_token_ids or ()):
-        return token_ids[-1]
-    return None
+    if stop is not None:
+        return stop
+    return token_ids[-1] if token_ids and token_ids[-1] != eos else None
 
 
 def logprob_dicts(

@@ -53,7 +53,9 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     engine = cfg.parallel.build(path, cfg.engine_config())
     engine.tokenizer = stop_tokenizer(cfg, path)
-    fmt = OutputFormat(output_tokenizer(path) if _rank() == 0 else None, cfg.generation.n, cfg.generation.stop)
+    fmt = OutputFormat(
+        output_tokenizer(path) if _rank() == 0 else None, cfg.generation.n, cfg.generation.sampling_params()
+    )
     keep = _keep_finished(engine, run_dir, fmt)
     _inject_failure(cfg, engine)
     load_seconds = time.perf_counter() - t0

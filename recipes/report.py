@@ -5,17 +5,18 @@ supervised job alike) and the summary lines on the terminal."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from reshard.parallel.engine.metrics import latency_summary
+from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.dims import ParallelDims
-from reshard.parallel.vllm_api import cut_at_stop
+from reshard.parallel.vllm_api import output_text
 from reshard.recipes.config import GenerateConfig
 
 
@@ -152,7 +153,7 @@ class OutputFormat:
 
     tokenizer: Any = None
     n: int = 1
-    stop: Sequence[str] | None = None  # stop strings: the decoded output ends before the first (as vLLM's)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # the job's: the output's text ends as vLLM's
 
     def line(self, c) -> str:
         out = {"id": c.id, "prompt_ids": c.prompt_ids, "output_ids": c.output_ids, "finish_reason": c.finish_reason}
@@ -160,8 +161,8 @@ class OutputFormat:
             out.update(prompt_index=c.id // self.n, sample=c.id % self.n)
         if self.tokenizer is not None:
             out["prompt"] = self.tokenizer.decode(c.prompt_ids)
-            text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
-            out["output"] = cut_at_stop(text, c.finish_reason, self.stop or ())
+            decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+            out["output"] = output_text(decode, c.output_ids, c.finish_reason, self.sampling)[0]
         if c.logprobs is not None:  # per output token: [its logprob, [[id, logprob] of the top ones]]
             out["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in c.logprobs]
         return json.dumps(out) + "\n"

@@ -372,7 +372,7 @@ def _finish(cfg, run_dir: Path, path: Path, router: Router, channel: Channel, st
     # seconds its engine took to build with them]
     summary["fault"]["weights_from"] = _per_generation(cfg, channel, store, "weights_from")
     # (no strategy's own keys: its engines are the children's)
-    fmt = OutputFormat(output_tokenizer(path), cfg.generation.n, cfg.generation.stop)
+    fmt = OutputFormat(output_tokenizer(path), cfg.generation.n, cfg.generation.sampling_params())
     write_outputs(run_dir, completions, summary, None, fmt)
     (run_dir / FINISHED).unlink(missing_ok=True)  # outputs.jsonl holds them all
     return summary

@@ -46,6 +46,8 @@ def test_openai_fields_map_onto_the_engines_sampling_params():
     chat = _parse("chat", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=5, temperature=0)
     assert chat.prompts == [[1, 2, 4, 5]] and chat.logprobs == 5 and chat.sampling.greedy
     assert chat.sampling.max_new_tokens == 64 - 4  # chat's default: the rest of the context
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    assert _parse("chat", messages=[{"role": "user", "content": parts}]).prompts == [[1, 2, 4, 10, 5]]  # ("h\ni")
     assert _parse("completions", prompt="a").sampling.max_new_tokens == 16  # OpenAI's default
     assert _parse("completions", prompt="a", echo=False, best_of=1, logit_bias={}).n == 1  # "off" values pass
     vllm = _parse(
@@ -67,6 +69,7 @@ def test_openai_fields_map_onto_the_engines_sampling_params():
         ("completions", {"prompt": "a", "messages": []}, "messages", 400),
         ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs", 400),
         ("chat", {"messages": [{"role": "robot", "content": "a"}]}, "messages", 400),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", 400),
         ("chat", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools", 400),
         ("chat", {"messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream", 400),
         ("completions", {"prompt": "a", "stop_token_ids": [100]}, "stop_token_ids", 400),  # outside the vocabulary

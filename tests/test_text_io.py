@@ -136,6 +136,8 @@ def test_ignore_eos_runs_past_the_models_eos_and_min_tokens_is_checked():
     assert seq.finish_reason is None and seq.stop_ids == frozenset()
     kept = Sequence.of(Request(0, [1], SamplingParams(max_new_tokens=3, ignore_eos=True, stop_token_ids=(9,))), (2,))
     assert kept.stop_ids == {9}  # explicit stop ids still stop
+    short = Sequence.of(Request(0, [1], SamplingParams(max_new_tokens=3, ignore_eos=True, min_tokens=1)), (2,))
+    assert short.banned == {2} and short.stop_ids == frozenset()  # (EOS not sampled short of min_tokens: vLLM's)
     with pytest.raises(ValueError, match=r"min_tokens must be in 0..max_new_tokens \(3\), got 4"):
         SamplingParams(max_new_tokens=3, min_tokens=4)
     # a request resumed after 5 tokens (migrated, prefilled again) counts min_tokens, as max_new_tokens, by what is left

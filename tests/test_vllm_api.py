@@ -114,13 +114,21 @@ def test_sampling_params_take_vllms_names_and_refuse_what_is_not_a_number():
     for bad, message in (
         ({"stop": [1]}, "stop must be a string or a list"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {5: 1.0}}, "logit_bias is not one reshard honours"),
+        ({"stop": "x", "detokenize": False}, "need detokenize=True"),
     ):
         with pytest.raises(ValueError, match=message):
             SamplingParams(**bad)
+    vllms = dict(stop=None, seed=-1, logprobs=True, prompt_logprobs=False, logit_bias=None, bad_words=None)
+    assert SamplingParams(**vllms) == SamplingParams(logprobs=1, prompt_logprobs=0)  # vLLM's spellings
+    assert SamplingParams(max_tokens=None).max_new_tokens is None  # (to the end of the context)
 
 
 def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
+    """vLLM's engine arguments under their names (and those with nothing to do here), the
+    model's context by default, chat content as text parts; each other value one error."""
     from reshard import LLM, SamplingParams
+    from reshard.parallel import Request
 
     with pytest.raises(ValueError, match="tensor_parallel_size=1 and tp=1: they are one setting"):
         LLM(builtin, tensor_parallel_size=1, tp=1)
@@ -139,6 +147,22 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
             llm.generate([[5] * 600], SamplingParams(max_tokens=4))
         with pytest.raises(ValueError, match=r"stop_token_ids \[99999\] outside the vocabulary of \d+ tokens"):
             llm.generate("Hello", SamplingParams(max_tokens=4, stop_token_ids=[99999]))
+        with pytest.raises(ValueError, match=r"max_new_tokens=None .* is resolved by reshard.LLM"):
+            llm.engine.generate([Request(0, [5, 6], SamplingParams(max_tokens=None))])
+    with pytest.raises(ValueError, match="LLM: generation_config='vllm' is not one reshard honours"):
+        LLM(builtin, generation_config="vllm")
+    noops = dict(trust_remote_code=True, enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True)
+    with LLM(builtin, max_model_len=64, compile=True, **noops) as llm:
+        assert not llm.engine.config.compile and not llm.engine.config.prefix_caching
+        parts = [{"type": "text", "text": "w1 w2"}, {"type": "text", "text": "w3"}]
+        by_parts, joined = (
+            llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=2))[0]
+            for content in (parts, "w1 w2\nw3")
+        )
+        assert (by_parts.prompt, by_parts.prompt_token_ids) == (joined.prompt, joined.prompt_token_ids)
+        assert "w1 w2\nw3" in joined.prompt
+        with pytest.raises(ValueError, match="conversation 0, message 1: content must be a text or a list of"):
+            llm.chat([{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "image_url"}]}])
 
 
 def test_stop_strings_and_tokens_end_outputs_as_vllms_do(builtin, hf_reference):
@@ -167,6 +191,48 @@ def test_stop_strings_and_tokens_end_outputs_as_vllms_do(builtin, hf_reference):
     assert (cut_out.token_ids, cut_out.text, cut_out.stop_reason) == (tokens, cut, stop)
     assert kept.token_ids == tokens and kept.text == cut + stop
     assert (by_id.token_ids, by_id.finish_reason, by_id.stop_reason) == (free[:3], "stop", free[2])
+
+
+@pytest.mark.timeout(240)
+def test_outputs_end_where_vllms_do_stop_tokens_min_tokens_generation_config(builtin, hf_reference, tmp_path):
+    """As vLLM: a stop token's text is left out of the output's text (kept with
+    ``include_stop_str_in_output``); a stop string counts only past ``min_tokens`` tokens and the
+    text is cut where the string that ended it begins (not at an earlier occurrence); an EOS id
+    only ``generation_config.json`` names ends a request (its ``stop_reason``: that id);
+    ``max_tokens=None`` runs to the end of the context."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from reshard import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(builtin)
+    ids = tok("w5 w9 w11")["input_ids"]
+    free = hf_reference(builtin, [ids], 12)[0]
+    text = lambda k: tok.decode(free[:k], skip_special_tokens=True)  # noqa: E731
+    stop = tok.decode(free[1:2]).strip()  # a word the output holds at its 2nd token and again later
+    again = next(k for k in range(3, 13) if text(k).count(stop) == 2)
+    eos_config = tmp_path / "eos"
+    shutil.copytree(builtin, eos_config)
+    (eos_config / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, free[3]]}))
+    with LLM(builtin, max_model_len=64) as llm:
+        by_id, kept = (
+            llm.generate([ids], SamplingParams(max_tokens=12, stop_token_ids=[free[2]], **kw))[0].outputs[0]
+            for kw in ({}, {"include_stop_str_in_output": True})
+        )
+        short = {m: llm.generate([ids], SamplingParams(max_tokens=12, stop=stop, min_tokens=m))[0] for m in (1, 2, 3)}
+        to_the_end = llm.generate([ids], SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
+    with LLM(str(eos_config), max_model_len=64) as llm:
+        by_config = llm.generate([ids], SamplingParams(max_tokens=12))[0].outputs[0]
+    assert (by_id.token_ids, by_id.text, by_id.stop_reason) == (free[:3], text(2), free[2])
+    assert kept.text == text(3)
+    assert short[1].outputs[0].token_ids == free[:2] and short[1].outputs[0].text == text(2)[: text(2).find(stop)]
+    for m in (2, 3):  # (its 2nd token is not past min_tokens: the next occurrence ends it)
+        out = short[m].outputs[0]
+        assert (out.token_ids, out.stop_reason) == (free[:again], stop), m
+        assert out.text == text(again)[: text(again).rfind(stop)], m
+    assert (by_config.token_ids, by_config.finish_reason, by_config.stop_reason) == (free[:4], "stop", free[3])
+    assert by_config.text == text(3) and len(to_the_end.token_ids) == 64 - len(ids)
 
 
 def _local_prompts_job(path: str, tp: int):

@@ -37,6 +37,11 @@ def check_request(r: Request, *, vocab_size: int, max_seq_len: int, has_tokenize
     if not_int:
         raise ValueError(f"request {r.id}: token ids must be ints, got {not_int[:5]}")
     _check_carried(r, has_tokenizer=has_tokenizer)
+    if m is None:
+        raise ValueError(
+            f"request {r.id}: max_new_tokens=None (vLLM's max_tokens=None: to the end of the model's context) is "
+            "resolved by reshard.LLM; give the engine a number"
+        )
     if r.sampling.prompt_logprobs is not None:
         raise ValueError(
             f"request {r.id}: prompt_logprobs are computed by reshard.LLM (or Engine.prompt_logits), not per request"

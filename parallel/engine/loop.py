@@ -47,7 +47,15 @@ from reshard.parallel.engine.core import EngineCore
 from reshard.parallel.engine.events import EngineEvents
 from reshard.parallel.engine.inflight import BatchQueue, use_inflight
 from reshard.parallel.engine.policy import Policy, PolicyContext, RunnerInfo, Step, StepOutput
-from reshard.parallel.engine.request import NO_TOKEN, Completion, Request, Sequence, eos_ids, record_times
+from reshard.parallel.engine.request import (
+    NO_TOKEN,
+    Completion,
+    Request,
+    Sequence,
+    eos_ids,
+    model_eos_ids,
+    record_times,
+)
 from reshard.parallel.engine.routed import generate_routed
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import SamplingParams
@@ -114,8 +122,8 @@ class Engine:
         self._advance = self._advance_drained if self.flow is None else self._advance_inflight
         self.policy = policy or self._default_policy()
 
-        cfg = next(iter(self.runners.values())).model.config
-        self.vocab_size, self.eos_ids = cfg.vocab_size, eos_ids(cfg.eos_token_id)
+        model = next(iter(self.runners.values())).model
+        self.vocab_size, self.eos_ids = model.config.vocab_size, model_eos_ids(model)
         self.group, self.host_tiers = group, dict(host_tiers or {})
         self.events = EngineEvents()
         self.stats = self.policy.stats_cls()
@@ -444,7 +452,8 @@ class Engine:
     def _new_sequence(self, request: Request) -> Sequence:
         tok = self.tokenizer
         decode = None if tok is None else functools.partial(tok.decode, skip_special_tokens=True)
-        seq = self._live[request.id] = Sequence.of(request, self.eos_ids, self.vocab_size, decode=decode)
+        eos = (*self.eos_ids, *eos_ids(getattr(tok, "eos_token_id", None)))  # (the tokenizer's too: vLLM's)
+        seq = self._live[request.id] = Sequence.of(request, eos, self.vocab_size, decode=decode)
         return seq
 
     def validate(self, requests: Seq[Request]) -> None:

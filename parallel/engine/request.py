@@ -123,6 +123,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, where the request asks
     cancelled: bool = False  # set by the loop when its request is cancelled: its next token ends it ("abort")
     block_keys: list[int] = field(default_factory=list)  # prefix cache: keys of its full blocks (engine/prefix.py)
+    short_banned: frozenset[int] = frozenset()  # the ids it may not sample short of min_tokens (EOS, stop ids)
 
     @staticmethod
     def of(
@@ -139,13 +140,15 @@ class Sequence:
             assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
             skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)
         eos = () if request.sampling.ignore_eos else eos_ids  # stop_token_ids end a request besides EOS (vLLM's)
-        return Sequence(request, generator, frozenset((*(stop or ()), *eos)), decode=decode)
+        # (short of min_tokens no stop token is sampled, EOS included where it is ignored: vLLM's)
+        banned = frozenset((*(stop or ()), *eos_ids)) if request.sampling.min_tokens else frozenset()
+        return Sequence(request, generator, frozenset((*(stop or ()), *eos)), decode=decode, short_banned=banned)
 
     @property
     def banned(self) -> frozenset[int]:
         """Token ids the next sample may not take: the stop ids while short of ``min_tokens``."""
         short = len(self.output) < self.request.sampling.min_tokens  # a resumed request's counts what is left
-        return self.stop_ids if short else frozenset()
+        return self.short_banned if short else frozenset()
 
     @property
     def generated(self) -> list[int]:
@@ -186,18 +189,17 @@ class Sequence:
 
     def _stop_string_ended(self) -> bool:
         """Whether the newest token completed one of the request's stop strings: one ends in the
-        text it added to the decoded output (from ``min_tokens`` on, as vLLM; a string may span
+        text it added to the decoded output (past ``min_tokens`` tokens, as vLLM; a string may span
         tokens and overhang either end, as HF's ``StopStringCriteria`` catches)."""
         stops = self.request.sampling.stop
-        if not stops or len(self.output) < self.request.sampling.min_tokens:
+        if not stops or len(self.output) <= self.request.sampling.min_tokens:  # (vLLM's: past min_tokens)
             return False
         generated = self.generated  # a resumed request's too
         # enough tokens to hold the longest stop string (a token decodes to a character or more,
         # a few byte tokens to one character: four per character covers UTF-8)
         window = generated[-(4 * max(map(len, stops)) + 1) :]
         text, before = self.decode(window), self.decode(window[:-1])
-        # where the newest token's text begins: the first character the two decodings differ in
-        start = next((i for i, (a, b) in enumerate(zip(text, before)) if a != b), min(len(text), len(before)))
+        start = new_text_start(text, before)  # (where the newest token's text begins)
         return any(text.find(s, max(0, start - len(s) + 1)) >= 0 for s in stops)
 
     def completion(self, start: float | None = None) -> Completion:
@@ -312,6 +314,22 @@ def record_times(seq: Sequence, started: float, now: float, *, emitted: bool = T
         seq.times.append(now)
     if seq.finish_reason is not None and len(seq.times) == 2:
         seq.times.append(now)
+
+
+def new_text_start(text: str, before: str) -> int:
+    """Where the last token's text begins in ``text`` (``before``: the text without that token):
+    the first character the two differ in (a token that completes a character rewrites the
+    replacement character before it)."""
+    return next((i for i, (a, b) in enumerate(zip(text, before)) if a != b), min(len(text), len(before)))
+
+
+def model_eos_ids(model) -> tuple[int, ...]:
+    """The ids that end ``model``'s requests (unless they ignore EOS): its config's
+    ``eos_token_id`` and its generation config's (``generation_config.json``, which HF ``generate``
+    and vLLM read: an instruct model's end-of-turn token is often only there)."""
+    generation = getattr(model, "generation_config", None)
+    ids = (*eos_ids(model.config.eos_token_id), *eos_ids(getattr(generation, "eos_token_id", None)))
+    return tuple(dict.fromkeys(ids))
 
 
 def eos_ids(eos) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ import torch
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (vLLM's default cap)
 LOGPROBS_MODES = ("raw", "processed")
+UNSET = object()  # SamplingParams' max_tokens not given (None is vLLM's "to the context's end")
 
 # one generated token's log-probability and the top ones: (logprob, ((token id, logprob), ...))
 TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
@@ -34,7 +35,9 @@ class SamplingFields:
     temperature: float = 0.0  # 0 = greedy (vLLM's default is 1.0: say temperature= to sample)
     top_k: int = 0  # 0 = off (vLLM's -1 too)
     top_p: float = 1.0
-    max_new_tokens: int = 32  # vLLM's max_tokens (either name is taken; its default is 16)
+    # vLLM's max_tokens (either name is taken; its default is 16); None: up to the end of the model's
+    # context (vLLM's max_tokens=None), which reshard.LLM resolves per prompt (the engine takes a number)
+    max_new_tokens: int | None = 32
     # this request's noise (None: one from its call's seed and its position in the call, a fresh
     # one per call where the call names none); ``n`` samples take seeds ``seed``, ``seed + 1``, ...
     seed: int | None = None
@@ -75,12 +78,15 @@ class SamplingFields:
                 raise ValueError(f"{name} must be an int in 0..{MAX_LOGPROBS} or None, got {value!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if not (type(self.max_new_tokens) is int and self.max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
+        m = self.max_new_tokens
+        if not (m is None or (type(m) is int and m >= 1)):
+            raise ValueError(f"max_new_tokens must be >= 1, got {m!r}")
+        if not 0 <= self.min_tokens <= (self.max_new_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.seed is not None and not (type(self.seed) is int and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in 0..2**63-1 or None, got {self.seed!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {self.stop!r} are matched in the output's text: they need detokenize=True")
         if not (type(self.n) is int and self.n >= 1):
             raise ValueError(f"n must be an int >= 1 (samples of the prompt), got {self.n!r}")
         self._check_ranges()
@@ -128,8 +134,9 @@ class SamplingParams(SamplingFields):
     a ``ValueError``. Keyword arguments only. Defaults that differ from vLLM's: ``temperature``
     0 (greedy; vLLM's 1.0) and ``max_tokens`` 32 (vLLM's 16)."""
 
-    def __init__(self, *, max_tokens: int | None = None, **fields) -> None:
-        if max_tokens is not None:
+    def __init__(self, *, max_tokens: int | object | None = UNSET, **fields) -> None:
+        _vllm_values(fields)
+        if max_tokens is not UNSET:
             if "max_new_tokens" in fields:
                 raise ValueError(
                     f"SamplingParams got max_tokens={max_tokens!r} and max_new_tokens={fields['max_new_tokens']!r}: "
@@ -137,6 +144,34 @@ class SamplingParams(SamplingFields):
                 )
             fields["max_new_tokens"] = max_tokens
         super().__init__(**fields)
+
+
+# vLLM's sampling keys reshard takes at their "off" value only (each other value: one ValueError)
+VLLM_OFF = {
+    "spaces_between_special_tokens": True,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "structured_outputs": None,
+    "guided_decoding": None,
+    "truncate_prompt_tokens": None,
+}
+
+
+def _vllm_values(fields: dict) -> None:
+    """vLLM's spellings of values in ``fields``, in place: ``stop=None`` (none), ``seed=-1`` (none),
+    ``logprobs``/``prompt_logprobs`` as bools (Python's ints 1 and 0, as vLLM reads them); keys
+    of :data:`VLLM_OFF` dropped at their "off" value (``ValueError`` naming any other)."""
+    if "stop" in fields and fields["stop"] is None:
+        fields["stop"] = ()
+    if fields.get("seed") == -1:
+        fields["seed"] = None
+    for name in ("logprobs", "prompt_logprobs"):
+        if isinstance(fields.get(name), bool):
+            fields[name] = int(fields[name])
+    for name, off in VLLM_OFF.items():
+        if name in fields and fields.pop(name) != off:
+            raise ValueError(f"SamplingParams: {name} is not one reshard honours (only its default, {off!r})")
 
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")

@@ -6,6 +6,7 @@ import copy
 import fnmatch
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,7 @@ def _parallelize_path(path, dims, plan, dtype, mesh_of=None, load_weights=True, 
     if reader is not None:
         _read(model, reader, sources)
     _rebuild_rotary(model, device_type())
+    model.generation_config = generation_config(directory, model.generation_config)
     stats = LoadStats(reader.bytes_read, reader.total_bytes(), str(directory)) if reader else LoadStats(0, 0)
     model.parallel_info = ParallelInfo(dims, stats)
     return model.eval()
@@ -139,6 +141,8 @@ def _parallelize_module(module: nn.Module, dims, plan, mesh_of=None, inplace=Fal
         model = _skeleton(copy.deepcopy(module.config), dims, plan, dtype, mesh_of)
         _rebuild_rotary(model, device_type())
     copy_full_state(model, full)
+    if not inplace and hasattr(module, "generation_config"):  # (its EOS ids: generation_config.json's)
+        model.generation_config = copy.deepcopy(module.generation_config)
     model.parallel_info = ParallelInfo(dims)
     return model.eval()
 
@@ -150,6 +154,16 @@ def copy_full_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Non
         box = Layout.of_dtensor(param).box(rank)
         if box is not None:  # off the parameter's mesh (another pipeline stage): nothing to copy
             param.data.to_local().copy_(state[name][box_slices(box)])
+
+
+def generation_config(directory, default):
+    """The checkpoint's ``generation_config.json`` as HF's ``from_pretrained`` reads it (its EOS
+    ids end requests), else ``default`` (the one HF makes from the model's config)."""
+    from transformers import GenerationConfig
+
+    if not (Path(directory) / "generation_config.json").is_file():
+        return default
+    return GenerationConfig.from_pretrained(directory)
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -9,6 +9,7 @@ draining) and ``GET /metrics`` (Prometheus' text format).
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -21,7 +22,7 @@ from typing import Any
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
-from reshard.parallel.vllm_api import cut_at_stop
+from reshard.parallel.vllm_api import output_text
 
 POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
 LOG = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ class TextCursor:
 
 def final_text(text: Text, ids: list[int], finish: str | None, sampling: SamplingParams) -> str:
     """``ids`` decoded (special tokens skipped unless ``skip_special_tokens=False``), cut before the
-    stop string that ended it (kept with ``include_stop_str_in_output``): ``reshard.LLM``'s text."""
-    decoded = text.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
-    return cut_at_stop(decoded, finish, sampling.stop, sampling.include_stop_str_in_output)
+    stop string that ended it, without the stop token that ended it (both kept with
+    ``include_stop_str_in_output``): ``reshard.LLM``'s text."""
+    decode = functools.partial(text.decode, skip_special_tokens=sampling.skip_special_tokens)
+    return output_text(decode, ids, finish, sampling)[0]
 
 
 def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapping]) -> Any:

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from reshard.parallel.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from reshard.parallel.vllm_api import message_text
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -146,10 +147,13 @@ def _prompts(body: dict, tokenize: Callable[[str], list[int]]) -> list[list[int]
 
 def _messages(body: dict, chat) -> list[int]:
     m = body.get("messages")
-    ok = isinstance(m, list) and m and all(isinstance(x, dict) and isinstance(x.get("content"), str) for x in m)
+    ok = isinstance(m, list) and m and all(isinstance(x, dict) for x in m)
     if not ok or not all(x.get("role") in ("system", "user", "assistant", "developer") for x in m):
         raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': <text>}", "messages")
-    return chat([{"role": x["role"], "content": x["content"]} for x in m])
+    try:  # (text parts joined, as vLLM's string content format)
+        return chat([{"role": x["role"], "content": message_text(x.get("content"), 0, j)} for j, x in enumerate(m)])
+    except ValueError as e:
+        raise BadRequest(str(e).replace("conversation 0, message", "messages"), "messages") from None
 
 
 def _check_prompt(ids: list[int], limits: Limits) -> None:
