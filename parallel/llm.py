@@ -50,7 +50,9 @@ from reshard.parallel.vllm_api import (
     CompletionOutput,
     Logprob,
     RequestOutput,
+    check_no_lora,
     conversations,
+    in_context,
     llm_options,
     logprob_dicts,
     output_text,
@@ -141,13 +143,16 @@ class LLM:
         *,
         seed: int | None = None,
         use_tqdm: bool = False,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Every prompt's outputs, in order (``dp_prompts="local"``: this process's prompts'). ``prompts``:
         one prompt or a list; a prompt is a text, a list of token ids, ``{"prompt": text}`` or
         ``{"prompt_token_ids": ids}`` (vLLM's ``TextPrompt`` / ``TokensPrompt``); a chat goes to
         :meth:`chat`. ``sampling_params``: one for all prompts or one per prompt (default: greedy,
         16 tokens). ``seed``: this call's; a sampled prompt without a seed of its own takes one from
-        it and its position in the call (None: the LLM's next, see ``LLM(seed=)``)."""
+        it and its position in the call (None: the LLM's next, see ``LLM(seed=)``). ``lora_request``:
+        vLLM's, None only (one model's weights)."""
+        check_no_lora(lora_request)
         inputs = [self._encode(prompt_input(p, i), i) for i, p in enumerate(prompt_list(prompts))]
         return self._run(inputs, sampling_params, seed, use_tqdm)
 
@@ -162,10 +167,21 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        chat_template_content_format: str = "auto",
+        lora_request=None,
     ) -> list[RequestOutput]:
         """:meth:`generate` for one conversation (a list of ``{"role", "content"}`` messages) or a
-        list of them, rendered by the tokenizer's chat template (vLLM's ``chat`` arguments)."""
+        list of them, rendered by the tokenizer's chat template (vLLM's ``chat`` arguments; a
+        message's content is text: ``chat_template_content_format`` ``"auto"`` or ``"string"``)."""
+        check_no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(
+                f"LLM.chat: chat_template_content_format={chat_template_content_format!r}: reshard renders "
+                'a message\'s content as text ("auto" or "string")'
+            )
         template = dict(
+            tools=tools,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -234,6 +250,7 @@ class LLM:
         """One sample as vLLM's :class:`CompletionOutput`: text cut before its stop string (kept
         with ``include_stop_str_in_output``), the reason it stopped, ``Logprob`` entries."""
         decode = self._decoder(p)
+        decode = None if decode is None else in_context(decode, c.prompt_ids)
         text, stop = (None, None) if decode is None else output_text(decode, c.output_ids, c.finish_reason, p)
         text = "" if self.tokenizer is not None and not p.detokenize else text  # (vLLM's, without text)
         logprobs = None if c.logprobs is None else logprob_dicts(c.output_ids, c.logprobs, self._piece(p))
@@ -397,14 +414,19 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
 
 def _requests(ids: list[list[int]], params: list[SamplingParams], max_seq_len: int) -> list[Request]:
     """``n`` requests per prompt, ids their positions in the call; sample ``j`` of a prompt with a
-    seed of its own samples with ``seed + j``; ``max_tokens=None``: up to ``max_seq_len`` (vLLM's)."""
+    seed of its own samples with ``seed + j``. A request runs up to ``max_seq_len`` at most, ended
+    there with ``"length"`` (vLLM's cap; ``max_tokens=None``: that far); a prompt that leaves no room
+    is the engine's error."""
     requests = []
     for prompt, p in zip(ids, params):
-        room = max(1, max_seq_len - len(prompt)) if p.max_new_tokens is None else p.max_new_tokens
+        room = max_seq_len - len(prompt)
+        most = (p.max_new_tokens or 1) if room < 1 else min(p.max_new_tokens or room, room)
         for j in range(p.n):
             seed = None if p.seed is None else (p.seed + j) % 2**63
             # (prompt logprobs: reshard.LLM's, not the engine's)
-            sampling = dataclasses.replace(p, n=1, seed=seed, prompt_logprobs=None, max_new_tokens=room)
+            sampling = dataclasses.replace(
+                p, n=1, seed=seed, prompt_logprobs=None, max_new_tokens=most, min_tokens=min(p.min_tokens, most)
+            )
             requests.append(Request(len(requests), list(prompt), sampling))
     return requests
 

@@ -60,6 +60,10 @@ class CompletionOutput:
     finish_reason: str  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None: EOS)
 
+    def finished(self) -> bool:
+        """Whether it ended (vLLM's: always, offline)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
@@ -136,6 +140,12 @@ def conversations(messages) -> list[list[dict]]:
         [{**m, "content": message_text(m.get("content"), i, j)} for j, m in enumerate(chat)]
         for i, chat in enumerate(messages)
     ]
+
+
+def check_no_lora(lora_request) -> None:
+    """``ValueError`` for a vLLM ``lora_request`` other than None (reshard serves one model's weights)."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request={lora_request!r}: reshard serves one model's weights (no LoRA adapters)")
 
 
 def message_text(content, conversation: int, message: int) -> str:
@@ -234,6 +244,32 @@ def output_text(
     stop, at = found
     text = decode(list(ids))
     return (text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]), stop
+
+
+def in_context(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> Callable[[list[int]], str]:
+    """``decode`` of output ids as the text they add after the prompt's last tokens, as vLLM's
+    detokenizer primes itself with them: a tokenizer that drops a word's leading space at the start
+    of a text (SentencePiece's: Llama 2's, Mistral's) keeps the output's first space."""
+    suffix = prompt_suffix(decode, prompt)
+    if not suffix:
+        return decode
+    base = decode(suffix)
+
+    def after(ids: list[int]) -> str:
+        whole = decode([*suffix, *ids])
+        return whole[len(base) :] if whole.startswith(base) else decode(ids)
+
+    return after
+
+
+def prompt_suffix(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:
+    """The prompt's last tokens vLLM primes its detokenizer with: the fewest of its last 4 to 23
+    whose text holds no replacement character (else the whole prompt)."""
+    prompt = list(prompt)
+    for k in range(4, min(len(prompt) + 1, 24)):
+        if "\ufffd" not in decode(prompt[-k:]):
+            return prompt[-k:]
+    return prompt
 
 
 def ended_by_string(

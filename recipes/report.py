@@ -16,7 +16,7 @@ import torch.distributed as dist
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.dims import ParallelDims
-from reshard.parallel.vllm_api import output_text
+from reshard.parallel.vllm_api import in_context, output_text
 from reshard.recipes.config import GenerateConfig
 
 
@@ -161,7 +161,7 @@ class OutputFormat:
             out.update(prompt_index=c.id // self.n, sample=c.id % self.n)
         if self.tokenizer is not None:
             out["prompt"] = self.tokenizer.decode(c.prompt_ids)
-            decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+            decode = in_context(functools.partial(self.tokenizer.decode, skip_special_tokens=True), c.prompt_ids)
             out["output"] = output_text(decode, c.output_ids, c.finish_reason, self.sampling)[0]
         if c.logprobs is not None:  # per output token: [its logprob, [[id, logprob] of the top ones]]
             out["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in c.logprobs]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests import dist_harness
-from tests.test_text_io import _with_tokenizer
+from tests.test_text_io import _with_tokenizer, text_after
 
 NEW = 6
 
@@ -68,7 +68,7 @@ def test_llm_in_a_plain_process_takes_text_ids_and_chats_as_hf_generate(tokenize
         tokens, logits = _hf_generate(hf, out.prompt_token_ids, NEW)
         (sample,) = out.outputs
         assert sample.token_ids == tokens and sample.finish_reason in ("length", "stop")
-        assert sample.text == tok.decode(tokens, skip_special_tokens=True)
+        assert sample.text == text_after(tok, out.prompt_token_ids, tokens)
         raw = torch.stack([torch.log_softmax(step.float(), -1) for step in logits])[: len(tokens)]  # (T, V)
         ours = torch.tensor(_sampled(sample))
         torch.testing.assert_close(ours, raw.gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-5, rtol=0)
@@ -273,7 +273,7 @@ def test_llm_under_torchrun_tp2_and_dp2_equals_hf(tokenized, hf_reference, tp):
     tok = AutoTokenizer.from_pretrained(tokenized)
     ids = [tok("w5 w9 w11")["input_ids"], [40, 41, 42, 43], [7, 8]]
     assert [t for t, _, _ in per_rank[0]] == hf_reference(tokenized, ids, NEW)
-    assert [text for _, text, _ in per_rank[0]] == [tok.decode(t, skip_special_tokens=True) for t, _, _ in per_rank[0]]
+    assert [text for _, text, _ in per_rank[0]] == [text_after(tok, p, t) for p, (t, _, _) in zip(ids, per_rank[0])]
 
 
 def _llm_given_different_prompts(path: str, tp: int):

@@ -101,16 +101,17 @@ def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_on_the_offlin
 
     text, sampling = Text(_Chars()), SamplingParams(stop="STOP")
     out = [ord(c) for c in "hello STOP world"]
-    cursor, sent = TextCursor(text, sampling), []
+    prompt = [ord(c) for c in "say "]
+    cursor, sent = TextCursor(text, sampling, prompt), []
     for k in range(1, 10):  # the engine ends the request at the token that completes "STOP"
         new, items = cursor.advance([(t, None) for t in out[:k]], None)
         sent.append(new)
         assert len(items) == 1
     assert "".join(sent) == "hello "  # "STO" could be a stop string's start: held back
     new, _ = cursor.advance([(t, None) for t in out[:10]], "stop")
-    assert "".join(sent) + new == final_text(text, out[:10], "stop", sampling) == "hello "
+    assert "".join(sent) + new == final_text(text, prompt, out[:10], "stop", sampling) == "hello "
     kept = SamplingParams(stop="STOP", include_stop_str_in_output=True)  # vLLM's: the text keeps it
-    assert final_text(text, out[:10], "stop", kept) == "hello STOP"
+    assert final_text(text, prompt, out[:10], "stop", kept) == "hello STOP"
 
 
 def test_a_cancel_ends_a_queued_request_at_once_and_marks_a_running_one():

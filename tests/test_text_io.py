@@ -46,6 +46,13 @@ def _run_recipe(overrides, run_dir):
     return run_generate(compose("generate", overrides), Path(run_dir))
 
 
+def text_after(tok, prompt: list[int], output: list[int]) -> str:
+    """The text ``output`` adds after ``prompt`` (special tokens skipped): an output's text, as vLLM
+    decodes it (a space-joining tokenizer's starts with a space)."""
+    before = tok.decode(prompt, skip_special_tokens=True)
+    return tok.decode(prompt + output, skip_special_tokens=True)[len(before) :]
+
+
 def test_text_and_chat_prompts_round_trip_with_a_real_tokenizer(checkpoints, hf_reference, tmp_path):
     path = tmp_path / "ckpt"
     tok = _with_tokenizer(checkpoints["llama"], path)
@@ -62,8 +69,9 @@ def test_text_and_chat_prompts_round_trip_with_a_real_tokenizer(checkpoints, hf_
     assert out[1]["prompt"] == "system : w1 w2 user : w7 w8 w9 assistant :"
     assert out[0]["prompt"] == "w5 w9 w11" and out[2]["prompt"] == "w32 w33 w34"
     assert [o["output_ids"] for o in out] == hf_reference(str(path), [o["prompt_ids"] for o in out], 8)
-    for o in out:
-        assert o["output"] == tok.decode(o["output_ids"], skip_special_tokens=True) and o["output"].strip()
+    for o in out:  # the text the output adds after its prompt (vLLM's: here, a space first)
+        after = text_after(tok, o["prompt_ids"], o["output_ids"])
+        assert o["output"] == after and after.startswith(" ") and o["output"].strip()
 
 
 def test_chat_messages_need_a_chat_template_and_well_formed_messages(checkpoints, tmp_path):
@@ -188,7 +196,7 @@ def _stop_string_job(path, prompt, stops):
 
 def test_stop_strings_end_requests_where_hf_stop_strings_does(checkpoints, tmp_path):
     """A word of the free-running output as a stop string ends the request at the token that
-    completes it, as HF ``generate(stop_strings=, tokenizer=)`` does; from ``min_tokens`` on only;
+    completes it, as HF ``generate(stop_strings=, tokenizer=)`` does; past ``min_tokens`` only;
     the recipe's ``outputs.jsonl`` text ends before it (as vLLM's), its ids keep the token."""
     path, prompt = tmp_path / "ckpt", [5, 9, 11, 2, 7]
     tok = _with_tokenizer(checkpoints["llama"], path)
@@ -198,7 +206,7 @@ def test_stop_strings_end_requests_where_hf_stop_strings_does(checkpoints, tmp_p
     assert len(expected) <= 4 < len(free)
     got = dist_harness.run(1, _stop_string_job, str(path), prompt, (word,))[0]
     assert got[0] == (expected, "stop")
-    late = [i for i, t in enumerate(free) if word in tok.convert_ids_to_tokens(t) and i >= 5]  # from min_tokens=6 on
+    late = [i for i, t in enumerate(free) if word in tok.convert_ids_to_tokens(t) and i >= 6]  # past min_tokens=6
     assert got[1] == ((free[: late[0] + 1], "stop") if late else (free, "length"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(prompt) + "\n")
@@ -207,7 +215,7 @@ def test_stop_strings_end_requests_where_hf_stop_strings_does(checkpoints, tmp_p
     dist_harness.run(1, _run_recipe, [*overrides, "progress=false"], str(tmp_path / "run"))
     out = json.loads((tmp_path / "run" / "outputs.jsonl").read_text())
     assert out["finish_reason"] == "stop" and tok.convert_ids_to_tokens(out["output_ids"][-1]).find(word) >= 0
-    text = tok.decode(out["output_ids"], skip_special_tokens=True)
+    text = text_after(tok, prompt, out["output_ids"])
     assert out["output"] == text[: text.find(word)] and word not in out["output"]
     with pytest.raises(ValueError, match=r"^generation.stop must be a non-empty list of non-empty strings or null"):
         from reshard.recipes.schema import compose
@@ -351,3 +359,32 @@ def test_the_main_job_pages_its_cache_and_shares_prompts_by_default(checkpoints,
     assert outputs == flat_outputs
     assert kv["prefix_cache_hits"] == 2 * sum((len(p) - 1) // 16 * 16 for p in prompts) > 0
     assert not flat.get("prefix_cache_hits")
+
+
+def test_an_outputs_text_is_decoded_after_its_prompt_as_vllm_decodes_it():
+    """A SentencePiece-style tokenizer (Metaspace) drops a word's leading space at the start of a
+    text: an output decoded alone would lose its first space. Decoded after the prompt's last
+    tokens (vLLM's detokenizer), it keeps it; a byte-level tokenizer's text is the same either way."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from reshard.parallel import SamplingParams
+    from reshard.parallel.model.tiny_models import synthetic_text
+    from reshard.parallel.vllm_api import in_context, output_text
+
+    meta = Tokenizer(models.BPE(unk_token="<unk>"))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    meta.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    meta.train_from_iterator(synthetic_text(0, 500), trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=meta, unk_token="<unk>")
+    prompt, output = tok("the words before")["input_ids"], tok(" and the words after")["input_ids"]
+    whole = tok.decode(prompt + output)
+    assert tok.decode(output) == "and the words after" and whole.endswith(" and the words after")
+    text, _ = output_text(in_context(tok.decode, prompt), output, "length", SamplingParams())
+    assert text == " and the words after"
+    after = in_context(tok.decode, prompt)
+    k = next(k for k in range(1, len(output) + 1) if " words a" in after(output[:k]))  # (where the engine stops)
+    stopped, stop = output_text(after, output[:k], "stop", SamplingParams(stop=" words a"))
+    assert (stopped, stop) == (" and the", " words a")
+    chars = lambda ids: "".join(map(chr, ids))  # noqa: E731 (a byte-level tokenizer's decode: context-free)
+    assert output_text(in_context(chars, [104, 105]), [32, 121, 111], "length", SamplingParams())[0] == " yo"

@@ -145,6 +145,8 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
             ValueError, match=r"prompt length \(600\) \+ max_new_tokens \(4\) = 604 exceeds max_seq_len \(512\)"
         ):
             llm.generate([[5] * 600], SamplingParams(max_tokens=4))
+        capped = llm.generate([[5] * 508], SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0]
+        assert (len(capped.token_ids), capped.finish_reason) == (4, "length")  # vLLM's cap at the context's end
         with pytest.raises(ValueError, match=r"stop_token_ids \[99999\] outside the vocabulary of \d+ tokens"):
             llm.generate("Hello", SamplingParams(max_tokens=4, stop_token_ids=[99999]))
         with pytest.raises(ValueError, match=r"max_new_tokens=None .* is resolved by reshard.LLM"):
@@ -159,6 +161,10 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
             llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=2))[0]
             for content in (parts, "w1 w2\nw3")
         )
+        vllms = dict(tools=None, chat_template_content_format="string", lora_request=None)
+        assert llm.chat([{"role": "user", "content": parts}], SamplingParams(max_tokens=2), **vllms)[0].prompt
+        with pytest.raises(ValueError, match="lora_request='adapter': reshard serves one model's weights"):
+            llm.generate("w1", lora_request="adapter")
         assert (by_parts.prompt, by_parts.prompt_token_ids) == (joined.prompt, joined.prompt_token_ids)
         assert "w1 w2\nw3" in joined.prompt
         with pytest.raises(ValueError, match="conversation 0, message 1: content must be a text or a list of"):
@@ -225,7 +231,7 @@ def test_outputs_end_where_vllms_do_stop_tokens_min_tokens_generation_config(bui
     with LLM(str(eos_config), max_model_len=64) as llm:
         by_config = llm.generate([ids], SamplingParams(max_tokens=12))[0].outputs[0]
     assert (by_id.token_ids, by_id.text, by_id.stop_reason) == (free[:3], text(2), free[2])
-    assert kept.text == text(3)
+    assert kept.text == text(3) and kept.finished()
     assert short[1].outputs[0].token_ids == free[:2] and short[1].outputs[0].text == text(2)[: text(2).find(stop)]
     for m in (2, 3):  # (its 2nd token is not past min_tokens: the next occurrence ends it)
         out = short[m].outputs[0]

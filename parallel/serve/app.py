@@ -22,7 +22,7 @@ from typing import Any
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
-from reshard.parallel.vllm_api import output_text
+from reshard.parallel.vllm_api import in_context, output_text
 
 POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
 LOG = logging.getLogger(__name__)
@@ -55,13 +55,13 @@ class TextCursor:
     an incomplete character and of a possible stop string's start (held back until the choice
     finishes); the final text is the offline job's (:func:`final_text`)."""
 
-    def __init__(self, text: Text, sampling: SamplingParams) -> None:
-        self.text, self.sampling = text, sampling
+    def __init__(self, text: Text, sampling: SamplingParams, prompt: list[int]) -> None:
+        self.text, self.sampling, self.prompt = text, sampling, prompt
         self.sent, self.tokens = "", 0
 
     def advance(self, items: list[tuple[int, Any]], finish: str | None) -> tuple[str, list]:
         """The new text and the new ``(token, logprobs)`` items since the last call."""
-        full = final_text(self.text, [t for t, _ in items], finish, self.sampling)
+        full = final_text(self.text, self.prompt, [t for t, _ in items], finish, self.sampling)
         if finish is None:
             full = full.rstrip("\ufffd")
             full = full[: max(0, len(full) - max(map(len, self.sampling.stop), default=1) + 1)]
@@ -74,11 +74,11 @@ class TextCursor:
         return new, fresh
 
 
-def final_text(text: Text, ids: list[int], finish: str | None, sampling: SamplingParams) -> str:
-    """``ids`` decoded (special tokens skipped unless ``skip_special_tokens=False``), cut before the
-    stop string that ended it, without the stop token that ended it (both kept with
+def final_text(text: Text, prompt: list[int], ids: list[int], finish: str | None, sampling: SamplingParams) -> str:
+    """``ids`` decoded after ``prompt`` (special tokens skipped unless ``skip_special_tokens=False``),
+    cut before the stop string that ended it, without the stop token that ended it (both kept with
     ``include_stop_str_in_output``): ``reshard.LLM``'s text."""
-    decode = functools.partial(text.decode, skip_special_tokens=sampling.skip_special_tokens)
+    decode = in_context(functools.partial(text.decode, skip_special_tokens=sampling.skip_special_tokens), prompt)
     return output_text(decode, ids, finish, sampling)[0]
 
 
@@ -156,7 +156,7 @@ def _whole(front: Front, text: Text, parsed: Parsed, streams: list[Stream], rid:
     choices, timing = [], []
     for s in streams:
         c = s.completion
-        out = final_text(text, c.output_ids, c.finish_reason, parsed.sampling)
+        out = final_text(text, c.prompt_ids, c.output_ids, c.finish_reason, parsed.sampling)
         lps = None if parsed.logprobs is None else logprobs_of(parsed.kind, c.output_ids, c.logprobs, text.piece)
         choices.append(choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False))
         timing.append(_timing(front, s))
@@ -185,7 +185,7 @@ async def _events(
     """Server-sent events: each choice's new text as its tokens land, its finish reason, then
     (``stream_options.include_usage``) the usage, then ``[DONE]``. A client that goes away
     cancels the choices still running."""
-    cursors = {s.rid: TextCursor(text, parsed.sampling) for s in streams}
+    cursors = {s.rid: TextCursor(text, parsed.sampling, parsed.prompts[s.index // parsed.n]) for s in streams}
     wake, open_ = streams[0].wake, list(streams)
     try:
         if parsed.kind == "chat":  # the assistant's turn opens each choice (as OpenAI's first chunk)
