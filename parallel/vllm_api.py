@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TypedDict
 
-from reshard.parallel.engine.request import new_text_start
+from reshard.parallel.engine.request import new_text_start, prompt_suffix
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -260,16 +260,6 @@ def in_context(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> Cal
         return whole[len(base) :] if whole.startswith(base) else decode(ids)
 
     return after
-
-
-def prompt_suffix(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:
-    """The prompt's last tokens vLLM primes its detokenizer with: the fewest of its last 4 to 23
-    whose text holds no replacement character (else the whole prompt)."""
-    prompt = list(prompt)
-    for k in range(4, min(len(prompt) + 1, 24)):
-        if "\ufffd" not in decode(prompt[-k:]):
-            return prompt[-k:]
-    return prompt
 
 
 def ended_by_string(

@@ -386,5 +386,16 @@ def test_an_outputs_text_is_decoded_after_its_prompt_as_vllm_decodes_it():
     k = next(k for k in range(1, len(output) + 1) if " words a" in after(output[:k]))  # (where the engine stops)
     stopped, stop = output_text(after, output[:k], "stop", SamplingParams(stop=" words a"))
     assert (stopped, stop) == (" and the", " words a")
+    from reshard.parallel import Request
+    from reshard.parallel.engine.request import Sequence
+
+    k = next(k for k in range(1, len(output) + 1) if after(output[:k]).startswith(" and"))
+    ends = {}  # the engine's check sees the same text: " and" begins the output, "before and" spans the prompt
+    for stop in (" and", "before and"):
+        seq = Sequence.of(Request(0, prompt, SamplingParams(max_new_tokens=8, stop=stop)), (), decode=tok.decode)
+        for t in output[:k]:
+            seq.append(t)
+        ends[stop] = seq.finish_reason
+    assert ends == {" and": "stop", "before and": None}
     chars = lambda ids: "".join(map(chr, ids))  # noqa: E731 (a byte-level tokenizer's decode: context-free)
     assert output_text(in_context(chars, [104, 105]), [32, 121, 111], "length", SamplingParams())[0] == " yo"

@@ -197,10 +197,18 @@ class Sequence:
         generated = self.generated  # a resumed request's too
         # enough tokens to hold the longest stop string (a token decodes to a character or more,
         # a few byte tokens to one character: four per character covers UTF-8)
-        window = generated[-(4 * max(map(len, stops)) + 1) :]
+        size = 4 * max(map(len, stops)) + 1
+        # an output that short is decoded after its prompt's last tokens, as its text is (a
+        # SentencePiece tokenizer keeps its leading space); a string must lie in the output's text
+        r = self.request
+        lead = (
+            prompt_suffix(self.decode, r.prompt_ids[: len(r.prompt_ids) - r.resumed]) if len(generated) < size else []
+        )
+        window = [*lead, *generated[-size:]]
         text, before = self.decode(window), self.decode(window[:-1])
         start = new_text_start(text, before)  # (where the newest token's text begins)
-        return any(text.find(s, max(0, start - len(s) + 1)) >= 0 for s in stops)
+        floor = len(self.decode(lead)) if lead else 0
+        return any(text.find(s, max(floor, start - len(s) + 1)) >= 0 for s in stops)
 
     def completion(self, start: float | None = None) -> Completion:
         """The finished request; with the wall-clock ``start`` of ``generate``, its :class:`Timing`."""
@@ -321,6 +329,16 @@ def new_text_start(text: str, before: str) -> int:
     the first character the two differ in (a token that completes a character rewrites the
     replacement character before it)."""
     return next((i for i, (a, b) in enumerate(zip(text, before)) if a != b), min(len(text), len(before)))
+
+
+def prompt_suffix(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:
+    """The prompt's last tokens vLLM primes its detokenizer with: the fewest of its last 4 to 23
+    whose text holds no replacement character (else the whole prompt)."""
+    prompt = list(prompt)
+    for k in range(4, min(len(prompt) + 1, 24)):
+        if "\ufffd" not in decode(prompt[-k:]):
+            return prompt[-k:]
+    return prompt
 
 
 def model_eos_ids(model) -> tuple[int, ...]:
