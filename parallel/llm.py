@@ -181,10 +181,10 @@ class LLM:
                 'a message\'s content as text ("auto" or "string")'
             )
         template = dict(
-            tools=tools,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **({} if tools is None else {"tools": tools}),  # (or in chat_template_kwargs, as before)
             **(chat_template_kwargs or {}),
         )
         inputs = [self._render(chat, i, template) for i, chat in enumerate(conversations(messages))]
@@ -251,7 +251,10 @@ class LLM:
         with ``include_stop_str_in_output``), the reason it stopped, ``Logprob`` entries."""
         decode = self._decoder(p)
         decode = None if decode is None else in_context(decode, c.prompt_ids)
-        text, stop = (None, None) if decode is None else output_text(decode, c.output_ids, c.finish_reason, p)
+        text, stop = (
+            (None, None) if decode is None else output_text(decode, c.output_ids, c.finish_reason, p, c.stopped_by)
+        )
+        stop = c.stopped_by if isinstance(c.stopped_by, str) else stop  # (the engine's word, with no text too)
         text = "" if self.tokenizer is not None and not p.detokenize else text  # (vLLM's, without text)
         logprobs = None if c.logprobs is None else logprob_dicts(c.output_ids, c.logprobs, self._piece(p))
         cumulative = None if c.logprobs is None else sum(lp for lp, _ in c.logprobs)

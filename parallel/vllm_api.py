@@ -191,6 +191,8 @@ def llm_options(given: Mapping) -> dict:
     for name, taken in LLM_NOOPS.items():
         if taken is not None and given.get(name, taken) != taken:
             raise ValueError(f"LLM: {name}={given[name]!r} is not one reshard honours (only {taken!r})")
+    if given.get("enforce_eager") and given.get("compile"):
+        raise ValueError("LLM got enforce_eager=True and compile=True: give one")
     if given.get("enforce_eager"):  # (vLLM's eager-only: no compiled step)
         out["compile"] = False
     for theirs, ours in LLM_NAMES.items():
@@ -230,17 +232,27 @@ def vllm_sampling(given: Mapping, where: str) -> SamplingParams:
 
 # ---- outputs ---------------------------------------------------------------------------------
 def output_text(
-    decode: Callable[[list[int]], str], ids: Sequence[int], finish_reason: str | None, params: SamplingParams
+    decode: Callable[[list[int]], str],
+    ids: Sequence[int],
+    finish_reason: str | None,
+    params: SamplingParams,
+    stopped_by: int | str | None = None,
 ) -> tuple[str, str | None]:
     """vLLM's text of an output's token ``ids`` and the stop string that ended it (None: none did).
-    The text is cut before that string (kept with ``include_stop_str_in_output``). An output a
-    stop token ended (EOS, ``stop_token_ids``) leaves that token's text out unless
-    ``include_stop_str_in_output``, as vLLM's detokenizer does."""
+    ``stopped_by``: what the engine says ended it (a token id or a stop string; None: found here
+    from the text). The text is cut before that string (kept with ``include_stop_str_in_output``).
+    An output a stop token ended (EOS, ``stop_token_ids``) leaves that token's text out unless
+    ``include_stop_str_in_output``, and no stop string is looked for, as vLLM's detokenizer does."""
     if finish_reason != "stop" or not ids:
         return decode(list(ids)), None
-    found = ended_by_string(decode, ids, params)
-    if found is None:  # a stop token ended it
+    if isinstance(stopped_by, int):
         return decode(list(ids if params.include_stop_str_in_output else ids[:-1])), None
+    stops = params.stop if stopped_by is None else (stopped_by,)
+    found = ended_by_string(decode, ids, stops, params.min_tokens)
+    if found is None:
+        if stopped_by is not None:  # (the engine's string, whose place this decoding does not show)
+            return decode(list(ids)), stopped_by
+        return decode(list(ids if params.include_stop_str_in_output else ids[:-1])), None  # a stop token
     stop, at = found
     text = decode(list(ids))
     return (text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]), stop
@@ -263,16 +275,16 @@ def in_context(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> Cal
 
 
 def ended_by_string(
-    decode: Callable[[list[int]], str], ids: Sequence[int], params: SamplingParams
+    decode: Callable[[list[int]], str], ids: Sequence[int], stops: Sequence[str], min_tokens: int
 ) -> tuple[str, int] | None:
     """The stop string the last of ``ids`` completed and where it begins in ``decode(ids)``, or
     None. As vLLM checks them: only past ``min_tokens`` tokens, only a string that ends in the text
-    the last token added, the first of ``params.stop`` that does."""
-    if not params.stop or len(ids) <= params.min_tokens:
+    the last token added, the first of ``stops`` that does."""
+    if not stops or len(ids) <= min_tokens:
         return None
     text, before = decode(list(ids)), decode(list(ids[:-1]))
     start = new_text_start(text, before)
-    for stop in params.stop:
+    for stop in stops:
         at = text.find(stop, max(0, start - len(stop) + 1))
         if at >= 0:
             return stop, at

@@ -52,7 +52,7 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     engine = cfg.parallel.build(path, cfg.engine_config())
-    engine.tokenizer = stop_tokenizer(cfg, path)
+    engine.tokenizer = stop_tokenizer(cfg, path) or output_tokenizer(path)  # (its EOS ends requests too)
     fmt = OutputFormat(
         output_tokenizer(path) if _rank() == 0 else None, cfg.generation.n, cfg.generation.sampling_params()
     )

@@ -34,7 +34,7 @@ from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Request
 from reshard.parallel.engine.router import Router
-from reshard.parallel.model.checkpoint import config_value
+from reshard.parallel.model.checkpoint import checkpoint_eos_ids, config_value
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import hydra_main
 
@@ -143,7 +143,8 @@ def serving(
     tokenizer = tokenizer_of(site.path)
     name = s.model_name or site.path.name
     limits = Limits(name, _max_seq_len(cfg, site.path), tokenizer_vocab(site.path), logprobs=generation is None)
-    app = build_app(front, limits, Text(tokenizer), lambda: dict(router.server.loads))
+    eos = checkpoint_eos_ids(site.path) | {tokenizer.eos_token_id} - {None}  # (a stream holds a stop token's text back)
+    app = build_app(front, limits, Text(tokenizer, eos), lambda: dict(router.server.loads))
     closing = threading.Event()
     with router, HttpServer(app, s.host, s.port) as http:
         url = f"http://{s.host}:{http.port}/v1"

@@ -169,7 +169,7 @@ def serve_child(spec: ChildSpec, cfg: GenerateConfig, path: str, start: float, s
     world = int(os.environ["WORLD_SIZE"])
     topology = engine_group_of(cfg, world, spec.rank)[2]
     engine, source = _build_engine(cfg, spec, path, topology)
-    engine.tokenizer = output_tokenizer(Path(path)) if streams else stop_tokenizer(cfg, Path(path))
+    engine.tokenizer = stop_tokenizer(cfg, Path(path)) or output_tokenizer(Path(path))  # (its EOS ends requests too)
     group = engine.engine_group or GroupLayout(0, 1, spec.members)  # a strategy's one group of every rank
     assert group.index == spec.group and group.ranks == spec.members, (group, spec)
     supervision = _supervision_store()  # a client of its own: the process group waits on `store`

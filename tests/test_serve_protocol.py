@@ -9,7 +9,7 @@ import pytest
 
 from reshard.parallel.engine.admission import withdraw
 from reshard.parallel.engine.channel import Cancel
-from reshard.parallel.engine.request import Request, Sequence
+from reshard.parallel.engine.request import Completion, Request, Sequence
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.protocol import BadRequest, Limits, parse
 
@@ -49,6 +49,7 @@ def test_openai_fields_map_onto_the_engines_sampling_params():
     parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
     assert _parse("chat", messages=[{"role": "user", "content": parts}]).prompts == [[1, 2, 4, 10, 5]]  # ("h\ni")
     assert _parse("completions", prompt="a").sampling.max_new_tokens == 16  # OpenAI's default
+    assert _parse("completions", prompt="a", max_tokens=None).sampling.max_new_tokens == 64 - 1  # vLLM's null
     assert _parse("completions", prompt="a", echo=False, best_of=1, logit_bias={}).n == 1  # "off" values pass
     vllm = _parse(
         "completions", prompt="a", stop_token_ids=[7, 9], include_stop_str_in_output=True, skip_special_tokens=False
@@ -108,10 +109,29 @@ def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_on_the_offlin
         sent.append(new)
         assert len(items) == 1
     assert "".join(sent) == "hello "  # "STO" could be a stop string's start: held back
-    new, _ = cursor.advance([(t, None) for t in out[:10]], "stop")
-    assert "".join(sent) + new == final_text(text, prompt, out[:10], "stop", sampling) == "hello "
+    new, _ = cursor.advance([(t, None) for t in out[:10]], "stop", "STOP")
+    done = Completion(0, prompt, out[:10], "stop", stopped_by="STOP")
+    assert "".join(sent) + new == final_text(text, done, sampling) == "hello "
     kept = SamplingParams(stop="STOP", include_stop_str_in_output=True)  # vLLM's: the text keeps it
-    assert final_text(text, prompt, out[:10], "stop", kept) == "hello STOP"
+    assert final_text(text, done, kept) == "hello STOP"
+
+
+def test_a_stream_holds_back_a_stop_tokens_text_and_a_stop_token_ends_the_text_before_it():
+    """The tokens of a step reach a stream before the completion: a last token that may have ended
+    the choice (EOS, a stop token) keeps its text back, and the final text leaves it out (vLLM's:
+    no stop string is looked for in it either)."""
+    from reshard.parallel.serve.app import Text, TextCursor, final_text
+
+    text, dot = Text(_Chars(), eos_ids=frozenset({0})), ord(".")
+    sampling = SamplingParams(stop_token_ids=[dot])
+    out = [ord(c) for c in "ab."]
+    cursor = TextCursor(text, sampling, [ord(c) for c in "say "])
+    sent = [cursor.advance([(t, None) for t in out[:k]], None)[0] for k in (1, 2, 3)]
+    assert sent == ["a", "b", ""]  # "." may have ended it: held back
+    assert cursor.advance([(t, None) for t in out], "stop", dot)[0] == ""  # it did: never sent
+    ended = Completion(0, [], [ord(c) for c in "go."], "stop", stopped_by=dot)  # ("o." is in it: not a cut)
+    assert final_text(text, ended, SamplingParams(stop_token_ids=[dot], stop="o.")) == "go"
+    assert TextCursor(text, SamplingParams(ignore_eos=True), []).advance([(97, None), (0, None)], None)[0] == "a\x00"
 
 
 def test_a_cancel_ends_a_queued_request_at_once_and_marks_a_running_one():

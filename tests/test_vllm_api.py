@@ -154,7 +154,9 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
     with pytest.raises(ValueError, match="LLM: generation_config='vllm' is not one reshard honours"):
         LLM(builtin, generation_config="vllm")
     noops = dict(trust_remote_code=True, enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True)
-    with LLM(builtin, max_model_len=64, compile=True, **noops) as llm:
+    with pytest.raises(ValueError, match="LLM got enforce_eager=True and compile=True: give one"):
+        LLM(builtin, compile=True, enforce_eager=True)
+    with LLM(builtin, max_model_len=64, **noops) as llm:
         assert not llm.engine.config.compile and not llm.engine.config.prefix_caching
         parts = [{"type": "text", "text": "w1 w2"}, {"type": "text", "text": "w3"}]
         by_parts, joined = (

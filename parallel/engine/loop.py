@@ -450,8 +450,8 @@ class Engine:
 
     # ---- checks and helpers ---------------------------------------------------------------------
     def _new_sequence(self, request: Request) -> Sequence:
-        tok = self.tokenizer
-        decode = None if tok is None else functools.partial(tok.decode, skip_special_tokens=True)
+        tok, skip = self.tokenizer, request.sampling.skip_special_tokens  # (stop strings: in its output's text)
+        decode = None if tok is None else functools.partial(tok.decode, skip_special_tokens=skip)
         eos = (*self.eos_ids, *eos_ids(getattr(tok, "eos_token_id", None)))  # (the tokenizer's too: vLLM's)
         seq = self._live[request.id] = Sequence.of(request, eos, self.vocab_size, decode=decode)
         return seq

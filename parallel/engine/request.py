@@ -103,6 +103,9 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort" (cancelled: its client went away)
     timing: Timing | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per output token, where the request asked (``logprobs``)
+    # what stopped it (finish_reason "stop"): its last token's id (EOS or a stop_token_ids entry) or
+    # the stop string its last token completed; None where not known (rebuilt from a journal)
+    stopped_by: int | str | None = None
 
 
 @dataclass
@@ -124,6 +127,8 @@ class Sequence:
     cancelled: bool = False  # set by the loop when its request is cancelled: its next token ends it ("abort")
     block_keys: list[int] = field(default_factory=list)  # prefix cache: keys of its full blocks (engine/prefix.py)
     short_banned: frozenset[int] = frozenset()  # the ids it may not sample short of min_tokens (EOS, stop ids)
+    stopped_by: int | str | None = None  # the stop token or string that ended it (finish_reason "stop")
+    lead: tuple[list[int], int] | None = None  # (its prompt's last tokens, their text's length): see _lead
 
     @staticmethod
     def of(
@@ -180,35 +185,42 @@ class Sequence:
         self.output.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        if token in self.stop_ids or self._stop_string_ended():
-            self.finish_reason = "stop"
+        if token in self.stop_ids:
+            self.finish_reason, self.stopped_by = "stop", token
+        elif (stop := self._stop_string_ended()) is not None:
+            self.finish_reason, self.stopped_by = "stop", stop
         elif len(self.output) >= self.request.sampling.max_new_tokens:
             self.finish_reason = "length"
         elif self.cancelled:  # (a token that ends it anyway says so: every stage of a pipeline sees it)
             self.finish_reason = "abort"
 
-    def _stop_string_ended(self) -> bool:
-        """Whether the newest token completed one of the request's stop strings: one ends in the
-        text it added to the decoded output (past ``min_tokens`` tokens, as vLLM; a string may span
-        tokens and overhang either end, as HF's ``StopStringCriteria`` catches)."""
+    def _stop_string_ended(self) -> str | None:
+        """The first of the request's stop strings the newest token completed (None: none did): one
+        that ends in the text it added to the decoded output (past ``min_tokens`` tokens, as vLLM; a
+        string may span tokens and overhang either end, as HF's ``StopStringCriteria`` catches)."""
         stops = self.request.sampling.stop
         if not stops or len(self.output) <= self.request.sampling.min_tokens:  # (vLLM's: past min_tokens)
-            return False
+            return None
         generated = self.generated  # a resumed request's too
         # enough tokens to hold the longest stop string (a token decodes to a character or more,
         # a few byte tokens to one character: four per character covers UTF-8)
         size = 4 * max(map(len, stops)) + 1
         # an output that short is decoded after its prompt's last tokens, as its text is (a
         # SentencePiece tokenizer keeps its leading space); a string must lie in the output's text
-        r = self.request
-        lead = (
-            prompt_suffix(self.decode, r.prompt_ids[: len(r.prompt_ids) - r.resumed]) if len(generated) < size else []
-        )
+        lead, floor = self._lead() if len(generated) < size else ([], 0)
         window = [*lead, *generated[-size:]]
         text, before = self.decode(window), self.decode(window[:-1])
         start = new_text_start(text, before)  # (where the newest token's text begins)
-        floor = len(self.decode(lead)) if lead else 0
-        return any(text.find(s, max(floor, start - len(s) + 1)) >= 0 for s in stops)
+        return next((s for s in stops if text.find(s, max(floor, start - len(s) + 1)) >= 0), None)
+
+    def _lead(self) -> tuple[list[int], int]:
+        """The prompt's last tokens its output is decoded after, and the length of their text
+        (found once: :func:`prompt_suffix`)."""
+        if self.lead is None:
+            r = self.request
+            tokens = prompt_suffix(self.decode, r.prompt_ids[: len(r.prompt_ids) - r.resumed])
+            self.lead = (tokens, len(self.decode(tokens)) if tokens else 0)
+        return self.lead
 
     def completion(self, start: float | None = None) -> Completion:
         """The finished request; with the wall-clock ``start`` of ``generate``, its :class:`Timing`."""
@@ -219,7 +231,7 @@ class Sequence:
         if start is not None and len(self.times) == 3:
             timing = Timing(r.arrival, *(t - start for t in self.times), tokens=len(output))
         logprobs = None if r.sampling.logprobs is None else list(self.logprobs)
-        return Completion(r.id, list(prompt), output, self.finish_reason, timing, logprobs)
+        return Completion(r.id, list(prompt), output, self.finish_reason, timing, logprobs, self.stopped_by)
 
 
 def batch_kind(seqs: list[Sequence], num_tokens: list[int]) -> str:
@@ -333,12 +345,12 @@ def new_text_start(text: str, before: str) -> int:
 
 def prompt_suffix(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:
     """The prompt's last tokens vLLM primes its detokenizer with: the fewest of its last 4 to 23
-    whose text holds no replacement character (else the whole prompt)."""
+    whose text holds no replacement character (else its last 23)."""
     prompt = list(prompt)
     for k in range(4, min(len(prompt) + 1, 24)):
         if "\ufffd" not in decode(prompt[-k:]):
             return prompt[-k:]
-    return prompt
+    return prompt[-23:]  # (vLLM's whole prompt: the text after it is the same but mid-character)
 
 
 def model_eos_ids(model) -> tuple[int, ...]:

@@ -74,6 +74,17 @@ def config_value(directory: str | os.PathLike, key: str) -> object:
     return getattr(AutoConfig.from_pretrained(directory), key)
 
 
+def checkpoint_eos_ids(directory: str | os.PathLike) -> frozenset[int]:
+    """The EOS ids ``config.json`` and ``generation_config.json`` name (as the engine's
+    ``model_eos_ids`` reads them off the model), read without transformers."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        with contextlib.suppress(OSError, ValueError):
+            eos = json.loads((Path(directory) / name).read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
 def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError

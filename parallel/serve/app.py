@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from reshard.parallel.engine.request import Completion
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
@@ -33,6 +34,7 @@ class Text:
     """The checkpoint's tokenizer as the server uses it."""
 
     tokenizer: Any
+    eos_ids: frozenset[int] = frozenset()  # the model's (its configs') and the tokenizer's EOS ids
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -56,12 +58,22 @@ class TextCursor:
     finishes); the final text is the offline job's (:func:`final_text`)."""
 
     def __init__(self, text: Text, sampling: SamplingParams, prompt: list[int]) -> None:
-        self.text, self.sampling, self.prompt = text, sampling, prompt
+        self.text, self.sampling = text, sampling
+        self.decode = decoder(text, sampling, prompt)  # (its prompt's suffix found once)
+        eos = frozenset() if sampling.ignore_eos else text.eos_ids
+        self.stop_ids = eos | frozenset(sampling.stop_token_ids or ())
         self.sent, self.tokens = "", 0
 
-    def advance(self, items: list[tuple[int, Any]], finish: str | None) -> tuple[str, list]:
-        """The new text and the new ``(token, logprobs)`` items since the last call."""
-        full = final_text(self.text, self.prompt, [t for t, _ in items], finish, self.sampling)
+    def advance(
+        self, items: list[tuple[int, Any]], finish: str | None, stopped_by: int | str | None = None
+    ) -> tuple[str, list]:
+        """The new text and the new ``(token, logprobs)`` items since the last call (``finish``,
+        ``stopped_by``: the completion's, once it finished). A last token that may have ended the
+        choice (a stop token past ``min_tokens``) keeps its text back until the completion says."""
+        ids = [t for t, _ in items]
+        if finish is None and len(ids) > self.sampling.min_tokens and ids[-1] in self.stop_ids:
+            ids = ids[:-1]  # (vLLM's text never holds the stop token that ended it)
+        full = output_text(self.decode, ids, finish, self.sampling, stopped_by)[0]
         if finish is None:
             full = full.rstrip("\ufffd")
             full = full[: max(0, len(full) - max(map(len, self.sampling.stop), default=1) + 1)]
@@ -74,12 +86,17 @@ class TextCursor:
         return new, fresh
 
 
-def final_text(text: Text, prompt: list[int], ids: list[int], finish: str | None, sampling: SamplingParams) -> str:
-    """``ids`` decoded after ``prompt`` (special tokens skipped unless ``skip_special_tokens=False``),
-    cut before the stop string that ended it, without the stop token that ended it (both kept with
-    ``include_stop_str_in_output``): ``reshard.LLM``'s text."""
-    decode = in_context(functools.partial(text.decode, skip_special_tokens=sampling.skip_special_tokens), prompt)
-    return output_text(decode, ids, finish, sampling)[0]
+def final_text(text: Text, c: Completion, sampling: SamplingParams) -> str:
+    """Completion ``c``'s text, ``reshard.LLM``'s: decoded after its prompt (special tokens skipped
+    unless ``skip_special_tokens=False``), cut before the stop string that ended it, without the stop
+    token that ended it (both kept with ``include_stop_str_in_output``)."""
+    decode = decoder(text, sampling, c.prompt_ids)
+    return output_text(decode, c.output_ids, c.finish_reason, sampling, c.stopped_by)[0]
+
+
+def decoder(text: Text, sampling: SamplingParams, prompt: list[int]) -> Callable[[list[int]], str]:
+    """Output ids -> their text after ``prompt`` (:func:`~reshard.parallel.vllm_api.in_context`)."""
+    return in_context(functools.partial(text.decode, skip_special_tokens=sampling.skip_special_tokens), prompt)
 
 
 def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapping]) -> Any:
@@ -156,7 +173,7 @@ def _whole(front: Front, text: Text, parsed: Parsed, streams: list[Stream], rid:
     choices, timing = [], []
     for s in streams:
         c = s.completion
-        out = final_text(text, c.prompt_ids, c.output_ids, c.finish_reason, parsed.sampling)
+        out = final_text(text, c, parsed.sampling)
         lps = None if parsed.logprobs is None else logprobs_of(parsed.kind, c.output_ids, c.logprobs, text.piece)
         choices.append(choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False))
         timing.append(_timing(front, s))
@@ -211,8 +228,8 @@ async def _events(
 
 def _advance(parsed: Parsed, text: Text, s: Stream, cursor: TextCursor, completion) -> dict | None:
     """Choice ``s``'s next event (None: nothing new to send), ``completion`` as last read."""
-    finish = None if completion is None else completion.finish_reason
-    new, items = cursor.advance(s.ready(completion), finish)
+    finish, stopped_by = (None, None) if completion is None else (completion.finish_reason, completion.stopped_by)
+    new, items = cursor.advance(s.ready(completion), finish, stopped_by)
     if not items and finish is None:  # (a step's token whose text is held back still has its event)
         return None
     lps = None

@@ -105,7 +105,8 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
     stop = _stop(body.get("stop"))
     longest = max(map(len, prompts))
     room = limits.max_seq_len - longest
-    default = 16 if kind == "completions" else room
+    # OpenAI's 16 for completions, unless null is given (vLLM's: the rest of the context, as a chat's)
+    default = 16 if kind == "completions" and body.get("max_tokens", 16) is not None else room
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, default, 1, None)
     if max_tokens > room:
