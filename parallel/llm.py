@@ -59,6 +59,7 @@ from reshard.parallel.vllm_api import (
     prompt_input,
     prompt_list,
     stop_reason,
+    within_context,
 )
 from reshard.sync import WeightSync
 
@@ -417,19 +418,15 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
 
 def _requests(ids: list[list[int]], params: list[SamplingParams], max_seq_len: int) -> list[Request]:
     """``n`` requests per prompt, ids their positions in the call; sample ``j`` of a prompt with a
-    seed of its own samples with ``seed + j``. A request runs up to ``max_seq_len`` at most, ended
-    there with ``"length"`` (vLLM's cap; ``max_tokens=None``: that far); a prompt that leaves no room
-    is the engine's error."""
+    seed of its own samples with ``seed + j``; each runs up to ``max_seq_len`` at most
+    (:func:`~reshard.parallel.vllm_api.within_context`)."""
     requests = []
     for prompt, p in zip(ids, params):
-        room = max_seq_len - len(prompt)
-        most = (p.max_new_tokens or 1) if room < 1 else min(p.max_new_tokens or room, room)
+        fitted = within_context(p, len(prompt), max_seq_len)
         for j in range(p.n):
             seed = None if p.seed is None else (p.seed + j) % 2**63
             # (prompt logprobs: reshard.LLM's, not the engine's)
-            sampling = dataclasses.replace(
-                p, n=1, seed=seed, prompt_logprobs=None, max_new_tokens=most, min_tokens=min(p.min_tokens, most)
-            )
+            sampling = dataclasses.replace(fitted, n=1, seed=seed, prompt_logprobs=None)
             requests.append(Request(len(requests), list(prompt), sampling))
     return requests
 

@@ -230,6 +230,15 @@ def vllm_sampling(given: Mapping, where: str) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def within_context(params: SamplingParams, prompt_len: int, max_seq_len: int) -> SamplingParams:
+    """``params`` for a prompt of ``prompt_len`` tokens: ``max_tokens`` up to the end of the
+    context at most, where the request ends with ``"length"`` (vLLM's cap; ``max_tokens=None``: that
+    far), ``min_tokens`` within it. A prompt that leaves no room keeps its own (the engine's error)."""
+    room = max_seq_len - prompt_len
+    most = (params.max_new_tokens or 1) if room < 1 else min(params.max_new_tokens or room, room)
+    return dataclasses.replace(params, max_new_tokens=most, min_tokens=min(params.min_tokens, most))
+
+
 # ---- outputs ---------------------------------------------------------------------------------
 def output_text(
     decode: Callable[[list[int]], str],

@@ -347,11 +347,13 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
             await rollout.update_weights((n, t.detach()) for n, t in model.state_dict().items())
             await rollout.resume(["kv_cache"])
             again = await asyncio.gather(*[rollout.generate(p, greedy, f"again-{i}") for i, p in enumerate(prompts)])
-            return outs, again, model
+            long = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}  # (past the context's end: capped)
+            return outs, again, model, await rollout.generate([5] * 60, long, "long")
 
-        outs, again, model = asyncio.run(serve())
+        outs, again, model, capped = asyncio.run(serve())
+    assert (len(capped.token_ids), capped.finish_reason) == (4, "length")  # vLLM's cap at max_seq_len (64)
     # six requests in flight: four run at once (max_batch_size), the others join as slots free up
-    assert max(map(len, steps)) == 4 and set().union(*steps) == set(range(12))
+    assert max(map(len, steps)) == 4 and set().union(*steps) == set(range(13))  # (the capped one: 12)
     assert any(step & {0, 1} and step & {2, 3} for step in steps)  # a batcher would run them after
     assert freed and set(freed) == {0} and first == hf_reference(path, prompts[:2], 16)
     assert [o.token_ids for o in outs] == hf_reference(path, prompts, NEW)

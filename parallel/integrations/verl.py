@@ -26,6 +26,7 @@ from reshard.parallel.engine.checks import seeded
 from reshard.parallel.engine.core import EngineCore
 from reshard.parallel.engine.request import Completion, Request
 from reshard.parallel.llm import LLM
+from reshard.parallel.vllm_api import within_context
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Rollout:
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ...); ``request_id``
         only names it (its noise comes from its seed, or a fresh one)."""
         params = vllm_sampling(sampling_params, f"request {request_id}")
+        params = within_context(params, len(prompt_ids), self.llm.engine.max_seq_len)  # (vLLM's cap)
         if params.n != 1:
             raise ValueError(f"request {request_id}: n={params.n}; verl sends one request per sample (n=1)")
         future = asyncio.get_running_loop().create_future()
