@@ -34,7 +34,7 @@ from reshard.parallel.engine.channel import Channel, GroupLayout, Topology
 from reshard.parallel.engine.inbox import publish_tokens
 from reshard.parallel.engine.request import Request
 from reshard.parallel.engine.router import Router
-from reshard.parallel.model.checkpoint import checkpoint_eos_ids, config_value
+from reshard.parallel.model.checkpoint import checkpoint_eos_ids, config_value, generation_defaults
 from reshard.recipes.config import GenerateConfig
 from reshard.recipes.launch import hydra_main
 
@@ -142,7 +142,8 @@ def serving(
     )  # fmt: skip
     tokenizer = tokenizer_of(site.path)
     name = s.model_name or site.path.name
-    limits = Limits(name, _max_seq_len(cfg, site.path), tokenizer_vocab(site.path), logprobs=generation is None)
+    defaults = generation_defaults(site.path)  # (the checkpoint's sampling values, as vLLM's server takes them)
+    limits = Limits(name, _max_seq_len(cfg, site.path), tokenizer_vocab(site.path), generation is None, defaults)
     eos = checkpoint_eos_ids(site.path) | {tokenizer.eos_token_id} - {None}  # (a stream holds a stop token's text back)
     app = build_app(front, limits, Text(tokenizer, eos), lambda: dict(router.server.loads))
     closing = threading.Event()

@@ -58,6 +58,37 @@ def test_openai_fields_map_onto_the_engines_sampling_params():
     assert _parse("completions", prompt="a").sampling.skip_special_tokens  # (the default: skipped)
 
 
+def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
+    """As vLLM's server: a request that leaves a sampling value out gets the checkpoint's
+    ``generation_config.json`` value (its ``max_new_tokens`` caps ``max_tokens``); no model named is
+    the served one; ``stream_options`` means usage unless it says no, and needs ``stream``;
+    ``top_k=-1`` is off; vLLM's extras at their defaults pass; a message's ``name`` reaches the
+    template; a completion's top log-probabilities hold the sampled token; a choice says its
+    ``stop_reason``."""
+    from reshard.parallel.serve.protocol import choice, logprobs_of
+
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 5}
+    limits = Limits("tiny", max_seq_len=64, vocab_size=100, defaults=defaults)
+    given = parse("completions", {"prompt": "a", "top_p": 0.5}, limits, lambda t: [1], list).sampling
+    assert (given.temperature, given.top_p, given.top_k, given.max_new_tokens) == (0.6, 0.5, 20, 5)
+    assert _parse("completions", prompt="a", max_tokens=9).sampling.temperature == 1.0  # (no file: OpenAI's)
+    assert _parse("completions", prompt="a", model=None).prompts == [[97]]
+    assert _parse("completions", prompt="a", stream=True, stream_options={}).include_usage
+    assert not _parse("completions", prompt="a", stream=True, stream_options={"include_usage": False}).include_usage
+    with pytest.raises(BadRequest, match="stream_options can only be given with stream=true"):
+        _parse("completions", prompt="a", stream_options={"include_usage": True})
+    extras = dict(add_generation_prompt=True, continue_final_message=False, chat_template_kwargs={}, top_k=-1)
+    assert _parse("chat", messages=[{"role": "user", "content": "hi"}], **extras).sampling.top_k == 0
+    seen = []
+    named = {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "bo"}]}
+    parse("chat", named, LIMITS, list, lambda messages: seen.append(messages) or [1, 2])
+    assert seen == [[{"role": "user", "content": "hi", "name": "bo"}]]
+    piece = lambda t: chr(t)  # noqa: E731
+    lps = logprobs_of("completions", [97], [(-2.0, ((98, -0.5),))], piece)
+    assert lps["top_logprobs"] == [{"a": -2.0, "b": -0.5}]  # (the sampled token, then the top one)
+    assert choice("completions", 0, "x", "stop", None, delta=False, stop_reason="STOP")["stop_reason"] == "STOP"
+
+
 @pytest.mark.parametrize(
     "kind,body,param,status",
     [
@@ -109,6 +140,8 @@ def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_on_the_offlin
         sent.append(new)
         assert len(items) == 1
     assert "".join(sent) == "hello "  # "STO" could be a stop string's start: held back
+    # the token completing "STOP" reaches the stream before the completion: nothing of it goes out
+    assert cursor.advance([(t, None) for t in out[:10]], None)[0] == ""
     new, _ = cursor.advance([(t, None) for t in out[:10]], "stop", "STOP")
     done = Completion(0, prompt, out[:10], "stop", stopped_by="STOP")
     assert "".join(sent) + new == final_text(text, done, sampling) == "hello "

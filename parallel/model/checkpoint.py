@@ -85,6 +85,21 @@ def checkpoint_eos_ids(directory: str | os.PathLike) -> frozenset[int]:
     return frozenset(ids)
 
 
+# HF GenerationConfig's defaults of the sampling values a server takes from generation_config.json
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_defaults(directory: str | os.PathLike) -> dict[str, float]:
+    """The sampling values ``generation_config.json`` sets away from HF's defaults (vLLM's server
+    defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+    ``max_new_tokens``), read without transformers; {} without the file."""
+    with contextlib.suppress(OSError, ValueError):
+        given = json.loads((Path(directory) / "generation_config.json").read_text())
+        keys = (*GENERATION_DEFAULTS, "max_new_tokens")
+        return {k: given[k] for k in keys if given.get(k) is not None and given[k] != GENERATION_DEFAULTS.get(k)}
+    return {}
+
+
 def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError

@@ -23,7 +23,7 @@ from reshard.parallel.engine.request import Completion
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
-from reshard.parallel.vllm_api import in_context, output_text
+from reshard.parallel.vllm_api import ended_by_string, in_context, output_text, stop_reason
 
 POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
 LOG = logging.getLogger(__name__)
@@ -70,13 +70,15 @@ class TextCursor:
         """The new text and the new ``(token, logprobs)`` items since the last call (``finish``,
         ``stopped_by``: the completion's, once it finished). A last token that may have ended the
         choice (a stop token past ``min_tokens``) keeps its text back until the completion says."""
-        ids = [t for t, _ in items]
-        if finish is None and len(ids) > self.sampling.min_tokens and ids[-1] in self.stop_ids:
+        ids, p = [t for t, _ in items], self.sampling
+        if finish is None and len(ids) > p.min_tokens and ids[-1] in self.stop_ids:
             ids = ids[:-1]  # (vLLM's text never holds the stop token that ended it)
-        full = output_text(self.decode, ids, finish, self.sampling, stopped_by)[0]
+        if finish is None and ended_by_string(self.decode, ids, p.stop, p.min_tokens) is not None:
+            finish = "stop"  # (the engine ends the choice at this token: its text is cut as it will be)
+        full = output_text(self.decode, ids, finish, p, stopped_by)[0]
         if finish is None:
             full = full.rstrip("\ufffd")
-            full = full[: max(0, len(full) - max(map(len, self.sampling.stop), default=1) + 1)]
+            full = full[: max(0, len(full) - max(map(len, p.stop), default=1) + 1)]
         if not full.startswith(self.sent):  # (decoding is not prefix-stable here: nothing can be taken back)
             LOG.warning("a stream's text so far %r is not a prefix of its text %r", self.sent[-40:], full[-40:])
             self.sent = full[: len(self.sent)]
@@ -175,7 +177,9 @@ def _whole(front: Front, text: Text, parsed: Parsed, streams: list[Stream], rid:
         c = s.completion
         out = final_text(text, c, parsed.sampling)
         lps = None if parsed.logprobs is None else logprobs_of(parsed.kind, c.output_ids, c.logprobs, text.piece)
-        choices.append(choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False))
+        choices.append(
+            choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False, stop_reason=_reason(text, c))
+        )
         timing.append(_timing(front, s))
     body = envelope(parsed.kind, rid, model, choices, chunk=False)
     body["usage"] = _usage(parsed, streams)
@@ -236,7 +240,15 @@ def _advance(parsed: Parsed, text: Text, s: Stream, cursor: TextCursor, completi
     if parsed.logprobs is not None and items:
         offset = len(cursor.sent) - len(new)  # where this event's text begins in the choice's
         lps = logprobs_of(parsed.kind, [t for t, _ in items], [lp for _, lp in items], text.piece, offset)
-    return choice(parsed.kind, s.index, new, finish, lps, delta=True)
+    reason = None if completion is None else _reason(text, completion)
+    return choice(parsed.kind, s.index, new, finish, lps, delta=True, stop_reason=reason)
+
+
+def _reason(text: Text, c: Completion) -> int | str | None:
+    """Completion ``c``'s ``stop_reason`` (vLLM's): its stop string or stop token (None: the
+    tokenizer's EOS, or no stop)."""
+    string = c.stopped_by if isinstance(c.stopped_by, str) else None
+    return stop_reason(string, c.output_ids, c.finish_reason, getattr(text.tokenizer, "eos_token_id", None))
 
 
 def _sse(obj: dict) -> str:

@@ -9,7 +9,7 @@ OpenAI's shapes (``text_completion``, ``chat.completion`` and their ``.chunk`` s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -40,6 +40,12 @@ INERT = MappingProxyType(
         "store": (None, False),
         "metadata": (None, {}),
         "service_tier": (None, "auto", "default"),
+        # vLLM's extras at their defaults
+        "add_generation_prompt": (None, True),
+        "continue_final_message": (None, False),
+        "chat_template_kwargs": (None, {}),
+        "add_special_tokens": (None, False, True),
+        "spaces_between_special_tokens": (None, True),
     }
 )
 
@@ -65,6 +71,9 @@ class Limits:
     max_seq_len: int
     vocab_size: int
     logprobs: bool = True  # whether log-probabilities can be asked (not across a migration)
+    # the checkpoint's generation_config.json sampling values (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens): a request that leaves one out gets it, as vLLM's server
+    defaults: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,7 +97,7 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     _check_fields(kind, body)
-    if body.get("model") != limits.model:
+    if body.get("model") not in (limits.model, None, ""):  # (none named: the served one, as vLLM)
         raise BadRequest(
             f"model {body.get('model')!r} does not exist; this server serves {limits.model!r}", "model", 404
         )
@@ -115,12 +124,15 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
             f"{limits.max_seq_len} tokens (at most {room} new tokens)",
             key,
         )
-    sampling = _sampling(body, max_tokens, logprobs, stop, _stop_ids(body, limits.vocab_size))
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+    max_tokens = min(max_tokens, limits.defaults.get("max_new_tokens", max_tokens))  # (the checkpoint's cap: vLLM's)
+    sampling = _sampling(body, max_tokens, logprobs, stop, _stop_ids(body, limits.vocab_size), limits.defaults)
+    stream, options = _bool(body, "stream"), body.get("stream_options")
+    if options is not None and not stream:
+        raise BadRequest("stream_options can only be given with stream=true", "stream_options")
+    if not isinstance(options or {}, dict) or set(options or {}) - {"include_usage"}:
         raise BadRequest(f"stream_options must be {{'include_usage': bool}}, got {options!r}", "stream_options")
-    stream = _bool(body, "stream")
-    return Parsed(kind, prompts, sampling, n, stream, bool(options.get("include_usage")), logprobs, stop)
+    usage = options is not None and options.get("include_usage", True) is not False  # (vLLM's default: True)
+    return Parsed(kind, prompts, sampling, n, stream, usage, logprobs, stop)
 
 
 def _check_fields(kind: str, body: dict) -> None:
@@ -152,9 +164,15 @@ def _messages(body: dict, chat) -> list[int]:
     if not ok or not all(x.get("role") in ("system", "user", "assistant", "developer") for x in m):
         raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': <text>}", "messages")
     try:  # (text parts joined, as vLLM's string content format)
-        return chat([{"role": x["role"], "content": message_text(x.get("content"), 0, j)} for j, x in enumerate(m)])
+        return chat([_message(x, j) for j, x in enumerate(m)])
     except ValueError as e:
         raise BadRequest(str(e).replace("conversation 0, message", "messages"), "messages") from None
+
+
+def _message(m: dict, j: int) -> dict:
+    """Message ``j`` as the chat template gets it: its role, its content as text, its ``name``."""
+    out = {"role": m["role"], "content": message_text(m.get("content"), 0, j)}
+    return out if m.get("name") is None else {**out, "name": m["name"]}
 
 
 def _check_prompt(ids: list[int], limits: Limits) -> None:
@@ -170,16 +188,22 @@ def _check_prompt(ids: list[int], limits: Limits) -> None:
 
 
 def _sampling(
-    body: dict, max_tokens: int, logprobs: int | None, stop: tuple[str, ...], stop_ids: tuple[int, ...] | None
+    body: dict,
+    max_tokens: int,
+    logprobs: int | None,
+    stop: tuple[str, ...],
+    stop_ids: tuple[int, ...] | None,
+    defaults: Mapping[str, float],
 ) -> SamplingParams:
+    d = defaults  # (the checkpoint's generation config, else OpenAI's: sampled at 1.0)
     values = dict(
-        temperature=_num(body, "temperature", 1.0, 0, 2),  # OpenAI's default: sampled
-        top_p=_num(body, "top_p", 1.0, 0, 1),
-        top_k=_int(body, "top_k", 0, 0, None),
-        min_p=_num(body, "min_p", 0.0, 0, 1),
+        temperature=_num(body, "temperature", d.get("temperature", 1.0), 0, None),
+        top_p=_num(body, "top_p", d.get("top_p", 1.0), 0, 1),
+        top_k=max(0, _int(body, "top_k", d.get("top_k", 0), -1, None)),  # (-1: off, vLLM's; 0 here)
+        min_p=_num(body, "min_p", d.get("min_p", 0.0), 0, 1),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2, 2),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0, 0, None),
+        repetition_penalty=_num(body, "repetition_penalty", d.get("repetition_penalty", 1.0), 0, None),
         min_tokens=_int(body, "min_tokens", 0, 0, max_tokens),
         ignore_eos=_bool(body, "ignore_eos"),
         seed=_int(body, "seed", None, 0, 2**63 - 1),
@@ -263,14 +287,18 @@ def envelope(kind: str, rid: str, model: str, choices: list[dict], chunk: bool) 
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
 
 
-def choice(kind: str, index: int, text: str, finish: str | None, logprobs: dict | None, delta: bool) -> dict:
-    """One choice: a completion's ``text`` or a chat ``message`` (a stream's ``delta``)."""
+def choice(
+    kind: str, index: int, text: str, finish: str | None, logprobs: dict | None, delta: bool, stop_reason=None
+) -> dict:
+    """One choice: a completion's ``text`` or a chat ``message`` (a stream's ``delta``); vLLM's
+    ``stop_reason``: the stop string or stop token that ended it (None: EOS, or not ended)."""
     out: dict[str, Any] = {"index": index}
     if kind == "chat":
         out["delta" if delta else "message"] = {"role": "assistant", "content": text}
     else:
         out["text"] = text
     out["logprobs"], out["finish_reason"] = logprobs, finish  # "abort": cancelled (a drain's grace ran out), as vLLM
+    out["stop_reason"] = stop_reason
     return out
 
 
@@ -287,7 +315,8 @@ def logprobs_of(kind: str, tokens: Sequence[int], lps: Sequence[TokenLogprobs], 
     return {
         "tokens": pieces,
         "token_logprobs": [lp for lp, _ in lps],
-        "top_logprobs": [dict((piece(i), p) for i, p in top) for _, top in lps],
+        # (the sampled token's first, then the top ones: up to logprobs + 1 entries, as vLLM's and OpenAI's)
+        "top_logprobs": [dict([(piece(t), lp), *((piece(i), p) for i, p in top)]) for t, (lp, top) in zip(tokens, lps)],
         "text_offset": offsets,
     }
 
