@@ -77,6 +77,12 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
     assert not _parse("completions", prompt="a", stream=True, stream_options={"include_usage": False}).include_usage
     with pytest.raises(BadRequest, match="stream_options can only be given with stream=true"):
         _parse("completions", prompt="a", stream_options={"include_usage": True})
+    assert not _parse("completions", prompt="a", stream_options={}).stream  # (empty: vLLM takes it)
+    quiet = dict(include_usage=None, continuous_usage_stats=False)
+    assert not _parse("completions", prompt="a", stream=True, stream_options=quiet).include_usage
+    for bad in (False, [], {"continuous_usage_stats": True}):
+        with pytest.raises(BadRequest, match="stream_options must be"):
+            _parse("completions", prompt="a", stream=True, stream_options=bad)
     extras = dict(add_generation_prompt=True, continue_final_message=False, chat_template_kwargs={}, top_k=-1)
     assert _parse("chat", messages=[{"role": "user", "content": "hi"}], **extras).sampling.top_k == 0
     seen = []
@@ -232,3 +238,19 @@ def test_a_router_that_would_stream_tokens_without_a_server_is_refused_by_name()
         Router(channel, [], one, 0.0, on_tokens=lambda tokens: None)
     with pytest.raises(ValueError, match=r"^routing must be one of \('least_loaded', 'round_robin', 'longest_first'\)"):
         Router(channel, [], one, 0.0, routing="nearest")
+
+
+def test_the_checkpoints_generation_config_gives_the_servers_sampling_defaults(tmp_path):
+    """``generation_defaults``: the sampling values ``generation_config.json`` sets away from HF's
+    defaults (``top_k`` 50 is HF's: dropped), of the types a request could give; {} without the
+    file or with one that is not an object."""
+    import json
+
+    from reshard.parallel.model.checkpoint import generation_defaults
+
+    given = {"temperature": 0.7, "top_k": 50, "min_p": 0.1, "top_p": "x", "max_new_tokens": 5, "do_sample": True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(given))
+    assert generation_defaults(tmp_path) == {"temperature": 0.7, "min_p": 0.1, "max_new_tokens": 5}
+    assert generation_defaults(tmp_path / "none") == {}
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    assert generation_defaults(tmp_path) == {}

@@ -93,11 +93,18 @@ def generation_defaults(directory: str | os.PathLike) -> dict[str, float]:
     """The sampling values ``generation_config.json`` sets away from HF's defaults (vLLM's server
     defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
     ``max_new_tokens``), read without transformers; {} without the file."""
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         given = json.loads((Path(directory) / "generation_config.json").read_text())
         keys = (*GENERATION_DEFAULTS, "max_new_tokens")
-        return {k: given[k] for k in keys if given.get(k) is not None and given[k] != GENERATION_DEFAULTS.get(k)}
+        return {k: given[k] for k in keys if _set_value(k, given.get(k)) and given[k] != GENERATION_DEFAULTS.get(k)}
     return {}
+
+
+def _set_value(key: str, value) -> bool:
+    """Whether ``value`` is one a request could give for ``key`` (ints for counts, else numbers)."""
+    if key in ("top_k", "max_new_tokens"):
+        return type(value) is int
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _from_hub(repo_id: str) -> Path:

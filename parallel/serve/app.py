@@ -177,9 +177,8 @@ def _whole(front: Front, text: Text, parsed: Parsed, streams: list[Stream], rid:
         c = s.completion
         out = final_text(text, c, parsed.sampling)
         lps = None if parsed.logprobs is None else logprobs_of(parsed.kind, c.output_ids, c.logprobs, text.piece)
-        choices.append(
-            choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False, stop_reason=_reason(text, c))
-        )
+        reason = _reason(text, c, parsed.sampling)
+        choices.append(choice(parsed.kind, s.index, out, c.finish_reason, lps, delta=False, stop_reason=reason))
         timing.append(_timing(front, s))
     body = envelope(parsed.kind, rid, model, choices, chunk=False)
     body["usage"] = _usage(parsed, streams)
@@ -240,14 +239,16 @@ def _advance(parsed: Parsed, text: Text, s: Stream, cursor: TextCursor, completi
     if parsed.logprobs is not None and items:
         offset = len(cursor.sent) - len(new)  # where this event's text begins in the choice's
         lps = logprobs_of(parsed.kind, [t for t, _ in items], [lp for _, lp in items], text.piece, offset)
-    reason = None if completion is None else _reason(text, completion)
+    reason = None if completion is None else _reason(text, completion, parsed.sampling)
     return choice(parsed.kind, s.index, new, finish, lps, delta=True, stop_reason=reason)
 
 
-def _reason(text: Text, c: Completion) -> int | str | None:
+def _reason(text: Text, c: Completion, sampling: SamplingParams) -> int | str | None:
     """Completion ``c``'s ``stop_reason`` (vLLM's): its stop string or stop token (None: the
-    tokenizer's EOS, or no stop)."""
+    tokenizer's EOS, or no stop). One rebuilt from a journal says nothing: found from its text."""
     string = c.stopped_by if isinstance(c.stopped_by, str) else None
+    if c.stopped_by is None and c.finish_reason == "stop":
+        string = output_text(decoder(text, sampling, c.prompt_ids), c.output_ids, "stop", sampling)[1]
     return stop_reason(string, c.output_ids, c.finish_reason, getattr(text.tokenizer, "eos_token_id", None))
 
 

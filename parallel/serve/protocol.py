@@ -44,7 +44,6 @@ INERT = MappingProxyType(
         "add_generation_prompt": (None, True),
         "continue_final_message": (None, False),
         "chat_template_kwargs": (None, {}),
-        "add_special_tokens": (None, False, True),
         "spaces_between_special_tokens": (None, True),
     }
 )
@@ -127,11 +126,13 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
     max_tokens = min(max_tokens, limits.defaults.get("max_new_tokens", max_tokens))  # (the checkpoint's cap: vLLM's)
     sampling = _sampling(body, max_tokens, logprobs, stop, _stop_ids(body, limits.vocab_size), limits.defaults)
     stream, options = _bool(body, "stream"), body.get("stream_options")
-    if options is not None and not stream:
-        raise BadRequest("stream_options can only be given with stream=true", "stream_options")
-    if not isinstance(options or {}, dict) or set(options or {}) - {"include_usage"}:
+    taken = {"include_usage", "continuous_usage_stats"}  # (the latter off only: vLLM's extra)
+    bad = options is not None and not isinstance(options, dict)
+    if bad or set(options or {}) - taken or (options or {}).get("continuous_usage_stats"):
         raise BadRequest(f"stream_options must be {{'include_usage': bool}}, got {options!r}", "stream_options")
-    usage = options is not None and options.get("include_usage", True) is not False  # (vLLM's default: True)
+    if options and not stream:
+        raise BadRequest("stream_options can only be given with stream=true", "stream_options")
+    usage = options is not None and options.get("include_usage", True) is True  # (vLLM's default: True)
     return Parsed(kind, prompts, sampling, n, stream, usage, logprobs, stop)
 
 
@@ -172,7 +173,7 @@ def _messages(body: dict, chat) -> list[int]:
 def _message(m: dict, j: int) -> dict:
     """Message ``j`` as the chat template gets it: its role, its content as text, its ``name``."""
     out = {"role": m["role"], "content": message_text(m.get("content"), 0, j)}
-    return out if m.get("name") is None else {**out, "name": m["name"]}
+    return {**out, "name": m["name"]} if isinstance(m.get("name"), str) else out  # (vLLM's: a string only)
 
 
 def _check_prompt(ids: list[int], limits: Limits) -> None:
