@@ -255,7 +255,6 @@ class LLM:
         text, stop = (
             (None, None) if decode is None else output_text(decode, c.output_ids, c.finish_reason, p, c.stopped_by)
         )
-        stop = c.stopped_by if isinstance(c.stopped_by, str) else stop  # (the engine's word, with no text too)
         text = "" if self.tokenizer is not None and not p.detokenize else text  # (vLLM's, without text)
         logprobs = None if c.logprobs is None else logprob_dicts(c.output_ids, c.logprobs, self._piece(p))
         cumulative = None if c.logprobs is None else sum(lp for lp, _ in c.logprobs)

@@ -17,6 +17,7 @@ import os
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -81,7 +82,7 @@ class SamplingFields:
         m = self.max_new_tokens
         if not (m is None or (type(m) is int and m >= 1)):
             raise ValueError(f"max_new_tokens must be >= 1, got {m!r}")
-        if not 0 <= self.min_tokens <= (self.max_new_tokens or self.min_tokens):
+        if not 0 <= self.min_tokens <= (self.min_tokens if m is None else m):
             raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
         if self.seed is not None and not (type(self.seed) is int and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in 0..2**63-1 or None, got {self.seed!r}")
@@ -147,15 +148,17 @@ class SamplingParams(SamplingFields):
 
 
 # vLLM's sampling keys reshard takes at their "off" value only (each other value: one ValueError)
-VLLM_OFF = {
-    "spaces_between_special_tokens": True,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "structured_outputs": None,
-    "guided_decoding": None,
-    "truncate_prompt_tokens": None,
-}
+VLLM_OFF = MappingProxyType(
+    {
+        "spaces_between_special_tokens": True,
+        "logit_bias": None,
+        "allowed_token_ids": None,
+        "bad_words": None,
+        "structured_outputs": None,
+        "guided_decoding": None,
+        "truncate_prompt_tokens": None,
+    }
+)
 
 
 def _vllm_values(fields: dict) -> None:

@@ -86,7 +86,9 @@ def checkpoint_eos_ids(directory: str | os.PathLike) -> frozenset[int]:
 
 
 # HF GenerationConfig's defaults of the sampling values a server takes from generation_config.json
-GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+GENERATION_DEFAULTS = MappingProxyType(
+    {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+)
 
 
 def generation_defaults(directory: str | os.PathLike) -> dict[str, float]:
