@@ -10,9 +10,9 @@ wall time / new tokens (one prefill step included for ours and HF ``generate``, 
 forward). ``--kv-block-size``: our engine on a paged cache of that block size (holding every
 sequence whole), else contiguous slots. ``--async-scheduling``: step n+1 scheduled while step n
 computes (on this CPU the forward is synchronous: this shows its cost, not its gain).
-``--compile``: our decode step compiled (``EngineConfig.compile``; the warm-up call compiles). Run it in
-a session of its own (``setsid``) on a quiet machine: this kernel shares CPU between sessions
-whatever their nice value.
+``--compile``: our decode step compiled on any device (``EngineConfig.compile``, whose default
+compiles on CUDA only; the warm-up call compiles). Run it in a session of its own (``setsid``) on
+a quiet machine: this kernel shares CPU between sessions whatever their nice value.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         config = EngineConfig(
             max_batch_size=batch,
             max_seq_len=length,
-            async_scheduling=args.async_scheduling,
-            compile=args.compile,
+            async_scheduling=args.async_scheduling or None,
+            compile=args.compile or None,  # (None: the default, compiled where the device is CUDA)
             **paged,
         )
         engine = Engine(parallelize(str(path)), config)

@@ -261,7 +261,7 @@ class GenerateConfig:
     # the registered strategy's config (a parallel.engine.Strategy dataclass; None: tp). Typed Any:
     # Hydra's ``parallel`` group puts the chosen strategy's schema here (conf/parallel/<name>.yaml)
     parallel: Any = None
-    compile: bool = False
+    compile: bool | None = None  # null: compiled on CUDA where the strategy compiles (EngineConfig.compile)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -296,7 +296,7 @@ class GenerateConfig:
         those set otherwise is a ``ValueError`` naming both)."""
         own = {"compile": self.compile, "dtype": self.model.dtype, "allow_unused": self.model.allow_unused_weights}
         self._check_engine_keys(own)
-        return replace(self.engine, **own)
+        return self.parallel.settled(replace(self.engine, **own))
 
     def _check_engine_keys(self, own: dict[str, Any]) -> None:
         """``ValueError`` naming both keys for an ``engine.`` key set apart from the job's key that

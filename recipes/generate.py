@@ -43,12 +43,11 @@ def run_generate(cfg: GenerateConfig, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     cfg.fault.check_world(dist.get_world_size())  # before anything loads, on every rank alike
     path = _model_path(cfg)
+    keep_compiled_code(cfg)
     if cfg.fault.migrate is not None:  # supervised ranks: failures stay in their engine group
         from reshard.recipes.supervised import run_supervised
 
         return run_supervised(cfg, run_dir, path)
-    if cfg.compile:  # Inductor's compiled code outlives /tmp and this run: the second run starts warm
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
     cfg = replace(cfg, parallel=cfg.parallel.planned(path, dist.get_world_size(), _workload_shape(cfg)))
     layouts = cfg.parallel.layouts(dist.get_world_size())  # validates every layout before loading
     engine = cfg.parallel.build(path, cfg.engine_config())
@@ -120,6 +119,13 @@ def _model_path(cfg: GenerateConfig) -> Path:
         builtin_checkpoint(cfg.model.cache_dir)
     dist.barrier()
     return builtin_checkpoint(cfg.model.cache_dir)
+
+
+def keep_compiled_code(cfg: GenerateConfig) -> None:
+    """Where the job compiles its decode step, Inductor's code is kept past ``/tmp`` and this run
+    (``~/.cache/reshard/inductor``, unless ``TORCHINDUCTOR_CACHE_DIR`` says): a second run starts warm."""
+    if cfg.engine_config().compiles(device_type()):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
 
 
 def _summary(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from reshard.mesh import device_type
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.dims import ParallelDims
@@ -59,12 +60,12 @@ def run_summary(
         "decode_tokens_per_s": (generated - len(completions)) / max(seconds.decode, 1e-9),
         "mean_decode_batch": stats.mean_decode_batch,
         "engine_groups": groups,
-        # compile=true: the decode calls that compiled a graph (not in decode)
+        # a compiled decode step: the calls that compiled a graph (not in decode)
         "phase_seconds": dataclasses.asdict(seconds),
         "mixed_steps": stats.mixed_steps,  # steps that fed prompt chunks beside decode tokens
         "online": any(c.timing is not None and c.timing.arrival > 0 for c in completions),
         "latency": latency_summary(completions, seconds.generate_total),
-        "compile": cfg.compile,
+        "compile": cfg.engine_config().compiles(device_type()),  # (what ran: null settles by the device)
     }
 
 

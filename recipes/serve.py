@@ -55,7 +55,7 @@ class Site:
 
 def run_serve(cfg: GenerateConfig, run_dir: Path, drain: threading.Event) -> dict:
     """Serve until drained (SIGTERM); every rank returns ``{}``."""
-    from reshard.recipes.generate import _model_path, _workload_shape
+    from reshard.recipes.generate import _model_path, _workload_shape, keep_compiled_code
 
     check_http_packages()  # every rank: a rank that cannot serve fails as its peers do
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -63,6 +63,7 @@ def run_serve(cfg: GenerateConfig, run_dir: Path, drain: threading.Event) -> dic
     if rank == 0:
         announce(run_dir, url=None)
     path = _model_path(cfg)
+    keep_compiled_code(cfg)
     site = Site(cfg, path, run_dir, drain)
     if cfg.fault.migrate is not None:  # supervised ranks: the server lives in rank 0's supervisor
         from reshard.recipes.supervised import run_supervised

@@ -109,11 +109,15 @@ class EngineConfig:
 
     kv_swap: bool = False
     """Micro-batch swapping (DejaVu): every slot's KV lives in host memory and the device holds
-    two micro-batches' worth. Needs ``num_microbatches >= 2``, a contiguous cache and no
-    ``compile``."""
+    two micro-batches' worth. Needs ``num_microbatches >= 2``, a contiguous cache and an eager
+    decode step (``compile`` not True)."""
 
-    compile: bool = False
-    """``torch.compile`` the decode step (static shapes, a few graphs)."""
+    compile: bool | None = None
+    """``torch.compile`` the decode step (static shapes, a few graphs; CUDA graphs on a GPU). None:
+    compiled where the device is CUDA, as vLLM compiles by default, and eager elsewhere (on this
+    kind of CPU a compiled step costs within 10-20% of an eager one, never paying back its compile
+    in a run of minutes: ``bench/RESULTS.md``); eager too with ``kv_swap`` and where the strategy's
+    decode step runs eagerly (:meth:`Strategy.settled`). False: eager (vLLM's ``enforce_eager``)."""
 
     dtype: str | None = None
     """The weights' dtype when a strategy loads a checkpoint: ``"float32"``, ``"bfloat16"`` or
@@ -150,6 +154,13 @@ class EngineConfig:
             raise ValueError(
                 f"engine.group_timeout must be > 0 seconds (None: the collective timeout), got {self.group_timeout}"
             )
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the decode step runs compiled on a device of ``device_type``: :attr:`compile`, or
+        where it is None, on CUDA without ``kv_swap``."""
+        if self.compile is not None:
+            return self.compile
+        return device_type == "cuda" and not self.kv_swap
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -12,6 +12,7 @@ recipes look strategies up by name and never branch on them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import pkgutil
@@ -45,6 +46,9 @@ class Strategy:
     """Base of a strategy's config dataclass (validate fields in ``__post_init__``)."""
 
     name: ClassVar[str] = ""
+    compiles_decode: ClassVar[bool] = True
+    """Whether ``compile`` may compile this strategy's decode step (False: it runs eagerly, and a
+    ``compile`` left to the default, None, settles to False: :meth:`settled`)."""
 
     def default_kv_block_size(self) -> int | None:
         """The KV cache's block size when the job gives none (``engine.kv_block_size`` unset,
@@ -52,6 +56,14 @@ class Strategy:
         engine caches prefixes, so ``n`` samples and chat turns compute their prompt once; the
         default, None: contiguous slots."""
         return None
+
+    def settled(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with a ``compile`` left to the default settled to False where this strategy's
+        decode step runs eagerly (:attr:`compiles_decode`); elsewhere the engine settles it by the
+        device (:meth:`EngineConfig.compiles`)."""
+        if config.compile is None and not self.compiles_decode:
+            return dataclasses.replace(config, compile=False)
+        return config
 
     def planned(self, path: str | os.PathLike, world_size: int, workload: WorkloadShape) -> Strategy:
         """This config with what it left to a planner filled in (collective: every rank calls it and

@@ -73,7 +73,8 @@ class ModelRunner:
     Args:
         config: what the runner takes from :class:`EngineConfig`: ``max_batch_size`` slots of
             ``max_seq_len`` positions per replica, ``num_microbatches`` (default: one per
-            pipeline stage), ``compile`` (the decode step's body, one static graph),
+            pipeline stage), ``compile`` (the decode step's body, one static graph;
+            :meth:`EngineConfig.compiles`: by default on CUDA; a step with layer listeners runs eagerly),
             ``kv_block_size``/``kv_tokens`` (a paged KV cache shared by the slots; default:
             contiguous slots), ``kv_swap`` (DejaVu's micro-batch swapping: every slot's KV lives
             in host memory and the device holds two micro-batches' worth; micro-batch ``i + 1``
@@ -104,7 +105,7 @@ class ModelRunner:
         every_slot: bool = False,
     ) -> None:
         config = config if config is not None else EngineConfig()
-        kv_block_size, compile = config.kv_block_size, config.compile
+        kv_block_size = config.kv_block_size
         self.model, self.dims = model, dims if dims is not None else parallel_info(model).dims
         self.max_batch_size = _positive("max_batch_size", config.max_batch_size)
         self.max_seq_len = _positive("max_seq_len", config.seq_len(model.config))
@@ -132,8 +133,8 @@ class ModelRunner:
         self.split = split
         self.weights = weights
 
-        self.compiled = compile
-        self.every_slot = compile or every_slot  # (compiled: fixed shapes)
+        self.compiled = config.compiles(self.device.type)
+        self.every_slot = self.compiled or every_slot  # (compiled: fixed shapes)
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
 
         kv_tokens = config.paged_tokens(self.max_seq_len)
@@ -150,7 +151,7 @@ class ModelRunner:
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
         self._decode_body = self._body
-        if compile:
+        if self.compiled:
             self._decode_body = CompiledBody(self._body, self.device, self._kv_tensors)
         self.busy_seconds = 0.0  # wall time in this stage's forward bodies (not in receives or sends)
 
@@ -352,7 +353,7 @@ class ModelRunner:
             edges = self.swap.decode(ranges, self.decode_inputs.positions, kv_len)
         out = self._stages(
             [(x, ctx, None if isinstance(rows, range) else rows) for x, ctx, rows in batches],
-            self._decode_body,
+            self._decode_body if layers is None else self._body,  # (listeners run eagerly: no graph holds them)
             edges,
             layers,
         )

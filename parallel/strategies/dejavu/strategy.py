@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -224,6 +225,8 @@ class SideConfig:
 class DejaVuStrategy(Strategy):
     """Prompt processing on the first ``prompt_ranks`` ranks, token generation on the rest."""
 
+    compiles_decode: ClassVar[bool] = False  # (its sides stream KV between layers, eagerly)
+
     prompt: SideConfig = field(default_factory=SideConfig)
     token: SideConfig = field(default_factory=SideConfig)
     prompt_ranks: int | None = None  # null: the appendix-D planner's D_p (see planned())
@@ -314,6 +317,7 @@ class DejaVuStrategy(Strategy):
 
     def build(self, path: str | os.PathLike, config: EngineConfig) -> Engine:
         self.check_args(config)
+        config = self.settled(config)
         prompt_dims, token_dims = self.sides(dist.get_world_size())
         kw = dict(dtype=config.torch_dtype, allow_unused=config.allow_unused)
         prompt, token = build_model(path, prompt_dims, **kw), build_model(path, token_dims, **kw)

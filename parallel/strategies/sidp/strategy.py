@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -230,6 +231,8 @@ def sidp_engine(
 class SiDPStrategy(Strategy):
     """Data parallel over every rank with SiDP's FFN owner pool."""
 
+    compiles_decode: ClassVar[bool] = False  # (its decode fetches FFN weights between layers, eagerly)
+
     dp: int | None = None  # null: the whole job
     prefetch_depth: int | None = None  # layers a rank fetches ahead (WaS); null: 2, at most one fewer than it fetches
     slots: int | None = None  # cache slots for fetched layers; null: max(prefetch_depth, dp - 1)
@@ -274,6 +277,7 @@ class SiDPStrategy(Strategy):
 
     def build(self, path: str | os.PathLike, config: EngineConfig) -> Engine:
         self.check_args(config)
+        config = self.settled(config)
         dims = self.dims(dist.get_world_size(), _has_experts(path))
         if dims.expert_dispatch:
             check_one_microbatch(config)
