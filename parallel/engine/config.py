@@ -114,10 +114,11 @@ class EngineConfig:
 
     compile: bool | None = None
     """``torch.compile`` the decode step (static shapes, a few graphs; CUDA graphs on a GPU). None:
-    compiled where the device is CUDA, as vLLM compiles by default, and eager elsewhere (on this
-    kind of CPU a compiled step costs within 10-20% of an eager one, never paying back its compile
-    in a run of minutes: ``bench/RESULTS.md``); eager too with ``kv_swap`` and where the strategy's
-    decode step runs eagerly (:meth:`Strategy.settled`). False: eager (vLLM's ``enforce_eager``)."""
+    compiled where the device is CUDA, as vLLM compiles by default, and eager elsewhere (on a
+    2-core CPU a compiled step of a tiny model measured 0-15% faster than an eager one, which pays
+    back a warm compile of ~3 s only after some 20,000 steps: ``bench/RESULTS.md``); eager too with
+    ``kv_swap`` and where the strategy's decode step runs eagerly (:meth:`Strategy.settled`).
+    False: eager (vLLM's ``enforce_eager``)."""
 
     dtype: str | None = None
     """The weights' dtype when a strategy loads a checkpoint: ``"float32"``, ``"bfloat16"`` or
