@@ -135,7 +135,7 @@ class _Chars:
 
 
 def test_a_stream_holds_back_what_may_start_a_stop_string_and_ends_on_the_offline_text():
-    from reshard.parallel.serve.app import Text, TextCursor, final_text
+    from reshard.parallel.serve.text import Text, TextCursor, final_text
 
     text, sampling = Text(_Chars()), SamplingParams(stop="STOP")
     out = [ord(c) for c in "hello STOP world"]
@@ -159,7 +159,7 @@ def test_a_stream_holds_back_a_stop_tokens_text_and_a_stop_token_ends_the_text_b
     """The tokens of a step reach a stream before the completion: a last token that may have ended
     the choice (EOS, a stop token) keeps its text back, and the final text leaves it out (vLLM's:
     no stop string is looked for in it either)."""
-    from reshard.parallel.serve.app import Text, TextCursor, final_text
+    from reshard.parallel.serve.text import Text, TextCursor, final_text
 
     text, dot = Text(_Chars(), eos_ids=frozenset({0})), ord(".")
     sampling = SamplingParams(stop_token_ids=[dot])
@@ -254,3 +254,68 @@ def test_the_checkpoints_generation_config_gives_the_servers_sampling_defaults(t
     assert generation_defaults(tmp_path / "none") == {}
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     assert generation_defaults(tmp_path) == {}
+
+
+def _tokenizers(tmp_path):
+    """A byte-level BPE tokenizer (random ids split characters across tokens) and a SentencePiece-
+    style one (Metaspace: a text's first word loses its leading space), both real HF tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from reshard.parallel.model.tiny_models import save_tokenizer, synthetic_text
+
+    save_tokenizer(tmp_path, 512)
+    meta = Tokenizer(models.BPE(unk_token="<unk>"))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    meta.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    meta.train_from_iterator(synthetic_text(0, 500), trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    metaspace = PreTrainedTokenizerFast(tokenizer_object=meta)
+    return {"byte-level": AutoTokenizer.from_pretrained(tmp_path), "metaspace": metaspace}
+
+
+class _Counted:
+    """``tokenizer``'s decode, counting the ids it decodes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_long_stream_decodes_a_window_a_step_and_ends_on_the_offline_text(tmp_path):
+    """A step's event decodes the output's tail (:class:`GrowingText`), not the whole output (which
+    made a stream of n tokens cost O(n^2)): its text equals the whole decode at every length, and
+    the stream's text, a stop string held back and cut, ends on the offline job's."""
+    import random
+
+    from reshard.parallel.serve.text import GrowingText, Text, TextCursor, decoder, final_text
+    from reshard.parallel.vllm_api import ended_by_string
+
+    rng, n = random.Random(0), 600
+    window = 2 * GrowingText.SETTLE + GrowingText.ANCHOR + 23  # (+ the prompt's suffix it decodes after)
+    for name, tokenizer in _tokenizers(tmp_path).items():
+        vocab = len(tokenizer)
+        prompt, out = [rng.randrange(3, vocab) for _ in range(30)], [rng.randrange(3, vocab) for _ in range(n)]
+        whole = decoder(Text(tokenizer), SamplingParams(), prompt)
+        growing = GrowingText(whole)
+        for k in range(1, n + 1):  # (the stop-string check decodes ids[:-1] too)
+            assert growing(out[:k]) == whole(out[:k]) and growing(out[: k - 1]) == whole(out[: k - 1]), (name, k)
+
+        # a stop string from late in the text: where the engine ends the choice
+        sampling = SamplingParams(stop=["zq", whole(out)[-40:-34]], min_tokens=3)
+        end = next(k for k in range(1, n + 1) if ended_by_string(whole, out[:k], sampling.stop, 3) is not None)
+        stop = ended_by_string(whole, out[:end], sampling.stop, 3)[0]
+        assert end > 500, (name, end)
+        counted = _Counted(tokenizer)
+        text = Text(counted)
+        cursor, sent, per_event = TextCursor(text, sampling, prompt), [], []
+        for k in range(1, end + 1):
+            before = counted.decoded
+            sent.append(cursor.advance([(t, None) for t in out[:k]], None)[0])
+            per_event.append(counted.decoded - before)
+        done = Completion(0, prompt, out[:end], "stop", stopped_by=stop)
+        last = cursor.advance([(t, None) for t in out[:end]], "stop", stop)[0]
+        assert "".join(sent) + last == final_text(text, done, sampling) == whole(out[:end]).rpartition(stop)[0], name
+        assert max(per_event[-100:]) <= 6 * window < end, (name, max(per_event[-100:]))

@@ -339,8 +339,15 @@ def record_times(seq: Sequence, started: float, now: float, *, emitted: bool = T
 def new_text_start(text: str, before: str) -> int:
     """Where the last token's text begins in ``text`` (``before``: the text without that token):
     the first character the two differ in (a token that completes a character rewrites the
-    replacement character before it)."""
-    return next((i for i, (a, b) in enumerate(zip(text, before)) if a != b), min(len(text), len(before)))
+    replacement character before it). Their common prefix's length, found by comparing slices (a
+    stream's texts grow long: no loop over their characters)."""
+    if text.startswith(before):
+        return len(before)
+    lo, hi = 0, min(len(text), len(before))  # text[:lo] == before[:lo]; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if text[:mid] == before[:mid] else (lo, mid - 1)
+    return lo
 
 
 def prompt_suffix(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> list[int]:

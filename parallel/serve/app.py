@@ -9,96 +9,23 @@ draining) and ``GET /metrics`` (Prometheus' text format).
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from reshard.parallel.engine.request import Completion
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
-from reshard.parallel.vllm_api import ended_by_string, in_context, output_text, stop_reason
+from reshard.parallel.serve.text import Text, TextCursor, decoder, final_text
+from reshard.parallel.vllm_api import output_text, stop_reason
 
 POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
 LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Text:
-    """The checkpoint's tokenizer as the server uses it."""
-
-    tokenizer: Any
-    eos_ids: frozenset[int] = frozenset()  # the model's (its configs') and the tokenizer's EOS ids
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
-
-    def chat(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequest("the checkpoint's tokenizer has no chat template: use /v1/completions", "messages")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(out)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def piece(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-
-class TextCursor:
-    """How much of one choice's text a stream has sent: text goes out as tokens land, short of
-    an incomplete character and of a possible stop string's start (held back until the choice
-    finishes); the final text is the offline job's (:func:`final_text`)."""
-
-    def __init__(self, text: Text, sampling: SamplingParams, prompt: list[int]) -> None:
-        self.text, self.sampling = text, sampling
-        self.decode = decoder(text, sampling, prompt)  # (its prompt's suffix found once)
-        eos = frozenset() if sampling.ignore_eos else text.eos_ids
-        self.stop_ids = eos | frozenset(sampling.stop_token_ids or ())
-        self.sent, self.tokens = "", 0
-
-    def advance(
-        self, items: list[tuple[int, Any]], finish: str | None, stopped_by: int | str | None = None
-    ) -> tuple[str, list]:
-        """The new text and the new ``(token, logprobs)`` items since the last call (``finish``,
-        ``stopped_by``: the completion's, once it finished). A last token that may have ended the
-        choice (a stop token past ``min_tokens``) keeps its text back until the completion says."""
-        ids, p = [t for t, _ in items], self.sampling
-        if finish is None and len(ids) > p.min_tokens and ids[-1] in self.stop_ids:
-            ids = ids[:-1]  # (vLLM's text never holds the stop token that ended it)
-        if finish is None and ended_by_string(self.decode, ids, p.stop, p.min_tokens) is not None:
-            finish = "stop"  # (the engine ends the choice at this token: its text is cut as it will be)
-        full = output_text(self.decode, ids, finish, p, stopped_by)[0]
-        if finish is None:
-            full = full.rstrip("\ufffd")
-            full = full[: max(0, len(full) - max(map(len, p.stop), default=1) + 1)]
-        if not full.startswith(self.sent):  # (decoding is not prefix-stable here: nothing can be taken back)
-            LOG.warning("a stream's text so far %r is not a prefix of its text %r", self.sent[-40:], full[-40:])
-            self.sent = full[: len(self.sent)]
-        new = full[len(self.sent) :]
-        self.sent += new
-        fresh, self.tokens = items[self.tokens :], len(items)
-        return new, fresh
-
-
-def final_text(text: Text, c: Completion, sampling: SamplingParams) -> str:
-    """Completion ``c``'s text, ``reshard.LLM``'s: decoded after its prompt (special tokens skipped
-    unless ``skip_special_tokens=False``), cut before the stop string that ended it, without the stop
-    token that ended it (both kept with ``include_stop_str_in_output``)."""
-    decode = decoder(text, sampling, c.prompt_ids)
-    return output_text(decode, c.output_ids, c.finish_reason, sampling, c.stopped_by)[0]
-
-
-def decoder(text: Text, sampling: SamplingParams, prompt: list[int]) -> Callable[[list[int]], str]:
-    """Output ids -> their text after ``prompt`` (:func:`~reshard.parallel.vllm_api.in_context`)."""
-    return in_context(functools.partial(text.decode, skip_special_tokens=sampling.skip_special_tokens), prompt)
 
 
 def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapping]) -> Any:

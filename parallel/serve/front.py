@@ -47,18 +47,18 @@ class Stream:
     tokens: dict[int, tuple[int, object]] = field(default_factory=dict)  # output index -> (token, logprobs)
     completion: Completion | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    ordered: list[tuple[int, object]] = field(default_factory=list)  # the published tokens up to the first gap
 
     def ready(self, c: Completion | None) -> list[tuple[int, object]]:
         """Its output in order as far as it is known: the completion's (``c``, its completion as
-        the caller read it), else the published tokens up to the first gap."""
+        the caller read it), else the published tokens up to the first gap (a list that grows
+        with each call: only the new ones are looked up)."""
         if c is not None:
             lps = c.logprobs or [None] * len(c.output_ids)
             return list(zip(c.output_ids, lps))
-        out = []
-        for i in itertools.count():
-            if i not in self.tokens:
-                return out
-            out.append(self.tokens[i])
+        while len(self.ordered) in self.tokens:
+            self.ordered.append(self.tokens[len(self.ordered)])
+        return self.ordered
 
 
 class Front:
