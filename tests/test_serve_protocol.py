@@ -64,7 +64,7 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
     the served one; ``stream_options`` means usage unless it says no, and needs ``stream``;
     ``top_k=-1`` is off; vLLM's extras at their defaults pass; a message's ``name`` reaches the
     template; a completion's top log-probabilities hold the sampled token; a choice says its
-    ``stop_reason``."""
+    ``stop_reason``; ``n`` and the stop strings are not capped."""
     from reshard.parallel.serve.protocol import choice, logprobs_of
 
     defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 5}
@@ -93,6 +93,8 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
     lps = logprobs_of("completions", [97], [(-2.0, ((98, -0.5),))], piece)
     assert lps["top_logprobs"] == [{"a": -2.0, "b": -0.5}]  # (the sampled token, then the top one)
     assert choice("completions", 0, "x", "stop", None, delta=False, stop_reason="STOP")["stop_reason"] == "STOP"
+    many = _parse("completions", prompt="a", n=32, stop=list("abcde"))  # (vLLM caps neither; OpenAI 16 and 4)
+    assert many.n == 32 and many.sampling.stop == tuple("abcde")
 
 
 @pytest.mark.parametrize(
@@ -102,7 +104,7 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
         ("completions", {"prompt": "a", "max_tokens": 64}, "max_tokens", 400),
         ("completions", {"prompt": list(range(64))}, "prompt", 400),
         ("completions", {"prompt": "a", "suffix": "zz"}, "suffix", 400),
-        ("completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+        ("completions", {"prompt": "a", "stop": ["a", ""]}, "stop", 400),
         ("completions", {"prompt": "a", "logprobs": 21}, "logprobs", 400),
         ("completions", {"prompt": "a", "messages": []}, "messages", 400),
         ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs", 400),

@@ -17,8 +17,6 @@ from typing import Any
 from reshard.parallel.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from reshard.parallel.vllm_api import message_text
 
-MAX_N = 16  # choices per request
-MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 # fields either endpoint takes: OpenAI's, and vLLM's extras the sampler has
 COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty")
 COMMON += ("stream", "stream_options", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty")
@@ -103,7 +101,7 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
     prompts = _prompts(body, tokenize) if kind == "completions" else [_messages(body, chat)]
     for ids in prompts:
         _check_prompt(ids, limits)
-    n = _int(body, "n", 1, 1, MAX_N)
+    n = _int(body, "n", 1, 1, None)  # (as vLLM: no cap but the server's serve.max_waiting, Front.accept)
     logprobs = _logprobs(kind, body)
     if logprobs is not None and not limits.logprobs:
         raise BadRequest(
@@ -242,10 +240,8 @@ def _logprobs(kind: str, body: dict) -> int | None:
 
 def _stop(value) -> tuple[str, ...]:
     stops = (value,) if isinstance(value, str) else tuple(value or ())
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-        raise BadRequest(
-            f"stop must be a string or a list of at most {MAX_STOP} non-empty strings, got {value!r}", "stop"
-        )
+    if not all(isinstance(s, str) and s for s in stops):  # (as many as given: vLLM's, not OpenAI's 4)
+        raise BadRequest(f"stop must be a string or a list of non-empty strings, got {value!r}", "stop")
     return stops
 
 
