@@ -299,6 +299,40 @@ def _metric_at(url: str, name: str) -> float:
     return sum(values)
 
 
+def test_vllms_tokenize_and_detokenize_give_the_ids_the_server_runs(server, tokenizer):
+    """vLLM's ``/tokenize`` (a prompt, or a chat through its template: the ids a chat completion
+    counts as its prompt) and ``/detokenize``; bad values are one line naming the field."""
+    import httpx
+
+    root = server.url.removesuffix("/v1")
+    r = httpx.post(f"{root}/tokenize", json={"model": MODEL, "prompt": "hello world", "return_token_strs": True})
+    ids = tokenizer("hello world")["input_ids"]
+    assert r.json() == {
+        "count": len(ids),
+        "max_model_len": 512,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids),
+    }
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = httpx.post(f"{root}/tokenize", json={"messages": messages}).json()
+    done = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert chat["count"] == done.usage.prompt_tokens and chat["tokens"] == tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    back = httpx.post(f"{root}/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert back == {"prompt": tokenizer.decode(ids)}
+    refused = [
+        ("tokenize", {"prompt": "a", "messages": messages}, 400, "give a prompt or messages, one of them"),
+        ("tokenize", {"prompt": "a", "truncate": 3}, 400, "unsupported field 'truncate'"),
+        ("tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "model 'gpt-4' does not exist"),
+        ("detokenize", {"tokens": [3, 99999]}, 400, "token id 99999 is outside the vocabulary"),
+        ("detokenize", {"tokens": "abc"}, 400, "tokens must be a list of token ids, got 'abc'"),
+    ]
+    for route, body, status, message in refused:
+        r = httpx.post(f"{root}/{route}", json=body)
+        assert r.status_code == status and message in r.json()["error"]["message"], (route, body, r.text)
+
+
 def test_a_full_queue_is_429_with_retry_after(server):
     import httpx
 

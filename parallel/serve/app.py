@@ -3,8 +3,9 @@
 its own (its event loop) of the process that runs the job's router.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent
-events, one per step that gave a choice tokens), ``GET /v1/models``, ``GET /health`` (503 while
-draining) and ``GET /metrics`` (Prometheus' text format).
+events, one per step that gave a choice tokens), ``GET /v1/models``, vLLM's ``POST /tokenize`` and
+``POST /detokenize``, ``GET /health`` (503 while draining) and ``GET /metrics`` (Prometheus' text
+format).
 """
 
 import asyncio
@@ -22,6 +23,7 @@ from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.front import Front, Stream
 from reshard.parallel.serve.protocol import BadRequest, Limits, Parsed, choice, envelope, logprobs_of, parse, usage
 from reshard.parallel.serve.text import Text, TextCursor, decoder, final_text
+from reshard.parallel.serve.tokenize import detokenize, tokenize
 from reshard.parallel.vllm_api import output_text, stop_reason
 
 POLL_S = 0.25  # a waiting handler looks whether its client is still there this often
@@ -50,16 +52,20 @@ def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapp
         card = {"id": limits.model, "object": "model", "created": int(front.start), "owned_by": "reshard"}
         return {"object": "list", "data": [{**card, "max_model_len": limits.max_seq_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        return tokenize(await _json(request), limits, text)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        return detokenize(await _json(request), limits, text)
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(front.metrics.render(loads()), media_type="text/plain; version=0.0.4")
 
     async def handle(kind: str, request: Request):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"malformed JSON body: {e}") from None
-        parsed = parse(kind, body, limits, text.encode, text.chat)
+        parsed = parse(kind, await _json(request), limits, text.encode, text.chat)
         front.loop = asyncio.get_running_loop()
         streams = front.accept(parsed)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -79,6 +85,14 @@ def build_app(front: Front, limits: Limits, text: Text, loads: Callable[[], Mapp
         return await handle("chat", request)
 
     return app
+
+
+async def _json(request) -> Any:
+    """The request's body, decoded (a 400 where it is not JSON)."""
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
 
 
 async def _finished(front: Front, streams: list[Stream], request) -> bool:

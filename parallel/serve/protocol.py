@@ -94,11 +94,8 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     _check_fields(kind, body)
-    if body.get("model") not in (limits.model, None, ""):  # (none named: the served one, as vLLM)
-        raise BadRequest(
-            f"model {body.get('model')!r} does not exist; this server serves {limits.model!r}", "model", 404
-        )
-    prompts = _prompts(body, tokenize) if kind == "completions" else [_messages(body, chat)]
+    check_model(body, limits)
+    prompts = _prompts(body, tokenize) if kind == "completions" else [messages_ids(body, chat)]
     for ids in prompts:
         _check_prompt(ids, limits)
     n = _int(body, "n", 1, 1, None)  # (as vLLM: no cap but the server's serve.max_waiting, Front.accept)
@@ -134,6 +131,14 @@ def parse(kind: str, body: Any, limits: Limits, tokenize: Callable[[str], list[i
     return Parsed(kind, prompts, sampling, n, stream, usage, logprobs, stop)
 
 
+def check_model(body: dict, limits: Limits) -> None:
+    """A 404 naming the served model where ``body`` names another (none named: the served one, as vLLM)."""
+    if body.get("model") not in (limits.model, None, ""):
+        raise BadRequest(
+            f"model {body.get('model')!r} does not exist; this server serves {limits.model!r}", "model", 404
+        )
+
+
 def _check_fields(kind: str, body: dict) -> None:
     for name, value in body.items():
         if name in (CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS):
@@ -157,7 +162,8 @@ def _prompts(body: dict, tokenize: Callable[[str], list[int]]) -> list[list[int]
     return out
 
 
-def _messages(body: dict, chat) -> list[int]:
+def messages_ids(body: dict, chat) -> list[int]:
+    """``body``'s ``messages``, checked, as ``chat(messages)`` gives their ids."""
     m = body.get("messages")
     ok = isinstance(m, list) and m and all(isinstance(x, dict) for x in m)
     if not ok or not all(x.get("role") in ("system", "user", "assistant", "developer") for x in m):

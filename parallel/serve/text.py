@@ -28,14 +28,21 @@ class Text:
     tokenizer: Any
     eos_ids: frozenset[int] = frozenset()  # the model's (its configs') and the tokenizer's EOS ids
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], generation_prompt: bool = True, special_tokens: bool = False) -> list[int]:
+        """The chat template's ids of ``messages``, the assistant's turn opened where
+        ``generation_prompt``; ``special_tokens``: the tokenizer's own too, as vLLM's ``/tokenize``
+        may ask (the template holds them already)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("the checkpoint's tokenizer has no chat template: use /v1/completions", "messages")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(out)
+        template = functools.partial(
+            self.tokenizer.apply_chat_template, messages, add_generation_prompt=generation_prompt
+        )
+        if special_tokens:
+            return self.encode(template(tokenize=False))
+        return list(template(tokenize=True, return_dict=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,62 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: a prompt or a chat to the token ids the
+server would run, and token ids to their text, checked as the completions are (one line naming
+the field for a bad value)."""
+
+from typing import Any
+
+from reshard.parallel.serve.protocol import BadRequest, Limits, check_model, messages_ids
+from reshard.parallel.serve.text import Text
+
+TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"))
+TOKENIZE_FIELDS |= {"return_token_strs"}
+DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
+
+
+def tokenize(body: Any, limits: Limits, text: Text) -> dict:
+    """``{"prompt": text}`` (``add_special_tokens``, default true) or ``{"messages": [...]}`` (the
+    chat template; ``add_generation_prompt`` default true, ``add_special_tokens`` default false) ->
+    ``{"count", "max_model_len", "tokens"}``, and ``"token_strs"`` where ``return_token_strs``."""
+    _check(body, TOKENIZE_FIELDS, limits)
+    if ("prompt" in body) == ("messages" in body):
+        raise BadRequest("give a prompt or messages, one of them", "prompt")
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise BadRequest(f"prompt must be a string, got {prompt!r}"[:200], "prompt")
+        ids = text.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+    else:
+        special, generation = _flag(body, "add_special_tokens", False), _flag(body, "add_generation_prompt", True)
+        ids = messages_ids(body, lambda messages: text.chat(messages, generation, special))
+    out = {"count": len(ids), "max_model_len": limits.max_seq_len, "tokens": ids}
+    if _flag(body, "return_token_strs", False):
+        out["token_strs"] = text.tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(body: Any, limits: Limits, text: Text) -> dict:
+    """``{"tokens": [ids]}`` -> ``{"prompt": their text}`` (special tokens kept, as vLLM's)."""
+    _check(body, DETOKENIZE_FIELDS, limits)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise BadRequest(f"tokens must be a list of token ids, got {ids!r}"[:200], "tokens")
+    outside = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise BadRequest(f"token id {outside[0]} is outside the vocabulary of {limits.vocab_size} tokens", "tokens")
+    return {"prompt": text.decode(ids, skip_special_tokens=False)}
+
+
+def _check(body: Any, fields: frozenset[str], limits: Limits) -> None:
+    """A JSON object of ``fields`` only, naming the served model or none."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise BadRequest(f"unsupported field {unknown[0]!r} (this endpoint takes {sorted(fields)})", unknown[0])
+    check_model(body, limits)
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+    return value
