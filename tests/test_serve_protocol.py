@@ -259,9 +259,12 @@ def test_the_checkpoints_generation_config_gives_the_servers_sampling_defaults(t
 
 
 def _tokenizers(tmp_path):
-    """A byte-level BPE tokenizer (random ids split characters across tokens) and a SentencePiece-
-    style one (Metaspace: a text's first word loses its leading space), both real HF tokenizers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Real HF tokenizers: byte-level BPE (random ids split characters across tokens), SentencePiece-
+    style Metaspace (a text's first word loses its leading space) and Llama 2's byte fallback
+    (``<0xNN>`` tokens, a run of which decodes to replacement characters while one byte is missing)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from reshard.parallel.model.tiny_models import save_tokenizer, synthetic_text
@@ -271,8 +274,31 @@ def _tokenizers(tmp_path):
     meta.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
     meta.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
     meta.train_from_iterator(synthetic_text(0, 500), trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
-    metaspace = PreTrainedTokenizerFast(tokenizer_object=meta)
-    return {"byte-level": AutoTokenizer.from_pretrained(tmp_path), "metaspace": metaspace}
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    base.train_from_iterator(synthetic_text(0, 500), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"]))
+    spec = json.loads(base.to_str())
+    for byte in range(256):
+        spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
+    spec["model"]["byte_fallback"] = True
+    fallback = Tokenizer.from_str(json.dumps(spec))
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    fallback.decoder = decoders.Sequence(steps)
+    return {
+        "byte-level": AutoTokenizer.from_pretrained(tmp_path),
+        "metaspace": PreTrainedTokenizerFast(tokenizer_object=meta),
+        "byte-fallback": PreTrainedTokenizerFast(tokenizer_object=fallback, unk_token="<unk>"),
+    }
+
+
+def _output(name: str, tokenizer, rng) -> list[int]:
+    """600 or more output ids: random ones, or for byte fallback a text of 1- to 4-byte characters
+    (random byte tokens would hardly ever make one)."""
+    if name != "byte-fallback":
+        return [rng.randrange(3, len(tokenizer)) for _ in range(600)]
+    chars = ["a", "\u0436", "\u20ac", "\u4e2d", "\U0001f600"]
+    words = ("hello " + "".join(rng.choice(chars) for _ in range(rng.randint(5, 40))) + " wor" for _ in range(30))
+    return tokenizer("".join(words), add_special_tokens=False)["input_ids"]
 
 
 class _Counted:
@@ -295,11 +321,11 @@ def test_a_long_stream_decodes_a_window_a_step_and_ends_on_the_offline_text(tmp_
     from reshard.parallel.serve.text import GrowingText, Text, TextCursor, decoder, final_text
     from reshard.parallel.vllm_api import ended_by_string
 
-    rng, n = random.Random(0), 600
+    rng = random.Random(0)
     window = 2 * GrowingText.SETTLE + GrowingText.ANCHOR + 23  # (+ the prompt's suffix it decodes after)
     for name, tokenizer in _tokenizers(tmp_path).items():
-        vocab = len(tokenizer)
-        prompt, out = [rng.randrange(3, vocab) for _ in range(30)], [rng.randrange(3, vocab) for _ in range(n)]
+        prompt, out = tokenizer("the words before")["input_ids"], _output(name, tokenizer, rng)
+        n = len(out)
         whole = decoder(Text(tokenizer), SamplingParams(), prompt)
         growing = GrowingText(whole)
         for k in range(1, n + 1):  # (the stop-string check decodes ids[:-1] too)
@@ -309,7 +335,7 @@ def test_a_long_stream_decodes_a_window_a_step_and_ends_on_the_offline_text(tmp_
         sampling = SamplingParams(stop=["zq", whole(out)[-40:-34]], min_tokens=3)
         end = next(k for k in range(1, n + 1) if ended_by_string(whole, out[:k], sampling.stop, 3) is not None)
         stop = ended_by_string(whole, out[:end], sampling.stop, 3)[0]
-        assert end > 500, (name, end)
+        assert end > n - 100 and n >= 600, (name, end, n)
         counted = _Counted(tokenizer)
         text = Text(counted)
         cursor, sent, per_event = TextCursor(text, sampling, prompt), [], []
@@ -320,4 +346,6 @@ def test_a_long_stream_decodes_a_window_a_step_and_ends_on_the_offline_text(tmp_
         done = Completion(0, prompt, out[:end], "stop", stopped_by=stop)
         last = cursor.advance([(t, None) for t in out[:end]], "stop", stop)[0]
         assert "".join(sent) + last == final_text(text, done, sampling) == whole(out[:end]).rpartition(stop)[0], name
+        if name == "byte-fallback":  # (a valid text: a character split over byte tokens is sent whole)
+            assert "\ufffd" not in "".join(sent)
         assert max(per_event[-100:]) <= 6 * window < end, (name, max(per_event[-100:]))

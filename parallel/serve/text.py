@@ -71,8 +71,8 @@ class TextCursor:
         """The new text and the new ``(token, logprobs)`` items since the last call (``finish``,
         ``stopped_by``: the completion's, once it finished). A last token that may have ended the
         choice (a stop token past ``min_tokens``) keeps its text back until the completion says."""
-        ids, p = self._ids(items, finish), self.sampling
-        decode = self.decode if finish is not None else self.growing  # (the final text: decoded whole)
+        ids, p, final = self._ids(items, finish), self.sampling, finish is not None
+        decode = self.decode if final else self.growing  # (the final text: decoded whole)
         if finish is None and len(ids) > p.min_tokens and ids[-1] in self.stop_ids:
             ids = ids[:-1]  # (vLLM's text never holds the stop token that ended it)
         if finish is None and ended_by_string(decode, ids, p.stop, p.min_tokens) is not None:
@@ -81,13 +81,20 @@ class TextCursor:
         if finish is None:
             full = full.rstrip("\ufffd")
             full = full[: max(0, len(full) - max(map(len, p.stop), default=1) + 1)]
-        if not full.startswith(self.sent):  # (decoding is not prefix-stable here: nothing can be taken back)
+        if not full.startswith(self.sent):
+            if not final:  # (a byte-fallback run's character turned back into bytes: wait for them)
+                return "", self._fresh(items)
+            # (decoding is not prefix-stable here: what was sent cannot be taken back)
             LOG.warning("a stream's text so far %r is not a prefix of its text %r", self.sent[-40:], full[-40:])
             self.sent = full[: len(self.sent)]
         new = full[len(self.sent) :]
         self.sent += new
+        return new, self._fresh(items)
+
+    def _fresh(self, items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """The items new since the last call."""
         fresh, self.tokens = items[self.tokens :], len(items)
-        return new, fresh
+        return fresh
 
     def _ids(self, items: list[tuple[int, Any]], finish: str | None) -> list[int]:
         """The output's ids: the completion's once it finished (authoritative), else the stream's,
@@ -150,8 +157,10 @@ class GrowingText:
         """Keep all but the last :attr:`SETTLE` of ``ids`` (whose text is ``text``), where their
         text is a prefix of ``text`` ending in a whole character."""
         k = len(ids) - self.SETTLE
+        anchor = self.decode(ids[max(k - self.ANCHOR, 0) : k])
+        if "\ufffd" in anchor:  # (it begins or ends inside a character: a byte-fallback run decodes it
+            return  # as replacement characters whatever follows, so a window would not tell)
         head = self._windowed(ids[:k]) if self.kept else self.decode(ids[:k])
         if head is None or head.endswith("\ufffd") or not text.startswith(head):
             return
-        self.kept, self.kept_text = ids[:k], head
-        self.anchor = self.decode(ids[max(k - self.ANCHOR, 0) : k])
+        self.kept, self.kept_text, self.anchor = ids[:k], head, anchor
