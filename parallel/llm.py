@@ -388,6 +388,19 @@ class LLM:
             raise ValueError(f"LLM.resume: tags {unknown} are none of 'weights', 'kv_cache'")
         self.engine.ready(tags)
 
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode (as TRL and verl call it around a training step): :meth:`release`
+        with the weights moved to host. vLLM's level 2 discards the weights, for a sync to write
+        them again; here they stay on host as at level 1 (a sync overwrites them all the same).
+        Returns the device bytes freed."""
+        if level not in (1, 2):
+            raise ValueError(f"LLM.sleep: level must be 1 or 2 (vLLM's), got {level!r}")
+        return self.release(weights=True)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """vLLM's ``wake_up``: take back ``tags`` of what :meth:`sleep` freed (None: both)."""
+        self.resume(("weights", "kv_cache") if tags is None else tags)
+
     def close(self) -> None:
         """Release the engine's threads and shared memory, and the process group this LLM made."""
         self.engine.close()

@@ -293,8 +293,11 @@ class GenerateConfig:
     def engine_config(self) -> EngineConfig:
         """The :class:`EngineConfig` this job runs its strategy with: ``engine:`` plus the job's
         ``compile``, ``model.dtype`` and ``model.allow_unused_weights`` (an ``engine.`` key of
-        those set otherwise is a ``ValueError`` naming both)."""
-        own = {"compile": self.compile, "dtype": self.model.dtype, "allow_unused": self.model.allow_unused_weights}
+        those set otherwise is a ``ValueError`` naming both). Supervised groups (``fault.migrate``)
+        decode eagerly unless ``compile=true``: a first compile would outlast their heartbeat."""
+        compile = self.compile if self.compile is not None else self.engine.compile  # (null: either may set it)
+        compile = False if compile is None and self.fault.migrate is not None else compile
+        own = {"compile": compile, "dtype": self.model.dtype, "allow_unused": self.model.allow_unused_weights}
         self._check_engine_keys(own)
         return self.parallel.settled(replace(self.engine, **own))
 

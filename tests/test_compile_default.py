@@ -21,9 +21,11 @@ def test_compile_settles_by_the_device_the_strategy_and_kv_swap():
     assert not EngineConfig(compile=False).compiles("cuda")  # (vLLM's enforce_eager)
     assert EngineConfig(compile=True).compiles("cpu")
     assert not EngineConfig(kv_swap=True, num_microbatches=2).compiles("cuda")  # (swapping runs eagerly)
+    assert not default.compiles("cuda", microbatches=2)  # (a stage's micro-batches: each a graph replay)
+    assert EngineConfig(compile=True).compiles("cuda", microbatches=2)  # (asked)
 
-    eager = {"sidp": {}, "dejavu": {}}
-    compiling = {"tp": {}, "shift": {}, "seesaw": {}}
+    eager = {"sidp": {}, "dejavu": {}, "seesaw": {}}  # (Seesaw: its transitions move the decode KV)
+    compiling = {"tp": {}, "shift": {}}
     for name, keys in {**eager, **compiling}.items():
         strategy = make_strategy({"strategy": name, **keys})
         settled = strategy.settled(default)
@@ -31,13 +33,17 @@ def test_compile_settles_by_the_device_the_strategy_and_kv_swap():
         assert strategy.settled(EngineConfig(compile=True)).compile is True  # (given: the strategy refuses it)
 
 
-def test_a_jobs_compile_settles_through_its_strategy_and_its_summary_says_what_ran():
+def test_a_jobs_compile_settles_through_its_strategy_and_supervision():
     from reshard.recipes.schema import compose
 
     assert compose("generate", []).engine_config().compile is None
     assert compose("generate", ["parallel=dejavu"]).engine_config().compile is False
     assert compose("generate", ["compile=false"]).engine_config().compile is False
+    assert compose("generate", ["engine.compile=false"]).engine_config().compile is False  # (either key)
     assert compose("generate", ["compile=true"]).engine_config().compile is True
+    # supervised groups decode eagerly unless asked: a first compile would outlast their heartbeat
+    assert compose("generate", ["fault.migrate=kv"]).engine_config().compile is False
+    assert compose("generate", ["fault.migrate=kv", "compile=true"]).engine_config().compile is True
 
 
 def _listened(path: str) -> dict:
@@ -82,3 +88,38 @@ def _default_runner(path: str) -> tuple[bool, bool]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default compiles on CUDA")
 def test_llms_default_runs_eagerly_on_this_cpu_as_enforce_eager_does(checkpoints):
     assert dist_harness.run(1, _default_runner, checkpoints["llama"])[0] == (True, True)
+
+
+def _released(path: str, compile: bool | None) -> dict:
+    """Tokens before and after ``release_memory``, whether the runner decodes compiled before and
+    after, and the graphs compiled by the second call; a default ``compile`` (None) is taken as
+    this were a CUDA device (the patched ``compiles``), so its graphs are compiled here too."""
+    from unittest import mock
+
+    from torch._dynamo.utils import counters
+
+    from reshard.parallel import Engine, EngineConfig, Request, SamplingParams, parallelize
+
+    as_cuda = lambda self, device_type, microbatches=1: self.compile is not False  # noqa: E731
+    with mock.patch.object(EngineConfig, "compiles", as_cuda):
+        engine = Engine(parallelize(path), EngineConfig(max_batch_size=2, max_seq_len=32, compile=compile))
+    runner, params = engine.runners["main"], SamplingParams(max_new_tokens=MAX_NEW)
+    requests = [Request(i, p, params) for i, p in enumerate(PROMPTS)]
+    first, compiled = [c.output_ids for c in engine.generate(requests)], runner.compiled
+    engine.release_memory(weights=True)
+    graphs = counters["stats"]["unique_graphs"]
+    second = [c.output_ids for c in engine.generate(requests)]
+    return {
+        "equal": first == second,
+        "compiled": (compiled, runner.compiled),
+        "graphs": counters["stats"]["unique_graphs"] - graphs,
+    }
+
+
+def test_an_engine_that_released_its_memory_decodes_eagerly_unless_compile_was_asked(checkpoints):
+    """A default ``compile`` stops compiling once the engine's memory moved (an RL loop releases
+    it every iteration: CUDA graphs would re-record each time); ``compile=True`` keeps compiling."""
+    default = dist_harness.run(1, _released, checkpoints["llama"], None)[0]
+    assert default["compiled"] == (True, False) and default["graphs"] == 0 and default["equal"], default
+    asked = dist_harness.run(1, _released, checkpoints["llama"], True)[0]
+    assert asked["compiled"] == (True, True) and asked["equal"], asked

@@ -325,6 +325,11 @@ def test_a_verl_shaped_rollout_batches_requests_in_flight_and_takes_weights_stre
         assert [p.to_local().untyped_storage().nbytes() for p in llm.engine.model.parameters()] == [0] * len(held)
         llm.resume()
         first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], None)]
+        assert llm.sleep(level=2) >= sum(held)  # vLLM's spelling (TRL's and verl's colocated loops)
+        llm.wake_up(["weights"])
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], None)] == first
+        with pytest.raises(ValueError, match=r"LLM\.sleep: level must be 1 or 2 \(vLLM's\), got 3"):
+            llm.sleep(level=3)
         steps, freed = [], []
         llm.generate = None  # the rollout adds requests to the engine core and steps it: no generate call
         llm.engine.events.on("step_agreed", lambda index, step, tokens: steps.append({s.request.id for s in step.seqs}))

@@ -116,9 +116,12 @@ class EngineConfig:
     """``torch.compile`` the decode step (static shapes, a few graphs; CUDA graphs on a GPU). None:
     compiled where the device is CUDA, as vLLM compiles by default, and eager elsewhere (on a
     2-core CPU a compiled step of a tiny model measured 0-15% faster than an eager one, which pays
-    back a warm compile of ~3 s only after some 20,000 steps: ``bench/RESULTS.md``); eager too with
-    ``kv_swap`` and where the strategy's decode step runs eagerly (:meth:`Strategy.settled`).
-    False: eager (vLLM's ``enforce_eager``)."""
+    back a warm compile of ~3 s only after some 20,000 steps: ``bench/RESULTS.md``). Eager too
+    where the graphs would not hold (:meth:`compiles`): with ``kv_swap``, pipeline micro-batches,
+    a strategy whose decode runs eagerly or whose KV and weights move (:meth:`Strategy.settled`:
+    SiDP, DejaVu, Seesaw), supervised groups (a first compile would outlast their heartbeat), RL
+    rollout engines, and an engine once it released its memory (its graphs would re-record at
+    every release). False: eager (vLLM's ``enforce_eager``); True: compiled wherever it can run."""
 
     dtype: str | None = None
     """The weights' dtype when a strategy loads a checkpoint: ``"float32"``, ``"bfloat16"`` or
@@ -156,12 +159,14 @@ class EngineConfig:
                 f"engine.group_timeout must be > 0 seconds (None: the collective timeout), got {self.group_timeout}"
             )
 
-    def compiles(self, device_type: str) -> bool:
-        """Whether the decode step runs compiled on a device of ``device_type``: :attr:`compile`, or
-        where it is None, on CUDA without ``kv_swap``."""
+    def compiles(self, device_type: str, microbatches: int = 1) -> bool:
+        """Whether the decode step runs compiled on a device of ``device_type``, in steps of
+        ``microbatches`` micro-batches: :attr:`compile`, or where it is None, on CUDA in steps of
+        one micro-batch (a pipeline stage's several would each replay a CUDA graph over the last
+        one's outputs) without ``kv_swap``."""
         if self.compile is not None:
             return self.compile
-        return device_type == "cuda" and not self.kv_swap
+        return device_type == "cuda" and microbatches == 1 and not self.kv_swap
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -479,11 +479,15 @@ class Engine:
     def release_memory(self, weights: bool = False) -> int:
         """Free every runner's KV cache and its connectors' (e.g. while the same ranks train) and,
         with ``weights``, move the weights to host; returns the device bytes freed. :meth:`ready`
-        re-acquires them."""
+        re-acquires them. A decode step compiled by default runs eagerly from then on (the memory
+        moves at every release, and CUDA graphs would re-record)."""
         caches = allocated_caches([*(r.kv for r in self.runners.values()), *self.connector.released_caches()])
         models = [r.model for r in self.runners.values()] if weights else []
         freed, self._released = release(caches, models, self._released)
         self.reset_prefix_cache()
+        if self.config.compile is None:  # (left to the default: graphs would re-record at every release)
+            for runner in self.runners.values():
+                runner.run_eagerly()
         return freed
 
     def router_worker(self) -> Worker:

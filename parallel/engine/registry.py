@@ -47,8 +47,8 @@ class Strategy:
 
     name: ClassVar[str] = ""
     compiles_decode: ClassVar[bool] = True
-    """Whether ``compile`` may compile this strategy's decode step (False: it runs eagerly, and a
-    ``compile`` left to the default, None, settles to False: :meth:`settled`)."""
+    """Whether a ``compile`` left to the default (None) may compile this strategy's decode step
+    (False: it runs eagerly unless ``compile=True``, which a strategy may refuse: :meth:`settled`)."""
 
     def default_kv_block_size(self) -> int | None:
         """The KV cache's block size when the job gives none (``engine.kv_block_size`` unset,
@@ -57,11 +57,12 @@ class Strategy:
         default, None: contiguous slots."""
         return None
 
-    def settled(self, config: EngineConfig) -> EngineConfig:
+    @classmethod
+    def settled(cls, config: EngineConfig) -> EngineConfig:
         """``config`` with a ``compile`` left to the default settled to False where this strategy's
         decode step runs eagerly (:attr:`compiles_decode`); elsewhere the engine settles it by the
         device (:meth:`EngineConfig.compiles`)."""
-        if config.compile is None and not self.compiles_decode:
+        if config.compile is None and not cls.compiles_decode:
             return dataclasses.replace(config, compile=False)
         return config
 

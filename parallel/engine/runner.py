@@ -133,8 +133,9 @@ class ModelRunner:
         self.split = split
         self.weights = weights
 
-        self.compiled = config.compiles(self.device.type)
+        self.compiled = config.compiles(self.device.type, self.num_microbatches)
         self.every_slot = self.compiled or every_slot  # (compiled: fixed shapes)
+        self.slots_asked = every_slot
         self.is_source = coord[1] == self.dims.pp - 1 and coord[2] == 0 and coord[3] == 0
 
         kv_tokens = config.paged_tokens(self.max_seq_len)
@@ -172,6 +173,10 @@ class ModelRunner:
     def compile_seconds(self) -> float:
         """Wall time of the decode calls that compiled a graph (0 when eager)."""
         return self._decode_body.seconds if isinstance(self._decode_body, CompiledBody) else 0.0
+
+    def run_eagerly(self) -> None:
+        """Decode eagerly from now on (an engine whose memory moved: its graphs would re-record)."""
+        self.compiled, self.every_slot, self._decode_body = False, self.slots_asked, self._body
 
     def _kv_tensors(self) -> tuple[torch.Tensor, ...]:
         """The cache's K and V tensors, which a step writes in place."""

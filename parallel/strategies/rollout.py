@@ -176,7 +176,10 @@ def rollout_engine(
     """The engine of a :func:`rollout_model` by its strategy: continuous batching in the TP layout,
     or Shift's two modes over one KV cache (steps of more than ``threshold`` tokens run SP)."""
     strategy = rollout_strategy(layout, threshold=threshold, sp=parallel_info(model).dims.sp)
-    return strategy.build_engine(model, EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
+    # eager: a rollout frees its KV and weights for training every iteration, which would make
+    # CUDA graphs re-record each time (EngineConfig.compile)
+    config = EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=False)
+    return strategy.build_engine(model, config)
 
 
 def rollout_dims(strategy: Strategy, ranks: Sequence[int]) -> ParallelDims:

@@ -50,7 +50,7 @@ def dejavu_groups_engine(
     (they take prefilled prompts). Collective over the job: every rank calls it. ``config``: both
     sides' slots and sequence length, the prompt side's ``max_prefill_tokens``, the router's
     ``routing``."""
-    config = config if config is not None else EngineConfig()
+    config = DejaVuStrategy.settled(config if config is not None else EngineConfig())
     groups = _side_groups(prompt_dims) + _side_groups(token_dims)
     pgs = [cached_group(ranks, purpose="engine-group") for ranks in groups]  # collective, in order
     runners = {
@@ -125,7 +125,7 @@ def dejavu_engine(
     """The disaggregated engine with both sides in one loop (collective over the job: every rank
     calls it). ``config``: both sides' slots and sequence length, the prompt side's
     ``max_prefill_tokens``."""
-    config = config if config is not None else EngineConfig()
+    config = DejaVuStrategy.settled(config if config is not None else EngineConfig())
     runners = {
         name: _runner(model, dims, replace(config, replicas="lockstep"))
         for name, model, dims in (("prompt", prompt, prompt_dims), ("token", token, token_dims))

@@ -395,6 +395,6 @@ def _runner_config(config: EngineConfig, phase: str, pp: int, num_microbatches: 
     only with pipeline stages; ``compile`` and a paged cache are the decode layout's (prefill KV
     goes to the tier)."""
     config = replace(config, replicas="lockstep", num_microbatches=num_microbatches if pp > 1 else 1)
-    if phase == "decode":
-        return config
+    if phase == "decode":  # (compiled only when asked: each transition moves its KV and weights)
+        return replace(config, compile=config.compile or False)
     return replace(config, compile=False, kv_block_size=None, kv_tokens=None)

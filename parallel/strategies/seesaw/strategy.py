@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,8 @@ class LayoutConfig:
 @dataclass
 class SeesawStrategy(Strategy):
     """Prefill in one layout (pipeline / data parallel), decode in another (tensor parallel)."""
+
+    compiles_decode: ClassVar[bool] = False  # (each transition moves the decode layout's KV and weights)
 
     prefill: LayoutConfig = field(default_factory=lambda: LayoutConfig(pp=None))
     decode: LayoutConfig = field(default_factory=lambda: LayoutConfig(tp=None))

@@ -210,7 +210,7 @@ def sidp_engine(
     KV cache (``config``'s; the replicas share every step, whatever ``config.replicas`` says: the
     policy splits each step over them); ``config``'s batching options (the token budget, chunked
     prefill, the prefix cache: :func:`batching_options`) go to :class:`SiDPPolicy`."""
-    config = config if config is not None else EngineConfig()
+    config = SiDPStrategy.settled(config if config is not None else EngineConfig())
     lockstep = dataclasses.replace(config, replicas="lockstep")
     was = ModelRunner(model, lockstep, weights=WAS)
     cas = ModelRunner(model, lockstep, kv=was.kv, weights=CAS, every_slot=True)  # (fixed-size row blocks)
