@@ -37,6 +37,8 @@ class CompiledBody:
             log.info("compiling the decode step (%s)", _compile_cache_note())
         graphs, t0 = _graphs_compiled(), time.perf_counter()
         out = self.body(*args, **kwargs)
+        if self.graphs_on:  # (a replay's output lives in the graphs' pool, which the next replay
+            out = out.clone()  # overwrites: a stage's next micro-batch, before its send or cat)
         if _graphs_compiled() != graphs:
             self.seconds += time.perf_counter() - t0
             if _logs_progress():
