@@ -52,6 +52,7 @@ from reshard.parallel.vllm_api import (
     RequestOutput,
     check_no_lora,
     conversations,
+    engine_logprobs_mode,
     in_context,
     llm_options,
     logprob_dicts,
@@ -93,7 +94,9 @@ class LLM:
     ``gpu_memory_utilization``: on CUDA, the share of the device's memory the weights and the KV
     cache may take (checked after the build, ``ValueError`` naming both; the cache is sized by
     ``max_num_seqs`` x ``max_model_len`` or ``kv_tokens``, not by this share); None or on CPU:
-    unchecked. ``dtype``: the weights' (``"bfloat16"``, ...; default the checkpoint's or the
+    unchecked. ``logprobs_mode``: vLLM's engine-wide mode, ``"raw_logprobs"`` or
+    ``"processed_logprobs"``, for every request (None: each request's ``SamplingParams``).
+    ``dtype``: the weights' (``"bfloat16"``, ...; default the checkpoint's or the
     module's). ``tokenizer``: for text (a tokenizer or its path; default the checkpoint's, if it
     has one). ``seed``: this LLM's calls without a seed of their own take seeds from it in turn
     (None: fresh ones from the OS). ``dp_prompts``: ``"shared"`` (every process passes the same
@@ -109,8 +112,10 @@ class LLM:
         seed: int | None = None,
         dp_prompts: str = "shared",
         gpu_memory_utilization: float | None = None,
+        logprobs_mode: str | None = None,
         **options,
     ) -> None:
+        self.logprobs_mode = engine_logprobs_mode(logprobs_mode)  # (vLLM's engine-wide one: every request's)
         if dp_prompts not in DP_PROMPTS:
             raise ValueError(f"LLM: dp_prompts must be one of {DP_PROMPTS}, got {dp_prompts!r}")
         check_share(gpu_memory_utilization)
@@ -195,6 +200,8 @@ class LLM:
         """The engine's outputs for ``inputs``; under ``dp_prompts="local"`` every process's inputs
         run as one call and each process gets its own back."""
         params, count = _per_prompt(sampling_params, len(inputs)), len(inputs)
+        if self.logprobs_mode is not None:
+            params = [dataclasses.replace(p, logprobs_mode=self.logprobs_mode) for p in params]
         local = self.dp_prompts == "local"
         everyone = _all_gather((inputs, params)) if local else [(inputs, params)]
         first = sum(len(part) for part, _ in everyone[: _rank() if local else 0])  # where this rank's begin

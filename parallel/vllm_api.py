@@ -182,6 +182,23 @@ LLM_NAMES = MappingProxyType(
 LLM_NOOPS = MappingProxyType({"trust_remote_code": None, "generation_config": "auto", "disable_log_stats": None})
 
 
+# vLLM's engine-wide ``logprobs_mode`` names -> ``SamplingParams.logprobs_mode`` (its logits modes: none here)
+LOGPROBS_MODE_NAMES = MappingProxyType({"raw_logprobs": "raw", "processed_logprobs": "processed"})
+
+
+def engine_logprobs_mode(name: str | None) -> str | None:
+    """``LLM(logprobs_mode=)``'s vLLM name as the mode every request's log-probabilities take
+    (None: each request's own); ``ValueError`` naming it for any other."""
+    if name is None or name in LOGPROBS_MODE_NAMES.values():
+        return name
+    if name not in LOGPROBS_MODE_NAMES:
+        raise ValueError(
+            f"LLM: logprobs_mode={name!r} is not one reshard returns (one of {list(LOGPROBS_MODE_NAMES)}; "
+            "logits modes are not kept)"
+        )
+    return LOGPROBS_MODE_NAMES[name]
+
+
 def llm_options(given: Mapping) -> dict:
     """``LLM``'s keyword arguments with vLLM's names as ours (``ValueError`` where both of a pair
     are given); ``dtype="auto"`` is the checkpoint's (None); ``enforce_eager=True`` no compiled

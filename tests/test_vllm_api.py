@@ -171,6 +171,16 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
         assert "w1 w2\nw3" in joined.prompt
         with pytest.raises(ValueError, match="conversation 0, message 1: content must be a text or a list of"):
             llm.chat([{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "image_url"}]}])
+        sampled = dict(max_tokens=4, temperature=0.7, top_k=5, seed=3, logprobs=2)
+        processed = llm.generate("w1 w2", SamplingParams(**sampled, logprobs_mode="processed"))[0].outputs[0]
+        raw = llm.generate("w1 w2", SamplingParams(**sampled))[0].outputs[0]
+    # vLLM's engine-wide logprobs_mode: every request's (its logits modes are refused)
+    with pytest.raises(ValueError, match="LLM: logprobs_mode='raw_logits' is not one reshard returns"):
+        LLM(builtin, logprobs_mode="raw_logits")
+    with LLM(builtin, max_model_len=64, logprobs_mode="processed_logprobs") as llm:
+        engine_wide = llm.generate("w1 w2", SamplingParams(**sampled))[0].outputs[0]
+    assert engine_wide.token_ids == processed.token_ids == raw.token_ids
+    assert engine_wide.logprobs == processed.logprobs != raw.logprobs
 
 
 def test_stop_strings_and_tokens_end_outputs_as_vllms_do(builtin, hf_reference):
