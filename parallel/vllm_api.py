@@ -176,10 +176,35 @@ LLM_NAMES = MappingProxyType(
         "max_num_batched_tokens": "max_prefill_tokens",
         "enable_prefix_caching": "prefix_caching",
         "enable_chunked_prefill": "chunked_prefill",
+        "block_size": "kv_block_size",
     }
 )
-# vLLM's engine arguments with nothing to do here: the values taken (any: None)
-LLM_NOOPS = MappingProxyType({"trust_remote_code": None, "generation_config": "auto", "disable_log_stats": None})
+# vLLM's engine arguments with nothing to do here (as TRL's and verl's colocated loops pass them):
+# the values taken (None: any)
+LLM_NOOPS = MappingProxyType(
+    {
+        "trust_remote_code": None,  # (reshard builds the model families it knows)
+        "generation_config": ("auto",),  # (the checkpoint's file, always)
+        "disable_log_stats": None,
+        "distributed_executor_backend": (None, "external_launcher"),  # (the processes torchrun launched)
+        "enable_sleep_mode": None,  # (LLM.sleep / wake_up always work)
+        "model_impl": ("auto", "transformers"),
+        "swap_space": None,  # (a preempted request is computed again, or swapped to a strategy's CPU tier)
+        "disable_custom_all_reduce": None,
+        "max_logprobs": None,
+        "tokenizer_mode": ("auto",),
+        "load_format": ("auto", "safetensors"),
+        "quantization": (None,),
+        "kv_cache_dtype": ("auto",),
+        "revision": (None,),
+        "tokenizer_revision": (None,),
+        "download_dir": (None,),
+        "hf_overrides": (None,),
+        "enable_lora": (None, False),
+        "cpu_offload_gb": (None, 0),
+        "compilation_config": (None,),
+    }
+)
 
 
 # vLLM's engine-wide ``logprobs_mode`` names -> ``SamplingParams.logprobs_mode`` (its logits modes: none here)
@@ -202,12 +227,13 @@ def engine_logprobs_mode(name: str | None) -> str | None:
 def llm_options(given: Mapping) -> dict:
     """``LLM``'s keyword arguments with vLLM's names as ours (``ValueError`` where both of a pair
     are given); ``dtype="auto"`` is the checkpoint's (None); ``enforce_eager=True`` no compiled
-    step; ``trust_remote_code`` (reshard builds the model families it knows) and
-    ``disable_log_stats`` do nothing, ``generation_config`` is ``"auto"`` (the checkpoint's file)."""
+    step; the names of :data:`LLM_NOOPS` do nothing, at the values it takes (``ValueError`` naming
+    any other)."""
     out = {k: v for k, v in given.items() if k not in LLM_NAMES and k not in LLM_NOOPS and k != "enforce_eager"}
     for name, taken in LLM_NOOPS.items():
-        if taken is not None and given.get(name, taken) != taken:
-            raise ValueError(f"LLM: {name}={given[name]!r} is not one reshard honours (only {taken!r})")
+        if name in given and taken is not None and given[name] not in taken:
+            only = " or ".join(map(repr, taken))
+            raise ValueError(f"LLM: {name}={given[name]!r} is not one reshard honours (only {only})")
     if given.get("enforce_eager") and given.get("compile"):
         raise ValueError("LLM got enforce_eager=True and compile=True: give one")
     if given.get("enforce_eager"):  # (vLLM's eager-only: no compiled step)

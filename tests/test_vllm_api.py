@@ -153,6 +153,14 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
             llm.engine.generate([Request(0, [5, 6], SamplingParams(max_tokens=None))])
     with pytest.raises(ValueError, match="LLM: generation_config='vllm' is not one reshard honours"):
         LLM(builtin, generation_config="vllm")
+    with pytest.raises(ValueError, match=r"LLM: quantization='fp8' is not one reshard honours \(only None\)"):
+        LLM(builtin, quantization="fp8")
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not one reshard honours"):
+        LLM(builtin, distributed_executor_backend="ray")
+    trl = dict(distributed_executor_backend="external_launcher", enable_sleep_mode=True, model_impl="auto")
+    trl |= dict(max_num_batched_tokens=256, kv_cache_dtype="auto", quantization=None, block_size=8, seed=0)
+    with LLM(builtin, max_model_len=64, **trl) as llm:  # (as TRL's colocated GRPO builds vLLM's)
+        assert (llm.engine.config.kv_block_size, llm.engine.config.max_prefill_tokens) == (8, 256)
     noops = dict(trust_remote_code=True, enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True)
     with pytest.raises(ValueError, match="LLM got enforce_eager=True and compile=True: give one"):
         LLM(builtin, compile=True, enforce_eager=True)
