@@ -199,9 +199,7 @@ class LLM:
     def _run(self, inputs: list[PromptInput], sampling_params, seed: int | None, use_tqdm: bool) -> list[RequestOutput]:
         """The engine's outputs for ``inputs``; under ``dp_prompts="local"`` every process's inputs
         run as one call and each process gets its own back."""
-        params, count = _per_prompt(sampling_params, len(inputs)), len(inputs)
-        if self.logprobs_mode is not None:
-            params = [dataclasses.replace(p, logprobs_mode=self.logprobs_mode) for p in params]
+        params, count = [self.sampling(p) for p in _per_prompt(sampling_params, len(inputs))], len(inputs)
         local = self.dp_prompts == "local"
         everyone = _all_gather((inputs, params)) if local else [(inputs, params)]
         first = sum(len(part) for part, _ in everyone[: _rank() if local else 0])  # where this rank's begin
@@ -214,6 +212,18 @@ class LLM:
         for out, prompt_logprobs in zip(outputs, self._prompt_logprobs([x.ids for x in inputs], params)):
             out.prompt_logprobs = prompt_logprobs
         return outputs[first : first + count]
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """``params`` under this LLM's engine-wide ``logprobs_mode`` (vLLM's; ``ValueError`` where
+        the request asks for the other mode: reshard's per-request one)."""
+        if self.logprobs_mode is None or params.logprobs_mode == self.logprobs_mode:
+            return params
+        if params.logprobs_mode != "raw":  # (the default: a request that said nothing)
+            raise ValueError(
+                f"LLM(logprobs_mode={self.logprobs_mode!r}) and a request's logprobs_mode="
+                f"{params.logprobs_mode!r}: give one"
+            )
+        return dataclasses.replace(params, logprobs_mode=self.logprobs_mode)
 
     def _call_seed(self, seed: int | None) -> int | None:
         """This call's seed: the one given, else the LLM's ``seed``'s next, else None (fresh)."""
@@ -249,8 +259,10 @@ class LLM:
         """The completions (``n`` per prompt, in order) as :class:`RequestOutput`, with text."""
         it, outputs = iter(completions), []
         for x, p in zip(inputs, params):
-            outs = [self._completion(j, next(it), p) for j in range(p.n)]
-            outputs.append(RequestOutput(str(self._requests), x.text, x.ids, None, outs))
+            samples = [next(it) for _ in range(p.n)]
+            outs = [self._completion(j, c, p) for j, c in enumerate(samples)]
+            cached = samples[0].cached_tokens
+            outputs.append(RequestOutput(str(self._requests), x.text, x.ids, None, outs, num_cached_tokens=cached))
             self._requests += 1
         return outputs
 

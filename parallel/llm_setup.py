@@ -38,7 +38,7 @@ def join_group() -> bool:
 def _split_options(strategy: str, options: dict) -> tuple[dict, dict]:
     """``options`` as (engine keys, strategy keys); ``ValueError`` naming an unknown key (and the
     nearest known one)."""
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype", "load_weights"}
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
     strategy_fields = {f.name for f in dataclasses.fields(strategy_class(strategy))}
     unknown = sorted(set(options) - engine_fields - strategy_fields)
     if unknown:

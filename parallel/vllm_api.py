@@ -75,6 +75,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # where asked: None for the first token
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int | None = None  # prompt tokens found cached (the first sample's; None: not looked up)
 
 
 # ---- prompts ---------------------------------------------------------------------------------
@@ -186,23 +187,24 @@ LLM_NOOPS = MappingProxyType(
         "trust_remote_code": None,  # (reshard builds the model families it knows)
         "generation_config": ("auto",),  # (the checkpoint's file, always)
         "disable_log_stats": None,
-        "distributed_executor_backend": (None, "external_launcher"),  # (the processes torchrun launched)
+        "distributed_executor_backend": (None, "external_launcher", "uni", "mp"),  # (torchrun's processes)
         "enable_sleep_mode": None,  # (LLM.sleep / wake_up always work)
-        "model_impl": ("auto", "transformers"),
+        "model_impl": ("auto", "vllm", "transformers"),  # (TRL's default: "vllm")
+        "skip_tokenizer_init": (None, False),
         "swap_space": None,  # (a preempted request is computed again, or swapped to a strategy's CPU tier)
         "disable_custom_all_reduce": None,
         "max_logprobs": None,
         "tokenizer_mode": ("auto",),
-        "load_format": ("auto", "safetensors"),
+        "load_format": ("auto", "safetensors", "dummy"),  # (verl's "dummy": weights unread, synced in)
         "quantization": (None,),
         "kv_cache_dtype": ("auto",),
         "revision": (None,),
         "tokenizer_revision": (None,),
         "download_dir": (None,),
-        "hf_overrides": (None,),
+        "hf_overrides": (None, {}),
         "enable_lora": (None, False),
         "cpu_offload_gb": (None, 0),
-        "compilation_config": (None,),
+        "compilation_config": (None, {}),
     }
 )
 
@@ -238,6 +240,10 @@ def llm_options(given: Mapping) -> dict:
         raise ValueError("LLM got enforce_eager=True and compile=True: give one")
     if given.get("enforce_eager"):  # (vLLM's eager-only: no compiled step)
         out["compile"] = False
+    if given.get("enable_sleep_mode") and given.get("compile") is None:  # (a loop that sleeps releases its
+        out["compile"] = False  # memory every iteration: graphs compiled before the first sleep are thrown away)
+    if given.get("load_format") == "dummy":  # (vLLM's: weights left unread, for a sync to write)
+        out["load_weights"] = False
     for theirs, ours in LLM_NAMES.items():
         if given.get(theirs) is None:
             continue

@@ -134,7 +134,7 @@ def _summary(
     """:func:`run_summary` with the phase times of the slowest replica (or engine group), the KV
     cache and the strategy's own keys."""
     s = _job_stats(engine)
-    compile_s = sum(getattr(r, "compile_seconds", 0.0) for r in engine.runners.values())
+    compile_s = sum(r.compile_seconds for r in engine.runners.values())
     seconds = [s.prefill_seconds, s.decode_seconds, s.mixed_seconds, gen_s, compile_s]
     phase = torch.tensor(seconds, dtype=torch.float64, device=device_type())
     dist.all_reduce(phase, op=dist.ReduceOp.MAX)
@@ -142,7 +142,8 @@ def _summary(
     decode_s = max(decode_s - compile_s, 0.0)  # the decode steps that compiled are reported apart
     phases = PhaseSeconds(load_s, prefill_s, decode_s, mixed_s, compile_s, gen_s)
     groups = max(len(engine.group_stats), 1)
-    summary = run_summary(cfg, path, completions, layouts, stats=s, seconds=phases, groups=groups)
+    compiled = any(r.compiled for r in engine.runners.values())  # (the compiled decode, where it ran)
+    summary = run_summary(cfg, path, completions, layouts, stats=s, seconds=phases, groups=groups, compiled=compiled)
     return {**summary, "kv": _kv_summary(engine), **cfg.parallel.summary(engine)}
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from reshard.mesh import device_type
 from reshard.parallel.engine.metrics import latency_summary
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.dims import ParallelDims
@@ -42,6 +41,7 @@ def run_summary(
     stats,
     seconds: PhaseSeconds,
     groups: int,
+    compiled: bool,
 ) -> dict:
     """The summary keys every generate run has: what ran, token counts over all requests, phase
     times, throughput, latency percentiles."""
@@ -65,7 +65,7 @@ def run_summary(
         "mixed_steps": stats.mixed_steps,  # steps that fed prompt chunks beside decode tokens
         "online": any(c.timing is not None and c.timing.arrival > 0 for c in completions),
         "latency": latency_summary(completions, seconds.generate_total),
-        "compile": cfg.engine_config().compiles(device_type()),  # (what ran: null settles by the device)
+        "compile": compiled,  # (what ran: the default settles by the device and the layout)
     }
 
 

@@ -384,7 +384,9 @@ def _summary(cfg, path: Path, completions, stats: EngineStats, seconds: float, g
 
     phases = PhaseSeconds(0.0, stats.prefill_seconds, stats.decode_seconds, stats.mixed_seconds, 0.0, seconds)
     layouts = cfg.parallel.layouts(dist.get_world_size())
-    summary = run_summary(cfg, path, completions, layouts, stats=stats, seconds=phases, groups=groups)
+    compiled = cfg.engine_config().compile is True  # (supervised groups compile only when asked)
+    kw = dict(stats=stats, seconds=phases, groups=groups, compiled=compiled)
+    summary = run_summary(cfg, path, completions, layouts, **kw)
     return {**summary, "failures": restart_count()}  # whole-job restarts (torchrun's)
 
 

@@ -157,10 +157,19 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
         LLM(builtin, quantization="fp8")
     with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not one reshard honours"):
         LLM(builtin, distributed_executor_backend="ray")
-    trl = dict(distributed_executor_backend="external_launcher", enable_sleep_mode=True, model_impl="auto")
+    trl = dict(distributed_executor_backend="external_launcher", enable_sleep_mode=True, model_impl="vllm")
     trl |= dict(max_num_batched_tokens=256, kv_cache_dtype="auto", quantization=None, block_size=8, seed=0)
-    with LLM(builtin, max_model_len=64, **trl) as llm:  # (as TRL's colocated GRPO builds vLLM's)
+    with LLM(builtin, max_model_len=64, **trl) as llm:  # (as TRL's colocated GRPO builds vLLM's, its defaults)
         assert (llm.engine.config.kv_block_size, llm.engine.config.max_prefill_tokens) == (8, 256)
+        assert llm.engine.config.compile is False  # (a loop that sleeps: graphs would be thrown away)
+        want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    from transformers import AutoModelForCausalLM
+
+    # verl's load_format="dummy": the weights are left unread, and a sync writes them
+    with LLM(builtin, max_model_len=64, load_format="dummy", skip_tokenizer_init=False) as llm:
+        assert llm.engine.config.load_weights is False
+        llm.load_weights(AutoModelForCausalLM.from_pretrained(builtin).state_dict().items())
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids == want
     noops = dict(trust_remote_code=True, enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True)
     with pytest.raises(ValueError, match="LLM got enforce_eager=True and compile=True: give one"):
         LLM(builtin, compile=True, enforce_eager=True)
@@ -187,6 +196,10 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
         LLM(builtin, logprobs_mode="raw_logits")
     with LLM(builtin, max_model_len=64, logprobs_mode="processed_logprobs") as llm:
         engine_wide = llm.generate("w1 w2", SamplingParams(**sampled))[0].outputs[0]
+        assert llm.sampling(SamplingParams()).logprobs_mode == "processed"  # (the verl adapter's path too)
+    conflict = r"LLM\(logprobs_mode='raw'\) and a request's logprobs_mode='processed'"
+    with LLM(builtin, max_model_len=64, logprobs_mode="raw_logprobs") as llm, pytest.raises(ValueError, match=conflict):
+        llm.generate("w1", SamplingParams(logprobs_mode="processed"))
     assert engine_wide.token_ids == processed.token_ids == raw.token_ids
     assert engine_wide.logprobs == processed.logprobs != raw.logprobs
 
@@ -318,3 +331,18 @@ def test_load_weights_takes_a_state_dict(checkpoints):
     with torch.no_grad():
         want = hf.generate(torch.tensor([[5, 9, 11]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
     assert after == want and after != before
+
+
+def test_a_request_output_counts_its_prompt_tokens_found_cached(builtin):
+    """vLLM's ``RequestOutput.num_cached_tokens``: the prompt tokens a request's first admission
+    found in the prefix cache (full blocks only; a prompt's ``n`` samples: the first one's), None
+    where no cache was looked up."""
+    from reshard import LLM, SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # 40 tokens: 2 full blocks of 16
+    params = SamplingParams(max_tokens=2, n=3, temperature=0.8, seed=1)
+    with LLM(builtin, max_model_len=64, block_size=16) as llm:
+        first, again = (llm.generate(prompt, params)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    with LLM(builtin, max_model_len=64, enable_prefix_caching=False) as llm:
+        assert llm.generate(prompt, params)[0].num_cached_tokens is None

@@ -165,7 +165,9 @@ class ContinuousBatching(Policy):
         self.running[seq.request.id] = seq
         earlier = self.held.pop(seq.request.id, None)
         if earlier is not None:  # a preempted request runs again: what it had goes on
-            seq.logprobs, seq.times = earlier.logprobs, earlier.times
+            seq.logprobs, seq.times, seq.cached_tokens = earlier.logprobs, earlier.times, earlier.cached_tokens
+        elif self.slots.prefix is not None or matched:  # (vLLM's num_cached_tokens: its first admission's)
+            seq.cached_tokens = matched or shared
         return seq
 
     def _reserve(self, step: Step, queue: deque) -> Step | None:

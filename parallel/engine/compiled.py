@@ -20,12 +20,16 @@ log = logging.getLogger("reshard.parallel.engine.runner")  # (the runner's decod
 class CompiledBody:
     """``body`` compiled once per shape; CUDA graphs where ``device`` is a GPU, which need static
     shapes and buffers: ``static()`` gives the tensors a step writes in place (the KV cache),
-    marked static before each call."""
+    marked static before each call. ``clone``: each output copied out of the graphs' memory pool
+    (a caller that keeps it past the next call: the next replay would overwrite it)."""
 
-    def __init__(self, body: Callable, device: torch.device, static: Callable[[], Iterable[torch.Tensor]]) -> None:
+    def __init__(
+        self, body: Callable, device: torch.device, static: Callable[[], Iterable[torch.Tensor]], clone: bool = True
+    ) -> None:
         self.graphs_on = device.type == "cuda"
         self.body = torch.compile(body, mode="reduce-overhead" if self.graphs_on else None)
         self.static = static
+        self.clone = clone and self.graphs_on  # a replay's output copied out of the graphs' pool
         self.seconds = 0.0  # wall time of the calls that compiled a graph
         self.said = not _logs_progress()  # (only rank 0 tells)
 
@@ -37,7 +41,7 @@ class CompiledBody:
             log.info("compiling the decode step (%s)", _compile_cache_note())
         graphs, t0 = _graphs_compiled(), time.perf_counter()
         out = self.body(*args, **kwargs)
-        if self.graphs_on:  # (a replay's output lives in the graphs' pool, which the next replay
+        if self.clone:  # (a replay's output lives in the graphs' pool, which the next replay
             out = out.clone()  # overwrites: a stage's next micro-batch, before its send or cat)
         if _graphs_compiled() != graphs:
             self.seconds += time.perf_counter() - t0

@@ -106,6 +106,9 @@ class Completion:
     # what stopped it (finish_reason "stop"): its last token's id (EOS or a stop_token_ids entry) or
     # the stop string its last token completed; None where not known (rebuilt from a journal)
     stopped_by: int | str | None = None
+    # prompt tokens whose KV its first admission found (the prefix cache, a KV connector): vLLM's
+    # num_cached_tokens; None where nothing was looked up (no prefix cache, or a policy's own)
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Sequence:
     short_banned: frozenset[int] = frozenset()  # the ids it may not sample short of min_tokens (EOS, stop ids)
     stopped_by: int | str | None = None  # the stop token or string that ended it (finish_reason "stop")
     lead: tuple[list[int], int] | None = None  # (its prompt's last tokens, their text's length): see _lead
+    cached_tokens: int | None = None  # its prompt's tokens found cached at its first admission (Completion's)
 
     @staticmethod
     def of(
@@ -231,7 +235,8 @@ class Sequence:
         if start is not None and len(self.times) == 3:
             timing = Timing(r.arrival, *(t - start for t in self.times), tokens=len(output))
         logprobs = None if r.sampling.logprobs is None else list(self.logprobs)
-        return Completion(r.id, list(prompt), output, self.finish_reason, timing, logprobs, self.stopped_by)
+        cached = None if self.cached_tokens is None else min(self.cached_tokens, cut)
+        return Completion(r.id, list(prompt), output, self.finish_reason, timing, logprobs, self.stopped_by, cached)
 
 
 def batch_kind(seqs: list[Sequence], num_tokens: list[int]) -> str:

@@ -152,8 +152,10 @@ class ModelRunner:
         self._attach_layers()
         self.decode_inputs = DecodeInputs(self.swap.host if self.swap else self.kv, self.device)
         self._decode_body = self._body
-        if self.compiled:
-            self._decode_body = CompiledBody(self._body, self.device, self._kv_tensors)
+        if self.compiled:  # (a replay's output is overwritten by the next: kept where it outlives it)
+            kept = self.num_microbatches > 1 or not self.has_logits  # (a later micro-batch; an async send)
+            self._decode_body = CompiledBody(self._body, self.device, self._kv_tensors, clone=kept)
+        self.compiled_body = self._decode_body
         self.busy_seconds = 0.0  # wall time in this stage's forward bodies (not in receives or sends)
 
     def _micro_batch_swap(self, block_size: int | None) -> MicrobatchSwap:
@@ -172,7 +174,7 @@ class ModelRunner:
     @property
     def compile_seconds(self) -> float:
         """Wall time of the decode calls that compiled a graph (0 when eager)."""
-        return self._decode_body.seconds if isinstance(self._decode_body, CompiledBody) else 0.0
+        return self.compiled_body.seconds if isinstance(self.compiled_body, CompiledBody) else 0.0
 
     def run_eagerly(self) -> None:
         """Decode eagerly from now on (an engine whose memory moved: its graphs would re-record)."""

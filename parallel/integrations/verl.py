@@ -58,7 +58,7 @@ class Rollout:
         """``prompt_ids``' completion under ``sampling_params`` (verl's dict: ``max_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``, ...); ``request_id``
         only names it (its noise comes from its seed, or a fresh one)."""
-        params = vllm_sampling(sampling_params, f"request {request_id}")
+        params = self.llm.sampling(vllm_sampling(sampling_params, f"request {request_id}"))  # (its logprobs_mode)
         params = within_context(params, len(prompt_ids), self.llm.engine.max_seq_len)  # (vLLM's cap)
         if params.n != 1:
             raise ValueError(f"request {request_id}: n={params.n}; verl sends one request per sample (n=1)")

@@ -84,7 +84,7 @@ class Front:
             raise BadRequest(
                 f"{len(parsed.prompts)} prompt(s) x n={parsed.n} = {count} requests exceed serve.max_waiting="
                 f"{self.limits.max_waiting}",
-                "n",
+                "n" if parsed.n > 1 else "prompt",
             )
         waiting = self.metrics.waiting
         if waiting + count > self.limits.max_waiting:

@@ -168,10 +168,14 @@ def messages_ids(body: dict, chat) -> list[int]:
     ok = isinstance(m, list) and m and all(isinstance(x, dict) for x in m)
     if not ok or not all(x.get("role") in ("system", "user", "assistant", "developer") for x in m):
         raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': <text>}", "messages")
+    from jinja2 import TemplateError
+
     try:  # (text parts joined, as vLLM's string content format)
         return chat([_message(x, j) for j, x in enumerate(m)])
     except ValueError as e:
         raise BadRequest(str(e).replace("conversation 0, message", "messages"), "messages") from None
+    except TemplateError as e:  # (the template's own refusal, raise_exception: the request's fault, as vLLM)
+        raise BadRequest(f"the chat template refused the messages: {e}", "messages") from None
 
 
 def _message(m: dict, j: int) -> dict:

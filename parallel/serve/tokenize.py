@@ -15,7 +15,7 @@ DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 def tokenize(body: Any, limits: Limits, text: Text) -> dict:
     """``{"prompt": text}`` (``add_special_tokens``, default true) or ``{"messages": [...]}`` (the
     chat template; ``add_generation_prompt`` default true, ``add_special_tokens`` default false) ->
-    ``{"count", "max_model_len", "tokens"}``, and ``"token_strs"`` where ``return_token_strs``."""
+    ``{"count", "max_model_len", "tokens", "token_strs"}`` (the last null unless ``return_token_strs``)."""
     _check(body, TOKENIZE_FIELDS, limits)
     if ("prompt" in body) == ("messages" in body):
         raise BadRequest("give a prompt or messages, one of them", "prompt")
@@ -27,10 +27,8 @@ def tokenize(body: Any, limits: Limits, text: Text) -> dict:
     else:
         special, generation = _flag(body, "add_special_tokens", False), _flag(body, "add_generation_prompt", True)
         ids = messages_ids(body, lambda messages: text.chat(messages, generation, special))
-    out = {"count": len(ids), "max_model_len": limits.max_seq_len, "tokens": ids}
-    if _flag(body, "return_token_strs", False):
-        out["token_strs"] = text.tokenizer.convert_ids_to_tokens(ids)
-    return out
+    strs = text.tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": limits.max_seq_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(body: Any, limits: Limits, text: Text) -> dict:
@@ -39,9 +37,10 @@ def detokenize(body: Any, limits: Limits, text: Text) -> dict:
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(type(t) is int for t in ids):
         raise BadRequest(f"tokens must be a list of token ids, got {ids!r}"[:200], "tokens")
-    outside = [t for t in ids if not 0 <= t < limits.vocab_size]
+    vocab = min(limits.vocab_size, len(text.tokenizer))  # (a model's padded vocabulary has ids no text has)
+    outside = [t for t in ids if not 0 <= t < vocab]
     if outside:
-        raise BadRequest(f"token id {outside[0]} is outside the vocabulary of {limits.vocab_size} tokens", "tokens")
+        raise BadRequest(f"token id {outside[0]} is outside the vocabulary of {vocab} tokens", "tokens")
     return {"prompt": text.decode(ids, skip_special_tokens=False)}
 
 
@@ -56,7 +55,9 @@ def _check(body: Any, fields: frozenset[str], limits: Limits) -> None:
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
+    value = body.get(name)
+    if value is None:  # (left out or null: the default, as vLLM's optional fields)
+        return default
     if not isinstance(value, bool):
         raise BadRequest(f"{name} must be true or false, got {value!r}", name)
     return value

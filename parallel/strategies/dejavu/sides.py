@@ -46,6 +46,10 @@ class AbsentRunner:
         self.kv = None
         self.swap = None  # (no KV here to swap)
         self.engine_group = None  # a rank outside a lockstep side's layout is in no group of it
+        self.compiled, self.compile_seconds = False, 0.0  # (no decode step runs here)
+
+    def run_eagerly(self) -> None:
+        """(Nothing compiled here.)"""
 
     def idle(self) -> None:
         """Outside the layout: none of its layers' collectives include this rank."""
