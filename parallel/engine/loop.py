@@ -60,7 +60,7 @@ from reshard.parallel.engine.routed import generate_routed
 from reshard.parallel.engine.runner import ModelRunner
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.info import parallel_info
-from reshard.parallel.model.offload import allocated_caches, release, restore
+from reshard.parallel.model.offload import release_runners, restore
 
 
 class Engine:
@@ -481,13 +481,10 @@ class Engine:
         with ``weights``, move the weights to host; returns the device bytes freed. :meth:`ready`
         re-acquires them. A decode step compiled by default runs eagerly from then on (the memory
         moves at every release, and CUDA graphs would re-record)."""
-        caches = allocated_caches([*(r.kv for r in self.runners.values()), *self.connector.released_caches()])
-        models = [r.model for r in self.runners.values()] if weights else []
-        freed, self._released = release(caches, models, self._released)
+        eager = self.config.compile is None  # (left to the default: graphs would re-record at every release)
+        released = self.connector.released_caches()
+        freed, self._released = release_runners(list(self.runners.values()), released, weights, self._released, eager)
         self.reset_prefix_cache()
-        if self.config.compile is None:  # (left to the default: graphs would re-record at every release)
-            for runner in self.runners.values():
-                runner.run_eagerly()
         return freed
 
     def router_worker(self) -> Worker:

@@ -54,6 +54,18 @@ def allocated_caches(caches: list) -> list:
     return [kv for kv in {id(kv): kv for kv in caches if kv is not None}.values() if kv.allocated]
 
 
+def release_runners(runners: list, caches: list, weights: bool, held: list, eager: bool) -> tuple[int, list]:
+    """Free ``runners``' KV caches and ``caches`` (a connector's) and, with ``weights``, move their
+    models' weights to host (:func:`release`); ``eager``: the runners decode eagerly from now on
+    (a compile left to the default: the memory moves at every release, so graphs would re-record).
+    Returns the device bytes freed and ``held`` with what was freed."""
+    if eager:
+        for runner in runners:
+            runner.run_eagerly()
+    models = [r.model for r in runners] if weights else []
+    return release(allocated_caches([*(r.kv for r in runners), *caches]), models, held)
+
+
 def release(caches: list, models: list[nn.Module], held: list) -> tuple[int, list]:
     """Free ``caches`` (KV caches: ``release()`` / ``restore()``) and move ``models``' weights to
     host (none: weights stay); returns the device bytes freed and ``held`` with what was freed."""
