@@ -320,6 +320,12 @@ def test_vllms_tokenize_and_detokenize_give_the_ids_the_server_runs(server, toke
     assert chat["count"] == done.usage.prompt_tokens and chat["tokens"] == tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
+    # vLLM's chat template arguments: the same ids through /tokenize and a chat completion
+    bare = httpx.post(f"{root}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, return_dict=False)
+    extra = {"add_generation_prompt": False, "chat_template_kwargs": {"unused_flag": True}}
+    done = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+    assert bare["tokens"] == want != chat["tokens"] and done.usage.prompt_tokens == bare["count"]
     back = httpx.post(f"{root}/detokenize", json={"model": MODEL, "tokens": ids}).json()
     assert back == {"prompt": tokenizer.decode(ids)}
     refused = [

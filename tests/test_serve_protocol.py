@@ -18,7 +18,7 @@ LIMITS = Limits("tiny", max_seq_len=64, vocab_size=100)
 
 def _parse(kind: str, **body):
     tokenize = lambda text: [ord(c) % 100 for c in text]  # noqa: E731
-    chat = lambda messages: [1, 2, *tokenize(messages[-1]["content"])]  # noqa: E731
+    chat = lambda messages, **template: [1, 2, *tokenize(messages[-1]["content"])]  # noqa: E731
     return parse(kind, {"model": "tiny", **body}, LIMITS, tokenize, chat)
 
 
@@ -87,8 +87,18 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
     assert _parse("chat", messages=[{"role": "user", "content": "hi"}], **extras).sampling.top_k == 0
     seen = []
     named = {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "bo"}]}
-    parse("chat", named, LIMITS, list, lambda messages: seen.append(messages) or [1, 2])
-    assert seen == [[{"role": "user", "content": "hi", "name": "bo"}]]
+    record = lambda messages, **template: seen.append((messages, template)) or [1, 2]  # noqa: E731
+    parse("chat", named, LIMITS, list, record)
+    defaults = {"add_generation_prompt": True, "continue_final_message": False}
+    assert seen == [([{"role": "user", "content": "hi", "name": "bo"}], defaults)]
+    # vLLM's chat template arguments reach the template (Qwen3's enable_thinking, a last message continued)
+    kwargs = {"enable_thinking": False}
+    given = dict(add_generation_prompt=False, continue_final_message=True, chat_template_kwargs=kwargs)
+    parse("chat", {**named, **given}, LIMITS, list, record)
+    assert seen[-1][1] == {"add_generation_prompt": False, "continue_final_message": True, "enable_thinking": False}
+    for bad in ({"continue_final_message": True}, {"chat_template_kwargs": {"tokenize": False}}):
+        with pytest.raises(BadRequest, match=r"continue_final_message cannot both|chat_template_kwargs must be"):
+            parse("chat", {**named, **bad}, LIMITS, list, record)
     piece = lambda t: chr(t)  # noqa: E731
     lps = logprobs_of("completions", [97], [(-2.0, ((98, -0.5),))], piece)
     assert lps["top_logprobs"] == [{"a": -2.0, "b": -0.5}]  # (the sampled token, then the top one)
@@ -119,7 +129,7 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
 def test_a_field_the_engine_cannot_honour_is_refused_by_name(kind, body, param, status):
     body = {"model": "tiny", **body}
     with pytest.raises(BadRequest) as e:
-        parse(kind, body, LIMITS, lambda t: [1] * len(t), lambda m: [1, 2])
+        parse(kind, body, LIMITS, lambda t: [1] * len(t), lambda m, **template: [1, 2])
     assert (e.value.param, e.value.status) == (param, status) and param in str(e.value)
 
 

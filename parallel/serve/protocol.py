@@ -21,8 +21,11 @@ from reshard.parallel.vllm_api import message_text
 COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty")
 COMMON += ("stream", "stream_options", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty")
 COMMON += ("stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")  # vLLM's, as reshard.LLM's
+# vLLM's chat template arguments (Qwen3's {"enable_thinking": false} comes in chat_template_kwargs)
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+RESERVED = frozenset(("tokenize", "return_dict", "conversation", "messages", "chat_template", "tools"))
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "logprobs"))
-CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs", "max_completion_tokens"))
+CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs", "max_completion_tokens", *TEMPLATE_FIELDS))
 # fields whose value here means "off": accepted with that value, a 400 naming them with any other
 INERT = MappingProxyType(
     {
@@ -39,9 +42,6 @@ INERT = MappingProxyType(
         "metadata": (None, {}),
         "service_tier": (None, "auto", "default"),
         # vLLM's extras at their defaults
-        "add_generation_prompt": (None, True),
-        "continue_final_message": (None, False),
-        "chat_template_kwargs": (None, {}),
         "spaces_between_special_tokens": (None, True),
     }
 )
@@ -162,8 +162,29 @@ def _prompts(body: dict, tokenize: Callable[[str], list[int]]) -> list[list[int]
     return out
 
 
+def template_options(body: dict) -> dict:
+    """``body``'s chat template arguments, checked (vLLM's: ``add_generation_prompt`` default true,
+    ``continue_final_message`` default false, not both; ``chat_template_kwargs`` for the template)."""
+    generation, final = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
+    kwargs = body.get("chat_template_kwargs") or {}
+    for name, value in (("add_generation_prompt", generation), ("continue_final_message", final)):
+        if not isinstance(value, bool):
+            raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+    if generation and final:
+        raise BadRequest(
+            "add_generation_prompt and continue_final_message cannot both be true", "continue_final_message"
+        )
+    if not isinstance(kwargs, dict) or set(kwargs) & RESERVED:
+        raise BadRequest(
+            f"chat_template_kwargs must be an object of the template's variables (none of {sorted(RESERVED)}), "
+            f"got {kwargs!r}"[:200],
+            "chat_template_kwargs",
+        )
+    return {"add_generation_prompt": generation, "continue_final_message": final, **kwargs}
+
+
 def messages_ids(body: dict, chat) -> list[int]:
-    """``body``'s ``messages``, checked, as ``chat(messages)`` gives their ids."""
+    """``body``'s ``messages``, checked, as ``chat(messages, **template_options(body))`` gives their ids."""
     m = body.get("messages")
     ok = isinstance(m, list) and m and all(isinstance(x, dict) for x in m)
     if not ok or not all(x.get("role") in ("system", "user", "assistant", "developer") for x in m):
@@ -171,7 +192,7 @@ def messages_ids(body: dict, chat) -> list[int]:
     from jinja2 import TemplateError
 
     try:  # (text parts joined, as vLLM's string content format)
-        return chat([_message(x, j) for j, x in enumerate(m)])
+        return chat([_message(x, j) for j, x in enumerate(m)], **template_options(body))
     except ValueError as e:
         raise BadRequest(str(e).replace("conversation 0, message", "messages"), "messages") from None
     except TemplateError as e:  # (the template's own refusal, raise_exception: the request's fault, as vLLM)

@@ -31,14 +31,15 @@ class Text:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def chat(self, messages: list[dict], generation_prompt: bool = True, special_tokens: bool = False) -> list[int]:
-        """The chat template's ids of ``messages``, the assistant's turn opened where
-        ``generation_prompt``; ``special_tokens``: the tokenizer's own too, as vLLM's ``/tokenize``
-        may ask (the template holds them already)."""
+    def chat(self, messages: list[dict], special_tokens: bool = False, **options) -> list[int]:
+        """The chat template's ids of ``messages`` under ``options`` (the template's arguments:
+        ``add_generation_prompt``, default true, ``continue_final_message``, and a request's
+        ``chat_template_kwargs``); ``special_tokens``: the tokenizer's own too, as vLLM's
+        ``/tokenize`` may ask (the template holds them already)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("the checkpoint's tokenizer has no chat template: use /v1/completions", "messages")
         template = functools.partial(
-            self.tokenizer.apply_chat_template, messages, add_generation_prompt=generation_prompt
+            self.tokenizer.apply_chat_template, messages, **{"add_generation_prompt": True, **options}
         )
         if special_tokens:
             return self.encode(template(tokenize=False))

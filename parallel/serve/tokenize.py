@@ -2,19 +2,21 @@
 server would run, and token ids to their text, checked as the completions are (one line naming
 the field for a bad value)."""
 
+import functools
 from typing import Any
 
-from reshard.parallel.serve.protocol import BadRequest, Limits, check_model, messages_ids
+from reshard.parallel.serve.protocol import TEMPLATE_FIELDS, BadRequest, Limits, check_model, messages_ids
 from reshard.parallel.serve.text import Text
 
-TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"))
-TOKENIZE_FIELDS |= {"return_token_strs"}
+TOKENIZE_FIELDS = frozenset(
+    ("model", "prompt", "messages", "add_special_tokens", "return_token_strs", *TEMPLATE_FIELDS)
+)
 DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 
 
 def tokenize(body: Any, limits: Limits, text: Text) -> dict:
     """``{"prompt": text}`` (``add_special_tokens``, default true) or ``{"messages": [...]}`` (the
-    chat template; ``add_generation_prompt`` default true, ``add_special_tokens`` default false) ->
+    chat template and its arguments, as a chat completion's; ``add_special_tokens`` default false) ->
     ``{"count", "max_model_len", "tokens", "token_strs"}`` (the last null unless ``return_token_strs``)."""
     _check(body, TOKENIZE_FIELDS, limits)
     if ("prompt" in body) == ("messages" in body):
@@ -25,8 +27,8 @@ def tokenize(body: Any, limits: Limits, text: Text) -> dict:
             raise BadRequest(f"prompt must be a string, got {prompt!r}"[:200], "prompt")
         ids = text.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
     else:
-        special, generation = _flag(body, "add_special_tokens", False), _flag(body, "add_generation_prompt", True)
-        ids = messages_ids(body, lambda messages: text.chat(messages, generation, special))
+        special = _flag(body, "add_special_tokens", False)
+        ids = messages_ids(body, functools.partial(text.chat, special_tokens=special))
     strs = text.tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": limits.max_seq_len, "tokens": ids, "token_strs": strs}
 
