@@ -166,8 +166,8 @@ class ContinuousBatching(Policy):
         earlier = self.held.pop(seq.request.id, None)
         if earlier is not None:  # a preempted request runs again: what it had goes on
             seq.logprobs, seq.times, seq.cached_tokens = earlier.logprobs, earlier.times, earlier.cached_tokens
-        elif self.slots.prefix is not None or matched:  # (vLLM's num_cached_tokens: its first admission's)
-            seq.cached_tokens = matched or shared
+        elif self.slots.prefix is not None:  # (vLLM's num_cached_tokens: its first admission's prefix hits;
+            seq.cached_tokens = shared  # not a connector's KV, which may be its own prompt's, computed elsewhere)
         return seq
 
     def _reserve(self, step: Step, queue: deque) -> Step | None:

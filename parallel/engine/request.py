@@ -106,8 +106,8 @@ class Completion:
     # what stopped it (finish_reason "stop"): its last token's id (EOS or a stop_token_ids entry) or
     # the stop string its last token completed; None where not known (rebuilt from a journal)
     stopped_by: int | str | None = None
-    # prompt tokens whose KV its first admission found (the prefix cache, a KV connector): vLLM's
-    # num_cached_tokens; None where nothing was looked up (no prefix cache, or a policy's own)
+    # prompt tokens whose KV its first admission found in the prefix cache: vLLM's num_cached_tokens;
+    # None where none was looked up (no paged prefix cache: Seesaw's and DejaVu's own reuse included)
     cached_tokens: int | None = None
 
 
