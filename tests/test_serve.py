@@ -326,6 +326,12 @@ def test_vllms_tokenize_and_detokenize_give_the_ids_the_server_runs(server, toke
     extra = {"add_generation_prompt": False, "chat_template_kwargs": {"unused_flag": True}}
     done = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
     assert bare["tokens"] == want != chat["tokens"] and done.usage.prompt_tokens == bare["count"]
+    cut = {"truncation": True, "max_length": 3, "padding": "max_length", "return_tensors": "pt"}  # (tokenizing: none)
+    same = httpx.post(f"{root}/tokenize", json={"messages": messages, "chat_template_kwargs": cut}).json()
+    assert same["tokens"] == chat["tokens"]  # (as vLLM renders, then tokenizes: they change nothing)
+    for kwargs in ({"conversations": 1}, {"documents": 5}):
+        r = httpx.post(f"{root}/tokenize", json={"messages": messages, "chat_template_kwargs": kwargs})
+        assert r.status_code == 400, (kwargs, r.text)
     back = httpx.post(f"{root}/detokenize", json={"model": MODEL, "tokens": ids}).json()
     assert back == {"prompt": tokenizer.decode(ids)}
     refused = [

@@ -18,7 +18,7 @@ LIMITS = Limits("tiny", max_seq_len=64, vocab_size=100)
 
 def _parse(kind: str, **body):
     tokenize = lambda text: [ord(c) % 100 for c in text]  # noqa: E731
-    chat = lambda messages, **template: [1, 2, *tokenize(messages[-1]["content"])]  # noqa: E731
+    chat = lambda messages, template: [1, 2, *tokenize(messages[-1]["content"])]  # noqa: E731
     return parse(kind, {"model": "tiny", **body}, LIMITS, tokenize, chat)
 
 
@@ -87,7 +87,7 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
     assert _parse("chat", messages=[{"role": "user", "content": "hi"}], **extras).sampling.top_k == 0
     seen = []
     named = {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "bo"}]}
-    record = lambda messages, **template: seen.append((messages, template)) or [1, 2]  # noqa: E731
+    record = lambda messages, template: seen.append((messages, template)) or [1, 2]  # noqa: E731
     parse("chat", named, LIMITS, list, record)
     defaults = {"add_generation_prompt": True, "continue_final_message": False}
     assert seen == [([{"role": "user", "content": "hi", "name": "bo"}], defaults)]
@@ -99,6 +99,10 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
     for bad in ({"continue_final_message": True}, {"chat_template_kwargs": {"tokenize": False}}):
         with pytest.raises(BadRequest, match=r"continue_final_message cannot both|chat_template_kwargs must be"):
             parse("chat", {**named, **bad}, LIMITS, list, record)
+    with pytest.raises(BadRequest, match="chat_template_kwargs must be"):
+        parse("chat", {**named, "chat_template_kwargs": []}, LIMITS, list, record)
+    parse("chat", {**named, "add_generation_prompt": None}, LIMITS, list, record)  # (null: the default)
+    assert seen[-1][1] == defaults
     piece = lambda t: chr(t)  # noqa: E731
     lps = logprobs_of("completions", [97], [(-2.0, ((98, -0.5),))], piece)
     assert lps["top_logprobs"] == [{"a": -2.0, "b": -0.5}]  # (the sampled token, then the top one)
@@ -129,7 +133,7 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
 def test_a_field_the_engine_cannot_honour_is_refused_by_name(kind, body, param, status):
     body = {"model": "tiny", **body}
     with pytest.raises(BadRequest) as e:
-        parse(kind, body, LIMITS, lambda t: [1] * len(t), lambda m, **template: [1, 2])
+        parse(kind, body, LIMITS, lambda t: [1] * len(t), lambda m, template: [1, 2])
     assert (e.value.param, e.value.status) == (param, status) and param in str(e.value)
 
 

@@ -346,3 +346,20 @@ def test_a_request_output_counts_its_prompt_tokens_found_cached(builtin):
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
     with LLM(builtin, max_model_len=64, enable_prefix_caching=False) as llm:
         assert llm.generate(prompt, params)[0].num_cached_tokens is None
+
+
+def _cached_in_flight(path: str) -> tuple:
+    """``num_cached_tokens`` of one prompt generated twice by a 2-stage in-flight pipeline."""
+    from reshard import LLM, SamplingParams
+
+    prompt, params = {"prompt_token_ids": list(range(5, 45))}, SamplingParams(max_tokens=2)
+    with LLM(path, pipeline_parallel_size=2, max_model_len=64, block_size=16) as llm:
+        return tuple(llm.generate(prompt, params)[0].num_cached_tokens for _ in range(2))
+
+
+def test_every_stage_of_a_pipeline_reports_the_first_stages_cached_tokens(builtin):
+    """A later stage's sequences come from the first stage's notes, which carry its admission's
+    prefix-cache hits: every rank's output says the same (a later stage's said None)."""
+    from tests import dist_harness
+
+    assert dist_harness.run(2, _cached_in_flight, builtin) == [(0, 32), (0, 32)]

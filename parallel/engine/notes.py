@@ -43,6 +43,7 @@ class StepNote:
     tables: tuple[int, ...] = ()  # indices of the sequences whose blocks follow (paged)
     blocks: tuple[tuple[int, ...], ...] = ()  # each of those sequences' blocks
     aborted: tuple[tuple[int, int], ...] = ()  # (request id, tokens generated) of each request aborted
+    cached: tuple[int | None, ...] = ()  # each new sequence's prefix-cache hits (its Completion's cached_tokens)
 
     @staticmethod
     def of(step: Step, noted: NotedSequences, aborted: tuple[tuple[int, int], ...] = ()) -> StepNote:
@@ -61,12 +62,13 @@ class StepNote:
             tables,
             tuple(tuple(seqs[i].blocks) for i in tables),
             aborted,
+            tuple(seqs[i].cached_tokens for i in new),
         )
 
     @property
     def carried(self) -> tuple:
         """What rides beside the note's fixed fields (pickled): empty where it holds nothing."""
-        fields = (self.new, self.requests, self.tables, self.blocks, self.aborted)
+        fields = (self.new, self.requests, self.tables, self.blocks, self.aborted, self.cached)
         return fields if any(fields) else ()
 
 
@@ -139,7 +141,7 @@ class NoteLink:
         code, n, size = values[:3]
         c = self.capacity
         fields = [tuple(values[3 + k * c : 3 + k * c + n]) for k in range(4)]  # ids, slots, computed, counts
-        carried = ((), (), (), (), ())  # new, requests, tables, blocks, aborted
+        carried = ((), (), (), (), (), ())  # new, requests, tables, blocks, aborted, cached
         if size:
             payload = torch.empty(size, dtype=torch.uint8, device=self.device)
             dist.recv(payload, self.prev, tag=NOTE_TAG)
@@ -213,9 +215,10 @@ class NotedSteps(Policy):
         """This stage's sequences of ``note`` (made for the new ones); the blocks it carries
         given to theirs, with the cache table rows of those past their first positions (a
         cached prefix, a grown sequence) written now, as the first stage wrote its own."""
-        for i, request in zip(note.new, note.requests):
+        for i, request, cached in zip(note.new, note.requests, note.cached):
             seq = self.new_sequence(request)
             seq.slot, seq.num_computed_tokens = note.slots[i], note.num_computed_tokens[i]
+            seq.cached_tokens = cached  # (the first stage's admission's: every stage's completion says it)
             earlier = self.live.get(request.id)
             if earlier is not None:  # preempted on the first stage: what it had goes on, not its slot
                 seq.logprobs, seq.times = earlier.logprobs, earlier.times

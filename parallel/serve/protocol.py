@@ -23,7 +23,7 @@ COMMON += ("stream", "stream_options", "user", "top_k", "min_p", "min_tokens", "
 COMMON += ("stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")  # vLLM's, as reshard.LLM's
 # vLLM's chat template arguments (Qwen3's {"enable_thinking": false} comes in chat_template_kwargs)
 TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-RESERVED = frozenset(("tokenize", "return_dict", "conversation", "messages", "chat_template", "tools"))
+RESERVED = frozenset(("tokenize", "conversation", "conversations", "messages", "chat_template", "tools"))
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "logprobs"))
 CHAT_FIELDS = frozenset((*COMMON, "messages", "logprobs", "top_logprobs", "max_completion_tokens", *TEMPLATE_FIELDS))
 # fields whose value here means "off": accepted with that value, a 400 naming them with any other
@@ -165,8 +165,10 @@ def _prompts(body: dict, tokenize: Callable[[str], list[int]]) -> list[list[int]
 def template_options(body: dict) -> dict:
     """``body``'s chat template arguments, checked (vLLM's: ``add_generation_prompt`` default true,
     ``continue_final_message`` default false, not both; ``chat_template_kwargs`` for the template)."""
-    generation, final = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
-    kwargs = body.get("chat_template_kwargs") or {}
+    generation, final = (body.get(k) for k in ("add_generation_prompt", "continue_final_message"))
+    generation, final = generation if generation is not None else True, final if final is not None else False
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs  # (null: none, as vLLM)
     for name, value in (("add_generation_prompt", generation), ("continue_final_message", final)):
         if not isinstance(value, bool):
             raise BadRequest(f"{name} must be true or false, got {value!r}", name)
@@ -184,7 +186,7 @@ def template_options(body: dict) -> dict:
 
 
 def messages_ids(body: dict, chat) -> list[int]:
-    """``body``'s ``messages``, checked, as ``chat(messages, **template_options(body))`` gives their ids."""
+    """``body``'s ``messages``, checked, as ``chat(messages, template_options(body))`` gives their ids."""
     m = body.get("messages")
     ok = isinstance(m, list) and m and all(isinstance(x, dict) for x in m)
     if not ok or not all(x.get("role") in ("system", "user", "assistant", "developer") for x in m):
@@ -192,8 +194,8 @@ def messages_ids(body: dict, chat) -> list[int]:
     from jinja2 import TemplateError
 
     try:  # (text parts joined, as vLLM's string content format)
-        return chat([_message(x, j) for j, x in enumerate(m)], **template_options(body))
-    except ValueError as e:
+        return chat([_message(x, j) for j, x in enumerate(m)], template_options(body))
+    except (ValueError, TypeError) as e:  # (TypeError: a template argument of the wrong kind, as vLLM's 400)
         raise BadRequest(str(e).replace("conversation 0, message", "messages"), "messages") from None
     except TemplateError as e:  # (the template's own refusal, raise_exception: the request's fault, as vLLM)
         raise BadRequest(f"the chat template refused the messages: {e}", "messages") from None

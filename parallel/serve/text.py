@@ -9,7 +9,7 @@ tokens with stop strings, on the thread that runs the HTTP server.
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,19 +31,16 @@ class Text:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def chat(self, messages: list[dict], special_tokens: bool = False, **options) -> list[int]:
-        """The chat template's ids of ``messages`` under ``options`` (the template's arguments:
-        ``add_generation_prompt``, default true, ``continue_final_message``, and a request's
-        ``chat_template_kwargs``); ``special_tokens``: the tokenizer's own too, as vLLM's
-        ``/tokenize`` may ask (the template holds them already)."""
+    def chat(self, messages: list[dict], template: Mapping[str, Any], special_tokens: bool = False) -> list[int]:
+        """The ids of ``messages`` rendered by the chat template with ``template`` (its arguments:
+        ``add_generation_prompt``, ``continue_final_message``, a request's ``chat_template_kwargs``),
+        then tokenized as HF's own ``tokenize=True`` does (without special tokens: the template
+        holds them), as vLLM renders: a tokenizing argument among them changes nothing.
+        ``special_tokens``: the tokenizer's own too, as vLLM's ``/tokenize`` may ask."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("the checkpoint's tokenizer has no chat template: use /v1/completions", "messages")
-        template = functools.partial(
-            self.tokenizer.apply_chat_template, messages, **{"add_generation_prompt": True, **options}
-        )
-        if special_tokens:
-            return self.encode(template(tokenize=False))
-        return list(template(tokenize=True, return_dict=False))
+        text = self.tokenizer.apply_chat_template(messages, **{**template, "tokenize": False})
+        return self.encode(text, add_special_tokens=special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

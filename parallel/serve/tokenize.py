@@ -28,7 +28,7 @@ def tokenize(body: Any, limits: Limits, text: Text) -> dict:
         ids = text.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
     else:
         special = _flag(body, "add_special_tokens", False)
-        ids = messages_ids(body, functools.partial(text.chat, special_tokens=special))
+        ids = messages_ids(body, functools.partial(text.chat, special_tokens=special))  # (chat(messages, template))
     strs = text.tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": limits.max_seq_len, "tokens": ids, "token_strs": strs}
 
