@@ -59,6 +59,7 @@ from reshard.parallel.vllm_api import (
     output_text,
     prompt_input,
     prompt_list,
+    render_chat,
     stop_reason,
     within_context,
 )
@@ -244,9 +245,7 @@ class LLM:
         self._need_tokenizer(index, "a chat")
         if template["chat_template"] is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"conversation {index}: the tokenizer has no chat template (give chat_template=)")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template)
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template)
-        return PromptInput(text, list(ids))
+        return PromptInput(*render_chat(self.tokenizer, messages, template))
 
     def _need_tokenizer(self, index: int, kind: str) -> None:
         if self.tokenizer is None:

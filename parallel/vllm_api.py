@@ -149,6 +149,15 @@ def check_no_lora(lora_request) -> None:
         raise ValueError(f"lora_request={lora_request!r}: reshard serves one model's weights (no LoRA adapters)")
 
 
+def render_chat(tokenizer, messages: list[dict], template: Mapping, special_tokens: bool = False) -> tuple[str, list]:
+    """A conversation's text through ``tokenizer``'s chat template with ``template`` (its
+    arguments) and its ids: that text tokenized as HF's ``tokenize=True`` tokenizes it, without
+    special tokens (the template holds them; ``special_tokens``: the tokenizer's own too), as vLLM
+    renders: one rendering, and a tokenizing argument among ``template`` changes nothing."""
+    text = tokenizer.apply_chat_template(messages, **{**template, "tokenize": False})
+    return text, list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+
+
 def message_text(content, conversation: int, message: int) -> str:
     """A chat message's content as text, as vLLM's "string" content format renders it: a string as
     it is, a list of ``{"type": "text", "text": ...}`` parts joined by newlines; ``ValueError``

@@ -16,7 +16,7 @@ from typing import Any
 from reshard.parallel.engine.request import Completion
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.serve.protocol import BadRequest
-from reshard.parallel.vllm_api import ended_by_string, in_context, output_text
+from reshard.parallel.vllm_api import ended_by_string, in_context, output_text, render_chat
 
 LOG = logging.getLogger("reshard.parallel.serve.app")  # (the server's messages, its logger)
 
@@ -32,15 +32,13 @@ class Text:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def chat(self, messages: list[dict], template: Mapping[str, Any], special_tokens: bool = False) -> list[int]:
-        """The ids of ``messages`` rendered by the chat template with ``template`` (its arguments:
+        """The ids of ``messages`` through the chat template with ``template`` (its arguments:
         ``add_generation_prompt``, ``continue_final_message``, a request's ``chat_template_kwargs``),
-        then tokenized as HF's own ``tokenize=True`` does (without special tokens: the template
-        holds them), as vLLM renders: a tokenizing argument among them changes nothing.
+        as ``reshard.LLM.chat`` renders them (:func:`~reshard.parallel.vllm_api.render_chat`);
         ``special_tokens``: the tokenizer's own too, as vLLM's ``/tokenize`` may ask."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("the checkpoint's tokenizer has no chat template: use /v1/completions", "messages")
-        text = self.tokenizer.apply_chat_template(messages, **{**template, "tokenize": False})
-        return self.encode(text, add_special_tokens=special_tokens)
+        return render_chat(self.tokenizer, messages, template, special_tokens)[1]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
