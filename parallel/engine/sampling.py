@@ -3,10 +3,12 @@
 A step's logits go through, in HF ``generate``'s order: the repetition penalty (over prompt and
 output), presence and frequency penalties (over the output, as OpenAI's), the stop tokens banned
 short of ``min_tokens``, then (sampled requests) temperature, top-k, top-p and min-p. Greedy
-takes the argmax of what is left; sampling draws Gumbel noise from the request's own generator,
-seeded by its ``seed`` alone, so its tokens depend neither on the batch it shares, nor on the world
-size, nor on its id. A call's requests without a seed get one each from the call's seed and their
-position in the call (:func:`resolve_seeds`); a call without a seed draws a fresh one.
+takes the argmax of what is left; sampling inverts the distribution's CDF at one uniform draw of
+the request's own generator (a host generator, one draw per token), seeded by its ``seed`` alone,
+so its tokens depend neither on the batch it shares, nor on the world size, nor on its id. A
+step's rows are processed together: each warper once for the rows sharing its value. A call's
+requests without a seed get one each from the call's seed and their position in the call
+(:func:`resolve_seeds`); a call without a seed draws a fresh one.
 """
 
 from __future__ import annotations
@@ -243,36 +245,74 @@ class Row:
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> torch.Tensor:
     """``(B, V)`` fp32 logits -> the ``(B, V)`` logits each row's token is drawn from (greedy:
     its argmax), after its penalties, bans and, where it samples, its temperature, top-k, top-p
-    and min-p (HF's processors, in ``generate``'s order). Rows that change nothing are the
-    input's own; ``logits`` itself is not written."""
+    and min-p (HF's processors, in ``generate``'s order). Penalties and bans read each row's own
+    tokens; each warper runs once for every group of rows sharing its value (a step's rows
+    usually share them all), so a row's result is what it would be alone. Rows that change
+    nothing are the input's own; ``logits`` itself is not written."""
     out = logits
     for i, (p, row) in enumerate(zip(params, rows)):
-        if p.penalized or row.banned or not p.greedy:
+        if p.penalized or row.banned:
             out = logits.clone() if out is logits else out
-            out[i] = _process_row(logits[i], p, row)
+            out[i] = _restrict_row(logits[i], p, row)
+    for warp, name in WARPERS:
+        for value, group in _groups(params, name).items():
+            out = logits.clone() if out is logits else out
+            whole = len(group) == len(params)
+            index = None if whole else torch.tensor(group, device=out.device)
+            warped = warp(out if whole else out[index], value)  # (len(group), V)
+            if whole:
+                out = warped
+            else:
+                out[index] = warped
     return out
 
 
-def _process_row(x: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
-    """One row of :func:`process_logits`: ``(V,)`` -> ``(V,)``."""
+def _restrict_row(x: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
+    """One row's penalties and bans (:func:`process_logits`): ``(V,)`` -> ``(V,)``."""
     x = _penalize(x, p, row)
     if row.banned:
         x = x.index_fill(0, torch.tensor(sorted(row.banned), device=x.device), float("-inf"))
-    if p.greedy:
-        return x
-    x = x / p.temperature
-    if p.top_k:
-        kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, -1)
-        drop = torch.cumsum(probs, -1) - probs > p.top_p  # keeps at least the top token
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0:
-        probs = torch.softmax(x, -1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))  # the top token stays
     return x
+
+
+def _groups(params: Sequence[SamplingParams], name: str) -> dict[float, list[int]]:
+    """The sampled rows whose warper ``name`` does something, by its value (in row order)."""
+    groups: dict[float, list[int]] = {}
+    for i, p in enumerate(params):
+        value = getattr(p, name)
+        if not p.greedy and value != _OFF[name]:
+            groups.setdefault(value, []).append(i)
+    return groups
+
+
+def _temperature(x: torch.Tensor, t: float) -> torch.Tensor:
+    return x / t
+
+
+def _top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` ``(R, V)`` with what is below each row's ``k``-th largest masked."""
+    kth = torch.topk(x, min(k, x.shape[-1]), dim=-1).values[:, -1:]  # (R, 1)
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``x`` ``(R, V)`` keeping each row's most likely tokens up to ``top_p`` of its probability
+    (at least its top token; ties in the stable order of a descending sort)."""
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_x, -1)
+    drop = torch.cumsum(probs, -1) - probs > top_p
+    return x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def _min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """``x`` ``(R, V)`` without the tokens under ``min_p`` times each row's top probability."""
+    probs = torch.softmax(x, -1)
+    return x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))  # the top token stays
+
+
+# HF's warpers in ``generate``'s order, by the field each reads, and each field's "off" value
+WARPERS = ((_temperature, "temperature"), (_top_k, "top_k"), (_top_p, "top_p"), (_min_p, "min_p"))
+_OFF = MappingProxyType({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0})
 
 
 def _penalize(x: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
@@ -298,14 +338,34 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU and the ``(B, V)`` processed logits
     they were drawn from (:func:`process_logits`; ``rows``: each row's :class:`Row`, default
-    none). Greedy rows take the argmax, sampled rows the Gumbel-max of one draw of their generator."""
+    none). Greedy rows take the argmax, sampled rows :func:`draw` with one draw of their generator."""
     x = process_logits(logits, params, rows or [Row()] * len(params))
-    tokens = x.argmax(-1).cpu()
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            u = torch.rand(x.shape[1], generator=g, device=g.device).clamp_(1e-20, 1.0)
-            tokens[i] = int(torch.argmax(x[i].cpu() - torch.log(-torch.log(u))))
-    return tokens, x
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if len(sampled) == len(params):
+        return draw(x, [generators[i] for i in sampled]).cpu(), x
+    tokens = x.argmax(-1)
+    if sampled:
+        index = torch.tensor(sampled, device=x.device)
+        tokens[index] = draw(x[index], [generators[i] for i in sampled])
+    return tokens.cpu(), x
+
+
+def draw(x: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Logits ``(S, V)`` -> ``(S,)`` tokens, each row's drawn from its softmax by inverse transform
+    sampling at one uniform draw of its generator (:func:`uniforms`): the first token whose
+    cumulative (unnormalized) probability exceeds the draw's share of the row's total. A token
+    of probability 0 is never drawn; a row's token depends on its logits and draw alone."""
+    weights = torch.exp(x - x.amax(-1, keepdim=True))  # (S, V), the top token's weight 1
+    cdf = torch.cumsum(weights, -1)
+    total = cdf[:, -1:]  # (S, 1)
+    u = uniforms(generators).to(x.device)[:, None]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # (below the total)
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
+
+
+def uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One uniform fp32 draw in ``[0, 1)`` from each (host) generator: ``(S,)``."""
+    return torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators])
 
 
 def token_logprobs(
@@ -329,9 +389,9 @@ def unpack_logprobs(row: Sequence[float], k: int) -> TokenLogprobs:
     return float(row[0]), tuple((int(ids[i]), float(values[i])) for i in range(k))
 
 
-def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab_size: int) -> None:
+def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> None:
     """Advance each sampling generator past the draw :func:`sample_tokens` makes for one token
     (for ranks that learn the token from another rank instead of sampling it)."""
-    for p, g in zip(params, generators):
-        if not p.greedy:
-            torch.rand(vocab_size, generator=g, device=g.device)
+    sampled = [g for p, g in zip(params, generators) if not p.greedy]
+    if sampled:
+        uniforms(sampled)

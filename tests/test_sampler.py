@@ -1,0 +1,114 @@
+"""The sampler over a step's rows: the warpers once per group of rows sharing a value, HF's
+processors row by row, each row's token what it would be alone, draws that follow the softmax."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from reshard.parallel.engine.sampling import (
+    Row,
+    SamplingParams,
+    draw,
+    make_generator,
+    process_logits,
+    sample_tokens,
+    skip_draws,
+)
+
+
+def _mixed_rows(batch: int, vocab: int, seed: int) -> tuple[list[SamplingParams], list[Row]]:
+    """A step's worth of requests: greedy and sampled, shared and own warper values, penalties, bans."""
+    rng = random.Random(seed)
+    params, rows = [], []
+    for _ in range(batch):
+        params.append(
+            SamplingParams(
+                temperature=rng.choice([0.0, 1.0, 0.7, 0.7]),
+                top_k=rng.choice([0, 0, 5]),
+                top_p=rng.choice([1.0, 0.9, 0.9]),
+                min_p=rng.choice([0.0, 0.05]),
+                repetition_penalty=rng.choice([1.0, 1.2]),
+                seed=rng.randrange(10_000),
+            )
+        )
+        banned = frozenset(rng.sample(range(vocab), 3)) if rng.random() < 0.3 else frozenset()
+        rows.append(Row(banned, [rng.randrange(vocab) for _ in range(4)], [rng.randrange(vocab) for _ in range(2)]))
+    return params, rows
+
+
+def _hf_processed(logits: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
+    """One row through HF's own processors, in ``generate``'s order (the reference)."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    context = torch.tensor([list(row.context)])
+    x = logits[None].clone()
+    if p.repetition_penalty != 1:
+        x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(context, x)
+    if row.banned:  # (after the penalty, before the warpers: HF's min-length processor's place)
+        x[0, sorted(row.banned)] = float("-inf")
+    if p.greedy:
+        return x[0]
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(p.temperature)])
+    warpers += [TopKLogitsWarper(p.top_k)] if p.top_k else []
+    warpers += [TopPLogitsWarper(p.top_p)] if p.top_p < 1 else []
+    warpers += [MinPLogitsWarper(p.min_p)] if p.min_p else []
+    return warpers(context, x)[0]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_rows_token_is_what_it_would_be_alone_and_its_logits_hfs(seed):
+    params, rows = _mixed_rows(24, 300, seed)
+    logits = torch.randn(24, 300, generator=torch.Generator().manual_seed(seed)) * 3
+
+    tokens, processed = sample_tokens(logits, params, [make_generator(p) for p in params], rows)
+    for i, (p, row) in enumerate(zip(params, rows)):
+        alone, alone_x = sample_tokens(logits[i : i + 1], [p], [make_generator(p)], [row])
+        assert int(alone[0]) == int(tokens[i]) and torch.equal(alone_x[0], processed[i]), i
+        ref = _hf_processed(logits[i], p, row)
+        assert torch.equal(torch.isinf(ref), torch.isinf(processed[i])), i  # the same tokens kept
+        kept = torch.isfinite(ref)
+        torch.testing.assert_close(processed[i][kept], ref[kept], atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(processed[i][tokens[i]]), i  # never a token its processors removed
+    assert torch.equal(logits, torch.randn(24, 300, generator=torch.Generator().manual_seed(seed)) * 3)  # unwritten
+
+
+def test_each_warper_runs_once_for_the_rows_that_share_its_value(monkeypatch):
+    """32 rows sharing top-p 0.9: one sort for all of them (row by row, the sampler sorted 32
+    times a step, the costliest part of a sampled step)."""
+    sorts = []
+    real = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(a[0].shape) or real(*a, **k))
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=i) for i in range(32)]
+    process_logits(torch.randn(32, 100), params, [Row()] * 32)
+    assert sorts == [torch.Size([32, 100])]
+    sorts.clear()
+    params[5] = SamplingParams(temperature=0.7, top_p=0.5, seed=5)  # a group of its own
+    process_logits(torch.randn(32, 100), params, [Row()] * 32)
+    assert sorted(s[0] for s in sorts) == [1, 31]
+
+
+def test_draws_follow_the_softmax_never_a_removed_token_one_uniform_each():
+    logits = torch.tensor([2.0, 1.0, float("-inf"), 0.0, -1.0, float("-inf")])
+    generators = [torch.Generator().manual_seed(i) for i in range(6000)]
+    drawn = draw(logits.repeat(6000, 1), generators)
+    freq = torch.bincount(drawn, minlength=6).double() / 6000
+    torch.testing.assert_close(freq, torch.softmax(logits.double(), -1), atol=0.02, rtol=0)
+    assert freq[2] == 0 and freq[5] == 0
+
+    # a skipped draw moves a generator as far as a sampled token does (resumed requests, other ranks)
+    p = SamplingParams(temperature=1.0, seed=3)
+    sampled, skipped = make_generator(p), make_generator(p)
+    sample_tokens(torch.randn(1, 50), [p], [sampled])
+    skip_draws([p], [skipped])
+    assert torch.equal(sampled.get_state(), skipped.get_state())
+    assert torch.rand(1, generator=make_generator(p)).item() != torch.rand(1, generator=sampled).item()
