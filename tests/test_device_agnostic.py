@@ -84,8 +84,7 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.cost.calibrate:measure_mem_bw": _CALIBRATION,
     "reshard.parallel.cost.calibrate:_time_collective": _CALIBRATION,
     "reshard.parallel.engine.sampling:sample_tokens": (
-        "each sampled row's uniform comes from its request's CPU generator, so draws do not depend on the device; "
-        "the step's tokens go to the host beside the sampler"
+        "tokens are sampled on the host with per-request CPU generators, so draws do not depend on the device"
     ),
     "reshard.parallel.engine.sampling:token_logprobs": (
         "log-probabilities are agreed with the tokens, which are assembled on the host beside the sampler"

@@ -629,9 +629,9 @@ def test_a_resumed_request_samples_what_it_would_have():
 
     params = SamplingParams(max_new_tokens=6, temperature=0.9, seed=4)
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
-    whole = Sequence.of(Request(7, [1, 2, 3], params), ())
+    whole = Sequence.of(Request(7, [1, 2, 3], params), (), 50)
     drawn = [int(sample_tokens(logits[i : i + 1], [params], [whole.generator])[0]) for i in range(6)]
-    resumed = Sequence.of(Request(7, [1, 2, 3], params).resume(drawn[:4]), ())
+    resumed = Sequence.of(Request(7, [1, 2, 3], params).resume(drawn[:4]), (), 50)
     later = [int(sample_tokens(logits[i : i + 1], [params], [resumed.generator])[0]) for i in (4, 5)]
     assert later == drawn[4:]
     for t in later:

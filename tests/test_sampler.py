@@ -11,7 +11,6 @@ import torch
 from reshard.parallel.engine.sampling import (
     Row,
     SamplingParams,
-    draw,
     make_generator,
     process_logits,
     sample_tokens,
@@ -83,32 +82,64 @@ def test_a_rows_token_is_what_it_would_be_alone_and_its_logits_hfs(seed):
 
 
 def test_each_warper_runs_once_for_the_rows_that_share_its_value(monkeypatch):
-    """32 rows sharing top-p 0.9: one sort for all of them (row by row, the sampler sorted 32
-    times a step, the costliest part of a sampled step)."""
-    sorts = []
-    real = torch.sort
-    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(a[0].shape) or real(*a, **k))
+    """32 rows sharing temperature 0.7 and top-p 0.9: each warper once for all of them (row by
+    row, the sampler sorted 32 times a step, the costliest part of a sampled step)."""
+    from reshard.parallel.engine import sampling
+
+    calls = []
+
+    def counted(warp, name):
+        return lambda x, value: calls.append((name, value, len(x))) or warp(x, value), name
+
+    monkeypatch.setattr(sampling, "WARPERS", tuple(counted(*w) for w in sampling.WARPERS))
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=i) for i in range(32)]
     process_logits(torch.randn(32, 100), params, [Row()] * 32)
-    assert sorts == [torch.Size([32, 100])]
-    sorts.clear()
+    assert calls == [("temperature", 0.7, 32), ("top_p", 0.9, 32)]
+    calls.clear()
     params[5] = SamplingParams(temperature=0.7, top_p=0.5, seed=5)  # a group of its own
     process_logits(torch.randn(32, 100), params, [Row()] * 32)
-    assert sorted(s[0] for s in sorts) == [1, 31]
+    assert calls == [("temperature", 0.7, 32), ("top_p", 0.9, 31), ("top_p", 0.5, 1)]
 
 
-def test_draws_follow_the_softmax_never_a_removed_token_one_uniform_each():
-    logits = torch.tensor([2.0, 1.0, float("-inf"), 0.0, -1.0, float("-inf")])
-    generators = [torch.Generator().manual_seed(i) for i in range(6000)]
-    drawn = draw(logits.repeat(6000, 1), generators)
+def test_top_p_looks_past_its_first_candidates_for_a_flat_rows_nucleus(monkeypatch):
+    """A row whose nucleus outgrows the first candidates is looked for among more, to the whole
+    vocabulary, alone: the tokens kept are those a full sort keeps, whatever its neighbours."""
+    from reshard.parallel.engine import sampling
+
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 4)
+    peaked = torch.tensor([9.0, 8.0, 7.0] + [0.0] * 61)  # its 0.9 nucleus: two tokens
+    flat = torch.linspace(1.0, 0.0, 64)  # its nucleus: most of the vocabulary
+    warped = sampling._top_p(torch.stack([peaked, flat]), 0.9)
+    for row, out in zip((peaked, flat), warped):
+        probs, order = torch.sort(torch.softmax(row, -1), descending=True)
+        kept = order[(torch.cumsum(probs, -1) - probs) <= 0.9]
+        assert torch.equal(torch.isfinite(out).nonzero()[:, 0].sort().values, kept.sort().values)
+        assert torch.equal(sampling._top_p(row[None], 0.9)[0], out)
+    assert torch.isfinite(warped[1]).sum() > 4 * 4 and torch.isfinite(warped[0]).sum() == 2
+
+
+def test_a_sampled_rows_token_is_the_gumbel_max_of_its_own_draw_and_follows_the_softmax():
+    """Each sampled row: the argmax of its logits plus Gumbel noise from one ``torch.rand(V)`` of
+    its generator (the seeded tokens of before the rows were batched), greedy rows beside it
+    their argmax; over many seeds the draws follow the softmax, never a removed token."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)) * 2
+    params = [SamplingParams(temperature=0.0 if i == 2 else 1.0, seed=i) for i in range(6)]
+    tokens, _ = sample_tokens(logits, params, [make_generator(p) for p in params])
+    for i, p in enumerate(params):
+        g = make_generator(p)
+        noise = 0 if g is None else -torch.log(-torch.log(torch.rand(40, generator=g).clamp_(1e-20, 1.0)))
+        assert int(tokens[i]) == int(torch.argmax(logits[i] + noise)), i
+
+    row = torch.tensor([2.0, 1.0, float("-inf"), 0.0, -1.0, float("-inf")])
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(6000)]
+    drawn, _ = sample_tokens(row.repeat(6000, 1), params, [make_generator(p) for p in params])
     freq = torch.bincount(drawn, minlength=6).double() / 6000
-    torch.testing.assert_close(freq, torch.softmax(logits.double(), -1), atol=0.02, rtol=0)
+    torch.testing.assert_close(freq, torch.softmax(row.double(), -1), atol=0.02, rtol=0)
     assert freq[2] == 0 and freq[5] == 0
 
     # a skipped draw moves a generator as far as a sampled token does (resumed requests, other ranks)
     p = SamplingParams(temperature=1.0, seed=3)
     sampled, skipped = make_generator(p), make_generator(p)
     sample_tokens(torch.randn(1, 50), [p], [sampled])
-    skip_draws([p], [skipped])
+    skip_draws([p], [skipped], 50)
     assert torch.equal(sampled.get_state(), skipped.get_state())
-    assert torch.rand(1, generator=make_generator(p)).item() != torch.rand(1, generator=sampled).item()

@@ -51,6 +51,7 @@ def sample_step(
     mine: list[Sequence],
     logits: torch.Tensor | None,
     is_source: bool,
+    vocab_size: int,
     group: dist.ProcessGroup | None = None,
     extras: Mapping[str, int] | None = None,
 ) -> tuple[list[int], dict[str, int], list[TokenLogprobs | None]]:
@@ -80,7 +81,7 @@ def sample_step(
             lp[rows] = picked
         sampled = {id(s) for s in mine}
     others = [s for s in seqs if id(s) not in sampled]
-    skip_draws([s.request.sampling for s in others], [s.generator for s in others])
+    skip_draws([s.request.sampling for s in others], [s.generator for s in others], vocab_size)
     keys = sorted(extras or {})
     values = torch.tensor([int(extras[k]) for k in keys], dtype=torch.long)
     if want:  # one source per row: the sum is its fp32 bits

@@ -436,8 +436,8 @@ class Engine:
         agree = {k: v() if callable(v) else v for k, v in {**step.agree, **extras}.items()}
 
         if all(emits):
-            return sample_step(step.seqs, mine, logits, runner.is_source, group, agree)
-        return sample_emitting(step.seqs, emits, mine, logits, runner.is_source, group, agree)
+            return sample_step(step.seqs, mine, logits, runner.is_source, self.vocab_size, group, agree)
+        return sample_emitting(step.seqs, emits, mine, logits, runner.is_source, self.vocab_size, group, agree)
 
     def _enter(self, layout: str) -> ModelRunner:
         """Make ``layout`` active (``policy.on_switch`` moves what must move)."""
@@ -453,7 +453,7 @@ class Engine:
         tok, skip = self.tokenizer, request.sampling.skip_special_tokens  # (stop strings: in its output's text)
         decode = None if tok is None else functools.partial(tok.decode, skip_special_tokens=skip)
         eos = (*self.eos_ids, *eos_ids(getattr(tok, "eos_token_id", None)))  # (the tokenizer's too: vLLM's)
-        seq = self._live[request.id] = Sequence.of(request, eos, decode=decode)
+        seq = self._live[request.id] = Sequence.of(request, eos, self.vocab_size, decode=decode)
         return seq
 
     def validate(self, requests: Seq[Request]) -> None:

@@ -138,14 +138,16 @@ class Sequence:
     def of(
         request: Request,
         eos_ids: tuple[int, ...],
+        vocab_size: int = 0,
         decode: Callable[[list[int]], str] | None = None,
     ) -> Sequence:
-        """A new sequence; a resumed request's generator skips the draws of its earlier output;
-        ``decode``: the tokenizer's, for stop strings."""
+        """A new sequence; a resumed request's generator skips the draws of its earlier output
+        (``vocab_size``: the draw's size, needed then); ``decode``: the tokenizer's, for stop strings."""
         assert decode is not None or not request.sampling.stop, f"request {request.id}: stop strings need decode"
         stop, generator = request.sampling.stop_token_ids, make_generator(request.sampling)
         if request.resumed and generator is not None:
-            skip_draws([request.sampling] * request.resumed, [generator] * request.resumed)
+            assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
+            skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)
         eos = () if request.sampling.ignore_eos else eos_ids  # stop_token_ids end a request besides EOS (vLLM's)
         # (short of min_tokens no stop token is sampled, EOS included where it is ignored: vLLM's)
         banned = frozenset((*(stop or ()), *eos_ids)) if request.sampling.min_tokens else frozenset()

@@ -3,10 +3,10 @@
 A step's logits go through, in HF ``generate``'s order: the repetition penalty (over prompt and
 output), presence and frequency penalties (over the output, as OpenAI's), the stop tokens banned
 short of ``min_tokens``, then (sampled requests) temperature, top-k, top-p and min-p. Greedy
-takes the argmax of what is left; sampling inverts the distribution's CDF at one uniform draw of
-the request's own generator (a host generator, one draw per token), seeded by its ``seed`` alone,
-so its tokens depend neither on the batch it shares, nor on the world size, nor on its id. A
-step's rows are processed together: each warper once for the rows sharing its value. A call's
+takes the argmax of what is left; sampling draws Gumbel noise from the request's own generator,
+seeded by its ``seed`` alone, so its tokens depend neither on the batch it shares, nor on the
+world size, nor on its id. A step's rows are processed together: each warper once for the rows
+sharing its value, the noise added and the argmax taken once for all sampled rows. A call's
 requests without a seed get one each from the call's seed and their position in the call
 (:func:`resolve_seeds`); a call without a seed draws a fresh one.
 """
@@ -296,12 +296,21 @@ def _top_k(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``x`` ``(R, V)`` keeping each row's most likely tokens up to ``top_p`` of its probability
-    (at least its top token; ties in the stable order of a descending sort)."""
-    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_x, -1)
-    drop = torch.cumsum(probs, -1) - probs > top_p
-    return x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    """``x`` ``(R, V)`` keeping each row's most likely tokens while the probability before a token
+    is at most ``top_p`` (at least its top token). A row's tokens are looked for among its
+    :data:`TOP_P_CANDIDATES` most likely, then 4x as many, up to the whole vocabulary, until the
+    last candidate is past its nucleus: a partial sort, whose count each row settles alone."""
+    probs = torch.softmax(x, -1)
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    rows, k = torch.arange(len(x), device=x.device), min(TOP_P_CANDIDATES, x.shape[-1])
+    while len(rows):
+        values, index = torch.topk(probs[rows], k, dim=-1)  # (r, k), most likely first
+        before = torch.cumsum(values.double(), -1) - values  # (r, k): the probability ahead of each (fp64:
+        # a parallel scan's rounding, which on CUDA varies with the rows scanned, moves no boundary)
+        done = (before[:, -1] > top_p) | (k == x.shape[-1])  # (its nucleus ends inside its top k)
+        keep[rows[done]] = keep[rows[done]].scatter(-1, index[done], before[done] <= top_p)
+        rows, k = rows[~done], min(4 * k, x.shape[-1])
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def _min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -309,6 +318,8 @@ def _min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
     probs = torch.softmax(x, -1)
     return x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))  # the top token stays
 
+
+TOP_P_CANDIDATES = 1024  # the most likely tokens a row's top-p nucleus is first looked for among
 
 # HF's warpers in ``generate``'s order, by the field each reads, and each field's "off" value
 WARPERS = ((_temperature, "temperature"), (_top_k, "top_k"), (_top_p, "top_p"), (_min_p, "min_p"))
@@ -338,34 +349,28 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU and the ``(B, V)`` processed logits
     they were drawn from (:func:`process_logits`; ``rows``: each row's :class:`Row`, default
-    none). Greedy rows take the argmax, sampled rows :func:`draw` with one draw of their generator."""
+    none). Greedy rows take the argmax, sampled rows the Gumbel-max of one draw of their generator
+    (on the host: a row's noise depends on its generator alone, not on the device or its batch)."""
     x = process_logits(logits, params, rows or [Row()] * len(params))
     sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return x.argmax(-1).cpu(), x
     if len(sampled) == len(params):
-        return draw(x, [generators[i] for i in sampled]).cpu(), x
-    tokens = x.argmax(-1)
-    if sampled:
-        index = torch.tensor(sampled, device=x.device)
-        tokens[index] = draw(x[index], [generators[i] for i in sampled])
-    return tokens.cpu(), x
+        return _gumbel_max(x.cpu(), generators), x
+    tokens = x.argmax(-1).cpu()
+    index = torch.tensor(sampled)
+    tokens[index] = _gumbel_max(x[index.to(x.device)].cpu(), [generators[i] for i in sampled])
+    return tokens, x
 
 
-def draw(x: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Logits ``(S, V)`` -> ``(S,)`` tokens, each row's drawn from its softmax by inverse transform
-    sampling at one uniform draw of its generator (:func:`uniforms`): the first token whose
-    cumulative (unnormalized) probability exceeds the draw's share of the row's total. A token
-    of probability 0 is never drawn; a row's token depends on its logits and draw alone."""
-    weights = torch.exp(x - x.amax(-1, keepdim=True))  # (S, V), the top token's weight 1
-    cdf = torch.cumsum(weights, -1)
-    total = cdf[:, -1:]  # (S, 1)
-    u = uniforms(generators).to(x.device)[:, None]
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # (below the total)
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
-
-
-def uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One uniform fp32 draw in ``[0, 1)`` from each (host) generator: ``(S,)``."""
-    return torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators])
+def _gumbel_max(x: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Host logits ``(S, V)`` -> ``(S,)``: each row's argmax after Gumbel noise from one uniform
+    draw of its generator over the vocabulary (the draw ``torch.rand(V, generator=g)`` makes),
+    so a row's token moves only where rounding-level changes of its logits swap its top scores."""
+    u = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # (S, V), on the host as x
+    for row, g in zip(u, generators):
+        row.uniform_(generator=g)
+    return torch.argmax(x - torch.log(-torch.log(u.clamp_(1e-20, 1.0))), -1)
 
 
 def token_logprobs(
@@ -389,9 +394,9 @@ def unpack_logprobs(row: Sequence[float], k: int) -> TokenLogprobs:
     return float(row[0]), tuple((int(ids[i]), float(values[i])) for i in range(k))
 
 
-def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> None:
+def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab_size: int) -> None:
     """Advance each sampling generator past the draw :func:`sample_tokens` makes for one token
     (for ranks that learn the token from another rank instead of sampling it)."""
-    sampled = [g for p, g in zip(params, generators) if not p.greedy]
-    if sampled:
-        uniforms(sampled)
+    for p, g in zip(params, generators):
+        if not p.greedy:
+            torch.rand(vocab_size, generator=g, device=g.device)
