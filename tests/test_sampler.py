@@ -25,7 +25,7 @@ def _mixed_rows(batch: int, vocab: int, seed: int) -> tuple[list[SamplingParams]
     for _ in range(batch):
         params.append(
             SamplingParams(
-                temperature=rng.choice([0.0, 1.0, 0.7, 0.7]),
+                temperature=rng.choice([0.0, 1.0, 0.7, 0.7, 1.3]),  # (two groups warped apart)
                 top_k=rng.choice([0, 0, 5]),
                 top_p=rng.choice([1.0, 0.9, 0.9]),
                 min_p=rng.choice([0.0, 0.05]),
@@ -79,6 +79,10 @@ def test_a_rows_token_is_what_it_would_be_alone_and_its_logits_hfs(seed):
         torch.testing.assert_close(processed[i][kept], ref[kept], atol=1e-5, rtol=1e-5)
         assert torch.isfinite(processed[i][tokens[i]]), i  # never a token its processors removed
     assert torch.equal(logits, torch.randn(24, 300, generator=torch.Generator().manual_seed(seed)) * 3)  # unwritten
+    plain = [SamplingParams(temperature=t, top_p=0.9, seed=0) for t in (0.7, 1.3, 0.0)]  # no penalty copies first
+    before = logits[:3].clone()
+    process_logits(logits[:3], plain, [Row()] * 3)
+    assert torch.equal(logits[:3], before)
 
 
 def test_each_warper_runs_once_for_the_rows_that_share_its_value(monkeypatch):
@@ -107,15 +111,15 @@ def test_top_p_looks_past_its_first_candidates_for_a_flat_rows_nucleus(monkeypat
     from reshard.parallel.engine import sampling
 
     monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 4)
-    peaked = torch.tensor([9.0, 8.0, 7.0] + [0.0] * 61)  # its 0.9 nucleus: two tokens
-    flat = torch.linspace(1.0, 0.0, 64)  # its nucleus: most of the vocabulary
-    warped = sampling._top_p(torch.stack([peaked, flat]), 0.9)
-    for row, out in zip((peaked, flat), warped):
-        probs, order = torch.sort(torch.softmax(row, -1), descending=True)
-        kept = order[(torch.cumsum(probs, -1) - probs) <= 0.9]
+    peaked = torch.tensor([9.0, 8.0, 7.0] + [0.0] * 67)  # its 0.97 nucleus: three tokens
+    flat = torch.linspace(0.1, 0.0, 70)  # its nucleus: most of the vocabulary (4, 16, 64, then all 70)
+    warped = sampling._top_p(torch.stack([flat, peaked, flat.flip(0)]), 0.97)
+    for row, out in zip((flat, peaked, flat.flip(0)), warped):
+        probs, order = torch.sort(torch.softmax(row.double(), -1), descending=True)
+        kept = order[(torch.cumsum(probs, -1) - probs) <= 0.97]
         assert torch.equal(torch.isfinite(out).nonzero()[:, 0].sort().values, kept.sort().values)
-        assert torch.equal(sampling._top_p(row[None], 0.9)[0], out)
-    assert torch.isfinite(warped[1]).sum() > 4 * 4 and torch.isfinite(warped[0]).sum() == 2
+        assert torch.equal(sampling._top_p(row[None], 0.97)[0], out)
+    assert torch.isfinite(warped[0]).sum() > 64 and torch.isfinite(warped[1]).sum() == 3
 
 
 def test_a_sampled_rows_token_is_the_gumbel_max_of_its_own_draw_and_follows_the_softmax():

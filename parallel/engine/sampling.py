@@ -254,16 +254,14 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
         if p.penalized or row.banned:
             out = logits.clone() if out is logits else out
             out[i] = _restrict_row(logits[i], p, row)
-    for warp, name in WARPERS:
+    for warp, name in WARPERS:  # (each returns a new tensor: a whole batch's needs no copy first)
         for value, group in _groups(params, name).items():
+            if len(group) == len(params):
+                out = warp(out, value)
+                continue
             out = logits.clone() if out is logits else out
-            whole = len(group) == len(params)
-            index = None if whole else torch.tensor(group, device=out.device)
-            warped = warp(out if whole else out[index], value)  # (len(group), V)
-            if whole:
-                out = warped
-            else:
-                out[index] = warped
+            index = torch.tensor(group, device=out.device)
+            out[index] = warp(out[index], value)  # (len(group), V)
     return out
 
 
