@@ -86,6 +86,9 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.engine.sampling:sample_tokens": (
         "tokens are sampled on the host with per-request CPU generators, so draws do not depend on the device"
     ),
+    "reshard.parallel.engine.sampling:Growing.__init__": (
+        "a sequence's penalty tokens are host bookkeeping kept a token at a time; a step moves them once for its rows"
+    ),
     "reshard.parallel.engine.sampling:token_logprobs": (
         "log-probabilities are agreed with the tokens, which are assembled on the host beside the sampler"
     ),

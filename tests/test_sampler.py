@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from reshard.parallel.engine.sampling import (
+    PenaltyTokens,
     Row,
     SamplingParams,
     make_generator,
@@ -30,11 +31,14 @@ def _mixed_rows(batch: int, vocab: int, seed: int) -> tuple[list[SamplingParams]
                 top_p=rng.choice([1.0, 0.9, 0.9]),
                 min_p=rng.choice([0.0, 0.05]),
                 repetition_penalty=rng.choice([1.0, 1.2]),
+                presence_penalty=rng.choice([0.0, 0.5]),
+                frequency_penalty=rng.choice([0.0, 0.3]),
                 seed=rng.randrange(10_000),
             )
         )
         banned = frozenset(rng.sample(range(vocab), 3)) if rng.random() < 0.3 else frozenset()
-        rows.append(Row(banned, [rng.randrange(vocab) for _ in range(4)], [rng.randrange(vocab) for _ in range(2)]))
+        output = [rng.randrange(vocab) for _ in range(3)]
+        rows.append(Row(banned, PenaltyTokens([rng.randrange(vocab) for _ in range(4)] + output, output)))
     return params, rows
 
 
@@ -49,10 +53,13 @@ def _hf_processed(logits: torch.Tensor, p: SamplingParams, row: Row) -> torch.Te
         TopPLogitsWarper,
     )
 
-    context = torch.tensor([list(row.context)])
+    context = torch.tensor([row.tokens.context.tolist()])
     x = logits[None].clone()
     if p.repetition_penalty != 1:
         x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(context, x)
+    if p.presence_penalty or p.frequency_penalty:  # (OpenAI's, over the output: no HF processor)
+        ids, counts = row.tokens.output
+        x[0, ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
     if row.banned:  # (after the penalty, before the warpers: HF's min-length processor's place)
         x[0, sorted(row.banned)] = float("-inf")
     if p.greedy:
@@ -83,6 +90,23 @@ def test_a_rows_token_is_what_it_would_be_alone_and_its_logits_hfs(seed):
     before = logits[:3].clone()
     process_logits(logits[:3], plain, [Row()] * 3)
     assert torch.equal(logits[:3], before)
+
+
+def test_a_sequences_penalty_tokens_kept_a_token_at_a_time_are_what_its_lists_hold():
+    from reshard.parallel import Request
+    from reshard.parallel.engine.request import Sequence
+
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, temperature=1.0, seed=0, max_tokens=64)
+    seq = Sequence.of(Request(0, [5, 9, 5, 11], params).resume([9, 9]), (), 50)
+    first = seq.row.tokens
+    for token in [7, 9, 7, 12] + list(range(40)):  # (past its first buffer's 16 places)
+        seq.append(token)
+    assert seq.row.tokens is first  # one object, kept up to date: no list rebuilt a step
+    fresh = PenaltyTokens([*seq.request.prompt_ids, *seq.output], seq.generated)
+    assert sorted(first.context.tolist()) == sorted(set(seq.request.prompt_ids + seq.output))
+    assert sorted(first.context.tolist()) == sorted(fresh.context.tolist())
+    counts = dict(zip(*(t.tolist() for t in first.output)))
+    assert counts == dict(zip(*(t.tolist() for t in fresh.output))) and counts[9] == 4 and counts[7] == 3
 
 
 def test_each_warper_runs_once_for_the_rows_that_share_its_value(monkeypatch):

@@ -9,7 +9,14 @@ from typing import ClassVar
 
 import torch
 
-from reshard.parallel.engine.sampling import Row, SamplingParams, TokenLogprobs, make_generator, skip_draws
+from reshard.parallel.engine.sampling import (
+    PenaltyTokens,
+    Row,
+    SamplingParams,
+    TokenLogprobs,
+    make_generator,
+    skip_draws,
+)
 
 NO_TOKEN = -1  # a step's token of a sequence whose prompt chunk stops short of the prompt's end
 
@@ -133,6 +140,7 @@ class Sequence:
     stopped_by: int | str | None = None  # the stop token or string that ended it (finish_reason "stop")
     lead: tuple[list[int], int] | None = None  # (its prompt's last tokens, their text's length): see _lead
     cached_tokens: int | None = None  # its prompt's tokens found cached at its first admission (Completion's)
+    penalty_tokens: PenaltyTokens | None = None  # its tokens as its penalties read them (made at its first row)
 
     @staticmethod
     def of(
@@ -169,10 +177,11 @@ class Sequence:
     def row(self) -> Row:
         """What the logits processors read of it for its next token (:class:`Row`); empty where
         its request has no penalty (nothing to copy)."""
-        p = self.request.sampling
-        if not p.penalized:
+        if not self.request.sampling.penalized:
             return Row(self.banned)
-        return Row(self.banned, [*self.request.prompt_ids, *self.output], self.generated)
+        if self.penalty_tokens is None:  # (then kept a token at a time: append)
+            self.penalty_tokens = PenaltyTokens([*self.request.prompt_ids, *self.output], self.generated)
+        return Row(self.banned, self.penalty_tokens)
 
     @property
     def last_token(self) -> int:
@@ -187,6 +196,8 @@ class Sequence:
         """The next token (and its log-probabilities: where the request asks, with every token)."""
         assert (logprobs is None) == (self.request.sampling.logprobs is None), (self.request.id, logprobs)
         self.output.append(token)
+        if self.penalty_tokens is not None:
+            self.penalty_tokens.add(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if token in self.stop_ids:

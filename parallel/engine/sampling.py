@@ -231,29 +231,85 @@ def needs_seed(requests: Sequence) -> bool:
     return any(not r.sampling.greedy and r.sampling.seed is None for r in requests)
 
 
+class Growing:
+    """A host int64 tensor grown a value at a time (capacity doubled as needed): :meth:`view`
+    is the values so far, read without a copy."""
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.size = len(values)
+        self._buffer = torch.zeros(max(16, 2 * self.size), dtype=torch.long)
+        self._buffer[: self.size] = torch.tensor(list(values), dtype=torch.long)
+
+    def append(self, value: int) -> None:
+        if self.size == len(self._buffer):
+            self._buffer = torch.cat([self._buffer, torch.zeros_like(self._buffer)])
+        self._buffer[self.size] = value
+        self.size += 1
+
+    def add(self, index: int, value: int) -> None:
+        self._buffer[index] += value
+
+    def view(self) -> torch.Tensor:
+        return self._buffer[: self.size]
+
+
+class PenaltyTokens:
+    """A sequence's tokens as its penalties read them, kept up to date a token at a time: the
+    distinct ids of its prompt and output (the repetition penalty's) and the distinct ids of its
+    output with their counts (presence and frequency penalties'), as host tensors."""
+
+    def __init__(self, context: Sequence[int], output: Sequence[int]) -> None:
+        counts = Counter(output)
+        self._seen = dict.fromkeys(context)  # (insertion-ordered, distinct)
+        self._place = {t: i for i, t in enumerate(counts)}  # output id -> its index in ids and counts
+        self._context = Growing(list(self._seen))
+        self._ids, self._counts = Growing(list(counts)), Growing(list(counts.values()))
+
+    def add(self, token: int) -> None:
+        """The sequence's next output token."""
+        if token not in self._seen:
+            self._seen[token] = None
+            self._context.append(token)
+        if token in self._place:
+            self._counts.add(self._place[token], 1)
+        else:
+            self._place[token] = len(self._place)
+            self._ids.append(token)
+            self._counts.append(1)
+
+    @property
+    def context(self) -> torch.Tensor:
+        """``(U,)``: the distinct ids of prompt and output."""
+        return self._context.view()
+
+    @property
+    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K,)`` distinct output ids and ``(K,)`` their counts."""
+        return self._ids.view(), self._counts.view()
+
+
 @dataclass(frozen=True)
 class Row:
     """What the processors of one row of a step's logits read besides its params: the token ids
-    its stop tokens ban now (``min_tokens``), its context (prompt and output: the repetition
-    penalty's) and its output so far (presence and frequency penalties')."""
+    its stop tokens ban now (``min_tokens``) and its tokens as its penalties read them (None
+    where it has no penalty)."""
 
     banned: Collection[int] = ()
-    context: Sequence[int] = ()
-    output: Sequence[int] = ()
+    tokens: PenaltyTokens | None = None
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> torch.Tensor:
     """``(B, V)`` fp32 logits -> the ``(B, V)`` logits each row's token is drawn from (greedy:
     its argmax), after its penalties, bans and, where it samples, its temperature, top-k, top-p
-    and min-p (HF's processors, in ``generate``'s order). Penalties and bans read each row's own
-    tokens; each warper runs once for every group of rows sharing its value (a step's rows
-    usually share them all), so a row's result is what it would be alone. Rows that change
-    nothing are the input's own; ``logits`` itself is not written."""
+    and min-p (HF's processors, in ``generate``'s order). Each runs once for the step's rows
+    (a warper once for every group of rows sharing its value), so a row's result is what it
+    would be alone. Rows that change nothing are the input's own; ``logits`` is not written."""
     out = logits
-    for i, (p, row) in enumerate(zip(params, rows)):
-        if p.penalized or row.banned:
-            out = logits.clone() if out is logits else out
-            out[i] = _restrict_row(logits[i], p, row)
+    if any(p.penalized for p in params) or any(row.banned for row in rows):
+        out = logits.clone()
+        _repetition(out, params, rows)
+        _presence_frequency(out, params, rows)
+        _ban(out, rows)
     for warp, name in WARPERS:  # (each returns a new tensor: a whole batch's needs no copy first)
         for value, group in _groups(params, name).items():
             if len(group) == len(params):
@@ -265,12 +321,53 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
     return out
 
 
-def _restrict_row(x: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
-    """One row's penalties and bans (:func:`process_logits`): ``(V,)`` -> ``(V,)``."""
-    x = _penalize(x, p, row)
-    if row.banned:
-        x = x.index_fill(0, torch.tensor(sorted(row.banned), device=x.device), float("-inf"))
-    return x
+def _entries(parts: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row, ids (n,))`` pairs -> the flat ``(N,)`` row and column index of every entry."""
+    lengths = torch.tensor([len(ids) for _, ids in parts], device=device)
+    rows = torch.repeat_interleave(torch.tensor([i for i, _ in parts], device=device), lengths)
+    return rows, torch.cat([ids for _, ids in parts]).to(device)
+
+
+def _per_entry(values: list[float], parts: list[tuple[int, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """One value per part, repeated over its entries: ``(N,)`` in ``x``'s dtype and device."""
+    lengths = torch.tensor([len(ids) for _, ids in parts], device=x.device)
+    return torch.repeat_interleave(torch.tensor(values, dtype=x.dtype, device=x.device), lengths)
+
+
+def _repetition(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> None:
+    """In place: the repetition penalty over each row's prompt and output (a seen token's logit
+    divided by it where positive, multiplied where negative: HF's)."""
+    chosen = [i for i, (p, row) in enumerate(zip(params, rows)) if p.repetition_penalty != 1 and row.tokens]
+    parts = [(i, rows[i].tokens.context) for i in chosen]
+    if not any(len(ids) for _, ids in parts):
+        return
+    r, c = _entries(parts, x.device)
+    penalty = _per_entry([params[i].repetition_penalty for i in chosen], parts, x)
+    score = x[r, c]
+    x[r, c] = torch.where(score < 0, score * penalty, score / penalty)
+
+
+def _presence_frequency(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> None:
+    """In place: ``logit -= presence + frequency * count`` over each row's output (OpenAI's)."""
+    chosen = [
+        i for i, (p, row) in enumerate(zip(params, rows)) if (p.presence_penalty or p.frequency_penalty) and row.tokens
+    ]
+    outputs = [rows[i].tokens.output for i in chosen]
+    parts = [(i, ids) for i, (ids, _) in zip(chosen, outputs)]
+    if not any(len(ids) for _, ids in parts):
+        return
+    r, c = _entries(parts, x.device)
+    counts = torch.cat([n for _, n in outputs]).to(device=x.device, dtype=x.dtype)
+    presence = _per_entry([params[i].presence_penalty for i in chosen], parts, x)
+    frequency = _per_entry([params[i].frequency_penalty for i in chosen], parts, x)
+    x[r, c] = x[r, c] - (presence + frequency * counts)
+
+
+def _ban(x: torch.Tensor, rows: Sequence[Row]) -> None:
+    """In place: each row's banned ids (its stop tokens short of ``min_tokens``) to -inf."""
+    parts = [(i, torch.tensor(sorted(row.banned), device=x.device)) for i, row in enumerate(rows) if row.banned]
+    if parts:
+        x[_entries(parts, x.device)] = float("-inf")
 
 
 def _groups(params: Sequence[SamplingParams], name: str) -> dict[float, list[int]]:
@@ -322,21 +419,6 @@ TOP_P_CANDIDATES = 1024  # the most likely tokens a row's top-p nucleus is first
 # HF's warpers in ``generate``'s order, by the field each reads, and each field's "off" value
 WARPERS = ((_temperature, "temperature"), (_top_k, "top_k"), (_top_p, "top_p"), (_min_p, "min_p"))
 _OFF = MappingProxyType({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0})
-
-
-def _penalize(x: torch.Tensor, p: SamplingParams, row: Row) -> torch.Tensor:
-    """The repetition penalty over ``row.context`` (a seen token's logit divided by it where
-    positive, multiplied where negative: HF's), then presence and frequency penalties over
-    ``row.output`` (``logit -= presence + frequency * count``: OpenAI's)."""
-    if p.repetition_penalty != 1 and row.context:
-        seen = torch.tensor(sorted(set(row.context)), device=x.device)
-        score = x[seen]
-        x = x.index_copy(0, seen, torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty))
-    if (p.presence_penalty or p.frequency_penalty) and row.output:
-        ids, counts = zip(*Counter(row.output).items())
-        penalty = p.presence_penalty + p.frequency_penalty * torch.tensor(counts, dtype=x.dtype, device=x.device)
-        x = x.index_add(0, torch.tensor(ids, device=x.device), -penalty)
-    return x
 
 
 def sample_tokens(
