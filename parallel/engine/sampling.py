@@ -237,7 +237,7 @@ class Growing:
 
     def __init__(self, values: Sequence[int]) -> None:
         self.size = len(values)
-        self._buffer = torch.zeros(max(16, 2 * self.size), dtype=torch.long)
+        self._buffer = torch.zeros(self.size + 64, dtype=torch.long)  # (then doubled when full)
         self._buffer[: self.size] = torch.tensor(list(values), dtype=torch.long)
 
     def append(self, value: int) -> None:
@@ -322,45 +322,47 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
 
 
 def _entries(parts: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(row, ids (n,))`` pairs -> the flat ``(N,)`` row and column index of every entry."""
-    lengths = torch.tensor([len(ids) for _, ids in parts], device=device)
-    rows = torch.repeat_interleave(torch.tensor([i for i, _ in parts], device=device), lengths)
+    """``(row, ids (n,))`` pairs -> the flat ``(N,)`` row and column index of every entry (no
+    device sync: the count is the host's)."""
+    lengths = [len(ids) for _, ids in parts]
+    index = torch.tensor([i for i, _ in parts], device=device)
+    rows = torch.repeat_interleave(index, torch.tensor(lengths, device=device), output_size=sum(lengths))
     return rows, torch.cat([ids for _, ids in parts]).to(device)
 
 
-def _per_entry(values: list[float], parts: list[tuple[int, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-    """One value per part, repeated over its entries: ``(N,)`` in ``x``'s dtype and device."""
-    lengths = torch.tensor([len(ids) for _, ids in parts], device=x.device)
-    return torch.repeat_interleave(torch.tensor(values, dtype=x.dtype, device=x.device), lengths)
+def _penalized(params: Sequence[SamplingParams], rows: Sequence[Row], key) -> dict[tuple, list[int]]:
+    """The rows with tokens whose ``key(params)`` (a tuple of penalties) is not all zeros or
+    ones, by that value: each value applies once, as a scalar (HF's arithmetic on every device:
+    on CUDA a division by a scalar is not a division by a tensor of it, bit for bit)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, row) in enumerate(zip(params, rows)):
+        value = key(p)
+        if row.tokens is not None and value != key(_PLAIN):
+            groups.setdefault(value, []).append(i)
+    return groups
 
 
 def _repetition(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> None:
     """In place: the repetition penalty over each row's prompt and output (a seen token's logit
     divided by it where positive, multiplied where negative: HF's)."""
-    chosen = [i for i, (p, row) in enumerate(zip(params, rows)) if p.repetition_penalty != 1 and row.tokens]
-    parts = [(i, rows[i].tokens.context) for i in chosen]
-    if not any(len(ids) for _, ids in parts):
-        return
-    r, c = _entries(parts, x.device)
-    penalty = _per_entry([params[i].repetition_penalty for i in chosen], parts, x)
-    score = x[r, c]
-    x[r, c] = torch.where(score < 0, score * penalty, score / penalty)
+    for (penalty,), chosen in _penalized(params, rows, lambda p: (p.repetition_penalty,)).items():
+        parts = [(i, rows[i].tokens.context) for i in chosen]
+        r, c = _entries(parts, x.device)
+        score = x[r, c]
+        x[r, c] = torch.where(score < 0, score * penalty, score / penalty)
 
 
 def _presence_frequency(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> None:
     """In place: ``logit -= presence + frequency * count`` over each row's output (OpenAI's)."""
-    chosen = [
-        i for i, (p, row) in enumerate(zip(params, rows)) if (p.presence_penalty or p.frequency_penalty) and row.tokens
-    ]
-    outputs = [rows[i].tokens.output for i in chosen]
-    parts = [(i, ids) for i, (ids, _) in zip(chosen, outputs)]
-    if not any(len(ids) for _, ids in parts):
-        return
-    r, c = _entries(parts, x.device)
-    counts = torch.cat([n for _, n in outputs]).to(device=x.device, dtype=x.dtype)
-    presence = _per_entry([params[i].presence_penalty for i in chosen], parts, x)
-    frequency = _per_entry([params[i].frequency_penalty for i in chosen], parts, x)
-    x[r, c] = x[r, c] - (presence + frequency * counts)
+    for (presence, frequency), chosen in _penalized(params, rows, _presence_and_frequency).items():
+        outputs = [rows[i].tokens.output for i in chosen]
+        r, c = _entries([(i, ids) for i, (ids, _) in zip(chosen, outputs)], x.device)
+        counts = torch.cat([n for _, n in outputs]).to(device=x.device, dtype=x.dtype)
+        x[r, c] = x[r, c] - (presence + frequency * counts)
+
+
+def _presence_and_frequency(p: SamplingParams) -> tuple[float, float]:
+    return p.presence_penalty, p.frequency_penalty
 
 
 def _ban(x: torch.Tensor, rows: Sequence[Row]) -> None:
@@ -419,6 +421,7 @@ TOP_P_CANDIDATES = 1024  # the most likely tokens a row's top-p nucleus is first
 # HF's warpers in ``generate``'s order, by the field each reads, and each field's "off" value
 WARPERS = ((_temperature, "temperature"), (_top_k, "top_k"), (_top_p, "top_p"), (_min_p, "min_p"))
 _OFF = MappingProxyType({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0})
+_PLAIN = SamplingFields()  # (no penalty: every penalty's "off" value)
 
 
 def sample_tokens(
