@@ -84,7 +84,7 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.cost.calibrate:measure_mem_bw": _CALIBRATION,
     "reshard.parallel.cost.calibrate:_time_collective": _CALIBRATION,
     "reshard.parallel.engine.sampling:sample_tokens": (
-        "tokens are sampled on the host with per-request CPU generators, so draws do not depend on the device"
+        "a step's tokens go to the host, where the engine agrees on them and appends them to its sequences"
     ),
     "reshard.parallel.engine.sampling:Growing.__init__": (
         "a sequence's penalty tokens are host bookkeeping kept a token at a time; a step moves them once for its rows"

@@ -23,6 +23,8 @@ from types import MappingProxyType
 
 import torch
 
+from reshard.mesh import device_type
+
 MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (vLLM's default cap)
 LOGPROBS_MODES = ("raw", "processed")
 UNSET = object()  # SamplingParams' max_tokens not given (None is vLLM's "to the context's end")
@@ -198,11 +200,14 @@ def _as_token_ids(ids) -> tuple[int, ...]:
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A sampled request's generator, seeded by its ``seed`` (resolved: :func:`resolve_seeds`)."""
+    """A sampled request's generator, seeded by its ``seed`` (resolved: :func:`resolve_seeds`), on
+    the job's device (:func:`device_type`), where its noise is drawn: the same on every rank of a
+    job, so every rank draws or skips the same numbers; a CUDA job's seeded tokens are not a CPU
+    job's (CUDA's Philox is not the CPU's Mersenne Twister), as vLLM's are not."""
     if params.greedy:
         return None
     assert params.seed is not None, "a sampled request's seed is resolved when its call begins"
-    return torch.Generator().manual_seed(params.seed)
+    return torch.Generator(device=device_type()).manual_seed(params.seed)
 
 
 def call_seed(seed: int, position: int) -> int:
@@ -433,26 +438,30 @@ def sample_tokens(
     """``(B, V)`` fp32 logits -> ``(B,)`` token ids on the CPU and the ``(B, V)`` processed logits
     they were drawn from (:func:`process_logits`; ``rows``: each row's :class:`Row`, default
     none). Greedy rows take the argmax, sampled rows the Gumbel-max of one draw of their generator
-    (on the host: a row's noise depends on its generator alone, not on the device or its batch)."""
+    (a row's noise depends on its generator alone, not on its batch)."""
     x = process_logits(logits, params, rows or [Row()] * len(params))
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled:
-        return x.argmax(-1).cpu(), x
     if len(sampled) == len(params):
-        return _gumbel_max(x.cpu(), generators), x
-    tokens = x.argmax(-1).cpu()
-    index = torch.tensor(sampled)
-    tokens[index] = _gumbel_max(x[index.to(x.device)].cpu(), [generators[i] for i in sampled])
-    return tokens, x
+        return _gumbel_max(x, generators).cpu(), x
+    tokens = x.argmax(-1)
+    if sampled:
+        index = torch.tensor(sampled, device=x.device)
+        tokens[index] = _gumbel_max(x[index], [generators[i] for i in sampled])
+    return tokens.cpu(), x
 
 
 def _gumbel_max(x: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Host logits ``(S, V)`` -> ``(S,)``: each row's argmax after Gumbel noise from one uniform
-    draw of its generator over the vocabulary (the draw ``torch.rand(V, generator=g)`` makes),
-    so a row's token moves only where rounding-level changes of its logits swap its top scores."""
-    u = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # (S, V), on the host as x
+    """Logits ``(S, V)`` -> ``(S,)``: each row's argmax after Gumbel noise from one uniform draw
+    of its generator over the vocabulary (the draw ``torch.rand(V, generator=g)`` makes), so a
+    row's token moves only where rounding-level changes of its logits swap its top scores. The
+    noise is drawn where the generator lives (the job's device: no copy of the logits) and
+    moved to the logits where they differ (a generator of another device's job)."""
+    u = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # (S, V)
     for row, g in zip(u, generators):
-        row.uniform_(generator=g)
+        if g.device == row.device:
+            row.uniform_(generator=g)
+        else:
+            row.copy_(torch.rand(len(row), generator=g, device=g.device))
     return torch.argmax(x - torch.log(-torch.log(u.clamp_(1e-20, 1.0))), -1)
 
 
