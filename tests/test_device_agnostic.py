@@ -86,7 +86,7 @@ ALLOWED: dict[str, str] = {
     "reshard.parallel.engine.sampling:sample_tokens": (
         "a step's tokens go to the host, where the engine agrees on them and appends them to its sequences"
     ),
-    "reshard.parallel.engine.sampling:Growing.__init__": (
+    "reshard.parallel.engine.penalties:Growing.__init__": (
         "a sequence's penalty tokens are host bookkeeping kept a token at a time; a step moves them once for its rows"
     ),
     "reshard.parallel.engine.sampling:token_logprobs": (

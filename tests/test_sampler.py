@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from reshard.parallel.engine.penalties import PenaltyTokens
 from reshard.parallel.engine.sampling import (
-    PenaltyTokens,
     Row,
     SamplingParams,
     make_generator,

@@ -34,7 +34,7 @@ def agree_tokens(
     ``(E,)`` int64: every rank's contribution to per-step values a policy agrees on (summed).
     One sum all-reduce over ``group`` (the layout's ranks; default: the job) carries both;
     returns the agreed ``(B,)`` tokens and ``(E,)`` sums on the device of ``tokens`` (the host,
-    where tokens are sampled).
+    where a step's tokens are agreed).
     """
     extras = torch.zeros(0, dtype=torch.long, device=tokens.device) if extras is None else extras
     if not dist.is_initialized() or dist.get_world_size(group) == 1:

@@ -57,7 +57,7 @@ from reshard.parallel.engine.request import (
     record_times,
 )
 from reshard.parallel.engine.routed import generate_routed
-from reshard.parallel.engine.runner import ModelRunner
+from reshard.parallel.engine.runner import ModelRunner, runners_device
 from reshard.parallel.engine.sampling import SamplingParams
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.offload import release_runners, restore
@@ -453,7 +453,9 @@ class Engine:
         tok, skip = self.tokenizer, request.sampling.skip_special_tokens  # (stop strings: in its output's text)
         decode = None if tok is None else functools.partial(tok.decode, skip_special_tokens=skip)
         eos = (*self.eos_ids, *eos_ids(getattr(tok, "eos_token_id", None)))  # (the tokenizer's too: vLLM's)
-        seq = self._live[request.id] = Sequence.of(request, eos, self.vocab_size, decode=decode)
+        seq = self._live[request.id] = Sequence.of(  # (its noise drawn on this rank's device)
+            request, eos, self.vocab_size, decode=decode, device=runners_device(self.runners)
+        )
         return seq
 
     def validate(self, requests: Seq[Request]) -> None:

@@ -9,14 +9,8 @@ from typing import ClassVar
 
 import torch
 
-from reshard.parallel.engine.sampling import (
-    PenaltyTokens,
-    Row,
-    SamplingParams,
-    TokenLogprobs,
-    make_generator,
-    skip_draws,
-)
+from reshard.parallel.engine.penalties import PenaltyTokens, Row
+from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, make_generator, skip_draws
 
 NO_TOKEN = -1  # a step's token of a sequence whose prompt chunk stops short of the prompt's end
 
@@ -148,11 +142,13 @@ class Sequence:
         eos_ids: tuple[int, ...],
         vocab_size: int = 0,
         decode: Callable[[list[int]], str] | None = None,
+        device: torch.device | None = None,
     ) -> Sequence:
         """A new sequence; a resumed request's generator skips the draws of its earlier output
-        (``vocab_size``: the draw's size, needed then); ``decode``: the tokenizer's, for stop strings."""
+        (``vocab_size``: the draw's size, needed then); ``decode``: the tokenizer's, for stop
+        strings; ``device``: where its noise is drawn (:func:`make_generator`)."""
         assert decode is not None or not request.sampling.stop, f"request {request.id}: stop strings need decode"
-        stop, generator = request.sampling.stop_token_ids, make_generator(request.sampling)
+        stop, generator = request.sampling.stop_token_ids, make_generator(request.sampling, device)
         if request.resumed and generator is not None:
             assert vocab_size > 0, "a resumed, sampled request needs the vocabulary size"
             skip_draws([request.sampling] * request.resumed, [generator] * request.resumed, vocab_size)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -474,6 +474,12 @@ class ModelRunner:
         with use_weights(self.weights):
             out = self._stages([(ids, ctx, torch.arange(len(ids), device=self.device))], self._body)
         return None if out is None else list(torch.split(out, lengths))
+
+
+def runners_device(runners: Mapping[str, object]) -> torch.device | None:
+    """This rank's device: the first of ``runners`` that holds one (None: a rank that runs none
+    of the layouts, as DéjàVu's absent side)."""
+    return next((r.device for r in runners.values() if getattr(r, "device", None) is not None), None)
 
 
 def _row_bucket(n: int, cap: int) -> int:

@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 
-from reshard.mesh import device_type
+from reshard.parallel.engine.penalties import Row, restrict
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a token reports (vLLM's default cap)
 LOGPROBS_MODES = ("raw", "processed")
@@ -199,15 +198,17 @@ def _as_token_ids(ids) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device: torch.device | None = None) -> torch.Generator | None:
     """A sampled request's generator, seeded by its ``seed`` (resolved: :func:`resolve_seeds`), on
-    the job's device (:func:`device_type`), where its noise is drawn: the same on every rank of a
-    job, so every rank draws or skips the same numbers; a CUDA job's seeded tokens are not a CPU
-    job's (CUDA's Philox is not the CPU's Mersenne Twister), as vLLM's are not."""
+    ``device`` (default: the host), where its noise is drawn: an engine's own device, of one type
+    on every rank of a job, so every rank draws or skips the same numbers; a CUDA job's seeded
+    tokens are not a CPU job's (CUDA's Philox is not the CPU's Mersenne Twister), as vLLM's are
+    not."""
     if params.greedy:
         return None
     assert params.seed is not None, "a sampled request's seed is resolved when its call begins"
-    return torch.Generator(device=device_type()).manual_seed(params.seed)
+    generator = torch.Generator() if device is None else torch.Generator(device=device)
+    return generator.manual_seed(params.seed)
 
 
 def call_seed(seed: int, position: int) -> int:
@@ -236,73 +237,6 @@ def needs_seed(requests: Sequence) -> bool:
     return any(not r.sampling.greedy and r.sampling.seed is None for r in requests)
 
 
-class Growing:
-    """A host int64 tensor grown a value at a time (capacity doubled as needed): :meth:`view`
-    is the values so far, read without a copy."""
-
-    def __init__(self, values: Sequence[int]) -> None:
-        self.size = len(values)
-        self._buffer = torch.zeros(self.size + 64, dtype=torch.long)  # (then doubled when full)
-        self._buffer[: self.size] = torch.tensor(list(values), dtype=torch.long)
-
-    def append(self, value: int) -> None:
-        if self.size == len(self._buffer):
-            self._buffer = torch.cat([self._buffer, torch.zeros_like(self._buffer)])
-        self._buffer[self.size] = value
-        self.size += 1
-
-    def add(self, index: int, value: int) -> None:
-        self._buffer[index] += value
-
-    def view(self) -> torch.Tensor:
-        return self._buffer[: self.size]
-
-
-class PenaltyTokens:
-    """A sequence's tokens as its penalties read them, kept up to date a token at a time: the
-    distinct ids of its prompt and output (the repetition penalty's) and the distinct ids of its
-    output with their counts (presence and frequency penalties'), as host tensors."""
-
-    def __init__(self, context: Sequence[int], output: Sequence[int]) -> None:
-        counts = Counter(output)
-        self._seen = dict.fromkeys(context)  # (insertion-ordered, distinct)
-        self._place = {t: i for i, t in enumerate(counts)}  # output id -> its index in ids and counts
-        self._context = Growing(list(self._seen))
-        self._ids, self._counts = Growing(list(counts)), Growing(list(counts.values()))
-
-    def add(self, token: int) -> None:
-        """The sequence's next output token."""
-        if token not in self._seen:
-            self._seen[token] = None
-            self._context.append(token)
-        if token in self._place:
-            self._counts.add(self._place[token], 1)
-        else:
-            self._place[token] = len(self._place)
-            self._ids.append(token)
-            self._counts.append(1)
-
-    @property
-    def context(self) -> torch.Tensor:
-        """``(U,)``: the distinct ids of prompt and output."""
-        return self._context.view()
-
-    @property
-    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(K,)`` distinct output ids and ``(K,)`` their counts."""
-        return self._ids.view(), self._counts.view()
-
-
-@dataclass(frozen=True)
-class Row:
-    """What the processors of one row of a step's logits read besides its params: the token ids
-    its stop tokens ban now (``min_tokens``) and its tokens as its penalties read them (None
-    where it has no penalty)."""
-
-    banned: Collection[int] = ()
-    tokens: PenaltyTokens | None = None
-
-
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> torch.Tensor:
     """``(B, V)`` fp32 logits -> the ``(B, V)`` logits each row's token is drawn from (greedy:
     its argmax), after its penalties, bans and, where it samples, its temperature, top-k, top-p
@@ -311,10 +245,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
     would be alone. Rows that change nothing are the input's own; ``logits`` is not written."""
     out = logits
     if any(p.penalized for p in params) or any(row.banned for row in rows):
-        out = logits.clone()
-        _repetition(out, params, rows)
-        _presence_frequency(out, params, rows)
-        _ban(out, rows)
+        out = restrict(logits.clone(), params, rows)
     for warp, name in WARPERS:  # (each returns a new tensor: a whole batch's needs no copy first)
         for value, group in _groups(params, name).items():
             if len(group) == len(params):
@@ -324,57 +255,6 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows:
             index = torch.tensor(group, device=out.device)
             out[index] = warp(out[index], value)  # (len(group), V)
     return out
-
-
-def _entries(parts: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(row, ids (n,))`` pairs -> the flat ``(N,)`` row and column index of every entry (no
-    device sync: the count is the host's)."""
-    lengths = [len(ids) for _, ids in parts]
-    index = torch.tensor([i for i, _ in parts], device=device)
-    rows = torch.repeat_interleave(index, torch.tensor(lengths, device=device), output_size=sum(lengths))
-    return rows, torch.cat([ids for _, ids in parts]).to(device)
-
-
-def _penalized(params: Sequence[SamplingParams], rows: Sequence[Row], key) -> dict[tuple, list[int]]:
-    """The rows with tokens whose ``key(params)`` (a tuple of penalties) is not all zeros or
-    ones, by that value: each value applies once, as a scalar (HF's arithmetic on every device:
-    on CUDA a division by a scalar is not a division by a tensor of it, bit for bit)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, (p, row) in enumerate(zip(params, rows)):
-        value = key(p)
-        if row.tokens is not None and value != key(_PLAIN):
-            groups.setdefault(value, []).append(i)
-    return groups
-
-
-def _repetition(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> None:
-    """In place: the repetition penalty over each row's prompt and output (a seen token's logit
-    divided by it where positive, multiplied where negative: HF's)."""
-    for (penalty,), chosen in _penalized(params, rows, lambda p: (p.repetition_penalty,)).items():
-        parts = [(i, rows[i].tokens.context) for i in chosen]
-        r, c = _entries(parts, x.device)
-        score = x[r, c]
-        x[r, c] = torch.where(score < 0, score * penalty, score / penalty)
-
-
-def _presence_frequency(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Row]) -> None:
-    """In place: ``logit -= presence + frequency * count`` over each row's output (OpenAI's)."""
-    for (presence, frequency), chosen in _penalized(params, rows, _presence_and_frequency).items():
-        outputs = [rows[i].tokens.output for i in chosen]
-        r, c = _entries([(i, ids) for i, (ids, _) in zip(chosen, outputs)], x.device)
-        counts = torch.cat([n for _, n in outputs]).to(device=x.device, dtype=x.dtype)
-        x[r, c] = x[r, c] - (presence + frequency * counts)
-
-
-def _presence_and_frequency(p: SamplingParams) -> tuple[float, float]:
-    return p.presence_penalty, p.frequency_penalty
-
-
-def _ban(x: torch.Tensor, rows: Sequence[Row]) -> None:
-    """In place: each row's banned ids (its stop tokens short of ``min_tokens``) to -inf."""
-    parts = [(i, torch.tensor(sorted(row.banned), device=x.device)) for i, row in enumerate(rows) if row.banned]
-    if parts:
-        x[_entries(parts, x.device)] = float("-inf")
 
 
 def _groups(params: Sequence[SamplingParams], name: str) -> dict[float, list[int]]:
@@ -426,7 +306,6 @@ TOP_P_CANDIDATES = 1024  # the most likely tokens a row's top-p nucleus is first
 # HF's warpers in ``generate``'s order, by the field each reads, and each field's "off" value
 WARPERS = ((_temperature, "temperature"), (_top_k, "top_k"), (_top_p, "top_p"), (_min_p, "min_p"))
 _OFF = MappingProxyType({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0})
-_PLAIN = SamplingFields()  # (no penalty: every penalty's "off" value)
 
 
 def sample_tokens(
@@ -461,7 +340,7 @@ def _gumbel_max(x: torch.Tensor, generators: Sequence[torch.Generator]) -> torch
         if g.device == row.device:
             row.uniform_(generator=g)
         else:
-            row.copy_(torch.rand(len(row), generator=g, device=g.device))
+            row.copy_(torch.rand(len(row), generator=g, device=g.device, dtype=torch.float32))
     return torch.argmax(x - torch.log(-torch.log(u.clamp_(1e-20, 1.0))), -1)
 
 
@@ -491,4 +370,4 @@ def skip_draws(params: Sequence[SamplingParams], generators: Sequence[torch.Gene
     (for ranks that learn the token from another rank instead of sampling it)."""
     for p, g in zip(params, generators):
         if not p.greedy:
-            torch.rand(vocab_size, generator=g, device=g.device)
+            torch.rand(vocab_size, generator=g, device=g.device, dtype=torch.float32)
