@@ -7,7 +7,7 @@
 # versions, the editable install (offline), the KV pack tests and the Triton pack kernel on a CUDA
 # paged cache (bitwise against the torch path), then bench/generate.py on GPU 0: the realistic
 # workload in fp32 and bf16 (ours eager fifo / longest_first and compiled, i.e. CUDA graphs, vs HF
-# generate), then the uniform one. BUDGET (default 460 s; give the call a limit of about 500 s)
+# generate), then the uniform one; before them, bench/sampler.py with CUDA logits. BUDGET (default 460 s; give the call a limit of about 500 s)
 # bounds the whole script: a step's timeout is cut to what is left of it.
 set -u
 cd "$(dirname "$0")/.."
@@ -90,6 +90,7 @@ EOF
 # eager and compiled apart: a failure of the compiled step leaves the eager rows (and HF's) whole.
 # First run on an H200 (bench/RESULTS.md): eager 82 s; compiled B=8,16 with CUDA graphs about
 # 125 s (compile 38 + 46 s); bf16 compiled B=16 about 80 s (compile 32 s).
+step sampler_cuda 90 python3 bench/sampler.py --device cuda --repeats 3 # the sampler's noise on the device
 step realistic_fp32_eager 130 "${GEN[@]}" --workload realistic --ours fifo,longest_first --repeats 2 --gemm-repeats 20
 step realistic_fp32_compiled 170 "${GEN[@]}" --workload realistic --ours fifo:compiled --repeats 2 --gemm-repeats 20
 step realistic_bf16 120 "${GEN[@]}" --workload realistic --ours fifo,fifo:compiled --repeats 2 --gemm-repeats 20 \

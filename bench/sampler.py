@@ -3,10 +3,12 @@ ours (``sample_tokens``: each row's own seeded generator, the warpers once per g
 sharing a value) against HF ``generate``'s (its warpers over the batch, then ``softmax`` and
 ``torch.multinomial`` from the global generator).
 
-    python bench/sampler.py [--batch-sizes 8,32] [--vocab-sizes 32000,151936] [--repeats 5]
+    python bench/sampler.py [--batch-sizes 8,32] [--vocab-sizes 32000,151936] [--repeats 5] [--device cuda]
 
 Each figure is the median over ``--repeats`` calls, ours and HF's interleaved; every row
 samples, at temperature 1.0 (vLLM's and TRL's default) and at temperature 0.7 with top-p 0.9.
+``--device``: the logits there, and our generators with them (an engine's, on its device); each
+call ends with its tokens on the host.
 Run it in a session of its own (``setsid``) on a quiet machine.
 """
 
@@ -31,7 +33,7 @@ def ours(logits: torch.Tensor, knobs: dict) -> float:
     from reshard.parallel.engine.sampling import SamplingParams, make_generator, sample_tokens
 
     params = [SamplingParams(seed=i, **knobs) for i in range(len(logits))]
-    generators = [make_generator(p) for p in params]
+    generators = [make_generator(p, logits.device) for p in params]
     t0 = time.perf_counter()
     sample_tokens(logits, params, generators)
     return time.perf_counter() - t0
@@ -44,23 +46,24 @@ def hf(logits: torch.Tensor, knobs: dict) -> float:
     warpers = LogitsProcessorList([TemperatureLogitsWarper(knobs["temperature"])])
     if "top_p" in knobs:
         warpers.append(TopPLogitsWarper(knobs["top_p"]))
-    ids = torch.zeros(len(logits), 1, dtype=torch.long)
+    ids = torch.zeros(len(logits), 1, dtype=torch.long, device=logits.device)
     t0 = time.perf_counter()
     scores = warpers(ids, logits)
-    torch.multinomial(torch.softmax(scores, -1), num_samples=1)
+    torch.multinomial(torch.softmax(scores, -1), num_samples=1).cpu()
     return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     add_sizes(p, DEFAULTS, SMALL)
+    p.add_argument("--device", default="cpu", help="where the logits (and our generators) are")
     args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
     torch.set_num_threads(2)
     print(f"# {rerun_command('sampler.py', one_thread=False, argv=argv)}")
     print(f"{'B':>4} {'V':>7} {'sampling':>16} {'ours ms':>9} {'HF ms':>8} {'ours/HF':>8}")
     for vocab in args.vocab_sizes:
         for batch in args.batch_sizes:
-            logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 3
+            logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(args.device)
             for name, knobs in KNOBS.items():
                 ours(logits, knobs), hf(logits, knobs)  # (warm-up)
                 runs = [(ours(logits, knobs), hf(logits, knobs)) for _ in range(args.repeats)]
