@@ -479,7 +479,7 @@ class ModelRunner:
 def runners_device(runners: Mapping[str, object]) -> torch.device | None:
     """This rank's device: the first of ``runners`` that holds one (None: a rank that runs none
     of the layouts, as DéjàVu's absent side)."""
-    return next((r.device for r in runners.values() if getattr(r, "device", None) is not None), None)
+    return next((r.device for r in runners.values() if r.device is not None), None)
 
 
 def _row_bucket(n: int, cap: int) -> int:

@@ -287,8 +287,9 @@ def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     rows, k = torch.arange(len(x), device=x.device), min(TOP_P_CANDIDATES, x.shape[-1])
     while len(rows):
         values, index = torch.topk(probs[rows], k, dim=-1)  # (r, k), most likely first
-        before = torch.cumsum(values.double(), -1) - values  # (r, k): the probability ahead of each (fp64:
-        # a parallel scan's rounding, which on CUDA varies with the rows scanned, moves no boundary)
+        # (r, k): the probability ahead of each token, summed in fp64 (a parallel scan's rounding,
+        # which on CUDA varies with the rows scanned, then moves no boundary)
+        before = torch.cumsum(values.double(), -1) - values
         done = (before[:, -1] > top_p) | (k == x.shape[-1])  # (its nucleus ends inside its top k)
         keep[rows[done]] = keep[rows[done]].scatter(-1, index[done], before[done] <= top_p)
         rows, k = rows[~done], min(4 * k, x.shape[-1])
@@ -333,8 +334,8 @@ def _gumbel_max(x: torch.Tensor, generators: Sequence[torch.Generator]) -> torch
     """Logits ``(S, V)`` -> ``(S,)``: each row's argmax after Gumbel noise from one uniform draw
     of its generator over the vocabulary (the draw ``torch.rand(V, generator=g)`` makes), so a
     row's token moves only where rounding-level changes of its logits swap its top scores. The
-    noise is drawn where the generator lives (the job's device: no copy of the logits) and
-    moved to the logits where they differ (a generator of another device's job)."""
+    noise is drawn where the generator lives (an engine's: its device, no copy of the logits) and
+    moved to the logits where they differ (a caller's host generators beside device logits)."""
     u = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # (S, V)
     for row, g in zip(u, generators):
         if g.device == row.device:

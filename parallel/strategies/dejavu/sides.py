@@ -47,6 +47,7 @@ class AbsentRunner:
         self.swap = None  # (no KV here to swap)
         self.engine_group = None  # a rank outside a lockstep side's layout is in no group of it
         self.compiled, self.compile_seconds = False, 0.0  # (no decode step runs here)
+        self.device = None  # (no weights of the layout here)
 
     def run_eagerly(self) -> None:
         """(Nothing compiled here.)"""
