@@ -4,7 +4,7 @@ whose arithmetic is ~0 (the tiny Llama: hidden 64, 2 layers), 1 process, B seque
 
     python bench/step_overhead.py [--batch-sizes 1,8,32,128] [--new-tokens 128] [--prompt-len 16] [--repeats 3]
                                   [--kv-block-size 16] [--async-scheduling] [--compile]
-                                  [--temperature 1.0] [--top-p 0.9]
+                                  [--temperature 1.0] [--top-p 0.9] [--repetition-penalty 1.1]
 
 Each figure is the median over ``--repeats`` runs, the three interleaved per repeat; per token =
 wall time / new tokens (one prefill step included for ours and HF ``generate``, not for the bare
@@ -14,7 +14,8 @@ computes (on this CPU the forward is synchronous: this shows its cost, not its g
 ``--compile``: our decode step compiled on any device (``EngineConfig.compile``, whose default
 compiles on CUDA only; the warm-up call compiles). ``--temperature`` / ``--top-p``: every sequence
 samples (seeded), ours and HF ``generate`` alike (HF's ``top_k`` off, as ours); the bare forward
-stays greedy. Run it in a session of its own (``setsid``) on
+stays greedy. ``--repetition-penalty``: every sequence of ours and HF ``generate`` penalized
+(HF's processor; ours over the tokens each sequence keeps). Run it in a session of its own (``setsid``) on
 a quiet machine: this kernel shares CPU between sessions whatever their nice value.
 """
 
@@ -39,17 +40,25 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
 
-def ours(engine, prompts: list[list[int]], new: int, temperature: float = 0.0, top_p: float = 1.0) -> float:
-    """Seconds per new token of ``Engine.generate`` (EOS ignored; greedy at temperature 0)."""
+def ours(engine, prompts: list[list[int]], new: int, **sampling: float) -> float:
+    """Seconds per new token of ``Engine.generate`` (EOS ignored; ``sampling``: SamplingParams'
+    temperature, top_p, repetition_penalty; greedy at temperature 0)."""
     from reshard.parallel import Request, SamplingParams
 
-    params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=temperature, top_p=top_p, seed=0)
+    params = SamplingParams(max_tokens=new, ignore_eos=True, seed=0, **sampling)
     t0 = time.perf_counter()
     engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
     return (time.perf_counter() - t0) / new
 
 
-def hf_generate(model, prompts: list[list[int]], new: int, temperature: float = 0.0, top_p: float = 1.0) -> float:
+def hf_generate(
+    model,
+    prompts: list[list[int]],
+    new: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+) -> float:
     """Seconds per new token of HF ``generate`` (no EOS; greedy at temperature 0)."""
     ids = torch.tensor(prompts)
     sampling = (
@@ -58,7 +67,14 @@ def hf_generate(model, prompts: list[list[int]], new: int, temperature: float = 
     t0 = time.perf_counter()
     with torch.no_grad():
         mask = torch.ones_like(ids)
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **sampling)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            repetition_penalty=repetition_penalty,
+            **sampling,
+        )
     return (time.perf_counter() - t0) / new
 
 
@@ -83,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="our decode step compiled (the warm-up pays the compile)")
     p.add_argument("--temperature", type=float, default=0.0, help="every sequence samples at this temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="every sequence penalized (HF's)")
     args = fill_sizes(p.parse_args(argv), DEFAULTS, SMALL)
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -110,10 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(parallelize(str(path)), config)
         ours(engine, prompts, args.new_tokens if args.compile else 2)  # warm-up (compiled: every shape the runs take)
         times: dict[str, list[float]] = {"ours": [], "hf": [], "bare": []}
-        knobs = (args.temperature, args.top_p)
+        knobs = dict(temperature=args.temperature, top_p=args.top_p, repetition_penalty=args.repetition_penalty)
         for _ in range(args.repeats):
-            times["ours"].append(ours(engine, prompts, args.new_tokens, *knobs))
-            times["hf"].append(hf_generate(hf, prompts, args.new_tokens, *knobs))
+            times["ours"].append(ours(engine, prompts, args.new_tokens, **knobs))
+            times["hf"].append(hf_generate(hf, prompts, args.new_tokens, **knobs))
             times["bare"].append(bare_forward(hf, prompts, args.new_tokens))
         o, h, b = (1e3 * med(times[k]) for k in ("ours", "hf", "bare"))
         print(f"{batch:>5} {o:>9.2f} {h:>10.2f} {b:>8.2f} {o / h:>8.2f} {o / b:>10.2f}", flush=True)
