@@ -34,7 +34,7 @@ from reshard.parallel.fault.donor import WeightDonor, take_weights
 from reshard.parallel.fault.fork_server import frozen_preload
 from reshard.parallel.fault.host import MirrorHost, spec_key
 from reshard.parallel.fault.journal import GroupJournal, silent_for
-from reshard.parallel.fault.mirror import KVMirror, Peers
+from reshard.parallel.fault.mirror import KVMirror, Peers, mirror_engine
 from reshard.parallel.fault.restart import job_store, restart_count
 from reshard.parallel.fault.supervisor import ChildSpec, Supervisor, group_store_prefix
 from reshard.parallel.model.checkpoint import config_value
@@ -254,7 +254,7 @@ def _mirror(cfg: GenerateConfig, engine, spec: ChildSpec, report, topology: Topo
     peers = Peers(spec.group, spec.members.index(spec.rank), successor, sources, _live_endpoint, ends)
     hands_off = spec.group in topology.entries and topology.takers  # each prompt's KV leaves after its step
     every = 1 if hands_off else cfg.fault.replicate_every
-    return KVMirror(
+    return mirror_engine(
         engine,
         _supervision_store,
         spec.endpoint,

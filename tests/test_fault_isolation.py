@@ -285,9 +285,10 @@ def test_a_strategy_of_one_group_restarts_whole_in_the_job(tmp_path, reference, 
     assert _gone(events)
 
 
-# Seesaw's first 4 steps prefill (8 prompts, 2 slots) into its CPU tier: its decode cache, the one
-# its supervisors keep, first holds KV at step 4, and the kill comes as many decode steps later
-@pytest.mark.parametrize("strategy,kill_step", [("shift", 6), ("seesaw", 10)])
+# Seesaw's first 4 steps prefill (8 prompts, 2 slots) into its CPU tier and step 4 changes its caches
+# over: its decode cache, the one its supervisors keep, first holds KV at step 5, and the kill comes
+# as many decode steps later as Shift's
+@pytest.mark.parametrize("strategy,kill_step", [("shift", 6), ("seesaw", 11)])
 def test_a_lockstep_group_respawned_resumes_with_the_kv_its_supervisors_kept(tmp_path, reference, strategy, kill_step):
     """Shift and Seesaw (one group of every rank) under ``fault.migrate=kv``: each rank's KV
     streams to its ring successor's supervisor (Seesaw's decode cache, whose prompts come from

@@ -1,5 +1,6 @@
 """Seesaw: prefill layout -> decode layout transitions, CPU KV tier, schedulers, against HF."""
 
+import inspect
 import itertools
 
 import pytest
@@ -302,6 +303,47 @@ def test_each_phase_gives_up_its_kv_cache(four_layer):
     for before, after, released, transitions, prefill_bytes in dist_harness.run(2, _kv_memory, four_layer["llama"]):
         assert before == (True, False) and after == (False, True)  # ends in decode
         assert transitions >= 3 and released >= 2 * prefill_bytes
+
+
+def _cache_changeovers(path):
+    """The order of the steps' cache moves and the tier's loads, with which caches held memory
+    at each load; and the tokens."""
+    engine = _seesaw(path, LAYOUTS["P2-T2"], scheduler="prefill_prioritizing")
+    kv = {phase: engine.runners[phase].kv for phase in ("prefill", "decode")}
+    order = []
+    engine.events.on("step_scheduled", lambda step: order.append(("step", step.kind, step.moves)))
+    tiered, load = engine.policy.tiered, engine.policy.tiered.load
+
+    def loaded(seq, n):
+        order.append(("load", kv["prefill"].allocated, kv["decode"].allocated))
+        load(seq, n)
+
+    tiered.load = loaded
+    tokens = [c.output_ids for c in engine.generate(_requests(_prompts(8), MAX_NEW))]
+    engine.close()
+    return order, tokens
+
+
+def test_the_engine_changes_the_caches_over_before_the_decode_side_loads_from_the_tier(four_layer, hf_reference):
+    """Seesaw's policy names its cache lifecycle as moves the engine makes (no barrier of its
+    own): each entry to decode is a wait step that gives the prefill cache up and restores the
+    decode one, and every load from the tier comes after one, into the decode cache alone."""
+    from reshard.parallel.engine.step import ReleaseKV, RestoreKV
+    from reshard.parallel.strategies.seesaw import policy
+
+    assert "torch.distributed" not in inspect.getsource(policy)  # (it joins no collective of its own)
+    changeover = (ReleaseKV("prefill"), RestoreKV("decode"))
+    full = hf_reference(four_layer["llama"], _prompts(8), max(MAX_NEW))
+    expected = [out[:m] for out, m in zip(full, MAX_NEW)]
+    for order, tokens in dist_harness.run(2, _cache_changeovers, four_layer["llama"]):
+        assert tokens == expected
+        steps = [e for e in order if e[0] == "step"]
+        assert sum(e == ("step", "wait", changeover) for e in steps) >= 2  # (prefill-prioritizing: several entries)
+        loads = [i for i, e in enumerate(order) if e[0] == "load"]
+        assert loads and all(order[i][1:] == (False, True) for i in loads)
+        for i in loads:  # the last step with cache moves before a load changed the caches over to decode
+            moved = [e for e in order[:i] if e[0] == "step" and e[2]]
+            assert moved[-1] == ("step", "wait", changeover), order[: i + 1]
 
 
 def _shm_files_while_running(path):

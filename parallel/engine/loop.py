@@ -59,6 +59,7 @@ from reshard.parallel.engine.request import (
 from reshard.parallel.engine.routed import generate_routed
 from reshard.parallel.engine.runner import ModelRunner, runners_device
 from reshard.parallel.engine.sampling import SamplingParams
+from reshard.parallel.engine.step import CacheMove, make_cache_moves
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.offload import release_runners, restore
 
@@ -112,7 +113,6 @@ class Engine:
         if config.prefill_chunk is not None:  # before any runner (and so any collective) exists
             check_chunked(config.prefill_chunk, model=model, policy=policy)
         self.runners = dict(runners) if runners is not None else {"main": ModelRunner(model, config)}
-        self.routing = config.routing
         self.group_timeout = None if config.group_timeout is None else datetime.timedelta(seconds=config.group_timeout)
 
         custom = policy is not None or config.replicas == "lockstep"
@@ -343,10 +343,12 @@ class Engine:
         return StepOutput(tokens, agreed=agreed)
 
     def _prepare(self, step: Step, index: int) -> ModelRunner:
-        """Enter step ``index``'s layout and make its moves."""
+        """Make step ``index``'s cache moves, enter its layout and make the policy's moves."""
+        self.stats.kv_bytes_released += make_cache_moves(step.moves, self.runners)
         runner = self._enter(step.layout)
         for move in step.moves:
-            self.policy.make(move)
+            if not isinstance(move, CacheMove):
+                self.policy.make(move)
         self.events.fire("step_ready", index, step)
         return runner
 

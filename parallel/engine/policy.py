@@ -13,10 +13,12 @@ The contract between the engine and a policy (in the spirit of vLLM v1's EngineC
   prefill or decode phase, and the runner picks its path from the counts), the layout (runner)
   that runs it, ``moves`` and ``agree``. The engine then
 
-  1. enters the layout: if it is not the active one, ``policy.on_switch(old, new)`` moves what
-     must move between layouts (Seesaw's weights) -- a transition is named by the layout alone;
-  2. makes the step's ``moves`` in order by calling ``policy.make(move)`` -- each move is a
-     small frozen dataclass (:class:`Move`) naming what to start before the step (SiDP's
+  1. makes the step's cache moves itself (:class:`~reshard.parallel.engine.step.CacheMove`: a
+     layout's KV cache memory given up or allocated again, Seesaw's phases), then enters the
+     layout: if it is not the active one, ``policy.on_switch(old, new)`` moves what must move
+     between layouts (Seesaw's weights) -- a transition is named by the layout alone;
+  2. makes the step's other ``moves`` in order by calling ``policy.make(move)`` -- each move is
+     a small frozen dataclass (:class:`Move`) naming what to start before the step (SiDP's
      start of the step's FFN fetches; KV from elsewhere comes through the engine's connectors);
   3. computes this replica's share, samples, and agrees on the tokens in **one** all-reduce that
      also sums the step's ``agree`` integers over the agreement group (SiDP's mode proposal);

@@ -293,6 +293,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt tokens whose KV steps computed (not a prefix cache's, not a connector's)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # ... of them whose KV cached blocks held (not computed)
+    kv_bytes_released: int = 0  # KV cache memory the steps' cache moves gave up (this rank)
 
     @property
     def mean_decode_batch(self) -> float:

@@ -40,7 +40,7 @@ def generate_routed(engine, requests: Seq[Request], bar: tqdm, seed: int | None)
     if first:  # the entries only: the other groups take what entries hand them
         entries = group.entry_groups
         topology = Topology(len(entries), entries)
-        router = Router(channel, requests, topology, start, engine.routing, worker=engine.router_worker())
+        router = Router(channel, requests, topology, start, engine.config.routing, worker=engine.router_worker())
     with router or contextlib.nullcontext():
         admission = RoutedAdmission(channel, group, bar if dist.get_rank() == 0 else None, engine.group_timeout)
         done = EngineCore(engine, admission, start=start).run()

@@ -13,7 +13,49 @@ from reshard.parallel.engine.request import Sequence, batch_kind
 @dataclass(frozen=True)
 class Move:
     """Something a step needs made before it runs, in its layout (after any transition). The
-    policy that names it makes it when the engine calls :meth:`Policy.make`."""
+    policy that names it makes it when the engine calls :meth:`Policy.make`; a
+    :class:`CacheMove` the engine makes itself."""
+
+
+@dataclass(frozen=True)
+class CacheMove(Move):
+    """A move of one layout's KV cache memory, which the engine makes itself before it enters
+    the step's layout (memory given up before that layout's weights move in): a policy that
+    owns two caches holds one at a time (Seesaw's phases)."""
+
+    layout: str
+
+    def make(self, kv) -> int:
+        """Make it on ``kv``, the layout's cache; returns the bytes given up."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ReleaseKV(CacheMove):
+    """Give the layout's cache memory up (its contents are lost: what the policy keeps of them
+    is elsewhere by now, e.g. swapped out to a host tier)."""
+
+    def make(self, kv) -> int:
+        return kv.release()
+
+
+@dataclass(frozen=True)
+class RestoreKV(CacheMove):
+    """Allocate the layout's cache again (a no-op where it is allocated)."""
+
+    def make(self, kv) -> int:
+        kv.restore()
+        return 0
+
+
+def make_cache_moves(moves: tuple[Move, ...], runners) -> int:
+    """Make ``moves``' cache moves in order on ``runners``' (layout -> runner) caches; returns
+    the bytes given up."""
+    freed = 0
+    for move in (m for m in moves if isinstance(m, CacheMove)):
+        assert move.layout in runners and runners[move.layout].kv is not None, f"{move}: no such cache"
+        freed += move.make(runners[move.layout].kv)
+    return freed
 
 
 @dataclass
@@ -26,7 +68,7 @@ class Step:
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens each sequence computes this step, from its num_computed_tokens on
     layout: str  # the runner that runs it
-    moves: tuple[Move, ...] = ()  # made by the engine, in order, before the step runs
+    moves: tuple[Move, ...] = ()  # made by the engine, in order, before the step runs (cache moves first)
     # summed over the group with the tokens; a callable is read after this rank's compute, just
     # before the agreement (e.g. "has this KV landed yet", which the compute's time may settle)
     agree: dict[str, int | Callable[[], int]] = field(default_factory=dict)

@@ -68,11 +68,13 @@ class Peers:
 
 
 class KVMirror(KVConnector):
-    """This rank's side of the mirrors: streams the KV of its engine's cache to the successor
-    group and keeps the source groups' (see the module docstring); the engine's KV connector for
-    requests resumed from them (it supplies their KV: an *adoption*). The cache is the policy's
-    :attr:`Policy.kv_layout`'s: a step in a layout with a cache of its own (Seesaw's prefill) is
-    not sent, its KV reaches that cache through a connector (the CPU tier) and is sent from there.
+    """This rank's side of the mirrors: streams the KV of ``cache`` to the successor group and
+    keeps the source groups' (see the module docstring); a KV connector for requests resumed
+    from them (it supplies their KV: an *adoption*). It holds no engine: :func:`mirror_engine`
+    makes one for an engine's cache (its policy's :attr:`Policy.kv_layout`'s) and adds it to the
+    engine's connectors. ``layouts``: the layouts whose steps write ``cache``; a step in a
+    layout with a cache of its own (Seesaw's prefill) is not sent, its KV reaches ``cache``
+    through a connector (the CPU tier) and is sent from there.
 
     ``me``: this generation's endpoint; ``connect()``: a new client of the job's store (each
     thread and each link has its own: a client blocked in a wait, as a link's lazy connection
@@ -87,7 +89,8 @@ class KVMirror(KVConnector):
 
     def __init__(
         self,
-        engine: Engine,
+        cache: KVCache,
+        layouts: frozenset[str],
         connect: Callable[[], dist.Store],
         me: str,
         peers: Peers,
@@ -98,9 +101,8 @@ class KVMirror(KVConnector):
         slots: int = 2,
         handoff_wait_s: float = HANDOFF_WAIT_S,
     ) -> None:
-        runner = engine.runners[engine.policy.kv_layout or next(iter(engine.runners))]
-        self.engine, self.cache, self.connect, self.me, self.peers = engine, runner.kv, connect, me, peers
-        self.every, self.group, self.vocab = every, group, engine.vocab_size
+        self.cache, self.layouts, self.connect, self.me, self.peers = cache, layouts, connect, me, peers
+        self.every, self.group = every, group
         self.handoff_wait_s = handoff_wait_s
         self.piece = Piece(0, 1, kv_box(self.cache.layout))
         self.slots = slots * self.cache.spec.num_slots
@@ -125,12 +127,11 @@ class KVMirror(KVConnector):
         self.stopping = self.links.stopping
         if peers.successor is not None or peers.sources:
             self.links.watch(self._watch)
-            engine.connector.add(self)
 
     # ---- sending ----------------------------------------------------------------------------------
     def save(self, step, seqs: list) -> None:
         """Gather ``seqs``' new entries; every :attr:`cadence`-th step, hand them to the sending thread."""
-        if self.peers.successor is None or self.engine.runners[step.layout].kv is not self.cache:
+        if self.peers.successor is None or step.layout not in self.layouts:
             return  # (another layout's cache: its KV reaches this one through a connector, and is sent from here)
         fed = {id(s): n for s, n in zip(step.seqs, step.num_tokens)}
         live = {s.request.id for s in seqs} if step.kind != "prefill" else None
@@ -386,3 +387,16 @@ class KVMirror(KVConnector):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def mirror_engine(engine: Engine, connect: Callable[[], dist.Store], me: str, peers: Peers, **options) -> KVMirror:
+    """A :class:`KVMirror` of ``engine``'s KV cache (its policy's ``kv_layout``'s; the steps of
+    every layout that shares that cache are sent), added to the engine's connectors where it
+    has peers. ``options``: :class:`KVMirror`'s keywords."""
+    layout = engine.policy.kv_layout or next(iter(engine.runners))
+    cache = engine.runners[layout].kv
+    layouts = frozenset(name for name, runner in engine.runners.items() if runner.kv is cache)
+    mirror = KVMirror(cache, layouts, connect, me, peers, **options)
+    if peers.successor is not None or peers.sources:
+        engine.connector.add(mirror)
+    return mirror

@@ -9,8 +9,10 @@ decode slot, so the load re-shards it; a prompt loaded stays in the tier for lat
 share it (the tier as a prefix cache). A request that comes back with KV from another connector
 (a respawn's mirror, ``fault.migrate=kv``) is admitted the same way. A transition is a step whose
 layout is the other phase's: the weights move in :meth:`SeesawPolicy.on_switch`; the KV caches
-change over when the policy picks the phase (before a decode step admits from the tier, every
-rank's swap-outs are in).
+change over by the step's cache moves, which the engine makes (:class:`ReleaseKV`,
+:class:`RestoreKV`). The first decode step after prefill steps only changes the caches over: each
+rank has written its swap-outs to the tier before it agrees on that step, so the decode steps
+after it load from a tier that holds every rank's (no barrier of the policy's own).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
-
-import torch.distributed as dist
 
 from reshard.kv import CPUKVTier, KVSwapper, TierSpec
 from reshard.parallel.engine import (
@@ -36,6 +36,7 @@ from reshard.parallel.engine import (
     StepOutput,
 )
 from reshard.parallel.engine.request import Request
+from reshard.parallel.engine.step import CacheMove, ReleaseKV, RestoreKV
 from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_scheduler
 from reshard.parallel.strategies.seesaw.switch import PHASES, LayoutSwitch, TransitionStats
 from reshard.parallel.strategies.seesaw.tier_kv import TIER, TierKV
@@ -52,7 +53,6 @@ class SeesawStats(EngineStats):
     swap_seconds: float = 0.0  # main-thread time spent swapping or waiting for a swap (this rank)
     swap_out_bytes: int = 0  # this rank
     swap_in_tokens: int = 0  # this rank
-    kv_bytes_released: int = 0  # this rank: KV cache memory a phase gave up at its transitions
     history: list[TransitionStats] = field(default_factory=list)
 
     def add(self, t: TransitionStats) -> None:
@@ -73,7 +73,7 @@ class SeesawPolicy(ContinuousBatching):
     marks kept) for the decode side: continuous batching over the decode layout's slots
     (:class:`ContinuousBatching`), whose admission loads it through the engine's connector
     (:class:`TierKV`). At each transition the weights move (:class:`LayoutSwitch`) and the
-    phase left behind releases its KV cache where it can.
+    phase left behind gives its KV cache up where it can (cache moves the engine makes).
     """
 
     stats_cls = SeesawStats
@@ -98,8 +98,8 @@ class SeesawPolicy(ContinuousBatching):
     def setup(self, ctx: PolicyContext) -> None:
         super().setup(ctx)
         self.prefill, self.decode = ctx.runner_info["prefill"], ctx.runner_info["decode"]
-        self.decode.kv.release()  # allocated when the first decode step is chosen
-        self._kv_phase = "prefill"  # the phase whose KV cache is allocated
+        self._kv_phase = "prefill"  # the phase whose KV cache is allocated (the decode one: by its first step)
+        self._changed_over = False  # the last step changed the caches over to decode: admit from the tier now
         self._prefill_free = list(range(self.prefill.max_batch_size - 1, -1, -1))
         self.tiered = TierKV(self.tier, self.decode, self.stats, retain=self.share_prompts)
         ctx.connector.add(self.tiered)
@@ -139,6 +139,9 @@ class SeesawPolicy(ContinuousBatching):
             queue.remove(request)
             self.buffered.append(request)
         self._take_reused(queue)
+        changed_over, self._changed_over = self._changed_over, False
+        if changed_over and (self.buffered or self.running):  # (the phase chosen for the step before)
+            return self._decode_step()
         phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
         return self._prefill_step(queue) if phase == "prefill" else self._decode_step()
 
@@ -164,34 +167,29 @@ class SeesawPolicy(ContinuousBatching):
         )
 
     def on_switch(self, old: str | None, new: str) -> None:
-        """Move the weights (the KV caches changed over when the phase was chosen)."""
+        """Move the weights (the KV caches change over by the step's cache moves, made first)."""
         if new != self.switch.active:
             self.stats.add(self.switch.switch(new))
 
-    def _kv_for(self, phase: str) -> None:
-        """Give ``phase`` its KV cache; the phase left behind gives its up where it can. Before
-        the decode cache admits from the tier, the tier holds every rank's swap-outs."""
+    def _cache_moves(self, phase: str) -> tuple[CacheMove, ...]:
+        """The moves that give ``phase`` its KV cache (the engine makes them before the step):
+        the phase left behind gives its up where it can (the decode cache, while nothing
+        decodes)."""
         if phase == self._kv_phase:
-            return
-        if phase == "decode":
-            self._wait_swap_outs(everything=True)
-            dist.barrier()
-            self.stats.kv_bytes_released += self.prefill.kv.release()
-            self.decode.kv.restore()
-        else:
-            if not self.running:  # nothing decoding keeps KV in the decode cache
-                self.stats.kv_bytes_released += self.decode.kv.release()
-            self.prefill.kv.restore()
+            return ()
         self._kv_phase = phase
+        if phase == "decode":
+            return ReleaseKV("prefill"), RestoreKV("decode")
+        return (ReleaseKV("decode"),) * (not self.running) + (RestoreKV("prefill"),)
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill_step(self, queue: deque) -> Step:
-        self._kv_for("prefill")
+        moves = self._cache_moves("prefill")
         batch, dp = self._admit_prefill(queue), self.prefill.replica
         for i, seq in enumerate(batch):
             seq.replica = i % dp.size
         self._take_prefill_slots([s for s in batch if s.replica == dp.rank])
-        return Step(batch, [s.prompt_len for s in batch], "prefill")
+        return Step(batch, [s.prompt_len for s in batch], "prefill", moves=moves)
 
     def _admit_prefill(self, queue: deque) -> list[Sequence]:
         """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
@@ -269,9 +267,15 @@ class SeesawPolicy(ContinuousBatching):
     # ---- decode -------------------------------------------------------------------------------
     def _decode_step(self) -> Step:
         """Continuous batching over the decode slots: waiting requests are admitted with their KV
-        from the engine's connector (the tier's, or a respawn's mirror), then decoded."""
-        self._kv_for("decode")
-        return super().next_step(self.buffered)
+        from the engine's connector (the tier's, or a respawn's mirror), then decoded. The first
+        decode step after prefill steps is a wait step that changes the caches over: its
+        agreement, which every rank reaches with its swap-outs written, is what lets the next
+        step load from the tier (the barrier this takes the place of)."""
+        if self._kv_phase == "decode":
+            return super().next_step(self.buffered)
+        self._wait_swap_outs(everything=True)
+        self._changed_over = True
+        return Step([], [], "decode", moves=self._cache_moves("decode"))
 
     def _take(self, queue: deque, within: range | None = None) -> Sequence | None:
         """The waiting head into a decode slot with its KV; it continues its prefill's marks."""
@@ -376,6 +380,7 @@ def seesaw_engine(
         max_prefill_tokens=config.max_prefill_tokens,
         share_prompts=config.prefix_caching,
     )
+    runners["decode"].kv.release()  # (allocated by the first decode step's cache moves)
     # prefill KV reaches the decode cache only through the tier
     return Engine(runners=runners, policy=policy, config=config, host_tiers={"prefill": tier})
 
