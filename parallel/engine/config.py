@@ -218,9 +218,11 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
 
 
 def refuse_moved_keys(given: dict) -> None:
-    """``TypeError`` for keyword arguments ``Engine`` no longer takes: one line pointing a key of
-    :class:`EngineConfig` (given as ``Engine(model, max_batch_size=...)``, the form before
-    ``EngineConfig``) to it."""
+    """``TypeError`` for keyword arguments ``Engine`` no longer takes (none given: nothing): one
+    line pointing a key of :class:`EngineConfig` (given as ``Engine(model, max_batch_size=...)``,
+    the form before ``EngineConfig``) to it."""
+    if not given:
+        return
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     key = sorted(given)[0]
     if key in fields:

@@ -59,7 +59,7 @@ from reshard.parallel.engine.request import (
 from reshard.parallel.engine.routed import generate_routed
 from reshard.parallel.engine.runner import ModelRunner, runners_device
 from reshard.parallel.engine.sampling import SamplingParams
-from reshard.parallel.engine.step import CacheMove, make_cache_moves
+from reshard.parallel.engine.step import make_cache_moves, policy_moves
 from reshard.parallel.model.info import parallel_info
 from reshard.parallel.model.offload import release_runners, restore
 
@@ -104,8 +104,7 @@ class Engine:
         tokenizer=None,
         **moved,
     ) -> None:
-        if moved:
-            refuse_moved_keys(moved)
+        refuse_moved_keys(moved)
         if (model is None) == (runners is None):
             raise ValueError("give either a model or runners")
 
@@ -346,9 +345,8 @@ class Engine:
         """Make step ``index``'s cache moves, enter its layout and make the policy's moves."""
         self.stats.kv_bytes_released += make_cache_moves(step.moves, self.runners)
         runner = self._enter(step.layout)
-        for move in step.moves:
-            if not isinstance(move, CacheMove):
-                self.policy.make(move)
+        for move in policy_moves(step.moves):
+            self.policy.make(move)
         self.events.fire("step_ready", index, step)
         return runner
 

@@ -48,6 +48,11 @@ class RestoreKV(CacheMove):
         return 0
 
 
+def policy_moves(moves: tuple[Move, ...]) -> list[Move]:
+    """``moves`` but the cache moves: those the policy makes (:meth:`Policy.make`), in order."""
+    return [m for m in moves if not isinstance(m, CacheMove)]
+
+
 def make_cache_moves(moves: tuple[Move, ...], runners) -> int:
     """Make ``moves``' cache moves in order on ``runners``' (layout -> runner) caches; returns
     the bytes given up."""
