@@ -610,6 +610,39 @@ def test_the_tier_keeps_prompts_for_later_calls_until_the_weights_change(four_la
         assert left == ({}, {}, {}, {})
 
 
+def _a_turn_beside_decodes(path, a, x, turn):
+    """Prompt ``a`` kept in the tier by a first call; then ``x`` runs through ``EngineCore`` and,
+    once it decodes, a chat's next turn ``turn`` (``a`` plus 3 tokens) is added: the decode
+    layout's steps (counts per sequence) and both requests' tokens."""
+    from reshard.parallel import EngineCore, Request, SamplingParams
+
+    engine = _seesaw(path, LAYOUTS["P2-T2"])
+    engine.generate(_requests([a], [6]))
+    steps = []
+    engine.events.on("step_ready", lambda index, step: steps.append((step.layout, list(step.num_tokens))))
+    core, outputs = EngineCore(engine), []
+    core.add_request(Request(1, x, SamplingParams(max_new_tokens=12)))
+    while ("decode", [1]) not in steps:
+        outputs += core.step()
+    core.add_request(Request(2, turn, SamplingParams(max_new_tokens=6)))
+    tokens, _, _ = _to_the_end(engine, core, outputs)
+    return [counts for layout, counts in steps if layout == "decode"], tokens
+
+
+def test_a_chats_next_turn_takes_its_tail_beside_the_decode_tokens(four_layer, hf_reference):
+    """Seesaw's decode side runs on the token budget: a turn whose prompt the tier holds but for
+    its 3 new tokens computes them in the same step as the running request's decode token (not in
+    a step of its own, alternating with decode steps). Tokens equal HF's."""
+    path = four_layer["llama"]
+    a, x = _prompts(4)[1], _prompts(6)[5]
+    turn = [*a, 7, 8, 9]
+    expected_x, expected_turn = hf_reference(path, [x], 12)[0], hf_reference(path, [turn], 6)[0]
+    for decode_steps, tokens in dist_harness.run(2, _a_turn_beside_decodes, path, a, x, turn):
+        assert tokens == {1: expected_x, 2: expected_turn}
+        assert [1, 3] in decode_steps, decode_steps  # x's decode token and the turn's 3 new prompt tokens
+        assert [3] not in decode_steps, decode_steps
+
+
 def _abort_before_the_swap_out(path, layouts, prompts):
     """Greedy requests through ``EngineCore``, every swap-out into the tier slowed by 0.3 s; after
     the first prefill step, while its swap-outs are still running, the first request (waiting for a

@@ -36,9 +36,10 @@ class ContinuousBatching(Policy):
 
     ``prefill_chunk`` (chunked prefill, vLLM's ``long_prefill_token_threshold``): a prompt gets
     at most this many tokens per step, beside the decode tokens and other prompts' tokens, so a
-    long prompt does not stall the others' next tokens. ``None``: the runner does not mix (no
-    chunking, pipeline stages, micro-batch swapping): newly admitted whole prompts make a step of
-    their own, alternating with steps of decode tokens.
+    long prompt does not stall the others' next tokens. ``mixed``: steps on the token budget,
+    prompts beside decode tokens (every strategy's, by default); off (``engine.chunked_prefill
+    = false``, vLLM's ``enable_chunked_prefill=False``): newly admitted whole prompts make a step
+    of their own, alternating with steps of decode tokens.
 
     ``preempt`` (paged caches): a sequence takes KV blocks as its tokens need them; when a step's
     tokens need more blocks than are free, the newest running request of that replica is

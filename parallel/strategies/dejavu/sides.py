@@ -178,8 +178,8 @@ class TokenSide(ContinuousBatching):
 
     stats_cls = DejaVuStats
 
-    def __init__(self, streamed: StreamedKV) -> None:
-        super().__init__("token")
+    def __init__(self, streamed: StreamedKV, *, chunked: bool = True) -> None:
+        super().__init__("token", mixed=chunked)  # (the token budget; whole-prompt steps where chunked prefill is off)
         self.streamed = streamed
 
     def setup(self, ctx) -> None:

@@ -70,7 +70,7 @@ def dejavu_groups_engine(
         token_runner = runners["token"]
         kept = _kept(config) * len(streamers)  # (every prompt group's)
         streamed = StreamedKV(streamers, token_runner.kv, token.config.num_hidden_layers, len(groups[index]), kept=kept)
-        policy = TokenSide(streamed)
+        policy = TokenSide(streamed, chunked=config.chunked_prefill)
     engine = Engine(runners=runners, policy=policy, config=config, group=pgs[index], engine_group=layout)
     if side == "prompt":
         engine.events.on("layer_after", policy.stream_layer, layout="prompt")
@@ -141,7 +141,7 @@ def dejavu_engine(
         token_runner.max_batch_size,
         kept=_kept(config),
     )
-    policy = LockstepSides(prompt_side, TokenSide(streamed))
+    policy = LockstepSides(prompt_side, TokenSide(streamed, chunked=config.chunked_prefill))
     # tokens are agreed over the whole job: both layouts take part in every step
     engine = Engine(runners=runners, policy=policy, config=config, group=dist.group.WORLD)
     if runners["prompt"].kv is not None:

@@ -86,8 +86,10 @@ class SeesawPolicy(ContinuousBatching):
         scheduler: str = "transition_minimizing",
         max_prefill_tokens: int = 4096,
         share_prompts: bool = True,
+        chunked: bool = True,
     ) -> None:
-        super().__init__("decode", max_prefill_tokens=max_prefill_tokens)
+        # the decode side's steps: the token budget (whole-prompt steps where chunked prefill is off)
+        super().__init__("decode", max_prefill_tokens=max_prefill_tokens, mixed=chunked)
         self.share_prompts = share_prompts  # n samples of a prompt prefilled once (prefix_caching)
         self.switch = switch
         self.tier = tier
@@ -379,6 +381,7 @@ def seesaw_engine(
         scheduler=scheduler,
         max_prefill_tokens=config.max_prefill_tokens,
         share_prompts=config.prefix_caching,
+        chunked=config.chunked_prefill,
     )
     runners["decode"].kv.release()  # (allocated by the first decode step's cache moves)
     # prefill KV reaches the decode cache only through the tier
