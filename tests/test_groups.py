@@ -203,3 +203,33 @@ def test_a_leader_puts_its_load_in_the_store_only_when_it_changed(monkeypatch):
         ("load/0.0", 4, 0), ("load/0.0", 3, 0), ("load/0.0", 4, 0), ("load/0.0", 4, 1),
     ]  # fmt: skip
     assert channel.get("load/0.0") == control.Load(4, 400, 1)
+
+
+def _grouped_looks(path, prompts, max_new):
+    """``_grouped``, counting this rank's store looks for its group's next input (``assign/...``)."""
+    from reshard.parallel.engine.channel import Channel
+
+    looks, ready = [], Channel.ready
+
+    def counted(channel, key):
+        looks.append(key) if key.startswith("assign/") else None
+        return ready(channel, key)
+
+    Channel.ready = counted
+    try:
+        tokens, steps, _, group = _grouped(path, prompts, max_new)
+    finally:
+        Channel.ready = ready
+    return tokens, steps[group.index], len(looks)
+
+
+def test_a_group_led_from_the_routers_process_counts_its_input_there(checkpoints, hf_reference):
+    """Group 0's leader shares rank 0's process (and channel) with the router, which makes every
+    post to it: it proposes what arrived from that count, with no store look a step; group 1, in
+    another process, looks at the store each step."""
+    path, prompts = checkpoints["llama"], _prompts(6)
+    expected = hf_reference(path, prompts, MAX_NEW)
+    (tokens0, steps0, looks0), (tokens1, steps1, looks1) = dist_harness.run(2, _grouped_looks, path, prompts, MAX_NEW)
+    assert tokens0 == tokens1 == expected
+    assert steps0 > 0 and looks0 == 0
+    assert looks1 >= steps1 > 0

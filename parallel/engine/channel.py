@@ -128,6 +128,11 @@ class Channel:
         # rung by every append through this object: a party of this process waiting on it (rank 0's
         # group, its router's) looks at once, not after its backoff; parties elsewhere poll the store
         self.bell = threading.Event()
+        # each list's length as appended through this object (appends serialized: every index below
+        # it is set), and the groups whose every post comes through it (:meth:`posts_only_here`)
+        self.appended: dict[str, int] = {}
+        self.only_here: set[str] = set()
+        self.lock = threading.Lock()
 
     def put(self, key: str, value) -> None:
         self.store.set(key, pickle.dumps(value))
@@ -149,10 +154,22 @@ class Channel:
     def append(self, name: str, value, count: str | None = None) -> int:
         """Add ``value`` to the list ``name`` (``<name>/<k>``; its length under ``count``,
         default ``<name>/count``); returns its index ``k``."""
-        k = self.store.add(count or f"{name}/count", 1) - 1
-        self.put(f"{name}/{k}", value)
+        with self.lock:  # (the router's thread and rank 0's group append alike)
+            k = self.store.add(count or f"{name}/count", 1) - 1
+            self.put(f"{name}/{k}", value)
+            self.appended[name] = k + 1
         self.bell.set()
         return k
+
+    def posts_only_here(self, groups: Seq[str]) -> None:
+        """Every post to ``groups`` comes through this object (the router's, in its process): a
+        group led from this process counts its input here (:meth:`posted_here`), with no store look."""
+        self.only_here.update(groups)
+
+    def posted_here(self, group: str) -> int | None:
+        """How many values were posted to ``group`` (each one set in the store), where every post
+        to it comes through this object; None where some may come from elsewhere."""
+        return self.appended.get(f"assign/{group}", 0) if group in self.only_here else None
 
     def idle(self, seconds: float) -> None:
         """Sleep up to ``seconds``, less if something is appended through this object meanwhile."""

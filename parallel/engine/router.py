@@ -111,6 +111,9 @@ class Router:
         # placement: the live entries' and takers' endpoints, what each was sent
         self.groups = [endpoint_of(g) for g in topology.entries]
         self.takers = [endpoint_of(g) for g in topology.takers]
+        # the entries' input is the router's posts alone (the takers' also comes from entries that
+        # hand off among themselves): a group led from this process reads its count here
+        channel.posts_only_here(self.groups if not self.takers else ())
         self.sent_tokens: dict[str, list[int]] = {e: [] for e in self.groups + self.takers}
         self.where: dict[int, str] = {}  # request id -> the endpoint it was last sent to
         self.handoffs = Handoffs(channel, topology, kv=migrate == "kv")
