@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     requests = [Request(i, torch.randint(3, 200, (16,), generator=gen).tolist(), params) for i in range(args.requests)]
 
-    timed(engine, requests, True), timed(engine, requests, False)  # warm-up
+    for local in (True, False):  # warm-up
+        timed(engine, requests, local)
     times: dict[bool, list[float]] = {True: [], False: []}
     tokens: dict[bool, list] = {}
     for _ in range(args.repeats):

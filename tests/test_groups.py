@@ -212,7 +212,8 @@ def _grouped_looks(path, prompts, max_new):
     looks, ready = [], Channel.ready
 
     def counted(channel, key):
-        looks.append(key) if key.startswith("assign/") else None
+        if key.startswith("assign/"):
+            looks.append(key)
         return ready(channel, key)
 
     Channel.ready = counted
