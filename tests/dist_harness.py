@@ -7,7 +7,7 @@ raises with that rank's traceback, a rank whose process is gone with its exit co
 peers would wait for it); a job that does not finish within ``timeout`` seconds (a hung
 collective) raises ``TimeoutError``. After a timeout or any failure other than a ``ValueError`` on
 the failing ranks, the pool is killed and the next job gets a fresh one, so one broken test never
-poisons the next.
+poisons the next; so is a pool whose ranks made more than :data:`GROUPS_KEPT` process groups.
 
 A pool's processes are forked from multiprocessing's fork server, which imported :data:`PRELOAD`
 once: a spawned process imported torch and the library anew, seconds of CPU each (a session
@@ -34,6 +34,12 @@ from reshard.parallel.fault.fork_server import frozen_preload
 JOB_TIMEOUT = float(os.environ.get("RESHARD_TEST_JOB_TIMEOUT", "180"))
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 DEATH_POLL_S = 0.5  # how often a job's wait looks for a rank whose process is gone
+# a pool whose ranks made more process groups than this is retired after its job (the next job
+# gets fresh processes): gloo keeps three threads per group, and they are not idle. A test pool
+# held 275 groups after six test files, each rank then burning 15% of a core with nothing to run,
+# which slowed every later test. (Destroying a job's groups instead is not safe: DTensor caches
+# sharding by mesh equality, so an equal mesh of the next job would be handed the dead groups.)
+GROUPS_KEPT = 48
 # the test models' Hugging Face modules (a rank builds its model from them: a second or two of
 # imports, once per process otherwise)
 FAMILIES = [f"transformers.models.{f}.modeling_{f}" for f in ("llama", "qwen2", "qwen3", "mistral")]
@@ -68,9 +74,10 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], tasks, r
             break
         fn, args, kwargs = job
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            value, ok = fn(*args, **kwargs), True
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+            value, ok = traceback.format_exc(), False
+        results.put((rank, ok, value, dist.get_pg_count()))
     dist.destroy_process_group()
 
 
@@ -82,6 +89,7 @@ class WorkerPool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.healthy = True
+        self.groups = 0  # the most process groups a rank of the pool has made
         port, env = _free_port(), dict(os.environ)
         self.procs = [
             ctx.Process(target=_worker, args=(r, world_size, port, env, self.tasks[r], self.results), daemon=True)
@@ -95,7 +103,8 @@ class WorkerPool:
             q.put((fn, args, kwargs))
         out, errors = [None] * self.world_size, {}
         for _ in range(self.world_size):
-            rank, ok, value = self._next(timeout or JOB_TIMEOUT, fn)
+            rank, ok, value, groups = self._next(timeout or JOB_TIMEOUT, fn)
+            self.groups = max(self.groups, groups)
             if ok:
                 out[rank] = value
             else:
@@ -144,7 +153,7 @@ def run(world_size: int, fn, *args, timeout: float | None = None, fresh: bool = 
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns results in rank order.
     ``fresh``: in a new pool (processes that ran no earlier test)."""
     pool = _POOLS.get(world_size)
-    if pool is not None and fresh:
+    if pool is not None and (fresh or pool.groups > GROUPS_KEPT):
         _POOLS.pop(world_size)
         pool.shutdown()
         pool = None

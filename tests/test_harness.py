@@ -30,3 +30,28 @@ def test_pools_are_reused():
     first = dist_harness._POOLS.get(2) or (dist_harness.run(2, _ranks) and dist_harness._POOLS[2])
     dist_harness.run(2, _ranks)
     assert dist_harness._POOLS[2] is first
+
+
+def _pid_and_groups(new: int) -> tuple[int, int]:
+    """This rank's pid and how many process groups it has made, after making ``new`` more."""
+    import os
+
+    import torch.distributed as dist
+
+    for _ in range(new):
+        dist.new_group([0, 1])
+    return os.getpid(), dist.get_pg_count()
+
+
+def test_a_pool_that_made_many_groups_is_retired_after_its_job():
+    """gloo's threads of every group a job made stay, busy, for the process's life: a pool past
+    ``GROUPS_KEPT`` groups gives the next job fresh processes; one below it is kept."""
+    dist_harness.retire(2)
+    (pid, groups), _ = dist_harness.run(2, _pid_and_groups, 0)
+    assert groups <= dist_harness.GROUPS_KEPT
+    (same, groups), _ = dist_harness.run(2, _pid_and_groups, dist_harness.GROUPS_KEPT - groups)
+    assert same == pid and groups == dist_harness.GROUPS_KEPT
+    (kept, groups), _ = dist_harness.run(2, _pid_and_groups, 1)
+    assert kept == pid and groups == dist_harness.GROUPS_KEPT + 1  # kept up to GROUPS_KEPT: this was its last job
+    (fresh, groups), _ = dist_harness.run(2, _pid_and_groups, 0)
+    assert fresh != pid and groups <= dist_harness.GROUPS_KEPT
