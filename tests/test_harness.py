@@ -1,5 +1,7 @@
 """The test harness itself: a hung collective fails fast and the next job gets a working pool."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from tests import dist_harness
@@ -56,3 +58,18 @@ def test_a_pool_that_made_many_groups_is_retired_after_its_job():
     assert kept == pid and groups == dist_harness.GROUPS_KEPT + 1  # kept up to GROUPS_KEPT: this was its last job
     (fresh, groups), _ = dist_harness.run(2, _pid_and_groups, 0)
     assert fresh != pid and groups <= dist_harness.GROUPS_KEPT
+
+
+def test_a_files_last_test_ends_the_pools():
+    """Pools live through a file's tests and end after its last (``conftest.pytest_runtest_teardown``)."""
+    from tests import conftest
+
+    dist_harness.run(2, _ranks)
+    pool = dist_harness._POOLS[2]
+    here, there = SimpleNamespace(path="test_a.py"), SimpleNamespace(path="test_b.py")
+    conftest.pytest_runtest_teardown(here, SimpleNamespace(path="test_a.py"))
+    assert dist_harness._POOLS[2] is pool and pool.alive()
+    conftest.pytest_runtest_teardown(here, there)
+    assert dist_harness._POOLS == {} and not any(p.is_alive() for p in pool.procs)
+    conftest.pytest_runtest_teardown(there, None)  # the session's last test: nothing left to end
+    assert dist_harness.run(2, _ranks) == [(0, 2), (1, 2)]  # the next file's job forks a fresh pool
