@@ -750,10 +750,11 @@ def _abort_resumed(path):
     for i, p in enumerate(PROMPTS):
         core.add_request(Request(i, p, SamplingParams(max_new_tokens=6)))
     core.step()  # (the policy starts)
-    while not engine.policy.resumed and core.has_unfinished():
+    while not any(r.kv_source for r in core.queue) and core.has_unfinished():
         core.step()
-    aborted = sorted(r.id for r in engine.policy.resumed)  # (the same books on every rank)
-    waiting = {core.status(rid).name for rid in aborted}  # (the token side's own queue)
+    aborted = sorted(r.id for r in core.queue if r.kv_source)  # (the same books on every rank)
+    waiting = {core.status(rid).name for rid in aborted}  # (in the engine's queue: the policy keeps none)
+    kept_by_policy = [r.id for r in engine.policy.waiting()]
     core.abort(aborted)
     done = core.run()
     streamed = engine.policy.token.streamed
@@ -764,17 +765,19 @@ def _abort_resumed(path):
         {rid: (c.finish_reason, c.output_ids) for rid, c in done.items()},
         staged,
         len(engine.policy.token.slots),
+        kept_by_policy,
     )
 
 
 def test_a_lockstep_token_side_aborts_requests_that_wait_for_a_slot_or_their_kv(four_layer, hf_reference):
     """Lockstep sides: requests handed to the token side and waiting there (for a slot or their
-    KV) read ``WAITING_FOR_KV``; aborted, each ends "abort" with the token it had (HF's first),
-    its hand-off's staging slots come back, and the other requests equal HF."""
+    KV) read ``WAITING_FOR_KV``, in the engine's queue (the policy holds no queue of its own, as a
+    token group's does not); aborted, each ends "abort" with the token it had (HF's first), its
+    hand-off's staging slots come back, and the other requests equal HF."""
     path = four_layer["llama"]
     expected = hf_reference(path, PROMPTS, 6)
-    for aborted, waiting, done, (free, incoming, unposted), slots in dist_harness.run(2, _abort_resumed, path):
-        assert aborted and waiting == {"WAITING_FOR_KV"}
+    for aborted, waiting, done, (free, incoming, unposted), slots, kept in dist_harness.run(2, _abort_resumed, path):
+        assert aborted and waiting == {"WAITING_FOR_KV"} and kept == []
         assert sorted(done) == list(range(len(PROMPTS)))
         for rid, (reason, tokens) in done.items():
             cut = rid in aborted

@@ -222,10 +222,13 @@ class EngineCore:
         group agreed to; what each request gained."""
         engine = self.engine
         for handoff in engine.policy.after_step(step, output) or ():
-            self.intake.hand_off(handoff)
             self.left += handoff.open
             for r in handoff.requests:
                 engine._live.pop(r.id, None)
+            if engine.policy.hands_off_to_itself:  # (received here, as a token group receives one)
+                self._accept([handoff])
+            else:
+                self.intake.hand_off(handoff)
         outputs = _gained(step, output.tokens)
         finished = [seq for seq in step.seqs if seq.finish_reason is not None]
         completions = [seq.completion(self.start) for seq in finished]

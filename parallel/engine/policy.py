@@ -119,12 +119,14 @@ class Policy:
     def after_step(self, step: Step, output: StepOutput):
         """The step's tokens are appended; finished sequences are retired after this. May return
         :class:`reshard.parallel.engine.channel.Handoff` s: sequences that leave this group for
-        another (the engine posts them; ``None``: none)."""
+        another (the engine posts them; ``None``: none), or, where :attr:`hands_off_to_itself`,
+        for its own other layout (the engine receives them into this group)."""
 
     def retire(self, seq: Sequence) -> None:
         """``seq`` finished: release what it holds."""
 
     schedules_ahead = False  # whether ahead / confirm run (async scheduling)
+    hands_off_to_itself = False  # its hand-offs are its own group's (DejaVu's lockstep sides)
 
     def requeue_unstarted(self, queue: deque) -> None:
         """The weights changed: a request admitted onto cached KV that no step has run yet goes

@@ -7,7 +7,6 @@ movement goes through the stream plan (:mod:`reshard.kv.stream`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from reshard.parallel.engine import (
     Step,
     StepOutput,
 )
+from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.runner import Replica
 from reshard.parallel.model.dims import ParallelDims
 from reshard.parallel.strategies.dejavu.connector import StreamedKV
@@ -80,14 +80,17 @@ class DejaVuStats(EngineStats):
 class LockstepSides(Policy):
     """Both sides in one loop, every step over the whole job: a prompt step (the prompt side's
     ranks prefill, streaming each layer's KV out) alternates with token steps while both have
-    work. A prefilled prompt's hand-off goes straight to the token side's connector, as a token
-    group's does: its requests resume (in the token side's queue, which this policy keeps beside
-    the job's queue of prompts) awaiting KV until it landed on every rank (the ranks
-    outside the token layout count theirs landed at once), so a hand-off is one path whether the
-    sides are groups or not. The prompt side admits no more prompts than the token side has
-    slots left (as when each request held a token slot from its admission)."""
+    work. A prefilled prompt's hand-off is this group's own (:attr:`hands_off_to_itself`): the
+    engine receives it into the token side's connector and adds its requests with their KV
+    source, as a token group does, so a hand-off is one path whether the sides are groups or not
+    and its requests wait in the engine's queue (``WAITING_FOR_KV``) until it landed on every rank
+    (the ranks outside the token layout count theirs landed at once). Each step takes the queue's
+    requests for the token side (:func:`_for_token_side`) apart from the fresh prompts. The prompt
+    side admits no more prompts than the token side has slots left (as when each request held a
+    token slot from its admission)."""
 
     stats_cls = DejaVuStats
+    hands_off_to_itself = True
 
     def __init__(self, prompt: PromptSide, token: TokenSide) -> None:
         self.prompt, self.token = prompt, token
@@ -108,47 +111,49 @@ class LockstepSides(Policy):
     def start(self, queue) -> None:
         self.prompt.start(queue)
         self.token.start(deque())
-        self.resumed: deque = deque()  # the token side's queue: the hand-offs' requests, resumed
         self._prefilled = False  # the last step was a prompt step
 
     def next_step(self, queue) -> Step:
         """A prompt step while the token side has slots its waiting requests leave free (and the
-        connector staging slots), alternating with token steps; else a token step."""
+        connector staging slots), alternating with token steps; else a token step. The queue
+        keeps the token side's requests first (as :func:`~reshard.parallel.engine.admission.enqueue`
+        queues resumed ones), then the fresh prompts."""
         token = self.token
-        room = min(len(token.streamed.free), len(token.slots) - len(self.resumed))
-        if queue and room > 0 and not (self._prefilled and (token.running or self.resumed)):
+        resumed = deque(r for r in queue if _for_token_side(r))
+        fresh = deque(r for r in queue if not _for_token_side(r))
+        room = min(len(token.streamed.free), len(token.slots) - len(resumed))
+        if fresh and room > 0 and not (self._prefilled and (token.running or resumed)):
             self._prefilled = True
-            return self.prompt.next_step(queue, limit=room)
-        self._prefilled = False
-        return token.next_step(self.resumed)
+            step = self.prompt.next_step(fresh, limit=room)
+        else:
+            self._prefilled = False
+            step = token.next_step(resumed)
+        queue.clear()
+        queue.extend([*resumed, *fresh])  # (what each side left)
+        return step
 
-    def after_step(self, step: Step, output: StepOutput) -> None:
-        """A prompt step's hand-off to the token side's connector (its fetches posted now); one
-        whose sequences all finished at their first token is received at once (none waits for it)."""
+    def after_step(self, step: Step, output: StepOutput) -> list[Handoff]:
+        """A prompt step's hand-off, for the engine to receive into this group; one whose
+        sequences all finished at their first token is received and landed here at once (no
+        request waits for it, so nothing else would land it before the group idles)."""
         if step.layout != "prompt":
-            return
-        for handoff in self.prompt.after_step(step, output):
-            received = self.token.streamed.receive(handoff)
-            self.resumed.extend(dataclasses.replace(request, kv_source=key) for request, key in received)
-            if not handoff.open:
-                self.token.streamed.land(f"{handoff.source}:{handoff.tag}")
+            return []
+        handoffs = self.prompt.after_step(step, output)
+        for handoff in [h for h in handoffs if not h.open]:
+            self.token.streamed.receive(handoff)
+            self.token.streamed.land(f"{handoff.source}:{handoff.tag}")
         self.token.count()
+        return [h for h in handoffs if h.open]
 
     def retire(self, seq) -> None:
         if self.token.running.get(seq.request.id) is seq:
             self.token.retire(seq)
 
     def withdraw(self, request_ids: set[int]) -> list[Request]:
-        """Requests resumed on the token side that wait for a slot or their KV (the engine tells
-        the connector, which gives their hand-off's staging back)."""
-        gone = [r for r in self.resumed if r.id in request_ids]
-        for request in gone:
-            self.resumed.remove(request)
-        return gone + self.token.withdraw(request_ids)
+        return self.token.withdraw(request_ids)
 
     def waiting(self) -> Seq[Request]:
-        """The requests resumed on the token side that wait for a slot or their KV."""
-        return (*self.resumed, *self.token.waiting())
+        return self.token.waiting()
 
     def is_running(self, seq) -> bool:
         return self.token.is_running(seq)
@@ -166,6 +171,12 @@ class LockstepSides(Policy):
     def close(self) -> None:
         self.prompt.close()
         self.token.close()
+
+
+def _for_token_side(request: Request) -> bool:
+    """Whether a queued request runs on the token side: resumed from a hand-off (its KV source
+    names it) or preempted there (computed again there)."""
+    return bool(request.kv_source) or request.preempted
 
 
 # ---- the sides as engine groups (they run at the same time) ------------------------------------
