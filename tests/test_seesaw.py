@@ -480,7 +480,7 @@ def _samples_across_a_weight_write(path, layouts, prompts, n):
     from reshard.parallel.model.info import parallel_info
 
     engine, core, outputs = _first_prefill_step(path, layouts, prompts, n)
-    waiting = [r.id for r in engine.policy.buffered if r.id in engine.policy.tiered.entry_of]
+    waiting = [r.id for r in core.queue if r.kv_source and r.id in engine.policy.tiered.entry_of]
     parallel_info(engine.runners["decode"].model).weight_version.writes += 1
     while core.has_unfinished():
         outputs += core.step()
@@ -515,9 +515,10 @@ def _abort_waiting(path, layouts, prompts, n):
     one sibling and one resumed first sample, both waiting for a decode slot, are aborted."""
     engine, core, outputs = _first_prefill_step(path, layouts, prompts, n)
     policy = engine.policy
-    sibling = next(r.id for r in policy.buffered if r.id in policy.tiered.entry_of)
-    leader = next(r.id for r in policy.buffered if r.id not in policy.tiered.entry_of)
-    waiting = [core.status(rid).name for rid in (sibling, leader)]  # (the policy's own queue)
+    sibling = next(r.id for r in core.queue if r.kv_source and r.id in policy.tiered.entry_of)
+    leader = next(r.id for r in core.queue if r.kv_source and r.id not in policy.tiered.entry_of)
+    waiting = [core.status(rid).name for rid in (sibling, leader)]  # (in the engine's queue)
+    assert not policy.waiting()  # (the policy keeps no queue of its own)
     core.abort([sibling, leader])
     return (sibling, leader), waiting, *_to_the_end(engine, core, outputs)
 

@@ -255,11 +255,13 @@ class Done(dict):
 
 def enqueue(queue: deque, requests: Seq[Request]) -> None:
     """Queue ``requests`` as they arrive, except that a request resumed with KV held elsewhere
-    (``kv_source``: a migration, a hand-off) goes ahead of the fresh requests already queued: its
-    KV waits in a connector, and it has tokens out already (vLLM runs resumed requests first)."""
+    (``kv_source``: a migration, a hand-off) goes ahead of the fresh requests already queued,
+    behind those resumed or preempted before it: its KV waits in a connector, and it has tokens
+    out already (vLLM runs resumed requests first)."""
     for request in requests:
         if request.kv_source:
-            queue.insert(next((i for i, r in enumerate(queue) if not r.kv_source), len(queue)), request)
+            ahead = next((i for i, r in enumerate(queue) if not (r.kv_source or r.preempted)), len(queue))
+            queue.insert(ahead, request)
         else:
             queue.append(request)
 

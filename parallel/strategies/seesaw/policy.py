@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
 from reshard.kv import CPUKVTier, KVSwapper, TierSpec
@@ -35,12 +34,19 @@ from reshard.parallel.engine import (
     Step,
     StepOutput,
 )
+from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.request import Request
 from reshard.parallel.engine.step import CacheMove, ReleaseKV, RestoreKV
 from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_scheduler
 from reshard.parallel.strategies.seesaw.switch import PHASES, LayoutSwitch, TransitionStats
 from reshard.parallel.strategies.seesaw.tier_kv import TIER, TierKV
 from reshard.shm import map_shared
+
+
+def _for_decode_side(request: Request) -> bool:
+    """Whether a queued request runs on the decode side: its KV in the tier or elsewhere (a
+    respawn's mirror), or preempted there (computed again there)."""
+    return bool(request.kv_source) or request.preempted
 
 
 # ---- the engine: a policy on the one loop ---------------------------------------------------------
@@ -77,6 +83,7 @@ class SeesawPolicy(ContinuousBatching):
     """
 
     stats_cls = SeesawStats
+    hands_off_to_itself = True  # a prefill step's requests that run on go to the decode side through the tier
 
     def __init__(
         self,
@@ -111,10 +118,11 @@ class SeesawPolicy(ContinuousBatching):
         return self.switch.active
 
     def validate(self, requests) -> None:
-        """Every prompt must fit the CPU KV tier, every whole request a paged decode cache."""
+        """Every prompt prefilled here must fit the CPU KV tier (one with a KV source goes to the
+        decode side), every whole request a paged decode cache."""
         budget, spec = self.tier.spec.capacity_tokens, self.decode.kv.spec
         for r in requests:
-            if len(r.prompt_ids) > budget:
+            if len(r.prompt_ids) > budget and not r.kv_source:
                 raise ValueError(
                     f"request {r.id}: prompt of {len(r.prompt_ids)} tokens does not fit "
                     f"the CPU KV tier (cpu_kv_budget={budget} tokens)"
@@ -128,42 +136,48 @@ class SeesawPolicy(ContinuousBatching):
 
     def start(self, queue: deque) -> None:
         super().start(queue)
-        self.buffered: deque[Request] = deque()  # resumed requests waiting for a decode slot
         self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its prefill's times and logprobs
         self.siblings: dict[int, list[Request]] = {}  # a request in a prefill step -> those its prompt serves
 
     def next_step(self, queue: deque) -> Step:
         """The scheduler's phase; its layout is that phase's (a transition when it is not the
-        active one: the engine makes it before the step). A queued request that resumes with
-        its tokens so far and KV elsewhere (a respawn's, ``kv_source`` naming its mirror) goes to
-        the decode side; one without (prefilled again) is prefilled in the prefill layout."""
-        for request in [r for r in queue if r.resumed and r.kv_source]:
-            queue.remove(request)
-            self.buffered.append(request)
-        self._take_reused(queue)
-        changed_over, self._changed_over = self._changed_over, False
-        if changed_over and (self.buffered or self.running):  # (the phase chosen for the step before)
-            return self._decode_step()
-        phase = self.scheduler.next_phase(self.switch.active, self._snapshot(queue))
-        return self._prefill_step(queue) if phase == "prefill" else self._decode_step()
+        active one: the engine makes it before the step). The engine's queue holds the decode
+        side's requests first (:func:`_for_decode_side`: KV in the tier or elsewhere, such as a
+        respawn's mirror, or preempted there), then the fresh prompts, which are prefilled in the
+        prefill layout; each step takes the two apart and puts back what it left."""
+        buffered = deque(r for r in queue if _for_decode_side(r))
+        fresh = deque(r for r in queue if not _for_decode_side(r))
+        step = self._next_of(fresh, buffered)
+        queue.clear()
+        queue.extend([*buffered, *fresh])
+        return step
 
-    def _take_reused(self, queue: deque) -> None:
-        """The queue's head requests whose prompt starts as a retained one does (the tier's
-        prefix cache, :meth:`TierKV.reuse`) skip the prefill layout: they wait for the decode
-        side, which loads the shared positions from the tier and computes the rest."""
-        while queue and not queue[0].kv_source and (shared := self.tiered.reuse(queue[0])):
-            request = queue.popleft()
+    def _next_of(self, fresh: deque, buffered: deque) -> Step:
+        """The next step over the fresh prompts and the requests waiting for the decode side."""
+        self._take_reused(fresh, buffered)
+        changed_over, self._changed_over = self._changed_over, False
+        if changed_over and (buffered or self.running):  # (the phase chosen for the step before)
+            return self._decode_step(buffered)
+        phase = self.scheduler.next_phase(self.switch.active, self._snapshot(fresh, buffered))
+        return self._prefill_step(fresh, buffered) if phase == "prefill" else self._decode_step(buffered)
+
+    def _take_reused(self, fresh: deque, buffered: deque) -> None:
+        """The fresh head requests whose prompt starts as a retained one does (the tier's prefix
+        cache, :meth:`TierKV.reuse`) skip the prefill layout: they wait for the decode side,
+        which loads the shared positions from the tier and computes the rest."""
+        while fresh and (shared := self.tiered.reuse(fresh[0])):
+            request = fresh.popleft()
             self.stats.prefix_cache_queries += len(request.prompt_ids)
             self.stats.prefix_cache_hits += shared
-            self.buffered.append(dataclasses.replace(request, kv_source=TIER))
+            buffered.append(dataclasses.replace(request, kv_source=TIER))
 
-    def _snapshot(self, queue: deque) -> SchedState:
-        fits = bool(queue) and self.tiered.could_fit(len(queue[0].prompt_ids))
-        free = len(self.slots) if not self.buffered or self.slots.can_take(self.buffered[0]) else 0
+    def _snapshot(self, fresh: deque, buffered: deque) -> SchedState:
+        fits = bool(fresh) and self.tiered.could_fit(len(fresh[0].prompt_ids))
+        free = len(self.slots) if not buffered or self.slots.can_take(buffered[0]) else 0
         return SchedState(
-            queued=len(queue),
+            queued=len(fresh),
             next_fits_tier=fits,
-            buffered=len(self.buffered),
+            buffered=len(buffered),
             running=len(self.running),
             free_slots=free,
         )
@@ -185,23 +199,24 @@ class SeesawPolicy(ContinuousBatching):
         return (ReleaseKV("decode"),) * (not self.running) + (RestoreKV("prefill"),)
 
     # ---- prefill ------------------------------------------------------------------------------
-    def _prefill_step(self, queue: deque) -> Step:
+    def _prefill_step(self, fresh: deque, buffered: deque) -> Step:
         moves = self._cache_moves("prefill")
-        batch, dp = self._admit_prefill(queue), self.prefill.replica
+        batch, dp = self._admit_prefill(fresh, buffered), self.prefill.replica
         for i, seq in enumerate(batch):
             seq.replica = i % dp.size
         self._take_prefill_slots([s for s in batch if s.replica == dp.rank])
         return Step(batch, [s.prompt_len for s in batch], "prefill", moves=moves)
 
-    def _admit_prefill(self, queue: deque) -> list[Sequence]:
-        """The next prefill batch (same on every rank); reserves each prompt's tier tokens."""
+    def _admit_prefill(self, queue: deque, buffered: deque) -> list[Sequence]:
+        """The next prefill batch from the fresh ``queue`` (same on every rank); reserves each
+        prompt's tier tokens."""
         dp = self.prefill.replica.size
         slots, budget = self.prefill.max_batch_size * dp, self.max_prefill_tokens * dp
-        target = self.scheduler.buffer_target(self._snapshot(queue)) - len(self.buffered)
+        target = self.scheduler.buffer_target(self._snapshot(queue, buffered)) - len(buffered)
         batch: list[Sequence] = []
         prompts: dict[tuple[int, ...], int] = {}  # the batch's prompts -> the request that computes each
         while queue and len(batch) < min(slots, target):
-            self._take_reused(queue)
+            self._take_reused(queue, buffered)
             n = len(queue[0].prompt_ids) if queue else 0
             if not queue or (batch and n > budget) or not self.tiered.make_room(n):
                 break
@@ -235,20 +250,29 @@ class SeesawPolicy(ContinuousBatching):
         for seq in seqs:
             seq.slot = self._prefill_free.pop()
 
-    def after_step(self, step: Step, output: StepOutput) -> None:
-        """A prefill step's KV goes out to the tier (in the background); its requests that run on
-        wait for the decode side, resumed after their first token from the tier."""
+    def after_step(self, step: Step, output: StepOutput) -> list[Handoff]:
+        """A prefill step's KV goes out to the tier (in the background); its requests that run on,
+        and the siblings its prompts serve, are handed to the decode side: the engine adds them
+        with the tier as KV source (:meth:`TierKV.receive`: resumed after their first token)."""
         if step.layout == "decode":
-            return
+            return []
         mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
+        rows: list[tuple[Request, tuple[int, ...], bool]] = []  # (request, its tokens, finished)
         for s in step.seqs:
             if s.finish_reason is None:
                 self.marks[s.request.id] = (tuple(s.times), tuple(s.logprobs))
-                self.buffered.append(dataclasses.replace(s.request.resume(s.output), kv_source=TIER))
+            rows.append((s.request, tuple(s.output), s.finish_reason is not None))
             siblings = self.siblings.pop(s.request.id, [])
             if siblings:
                 self.tiered.share(s.request.id, [r.id for r in siblings], leader_loads=s.finish_reason is None)
-                self.buffered.extend(dataclasses.replace(r, kv_source=TIER) for r in siblings)
+                rows += [(r, (), False) for r in siblings]
+        self._swap_out(step, mine)
+        requests, tokens, finished = zip(*rows) if rows else ((), (), ())
+        return [Handoff(0, 0, self.stats.prefill_steps, requests, tokens, finished)]  # (group 0 to itself)
+
+    def _swap_out(self, step: Step, mine: list[Sequence]) -> None:
+        """The tier's books of the step's prompts (every rank's: the tier is one), and this rank's
+        replica's KV out to it in the background."""
         for s in step.seqs:  # (every rank's books: the tier is one)
             if s.finish_reason is None or s.request.id in self.tiered.holders:
                 self.tiered.computed(s.request.id, s.request)
@@ -267,14 +291,14 @@ class SeesawPolicy(ContinuousBatching):
         self.stats.swap_seconds += time.perf_counter() - t0
 
     # ---- decode -------------------------------------------------------------------------------
-    def _decode_step(self) -> Step:
+    def _decode_step(self, buffered: deque) -> Step:
         """Continuous batching over the decode slots: waiting requests are admitted with their KV
         from the engine's connector (the tier's, or a respawn's mirror), then decoded. The first
         decode step after prefill steps is a wait step that changes the caches over: its
         agreement, which every rank reaches with its swap-outs written, is what lets the next
         step load from the tier (the barrier this takes the place of)."""
         if self._kv_phase == "decode":
-            return super().next_step(self.buffered)
+            return super().next_step(buffered)
         self._wait_swap_outs(everything=True)
         self._changed_over = True
         return Step([], [], "decode", moves=self._cache_moves("decode"))
@@ -292,16 +316,18 @@ class SeesawPolicy(ContinuousBatching):
         weights from the tier; it goes back to the head of the queue (prefilled anew), as the
         decode side's unstarted requests do."""
         super().requeue_unstarted(queue)
-        stale = [r for r in self.buffered if r.id in self.tiered.entry_of]
+        stale = [r for r in queue if r.kv_source == TIER and r.id in self.tiered.entry_of]
         if stale:
             self._wait_swap_outs(everything=True)  # (a hold it drops may free or keep an entry: written first)
-        for request in reversed(stale):
-            self.buffered.remove(request)
+        for request in stale:
+            queue.remove(request)
             # its prefix-cache query and hit are counted again when it is admitted anew
             self.stats.prefix_cache_queries -= len(request.prompt_ids)
             self.stats.prefix_cache_hits -= self.tiered.matched.get(request.id, len(request.prompt_ids) - 1)
             self.tiered.drop(request.id)
-            queue.appendleft(dataclasses.replace(request, kv_source=""))
+        first_fresh = next((i for i, r in enumerate(queue) if not _for_decode_side(r)), len(queue))
+        for request in reversed(stale):  # (the head of the fresh prompts, in order)
+            queue.insert(first_fresh, dataclasses.replace(request, kv_source=""))
 
     def reset_prefix_cache(self, version: int) -> None:
         """The weights were written: the decode cache's blocks and the tier's retained prompts
@@ -310,25 +336,16 @@ class SeesawPolicy(ContinuousBatching):
         self.tiered.reset()
 
     def withdraw(self, request_ids: set[int]) -> list[Request]:
-        """Requests waiting for a decode slot (resumed after their prefill, or siblings), with
-        their hold on the tier's KV."""
+        """Requests aborted while they wait for a decode slot with a hold on the tier's KV
+        (resumed after their prefill, siblings, reused prompts): the engine's queue withdraws
+        them and the tier's connector drops the hold (:meth:`TierKV.forget`); their swap-outs
+        are written first (a hold dropped may free or keep an entry). None waits here."""
         super().withdraw(request_ids)
-        gone = [r for r in self.buffered if r.id in request_ids]
-        if any(r.kv_source == TIER for r in gone):
-            self._wait_swap_outs(everything=True)  # (a hold it drops may free or keep an entry: written first)
-        for request in gone:
-            self.buffered.remove(request)
-            self.marks.pop(request.id, None)
-            if request.kv_source == TIER:
-                self.tiered.drop(request.id)
-        return gone
-
-    def waiting(self) -> Seq[Request]:
-        """The requests waiting for a decode slot, their KV in the tier (resumed, or siblings)."""
-        return (*self.buffered, *super().waiting())
-
-    def load(self, queue):
-        return super().load([*queue, *self.buffered])
+        if any(rid in self.marks or rid in self.tiered.entry_of for rid in request_ids):
+            self._wait_swap_outs(everything=True)
+        for rid in request_ids:
+            self.marks.pop(rid, None)
+        return []
 
     def retire(self, seq: Sequence) -> None:
         if self.running.get(seq.request.id) is seq:

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from reshard.kv import CPUKVTier
+from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.connector import KVConnector
 from reshard.parallel.engine.request import Request, Sequence
 from reshard.parallel.engine.retained import RetainedPrompts
@@ -100,6 +101,17 @@ class TierKV(KVConnector):
             self.prompts[key] = prompt
         else:
             self.tier.free(entry)
+
+    def receive(self, handoff: Handoff) -> list[tuple[Request, str]]:
+        """A prefill step's hand-off to the decode side (its own group's): each request that
+        runs on, resumed after its tokens so far (a sibling as it came), its KV source the tier."""
+        rows = zip(handoff.requests, handoff.tokens, handoff.finished)
+        return [(r.resume(list(tokens)) if tokens else r, TIER) for r, tokens, done in rows if not done]
+
+    def forget(self, request: Request) -> None:
+        """An aborted request that waited for the decode side: its hold on the tier's KV goes."""
+        if request.kv_source == TIER:
+            self.drop(request.id)
 
     def drop(self, request_id: int) -> None:
         """A request that waits for the decode side leaves it (aborted, or requeued): its hold on
