@@ -260,10 +260,26 @@ def enqueue(queue: deque, requests: Seq[Request]) -> None:
     out already (vLLM runs resumed requests first)."""
     for request in requests:
         if request.kv_source:
-            ahead = next((i for i, r in enumerate(queue) if not (r.kv_source or r.preempted)), len(queue))
+            ahead = next((i for i, r in enumerate(queue) if not resumes(r)), len(queue))
             queue.insert(ahead, request)
         else:
             queue.append(request)
+
+
+def resumes(request: Request) -> bool:
+    """Whether a queued request goes on with work begun before: its KV elsewhere (``kv_source``)
+    or preempted. :func:`enqueue` keeps such requests ahead of the fresh ones."""
+    return bool(request.kv_source) or request.preempted
+
+
+def take_resuming(queue: deque) -> deque:
+    """The queue's head requests that :func:`resumes` (taken out; ``queue`` keeps the fresh ones
+    after them): a policy whose two sides hand off to each other runs them on the side that takes
+    hand-offs (Seesaw's decode side, DejaVu's token side), the rest on the other."""
+    taken: deque = deque()
+    while queue and resumes(queue[0]):
+        taken.append(queue.popleft())
+    return taken
 
 
 def withdraw(queue: Seq, request_ids: Iterable[int], running: dict[int, Sequence]) -> list[Completion]:

@@ -9,6 +9,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence as Seq
 
+from reshard.parallel.engine.admission import resumes
 from reshard.parallel.engine.config import EngineConfig
 from reshard.parallel.engine.policy import Policy
 from reshard.parallel.engine.prefix import WAIT
@@ -87,8 +88,8 @@ class ContinuousBatching(Policy):
         return self.layout
 
     def start(self, queue: deque) -> None:
-        if self.admission == "longest_first":  # stable: ties keep request order
-            ordered = sorted(queue, key=lambda r: -r.sampling.max_new_tokens)
+        if self.admission == "longest_first":  # stable: ties keep request order; resumed ones stay ahead
+            ordered = sorted(queue, key=lambda r: (not resumes(r), -r.sampling.max_new_tokens))
             queue.clear()
             queue.extend(ordered)
         if self.slots is None or not self.slots.idle():  # (an idle pool goes on: its cached prefixes too)

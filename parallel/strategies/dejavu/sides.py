@@ -23,6 +23,7 @@ from reshard.parallel.engine import (
     Step,
     StepOutput,
 )
+from reshard.parallel.engine.admission import take_resuming
 from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.runner import Replica
 from reshard.parallel.model.dims import ParallelDims
@@ -85,7 +86,7 @@ class LockstepSides(Policy):
     source, as a token group does, so a hand-off is one path whether the sides are groups or not
     and its requests wait in the engine's queue (``WAITING_FOR_KV``) until it landed on every rank
     (the ranks outside the token layout count theirs landed at once). Each step takes the queue's
-    requests for the token side (:func:`_for_token_side`) apart from the fresh prompts. The prompt
+    requests for the token side (:func:`take_resuming`) apart from the fresh prompts. The prompt
     side admits no more prompts than the token side has slots left (as when each request held a
     token slot from its admission)."""
 
@@ -116,20 +117,18 @@ class LockstepSides(Policy):
     def next_step(self, queue) -> Step:
         """A prompt step while the token side has slots its waiting requests leave free (and the
         connector staging slots), alternating with token steps; else a token step. The queue
-        keeps the token side's requests first (as :func:`~reshard.parallel.engine.admission.enqueue`
-        queues resumed ones), then the fresh prompts."""
-        token = self.token
-        resumed = deque(r for r in queue if _for_token_side(r))
-        fresh = deque(r for r in queue if not _for_token_side(r))
+        holds the token side's requests first (:func:`take_resuming`: resumed from a hand-off, or
+        preempted there), then the fresh prompts."""
+        token, resumed = self.token, take_resuming(queue)
         room = min(len(token.streamed.free), len(token.slots) - len(resumed))
-        if fresh and room > 0 and not (self._prefilled and (token.running or resumed)):
+        if queue and room > 0 and not (self._prefilled and (token.running or resumed)):
             self._prefilled = True
-            step = self.prompt.next_step(fresh, limit=room)
+            step = self.prompt.next_step(queue, limit=room)
+            assert not any(s.request.kv_source for s in step.seqs), "a resumed request reached the prompt side"
         else:
             self._prefilled = False
             step = token.next_step(resumed)
-        queue.clear()
-        queue.extend([*resumed, *fresh])  # (what each side left)
+        queue.extendleft(reversed(resumed))  # (what the token side left, ahead again)
         return step
 
     def after_step(self, step: Step, output: StepOutput) -> list[Handoff]:
@@ -171,12 +170,6 @@ class LockstepSides(Policy):
     def close(self) -> None:
         self.prompt.close()
         self.token.close()
-
-
-def _for_token_side(request: Request) -> bool:
-    """Whether a queued request runs on the token side: resumed from a hand-off (its KV source
-    names it) or preempted there (computed again there)."""
-    return bool(request.kv_source) or request.preempted
 
 
 # ---- the sides as engine groups (they run at the same time) ------------------------------------

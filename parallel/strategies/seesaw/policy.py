@@ -34,6 +34,7 @@ from reshard.parallel.engine import (
     Step,
     StepOutput,
 )
+from reshard.parallel.engine.admission import resumes, take_resuming
 from reshard.parallel.engine.channel import Handoff
 from reshard.parallel.engine.request import Request
 from reshard.parallel.engine.step import CacheMove, ReleaseKV, RestoreKV
@@ -41,12 +42,6 @@ from reshard.parallel.strategies.seesaw.schedulers import SchedState, make_sched
 from reshard.parallel.strategies.seesaw.switch import PHASES, LayoutSwitch, TransitionStats
 from reshard.parallel.strategies.seesaw.tier_kv import TIER, TierKV
 from reshard.shm import map_shared
-
-
-def _for_decode_side(request: Request) -> bool:
-    """Whether a queued request runs on the decode side: its KV in the tier or elsewhere (a
-    respawn's mirror), or preempted there (computed again there)."""
-    return bool(request.kv_source) or request.preempted
 
 
 # ---- the engine: a policy on the one loop ---------------------------------------------------------
@@ -142,14 +137,12 @@ class SeesawPolicy(ContinuousBatching):
     def next_step(self, queue: deque) -> Step:
         """The scheduler's phase; its layout is that phase's (a transition when it is not the
         active one: the engine makes it before the step). The engine's queue holds the decode
-        side's requests first (:func:`_for_decode_side`: KV in the tier or elsewhere, such as a
+        side's requests first (:func:`take_resuming`: KV in the tier or elsewhere, such as a
         respawn's mirror, or preempted there), then the fresh prompts, which are prefilled in the
-        prefill layout; each step takes the two apart and puts back what it left."""
-        buffered = deque(r for r in queue if _for_decode_side(r))
-        fresh = deque(r for r in queue if not _for_decode_side(r))
-        step = self._next_of(fresh, buffered)
-        queue.clear()
-        queue.extend([*buffered, *fresh])
+        prefill layout; each step takes the first apart and puts back what it left."""
+        buffered = take_resuming(queue)
+        step = self._next_of(queue, buffered)
+        queue.extendleft(reversed(buffered))
         return step
 
     def _next_of(self, fresh: deque, buffered: deque) -> Step:
@@ -221,6 +214,7 @@ class SeesawPolicy(ContinuousBatching):
             if not queue or (batch and n > budget) or not self.tiered.make_room(n):
                 break
             request = queue.popleft()
+            assert not resumes(request), f"request {request.id} resumes: it is the decode side's"
             self.tier.allocate(request.id, n)
             budget -= n
             self.stats.prefix_cache_queries += n if self.share_prompts else 0
@@ -325,7 +319,7 @@ class SeesawPolicy(ContinuousBatching):
             self.stats.prefix_cache_queries -= len(request.prompt_ids)
             self.stats.prefix_cache_hits -= self.tiered.matched.get(request.id, len(request.prompt_ids) - 1)
             self.tiered.drop(request.id)
-        first_fresh = next((i for i, r in enumerate(queue) if not _for_decode_side(r)), len(queue))
+        first_fresh = next((i for i, r in enumerate(queue) if not resumes(r)), len(queue))
         for request in reversed(stale):  # (the head of the fresh prompts, in order)
             queue.insert(first_fresh, dataclasses.replace(request, kv_source=""))
 
