@@ -275,7 +275,9 @@ def resumes(request: Request) -> bool:
 def take_resuming(queue: deque) -> deque:
     """The queue's head requests that :func:`resumes` (taken out; ``queue`` keeps the fresh ones
     after them): a policy whose two sides hand off to each other runs them on the side that takes
-    hand-offs (Seesaw's decode side, DejaVu's token side), the rest on the other."""
+    hand-offs (Seesaw's decode side, DejaVu's token side), the rest on the other. Every request
+    enters the queue through :func:`enqueue`, a policy's own requeues at the head of its side's
+    part, or ``longest_first``'s order, which all keep such requests ahead of the fresh ones."""
     taken: deque = deque()
     while queue and resumes(queue[0]):
         taken.append(queue.popleft())

@@ -126,7 +126,7 @@ class Policy:
         """``seq`` finished: release what it holds."""
 
     schedules_ahead = False  # whether ahead / confirm run (async scheduling)
-    hands_off_to_itself = False  # its hand-offs are its own group's (DejaVu's lockstep sides)
+    hands_off_to_itself = False  # its hand-offs are its own group's (DejaVu's lockstep sides, Seesaw)
 
     def requeue_unstarted(self, queue: deque) -> None:
         """The weights changed: a request admitted onto cached KV that no step has run yet goes

@@ -120,6 +120,7 @@ class LockstepSides(Policy):
         holds the token side's requests first (:func:`take_resuming`: resumed from a hand-off, or
         preempted there), then the fresh prompts."""
         token, resumed = self.token, take_resuming(queue)
+        token.count()  # (the connector's counters, the last hand-off received since)
         room = min(len(token.streamed.free), len(token.slots) - len(resumed))
         if queue and room > 0 and not (self._prefilled and (token.running or resumed)):
             self._prefilled = True
@@ -141,7 +142,6 @@ class LockstepSides(Policy):
         for handoff in [h for h in handoffs if not h.open]:
             self.token.streamed.receive(handoff)
             self.token.streamed.land(f"{handoff.source}:{handoff.tag}")
-        self.token.count()
         return [h for h in handoffs if h.open]
 
     def retire(self, seq) -> None:

@@ -102,9 +102,12 @@ class TierKV(KVConnector):
         else:
             self.tier.free(entry)
 
-    def receive(self, handoff: Handoff) -> list[tuple[Request, str]]:
+    def receive(self, handoff: Handoff) -> list[tuple[Request, str]] | None:
         """A prefill step's hand-off to the decode side (its own group's): each request that
-        runs on, resumed after its tokens so far (a sibling as it came), its KV source the tier."""
+        runs on, resumed after its tokens so far (a sibling as it came), its KV source the tier.
+        None for another group's hand-off (its source not its target): not this tier's."""
+        if handoff.source != handoff.target:
+            return None
         rows = zip(handoff.requests, handoff.tokens, handoff.finished)
         return [(r.resume(list(tokens)) if tokens else r, TIER) for r, tokens, done in rows if not done]
 
