@@ -242,11 +242,14 @@ def _hf_logprobs(path, prompt, new_tokens, k):
     return tokens, [(lp[t].item(), top) for lp, t, top in zip(lps, tokens, pairs)]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel=dejavu"]], ids=["tp2", "dejavu"])
+@pytest.mark.parametrize(
+    "layout", [["parallel.tp=2"], ["parallel=dejavu"], ["parallel=seesaw"]], ids=["tp2", "dejavu", "seesaw"]
+)
 def test_logprobs_equal_hf_generates_raw_logits(checkpoints, tmp_path, layout):
-    """``generation.logprobs=3`` on 2 ranks (TP2; DejaVu 1+1, whose first token's log-probabilities
-    travel with the hand-off): each output token's log-probability and its top 3 as HF's
-    ``output_logits`` give them (ids equal, values within fp32 reduction error)."""
+    """``generation.logprobs=3`` on 2 ranks (TP2; DejaVu 1+1 and Seesaw PP2 -> TP2, whose first
+    token's log-probabilities travel with the hand-off to the other side): each output token's
+    log-probability and its top 3 as HF's ``output_logits`` give them (ids equal, values within
+    fp32 reduction error)."""
     path, prompts = checkpoints["llama"], [[5, 9, 11, 2, 7], [40, 41, 42]]
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))

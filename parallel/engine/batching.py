@@ -165,6 +165,9 @@ class ContinuousBatching(Policy):
             self._assign(seq)
             self.unstarted[seq.request.id] = seq
         self.running[seq.request.id] = seq
+        carried = self.connector.carried(seq.request.id)
+        if carried is not None:  # resumed from a hand-off: its marks and log-probabilities so far go on
+            seq.times, seq.logprobs = list(carried[0]), list(carried[1])
         earlier = self.held.pop(seq.request.id, None)
         if earlier is not None:  # a preempted request runs again: what it had goes on
             seq.logprobs, seq.times, seq.cached_tokens = earlier.logprobs, earlier.times, earlier.cached_tokens

@@ -69,6 +69,12 @@ class KVConnector:
         """``request``, added with this connector's KV source, ended before its KV was loaded (an
         abort): what it holds here goes back (its KV still lands, awaited by no one)."""
 
+    def carried(self, request_id: int) -> tuple[tuple, tuple] | None:
+        """The wall-clock marks and log-probabilities a request received here (a hand-off's)
+        carried from where it began, once, when it is admitted: its sequence continues them
+        (None: none, or asked already)."""
+        return None
+
     def arriving(self) -> bool:
         """Whether KV is still on its way that no queued request awaits (a hand-off whose
         sequences all finished at their first token): the group lands it before it ends."""
@@ -153,6 +159,9 @@ class KVConnectors(KVConnector):
     def forget(self, request: Request) -> None:
         for c in self.members:
             c.forget(request)
+
+    def carried(self, request_id: int) -> tuple[tuple, tuple] | None:
+        return next((m for m in (c.carried(request_id) for c in self.members) if m is not None), None)
 
     def arriving(self) -> bool:
         return any(c.arriving() for c in self.members)

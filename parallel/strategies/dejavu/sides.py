@@ -204,13 +204,5 @@ class TokenSide(ContinuousBatching):
         s.streamed_bytes, s.stream_wait_seconds, s.handoffs_loaded = kv.bytes, kv.wait_seconds, kv.loads
         s.streamed_tokens, s.kept_tokens_reused, s.kept_misses = kv.positions, kv.reused, kv.misses
 
-    def _take(self, queue, within=None):
-        """The waiting head into a slot with its KV; it continues its prompt group's marks and log-probabilities."""
-        seq = super()._take(queue, within)
-        carried = None if seq is None else self.streamed.carried(seq.request.id)
-        if carried is not None:
-            seq.times, seq.logprobs = list(carried[0]), list(carried[1])
-        return seq
-
     def close(self) -> None:
         self.streamed.close()

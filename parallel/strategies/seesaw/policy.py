@@ -70,10 +70,10 @@ class SeesawPolicy(ContinuousBatching):
     Every rank runs the same scheduler on the same state, so phases, batches and tier allocations
     agree without messages. A prefill batch alternates over the prefill layout's dp replicas; a
     request's KV goes out to the tier right after its prefill, on a background thread that
-    overlaps the next prefill step, and the request waits (resumed after its first token, its
-    marks kept) for the decode side: continuous batching over the decode layout's slots
-    (:class:`ContinuousBatching`), whose admission loads it through the engine's connector
-    (:class:`TierKV`). At each transition the weights move (:class:`LayoutSwitch`) and the
+    overlaps the next prefill step, and the request is handed to the decode side (resumed after
+    its first token, its marks carried: the engine adds it, in its queue): continuous batching
+    over the decode layout's slots (:class:`ContinuousBatching`), whose admission loads it
+    through the engine's connector (:class:`TierKV`). At each transition the weights move (:class:`LayoutSwitch`) and the
     phase left behind gives its KV cache up where it can (cache moves the engine makes).
     """
 
@@ -131,7 +131,6 @@ class SeesawPolicy(ContinuousBatching):
 
     def start(self, queue: deque) -> None:
         super().start(queue)
-        self.marks: dict[int, tuple[tuple, tuple]] = {}  # request id -> its prefill's times and logprobs
         self.siblings: dict[int, list[Request]] = {}  # a request in a prefill step -> those its prompt serves
 
     def next_step(self, queue: deque) -> Step:
@@ -251,18 +250,17 @@ class SeesawPolicy(ContinuousBatching):
         if step.layout == "decode":
             return []
         mine = [s for s in step.seqs if s.replica == self.prefill.replica.rank]
-        rows: list[tuple[Request, tuple[int, ...], bool]] = []  # (request, its tokens, finished)
+        rows: list[tuple] = []  # (request, its tokens, finished, its marks, its log-probabilities)
         for s in step.seqs:
-            if s.finish_reason is None:
-                self.marks[s.request.id] = (tuple(s.times), tuple(s.logprobs))
-            rows.append((s.request, tuple(s.output), s.finish_reason is not None))
+            rows.append((s.request, tuple(s.output), s.finish_reason is not None, tuple(s.times), tuple(s.logprobs)))
             siblings = self.siblings.pop(s.request.id, [])
             if siblings:
                 self.tiered.share(s.request.id, [r.id for r in siblings], leader_loads=s.finish_reason is None)
-                rows += [(r, (), False) for r in siblings]
+                rows += [(r, (), False, (), ()) for r in siblings]
         self._swap_out(step, mine)
-        requests, tokens, finished = zip(*rows) if rows else ((), (), ())
-        return [Handoff(0, 0, self.stats.prefill_steps, requests, tokens, finished)]  # (group 0 to itself)
+        requests, tokens, finished, times, logprobs = zip(*rows) if rows else ((),) * 5
+        handoff = Handoff(0, 0, self.stats.prefill_steps, requests, tokens, finished, times, logprobs)
+        return [handoff]  # (from this group to itself: TierKV takes it)
 
     def _swap_out(self, step: Step, mine: list[Sequence]) -> None:
         """The tier's books of the step's prompts (every rank's: the tier is one), and this rank's
@@ -297,14 +295,6 @@ class SeesawPolicy(ContinuousBatching):
         self._changed_over = True
         return Step([], [], "decode", moves=self._cache_moves("decode"))
 
-    def _take(self, queue: deque, within: range | None = None) -> Sequence | None:
-        """The waiting head into a decode slot with its KV; it continues its prefill's marks."""
-        seq = super()._take(queue, within)
-        if seq is not None and seq.request.id in self.marks:
-            times, logprobs = self.marks.pop(seq.request.id)
-            seq.times, seq.logprobs = list(times), list(logprobs)
-        return seq
-
     def requeue_unstarted(self, queue: deque) -> None:
         """The weights changed: a sibling not loaded yet would take its prompt's KV of the old
         weights from the tier; it goes back to the head of the queue (prefilled anew), as the
@@ -335,10 +325,8 @@ class SeesawPolicy(ContinuousBatching):
         them and the tier's connector drops the hold (:meth:`TierKV.forget`); their swap-outs
         are written first (a hold dropped may free or keep an entry). None waits here."""
         super().withdraw(request_ids)
-        if any(rid in self.marks or rid in self.tiered.entry_of for rid in request_ids):
+        if any(rid in self.tiered.marks or rid in self.tiered.entry_of for rid in request_ids):
             self._wait_swap_outs(everything=True)
-        for rid in request_ids:
-            self.marks.pop(rid, None)
         return []
 
     def retire(self, seq: Sequence) -> None:

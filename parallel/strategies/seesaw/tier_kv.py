@@ -50,6 +50,8 @@ class TierKV(KVConnector):
         self.holders: dict[object, int] = {}
         # a request started from a retained prompt -> the positions it shares
         self.matched: dict[int, int] = {}
+        # a request handed to the decode side -> its prefill's marks and log-probabilities
+        self.marks: dict[int, tuple[tuple, tuple]] = {}
         # an entry computed under the current weights -> its prompt
         self.prompts: dict[object, tuple[int, ...]] = {}
         # prompt -> its retained entry, ("retained", n)
@@ -108,8 +110,13 @@ class TierKV(KVConnector):
         None for another group's hand-off (its source not its target): not this tier's."""
         if handoff.source != handoff.target:
             return None
-        rows = zip(handoff.requests, handoff.tokens, handoff.finished)
-        return [(r.resume(list(tokens)) if tokens else r, TIER) for r, tokens, done in rows if not done]
+        rows = [row for row in zip(*_columns(handoff)) if not row[2]]
+        self.marks.update((r.id, (times, logprobs)) for r, _, _, times, logprobs in rows)
+        return [(r.resume(list(tokens)) if tokens else r, TIER) for r, tokens, *_ in rows]
+
+    def carried(self, request_id: int) -> tuple[tuple, tuple] | None:
+        """A prefilled request's marks and log-probabilities from its prefill step, once."""
+        return self.marks.pop(request_id, None)
 
     def forget(self, request: Request) -> None:
         """An aborted request that waited for the decode side: its hold on the tier's KV goes."""
@@ -120,6 +127,7 @@ class TierKV(KVConnector):
         """A request that waits for the decode side leaves it (aborted, or requeued): its hold on
         the tier's KV goes."""
         self.matched.pop(request_id, None)
+        self.marks.pop(request_id, None)
         self.release(self.entry_of.pop(request_id, request_id))
 
     def could_fit(self, num_tokens: int) -> bool:
@@ -171,3 +179,11 @@ class TierKV(KVConnector):
             self.stats.swap_in_tokens += loaded
             self.stats.swap_seconds += time.perf_counter() - t0
         self.release(entry)
+
+
+def _columns(handoff: Handoff) -> tuple:
+    """``handoff``'s requests, tokens, finished flags, marks and log-probabilities (blank where
+    it carries none)."""
+    n = len(handoff.requests)
+    times, logprobs = handoff.times or ((),) * n, handoff.logprobs or ((),) * n
+    return handoff.requests, handoff.tokens, handoff.finished, times, logprobs
