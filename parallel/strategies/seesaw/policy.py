@@ -73,8 +73,9 @@ class SeesawPolicy(ContinuousBatching):
     overlaps the next prefill step, and the request is handed to the decode side (resumed after
     its first token, its marks carried: the engine adds it, in its queue): continuous batching
     over the decode layout's slots (:class:`ContinuousBatching`), whose admission loads it
-    through the engine's connector (:class:`TierKV`). At each transition the weights move (:class:`LayoutSwitch`) and the
-    phase left behind gives its KV cache up where it can (cache moves the engine makes).
+    through the engine's connector (:class:`TierKV`). At each transition the weights move
+    (:class:`LayoutSwitch`) and the phase left behind gives its KV cache up where it can (cache
+    moves the engine makes).
     """
 
     stats_cls = SeesawStats
