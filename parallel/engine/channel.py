@@ -92,6 +92,13 @@ class Handoff:
     leaders: tuple[int, ...] = ()
     lease: object = None  # DejaVu: the token group's kept prompts for it (dejavu.lease.Lease; None: none)
 
+    def rows(self) -> list[tuple]:
+        """Each sequence's ``(request, tokens, finished, times, logprobs)`` (blank marks and
+        log-probabilities where the hand-off carries none)."""
+        n = len(self.requests)
+        times, logprobs = self.times or ((),) * n, self.logprobs or ((),) * n
+        return list(zip(self.requests, self.tokens, self.finished, times, logprobs))
+
     def streamed(self) -> list[int]:
         """Indices of the requests whose KV streams (in the stream's order)."""
         return [i for i in range(len(self.requests)) if not self.leaders or self.leaders[i] == i]

@@ -104,13 +104,7 @@ class StreamedKV(KVConnector):
         its sequences, hand-offs in the order they came); its requests that run on, resumed after
         their tokens so far, each with the hand-off's key ``"<prompt group>:<tag>"`` as KV source."""
         key = f"{handoff.source}:{handoff.tag}"
-        n = len(handoff.requests)
-        times, logprobs = handoff.times or ((),) * n, handoff.logprobs or ((),) * n
-        rows = [
-            row
-            for row, done in zip(zip(handoff.requests, handoff.tokens, times, logprobs), handoff.finished)
-            if not done
-        ]
+        rows = [(r, tokens, marks, lps) for r, tokens, done, marks, lps in handoff.rows() if not done]
         self.marks.update((r.id, (marks, lps)) for r, _, marks, lps in rows)
         self.unposted[key] = (handoff, {r.id for r, *_ in rows})
         self._post_ready()

@@ -110,7 +110,7 @@ class TierKV(KVConnector):
         None for another group's hand-off (its source not its target): not this tier's."""
         if handoff.source != handoff.target:
             return None
-        rows = [row for row in zip(*_columns(handoff)) if not row[2]]
+        rows = [row for row in handoff.rows() if not row[2]]
         self.marks.update((r.id, (times, logprobs)) for r, _, _, times, logprobs in rows)
         return [(r.resume(list(tokens)) if tokens else r, TIER) for r, tokens, *_ in rows]
 
@@ -179,11 +179,3 @@ class TierKV(KVConnector):
             self.stats.swap_in_tokens += loaded
             self.stats.swap_seconds += time.perf_counter() - t0
         self.release(entry)
-
-
-def _columns(handoff: Handoff) -> tuple:
-    """``handoff``'s requests, tokens, finished flags, marks and log-probabilities (blank where
-    it carries none)."""
-    n = len(handoff.requests)
-    times, logprobs = handoff.times or ((),) * n, handoff.logprobs or ((),) * n
-    return handoff.requests, handoff.tokens, handoff.finished, times, logprobs
