@@ -4,6 +4,7 @@ rank that failed first (the others' tracebacks go to the run directory's ``ranks
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import os
@@ -151,80 +152,121 @@ def hydra_main(config_name: str, run: Callable[..., Any], *, drains: bool = Fals
     launcher forwards it to, sets the event passed as ``run``'s third argument instead of
     interrupting (the job drains and ends itself); on another rank it is the launcher stopping the
     job, and Ctrl-C interrupts, as in every job."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import HydraException
-    from omegaconf import DictConfig
-    from omegaconf.errors import OmegaConfBaseException
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from reshard.recipes import schema
+    stops = _Stops(drains)
+    main = _hydra_entry(config_name, run, stops)
+    # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
+    record(lambda: _rank_job(main, stops), error_handler=_WholeErrorFile())()
 
-    stopping = threading.Event()  # set by SIGINT / SIGTERM before the KeyboardInterrupt they raise
-    terminated = threading.Event()  # set by SIGTERM: the launcher stopping the job (a peer failed, or Ctrl-C)
-    failing = threading.Event()  # set once this rank handles a failure: a stop only sets `stopping`
-    drain = threading.Event()  # drains: set by SIGTERM on rank 0
 
-    def _stop(signum: int, frame: object) -> None:
-        if failing.is_set():  # on its way out already: the stop is the launcher's, ending the job
-            stopping.set()
+@dataclasses.dataclass
+class _Stops:
+    """What a rank's SIGINT / SIGTERM handler (:meth:`handle`) has seen. ``stopping``: set before
+    the KeyboardInterrupt a stop raises; ``terminated``: SIGTERM, the launcher stopping the job (a
+    peer failed, or Ctrl-C); ``failing``: this rank handles a failure (a stop then only sets
+    ``stopping``); ``drain``: a server's SIGTERM on rank 0 (``drains``)."""
+
+    drains: bool
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    terminated: threading.Event = dataclasses.field(default_factory=threading.Event)
+    failing: threading.Event = dataclasses.field(default_factory=threading.Event)
+    drain: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def install(self) -> None:
+        """Handle Ctrl-C and a launcher stopping the ranks."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.failing.is_set():  # on its way out already: the stop is the launcher's, ending the job
+            self.stopping.set()
             return
-        if drains and signum == signal.SIGTERM and os.environ.get("RANK", "0") == "0":
-            drain.set()
+        if self.drains and signum == signal.SIGTERM and os.environ.get("RANK", "0") == "0":
+            self.drain.set()
             return
-        stopping.set()
+        self.stopping.set()
         if signum == signal.SIGTERM:
-            terminated.set()
+            self.terminated.set()
         raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads), on SIGTERM too
+
+
+def _hydra_entry(config_name: str, run: Callable[..., Any], stops: _Stops) -> Callable[[], None]:
+    """``run`` under ``@hydra.main`` (config ``conf/<config_name>.yaml``): a stop or an exception
+    it raises leaves through :class:`SystemExit` with the rank's exit status."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    from reshard.recipes import schema
 
     @hydra.main(version_base=None, config_path="../conf", config_name=config_name)
     def _main(cfg: DictConfig) -> None:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
-            run(schema.to_dataclass(cfg), run_dir, *([drain] if drains else []))
+            run(schema.to_dataclass(cfg), run_dir, *([stops.drain] if stops.drains else []))
         except KeyboardInterrupt as stop:
-            _stopped(stop, run_dir, stopping, failing, by_launcher=terminated.is_set())
+            _stopped(stop, run_dir, stops.stopping, stops.failing, by_launcher=stops.terminated.is_set())
         except Exception as e:
-            if stopping.is_set():  # a collective cut short by a peer that stopped first: the same interruption
-                _interrupted(run_dir)
-            failing.set()
-            if isinstance(e, ValueError):  # a user error: one line, not a traceback per rank
-                raise SystemExit(_user_error(str(e), stopping)) from None
-            raise SystemExit(_failed(e, run_dir, stopping)) from None
+            _raised(e, run_dir, stops)
 
-    # under torchrun, its failure report names this rank's exception (not "error_file: <N/A>")
-    @functools.partial(record, error_handler=_WholeErrorFile())
-    def _job() -> None:
-        freeze_heap()
-        overrides = sys.argv[1:]
-        schema.register(overrides)
-        for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a launcher stopping the ranks
-            signal.signal(signum, _stop)
-        sys.unraisablehook = functools.partial(_quiet_interrupt, sys.unraisablehook)
-        init_distributed(fork_server=_supervised_preload(overrides))
-        sys.argv += hydra_rank_overrides(overrides)
-        os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
-        code = 0
-        try:
-            _main()
-        except (HydraException, OmegaConfBaseException) as e:
-            if stopping.is_set():  # a stop landing in Hydra's composition, which OmegaConf wraps: not a user error
-                code = EXIT_INTERRUPTED
-            else:
-                failing.set()
-                code = _user_error(schema.one_line(e, schema.overrides_given(overrides)), stopping)
-        except KeyboardInterrupt:
-            code = EXIT_INTERRUPTED
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) or e.code is None else 1
-        finally:
-            end_groups()
-        if code:  # cleaned up above; skip the C++ teardown (a collective cut short, a backend's thread
-            sys.stdout.flush()  # still alive: "terminate called without an active exception")
-            sys.stderr.flush()
-            os._exit(code)
+    return _main
 
-    _job()
+
+def _raised(e: Exception, run_dir: Path, stops: _Stops) -> NoReturn:
+    """The job raised ``e`` (called in its ``except`` block): a user error (``ValueError``) is one
+    line, another a line and its traceback in ``ranks.log``; a collective cut short by a peer that
+    stopped first is the same interruption."""
+    if stops.stopping.is_set():
+        _interrupted(run_dir)
+    stops.failing.set()
+    if isinstance(e, ValueError):  # a user error: one line, not a traceback per rank
+        raise SystemExit(_user_error(str(e), stops.stopping)) from None
+    raise SystemExit(_failed(e, run_dir, stops.stopping)) from None
+
+
+def _rank_job(main: Callable[[], None], stops: _Stops) -> None:
+    """This rank's part of the job: its process group, Hydra's composition and ``main``; a
+    failing rank leaves with its exit status, skipping the C++ teardown."""
+    from reshard.recipes import schema
+
+    freeze_heap()
+    overrides = sys.argv[1:]
+    schema.register(overrides)
+    stops.install()
+    sys.unraisablehook = functools.partial(_quiet_interrupt, sys.unraisablehook)
+    init_distributed(fork_server=_supervised_preload(overrides))
+    sys.argv += hydra_rank_overrides(overrides)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors come here, not Hydra's report per rank
+    code = _exit_code(main, stops, overrides)
+    if code:  # cleaned up already; skip the C++ teardown (a collective cut short, a backend's thread
+        sys.stdout.flush()  # still alive: "terminate called without an active exception")
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _exit_code(main: Callable[[], None], stops: _Stops, overrides: list[str]) -> int:
+    """Run ``main``; the rank's exit status (0: the job ended well). The process groups end here
+    whatever happened."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from reshard.recipes import schema
+
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if stops.stopping.is_set():  # a stop landing in Hydra's composition, which OmegaConf wraps: not a user error
+            return EXIT_INTERRUPTED
+        stops.failing.set()
+        return _user_error(schema.one_line(e, schema.overrides_given(overrides)), stops.stopping)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else int(e.code is not None)  # (a message: 1)
+    finally:
+        end_groups()
+    return 0
 
 
 def _user_error(message: str, stopped: threading.Event) -> int:
