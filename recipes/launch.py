@@ -70,7 +70,9 @@ def init_distributed(fork_server: Sequence[str] | None = None) -> None:
     if fork_server is not None:  # (with the environment its children read set)
         from reshard.parallel.fault.fork_server import fork_server as fork
 
-        fork(fork_server)
+        # rank 0 loads the tokenizer itself (the outputs' text, a server's prompts): it imports the
+        # preload (transformers) before the fork, and its server inherits it
+        fork(fork_server, here=os.environ["RANK"] == "0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -446,6 +446,46 @@ def test_a_rank_forks_its_fork_server_with_its_imports_and_the_server_ends_with_
     assert _state(int(server)) == "Z"
 
 
+_RANK_0 = """
+import multiprocessing as mp, os, sys
+sys.path.insert(0, sys.argv[1])
+from reshard.recipes.launch import init_distributed
+
+init_distributed(fork_server=["marker"])  # alone: rank 0, which loads the tokenizer itself
+server = mp.forkserver._forkserver._forkserver_pid
+import marker  # (imported already: no second line in imports.txt)
+child = mp.get_context("forkserver").Process(target=marker.report, args=(sys.argv[1],))
+child.start()
+child.join()
+print(os.getpid(), server, child.exitcode)
+"""
+
+
+@pytest.mark.skipif(
+    __import__("torch").version.cuda is not None or __import__("torch").version.hip is not None,
+    reason="a CUDA or ROCm build starts its server afresh",
+)
+def test_rank_0_imports_the_preload_before_its_fork_server_and_the_server_inherits_it(tmp_path):
+    """Rank 0 needs the preload itself (transformers, for the tokenizer at the job's end): it
+    imports it before forking its server, once, and the server's children have it, instead of
+    the server importing it and rank 0 importing it again as the job ends."""
+    (tmp_path / "marker.py").write_text(
+        "import os, sys\n"
+        "open(os.path.join(os.path.dirname(__file__), 'imports.txt'), 'a').write(f'{os.getpid()}\\n')\n"
+        "def report(d):\n"
+        "    open(os.path.join(d, 'child.txt'), 'w').write(f'{os.getppid()} {\"marker\" in sys.modules}')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RANK_0, str(tmp_path)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rank, server, code = proc.stdout.split()
+    assert code == "0"
+    assert (tmp_path / "imports.txt").read_text().split() == [rank]  # by rank 0, before the fork, once
+    assert (tmp_path / "child.txt").read_text() == f"{server} True"  # the server's child has it
+
+
 def test_the_fork_server_preloads_what_the_command_line_names(tmp_path):
     """Only a supervised job's ranks fork a server; it preloads the model's modules (from the
     checkpoint's config.json; without model.path, the built-in Llama's) with the collector

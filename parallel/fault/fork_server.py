@@ -12,6 +12,7 @@ multiprocessing's own.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import signal
@@ -32,17 +33,21 @@ def frozen_preload(modules: Sequence[str]) -> tuple[str, ...]:
     return (PAUSED, *modules, FROZEN)
 
 
-def fork_server(preload: Sequence[str] = ()) -> bool:
+def fork_server(preload: Sequence[str] = (), here: bool = False) -> bool:
     """Fork multiprocessing's fork server from this process, with ``preload`` (modules) imported
-    in it; call it before this process starts threads (its process group). Returns whether it
-    did: False where a server runs already, where this Python's server takes more than the
+    in it; call it before this process starts threads (its process group). ``here``: import them
+    in this process first, which needs them itself (the server then inherits them: once, not
+    twice); else the server imports them while this process goes on. Returns whether it forked
+    the server: False where a server runs already, where this Python's server takes more than the
     listener and the alive pipe, or with a CUDA or ROCm build of torch (then multiprocessing
-    starts one itself when first asked)."""
+    starts one itself when first asked, and ``here`` imports nothing)."""
     server = forkserver._forkserver
     if server._forkserver_pid is not None or tuple(inspect.signature(forkserver.main).parameters) != _MAIN_PARAMETERS:
         return False
     if torch.version.cuda is not None or torch.version.hip is not None:  # a fork of a process that
         return False  # touched the driver cannot use the device: the server starts afresh there
+    for module in preload if here else ():
+        importlib.import_module(module)
     resource_tracker.ensure_running()  # its own process, as multiprocessing starts it for a server
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
