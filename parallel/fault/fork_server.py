@@ -12,6 +12,7 @@ multiprocessing's own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -47,7 +48,8 @@ def fork_server(preload: Sequence[str] = (), here: bool = False) -> bool:
     if torch.version.cuda is not None or torch.version.hip is not None:  # a fork of a process that
         return False  # touched the driver cannot use the device: the server starts afresh there
     for module in preload if here else ():
-        importlib.import_module(module)
+        with contextlib.suppress(ImportError):  # (a guess that misses, skipped as the server skips it)
+            importlib.import_module(module)
     resource_tracker.ensure_running()  # its own process, as multiprocessing starts it for a server
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
