@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from reshard.recipes.exits import (  # noqa: F401 (public here too)
     finished_so_far,
     freeze_heap,
 )
+
+if TYPE_CHECKING:
+    from reshard.parallel.fault.fork_server import NodeShare
 
 TIMEOUT_ENV = "RESHARD_COLLECTIVE_TIMEOUT"  # seconds any collective may wait (default 600)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads a failed rank's exception
@@ -67,12 +70,8 @@ def init_distributed(fork_server: Sequence[str] | None = None) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if fork_server is not None:  # (with the environment its children read set)
-        from reshard.parallel.fault.fork_server import fork_server as fork
-
-        # rank 0 loads the tokenizer itself (the outputs' text, a server's prompts): it imports the
-        # preload (transformers) before the fork, and its server inherits it
-        fork(fork_server, here=os.environ["RANK"] == "0")
+    share = _node_share() if fork_server is not None else None
+    handout = _fork_server(fork_server, share) if fork_server is not None else None
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -80,8 +79,45 @@ def init_distributed(fork_server: Sequence[str] | None = None) -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
         kw = dict(store=_attempt_store(), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, timeout=collective_timeout(), **kw)
+    if share is not None:  # every rank joined: the node's first hands its server to the others
+        from reshard.parallel.fault.fork_server import attach, hand_out
+
+        timeout = collective_timeout().total_seconds()
+        if share.first:
+            hand_out(handout, share, timeout)
+        else:
+            attach(share, timeout)
     if dist.get_world_size() > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+
+
+def _fork_server(preload: Sequence[str], share: NodeShare | None) -> socket.socket | None:
+    """Fork this rank's fork server with ``preload`` (a supervised rank's modules), before its
+    process group starts threads; where the node's ranks share one (``share``), only the first
+    forks it, and the listener it hands it out at comes back. Rank 0 loads the tokenizer itself
+    (the outputs' text, a server's prompts): it imports the preload (transformers) before the
+    fork, and its server inherits it."""
+    from reshard.parallel.fault.fork_server import fork_node_server, fork_server
+
+    here = os.environ["RANK"] == "0"
+    if share is None:
+        fork_server(preload, here)
+        return None
+    return fork_node_server(preload, here, share) if share.first else None
+
+
+def _node_share() -> NodeShare | None:
+    """How this node's ranks share one fork server: torchrun's local ranks are its agent's
+    children (the agent's pid, with the attempt, names where the first hands it out), on Linux
+    (an abstract socket name). None for a rank alone on its node."""
+    from reshard.parallel.fault.fork_server import NodeShare
+    from reshard.parallel.fault.restart import restart_count
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks < 2 or not sys.platform.startswith("linux"):
+        return None
+    address = f"\0reshard-fork-server-{os.getppid()}-{restart_count()}"
+    return NodeShare(address, ranks, first=os.environ["LOCAL_RANK"] == "0")
 
 
 def _attempt_store() -> dist.Store:

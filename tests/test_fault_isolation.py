@@ -488,6 +488,70 @@ def test_rank_0_imports_the_preload_before_its_fork_server_and_the_server_inheri
     assert (tmp_path / "child.txt").read_text() == f"{server} True"  # the server's child has it
 
 
+_NODE = """
+import multiprocessing as mp, os, sys
+sys.path.insert(0, sys.argv[1])
+from reshard.recipes.launch import init_distributed
+from reshard.parallel.fault.fork_server import FromParent
+
+init_distributed(fork_server=["marker"])
+import marker  # (the target's module: rank 0 imported it already)
+child = mp.get_context("forkserver").Process(target=marker.report, args=(sys.argv[1], FromParent()))
+child.start()
+child.join()
+print(os.environ["RANK"], os.getpid(), child.exitcode, flush=True)
+"""
+
+
+@pytest.mark.skipif(
+    __import__("torch").version.cuda is not None or __import__("torch").version.hip is not None,
+    reason="a CUDA or ROCm build starts its server afresh",
+)
+def test_a_nodes_ranks_share_one_fork_server_and_each_child_has_its_ranks_environment_and_output(tmp_path):
+    """Under torchrun, the first local rank forks the node's server and the other ranks start
+    their children from it: the preload is imported by rank 0 alone (a server per rank would
+    import it again), both children have the same parent, and each child runs with the
+    environment and stdout of the rank that asked for it, not the server's."""
+    (tmp_path / "marker.py").write_text(
+        "import os, sys\n"
+        "open(os.path.join(os.path.dirname(__file__), 'imports.txt'), 'a').write(f'{os.getpid()}\\n')\n"
+        "def report(d, parent):\n"
+        "    parent.apply()\n"
+        "    rank = os.environ['RANK']\n"
+        "    open(os.path.join(d, f'child{rank}.txt'), 'w').write(f'{os.getppid()} {\"marker\" in sys.modules}')\n"
+        "    print(f'the child of rank {rank}', flush=True)\n"
+    )
+    (tmp_path / "node.py").write_text(_NODE)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--tee", "3"]
+    proc = subprocess.run(
+        [*command, str(tmp_path / "node.py"), str(tmp_path)], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "[default0]:the child of rank 0" in lines and "[default1]:the child of rank 1" in lines, lines
+    ends = [m.groups() for m in map(re.compile(r"\[default(\d)\]:(\d) (\d+) (-?\d+)$").match, lines) if m]
+    assert sorted((local, rank, code) for local, rank, _, code in ends) == [("0", "0", "0"), ("1", "1", "0")], lines
+    pids = {rank: pid for _, rank, pid, _ in ends}
+    assert sorted((tmp_path / "imports.txt").read_text().split()) == sorted(pids.values())  # no server imported it
+    server0, server1 = ((tmp_path / f"child{r}.txt").read_text() for r in "01")
+    assert server0 == server1 and server0.endswith(" True")  # one server, which holds the preload
+    assert server0.split()[0] not in pids.values()
+
+
+def test_a_rank_with_no_node_server_to_take_keeps_multiprocessings_own():
+    """A local rank whose node has no shared server (its first rank forked none) takes nothing
+    and leaves multiprocessing to start its own server when first asked."""
+    code = (
+        "import multiprocessing as mp, os\n"
+        "from reshard.parallel.fault.fork_server import NodeShare, attach\n"
+        "share = NodeShare(f'\\0reshard-test-nobody-{os.getpid()}', ranks=2, first=False)\n"
+        "print(attach(share, timeout=5.0), mp.forkserver._forkserver._forkserver_address)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "None"]
+
+
 def test_the_fork_server_preloads_what_the_command_line_names(tmp_path):
     """Only a supervised job's ranks fork a server; it preloads the model's modules (from the
     checkpoint's config.json; without model.path, the built-in Llama's) with the collector

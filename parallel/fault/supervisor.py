@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from reshard.parallel.fault.fork_server import frozen_preload
+from reshard.parallel.fault.fork_server import FromParent, frozen_preload
 
 POLL_S = 0.05  # how often a supervisor looks at its child and its group's generation
 PEER_GRACE_S = 1.0  # a child that raised is a peer's casualty if its group moves on within this
@@ -313,7 +313,7 @@ class _Spare:
     def __init__(self, name: str, warm: tuple[str, ...]) -> None:
         ctx = _context(warm)
         self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=_spare_main, args=(theirs, warm), name=name, daemon=True)
+        self.process = ctx.Process(target=_spare_main, args=(theirs, warm, FromParent()), name=name, daemon=True)
         self.process.start()
         self.started_at = time.time()
         self.warmed_at: float | None = None  # set when it is handed work after its imports
@@ -345,19 +345,22 @@ class _Spare:
 def _context(warm: tuple[str, ...]) -> mp.context.BaseContext:
     """How children start: forked from this process's fork server, which imported the main
     module and ``warm`` once (a spawned child imports torch anew: seconds of CPU each). The
-    server is this process's child with no threads of its own, forked from it before its process
-    group where the launcher could (:mod:`reshard.parallel.fault.fork_server`: then the preload
-    below is the server's already); it exits when this process does and its children die with
-    it (:func:`_die_with_parent`)."""
+    server is a child with no threads of its own of this process or of the first local rank of
+    its node, forked before the process group where the launcher could
+    (:mod:`reshard.parallel.fault.fork_server`: then the preload below is the server's already);
+    it exits when every process that holds its alive pipe (the node's ranks, their children) has,
+    and its children die with it (:func:`_die_with_parent`)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["__main__", *frozen_preload(warm)])  # (no effect once the server runs)
     return ctx
 
 
-def _spare_main(conn, warm: tuple[str, ...]) -> None:
-    """A spare's entry: die with the supervisor, import ``warm``, then run the work it is sent."""
+def _spare_main(conn, warm: tuple[str, ...], parent: FromParent) -> None:
+    """A spare's entry: the supervisor's environment and output (its fork server may be another
+    rank's), die with the server, import ``warm``, then run the work it is sent."""
     import importlib
 
+    parent.apply()
     _die_with_parent()
     # this process's entry point: Ctrl-C ends it at once, no traceback (the supervisor does the stopping)
     replaced = signal.signal(signal.SIGINT, signal.SIG_DFL)
