@@ -70,8 +70,10 @@ def init_distributed(fork_server: Sequence[str] | None = None) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    share = _node_share() if fork_server is not None else None
-    handout = _fork_server(fork_server, share) if fork_server is not None else None
+    share = handout = None
+    if fork_server is not None:  # (with the environment its children read set)
+        share = _node_share()
+        handout = _fork_server(fork_server, share)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -148,8 +148,10 @@ def attach(share: NodeShare, timeout: float) -> bool:
         address = _read_all(peer).decode()
     server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd = address, alive_w
-    server._forkserver_pid = -1  # another rank's child: nothing to wait for or restart here
-    server.ensure_running = resource_tracker.ensure_running  # (this rank's own tracker, as before)
+    server._forkserver_pid = -1  # another rank's child: this rank cannot wait for it
+    # multiprocessing's own check (before each child) waits on the server's pid, which only its
+    # parent may; here there is nothing to check or restart, only this rank's resource tracker
+    server.ensure_running = resource_tracker.ensure_running
     return True
 
 
