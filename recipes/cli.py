@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from reshard.recipes.exits import (
@@ -43,6 +44,7 @@ from reshard.recipes.exits import (
     EXIT_USER,
     LAUNCHED_ENV,
     LAUNCHER_PID_ENV,
+    AfterImport,
     failed,
     finished_so_far,
     freeze_heap,
@@ -128,9 +130,12 @@ def _note_interrupts() -> tuple[list[int], Any]:
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return seen, None
 
-    def note(signum: int, frame) -> None:
+    after_import = AfterImport()  # (a Ctrl-C within an import: raised once it is done)
+
+    def note(signum: int, frame: FrameType | None) -> None:
         seen.append(signum)
-        raise KeyboardInterrupt
+        if not after_import.defer(signum, frame):
+            raise KeyboardInterrupt
 
     return seen, signal.signal(signal.SIGINT, note)
 

@@ -4,11 +4,15 @@ launcher reads this before it imports torch, so Ctrl-C at any moment is one line
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
+from types import FrameType
 
 LAUNCHED_ENV = "RESHARD_LAUNCHER"  # set for ranks started by the ``reshard`` command (recipes/cli.py)
 LAUNCHER_PID_ENV = "RESHARD_LAUNCHER_PID"  # the ``reshard`` command's pid, its ranks' parent (recipes/rank.py)
@@ -18,6 +22,8 @@ RANKS_LOG = "ranks.log"  # in the run directory: the tracebacks of ranks and eng
 # how a rank that was stopped ends: Ctrl-C, the launcher's SIGTERM once another rank failed (caught:
 # 130, or not yet: the signal), or a peer's failure that cut its collective short (130)
 STOPPED = (EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT)
+IMPORT_WAIT_S = 5.0  # the longest a stop waits for an import it landed in (then it interrupts it)
+IMPORT_RECHECK_S = 0.05
 
 
 def freeze_heap() -> None:
@@ -33,6 +39,48 @@ def freeze_heap() -> None:
     gc.enable()
     atexit.unregister(gc.freeze)  # (once, however often it is called)
     atexit.register(gc.freeze)
+
+
+@dataclasses.dataclass
+class AfterImport:
+    """Holds back a stop that lands inside an ``import`` until the import is done. Interrupted
+    there, ``KeyboardInterrupt`` is not what comes out: Python 3.11 turns it into a
+    ``RuntimeError`` when it hits a ``__set_name__``, and libraries catch it on their lazy
+    imports and print their own line (huggingface_hub: ``Error importing
+    huggingface_hub.hf_api: ...`` on stdout, a second line on a Ctrl-C). A signal handler calls
+    :meth:`defer` first: ``True`` means the signal comes back to it in
+    :data:`IMPORT_RECHECK_S` (sent to the main thread again), for at most :data:`IMPORT_WAIT_S` from the first stop."""
+
+    since: float | None = None
+    pending: bool = False
+
+    def defer(self, signum: int, frame: FrameType | None) -> bool:
+        """Whether the handler should return without stopping (``frame``: the one it got)."""
+        if not importing(frame):
+            return False
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since > IMPORT_WAIT_S:
+            return False
+        if not self.pending:  # (a second signal meanwhile: the one delivery stands for both)
+            self.pending = True
+            timer = threading.Timer(IMPORT_RECHECK_S, self._again, (signum,))
+            timer.daemon = True
+            timer.start()
+        return True
+
+    def _again(self, signum: int) -> None:
+        self.pending = False
+        signal.pthread_kill(threading.main_thread().ident, signum)  # (a blocking call it is in returns)
+
+
+def importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (or a caller of it) runs an ``import`` (its module's body, or the
+    import system itself)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def finished_so_far(run_dir: Path) -> tuple[int, Path]:

@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -28,6 +29,7 @@ from reshard.recipes.exits import (  # noqa: F401 (public here too)
     EXIT_USER,
     FINISHED,
     LAUNCHED_ENV,
+    AfterImport,
     append_ranks_log,
     finished_so_far,
     freeze_heap,
@@ -205,20 +207,22 @@ class _Stops:
     """What a rank's SIGINT / SIGTERM handler (:meth:`handle`) has seen. ``stopping``: set before
     the KeyboardInterrupt a stop raises; ``terminated``: SIGTERM, the launcher stopping the job (a
     peer failed, or Ctrl-C); ``failing``: this rank handles a failure (a stop then only sets
-    ``stopping``); ``drain``: a server's SIGTERM on rank 0 (``drains``)."""
+    ``stopping``); ``drain``: a server's SIGTERM on rank 0 (``drains``); ``after_import``: a stop
+    that lands in an import raises once it is done."""
 
     drains: bool
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     terminated: threading.Event = dataclasses.field(default_factory=threading.Event)
     failing: threading.Event = dataclasses.field(default_factory=threading.Event)
     drain: threading.Event = dataclasses.field(default_factory=threading.Event)
+    after_import: AfterImport = dataclasses.field(default_factory=AfterImport)
 
     def install(self) -> None:
         """Handle Ctrl-C and a launcher stopping the ranks."""
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self.handle)
 
-    def handle(self, signum: int, frame: object) -> None:
+    def handle(self, signum: int, frame: FrameType | None) -> None:
         if self.failing.is_set():  # on its way out already: the stop is the launcher's, ending the job
             self.stopping.set()
             return
@@ -228,6 +232,8 @@ class _Stops:
         self.stopping.set()
         if signum == signal.SIGTERM:
             self.terminated.set()
+        if self.after_import.defer(signum, frame):  # (an import cut short says more than the one line)
+            return
         raise KeyboardInterrupt  # unwinds through every finally (shared memory, threads), on SIGTERM too
 
 

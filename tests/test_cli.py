@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import os
 import re
@@ -344,6 +345,51 @@ def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_leaves_nothing(tmp_pat
     time.sleep(0.5)
     assert _running_in(tmp_path) == [] and _shm() <= shm_before
     assert all(list(d.iterdir()) for d in _run_dirs(tmp_path))  # a run directory left holds what finished
+
+
+def _rank_stops() -> None:
+    from reshard.recipes.launch import _Stops
+
+    _Stops(drains=False).install()
+
+
+def _launcher_stops() -> None:
+    from reshard.recipes.cli import _note_interrupts
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert _note_interrupts()[1] is not None
+
+
+@pytest.mark.parametrize("install", [_rank_stops, _launcher_stops], ids=["rank", "launcher"])
+def test_a_ctrl_c_inside_an_import_stops_once_the_import_is_done(tmp_path, monkeypatch, install):
+    """The 8 s case above, as it failed once: the Ctrl-C landed while a rank imported
+    huggingface_hub.hf_api, in a ``__set_name__``; Python 3.11 turned the KeyboardInterrupt into
+    a RuntimeError and huggingface_hub printed ``Error importing ...`` before the one line. The
+    stop, held back, raises after the import, which completes."""
+    module = "set_name_interrupted"
+    (tmp_path / f"{module}.py").write_text(
+        "import os, signal, time\n"
+        "class Field:\n"
+        "    def __set_name__(self, owner, name):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        time.sleep(0.2)\n"
+        "class HfUri:\n"
+        "    _raw = Field()\n"
+        "DONE = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        install()
+        with pytest.raises(KeyboardInterrupt) as raised:
+            importlib.import_module(module)
+            time.sleep(600)  # (cut short: a stop sent again to the main thread ends a blocking call)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        imported = sys.modules.pop(module, None)
+    assert getattr(imported, "DONE", False), "the import was cut short"
+    assert all(Path(entry.path).name != f"{module}.py" for entry in raised.traceback)
 
 
 def test_ranks_end_when_their_launcher_dies(tmp_path):
