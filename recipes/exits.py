@@ -48,8 +48,9 @@ class AfterImport:
     ``RuntimeError`` when it hits a ``__set_name__``, and libraries catch it on their lazy
     imports and print their own line (huggingface_hub: ``Error importing
     huggingface_hub.hf_api: ...`` on stdout, a second line on a Ctrl-C). A signal handler calls
-    :meth:`defer` first: ``True`` means the signal comes back to it in
-    :data:`IMPORT_RECHECK_S` (sent to the main thread again), for at most :data:`IMPORT_WAIT_S` from the first stop."""
+    :meth:`defer` first: ``True`` means the signal comes back to it in :data:`IMPORT_RECHECK_S`
+    (sent to the main thread again, so that a blocking call there returns), for at most
+    :data:`IMPORT_WAIT_S` from the first stop."""
 
     since: float | None = None
     pending: bool = False
@@ -70,7 +71,7 @@ class AfterImport:
 
     def _again(self, signum: int) -> None:
         self.pending = False
-        signal.pthread_kill(threading.main_thread().ident, signum)  # (a blocking call it is in returns)
+        signal.pthread_kill(threading.main_thread().ident, signum)
 
 
 def importing(frame: FrameType | None) -> bool:
