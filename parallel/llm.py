@@ -437,12 +437,22 @@ class LLM:
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per prompt: ``params`` (None: vLLM's default, 16 tokens), or
+    each of a list of ``count``; ``ValueError`` naming anything else."""
     if params is None:
         return [SamplingParams(max_new_tokens=16)] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise ValueError(
+            f"sampling_params must be a SamplingParams or a list of them, one per prompt; got "
+            f"{type(params).__name__} {str(params)[:60]!r}"
+        )
     if len(params) != count:
         raise ValueError(f"sampling_params: {len(params)} given for {count} prompts (give one, or one per prompt)")
+    bad = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling_params[{bad}] must be a SamplingParams, got {type(params[bad]).__name__}")
     return list(params)
 
 

@@ -84,7 +84,7 @@ PROMPT_FORMS = "a text, a list of token ids, {'prompt': text} or {'prompt_token_
 
 def prompt_list(prompts) -> list:
     """``prompts`` as a list (one prompt alone: a list of one); ``ValueError`` for none."""
-    if isinstance(prompts, (str, Mapping)) or _is_token_ids(prompts):
+    if isinstance(prompts, (str, bytes, bytearray, Mapping)) or _is_token_ids(prompts):
         return [prompts]
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {str(prompts)[:60]!r}")
@@ -100,9 +100,19 @@ def prompt_input(prompt, index: int) -> str | list[int]:
         raise ValueError(f"prompt {index} is empty: a prompt needs at least one token")
     if isinstance(prompt, str) or _is_token_ids(prompt):
         return prompt if isinstance(prompt, str) else list(prompt)
+    raise ValueError(
+        f"prompt {index} must be {PROMPT_FORMS}; got {type(prompt).__name__} {str(prompt)[:60]!r}{_hint(prompt)}"
+    )
+
+
+def _hint(prompt) -> str:
+    """What a prompt of none of :data:`PROMPT_FORMS` was likely meant as."""
+    if isinstance(prompt, (bytes, bytearray)):
+        return " (bytes: decode them to a text; their values are not token ids)"
+    if hasattr(prompt, "tolist"):  # (a tensor or an array of ids)
+        return " (an array: give its ids as a list, .tolist())"
     chat = isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping)
-    hint = " (a chat: give it to LLM.chat)" if chat else ""
-    raise ValueError(f"prompt {index} must be {PROMPT_FORMS}; got {type(prompt).__name__} {str(prompt)[:60]!r}{hint}")
+    return " (a chat: give it to LLM.chat)" if chat else ""
 
 
 def _from_dict(prompt: Mapping, index: int) -> str | list[int]:
@@ -110,8 +120,14 @@ def _from_dict(prompt: Mapping, index: int) -> str | list[int]:
     keys = sorted(prompt)
     if keys == ["prompt"] and isinstance(prompt["prompt"], str):
         return prompt["prompt"]
-    if keys == ["prompt_token_ids"] and _is_token_ids(prompt["prompt_token_ids"]):
-        return prompt["prompt_token_ids"]
+    if keys == ["prompt_token_ids"]:
+        ids = prompt["prompt_token_ids"]
+        if _is_token_ids(ids):
+            return ids
+        raise ValueError(
+            f"prompt {index}'s prompt_token_ids must be a list of ints; got {type(ids).__name__} "
+            f"{str(ids)[:60]!r}{_hint(ids)}"
+        )
     role = " (a chat message: give the chat to LLM.chat)" if "role" in prompt else ""
     raise ValueError(
         f"prompt {index} is a dict with keys {keys}{role}: a dict prompt is {{'prompt': text}} or "
@@ -120,7 +136,9 @@ def _from_dict(prompt: Mapping, index: int) -> str | list[int]:
 
 
 def _is_token_ids(x) -> bool:
-    return isinstance(x, Sequence) and not isinstance(x, str) and all(type(t) is int for t in x) and len(x) > 0
+    """A non-empty list (or tuple) of ints; bytes are not (their values are a text's bytes)."""
+    text = isinstance(x, (str, bytes, bytearray))
+    return isinstance(x, Sequence) and not text and all(type(t) is int for t in x) and len(x) > 0
 
 
 def conversations(messages) -> list[list[dict]]:

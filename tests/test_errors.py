@@ -114,6 +114,20 @@ def test_bad_requests_name_the_request(checkpoints, case, match):
 
 
 @pytest.mark.parametrize(
+    "ids,got",
+    [(b"Hi", "bytes b'Hi'"), ("Hi", "str 'Hi'"), ((5, 6), r"tuple \(5, 6\)"), ("tensor", r"Tensor tensor\(\[5, 6\]\)")],
+)
+def test_a_request_whose_prompt_ids_are_not_a_list_is_refused_naming_them(ids, got):
+    """A text's bytes (iterated, ints: read as token ids before), a tuple or a tensor."""
+    import torch
+
+    from reshard.parallel import Request
+
+    with pytest.raises(ValueError, match=f"^request 7: prompt_ids must be a list of ints, got {got}$"):
+        Request(7, torch.tensor([5, 6]) if ids == "tensor" else ids)
+
+
+@pytest.mark.parametrize(
     "text,match",
     [
         ('[1, 2]\n{"prompt_ids": [3, 4\n', r"prompts.jsonl:2: invalid JSON \(Expecting"),

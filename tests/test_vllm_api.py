@@ -89,10 +89,20 @@ def test_text_prompt_dicts_are_prompts_and_anything_else_one_error(builtin, hf_r
             "prompt 1 is empty": ["ok", ""],
             "prompt 0 is empty": [[]],
             "prompt 0 must be .*got list": [[1, "2"]],
+            # a text's bytes are ints when iterated: once read as token ids, a silent wrong answer
+            "prompt 0 must be .*got bytes .* \\(bytes: decode them to a text": b"Hello",
+            "prompt 1 must be .*got bytes": ["ok", b"x"],
+            "prompt 0's prompt_token_ids must be a list of ints; got Tensor .*\\.tolist\\(\\)": {
+                "prompt_token_ids": torch.tensor([5, 6])
+            },
         }
         for message, prompts in bad.items():
             with pytest.raises(ValueError, match=message):
                 llm.generate(prompts, params)
+        with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams or a list of them.* got dict"):
+            llm.generate("a", {"max_tokens": 3})  # (iterated before: its keys taken for SamplingParams)
+        with pytest.raises(ValueError, match=r"sampling_params\[1\] must be a SamplingParams, got dict"):
+            llm.generate(["a", "b"], [params, {"max_tokens": 3}])
     assert len(outs) == 2 and [o.prompt for o in outs] == ["Hello there", "one two"]
     ids = [tok("Hello there")["input_ids"], tok("one two")["input_ids"]]
     assert [o.outputs[0].token_ids for o in outs] == hf_reference(builtin, ids, 6)

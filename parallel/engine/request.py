@@ -34,6 +34,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.arrival >= 0:  # also refuses NaN
             raise ValueError(f"request {self.id}: arrival must be >= 0 seconds, got {self.arrival}")
+        if not isinstance(self.prompt_ids, list):  # (a text's bytes or a tensor would be misread)
+            ids = self.prompt_ids
+            raise ValueError(
+                f"request {self.id}: prompt_ids must be a list of ints, got {type(ids).__name__} {ids!r:.60}"
+            )
         if not self.prompt_ids:
             raise ValueError(f"request {self.id}: empty prompt (a request needs at least one token)")
         if not 0 <= self.resumed < len(self.prompt_ids):
