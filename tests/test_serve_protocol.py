@@ -119,6 +119,7 @@ def test_vllms_server_defaults_the_checkpoints_sampling_values_and_its_extras():
         ("completions", {"prompt": list(range(64))}, "prompt", 400),
         ("completions", {"prompt": "a", "suffix": "zz"}, "suffix", 400),
         ("completions", {"prompt": "a", "stop": ["a", ""]}, "stop", 400),
+        ("completions", {"prompt": "a", "stop": {"a": 1}}, "stop", 400),  # (its keys were taken for stops)
         ("completions", {"prompt": "a", "logprobs": 21}, "logprobs", 400),
         ("completions", {"prompt": "a", "messages": []}, "messages", 400),
         ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs", 400),

@@ -126,6 +126,11 @@ def test_sampling_params_take_vllms_names_and_refuse_what_is_not_a_number():
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logit_bias": {5: 1.0}}, "logit_bias is not one reshard honours"),
         ({"stop": "x", "detokenize": False}, "need detokenize=True"),
+        # a text is true to Python whatever it says: "false" kept EOS from ending a request
+        ({"ignore_eos": "false"}, "ignore_eos must be True or False, got 'false'"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens must be True or False, got 'no'"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be True or False, got 1"),
+        ({"min_tokens": "2"}, r"min_tokens must be in 0..max_new_tokens \(32\), got '2'"),
     ):
         with pytest.raises(ValueError, match=message):
             SamplingParams(**bad)

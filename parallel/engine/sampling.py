@@ -85,8 +85,9 @@ class SamplingFields:
         m = self.max_new_tokens
         if not (m is None or (type(m) is int and m >= 1)):
             raise ValueError(f"max_new_tokens must be >= 1, got {m!r}")
-        if not 0 <= self.min_tokens <= (self.min_tokens if m is None else m):
-            raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        low = self.min_tokens
+        if not (type(low) is int and 0 <= low <= (low if m is None else m)):
+            raise ValueError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {low!r}")
         if self.seed is not None and not (type(self.seed) is int and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in 0..2**63-1 or None, got {self.seed!r}")
         if self.stop and not self.detokenize:
@@ -94,6 +95,14 @@ class SamplingFields:
         if not (type(self.n) is int and self.n >= 1):
             raise ValueError(f"n must be an int >= 1 (samples of the prompt), got {self.n!r}")
         self._check_ranges()
+        self._check_switches()
+
+    def _check_switches(self) -> None:
+        """The on/off fields take bools only: a text such as "false" is true to Python (the
+        opposite of what it says, silently)."""
+        for name in _SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def _check_ranges(self) -> None:
         for name in _FLOATS:
@@ -180,6 +189,7 @@ def _vllm_values(fields: dict) -> None:
             raise ValueError(f"SamplingParams: {name} is not one reshard honours (only its default, {off!r})")
 
 
+_SWITCHES = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 

@@ -272,8 +272,11 @@ def _logprobs(kind: str, body: dict) -> int | None:
 
 
 def _stop(value) -> tuple[str, ...]:
-    stops = (value,) if isinstance(value, str) else tuple(value or ())
-    if not all(isinstance(s, str) and s for s in stops):  # (as many as given: vLLM's, not OpenAI's 4)
+    if value is None:
+        return ()
+    stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
+    # (as many as given: vLLM's, not OpenAI's 4; an object is none: its keys were once taken for them)
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest(f"stop must be a string or a list of non-empty strings, got {value!r}", "stop")
     return stops
 
