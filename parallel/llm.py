@@ -51,6 +51,7 @@ from reshard.parallel.vllm_api import (
     Logprob,
     RequestOutput,
     check_no_lora,
+    check_seed,
     conversations,
     engine_logprobs_mode,
     in_context,
@@ -120,6 +121,7 @@ class LLM:
         if dp_prompts not in DP_PROMPTS:
             raise ValueError(f"LLM: dp_prompts must be one of {DP_PROMPTS}, got {dp_prompts!r}")
         check_share(gpu_memory_utilization)
+        check_seed(seed, "LLM: seed")
         self.seed, self.dp_prompts, self._calls, self._step, self._requests = seed, dp_prompts, 0, 0, 0
         self._owns_group = join_group()
         try:
@@ -228,6 +230,7 @@ class LLM:
 
     def _call_seed(self, seed: int | None) -> int | None:
         """This call's seed: the one given, else the LLM's ``seed``'s next, else None (fresh)."""
+        check_seed(seed, "seed")
         self._calls += 1
         if seed is not None or self.seed is None:
             return seed

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TypedDict
 
+import torch
+
 from reshard.parallel.engine.request import new_text_start, prompt_suffix
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs
 
@@ -161,6 +163,12 @@ def conversations(messages) -> list[list[dict]]:
     ]
 
 
+def check_seed(seed, name: str) -> None:
+    """``ValueError`` naming ``name`` for a seed that is neither None nor an int >= 0."""
+    if seed is not None and not (type(seed) is int and seed >= 0):
+        raise ValueError(f"{name} must be an int >= 0 or None, got {seed!r}")
+
+
 def check_no_lora(lora_request) -> None:
     """``ValueError`` for a vLLM ``lora_request`` other than None (reshard serves one model's weights)."""
     if lora_request is not None:
@@ -255,7 +263,7 @@ def engine_logprobs_mode(name: str | None) -> str | None:
 
 def llm_options(given: Mapping) -> dict:
     """``LLM``'s keyword arguments with vLLM's names as ours (``ValueError`` where both of a pair
-    are given); ``dtype="auto"`` is the checkpoint's (None); ``enforce_eager=True`` no compiled
+    are given); ``dtype="auto"`` is the checkpoint's (None), a torch dtype its name; ``enforce_eager=True`` no compiled
     step; the names of :data:`LLM_NOOPS` do nothing, at the values it takes (``ValueError`` naming
     any other)."""
     out = {k: v for k, v in given.items() if k not in LLM_NAMES and k not in LLM_NOOPS and k != "enforce_eager"}
@@ -282,6 +290,8 @@ def llm_options(given: Mapping) -> dict:
         out[ours] = given[theirs]
     if out.get("dtype") == "auto":
         out["dtype"] = None
+    if isinstance(out.get("dtype"), torch.dtype):  # (vLLM takes torch's dtypes too: torch.bfloat16)
+        out["dtype"] = str(out["dtype"]).removeprefix("torch.")
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import warnings
@@ -144,6 +145,7 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
     model's context by default, chat content as text parts; each other value one error."""
     from reshard import LLM, SamplingParams
     from reshard.parallel import Request
+    from reshard.parallel.vllm_api import llm_options
 
     with pytest.raises(ValueError, match="tensor_parallel_size=1 and tp=1: they are one setting"):
         LLM(builtin, tensor_parallel_size=1, tp=1)
@@ -153,6 +155,16 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
         LLM(builtin, max_model_len=1024)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         LLM(builtin, gpu_memory_utilization=1.5)
+    # values of the wrong type, each one line before anything loads (a comparison's TypeError before)
+    for given, message in (
+        ({"tensor_parallel_size": "2"}, "parallel.tp must be int or None, got '2'"),
+        ({"strategy": "sidp", "peak_shifting": 1}, "parallel.peak_shifting must be bool, got 1"),
+        ({"seed": "1"}, "LLM: seed must be an int >= 0 or None, got '1'"),
+        ({"model": None}, "a model is a checkpoint directory or a hub id"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LLM(**{"model": builtin, **given})
+    assert llm_options({"dtype": torch.bfloat16})["dtype"] == "bfloat16"  # (vLLM takes torch's dtypes)
     with LLM(builtin, tensor_parallel_size=1, max_num_seqs=3, dtype="auto", gpu_memory_utilization=0.9) as llm:
         assert llm.engine.max_seq_len == 512 and llm.engine.max_batch_size == 3  # the model's context by default
         assert llm.get_tokenizer() is llm.tokenizer is not None

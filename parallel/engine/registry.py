@@ -16,6 +16,8 @@ import dataclasses
 import importlib
 import os
 import pkgutil
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -209,7 +211,36 @@ def make_strategy(values: dict[str, Any]) -> Strategy:
     constructor's ``TypeError``. Config files and overrides are checked against the dataclass by
     Hydra in :mod:`reshard.recipes` (``recipes.schema.strategy_config`` for a plain dict)."""
     values = dict(values)
-    return strategy_class(values.pop("strategy", "tp"))(**values)
+    cls = strategy_class(values.pop("strategy", "tp"))
+    _check_types(cls, values)
+    return cls(**values)
+
+
+def _check_types(cls: type, values: dict[str, Any]) -> None:
+    """``ValueError`` naming a key whose value is not of its field's type, where that is ``int``,
+    ``float``, ``bool``, ``str`` or one of them or None: ``LLM``'s keyword arguments reach here
+    unchecked (``tensor_parallel_size="2"`` failed in a comparison), a config's are checked by Hydra."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        kinds = _simple_kinds(hints.get(key))
+        if kinds and not any(_is_a(value, kind) for kind in kinds):
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise ValueError(f"parallel.{key} must be {names}, got {value!r}")
+
+
+def _simple_kinds(hint) -> tuple[type, ...]:
+    """The types a field of type ``hint`` takes where each is int, float, bool, str or None; () else."""
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return kinds if all(k in (int, float, bool, str, type(None)) for k in kinds) else ()
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    """Whether ``value`` is of ``kind`` as a config reads it: a bool is no number, an int is a float."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return type(value) is int
+    return value is None if kind is type(None) else isinstance(value, kind)
 
 
 def registered() -> list[str]:

@@ -54,6 +54,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
 
     Offline (``HF_HUB_OFFLINE=1`` or no network) a hub id resolves from the local cache.
     """
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        raise ValueError(f"a model is a checkpoint directory or a hub id (org/name), got {path_or_id!r:.60}")
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path.resolve()
