@@ -18,6 +18,10 @@ from reshard.parallel.engine.sampling import resolve_seeds
 from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.recipes.config import GenerateConfig
 
+# a JSONL object's prompt, by exactly one of these keys: token ids, a text, chat messages (vLLM's
+# "prompt_token_ids" and "prompt" too; TRL's "prompt" may be a conversation)
+PROMPT_FIELDS = ("prompt_ids", "prompt_token_ids", "text", "prompt", "messages")
+
 
 def build_requests(cfg: GenerateConfig, model_path: Path, vocab_size: int) -> list[Request]:
     """Requests from ``workload.prompts_file`` or a seeded synthetic workload; arrival times from
@@ -103,16 +107,28 @@ def items_ids(items: list, model_path: Path, source: str, where: Callable[[int],
 def _prompt_ids(item, where: str, tokenizer: Callable[[], Any]) -> list[int]:
     """A prompts-file line's token ids: a token-id list (or ``{"prompt_ids": ...}``) as given, a text
     (or ``{"text": ...}``) tokenized, ``{"messages": [...]}`` rendered by the tokenizer's chat
-    template with the assistant's turn opened."""
+    template with the assistant's turn opened; an object names its prompt by one key of
+    :data:`PROMPT_FIELDS`."""
     if isinstance(item, dict):
-        if "messages" in item:
-            return _chat_ids(item["messages"], tokenizer(), where)
-        item = item.get("prompt_ids", item.get("text"))
+        key = _prompt_key(item, where)
+        item = item[key]
+        if key == "messages" or (key == "prompt" and isinstance(item, list) and item and isinstance(item[0], dict)):
+            return _chat_ids(item, tokenizer(), where)  # (TRL's conversational "prompt" too)
     if isinstance(item, str):
         item = tokenizer()(item)["input_ids"]
     if not (isinstance(item, list) and item and all(type(t) is int for t in item)):  # no bools
         raise ValueError(f"{where}: expected a non-empty token-id list, a text or chat messages")
     return item
+
+
+def _prompt_key(item: dict, where: str) -> str:
+    """The one key of :data:`PROMPT_FIELDS` that ``item`` names its prompt by (a line that named
+    two had one of them ignored, silently)."""
+    keys = [k for k in PROMPT_FIELDS if k in item]
+    if len(keys) != 1:
+        fields = list(PROMPT_FIELDS)
+        raise ValueError(f"{where}: an object names its prompt by one of {fields}; got keys {sorted(item)}")
+    return keys[0]
 
 
 def _chat_ids(messages, tokenizer, where: str) -> list[int]:

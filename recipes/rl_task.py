@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from reshard.recipes.prompts import items_ids, output_tokenizer, read_items
+from reshard.recipes.prompts import PROMPT_FIELDS, items_ids, output_tokenizer, read_items
 from reshard.recipes.rollout_config import TrainConfig
 
 SPECIAL_TOKENS = 3  # ids 0..2: pad, bos, eos
-PROMPT_KEYS = ("prompt_ids", "text", "messages", "arrival")  # a line's fields that are not reward columns
+PROMPT_KEYS = (*PROMPT_FIELDS, "arrival")  # a line's fields that are not reward columns
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,12 @@ def test_a_request_whose_prompt_ids_are_not_a_list_is_refused_naming_them(ids, g
         ("[1, true, 2]\n", r"prompts.jsonl:1: expected a non-empty token-id list, a text or chat messages"),
         ('{"prompt_ids": [1], "arrival": -2}\n', r"prompts.jsonl:1: arrival must be a number of seconds >= 0, got -2"),
         ('[1]\n{"text": "hi", "arrival": "soon"}\n', r"prompts.jsonl:2: arrival must be .* got 'soon'"),
+        # two prompts in one object: one of them was ignored, silently
+        (
+            '{"prompt_ids": [1], "text": "hi"}\n',
+            r"prompts.jsonl:1: an object names its prompt by one of \[.*got keys \['prompt_ids', 'text'\]$",
+        ),
+        ('[1]\n{"textt": "hi"}\n', r"prompts.jsonl:2: an object names its prompt by one of \[.*got keys \['textt'\]$"),
     ],
 )
 def test_prompts_file_errors_name_file_and_line(tmp_path, text, match):
@@ -143,6 +149,21 @@ def test_prompts_file_errors_name_file_and_line(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         read_prompts(path, tmp_path)
+
+
+def test_a_prompts_file_takes_vllms_and_trls_keys_as_its_own(tmp_path):
+    """``{"prompt_token_ids": ...}`` as ``{"prompt_ids": ...}``; ``{"prompt": text}`` as ``{"text": ...}``
+    and ``{"prompt": [messages]}`` (TRL's conversational prompt) as ``{"messages": ...}``."""
+    from reshard.parallel.model.tiny_models import builtin_checkpoint
+    from reshard.recipes.prompts import read_prompts
+
+    chat = [{"role": "user", "content": "hi there"}]
+    lines = [{"prompt_token_ids": [3, 4]}, {"prompt_ids": [3, 4]}, {"prompt": "hi there"}, {"text": "hi there"}]
+    lines += [{"prompt": chat}, {"messages": chat}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ids, _ = read_prompts(path, builtin_checkpoint())
+    assert ids[0] == ids[1] == [3, 4] and ids[2] == ids[3] and ids[4] == ids[5] and ids[2] != ids[4]
 
 
 # ---- inputs a user's battery found accepted silently: each refused in one line naming key and value ----
