@@ -51,6 +51,7 @@ from reshard.parallel.vllm_api import (
     Logprob,
     RequestOutput,
     check_no_lora,
+    check_priority,
     check_seed,
     conversations,
     engine_logprobs_mode,
@@ -153,6 +154,7 @@ class LLM:
         seed: int | None = None,
         use_tqdm: bool = False,
         lora_request=None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Every prompt's outputs, in order (``dp_prompts="local"``: this process's prompts'). ``prompts``:
         one prompt or a list; a prompt is a text, a list of token ids, ``{"prompt": text}`` or
@@ -160,9 +162,11 @@ class LLM:
         :meth:`chat`. ``sampling_params``: one for all prompts or one per prompt (default: greedy,
         16 tokens). ``seed``: this call's; a sampled prompt without a seed of its own takes one from
         it and its position in the call (None: the LLM's next, see ``LLM(seed=)``). ``lora_request``:
-        vLLM's, None only (one model's weights)."""
+        vLLM's, None only (one model's weights). ``priority``: vLLM's, an int per prompt, unread:
+        requests run first come, first served (vLLM's default scheduling policy)."""
         check_no_lora(lora_request)
         inputs = [self._encode(prompt_input(p, i), i) for i, p in enumerate(prompt_list(prompts))]
+        check_priority(priority, len(inputs))
         return self._run(inputs, sampling_params, seed, use_tqdm)
 
     def chat(

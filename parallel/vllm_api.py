@@ -163,6 +163,15 @@ def conversations(messages) -> list[list[dict]]:
     ]
 
 
+def check_priority(priority, count: int) -> None:
+    """vLLM's ``priority`` argument: None, or an int per prompt, which first-come-first-served
+    scheduling does not read (vLLM's default policy does not either); ``ValueError`` otherwise."""
+    if priority is None:
+        return
+    if not isinstance(priority, Sequence) or len(priority) != count or any(type(p) is not int for p in priority):
+        raise ValueError(f"priority must be an int per prompt ({count}), got {priority!r:.60}")
+
+
 def check_seed(seed, name: str) -> None:
     """``ValueError`` naming ``name`` for a seed that is neither None nor an int >= 0."""
     if seed is not None and not (type(seed) is int and seed >= 0):
@@ -240,6 +249,7 @@ LLM_NOOPS = MappingProxyType(
         "enable_lora": (None, False),
         "cpu_offload_gb": (None, 0),
         "compilation_config": (None, {}),
+        "scheduling_policy": ("fcfs",),  # (requests run first come, first served: a request's priority is unread)
     }
 )
 

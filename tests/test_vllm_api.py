@@ -104,6 +104,11 @@ def test_text_prompt_dicts_are_prompts_and_anything_else_one_error(builtin, hf_r
             llm.generate("a", {"max_tokens": 3})  # (iterated before: its keys taken for SamplingParams)
         with pytest.raises(ValueError, match=r"sampling_params\[1\] must be a SamplingParams, got dict"):
             llm.generate(["a", "b"], [params, {"max_tokens": 3}])
+        # vLLM's priority: an int per prompt, unread under first-come-first-served (vLLM's default policy)
+        ranked = llm.generate([{"prompt": "Hello there"}, {"prompt": "one two"}], params, priority=[1, 0])
+        with pytest.raises(ValueError, match=r"priority must be an int per prompt \(2\), got \[1\]"):
+            llm.generate(["a", "b"], params, priority=[1])
+    assert [o.outputs[0].token_ids for o in ranked] == [o.outputs[0].token_ids for o in outs]
     assert len(outs) == 2 and [o.prompt for o in outs] == ["Hello there", "one two"]
     ids = [tok("Hello there")["input_ids"], tok("one two")["input_ids"]]
     assert [o.outputs[0].token_ids for o in outs] == hf_reference(builtin, ids, 6)
@@ -184,6 +189,8 @@ def test_llm_takes_vllms_engine_names_and_the_models_context(builtin):
         LLM(builtin, quantization="fp8")
     with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not one reshard honours"):
         LLM(builtin, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="scheduling_policy='priority' is not one reshard honours"):
+        LLM(builtin, scheduling_policy="priority")
     trl = dict(distributed_executor_backend="external_launcher", enable_sleep_mode=True, model_impl="vllm")
     trl |= dict(max_num_batched_tokens=256, kv_cache_dtype="auto", quantization=None, block_size=8, seed=0)
     with LLM(builtin, max_model_len=64, **trl) as llm:  # (as TRL's colocated GRPO builds vLLM's, its defaults)
