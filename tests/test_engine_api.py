@@ -326,3 +326,45 @@ def test_aborting_a_request_that_awaits_its_kv_tells_the_connector(checkpoints):
     assert status is statuses.WAITING_FOR_KV
     assert ended == [(0, statuses.FINISHED_ABORTED)] and forgotten == [(0, "later")]
     assert fresh_tokens == 4
+
+
+def _reused_ids(path) -> dict:
+    """An id added again while its request waits, while it runs and once it finished (each added
+    before: the loop never counted the second one finished and stepped for ever), and abort given
+    an id's text or an id alone; the first request's tokens, and the engine's state after."""
+    from reshard.parallel.engine.core import EngineCore
+
+    core, [first, other] = EngineCore(_engine(path)), _requests([[5, 9, 13], [3, 8, 40]])
+    refused = []
+
+    def again(request) -> None:
+        try:
+            core.add_request(request)
+        except ValueError as e:
+            refused.append(str(e))
+
+    core.add_request(first)
+    again(first)  # waiting
+    core.step()
+    again(first)  # running
+    for ids in ("0", 0):
+        try:
+            core.abort(ids)
+        except ValueError as e:
+            refused.append(str(e))
+    _, final, _ = _stream(core)
+    again(first)  # finished (its completion kept)
+    core.add_request(other)  # (a new id still goes in)
+    _, more, _ = _stream(core)
+    return {"refused": refused, "tokens": final[0][1], "other": list(more), "unfinished": core.has_unfinished()}
+
+
+def test_an_id_added_again_or_an_abort_of_an_ids_text_is_one_line_not_a_hang(checkpoints, hf_reference):
+    [out] = dist_harness.run(1, _reused_ids, checkpoints["llama"], timeout=120)
+    same = "request id 0 is in this engine already; ids must be unique"
+    assert out["refused"] == [same, same, "abort takes a list of request ids (ints), got '0'"] + [
+        "abort takes a list of request ids (ints), got 0",
+        same,
+    ]
+    assert out["tokens"] == hf_reference(checkpoints["llama"], [[5, 9, 13]], MAX_NEW)[0]
+    assert out["other"] == [1] and out["unfinished"] is False

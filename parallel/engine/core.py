@@ -120,6 +120,7 @@ class EngineCore:
         if kv_source is not None:
             request = dataclasses.replace(request, kv_source=kv_source)
         self.engine.validate([request])
+        self._check_new(request.id)
         if isinstance(self.engine.policy, NotedSteps):  # a later pipeline stage runs what the first stage notes
             return
         if kv_source is not None:
@@ -133,8 +134,20 @@ class EngineCore:
         """End ``request_ids`` before the next step (every rank aborts the same ids between the
         same steps). An unknown or finished id is ignored. A later pipeline stage ignores them:
         it ends what the first stage's notes say it aborted."""
+        ids = list(request_ids) if isinstance(request_ids, Iterable) and not isinstance(request_ids, str) else None
+        if ids is None or any(type(i) is not int for i in ids):  # (a str's characters matched no id: silently)
+            raise ValueError(f"abort takes a list of request ids (ints), got {request_ids!r:.60}")
         if not isinstance(self.engine.policy, NotedSteps):
-            self.aborts.extend(request_ids)
+            self.aborts.extend(ids)
+
+    def _check_new(self, request_id: int) -> None:
+        """``ValueError`` for an id this group holds: unfinished here, or finished and kept (the
+        second request was never counted as finished: the loop waited for it for ever)."""
+        local = isinstance(self.intake, LocalAdmission) and request_id in self.intake.untaken
+        if local or request_id in self.engine._live or (self.done.keep and request_id in self.done):
+            raise ValueError(f"request id {request_id!r} is in this engine already; ids must be unique")
+        if self.started and self.status(request_id) is not None:  # (queued: taken, not running yet)
+            raise ValueError(f"request id {request_id!r} is in this engine already; ids must be unique")
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or may still come (a routed group's input)."""
