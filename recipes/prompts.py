@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from reshard.parallel import Request
+from reshard.parallel.engine.request import LATEST_ARRIVAL_S
 from reshard.parallel.engine.sampling import resolve_seeds
 from reshard.parallel.engine.workload import poisson_arrivals
 from reshard.recipes.config import GenerateConfig
@@ -187,6 +188,8 @@ def _arrival(item, *, path: Path, lineno: int) -> float:
     value = item.get("arrival", 0.0) if isinstance(item, dict) else 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(f"{path}:{lineno}: arrival must be a number of seconds >= 0, got {value!r}")
+    if value >= LATEST_ARRIVAL_S:
+        raise ValueError(f"{path}:{lineno}: arrival is seconds after the start, got {value!r} (a wall-clock time?)")
     return float(value)
 
 

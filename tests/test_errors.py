@@ -113,6 +113,17 @@ def test_bad_requests_name_the_request(checkpoints, case, match):
         dist_harness.run(1, _bad_requests, checkpoints["llama"], case)
 
 
+def test_a_request_arriving_at_a_clocks_time_is_refused_not_waited_for():
+    import time
+
+    from reshard.parallel import Request
+
+    now = time.time()
+    with pytest.raises(ValueError, match=f"^request 3: arrival is seconds after the start, got {now}"):
+        Request(3, [5], arrival=now)
+    assert Request(3, [5], arrival=7200.0).arrival == 7200.0  # (a trace two hours long)
+
+
 @pytest.mark.parametrize(
     "ids,got",
     [(b"Hi", "bytes b'Hi'"), ("Hi", "str 'Hi'"), ((5, 6), r"tuple \(5, 6\)"), ("tensor", r"Tensor tensor\(\[5, 6\]\)")],
@@ -134,6 +145,11 @@ def test_a_request_whose_prompt_ids_are_not_a_list_is_refused_naming_them(ids, g
         ("[1, true, 2]\n", r"prompts.jsonl:1: expected a non-empty token-id list, a text or chat messages"),
         ('{"prompt_ids": [1], "arrival": -2}\n', r"prompts.jsonl:1: arrival must be a number of seconds >= 0, got -2"),
         ('[1]\n{"text": "hi", "arrival": "soon"}\n', r"prompts.jsonl:2: arrival must be .* got 'soon'"),
+        # a clock's time, not an offset: the run slept until then (years)
+        (
+            '{"prompt_ids": [1], "arrival": 1764700000.5}\n',
+            r"prompts.jsonl:1: arrival is seconds after the start, got 1764700000.5 \(a wall-clock time\?\)$",
+        ),
         # two prompts in one object: one of them was ignored, silently
         (
             '{"prompt_ids": [1], "text": "hi"}\n',

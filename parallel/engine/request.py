@@ -13,6 +13,7 @@ from reshard.parallel.engine.penalties import PenaltyTokens, Row
 from reshard.parallel.engine.sampling import SamplingParams, TokenLogprobs, make_generator, skip_draws
 
 NO_TOKEN = -1  # a step's token of a sequence whose prompt chunk stops short of the prompt's end
+LATEST_ARRIVAL_S = 1e8  # three years after the start: a later arrival is a clock's reading, not an offset
 
 
 @dataclass
@@ -34,6 +35,10 @@ class Request:
     def __post_init__(self) -> None:
         if not self.arrival >= 0:  # also refuses NaN
             raise ValueError(f"request {self.id}: arrival must be >= 0 seconds, got {self.arrival}")
+        if self.arrival >= LATEST_ARRIVAL_S:  # (the loop would sleep until then: years, for a clock's time)
+            raise ValueError(
+                f"request {self.id}: arrival is seconds after the start, got {self.arrival} (a wall-clock time?)"
+            )
         if not isinstance(self.prompt_ids, list):  # (a text's bytes or a tensor would be misread)
             ids = self.prompt_ids
             raise ValueError(
