@@ -104,3 +104,16 @@ def test_a_request_larger_than_the_paged_cache_is_refused(checkpoints):
         r"tokens needs 5 blocks of 8 but the paged cache holds 4 \(32 tokens\)",
     ):
         dist_harness.run(1, _too_big_job, checkpoints["llama"])
+
+
+def test_a_block_longer_than_a_sequence_is_refused_before_the_cache_is_made():
+    """Every slot would take one block of that many positions (``block_size=10**6``: a cache of
+    gigabytes, allocated until the machine killed the process)."""
+    from reshard.parallel import EngineConfig
+
+    config = EngineConfig(max_batch_size=4, kv_block_size=10**6)
+    with pytest.raises(
+        ValueError, match=r"^engine.kv_block_size \(1000000\) is longer than a sequence \(max_seq_len 512\)$"
+    ):
+        config.paged_tokens(512)
+    assert EngineConfig(max_batch_size=4, kv_block_size=512).paged_tokens(512) == 4 * 512
