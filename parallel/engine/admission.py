@@ -77,13 +77,13 @@ class LocalAdmission(Admission):
         self.online = any(r.arrival > 0 for r in self.requests)
         self.progress = progress
         self.exhausted = not self.requests
-        self.untaken = {r.id for r in self.requests}  # the ids of the requests not taken yet
+        self.unfinished = {r.id for r in self.requests}  # the ids of the requests added and not ended
 
     def add(self, request: Request) -> None:
         """Queue ``request`` after every request not taken yet that arrives no later than it."""
         arrivals = [r.arrival for r in self.requests[self.taken :]]
         self.requests.insert(self.taken + bisect.bisect_right(arrivals, request.arrival), request)
-        self.untaken.add(request.id)
+        self.unfinished.add(request.id)
         self.online = self.online or request.arrival > 0
         self.exhausted = False
 
@@ -93,7 +93,7 @@ class LocalAdmission(Admission):
         if index is None:
             return None
         request = self.requests.pop(self.taken + index)
-        self.untaken.discard(request_id)
+        self.unfinished.discard(request_id)
         self.exhausted = self.taken == len(self.requests)
         return request
 
@@ -118,13 +118,13 @@ class LocalAdmission(Admission):
         return self._next(1)
 
     def report(self, load: Load | None, finished: list) -> None:
+        self.unfinished.difference_update(c.id for c in finished)
         if self.progress is not None and finished:
             self.progress.update(len(finished))
 
     def _next(self, count: int) -> list[Request]:
         out = self.requests[self.taken : self.taken + count]
         self.taken += len(out)
-        self.untaken.difference_update(r.id for r in out)
         self.exhausted = self.taken == len(self.requests)
         return out
 

@@ -177,13 +177,12 @@ class EngineConfig:
         """A paged cache's tokens per replica for slots of ``seq_len`` positions (None: contiguous)."""
         if self.kv_block_size is None:
             return None
-        if self.kv_block_size > seq_len:  # (every slot a block this long: memory no sequence can use)
-            raise ValueError(
-                f"engine.kv_block_size ({self.kv_block_size}) is longer than a sequence (max_seq_len {seq_len})"
-            )
+        block = self.kv_block_size
+        if block > seq_len:
+            raise ValueError(f"engine.kv_block_size ({block}) is longer than a sequence (max_seq_len {seq_len})")
         if self.kv_tokens is not None:
             return self.kv_tokens
-        return self.max_batch_size * -(-seq_len // self.kv_block_size) * self.kv_block_size
+        return self.max_batch_size * -(-seq_len // block) * block
 
     def seq_len(self, model_config: Any) -> int:
         """Positions per slot for a model of Hugging Face config ``model_config`` (vLLM's

@@ -120,7 +120,6 @@ class EngineCore:
         if kv_source is not None:
             request = dataclasses.replace(request, kv_source=kv_source)
         self.engine.validate([request])
-        self._check_new(request.id)
         if isinstance(self.engine.policy, NotedSteps):  # a later pipeline stage runs what the first stage notes
             return
         if kv_source is not None:
@@ -128,6 +127,7 @@ class EngineCore:
             self.resumed += 1
             return
         assert isinstance(self.intake, LocalAdmission), "a routed group's requests come from its router"
+        self._check_new(request.id)
         self.intake.add(request)
 
     def abort(self, request_ids: Iterable[int]) -> None:
@@ -141,12 +141,9 @@ class EngineCore:
             self.aborts.extend(ids)
 
     def _check_new(self, request_id: int) -> None:
-        """``ValueError`` for an id this group holds: unfinished here, or finished and kept (the
-        second request was never counted as finished: the loop waited for it for ever)."""
-        local = isinstance(self.intake, LocalAdmission) and request_id in self.intake.untaken
-        if local or request_id in self.engine._live or (self.done.keep and request_id in self.done):
-            raise ValueError(f"request id {request_id!r} is in this engine already; ids must be unique")
-        if self.started and self.status(request_id) is not None:  # (queued: taken, not running yet)
+        """``ValueError`` for a fresh request whose id this group holds: added and not ended, or
+        ended and kept (the loop never counted the second one finished: it stepped for ever)."""
+        if request_id in self.intake.unfinished or (self.done.keep and request_id in self.done):
             raise ValueError(f"request id {request_id!r} is in this engine already; ids must be unique")
 
     def has_unfinished(self) -> bool:
